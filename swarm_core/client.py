@@ -1,0 +1,233 @@
+"""The one async client of the leader API. The CLI, the console, fellows and scripts use it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import aiohttp
+
+from swarm_core import jsonio
+from swarm_core.protocol import (
+    API_PREFIX,
+    FellowInfo,
+    FellowList,
+    Heartbeat,
+    JobInfo,
+    JobList,
+    JobStatusUpdate,
+    JobSubmit,
+    LeaderInfo,
+    NodeList,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResult,
+    SetSpeedRequest,
+    SignalBatch,
+)
+from swarm_core.schema import SchemaError, structure, unstructure
+
+T = TypeVar("T")
+SESSION_HEADER = "X-Swarm-Fellow-Session"
+
+
+class ClientError(Exception):
+    """Base of everything this client raises."""
+
+
+class LeaderUnreachable(ClientError):
+    """No HTTP answer from the leader (refused, timed out, DNS)."""
+
+
+class ApiError(ClientError):
+    """The leader answered with an error body."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+    def __str__(self) -> str:
+        where = f" ({self.field})" if self.field else ""
+        return f"{self.message}{where}"
+
+
+class SwarmClient:
+    """``async with SwarmClient(url, token) as c: await c.fellows()``.
+
+    Counts the bytes it sends and receives, so a fellow can report its control-plane traffic.
+    """
+
+    def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SwarmClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, json_serialize=lambda o: jsonio.dumps(o).decode()
+            )
+        return self._session
+
+    async def request(self, method: str, path: str, body: Any = None, *,
+                      params: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                      timeout_s: float | None = None) -> Any:
+        url = f"{self.base_url}{path}"
+        data = None if body is None else jsonio.dumps(
+            unstructure(body) if not isinstance(body, dict) else body)
+        hdrs = {"Content-Type": "application/json"} if data is not None else {}
+        hdrs.update(headers or {})
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._http().request(method, url, data=data, params=params,
+                                            headers=hdrs, timeout=timeout) as resp:
+                raw = await resp.read()
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
+                                    f"{exc.__class__.__name__} {exc}".strip()) from None
+        # Request line and headers are small next to bodies; count bodies plus a fixed estimate.
+        self.bytes_sent += len(data or b"") + 200
+        self.bytes_received += len(raw) + 150
+        try:
+            payload = jsonio.loads(raw) if raw else {}
+        except jsonio.JSONDecodeError:
+            raise ApiError(resp.status, "bad_response",
+                           f"leader sent non-JSON ({resp.status}): {raw[:80]!r}") from None
+        if resp.status >= 400:
+            err = payload.get("error", {}) if isinstance(payload, dict) else {}
+            raise ApiError(resp.status, err.get("code", "error"),
+                           err.get("message", f"HTTP {resp.status}"), err.get("field"))
+        return payload
+
+    async def _get(self, path: str, cls: type[T], **kw: Any) -> T:
+        return _parse(await self.request("GET", path, **kw), cls)
+
+    # meta -------------------------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        return await self.request("GET", "/healthz", timeout_s=3.0)
+
+    async def info(self) -> LeaderInfo:
+        return await self._get(f"{API_PREFIX}/info", LeaderInfo)
+
+    async def openapi(self) -> dict[str, Any]:
+        return await self.request("GET", f"{API_PREFIX}/openapi.json")
+
+    # fellows ----------------------------------------------------------------------------------
+    async def fellows(self) -> list[FellowInfo]:
+        return (await self._get(f"{API_PREFIX}/fellows", FellowList)).fellows
+
+    async def fellow(self, fellow_id: int) -> FellowInfo:
+        return await self._get(f"{API_PREFIX}/fellows/{fellow_id}", FellowInfo)
+
+    async def nodes(self) -> NodeList:
+        return await self._get(f"{API_PREFIX}/nodes", NodeList)
+
+    async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
+        return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/speed", req)
+
+    async def release(self, fellow_ids: list[int] | None = None, *, all: bool = False) -> list[int]:
+        body = ReleaseRequest(fellow_ids=list(fellow_ids or []), all=all)
+        res = await self.request("POST", f"{API_PREFIX}/fellows/release", body)
+        return _parse(res, ReleaseResult).released
+
+    # fellow side ------------------------------------------------------------------------------
+    async def register(self, req: RegisterRequest) -> RegisterResponse:
+        res = await self.request("POST", f"{API_PREFIX}/fellows/register", req)
+        return _parse(res, RegisterResponse)
+
+    async def heartbeat(self, fellow_id: int, session: str, hb: Heartbeat) -> dict[str, Any]:
+        return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/heartbeat", hb,
+                                  headers={SESSION_HEADER: session}, timeout_s=5.0)
+
+    async def poll_signals(self, fellow_id: int, session: str, after: int,
+                           wait_s: float) -> SignalBatch:
+        res = await self.request(
+            "GET", f"{API_PREFIX}/fellows/{fellow_id}/signals",
+            params={"after": after, "wait": wait_s}, headers={SESSION_HEADER: session},
+            timeout_s=wait_s + 10.0,
+        )
+        return _parse(res, SignalBatch)
+
+    async def job_status(self, job_id: str, session: str, upd: JobStatusUpdate) -> JobInfo:
+        res = await self.request("POST", f"{API_PREFIX}/jobs/{job_id}/status", upd,
+                                 headers={SESSION_HEADER: session})
+        return _parse(res, JobInfo)
+
+    # jobs -------------------------------------------------------------------------------------
+    async def submit(self, req: JobSubmit) -> JobInfo:
+        return _parse(await self.request("POST", f"{API_PREFIX}/jobs", req), JobInfo)
+
+    async def jobs(self, state: str | None = None) -> list[JobInfo]:
+        params = {"state": state} if state else None
+        return (await self._get(f"{API_PREFIX}/jobs", JobList, params=params)).jobs
+
+    async def job(self, job_id: str) -> JobInfo:
+        return await self._get(f"{API_PREFIX}/jobs/{job_id}", JobInfo)
+
+    async def cancel(self, job_id: str) -> JobInfo:
+        return _parse(await self.request("POST", f"{API_PREFIX}/jobs/{job_id}/cancel"), JobInfo)
+
+    # events -----------------------------------------------------------------------------------
+    async def events(self, *, types: list[str] | None = None,
+                     job_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Yield events from the leader's WebSocket until it closes."""
+        params: dict[str, str] = {}
+        if types:
+            params["types"] = ",".join(types)
+        if job_id:
+            params["job_id"] = job_id
+        url = f"{self.base_url}{API_PREFIX}/events"
+        try:
+            ws = await self._http().ws_connect(url, params=params, heartbeat=20.0)
+        except aiohttp.WSServerHandshakeError as exc:
+            if exc.status == 401:
+                raise ApiError(401, "unauthorized", "missing or wrong bearer token") from None
+            raise ApiError(exc.status, "error", f"event stream refused: {exc.message}") from None
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: {exc}") from None
+        async with ws:
+            async for msg in ws:
+                if msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
+                    self.bytes_received += len(msg.data)
+                    yield jsonio.loads(msg.data)
+                elif msg.type == aiohttp.WSMsgType.ERROR:
+                    break
+
+
+def _parse(payload: Any, cls: type[T]) -> T:
+    try:
+        return structure(payload, cls, strict=False)
+    except SchemaError as exc:
+        raise ApiError(200, "bad_response", f"unexpected response from leader: {exc}") from None
+
+
+async def wait_for_leader(url: str, timeout_s: float) -> None:
+    """Poll /healthz until it answers or ``timeout_s`` passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with SwarmClient(url, None) as c:
+        while True:
+            try:
+                await c.health()
+                return
+            except ClientError:
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)

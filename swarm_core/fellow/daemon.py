@@ -1,0 +1,271 @@
+"""The fellow's control loop: register, heartbeat every second, long-poll signals, run jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+
+import attrs
+
+import swarm_core
+from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.fellow.jobs import JobRefused, Progress, run_job
+from swarm_core.protocol import (
+    ByteCounters,
+    Heartbeat,
+    JobStatusUpdate,
+    LinkLimits,
+    RegisterRequest,
+    Signal,
+)
+from swarm_core.schema import SchemaError, structure
+
+log = logging.getLogger("swarm.fellow")
+
+
+@attrs.define
+class FellowOptions:
+    leader_url: str
+    token: str | None
+    name: str = attrs.field(factory=socket.gethostname)
+    devices: list[str] = attrs.field(factory=lambda: ["cpu"])
+    threads: int = 1
+    heartbeat_s: float = 1.0
+    poll_wait_s: float = 15.0
+    max_backoff_s: float = 5.0
+
+
+class SessionLost(Exception):
+    """The leader no longer knows our session (it restarted): register again."""
+
+
+class FellowDaemon:
+    def __init__(self, opts: FellowOptions) -> None:
+        self.opts = opts
+        self.instance_id = secrets.token_hex(8)
+        self.client = SwarmClient(opts.leader_url, opts.token)
+        self.fellow_id: int | None = None
+        self.session = ""
+        self.link = LinkLimits()
+        self.signal_seq = 0
+        self.status = "ready"
+        self.progress = Progress()
+        self.data_tx = 0
+        self.data_rx = 0
+        self._job_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._beat_now = asyncio.Event()
+        self.exit_reason = ""
+
+    # lifecycle --------------------------------------------------------------------------------
+    def request_stop(self, reason: str = "signal") -> None:
+        self.exit_reason = reason
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Run until stopped or released. Returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop, sig.name)
+        try:
+            while not self._stop.is_set():
+                if not await self._register():
+                    break
+                await self._serve_session()
+        finally:
+            await self._stop_job()
+            await self._say_goodbye()
+            await self.client.close()
+        log.info("fellow %s exiting: %s", self.opts.name, self.exit_reason or "done")
+        return 0
+
+    async def _register(self) -> bool:
+        backoff = 0.2
+        req = RegisterRequest(
+            name=self.opts.name, instance_id=self.instance_id, host=socket.gethostname(),
+            pid=os.getpid(), devices=list(self.opts.devices), threads=self.opts.threads,
+            version=swarm_core.__version__,
+        )
+        while not self._stop.is_set():
+            try:
+                res = await self.client.register(req)
+            except (LeaderUnreachable, ApiError) as exc:
+                if isinstance(exc, ApiError) and exc.status in (400, 401, 403):
+                    log.error("leader refused registration: %s", exc)
+                    self.exit_reason = f"registration refused: {exc}"
+                    return False
+                log.warning("register failed (%s); retrying in %.1fs", exc, backoff)
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, self.opts.max_backoff_s)
+                continue
+            self.fellow_id, self.session = res.fellow_id, res.session
+            self.signal_seq = 0
+            log.info("registered as fellow %d (%s)", res.fellow_id, self.opts.name)
+            return True
+        return False
+
+    async def _serve_session(self) -> None:
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._signal_loop(), name="signals"),
+            asyncio.create_task(self._stop.wait(), name="stop"),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                exc = t.exception()
+                if exc is not None and not isinstance(exc, SessionLost):
+                    raise exc
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    # heartbeats -------------------------------------------------------------------------------
+    def heartbeat_body(self) -> Heartbeat:
+        p = self.progress
+        return Heartbeat(
+            status=self.status, current_job=p.job_id, current_stage=p.stage,
+            current_step=p.step, last_loss=p.loss, tokens_per_s=p.tokens_per_s,
+            counters=ByteCounters(
+                control_tx=self.client.bytes_sent, control_rx=self.client.bytes_received,
+                data_tx=self.data_tx, data_rx=self.data_rx,
+            ),
+            link=self.link, signal_seq=self.signal_seq,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                assert self.fellow_id is not None
+                await self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body())
+                backoff = 0.2
+                wait = self.opts.heartbeat_s
+            except ApiError as exc:
+                if exc.status in (401, 403, 404):
+                    log.warning("leader forgot this fellow (%s); registering again", exc)
+                    raise SessionLost() from None
+                log.warning("heartbeat refused: %s", exc)
+                wait = self.opts.heartbeat_s
+            except LeaderUnreachable as exc:
+                log.warning("heartbeat failed (%s); retrying in %.1fs", exc, backoff)
+                wait, backoff = backoff, min(backoff * 2, self.opts.max_backoff_s)
+            self._beat_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), wait)
+
+    # signals ----------------------------------------------------------------------------------
+    async def _signal_loop(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                assert self.fellow_id is not None
+                batch = await self.client.poll_signals(
+                    self.fellow_id, self.session, self.signal_seq, self.opts.poll_wait_s)
+                backoff = 0.2
+            except ApiError as exc:
+                if exc.status in (401, 403, 404):
+                    raise SessionLost() from None
+                log.warning("signal poll refused: %s", exc)
+                await asyncio.sleep(backoff)
+                continue
+            except LeaderUnreachable:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.opts.max_backoff_s)
+                continue
+            for sig in batch.signals:
+                if sig.seq <= self.signal_seq:
+                    continue
+                await self.apply(sig)
+                self.signal_seq = sig.seq
+            if batch.signals:
+                self._beat_now.set()
+
+    async def apply(self, sig: Signal) -> None:
+        log.info("signal %d %s %s", sig.seq, sig.kind, sig.job_id or "")
+        if sig.kind == "SET_SPEED":
+            try:
+                self.link = structure(sig.payload, LinkLimits)
+            except SchemaError as exc:
+                log.error("ignoring bad SET_SPEED payload: %s", exc)
+        elif sig.kind == "START":
+            await self._start_job(sig)
+        elif sig.kind == "STOP":
+            if sig.job_id is None or sig.job_id == self.progress.job_id:
+                await self._stop_job()
+        elif sig.kind == "RELEASE":
+            await self._stop_job()
+            self.status = "released"
+            self.request_stop("released by the leader")
+
+    # jobs -------------------------------------------------------------------------------------
+    async def _start_job(self, sig: Signal) -> None:
+        if self._job_task is not None and not self._job_task.done():
+            log.warning("START for %s while running %s; ignored", sig.job_id,
+                        self.progress.job_id)
+            return
+        start = sig.payload
+        self.progress = Progress(job_id=sig.job_id, stage=start.get("stage"))
+        self.status = "busy"
+        self._job_task = asyncio.create_task(self._run_job(start), name=f"job-{sig.job_id}")
+
+    async def _run_job(self, start: dict) -> None:
+        job_id = self.progress.job_id
+        assert job_id is not None and self.fellow_id is not None
+        fellow_id = self.fellow_id
+
+        async def report(upd: JobStatusUpdate) -> None:
+            try:
+                await self.client.job_status(job_id, self.session, upd)
+            except ApiError as exc:
+                if exc.status == 409:  # the job ended (cancelled, failed elsewhere)
+                    raise asyncio.CancelledError() from None
+                log.warning("status report refused: %s", exc)
+            except LeaderUnreachable as exc:
+                log.warning("status report lost: %s", exc)
+
+        try:
+            await run_job(start, fellow_id, self.progress, report)
+        except JobRefused as exc:
+            await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
+                                         step=self.progress.step, message=str(exc)))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            log.exception("job %s crashed", job_id)
+            with contextlib.suppress(ClientError, asyncio.CancelledError):
+                await report(JobStatusUpdate(
+                    fellow_id=fellow_id, state="FAILED", step=self.progress.step,
+                    message=f"{type(exc).__name__}: {exc}"[:4000]))
+        finally:
+            if self.status == "busy":
+                self.status = "ready"
+            self.progress = Progress()
+            self._beat_now.set()
+
+    async def _stop_job(self) -> None:
+        task, self._job_task = self._job_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _say_goodbye(self) -> None:
+        """One last heartbeat so the leader shows 'released'/'leaving' at once, not 'stale'."""
+        if self.fellow_id is None or not self.session:
+            return
+        if self.status != "released":
+            self.status = "leaving"
+        with contextlib.suppress(ClientError):
+            await self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body())

@@ -1,0 +1,119 @@
+"""The leader's app factory and runner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import attrs
+from aiohttp import WSCloseCode, web
+
+from swarm_core.leader.auth import auth_middleware, load_or_create_token
+from swarm_core.leader.errors import error_middleware
+from swarm_core.leader.events import EventHub
+from swarm_core.leader.jobs import JobQueue
+from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
+from swarm_core.leader.registry import FellowRegistry
+from swarm_core.leader.routes import add_routes
+from swarm_core.leader.state import LeaderState
+from swarm_core.leader.store import Store
+from swarm_core.paths import ensure_private_dir
+
+log = logging.getLogger("swarm.leader")
+
+DB_FILE = "leader.sqlite3"
+
+
+@attrs.define
+class LeaderConfig:
+    state_dir: Path
+    token: str | None = None  # None: SWARM_TOKEN, else the state dir's token file
+    stale_after_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    max_json_bytes: int = 1 << 20
+    tick_s: float = 0.25
+    flush_s: float = 2.0
+
+
+async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG_KEY]
+    store = Store(cfg.state_dir / DB_FILE)
+    registry = FellowRegistry(cfg.stale_after_s, cfg.heartbeat_interval_s)
+    registry.load(store.load_fellows())
+    hub = EventHub()
+    jobs = JobQueue(store, registry, hub)
+    app[STATE_KEY] = LeaderState(cfg.state_dir, store, registry, jobs, hub)
+    yield
+    app[STATE_KEY].flush()
+    store.close()
+
+
+async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG_KEY]
+    st = app[STATE_KEY]
+
+    async def tick() -> None:
+        last_status: dict[int, str] = {}
+        last_flush = 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(cfg.tick_s)
+            try:
+                for rec in st.registry.all():
+                    status = st.registry.status(rec)
+                    if last_status.get(rec.fellow_id, status) != status:
+                        st.fellow_event("fellow.status", rec)
+                    last_status[rec.fellow_id] = status
+                st.jobs.check_liveness()
+                st.jobs.dispatch()
+                if loop.time() - last_flush >= cfg.flush_s:
+                    st.flush()
+                    last_flush = loop.time()
+            except Exception:
+                log.exception("leader tick failed")
+
+    task = asyncio.create_task(tick(), name="leader-tick")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _close_websockets(app: web.Application) -> None:
+    app[STATE_KEY].hub.close_all()
+    for ws in list(app[WEBSOCKETS_KEY]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"leader shutting down")
+
+
+def create_app(config: LeaderConfig) -> web.Application:
+    ensure_private_dir(config.state_dir)
+    token = load_or_create_token(config.state_dir, config.token or os.environ.get("SWARM_TOKEN"))
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware(token)],
+        client_max_size=config.max_json_bytes,
+    )
+    app[CONFIG_KEY] = config
+    app[WEBSOCKETS_KEY] = weakref.WeakSet()
+    app.cleanup_ctx.append(_state_ctx)
+    app.cleanup_ctx.append(_background_ctx)
+    app.on_shutdown.append(_close_websockets)
+    add_routes(app)
+    return app
+
+
+def run_leader(config: LeaderConfig, host: str = "127.0.0.1", port: int = 8765) -> None:
+    """Serve until SIGINT/SIGTERM. Prints the URL once listening (scripts wait for it)."""
+    app = create_app(config)
+    url = f"http://{host}:{port}"
+
+    async def announce(_app: web.Application) -> None:
+        print(f"leader listening on {url} (state {config.state_dir})", flush=True)
+
+    app.on_startup.append(announce)
+    web.run_app(app, host=host, port=port, print=None, access_log=None,
+                handle_signals=True, shutdown_timeout=3.0)

@@ -1,0 +1,72 @@
+"""API errors and the middleware that turns every failure into ``{"error": {...}}``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from swarm_core import jsonio
+from swarm_core.schema import SchemaError
+
+log = logging.getLogger("swarm.leader")
+
+_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code or _CODES.get(status, "error")
+        self.message = message
+        self.field = field
+
+
+def error_body(status: int, code: str, message: str, field: str | None = None) -> bytes:
+    err: dict[str, str] = {"code": code, "message": message}
+    if field:
+        err["field"] = field
+    return jsonio.dumps({"error": err})
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(status, code, message, field),
+        content_type="application/json",
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.code, exc.message, exc.field)
+    except SchemaError as exc:
+        return error_response(400, "invalid_body", exc.message, exc.field)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, "body_too_large",
+                              f"request body exceeds the limit of {exc.max_size} bytes")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.reason if exc.status != 404 else f"no route {request.method} {request.path}"
+        return error_response(exc.status, _CODES.get(exc.status, "error"), message)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal", "internal error; see the leader log")

@@ -1,0 +1,99 @@
+"""The OpenAPI 3.0 document, built from the route table and the attrs body classes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import swarm_core
+from swarm_core.schema import json_schema
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "string"},
+                "message": {"type": "string"},
+                "field": {"type": "string"},
+            },
+        }
+    },
+}
+
+_STATUS_TEXT = {400: "Bad request", 401: "Missing or wrong token", 403: "Wrong fellow",
+                404: "Not found", 409: "Conflict with current state", 413: "Body too large",
+                415: "Not JSON"}
+
+
+def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
+    components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+    paths: dict[str, Any] = {}
+    for r in routes:
+        op: dict[str, Any] = {
+            "summary": r.summary,
+            "operationId": r.handler.__name__,
+            "responses": {},
+        }
+        params = []
+        for name in re.findall(r"{(\w+)}", r.path):
+            kind = "integer" if name.endswith("_id") and name != "job_id" else "string"
+            schema: dict[str, Any] = {"type": kind}
+            if kind == "integer":
+                schema["minimum"] = 0
+            params.append({"name": name, "in": "path", "required": True, "schema": schema})
+        for name, kind, desc in r.query:
+            schema = {"type": kind}
+            if kind in ("integer", "number"):
+                schema["minimum"] = 0
+            params.append({"name": name, "in": "query", "required": False,
+                           "description": desc, "schema": schema})
+        if r.fellow_session:
+            params.append({"name": "X-Swarm-Fellow-Session", "in": "header", "required": True,
+                           "description": "session returned by register",
+                           "schema": {"type": "string"}})
+        if params:
+            op["parameters"] = params
+        if r.body is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": json_schema(r.body, components)}},
+            }
+        ok_status = "201" if r.handler.__name__ in ("register", "submit_job") else (
+            "202" if r.handler.__name__ in ("set_speed", "release") else "200")
+        if r.handler.__name__ == "events":
+            ok_status = "101"
+        ok_resp: dict[str, Any] = {"description": "OK"}
+        if r.response is not None:
+            ok_resp["content"] = {
+                "application/json": {"schema": json_schema(r.response, components)}
+            }
+        elif ok_status != "101":
+            ok_resp["content"] = {"application/json": {"schema": {"type": "object"}}}
+        op["responses"][ok_status] = ok_resp
+        statuses = set(r.errors)
+        if r.auth:
+            statuses.add(401)
+        for status in sorted(statuses):
+            op["responses"][str(status)] = {
+                "description": _STATUS_TEXT.get(status, "Error"),
+                "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/Error"}}},
+            }
+        if not r.auth:
+            op["security"] = []
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "SilentSwarm leader API", "version": swarm_core.__version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

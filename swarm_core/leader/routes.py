@@ -1,0 +1,336 @@
+"""HTTP routes of the leader. The ROUTES table drives both the router and the OpenAPI document."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+from aiohttp import WSCloseCode, web
+
+import swarm_core
+from swarm_core import jsonio
+from swarm_core.leader.errors import ApiError
+from swarm_core.leader.keys import STATE_KEY, WEBSOCKETS_KEY
+from swarm_core.leader.state import LeaderState
+from swarm_core.protocol import (
+    API_PREFIX,
+    FellowInfo,
+    FellowList,
+    Heartbeat,
+    JobInfo,
+    JobList,
+    JobState,
+    JobStatusUpdate,
+    JobSubmit,
+    LeaderInfo,
+    LinkLimits,
+    NodeList,
+    RegisterRequest,
+    RegisterResponse,
+    ReleaseRequest,
+    ReleaseResult,
+    SetSpeedRequest,
+    SignalBatch,
+)
+from swarm_core.schema import structure, unstructure
+
+SESSION_HEADER = "X-Swarm-Fellow-Session"
+MAX_POLL_S = 30.0
+
+
+@attrs.frozen
+class Route:
+    method: str
+    path: str
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    summary: str
+    body: type | None = None
+    response: type | None = None
+    auth: bool = True
+    fellow_session: bool = False
+    query: tuple[tuple[str, str, str], ...] = ()  # (name, type, description)
+    errors: tuple[int, ...] = ()
+
+
+def _state(request: web.Request) -> LeaderState:
+    return request.app[STATE_KEY]
+
+
+def ok(obj: Any, status: int = 200) -> web.Response:
+    data = unstructure(obj) if attrs.has(type(obj)) else obj
+    return web.Response(status=status, body=jsonio.dumps(data), content_type="application/json")
+
+
+async def read_body(request: web.Request, cls: type) -> Any:
+    if request.content_type not in ("application/json", "application/octet-stream", ""):
+        raise ApiError(415, f"expected application/json, got {request.content_type}")
+    raw = await request.read()
+    if not raw:
+        data: Any = {}
+    else:
+        try:
+            data = jsonio.loads(raw)
+        except jsonio.JSONDecodeError as exc:
+            raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+    return structure(data, cls)
+
+
+def _int_param(request: web.Request, name: str) -> int:
+    raw = request.match_info.get(name) or request.query.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an integer, got {raw!r}", code="invalid_param",
+                       field=name) from None
+    if value < 0:
+        raise ApiError(400, f"{name} must be >= 0", code="invalid_param", field=name)
+    return value
+
+
+def _float_query(request: web.Request, name: str, default: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ApiError(400, f"{name} must be a number, got {raw!r}", code="invalid_param",
+                       field=name) from None
+    if not 0 <= value <= hi:
+        raise ApiError(400, f"{name} must be between 0 and {hi:g}", code="invalid_param",
+                       field=name)
+    return value
+
+
+# --- meta ---------------------------------------------------------------------------------------
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return ok({"ok": True, "version": swarm_core.__version__})
+
+
+async def info(request: web.Request) -> web.Response:
+    st = _state(request)
+    return ok(LeaderInfo(
+        version=swarm_core.__version__, started_at=st.started_at, state_dir=str(st.state_dir),
+        stale_after_s=st.registry.stale_after_s,
+        heartbeat_interval_s=st.registry.heartbeat_interval_s,
+        fellows_total=len(st.registry), fellows_ready=len(st.registry.ready()),
+        jobs_pending=st.jobs.count(JobState.PENDING),
+        jobs_running=st.jobs.count(JobState.RUNNING),
+    ))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from swarm_core.leader.openapi import build_openapi
+
+    return ok(build_openapi(ROUTES))
+
+
+# --- fellows ------------------------------------------------------------------------------------
+
+
+async def register(request: web.Request) -> web.Response:
+    st = _state(request)
+    req = await read_body(request, RegisterRequest)
+    rec, replaced = st.registry.register(req)
+    if replaced:
+        st.jobs.fellow_replaced(rec)
+    st.flush()
+    st.fellow_event("fellow.registered", rec)
+    st.jobs.dispatch()
+    return ok(RegisterResponse(
+        fellow_id=rec.fellow_id, session=rec.session,
+        heartbeat_interval_s=st.registry.heartbeat_interval_s,
+        stale_after_s=st.registry.stale_after_s,
+    ), status=201)
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    st = _state(request)
+    fellow_id = _int_param(request, "fellow_id")
+    hb = await read_body(request, Heartbeat)
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER), fellow_id)
+    before = st.registry.heartbeat(rec, hb)
+    after = st.registry.status(rec)
+    st.fellow_event("fellow.heartbeat" if before == after else "fellow.status", rec)
+    if before != after or after == "ready":
+        st.jobs.dispatch()
+    return ok({"pending_signals": len(rec.pending)})
+
+
+async def poll_signals(request: web.Request) -> web.Response:
+    st = _state(request)
+    fellow_id = _int_param(request, "fellow_id")
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER), fellow_id)
+    after = _int_param(request, "after") if "after" in request.query else 0
+    wait = _float_query(request, "wait", 0.0, MAX_POLL_S)
+    signals = await st.registry.wait_signals(rec, after, wait)
+    return ok(SignalBatch(signals=signals))
+
+
+async def list_fellows(request: web.Request) -> web.Response:
+    st = _state(request)
+    now = time.monotonic()
+    return ok(FellowList(fellows=[st.registry.info(r, now) for r in st.registry.all()]))
+
+
+async def get_fellow(request: web.Request) -> web.Response:
+    st = _state(request)
+    return ok(st.registry.info(st.registry.get(_int_param(request, "fellow_id"))))
+
+
+async def set_speed(request: web.Request) -> web.Response:
+    st = _state(request)
+    rec = st.registry.get(_int_param(request, "fellow_id"))
+    req = await read_body(request, SetSpeedRequest)
+    if st.registry.status(rec) in ("released", "leaving"):
+        raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
+    limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms)
+    sig = st.registry.send(rec, "SET_SPEED", None, unstructure(limits))
+    st.hub.publish("fellow.set_speed", {"fellow_id": rec.fellow_id, **unstructure(limits)})
+    return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": unstructure(limits)},
+              status=202)
+
+
+async def release(request: web.Request) -> web.Response:
+    st = _state(request)
+    req = await read_body(request, ReleaseRequest)
+    if req.all:
+        targets = [r for r in st.registry.all()
+                   if st.registry.status(r) not in ("released", "leaving")]
+    else:
+        targets = [st.registry.get(fid) for fid in dict.fromkeys(req.fellow_ids)]
+    for rec in targets:
+        st.registry.send(rec, "RELEASE", rec.assigned_job, {})
+        st.hub.publish("fellow.release", {"fellow_id": rec.fellow_id, "name": rec.name})
+    return ok(ReleaseResult(released=[r.fellow_id for r in targets]), status=202)
+
+
+async def list_nodes(request: web.Request) -> web.Response:
+    st = _state(request)
+    return ok(NodeList(nodes=[st.registry.node(r) for r in st.registry.all()]))
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+async def submit_job(request: web.Request) -> web.Response:
+    st = _state(request)
+    req = await read_body(request, JobSubmit)
+    job = st.jobs.submit(req)
+    st.jobs.dispatch()
+    return ok(st.jobs.info(job), status=201)
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    st = _state(request)
+    state = request.query.get("state")
+    jobs = st.jobs.all()
+    if state is not None:
+        try:
+            wanted = JobState(state.upper())
+        except ValueError:
+            raise ApiError(400, f"state must be one of {', '.join(s.value for s in JobState)}",
+                           code="invalid_param", field="state") from None
+        jobs = [j for j in jobs if j.state is wanted]
+    return ok(JobList(jobs=[st.jobs.info(j) for j in jobs]))
+
+
+async def get_job(request: web.Request) -> web.Response:
+    st = _state(request)
+    return ok(st.jobs.info(st.jobs.get(request.match_info["job_id"])))
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    st = _state(request)
+    job = st.jobs.cancel(request.match_info["job_id"])
+    st.jobs.dispatch()
+    return ok(st.jobs.info(job))
+
+
+async def job_status(request: web.Request) -> web.Response:
+    st = _state(request)
+    upd = await read_body(request, JobStatusUpdate)
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER), upd.fellow_id)
+    job = st.jobs.status_update(request.match_info["job_id"], rec, upd)
+    if job.state.terminal:
+        st.jobs.dispatch()
+    return ok(st.jobs.info(job))
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    st = _state(request)
+    types_q = request.query.get("types")
+    types = frozenset(t for t in types_q.split(",") if t) if types_q else None
+    job_id = request.query.get("job_id") or None
+    ws = web.WebSocketResponse(heartbeat=20.0)
+    await ws.prepare(request)
+    sub = st.hub.subscribe(types, job_id)
+    request.app[WEBSOCKETS_KEY].add(ws)
+    try:
+        await ws.send_bytes(jsonio.dumps({"seq": st.hub.seq, "ts": time.time(),
+                                          "type": "hello", "data": {}}))
+        while True:
+            frame = await sub.queue.get()
+            if frame is None:
+                if sub.overflowed:
+                    await ws.close(code=WSCloseCode.TRY_AGAIN_LATER,
+                                   message=b"event backlog overflowed; reconnect")
+                break
+            await ws.send_bytes(frame)
+    except (ConnectionResetError, RuntimeError):
+        pass
+    finally:
+        st.hub.unsubscribe(sub)
+        request.app[WEBSOCKETS_KEY].discard(ws)
+    return ws
+
+
+A = API_PREFIX
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/healthz", healthz, "Liveness; needs no token", auth=False),
+    Route("GET", f"{A}/info", info, "Leader version, timeouts and counts", response=LeaderInfo),
+    Route("GET", f"{A}/openapi.json", openapi, "This document"),
+    Route("POST", f"{A}/fellows/register", register, "Register a fellow (same name, same id)",
+          body=RegisterRequest, response=RegisterResponse, errors=(400, 409, 413)),
+    Route("GET", f"{A}/fellows", list_fellows, "All fellows with live status",
+          response=FellowList),
+    Route("POST", f"{A}/fellows/release", release, "Release fellows (they leave the cluster)",
+          body=ReleaseRequest, response=ReleaseResult, errors=(400, 404)),
+    Route("GET", f"{A}/fellows/{{fellow_id}}", get_fellow, "One fellow", response=FellowInfo,
+          errors=(400, 404)),
+    Route("POST", f"{A}/fellows/{{fellow_id}}/heartbeat", heartbeat, "Fellow heartbeat",
+          body=Heartbeat, fellow_session=True, errors=(400, 401, 403)),
+    Route("GET", f"{A}/fellows/{{fellow_id}}/signals", poll_signals,
+          "Long-poll the fellow's control signals", response=SignalBatch, fellow_session=True,
+          query=(("after", "integer", "last signal seq already seen"),
+                 ("wait", "number", f"seconds to wait for a signal, at most {MAX_POLL_S:g}")),
+          errors=(400, 401, 403)),
+    Route("POST", f"{A}/fellows/{{fellow_id}}/speed", set_speed, "Set link limits of a fellow",
+          body=SetSpeedRequest, errors=(400, 404, 409)),
+    Route("GET", f"{A}/nodes", list_nodes, "Per-fellow byte counters", response=NodeList),
+    Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
+          errors=(400, 413)),
+    Route("GET", f"{A}/jobs", list_jobs, "All jobs, oldest first", response=JobList,
+          query=(("state", "string", "only jobs in this state"),), errors=(400,)),
+    Route("GET", f"{A}/jobs/{{job_id}}", get_job, "One job", response=JobInfo, errors=(404,)),
+    Route("POST", f"{A}/jobs/{{job_id}}/cancel", cancel_job, "Cancel a pending or running job",
+          response=JobInfo, errors=(404, 409)),
+    Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",
+          body=JobStatusUpdate, response=JobInfo, fellow_session=True,
+          errors=(400, 401, 403, 404, 409)),
+    Route("GET", f"{A}/events", events, "WebSocket stream of fellow, job and metric events",
+          query=(("types", "string", "comma-separated: fellow,job,metric"),
+                 ("job_id", "string", "only events of this job"))),
+)
+
+
+def add_routes(app: web.Application) -> None:
+    for r in ROUTES:
+        app.router.add_route(r.method, r.path, r.handler)

@@ -1,0 +1,47 @@
+"""Where SilentSwarm keeps things on disk, and atomic writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+
+def swarm_home() -> Path:
+    """Root for local state: ``SWARM_HOME`` or the user's data dir."""
+    env = os.environ.get("SWARM_HOME")
+    return Path(env) if env else Path(platformdirs.user_data_dir("silentswarm"))
+
+
+def default_state_dir() -> Path:
+    return swarm_home() / "leader"
+
+
+def local_cluster_dir() -> Path:
+    return swarm_home() / "local-cluster"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write via a temp file in the same directory, fsync, rename: readers never see half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,318 @@
+"""Bodies of the leader's HTTP API (``/api/v1``), shared by the leader and :mod:`swarm_core.client`.
+
+Field names here are public interface: scripts read them from ``--format json`` output.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import attrs
+
+from swarm_core.schema import FieldError
+
+API_PREFIX = "/api/v1"
+
+SignalKind = Literal["START", "STOP", "RELEASE", "SET_SPEED"]
+# What a fellow says about itself; the leader adds "stale" and "offline" (see FellowInfo.status).
+ReportedStatus = Literal["ready", "busy", "released", "leaving"]
+JobKind = Literal["smoke", "train"]
+ReportedJobState = Literal["RUNNING", "COMPLETED", "FAILED"]
+
+MAX_NAME = 128
+
+
+class JobState(enum.Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+def _name(_inst: Any, attr: attrs.Attribute, value: str) -> None:
+    if not value or len(value) > MAX_NAME or not value.isprintable():
+        raise FieldError(f"must be 1-{MAX_NAME} printable characters", attr.name)
+
+
+def _non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
+    if value is not None and value < 0:
+        raise FieldError(f"must be >= 0, got {value}", attr.name)
+
+
+def _positive_or_none(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise FieldError(f"must be > 0 (or null for unlimited), got {value}", attr.name)
+
+
+def _bounded(lo: float, hi: float):
+    def check(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
+        if value is not None and not lo <= value <= hi:
+            raise FieldError(f"must be between {lo:g} and {hi:g}, got {value}", attr.name)
+
+    return check
+
+
+def _meta(doc: str, **kw: Any) -> dict[str, Any]:
+    return {"doc": doc, **kw}
+
+
+@attrs.define
+class LinkLimits:
+    """Link shaping of one fellow's data plane. null means unlimited."""
+
+    tx_mbps: float | None = attrs.field(
+        default=None, validator=_positive_or_none, metadata=_meta("send limit, Mbit/s")
+    )
+    rx_mbps: float | None = attrs.field(
+        default=None, validator=_positive_or_none, metadata=_meta("receive limit, Mbit/s")
+    )
+    latency_ms: float = attrs.field(
+        default=0.0,
+        validator=_bounded(0, 60_000),
+        metadata=_meta("added one-way latency, ms", minimum=0, maximum=60000),
+    )
+
+
+@attrs.define
+class ByteCounters:
+    """Cumulative bytes since the fellow process started."""
+
+    control_tx: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+    control_rx: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+    data_tx: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+    data_rx: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+
+
+# --- fellows -------------------------------------------------------------------------------------
+
+
+@attrs.define
+class RegisterRequest:
+    """A fellow introduces itself. The same ``name`` gets the same fellow_id back."""
+
+    name: str = attrs.field(validator=_name, metadata=_meta("unique per cluster", maxLength=128))
+    instance_id: str = attrs.field(
+        validator=_name, metadata=_meta("random per fellow process", maxLength=128)
+    )
+    host: str = attrs.field(default="", metadata=_meta("hostname", maxLength=255))
+    pid: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+    devices: list[str] = attrs.field(factory=lambda: ["cpu"], metadata=_meta("device slots"))
+    threads: int = attrs.field(
+        default=1, validator=_bounded(1, 1024), metadata=_meta("", minimum=1, maximum=1024)
+    )
+    data_addr: str | None = attrs.field(default=None, metadata=_meta("host:port of data plane"))
+    version: str = ""
+
+    @devices.validator
+    def _devices(self, _attr: attrs.Attribute, value: list[str]) -> None:
+        if not 1 <= len(value) <= 64:
+            raise FieldError("must list 1-64 slots", "devices")
+        for d in value:
+            if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+                raise FieldError(f"{d!r} is not 'cpu' or 'cuda:N'", "devices")
+
+
+@attrs.define
+class RegisterResponse:
+    fellow_id: int
+    session: str
+    heartbeat_interval_s: float
+    stale_after_s: float
+
+
+@attrs.define
+class Heartbeat:
+    """Sent every second by each fellow."""
+
+    status: ReportedStatus = "ready"
+    current_job: str | None = None
+    current_stage: int | None = None
+    current_step: int = attrs.field(
+        default=0, validator=_non_negative, metadata=_meta("", minimum=0)
+    )
+    last_loss: float | None = None
+    tokens_per_s: float = attrs.field(
+        default=0.0, validator=_non_negative, metadata=_meta("", minimum=0)
+    )
+    counters: ByteCounters = attrs.field(factory=ByteCounters)
+    link: LinkLimits = attrs.field(factory=LinkLimits)
+    signal_seq: int = attrs.field(
+        default=0, validator=_non_negative, metadata=_meta("last signal applied", minimum=0)
+    )
+
+
+@attrs.define
+class Signal:
+    seq: int
+    kind: SignalKind
+    job_id: str | None = None
+    payload: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class SignalBatch:
+    signals: list[Signal] = attrs.field(factory=list)
+
+
+@attrs.define
+class SetSpeedRequest:
+    """New link limits for a fellow; null rates mean unlimited."""
+
+    tx_mbps: float | None = attrs.field(
+        default=None, validator=_positive_or_none, metadata=_meta("Mbit/s")
+    )
+    rx_mbps: float | None = attrs.field(
+        default=None, validator=_positive_or_none, metadata=_meta("Mbit/s")
+    )
+    latency_ms: float = attrs.field(
+        default=0.0, validator=_bounded(0, 60_000), metadata=_meta("", minimum=0, maximum=60000)
+    )
+
+
+@attrs.define
+class ReleaseRequest:
+    """Release the listed fellows, or all of them."""
+
+    fellow_ids: list[int] = attrs.field(factory=list)
+    all: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.all == bool(self.fellow_ids):
+            raise FieldError("give either fellow_ids or all=true, not both and not neither")
+
+
+@attrs.define
+class FellowInfo:
+    """The leader's view of one fellow."""
+
+    fellow_id: int
+    name: str
+    host: str
+    pid: int
+    devices: list[str]
+    threads: int
+    data_addr: str | None
+    status: str  # ReportedStatus, or "stale" / "offline" as judged by the leader
+    reported_status: str
+    current_job: str | None
+    current_stage: int | None
+    current_step: int
+    last_loss: float | None
+    tokens_per_s: float
+    counters: ByteCounters
+    link: LinkLimits
+    registered_at: float
+    last_heartbeat: float | None
+    heartbeat_age_s: float | None
+
+
+@attrs.define
+class NodeInfo:
+    """Control-plane traffic of one fellow, as it reported it."""
+
+    fellow_id: int
+    name: str
+    host: str
+    status: str
+    control_tx: int
+    control_rx: int
+    data_tx: int
+    data_rx: int
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Topology:
+    """What a job asks of the cluster."""
+
+    fellows: int = attrs.field(
+        default=1, validator=_bounded(1, 1024), metadata=_meta("", minimum=1, maximum=1024)
+    )
+
+
+@attrs.define
+class JobSubmit:
+    """Enqueue a job: the resolved model and training config plus the requested topology."""
+
+    name: str = attrs.field(default="job", validator=_name, metadata=_meta("", maxLength=128))
+    kind: JobKind = "train"
+    model: dict[str, Any] = attrs.field(factory=dict)
+    training: dict[str, Any] = attrs.field(factory=dict)
+    topology: Topology = attrs.field(factory=Topology)
+
+
+@attrs.define
+class JobStatusUpdate:
+    """A fellow reports on the job it runs."""
+
+    fellow_id: int = attrs.field(validator=_non_negative, metadata=_meta("", minimum=0))
+    state: ReportedJobState
+    step: int = attrs.field(default=0, validator=_non_negative, metadata=_meta("", minimum=0))
+    loss: float | None = None
+    tokens_per_s: float | None = attrs.field(default=None, validator=_non_negative)
+    message: str = attrs.field(default="", metadata=_meta("", maxLength=4096))
+
+    @message.validator
+    def _msg(self, _attr: attrs.Attribute, value: str) -> None:
+        if len(value) > 4096:
+            raise FieldError("must be at most 4096 characters", "message")
+
+
+@attrs.define
+class JobInfo:
+    job_id: str
+    name: str
+    kind: str
+    state: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    last_step: int
+    last_loss: float | None
+    fellows: list[int]
+    topology: Topology
+    reason: str
+    model: dict[str, Any]
+    training: dict[str, Any]
+    waiting_for: str = ""
+
+
+@attrs.define
+class JobList:
+    jobs: list[JobInfo]
+
+
+@attrs.define
+class FellowList:
+    fellows: list[FellowInfo]
+
+
+@attrs.define
+class NodeList:
+    nodes: list[NodeInfo]
+
+
+@attrs.define
+class ReleaseResult:
+    released: list[int]
+
+
+@attrs.define
+class LeaderInfo:
+    version: str
+    started_at: float
+    state_dir: str
+    stale_after_s: float
+    heartbeat_interval_s: float
+    fellows_total: int
+    fellows_ready: int
+    jobs_pending: int
+    jobs_running: int

@@ -1,0 +1,271 @@
+"""Structuring untrusted JSON into attrs classes, with errors that name the field.
+
+One converter for the whole project: request bodies on the leader, responses in the client and
+(later) experiment configs all go through :func:`structure`, so a bad field reads the same
+everywhere: ``<path>: <what was expected>``.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+T = TypeVar("T")
+
+
+class SchemaError(ValueError):
+    """Input did not match a schema. ``field`` is a JSON path such as ``$.link.tx_mbps``."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class FieldError(ValueError):
+    """Raised by attrs validators; ``structure`` turns it into a SchemaError with a path."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _strict_int(value: Any, _t: type) -> int:
+    # bool is an int in Python; in an API body it is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {_json_type(value)}")
+    return value
+
+
+def _strict_float(value: Any, _t: type) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {_json_type(value)}")
+    f = float(value)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise TypeError("expected a finite number")
+    return f
+
+
+def _strict_str(value: Any, _t: type) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {_json_type(value)}")
+    return value
+
+
+def _strict_bool(value: Any, _t: type) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _structure_dict(value: Any, _t: type) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {_json_type(value)}")
+    return value
+
+
+def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=forbid_extra_keys, detailed_validation=True)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(str, _strict_str)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook_func(
+        lambda t: t is dict or (typing.get_origin(t) is dict and typing.get_args(t)[1] is Any),
+        _structure_dict,
+    )
+
+    def _list_hook_factory(t: Any) -> Any:
+        (item_type,) = typing.get_args(t) or (Any,)
+
+        def hook(value: Any, _t: Any) -> list[Any]:
+            if not isinstance(value, list):
+                raise TypeError(f"expected a list, got {_json_type(value)}")
+            out = []
+            errors = []
+            for i, item in enumerate(value):
+                try:
+                    out.append(conv.structure(item, item_type))
+                except Exception as exc:
+                    exc.__notes__ = [*getattr(exc, "__notes__", []), f"Structuring index {i}"]
+                    errors.append(exc)
+            if errors:
+                raise IterableValidationError(
+                    "While structuring a list", errors, t
+                )
+            return out
+
+        return hook
+
+    conv.register_structure_hook_factory(
+        lambda t: typing.get_origin(t) is list, _list_hook_factory
+    )
+    return conv
+
+
+converter = _make_converter(forbid_extra_keys=True)
+# Responses from a newer leader may carry fields this client does not know yet.
+lenient_converter = _make_converter(forbid_extra_keys=False)
+
+
+def _first_error(exc: BaseException, path: str) -> tuple[str, str]:
+    """Walk cattrs' exception groups to the first leaf; return (path, message)."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        keys = ", ".join(sorted(exc.extra_fields))
+        return path, f"unknown field(s): {keys}"
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        for sub in exc.exceptions:
+            notes = getattr(sub, "__notes__", [])
+            sub_path = path
+            for note in notes:
+                note = str(note)
+                if note.startswith("Structuring class") and "@ attribute" in note:
+                    sub_path = f"{path}.{note.rsplit('@ attribute', 1)[1].strip()}"
+                elif note.startswith("Structuring index"):
+                    sub_path = f"{path}[{note.rsplit(' ', 1)[1]}]"
+            return _first_error(sub, sub_path)
+        return path, str(exc)
+    if isinstance(exc, KeyError):
+        name = exc.args[0] if exc.args else "?"
+        return f"{path}.{name}" if not path.endswith(f".{name}") else path, "required field missing"
+    if isinstance(exc, FieldError):
+        return (f"{path}.{exc.field}" if exc.field else path), str(exc)
+    if " not in literal " in str(exc):
+        options = str(exc).split("Literal[", 1)[-1].rstrip("]")
+        return path, f"expected one of {options}"
+    if isinstance(exc, ValueError) and not str(exc):
+        return path, "invalid value"
+    if isinstance(exc, TypeError) and "__init__() missing" in str(exc):
+        return path, "required field missing"
+    if isinstance(exc, ValueError) and "is not a valid" in str(exc):
+        return path, str(exc)
+    return path, str(exc) or type(exc).__name__
+
+
+def structure(data: Any, cls: type[T], root: str = "$", *, strict: bool = True) -> T:
+    """Structure ``data`` into ``cls`` or raise :class:`SchemaError` naming the field.
+
+    ``strict`` refuses unknown keys (request bodies, configs); responses use ``strict=False``.
+    """
+    if attrs.has(cls) and not isinstance(data, dict):
+        raise SchemaError(f"expected an object, got {_json_type(data)}", root)
+    conv = converter if strict else lenient_converter
+    try:
+        return conv.structure(data, cls)
+    except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as exc:
+        path, message = _first_error(exc, root)
+        raise SchemaError(message, path) from None
+    except FieldError as exc:
+        raise SchemaError(str(exc), f"{root}.{exc.field}" if exc.field else root) from None
+    except (TypeError, ValueError, KeyError) as exc:
+        path, message = _first_error(exc, root)
+        raise SchemaError(message, path) from None
+
+
+def unstructure(obj: Any) -> Any:
+    return converter.unstructure(obj)
+
+
+# --- JSON Schema, for the OpenAPI document -----------------------------------------------------
+
+
+def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
+    """A JSON Schema for ``tp``; attrs classes go into ``components`` and are referenced."""
+    if tp is Any or tp is typing.Any:
+        return {}
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        inner = [json_schema(a, components) for a in non_none]
+        schema: dict[str, Any] = inner[0] if len(inner) == 1 else {"anyOf": inner}
+        if len(non_none) != len(args):
+            schema = {**schema, "nullable": True} if "$ref" not in schema else {
+                "allOf": [schema], "nullable": True}
+        return schema
+    if origin is typing.Literal:
+        return {"type": "string", "enum": list(args)}
+    if origin is list:
+        return {"type": "array", "items": json_schema(args[0] if args else Any, components)}
+    if origin is dict or tp is dict:
+        return {"type": "object"}
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return {"type": "integer"}
+    if tp is float:
+        return {"type": "number"}
+    if tp is str:
+        return {"type": "string"}
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return {"type": "string", "enum": [m.value for m in tp]}
+    if attrs.has(tp):
+        name = tp.__name__
+        if name not in components:
+            components[name] = {}  # placeholder against recursion
+            hints = typing.get_type_hints(tp)
+            props = {}
+            required = []
+            for f in attrs.fields(tp):
+                props[f.name] = json_schema(hints[f.name], components)
+                if f.metadata.get("doc"):
+                    props[f.name]["description"] = f.metadata["doc"]
+                if f.metadata.get("minimum") is not None:
+                    props[f.name]["minimum"] = f.metadata["minimum"]
+                if f.metadata.get("maximum") is not None:
+                    props[f.name]["maximum"] = f.metadata["maximum"]
+                if f.metadata.get("maxLength") is not None:
+                    props[f.name]["maxLength"] = f.metadata["maxLength"]
+                if f.default is attrs.NOTHING:
+                    required.append(f.name)
+            comp: dict[str, Any] = {
+                "type": "object",
+                "properties": props,
+                "additionalProperties": False,
+            }
+            if required:
+                comp["required"] = required
+            if tp.__doc__:
+                comp["description"] = tp.__doc__.strip().splitlines()[0]
+            components[name] = comp
+        return {"$ref": f"#/components/schemas/{name}"}
+    raise TypeError(f"no JSON schema for {tp!r}")
+
+
+def structure_persisted(row: dict[str, Any], cls: type[T]) -> T:
+    """Rebuild a record from its stored fields; fields marked ``transient`` take defaults.
+
+    Stored rows were written by us, so unknown keys (from a newer leader) are ignored.
+    """
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        f.name: converter.structure(row[f.name], hints[f.name])
+        for f in attrs.fields(cls)
+        if not f.metadata.get("transient") and f.name in row
+    }
+    return cls(**kwargs)

@@ -1,0 +1,1 @@
+"""SilentSwarm's console: the ``swarm`` / ``swarm-tui`` CLI and the Textual app."""

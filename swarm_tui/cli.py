@@ -1,0 +1,108 @@
+"""Entry point of ``swarm`` and ``swarm-tui``: one parser; ``swarm X`` ≡ ``swarm-tui --cmd X``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import swarm_core
+from swarm_tui.commands.base import CommandError, ExitCode, warn
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        warn(f"{self.prog}: {message} (see '{self.prog} --help')")
+        raise SystemExit(int(ExitCode.USAGE))
+
+
+def build_parser(prog: str = "swarm") -> argparse.ArgumentParser:
+    from swarm_tui.commands import MODULES
+
+    parser = _Parser(prog=prog, description="SilentSwarm: pipeline training over weak links.")
+    parser.add_argument("--version", action="version", version=swarm_core.__version__)
+    parser.add_argument("--leader-url", default=None,
+                        help="leader URL (default: SWARM_LEADER_URL, then the local cluster's)")
+    parser.add_argument("--token", default=None,
+                        help="bearer token (default: SWARM_TOKEN, then the local cluster's)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in MODULES:
+        module.register(sub)
+    return parser
+
+
+def _global_flags_anywhere(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Let ``--leader-url``/``--token`` also follow the command (``swarm fellows --token T``)."""
+    head: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in ("--leader-url", "--token"):
+            if "=" in arg:
+                head.append(arg)
+            elif i + 1 < len(argv):
+                head += [arg, argv[i + 1]]
+                i += 1
+            else:
+                rest.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return head + rest
+
+
+def run(argv: Sequence[str], prog: str = "swarm") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(_global_flags_anywhere(list(argv), parser))
+    if args.command is None:
+        parser.print_help()
+        return int(ExitCode.USAGE)
+    try:
+        return int(args.func(args))
+    except CommandError as exc:
+        warn(f"{prog}: {exc}")
+        return int(exc.code)
+    except KeyboardInterrupt:
+        warn(f"{prog}: interrupted")
+        return int(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        # The reader (head, less) went away; that is not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.OK)
+    except Exception as exc:
+        if os.environ.get("SWARM_DEBUG"):
+            raise
+        warn(f"{prog}: internal error: {type(exc).__name__}: {exc} (SWARM_DEBUG=1 shows more)")
+        return int(ExitCode.FAILURE)
+
+
+def main_swarm(argv: Sequence[str] | None = None) -> int:
+    return run(sys.argv[1:] if argv is None else argv, "swarm")
+
+
+def main_tui(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(args):
+        if arg == "--cmd" or arg.startswith("--cmd="):
+            if arg == "--cmd":
+                if i + 1 >= len(args):
+                    warn("swarm-tui: --cmd needs an action (see 'swarm-tui --cmd --help')")
+                    return int(ExitCode.USAGE)
+                action, rest = args[i + 1], args[i + 2:]
+            else:
+                action, rest = arg.split("=", 1)[1], args[i + 1:]
+            return run([*args[:i], action, *rest], "swarm-tui --cmd")
+    warn("swarm-tui: the interactive console is not built yet; use 'swarm-tui --cmd ACTION' "
+         "or 'swarm ACTION' (see 'swarm --help')")
+    return int(ExitCode.USAGE)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))

@@ -1,0 +1,144 @@
+"""What every headless command shares: exit codes, errors, output formats, the leader client.
+
+Exit codes and ``--format json`` output are an API for scripts; ``swarm llm-doc`` documents both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import enum
+import os
+import shutil
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient
+from swarm_core.schema import unstructure
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILURE = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    INTERRUPTED = 130
+
+
+EXIT_CODE_MEANING = {
+    ExitCode.OK: "success",
+    ExitCode.FAILURE: "the action failed (the leader refused it, a job failed, a process died)",
+    ExitCode.USAGE: "bad command line (unknown flag, bad value)",
+    ExitCode.UNREACHABLE: "no leader: none configured, or it did not answer",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+class CommandError(Exception):
+    """A one-line message for stderr plus the exit code."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+FORMATS = ("table", "json")
+
+
+def add_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=FORMATS, default="table",
+                        help="table for people, json for scripts (default: table)")
+
+
+def emit_json(data: Any) -> None:
+    data = unstructure(data)
+    sys.stdout.write(jsonio.dumps(data, pretty=True).decode() + "\n")
+    sys.stdout.flush()
+
+
+def emit_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    width = shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 200
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*("-" if v is None else str(v) for v in row))
+    Console(width=width, soft_wrap=False).print(table)
+
+
+def print_line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def warn(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+# --- the leader ---------------------------------------------------------------------------------
+
+
+def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
+    """URL: --leader-url, SWARM_LEADER_URL, the local cluster. Token: --token, SWARM_TOKEN, the
+    local cluster's token file when the URL is the local cluster's."""
+    from swarm_tui.commands.local_cluster import read_record, token_for
+
+    url = getattr(args, "leader_url", None) or os.environ.get("SWARM_LEADER_URL")
+    record = read_record()
+    if not url and record is not None:
+        url = record.leader_url
+    if not url:
+        raise CommandError(
+            "no leader: pass --leader-url, set SWARM_LEADER_URL, or run 'swarm restart-cluster'",
+            ExitCode.UNREACHABLE,
+        )
+    token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
+    if not token and record is not None and record.leader_url.rstrip("/") == url.rstrip("/"):
+        token = token_for(record)
+    return url, token
+
+
+def run_with_client(args: argparse.Namespace,
+                    body: Callable[[SwarmClient], Awaitable[int | None]]) -> int:
+    url, token = resolve_leader(args)
+
+    async def main() -> int | None:
+        async with SwarmClient(url, token) as client:
+            return await body(client)
+
+    return run_async(main())
+
+
+def run_async(coro: Awaitable[int | None]) -> int:
+    try:
+        result = asyncio.run(coro)  # type: ignore[arg-type]
+    except LeaderUnreachable as exc:
+        raise CommandError(str(exc), ExitCode.UNREACHABLE) from None
+    except ApiError as exc:
+        raise CommandError(f"leader refused: {exc}", ExitCode.FAILURE) from None
+    return int(ExitCode.OK if result is None else result)
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def fmt_mbps(v: float | None) -> str:
+    return "unlimited" if v is None else f"{v:g}"
+
+
+def fmt_loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"

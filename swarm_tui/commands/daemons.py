@@ -1,0 +1,116 @@
+"""``swarm leader`` and ``swarm fellow``: the daemons, in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+from swarm_core.paths import default_state_dir
+from swarm_tui.commands.base import CommandError, ExitCode
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def cmd_leader(args: argparse.Namespace) -> int:
+    from swarm_core.leader import LeaderConfig, run_leader
+    from swarm_core.leader.store import StoreError
+
+    _logging(args.verbose)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
+        raise CommandError(f"refusing to bind {args.host}: the leader binds loopback unless "
+                           "--allow-remote is given (then protect the token)", ExitCode.USAGE)
+    cfg = LeaderConfig(state_dir=Path(args.state_dir).expanduser(),
+                       stale_after_s=args.stale_after)
+    try:
+        run_leader(cfg, host=args.host, port=args.port)
+    except StoreError as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(
+            f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    return 0
+
+
+def cmd_fellow(args: argparse.Namespace) -> int:
+    from swarm_core.fellow import FellowDaemon, FellowOptions
+
+    _logging(args.verbose)
+    url = args.leader_url or os.environ.get("SWARM_LEADER_URL")
+    if not url:
+        raise CommandError("fellow needs --leader-url (or SWARM_LEADER_URL)", ExitCode.USAGE)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    for d in devices:
+        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise CommandError(f"--devices: {d!r} is not 'cpu' or 'cuda:N'", ExitCode.USAGE)
+    opts = FellowOptions(
+        leader_url=url, token=args.token or os.environ.get("SWARM_TOKEN"),
+        name=args.name or socket.gethostname(), devices=devices or ["cpu"],
+        threads=args.threads,
+    )
+    daemon = FellowDaemon(opts)
+    code = asyncio.run(daemon.run())
+    if daemon.exit_reason.startswith("registration refused"):
+        raise CommandError(daemon.exit_reason)
+    return code
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("leader", help="run the leader in the foreground",
+                       description="Run the leader (HTTP API, registry, queue) until SIGTERM.")
+    p.add_argument("--state-dir", default=str(default_state_dir()),
+                   help="SQLite state and token live here (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8765, help="TCP port (default: %(default)s)")
+    p.add_argument("--stale-after", type=_positive_float, default=5.0,
+                   help="seconds without heartbeat before a fellow is stale (default: 5)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow binding a non-loopback address")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_leader)
+
+    p = sub.add_parser("fellow", help="run a fellow daemon in the foreground",
+                       description="Register with the leader, heartbeat, run assigned stages.")
+    p.add_argument("--name", help="fellow name, unique in the cluster (default: hostname)")
+    p.add_argument("--devices", default="cpu",
+                   help="device slots: cpu, or cuda:0,cuda:1 (default: cpu)")
+    p.add_argument("--threads", type=_positive_int, default=1,
+                   help="torch threads per stage (default: 1)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_fellow)

@@ -1,0 +1,206 @@
+"""``swarm jobs``, ``submit``, ``cancel``, ``watch``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.client import LeaderUnreachable, SwarmClient
+from swarm_core.protocol import JobInfo, JobState, JobSubmit
+from swarm_core.schema import SchemaError, structure
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    add_format,
+    emit_json,
+    emit_table,
+    fmt_loss,
+    print_line,
+    run_with_client,
+)
+from swarm_tui.commands.daemons import _positive_int
+
+TERMINAL = {s.value for s in JobState if s.terminal}
+
+
+def _age(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f}s" if s < 120 else (f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h")
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    async def body(c: SwarmClient) -> None:
+        jobs = await c.jobs(args.state)
+        if args.format == "json":
+            emit_json({"jobs": jobs})
+            return
+        emit_table("jobs", ["job", "name", "kind", "state", "step", "loss", "fellows", "age",
+                            "note"], [
+            [j.job_id, j.name, j.kind, j.state, j.last_step, fmt_loss(j.last_loss),
+             ",".join(map(str, j.fellows)) or "-", _age(j.created_at),
+             j.waiting_for or j.reason or "-"]
+            for j in jobs
+        ])
+
+    return run_with_client(args, body)
+
+
+def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
+    return structure({"name": name, "kind": "smoke", "topology": {"fellows": fellows},
+                      "training": {"steps": steps, "step_seconds": 0.2}}, JobSubmit)
+
+
+def _load_payload(path: str) -> JobSubmit:
+    try:
+        data = jsonio.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror}", ExitCode.USAGE) from None
+    except jsonio.JSONDecodeError as exc:
+        raise CommandError(f"{path}: not valid JSON: {exc}", ExitCode.USAGE) from None
+    try:
+        return structure(data, JobSubmit)
+    except SchemaError as exc:
+        raise CommandError(f"{path}: {exc}", ExitCode.USAGE) from None
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.payload:
+        req = _load_payload(args.payload)
+    else:
+        req = smoke_job(args.fellows, args.steps, args.name or "smoke")
+
+    async def body(c: SwarmClient) -> int:
+        job = await c.submit(req)
+        if not args.watch:
+            if args.format == "json":
+                emit_json(job)
+            else:
+                print_line(f"{job.job_id} {job.state} ({job.waiting_for or 'queued'})")
+            return 0
+        final = await watch_job(c, job.job_id, json_lines=args.format == "json")
+        return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
+
+    return run_with_client(args, body)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    async def body(c: SwarmClient) -> None:
+        job = await c.cancel(args.job_id)
+        if args.format == "json":
+            emit_json(job)
+        else:
+            print_line(f"{job.job_id} {job.state}")
+
+    return run_with_client(args, body)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    async def body(c: SwarmClient) -> int:
+        final = await watch_job(c, args.job_id, json_lines=args.format == "json")
+        return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
+
+    return run_with_client(args, body)
+
+
+def _describe(event: dict[str, Any]) -> str | None:
+    kind, d = event.get("type", ""), event.get("data", {})
+    if kind == "metric":
+        parts = [f"step {d.get('step')}", f"fellow {d.get('fellow_id')}"]
+        if d.get("loss") is not None:
+            parts.append(f"loss {d['loss']:.4f}")
+        if d.get("tokens_per_s"):
+            parts.append(f"{d['tokens_per_s']:.0f} tok/s")
+        if d.get("state") != "RUNNING":
+            parts.append(str(d.get("state")))
+        return "  ".join(parts)
+    if kind.startswith("job.") and kind != "job.updated":
+        reason = f": {d['reason']}" if d.get("reason") else ""
+        return f"{d.get('job_id')} {d.get('state')}{reason}"
+    return None
+
+
+async def watch_job(c: SwarmClient, job_id: str, *, json_lines: bool = False,
+                    reconnect_s: float = 30.0) -> JobInfo:
+    """Print the job's events until it is terminal; survives a leader restart for a while."""
+    job = await c.job(job_id)
+    if not json_lines:
+        print_line(f"{job.job_id} {job.state} ({job.waiting_for or job.reason or job.name})")
+    lost_since: float | None = None
+    while job.state not in TERMINAL:
+        try:
+            stream = c.events(types=["job", "metric"], job_id=job_id)
+            async for event in stream:
+                lost_since = None
+                if event.get("type") == "hello":
+                    # Subscribed: re-read so nothing between GET and subscribe is missed.
+                    job = await c.job(job_id)
+                    if job.state in TERMINAL:
+                        break
+                    continue
+                if json_lines:
+                    print_line(jsonio.dumps(event).decode())
+                else:
+                    line = _describe(event)
+                    if line:
+                        print_line(line)
+                if event.get("type", "").startswith("job.") and \
+                        event["data"].get("state") in TERMINAL:
+                    job = await c.job(job_id)
+                    break
+            else:
+                job = await c.job(job_id)
+        except LeaderUnreachable:
+            now = time.monotonic()
+            lost_since = lost_since or now
+            if now - lost_since > reconnect_s:
+                raise
+            await asyncio.sleep(1.0)
+    if not json_lines:
+        reason = f": {job.reason}" if job.reason else ""
+        print_line(f"{job.job_id} {job.state} at step {job.last_step}{reason}")
+    return job
+
+
+def _job_state(text: str) -> str:
+    value = text.upper()
+    if value not in {s.value for s in JobState}:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(s.value for s in JobState)}, got {text!r}")
+    return value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("jobs", help="list jobs, oldest first")
+    p.add_argument("--state", type=_job_state, default=None, help="only jobs in this state")
+    add_format(p)
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("submit", help="enqueue a job (a smoke job unless --payload is given)")
+    p.add_argument("--payload", help="JSON file with a job body (name, kind, model, training, "
+                                     "topology)")
+    p.add_argument("--name", default=None, help="job name (smoke job)")
+    p.add_argument("--fellows", type=_positive_int, default=1,
+                   help="fellows the smoke job needs (default 1)")
+    p.add_argument("--steps", type=_positive_int, default=5, help="smoke job steps (default 5)")
+    p.add_argument("--watch", action="store_true", help="stream the job until it ends")
+    add_format(p)
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("cancel", help="cancel a pending or running job")
+    p.add_argument("job_id", help="e.g. job-000001")
+    add_format(p)
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("watch", help="stream a job's events until it ends "
+                                     "(exit 0 if it COMPLETED)")
+    p.add_argument("job_id", help="e.g. job-000001")
+    add_format(p)
+    p.set_defaults(func=cmd_watch)
+
+
