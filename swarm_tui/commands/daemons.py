@@ -19,14 +19,14 @@ def _logging(verbose: bool) -> None:
 
 
 def cmd_leader(args: argparse.Namespace) -> int:
-    from swarm_core.leader import LeaderConfig, run_leader
-    from swarm_core.leader.store import StoreError
+    from swarm_core.leader import LeaderConfig, StoreError, run_leader
 
     _logging(args.verbose)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
         raise CommandError(f"refusing to bind {args.host}: the leader binds loopback unless "
                            "--allow-remote is given (then protect the token)", ExitCode.USAGE)
-    cfg = LeaderConfig(state_dir=Path(args.state_dir).expanduser(),
+    state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
+    cfg = LeaderConfig(state_dir=state_dir,
                        stale_after_s=args.stale_after)
     try:
         run_leader(cfg, host=args.host, port=args.port)
@@ -94,8 +94,9 @@ def _port(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leader", help="run the leader in the foreground",
                        description="Run the leader (HTTP API, registry, queue) until SIGTERM.")
-    p.add_argument("--state-dir", default=str(default_state_dir()),
-                   help="SQLite state and token live here (default: %(default)s)")
+    p.add_argument("--state-dir", default=None,
+                   help="SQLite state and token live here (default: $SWARM_HOME/leader, "
+                        "else the user data dir)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8765, help="TCP port (default: %(default)s)")
     p.add_argument("--stale-after", type=_positive_float, default=5.0,

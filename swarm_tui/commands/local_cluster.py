@@ -21,7 +21,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.client import ClientError, SwarmClient, wait_for_leader
-from swarm_core.leader.auth import read_token
+from swarm_core.leader import read_token
 from swarm_core.paths import atomic_write, default_state_dir, local_cluster_dir
 from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.commands.base import CommandError, ExitCode

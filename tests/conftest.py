@@ -1,0 +1,54 @@
+"""Shared fixtures: a real leader app on a loopback port, isolated SWARM_HOME per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from swarm_core.leader import LeaderConfig, create_app
+
+TOKEN = "test-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def swarm_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own SWARM_HOME, so nothing touches the user's data dir."""
+    home = tmp_path / "swarm-home"
+    monkeypatch.setenv("SWARM_HOME", str(home))
+    for var in ("SWARM_TOKEN", "SWARM_LEADER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture
+def leader_config(tmp_path: Path) -> LeaderConfig:
+    return LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, stale_after_s=5.0,
+                        tick_s=0.05)
+
+
+@pytest.fixture
+async def api(aiohttp_client, leader_config: LeaderConfig) -> TestClient:
+    """An aiohttp test client against a real leader app; send ``headers=AUTH`` yourself."""
+    return await aiohttp_client(create_app(leader_config))
+
+
+@pytest.fixture
+def cli_env(swarm_home: Path) -> Iterator[dict[str, str]]:
+    """Environment for CLI subprocesses: same SWARM_HOME, no inherited leader settings."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SWARM_TOKEN", "SWARM_LEADER_URL")}
+    env["SWARM_HOME"] = str(swarm_home)
+    env["PYTHONUNBUFFERED"] = "1"
+    yield env
+
+
+def swarm_argv(*args: str) -> list[str]:
+    """Run the CLI as the installed entry point would, via the current interpreter."""
+    return [sys.executable, "-m", "swarm_tui.cli", *args]

@@ -1,0 +1,116 @@
+"""The CLI's contract: exit codes, one-line errors, --cmd equivalence, generated reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm_tui.cli import build_parser, main_tui, run
+from swarm_tui.commands.base import ExitCode
+from swarm_tui.commands.meta import render_llm_doc
+from tests.conftest import REPO
+from tests.clusters import free_port
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {text!r}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["set-speed", "--fellow-id", "x", "--tx-mbps", "1"], "--fellow-id"),
+    (["set-speed", "--fellow-id", "0", "--tx-mbps", "-5"], "--tx-mbps"),
+    (["set-speed", "--fellow-id", "0", "--latency-ms", "1e9"], "--latency-ms"),
+    (["restart-cluster", "--fellows", "0"], "--fellows"),
+    (["release", "--all", "--fellow-id", "1"], "not allowed with"),
+    (["jobs", "--state", "DONE"], "--state"),
+    (["fellows", "--format", "yaml"], "--format"),
+    (["no-such-command"], "no-such-command"),
+    (["leader", "--port", "70000"], "--port"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run(argv)
+    assert exc.value.code == ExitCode.USAGE
+    err = _one_line(capsys.readouterr().err)
+    assert needle in err
+
+
+def test_release_needs_a_target(capsys):
+    assert run(["release", "--leader-url", "http://127.0.0.1:9"]) == ExitCode.USAGE
+    assert "--all or --fellow-id" in _one_line(capsys.readouterr().err)
+
+
+def test_no_leader_configured_exits_3(capsys):
+    assert run(["fellows"]) == ExitCode.UNREACHABLE
+    assert "no leader" in _one_line(capsys.readouterr().err)
+
+
+def test_unreachable_leader_exits_3(capsys):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert run(["--leader-url", url, "jobs"]) == ExitCode.UNREACHABLE
+    assert "cannot reach the leader" in _one_line(capsys.readouterr().err)
+
+
+def test_global_flags_may_follow_the_command(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert run(["jobs", "--leader-url", url, "--token", "t"]) == ExitCode.UNREACHABLE
+    assert url in capsys.readouterr().err
+
+
+def test_bad_payload_file_is_a_usage_error(tmp_path, capsys):
+    bad = tmp_path / "job.json"
+    bad.write_text(json.dumps({"name": "x", "topology": {"fellows": "two"}}))
+    code = run(["--leader-url", "http://127.0.0.1:9", "submit", "--payload", str(bad)])
+    assert code == ExitCode.USAGE
+    err = _one_line(capsys.readouterr().err)
+    assert "$.topology.fellows" in err and "expected an integer" in err
+
+
+def test_leader_refuses_non_loopback_without_flag(capsys):
+    assert run(["leader", "--host", "0.0.0.0"]) == ExitCode.USAGE
+    assert "--allow-remote" in _one_line(capsys.readouterr().err)
+
+
+def test_swarm_tui_cmd_maps_to_the_same_action(capsys):
+    assert main_tui(["--cmd", "info", "--format", "json"]) == 0
+    via_tui = json.loads(capsys.readouterr().out)
+    assert run(["info", "--format", "json"]) == 0
+    via_swarm = json.loads(capsys.readouterr().out)
+    assert via_tui == via_swarm
+    assert main_tui(["--cmd=info", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == via_swarm
+
+
+def test_swarm_tui_cmd_without_action(capsys):
+    assert main_tui(["--cmd"]) == ExitCode.USAGE
+    _one_line(capsys.readouterr().err)
+
+
+def test_llm_doc_covers_every_command_and_exit_code():
+    parser = build_parser()
+    text = render_llm_doc(parser)
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, p in sub.choices.items():
+        assert f"### `swarm {name}`" in text
+        for action in p._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}`" in text
+    for code in ExitCode:
+        assert f"| {int(code)} | {code.name} |" in text
+
+
+def test_committed_cli_reference_is_current():
+    committed = (REPO / "docs" / "llm_swarm_cli.md").read_text()
+    assert committed == render_llm_doc(build_parser()), \
+        "docs/llm_swarm_cli.md is stale: run 'swarm llm-doc'"
+
+
+def test_llm_doc_writes_the_file(tmp_path: Path, capsys):
+    out = tmp_path / "ref.md"
+    assert run(["llm-doc", "--output", str(out)]) == 0
+    assert out.read_text().startswith("# `swarm` / `swarm-tui --cmd` reference")

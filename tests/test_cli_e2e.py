@@ -1,0 +1,116 @@
+"""The headless console end to end: real leader and fellow processes, the CLI as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.clusters import cli_json, pid_alive, run_cli, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _record(swarm_home: Path) -> dict:
+    return json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
+
+
+def test_restart_cluster_then_steer_it(cli_env, swarm_home):
+    started = run_cli("restart-cluster", "--fellows", "2", env=cli_env, timeout=90)
+    assert started.returncode == 0, started.stderr
+    url = started.stdout.strip()
+    assert url.startswith("http://127.0.0.1:")
+    record = _record(swarm_home)
+    try:
+        fellows = cli_json("fellows", env=cli_env)["fellows"]
+        assert [f["status"] for f in fellows] == ["ready", "ready"]
+        assert sorted(f["name"] for f in fellows) == ["local-0", "local-1"]
+
+        target = fellows[1]["fellow_id"]
+        res = run_cli("set-speed", "--fellow-id", str(target), "--tx-mbps", "80",
+                      "--rx-mbps", "40", "--latency-ms", "5", env=cli_env)
+        assert res.returncode == 0, res.stderr
+
+        def link_reported():
+            f = cli_json("fellows", env=cli_env)["fellows"][target]
+            return f["link"] == {"tx_mbps": 80.0, "rx_mbps": 40.0, "latency_ms": 5.0} and f
+
+        # Delivered by long-poll, reported by the fellow's next heartbeat (within ~1 s).
+        wait_until(link_reported, 3.0, "the fellow to report its new link limits")
+        untouched = cli_json("fellows", env=cli_env)["fellows"][1 - target]
+        assert untouched["link"]["tx_mbps"] is None
+
+        nodes = cli_json("nodes", env=cli_env)["nodes"]
+        assert all(n["control_tx"] > 0 and n["control_rx"] > 0 for n in nodes)
+
+        released = cli_json("release", "--all", env=cli_env)["released"]
+        assert sorted(released) == [0, 1]
+        wait_until(lambda: all(f["status"] == "released"
+                               for f in cli_json("fellows", env=cli_env)["fellows"]),
+                   5.0, "both fellows to report released")
+        # Released fellows leave: their daemons exit.
+        wait_until(lambda: not any(pid_alive(f["pid"]) for f in record["fellows"]), 10.0,
+                   "the released fellow processes to exit")
+    finally:
+        stopped = run_cli("stop-cluster", env=cli_env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not pid_alive(record["leader"]["pid"])
+    assert not (swarm_home / "local-cluster" / "cluster.json").exists()
+
+
+def test_restart_cluster_replaces_the_previous_one(cli_env, swarm_home):
+    first = run_cli("restart-cluster", "--fellows", "1", env=cli_env, timeout=90)
+    assert first.returncode == 0, first.stderr
+    old = _record(swarm_home)
+    try:
+        second = run_cli("restart-cluster", "--fellows", "1", env=cli_env, timeout=90)
+        assert second.returncode == 0, second.stderr
+        new = _record(swarm_home)
+        assert not pid_alive(old["leader"]["pid"])
+        assert not pid_alive(old["fellows"][0]["pid"])
+        assert pid_alive(new["leader"]["pid"])
+        # Same state dir, same fellow name: the fellow keeps its id across the restart.
+        fellows = cli_json("fellows", env=cli_env)["fellows"]
+        assert [(f["fellow_id"], f["name"], f["status"]) for f in fellows] == \
+            [(0, "local-0", "ready")]
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+
+
+def test_smoke_job_runs_and_watch_exits_zero(cli_env):
+    assert run_cli("restart-cluster", "--fellows", "2", env=cli_env, timeout=90).returncode == 0
+    try:
+        res = run_cli("submit", "--fellows", "2", "--steps", "3", "--watch", env=cli_env,
+                      timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert "COMPLETED at step 3" in res.stdout
+        jobs = cli_json("jobs", env=cli_env)["jobs"]
+        assert [(j["state"], j["last_step"], sorted(j["fellows"])) for j in jobs] == \
+            [("COMPLETED", 3, [0, 1])]
+
+        # A job that asks for more fellows than exist waits, and says why; cancel ends it.
+        queued = cli_json("submit", "--fellows", "3", env=cli_env)
+        assert queued["state"] == "PENDING"
+        assert "needs 3 ready fellow(s), 2 ready" in queued["waiting_for"]
+        cancelled = cli_json("cancel", queued["job_id"], env=cli_env)
+        assert cancelled["state"] == "CANCELLED"
+        watched = run_cli("watch", queued["job_id"], env=cli_env)
+        assert watched.returncode == 1
+        assert "CANCELLED" in watched.stdout
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+
+
+def test_swarm_tui_cmd_is_the_same_cli(cli_env):
+    exe = Path(sys.executable).parent / "swarm-tui"
+    assert exe.exists(), "swarm-tui entry point is not installed"
+    import subprocess
+
+    a = subprocess.run([str(exe), "--cmd", "info", "--format", "json"], capture_output=True,
+                       text=True, env=cli_env, timeout=30)
+    b = run_cli("info", "--format", "json", env=cli_env)
+    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
+    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ja.keys() == jb.keys() and ja["version"] == jb["version"]
