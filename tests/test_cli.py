@@ -10,8 +10,8 @@ import pytest
 from swarm_tui.cli import build_parser, main_tui, run
 from swarm_tui.commands.base import ExitCode
 from swarm_tui.commands.meta import render_llm_doc
-from tests.conftest import REPO
 from tests.clusters import free_port
+from tests.conftest import REPO
 
 
 def _one_line(text: str) -> str:

@@ -1,0 +1,1083 @@
+"""Every route of the leader's HTTP API (swarm_core/leader/routes.py ROUTES), happy paths and
+each error status, against a real leader app on a loopback TestServer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import WSServerHandshakeError
+from aiohttp.test_utils import TestClient
+
+from swarm_core.leader import LeaderConfig, create_app
+from swarm_core.leader.routes import ROUTES, SESSION_HEADER
+from tests.conftest import AUTH, TOKEN
+
+A = "/api/v1"
+JSON = {**AUTH, "Content-Type": "application/json"}
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+async def expect_error(resp, status: int, code: str | None = None,
+                       field: str | None = None) -> dict[str, Any]:
+    """Assert an ``{"error": {...}}`` reply with this status (and code / field when given)."""
+    text = await resp.text()
+    assert resp.status == status, text
+    assert resp.content_type == "application/json"
+    err = orjson.loads(text)["error"]
+    assert isinstance(err["code"], str) and err["code"]
+    assert isinstance(err["message"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if field is not None:
+        assert err.get("field") == field, err
+    return err
+
+
+async def expect_ok(resp, status: int = 200) -> Any:
+    text = await resp.text()
+    assert resp.status == status, text
+    return orjson.loads(text)
+
+
+async def register(api: TestClient, name: str = "f0", instance_id: str | None = None,
+                   **extra: Any) -> dict[str, Any]:
+    """Register a fellow; the reply plus ``headers`` (token and session) for its own calls."""
+    body = {"name": name, "instance_id": instance_id or f"{name}-inst", **extra}
+    reg = await expect_ok(await api.post(f"{A}/fellows/register", json=body, headers=AUTH), 201)
+    reg["headers"] = {**AUTH, SESSION_HEADER: reg["session"]}
+    return reg
+
+
+async def heartbeat(api: TestClient, reg: dict[str, Any], **body: Any) -> dict[str, Any]:
+    resp = await api.post(f"{A}/fellows/{reg['fellow_id']}/heartbeat", json=body,
+                          headers=reg["headers"])
+    return await expect_ok(resp)
+
+
+async def poll(api: TestClient, reg: dict[str, Any], after: int = 0,
+               wait: float = 0.0) -> list[dict[str, Any]]:
+    resp = await api.get(f"{A}/fellows/{reg['fellow_id']}/signals",
+                         params={"after": str(after), "wait": str(wait)}, headers=reg["headers"])
+    return (await expect_ok(resp))["signals"]
+
+
+async def submit(api: TestClient, fellows: int = 1, **body: Any) -> dict[str, Any]:
+    body = {"name": "j", "kind": "smoke", "topology": {"fellows": fellows}, **body}
+    return await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201)
+
+
+async def get_job(api: TestClient, job_id: str) -> dict[str, Any]:
+    return await expect_ok(await api.get(f"{A}/jobs/{job_id}", headers=AUTH))
+
+
+async def get_fellow(api: TestClient, fellow_id: int) -> dict[str, Any]:
+    return await expect_ok(await api.get(f"{A}/fellows/{fellow_id}", headers=AUTH))
+
+
+async def report(api: TestClient, job_id: str, reg: dict[str, Any], state: str,
+                 step: int = 0, **extra: Any):
+    body = {"fellow_id": reg["fellow_id"], "state": state, "step": step, **extra}
+    return await api.post(f"{A}/jobs/{job_id}/status", json=body, headers=reg["headers"])
+
+
+async def wait_for(cond, timeout: float = 3.0, interval: float = 0.02) -> Any:
+    """Await ``cond()`` (async) until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(interval)
+
+
+async def next_event(ws, type_prefix: str, timeout: float = 2.0, **match: Any) -> dict[str, Any]:
+    """The next event whose type starts with ``type_prefix`` and whose data matches ``match``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {type_prefix} event {match} in time"
+        ev = orjson.loads(await ws.receive_bytes(timeout=left))
+        if ev["type"].startswith(type_prefix) and all(
+                ev["data"].get(k) == v for k, v in match.items()):
+            return ev
+
+
+async def drain(ws, quiet_s: float = 0.15) -> list[dict[str, Any]]:
+    """All events that arrive until the socket is quiet for ``quiet_s``."""
+    out = []
+    while True:
+        try:
+            msg = await ws.receive(timeout=quiet_s)
+        except TimeoutError:
+            return out
+        if msg.type.name != "BINARY":
+            return out
+        out.append(orjson.loads(msg.data))
+
+
+def raw(body: bytes | str, content_type: str = "application/json") -> dict[str, Any]:
+    data = body.encode() if isinstance(body, str) else body
+    return {"data": data, "headers": {**AUTH, "Content-Type": content_type}}
+
+
+@pytest.fixture
+async def make_api(aiohttp_client, tmp_path: Path):
+    """A leader with its own config: ``await make_api(stale_after_s=0.3)``."""
+    async def make(**kw: Any) -> TestClient:
+        cfg = LeaderConfig(state_dir=tmp_path / f"state-{len(kw)}-{time.monotonic_ns()}",
+                           token=TOKEN, **{"tick_s": 0.05, **kw})
+        return await aiohttp_client(create_app(cfg))
+
+    return make
+
+
+@pytest.fixture
+async def fast_api(make_api) -> TestClient:
+    """Fellows go stale 0.3 s after their last heartbeat."""
+    return await make_api(stale_after_s=0.3, tick_s=0.05)
+
+
+# --- meta routes --------------------------------------------------------------------------------
+
+
+async def test_healthz_without_token(api):
+    body = await expect_ok(await api.get("/healthz"))
+    assert body["ok"] is True
+    assert isinstance(body["version"], str)
+
+
+async def test_info_counts_and_auth(api):
+    await expect_error(await api.get(f"{A}/info"), 401, "unauthorized")
+    await expect_error(await api.get(f"{A}/info", headers={"Authorization": "Bearer nope"}),
+                       401, "unauthorized")
+    await expect_error(await api.get(f"{A}/info", headers={"Authorization": TOKEN}), 401)
+    info = await expect_ok(await api.get(f"{A}/info", headers=AUTH))
+    assert info["fellows_total"] == 0 and info["jobs_pending"] == 0
+    assert info["stale_after_s"] == 5.0 and info["heartbeat_interval_s"] == 1.0
+    await register(api, "a")
+    await submit(api, fellows=2)
+    info = await expect_ok(await api.get(f"{A}/info", headers=AUTH))
+    assert (info["fellows_total"], info["fellows_ready"]) == (1, 1)
+    assert (info["jobs_pending"], info["jobs_running"]) == (1, 0)
+
+
+async def test_openapi_lists_every_route(api):
+    await expect_error(await api.get(f"{A}/openapi.json"), 401)
+    doc = await expect_ok(await api.get(f"{A}/openapi.json", headers=AUTH))
+    assert doc["openapi"].startswith("3.")
+    for r in ROUTES:
+        assert r.path in doc["paths"], r.path
+        op = doc["paths"][r.path][r.method.lower()]
+        assert op["operationId"] == r.handler.__name__
+        for status in r.errors:
+            assert str(status) in op["responses"]
+        if r.body is not None:
+            ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"]
+    assert len({(r.method, r.path) for r in ROUTES}) == sum(
+        len(ops) for ops in doc["paths"].values())
+
+
+async def test_unknown_route_and_method(api):
+    await expect_error(await api.get(f"{A}/nope", headers=AUTH), 404, "not_found")
+    await expect_error(await api.get("/nope", headers=AUTH), 404, "not_found")
+    # Unknown routes still want the token: nothing is learned without it.
+    await expect_error(await api.get(f"{A}/nope"), 401)
+    await expect_error(await api.delete(f"{A}/jobs", headers=AUTH), 405, "method_not_allowed")
+
+
+# --- register -----------------------------------------------------------------------------------
+
+
+async def test_register_returns_id_and_session(api):
+    a = await register(api, "alpha", host="h1", pid=42, devices=["cpu", "cuda:0"], threads=4,
+                       data_addr="127.0.0.1:9000", version="0.1")
+    b = await register(api, "beta")
+    assert a["fellow_id"] != b["fellow_id"]
+    assert isinstance(a["session"], str) and len(a["session"]) >= 16
+    assert a["heartbeat_interval_s"] == 1.0 and a["stale_after_s"] == 5.0
+    view = await get_fellow(api, a["fellow_id"])
+    assert view["name"] == "alpha" and view["host"] == "h1" and view["pid"] == 42
+    assert view["devices"] == ["cpu", "cuda:0"] and view["threads"] == 4
+    assert view["data_addr"] == "127.0.0.1:9000" and view["status"] == "ready"
+
+
+async def test_register_same_name_same_instance_keeps_id(api):
+    first = await register(api, "alpha", instance_id="i1")
+    await register(api, "other")
+    again = await register(api, "alpha", instance_id="i1")
+    assert again["fellow_id"] == first["fellow_id"]
+    assert again["session"] != first["session"]
+    # The old session is gone: only the newest process of a fellow can speak for it.
+    resp = await api.post(f"{A}/fellows/{first['fellow_id']}/heartbeat", json={},
+                          headers=first["headers"])
+    await expect_error(resp, 401, "unknown_session")
+    await heartbeat(api, again)
+    listed = await expect_ok(await api.get(f"{A}/fellows", headers=AUTH))
+    assert [f["name"] for f in listed["fellows"]] == ["alpha", "other"]
+
+
+async def test_register_name_held_by_live_fellow_409(api):
+    await register(api, "alpha", instance_id="i1")
+    resp = await api.post(f"{A}/fellows/register", json={"name": "alpha", "instance_id": "i2"},
+                          headers=AUTH)
+    err = await expect_error(resp, 409, "name_in_use", "$.name")
+    assert "alpha" in err["message"]
+
+
+async def test_register_reuses_id_after_stale(fast_api):
+    api = fast_api
+    old = await register(api, "alpha", instance_id="i1")
+    await api.post(f"{A}/fellows/{old['fellow_id']}/speed", json={"tx_mbps": 5}, headers=AUTH)
+    await wait_for(lambda: _status_is(api, old["fellow_id"], "stale"))
+    new = await register(api, "alpha", instance_id="i2")
+    assert new["fellow_id"] == old["fellow_id"]
+    view = await get_fellow(api, new["fellow_id"])
+    assert view["status"] == "ready"
+    # A new process starts with a clean signal queue.
+    assert await poll(api, new) == []
+
+
+async def test_register_reuses_id_after_leaving(api):
+    old = await register(api, "alpha", instance_id="i1")
+    await heartbeat(api, old, status="leaving")
+    assert (await get_fellow(api, old["fellow_id"]))["status"] == "leaving"
+    new = await register(api, "alpha", instance_id="i2")
+    assert new["fellow_id"] == old["fellow_id"]
+    assert (await get_fellow(api, new["fellow_id"]))["status"] == "ready"
+
+
+async def _status_is(api: TestClient, fellow_id: int, status: str) -> bool:
+    return (await get_fellow(api, fellow_id))["status"] == status
+
+
+@pytest.mark.parametrize(("body", "field", "needle"), [
+    ({"name": "a", "instance_id": "i", "pid": "12"}, "$.pid", "integer"),
+    ({"name": "a", "instance_id": "i", "pid": True}, "$.pid", "integer"),
+    ({"name": "a", "instance_id": "i", "pid": -1}, "$.pid", ">= 0"),
+    ({"name": 5, "instance_id": "i"}, "$.name", "string"),
+    ({"name": "", "instance_id": "i"}, "$.name", "printable"),
+    ({"name": "x" * 129, "instance_id": "i"}, "$.name", "printable"),
+    ({"name": "a\nb", "instance_id": "i"}, "$.name", "printable"),
+    ({"instance_id": "i"}, "$.name", "required"),
+    ({"name": "a"}, "$.instance_id", "required"),
+    ({"name": "a", "instance_id": "i", "threads": 0}, "$.threads", "between"),
+    ({"name": "a", "instance_id": "i", "devices": []}, "$.devices", "1-64"),
+    ({"name": "a", "instance_id": "i", "devices": ["tpu"]}, "$.devices", "cuda"),
+    ({"name": "a", "instance_id": "i", "devices": ["cpu", 3]}, "$.devices[1]", "string"),
+    ({"name": "a", "instance_id": "i", "devices": "cpu"}, "$.devices", "list"),
+    ({"name": "a", "instance_id": "i", "data_addr": 1}, "$.data_addr", ""),
+    ({"name": "a", "instance_id": "i", "color": "red"}, "$", "color"),
+    ([], "$", "object"),
+    ("name", "$", "object"),
+])
+async def test_register_bad_body_400(api, body, field, needle):
+    resp = await api.post(f"{A}/fellows/register", json=body, headers=AUTH)
+    err = await expect_error(resp, 400, "invalid_body", field)
+    assert needle in err["message"]
+    listed = await expect_ok(await api.get(f"{A}/fellows", headers=AUTH))
+    assert listed["fellows"] == []
+
+
+async def test_register_invalid_json_400(api):
+    for body in (b"{", b"{'name': 1}", b"\xff\xfe", b"[1,]", b"NaN"):
+        resp = await api.post(f"{A}/fellows/register", **raw(body))
+        err = await expect_error(resp, 400, "invalid_json")
+        assert "not valid JSON" in err["message"]
+
+
+async def test_register_auth_and_media_type(api):
+    body = {"name": "a", "instance_id": "i"}
+    await expect_error(await api.post(f"{A}/fellows/register", json=body), 401, "unauthorized")
+    await expect_error(await api.post(f"{A}/fellows/register", json=body,
+                                      headers={"Authorization": "Bearer wrong"}), 401)
+    resp = await api.post(f"{A}/fellows/register", **raw(orjson.dumps(body), "text/plain"))
+    await expect_error(resp, 415, "unsupported_media_type")
+    # A charset parameter or a missing content type is fine.
+    resp = await api.post(f"{A}/fellows/register",
+                          **raw(orjson.dumps(body), "application/json; charset=utf-8"))
+    await expect_ok(resp, 201)
+
+
+async def test_register_body_over_default_limit_413(api):
+    big = {"name": "a", "instance_id": "i", "version": "v" * (1 << 20)}
+    resp = await api.post(f"{A}/fellows/register", **raw(orjson.dumps(big)))
+    err = await expect_error(resp, 413, "body_too_large")
+    assert str(1 << 20) in err["message"]
+
+
+async def test_body_over_configured_limit_413(make_api):
+    api = await make_api(max_json_bytes=2048)
+    ok = {"name": "a", "instance_id": "i", "version": "v" * 1000}
+    await expect_ok(await api.post(f"{A}/fellows/register", json=ok, headers=AUTH), 201)
+    big = {**ok, "version": "v" * 4000}
+    await expect_error(await api.post(f"{A}/fellows/register", json=big, headers=AUTH),
+                       413, "body_too_large")
+    job = {"model": {"blob": "x" * 4000}}
+    await expect_error(await api.post(f"{A}/jobs", json=job, headers=AUTH), 413)
+    jobs = await expect_ok(await api.get(f"{A}/jobs", headers=AUTH))
+    assert jobs["jobs"] == []
+
+
+# --- fellows: list, get -------------------------------------------------------------------------
+
+
+async def test_list_and_get_fellows(api):
+    assert (await expect_ok(await api.get(f"{A}/fellows", headers=AUTH)))["fellows"] == []
+    await expect_error(await api.get(f"{A}/fellows"), 401)
+    a = await register(api, "a")
+    b = await register(api, "b")
+    listed = await expect_ok(await api.get(f"{A}/fellows", headers=AUTH))
+    assert [f["fellow_id"] for f in listed["fellows"]] == [a["fellow_id"], b["fellow_id"]]
+    one = await get_fellow(api, b["fellow_id"])
+    assert one == {**listed["fellows"][1], "heartbeat_age_s": one["heartbeat_age_s"]}
+
+
+@pytest.mark.parametrize(("path_id", "status", "code"), [
+    ("99", 404, "unknown_fellow"),
+    ("abc", 400, "invalid_param"),
+    ("-1", 400, "invalid_param"),
+    ("1.5", 400, "invalid_param"),
+])
+async def test_get_fellow_errors(api, path_id, status, code):
+    await register(api, "a")
+    resp = await api.get(f"{A}/fellows/{path_id}", headers=AUTH)
+    err = await expect_error(resp, status, code)
+    if status == 400:
+        assert err["field"] == "fellow_id"
+
+
+# --- heartbeat ----------------------------------------------------------------------------------
+
+
+async def test_heartbeat_updates_view(api):
+    f = await register(api, "a")
+    reply = await heartbeat(api, f, status="busy", current_job="job-x", current_stage=1,
+                            current_step=17, last_loss=2.5, tokens_per_s=123.0,
+                            counters={"control_tx": 10, "control_rx": 20, "data_tx": 30,
+                                      "data_rx": 40},
+                            link={"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 25})
+    assert reply == {"pending_signals": 0}
+    view = await get_fellow(api, f["fellow_id"])
+    assert view["status"] == "busy" and view["reported_status"] == "busy"
+    assert view["current_job"] == "job-x" and view["current_stage"] == 1
+    assert view["current_step"] == 17 and view["last_loss"] == 2.5
+    assert view["tokens_per_s"] == 123.0
+    assert view["counters"] == {"control_tx": 10, "control_rx": 20, "data_tx": 30, "data_rx": 40}
+    assert view["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 25.0}
+    assert view["last_heartbeat"] is not None and 0 <= view["heartbeat_age_s"] < 1
+    # An empty body is a plain "ready" heartbeat with defaults.
+    await heartbeat(api, f)
+    view = await get_fellow(api, f["fellow_id"])
+    assert view["status"] == "ready" and view["current_step"] == 0
+
+
+async def test_heartbeat_acknowledges_signals(api):
+    f = await register(api, "a")
+    for mbps in (1, 2, 3):
+        await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={"tx_mbps": mbps},
+                       headers=AUTH)
+    assert (await heartbeat(api, f, signal_seq=2)) == {"pending_signals": 1}
+    assert [s["seq"] for s in await poll(api, f)] == [3]
+    assert (await heartbeat(api, f, signal_seq=3)) == {"pending_signals": 0}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"link": {"tx_mbps": -1}}, "$.link.tx_mbps"),
+    ({"link": {"tx_mbps": 0}}, "$.link.tx_mbps"),
+    ({"link": {"latency_ms": 60001}}, "$.link.latency_ms"),
+    ({"link": {"rx_mbps": "fast"}}, "$.link.rx_mbps"),
+    ({"link": {"jitter": 1}}, "$.link"),
+    ({"link": []}, "$.link"),
+    ({"counters": {"control_tx": -5}}, "$.counters.control_tx"),
+    ({"counters": {"data_rx": 1.5}}, "$.counters.data_rx"),
+    ({"counters": 7}, "$.counters"),
+    ({"status": "asleep"}, "$.status"),
+    ({"status": "stale"}, "$.status"),
+    ({"current_step": -1}, "$.current_step"),
+    ({"current_step": False}, "$.current_step"),
+    ({"tokens_per_s": -0.5}, "$.tokens_per_s"),
+    ({"signal_seq": "1"}, "$.signal_seq"),
+    ({"bogus": 1}, "$"),
+])
+async def test_heartbeat_bad_body_400(api, body, field):
+    f = await register(api, "a")
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/heartbeat", json=body,
+                          headers=f["headers"])
+    await expect_error(resp, 400, "invalid_body", field)
+    assert (await get_fellow(api, f["fellow_id"]))["link"]["tx_mbps"] is None
+
+
+async def test_heartbeat_invalid_json_400(api):
+    f = await register(api, "a")
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/heartbeat", data=b"{nope",
+                          headers={**f["headers"], "Content-Type": "application/json"})
+    await expect_error(resp, 400, "invalid_json")
+    resp = await api.post(f"{A}/fellows/x/heartbeat", json={}, headers=f["headers"])
+    await expect_error(resp, 400, "invalid_param", "fellow_id")
+
+
+async def test_heartbeat_auth_401_403(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    url = f"{A}/fellows/{a['fellow_id']}/heartbeat"
+    await expect_error(await api.post(url, json={}), 401, "unauthorized")
+    await expect_error(await api.post(url, json={}, headers={
+        "Authorization": "Bearer wrong", SESSION_HEADER: a["session"]}), 401, "unauthorized")
+    await expect_error(await api.post(url, json={}, headers=AUTH), 401, "unknown_session")
+    await expect_error(await api.post(url, json={}, headers={**AUTH, SESSION_HEADER: "bogus"}),
+                       401, "unknown_session")
+    err = await expect_error(await api.post(url, json={"status": "busy"}, headers=b["headers"]),
+                             403, "wrong_fellow")
+    assert str(b["fellow_id"]) in err["message"]
+    # Nothing changed for either fellow.
+    assert (await get_fellow(api, a["fellow_id"]))["status"] == "ready"
+    assert (await get_fellow(api, b["fellow_id"]))["status"] == "ready"
+    # A session on an unknown fellow id is another fellow's id: 403 too.
+    await expect_error(await api.post(f"{A}/fellows/99/heartbeat", json={}, headers=a["headers"]),
+                       403, "wrong_fellow")
+
+
+async def test_heartbeat_released_ends_session(api):
+    f = await register(api, "a")
+    await heartbeat(api, f, status="released")
+    assert (await get_fellow(api, f["fellow_id"]))["status"] == "released"
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/heartbeat", json={},
+                          headers=f["headers"])
+    await expect_error(resp, 401, "unknown_session")
+
+
+# --- signals ------------------------------------------------------------------------------------
+
+
+async def test_signals_all_kinds_with_increasing_seq_and_after(api):
+    f = await register(api, "a", data_addr="127.0.0.1:7000")
+    fid = f["fellow_id"]
+    speed = await expect_ok(await api.post(f"{A}/fellows/{fid}/speed",
+                                           json={"tx_mbps": 10, "latency_ms": 5}, headers=AUTH),
+                            202)
+    job = await submit(api)
+    await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))
+    await expect_ok(await api.post(f"{A}/fellows/release", json={"fellow_ids": [fid]},
+                                   headers=AUTH), 202)
+    sigs = await poll(api, f)
+    assert [s["kind"] for s in sigs] == ["SET_SPEED", "START", "STOP", "RELEASE"]
+    seqs = [s["seq"] for s in sigs]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 4 and seqs[0] == speed["signal_seq"]
+    assert sigs[0]["payload"] == {"tx_mbps": 10.0, "rx_mbps": None, "latency_ms": 5.0}
+    assert sigs[1]["job_id"] == job["job_id"] and sigs[1]["payload"]["stage"] == 0
+    assert sigs[2]["job_id"] == job["job_id"] and "cancelled" in sigs[2]["payload"]["reason"]
+    # ``after`` returns only newer signals and forgets the acknowledged ones.
+    later = await poll(api, f, after=seqs[1])
+    assert [s["seq"] for s in later] == seqs[2:]
+    assert [s["seq"] for s in await poll(api, f, after=0)] == seqs[2:]
+    assert await poll(api, f, after=seqs[-1]) == []
+
+
+async def test_signal_long_poll_wakes_early(api):
+    f = await register(api, "a")
+    t0 = time.monotonic()
+    waiter = asyncio.create_task(poll(api, f, wait=10))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={"rx_mbps": 3}, headers=AUTH)
+    sigs = await asyncio.wait_for(waiter, 5)
+    elapsed = time.monotonic() - t0
+    assert [s["kind"] for s in sigs] == ["SET_SPEED"]
+    assert elapsed < 2.0
+
+
+async def test_signal_poll_times_out_empty(api):
+    f = await register(api, "a")
+    t0 = time.monotonic()
+    assert await poll(api, f, wait=0.2) == []
+    assert 0.15 <= time.monotonic() - t0 < 2
+
+
+@pytest.mark.parametrize(("query", "field"), [
+    ({"wait": "-1"}, "wait"),
+    ({"wait": "31"}, "wait"),
+    ({"wait": "soon"}, "wait"),
+    ({"wait": "nan"}, "wait"),
+    ({"after": "-1"}, "after"),
+    ({"after": "x"}, "after"),
+])
+async def test_signal_poll_bad_query_400(api, query, field):
+    f = await register(api, "a")
+    resp = await api.get(f"{A}/fellows/{f['fellow_id']}/signals", params=query,
+                         headers=f["headers"])
+    await expect_error(resp, 400, "invalid_param", field)
+
+
+async def test_signal_poll_auth_401_403(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    url = f"{A}/fellows/{a['fellow_id']}/signals"
+    await expect_error(await api.get(url), 401, "unauthorized")
+    await expect_error(await api.get(url, headers=AUTH), 401, "unknown_session")
+    await expect_error(await api.get(url, headers={**AUTH, SESSION_HEADER: "x"}), 401)
+    await expect_error(await api.get(url, headers=b["headers"]), 403, "wrong_fellow")
+
+
+# --- speed --------------------------------------------------------------------------------------
+
+
+async def test_set_speed(api):
+    f = await register(api, "a")
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed",
+                          json={"tx_mbps": 2.5, "rx_mbps": 4, "latency_ms": 100}, headers=AUTH)
+    body = await expect_ok(resp, 202)
+    assert body["fellow_id"] == f["fellow_id"] and body["signal_seq"] == 1
+    assert body["link"] == {"tx_mbps": 2.5, "rx_mbps": 4.0, "latency_ms": 100.0}
+    # Unlimited again: an empty body means no limits.
+    body = await expect_ok(await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={},
+                                          headers=AUTH), 202)
+    assert body["link"] == {"tx_mbps": None, "rx_mbps": None, "latency_ms": 0.0}
+    assert body["signal_seq"] == 2
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"tx_mbps": -1}, "$.tx_mbps"),
+    ({"rx_mbps": 0}, "$.rx_mbps"),
+    ({"tx_mbps": "1"}, "$.tx_mbps"),
+    ({"latency_ms": -0.1}, "$.latency_ms"),
+    ({"latency_ms": 1e9}, "$.latency_ms"),
+    ({"latency_ms": None}, "$.latency_ms"),
+    ({"jitter_ms": 1}, "$"),
+    ([1], "$"),
+])
+async def test_set_speed_bad_body_400(api, body, field):
+    f = await register(api, "a")
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json=body, headers=AUTH)
+    await expect_error(resp, 400, "invalid_body", field)
+    assert await poll(api, f) == []
+
+
+async def test_set_speed_errors(api):
+    f = await register(api, "a")
+    await expect_error(await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={}), 401)
+    await expect_error(await api.post(f"{A}/fellows/7/speed", json={}, headers=AUTH),
+                       404, "unknown_fellow")
+    await expect_error(await api.post(f"{A}/fellows/x/speed", json={}, headers=AUTH),
+                       400, "invalid_param", "fellow_id")
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed", **raw(b"{"))
+    await expect_error(resp, 400, "invalid_json")
+
+
+@pytest.mark.parametrize("gone", ["released", "leaving"])
+async def test_set_speed_on_released_fellow_409(api, gone):
+    f = await register(api, "a")
+    await expect_ok(await api.post(f"{A}/fellows/release", json={"fellow_ids": [f["fellow_id"]]},
+                                   headers=AUTH), 202)
+    await heartbeat(api, f, status=gone, signal_seq=1)
+    resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={"tx_mbps": 1},
+                          headers=AUTH)
+    await expect_error(resp, 409, "fellow_gone")
+
+
+# --- release ------------------------------------------------------------------------------------
+
+
+async def test_release_by_ids(api):
+    a, b, c = [await register(api, n) for n in ("a", "b", "c")]
+    ids = [a["fellow_id"], c["fellow_id"], a["fellow_id"]]
+    body = await expect_ok(await api.post(f"{A}/fellows/release", json={"fellow_ids": ids},
+                                          headers=AUTH), 202)
+    assert body == {"released": [a["fellow_id"], c["fellow_id"]]}
+    assert [s["kind"] for s in await poll(api, a)] == ["RELEASE"]
+    assert [s["kind"] for s in await poll(api, c)] == ["RELEASE"]
+    assert await poll(api, b) == []
+
+
+async def test_release_all_skips_gone_fellows(api):
+    a, b, c = [await register(api, n) for n in ("a", "b", "c")]
+    await heartbeat(api, b, status="released")
+    body = await expect_ok(await api.post(f"{A}/fellows/release", json={"all": True},
+                                          headers=AUTH), 202)
+    assert body == {"released": [a["fellow_id"], c["fellow_id"]]}
+    assert [s["kind"] for s in await poll(api, a)] == ["RELEASE"]
+
+
+async def test_release_running_fellow_carries_job_id(api):
+    f = await register(api, "a")
+    job = await submit(api)
+    await expect_ok(await api.post(f"{A}/fellows/release", json={"all": True}, headers=AUTH),
+                    202)
+    release = (await poll(api, f))[-1]
+    assert release["kind"] == "RELEASE" and release["job_id"] == job["job_id"]
+
+
+@pytest.mark.parametrize(("body", "status", "field"), [
+    ({"fellow_ids": [0], "all": True}, 400, "$"),
+    ({}, 400, "$"),
+    ({"fellow_ids": [], "all": False}, 400, "$"),
+    ({"fellow_ids": ["0"]}, 400, "$.fellow_ids[0]"),
+    ({"fellow_ids": 0}, 400, "$.fellow_ids"),
+    ({"all": "yes"}, 400, "$.all"),
+    ({"all": 1}, 400, "$.all"),
+    ({"all": True, "force": True}, 400, "$"),
+    ({"fellow_ids": [0, 42]}, 404, None),
+])
+async def test_release_errors(api, body, status, field):
+    f = await register(api, "a")
+    resp = await api.post(f"{A}/fellows/release", json=body, headers=AUTH)
+    await expect_error(resp, status, "unknown_fellow" if status == 404 else "invalid_body", field)
+    # Nothing was released, not even the valid ids of a request that failed.
+    assert await poll(api, f) == []
+
+
+async def test_release_needs_token(api):
+    await expect_error(await api.post(f"{A}/fellows/release", json={"all": True}), 401)
+
+
+# --- nodes --------------------------------------------------------------------------------------
+
+
+async def test_nodes_report_control_plane_bytes(api):
+    a = await register(api, "a", host="h-a")
+    b = await register(api, "b")
+    await heartbeat(api, a, counters={"control_tx": 1500, "control_rx": 2500, "data_tx": 7,
+                                      "data_rx": 9})
+    await heartbeat(api, a, counters={"control_tx": 3000, "control_rx": 4000, "data_tx": 8,
+                                      "data_rx": 10})
+    await expect_error(await api.get(f"{A}/nodes"), 401)
+    nodes = (await expect_ok(await api.get(f"{A}/nodes", headers=AUTH)))["nodes"]
+    by_id = {n["fellow_id"]: n for n in nodes}
+    assert by_id[a["fellow_id"]] == {
+        "fellow_id": a["fellow_id"], "name": "a", "host": "h-a", "status": "ready",
+        "control_tx": 3000, "control_rx": 4000, "data_tx": 8, "data_rx": 10}
+    assert by_id[b["fellow_id"]]["control_tx"] == 0
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+async def test_submit_pending_explains_waiting(api):
+    await register(api, "a")
+    job = await submit(api, fellows=2, name="big", kind="train",
+                       model={"d_model": 64}, training={"steps": 10})
+    assert job["state"] == "PENDING" and job["job_id"].startswith("job-")
+    assert job["waiting_for"] == "needs 2 ready fellow(s), 1 ready"
+    assert job["name"] == "big" and job["kind"] == "train"
+    assert job["model"] == {"d_model": 64} and job["training"] == {"steps": 10}
+    assert job["topology"] == {"fellows": 2} and job["fellows"] == []
+    assert job["started_at"] is None and job["finished_at"] is None
+    second = await submit(api, fellows=1)
+    assert second["state"] == "PENDING"
+    assert second["waiting_for"] == "1 job(s) ahead in the queue"
+
+
+async def test_submit_defaults(api):
+    job = await expect_ok(await api.post(f"{A}/jobs", json={}, headers=AUTH), 201)
+    assert (job["name"], job["kind"], job["topology"]) == ("job", "train", {"fellows": 1})
+    assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
+    empty = await expect_ok(await api.post(f"{A}/jobs", data=b"", headers=AUTH), 201)
+    assert empty["job_id"] != job["job_id"]
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"topology": {"fellows": 0}}, "$.topology.fellows"),
+    ({"topology": {"fellows": 2000}}, "$.topology.fellows"),
+    ({"topology": {"fellows": "2"}}, "$.topology.fellows"),
+    ({"topology": {"stages": 2}}, "$.topology"),
+    ({"topology": None}, "$.topology"),
+    ({"kind": "eval"}, "$.kind"),
+    ({"name": ""}, "$.name"),
+    ({"model": []}, "$.model"),
+    ({"training": "x"}, "$.training"),
+    ({"priority": 1}, "$"),
+    (3, "$"),
+])
+async def test_submit_bad_body_400(api, body, field):
+    await expect_error(await api.post(f"{A}/jobs", json=body, headers=AUTH), 400,
+                       "invalid_body", field)
+    assert (await expect_ok(await api.get(f"{A}/jobs", headers=AUTH)))["jobs"] == []
+
+
+async def test_submit_errors(api):
+    await expect_error(await api.post(f"{A}/jobs", json={}), 401)
+    await expect_error(await api.post(f"{A}/jobs", **raw(b"{]")), 400, "invalid_json")
+    await expect_error(await api.post(f"{A}/jobs", **raw(b"{}", "text/plain")), 415)
+    big = {"model": {"w": "x" * (1 << 20)}}
+    await expect_error(await api.post(f"{A}/jobs", **raw(orjson.dumps(big))), 413)
+
+
+async def test_submit_deeply_nested_config_400(api):
+    # orjson reads 300 levels but cannot write them back: such a job could never be stored,
+    # nor its START signal sent.
+    body = b'{"model":{"x":1},"training":' + _nested_json(300) + b"}"
+    resp = await api.post(f"{A}/jobs", **raw(body))
+    await expect_error(resp, 400, "invalid_body", "$.training")
+    f = await register(api, "a")
+    # Nothing half-stored: the fellow is still free and gets no START.
+    assert await poll(api, f) == []
+    assert (await expect_ok(await api.get(f"{A}/jobs", headers=AUTH)))["jobs"] == []
+
+
+def _nested_json(depth: int) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+async def test_dispatch_starts_job_and_sends_start(api):
+    a = await register(api, "a", data_addr="10.0.0.1:1")
+    job = await submit(api, fellows=2, model={"layers": 2})
+    assert job["state"] == "PENDING"
+    assert await poll(api, a) == []
+    b = await register(api, "b", data_addr="10.0.0.2:2")
+    job = await get_job(api, job["job_id"])
+    assert job["state"] == "RUNNING" and job["waiting_for"] == ""
+    assert sorted(job["fellows"]) == sorted([a["fellow_id"], b["fellow_id"]])
+    assert job["started_at"] is not None
+    starts = [(await poll(api, f))[0] for f in (a, b)]
+    assert all(s["kind"] == "START" and s["job_id"] == job["job_id"] for s in starts)
+    assert sorted(s["payload"]["stage"] for s in starts) == [0, 1]
+    for s in starts:
+        p = s["payload"]
+        assert p["num_stages"] == 2 and p["job_id"] == job["job_id"]
+        assert p["model"] == {"layers": 2} and p["kind"] == "smoke"
+        assert [(x["stage"], x["fellow_id"]) for x in p["placement"]] == [
+            (0, job["fellows"][0]), (1, job["fellows"][1])]
+        assert {x["data_addr"] for x in p["placement"]} == {"10.0.0.1:1", "10.0.0.2:2"}
+    view = await get_fellow(api, a["fellow_id"])
+    assert view["current_job"] == job["job_id"]
+
+
+async def test_only_one_job_runs_oldest_first(api):
+    fellows = [await register(api, n) for n in ("a", "b", "c")]
+    first = await submit(api, fellows=1, name="first")
+    second = await submit(api, fellows=1, name="second")
+    first = await get_job(api, first["job_id"])
+    second = await get_job(api, second["job_id"])
+    assert first["state"] == "RUNNING"
+    # Two fellows are idle, but only one job runs at a time.
+    assert second["state"] == "PENDING"
+    assert second["waiting_for"] == f"job {first['job_id']} is running"
+    runner = next(f for f in fellows if f["fellow_id"] == first["fellows"][0])
+    await expect_ok(await report(api, first["job_id"], runner, "COMPLETED", step=5))
+    second = await get_job(api, second["job_id"])
+    assert second["state"] == "RUNNING"
+    running = await expect_ok(await api.get(f"{A}/jobs", params={"state": "running"},
+                                            headers=AUTH))
+    assert [j["job_id"] for j in running["jobs"]] == [second["job_id"]]
+
+
+async def test_status_updates_advance_last_step(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    job = await submit(api, fellows=2)
+    jid = job["job_id"]
+    steps = [(a, 3), (b, 5), (a, 4), (b, 9), (a, 2)]
+    seen = []
+    for f, step in steps:
+        body = await expect_ok(await report(api, jid, f, "RUNNING", step=step, loss=1.0 / step,
+                                            tokens_per_s=10.0))
+        assert body["state"] == "RUNNING"
+        seen.append(body["last_step"])
+    assert seen == [3, 5, 5, 9, 9]
+    assert (await get_job(api, jid))["last_loss"] == 0.5
+
+
+async def test_all_fellows_completed_completes_job(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    jid = (await submit(api, fellows=2))["job_id"]
+    body = await expect_ok(await report(api, jid, a, "COMPLETED", step=10))
+    assert body["state"] == "RUNNING"
+    # Completing twice is harmless.
+    body = await expect_ok(await report(api, jid, a, "COMPLETED", step=10))
+    assert body["state"] == "RUNNING"
+    body = await expect_ok(await report(api, jid, b, "COMPLETED", step=10, message="done"))
+    assert body["state"] == "COMPLETED" and body["finished_at"] is not None
+    assert body["reason"] == "done" and body["last_step"] == 10
+    # Completed fellows get no STOP, and are free again.
+    assert [s["kind"] for s in await poll(api, a)] == ["START"]
+    assert (await get_fellow(api, a["fellow_id"]))["current_job"] is None
+
+
+async def test_failed_fellow_fails_job(api):
+    a = await register(api, "a")
+    b = await register(api, "b", "b-inst")
+    jid = (await submit(api, fellows=2))["job_id"]
+    await expect_ok(await report(api, jid, a, "RUNNING", step=3))
+    body = await expect_ok(await report(api, jid, b, "FAILED", step=4, message="CUDA OOM"))
+    assert body["state"] == "FAILED"
+    assert f"fellow {b['fellow_id']} (b)" in body["reason"]
+    assert "step 4" in body["reason"] and "CUDA OOM" in body["reason"]
+    # The other fellow is told to stop.
+    sigs = await poll(api, a)
+    assert [s["kind"] for s in sigs] == ["START", "STOP"]
+    assert sigs[1]["job_id"] == jid and body["reason"] in sigs[1]["payload"]["reason"]
+
+
+async def test_cancel_pending_job(api):
+    job = await submit(api, fellows=3)
+    body = await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))
+    assert body["state"] == "CANCELLED" and body["reason"] == "cancelled by request"
+    assert body["finished_at"] is not None and body["waiting_for"] == ""
+
+
+async def test_cancel_running_job_sends_stop(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    job = await submit(api, fellows=2)
+    body = await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))
+    assert body["state"] == "CANCELLED"
+    for f in (a, b):
+        sigs = await poll(api, f)
+        assert [s["kind"] for s in sigs] == ["START", "STOP"]
+        assert sigs[1]["job_id"] == job["job_id"]
+        assert (await get_fellow(api, f["fellow_id"]))["current_job"] is None
+    # The fellows are free: the next job starts at once.
+    assert (await submit(api, fellows=2))["state"] == "RUNNING"
+
+
+async def test_cancel_errors(api):
+    await expect_error(await api.post(f"{A}/jobs/job-999999/cancel", headers=AUTH), 404,
+                       "unknown_job")
+    job = await submit(api)
+    await expect_error(await api.post(f"{A}/jobs/{job['job_id']}/cancel"), 401)
+    await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))
+    err = await expect_error(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH),
+                             409, "job_finished")
+    assert "CANCELLED" in err["message"]
+    f = await register(api, "a")
+    done = await submit(api)
+    await expect_ok(await report(api, done["job_id"], f, "COMPLETED"))
+    await expect_error(await api.post(f"{A}/jobs/{done['job_id']}/cancel", headers=AUTH),
+                       409, "job_finished")
+
+
+async def test_list_and_get_jobs(api):
+    a = await register(api, "a")
+    j1 = await submit(api, name="one")
+    j2 = await submit(api, name="two")
+    j3 = await submit(api, name="three")
+    await expect_ok(await api.post(f"{A}/jobs/{j3['job_id']}/cancel", headers=AUTH))
+    await expect_error(await api.get(f"{A}/jobs"), 401)
+    listed = await expect_ok(await api.get(f"{A}/jobs", headers=AUTH))
+    assert [j["job_id"] for j in listed["jobs"]] == [j1["job_id"], j2["job_id"], j3["job_id"]]
+
+    async def ids(state: str) -> list[str]:
+        body = await expect_ok(await api.get(f"{A}/jobs", params={"state": state},
+                                             headers=AUTH))
+        return [j["job_id"] for j in body["jobs"]]
+
+    assert await ids("RUNNING") == [j1["job_id"]]
+    assert await ids("pending") == [j2["job_id"]]
+    assert await ids("Cancelled") == [j3["job_id"]]
+    assert await ids("FAILED") == []
+    assert (await get_job(api, j1["job_id"]))["fellows"] == [a["fellow_id"]]
+    err = await expect_error(await api.get(f"{A}/jobs", params={"state": "done"},
+                                           headers=AUTH), 400, "invalid_param", "state")
+    assert "PENDING" in err["message"]
+    await expect_error(await api.get(f"{A}/jobs/job-424242", headers=AUTH), 404, "unknown_job")
+    await expect_error(await api.get(f"{A}/jobs/{j1['job_id']}"), 401)
+
+
+async def test_job_status_auth_errors(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    jid = (await submit(api, fellows=2))["job_id"]
+    url = f"{A}/jobs/{jid}/status"
+    body = {"fellow_id": a["fellow_id"], "state": "RUNNING", "step": 1}
+    await expect_error(await api.post(url, json=body), 401, "unauthorized")
+    await expect_error(await api.post(url, json=body, headers=AUTH), 401, "unknown_session")
+    await expect_error(await api.post(url, json=body, headers={**AUTH, SESSION_HEADER: "zz"}),
+                       401, "unknown_session")
+    # b's session speaking for a.
+    await expect_error(await api.post(url, json=body, headers=b["headers"]), 403, "wrong_fellow")
+    assert (await get_job(api, jid))["last_step"] == 0
+
+
+async def test_job_status_state_errors(api):
+    a = await register(api, "a")
+    b = await register(api, "b")
+    jid = (await submit(api, fellows=1))["job_id"]
+    runner, idle = (a, b) if (await get_job(api, jid))["fellows"] == [a["fellow_id"]] else (b, a)
+    await expect_error(await report(api, "job-777777", runner, "RUNNING"), 404, "unknown_job")
+    err = await expect_error(await report(api, jid, idle, "RUNNING", step=1), 409, "not_in_job",
+                             "$.fellow_id")
+    assert str(idle["fellow_id"]) in err["message"]
+    pending = (await submit(api, fellows=1))["job_id"]
+    await expect_error(await report(api, pending, runner, "RUNNING"), 409)
+    await expect_ok(await report(api, jid, runner, "COMPLETED", step=2))
+    # Finished: no more status, not even from its own fellow.
+    err = await expect_error(await report(api, jid, runner, "RUNNING", step=3), 409,
+                             "job_not_running")
+    assert "COMPLETED" in err["message"]
+    assert (await get_job(api, jid))["last_step"] == 2
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"state": "RUNNING"}, "$.fellow_id"),
+    ({"fellow_id": 0}, "$.state"),
+    ({"fellow_id": 0, "state": "PENDING"}, "$.state"),
+    ({"fellow_id": 0, "state": "RUNNING", "step": -1}, "$.step"),
+    ({"fellow_id": 0, "state": "RUNNING", "step": 1.5}, "$.step"),
+    ({"fellow_id": -1, "state": "RUNNING"}, "$.fellow_id"),
+    ({"fellow_id": 0, "state": "RUNNING", "loss": "low"}, "$.loss"),
+    ({"fellow_id": 0, "state": "RUNNING", "tokens_per_s": -1}, "$.tokens_per_s"),
+    ({"fellow_id": 0, "state": "FAILED", "message": "m" * 4097}, "$.message"),
+    ({"fellow_id": 0, "state": "RUNNING", "extra": 1}, "$"),
+])
+async def test_job_status_bad_body_400(api, body, field):
+    f = await register(api, "a")
+    jid = (await submit(api))["job_id"]
+    resp = await api.post(f"{A}/jobs/{jid}/status", json=body, headers=f["headers"])
+    await expect_error(resp, 400, "invalid_body", field)
+    assert (await get_job(api, jid))["state"] == "RUNNING"
+
+
+async def test_job_status_invalid_json_400(api):
+    f = await register(api, "a")
+    jid = (await submit(api))["job_id"]
+    resp = await api.post(f"{A}/jobs/{jid}/status", data=b"[",
+                          headers={**f["headers"], "Content-Type": "application/json"})
+    await expect_error(resp, 400, "invalid_json")
+
+
+# --- liveness -----------------------------------------------------------------------------------
+
+
+async def test_stale_fellow_fails_running_job(fast_api):
+    api = fast_api
+    a = await register(api, "a")
+    b = await register(api, "b")
+    jid = (await submit(api, fellows=2))["job_id"]
+    await heartbeat(api, b, status="busy", current_step=7)
+    await expect_ok(await report(api, jid, b, "RUNNING", step=7))
+
+    async def a_beats_and_job_failed():
+        await heartbeat(api, a, status="busy", current_step=8)
+        job = await get_job(api, jid)
+        return job if job["state"] == "FAILED" else None
+
+    t0 = time.monotonic()
+    job = await wait_for(a_beats_and_job_failed, timeout=5.0, interval=0.05)
+    assert time.monotonic() - t0 < 3.0
+    assert job["reason"] == f"fellow {b['fellow_id']} (b) stopped heartbeating at step 7"
+    assert (await get_fellow(api, b["fellow_id"]))["status"] == "stale"
+    assert (await get_fellow(api, a["fellow_id"]))["status"] == "busy"
+    # The fellow that is still alive is told to stop.
+    assert [s["kind"] for s in await poll(api, a)] == ["START", "STOP"]
+
+
+async def test_stale_fellow_is_not_ready(fast_api):
+    api = fast_api
+    f = await register(api, "a")
+    await wait_for(lambda: _status_is(api, f["fellow_id"], "stale"))
+    job = await submit(api)
+    assert job["state"] == "PENDING"
+    assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
+    # A heartbeat brings it back and the dispatcher starts the job.
+    await heartbeat(api, f)
+    assert (await get_job(api, job["job_id"]))["state"] == "RUNNING"
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+async def test_events_need_token(api):
+    with pytest.raises(WSServerHandshakeError) as exc:
+        await api.ws_connect(f"{A}/events")
+    assert exc.value.status == 401
+    with pytest.raises(WSServerHandshakeError) as exc:
+        await api.ws_connect(f"{A}/events", headers={"Authorization": "Bearer nope"})
+    assert exc.value.status == 401
+
+
+async def test_events_stream_fellow_job_and_metric(api):
+    async with api.ws_connect(f"{A}/events", headers=AUTH) as ws:
+        hello = orjson.loads(await ws.receive_bytes(timeout=2))
+        assert hello["type"] == "hello" and isinstance(hello["seq"], int)
+        f = await register(api, "a")
+        ev = await next_event(ws, "fellow.registered")
+        assert ev["data"]["fellow_id"] == f["fellow_id"] and ev["data"]["name"] == "a"
+        await heartbeat(api, f, counters={"control_tx": 5})
+        ev = await next_event(ws, "fellow.heartbeat")
+        assert ev["data"]["counters"]["control_tx"] == 5
+        await heartbeat(api, f, status="busy")
+        ev = await next_event(ws, "fellow.status")
+        assert ev["data"]["status"] == "busy"
+        await heartbeat(api, f)
+        await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={"tx_mbps": 3}, headers=AUTH)
+        ev = await next_event(ws, "fellow.set_speed")
+        assert ev["data"]["tx_mbps"] == 3.0
+        jid = (await submit(api))["job_id"]
+        assert (await next_event(ws, "job.submitted"))["data"]["job_id"] == jid
+        started = await next_event(ws, "job.started")
+        assert started["data"]["fellows"] == [f["fellow_id"]]
+        await report(api, jid, f, "RUNNING", step=3, loss=1.25)
+        metric = await next_event(ws, "metric")
+        assert metric["data"] == {"job_id": jid, "fellow_id": f["fellow_id"], "step": 3,
+                                  "loss": 1.25, "tokens_per_s": None, "state": "RUNNING"}
+        await report(api, jid, f, "COMPLETED", step=4)
+        done = await next_event(ws, "job.completed")
+        assert done["data"]["state"] == "COMPLETED" and done["data"]["last_step"] == 4
+        assert metric["seq"] < done["seq"]
+        await api.post(f"{A}/fellows/release", json={"all": True}, headers=AUTH)
+        assert (await next_event(ws, "fellow.release"))["data"]["name"] == "a"
+
+
+async def test_events_filters(api):
+    f = await register(api, "a")
+    g = await register(api, "b")
+    job1 = await submit(api)
+    runner = f if (await get_job(api, job1["job_id"]))["fellows"] == [f["fellow_id"]] else g
+    async with api.ws_connect(f"{A}/events", params={"types": "job"}, headers=AUTH) as jobs_ws, \
+            api.ws_connect(f"{A}/events", params={"job_id": job1["job_id"]},
+                           headers=AUTH) as one_ws, \
+            api.ws_connect(f"{A}/events", params={"types": "metric,fellow"},
+                           headers=AUTH) as mf_ws:
+        for ws in (jobs_ws, one_ws, mf_ws):
+            assert orjson.loads(await ws.receive_bytes(timeout=2))["type"] == "hello"
+        await heartbeat(api, f)
+        await report(api, job1["job_id"], runner, "RUNNING", step=1)
+        await report(api, job1["job_id"], runner, "COMPLETED", step=2)
+        job2 = await submit(api)
+        jobs_events = await drain(jobs_ws)
+        one_events = await drain(one_ws)
+        mf_events = await drain(mf_ws)
+    assert jobs_events and all(e["type"].startswith("job.") for e in jobs_events)
+    assert {e["data"]["job_id"] for e in jobs_events} == {job1["job_id"], job2["job_id"]}
+    assert one_events and all(e["data"].get("job_id") == job1["job_id"] for e in one_events)
+    assert {e["type"] for e in one_events} >= {"metric", "job.completed"}
+    assert {e["type"].split(".")[0] for e in mf_events} == {"metric", "fellow"}
+    seqs = [e["seq"] for e in mf_events]
+    assert seqs == sorted(seqs)
+
+
+async def test_events_closed_on_shutdown(make_api):
+    api = await make_api()
+    ws = await api.ws_connect(f"{A}/events", headers=AUTH)
+    assert orjson.loads(await ws.receive_bytes(timeout=2))["type"] == "hello"
+    t0 = time.monotonic()
+    await api.server.close()
+    msg = await ws.receive(timeout=5)
+    assert msg.type.name in ("CLOSE", "CLOSING", "CLOSED")
+    assert time.monotonic() - t0 < 5
+    await ws.close()
+
+
+def test_every_route_has_a_test():
+    """Guard: a new route in ROUTES must be added to this file."""
+    covered = {
+        ("GET", "/healthz"), ("GET", f"{A}/info"), ("GET", f"{A}/openapi.json"),
+        ("POST", f"{A}/fellows/register"), ("GET", f"{A}/fellows"),
+        ("POST", f"{A}/fellows/release"), ("GET", f"{A}/fellows/{{fellow_id}}"),
+        ("POST", f"{A}/fellows/{{fellow_id}}/heartbeat"),
+        ("GET", f"{A}/fellows/{{fellow_id}}/signals"),
+        ("POST", f"{A}/fellows/{{fellow_id}}/speed"), ("GET", f"{A}/nodes"),
+        ("POST", f"{A}/jobs"), ("GET", f"{A}/jobs"), ("GET", f"{A}/jobs/{{job_id}}"),
+        ("POST", f"{A}/jobs/{{job_id}}/cancel"), ("POST", f"{A}/jobs/{{job_id}}/status"),
+        ("GET", f"{A}/events"),
+    }
+    assert {(r.method, r.path) for r in ROUTES} == covered
