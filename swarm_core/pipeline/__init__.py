@@ -1,0 +1,1 @@
+"""The training engine: model, placement, schedules, codecs, wire frames, shaped links."""

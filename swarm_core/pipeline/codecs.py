@@ -1,0 +1,99 @@
+"""Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (per-row absmax).
+
+``encode`` returns the payload as a list of buffers (written back to back, no copy into one
+blob); ``decode`` rebuilds a float32 tensor from one contiguous payload.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Codec(enum.IntEnum):
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+    INT8 = 4  # per-row absmax: fp32 scale per row (last dim), then int8 codes
+
+
+CODEC_NAMES = {"fp32": Codec.FP32, "fp16": Codec.FP16, "bf16": Codec.BF16, "int8": Codec.INT8}
+_CAST = {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}
+
+
+class CodecError(ValueError):
+    pass
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    # bf16 has no numpy dtype; view as raw bytes through uint8.
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: scale = max|row| / 127, codes = round(x / scale)."""
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
+    return codes, scale.reshape(-1)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return (codes.to(torch.float32) * scale.unsqueeze(1)).reshape(shape)
+
+
+def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
+    x = x.detach()
+    if codec is Codec.INT8:
+        codes, scale = quantize_rows(x.to(torch.float32))
+        return [_as_bytes(scale), _as_bytes(codes)]
+    return [_as_bytes(x.to(_CAST[codec]))]
+
+
+def payload_size(shape: tuple[int, ...], codec: Codec) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    if codec is Codec.INT8:
+        rows = n // shape[-1] if shape and shape[-1] else 1
+        return rows * 4 + n
+    return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
+
+
+def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
+           codec: Codec) -> torch.Tensor:
+    """A float32 tensor of ``shape``. ``payload`` must stay alive while the tensor is used."""
+    expected = payload_size(shape, codec)
+    if len(payload) != expected:
+        raise CodecError(f"{codec.name} payload of shape {shape} needs {expected} bytes, "
+                         f"got {len(payload)}")
+    if expected == 0:
+        return torch.zeros(shape, dtype=torch.float32)
+    buf = torch.frombuffer(payload, dtype=torch.uint8)
+    if codec is Codec.INT8:
+        rows = expected - _numel(shape)
+        scale = buf[:rows].view(torch.float32)
+        codes = buf[rows:].view(torch.int8).reshape(-1, shape[-1])
+        return dequantize_rows(codes, scale, torch.Size(shape))
+    t = buf.view(_CAST[codec]).reshape(shape)
+    return t if codec is Codec.FP32 else t.to(torch.float32)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def roundtrip(x: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """What the far side sees: encode then decode (for single-process simulation)."""
+    if codec is Codec.FP32:
+        return x
+    if codec is Codec.INT8:
+        codes, scale = quantize_rows(x.detach().to(torch.float32))
+        return dequantize_rows(codes, scale, x.shape)
+    return x.to(_CAST[codec]).to(torch.float32)

@@ -1,0 +1,125 @@
+"""The data-plane frame: a fixed 64-byte header, then the raw payload.
+
+    magic "SWRM" | version u8 | kind u8 | codec u8 | dtype u8 | ndim u8 | flags u8 | pad u16
+    job u64 | step u64 | micro_batch u32 | shape 4×u32 | payload_len u64 | payload_crc u32
+    header_crc u32
+
+Little-endian. The payload goes out straight from the tensor's buffer: no JSON, no base64. A frame
+for the wrong job, step, micro-batch or kind is an error, never a guess.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+import zlib
+
+import attrs
+
+MAGIC = b"SWRM"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _HEADER.size + _CRC.size
+assert HEADER_SIZE == 64
+MAX_DIMS = 4
+DEFAULT_MAX_PAYLOAD = 1 << 30
+
+
+class Kind(enum.IntEnum):
+    ACT = 1  # activations, forward
+    GRAD = 2  # gradients, backward
+    NORM = 3  # squared gradient norms for global clipping
+    HELLO = 4  # first frame of a connection: the job's session key
+
+
+class FrameError(ValueError):
+    """A frame that must not be used. The message says what was wrong."""
+
+
+FLAG_EVAL = 1  # forward-only evaluation pass; no gradient will come back
+
+
+def job_tag(job_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little")
+
+
+@attrs.frozen
+class FrameHeader:
+    kind: Kind
+    codec: int
+    dtype: int
+    job: int
+    step: int
+    micro_batch: int
+    shape: tuple[int, ...]
+    payload_len: int
+    payload_crc: int
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        if len(self.shape) > MAX_DIMS:
+            raise FrameError(f"at most {MAX_DIMS} dimensions, got {len(self.shape)}")
+        dims = (*self.shape, *([0] * (MAX_DIMS - len(self.shape))))
+        head = _HEADER.pack(MAGIC, VERSION, int(self.kind), self.codec, self.dtype,
+                            len(self.shape), self.flags, 0, self.job, self.step,
+                            self.micro_batch, *dims, self.payload_len, self.payload_crc)
+        return head + _CRC.pack(zlib.crc32(head))
+
+    @classmethod
+    def unpack(cls, data: bytes | bytearray | memoryview,
+               max_payload: int = DEFAULT_MAX_PAYLOAD) -> FrameHeader:
+        if len(data) != HEADER_SIZE:
+            raise FrameError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
+        head = bytes(data[: _HEADER.size])
+        (magic, version, kind, codec, dtype, ndim, flags, _pad, job, step, micro,
+         d0, d1, d2, d3, plen, pcrc) = _HEADER.unpack(head)
+        if magic != MAGIC:
+            raise FrameError(f"bad magic {magic!r} (not a SilentSwarm data-plane stream)")
+        if version != VERSION:
+            raise FrameError(f"frame version {version}, this fellow speaks {VERSION}")
+        (hcrc,) = _CRC.unpack(bytes(data[_HEADER.size:]))
+        if hcrc != zlib.crc32(head):
+            raise FrameError("header checksum mismatch (corrupted header)")
+        try:
+            kind_e = Kind(kind)
+        except ValueError:
+            raise FrameError(f"unknown frame kind {kind}") from None
+        if ndim > MAX_DIMS:
+            raise FrameError(f"ndim {ndim} > {MAX_DIMS}")
+        if plen > max_payload:
+            raise FrameError(f"payload of {plen} bytes exceeds the limit of {max_payload}")
+        return cls(kind_e, codec, dtype, job, step, micro, (d0, d1, d2, d3)[:ndim], plen,
+                   pcrc, flags)
+
+
+def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[int, ...],
+                codec: int, payload: list[memoryview] | bytes, dtype: int = 1,
+                flags: int = 0) -> FrameHeader:
+    bufs = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
+    crc = 0
+    total = 0
+    for b in bufs:
+        crc = zlib.crc32(b, crc)
+        total += len(b)
+    return FrameHeader(kind, codec, dtype, job, step, micro_batch, tuple(shape), total, crc,
+                       flags)
+
+
+def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> None:
+    if len(payload) != header.payload_len:
+        raise FrameError(f"payload length {len(payload)} != header's {header.payload_len}")
+    if zlib.crc32(payload) != header.payload_crc:
+        raise FrameError(f"payload checksum mismatch in {header.kind.name} step {header.step} "
+                         f"micro-batch {header.micro_batch}")
+
+
+def expect(header: FrameHeader, kind: Kind, job: int, step: int, micro_batch: int) -> None:
+    """Raise unless this is exactly the frame the schedule waits for."""
+    if header.job != job:
+        raise FrameError(f"frame for another job (tag {header.job:#x}, expected {job:#x})")
+    if header.kind != kind or header.step != step or header.micro_batch != micro_batch:
+        raise FrameError(
+            f"expected {kind.name} step {step} micro-batch {micro_batch}, got "
+            f"{header.kind.name} step {header.step} micro-batch {header.micro_batch}")

@@ -1,0 +1,215 @@
+"""``ExperimentModel``: a GPT-style decoder, and the stage slices of it that fellows train.
+
+Every part (embedding, block i, head, bottleneck halves at boundary j) is initialised under its
+own seed derived from the run seed and the part's name, so a stage that builds only its layers
+holds exactly the weights the whole model would: the pipeline and a single process start equal.
+Parameter names use global layer indices (``blocks.7.attn.qkv.weight``), so stage shards glue
+back into one state dict by union.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm_core.config.schemas import Compression, ModelConfig
+from swarm_core.pipeline import codecs
+
+
+def part_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+# torch's default generator is process-global; stages built in threads must take turns.
+_INIT_LOCK = threading.Lock()
+
+
+def seeded(seed: int, name: str, build: Callable[[], nn.Module]) -> nn.Module:
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(part_seed(seed, name))
+        return build()
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        shape = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(),
+                                 nn.Linear(cfg.mlp_ratio * d, d))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class BottleneckDown(nn.Module):
+    """Sender half of a learned bottleneck: Linear(d→k) → LayerNorm(k)."""
+
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, k)
+        self.norm = nn.LayerNorm(k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+class BottleneckUp(nn.Module):
+    """Receiver half: Linear(k→d) → LayerNorm(d)."""
+
+    def __init__(self, k: int, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(k, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+class _WireRoundTrip(torch.autograd.Function):
+    """What a boundary does to a tensor in one process: the codec forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codec: codecs.Codec) -> torch.Tensor:  # type: ignore[override]
+        ctx.codec = codec
+        return codecs.roundtrip(x, codec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return codecs.roundtrip(grad, ctx.codec), None
+
+
+def wire_codec(cfg: ModelConfig) -> codecs.Codec:
+    comp = cfg.compression_spec
+    return codecs.Codec.INT8 if comp.int8 else codecs.CODEC_NAMES[cfg.wire_dtype]
+
+
+def boundary_width(cfg: ModelConfig) -> int:
+    comp = cfg.compression_spec
+    return comp.bottleneck_dim if comp.learned else cfg.d_model
+
+
+class StageModule(nn.Module):
+    """Global layers ``[start, stop)`` of the model, plus what this stage owns at its edges:
+    the embedding (first), the head (last), the bottleneck up-projection of the boundary before
+    it and the down-projection of the boundary after it."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, seed: int, start: int, stop: int,
+                 stage: int, num_stages: int) -> None:
+        super().__init__()
+        self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
+        self.start, self.stop = start, stop
+        comp: Compression = cfg.compression_spec
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.embed = seeded(seed, "embed", lambda: Embedding(cfg, vocab)) if self.first else None
+        self.up = (seeded(seed, f"up{stage - 1}",
+                          lambda: BottleneckUp(comp.bottleneck_dim, cfg.d_model))
+                   if comp.learned and not self.first else None)
+        self.blocks = nn.ModuleDict({
+            str(i): seeded(seed, f"block{i}", lambda: Block(cfg)) for i in range(start, stop)
+        })
+        self.down = (seeded(seed, f"down{stage}",
+                            lambda: BottleneckDown(cfg.d_model, comp.bottleneck_dim))
+                     if comp.learned and not self.last else None)
+        self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        if self.up is not None:
+            x = self.up(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.down is not None:
+            x = self.down(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+class ExperimentModel(nn.Module):
+    """The whole model in one process: the stages chained, each boundary simulated in-process
+    (the same codec forward and backward as the wire). Equal to the pipeline by construction."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int, seed: int,
+                 ranges: Sequence[tuple[int, int]] | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        ranges = list(ranges or [(0, cfg.n_layers)])
+        self.stages = nn.ModuleList(
+            StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
+        )
+        self.codec = wire_codec(cfg)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for i, stage in enumerate(self.stages):
+            x = stage(x)
+            if i < len(self.stages) - 1 and self.codec is not codecs.Codec.FP32:
+                x = _WireRoundTrip.apply(x, self.codec)
+        return x
+
+    def flat_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameter names without the ``stages.N.`` prefix: the glued-model layout."""
+        out = {}
+        for stage in self.stages:
+            out.update(stage.state_dict())
+        return out
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

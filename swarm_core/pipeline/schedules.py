@@ -1,0 +1,42 @@
+"""Micro-batch schedules of one stage: the order of its forward (F) and backward (B) ops.
+
+Both keep the backward ops in micro-batch order, so gradients accumulate in the same order as a
+single process running micro-batches one after another (the exactness anchor).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Op = tuple[Literal["F", "B"], int]
+
+
+def gpipe(stage: int, num_stages: int, micro_batches: int) -> list[Op]:
+    """All forwards, then all backwards: every micro-batch's activations stay alive."""
+    return [("F", i) for i in range(micro_batches)] + [("B", i) for i in range(micro_batches)]
+
+
+def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Op]:
+    """Warm up with (num_stages - stage - 1) forwards, then alternate F and B, then drain:
+    at most num_stages - stage micro-batches alive."""
+    warm = min(num_stages - stage - 1, micro_batches)
+    ops: list[Op] = [("F", i) for i in range(warm)]
+    for i in range(micro_batches - warm):
+        ops += [("F", warm + i), ("B", i)]
+    ops += [("B", i) for i in range(micro_batches - warm, micro_batches)]
+    return ops
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def ops_for(schedule: str, stage: int, num_stages: int, micro_batches: int) -> list[Op]:
+    return SCHEDULES[schedule](stage, num_stages, micro_batches)
+
+
+def max_in_flight(ops: list[Op]) -> int:
+    alive = peak = 0
+    for kind, _ in ops:
+        alive += 1 if kind == "F" else -1
+        peak = max(peak, alive)
+    return peak

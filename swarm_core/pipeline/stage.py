@@ -1,0 +1,279 @@
+"""One stage of a pipeline job on one fellow: links, schedule, optimiser step, evaluation.
+
+Runs in a thread of its own (torch releases the GIL), so the fellow's asyncio loop keeps
+heartbeating while the stage computes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.data import TokenData
+from swarm_core.pipeline import codecs
+from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
+from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.model import StageModule, boundary_width, lm_loss, wire_codec
+from swarm_core.pipeline.optim import (
+    clip_scale,
+    grad_sq_sum,
+    lr_at,
+    make_optimizer,
+    scale_grads,
+    set_lr,
+)
+from swarm_core.pipeline.schedules import ops_for
+from swarm_core.pipeline.transport import DataListener, PeerLink, connect
+
+_F64 = struct.Struct("<d")
+
+
+class StageStopped(Exception):
+    """The leader said STOP (or the job was cancelled)."""
+
+
+@attrs.define
+class StepReport:
+    step: int  # 1-based: steps completed
+    loss: float | None
+    seconds: float
+    tokens: int
+    wire_tx_bytes: int
+    lr: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@attrs.define
+class StageSpec:
+    job_id: str
+    key: str
+    stage: int
+    num_stages: int
+    layers: tuple[int, int]
+    downstream_addr: str | None
+    model: ModelConfig
+    training: TrainingConfig
+
+
+def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
+                        num_stages: int) -> int:
+    """Bytes this stage sends in one training step (headers included)."""
+    mb = training.batch_size // training.micro_batches
+    shape = (mb, model.seq_len, boundary_width(model))
+    frame = HEADER_SIZE + codecs.payload_size(shape, wire_codec(model))
+    sent = 0
+    if stage < num_stages - 1:
+        sent += training.micro_batches * frame  # activations forward
+    if stage > 0:
+        sent += training.micro_batches * frame  # gradients backward
+    if num_stages > 1 and training.grad_clip > 0:
+        norm = HEADER_SIZE + _F64.size
+        sent += norm * ((stage > 0) + (stage < num_stages - 1))
+    return sent
+
+
+class StageRunner:
+    def __init__(self, spec: StageSpec, data: TokenData, shaper: LinkShaper,
+                 stop: threading.Event) -> None:
+        self.spec = spec
+        self.data = data
+        self.shaper = shaper
+        self.stop = stop
+        m = spec.model
+        vocab = m.vocab_size or data.vocab_size
+        self.module = StageModule(m, vocab, spec.training.seed, spec.layers[0], spec.layers[1],
+                                  spec.stage, spec.num_stages)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.opt = make_optimizer(self.module, spec.training)
+        self.codec = wire_codec(m)
+        self.tag = job_tag(spec.job_id)
+        self.first = spec.stage == 0
+        self.last = spec.stage == spec.num_stages - 1
+        self.up: PeerLink | None = None
+        self.down: PeerLink | None = None
+
+    # links -----------------------------------------------------------------------------------
+    def connect(self, listener: DataListener | None, timeout: float) -> None:
+        s = self.spec
+        if not self.last:
+            assert s.downstream_addr is not None
+            self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
+                                timeout)
+        if not self.first:
+            assert listener is not None
+            self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout)
+
+    def close(self) -> None:
+        for link in (self.up, self.down):
+            if link is not None:
+                link.close()
+
+    # training --------------------------------------------------------------------------------
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            raise StageStopped()
+
+    def train_step(self, step: int) -> StepReport:
+        """Global step ``step`` (0-based): all micro-batches, clip, one optimiser step."""
+        t = self.spec.training
+        m = t.micro_batches
+        timeout = t.frame_timeout_s
+        tx0 = self.shaper.tx_bytes
+        t0 = time.perf_counter()
+        lr = lr_at(step, t)
+        set_lr(self.opt, lr)
+        self.module.train()
+        x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
+        xs, ys = x.chunk(m), y.chunk(m)
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        loss_sum = 0.0
+        for op, i in ops_for(t.schedule, self.spec.stage, self.spec.num_stages, m):
+            self._check_stop()
+            if op == "F":
+                if self.first:
+                    inp = xs[i]
+                else:
+                    assert self.up is not None
+                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout)
+                    inp.requires_grad_(True)
+                    inputs[i] = inp
+                out = self.module(inp)
+                if self.last:
+                    loss = lm_loss(out, ys[i]) / m
+                    loss_sum += float(loss.detach())
+                    outputs[i] = loss
+                else:
+                    assert self.down is not None
+                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
+                    outputs[i] = out
+            else:
+                if self.last:
+                    outputs.pop(i).backward()
+                else:
+                    assert self.down is not None
+                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout)
+                    outputs.pop(i).backward(grad)
+                if not self.first:
+                    assert self.up is not None
+                    inp = inputs.pop(i)
+                    assert inp.grad is not None
+                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
+        if t.grad_clip > 0:
+            scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        for link in (self.up, self.down):
+            if link is not None:
+                link.flush(timeout)
+        seconds = time.perf_counter() - t0
+        return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
+                          tokens=t.batch_size * self.spec.model.seq_len,
+                          wire_tx_bytes=self.shaper.tx_bytes - tx0, lr=lr)
+
+    def _global_sq(self, step: int) -> float:
+        """Sum of squared gradients over every stage: up the pipe, then the total back down."""
+        local = grad_sq_sum(self.params)
+        if self.spec.num_stages == 1:
+            return local
+        timeout = self.spec.training.frame_timeout_s
+        below = 0.0
+        if not self.last:
+            assert self.down is not None
+            _, raw = self.down.recv(Kind.NORM, step, 0, timeout)
+            below = _F64.unpack(raw)[0]
+        if not self.first:
+            assert self.up is not None
+            self.up.send_raw(Kind.NORM, step, 0, _F64.pack(local + below))
+            _, raw = self.up.recv(Kind.NORM, step, 1, timeout)
+            total = _F64.unpack(raw)[0]
+        else:
+            total = local + below
+        if not self.last:
+            assert self.down is not None
+            self.down.send_raw(Kind.NORM, step, 1, _F64.pack(total))
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> float | None:
+        """Validation loss on fixed held-out batches (the last stage returns it)."""
+        t = self.spec.training
+        if t.eval_batches == 0:
+            return None
+        self.module.eval()
+        timeout = t.frame_timeout_s
+        mb = t.batch_size // t.micro_batches
+        batches = self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len, t.seed)
+        total = 0.0
+        for i, (x, y) in enumerate(batches):
+            self._check_stop()
+            if self.first:
+                inp = x
+            else:
+                assert self.up is not None
+                _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout)
+            out = self.module(inp)
+            if self.last:
+                total += float(lm_loss(out, y))
+            else:
+                assert self.down is not None
+                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec)
+        for link in (self.up, self.down):
+            if link is not None:
+                link.flush(timeout)
+        return total / len(batches) if self.last else None
+
+
+def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
+              listener: DataListener | None, stop: threading.Event,
+              on_step: Callable[[StepReport], None],
+              on_eval: Callable[[int, float], None] | None = None,
+              connect_timeout: float = 60.0) -> dict[str, Any]:
+    """Train all steps of one stage; returns final metrics (loss and eval on the last stage)."""
+    torch.set_num_threads(spec.training.threads)
+    runner = StageRunner(spec, data, shaper, stop)
+    t = spec.training
+    reports: list[StepReport] = []
+    try:
+        runner.connect(listener, connect_timeout)
+        t0 = time.perf_counter()
+        for step in range(t.steps):
+            rep = runner.train_step(step)
+            reports.append(rep)
+            on_step(rep)
+            if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
+                ev = runner.evaluate(rep.step)
+                if ev is not None and on_eval is not None:
+                    on_eval(rep.step, ev)
+        eval_loss = runner.evaluate(t.steps)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.close()
+    losses = [r.loss for r in reports if r.loss is not None]
+    metrics: dict[str, Any] = {
+        "steps": len(reports),
+        "wall_s": wall,
+        "tokens_per_s": sum(r.tokens for r in reports) / wall if wall > 0 else 0.0,
+        "wire_tx_bytes_per_step": (sum(r.wire_tx_bytes for r in reports) / len(reports)
+                                   if reports else 0.0),
+        "expected_wire_tx_bytes_per_step": expected_wire_bytes(
+            spec.model, t, spec.stage, spec.num_stages),
+    }
+    if losses:
+        metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)
+    if eval_loss is not None:
+        metrics.update(eval_loss=eval_loss, perplexity=math.exp(min(eval_loss, 50.0)))
+        if on_eval is not None:
+            on_eval(t.steps, eval_loss)
+    return metrics

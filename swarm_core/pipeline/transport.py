@@ -1,0 +1,273 @@
+"""Direct fellow-to-fellow TCP: one full-duplex connection per stage boundary.
+
+Sends never block compute: a sender thread drains a queue (so the next micro-batch's forward
+runs while the previous activation is still leaving), applying latency and the tx bucket in
+64 KiB chunks. A receiver thread reads frames, checks them and files them by kind; the schedule
+then takes exactly the frame it expects or fails with a FrameError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from swarm_core.pipeline import codecs
+from swarm_core.pipeline.frames import (
+    DEFAULT_MAX_PAYLOAD,
+    HEADER_SIZE,
+    FrameError,
+    FrameHeader,
+    Kind,
+    check_payload,
+    expect,
+    make_header,
+)
+from swarm_core.pipeline.links import CHUNK, LinkShaper
+
+
+class LinkClosed(ConnectionError):
+    pass
+
+
+class PeerTimeout(TimeoutError):
+    pass
+
+
+_CLOSED = object()
+
+
+class PeerLink:
+    """Frames to and from one neighbouring stage over one TCP connection."""
+
+    def __init__(self, sock: socket.socket, shaper: LinkShaper, job: int, peer: str,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.shaper = shaper
+        self.job = job
+        self.peer = peer
+        self.max_payload = max_payload
+        self._out: queue.Queue[Any] = queue.Queue()
+        self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name=f"rx-{peer}",
+                                          daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    # sending ---------------------------------------------------------------------------------
+    def send_tensor(self, kind: Kind, step: int, micro_batch: int, x: torch.Tensor,
+                    codec: codecs.Codec, flags: int = 0) -> int:
+        """Queue a tensor; returns the bytes it will put on the wire (header included)."""
+        bufs = codecs.encode(x, codec)
+        header = make_header(kind, self.job, step, micro_batch, tuple(x.shape), int(codec),
+                             bufs, flags=flags)
+        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, x))
+        return HEADER_SIZE + header.payload_len
+
+    def send_raw(self, kind: Kind, step: int, micro_batch: int, payload: bytes) -> None:
+        header = make_header(kind, self.job, step, micro_batch, (len(payload),), 0, payload)
+        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(),
+                       [memoryview(payload)], None))
+
+    def flush(self, timeout: float) -> None:
+        """Wait until everything queued has been written."""
+        deadline = time.monotonic() + timeout
+        while self._out.unfinished_tasks:
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"sending to {self.peer} did not finish in {timeout:g}s")
+            time.sleep(0.002)
+
+    def _send_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                item = self._out.get()
+                try:
+                    if item is _CLOSED:
+                        return
+                    due, head, bufs, _keepalive = item
+                    delay = due - time.monotonic()
+                    if delay > 0:
+                        time.sleep(delay)
+                    self._write(memoryview(head))
+                    for b in bufs:
+                        for off in range(0, len(b), CHUNK):
+                            self._write(b[off:off + CHUNK])
+                finally:
+                    self._out.task_done()
+        except OSError as exc:
+            self._fail(LinkClosed(f"link to {self.peer} broke while sending: {exc}"))
+
+    def _write(self, chunk: memoryview) -> None:
+        self.shaper.tx.consume(len(chunk), self._stop)
+        self.sock.sendall(chunk)
+        self.shaper.count_tx(len(chunk))
+
+    # receiving -------------------------------------------------------------------------------
+    def _read_exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            want = min(CHUNK, n - got)
+            self.shaper.rx.consume(want, self._stop)
+            r = self.sock.recv_into(view[got:got + want], want)
+            if r == 0:
+                raise LinkClosed(f"{self.peer} closed the link")
+            got += r
+            self.shaper.count_rx(r)
+        return buf
+
+    def _recv_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                header = FrameHeader.unpack(self._read_exact(HEADER_SIZE), self.max_payload)
+                payload = self._read_exact(header.payload_len)
+                check_payload(header, payload)
+                self._in[header.kind].put((header, payload))
+        except (FrameError, LinkClosed, OSError) as exc:
+            if not self._stop.is_set():
+                err = exc if isinstance(exc, FrameError | LinkClosed) else \
+                    LinkClosed(f"link to {self.peer} broke: {exc}")
+                self._fail(err)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        for q in self._in.values():
+            q.put(_CLOSED)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def recv(self, kind: Kind, step: int, micro_batch: int,
+             timeout: float) -> tuple[FrameHeader, bytearray]:
+        try:
+            item = self._in[kind].get(timeout=timeout)
+        except queue.Empty:
+            raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} from "
+                              f"{self.peer} within {timeout:g}s") from None
+        if item is _CLOSED:
+            self._in[kind].put(_CLOSED)
+            self._raise_if_failed()
+            raise LinkClosed(f"link to {self.peer} closed")
+        header, payload = item
+        expect(header, kind, self.job, step, micro_batch)
+        return header, payload
+
+    def recv_tensor(self, kind: Kind, step: int, micro_batch: int,
+                    timeout: float) -> tuple[FrameHeader, torch.Tensor]:
+        header, payload = self.recv(kind, step, micro_batch, timeout)
+        try:
+            codec = codecs.Codec(header.codec)
+        except ValueError:
+            raise FrameError(f"unknown codec {header.codec}") from None
+        return header, codecs.decode(payload, header.shape, codec)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._out.put(_CLOSED)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+# --- connection setup -----------------------------------------------------------------------
+
+
+def _hello_payload(key: str, stage: int) -> bytes:
+    return stage.to_bytes(4, "little") + key.encode()
+
+
+def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
+            timeout: float) -> PeerLink:
+    """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
+    host, _, port = addr.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}") \
+                    from None
+            time.sleep(0.1)
+    sock.settimeout(None)
+    payload = _hello_payload(key, stage)
+    header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
+    sock.sendall(header.pack() + payload)
+    return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})")
+
+
+class DataListener:
+    """A fellow's data-plane listening socket (bound once, at daemon start)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(16)
+        self.host = host
+        self.port = self.sock.getsockname()[1]
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def accept(self, key: str, stage: int, job: int, shaper: LinkShaper,
+               timeout: float) -> PeerLink:
+        """Accept the upstream neighbour; connections without the job's key are dropped."""
+        deadline = time.monotonic() + timeout
+        expected = _hello_payload(key, stage - 1)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeout(f"stage {stage - 1} did not connect within {timeout:g}s")
+            self.sock.settimeout(remaining)
+            try:
+                conn, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            try:
+                raw = _recv_exact(conn, HEADER_SIZE)
+                header = FrameHeader.unpack(raw, max_payload=4096)
+                payload = _recv_exact(conn, header.payload_len)
+                check_payload(header, payload)
+                if header.kind != Kind.HELLO or header.job != job or \
+                        not hmac.compare_digest(bytes(payload), expected):
+                    raise FrameError("bad hello (wrong job or session key)")
+            except (OSError, FrameError):
+                conn.close()
+                continue
+            conn.settimeout(None)
+            return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise LinkClosed("peer closed during hello")
+        got += r
+    return buf
