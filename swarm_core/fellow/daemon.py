@@ -14,7 +14,9 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.fellow.jobs import JobRefused, Progress, run_job
+from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_job
+from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
     ByteCounters,
     Heartbeat,
@@ -38,6 +40,8 @@ class FellowOptions:
     heartbeat_s: float = 1.0
     poll_wait_s: float = 15.0
     max_backoff_s: float = 5.0
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
 
 
 class SessionLost(Exception):
@@ -51,12 +55,11 @@ class FellowDaemon:
         self.client = SwarmClient(opts.leader_url, opts.token)
         self.fellow_id: int | None = None
         self.session = ""
-        self.link = LinkLimits()
+        self.shaper = LinkShaper()
+        self.listener: DataListener | None = None
         self.signal_seq = 0
         self.status = "ready"
         self.progress = Progress()
-        self.data_tx = 0
-        self.data_rx = 0
         self._job_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._beat_now = asyncio.Event()
@@ -74,6 +77,12 @@ class FellowDaemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
         try:
+            self.listener = DataListener(self.opts.data_host, self.opts.data_port)
+        except OSError as exc:
+            self.exit_reason = f"registration refused: cannot open the data port: {exc}"
+            await self.client.close()
+            return 1
+        try:
             while not self._stop.is_set():
                 if not await self._register():
                     break
@@ -82,6 +91,7 @@ class FellowDaemon:
             await self._stop_job()
             await self._say_goodbye()
             await self.client.close()
+            self.listener.close()
         log.info("fellow %s exiting: %s", self.opts.name, self.exit_reason or "done")
         return 0
 
@@ -90,6 +100,7 @@ class FellowDaemon:
         req = RegisterRequest(
             name=self.opts.name, instance_id=self.instance_id, host=socket.gethostname(),
             pid=os.getpid(), devices=list(self.opts.devices), threads=self.opts.threads,
+            data_addr=self.listener.addr if self.listener else None,
             version=swarm_core.__version__,
         )
         while not self._stop.is_set():
@@ -139,9 +150,9 @@ class FellowDaemon:
             current_step=p.step, last_loss=p.loss, tokens_per_s=p.tokens_per_s,
             counters=ByteCounters(
                 control_tx=self.client.bytes_sent, control_rx=self.client.bytes_received,
-                data_tx=self.data_tx, data_rx=self.data_rx,
+                data_tx=self.shaper.tx_bytes, data_rx=self.shaper.rx_bytes,
             ),
-            link=self.link, signal_seq=self.signal_seq,
+            link=self.shaper.limits(), signal_seq=self.signal_seq,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -196,7 +207,7 @@ class FellowDaemon:
         log.info("signal %d %s %s", sig.seq, sig.kind, sig.job_id or "")
         if sig.kind == "SET_SPEED":
             try:
-                self.link = structure(sig.payload, LinkLimits)
+                self.shaper.apply(structure(sig.payload, LinkLimits))
             except SchemaError as exc:
                 log.error("ignoring bad SET_SPEED payload: %s", exc)
         elif sig.kind == "START":
@@ -235,8 +246,10 @@ class FellowDaemon:
             except LeaderUnreachable as exc:
                 log.warning("status report lost: %s", exc)
 
+        ctx = JobContext(fellow_id=fellow_id, progress=self.progress, report=report,
+                         shaper=self.shaper, listener=self.listener, threads=self.opts.threads)
         try:
-            await run_job(start, fellow_id, self.progress, report)
+            await run_job(start, ctx)
         except JobRefused as exc:
             await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
                                          step=self.progress.step, message=str(exc)))

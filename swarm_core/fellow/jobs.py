@@ -1,14 +1,16 @@
 """What a fellow runs when START arrives, by job kind.
 
 ``smoke`` is a control-plane check: it walks the job through RUNNING steps to COMPLETED without
-training anything, so a new cluster can be shown to dispatch, report and finish. ``train`` is the
-pipeline stage runner, which lands with the training engine; until then a fellow refuses it with
-a FAILED report that says so, rather than pretending.
+training anything, so a new cluster can be shown to dispatch, report and finish. ``train`` runs
+this fellow's pipeline stage (:mod:`swarm_core.pipeline.stage`) in a thread, streaming each
+step's loss, tokens/s and wire bytes back to the leader.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,30 +37,118 @@ class JobRefused(Exception):
     pass
 
 
-async def run_smoke(start: dict[str, Any], fellow_id: int, progress: Progress,
-                    report: Report) -> None:
+@attrs.define
+class JobContext:
+    """What the daemon lends a job: identity, progress, reporting and the data plane."""
+
+    fellow_id: int
+    progress: Progress
+    report: Report
+    shaper: Any = None  # swarm_core.pipeline.links.LinkShaper (torch-side, imported lazily)
+    listener: Any = None  # swarm_core.pipeline.transport.DataListener
+    threads: int = 1
+
+
+async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
     training = start.get("training") or {}
-    steps = int(training.get("steps", 5))
-    step_s = float(training.get("step_seconds", 0.2))
-    if not 1 <= steps <= 100_000 or not 0 <= step_s <= 60:
-        raise JobRefused(f"smoke job wants 1-100000 steps of 0-60 s, got {steps} x {step_s}")
+    steps = training.get("steps", 5)
+    step_s = training.get("step_seconds", 0.2)
+    if not isinstance(steps, int) or not isinstance(step_s, int | float) or \
+            not 1 <= steps <= 100_000 or not 0 <= step_s <= 60:
+        raise JobRefused(f"smoke job wants 1-100000 steps of 0-60 s, got {steps!r} x {step_s!r}")
     t0 = time.monotonic()
     for step in range(1, steps + 1):
         await asyncio.sleep(step_s)
-        progress.step = step
-        progress.tokens_per_s = 0.0
-        await report(JobStatusUpdate(fellow_id=fellow_id, state="RUNNING", step=step))
+        ctx.progress.step = step
+        await ctx.report(JobStatusUpdate(fellow_id=ctx.fellow_id, state="RUNNING", step=step))
     elapsed = time.monotonic() - t0
-    await report(JobStatusUpdate(
-        fellow_id=fellow_id, state="COMPLETED", step=steps,
+    await ctx.report(JobStatusUpdate(
+        fellow_id=ctx.fellow_id, state="COMPLETED", step=steps,
         message=f"smoke: {steps} control-plane round trips in {elapsed:.2f}s",
     ))
 
 
-async def run_job(start: dict[str, Any], fellow_id: int, progress: Progress,
-                  report: Report) -> None:
+async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
+    # torch is imported here, not at daemon start: a fellow that only idles stays light.
+    from swarm_core.config.schemas import ModelConfig, TrainingConfig
+    from swarm_core.data import DataError, load_token_data
+    from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
+    from swarm_core.schema import SchemaError, structure
+
+    try:
+        model = structure(start.get("model") or {}, ModelConfig, "$.model")
+        training = structure(start.get("training") or {}, TrainingConfig, "$.training")
+        # The fellow's --threads is what its machine can give; the job's number is for the
+        # single-process reference.
+        training = attrs.evolve(training, threads=ctx.threads)
+        stage = int(start["stage"])
+        stages = start["placement"]["stages"]
+        mine = stages[stage]
+        layers = (int(mine["layers"]["start"]), int(mine["layers"]["stop"]))
+        downstream = stages[stage + 1]["data_addr"] if stage + 1 < len(stages) else None
+        spec = StageSpec(job_id=start["job_id"], key=start["key"], stage=stage,
+                         num_stages=len(stages), layers=layers, downstream_addr=downstream,
+                         model=model, training=training)
+    except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise JobRefused(f"bad START payload: {exc}") from None
+
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue[JobStatusUpdate | None] = asyncio.Queue()
+    stop = threading.Event()
+    fid = ctx.fellow_id
+
+    def on_step(rep: StepReport) -> None:  # runs in the stage thread
+        ctx.progress.step = rep.step
+        if rep.loss is not None:
+            ctx.progress.loss = rep.loss
+        ctx.progress.tokens_per_s = rep.tokens_per_s
+        upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=rep.step, loss=rep.loss,
+                              tokens_per_s=rep.tokens_per_s,
+                              metrics={"wire_tx_bytes": rep.wire_tx_bytes,
+                                       "step_seconds": rep.seconds, "lr": rep.lr})
+        loop.call_soon_threadsafe(updates.put_nowait, upd)
+
+    def on_eval(step: int, loss: float) -> None:
+        upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=step,
+                              metrics={"eval_loss": loss})
+        loop.call_soon_threadsafe(updates.put_nowait, upd)
+
+    async def reporter() -> None:
+        # One at a time and in order, so the leader never sees step 5 after step 6.
+        while (upd := await updates.get()) is not None:
+            await ctx.report(upd)
+
+    def work() -> dict[str, Any]:
+        data = load_token_data(training, model.seq_len)
+        return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
+                         connect_timeout=training.frame_timeout_s)
+
+    ctx.progress.stage = stage
+    reporter_task = asyncio.create_task(reporter())
+    try:
+        metrics = await asyncio.to_thread(work)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
+    except DataError as exc:
+        raise JobRefused(str(exc)) from None
+    finally:
+        updates.put_nowait(None)
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter_task
+    metrics.pop("losses", None)
+    await ctx.report(JobStatusUpdate(
+        fellow_id=fid, state="COMPLETED", step=metrics.get("steps", 0),
+        loss=metrics.get("final_loss"), tokens_per_s=metrics.get("tokens_per_s"),
+        message=f"stage {stage} finished", metrics=metrics,
+    ))
+
+
+async def run_job(start: dict[str, Any], ctx: JobContext) -> None:
     kind = start.get("kind")
     if kind == "smoke":
-        await run_smoke(start, fellow_id, progress, report)
-        return
-    raise JobRefused(f"this fellow cannot run {kind!r} jobs yet (the training engine is issue 3)")
+        await run_smoke(start, ctx)
+    elif kind == "train":
+        await run_train(start, ctx)
+    else:
+        raise JobRefused(f"unknown job kind {kind!r}")

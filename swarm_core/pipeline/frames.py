@@ -1,7 +1,7 @@
 """The data-plane frame: a fixed 64-byte header, then the raw payload.
 
     magic "SWRM" | version u8 | kind u8 | codec u8 | dtype u8 | ndim u8 | flags u8 | pad u16
-    job u64 | step u64 | micro_batch u32 | shape 4×u32 | payload_len u64 | payload_crc u32
+    job u64 | step u64 | micro_batch u32 | shape 4 x u32 | payload_len u64 | payload_crc u32
     header_crc u32
 
 Little-endian. The payload goes out straight from the tensor's buffer: no JSON, no base64. A frame

@@ -21,6 +21,7 @@ from swarm_core.data import TokenData
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
 from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.model import StageModule, boundary_width, lm_loss, wire_codec
 from swarm_core.pipeline.optim import (
     clip_scale,
@@ -31,7 +32,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
 )
 from swarm_core.pipeline.schedules import ops_for
-from swarm_core.pipeline.transport import DataListener, PeerLink, connect
+from swarm_core.pipeline.transport import PeerLink, connect
 
 _F64 = struct.Struct("<d")
 
@@ -109,10 +110,11 @@ class StageRunner:
         if not self.last:
             assert s.downstream_addr is not None
             self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
-                                timeout)
+                                timeout, abort=self.stop)
         if not self.first:
             assert listener is not None
-            self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout)
+            self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
+                                      abort=self.stop)
 
     def close(self) -> None:
         for link in (self.up, self.down):

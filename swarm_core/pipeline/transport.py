@@ -9,7 +9,6 @@ then takes exactly the frame it expects or fails with a FrameError.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import queue
 import socket
 import threading
@@ -40,6 +39,10 @@ class PeerTimeout(TimeoutError):
     pass
 
 
+class LinkAborted(Exception):
+    """The owner asked to stop; not a fault of the peer."""
+
+
 _CLOSED = object()
 
 
@@ -47,8 +50,10 @@ class PeerLink:
     """Frames to and from one neighbouring stage over one TCP connection."""
 
     def __init__(self, sock: socket.socket, shaper: LinkShaper, job: int, peer: str,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                 max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 abort: threading.Event | None = None) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.shaper = shaper
         self.job = job
@@ -57,6 +62,8 @@ class PeerLink:
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
         self._stop = threading.Event()
+        # Set by the owner (STOP from the leader): a blocked recv gives up within 0.1 s.
+        self.abort = abort or threading.Event()
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"rx-{peer}",
@@ -153,11 +160,19 @@ class PeerLink:
 
     def recv(self, kind: Kind, step: int, micro_batch: int,
              timeout: float) -> tuple[FrameHeader, bytearray]:
-        try:
-            item = self._in[kind].get(timeout=timeout)
-        except queue.Empty:
-            raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} from "
-                              f"{self.peer} within {timeout:g}s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.abort.is_set():
+                raise LinkAborted("stopped while waiting for the peer")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} from "
+                                  f"{self.peer} within {timeout:g}s")
+            try:
+                item = self._in[kind].get(timeout=min(remaining, 0.1))
+                break
+            except queue.Empty:
+                continue
         if item is _CLOSED:
             self._in[kind].put(_CLOSED)
             self._raise_if_failed()
@@ -192,7 +207,7 @@ def _hello_payload(key: str, stage: int) -> bytes:
 
 
 def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
-            timeout: float) -> PeerLink:
+            timeout: float, abort: threading.Event | None = None) -> PeerLink:
     """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -201,6 +216,8 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
             break
         except OSError as exc:
+            if abort is not None and abort.is_set():
+                raise LinkAborted("stopped while connecting") from None
             if time.monotonic() > deadline:
                 raise PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}") \
                     from None
@@ -209,56 +226,7 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
     payload = _hello_payload(key, stage)
     header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
     sock.sendall(header.pack() + payload)
-    return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})")
-
-
-class DataListener:
-    """A fellow's data-plane listening socket (bound once, at daemon start)."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(16)
-        self.host = host
-        self.port = self.sock.getsockname()[1]
-
-    @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def accept(self, key: str, stage: int, job: int, shaper: LinkShaper,
-               timeout: float) -> PeerLink:
-        """Accept the upstream neighbour; connections without the job's key are dropped."""
-        deadline = time.monotonic() + timeout
-        expected = _hello_payload(key, stage - 1)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PeerTimeout(f"stage {stage - 1} did not connect within {timeout:g}s")
-            self.sock.settimeout(remaining)
-            try:
-                conn, peer = self.sock.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(5)
-            try:
-                raw = _recv_exact(conn, HEADER_SIZE)
-                header = FrameHeader.unpack(raw, max_payload=4096)
-                payload = _recv_exact(conn, header.payload_len)
-                check_payload(header, payload)
-                if header.kind != Kind.HELLO or header.job != job or \
-                        not hmac.compare_digest(bytes(payload), expected):
-                    raise FrameError("bad hello (wrong job or session key)")
-            except (OSError, FrameError):
-                conn.close()
-                continue
-            conn.settimeout(None)
-            return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})")
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+    return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:

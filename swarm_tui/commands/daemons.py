@@ -52,7 +52,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     opts = FellowOptions(
         leader_url=url, token=args.token or os.environ.get("SWARM_TOKEN"),
         name=args.name or socket.gethostname(), devices=devices or ["cpu"],
-        threads=args.threads,
+        threads=args.threads, data_host=args.data_host, data_port=args.data_port,
     )
     daemon = FellowDaemon(opts)
     code = asyncio.run(daemon.run())
@@ -113,5 +113,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="device slots: cpu, or cuda:0,cuda:1 (default: cpu)")
     p.add_argument("--threads", type=_positive_int, default=1,
                    help="torch threads per stage (default: 1)")
+    p.add_argument("--data-host", default="127.0.0.1",
+                   help="address neighbours dial for activations (default: %(default)s)")
+    p.add_argument("--data-port", type=_port, default=0,
+                   help="data-plane TCP port (default: any free one)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_fellow)

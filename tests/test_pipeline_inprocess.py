@@ -1,0 +1,125 @@
+"""The stage runner with real TCP between stages in threads of one process.
+
+The cross-process version (fellow processes placed by a leader) is in test_training_e2e.py;
+this one covers schedules, specs and failure modes quickly.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.data import load_token_data
+from swarm_core.pipeline.frames import HEADER_SIZE
+from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.placement import split_layers
+from swarm_core.pipeline.reference import train_reference
+from swarm_core.pipeline.stage import StageSpec, StageStopped, expected_wire_bytes, run_stage
+from swarm_core.pipeline.transport import LinkAborted, LinkClosed, PeerTimeout
+
+MODEL = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_token_data(TrainingConfig(), MODEL["seq_len"])
+
+
+def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data, n: int,
+                 stop: threading.Event | None = None,
+                 sabotage: dict[int, Any] | None = None) -> dict[int, Any]:
+    ranges = split_layers(mc.n_layers, [1] * n)
+    listeners = [DataListener() for _ in range(n)]
+    results: dict[int, Any] = {}
+    stop = stop or threading.Event()
+
+    def go(s: int) -> None:
+        spec = StageSpec("job-t", "k" * 32, s, n, ranges[s],
+                         listeners[s + 1].addr if s < n - 1 else None, mc, tc)
+        try:
+            if sabotage and s in sabotage:
+                sabotage[s](spec)
+            results[s] = run_stage(spec, data, LinkShaper(), listeners[s], stop,
+                                   lambda r: None, connect_timeout=5)
+        except Exception as exc:
+            results[s] = exc
+            stop.set()
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for ln in listeners:
+        ln.close()
+    assert not any(t.is_alive() for t in threads), "a stage hung"
+    return results
+
+
+@pytest.mark.parametrize("n, schedule", [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+def test_pipeline_equals_single_process(data, n, schedule):
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,
+                        eval_batches=1)
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * n))
+    res = run_pipeline(mc, tc, data, n)
+    got = res[n - 1]["losses"]
+    assert len(got) == 6
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert ref[-1] < ref[0], "the loss falls"
+
+
+@pytest.mark.parametrize("spec, width, per_elem, scales", [
+    ("none", 32, 4, False), ("fixed_int8", 32, 1, True), ("learned_dim8", 8, 4, False),
+    ("learned_dim8_int8", 8, 1, True),
+])
+def test_wire_bytes_match_the_spec(data, spec, width, per_elem, scales):
+    mc = ModelConfig(**MODEL, compression=spec)
+    tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=0)
+    res = run_pipeline(mc, tc, data, 2)
+    rows = (8 // 2) * MODEL["seq_len"]
+    payload = rows * width * per_elem + (rows * 4 if scales else 0)
+    norm_frame = HEADER_SIZE + 8
+    # Each stage sends 2 micro-batches one way and one norm frame per step.
+    expected = 2 * (HEADER_SIZE + payload) + norm_frame
+    for s in (0, 1):
+        assert res[s]["wire_tx_bytes_per_step"] == expected
+        assert res[s]["expected_wire_tx_bytes_per_step"] == expected
+        assert expected_wire_bytes(mc, tc, s, 2) == expected
+
+
+def test_compressed_pipeline_matches_its_own_reference(data):
+    # Compression changes the model, not the exactness: the in-process simulation of the same
+    # boundary (codec forward and backward, bottleneck halves) gives the same losses.
+    mc = ModelConfig(**MODEL, compression="learned_dim8_int8")
+    tc = TrainingConfig(steps=4, batch_size=8, micro_batches=2, eval_batches=0)
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    got = run_pipeline(mc, tc, data, 2)[1]["losses"]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_dead_neighbour_times_out_instead_of_hanging(data):
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=1.0)
+
+    def vanish(spec: StageSpec) -> None:
+        raise RuntimeError("stage 1 died before connecting")
+
+    res = run_pipeline(mc, tc, data, 2, sabotage={1: vanish})
+    assert isinstance(res[1], RuntimeError)
+    # Stage 0 either could not complete the step (timeout / closed link) or was told to stop.
+    assert isinstance(res[0], PeerTimeout | LinkClosed | LinkAborted | StageStopped)
+
+
+def test_stop_event_ends_a_waiting_stage_quickly(data):
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=1000, batch_size=4, micro_batches=2, eval_batches=0)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    res = run_pipeline(mc, tc, data, 2, stop=stop)
+    assert all(not isinstance(r, dict) for r in res.values()), "both stages stopped early"

@@ -1,0 +1,136 @@
+"""Frames and codecs: round trips, sizes, and every way a frame can be wrong."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm_core.pipeline import codecs
+from swarm_core.pipeline.frames import (
+    HEADER_SIZE,
+    FrameError,
+    FrameHeader,
+    Kind,
+    check_payload,
+    expect,
+    job_tag,
+    make_header,
+)
+
+
+@pytest.mark.parametrize("codec, bound", [
+    (codecs.Codec.FP32, 0.0), (codecs.Codec.FP16, 5e-8), (codecs.Codec.BF16, 5e-5),
+    (codecs.Codec.INT8, 8e-4),
+])
+def test_codec_roundtrip_error_bounds(codec, bound):
+    # hivemind's bounds on N(0,1): 16-bit MSE < 5e-8, 8-bit < 8e-4 (bf16 keeps 8 mantissa bits).
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    raw = b"".join(bytes(b) for b in codecs.encode(x, codec))
+    assert len(raw) == codecs.payload_size(tuple(x.shape), codec)
+    y = codecs.decode(bytearray(raw), tuple(x.shape), codec)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert float((x - y).pow(2).mean()) <= bound
+
+
+def test_int8_is_per_row_absmax():
+    x = torch.tensor([[1.0, -2.0, 0.5], [100.0, 0.0, -50.0], [0.0, 0.0, 0.0]])
+    codes, scale = codecs.quantize_rows(x)
+    assert scale.tolist() == pytest.approx([2 / 127, 100 / 127, 1.0])
+    assert codes[0].tolist() == [64, -127, 32] and codes[2].tolist() == [0, 0, 0]
+    # Per row: the small row keeps its precision next to the large one.
+    y = codecs.dequantize_rows(codes, scale, x.shape)
+    assert (y[0] - x[0]).abs().max() < 2 / 127
+
+
+def test_decode_refuses_wrong_length():
+    with pytest.raises(codecs.CodecError, match="needs 24 bytes"):
+        codecs.decode(bytearray(20), (2, 3), codecs.Codec.FP32)
+
+
+def _frame(step=3, mb=1, kind=Kind.ACT, payload=b"x" * 24):
+    h = make_header(kind, job_tag("job-1"), step, mb, (2, 3), int(codecs.Codec.FP32), payload)
+    return h, h.pack()
+
+
+def test_header_roundtrip_and_size():
+    h, raw = _frame()
+    assert len(raw) == HEADER_SIZE == 64
+    back = FrameHeader.unpack(raw)
+    assert back == h
+    check_payload(back, b"x" * 24)
+    expect(back, Kind.ACT, job_tag("job-1"), 3, 1)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: b"XXXX" + r[4:], "bad magic"),
+    (lambda r: r[:4] + bytes([9]) + r[5:], "version 9"),
+    (lambda r: r[:20] + bytes([r[20] ^ 1]) + r[21:], "header checksum"),
+    (lambda r: r[:40], "truncated header"),
+])
+def test_bad_headers_are_clear_errors(mutate, message):
+    _, raw = _frame()
+    with pytest.raises(FrameError, match=message):
+        FrameHeader.unpack(mutate(raw))
+
+
+def test_oversized_payload_refused_before_reading_it():
+    h = make_header(Kind.ACT, 1, 0, 0, (1,), 1, b"")
+    big = FrameHeader(h.kind, h.codec, h.dtype, h.job, h.step, h.micro_batch, h.shape,
+                      1 << 40, 0).pack()
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        FrameHeader.unpack(big)
+
+
+def test_payload_checksum_and_length():
+    h, _ = _frame()
+    with pytest.raises(FrameError, match="checksum"):
+        check_payload(h, b"y" * 24)
+    with pytest.raises(FrameError, match="length"):
+        check_payload(h, b"x" * 23)
+
+
+@pytest.mark.parametrize("kind, step, mb, job, message", [
+    (Kind.GRAD, 3, 1, "job-1", "expected GRAD step 3 micro-batch 1, got ACT"),
+    (Kind.ACT, 4, 1, "job-1", "expected ACT step 4 micro-batch 1, got ACT step 3"),
+    (Kind.ACT, 3, 0, "job-1", "micro-batch 0, got ACT step 3 micro-batch 1"),
+    (Kind.ACT, 3, 1, "job-2", "another job"),
+])
+def test_wrong_frame_is_an_error_not_a_guess(kind, step, mb, job, message):
+    h, _ = _frame()
+    with pytest.raises(FrameError, match=message):
+        expect(h, kind, job_tag(job), step, mb)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=80))
+def test_header_decoder_never_crashes(data):
+    try:
+        FrameHeader.unpack(data)
+    except FrameError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 63), st.integers(0, 255))
+def test_any_single_corruption_is_detected(pos, value):
+    h, raw = _frame()
+    corrupted = bytearray(raw)
+    if corrupted[pos] == value:
+        return
+    corrupted[pos] = value
+    try:
+        back = FrameHeader.unpack(bytes(corrupted))
+    except FrameError:
+        return
+    raise AssertionError(f"corruption at byte {pos} went unnoticed: {back}")
+
+
+def test_header_crc_covers_fields():
+    _, raw = _frame()
+    (crc,) = struct.unpack("<I", raw[60:])
+    assert crc == zlib.crc32(raw[:60])
