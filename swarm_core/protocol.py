@@ -58,6 +58,22 @@ def _bounded(lo: float, hi: float):
     return check
 
 
+MAX_JSON_DEPTH = 64  # orjson writes at most 255 levels; stored jobs and signals nest a few more
+
+
+def _nests_within(value: Any, depth: int) -> bool:
+    if isinstance(value, dict):
+        return depth > 0 and all(_nests_within(v, depth - 1) for v in value.values())
+    if isinstance(value, list):
+        return depth > 0 and all(_nests_within(v, depth - 1) for v in value)
+    return True
+
+
+def _shallow(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not _nests_within(value, MAX_JSON_DEPTH):
+        raise FieldError(f"nests deeper than {MAX_JSON_DEPTH} levels", attr.name)
+
+
 def _meta(doc: str, **kw: Any) -> dict[str, Any]:
     return {"doc": doc, **kw}
 
@@ -244,8 +260,8 @@ class JobSubmit:
 
     name: str = attrs.field(default="job", validator=_name, metadata=_meta("", maxLength=128))
     kind: JobKind = "train"
-    model: dict[str, Any] = attrs.field(factory=dict)
-    training: dict[str, Any] = attrs.field(factory=dict)
+    model: dict[str, Any] = attrs.field(factory=dict, validator=_shallow)
+    training: dict[str, Any] = attrs.field(factory=dict, validator=_shallow)
     topology: Topology = attrs.field(factory=Topology)
 
 

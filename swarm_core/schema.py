@@ -125,6 +125,19 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
     conv.register_structure_hook_factory(
         lambda t: typing.get_origin(t) is list, _list_hook_factory
     )
+
+    def _attrs_hook_factory(t: Any) -> Any:
+        inner = conv.gen_structure_attrs_fromdict(t)
+
+        def hook(value: Any, _t: Any) -> Any:
+            # Else a nested list or number fails with "'list' object has no attribute 'keys'".
+            if not isinstance(value, dict):
+                raise TypeError(f"expected an object, got {_json_type(value)}")
+            return inner(value, _t)
+
+        return hook
+
+    conv.register_structure_hook_factory(attrs.has, _attrs_hook_factory)
     return conv
 
 

@@ -4,6 +4,7 @@ each error status, against a real leader app on a loopback TestServer."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from aiohttp import WSServerHandshakeError
 from aiohttp.test_utils import TestClient
 
 from swarm_core.leader import LeaderConfig, create_app
+from swarm_core.leader.keys import STATE_KEY
 from swarm_core.leader.routes import ROUTES, SESSION_HEADER
 from tests.conftest import AUTH, TOKEN
 
@@ -123,6 +125,21 @@ async def drain(ws, quiet_s: float = 0.15) -> list[dict[str, Any]]:
         out.append(orjson.loads(msg.data))
 
 
+async def collect_until(ws, type_: str, timeout: float = 2.0,
+                        **match: Any) -> list[dict[str, Any]]:
+    """Every event up to and including the first ``type_`` event whose data matches ``match``,
+    then whatever else arrives within a short quiet period."""
+    out: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {type_} event {match} in time; got {out}"
+        ev = orjson.loads(await ws.receive_bytes(timeout=left))
+        out.append(ev)
+        if ev["type"] == type_ and all(ev["data"].get(k) == v for k, v in match.items()):
+            return out + await drain(ws, 0.1)
+
+
 def raw(body: bytes | str, content_type: str = "application/json") -> dict[str, Any]:
     data = body.encode() if isinstance(body, str) else body
     return {"data": data, "headers": {**AUTH, "Content-Type": content_type}}
@@ -131,9 +148,11 @@ def raw(body: bytes | str, content_type: str = "application/json") -> dict[str, 
 @pytest.fixture
 async def make_api(aiohttp_client, tmp_path: Path):
     """A leader with its own config: ``await make_api(stale_after_s=0.3)``."""
+    made = itertools.count()
+
     async def make(**kw: Any) -> TestClient:
-        cfg = LeaderConfig(state_dir=tmp_path / f"state-{len(kw)}-{time.monotonic_ns()}",
-                           token=TOKEN, **{"tick_s": 0.05, **kw})
+        cfg = LeaderConfig(state_dir=tmp_path / f"state-{next(made)}", token=TOKEN,
+                           **{"tick_s": 0.05, **kw})
         return await aiohttp_client(create_app(cfg))
 
     return make
@@ -274,7 +293,7 @@ async def _status_is(api: TestClient, fellow_id: int, status: str) -> bool:
     ({"name": "a", "instance_id": "i", "devices": ["tpu"]}, "$.devices", "cuda"),
     ({"name": "a", "instance_id": "i", "devices": ["cpu", 3]}, "$.devices[1]", "string"),
     ({"name": "a", "instance_id": "i", "devices": "cpu"}, "$.devices", "list"),
-    ({"name": "a", "instance_id": "i", "data_addr": 1}, "$.data_addr", ""),
+    ({"name": "a", "instance_id": "i", "data_addr": 1}, "$.data_addr", "string"),
     ({"name": "a", "instance_id": "i", "color": "red"}, "$", "color"),
     ([], "$", "object"),
     ("name", "$", "object"),
@@ -304,6 +323,8 @@ async def test_register_auth_and_media_type(api):
     # A charset parameter or a missing content type is fine.
     resp = await api.post(f"{A}/fellows/register",
                           **raw(orjson.dumps(body), "application/json; charset=utf-8"))
+    await expect_ok(resp, 201)
+    resp = await api.post(f"{A}/fellows/register", data=orjson.dumps(body), headers=AUTH)
     await expect_ok(resp, 201)
 
 
@@ -414,6 +435,15 @@ async def test_heartbeat_bad_body_400(api, body, field):
                           headers=f["headers"])
     await expect_error(resp, 400, "invalid_body", field)
     assert (await get_fellow(api, f["fellow_id"]))["link"]["tx_mbps"] is None
+
+
+async def test_heartbeat_nested_non_object_says_so(api):
+    f = await register(api, "a")
+    for body, field in (({"counters": [1, 2]}, "$.counters"), ({"link": None}, "$.link")):
+        resp = await api.post(f"{A}/fellows/{f['fellow_id']}/heartbeat", json=body,
+                              headers=f["headers"])
+        err = await expect_error(resp, 400, "invalid_body", field)
+        assert err["message"].startswith("expected an object, got ")
 
 
 async def test_heartbeat_invalid_json_400(api):
@@ -720,6 +750,12 @@ async def test_submit_deeply_nested_config_400(api):
     # Nothing half-stored: the fellow is still free and gets no START.
     assert await poll(api, f) == []
     assert (await expect_ok(await api.get(f"{A}/jobs", headers=AUTH)))["jobs"] == []
+    # 64 levels are fine, and travel all the way to the fellow's START signal.
+    body = b'{"model":' + _nested_json(63) + b"}"
+    job = await expect_ok(await api.post(f"{A}/jobs", **raw(body)), 201)
+    assert job["state"] == "RUNNING"
+    start = (await poll(api, f))[0]
+    assert start["kind"] == "START" and start["payload"]["model"] == orjson.loads(body)["model"]
 
 
 def _nested_json(depth: int) -> bytes:
@@ -1043,9 +1079,9 @@ async def test_events_filters(api):
         await report(api, job1["job_id"], runner, "RUNNING", step=1)
         await report(api, job1["job_id"], runner, "COMPLETED", step=2)
         job2 = await submit(api)
-        jobs_events = await drain(jobs_ws)
-        one_events = await drain(one_ws)
-        mf_events = await drain(mf_ws)
+        jobs_events = await collect_until(jobs_ws, "job.started", job_id=job2["job_id"])
+        one_events = await collect_until(one_ws, "job.completed")
+        mf_events = await collect_until(mf_ws, "metric", state="COMPLETED")
     assert jobs_events and all(e["type"].startswith("job.") for e in jobs_events)
     assert {e["data"]["job_id"] for e in jobs_events} == {job1["job_id"], job2["job_id"]}
     assert one_events and all(e["data"].get("job_id") == job1["job_id"] for e in one_events)
@@ -1053,6 +1089,22 @@ async def test_events_filters(api):
     assert {e["type"].split(".")[0] for e in mf_events} == {"metric", "fellow"}
     seqs = [e["seq"] for e in mf_events]
     assert seqs == sorted(seqs)
+
+
+async def test_events_client_close_is_prompt(api):
+    hub = api.app[STATE_KEY].hub
+    ws = await api.ws_connect(f"{A}/events", headers=AUTH)
+    assert orjson.loads(await ws.receive_bytes(timeout=2))["type"] == "hello"
+    assert hub.subscriber_count == 1
+    t0 = time.monotonic()
+    await ws.close()
+    assert time.monotonic() - t0 < 2.0
+    # The leader drops the subscriber at once, not at the next event.
+
+    async def gone() -> bool:
+        return hub.subscriber_count == 0
+
+    await wait_for(gone, timeout=2.0)
 
 
 async def test_events_closed_on_shutdown(make_api):

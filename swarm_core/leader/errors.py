@@ -59,9 +59,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(exc.status, exc.code, exc.message, exc.field)
     except SchemaError as exc:
         return error_response(400, "invalid_body", exc.message, exc.field)
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.client_max_size
         return error_response(413, "body_too_large",
-                              f"request body exceeds the limit of {exc.max_size} bytes")
+                              f"request body exceeds the limit of {limit} bytes")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -273,11 +275,22 @@ async def events(request: web.Request) -> web.StreamResponse:
     await ws.prepare(request)
     sub = st.hub.subscribe(types, job_id)
     request.app[WEBSOCKETS_KEY].add(ws)
+    # Read what the client sends (nothing but control frames), so that its close is answered
+    # at once and ends this handler instead of lingering until the next event.
+    reader = asyncio.create_task(_until_closed(ws))
     try:
         await ws.send_bytes(jsonio.dumps({"seq": st.hub.seq, "ts": time.time(),
                                           "type": "hello", "data": {}}))
-        while True:
-            frame = await sub.queue.get()
+        while not reader.done():
+            if sub.queue.empty():
+                getter = asyncio.ensure_future(sub.queue.get())
+                await asyncio.wait((getter, reader), return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    break
+                frame = getter.result()
+            else:
+                frame = sub.queue.get_nowait()
             if frame is None:
                 if sub.overflowed:
                     await ws.close(code=WSCloseCode.TRY_AGAIN_LATER,
@@ -287,9 +300,17 @@ async def events(request: web.Request) -> web.StreamResponse:
     except (ConnectionResetError, RuntimeError):
         pass
     finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
         st.hub.unsubscribe(sub)
         request.app[WEBSOCKETS_KEY].discard(ws)
     return ws
+
+
+async def _until_closed(ws: web.WebSocketResponse) -> None:
+    async for _msg in ws:
+        pass
 
 
 A = API_PREFIX
