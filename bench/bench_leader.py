@@ -54,6 +54,9 @@ SESSION_HEADER = "X-Swarm-Fellow-Session"
 TARGET_N = 1000
 TARGET_P99_MS = 50.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# The leader's /events handler never reads from its socket, so it never answers a client's close
+# frame: without a short close timeout every disconnect here would hang for aiohttp's 10 s.
+WS_TIMEOUT = aiohttp.ClientWSTimeout(ws_receive=None, ws_close=0.5)
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -85,6 +88,7 @@ class RunResult:
     latencies_ms: list[float]
     leader_cpu_pct: float
     client_cpu_pct: float
+    other_cpu_pct: float  # everything else on the host during the window, % of one core
     leader_rss_mb: float
     client_lag_p99_ms: float
     client_lag_max_ms: float
@@ -140,6 +144,14 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def host_busy_s() -> float:
+    """CPU seconds all cores spent busy (not idle, not iowait) since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already in user/nice]
+    return (sum(vals[:8]) - vals[3] - vals[4]) / CLK_TCK
+
+
 def proc_rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -154,9 +166,10 @@ def proc_rss_mb(pid: int) -> float:
 class Leader:
     """A leader subprocess in its own session (so Ctrl-C reaches only us; we SIGTERM it)."""
 
-    def __init__(self, token: str, verbose: bool = False) -> None:
+    def __init__(self, token: str, verbose: bool = False, profile: Path | None = None) -> None:
         self.token = token
         self.verbose = verbose
+        self.profile = profile  # write a cProfile of the leader process here
         self.tmp = Path(tempfile.mkdtemp(prefix="swarm-bench-"))
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -176,7 +189,8 @@ class Leader:
         env.update(SWARM_TOKEN=self.token, SWARM_HOME=str(self.tmp / "home"),
                    PYTHONUNBUFFERED="1")
         self.port = free_port()
-        argv = [sys.executable, "-m", "swarm_tui.cli", "leader",
+        prof = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
+        argv = [sys.executable, *prof, "-m", "swarm_tui.cli", "leader",
                 "--state-dir", str(self.tmp / "state"), "--host", HOST, "--port", str(self.port)]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log,
@@ -226,8 +240,8 @@ class Leader:
 
 
 @contextlib.contextmanager
-def leader_process(token: str, verbose: bool) -> Iterator[Leader]:
-    leader = Leader(token, verbose)
+def leader_process(token: str, verbose: bool, profile: Path | None = None) -> Iterator[Leader]:
+    leader = Leader(token, verbose, profile)
     try:
         leader.start()
         yield leader
@@ -307,7 +321,8 @@ async def register_all(http: aiohttp.ClientSession, base: str, auth: dict[str, s
 
 async def heartbeat_loop(http: aiohttp.ClientSession, fellow: Fellow, first_at: float,
                          stop_at: float, rec: Recorder, timeout: aiohttp.ClientTimeout) -> None:
-    """Fixed-rate 1 Hz heartbeats from ``first_at``; a late reply delays only the next beat."""
+    """Fixed-rate 1 Hz heartbeats from ``first_at``, one in flight at a time; a beat that falls
+    due while the previous reply is still outstanding (over 1 s) is skipped."""
     loop = asyncio.get_running_loop()
     perf = time.perf_counter
     k = 0
@@ -348,7 +363,7 @@ async def heartbeat_loop(http: aiohttp.ClientSession, fellow: Fellow, first_at: 
                 rec.latencies_ms.append(dt)
             else:
                 rec.error(f"HTTP {status}")
-        # Missed beats (reply slower than 1 s) are skipped, as a real fellow would.
+        # Beats missed while waiting for a slow reply are skipped (it shows in hb/s).
         behind = loop.time() - (first_at + k)
         if behind > 0:
             k += math.ceil(behind)
@@ -358,13 +373,15 @@ async def console(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
                   stats: ConsoleStats, ready: asyncio.Event) -> None:
     loads = orjson.loads
     async with http.ws_connect(f"{base}{API_PREFIX}/events", headers=auth, heartbeat=20.0,
-                               max_msg_size=0) as ws:
+                               max_msg_size=0, timeout=WS_TIMEOUT) as ws:
         async for msg in ws:
             if msg.type not in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                 break
             ev = loads(msg.data)
             seq = ev["seq"]
             if stats.hello_seq is None:
+                if ev.get("type") != "hello":
+                    raise RuntimeError(f"event stream began with {ev.get('type')!r}, not hello")
                 stats.hello_seq = stats.last_seq = seq
                 ready.set()
                 continue
@@ -381,7 +398,8 @@ async def console(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
 
 async def current_seq(http: aiohttp.ClientSession, base: str, auth: dict[str, str]) -> int:
     """The leader's event counter, read from the hello frame of a fresh subscription."""
-    async with http.ws_connect(f"{base}{API_PREFIX}/events", headers=auth) as ws:
+    async with http.ws_connect(f"{base}{API_PREFIX}/events", headers=auth,
+                               timeout=WS_TIMEOUT) as ws:
         msg = await ws.receive(timeout=10)
         return int(orjson.loads(msg.data)["seq"])
 
@@ -395,73 +413,99 @@ async def loop_lag_monitor(samples: list[float], rec: Recorder, period: float = 
             samples.append(max(0.0, (loop.time() - t - period) * 1000.0))
 
 
+async def submit_unsatisfiable_job(http: aiohttp.ClientSession, base: str,
+                                   auth: dict[str, str], n: int) -> None:
+    """A PENDING job asking for more fellows than exist: every heartbeat then runs dispatch()."""
+    body = orjson.dumps({"name": "bench-pending", "kind": "smoke",
+                         "topology": {"fellows": n + 1}})
+    async with http.post(f"{base}{API_PREFIX}/jobs", data=body,
+                         headers={**auth, "Content-Type": "application/json"}) as resp:
+        raw = await resp.read()
+        if resp.status != 201 or orjson.loads(raw)["state"] != "PENDING":
+            raise RuntimeError(f"submit pending job: HTTP {resp.status}: {raw[:200]!r}")
+
+
 async def run_one(leader: Leader, n: int, seconds: float, warmup: float, consoles: int,
-                  token: str) -> RunResult:
+                  token: str, pending_job: bool = False) -> RunResult:
     await leader.wait_healthy()
     base = leader.url
     auth = {"Authorization": f"Bearer {token}"}
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False,
                                      keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector) as http:
-        # Consoles subscribe first, so they see registrations as well as heartbeats.
-        stats = [ConsoleStats() for _ in range(consoles)]
-        readies = [asyncio.Event() for _ in range(consoles)]
-        console_tasks = [asyncio.create_task(console(http, base, auth, s, r))
-                         for s, r in zip(stats, readies, strict=True)]
-        if console_tasks:
-            await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 10)
+        tasks: list[asyncio.Task[Any]] = []  # cancelled before the session closes
+        try:
+            # Consoles subscribe first, so they see registrations as well as heartbeats.
+            stats = [ConsoleStats() for _ in range(consoles)]
+            readies = [asyncio.Event() for _ in range(consoles)]
+            console_tasks = [asyncio.create_task(console(http, base, auth, s, r))
+                             for s, r in zip(stats, readies, strict=True)]
+            tasks += console_tasks
+            if console_tasks:
+                await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 10)
 
-        t_reg = time.perf_counter()
-        fleet = await register_all(http, base, auth, n, secrets.token_hex(3))
-        register_s = time.perf_counter() - t_reg
+            t_reg = time.perf_counter()
+            fleet = await register_all(http, base, auth, n, secrets.token_hex(3))
+            register_s = time.perf_counter() - t_reg
+            if pending_job:
+                await submit_unsatisfiable_job(http, base, auth, n)
 
-        loop = asyncio.get_running_loop()
-        rec = Recorder()
-        lag: list[float] = []
-        lag_task = asyncio.create_task(loop_lag_monitor(lag, rec))
-        t0 = loop.time() + 0.2
-        rec.t_start = t0 + warmup
-        rec.t_end = rec.t_start + seconds
-        timeout = aiohttp.ClientTimeout(total=5.0)
-        hb_tasks = [
-            asyncio.create_task(heartbeat_loop(http, f, t0 + f.index / n, rec.t_end, rec, timeout))
-            for f in fleet
-        ]
+            loop = asyncio.get_running_loop()
+            rec = Recorder()
+            lag: list[float] = []
+            lag_task = asyncio.create_task(loop_lag_monitor(lag, rec))
+            tasks.append(lag_task)
+            t0 = loop.time() + 0.2
+            rec.t_start = t0 + warmup
+            rec.t_end = rec.t_start + seconds
+            timeout = aiohttp.ClientTimeout(total=5.0)
+            hb_tasks = [
+                asyncio.create_task(
+                    heartbeat_loop(http, f, t0 + f.index / n, rec.t_end, rec, timeout))
+                for f in fleet
+            ]
+            tasks += hb_tasks
 
-        await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
-        cpu_l0, cpu_c0, w0 = proc_cpu_s(leader.pid), time.process_time(), time.perf_counter()
-        await asyncio.sleep(max(0.0, rec.t_end - loop.time()))
-        cpu_l1, cpu_c1, w1 = proc_cpu_s(leader.pid), time.process_time(), time.perf_counter()
-        rss = proc_rss_mb(leader.pid)
+            await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
+            cpu_h0, cpu_l0, cpu_c0 = host_busy_s(), proc_cpu_s(leader.pid), time.process_time()
+            w0 = time.perf_counter()
+            await asyncio.sleep(max(0.0, rec.t_end - loop.time()))
+            cpu_h1, cpu_l1, cpu_c1 = host_busy_s(), proc_cpu_s(leader.pid), time.process_time()
+            w1 = time.perf_counter()
+            rss = proc_rss_mb(leader.pid)
 
-        # Let in-flight heartbeats finish (they count: they were sent inside the window).
-        _done, pending = await asyncio.wait(hb_tasks, timeout=6.0)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        lag_task.cancel()
-        await asyncio.gather(lag_task, return_exceptions=True)
-
-        published = 0
-        if console_tasks:
-            # Wait until the consoles went quiet, then read the leader's counter.
-            quiet_deadline = loop.time() + 5.0
-            while loop.time() < quiet_deadline:
-                now = time.monotonic()
-                if all(now - s.last_rx > 0.3 or s.close_code is not None for s in stats):
-                    break
-                await asyncio.sleep(0.1)
-            final_seq = await current_seq(http, base, auth)
-            await asyncio.sleep(0.2)
-            for t in console_tasks:
+            # Let in-flight heartbeats finish (they count: they were sent inside the window).
+            _done, pending = await asyncio.wait(hb_tasks, timeout=6.0)
+            for t in pending:
                 t.cancel()
-            await asyncio.gather(*console_tasks, return_exceptions=True)
-            for s in stats:
-                # Count only what was published between this console's hello and final_seq.
-                s.received = sum(1 for q in s.seqs_seen if q <= final_seq)
-                s.expected = max(0, final_seq - (s.hello_seq or 0))
-                s.seqs_seen = []
-            published = max((s.expected for s in stats), default=0)
+            await asyncio.gather(*pending, return_exceptions=True)
+            lag_task.cancel()
+            await asyncio.gather(lag_task, return_exceptions=True)
+
+            published = 0
+            if console_tasks:
+                # Wait until the consoles went quiet, then read the leader's counter.
+                quiet_deadline = loop.time() + 5.0
+                while loop.time() < quiet_deadline:
+                    now = time.monotonic()
+                    if all(now - s.last_rx > 0.3 or s.close_code is not None for s in stats):
+                        break
+                    await asyncio.sleep(0.1)
+                final_seq = await current_seq(http, base, auth)
+                await asyncio.sleep(0.2)
+                for t in console_tasks:
+                    t.cancel()
+                await asyncio.gather(*console_tasks, return_exceptions=True)
+                for s in stats:
+                    # Count only what was published between this console's hello and final_seq.
+                    s.received = sum(1 for q in s.seqs_seen if q <= final_seq)
+                    s.expected = max(0, final_seq - (s.hello_seq or 0))
+                    s.seqs_seen = []
+                published = max((s.expected for s in stats), default=0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     wall = w1 - w0
     return RunResult(
@@ -470,6 +514,8 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
         latencies_ms=rec.latencies_ms,
         leader_cpu_pct=100.0 * (cpu_l1 - cpu_l0) / wall,
         client_cpu_pct=100.0 * (cpu_c1 - cpu_c0) / wall,
+        other_cpu_pct=max(0.0, 100.0 * ((cpu_h1 - cpu_h0) - (cpu_l1 - cpu_l0)
+                                        - (cpu_c1 - cpu_c0)) / wall),
         leader_rss_mb=rss,
         client_lag_p99_ms=percentile(lag, 99), client_lag_max_ms=max(lag, default=math.nan),
         consoles=stats, published=published,
@@ -511,7 +557,8 @@ def print_details(results: list[RunResult]) -> None:
         errs = ", ".join(f"{k}: {v}" for k, v in sorted(r.error_kinds.items())) or "none"
         print(f"N={r.fellows}: registered {r.registered} in {r.register_s:.2f}s; "
               f"{r.sent} sent / {r.ok} ok in {r.window_s:g}s; errors {errs}; "
-              f"leader RSS {fmt(r.leader_rss_mb, '.0f')} MB; client loop lag "
+              f"leader RSS {fmt(r.leader_rss_mb, '.0f')} MB; other processes "
+              f"{r.other_cpu_pct:.0f}% CPU; client loop lag "
               f"p99 {fmt(r.client_lag_p99_ms, '.1f')} ms, max {fmt(r.client_lag_max_ms, '.1f')} "
               f"ms; {cons}")
 
@@ -545,6 +592,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 20 fellows, 3 s window, 1 s warm-up, 1 console")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--pending-job", action="store_true",
+                   help="keep one job PENDING that needs N+1 fellows (N < 1024), so every "
+                        "heartbeat runs the dispatcher against the whole registry")
+    p.add_argument("--profile", metavar="DIR",
+                   help="run each leader under cProfile; writes DIR/leader-N.prof "
+                        "(inflates the leader's CPU and latency)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each leader's log tail")
     args = p.parse_args(argv)
     if args.quick:
@@ -555,6 +608,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--fellows: expected numbers like 100,500,1000, got {args.fellows!r}")
     if not args.sizes or min(args.sizes) < 1:
         p.error("--fellows: sizes must be >= 1")
+    if args.pending_job and max(args.sizes) >= 1024:
+        p.error("--pending-job needs every fleet size below 1024 (a job asks for <= 1024)")
     if args.seconds <= 0 or args.warmup < 0 or args.consoles < 0:
         p.error("--seconds must be > 0, --warmup and --consoles >= 0")
     return args
@@ -564,7 +619,8 @@ def result_json(r: RunResult) -> dict[str, Any]:
     return {
         "fellows": r.fellows, "hb_per_s": r.hb_per_s, "p50_ms": r.pct(50), "p99_ms": r.pct(99),
         "max_ms": r.max_ms, "leader_cpu_pct": r.leader_cpu_pct,
-        "client_cpu_pct": r.client_cpu_pct, "leader_rss_mb": r.leader_rss_mb,
+        "client_cpu_pct": r.client_cpu_pct, "other_cpu_pct": r.other_cpu_pct,
+        "leader_rss_mb": r.leader_rss_mb,
         "sent": r.sent, "ok": r.ok, "errors": r.error_kinds, "window_s": r.window_s,
         "register_s": r.register_s, "client_lag_p99_ms": r.client_lag_p99_ms,
         "client_lag_max_ms": r.client_lag_max_ms, "events_published": r.published,
@@ -575,23 +631,38 @@ def result_json(r: RunResult) -> dict[str, Any]:
     }
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (and SIGINT even where a shell ignored it for us) stop the run the way Ctrl-C
+    # does: the leader gets its SIGTERM and the temp dir goes.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     token = secrets.token_urlsafe(24)
     results: list[RunResult] = []
     print(f"leader heartbeat benchmark: fellows {args.sizes}, window {args.seconds:g}s after "
-          f"{args.warmup:g}s warm-up, {args.consoles} console(s), {os.cpu_count()} CPU(s), "
+          f"{args.warmup:g}s warm-up, {args.consoles} console(s)"
+          f"{', one unsatisfiable PENDING job' if args.pending_job else ''}, "
+          f"{os.cpu_count()} CPU(s), "
           f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}", flush=True)
     try:
         for n in args.sizes:
             print(f"  N={n} ...", end="", flush=True)
-            with leader_process(token, args.verbose) as leader:
+            prof = None
+            if args.profile:
+                Path(args.profile).mkdir(parents=True, exist_ok=True)
+                prof = Path(args.profile).resolve() / f"leader-{n}.prof"
+            with leader_process(token, args.verbose, prof) as leader:
                 r = asyncio.run(run_one(leader, n, args.seconds, args.warmup, args.consoles,
-                                        token))
+                                        token, args.pending_job))
             results.append(r)
             print(f" {r.hb_per_s:.0f} hb/s, p99 {fmt(r.pct(99), '.2f')} ms", flush=True)
     except KeyboardInterrupt:
         print("\ninterrupted; leader stopped", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
         if not results:
             return 130
     print()
@@ -601,6 +672,14 @@ def main(argv: list[str] | None = None) -> int:
     line, _met = target_line(results)
     print()
     print(line)
+    cores = os.cpu_count() or 1
+    for r in results:
+        if r.other_cpu_pct > 20.0:
+            print(f"warning: N={r.fellows}: other processes used {r.other_cpu_pct:.0f}% of a core "
+                  f"({cores} core(s) in all) during the window; the numbers are noisy")
+        if r.client_lag_p99_ms > 20.0:
+            print(f"warning: N={r.fellows}: this client's event loop lagged (p99 "
+                  f"{r.client_lag_p99_ms:.0f} ms); latencies include client-side delay")
     if args.json:
         Path(args.json).write_bytes(orjson.dumps([result_json(r) for r in results],
                                                  option=orjson.OPT_INDENT_2))

@@ -275,6 +275,9 @@ class JobStatusUpdate:
     loss: float | None = None
     tokens_per_s: float | None = attrs.field(default=None, validator=_non_negative)
     message: str = attrs.field(default="", metadata=_meta("", maxLength=4096))
+    metrics: dict[str, Any] = attrs.field(
+        factory=dict, validator=_shallow,
+        metadata=_meta("numbers such as eval_loss, wire_tx_bytes, tokens_per_s"))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:
@@ -299,6 +302,9 @@ class JobInfo:
     model: dict[str, Any]
     training: dict[str, Any]
     waiting_for: str = ""
+    metrics: dict[str, Any] = attrs.field(factory=dict)
+    placement: dict[str, Any] | None = None
+    loss_history: list[list[float]] = attrs.field(factory=list)
 
 
 @attrs.define

@@ -188,7 +188,8 @@ class Leader:
     async def worker(self, name: str = "worker") -> dict[str, Any]:
         """(Re-)register a well-behaved fellow: same id every time, a fresh session, ready."""
         status, reg = await self.call("POST", f"{A}/fellows/register",
-                                      {"name": name, "instance_id": f"{name}-1"})
+                                      {"name": name, "instance_id": f"{name}-1",
+                                       "data_addr": "127.0.0.1:9"})
         assert status == 201, reg
         reg["headers"] = {SESSION_HEADER: reg["session"]}
         return reg

@@ -697,7 +697,9 @@ async def test_submit_pending_explains_waiting(api):
     assert job["state"] == "PENDING" and job["job_id"].startswith("job-")
     assert job["waiting_for"] == "needs 2 ready fellow(s), 1 ready"
     assert job["name"] == "big" and job["kind"] == "train"
-    assert job["model"] == {"d_model": 64} and job["training"] == {"steps": 10}
+    # Train configs come back resolved: what was given, plus every default filled in.
+    assert job["model"]["d_model"] == 64 and job["model"]["n_layers"] == 4
+    assert job["training"]["steps"] == 10 and job["training"]["schedule"] == "1f1b"
     assert job["topology"] == {"fellows": 2} and job["fellows"] == []
     assert job["started_at"] is None and job["finished_at"] is None
     second = await submit(api, fellows=1)
@@ -743,7 +745,7 @@ async def test_submit_errors(api):
 async def test_submit_deeply_nested_config_400(api):
     # orjson reads 300 levels but cannot write them back: such a job could never be stored,
     # nor its START signal sent.
-    body = b'{"model":{"x":1},"training":' + _nested_json(300) + b"}"
+    body = b'{"kind":"smoke","model":{"x":1},"training":' + _nested_json(300) + b"}"
     resp = await api.post(f"{A}/jobs", **raw(body))
     await expect_error(resp, 400, "invalid_body", "$.training")
     f = await register(api, "a")
@@ -751,7 +753,7 @@ async def test_submit_deeply_nested_config_400(api):
     assert await poll(api, f) == []
     assert (await expect_ok(await api.get(f"{A}/jobs", headers=AUTH)))["jobs"] == []
     # 64 levels are fine, and travel all the way to the fellow's START signal.
-    body = b'{"model":' + _nested_json(63) + b"}"
+    body = b'{"kind":"smoke","model":' + _nested_json(63) + b"}"
     job = await expect_ok(await api.post(f"{A}/jobs", **raw(body)), 201)
     assert job["state"] == "RUNNING"
     start = (await poll(api, f))[0]
@@ -763,11 +765,11 @@ def _nested_json(depth: int) -> bytes:
 
 
 async def test_dispatch_starts_job_and_sends_start(api):
-    a = await register(api, "a", data_addr="10.0.0.1:1")
+    a = await register(api, "a", data_addr="127.0.0.1:1")
     job = await submit(api, fellows=2, model={"layers": 2})
     assert job["state"] == "PENDING"
     assert await poll(api, a) == []
-    b = await register(api, "b", data_addr="10.0.0.2:2")
+    b = await register(api, "b", data_addr="127.0.0.1:2")
     job = await get_job(api, job["job_id"])
     assert job["state"] == "RUNNING" and job["waiting_for"] == ""
     assert sorted(job["fellows"]) == sorted([a["fellow_id"], b["fellow_id"]])
@@ -779,9 +781,12 @@ async def test_dispatch_starts_job_and_sends_start(api):
         p = s["payload"]
         assert p["num_stages"] == 2 and p["job_id"] == job["job_id"]
         assert p["model"] == {"layers": 2} and p["kind"] == "smoke"
-        assert [(x["stage"], x["fellow_id"]) for x in p["placement"]] == [
+        stages = p["placement"]["stages"]
+        assert [(x["stage"], x["fellow_id"]) for x in stages] == [
             (0, job["fellows"][0]), (1, job["fellows"][1])]
-        assert {x["data_addr"] for x in p["placement"]} == {"10.0.0.1:1", "10.0.0.2:2"}
+        assert {x["data_addr"] for x in stages} == {"127.0.0.1:1", "127.0.0.1:2"}
+        assert len(p["key"]) == 32  # the job's data-plane session key
+    assert job["placement"] == starts[0]["payload"]["placement"]
     view = await get_fellow(api, a["fellow_id"])
     assert view["current_job"] == job["job_id"]
 
@@ -1054,7 +1059,8 @@ async def test_events_stream_fellow_job_and_metric(api):
         await report(api, jid, f, "RUNNING", step=3, loss=1.25)
         metric = await next_event(ws, "metric")
         assert metric["data"] == {"job_id": jid, "fellow_id": f["fellow_id"], "step": 3,
-                                  "loss": 1.25, "tokens_per_s": None, "state": "RUNNING"}
+                                  "loss": 1.25, "tokens_per_s": None, "state": "RUNNING",
+                                  "metrics": {}}
         await report(api, jid, f, "COMPLETED", step=4)
         done = await next_event(ws, "job.completed")
         assert done["data"]["state"] == "COMPLETED" and done["data"]["last_step"] == 4

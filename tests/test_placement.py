@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,7 +23,7 @@ def test_split_sums_exactly_and_is_contiguous(n, weights):
     ranges = split_layers(n, weights)
     assert len(ranges) == len(weights)
     assert ranges[0][0] == 0 and ranges[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     assert sum(b - a for a, b in ranges) == n
 
 
@@ -31,7 +33,8 @@ def test_negative_weight_refused():
 
 
 def test_plan_fills_a_fellows_slots_first():
-    fellows = [FellowSlots(0, "a", ["cuda:0", "cuda:1"], "h:1"), FellowSlots(3, "b", ["cpu"], "h:2")]
+    fellows = [FellowSlots(0, "a", ["cuda:0", "cuda:1"], "h:1"),
+               FellowSlots(3, "b", ["cpu"], "h:2")]
     p = plan(fellows, 3, 12)
     assert [(s.stage, s.fellow_id, s.slot, s.device, s.layers) for s in p.stages] == [
         (0, 0, 0, "cuda:0", (0, 4)), (1, 0, 1, "cuda:1", (4, 8)), (2, 3, 0, "cpu", (8, 12))]
@@ -50,7 +53,8 @@ def test_schedules_run_every_op_once_with_backwards_in_order(stages, m):
     for s in range(stages):
         for sched in (gpipe, one_f_one_b):
             ops = sched(s, stages, m)
-            assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            every = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            assert sorted(ops) == sorted(every)
             assert [i for k, i in ops if k == "B"] == list(range(m))
             for k, i in ops:  # a backward never precedes its forward
                 if k == "B":

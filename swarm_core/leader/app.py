@@ -46,7 +46,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = FellowRegistry(cfg.stale_after_s, cfg.heartbeat_interval_s)
     registry.load(store.load_fellows())
     hub = EventHub()
-    jobs = JobQueue(store, registry, hub)
+    jobs = JobQueue(store, registry, hub, runs_dir=cfg.state_dir / "runs")
     app[STATE_KEY] = LeaderState(cfg.state_dir, store, registry, jobs, hub)
     yield
     app[STATE_KEY].flush()

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
 
+from swarm_core import jsonio
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
+from swarm_core.paths import atomic_write
+from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan
 from swarm_core.protocol import JobInfo, JobState, JobStatusUpdate, JobSubmit, Topology
-from swarm_core.schema import converter, structure_persisted
+from swarm_core.schema import SchemaError, converter, structure, structure_persisted, unstructure
+
+# A loss curve long enough for any plot, short enough to keep job records small.
+MAX_HISTORY = 20_000
 
 
 @attrs.define(eq=False)
@@ -34,6 +43,9 @@ class JobRecord:
     fellows: list[int] = attrs.field(factory=list)
     done_fellows: list[int] = attrs.field(factory=list)
     reason: str = ""
+    metrics: dict[str, Any] = attrs.field(factory=dict)
+    placement: dict[str, Any] | None = None
+    loss_history: list[list[float]] = attrs.field(factory=list)
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
 
@@ -45,8 +57,10 @@ class JobRecord:
 
 
 class JobQueue:
-    def __init__(self, store: Store, registry: FellowRegistry, hub: EventHub) -> None:
+    def __init__(self, store: Store, registry: FellowRegistry, hub: EventHub,
+                 runs_dir: Path | None = None) -> None:
         self.store = store
+        self.runs_dir = runs_dir
         self.registry = registry
         self.hub = hub
         self._jobs: dict[str, JobRecord] = {}
@@ -82,7 +96,8 @@ class JobQueue:
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             last_step=job.last_step, last_loss=job.last_loss, fellows=list(job.fellows),
             topology=job.topology, reason=job.reason, model=job.model, training=job.training,
-            waiting_for=self.waiting_for(job),
+            waiting_for=self.waiting_for(job), metrics=job.metrics, placement=job.placement,
+            loss_history=job.loss_history,
         )
 
     def waiting_for(self, job: JobRecord) -> str:
@@ -99,11 +114,14 @@ class JobQueue:
 
     # mutations --------------------------------------------------------------------------------
     def submit(self, req: JobSubmit) -> JobRecord:
+        model, training = req.model, req.training
+        if req.kind == "train":
+            model, training = resolve_train_payload(req)
         seq = self.store.next_job_seq()
         job = JobRecord(
             job_id=f"job-{seq:06d}", seq=seq, name=req.name, kind=req.kind,
             state=JobState.PENDING, created_at=time.time(), topology=req.topology,
-            model=req.model, training=req.training,
+            model=model, training=training,
         )
         self.store.insert_job(seq, job.persistable())
         self._jobs[job.job_id] = job
@@ -130,9 +148,14 @@ class JobQueue:
             job.last_step = upd.step
         if upd.loss is not None:
             job.last_loss = upd.loss
+            if not job.loss_history or job.loss_history[-1][0] < upd.step:
+                job.loss_history.append([upd.step, upd.loss])
+                del job.loss_history[:-MAX_HISTORY]
+        self._merge_metrics(job, fellow.fellow_id, upd)
         self.hub.publish("metric", {
             "job_id": job_id, "fellow_id": fellow.fellow_id, "step": upd.step,
             "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
+            "metrics": upd.metrics,
         })
         if upd.state == "FAILED":
             msg = f": {upd.message}" if upd.message else ""
@@ -163,20 +186,35 @@ class JobQueue:
         if len(ready) < job.topology.fellows:
             return None
         chosen = ready[: job.topology.fellows]
+        n_layers = int(job.model.get("n_layers", len(chosen))) if job.kind == "train" \
+            else len(chosen)
+        weights = job.training.get("stage_weights") if job.kind == "train" else None
+        try:
+            # One stage per fellow for now: a fellow process runs one stage runner.
+            placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr)
+                              for f in chosen], len(chosen), n_layers, weights,
+                             slots_per_fellow=1)
+        except PlacementError as exc:
+            self._finish(job, JobState.FAILED, f"placement failed: {exc}")
+            return job
+        missing = [s.fellow_id for s in placement.stages if not s.data_addr]
+        if job.kind == "train" and missing:
+            self._finish(job, JobState.FAILED,
+                         f"fellow(s) {missing} registered without a data-plane address")
+            return job
         job.state = JobState.RUNNING
         job.started_at = time.time()
         job.watched_since = time.monotonic()
         job.fellows = [f.fellow_id for f in chosen]
-        placement = [
-            {"stage": i, "fellow_id": f.fellow_id, "name": f.name, "data_addr": f.data_addr}
-            for i, f in enumerate(chosen)
-        ]
+        job.placement = placement.to_json()
+        self._write_run_file(job, "placement_plan.json", job.placement)
+        key = secrets.token_hex(16)  # the data plane admits only connections that present it
         for i, fellow in enumerate(chosen):
             fellow.assigned_job = job.job_id
             self.registry.send(fellow, "START", job.job_id, {
                 "job_id": job.job_id, "kind": job.kind, "name": job.name,
-                "stage": i, "num_stages": len(chosen), "placement": placement,
-                "model": job.model, "training": job.training,
+                "stage": i, "num_stages": len(chosen), "placement": job.placement,
+                "model": job.model, "training": job.training, "key": key,
             })
         self._save(job)
         self._event(job, "job.started")
@@ -219,6 +257,30 @@ class JobQueue:
                          f"{rec.current_step}")
 
     # internals --------------------------------------------------------------------------------
+    def _merge_metrics(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
+        if not upd.metrics and upd.tokens_per_s is None:
+            return
+        stage = job.fellows.index(fellow_id) if fellow_id in job.fellows else -1
+        per_stage = job.metrics.setdefault("stages", {})
+        entry = per_stage.setdefault(str(stage), {"fellow_id": fellow_id})
+        entry.update(upd.metrics)
+        if upd.tokens_per_s is not None:
+            entry["tokens_per_s"] = upd.tokens_per_s
+        # The last stage holds the loss: its numbers are the job's.
+        if stage == len(job.fellows) - 1:
+            for key in ("eval_loss", "perplexity", "final_loss", "best_loss", "tokens_per_s",
+                        "wall_s"):
+                if key in upd.metrics:
+                    job.metrics[key] = upd.metrics[key]
+        if upd.state == "COMPLETED" and "wire_tx_bytes_per_step" in upd.metrics:
+            job.metrics["wire_bytes_per_step"] = sum(
+                s.get("wire_tx_bytes_per_step", 0) for s in per_stage.values())
+
+    def _write_run_file(self, job: JobRecord, name: str, data: Any) -> None:
+        if self.runs_dir is None:
+            return
+        atomic_write(self.runs_dir / job.job_id / name, jsonio.dumps(data, pretty=True))
+
     def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
@@ -233,6 +295,8 @@ class JobQueue:
                     if fid not in job.done_fellows:
                         self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
         self._save(job)
+        if job.kind == "train" and was_running:
+            self._write_run_file(job, "job_final.json", unstructure(self.info(job)))
         self._event(job, f"job.{state.value.lower()}")
 
     def _save(self, job: JobRecord, quiet: bool = False) -> None:
@@ -246,3 +310,19 @@ class JobQueue:
             "last_step": job.last_step, "last_loss": job.last_loss, "fellows": job.fellows,
             "reason": job.reason,
         })
+
+
+def resolve_train_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Structure a train job's configs (400 naming the field when wrong), return them resolved
+    with every default filled in, so the job record says exactly what ran."""
+    model = structure(req.model, ModelConfig, "$.model")
+    training = structure(req.training, TrainingConfig, "$.training")
+    if training.stage_weights is not None and \
+            len(training.stage_weights) != req.topology.fellows:
+        raise SchemaError(f"{len(training.stage_weights)} weights for "
+                          f"{req.topology.fellows} stages (one stage per fellow)",
+                          "$.training.stage_weights")
+    if req.topology.fellows > model.n_layers + 2:
+        raise SchemaError(f"{req.topology.fellows} stages for {model.n_layers} layers leaves "
+                          "stages with nothing to do", "$.topology.fellows")
+    return unstructure(model), unstructure(training)

@@ -57,23 +57,49 @@ def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
 
 
 def _load_payload(path: str) -> JobSubmit:
-    try:
-        data = jsonio.loads(Path(path).read_bytes())
-    except OSError as exc:
-        raise CommandError(f"cannot read {path}: {exc.strerror}", ExitCode.USAGE) from None
-    except jsonio.JSONDecodeError as exc:
-        raise CommandError(f"{path}: not valid JSON: {exc}", ExitCode.USAGE) from None
+    data = _load_json(path)
     try:
         return structure(data, JobSubmit)
     except SchemaError as exc:
         raise CommandError(f"{path}: {exc}", ExitCode.USAGE) from None
 
 
+def _validated_train(req_data: dict[str, Any]) -> JobSubmit:
+    try:
+        return structure(req_data, JobSubmit)
+    except SchemaError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+
+
+def train_job(model: dict[str, Any], training: dict[str, Any], fellows: int,
+              name: str) -> JobSubmit:
+    return _validated_train({"name": name, "kind": "train", "model": model,
+                             "training": training, "topology": {"fellows": fellows}})
+
+
+def _load_json(path: str) -> Any:
+    try:
+        return jsonio.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise CommandError(f"cannot read {path}: {exc.strerror}", ExitCode.USAGE) from None
+    except jsonio.JSONDecodeError as exc:
+        raise CommandError(f"{path}: not valid JSON: {exc}", ExitCode.USAGE) from None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.payload:
         req = _load_payload(args.payload)
+    elif args.model or args.training:
+        from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
+
+        model = _load_json(args.model) if args.model else dict(DEFAULT_MODEL)
+        training = _load_json(args.training) if args.training else dict(DEFAULT_TRAINING)
+        if args.steps is not None:
+            training["steps"] = args.steps
+        req = train_job(model, training, args.fellows,
+                        args.name or f"{model.get('name', 'model')}")
     else:
-        req = smoke_job(args.fellows, args.steps, args.name or "smoke")
+        req = smoke_job(args.fellows, args.steps or 5, args.name or "smoke")
 
     async def body(c: SwarmClient) -> int:
         job = await c.submit(req)
@@ -111,6 +137,11 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def _describe(event: dict[str, Any]) -> str | None:
     kind, d = event.get("type", ""), event.get("data", {})
     if kind == "metric":
+        metrics = d.get("metrics") or {}
+        if "eval_loss" in metrics and d.get("state") == "RUNNING":
+            return f"step {d.get('step')}  eval loss {metrics['eval_loss']:.4f}"
+        if d.get("loss") is None and d.get("state") == "RUNNING" and metrics:
+            return None  # a training stage without the loss: the last stage speaks for all
         parts = [f"step {d.get('step')}", f"fellow {d.get('fellow_id')}"]
         if d.get("loss") is not None:
             parts.append(f"loss {d['loss']:.4f}")
@@ -181,13 +212,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_format(p)
     p.set_defaults(func=cmd_jobs)
 
-    p = sub.add_parser("submit", help="enqueue a job (a smoke job unless --payload is given)")
+    p = sub.add_parser("submit", help="enqueue a job: train with --model/--training, a whole "
+                                      "body with --payload, else a smoke job")
     p.add_argument("--payload", help="JSON file with a job body (name, kind, model, training, "
                                      "topology)")
+    p.add_argument("--model", help="model profile JSON (a train job; default profile: "
+                                   "small_none)")
+    p.add_argument("--training", help="training profile JSON (a train job; default: "
+                                      "quickstart_shakespeare)")
     p.add_argument("--name", default=None, help="job name (smoke job)")
     p.add_argument("--fellows", type=_positive_int, default=1,
                    help="fellows the smoke job needs (default 1)")
-    p.add_argument("--steps", type=_positive_int, default=5, help="smoke job steps (default 5)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
     add_format(p)
     p.set_defaults(func=cmd_submit)

@@ -1,7 +1,8 @@
 """``swarm quickstart``: the README's main job on the embedded default.
 
-Starts a local leader and fellows, queues the default job, streams it to the end and stops the
-cluster (unless ``--keep``). Until the training engine lands the default job is a smoke job.
+Starts a local leader and fellows, queues the embedded default job (a small GPT on the bundled
+Shakespeare corpus, split into one pipeline stage per fellow), streams it to the end, shows the
+loss falling and stops the cluster (unless ``--keep``).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import argparse
 
 from swarm_core.client import SwarmClient
+from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
 from swarm_core.protocol import JobState
 from swarm_tui.commands.base import ExitCode, print_line, run_async
 from swarm_tui.commands.daemons import _positive_int
-from swarm_tui.commands.jobs import smoke_job, watch_job
+from swarm_tui.commands.jobs import smoke_job, train_job, watch_job
 from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster, token_for
 
 
@@ -24,9 +26,26 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
     async def body() -> int:
         async with SwarmClient(record.leader_url, token_for(record)) as c:
-            job = await c.submit(smoke_job(args.fellows, args.steps, "quickstart-smoke"))
+            if args.smoke:
+                req = smoke_job(args.fellows, args.steps or 10, "quickstart-smoke")
+            else:
+                training = dict(DEFAULT_TRAINING)
+                if args.steps:
+                    training["steps"] = args.steps
+                req = train_job(dict(DEFAULT_MODEL), training, args.fellows, "quickstart")
+            job = await c.submit(req)
             print_line(f"queued {job.job_id}")
             final = await watch_job(c, job.job_id)
+            if final.loss_history:
+                first, last = final.loss_history[0], final.loss_history[-1]
+                print_line(f"loss {first[1]:.4f} at step {first[0]:.0f} -> {last[1]:.4f} at "
+                           f"step {last[0]:.0f}")
+            m = final.metrics
+            if "eval_loss" in m:
+                print_line(f"validation loss {m['eval_loss']:.4f}, perplexity "
+                           f"{m.get('perplexity', float('nan')):.2f}, "
+                           f"{m.get('tokens_per_s', 0):.0f} tokens/s, "
+                           f"{m.get('wire_bytes_per_step', 0) / 1e6:.2f} MB on the wire per step")
             return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
 
     try:
@@ -42,8 +61,11 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart",
-                       help="start a local cluster, run the default job, show it finish")
+                       help="start a local cluster, train the default model, show the loss fall")
     p.add_argument("--fellows", type=_positive_int, default=2, help="fellows (default 2)")
-    p.add_argument("--steps", type=_positive_int, default=10, help="job steps (default 10)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="training steps (default: the profile's 40)")
+    p.add_argument("--smoke", action="store_true",
+                   help="run a control-plane smoke job instead of training")
     p.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
     p.set_defaults(func=cmd_quickstart)
