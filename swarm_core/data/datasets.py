@@ -8,6 +8,8 @@ stage of a pipeline and a single-process reference see the same data in the same
 from __future__ import annotations
 
 import glob
+import hashlib
+import io
 import os
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
+from swarm_core.paths import atomic_write
 
 
 class DataError(ValueError):
@@ -98,6 +101,25 @@ def _windows(ids: torch.Tensor, batch_size: int, seq_len: int,
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
 
+def _encode_cached(tok: ByteTokenizer | BpeTokenizer, text: str) -> np.ndarray:
+    """BPE-encoding megabytes takes seconds; every stage of every run would pay it. Cache the
+    ids next to the tokenizer, keyed by tokenizer and text."""
+    if isinstance(tok, ByteTokenizer):
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    path = tok.path.with_name(f"{tok.path.stem}-ids-{digest}.npy")
+    if path.exists():
+        try:
+            return np.load(path, allow_pickle=False).astype(np.int64)
+        except (OSError, ValueError):
+            pass  # a damaged cache entry: encode again
+    ids = np.ascontiguousarray(tok.encode(text), dtype=np.int32)
+    buf = io.BytesIO()
+    np.save(buf, ids, allow_pickle=False)
+    atomic_write(path, buf.getvalue())
+    return ids.astype(np.int64)
+
+
 def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
     text = load_text(cfg)
     cut = int(len(text) * (1 - cfg.validation_fraction))
@@ -107,8 +129,8 @@ def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
             BpeTokenizer.train(train_text, cfg.bpe_vocab_size)
     except TokenizerError as exc:
         raise DataError(str(exc)) from None
-    train = torch.from_numpy(np.ascontiguousarray(tok.encode(train_text), dtype=np.int64))
-    val = torch.from_numpy(np.ascontiguousarray(tok.encode(val_text), dtype=np.int64))
+    train = torch.from_numpy(_encode_cached(tok, train_text))
+    val = torch.from_numpy(_encode_cached(tok, val_text))
     if cfg.real_min_tokens and len(train) < cfg.real_min_tokens:
         raise DataError(f"dataset {cfg.dataset!r} has {len(train)} training tokens, fewer than "
                         f"real_min_tokens={cfg.real_min_tokens}")

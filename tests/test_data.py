@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm_core.config.schemas import TrainingConfig
+from swarm_core.data import DataError, load_token_data
+from swarm_core.data.datasets import shakespeare_text
+
+
+def test_shakespeare_is_real_text_and_splits_deterministically():
+    text = shakespeare_text()
+    assert len(text) > 4_000_000 and "HAMLET" in text and "Exeunt" in text
+    a = load_token_data(TrainingConfig(), 32)
+    b = load_token_data(TrainingConfig(), 32)
+    assert a.vocab_size == 256
+    assert torch.equal(a.train[:1000], b.train[:1000]) and len(a.val) == len(b.val)
+    total = len(a.train) + len(a.val)
+    assert abs(len(a.val) / total - 0.05) < 0.01
+
+
+def test_batches_depend_on_seed_and_step_only():
+    d = load_token_data(TrainingConfig(), 32)
+    x1, y1 = d.batch(3, 4, 32, seed=1)
+    x2, y2 = d.batch(3, 4, 32, seed=1)
+    x3, _ = d.batch(4, 4, 32, seed=1)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the next tokens
+    ev = d.eval_batches(2, 4, 32, seed=1)
+    assert len(ev) == 2 and ev[0][0].shape == (4, 32)
+
+
+def test_real_min_tokens_is_enforced_not_padded():
+    with pytest.raises(DataError, match="fewer than real_min_tokens=100000000"):
+        load_token_data(TrainingConfig(real_min_tokens=100_000_000), 32)
+
+
+def test_textfiles_and_missing_paths(tmp_path):
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question. " * 200)
+    d = load_token_data(TrainingConfig(dataset="textfiles",
+                                       dataset_paths=[str(tmp_path / "*.txt")]), 16)
+    assert d.tokenizer.decode(d.train[:9].tolist()) == "to be or "
+    with pytest.raises(DataError, match="matches no file"):
+        load_token_data(TrainingConfig(dataset="textfiles",
+                                       dataset_paths=[str(tmp_path / "nope*.md")]), 16)
+
+
+def test_too_small_corpus_is_a_clear_error(tmp_path):
+    (tmp_path / "tiny.txt").write_text("short")
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        load_token_data(TrainingConfig(dataset="textfiles",
+                                       dataset_paths=[str(tmp_path / "tiny.txt")]), 64)
+
+
+def test_wikitext_without_datasets_says_how_to_get_it():
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(DataError, match="pip install datasets"):
+            load_token_data(TrainingConfig(dataset="wikitext103"), 32)
+    else:
+        with pytest.raises(DataError, match="wikitext"):
+            load_token_data(TrainingConfig(dataset="wikitext103"), 32)
+
+
+def test_bpe_trains_offline_and_caches(tmp_path, swarm_home):
+    words = " ".join(f"word{i % 50} thing{i % 7}" for i in range(4000))
+    (tmp_path / "c.txt").write_text(words)
+    cfg = TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "c.txt")],
+                         tokenizer="bpe", bpe_vocab_size=300)
+    d = load_token_data(cfg, 16)
+    assert 256 < d.vocab_size <= 300
+    assert len(d.train) < len(words) * 0.95 * 0.6  # merges compress the text
+    assert d.tokenizer.decode(d.train[:20].tolist()) in words
+    cached = list((swarm_home / "cache" / "bpe").glob("bpe-300-*"))
+    assert any(p.suffix == ".json" for p in cached) and any(p.suffix == ".npy" for p in cached)
+    again = load_token_data(cfg, 16)
+    assert torch.equal(again.train, d.train)

@@ -1,0 +1,57 @@
+"""Train-job configs: compression specs, validation at submit (400 naming the field)."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm_core.config.schemas import ModelConfig, parse_compression
+from swarm_core.schema import FieldError, SchemaError, structure
+from tests.conftest import AUTH
+
+A = "/api/v1"
+
+
+@pytest.mark.parametrize("spec, dim, int8", [
+    ("none", None, False), ("fixed_int8", None, True), ("learned_dim64", 64, False),
+    ("learned_dim256_int8", 256, True),
+])
+def test_compression_specs(spec, dim, int8):
+    c = parse_compression(spec, d_model=256)
+    assert (c.bottleneck_dim, c.int8, c.spec) == (dim, int8, spec)
+
+
+def test_learned_bottleneck_takes_its_width_from_the_profile():
+    assert parse_compression("learned_bottleneck", 32).bottleneck_dim == 32
+    with pytest.raises(FieldError, match="needs bottleneck_dim"):
+        parse_compression("learned_bottleneck")
+
+
+@pytest.mark.parametrize("spec", ["int8", "learned_dim", "learned_dim0", "learned_dimx_int8",
+                                  "fixed_int4", "learned_dim999"])
+def test_unknown_specs_name_the_valid_forms(spec):
+    with pytest.raises(SchemaError) as exc:
+        structure({"compression": spec, "d_model": 128}, ModelConfig)
+    assert exc.value.field == "$.compression"
+    assert "learned_dimK_int8" in exc.value.message or "1..d_model" in exc.value.message
+
+
+@pytest.mark.parametrize("body, field, needle", [
+    ({"model": {"compression": "zip"}}, "$.model.compression", "valid forms"),
+    ({"model": {"d_model": 100, "n_heads": 3}}, "$.model.n_heads", "not divisible"),
+    ({"training": {"batch_size": 10, "micro_batches": 4}}, "$.training.micro_batches",
+     "not divisible"),
+    ({"training": {"schedule": "zigzag"}}, "$.training.schedule", "'gpipe', '1f1b'"),
+    ({"training": {"stage_weights": [1, 2, 3]}}, "$.training.stage_weights", "3 weights"),
+    ({"training": {"dataset": "textfiles"}}, "$.training.dataset_paths", "needs dataset_paths"),
+    ({"training": {"lr": -1}}, "$.training.lr", "must be > 0"),
+    ({"model": {"n_layers": 1}, "topology": {"fellows": 4}}, "$.topology.fellows",
+     "nothing to do"),
+])
+async def test_bad_train_payloads_are_400_and_store_nothing(api, body, field, needle):
+    payload = {"kind": "train", "topology": {"fellows": 2}, **body}
+    resp = await api.post(f"{A}/jobs", json=payload, headers=AUTH)
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["field"] == field and needle in err["message"]
+    jobs = await (await api.get(f"{A}/jobs", headers=AUTH)).json()
+    assert jobs["jobs"] == []
