@@ -170,6 +170,32 @@ class SwarmClient:
                                  headers={SESSION_HEADER: session})
         return _parse(res, JobInfo)
 
+    async def push_shard(self, job_id: str, stage: int, session: str,
+                         manifest: dict[str, Any], weights: bytes) -> dict[str, Any]:
+        """Upload one stage shard (multipart: manifest JSON, then the weights.npz bytes)."""
+        with aiohttp.MultipartWriter("form-data") as mp:
+            part = mp.append(jsonio.dumps(manifest), {"Content-Type": "application/json"})
+            part.set_content_disposition("form-data", name="manifest")
+            part = mp.append(weights, {"Content-Type": "application/octet-stream"})
+            part.set_content_disposition("form-data", name="weights", filename="weights.npz")
+        url = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/shards/{stage}"
+        timeout = aiohttp.ClientTimeout(total=max(60.0, len(weights) / 5e6))
+        try:
+            async with self._http().post(url, data=mp, headers={SESSION_HEADER: session},
+                                         timeout=timeout) as resp:
+                raw = await resp.read()
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: {exc}") \
+                from None
+        self.bytes_sent += len(weights) + 400
+        self.bytes_received += len(raw) + 150
+        payload = jsonio.loads(raw) if raw else {}
+        if resp.status >= 400:
+            err = payload.get("error", {}) if isinstance(payload, dict) else {}
+            raise ApiError(resp.status, err.get("code", "error"),
+                           err.get("message", f"HTTP {resp.status}"), err.get("field"))
+        return payload
+
     # jobs -------------------------------------------------------------------------------------
     async def submit(self, req: JobSubmit) -> JobInfo:
         return _parse(await self.request("POST", f"{API_PREFIX}/jobs", req), JobInfo)

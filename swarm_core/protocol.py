@@ -305,6 +305,7 @@ class JobInfo:
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
     loss_history: list[list[float]] = attrs.field(factory=list)
+    latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define

@@ -114,3 +114,11 @@ def test_llm_doc_writes_the_file(tmp_path: Path, capsys):
     out = tmp_path / "ref.md"
     assert run(["llm-doc", "--output", str(out)]) == 0
     assert out.read_text().startswith("# `swarm` / `swarm-tui --cmd` reference")
+
+
+def test_api_doc_lists_every_route():
+    from swarm_core.leader.routes import ROUTES
+
+    text = (REPO / "docs" / "api.md").read_text()
+    for r in ROUTES:
+        assert f"`{r.method} {r.path}`" in text, f"docs/api.md misses {r.method} {r.path}"

@@ -7,7 +7,9 @@ import json
 import time
 
 import pytest
+import torch
 
+from swarm_core.artifacts.shards import load_shard
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import load_token_data
@@ -42,7 +44,7 @@ def data():
     return load_token_data(structure(TRAINING, TrainingConfig), MODEL["seq_len"])
 
 
-def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data):
+def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data, swarm_home):
     up = run_cli("restart-cluster", "--fellows", "3", env=cli_env, timeout=90)
     assert up.returncode == 0, up.stderr
     try:
@@ -62,7 +64,7 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
     for n, (job, schedule) in results.items():
         assert job["state"] == "COMPLETED", job["reason"]
         tc = structure({**TRAINING, "schedule": schedule}, TrainingConfig)
-        ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * n))
+        ref, ref_model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * n))
         got = [loss for _step, loss in job["loss_history"]]
         assert [s for s, _ in job["loss_history"]] == list(range(1, 21))
         diff = max(abs(a - b) for a, b in zip(ref, got, strict=True))
@@ -77,6 +79,22 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
             measured = job["metrics"]["stages"][str(s)]["wire_tx_bytes_per_step"]
             assert measured == expected_wire_bytes(mc, tc, s, n)
         assert job["metrics"]["eval_loss"] > 0 and job["metrics"]["perplexity"] > 1
+        # Every stage pushed its final shard; together they are the single-process weights.
+        pushes = job["latest_shard_pushes"]
+        assert sorted(pushes) == [str(s) for s in range(n)]
+        assert {p["step"] for p in pushes.values()} == {20}
+        export = swarm_home / "leader" / "runs" / job["job_id"] / "model_export"
+        run_manifest = json.loads((export / "run_manifest.json").read_text())
+        assert run_manifest["complete"] is True and run_manifest["step"] == 20
+        weights = {}
+        for shard in run_manifest["shards"]:
+            _manifest, arrays = load_shard(export / shard["dir"])
+            weights.update(arrays)
+        expected = ref_model.flat_state_dict()
+        assert set(weights) == set(expected)
+        worst = max(float((torch.from_numpy(weights[k]) - v).abs().max())
+                    for k, v in expected.items())
+        assert worst <= 1e-4, f"{n} stages: shard weights differ from single process by {worst}"
 
 
 def test_embedded_defaults_mirror_the_profiles():

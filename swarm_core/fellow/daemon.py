@@ -14,7 +14,7 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_job
+from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, import_engine, run_job
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
@@ -82,6 +82,9 @@ class FellowDaemon:
             self.exit_reason = f"registration refused: cannot open the data port: {exc}"
             await self.client.close()
             return 1
+        # Warm the training engine up in the background: START then finds torch loaded.
+        warmup = loop.run_in_executor(None, import_engine)
+        warmup.add_done_callback(lambda f: f.exception())  # errors surface at START instead
         try:
             while not self._stop.is_set():
                 if not await self._register():
@@ -246,8 +249,16 @@ class FellowDaemon:
             except LeaderUnreachable as exc:
                 log.warning("status report lost: %s", exc)
 
+        async def push_shard(job: str, stage: int, manifest: dict, weights: bytes) -> None:
+            try:
+                await self.client.push_shard(job, stage, self.session, manifest, weights)
+            except ClientError as exc:
+                # The shard is on this fellow's disk either way; the leader's copy can lag.
+                log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+
         ctx = JobContext(fellow_id=fellow_id, progress=self.progress, report=report,
-                         shaper=self.shaper, listener=self.listener, threads=self.opts.threads)
+                         shaper=self.shaper, listener=self.listener, threads=self.opts.threads,
+                         fellow_name=self.opts.name, push_shard=push_shard)
         try:
             await run_job(start, ctx)
         except JobRefused as exc:

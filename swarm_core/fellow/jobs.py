@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,6 +21,7 @@ import attrs
 from swarm_core.protocol import JobStatusUpdate
 
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
+PushShard = Callable[[str, int, dict[str, Any], bytes], Awaitable[None]]
 
 
 @attrs.define
@@ -45,8 +47,10 @@ class JobContext:
     progress: Progress
     report: Report
     shaper: Any = None  # swarm_core.pipeline.links.LinkShaper (torch-side, imported lazily)
-    listener: Any = None  # swarm_core.pipeline.transport.DataListener
+    listener: Any = None  # swarm_core.pipeline.listener.DataListener
     threads: int = 1
+    fellow_name: str = ""
+    push_shard: PushShard | None = None
 
 
 async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
@@ -68,8 +72,18 @@ async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
     ))
 
 
+def import_engine() -> None:
+    """Load the training engine (torch and friends). The daemon calls this in a thread at start
+    so that the first START does not pay for it."""
+    import swarm_core.artifacts.shards
+    import swarm_core.data
+    import swarm_core.pipeline.stage  # noqa: F401
+
+
 async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
-    # torch is imported here, not at daemon start: a fellow that only idles stays light.
+    # Importing torch takes seconds; in a worker thread, so heartbeats keep flowing meanwhile.
+    await asyncio.to_thread(import_engine)
+    from swarm_core.artifacts.shards import build_manifest, npz_bytes, state_arrays, write_shard
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
     from swarm_core.data import DataError, load_token_data
     from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
@@ -118,13 +132,38 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         while (upd := await updates.get()) is not None:
             await ctx.report(upd)
 
+    export_root = _export_root(training.export_dir, spec.job_id) / "shards"
+    pushes: asyncio.Queue[tuple[dict[str, Any], bytes] | None] = asyncio.Queue()
+    holder: dict[str, Any] = {}
+
+    def on_checkpoint(step: int, module: Any) -> None:  # runs in the stage thread
+        arrays = state_arrays(module)
+        weights = npz_bytes(arrays)
+        data = holder["data"]
+        manifest = build_manifest(
+            job_id=spec.job_id, stage=stage, num_stages=spec.num_stages, fellow_id=fid,
+            fellow_name=ctx.fellow_name, layers=layers, step=step,
+            model=start.get("model") or {}, seed=training.seed,
+            vocab_size=model.vocab_size or data.vocab_size, tokenizer=data.tokenizer.spec(),
+            arrays=arrays, weights=weights, slot=int(mine.get("slot", 0)),
+            device=str(mine.get("device", "cpu")))
+        write_shard(export_root, manifest, weights)
+        loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights))
+
+    async def pusher() -> None:
+        while (item := await pushes.get()) is not None:
+            if ctx.push_shard is not None:
+                await ctx.push_shard(spec.job_id, stage, *item)
+
     def work() -> dict[str, Any]:
         data = load_token_data(training, model.seq_len)
+        holder["data"] = data
         return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
-                         connect_timeout=training.frame_timeout_s)
+                         connect_timeout=training.frame_timeout_s, on_checkpoint=on_checkpoint)
 
     ctx.progress.stage = stage
     reporter_task = asyncio.create_task(reporter())
+    pusher_task = asyncio.create_task(pusher())
     try:
         metrics = await asyncio.to_thread(work)
     except asyncio.CancelledError:
@@ -134,14 +173,27 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         raise JobRefused(str(exc)) from None
     finally:
         updates.put_nowait(None)
+        pushes.put_nowait(None)
         with contextlib.suppress(asyncio.CancelledError):
             await reporter_task
+        # The final shard reaches the leader before the stage says COMPLETED.
+        with contextlib.suppress(asyncio.CancelledError):
+            await pusher_task
+    metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(
         fellow_id=fid, state="COMPLETED", step=metrics.get("steps", 0),
         loss=metrics.get("final_loss"), tokens_per_s=metrics.get("tokens_per_s"),
         message=f"stage {stage} finished", metrics=metrics,
     ))
+
+
+def _export_root(export_dir: str | None, job_id: str) -> Path:
+    from swarm_core.paths import swarm_home
+
+    if export_dir:
+        return Path(export_dir).expanduser() / job_id / "model_export"
+    return swarm_home() / "runs" / job_id / "model_export"
 
 
 async def run_job(start: dict[str, Any], ctx: JobContext) -> None:

@@ -36,6 +36,7 @@ class LeaderConfig:
     stale_after_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     max_json_bytes: int = 1 << 20
+    max_upload_bytes: int = 4 << 30  # shard pushes: streamed to disk, limit checked as they come
     tick_s: float = 0.25
     flush_s: float = 2.0
 

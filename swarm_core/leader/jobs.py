@@ -46,6 +46,7 @@ class JobRecord:
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
     loss_history: list[list[float]] = attrs.field(factory=list)
+    latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
 
@@ -97,7 +98,7 @@ class JobQueue:
             last_step=job.last_step, last_loss=job.last_loss, fellows=list(job.fellows),
             topology=job.topology, reason=job.reason, model=job.model, training=job.training,
             waiting_for=self.waiting_for(job), metrics=job.metrics, placement=job.placement,
-            loss_history=job.loss_history,
+            loss_history=job.loss_history, latest_shard_pushes=job.latest_shard_pushes,
         )
 
     def waiting_for(self, job: JobRecord) -> str:
@@ -256,6 +257,29 @@ class JobQueue:
                          f"fellow {rec.fellow_id} ({rec.name}) restarted at step "
                          f"{rec.current_step}")
 
+    def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+                     manifest: dict[str, Any]) -> dict[str, Any]:
+        receipt = {
+            "stage": stage, "fellow_id": fellow.fellow_id, "step": manifest.get("step"),
+            "weights_sha256": manifest.get("weights_sha256"),
+            "weights_bytes": manifest.get("weights_bytes"),
+            "config_fingerprint": manifest.get("config_fingerprint"),
+            "received_at": manifest.get("received_at"),
+        }
+        job.latest_shard_pushes[str(stage)] = receipt
+        self.store.save_job(job.persistable())
+        self.hub.publish("job.shard", {"job_id": job.job_id, **receipt})
+        return receipt
+
+    def stage_of(self, job: JobRecord, fellow_id: int) -> int:
+        if job.placement is None:
+            raise ApiError(409, f"job {job.job_id} has no placement yet", code="not_placed")
+        for s in job.placement["stages"]:
+            if s["fellow_id"] == fellow_id:
+                return int(s["stage"])
+        raise ApiError(403, f"fellow {fellow_id} holds no stage of {job.job_id}",
+                       code="wrong_fellow")
+
     # internals --------------------------------------------------------------------------------
     def _merge_metrics(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
         if not upd.metrics and upd.tokens_per_s is None:
@@ -275,6 +299,20 @@ class JobQueue:
         if upd.state == "COMPLETED" and "wire_tx_bytes_per_step" in upd.metrics:
             job.metrics["wire_bytes_per_step"] = sum(
                 s.get("wire_tx_bytes_per_step", 0) for s in per_stage.values())
+
+    def _run_manifest(self, job: JobRecord) -> dict[str, Any]:
+        pushes = [job.latest_shard_pushes[k] for k in sorted(job.latest_shard_pushes, key=int)]
+        steps = {p["step"] for p in pushes}
+        return {
+            "job_id": job.job_id, "name": job.name, "state": job.state.value,
+            "num_stages": len(job.fellows), "model": job.model, "training": job.training,
+            "placement": job.placement,
+            "step": max(steps) if steps else None,
+            "complete": len(pushes) == len(job.fellows) and len(steps) == 1
+            and len({p["config_fingerprint"] for p in pushes}) == 1,
+            "shards": [{**p, "dir": f"shards/stage-{p['stage']}-fellow-{p['fellow_id']}"}
+                       for p in pushes],
+        }
 
     def _write_run_file(self, job: JobRecord, name: str, data: Any) -> None:
         if self.runs_dir is None:
@@ -297,6 +335,9 @@ class JobQueue:
         self._save(job)
         if job.kind == "train" and was_running:
             self._write_run_file(job, "job_final.json", unstructure(self.info(job)))
+            if job.latest_shard_pushes:
+                self._write_run_file(job, "model_export/run_manifest.json",
+                                     self._run_manifest(job))
         self._event(job, f"job.{state.value.lower()}")
 
     def _save(self, job: JobRecord, quiet: bool = False) -> None:

@@ -41,7 +41,7 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
         }
         params = []
         for name in re.findall(r"{(\w+)}", r.path):
-            kind = "integer" if name.endswith("_id") and name != "job_id" else "string"
+            kind = "integer" if name in ("fellow_id", "stage") else "string"
             schema: dict[str, Any] = {"type": kind}
             if kind == "integer":
                 schema["minimum"] = 0
@@ -58,12 +58,19 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
                            "schema": {"type": "string"}})
         if params:
             op["parameters"] = params
+        if r.upload:
+            op["requestBody"] = {"required": True, "content": {"multipart/form-data": {
+                "schema": {"type": "object", "required": ["manifest", "weights"],
+                           "properties": {"manifest": {"type": "string",
+                                                       "description": "shard manifest JSON"},
+                                          "weights": {"type": "string", "format": "binary"}}},
+            }}}
         if r.body is not None:
             op["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": json_schema(r.body, components)}},
             }
-        ok_status = "201" if r.handler.__name__ in ("register", "submit_job") else (
+        ok_status = "201" if r.handler.__name__ in ("register", "submit_job", "push_shard") else (
             "202" if r.handler.__name__ in ("set_speed", "release") else "200")
         if r.handler.__name__ == "events":
             ok_status = "101"

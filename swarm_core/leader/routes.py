@@ -14,7 +14,7 @@ from aiohttp import WSCloseCode, web
 import swarm_core
 from swarm_core import jsonio
 from swarm_core.leader.errors import ApiError
-from swarm_core.leader.keys import STATE_KEY, WEBSOCKETS_KEY
+from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
 from swarm_core.leader.state import LeaderState
 from swarm_core.protocol import (
     API_PREFIX,
@@ -54,6 +54,7 @@ class Route:
     fellow_session: bool = False
     query: tuple[tuple[str, str, str], ...] = ()  # (name, type, description)
     errors: tuple[int, ...] = ()
+    upload: bool = False  # multipart body (manifest JSON, then weights)
 
 
 def _state(request: web.Request) -> LeaderState:
@@ -263,6 +264,27 @@ async def job_status(request: web.Request) -> web.Response:
     return ok(st.jobs.info(job))
 
 
+async def push_shard(request: web.Request) -> web.Response:
+    from swarm_core.leader.uploads import receive_shard, shard_dir
+
+    st = _state(request)
+    job = st.jobs.get(request.match_info["job_id"])
+    stage = _int_param(request, "stage")
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
+    if st.jobs.stage_of(job, rec.fellow_id) != stage:
+        raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
+                            f"{job.job_id}", code="wrong_fellow")
+    if job.state is not JobState.RUNNING:
+        raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
+                       code="job_not_running")
+    cfg = request.app[CONFIG_KEY]
+    dest = shard_dir(st.state_dir / "runs", job.job_id, stage, rec.fellow_id)
+    manifest = await receive_shard(
+        request, dest, cfg.max_upload_bytes,
+        expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id})
+    return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
+
+
 # --- events -------------------------------------------------------------------------------------
 
 
@@ -346,6 +368,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",
           body=JobStatusUpdate, response=JobInfo, fellow_session=True,
           errors=(400, 401, 403, 404, 409)),
+    Route("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}", push_shard,
+          "A fellow pushes its stage's latest weights (multipart: manifest, weights)",
+          fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415)),
     Route("GET", f"{A}/events", events, "WebSocket stream of fellow, job and metric events",
           query=(("types", "string", "comma-separated: fellow,job,metric"),
                  ("job_id", "string", "only events of this job"))),

@@ -241,8 +241,13 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
               listener: DataListener | None, stop: threading.Event,
               on_step: Callable[[StepReport], None],
               on_eval: Callable[[int, float], None] | None = None,
-              connect_timeout: float = 60.0) -> dict[str, Any]:
-    """Train all steps of one stage; returns final metrics (loss and eval on the last stage)."""
+              connect_timeout: float = 60.0,
+              on_checkpoint: Callable[[int, StageModule], None] | None = None
+              ) -> dict[str, Any]:
+    """Train all steps of one stage; returns final metrics (loss and eval on the last stage).
+
+    ``on_checkpoint(step, module)`` runs every ``shard_push_interval_steps`` and after the last
+    step, between optimiser steps, so it sees consistent weights."""
     torch.set_num_threads(spec.training.threads)
     runner = StageRunner(spec, data, shaper, stop)
     t = spec.training
@@ -254,12 +259,18 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
             rep = runner.train_step(step)
             reports.append(rep)
             on_step(rep)
+            every = t.shard_push_interval_steps
+            if on_checkpoint is not None and every and rep.step % every == 0 \
+                    and rep.step != t.steps:
+                on_checkpoint(rep.step, runner.module)
             if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
                 ev = runner.evaluate(rep.step)
                 if ev is not None and on_eval is not None:
                     on_eval(rep.step, ev)
         eval_loss = runner.evaluate(t.steps)
         wall = time.perf_counter() - t0
+        if on_checkpoint is not None:
+            on_checkpoint(t.steps, runner.module)
     finally:
         runner.close()
     losses = [r.loss for r in reports if r.loss is not None]

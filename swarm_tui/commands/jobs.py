@@ -150,6 +150,8 @@ def _describe(event: dict[str, Any]) -> str | None:
         if d.get("state") != "RUNNING":
             parts.append(str(d.get("state")))
         return "  ".join(parts)
+    if kind == "job.shard":
+        return f"stage {d.get('stage')} shard at step {d.get('step')} reached the leader"
     if kind.startswith("job.") and kind != "job.updated":
         reason = f": {d['reason']}" if d.get("reason") else ""
         return f"{d.get('job_id')} {d.get('state')}{reason}"

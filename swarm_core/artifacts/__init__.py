@@ -1,0 +1,1 @@
+"""Run artifacts: shard export (fellow side), manifests, and (later) glue into one model."""

@@ -1,0 +1,107 @@
+"""Stage shards: ``stage-K-fellow-F/{shard_manifest.json,weights.npz}``.
+
+Weights are plain ``.npy`` members of an ``.npz`` (no pickles; they load with
+``allow_pickle=False``), named by global parameter names, so shards glue back by union. The
+manifest says which global layers and edge parts the shard holds, at which step, and the config
+fingerprint that all shards of one model must share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from swarm_core import jsonio
+from swarm_core.paths import atomic_write
+
+MANIFEST = "shard_manifest.json"
+WEIGHTS = "weights.npz"
+FORMAT = "silentswarm-shard/1"
+
+
+def shard_dir_name(stage: int, fellow_id: int) -> str:
+    return f"stage-{stage}-fellow-{fellow_id}"
+
+
+def config_fingerprint(model: dict[str, Any], seed: int, vocab_size: int) -> str:
+    """Same architecture, init seed and vocabulary: shards of one model share this."""
+    arch = {k: v for k, v in model.items() if k != "name"}
+    blob = jsonio.dumps({"model": arch, "seed": seed, "vocab_size": vocab_size})
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    out = {}
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.to(torch.float32)  # numpy has no bfloat16
+        out[name] = t.numpy().copy()
+    return out
+
+
+def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
+                   fellow_name: str, layers: tuple[int, int], step: int, model: dict[str, Any],
+                   seed: int, vocab_size: int, tokenizer: dict[str, Any],
+                   arrays: dict[str, np.ndarray], weights: bytes,
+                   slot: int = 0, device: str = "cpu") -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "job_id": job_id,
+        "stage": stage,
+        "num_stages": num_stages,
+        "fellow_id": fellow_id,
+        "fellow_name": fellow_name,
+        "slot": slot,
+        "device": device,
+        "layers": {"start": layers[0], "stop": layers[1]},
+        "has_embedding": stage == 0,
+        "has_head": stage == num_stages - 1,
+        "step": step,
+        "config_fingerprint": config_fingerprint(model, seed, vocab_size),
+        "model": model,
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "tokenizer": tokenizer,
+        "params": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in arrays.items()},
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "weights_bytes": len(weights),
+        "created_at": time.time(),
+    }
+
+
+def write_shard(root: Path, manifest: dict[str, Any], weights: bytes) -> Path:
+    """Weights first, manifest last: a manifest on disk means its weights are complete."""
+    d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
+    atomic_write(d / WEIGHTS, weights)
+    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True))
+    return d
+
+
+class ShardError(ValueError):
+    pass
+
+
+def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    try:
+        manifest = jsonio.loads((d / MANIFEST).read_bytes())
+        raw = (d / WEIGHTS).read_bytes()
+    except FileNotFoundError as exc:
+        raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
+    if hashlib.sha256(raw).hexdigest() != manifest.get("weights_sha256"):
+        raise ShardError(f"{d}: weights.npz does not match the manifest's sha256")
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    return manifest, arrays

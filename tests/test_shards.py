@@ -1,0 +1,194 @@
+"""Stage shards: export on the fellow (npz without pickles) and the leader's push route."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from swarm_core.artifacts.shards import (
+    ShardError,
+    build_manifest,
+    load_shard,
+    npz_bytes,
+    state_arrays,
+    write_shard,
+)
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.leader import LeaderConfig, create_app
+from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.pipeline.model import ExperimentModel, StageModule
+from tests.conftest import AUTH, TOKEN
+
+A = "/api/v1"
+MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
+
+
+def _shard(stage: int = 0, fellow_id: int = 0, job_id: str = "job-000001",
+           step: int = 4) -> tuple[dict[str, Any], bytes, dict[str, np.ndarray]]:
+    mc = ModelConfig(**MODEL)
+    module = StageModule(mc, 32, 0, stage, stage + 1, stage, 2)
+    arrays = state_arrays(module)
+    weights = npz_bytes(arrays)
+    manifest = build_manifest(job_id=job_id, stage=stage, num_stages=2, fellow_id=fellow_id,
+                              fellow_name=f"f{fellow_id}", layers=(stage, stage + 1), step=step,
+                              model=MODEL, seed=0, vocab_size=32,
+                              tokenizer={"name": "byte"}, arrays=arrays, weights=weights)
+    return manifest, weights, arrays
+
+
+def test_shard_roundtrip_without_pickles(tmp_path):
+    manifest, weights, arrays = _shard(stage=1, fellow_id=5)
+    d = write_shard(tmp_path, manifest, weights)
+    assert d.name == "stage-1-fellow-5"
+    back, loaded = load_shard(d)
+    assert back["layers"] == {"start": 1, "stop": 2} and back["has_head"] is True
+    assert set(loaded) == set(arrays) and "blocks.1.attn.qkv.weight" in loaded
+    for k in arrays:
+        np.testing.assert_array_equal(loaded[k], arrays[k])
+    # Plain npz: loads with allow_pickle=False.
+    with np.load(d / "weights.npz", allow_pickle=False) as z:
+        assert set(z.files) == set(arrays)
+
+
+def test_stage_shards_union_to_the_whole_model():
+    mc = ModelConfig(**MODEL)
+    whole = ExperimentModel(mc, 32, 0, [(0, 1), (1, 2)]).flat_state_dict()
+    union: dict[str, np.ndarray] = {}
+    for s in (0, 1):
+        union.update(_shard(stage=s)[2])
+    assert set(union) == set(whole)
+    for k, v in whole.items():
+        assert torch.equal(torch.from_numpy(union[k]), v)
+
+
+def test_tampered_weights_are_refused(tmp_path):
+    manifest, weights, _ = _shard()
+    d = write_shard(tmp_path, manifest, weights)
+    mid = len(weights) // 2
+    (d / "weights.npz").write_bytes(weights[:mid] + bytes([weights[mid] ^ 0xFF]) +
+                                    weights[mid + 1:])
+    with pytest.raises(ShardError, match="sha256"):
+        load_shard(d)
+    (d / "weights.npz").unlink()
+    with pytest.raises(ShardError, match=r"missing weights\.npz"):
+        load_shard(d)
+
+
+# --- the push route --------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def leader(aiohttp_client, tmp_path: Path):
+    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05,
+                       max_upload_bytes=200_000)
+    client = await aiohttp_client(create_app(cfg))
+    fellows = []
+    for i in range(2):
+        body = {"name": f"f{i}", "instance_id": f"i{i}", "data_addr": f"127.0.0.1:{9000 + i}"}
+        resp = await client.post(f"{A}/fellows/register", json=body, headers=AUTH)
+        reg = await resp.json()
+        fellows.append({**reg, "headers": {**AUTH, SESSION_HEADER: reg["session"]}})
+    job = {"name": "t", "kind": "train", "model": MODEL, "training": {"steps": 4},
+           "topology": {"fellows": 2}}
+    resp = await client.post(f"{A}/jobs", json=job, headers=AUTH)
+    job = await resp.json()
+    assert job["state"] == "RUNNING"
+    return client, fellows, job, cfg
+
+
+def _form(manifest: Any, weights: bytes, order: tuple[str, str] = ("manifest", "weights"),
+          ) -> aiohttp.MultipartWriter:
+    mp = aiohttp.MultipartWriter("form-data")
+    for name in order:
+        data = orjson.dumps(manifest) if name == "manifest" else weights
+        part = mp.append(data)
+        part.set_content_disposition("form-data", name=name)
+    return mp
+
+
+def _stage_fellow(job: dict[str, Any], fellows: list[dict[str, Any]], stage: int):
+    fid = job["placement"]["stages"][stage]["fellow_id"]
+    return next(f for f in fellows if f["fellow_id"] == fid)
+
+
+async def test_push_shard_stores_it_and_records_a_receipt(leader):
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 1)
+    manifest, weights, _ = _shard(stage=1, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/1", data=_form(manifest, weights),
+                             headers=f["headers"])
+    assert resp.status == 201, await resp.text()
+    receipt = await resp.json()
+    assert receipt["step"] == 4 and receipt["weights_sha256"] == hashlib.sha256(weights).hexdigest()
+    d = cfg.state_dir / "runs" / job["job_id"] / "model_export" / "shards" / \
+        f"stage-1-fellow-{f['fellow_id']}"
+    back, arrays = load_shard(d)
+    assert back["stage"] == 1 and "head.lm_head.weight" in arrays
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["latest_shard_pushes"]["1"]["step"] == 4
+    assert not any(p.name.startswith(".weights") for p in d.iterdir()), "no temp files left"
+
+
+@pytest.mark.parametrize("case, status, code", [
+    ("no_session", 401, "unknown_session"),
+    ("wrong_stage", 403, "wrong_fellow"),
+    ("not_multipart", 415, "unsupported_media_type"),
+    ("sha_mismatch", 400, "bad_request"),
+    ("manifest_for_other_stage", 400, "bad_request"),
+    ("parts_swapped", 400, "bad_request"),
+    ("not_a_zip", 400, "bad_request"),
+    ("too_big", 413, "body_too_large"),
+])
+async def test_push_shard_errors_change_nothing(leader, case, status, code):
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    other = _stage_fellow(job, fellows, 1)
+    manifest, weights, _ = _shard(stage=0, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    url, headers = f"{A}/jobs/{job['job_id']}/shards/0", f["headers"]
+    data: Any = _form(manifest, weights)
+    if case == "no_session":
+        headers = AUTH
+    elif case == "wrong_stage":
+        headers = other["headers"]
+    elif case == "not_multipart":
+        data = weights
+    elif case == "sha_mismatch":
+        data = _form({**manifest, "weights_sha256": "0" * 64}, weights)
+    elif case == "manifest_for_other_stage":
+        data = _form({**manifest, "stage": 1}, weights)
+    elif case == "parts_swapped":
+        data = _form(manifest, weights, order=("weights", "manifest"))
+    elif case == "not_a_zip":
+        junk = b"x" * 100
+        data = _form({**manifest, "weights_sha256": hashlib.sha256(junk).hexdigest(),
+                      "weights_bytes": 100}, junk)
+    elif case == "too_big":
+        big = b"\0" * 300_000
+        data = _form({**manifest, "weights_sha256": hashlib.sha256(big).hexdigest()}, big)
+    resp = await client.post(url, data=data, headers=headers)
+    assert resp.status == status, await resp.text()
+    assert (await resp.json())["error"]["code"] == code
+    shards = cfg.state_dir / "runs" / job["job_id"] / "model_export" / "shards"
+    assert not list(shards.glob("*/weights.npz")) and not list(shards.glob("*/*.json"))
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["latest_shard_pushes"] == {}
+
+
+async def test_push_for_unknown_or_finished_job(leader):
+    client, fellows, job, _cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, _ = _shard(stage=0, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    resp = await client.post(f"{A}/jobs/job-999999/shards/0", data=_form(manifest, weights),
+                             headers=f["headers"])
+    assert resp.status == 404
+    await client.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH)
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0",
+                             data=_form(manifest, weights), headers=f["headers"])
+    assert resp.status == 409
