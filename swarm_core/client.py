@@ -20,6 +20,7 @@ from swarm_core.protocol import (
     JobSubmit,
     LeaderInfo,
     NodeList,
+    ProgressList,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -206,6 +207,11 @@ class SwarmClient:
 
     async def job(self, job_id: str) -> JobInfo:
         return await self._get(f"{API_PREFIX}/jobs/{job_id}", JobInfo)
+
+    async def progress(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        res = await self.request("GET", f"{API_PREFIX}/jobs/{job_id}/progress",
+                                 params={"after": after})
+        return _parse(res, ProgressList).records
 
     async def cancel(self, job_id: str) -> JobInfo:
         return _parse(await self.request("POST", f"{API_PREFIX}/jobs/{job_id}/cancel"), JobInfo)

@@ -304,8 +304,16 @@ class JobInfo:
     waiting_for: str = ""
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
-    loss_history: list[list[float]] = attrs.field(factory=list)
+    loss_history: list[list[float]] = attrs.field(factory=list)  # GET /jobs/{id} only
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class ProgressList:
+    """One record per training step: step, loss, tokens_per_s, wire_bytes, step_seconds, lr,
+    eval_loss (when evaluated), ts."""
+
+    records: list[dict[str, Any]]
 
 
 @attrs.define

@@ -1138,5 +1138,6 @@ def test_every_route_has_a_test():
         ("POST", f"{A}/jobs/{{job_id}}/cancel"), ("POST", f"{A}/jobs/{{job_id}}/status"),
         ("GET", f"{A}/events"),
         ("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}"),  # tests/test_shards.py
+        ("GET", f"{A}/jobs/{{job_id}}/progress"),  # tests/test_progress.py
     }
     assert {(r.method, r.path) for r in ROUTES} == covered

@@ -31,8 +31,7 @@ TRAINING = {"name": "exact", "dataset": "shakespeare", "steps": 20, "batch_size"
 def _wait_job(job_id: str, env: dict[str, str], timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        job = cli_json("jobs", env=env)["jobs"]
-        job = next(j for j in job if j["job_id"] == job_id)
+        job = cli_json("job", job_id, env=env)
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             return job
         time.sleep(0.3)

@@ -21,9 +21,6 @@ from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan
 from swarm_core.protocol import JobInfo, JobState, JobStatusUpdate, JobSubmit, Topology
 from swarm_core.schema import SchemaError, converter, structure, structure_persisted, unstructure
 
-# A loss curve long enough for any plot, short enough to keep job records small.
-MAX_HISTORY = 20_000
-
 
 @attrs.define(eq=False)
 class JobRecord:
@@ -45,10 +42,12 @@ class JobRecord:
     reason: str = ""
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
-    loss_history: list[list[float]] = attrs.field(factory=list)
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
+    # The step being assembled from every stage's report (written through to the store).
+    current: dict[int, dict[str, Any]] = attrs.field(factory=dict,
+                                                     metadata={"transient": True})
 
     def persistable(self) -> dict[str, Any]:
         return {
@@ -91,15 +90,20 @@ class JobQueue:
     def running(self) -> JobRecord | None:
         return next((j for j in self.all() if j.state is JobState.RUNNING), None)
 
-    def info(self, job: JobRecord) -> JobInfo:
+    def info(self, job: JobRecord, with_history: bool = False) -> JobInfo:
         return JobInfo(
             job_id=job.job_id, name=job.name, kind=job.kind, state=job.state.value,
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             last_step=job.last_step, last_loss=job.last_loss, fellows=list(job.fellows),
             topology=job.topology, reason=job.reason, model=job.model, training=job.training,
             waiting_for=self.waiting_for(job), metrics=job.metrics, placement=job.placement,
-            loss_history=job.loss_history, latest_shard_pushes=job.latest_shard_pushes,
+            loss_history=self.loss_history(job) if with_history else [],
+            latest_shard_pushes=job.latest_shard_pushes,
         )
+
+    def loss_history(self, job: JobRecord) -> list[list[float]]:
+        return [[r["step"], r["loss"]] for r in self.store.progress(job.job_id)
+                if r.get("loss") is not None]
 
     def waiting_for(self, job: JobRecord) -> str:
         if job.state is not JobState.PENDING:
@@ -149,10 +153,9 @@ class JobQueue:
             job.last_step = upd.step
         if upd.loss is not None:
             job.last_loss = upd.loss
-            if not job.loss_history or job.loss_history[-1][0] < upd.step:
-                job.loss_history.append([upd.step, upd.loss])
-                del job.loss_history[:-MAX_HISTORY]
         self._merge_metrics(job, fellow.fellow_id, upd)
+        if upd.state == "RUNNING" and upd.metrics and job.kind == "train":
+            self._record_progress(job, fellow.fellow_id, upd)
         self.hub.publish("metric", {
             "job_id": job_id, "fellow_id": fellow.fellow_id, "step": upd.step,
             "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
@@ -314,6 +317,37 @@ class JobQueue:
                        for p in pushes],
         }
 
+    def _record_progress(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
+        """One record per step: the last stage's loss and tokens/s, every stage's wire bytes.
+
+        Stages report independently, so a few recent steps stay open for late reports."""
+        rec = job.current.get(upd.step)
+        if rec is None:
+            rec = job.current[upd.step] = {"step": upd.step, "wire_bytes": 0,
+                                           "stages_reported": []}
+            for old in sorted(job.current)[:-8]:
+                del job.current[old]
+        if "eval_loss" in upd.metrics:
+            rec["eval_loss"] = upd.metrics["eval_loss"]
+        if "wire_tx_bytes" in upd.metrics:
+            stage = job.fellows.index(fellow_id) if fellow_id in job.fellows else -1
+            if stage in rec["stages_reported"]:
+                return
+            rec["stages_reported"].append(stage)
+            rec["wire_bytes"] += int(upd.metrics["wire_tx_bytes"])
+            rec["ts"] = time.time()
+            if upd.loss is not None:
+                rec["loss"] = upd.loss
+            if stage == len(job.fellows) - 1:
+                rec["tokens_per_s"] = upd.tokens_per_s
+                rec["step_seconds"] = upd.metrics.get("step_seconds")
+                rec["lr"] = upd.metrics.get("lr")
+        self.store.put_progress(job.job_id, upd.step, rec)
+
+    def progress(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        self.get(job_id)
+        return self.store.progress(job_id, after)
+
     def _write_run_file(self, job: JobRecord, name: str, data: Any) -> None:
         if self.runs_dir is None:
             return
@@ -334,7 +368,8 @@ class JobQueue:
                         self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
         self._save(job)
         if job.kind == "train" and was_running:
-            self._write_run_file(job, "job_final.json", unstructure(self.info(job)))
+            self._write_run_file(job, "job_final.json",
+                                 unstructure(self.info(job, with_history=True)))
             if job.latest_shard_pushes:
                 self._write_run_file(job, "model_export/run_manifest.json",
                                      self._run_manifest(job))

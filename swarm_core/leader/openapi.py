@@ -104,3 +104,30 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
     }
+
+
+def route_table_markdown(routes: Iterable[Any]) -> str:
+    """The route table of docs/api.md (``python -m swarm_core.leader.openapi`` rewrites it)."""
+    rows = ["| route | what | auth | body | response |", "| --- | --- | --- | --- | --- |"]
+    for r in routes:
+        auth = "fellow session" if r.fellow_session else ("token" if r.auth else "none")
+        body = f"`{r.body.__name__}`" if r.body else ("multipart" if r.upload else "-")
+        resp = f"`{r.response.__name__}`" if r.response else "-"
+        rows.append(f"| `{r.method} {r.path}` | {r.summary} | {auth} | {body} | {resp} |")
+    return "\n".join(rows) + "\n"
+
+
+def _rewrite_api_doc(path: str = "docs/api.md") -> None:
+    from pathlib import Path
+
+    from swarm_core.leader.routes import ROUTES
+
+    doc = Path(path)
+    text = doc.read_text()
+    start = text.index("| route | what |")
+    end = text.index("\n\n", start) + 1
+    doc.write_text(text[:start] + route_table_markdown(ROUTES) + text[end:])
+
+
+if __name__ == "__main__":
+    _rewrite_api_doc()

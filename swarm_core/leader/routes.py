@@ -29,6 +29,7 @@ from swarm_core.protocol import (
     LeaderInfo,
     LinkLimits,
     NodeList,
+    ProgressList,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -244,7 +245,13 @@ async def list_jobs(request: web.Request) -> web.Response:
 
 async def get_job(request: web.Request) -> web.Response:
     st = _state(request)
-    return ok(st.jobs.info(st.jobs.get(request.match_info["job_id"])))
+    return ok(st.jobs.info(st.jobs.get(request.match_info["job_id"]), with_history=True))
+
+
+async def job_progress(request: web.Request) -> web.Response:
+    st = _state(request)
+    after = _int_param(request, "after") if "after" in request.query else 0
+    return ok(ProgressList(records=st.jobs.progress(request.match_info["job_id"], after)))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -363,6 +370,10 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/jobs", list_jobs, "All jobs, oldest first", response=JobList,
           query=(("state", "string", "only jobs in this state"),), errors=(400,)),
     Route("GET", f"{A}/jobs/{{job_id}}", get_job, "One job", response=JobInfo, errors=(404,)),
+    Route("GET", f"{A}/jobs/{{job_id}}/progress", job_progress,
+          "Per-step records of a train job: loss, tokens/s, wire bytes, eval loss",
+          response=ProgressList, query=(("after", "integer", "only steps after this one"),),
+          errors=(400, 404)),
     Route("POST", f"{A}/jobs/{{job_id}}/cancel", cancel_job, "Cancel a pending or running job",
           response=JobInfo, errors=(404, 409)),
     Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",

@@ -21,6 +21,12 @@ CREATE TABLE IF NOT EXISTS fellows (
     name TEXT NOT NULL UNIQUE,
     data BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS progress (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL UNIQUE,
@@ -89,6 +95,22 @@ class Store:
                 "UPDATE jobs SET state=?, data=? WHERE job_id=?",
                 (record["state"], jsonio.dumps(record), record["job_id"]),
             )
+
+    # per-step progress ----------------------------------------------------------------------
+    def put_progress(self, job_id: str, step: int, record: dict[str, Any]) -> None:
+        with self._tx():
+            self._db.execute(
+                "INSERT INTO progress (job_id, step, data) VALUES (?, ?, ?) "
+                "ON CONFLICT(job_id, step) DO UPDATE SET data=excluded.data",
+                (job_id, step, jsonio.dumps(record)),
+            )
+
+    def progress(self, job_id: str, after: int = 0, limit: int = 100_000) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT data FROM progress WHERE job_id=? AND step>? ORDER BY step LIMIT ?",
+            (job_id, after, limit),
+        ).fetchall()
+        return [jsonio.loads(r[0]) for r in rows]
 
     def _tx(self) -> _Tx:
         return _Tx(self._db)

@@ -51,6 +51,30 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
+def cmd_job(args: argparse.Namespace) -> int:
+    async def body(c: SwarmClient) -> None:
+        job = await c.job(args.job_id)
+        if args.format == "json":
+            emit_json(job)
+            return
+        m = job.metrics
+        rows = [["job", job.job_id], ["name", job.name], ["kind", job.kind],
+                ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
+                ["fellows", ",".join(map(str, job.fellows)) or "-"],
+                ["note", job.waiting_for or job.reason or "-"]]
+        for key in ("eval_loss", "perplexity", "tokens_per_s", "wire_bytes_per_step"):
+            if key in m:
+                rows.append([key.replace("_", " "), f"{m[key]:.4g}"])
+        if job.placement:
+            for st in job.placement["stages"]:
+                rows.append([f"stage {st['stage']}",
+                             f"fellow {st['fellow_id']} ({st['name']}) layers "
+                             f"{st['layers']['start']}-{st['layers']['stop']}"])
+        emit_table(None, ["what", "value"], rows)
+
+    return run_with_client(args, body)
+
+
 def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
     return structure({"name": name, "kind": "smoke", "topology": {"fellows": fellows},
                       "training": {"steps": steps, "step_seconds": 0.2}}, JobSubmit)
@@ -213,6 +237,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state", type=_job_state, default=None, help="only jobs in this state")
     add_format(p)
     p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("job", help="one job in detail (json: with its loss history)")
+    p.add_argument("job_id", help="e.g. job-000001")
+    add_format(p)
+    p.set_defaults(func=cmd_job)
 
     p = sub.add_parser("submit", help="enqueue a job: train with --model/--training, a whole "
                                       "body with --payload, else a smoke job")
