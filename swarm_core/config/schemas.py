@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
+from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
@@ -134,6 +135,8 @@ class TrainingConfig:
     max_final_loss: float | None = None
     export_dir: str | None = None
     shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
+    # Link limits every fellow of the job applies for its duration (a sweep's network profile).
+    link: LinkLimits | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.batch_size % self.micro_batches:

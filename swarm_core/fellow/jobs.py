@@ -162,6 +162,9 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                          connect_timeout=training.frame_timeout_s, on_checkpoint=on_checkpoint)
 
     ctx.progress.stage = stage
+    previous_link = ctx.shaper.limits()
+    if training.link is not None:
+        ctx.shaper.apply(training.link)
     reporter_task = asyncio.create_task(reporter())
     pusher_task = asyncio.create_task(pusher())
     try:
@@ -179,6 +182,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         # The final shard reaches the leader before the stage says COMPLETED.
         with contextlib.suppress(asyncio.CancelledError):
             await pusher_task
+        if training.link is not None:
+            ctx.shaper.apply(previous_link)
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(

@@ -171,7 +171,9 @@ class JobQueue:
                 job.done_fellows.append(fellow.fellow_id)
             fellow.assigned_job = None
             if set(job.done_fellows) >= set(job.fellows):
-                self._finish(job, JobState.COMPLETED, upd.message or "")
+                reason = upd.message if job.kind == "smoke" else \
+                    f"all {len(job.fellows)} stage(s) finished at step {job.last_step}"
+                self._finish(job, JobState.COMPLETED, reason)
             else:
                 self._save(job)
         else:

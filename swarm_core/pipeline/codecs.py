@@ -6,19 +6,12 @@ blob); ``decode`` rebuilds a float32 tensor from one contiguous payload.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
+from swarm_core.pipeline.wire_math import CODEC_NAMES, Codec, payload_size
 
-class Codec(enum.IntEnum):
-    FP32 = 1
-    FP16 = 2
-    BF16 = 3
-    INT8 = 4  # per-row absmax: fp32 scale per row (last dim), then int8 codes
+__all__ = ["CODEC_NAMES", "Codec", "CodecError", "decode", "encode", "payload_size"]
 
-
-CODEC_NAMES = {"fp32": Codec.FP32, "fp16": Codec.FP16, "bf16": Codec.BF16, "int8": Codec.INT8}
 _CAST = {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}
 
 
@@ -51,16 +44,6 @@ def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
         codes, scale = quantize_rows(x.to(torch.float32))
         return [_as_bytes(scale), _as_bytes(codes)]
     return [_as_bytes(x.to(_CAST[codec]))]
-
-
-def payload_size(shape: tuple[int, ...], codec: Codec) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    if codec is Codec.INT8:
-        rows = n // shape[-1] if shape and shape[-1] else 1
-        return rows * 4 + n
-    return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
 
 
 def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

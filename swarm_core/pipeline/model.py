@@ -19,6 +19,7 @@ from torch import nn
 
 from swarm_core.config.schemas import Compression, ModelConfig
 from swarm_core.pipeline import codecs
+from swarm_core.pipeline.wire_math import wire_codec
 
 
 def part_seed(seed: int, name: str) -> int:
@@ -131,16 +132,6 @@ class _WireRoundTrip(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return codecs.roundtrip(grad, ctx.codec), None
-
-
-def wire_codec(cfg: ModelConfig) -> codecs.Codec:
-    comp = cfg.compression_spec
-    return codecs.Codec.INT8 if comp.int8 else codecs.CODEC_NAMES[cfg.wire_dtype]
-
-
-def boundary_width(cfg: ModelConfig) -> int:
-    comp = cfg.compression_spec
-    return comp.bottleneck_dim if comp.learned else cfg.d_model
 
 
 class StageModule(nn.Module):

@@ -18,11 +18,10 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
-from swarm_core.pipeline import codecs
-from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
+from swarm_core.pipeline.frames import Kind, job_tag
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.model import StageModule, boundary_width, lm_loss, wire_codec
+from swarm_core.pipeline.model import StageModule, lm_loss
 from swarm_core.pipeline.optim import (
     clip_scale,
     grad_sq_sum,
@@ -33,6 +32,7 @@ from swarm_core.pipeline.optim import (
 )
 from swarm_core.pipeline.schedules import ops_for
 from swarm_core.pipeline.transport import PeerLink, connect
+from swarm_core.pipeline.wire_math import expected_wire_bytes, wire_codec
 
 _F64 = struct.Struct("<d")
 
@@ -65,23 +65,6 @@ class StageSpec:
     downstream_addr: str | None
     model: ModelConfig
     training: TrainingConfig
-
-
-def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
-                        num_stages: int) -> int:
-    """Bytes this stage sends in one training step (headers included)."""
-    mb = training.batch_size // training.micro_batches
-    shape = (mb, model.seq_len, boundary_width(model))
-    frame = HEADER_SIZE + codecs.payload_size(shape, wire_codec(model))
-    sent = 0
-    if stage < num_stages - 1:
-        sent += training.micro_batches * frame  # activations forward
-    if stage > 0:
-        sent += training.micro_batches * frame  # gradients backward
-    if num_stages > 1 and training.grad_clip > 0:
-        norm = HEADER_SIZE + _F64.size
-        sent += norm * ((stage > 0) + (stage < num_stages - 1))
-    return sent
 
 
 class StageRunner:

@@ -1,7 +1,7 @@
 """Headless actions of ``swarm`` / ``swarm-tui --cmd``. Nothing here imports Textual."""
 
-from swarm_tui.commands import cluster, daemons, fellows, jobs, meta, quickstart
+from swarm_tui.commands import cluster, daemons, fellows, jobs, meta, quickstart, sweeps
 
-MODULES = (meta, daemons, cluster, fellows, jobs, quickstart)
+MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, quickstart)
 
 __all__ = ["MODULES"]

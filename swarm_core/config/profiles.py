@@ -1,0 +1,322 @@
+"""Experiment configs: a top-level config referencing model and training profiles, and a sweep.
+
+    exp/configs/<experiment>.json     training_config, model_configs, sweep
+    exp/configs/model/*.json          ModelConfig
+    exp/configs/training/*.json       TrainingConfig fields + cluster_profile, network_profile,
+                                      artifacts
+
+Paths resolve relative to the file that names them. Unknown keys are errors, so a typo never
+falls back to a default silently; every error names the file, the field path and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from swarm_core import jsonio
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.protocol import LinkLimits
+from swarm_core.schema import FieldError, SchemaError, structure, unstructure
+
+
+class ConfigError(ValueError):
+    """``<file>: <field path>: <what was expected>``."""
+
+    def __init__(self, path: Path | str, message: str, field: str | None = None) -> None:
+        self.path, self.message, self.field = str(path), message, field
+        super().__init__(f"{path}: {field}: {message}" if field else f"{path}: {message}")
+
+
+def _pos(_i: Any, a: attrs.Attribute, v: float | None) -> None:
+    if v is not None and not v > 0:
+        raise FieldError(f"must be > 0, got {v}", a.name)
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _safe_name(_i: Any, a: attrs.Attribute, v: str) -> None:
+    if not _SAFE_NAME.fullmatch(v):
+        raise FieldError("must be 1-64 of letters, digits, '_', '.', '-' (it names run "
+                         f"directories), got {v!r}", a.name)
+
+
+@attrs.define
+class TcProfile:
+    """Kernel shaping with tc around a run: in a network namespace or on one named interface."""
+
+    rate_mbit: float = attrs.field(validator=_pos)
+    netns: str | None = None
+    dev: str | None = None
+    delay_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if (self.netns is None) == (self.dev is None):
+            raise FieldError("give exactly one of netns or dev (never all interfaces)", "dev")
+        for name in ("netns", "dev"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", value):
+                raise FieldError(f"{value!r} is not an interface/namespace name", name)
+        if not 0 <= self.loss_pct <= 100:
+            raise FieldError(f"must be 0-100, got {self.loss_pct}", "loss_pct")
+        if self.delay_ms < 0:
+            raise FieldError(f"must be >= 0, got {self.delay_ms}", "delay_ms")
+
+
+@attrs.define
+class NetworkProfile:
+    """Link limits every fellow applies during a run (application shaper), optionally tc too."""
+
+    name: str = attrs.field(default="unconstrained", validator=_safe_name)
+    tx_mbps: float | None = attrs.field(default=None, validator=_pos)
+    rx_mbps: float | None = attrs.field(default=None, validator=_pos)
+    latency_ms: float = 0.0
+    tc_profile: TcProfile | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.latency_ms <= 60_000:
+            raise FieldError(f"must be 0-60000, got {self.latency_ms}", "latency_ms")
+
+    @property
+    def link(self) -> LinkLimits | None:
+        if self.tx_mbps is None and self.rx_mbps is None and not self.latency_ms:
+            return None
+        return LinkLimits(tx_mbps=self.tx_mbps, rx_mbps=self.rx_mbps,
+                          latency_ms=self.latency_ms)
+
+
+@attrs.define
+class ClusterProfile:
+    """What the run asks of the cluster: one pipeline stage per fellow."""
+
+    fellows: int = 2
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.fellows <= 1024:
+            raise FieldError(f"must be 1-1024, got {self.fellows}", "fellows")
+
+
+@attrs.define
+class ArtifactsProfile:
+    runs_dir: str = "../runs"  # relative to the training profile: exp/runs
+    shard_push_interval_steps: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.shard_push_interval_steps < 0:
+            raise FieldError("must be >= 0", "shard_push_interval_steps")
+
+
+PROFILE_KEYS = ("cluster_profile", "network_profile", "artifacts")
+
+
+@attrs.define
+class TrainingProfile:
+    training: TrainingConfig
+    cluster_profile: ClusterProfile
+    network_profile: NetworkProfile
+    artifacts: ArtifactsProfile
+
+
+@attrs.define
+class SweepSpec:
+    """The grid: models x compressions x networks x seeds x repeats."""
+
+    dataset: Literal["shakespeare", "textfiles", "wikitext103"] | None = None
+    tokenizer: Literal["byte", "bpe"] | None = None
+    real_min_tokens: int | None = None
+    steps: int | None = None
+    repeats: int = 1
+    seeds: list[int] = attrs.field(factory=lambda: [0])
+    compressions: list[str] | None = None
+    network_profiles: list[NetworkProfile] | None = None
+    overrides: dict[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.repeats <= 100:
+            raise FieldError(f"must be 1-100, got {self.repeats}", "repeats")
+        if not self.seeds:
+            raise FieldError("must list at least one seed", "seeds")
+        if any(s < 0 for s in self.seeds):
+            raise FieldError("seeds must be >= 0", "seeds")
+        if self.compressions is not None and not self.compressions:
+            raise FieldError("must list at least one spec (or be omitted)", "compressions")
+        if self.network_profiles is not None:
+            names = [n.name for n in self.network_profiles]
+            if len(set(names)) != len(names):
+                raise FieldError(f"network profile names must be unique, got {names}",
+                                 "network_profiles")
+        if self.steps is not None and self.steps < 1:
+            raise FieldError("must be >= 1", "steps")
+        bad = set(self.overrides) & {"dataset", "tokenizer", "real_min_tokens", "steps",
+                                     "seed"}
+        if bad:
+            raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", "overrides")
+
+
+@attrs.define
+class ExperimentConfig:
+    name: str = attrs.field(validator=_safe_name)
+    training_config: str
+    model_configs: list[str]
+    sweep: SweepSpec = attrs.field(factory=SweepSpec)
+    description: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.model_configs:
+            raise FieldError("must list at least one model profile", "model_configs")
+
+
+@attrs.define
+class RunSpec:
+    """One concrete run of a sweep: exactly what gets queued."""
+
+    index: int
+    run_name: str
+    model: dict[str, Any]
+    training: dict[str, Any]
+    fellows: int
+    network: dict[str, Any]
+    tc_profile: dict[str, Any] | None
+    seed: int
+    repeat: int
+    model_source: str
+    compression: str
+
+    def job_body(self, run_id: str) -> dict[str, Any]:
+        return {"name": run_id, "kind": "train", "model": self.model,
+                "training": self.training, "topology": {"fellows": self.fellows}}
+
+
+@attrs.define
+class ResolvedExperiment:
+    config_path: str
+    config: ExperimentConfig
+    training_path: str
+    profile: TrainingProfile
+    runs: list[RunSpec]
+    runs_dir: Path
+    sha256: str
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, referenced_from: tuple[Path, str] | None = None) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if referenced_from is not None:
+            src, field = referenced_from
+            raise ConfigError(src, f"file not found: {path}", field) from None
+        raise ConfigError(path, "file not found") from None
+    except OSError as exc:
+        raise ConfigError(path, f"cannot read: {exc.strerror}") from None
+    try:
+        return jsonio.loads(raw)
+    except jsonio.JSONDecodeError as exc:
+        raise ConfigError(path, f"not valid JSON: {exc}") from None
+
+
+def _structure(data: Any, cls: type, path: Path, root: str = "$") -> Any:
+    try:
+        return structure(data, cls, root)
+    except SchemaError as exc:
+        raise ConfigError(path, exc.message, exc.field) from None
+
+
+def load_model_profile(path: Path, referenced_from: tuple[Path, str] | None = None
+                       ) -> ModelConfig:
+    return _structure(_read_json(path, referenced_from), ModelConfig, path)
+
+
+def load_training_profile(path: Path, referenced_from: tuple[Path, str] | None = None
+                          ) -> TrainingProfile:
+    data = _read_json(path, referenced_from)
+    if not isinstance(data, dict):
+        raise ConfigError(path, "expected an object", "$")
+    profiles = {k: data[k] for k in PROFILE_KEYS if k in data}
+    rest = {k: v for k, v in data.items() if k not in PROFILE_KEYS}
+    training = _structure(rest, TrainingConfig, path)
+    cluster = _structure(profiles.get("cluster_profile", {}), ClusterProfile, path,
+                         "$.cluster_profile")
+    network = _structure(profiles.get("network_profile", {}), NetworkProfile, path,
+                         "$.network_profile")
+    artifacts = _structure(profiles.get("artifacts", {}), ArtifactsProfile, path,
+                           "$.artifacts")
+    return TrainingProfile(training, cluster, network, artifacts)
+
+
+def load_experiment(path: Path | str) -> ResolvedExperiment:
+    """Load, resolve references and expand the sweep grid into concrete runs."""
+    path = Path(path)
+    raw = _read_json(path)
+    cfg: ExperimentConfig = _structure(raw, ExperimentConfig, path)
+    base = path.parent
+    tpath = (base / cfg.training_config).resolve()
+    profile = load_training_profile(tpath, (path, "$.training_config"))
+    models = []
+    for i, rel in enumerate(cfg.model_configs):
+        mpath = (base / rel).resolve()
+        models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
+    sweep = cfg.sweep
+    networks = sweep.network_profiles or [profile.network_profile]
+    runs: list[RunSpec] = []
+    for mpath, model in models:
+        compressions = sweep.compressions or [model.compression]
+        for ci, comp in enumerate(compressions):
+            model_dict = unstructure(model)
+            if sweep.compressions is not None:
+                model_dict["compression"] = comp
+                try:
+                    structure(model_dict, ModelConfig)
+                except SchemaError as exc:
+                    raise ConfigError(path, f"{exc.message} (with model {mpath.name})",
+                                      f"$.sweep.compressions[{ci}]") from None
+            for network in networks:
+                for seed in sweep.seeds:
+                    for rep in range(sweep.repeats):
+                        training = _run_training(profile, sweep, seed, network, path)
+                        name = "-".join([model.name, comp, network.name, f"s{seed}",
+                                         f"r{rep}"])
+                        runs.append(RunSpec(
+                            index=len(runs), run_name=_slug(name), model=model_dict,
+                            training=training, fellows=profile.cluster_profile.fellows,
+                            network=unstructure(network),
+                            tc_profile=None if network.tc_profile is None
+                            else unstructure(network.tc_profile),
+                            seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
+    runs_dir = (tpath.parent / profile.artifacts.runs_dir).resolve()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
+
+
+def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
+                  network: NetworkProfile, path: Path) -> dict[str, Any]:
+    training = unstructure(profile.training)
+    for key in ("dataset", "tokenizer", "real_min_tokens", "steps"):
+        value = getattr(sweep, key)
+        if value is not None:
+            training[key] = value
+    training.update(sweep.overrides)
+    training["seed"] = seed
+    training["shard_push_interval_steps"] = profile.artifacts.shard_push_interval_steps
+    link = network.link
+    training["link"] = None if link is None else unstructure(link)
+    try:
+        structure(training, TrainingConfig)
+    except SchemaError as exc:
+        field = exc.field or "$"
+        raise ConfigError(path, exc.message, field.replace("$", "$.sweep(overrides)", 1)) \
+            from None
+    return training
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:120]

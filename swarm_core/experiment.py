@@ -1,0 +1,288 @@
+"""Running an experiment config against a leader: preflight, queue, monitor, write artifacts.
+
+Used by ``swarm sweep`` and ``exp/scripts/run_experiment.py``. Client side only: everything goes
+through :class:`swarm_core.client.SwarmClient`.
+
+Per run, ``<runs_dir>/<run_id>/``: ``manifest.json``, ``config_resolved.json``,
+``topology_snapshot.json``, ``train_progress.ndjson``, ``metrics_summary.json``; all written
+atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+import swarm_core
+from swarm_core import jsonio
+from swarm_core.client import SwarmClient
+from swarm_core.config.profiles import ResolvedExperiment, RunSpec
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.paths import atomic_write
+from swarm_core.pipeline.wire_math import step_wire_bytes
+from swarm_core.protocol import FellowInfo, JobState, JobSubmit
+from swarm_core.schema import structure
+
+TERMINAL = {s.value for s in JobState if s.terminal}
+SCRIPTS = Path(__file__).resolve().parents[1] / "exp" / "scripts"
+
+
+class ExperimentError(Exception):
+    pass
+
+
+@attrs.define
+class RunState:
+    spec: RunSpec
+    run_id: str
+    run_dir: Path
+    job_id: str | None = None
+    state: str = "QUEUED"
+    last_step: int = 0
+    last_loss: float | None = None
+    note: str = ""
+    reported: tuple[str, int] = ("", -1)
+
+
+def _write(path: Path, data: Any) -> None:
+    atomic_write(path, jsonio.dumps(data, pretty=True))
+
+
+def git_commit(start: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=start, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def active(fellows: list[FellowInfo]) -> list[FellowInfo]:
+    return [f for f in fellows if f.status in ("ready", "busy")]
+
+
+async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[FellowInfo]:
+    """The cluster_profile against the leader's active fellows; fails before anything runs."""
+    fellows = active(await client.fellows())
+    if not fellows:
+        raise ExperimentError(
+            f"the leader at {client.base_url} has no active fellow; start some (swarm fellow, "
+            "or swarm restart-cluster) - runs never execute standalone")
+    need = max(r.fellows for r in exp.runs)
+    if len(fellows) < need:
+        names = ", ".join(f"{f.fellow_id}:{f.name}" for f in fellows)
+        raise ExperimentError(
+            f"cluster_profile wants {need} fellow(s); the leader at {client.base_url} has "
+            f"{len(fellows)} active ({names})")
+    return fellows
+
+
+def run_ids(exp: ResolvedExperiment, stamp: str | None = None) -> list[str]:
+    stamp = stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return [f"{stamp}-{exp.config.name}-{r.index:02d}-{r.run_name}" for r in exp.runs]
+
+
+class Experiment:
+    def __init__(self, client: SwarmClient, exp: ResolvedExperiment, *,
+                 runs_dir: Path | None = None, on_line: Callable[[str], None] = print,
+                 skip_netem: bool = False, poll_s: float = 1.0,
+                 stamp: str | None = None) -> None:
+        self.client = client
+        self.exp = exp
+        self.runs_dir = runs_dir or exp.runs_dir
+        self.on_line = on_line
+        self.skip_netem = skip_netem
+        self.poll_s = poll_s
+        self.commit = git_commit(Path(exp.config_path).resolve().parent)
+        self.states = [RunState(spec, rid, self.runs_dir / rid)
+                       for spec, rid in zip(exp.runs, run_ids(exp, stamp), strict=True)]
+        self.fellows_at_start: list[FellowInfo] = []
+
+    @property
+    def sequential(self) -> bool:
+        """Kernel shaping must wrap each run, so such sweeps queue one run at a time."""
+        return any(r.tc_profile for r in self.exp.runs) and not self.skip_netem
+
+    # phases ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.fellows_at_start = await preflight(self.client, self.exp)
+        for st in self.states:
+            self._write_static(st)
+        if not self.sequential:
+            for st in self.states:
+                await self._submit(st)
+
+    async def run(self) -> list[RunState]:
+        """Queue (or, with tc profiles, run one by one) and monitor until every run ends."""
+        if self.sequential:
+            for st in self.states:
+                tc = st.spec.tc_profile
+                try:
+                    if tc:
+                        netem("setup", tc)
+                    await self._submit(st)
+                    await self._monitor([st])
+                except ExperimentError as exc:
+                    st.state, st.note = "FAILED", str(exc)
+                    self._write_manifest(st)
+                finally:
+                    if tc:
+                        netem("cleanup", tc, check=False)
+        else:
+            await self._monitor(self.states)
+        return self.states
+
+    async def cancel_open(self) -> list[str]:
+        cancelled = []
+        for st in self.states:
+            if st.job_id and st.state not in TERMINAL:
+                try:
+                    await self.client.cancel(st.job_id)
+                    cancelled.append(st.job_id)
+                except Exception:  # already finished in the meantime
+                    continue
+        return cancelled
+
+    # internals -------------------------------------------------------------------------------
+    async def _submit(self, st: RunState) -> None:
+        body = structure(st.spec.job_body(st.run_id), JobSubmit)
+        job = await self.client.submit(body)
+        st.job_id, st.state, st.note = job.job_id, job.state, job.waiting_for
+        self._write_manifest(st)
+
+    async def _monitor(self, states: list[RunState]) -> None:
+        total = len(self.states)
+        while True:
+            jobs = {j.job_id: j for j in await self.client.jobs()}
+            open_runs = 0
+            for st in states:
+                job = jobs.get(st.job_id or "")
+                if job is None or st.state in TERMINAL:
+                    continue
+                st.state, st.last_step, st.last_loss = job.state, job.last_step, job.last_loss
+                st.note = job.waiting_for or job.reason
+                key = (st.state, st.last_step // 5)
+                if key != st.reported:
+                    st.reported = key
+                    loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
+                    why = f" ({st.note})" if st.note and st.state != "RUNNING" else ""
+                    self.on_line(f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
+                                 f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                if st.state in TERMINAL:
+                    await self._finalize(st)
+                else:
+                    open_runs += 1
+            if not open_runs:
+                return
+            await _sleep(self.poll_s)
+
+    def _write_static(self, st: RunState) -> None:
+        d = st.run_dir
+        d.mkdir(parents=True, exist_ok=True)
+        _write(d / "config_resolved.json", {
+            "run_id": st.run_id, "experiment": self.exp.config.name,
+            "job": st.spec.job_body(st.run_id), "network_profile": st.spec.network,
+            "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
+            "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
+                        "training_profile": self.exp.training_path,
+                        "model_profile": st.spec.model_source},
+        })
+        _write(d / "topology_snapshot.json", self._topology(st, None))
+        self._write_manifest(st)
+
+    def _topology(self, st: RunState, placement: dict[str, Any] | None) -> dict[str, Any]:
+        return {
+            "requested": {"fellows": st.spec.fellows, "stages": st.spec.fellows},
+            "active_fellows_at_start": [
+                {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
+                 "devices": f.devices, "status": f.status} for f in self.fellows_at_start],
+            "actual": placement,
+        }
+
+    def _write_manifest(self, st: RunState) -> None:
+        _write(st.run_dir / "manifest.json", {
+            "run_id": st.run_id, "experiment": self.exp.config.name,
+            "description": self.exp.config.description, "status": st.state,
+            "job_id": st.job_id, "leader_url": self.client.base_url, "note": st.note,
+            "config_source": self.exp.config_path, "git_commit": self.commit,
+            "silentswarm_version": swarm_core.__version__, "written_at": time.time(),
+            "host": os.uname().nodename,
+        })
+
+    async def _finalize(self, st: RunState) -> None:
+        assert st.job_id is not None
+        job = await self.client.job(st.job_id)
+        records = await self.client.progress(st.job_id)
+        lines = b"".join(jsonio.dumps({
+            "step": r["step"], "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
+            "wire_bytes": r.get("wire_bytes"), "step_seconds": r.get("step_seconds"),
+            "eval_loss": r.get("eval_loss"), "lr": r.get("lr"), "ts": r.get("ts"),
+        }) + b"\n" for r in records)
+        atomic_write(st.run_dir / "train_progress.ndjson", lines)
+        _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
+        _write(st.run_dir / "metrics_summary.json", summarize(st, job, records))
+        st.note = job.reason
+        self._write_manifest(st)
+
+
+def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+    model = structure(st.spec.model, ModelConfig)
+    training = structure(st.spec.training, TrainingConfig)
+    losses = [r["loss"] for r in records if r.get("loss") is not None]
+    wire = [r["wire_bytes"] for r in records if r.get("wire_bytes")]
+    m = job.metrics or {}
+    plain = structure({**st.spec.model, "compression": "none", "bottleneck_dim": None,
+                       "wire_dtype": "fp32"}, ModelConfig)
+    measured = sum(wire) / len(wire) if wire else None
+    uncompressed = step_wire_bytes(plain, training, st.spec.fellows)
+    final = losses[-1] if losses else None
+    wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
+    summary: dict[str, Any] = {
+        "run_id": st.run_id, "job_id": job.job_id, "status": job.state, "reason": job.reason,
+        "steps_expected": training.steps, "steps_recorded": len(records),
+        "final_loss": final, "best_loss": min(losses) if losses else None,
+        "eval_loss": m.get("eval_loss"), "perplexity": m.get("perplexity"),
+        "wall_time_s": wall, "tokens_per_s": m.get("tokens_per_s"),
+        "wire_bytes_per_step": measured,
+        "expected_wire_bytes_per_step": step_wire_bytes(model, training, st.spec.fellows),
+        "uncompressed_wire_bytes_per_step": uncompressed,
+        "compression_ratio": (uncompressed / measured) if measured else None,
+        "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
+        "fellows": st.spec.fellows, "thresholds": {},
+    }
+    if training.max_final_loss is not None:
+        met = final is not None and math.isfinite(final) and final <= training.max_final_loss
+        summary["thresholds"]["max_final_loss"] = {
+            "limit": training.max_final_loss, "value": final, "met": met}
+    summary["thresholds_met"] = all(t["met"] for t in summary["thresholds"].values())
+    return summary
+
+
+def netem(action: str, tc: dict[str, Any], check: bool = True) -> None:
+    """Run exp/scripts/{setup,cleanup}_netem.sh for one tc profile."""
+    script = SCRIPTS / f"{action}_netem.sh"
+    argv = ["bash", str(script)]
+    if tc.get("netns"):
+        argv += ["--netns", tc["netns"]]
+    if tc.get("dev"):
+        argv += ["--dev", tc["dev"]]
+    if action == "setup":
+        argv += ["--rate-mbit", str(tc["rate_mbit"]), "--delay-ms", str(tc.get("delay_ms", 0)),
+                 "--loss-pct", str(tc.get("loss_pct", 0))]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and check:
+        last = (proc.stderr or proc.stdout).strip().splitlines()
+        raise ExperimentError(f"{script.name} failed: {last[-1] if last else proc.returncode}")
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)

@@ -1,0 +1,65 @@
+"""What crosses a stage boundary, in bytes, without torch: codecs, widths, bytes per step.
+
+The stage runner, the leader-side planner and the experiment runner (compression ratios in
+``metrics_summary.json``) all count bytes with these functions.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.frames import HEADER_SIZE
+
+NORM_PAYLOAD = 8  # one float64 per NORM frame
+
+
+class Codec(enum.IntEnum):
+    FP32 = 1
+    FP16 = 2
+    BF16 = 3
+    INT8 = 4  # per-row absmax: fp32 scale per row (last dim), then int8 codes
+
+
+CODEC_NAMES = {"fp32": Codec.FP32, "fp16": Codec.FP16, "bf16": Codec.BF16, "int8": Codec.INT8}
+
+
+def payload_size(shape: tuple[int, ...], codec: Codec) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    if codec is Codec.INT8:
+        rows = n // shape[-1] if shape and shape[-1] else 1
+        return rows * 4 + n
+    return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
+
+
+def wire_codec(cfg: ModelConfig) -> Codec:
+    comp = cfg.compression_spec
+    return Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype]
+
+
+def boundary_width(cfg: ModelConfig) -> int:
+    comp = cfg.compression_spec
+    return comp.bottleneck_dim if comp.learned else cfg.d_model
+
+
+def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
+                        num_stages: int) -> int:
+    """Bytes this stage sends in one training step (headers included)."""
+    mb = training.batch_size // training.micro_batches
+    shape = (mb, model.seq_len, boundary_width(model))
+    frame = HEADER_SIZE + payload_size(shape, wire_codec(model))
+    sent = 0
+    if stage < num_stages - 1:
+        sent += training.micro_batches * frame  # activations forward
+    if stage > 0:
+        sent += training.micro_batches * frame  # gradients backward
+    if num_stages > 1 and training.grad_clip > 0:
+        sent += (HEADER_SIZE + NORM_PAYLOAD) * ((stage > 0) + (stage < num_stages - 1))
+    return sent
+
+
+def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int) -> int:
+    """Bytes all stages together put on the wire in one step."""
+    return sum(expected_wire_bytes(model, training, s, num_stages) for s in range(num_stages))

@@ -1,0 +1,199 @@
+"""``swarm validate`` and ``swarm sweep``: experiment configs, checked and run on the leader."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from swarm_core.client import SwarmClient
+from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
+from swarm_core.experiment import TERMINAL, Experiment, ExperimentError
+from swarm_core.schema import unstructure
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    add_format,
+    emit_json,
+    emit_table,
+    print_line,
+    resolve_leader,
+    run_async,
+    warn,
+)
+
+
+def load(path: str, code: ExitCode) -> ResolvedExperiment:
+    try:
+        return load_experiment(path)
+    except ConfigError as exc:
+        raise CommandError(str(exc), code) from None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    exp = load(args.config, ExitCode.FAILURE)
+    if args.format == "json":
+        emit_json({"config": exp.config_path, "name": exp.config.name,
+                   "training_profile": exp.training_path, "runs_dir": str(exp.runs_dir),
+                   "runs": [unstructure(r) for r in exp.runs]})
+        return 0
+    emit_table(f"{exp.config.name}: {len(exp.runs)} run(s), valid",
+               ["#", "run", "fellows", "steps", "compression", "network"],
+               [[r.index, r.run_name, r.fellows, r.training["steps"], r.compression,
+                 r.network["name"]] for r in exp.runs])
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    exp = load(args.config, ExitCode.USAGE)
+    url, token = resolve_leader(args)
+    runs_dir = Path(args.runs_dir).resolve() if args.runs_dir else None
+    holder: dict[str, Experiment] = {}
+
+    async def main() -> int:
+        async with SwarmClient(url, token) as client:
+            runner = Experiment(client, exp, runs_dir=runs_dir, skip_netem=args.skip_netem,
+                                on_line=print_line if args.format == "table" else warn,
+                                poll_s=args.poll)
+            holder["runner"] = runner
+            try:
+                await runner.start()
+            except ExperimentError as exc:
+                raise CommandError(str(exc)) from None
+            mode = "one at a time (tc profiles)" if runner.sequential else "all queued"
+            print_line(f"{exp.config.name}: {len(runner.states)} run(s), {mode}, artifacts "
+                       f"in {runner.runs_dir}") if args.format == "table" else None
+            if args.detach:
+                _report(runner, args.format)
+                return 0
+            await runner.run()
+            _report(runner, args.format)
+            ok = all(st.state == "COMPLETED" for st in runner.states)
+            return 0 if ok else int(ExitCode.FAILURE)
+
+    try:
+        return run_async(main())
+    except KeyboardInterrupt:
+        runner = holder.get("runner")
+        open_jobs = [st.job_id for st in runner.states
+                     if st.job_id and st.state not in TERMINAL] if runner else []
+        if open_jobs and sys.stdin.isatty():
+            answer = input(f"\ncancel the {len(open_jobs)} run(s) this sweep queued? [y/N] ")
+            if answer.strip().lower() in ("y", "yes"):
+                cancelled = asyncio.run(_cancel(url, token, runner))
+                warn(f"cancelled {len(cancelled)} run(s)")
+                return int(ExitCode.INTERRUPTED)
+        if open_jobs:
+            warn(f"left {len(open_jobs)} run(s) queued: {' '.join(open_jobs)} "
+                 "('swarm cancel JOB' stops one)")
+        return int(ExitCode.INTERRUPTED)
+
+
+async def _cancel(url: str, token: str | None, runner: Experiment) -> list[str]:
+    async with SwarmClient(url, token) as client:
+        runner.client = client
+        return await runner.cancel_open()
+
+
+def _report(runner: Experiment, fmt: str) -> None:
+    rows = []
+    for st in runner.states:
+        summary_path = st.run_dir / "metrics_summary.json"
+        summary = {}
+        if summary_path.exists():
+            from swarm_core import jsonio
+
+            summary = jsonio.loads(summary_path.read_bytes())
+        rows.append({"run_id": st.run_id, "job_id": st.job_id, "state": st.state,
+                     "run_dir": str(st.run_dir), **{k: summary.get(k) for k in (
+                         "final_loss", "eval_loss", "tokens_per_s", "wire_bytes_per_step",
+                         "compression_ratio", "thresholds_met")}})
+    if fmt == "json":
+        emit_json({"runs": rows})
+        return
+
+    def f(v: object, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    emit_table("runs", ["run", "job", "state", "final loss", "eval loss", "tok/s",
+                        "wire B/step", "ratio", "thresholds"],
+               [[r["run_id"].split("-", 2)[-1], r["job_id"], r["state"],
+                 f(r["final_loss"], ".4f"), f(r["eval_loss"], ".4f"),
+                 f(r["tokens_per_s"], ".0f"), f(r["wire_bytes_per_step"], ".0f"),
+                 f(r["compression_ratio"], ".1f"),
+                 "-" if r["thresholds_met"] is None else ("met" if r["thresholds_met"]
+                                                          else "MISSED")]
+                for r in rows])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check an experiment config and list its runs "
+                                        "(no leader needed; exit 1 if invalid)")
+    p.add_argument("config", help="e.g. exp/configs/exp_distributed_smoke_v1.json")
+    add_format(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("sweep", help="queue every run of an experiment config and follow them "
+                                     "(exit 1 if any run failed)")
+    p.add_argument("--config", required=True, help="experiment config JSON")
+    p.add_argument("--detach", action="store_true", help="return once the runs are queued")
+    p.add_argument("--runs-dir", default=None,
+                   help="where run directories go (default: the profile's artifacts.runs_dir)")
+    p.add_argument("--skip-netem", action="store_true",
+                   help="do not apply network_profile.tc_profile with tc")
+    p.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
+    add_format(p)
+    p.set_defaults(func=cmd_sweep)
+    register_report(sub)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from swarm_core.artifacts.report import (
+        HEADERS,
+        ReportError,
+        load_run,
+        render_html,
+        render_png,
+        summary_rows,
+    )
+    from swarm_core.paths import atomic_write
+
+    dirs: list[Path] = []
+    for raw in args.run_dirs:
+        d = Path(raw)
+        # A sweep's parent directory stands for all the runs in it.
+        dirs += sorted(p.parent for p in d.glob("*/metrics_summary.json")) \
+            if not (d / "metrics_summary.json").exists() and d.is_dir() else [d]
+    try:
+        runs = [load_run(d) for d in dirs]
+        if not runs:
+            raise ReportError("no run directories found")
+        if args.output:
+            out = Path(args.output)
+            if out.suffix == ".html":
+                atomic_write(out, render_html(runs).encode())
+            elif out.suffix == ".png":
+                render_png(runs, out)
+            else:
+                raise CommandError(f"--output must end in .html or .png, got {out.name}",
+                                   ExitCode.USAGE)
+    except ReportError as exc:
+        raise CommandError(str(exc)) from None
+    if args.format == "json":
+        emit_json({"runs": [{"run_dir": str(r.run_dir), **r.summary} for r in runs],
+                   "output": args.output})
+    else:
+        emit_table("runs", HEADERS, summary_rows(runs))
+        if args.output:
+            print_line(f"wrote {args.output}")
+    return 0
+
+
+def register_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="compare run directories: loss by step, wall time and "
+                                      "bytes, plus a summary (HTML or PNG)")
+    p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
+    p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
+    add_format(p)
+    p.set_defaults(func=cmd_report)

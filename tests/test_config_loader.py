@@ -1,0 +1,180 @@
+"""Experiment configs: the shipped ones load, grids expand, and bad configs say exactly why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarm_core.config.profiles import ConfigError, load_experiment
+from swarm_tui.cli import run
+from tests.conftest import REPO
+
+CONFIGS = REPO / "exp" / "configs"
+
+
+def test_shipped_configs_load():
+    smoke = load_experiment(CONFIGS / "exp_distributed_smoke_v1.json")
+    assert len(smoke.runs) == 1 and smoke.runs[0].fellows == 2
+    assert smoke.runs[0].training["max_final_loss"] == 4.5
+    assert smoke.runs_dir == (REPO / "exp" / "runs").resolve()
+    full = load_experiment(CONFIGS / "exp_full_sweep_cluster_network_v1.json")
+    assert len(full.runs) == 9
+    assert {(r.compression, r.network["name"]) for r in full.runs} == {
+        (c, n) for c in ("none", "fixed_int8", "learned_dim32_int8")
+        for n in ("unconstrained", "80mbit", "10mbit_20ms")}
+    slow = next(r for r in full.runs if r.network["name"] == "10mbit_20ms")
+    assert slow.training["link"] == {"tx_mbps": 10.0, "rx_mbps": 10.0, "latency_ms": 20.0}
+    fast = next(r for r in full.runs if r.network["name"] == "unconstrained")
+    assert fast.training["link"] is None
+
+
+def _write(tmp: Path, name: str, data: Any) -> Path:
+    p = tmp / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
+
+
+@pytest.fixture
+def layout(tmp_path):
+    _write(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                      "seq_len": 16})
+    _write(tmp_path, "training/t.json", {"steps": 3, "batch_size": 4, "micro_batches": 2,
+                                         "cluster_profile": {"fellows": 2}})
+
+    def exp(**over: Any) -> Path:
+        body = {"name": "e", "training_config": "training/t.json",
+                "model_configs": ["model/m.json"], **over}
+        return _write(tmp_path, "e.json", body)
+
+    return tmp_path, exp
+
+
+def test_grid_expansion_order_and_overrides(layout):
+    tmp, exp = layout
+    _write(tmp, "model/m2.json", {"name": "m2", "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                  "seq_len": 16, "compression": "fixed_int8"})
+    r = load_experiment(exp(model_configs=["model/m.json", "model/m2.json"], sweep={
+        "seeds": [1, 2], "repeats": 2, "steps": 5, "overrides": {"lr": 0.01},
+        "network_profiles": [{"name": "a"}, {"name": "b", "tx_mbps": 5}]}))
+    assert len(r.runs) == 2 * 2 * 2 * 2
+    assert [x.run_name for x in r.runs[:3]] == ["m-none-a-s1-r0", "m-none-a-s1-r1",
+                                                 "m-none-a-s2-r0"]
+    assert r.runs[8].model["name"] == "m2" and r.runs[8].compression == "fixed_int8"
+    assert all(x.training["steps"] == 5 and x.training["lr"] == 0.01 for x in r.runs)
+    assert [x.seed for x in r.runs[:4]] == [1, 1, 2, 2]
+    assert r.runs[4].network == {"name": "b", "tx_mbps": 5.0, "rx_mbps": None,
+                                 "latency_ms": 0.0, "tc_profile": None}
+    # compressions override every model's spec
+    r = load_experiment(exp(sweep={"compressions": ["none", "learned_dim8_int8"]}))
+    assert [x.model["compression"] for x in r.runs] == ["none", "learned_dim8_int8"]
+
+
+BAD = [
+    # (what to break, expected message fragment, field)
+    ("unknown_top_key", "unknown field(s): trainig_config", "$"),
+    ("missing_training", "required field missing", "$.training_config"),
+    ("training_file_missing", "file not found", "$.training_config"),
+    ("model_file_missing", "file not found", "$.model_configs[0]"),
+    ("empty_models", "must list at least one model profile", "$.model_configs"),
+    ("typo_in_training", "unknown field(s): setps", "$"),
+    ("bad_compression", "unknown compression 'int4'", "$.sweep.compressions[0]"),
+    ("bad_seed_type", "expected an integer, got a string", "$.sweep.seeds[1]"),
+    ("zero_repeats", "must be 1-100, got 0", "$.sweep.repeats"),
+    ("bad_network_rate", "must be > 0, got -5", "$.sweep.network_profiles[0].tx_mbps"),
+    ("tc_without_target", "give exactly one of netns or dev", "$.sweep.network_profiles[0]"
+                                                              ".tc_profile.dev"),
+    ("bad_cluster", "must be 1-1024, got 0", "$.cluster_profile.fellows"),
+    ("not_json", "not valid JSON", None),
+    ("bad_override", "must be > 0, got -1", "$.sweep(overrides).lr"),
+    ("heads", "d_model 32 is not divisible by n_heads 3", "$.n_heads"),
+    ("bad_name", "it names run directories", "$.name"),
+]
+
+
+@pytest.mark.parametrize("case, message, field", BAD, ids=[b[0] for b in BAD])
+def test_bad_configs_say_exactly_why(layout, case, message, field):
+    tmp, exp = layout
+    target = "e.json"
+    if case == "unknown_top_key":
+        path = _write(tmp, "e.json", {"name": "e", "trainig_config": "training/t.json",
+                                      "training_config": "training/t.json",
+                                      "model_configs": ["model/m.json"]})
+    elif case == "missing_training":
+        path = _write(tmp, "e.json", {"name": "e", "model_configs": ["model/m.json"]})
+    elif case == "training_file_missing":
+        path = exp(training_config="training/nope.json")
+    elif case == "model_file_missing":
+        path = exp(model_configs=["model/nope.json"])
+    elif case == "empty_models":
+        path = exp(model_configs=[])
+    elif case == "typo_in_training":
+        _write(tmp, "training/t.json", {"setps": 3})
+        path, target = exp(), "training/t.json"
+    elif case == "bad_compression":
+        path = exp(sweep={"compressions": ["int4"]})
+    elif case == "bad_seed_type":
+        path = exp(sweep={"seeds": [1, "2"]})
+    elif case == "zero_repeats":
+        path = exp(sweep={"repeats": 0})
+    elif case == "bad_network_rate":
+        path = exp(sweep={"network_profiles": [{"name": "x", "tx_mbps": -5}]})
+    elif case == "tc_without_target":
+        path = exp(sweep={"network_profiles": [{"name": "x", "tc_profile": {"rate_mbit": 5}}]})
+    elif case == "bad_cluster":
+        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 0}})
+        path, target = exp(), "training/t.json"
+    elif case == "not_json":
+        path = _write(tmp, "e.json", "{not json")
+    elif case == "bad_override":
+        path = exp(sweep={"overrides": {"lr": -1}})
+    elif case == "heads":
+        _write(tmp, "model/m.json", {"d_model": 32, "n_heads": 3})
+        path, target = exp(), "model/m.json"
+    elif case == "bad_name":
+        path = exp(name="../escape")
+    with pytest.raises(ConfigError) as exc:
+        load_experiment(path)
+    err = exc.value
+    assert message in err.message
+    assert err.field == field
+    assert Path(err.path).resolve() == (tmp / target).resolve()
+    # The one-line form names file, field and problem.
+    assert str(err).startswith(str(err.path))
+
+
+def test_validate_command(layout, capsys):
+    _tmp, exp = layout
+    good = exp(sweep={"seeds": [0, 1]})
+    assert run(["validate", str(good), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["run_name"] for r in out["runs"]] == ["m-none-unconstrained-s0-r0",
+                                                     "m-none-unconstrained-s1-r0"]
+    bad = exp(sweep={"repeats": 0})
+    assert run(["validate", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$.sweep.repeats: must be 1-100, got 0" in err[0]
+    assert run(["sweep", "--config", str(bad), "--leader-url", "http://127.0.0.1:9"]) == 2
+
+
+def test_config_docs_cover_every_field():
+    import attrs
+
+    from swarm_core.config import profiles, schemas
+
+    text = (REPO / "docs" / "configs.md").read_text()
+    for cls in (schemas.ModelConfig, schemas.TrainingConfig, profiles.ExperimentConfig,
+                profiles.SweepSpec, profiles.NetworkProfile, profiles.TcProfile,
+                profiles.ClusterProfile, profiles.ArtifactsProfile):
+        for f in attrs.fields(cls):
+            assert f"`{f.name}`" in text, f"docs/configs.md misses {cls.__name__}.{f.name}"
+
+
+def test_config_docs_are_current():
+    from swarm_core.config.docs import render
+
+    assert (REPO / "docs" / "configs.md").read_text() == render(), \
+        "docs/configs.md is stale: run 'python -m swarm_core.config.docs'"
