@@ -94,6 +94,13 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
         worst = max(float((torch.from_numpy(weights[k]) - v).abs().max())
                     for k, v in expected.items())
         assert worst <= 1e-4, f"{n} stages: shard weights differ from single process by {worst}"
+        # Glued into one model, it scores the held-out batches as the pipeline did at the end.
+        glued = run_cli("glue", str(export), env=cli_env)
+        assert glued.returncode == 0, glued.stderr
+        ev = cli_json("eval", "--model", str(export / "full_model"), env=cli_env)
+        assert ev["step"] == 20
+        assert abs(ev["eval_loss"] - job["metrics"]["eval_loss"]) <= 1e-5, \
+            (ev["eval_loss"], job["metrics"]["eval_loss"])
 
 
 def test_embedded_defaults_mirror_the_profiles():

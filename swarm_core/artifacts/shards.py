@@ -56,7 +56,8 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
                    fellow_name: str, layers: tuple[int, int], step: int, model: dict[str, Any],
                    seed: int, vocab_size: int, tokenizer: dict[str, Any],
                    arrays: dict[str, np.ndarray], weights: bytes,
-                   slot: int = 0, device: str = "cpu") -> dict[str, Any]:
+                   slot: int = 0, device: str = "cpu",
+                   training: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -72,6 +73,7 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
         "step": step,
         "config_fingerprint": config_fingerprint(model, seed, vocab_size),
         "model": model,
+        "training": training,
         "seed": seed,
         "vocab_size": vocab_size,
         "tokenizer": tokenizer,

@@ -146,7 +146,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             model=start.get("model") or {}, seed=training.seed,
             vocab_size=model.vocab_size or data.vocab_size, tokenizer=data.tokenizer.spec(),
             arrays=arrays, weights=weights, slot=int(mine.get("slot", 0)),
-            device=str(mine.get("device", "cpu")))
+            device=str(mine.get("device", "cpu")), training=start.get("training"))
         write_shard(export_root, manifest, weights)
         loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights))
 

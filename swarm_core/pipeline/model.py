@@ -147,14 +147,15 @@ class StageModule(nn.Module):
         comp: Compression = cfg.compression_spec
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.embed = seeded(seed, "embed", lambda: Embedding(cfg, vocab)) if self.first else None
-        self.up = (seeded(seed, f"up{stage - 1}",
-                          lambda: BottleneckUp(comp.bottleneck_dim, cfg.d_model))
+        # Keyed by boundary index, so names stay unique when stages are glued together.
+        self.up = (nn.ModuleDict({str(stage - 1): seeded(
+            seed, f"up{stage - 1}", lambda: BottleneckUp(comp.bottleneck_dim, cfg.d_model))})
                    if comp.learned and not self.first else None)
         self.blocks = nn.ModuleDict({
             str(i): seeded(seed, f"block{i}", lambda: Block(cfg)) for i in range(start, stop)
         })
-        self.down = (seeded(seed, f"down{stage}",
-                            lambda: BottleneckDown(cfg.d_model, comp.bottleneck_dim))
+        self.down = (nn.ModuleDict({str(stage): seeded(
+            seed, f"down{stage}", lambda: BottleneckDown(cfg.d_model, comp.bottleneck_dim))})
                      if comp.learned and not self.last else None)
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
 
@@ -162,11 +163,13 @@ class StageModule(nn.Module):
         if self.embed is not None:
             x = self.embed(x)
         if self.up is not None:
-            x = self.up(x)
+            for up in self.up.values():
+                x = up(x)
         for block in self.blocks.values():
             x = block(x)
         if self.down is not None:
-            x = self.down(x)
+            for down in self.down.values():
+                x = down(x)
         if self.head is not None:
             x = self.head(x)
         return x

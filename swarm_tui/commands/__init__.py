@@ -1,7 +1,16 @@
 """Headless actions of ``swarm`` / ``swarm-tui --cmd``. Nothing here imports Textual."""
 
-from swarm_tui.commands import cluster, daemons, fellows, jobs, meta, quickstart, sweeps
+from swarm_tui.commands import (
+    cluster,
+    daemons,
+    fellows,
+    jobs,
+    meta,
+    models,
+    quickstart,
+    sweeps,
+)
 
-MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, quickstart)
+MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, models, quickstart)
 
 __all__ = ["MODULES"]

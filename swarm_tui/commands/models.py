@@ -1,0 +1,142 @@
+"""``swarm glue``, ``swarm generate`` and ``swarm eval``: the exported model, on one device."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    add_format,
+    emit_json,
+    print_line,
+)
+from swarm_tui.commands.daemons import _positive_int
+
+
+def cmd_glue(args: argparse.Namespace) -> int:
+    from swarm_core.artifacts.glue import GlueError, glue
+
+    try:
+        out = glue(Path(args.export_dir))
+    except GlueError as exc:
+        raise CommandError(f"glue: {exc}") from None
+    if args.format == "json":
+        emit_json({"full_model": str(out)})
+    else:
+        print_line(f"wrote {out}")
+    return 0
+
+
+def _load(model_dir: str):  # type: ignore[no-untyped-def]
+    from swarm_core.artifacts.glue import GlueError, load_full_model
+
+    try:
+        return load_full_model(Path(model_dir))
+    except GlueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _data(manifest: dict):  # type: ignore[no-untyped-def]
+    from swarm_core.config.schemas import TrainingConfig
+    from swarm_core.data import DataError, load_token_data
+    from swarm_core.schema import structure
+
+    training = structure(manifest.get("training") or {}, TrainingConfig)
+    try:
+        return training, load_token_data(training, manifest["model"]["seq_len"])
+    except DataError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from swarm_core.pipeline.model import lm_loss
+
+    model, manifest = _load(args.model)
+    training, data = _data(manifest)
+    n = args.batches or training.eval_batches or 1
+    mb = training.batch_size // training.micro_batches
+    batches = data.eval_batches(n, mb, manifest["model"]["seq_len"], training.seed)
+    torch.set_num_threads(args.threads)
+    with torch.no_grad():
+        losses = [float(lm_loss(model(x), y)) for x, y in batches]
+    loss = sum(losses) / len(losses)
+    result = {"model": args.model, "step": manifest["step"], "eval_loss": loss,
+              "perplexity": math.exp(min(loss, 50.0)), "batches": n,
+              "dataset": training.dataset}
+    if args.format == "json":
+        emit_json(result)
+    else:
+        print_line(f"validation loss {loss:.6f} (perplexity {result['perplexity']:.2f}) on "
+                   f"{n} batch(es) of {training.dataset}, model at step {manifest['step']}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    model, manifest = _load(args.model)
+    _training, data = _data(manifest)
+    tok = data.tokenizer
+    ids = [int(i) for i in tok.encode(args.prompt)]  # type: ignore[attr-defined]
+    if not ids:
+        raise CommandError("--prompt must not be empty", ExitCode.USAGE)
+    seq_len = manifest["model"]["seq_len"]
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(args.tokens):
+            ctx = torch.tensor([out[-seq_len:]])
+            logits = model(ctx)[0, -1] / max(args.temperature, 1e-6)
+            if args.top_k:
+                kth = torch.topk(logits, min(args.top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+    text = tok.decode(out)  # type: ignore[attr-defined]
+    if args.format == "json":
+        emit_json({"prompt": args.prompt, "text": text, "tokens": len(out) - len(ids)})
+    else:
+        print_line(text)
+    return 0
+
+
+def _temperature(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v <= 10:
+        raise argparse.ArgumentTypeError(f"must be in (0, 10], got {text}")
+    return v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("glue", help="glue a run's stage shards into one model "
+                                    "(model_export/full_model)")
+    p.add_argument("export_dir", help="a run's model_export directory")
+    add_format(p)
+    p.set_defaults(func=cmd_glue)
+
+    p = sub.add_parser("eval", help="validation loss of a glued model on its dataset")
+    p.add_argument("--model", required=True, help="model_export/full_model directory")
+    p.add_argument("--batches", type=_positive_int, default=None,
+                   help="held-out batches (default: the run's eval_batches)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads")
+    add_format(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a glued model on CPU")
+    p.add_argument("--model", required=True, help="model_export/full_model directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--tokens", type=_positive_int, default=200, help="tokens to sample")
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample from the top k")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads")
+    add_format(p)
+    p.set_defaults(func=cmd_generate)
