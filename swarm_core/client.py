@@ -197,6 +197,28 @@ class SwarmClient:
                            err.get("message", f"HTTP {resp.status}"), err.get("field"))
         return payload
 
+    async def checkpoint(self, job_id: str, step: int, stage: int,
+                         session: str) -> tuple[dict[str, Any], bytes]:
+        """(manifest, weights.npz bytes) of a stage checkpoint, to resume from."""
+        base = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/checkpoints/{step}/{stage}"
+        out = []
+        for part in ("manifest", "weights"):
+            try:
+                async with self._http().get(f"{base}/{part}",
+                                            headers={SESSION_HEADER: session},
+                                            timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                    raw = await resp.read()
+            except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+                raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
+                                        f"{exc}") from None
+            self.bytes_received += len(raw) + 150
+            if resp.status >= 400:
+                err = jsonio.loads(raw).get("error", {}) if raw.startswith(b"{") else {}
+                raise ApiError(resp.status, err.get("code", "error"),
+                               err.get("message", f"HTTP {resp.status}"), err.get("field"))
+            out.append(raw)
+        return jsonio.loads(out[0]), out[1]
+
     # jobs -------------------------------------------------------------------------------------
     async def submit(self, req: JobSubmit) -> JobInfo:
         return _parse(await self.request("POST", f"{API_PREFIX}/jobs", req), JobInfo)

@@ -275,6 +275,9 @@ class JobStatusUpdate:
     loss: float | None = None
     tokens_per_s: float | None = attrs.field(default=None, validator=_non_negative)
     message: str = attrs.field(default="", metadata=_meta("", maxLength=4096))
+    attempt: int = attrs.field(default=0, validator=_non_negative,
+                               metadata=_meta("the START's attempt; stale reports are ignored",
+                                              minimum=0))
     metrics: dict[str, Any] = attrs.field(
         factory=dict, validator=_shallow,
         metadata=_meta("numbers such as eval_loss, wire_tx_bytes, tokens_per_s"))
@@ -306,6 +309,8 @@ class JobInfo:
     placement: dict[str, Any] | None = None
     loss_history: list[list[float]] = attrs.field(factory=list)  # GET /jobs/{id} only
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
+    attempt: int = 0
+    restarts: list[dict[str, Any]] = attrs.field(factory=list)
 
 
 @attrs.define

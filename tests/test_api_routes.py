@@ -1139,5 +1139,6 @@ def test_every_route_has_a_test():
         ("GET", f"{A}/events"),
         ("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}"),  # tests/test_shards.py
         ("GET", f"{A}/jobs/{{job_id}}/progress"),  # tests/test_progress.py
+        ("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}"),  # test_resume
     }
     assert {(r.method, r.path) for r in ROUTES} == covered

@@ -96,6 +96,14 @@ class ShardError(ValueError):
     pass
 
 
+def weights_from_checkpoint(manifest: dict[str, Any], weights: bytes) -> dict[str, torch.Tensor]:
+    """State dict from a fetched checkpoint, after checking it is the one the manifest names."""
+    if hashlib.sha256(weights).hexdigest() != manifest.get("weights_sha256"):
+        raise ShardError("checkpoint weights do not match their manifest's sha256")
+    with np.load(io.BytesIO(weights), allow_pickle=False) as z:
+        return {k: torch.from_numpy(np.array(z[k])) for k in z.files}
+
+
 def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     try:
         manifest = jsonio.loads((d / MANIFEST).read_bytes())

@@ -137,6 +137,10 @@ class TrainingConfig:
     shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
     # Link limits every fellow of the job applies for its duration (a sweep's network profile).
     link: LinkLimits | None = None
+    # When a fellow dies mid-run: fail the job, or resume from the latest pushed shards on a
+    # replacement (the fellows that are still alive keep their stages).
+    resume_policy: Literal["fail", "replace"] = "fail"
+    max_restarts: int = attrs.field(default=3, validator=[_nonneg, _le(1000)])
 
     def __attrs_post_init__(self) -> None:
         if self.batch_size % self.micro_batches:

@@ -238,6 +238,7 @@ class FellowDaemon:
         job_id = self.progress.job_id
         assert job_id is not None and self.fellow_id is not None
         fellow_id = self.fellow_id
+        attempt = int(start.get("attempt") or 0)
 
         async def report(upd: JobStatusUpdate) -> None:
             try:
@@ -256,14 +257,19 @@ class FellowDaemon:
                 # The shard is on this fellow's disk either way; the leader's copy can lag.
                 log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
 
+        async def fetch_checkpoint(job: str, step: int, stage: int) -> tuple[dict, bytes]:
+            return await self.client.checkpoint(job, step, stage, self.session)
+
         ctx = JobContext(fellow_id=fellow_id, progress=self.progress, report=report,
                          shaper=self.shaper, listener=self.listener, threads=self.opts.threads,
-                         fellow_name=self.opts.name, push_shard=push_shard)
+                         fellow_name=self.opts.name, push_shard=push_shard,
+                         fetch_checkpoint=fetch_checkpoint)
         try:
             await run_job(start, ctx)
         except JobRefused as exc:
             await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
-                                         step=self.progress.step, message=str(exc)))
+                                         step=self.progress.step, message=str(exc),
+                                         attempt=attempt))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
@@ -271,7 +277,7 @@ class FellowDaemon:
             with contextlib.suppress(ClientError, asyncio.CancelledError):
                 await report(JobStatusUpdate(
                     fellow_id=fellow_id, state="FAILED", step=self.progress.step,
-                    message=f"{type(exc).__name__}: {exc}"[:4000]))
+                    message=f"{type(exc).__name__}: {exc}"[:4000], attempt=attempt))
         finally:
             if self.status == "busy":
                 self.status = "ready"

@@ -51,6 +51,9 @@ class JobContext:
     threads: int = 1
     fellow_name: str = ""
     push_shard: PushShard | None = None
+    # (job_id, step, stage) -> (manifest, weights.npz bytes) from the leader
+    fetch_checkpoint: Callable[[str, int, int], Awaitable[tuple[dict[str, Any], bytes]]] | None \
+        = None
 
 
 async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
@@ -83,7 +86,13 @@ def import_engine() -> None:
 async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     # Importing torch takes seconds; in a worker thread, so heartbeats keep flowing meanwhile.
     await asyncio.to_thread(import_engine)
-    from swarm_core.artifacts.shards import build_manifest, npz_bytes, state_arrays, write_shard
+    from swarm_core.artifacts.shards import (
+        build_manifest,
+        npz_bytes,
+        state_arrays,
+        weights_from_checkpoint,
+        write_shard,
+    )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
     from swarm_core.data import DataError, load_token_data
     from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
@@ -110,6 +119,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     updates: asyncio.Queue[JobStatusUpdate | None] = asyncio.Queue()
     stop = threading.Event()
     fid = ctx.fellow_id
+    attempt = int(start.get("attempt") or 0)
 
     def on_step(rep: StepReport) -> None:  # runs in the stage thread
         ctx.progress.step = rep.step
@@ -117,13 +127,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             ctx.progress.loss = rep.loss
         ctx.progress.tokens_per_s = rep.tokens_per_s
         upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=rep.step, loss=rep.loss,
-                              tokens_per_s=rep.tokens_per_s,
+                              tokens_per_s=rep.tokens_per_s, attempt=attempt,
                               metrics={"wire_tx_bytes": rep.wire_tx_bytes,
                                        "step_seconds": rep.seconds, "lr": rep.lr})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     def on_eval(step: int, loss: float) -> None:
-        upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=step,
+        upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=step, attempt=attempt,
                               metrics={"eval_loss": loss})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
@@ -155,11 +165,22 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             if ctx.push_shard is not None:
                 await ctx.push_shard(spec.job_id, stage, *item)
 
+    resume_step = int(start.get("resume_step") or 0)
+    initial: dict[str, Any] | None = None
+    if resume_step:
+        if ctx.fetch_checkpoint is None:
+            raise JobRefused("cannot resume: no way to fetch checkpoints")
+        initial = await ctx.fetch_checkpoint(spec.job_id, resume_step, stage)
+
     def work() -> dict[str, Any]:
         data = load_token_data(training, model.seq_len)
         holder["data"] = data
+        state = None
+        if initial is not None:
+            state = weights_from_checkpoint(*initial)
         return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
-                         connect_timeout=training.frame_timeout_s, on_checkpoint=on_checkpoint)
+                         connect_timeout=training.frame_timeout_s, on_checkpoint=on_checkpoint,
+                         start_step=resume_step, initial_state=state)
 
     ctx.progress.stage = stage
     previous_link = ctx.shaper.limits()
@@ -167,10 +188,15 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         ctx.shaper.apply(training.link)
     reporter_task = asyncio.create_task(reporter())
     pusher_task = asyncio.create_task(pusher())
+    fut = loop.run_in_executor(None, work)
     try:
-        metrics = await asyncio.to_thread(work)
+        metrics = await asyncio.shield(fut)
     except asyncio.CancelledError:
         stop.set()
+        # Let the stage thread finish before this job counts as stopped: a thread still in
+        # accept() would otherwise take the next job's connection.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(fut), training.frame_timeout_s)
         raise
     except DataError as exc:
         raise JobRefused(str(exc)) from None
@@ -187,7 +213,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(
-        fellow_id=fid, state="COMPLETED", step=metrics.get("steps", 0),
+        fellow_id=fid, state="COMPLETED", step=training.steps, attempt=attempt,
         loss=metrics.get("final_loss"), tokens_per_s=metrics.get("tokens_per_s"),
         message=f"stage {stage} finished", metrics=metrics,
     ))

@@ -43,8 +43,13 @@ class JobRecord:
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
+    attempt: int = 0
+    restarts: list[dict[str, Any]] = attrs.field(factory=list)
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
+    # Set while the job waits out the heartbeat timeout to see which fellows are really gone.
+    recovering_since: float | None = attrs.field(default=None, metadata={"transient": True})
+    recover_reason: str = attrs.field(default="", metadata={"transient": True})
     # The step being assembled from every stage's report (written through to the store).
     current: dict[int, dict[str, Any]] = attrs.field(factory=dict,
                                                      metadata={"transient": True})
@@ -98,7 +103,8 @@ class JobQueue:
             topology=job.topology, reason=job.reason, model=job.model, training=job.training,
             waiting_for=self.waiting_for(job), metrics=job.metrics, placement=job.placement,
             loss_history=self.loss_history(job) if with_history else [],
-            latest_shard_pushes=job.latest_shard_pushes,
+            latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
+            restarts=job.restarts,
         )
 
     def loss_history(self, job: JobRecord) -> list[list[float]]:
@@ -149,6 +155,8 @@ class JobQueue:
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
+        if upd.attempt != job.attempt or job.recovering_since is not None:
+            return job  # from before a restart, or while recovering: nothing to learn
         if upd.step > job.last_step:
             job.last_step = upd.step
         if upd.loss is not None:
@@ -163,9 +171,8 @@ class JobQueue:
         })
         if upd.state == "FAILED":
             msg = f": {upd.message}" if upd.message else ""
-            self._finish(job, JobState.FAILED,
-                         f"fellow {fellow.fellow_id} ({fellow.name}) failed at step "
-                         f"{upd.step}{msg}")
+            self._lost(job, f"fellow {fellow.fellow_id} ({fellow.name}) failed at step "
+                            f"{upd.step}{msg}")
         elif upd.state == "COMPLETED":
             if fellow.fellow_id not in job.done_fellows:
                 job.done_fellows.append(fellow.fellow_id)
@@ -214,24 +221,21 @@ class JobQueue:
         job.fellows = [f.fellow_id for f in chosen]
         job.placement = placement.to_json()
         self._write_run_file(job, "placement_plan.json", job.placement)
-        key = secrets.token_hex(16)  # the data plane admits only connections that present it
-        for i, fellow in enumerate(chosen):
-            fellow.assigned_job = job.job_id
-            self.registry.send(fellow, "START", job.job_id, {
-                "job_id": job.job_id, "kind": job.kind, "name": job.name,
-                "stage": i, "num_stages": len(chosen), "placement": job.placement,
-                "model": job.model, "training": job.training, "key": key,
-            })
+        self._send_start(job, chosen, resume_step=0)
         self._save(job)
         self._event(job, "job.started")
         return job
 
     def check_liveness(self) -> None:
-        """Fail the running job when one of its fellows stopped heartbeating or left."""
+        """React when a fellow of the running job stopped heartbeating or left."""
         job = self.running()
         if job is None:
             return
         now = time.monotonic()
+        if job.recovering_since is not None:
+            if now - job.recovering_since >= self.registry.stale_after_s + 0.5:
+                self._resume(job)
+            return
         grace = self.registry.stale_after_s
         if job.watched_since is not None and now - job.watched_since < grace:
             return
@@ -241,14 +245,13 @@ class JobQueue:
             try:
                 rec = self.registry.get(fid)
             except ApiError:
-                self._finish(job, JobState.FAILED, f"fellow {fid} vanished from the registry")
+                self._lost(job, f"fellow {fid} vanished from the registry")
                 return
             status = self.registry.status(rec, now)
             if status in ("stale", "offline", "released", "leaving"):
                 what = {"stale": "stopped heartbeating", "offline": "did not come back",
                         "released": "was released", "leaving": "left"}[status]
-                self._finish(job, JobState.FAILED,
-                             f"fellow {fid} ({rec.name}) {what} at step {rec.current_step}")
+                self._lost(job, f"fellow {fid} ({rec.name}) {what} at step {rec.current_step}")
                 return
 
     def fellow_replaced(self, rec: FellowRecord) -> None:
@@ -257,10 +260,106 @@ class JobQueue:
         if job_id is None or job_id not in self._jobs:
             return
         job = self._jobs[job_id]
-        if job.state is JobState.RUNNING:
-            self._finish(job, JobState.FAILED,
-                         f"fellow {rec.fellow_id} ({rec.name}) restarted at step "
-                         f"{rec.current_step}")
+        if job.state is JobState.RUNNING and job.recovering_since is None:
+            self._lost(job, f"fellow {rec.fellow_id} ({rec.name}) restarted at step "
+                            f"{rec.current_step}")
+
+    # recovery ---------------------------------------------------------------------------------
+    def _lost(self, job: JobRecord, reason: str) -> None:
+        """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
+        policy = job.training.get("resume_policy", "fail") if job.kind == "train" else "fail"
+        limit = int(job.training.get("max_restarts", 3))
+        if policy != "replace":
+            self._finish(job, JobState.FAILED, reason)
+            return
+        if len(job.restarts) >= limit:
+            self._finish(job, JobState.FAILED, f"{reason} (after {limit} restart(s))")
+            return
+        job.recovering_since = time.monotonic()
+        job.recover_reason = reason
+        for fid in job.fellows:
+            try:
+                rec = self.registry.get(fid)
+            except ApiError:
+                continue
+            if rec.assigned_job == job.job_id:
+                rec.assigned_job = None
+                self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+        job.reason = f"recovering: {reason}"
+        self._save(job)
+        self._event(job, "job.recovering")
+
+    def _resume(self, job: JobRecord) -> None:
+        """After the heartbeat timeout: keep the fellows that are back to ready, replace the
+        others with ready fellows outside the job, restart from the latest complete
+        checkpoint."""
+        now = time.monotonic()
+        assert job.placement is not None
+        spare = [r for r in self.registry.ready() if r.fellow_id not in job.fellows]
+        stages = job.placement["stages"]
+        replaced = {}
+        lost = []
+        for st in stages:
+            rec = self._maybe(st["fellow_id"])
+            status = "gone" if rec is None else self.registry.status(rec, now)
+            if status == "ready" and rec is not None and rec.assigned_job is None:
+                continue
+            what = f"fellow {st['fellow_id']} ({st['name']}) is {status}" + (
+                f" since step {rec.current_step}" if rec is not None else "")
+            lost.append(what)
+            if not spare:
+                job.recovering_since = None
+                self._finish(job, JobState.FAILED,
+                             f"{what}; no ready fellow can take stage {st['stage']} "
+                             f"(first report: {job.recover_reason})")
+                return
+            new = spare.pop(0)
+            replaced[str(st["stage"])] = {"from": st["fellow_id"], "to": new.fellow_id,
+                                          "lost": what}
+            st.update(fellow_id=new.fellow_id, name=new.name, data_addr=new.data_addr)
+        step = self.latest_checkpoint(job)
+        for st in stages:  # addresses may have changed when a fellow re-registered
+            rec = self._maybe(st["fellow_id"])
+            if rec is not None:
+                st["data_addr"] = rec.data_addr
+        reason = "; ".join(lost) if lost else "every fellow came back"
+        job.restarts.append({"at_step": job.last_step, "resume_step": step,
+                             "reason": f"{reason} (first report: {job.recover_reason})",
+                             "replaced": replaced, "at": time.time()})
+        job.attempt += 1
+        job.recovering_since = None
+        job.fellows = [st["fellow_id"] for st in stages]
+        job.done_fellows = []
+        job.current = {}
+        job.last_step = step
+        job.reason = ""
+        self.store.delete_progress_after(job.job_id, step)
+        self._write_run_file(job, "placement_plan.json", job.placement)
+        self._send_start(job, [self.registry.get(f) for f in job.fellows], resume_step=step)
+        self._save(job)
+        self._event(job, "job.resumed")
+
+    def latest_checkpoint(self, job: JobRecord) -> int:
+        """The newest step at which every stage has a pushed shard; 0 if none."""
+        if self.runs_dir is None:
+            return 0
+        root = self.runs_dir / job.job_id / "checkpoints"
+        n = len(job.fellows)
+        best = 0
+        for d in root.glob("step-*"):
+            try:
+                step = int(d.name.removeprefix("step-"))
+            except ValueError:
+                continue
+            if all((d / f"stage-{k}" / "shard_manifest.json").exists() for k in range(n)):
+                best = max(best, step)
+        return best
+
+    def _maybe(self, fellow_id: int) -> FellowRecord | None:
+        try:
+            return self.registry.get(fellow_id)
+        except ApiError:
+            return None
 
     def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
                      manifest: dict[str, Any]) -> dict[str, Any]:
@@ -286,6 +385,17 @@ class JobQueue:
                        code="wrong_fellow")
 
     # internals --------------------------------------------------------------------------------
+    def _send_start(self, job: JobRecord, fellows: list[FellowRecord], resume_step: int) -> None:
+        key = secrets.token_hex(16)  # the data plane admits only connections that present it
+        for i, fellow in enumerate(fellows):
+            fellow.assigned_job = job.job_id
+            self.registry.send(fellow, "START", job.job_id, {
+                "job_id": job.job_id, "kind": job.kind, "name": job.name,
+                "stage": i, "num_stages": len(fellows), "placement": job.placement,
+                "model": job.model, "training": job.training, "key": key,
+                "attempt": job.attempt, "resume_step": resume_step,
+            })
+
     def _merge_metrics(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
         if not upd.metrics and upd.tokens_per_s is None:
             return

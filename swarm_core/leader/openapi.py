@@ -41,7 +41,7 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
         }
         params = []
         for name in re.findall(r"{(\w+)}", r.path):
-            kind = "integer" if name in ("fellow_id", "stage") else "string"
+            kind = "integer" if name in ("fellow_id", "stage", "step") else "string"
             schema: dict[str, Any] = {"type": kind}
             if kind == "integer":
                 schema["minimum"] = 0

@@ -272,7 +272,7 @@ async def job_status(request: web.Request) -> web.Response:
 
 
 async def push_shard(request: web.Request) -> web.Response:
-    from swarm_core.leader.uploads import receive_shard, shard_dir
+    from swarm_core.leader.uploads import checkpoint_dir, publish, receive_shard
 
     st = _state(request)
     job = st.jobs.get(request.match_info["job_id"])
@@ -285,11 +285,36 @@ async def push_shard(request: web.Request) -> web.Response:
         raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
                        code="job_not_running")
     cfg = request.app[CONFIG_KEY]
-    dest = shard_dir(st.state_dir / "runs", job.job_id, stage, rec.fellow_id)
+    runs = st.state_dir / "runs"
     manifest = await receive_shard(
-        request, dest, cfg.max_upload_bytes,
+        request, lambda m: checkpoint_dir(runs, job.job_id, m["step"], stage),
+        cfg.max_upload_bytes,
         expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id})
+    publish(runs, job.job_id, manifest["step"], stage, rec.fellow_id, len(job.fellows))
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
+
+
+async def get_checkpoint(request: web.Request) -> web.StreamResponse:
+    """A fellow resuming a job fetches its stage's weights (or manifest) at a step."""
+    from swarm_core.leader.uploads import checkpoint_dir
+
+    st = _state(request)
+    job = st.jobs.get(request.match_info["job_id"])
+    step, stage = _int_param(request, "step"), _int_param(request, "stage")
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
+    if st.jobs.stage_of(job, rec.fellow_id) != stage:
+        raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
+                            f"{job.job_id}", code="wrong_fellow")
+    part = request.match_info["part"]
+    name = {"weights": "weights.npz", "manifest": "shard_manifest.json"}.get(part)
+    if name is None:
+        raise ApiError(404, f"no checkpoint part {part!r} (weights or manifest)")
+    path = checkpoint_dir(st.state_dir / "runs", job.job_id, step, stage) / name
+    if not path.exists():
+        raise ApiError(404, f"no checkpoint of stage {stage} at step {step}",
+                       code="no_checkpoint")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"
+                                           if part == "weights" else "application/json"})
 
 
 # --- events -------------------------------------------------------------------------------------
@@ -382,6 +407,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}", push_shard,
           "A fellow pushes its stage's latest weights (multipart: manifest, weights)",
           fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415)),
+    Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
+          "A fellow fetches a stage checkpoint to resume from (part: weights or manifest)",
+          fellow_session=True, errors=(400, 401, 403, 404, 409)),
     Route("GET", f"{A}/events", events, "WebSocket stream of fellow, job and metric events",
           query=(("types", "string", "comma-separated: fellow,job,metric"),
                  ("job_id", "string", "only events of this job"))),

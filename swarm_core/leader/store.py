@@ -105,6 +105,10 @@ class Store:
                 (job_id, step, jsonio.dumps(record)),
             )
 
+    def delete_progress_after(self, job_id: str, step: int) -> None:
+        with self._tx():
+            self._db.execute("DELETE FROM progress WHERE job_id=? AND step>?", (job_id, step))
+
     def progress(self, job_id: str, after: int = 0, limit: int = 100_000) -> list[dict[str, Any]]:
         rows = self._db.execute(
             "SELECT data FROM progress WHERE job_id=? AND step>? ORDER BY step LIMIT ?",

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,51 @@ SHARDS = "model_export/shards"
 
 
 def shard_dir(runs_dir: Path, job_id: str, stage: int, fellow_id: int) -> Path:
-    # Built from a job id the leader issued and two integers: no user text reaches the path.
+    # Built from a job id the leader issued and integers: no user text reaches a path.
     return runs_dir / job_id / SHARDS / f"stage-{stage}-fellow-{fellow_id}"
 
 
-async def receive_shard(request: web.Request, dest: Path, limit: int,
-                        expect: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_dir(runs_dir: Path, job_id: str, step: int, stage: int) -> Path:
+    return runs_dir / job_id / "checkpoints" / f"step-{step}" / f"stage-{stage}"
+
+
+KEEP_CHECKPOINTS = 2
+
+
+def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
+            num_stages: int) -> None:
+    """Make a received checkpoint the stage's latest export shard, and prune old checkpoints
+    (keeping the newest complete ones)."""
+    src = checkpoint_dir(runs_dir, job_id, step, stage)
+    dest = shard_dir(runs_dir, job_id, stage, fellow_id)
+    # Another fellow may have held this stage before a restart: one shard per stage.
+    for old in dest.parent.glob(f"stage-{stage}-fellow-*"):
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("weights.npz", "shard_manifest.json"):  # manifest last
+        tmp = dest / f".{name}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        try:
+            os.link(src / name, tmp)
+        except OSError:
+            shutil.copyfile(src / name, tmp)
+        os.replace(tmp, dest / name)
+    root = runs_dir / job_id / "checkpoints"
+    complete = sorted(
+        (int(d.name.removeprefix("step-")) for d in root.glob("step-*")
+         if all((d / f"stage-{k}" / "shard_manifest.json").exists() for k in range(num_stages))),
+        reverse=True)
+    if len(complete) > KEEP_CHECKPOINTS:
+        cutoff = complete[KEEP_CHECKPOINTS - 1]
+        for d in root.glob("step-*"):
+            if int(d.name.removeprefix("step-")) < cutoff:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
+                        limit: int, expect: dict[str, Any]) -> dict[str, Any]:
     """Read ``manifest`` then ``weights`` parts; returns the manifest once both are in place.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
@@ -58,9 +99,14 @@ async def receive_shard(request: web.Request, dest: Path, limit: int,
         if manifest.get(key) != want:
             raise ApiError(400, f"manifest {key} is {manifest.get(key)!r}, expected {want!r}",
                            field=f"manifest.{key}")
+    step = manifest.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ApiError(400, "manifest step must be a non-negative integer",
+                       field="manifest.step")
     part = await reader.next()
     if part is None or getattr(part, "name", None) != "weights":
         raise ApiError(400, "second part must be 'weights'", field="weights")
+    dest = dest_for(manifest)
     dest.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".weights.", dir=dest)
     digest = hashlib.sha256()

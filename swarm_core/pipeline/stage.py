@@ -225,20 +225,23 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
               on_step: Callable[[StepReport], None],
               on_eval: Callable[[int, float], None] | None = None,
               connect_timeout: float = 60.0,
-              on_checkpoint: Callable[[int, StageModule], None] | None = None
-              ) -> dict[str, Any]:
+              on_checkpoint: Callable[[int, StageModule], None] | None = None,
+              start_step: int = 0,
+              initial_state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Train all steps of one stage; returns final metrics (loss and eval on the last stage).
 
     ``on_checkpoint(step, module)`` runs every ``shard_push_interval_steps`` and after the last
     step, between optimiser steps, so it sees consistent weights."""
     torch.set_num_threads(spec.training.threads)
     runner = StageRunner(spec, data, shaper, stop)
+    if initial_state is not None:
+        runner.module.load_state_dict(initial_state, strict=True)
     t = spec.training
     reports: list[StepReport] = []
     try:
         runner.connect(listener, connect_timeout)
         t0 = time.perf_counter()
-        for step in range(t.steps):
+        for step in range(start_step, t.steps):
             rep = runner.train_step(step)
             reports.append(rep)
             on_step(rep)

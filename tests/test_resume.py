@@ -1,0 +1,106 @@
+"""Fellows die mid-run: the job resumes from pushed shards on a replacement, or fails with a
+reason naming the fellow and the step. Real processes, killed by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.clusters import cli_json, run_cli, wait_until
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"name": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16}
+
+
+def _submit(tmp_path, env, policy: str, steps: int = 30) -> str:
+    body = {"name": f"resume-{policy}", "kind": "train", "model": MODEL,
+            "training": {"steps": steps, "batch_size": 4, "micro_batches": 2,
+                         "eval_batches": 1, "shard_push_interval_steps": 4,
+                         "resume_policy": policy, "frame_timeout_s": 10},
+            "topology": {"fellows": 2}}
+    path = tmp_path / f"{policy}.json"
+    path.write_text(json.dumps(body))
+    return cli_json("submit", "--payload", str(path), env=env)["job_id"]
+
+
+def _kill_stage(job_id: str, stage: int, env, record) -> tuple[int, str]:
+    job = cli_json("job", job_id, env=env)
+    fid = job["placement"]["stages"][stage]["fellow_id"]
+    name = job["placement"]["stages"][stage]["name"]
+    pid = next(f["pid"] for f in record["fellows"] if f["name"] == name)
+    os.kill(pid, signal.SIGKILL)
+    return fid, name
+
+
+def _record(swarm_home) -> dict:
+    return json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
+
+
+def _slow_steps(env):
+    # Slow the data plane a little (30 ms per frame) so the kill lands mid-run.
+    for f in cli_json("fellows", env=env)["fellows"]:
+        run_cli("set-speed", "--fellow-id", str(f["fellow_id"]), "--latency-ms", "30",
+                env=env)
+
+
+def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swarm_home):
+    up = run_cli("restart-cluster", "--fellows", "3", "--stale-after", "2", env=cli_env,
+                 timeout=90)
+    assert up.returncode == 0, up.stderr
+    try:
+        _slow_steps(cli_env)
+        job_id = _submit(tmp_path, cli_env, "replace")
+        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
+                   "the job to pass step 9 (two shard pushes)")
+        dead_id, dead_name = _kill_stage(job_id, 1, cli_env, _record(swarm_home))
+        job = wait_until(
+            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] in
+            ("COMPLETED", "FAILED") and j, 180, "the job to finish after the kill")
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert len(job["restarts"]) == 1 and job["attempt"] == 1
+    restart = job["restarts"][0]
+    assert f"fellow {dead_id} ({dead_name})" in restart["reason"]
+    assert restart["resume_step"] >= 8 and restart["resume_step"] % 4 == 0
+    assert restart["replaced"]["1"]["from"] == dead_id
+    assert dead_id not in job["fellows"] and len(job["fellows"]) == 2
+    # The step count and the loss curve continue: one record per step, 1..30.
+    steps = [s for s, _ in job["loss_history"]]
+    assert steps == list(range(1, 31))
+    losses = [loss for _, loss in job["loss_history"]]
+    assert losses[-1] < losses[0]
+    assert {p["step"] for p in job["latest_shard_pushes"].values()} == {30}
+
+
+def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_home):
+    up = run_cli("restart-cluster", "--fellows", "3", "--stale-after", "2", env=cli_env,
+                 timeout=90)
+    assert up.returncode == 0, up.stderr
+    try:
+        _slow_steps(cli_env)
+        job_id = _submit(tmp_path, cli_env, "fail")
+        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 3, 60,
+                   "the job to start stepping")
+        dead_id, dead_name = _kill_stage(job_id, 0, cli_env, _record(swarm_home))
+        t0 = time.monotonic()
+        job = wait_until(
+            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] == "FAILED" and j,
+            30, "the job to fail")
+        # No hang: the survivor was stopped, and is ready for the next job.
+        survivor = wait_until(
+            lambda: [f for f in cli_json("fellows", env=cli_env)["fellows"]
+                     if f["status"] == "ready"], 15, "the surviving fellows to be ready")
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert time.monotonic() - t0 < 30
+    # Either the dead fellow itself or its neighbour's broken link is named, with a step.
+    assert "at step" in job["reason"]
+    assert f"({dead_name})" in job["reason"] or "closed" in job["reason"] \
+        or "broke" in job["reason"]
+    assert survivor
