@@ -87,7 +87,7 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
         job_id = _submit(tmp_path, cli_env, "fail")
         wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 3, 60,
                    "the job to start stepping")
-        dead_id, dead_name = _kill_stage(job_id, 0, cli_env, _record(swarm_home))
+        _dead_id, dead_name = _kill_stage(job_id, 0, cli_env, _record(swarm_home))
         t0 = time.monotonic()
         job = wait_until(
             lambda: (j := cli_json("job", job_id, env=cli_env))["state"] == "FAILED" and j,
