@@ -192,3 +192,26 @@ async def test_push_for_unknown_or_finished_job(leader):
     resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0",
                              data=_form(manifest, weights), headers=f["headers"])
     assert resp.status == 409
+
+
+async def test_checkpoint_fetch_for_resuming(leader):
+    client, fellows, job, _cfg = leader
+    f = _stage_fellow(job, fellows, 1)
+    other = _stage_fellow(job, fellows, 0)
+    manifest, weights, _ = _shard(stage=1, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/1",
+                             data=_form(manifest, weights), headers=f["headers"])
+    assert resp.status == 201
+    base = f"{A}/jobs/{job['job_id']}/checkpoints"
+    got = await client.get(f"{base}/4/1/weights", headers=f["headers"])
+    assert got.status == 200 and await got.read() == weights
+    m = await (await client.get(f"{base}/4/1/manifest", headers=f["headers"])).json()
+    assert m["weights_sha256"] == hashlib.sha256(weights).hexdigest() and m["step"] == 4
+    for url, headers, status in ((f"{base}/4/1/weights", other["headers"], 403),
+                                 (f"{base}/8/1/weights", f["headers"], 404),
+                                 (f"{base}/4/1/optimizer", f["headers"], 404),
+                                 (f"{base}/4/1/weights", AUTH, 401),
+                                 (f"{base}/x/1/weights", f["headers"], 400)):
+        resp = await client.get(url, headers=headers)
+        assert resp.status == status, (url, await resp.text())
+        assert "error" in await resp.json()
