@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import attrs
@@ -152,3 +153,9 @@ class TrainingConfig:
             raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
         if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):
             raise FieldError("weights must be >= 0", "stage_weights")
+        if self.export_dir is not None:
+            parts = PurePosixPath(self.export_dir.replace("\\", "/")).parts
+            if not parts or self.export_dir.startswith(("/", "~")) or ".." in parts \
+                    or ":" in self.export_dir:
+                raise FieldError("must be a relative path inside the fellow's runs directory "
+                                 "(no '..', no absolute path)", "export_dir")

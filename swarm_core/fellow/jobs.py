@@ -220,11 +220,15 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
 
 
 def _export_root(export_dir: str | None, job_id: str) -> Path:
+    """Where this fellow writes its shards: always under its own runs directory."""
     from swarm_core.paths import swarm_home
 
-    if export_dir:
-        return Path(export_dir).expanduser() / job_id / "model_export"
-    return swarm_home() / "runs" / job_id / "model_export"
+    runs = (swarm_home() / "runs").resolve()
+    root = (runs / (export_dir or ".") / job_id / "model_export").resolve()
+    # resolve() follows symlinks: a link planted inside runs/ cannot lead out of it.
+    if not root.is_relative_to(runs):
+        raise JobRefused(f"export_dir {export_dir!r} leads outside {runs}")
+    return root
 
 
 async def run_job(start: dict[str, Any], ctx: JobContext) -> None:
