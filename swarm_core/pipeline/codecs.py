@@ -25,17 +25,36 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+# Work on blocks of about 1 MiB: the quotient and the widened codes stay in cache, and no
+# full-size float temporaries are allocated (each one costs page faults at tens of MB).
+_BLOCK_ELEMS = 1 << 18
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: scale = max|row| / 127, codes = round(x / scale)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
-    scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
-    return codes, scale.reshape(-1)
+    n_rows, width = rows.shape
+    # max(amax, -amin) is max|x| without materialising |x|.
+    scale = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_()).div_(127.0)
+    scale.masked_fill_(scale == 0, 1.0)
+    col = scale.unsqueeze(1)
+    codes = torch.empty((n_rows, width), dtype=torch.int8)
+    blk = max(1, _BLOCK_ELEMS // max(width, 1))
+    scratch = torch.empty((min(blk, n_rows), width))
+    for i in range(0, n_rows, blk):
+        j = min(n_rows, i + blk)
+        q = torch.div(rows[i:j], col[i:j], out=scratch[: j - i])
+        codes[i:j].copy_(q.round_().clamp_(-127, 127))
+    return codes, scale
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    return (codes.to(torch.float32) * scale.unsqueeze(1)).reshape(shape)
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    col = scale.unsqueeze(1)
+    blk = max(1, _BLOCK_ELEMS // max(codes.shape[-1], 1))
+    for i in range(0, codes.shape[0], blk):
+        out[i:i + blk].copy_(codes[i:i + blk]).mul_(col[i:i + blk])
+    return out.reshape(shape)
 
 
 def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
