@@ -104,3 +104,40 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
     assert f"({dead_name})" in job["reason"] or "closed" in job["reason"] \
         or "broke" in job["reason"]
     assert survivor
+
+
+def test_leader_killed_mid_run_picks_the_run_up_again(cli_env, tmp_path, swarm_home):
+    from tests.clusters import spawn, stop
+
+    up = run_cli("restart-cluster", "--fellows", "2", env=cli_env, timeout=90)
+    assert up.returncode == 0, up.stderr
+    record = _record(swarm_home)
+    url = record["leader_url"]
+    port = url.rsplit(":", 1)[1]
+    leader2 = None
+    try:
+        _slow_steps(cli_env)
+        job_id = _submit(tmp_path, cli_env, "fail", steps=40)
+        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 5, 60,
+                   "the job to pass step 5")
+        os.kill(record["leader"]["pid"], signal.SIGKILL)
+        time.sleep(1.0)  # the fellows keep training without a leader
+        leader2 = spawn(["leader", "--state-dir", record["state_dir"], "--port", port],
+                        cli_env, tmp_path / "leader2.log")
+        job = wait_until(
+            lambda: (j := _job_or_none(job_id, cli_env)) and j["state"] in
+            ("COMPLETED", "FAILED") and j, 120, "the job to finish under the new leader")
+        jobs = cli_json("jobs", env=cli_env)["jobs"]
+    finally:
+        if leader2 is not None:
+            stop(leader2)
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert [j["job_id"] for j in jobs] == [job_id], "no job lost or duplicated"
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 41)), "no step lost"
+    assert job["restarts"] == []
+
+
+def _job_or_none(job_id: str, env) -> dict | None:
+    res = run_cli("job", job_id, "--format", "json", env=env)
+    return json.loads(res.stdout) if res.returncode == 0 else None

@@ -29,6 +29,8 @@ from swarm_core.schema import SchemaError, structure
 
 log = logging.getLogger("swarm.fellow")
 
+REPORT_PATIENCE_S = 120.0
+
 
 @attrs.define
 class FellowOptions:
@@ -240,15 +242,29 @@ class FellowDaemon:
         fellow_id = self.fellow_id
         attempt = int(start.get("attempt") or 0)
 
+        loop = asyncio.get_running_loop()
+
         async def report(upd: JobStatusUpdate) -> None:
-            try:
-                await self.client.job_status(job_id, self.session, upd)
-            except ApiError as exc:
-                if exc.status == 409:  # the job ended (cancelled, failed elsewhere)
-                    raise asyncio.CancelledError() from None
-                log.warning("status report refused: %s", exc)
-            except LeaderUnreachable as exc:
-                log.warning("status report lost: %s", exc)
+            # Reports wait out a leader restart (and the re-registration after it), so the
+            # leader's step records have no holes; they stay in order because callers await.
+            deadline = loop.time() + REPORT_PATIENCE_S
+            backoff = 0.2
+            while True:
+                try:
+                    await self.client.job_status(job_id, self.session, upd)
+                    return
+                except ApiError as exc:
+                    if exc.status == 409:  # the job ended (cancelled, failed elsewhere)
+                        raise asyncio.CancelledError() from None
+                    if exc.status != 401 or loop.time() > deadline:
+                        log.warning("status report refused: %s", exc)
+                        return
+                except LeaderUnreachable as exc:
+                    if loop.time() > deadline:
+                        log.warning("status report lost: %s", exc)
+                        return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
 
         async def push_shard(job: str, stage: int, manifest: dict, weights: bytes) -> None:
             try:
