@@ -50,6 +50,12 @@ class RunState:
     note: str = ""
     reported: tuple[str, int] = ("", -1)
 
+    def run_name_base(self) -> str:
+        """The run's name without a ``-rN`` repeat suffix."""
+        name = self.spec.run_name
+        head, _, tail = name.rpartition("-r")
+        return head if head and tail.isdigit() and self.spec.repeat == int(tail) else name
+
 
 def _write(path: Path, data: Any) -> None:
     atomic_write(path, jsonio.dumps(data, pretty=True))
@@ -93,7 +99,8 @@ class Experiment:
     def __init__(self, client: SwarmClient, exp: ResolvedExperiment, *,
                  runs_dir: Path | None = None, on_line: Callable[[str], None] = print,
                  skip_netem: bool = False, poll_s: float = 1.0,
-                 stamp: str | None = None) -> None:
+                 stamp: str | None = None, names: list[str] | None = None,
+                 stop_on_failure: bool = False) -> None:
         self.client = client
         self.exp = exp
         self.runs_dir = runs_dir or exp.runs_dir
@@ -101,8 +108,10 @@ class Experiment:
         self.skip_netem = skip_netem
         self.poll_s = poll_s
         self.commit = git_commit(Path(exp.config_path).resolve().parent)
+        ids = names or run_ids(exp, stamp)
         self.states = [RunState(spec, rid, self.runs_dir / rid)
-                       for spec, rid in zip(exp.runs, run_ids(exp, stamp), strict=True)]
+                       for spec, rid in zip(exp.runs, ids, strict=True)]
+        self.stop_on_failure = stop_on_failure
         self.fellows_at_start: list[FellowInfo] = []
 
     @property
@@ -177,6 +186,11 @@ class Experiment:
                                  f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
                 if st.state in TERMINAL:
                     await self._finalize(st)
+                    if st.state != "COMPLETED" and self.stop_on_failure:
+                        cancelled = await self.cancel_open()
+                        if cancelled:
+                            self.on_line(f"stopping after {st.spec.run_name} {st.state}: "
+                                         f"cancelled {' '.join(cancelled)}")
                 else:
                     open_runs += 1
             if not open_runs:

@@ -8,9 +8,10 @@ from swarm_tui.commands import (
     meta,
     models,
     quickstart,
+    suites,
     sweeps,
 )
 
-MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, models, quickstart)
+MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, suites, models, quickstart)
 
 __all__ = ["MODULES"]
