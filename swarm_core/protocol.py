@@ -226,6 +226,8 @@ class FellowInfo:
     registered_at: float
     last_heartbeat: float | None
     heartbeat_age_s: float | None
+    # Why a live fellow may look stuck: "throttled link …", "no new step for …".
+    note: str = ""
 
 
 @attrs.define

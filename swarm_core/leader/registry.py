@@ -23,6 +23,9 @@ from swarm_core.protocol import (
 )
 from swarm_core.schema import converter, structure_persisted
 
+THROTTLED_MBPS = 1.0
+STUCK_AFTER_S = 30.0
+
 
 @attrs.define(eq=False)
 class FellowRecord:
@@ -48,6 +51,7 @@ class FellowRecord:
     session: str = attrs.field(default="", metadata={"transient": True})
     assigned_job: str | None = attrs.field(default=None, metadata={"transient": True})
     last_seen: float | None = attrs.field(default=None, metadata={"transient": True})
+    step_changed: float | None = attrs.field(default=None, metadata={"transient": True})
     next_seq: int = attrs.field(default=1, metadata={"transient": True})
     pending: list[Signal] = attrs.field(factory=list, metadata={"transient": True})
     wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, metadata={"transient": True})
@@ -126,7 +130,20 @@ class FellowRegistry:
             tokens_per_s=rec.tokens_per_s, counters=rec.counters, link=rec.link,
             registered_at=rec.registered_at, last_heartbeat=rec.last_heartbeat,
             heartbeat_age_s=None if rec.last_seen is None else round(now_mono - rec.last_seen, 3),
+            note=self.note(rec, now_mono),
         )
+
+    def note(self, rec: FellowRecord, now_mono: float) -> str:
+        """A live fellow on a starved link is slow, not dead: say so instead of staling it."""
+        notes = []
+        for name, mbps in (("tx", rec.link.tx_mbps), ("rx", rec.link.rx_mbps)):
+            if mbps is not None and mbps < THROTTLED_MBPS:
+                notes.append(f"throttled link: {name} {mbps:g} Mbit/s")
+        if rec.reported_status == "busy" and rec.step_changed is not None \
+                and now_mono - rec.step_changed > STUCK_AFTER_S:
+            notes.append(f"no new step for {now_mono - rec.step_changed:.0f}s "
+                         f"(at step {rec.current_step})")
+        return "; ".join(notes)
 
     def node(self, rec: FellowRecord) -> NodeInfo:
         c = rec.counters
@@ -184,6 +201,9 @@ class FellowRegistry:
         """Apply a heartbeat; returns the status before it (to spot transitions)."""
         now_mono = time.monotonic()
         before = self.status(rec, now_mono)
+        if hb.current_step != rec.current_step or rec.step_changed is None \
+                or hb.status != "busy":
+            rec.step_changed = now_mono
         rec.reported_status = hb.status
         rec.current_job, rec.current_stage = hb.current_job, hb.current_stage
         rec.current_step, rec.last_loss = hb.current_step, hb.last_loss

@@ -28,12 +28,13 @@ def cmd_fellows(args: argparse.Namespace) -> int:
             emit_json({"fellows": fellows})
             return
         emit_table("fellows", ["id", "name", "status", "devices", "job", "step", "loss",
-                               "tx Mbit/s", "rx Mbit/s", "data tx", "data rx", "hb age"], [
+                               "tx Mbit/s", "rx Mbit/s", "data tx", "data rx", "hb age",
+                               "note"], [
             [f.fellow_id, f.name, f.status, ",".join(f.devices), f.current_job,
              f.current_step, fmt_loss(f.last_loss), fmt_mbps(f.link.tx_mbps),
              fmt_mbps(f.link.rx_mbps), fmt_bytes(f.counters.data_tx),
              fmt_bytes(f.counters.data_rx),
-             "-" if f.heartbeat_age_s is None else f"{f.heartbeat_age_s:.1f}s"]
+             "-" if f.heartbeat_age_s is None else f"{f.heartbeat_age_s:.1f}s", f.note or "-"]
             for f in fellows
         ])
 
