@@ -116,6 +116,8 @@ class ResolvedScenario:
     training: TrainingConfig
     infra: InfraProfile
     fellows: int  # fellow processes this scenario needs
+    stages: int
+    slots_per_fellow: int
     emulated: list[str]
     not_emulated: list[str]
     sources: dict[str, str]
@@ -133,16 +135,16 @@ class ResolvedSuite:
 
 
 def _emulation(infra: InfraProfile) -> tuple[int, list[str], list[str]]:
-    emulated = [f"node {n.name}: a group of {n.fellows} fellow process(es) on this machine"
-                for n in infra.nodes]
+    emulated = [f"node {n.name}: a group of {n.fellows} fellow process(es) on this machine, "
+                f"{n.slots_per_fellow} device slot(s) each (stages in one fellow talk over "
+                "loopback TCP)" for n in infra.nodes]
     missing = []
     fellows = 0
     for n in infra.nodes:
-        fellows += n.fellows * n.slots_per_fellow
+        fellows += n.fellows
         if n.slots_per_fellow > 1:
-            missing.append(f"node {n.name}: {n.slots_per_fellow} device slots in one fellow "
-                           "process (multi-slot fellows are not implemented yet); emulated as "
-                           f"{n.fellows * n.slots_per_fellow} fellow processes, one slot each")
+            missing.append(f"node {n.name}: separate devices: the slots are CPU slots sharing "
+                           "this machine's cores")
     if len(infra.nodes) > 1:
         if infra.inter_node_link is not None:
             lk = infra.inter_node_link
@@ -175,12 +177,17 @@ def load_suite(path: Path | str) -> ResolvedSuite:
         ipath = (base / sc.infra).resolve()
         infra = _structure(_read_json(ipath, (path, f"{where}.infra")), InfraProfile, ipath)
         fellows, emulated, missing = _emulation(infra)
-        if fellows > model.n_layers + 2:
-            raise ConfigError(path, f"{fellows} stages for a {model.n_layers}-layer model",
+        slots = {n.slots_per_fellow for n in infra.nodes}
+        if len(slots) > 1:
+            raise ConfigError(ipath, "all nodes must give their fellows the same number of "
+                              "slots (placement fills each fellow's slots evenly)", "$.nodes")
+        if infra.stages > model.n_layers + 2:
+            raise ConfigError(path, f"{infra.stages} stages for a {model.n_layers}-layer model",
                               f"{where}.infra")
-        scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, emulated,
-                                          missing, {"model": str(mpath), "training": str(tpath),
-                                                    "infra": str(ipath)}))
+        scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, infra.stages,
+                                          slots.pop(), emulated, missing,
+                                          {"model": str(mpath), "training": str(tpath),
+                                           "infra": str(ipath)}))
     return ResolvedSuite(str(path), spec, scenarios)
 
 
@@ -196,7 +203,7 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
             name = sc.spec.artifacts.dir + (f"-r{rep}" if suite.spec.repeats > 1 else "")
             runs.append(RunSpec(
                 index=len(runs), run_name=name, model=unstructure(sc.model), training=training,
-                fellows=sc.fellows,
+                fellows=sc.fellows, stages=sc.stages,
                 network={"name": sc.infra.name, **(unstructure(link) if link else {})},
                 tc_profile=None, seed=sc.training.seed, repeat=rep,
                 model_source=sc.sources["model"], compression=sc.model.compression))
@@ -226,16 +233,20 @@ def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, An
         "scenarios": [],
     }
     for sc in suite.scenarios:
-        ok = active is None or len(active) >= sc.fellows
+        able = None if active is None else \
+            [f for f in active if len(f.devices) >= sc.slots_per_fellow]
+        ok = able is None or len(able) >= sc.fellows
+        slots = f" with {sc.slots_per_fellow} device slots" if sc.slots_per_fellow > 1 else ""
         out["scenarios"].append({
             "name": sc.spec.name, "artifacts_dir": sc.spec.artifacts.dir,
-            "stages": sc.fellows, "fellows_needed": sc.fellows,
+            "stages": sc.stages, "fellows_needed": sc.fellows,
+            "slots_per_fellow": sc.slots_per_fellow,
             "model": unstructure(sc.model), "training": unstructure(sc.training),
             "infra": unstructure(sc.infra), "emulated": sc.emulated,
             "not_emulated": sc.not_emulated, "sources": sc.sources,
             "topology_ok": ok,
             "topology_note": "" if ok else
-            f"needs {sc.fellows} active fellow(s), the leader has {len(active or [])}",
+            f"needs {sc.fellows} active fellow(s){slots}, the leader has {len(able or [])}",
         })
     return out
 
@@ -261,7 +272,7 @@ def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) ->
         median = steps_sorted[len(steps_sorted) // 2] if steps_sorted else None
         rows.append({
             "scenario": sc.spec.name, "status": summary.get("status", "NOT RUN"),
-            "stages": sc.fellows, "tokens_per_s": summary.get("tokens_per_s"),
+            "stages": sc.stages, "tokens_per_s": summary.get("tokens_per_s"),
             "step_time_s": median, "final_loss": summary.get("final_loss"),
             "eval_loss": summary.get("eval_loss"),
             "wire_bytes_per_step": summary.get("wire_bytes_per_step"),

@@ -123,7 +123,14 @@ class RegisterRequest:
         default=1, validator=_bounded(1, 1024), metadata=_meta("", minimum=1, maximum=1024)
     )
     data_addr: str | None = attrs.field(default=None, metadata=_meta("host:port of data plane"))
+    data_addrs: list[str] = attrs.field(
+        factory=list, metadata=_meta("host:port per device slot (data_addr is slot 0's)"))
     version: str = ""
+
+    @data_addrs.validator
+    def _addrs(self, _attr: attrs.Attribute, value: list[str]) -> None:
+        if len(value) > 64 or any(not a or len(a) > 255 or not a.isprintable() for a in value):
+            raise FieldError("must list at most 64 host:port addresses", "data_addrs")
 
     @devices.validator
     def _devices(self, _attr: attrs.Attribute, value: list[str]) -> None:
@@ -228,6 +235,7 @@ class FellowInfo:
     heartbeat_age_s: float | None
     # Why a live fellow may look stuck: "throttled link …", "no new step for …".
     note: str = ""
+    data_addrs: list[str] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -249,11 +257,23 @@ class NodeInfo:
 
 @attrs.define
 class Topology:
-    """What a job asks of the cluster."""
+    """What a job asks of the cluster: fellows, and pipeline stages spread over their device
+    slots (default: one stage per fellow)."""
 
     fellows: int = attrs.field(
         default=1, validator=_bounded(1, 1024), metadata=_meta("", minimum=1, maximum=1024)
     )
+    stages: int | None = attrs.field(
+        default=None, validator=_bounded(1, 4096), metadata=_meta("", minimum=1, maximum=4096))
+
+    def __attrs_post_init__(self) -> None:
+        if self.stages is not None and self.stages < self.fellows:
+            raise FieldError(f"{self.stages} stages cannot use {self.fellows} fellows",
+                             "stages")
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages or self.fellows
 
 
 @attrs.define
@@ -280,6 +300,9 @@ class JobStatusUpdate:
     attempt: int = attrs.field(default=0, validator=_non_negative,
                                metadata=_meta("the START's attempt; stale reports are ignored",
                                               minimum=0))
+    stage: int | None = attrs.field(default=None, validator=_non_negative,
+                                    metadata=_meta("the reporting stage (a fellow may hold "
+                                                   "several)", minimum=0))
     metrics: dict[str, Any] = attrs.field(
         factory=dict, validator=_shallow,
         metadata=_meta("numbers such as eval_loss, wire_tx_bytes, tokens_per_s"))

@@ -700,7 +700,7 @@ async def test_submit_pending_explains_waiting(api):
     # Train configs come back resolved: what was given, plus every default filled in.
     assert job["model"]["d_model"] == 64 and job["model"]["n_layers"] == 4
     assert job["training"]["steps"] == 10 and job["training"]["schedule"] == "1f1b"
-    assert job["topology"] == {"fellows": 2} and job["fellows"] == []
+    assert job["topology"] == {"fellows": 2, "stages": None} and job["fellows"] == []
     assert job["started_at"] is None and job["finished_at"] is None
     second = await submit(api, fellows=1)
     assert second["state"] == "PENDING"
@@ -709,7 +709,8 @@ async def test_submit_pending_explains_waiting(api):
 
 async def test_submit_defaults(api):
     job = await expect_ok(await api.post(f"{A}/jobs", json={}, headers=AUTH), 201)
-    assert (job["name"], job["kind"], job["topology"]) == ("job", "train", {"fellows": 1})
+    assert (job["name"], job["kind"], job["topology"]) == \
+        ("job", "train", {"fellows": 1, "stages": None})
     assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
     empty = await expect_ok(await api.post(f"{A}/jobs", data=b"", headers=AUTH), 201)
     assert empty["job_id"] != job["job_id"]
@@ -719,7 +720,8 @@ async def test_submit_defaults(api):
     ({"topology": {"fellows": 0}}, "$.topology.fellows"),
     ({"topology": {"fellows": 2000}}, "$.topology.fellows"),
     ({"topology": {"fellows": "2"}}, "$.topology.fellows"),
-    ({"topology": {"stages": 2}}, "$.topology"),
+    ({"topology": {"slots": 2}}, "$.topology"),
+    ({"topology": {"fellows": 3, "stages": 2}}, "$.topology.stages"),
     ({"topology": None}, "$.topology"),
     ({"kind": "eval"}, "$.kind"),
     ({"name": ""}, "$.name"),

@@ -44,8 +44,10 @@ def test_default_suite_loads_and_says_what_it_emulates():
     by = {s.spec.name: s for s in suite.scenarios}
     assert list(by) == ["single_device", "one_node_two_slots", "two_nodes_unconstrained",
                         "two_nodes_constrained"]
-    assert [s.fellows for s in suite.scenarios] == [1, 2, 2, 2]
-    assert any("multi-slot" in n for n in by["one_node_two_slots"].not_emulated)
+    assert [(s.fellows, s.stages) for s in suite.scenarios] == [(1, 1), (1, 2), (2, 2), (2, 2)]
+    assert by["one_node_two_slots"].slots_per_fellow == 2
+    assert any("sharing this machine's cores" in n
+               for n in by["one_node_two_slots"].not_emulated)
     assert any("20.0 Mbit/s" in e for e in by["two_nodes_constrained"].emulated)
 
 

@@ -188,10 +188,12 @@ class RunSpec:
     repeat: int
     model_source: str
     compression: str
+    stages: int | None = None  # None: one per fellow
 
     def job_body(self, run_id: str) -> dict[str, Any]:
         return {"name": run_id, "kind": "train", "model": self.model,
-                "training": self.training, "topology": {"fellows": self.fellows}}
+                "training": self.training,
+                "topology": {"fellows": self.fellows, "stages": self.stages}}
 
 
 @attrs.define

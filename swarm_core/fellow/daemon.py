@@ -46,6 +46,14 @@ class FellowOptions:
     data_port: int = 0
 
 
+def _slot_of(start: dict, fellow_id: int) -> int:
+    """This stage's device slot, from the placement in its START."""
+    try:
+        return int(start["placement"]["stages"][int(start["stage"])].get("slot", 0))
+    except (KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
 class SessionLost(Exception):
     """The leader no longer knows our session (it restarted): register again."""
 
@@ -58,11 +66,11 @@ class FellowDaemon:
         self.fellow_id: int | None = None
         self.session = ""
         self.shaper = LinkShaper()
-        self.listener: DataListener | None = None
+        self.listeners: list[DataListener] = []  # one per device slot
         self.signal_seq = 0
         self.status = "ready"
-        self.progress = Progress()
-        self._job_task: asyncio.Task[None] | None = None
+        # One running stage per device slot, keyed by (job, stage).
+        self.stages: dict[tuple[str, int], tuple[asyncio.Task[None], Progress]] = {}
         self._stop = asyncio.Event()
         self._beat_now = asyncio.Event()
         self.exit_reason = ""
@@ -79,9 +87,13 @@ class FellowDaemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
         try:
-            self.listener = DataListener(self.opts.data_host, self.opts.data_port)
+            for slot in range(len(self.opts.devices)):
+                port = self.opts.data_port + slot if self.opts.data_port else 0
+                self.listeners.append(DataListener(self.opts.data_host, port))
         except OSError as exc:
             self.exit_reason = f"registration refused: cannot open the data port: {exc}"
+            for ln in self.listeners:
+                ln.close()
             await self.client.close()
             return 1
         # Warm the training engine up in the background: START then finds torch loaded.
@@ -96,7 +108,8 @@ class FellowDaemon:
             await self._stop_job()
             await self._say_goodbye()
             await self.client.close()
-            self.listener.close()
+            for ln in self.listeners:
+                ln.close()
         log.info("fellow %s exiting: %s", self.opts.name, self.exit_reason or "done")
         return 0
 
@@ -105,7 +118,8 @@ class FellowDaemon:
         req = RegisterRequest(
             name=self.opts.name, instance_id=self.instance_id, host=socket.gethostname(),
             pid=os.getpid(), devices=list(self.opts.devices), threads=self.opts.threads,
-            data_addr=self.listener.addr if self.listener else None,
+            data_addr=self.listeners[0].addr if self.listeners else None,
+            data_addrs=[ln.addr for ln in self.listeners],
             version=swarm_core.__version__,
         )
         while not self._stop.is_set():
@@ -148,6 +162,19 @@ class FellowDaemon:
             await asyncio.wait_for(self._stop.wait(), seconds)
 
     # heartbeats -------------------------------------------------------------------------------
+    @property
+    def progress(self) -> Progress:
+        """What the heartbeat says: the slowest stage's step, the last stage's loss."""
+        if not self.stages:
+            return Progress()
+        ps = [p for _t, p in self.stages.values()]
+        losses = [p for p in ps if p.loss is not None]
+        return Progress(
+            job_id=ps[0].job_id, stage=min(p.stage or 0 for p in ps),
+            step=min(p.step for p in ps),
+            loss=max(losses, key=lambda p: p.stage or 0).loss if losses else None,
+            tokens_per_s=max(p.tokens_per_s for p in ps))
+
     def heartbeat_body(self) -> Heartbeat:
         p = self.progress
         return Heartbeat(
@@ -218,8 +245,7 @@ class FellowDaemon:
         elif sig.kind == "START":
             await self._start_job(sig)
         elif sig.kind == "STOP":
-            if sig.job_id is None or sig.job_id == self.progress.job_id:
-                await self._stop_job()
+            await self._stop_job(sig.job_id)
         elif sig.kind == "RELEASE":
             await self._stop_job()
             self.status = "released"
@@ -227,18 +253,23 @@ class FellowDaemon:
 
     # jobs -------------------------------------------------------------------------------------
     async def _start_job(self, sig: Signal) -> None:
-        if self._job_task is not None and not self._job_task.done():
-            log.warning("START for %s while running %s; ignored", sig.job_id,
-                        self.progress.job_id)
-            return
         start = sig.payload
-        self.progress = Progress(job_id=sig.job_id, stage=start.get("stage"))
+        stage = int(start.get("stage") or 0)
+        key = (sig.job_id or "", stage)
+        running = self.stages.get(key)
+        if running is not None and not running[0].done():
+            log.warning("START for %s stage %d while it runs; ignored", sig.job_id, stage)
+            return
+        progress = Progress(job_id=sig.job_id, stage=stage)
         self.status = "busy"
-        self._job_task = asyncio.create_task(self._run_job(start), name=f"job-{sig.job_id}")
+        task = asyncio.create_task(self._run_job(start, progress),
+                                   name=f"job-{sig.job_id}-stage-{stage}")
+        self.stages[key] = (task, progress)
 
-    async def _run_job(self, start: dict) -> None:
-        job_id = self.progress.job_id
+    async def _run_job(self, start: dict, progress: Progress) -> None:
+        job_id = progress.job_id
         assert job_id is not None and self.fellow_id is not None
+        stage = progress.stage
         fellow_id = self.fellow_id
         attempt = int(start.get("attempt") or 0)
 
@@ -276,36 +307,47 @@ class FellowDaemon:
         async def fetch_checkpoint(job: str, step: int, stage: int) -> tuple[dict, bytes]:
             return await self.client.checkpoint(job, step, stage, self.session)
 
-        ctx = JobContext(fellow_id=fellow_id, progress=self.progress, report=report,
-                         shaper=self.shaper, listener=self.listener, threads=self.opts.threads,
+        slot = _slot_of(start, fellow_id)
+        listener = self.listeners[slot] if slot < len(self.listeners) else None
+        ctx = JobContext(fellow_id=fellow_id, progress=progress, report=report,
+                         shaper=self.shaper, listener=listener, threads=self.opts.threads,
                          fellow_name=self.opts.name, push_shard=push_shard,
                          fetch_checkpoint=fetch_checkpoint)
         try:
             await run_job(start, ctx)
         except JobRefused as exc:
             await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
-                                         step=self.progress.step, message=str(exc),
-                                         attempt=attempt))
+                                         step=progress.step, message=str(exc),
+                                         attempt=attempt, stage=stage))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
             log.exception("job %s crashed", job_id)
             with contextlib.suppress(ClientError, asyncio.CancelledError):
                 await report(JobStatusUpdate(
-                    fellow_id=fellow_id, state="FAILED", step=self.progress.step,
-                    message=f"{type(exc).__name__}: {exc}"[:4000], attempt=attempt))
+                    fellow_id=fellow_id, state="FAILED", step=progress.step,
+                    message=f"{type(exc).__name__}: {exc}"[:4000], attempt=attempt,
+                    stage=stage))
         finally:
-            if self.status == "busy":
+            key = (job_id, stage or 0)
+            if self.stages.get(key, (None,))[0] is asyncio.current_task():
+                del self.stages[key]
+            if self.status == "busy" and not self.stages:
                 self.status = "ready"
-            self.progress = Progress()
             self._beat_now.set()
 
-    async def _stop_job(self) -> None:
-        task, self._job_task = self._job_task, None
-        if task is not None and not task.done():
+    async def _stop_job(self, job_id: str | None = None) -> None:
+        """Stop every running stage (of ``job_id`` only, when given)."""
+        doomed = [(k, t) for k, (t, _p) in self.stages.items()
+                  if job_id is None or k[0] == job_id]
+        for _k, task in doomed:
             task.cancel()
+        for k, task in doomed:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            self.stages.pop(k, None)
+        if not self.stages and self.status == "busy":
+            self.status = "ready"
 
     async def _say_goodbye(self) -> None:
         """One last heartbeat so the leader shows 'released'/'leaving' at once, not 'stale'."""

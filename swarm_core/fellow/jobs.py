@@ -67,10 +67,11 @@ async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
     for step in range(1, steps + 1):
         await asyncio.sleep(step_s)
         ctx.progress.step = step
-        await ctx.report(JobStatusUpdate(fellow_id=ctx.fellow_id, state="RUNNING", step=step))
+        await ctx.report(JobStatusUpdate(fellow_id=ctx.fellow_id, state="RUNNING", step=step,
+                                         stage=ctx.progress.stage))
     elapsed = time.monotonic() - t0
     await ctx.report(JobStatusUpdate(
-        fellow_id=ctx.fellow_id, state="COMPLETED", step=steps,
+        fellow_id=ctx.fellow_id, state="COMPLETED", step=steps, stage=ctx.progress.stage,
         message=f"smoke: {steps} control-plane round trips in {elapsed:.2f}s",
     ))
 
@@ -128,13 +129,14 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         ctx.progress.tokens_per_s = rep.tokens_per_s
         upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=rep.step, loss=rep.loss,
                               tokens_per_s=rep.tokens_per_s, attempt=attempt,
+                              stage=stage,
                               metrics={"wire_tx_bytes": rep.wire_tx_bytes,
                                        "step_seconds": rep.seconds, "lr": rep.lr})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     def on_eval(step: int, loss: float) -> None:
         upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=step, attempt=attempt,
-                              metrics={"eval_loss": loss})
+                              stage=stage, metrics={"eval_loss": loss})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     async def reporter() -> None:
@@ -213,7 +215,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(
-        fellow_id=fid, state="COMPLETED", step=training.steps, attempt=attempt,
+        fellow_id=fid, state="COMPLETED", step=training.steps, attempt=attempt, stage=stage,
         loss=metrics.get("final_loss"), tokens_per_s=metrics.get("tokens_per_s"),
         message=f"stage {stage} finished", metrics=metrics,
     ))

@@ -38,7 +38,7 @@ class JobRecord:
     last_step: int = 0
     last_loss: float | None = None
     fellows: list[int] = attrs.field(factory=list)
-    done_fellows: list[int] = attrs.field(factory=list)
+    done_stages: list[int] = attrs.field(factory=list)
     reason: str = ""
     metrics: dict[str, Any] = attrs.field(factory=dict)
     placement: dict[str, Any] | None = None
@@ -120,8 +120,13 @@ class JobQueue:
         ahead = [j for j in self.all() if j.state is JobState.PENDING and j.seq < job.seq]
         if ahead:
             return f"{len(ahead)} job(s) ahead in the queue"
-        ready = len(self.registry.ready())
-        return f"needs {job.topology.fellows} ready fellow(s), {ready} ready"
+        ready = self.registry.ready()
+        per_fellow = -(-job.topology.num_stages // job.topology.fellows)
+        if per_fellow > 1:
+            able = sum(1 for f in ready if len(f.devices) >= per_fellow)
+            return (f"needs {job.topology.fellows} ready fellow(s) with {per_fellow} device "
+                    f"slots, {able} ready")
+        return f"needs {job.topology.fellows} ready fellow(s), {len(ready)} ready"
 
     # mutations --------------------------------------------------------------------------------
     def submit(self, req: JobSubmit) -> JobRecord:
@@ -152,6 +157,10 @@ class JobQueue:
         if upd.fellow_id not in job.fellows:
             raise ApiError(409, f"fellow {upd.fellow_id} is not part of job {job_id}",
                            code="not_in_job", field="$.fellow_id")
+        stage = job.fellows.index(upd.fellow_id) if upd.stage is None else upd.stage
+        if not self.holds(job, upd.fellow_id, stage):
+            raise ApiError(409, f"fellow {upd.fellow_id} does not hold stage {stage} of "
+                                f"{job_id}", code="not_in_job", field="$.stage")
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
@@ -161,9 +170,9 @@ class JobQueue:
             job.last_step = upd.step
         if upd.loss is not None:
             job.last_loss = upd.loss
-        self._merge_metrics(job, fellow.fellow_id, upd)
+        self._merge_metrics(job, stage, fellow.fellow_id, upd)
         if upd.state == "RUNNING" and upd.metrics and job.kind == "train":
-            self._record_progress(job, fellow.fellow_id, upd)
+            self._record_progress(job, stage, upd)
         self.hub.publish("metric", {
             "job_id": job_id, "fellow_id": fellow.fellow_id, "step": upd.step,
             "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
@@ -174,10 +183,12 @@ class JobQueue:
             self._lost(job, f"fellow {fellow.fellow_id} ({fellow.name}) failed at step "
                             f"{upd.step}{msg}")
         elif upd.state == "COMPLETED":
-            if fellow.fellow_id not in job.done_fellows:
-                job.done_fellows.append(fellow.fellow_id)
-            fellow.assigned_job = None
-            if set(job.done_fellows) >= set(job.fellows):
+            if stage not in job.done_stages:
+                job.done_stages.append(stage)
+            if all(s in job.done_stages for s, f in enumerate(job.fellows)
+                   if f == fellow.fellow_id):
+                fellow.assigned_job = None
+            if len(set(job.done_stages)) >= len(job.fellows):
                 reason = upd.message if job.kind == "smoke" else \
                     f"all {len(job.fellows)} stage(s) finished at step {job.last_step}"
                 self._finish(job, JobState.COMPLETED, reason)
@@ -198,15 +209,19 @@ class JobQueue:
         ready = self.registry.ready()
         if len(ready) < job.topology.fellows:
             return None
-        chosen = ready[: job.topology.fellows]
-        n_layers = int(job.model.get("n_layers", len(chosen))) if job.kind == "train" \
-            else len(chosen)
+        stages = job.topology.num_stages
+        per_fellow = -(-stages // job.topology.fellows)
+        able = [f for f in ready if len(f.devices) >= per_fellow]
+        if len(able) < job.topology.fellows:
+            return None
+        chosen = able[: job.topology.fellows]
+        n_layers = int(job.model.get("n_layers", stages)) if job.kind == "train" else stages
         weights = job.training.get("stage_weights") if job.kind == "train" else None
         try:
-            # One stage per fellow for now: a fellow process runs one stage runner.
-            placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr)
-                              for f in chosen], len(chosen), n_layers, weights,
-                             slots_per_fellow=1)
+            # Neighbouring stages share a fellow where they can: its slots fill first.
+            placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr,
+                                          list(f.data_addrs)) for f in chosen],
+                             stages, n_layers, weights, slots_per_fellow=per_fellow)
         except PlacementError as exc:
             self._finish(job, JobState.FAILED, f"placement failed: {exc}")
             return job
@@ -218,10 +233,10 @@ class JobQueue:
         job.state = JobState.RUNNING
         job.started_at = time.time()
         job.watched_since = time.monotonic()
-        job.fellows = [f.fellow_id for f in chosen]
         job.placement = placement.to_json()
+        job.fellows = [s.fellow_id for s in placement.stages]
         self._write_run_file(job, "placement_plan.json", job.placement)
-        self._send_start(job, chosen, resume_step=0)
+        self._send_start(job, resume_step=0)
         self._save(job)
         self._event(job, "job.started")
         return job
@@ -239,8 +254,8 @@ class JobQueue:
         grace = self.registry.stale_after_s
         if job.watched_since is not None and now - job.watched_since < grace:
             return
-        for fid in job.fellows:
-            if fid in job.done_fellows:
+        for fid in dict.fromkeys(job.fellows):
+            if all(s in job.done_stages for s, f in enumerate(job.fellows) if f == fid):
                 continue
             try:
                 rec = self.registry.get(fid)
@@ -277,7 +292,7 @@ class JobQueue:
             return
         job.recovering_since = time.monotonic()
         job.recover_reason = reason
-        for fid in job.fellows:
+        for fid in dict.fromkeys(job.fellows):
             try:
                 rec = self.registry.get(fid)
             except ApiError:
@@ -316,12 +331,15 @@ class JobQueue:
             new = spare.pop(0)
             replaced[str(st["stage"])] = {"from": st["fellow_id"], "to": new.fellow_id,
                                           "lost": what}
-            st.update(fellow_id=new.fellow_id, name=new.name, data_addr=new.data_addr)
+            st.update(fellow_id=new.fellow_id, name=new.name, data_addr=new.data_addr,
+                      slot=0, device=new.devices[0])
         step = self.latest_checkpoint(job)
         for st in stages:  # addresses may have changed when a fellow re-registered
             rec = self._maybe(st["fellow_id"])
             if rec is not None:
-                st["data_addr"] = rec.data_addr
+                addrs = rec.data_addrs or [rec.data_addr]
+                slot = int(st.get("slot", 0))
+                st["data_addr"] = addrs[slot] if slot < len(addrs) else rec.data_addr
         reason = "; ".join(lost) if lost else "every fellow came back"
         job.restarts.append({"at_step": job.last_step, "resume_step": step,
                              "reason": f"{reason} (first report: {job.recover_reason})",
@@ -329,13 +347,13 @@ class JobQueue:
         job.attempt += 1
         job.recovering_since = None
         job.fellows = [st["fellow_id"] for st in stages]
-        job.done_fellows = []
+        job.done_stages = []
         job.current = {}
         job.last_step = step
         job.reason = ""
         self.store.delete_progress_after(job.job_id, step)
         self._write_run_file(job, "placement_plan.json", job.placement)
-        self._send_start(job, [self.registry.get(f) for f in job.fellows], resume_step=step)
+        self._send_start(job, resume_step=step)
         self._save(job)
         self._event(job, "job.resumed")
 
@@ -375,31 +393,33 @@ class JobQueue:
         self.hub.publish("job.shard", {"job_id": job.job_id, **receipt})
         return receipt
 
-    def stage_of(self, job: JobRecord, fellow_id: int) -> int:
+    def holds(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
+        """Whether this fellow runs this stage of the job (a fellow may run several)."""
         if job.placement is None:
-            raise ApiError(409, f"job {job.job_id} has no placement yet", code="not_placed")
-        for s in job.placement["stages"]:
-            if s["fellow_id"] == fellow_id:
-                return int(s["stage"])
-        raise ApiError(403, f"fellow {fellow_id} holds no stage of {job.job_id}",
-                       code="wrong_fellow")
+            return 0 <= stage < len(job.fellows) and job.fellows[stage] == fellow_id
+        stages = job.placement["stages"]
+        return 0 <= stage < len(stages) and stages[stage]["fellow_id"] == fellow_id
 
     # internals --------------------------------------------------------------------------------
-    def _send_start(self, job: JobRecord, fellows: list[FellowRecord], resume_step: int) -> None:
+    def _send_start(self, job: JobRecord, resume_step: int) -> None:
+        """One START per stage (a fellow with several slots gets one for each)."""
+        assert job.placement is not None
         key = secrets.token_hex(16)  # the data plane admits only connections that present it
-        for i, fellow in enumerate(fellows):
+        stages = job.placement["stages"]
+        for st in stages:
+            fellow = self.registry.get(st["fellow_id"])
             fellow.assigned_job = job.job_id
             self.registry.send(fellow, "START", job.job_id, {
                 "job_id": job.job_id, "kind": job.kind, "name": job.name,
-                "stage": i, "num_stages": len(fellows), "placement": job.placement,
+                "stage": st["stage"], "num_stages": len(stages), "placement": job.placement,
                 "model": job.model, "training": job.training, "key": key,
                 "attempt": job.attempt, "resume_step": resume_step,
             })
 
-    def _merge_metrics(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
+    def _merge_metrics(self, job: JobRecord, stage: int, fellow_id: int,
+                       upd: JobStatusUpdate) -> None:
         if not upd.metrics and upd.tokens_per_s is None:
             return
-        stage = job.fellows.index(fellow_id) if fellow_id in job.fellows else -1
         per_stage = job.metrics.setdefault("stages", {})
         entry = per_stage.setdefault(str(stage), {"fellow_id": fellow_id})
         entry.update(upd.metrics)
@@ -429,7 +449,7 @@ class JobQueue:
                        for p in pushes],
         }
 
-    def _record_progress(self, job: JobRecord, fellow_id: int, upd: JobStatusUpdate) -> None:
+    def _record_progress(self, job: JobRecord, stage: int, upd: JobStatusUpdate) -> None:
         """One record per step: the last stage's loss and tokens/s, every stage's wire bytes.
 
         Stages report independently, so a few recent steps stay open for late reports."""
@@ -442,7 +462,6 @@ class JobQueue:
         if "eval_loss" in upd.metrics:
             rec["eval_loss"] = upd.metrics["eval_loss"]
         if "wire_tx_bytes" in upd.metrics:
-            stage = job.fellows.index(fellow_id) if fellow_id in job.fellows else -1
             if stage in rec["stages_reported"]:
                 return
             rec["stages_reported"].append(stage)
@@ -469,15 +488,14 @@ class JobQueue:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
         if was_running:
-            for fid in job.fellows:
+            for fid in dict.fromkeys(job.fellows):
                 try:
                     rec = self.registry.get(fid)
                 except ApiError:
                     continue
                 if rec.assigned_job == job.job_id:
                     rec.assigned_job = None
-                    if fid not in job.done_fellows:
-                        self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+                    self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
         self._save(job)
         if job.kind == "train" and was_running:
             self._write_run_file(job, "job_final.json",
@@ -505,12 +523,12 @@ def resolve_train_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any
     with every default filled in, so the job record says exactly what ran."""
     model = structure(req.model, ModelConfig, "$.model")
     training = structure(req.training, TrainingConfig, "$.training")
-    if training.stage_weights is not None and \
-            len(training.stage_weights) != req.topology.fellows:
-        raise SchemaError(f"{len(training.stage_weights)} weights for "
-                          f"{req.topology.fellows} stages (one stage per fellow)",
+    stages = req.topology.num_stages
+    if training.stage_weights is not None and len(training.stage_weights) != stages:
+        raise SchemaError(f"{len(training.stage_weights)} weights for {stages} stages",
                           "$.training.stage_weights")
-    if req.topology.fellows > model.n_layers + 2:
-        raise SchemaError(f"{req.topology.fellows} stages for {model.n_layers} layers leaves "
-                          "stages with nothing to do", "$.topology.fellows")
+    if stages > model.n_layers + 2:
+        raise SchemaError(f"{stages} stages for {model.n_layers} layers leaves stages with "
+                          "nothing to do",
+                          "$.topology.stages" if req.topology.stages else "$.topology.fellows")
     return unstructure(model), unstructure(training)

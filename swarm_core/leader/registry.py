@@ -38,6 +38,7 @@ class FellowRecord:
     threads: int
     data_addr: str | None
     registered_at: float
+    data_addrs: list[str] = attrs.field(factory=list)
     reported_status: str = "ready"
     current_job: str | None = None
     current_stage: int | None = None
@@ -130,7 +131,7 @@ class FellowRegistry:
             tokens_per_s=rec.tokens_per_s, counters=rec.counters, link=rec.link,
             registered_at=rec.registered_at, last_heartbeat=rec.last_heartbeat,
             heartbeat_age_s=None if rec.last_seen is None else round(now_mono - rec.last_seen, 3),
-            note=self.note(rec, now_mono),
+            note=self.note(rec, now_mono), data_addrs=list(rec.data_addrs),
         )
 
     def note(self, rec: FellowRecord, now_mono: float) -> str:
@@ -184,6 +185,7 @@ class FellowRegistry:
         rec.instance_id = req.instance_id
         rec.host, rec.pid, rec.devices = req.host, req.pid, list(req.devices)
         rec.threads, rec.data_addr = req.threads, req.data_addr
+        rec.data_addrs = list(req.data_addrs)
         rec.registered_at = now if replaced or rec.last_heartbeat is None else rec.registered_at
         rec.session = secrets.token_urlsafe(24)
         rec.reported_status = "ready"

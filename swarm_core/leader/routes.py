@@ -278,7 +278,7 @@ async def push_shard(request: web.Request) -> web.Response:
     job = st.jobs.get(request.match_info["job_id"])
     stage = _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if st.jobs.stage_of(job, rec.fellow_id) != stage:
+    if not st.jobs.holds(job, rec.fellow_id, stage):
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
                             f"{job.job_id}", code="wrong_fellow")
     if job.state is not JobState.RUNNING:
@@ -302,7 +302,7 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     job = st.jobs.get(request.match_info["job_id"])
     step, stage = _int_param(request, "step"), _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if st.jobs.stage_of(job, rec.fellow_id) != stage:
+    if not st.jobs.holds(job, rec.fellow_id, stage):
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
                             f"{job.job_id}", code="wrong_fellow")
     part = request.match_info["part"]

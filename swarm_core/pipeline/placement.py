@@ -78,6 +78,10 @@ class FellowSlots:
     name: str
     devices: list[str]
     data_addr: str | None = None
+    data_addrs: list[str] = attrs.field(factory=list)  # one per slot, when the fellow has them
+
+    def addr(self, slot: int) -> str | None:
+        return self.data_addrs[slot] if slot < len(self.data_addrs) else self.data_addr
 
 
 def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
@@ -99,7 +103,7 @@ def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
                              f"the fellows offer {len(slots)}")
     ranges = split_layers(n_layers, weights)
     stages = [
-        StagePlacement(k, f.fellow_id, f.name, slot, device, ranges[k], f.data_addr)
+        StagePlacement(k, f.fellow_id, f.name, slot, device, ranges[k], f.addr(slot))
         for k, (f, slot, device) in enumerate(slots[:num_stages])
     ]
     return Placement(num_stages, n_layers, stages)

@@ -99,6 +99,10 @@ class StageRunner:
             self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
                                       abort=self.stop)
 
+    def sent(self) -> int:
+        """Bytes this stage's own links sent (a fellow may run several stages)."""
+        return sum(link.sent for link in (self.up, self.down) if link is not None)
+
     def close(self) -> None:
         for link in (self.up, self.down):
             if link is not None:
@@ -114,7 +118,7 @@ class StageRunner:
         t = self.spec.training
         m = t.micro_batches
         timeout = t.frame_timeout_s
-        tx0 = self.shaper.tx_bytes
+        tx0 = self.sent()
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
@@ -165,7 +169,7 @@ class StageRunner:
         seconds = time.perf_counter() - t0
         return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
                           tokens=t.batch_size * self.spec.model.seq_len,
-                          wire_tx_bytes=self.shaper.tx_bytes - tx0, lr=lr)
+                          wire_tx_bytes=self.sent() - tx0, lr=lr)
 
     def _global_sq(self, step: int) -> float:
         """Sum of squared gradients over every stage: up the pipe, then the total back down."""

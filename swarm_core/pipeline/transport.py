@@ -61,6 +61,7 @@ class PeerLink:
         self.max_payload = max_payload
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
+        self.sent = 0  # bytes this link put on the wire (the shaper counts the whole fellow)
         self._stop = threading.Event()
         # Set by the owner (STOP from the leader): a blocked recv gives up within 0.1 s.
         self.abort = abort or threading.Event()
@@ -119,6 +120,7 @@ class PeerLink:
         self.shaper.tx.consume(len(chunk), self._stop)
         self.sock.sendall(chunk)
         self.shaper.count_tx(len(chunk))
+        self.sent += len(chunk)
 
     # receiving -------------------------------------------------------------------------------
     def _read_exact(self, n: int) -> bytearray:

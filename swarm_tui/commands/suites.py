@@ -84,7 +84,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
                 write_json(st.run_dir / "infra_resolved.json", {
                     "scenario": sc.spec.name, "infra": the_plan["scenarios"][
                         suite.scenarios.index(sc)]["infra"],
-                    "stages": sc.fellows, "emulated": sc.emulated,
+                    "stages": sc.stages, "fellows": sc.fellows, "emulated": sc.emulated,
                     "not_emulated": sc.not_emulated})
                 if st.job_id:
                     job = await client.job(st.job_id)
