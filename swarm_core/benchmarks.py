@@ -203,7 +203,7 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
             name = sc.spec.artifacts.dir + (f"-r{rep}" if suite.spec.repeats > 1 else "")
             runs.append(RunSpec(
                 index=len(runs), run_name=name, model=unstructure(sc.model), training=training,
-                fellows=sc.fellows, stages=sc.stages,
+                fellows=sc.fellows, slots_per_fellow=sc.slots_per_fellow,
                 network={"name": sc.infra.name, **(unstructure(link) if link else {})},
                 tc_profile=None, seed=sc.training.seed, repeat=rep,
                 model_source=sc.sources["model"], compression=sc.model.compression))

@@ -6,6 +6,7 @@ Field names here are public interface: scripts read them from ``--format json`` 
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Literal
 
 import attrs
@@ -35,9 +36,20 @@ class JobState(enum.Enum):
         return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
 
 
+# Validators carry the JSON Schema they enforce (``json_schema``), so the OpenAPI document
+# states exactly what the leader accepts.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_DEVICE = re.compile(r"cpu|cuda:[0-9]+")
+
+
 def _name(_inst: Any, attr: attrs.Attribute, value: str) -> None:
-    if not value or len(value) > MAX_NAME or not value.isprintable():
-        raise FieldError(f"must be 1-{MAX_NAME} printable characters", attr.name)
+    if not value or len(value) > MAX_NAME or _CONTROL.search(value):
+        raise FieldError(f"must be 1-{MAX_NAME} characters without control characters",
+                         attr.name)
+
+
+_name.json_schema = {  # type: ignore[attr-defined]
+    "minLength": 1, "maxLength": MAX_NAME, "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$"}
 
 
 def _non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
@@ -45,9 +57,16 @@ def _non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) 
         raise FieldError(f"must be >= 0, got {value}", attr.name)
 
 
+_non_negative.json_schema = {"minimum": 0}  # type: ignore[attr-defined]
+
+
 def _positive_or_none(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
     if value is not None and not value > 0:
         raise FieldError(f"must be > 0 (or null for unlimited), got {value}", attr.name)
+
+
+_positive_or_none.json_schema = {  # type: ignore[attr-defined]
+    "minimum": 0, "exclusiveMinimum": True}
 
 
 def _bounded(lo: float, hi: float):
@@ -55,6 +74,7 @@ def _bounded(lo: float, hi: float):
         if value is not None and not lo <= value <= hi:
             raise FieldError(f"must be between {lo:g} and {hi:g}, got {value}", attr.name)
 
+    check.json_schema = {"minimum": lo, "maximum": hi}  # type: ignore[attr-defined]
     return check
 
 
@@ -129,16 +149,24 @@ class RegisterRequest:
 
     @data_addrs.validator
     def _addrs(self, _attr: attrs.Attribute, value: list[str]) -> None:
-        if len(value) > 64 or any(not a or len(a) > 255 or not a.isprintable() for a in value):
+        if len(value) > 64 or any(not a or len(a) > 255 or _CONTROL.search(a) for a in value):
             raise FieldError("must list at most 64 host:port addresses", "data_addrs")
+
+    _addrs.json_schema = {  # type: ignore[attr-defined]
+        "maxItems": 64, "items": {"type": "string", "minLength": 1, "maxLength": 255,
+                                  "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$"}}
 
     @devices.validator
     def _devices(self, _attr: attrs.Attribute, value: list[str]) -> None:
         if not 1 <= len(value) <= 64:
             raise FieldError("must list 1-64 slots", "devices")
         for d in value:
-            if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+            if not _DEVICE.fullmatch(d):
                 raise FieldError(f"{d!r} is not 'cpu' or 'cuda:N'", "devices")
+
+    _devices.json_schema = {  # type: ignore[attr-defined]
+        "minItems": 1, "maxItems": 64,
+        "items": {"type": "string", "pattern": "^(cpu|cuda:[0-9]+)$"}}
 
 
 @attrs.define
@@ -205,6 +233,13 @@ class ReleaseRequest:
     fellow_ids: list[int] = attrs.field(factory=list)
     all: bool = False
 
+    __json_schema__ = {"oneOf": [
+        {"required": ["fellow_ids"],
+         "properties": {"fellow_ids": {"minItems": 1}, "all": {"enum": [False]}}},
+        {"required": ["all"],
+         "properties": {"all": {"enum": [True]}, "fellow_ids": {"maxItems": 0}}},
+    ]}
+
     def __attrs_post_init__(self) -> None:
         if self.all == bool(self.fellow_ids):
             raise FieldError("give either fellow_ids or all=true, not both and not neither")
@@ -257,23 +292,18 @@ class NodeInfo:
 
 @attrs.define
 class Topology:
-    """What a job asks of the cluster: fellows, and pipeline stages spread over their device
-    slots (default: one stage per fellow)."""
+    """What a job asks of the cluster: fellows, and how many of each one's device slots it
+    uses; one pipeline stage per slot, so fellows x slots_per_fellow stages."""
 
     fellows: int = attrs.field(
         default=1, validator=_bounded(1, 1024), metadata=_meta("", minimum=1, maximum=1024)
     )
-    stages: int | None = attrs.field(
-        default=None, validator=_bounded(1, 4096), metadata=_meta("", minimum=1, maximum=4096))
-
-    def __attrs_post_init__(self) -> None:
-        if self.stages is not None and self.stages < self.fellows:
-            raise FieldError(f"{self.stages} stages cannot use {self.fellows} fellows",
-                             "stages")
+    slots_per_fellow: int = attrs.field(
+        default=1, validator=_bounded(1, 64), metadata=_meta("", minimum=1, maximum=64))
 
     @property
     def num_stages(self) -> int:
-        return self.stages or self.fellows
+        return self.fellows * self.slots_per_fellow
 
 
 @attrs.define

@@ -207,6 +207,15 @@ def unstructure(obj: Any) -> Any:
 # --- JSON Schema, for the OpenAPI document -----------------------------------------------------
 
 
+def _validators(v: Any) -> list[Any]:
+    if v is None:
+        return []
+    inner = getattr(v, "_validators", None)  # attrs' and_()
+    if inner is not None:
+        return [x for i in inner for x in _validators(i)]
+    return [v]
+
+
 def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
     """A JSON Schema for ``tp``; attrs classes go into ``components`` and are referenced."""
     if tp is Any or tp is typing.Any:
@@ -230,7 +239,8 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:
-        return {"type": "integer"}
+        # orjson reads 64-bit integers; the document says so.
+        return {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
     if tp is float:
         return {"type": "number"}
     if tp is str:
@@ -246,6 +256,10 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
             required = []
             for f in attrs.fields(tp):
                 props[f.name] = json_schema(hints[f.name], components)
+                for v in _validators(f.validator):
+                    extra = getattr(v, "json_schema", None)
+                    if extra and "$ref" not in props[f.name]:
+                        props[f.name].update(extra)
                 if f.metadata.get("doc"):
                     props[f.name]["description"] = f.metadata["doc"]
                 if f.metadata.get("minimum") is not None:
@@ -263,6 +277,7 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
             }
             if required:
                 comp["required"] = required
+            comp.update(getattr(tp, "__json_schema__", {}))
             if tp.__doc__:
                 comp["description"] = tp.__doc__.strip().splitlines()[0]
             components[name] = comp

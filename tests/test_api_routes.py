@@ -283,9 +283,9 @@ async def _status_is(api: TestClient, fellow_id: int, status: str) -> bool:
     ({"name": "a", "instance_id": "i", "pid": True}, "$.pid", "integer"),
     ({"name": "a", "instance_id": "i", "pid": -1}, "$.pid", ">= 0"),
     ({"name": 5, "instance_id": "i"}, "$.name", "string"),
-    ({"name": "", "instance_id": "i"}, "$.name", "printable"),
-    ({"name": "x" * 129, "instance_id": "i"}, "$.name", "printable"),
-    ({"name": "a\nb", "instance_id": "i"}, "$.name", "printable"),
+    ({"name": "", "instance_id": "i"}, "$.name", "control characters"),
+    ({"name": "x" * 129, "instance_id": "i"}, "$.name", "control characters"),
+    ({"name": "a\nb", "instance_id": "i"}, "$.name", "control characters"),
     ({"instance_id": "i"}, "$.name", "required"),
     ({"name": "a"}, "$.instance_id", "required"),
     ({"name": "a", "instance_id": "i", "threads": 0}, "$.threads", "between"),
@@ -364,9 +364,11 @@ async def test_list_and_get_fellows(api):
 
 @pytest.mark.parametrize(("path_id", "status", "code"), [
     ("99", 404, "unknown_fellow"),
-    ("abc", 400, "invalid_param"),
-    ("-1", 400, "invalid_param"),
-    ("1.5", 400, "invalid_param"),
+    # Ids are digits in the route itself: anything else names no resource.
+    ("abc", 404, "not_found"),
+    ("-1", 404, "not_found"),
+    ("1.5", 404, "not_found"),
+    ("99999999999999999999", 400, "invalid_param"),
 ])
 async def test_get_fellow_errors(api, path_id, status, code):
     await register(api, "a")
@@ -452,7 +454,7 @@ async def test_heartbeat_invalid_json_400(api):
                           headers={**f["headers"], "Content-Type": "application/json"})
     await expect_error(resp, 400, "invalid_json")
     resp = await api.post(f"{A}/fellows/x/heartbeat", json={}, headers=f["headers"])
-    await expect_error(resp, 400, "invalid_param", "fellow_id")
+    await expect_error(resp, 404, "not_found")
 
 
 async def test_heartbeat_auth_401_403(api):
@@ -597,7 +599,7 @@ async def test_set_speed_errors(api):
     await expect_error(await api.post(f"{A}/fellows/7/speed", json={}, headers=AUTH),
                        404, "unknown_fellow")
     await expect_error(await api.post(f"{A}/fellows/x/speed", json={}, headers=AUTH),
-                       400, "invalid_param", "fellow_id")
+                       404, "not_found")
     resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed", **raw(b"{"))
     await expect_error(resp, 400, "invalid_json")
 
@@ -700,7 +702,7 @@ async def test_submit_pending_explains_waiting(api):
     # Train configs come back resolved: what was given, plus every default filled in.
     assert job["model"]["d_model"] == 64 and job["model"]["n_layers"] == 4
     assert job["training"]["steps"] == 10 and job["training"]["schedule"] == "1f1b"
-    assert job["topology"] == {"fellows": 2, "stages": None} and job["fellows"] == []
+    assert job["topology"] == {"fellows": 2, "slots_per_fellow": 1} and job["fellows"] == []
     assert job["started_at"] is None and job["finished_at"] is None
     second = await submit(api, fellows=1)
     assert second["state"] == "PENDING"
@@ -710,7 +712,7 @@ async def test_submit_pending_explains_waiting(api):
 async def test_submit_defaults(api):
     job = await expect_ok(await api.post(f"{A}/jobs", json={}, headers=AUTH), 201)
     assert (job["name"], job["kind"], job["topology"]) == \
-        ("job", "train", {"fellows": 1, "stages": None})
+        ("job", "train", {"fellows": 1, "slots_per_fellow": 1})
     assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
     empty = await expect_ok(await api.post(f"{A}/jobs", data=b"", headers=AUTH), 201)
     assert empty["job_id"] != job["job_id"]
@@ -721,7 +723,7 @@ async def test_submit_defaults(api):
     ({"topology": {"fellows": 2000}}, "$.topology.fellows"),
     ({"topology": {"fellows": "2"}}, "$.topology.fellows"),
     ({"topology": {"slots": 2}}, "$.topology"),
-    ({"topology": {"fellows": 3, "stages": 2}}, "$.topology.stages"),
+    ({"topology": {"fellows": 3, "slots_per_fellow": 0}}, "$.topology.slots_per_fellow"),
     ({"topology": None}, "$.topology"),
     ({"kind": "eval"}, "$.kind"),
     ({"name": ""}, "$.name"),

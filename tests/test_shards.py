@@ -211,7 +211,7 @@ async def test_checkpoint_fetch_for_resuming(leader):
                                  (f"{base}/8/1/weights", f["headers"], 404),
                                  (f"{base}/4/1/optimizer", f["headers"], 404),
                                  (f"{base}/4/1/weights", AUTH, 401),
-                                 (f"{base}/x/1/weights", f["headers"], 400)):
+                                 (f"{base}/x/1/weights", f["headers"], 404)):
         resp = await client.get(url, headers=headers)
         assert resp.status == status, (url, await resp.text())
         assert "error" in await resp.json()

@@ -44,7 +44,7 @@ def test_unknown_specs_name_the_valid_forms(spec):
     ({"training": {"stage_weights": [1, 2, 3]}}, "$.training.stage_weights", "3 weights"),
     ({"training": {"dataset": "textfiles"}}, "$.training.dataset_paths", "needs dataset_paths"),
     ({"training": {"lr": -1}}, "$.training.lr", "must be > 0"),
-    ({"model": {"n_layers": 1}, "topology": {"fellows": 4}}, "$.topology.fellows",
+    ({"model": {"n_layers": 1}, "topology": {"fellows": 4}}, "$.topology",
      "nothing to do"),
 ])
 async def test_bad_train_payloads_are_400_and_store_nothing(api, body, field, needle):

@@ -115,8 +115,10 @@ def test_a_fellow_with_two_slots_runs_two_stages_exactly(cli_env, tmp_path, data
     up = run_cli("restart-cluster", "--fellows", "2", "--devices", "cpu,cpu", env=cli_env,
                  timeout=90)
     assert up.returncode == 0, up.stderr
-    payload = {"name": "slots", "kind": "train", "model": MODEL,
-               "training": {**TRAINING, "steps": 8}, "topology": {"fellows": 2, "stages": 3}}
+    model = {**MODEL, "n_layers": 4}
+    payload = {"name": "slots", "kind": "train", "model": model,
+               "training": {**TRAINING, "steps": 8},
+               "topology": {"fellows": 2, "slots_per_fellow": 2}}
     path = tmp_path / "slots.json"
     path.write_text(json.dumps(payload))
     try:
@@ -126,16 +128,15 @@ def test_a_fellow_with_two_slots_runs_two_stages_exactly(cli_env, tmp_path, data
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
     stages = job["placement"]["stages"]
-    # Neighbouring stages share a fellow: its two slots first, then the next fellow.
-    assert [(s["fellow_id"], s["slot"]) for s in stages] == \
-        [(stages[0]["fellow_id"], 0), (stages[0]["fellow_id"], 1), (stages[2]["fellow_id"], 0)]
-    assert stages[0]["fellow_id"] != stages[2]["fellow_id"]
-    assert stages[0]["data_addr"] != stages[1]["data_addr"]
-    mc = structure(MODEL, ModelConfig)
+    # Neighbouring stages share a fellow: its two slots first, then the next fellow's.
+    a, b = stages[0]["fellow_id"], stages[2]["fellow_id"]
+    assert [(s["fellow_id"], s["slot"]) for s in stages] == [(a, 0), (a, 1), (b, 0), (b, 1)]
+    assert a != b and stages[0]["data_addr"] != stages[1]["data_addr"]
+    mc = structure(model, ModelConfig)
     tc = structure({**TRAINING, "steps": 8}, TrainingConfig)
-    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1, 1]))
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1, 1, 1]))
     got = [loss for _s, loss in job["loss_history"]]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
-    for s in range(3):  # each stage counts only its own links
+    for s in range(4):  # each stage counts only its own links
         measured = job["metrics"]["stages"][str(s)]["wire_tx_bytes_per_step"]
-        assert measured == expected_wire_bytes(mc, tc, s, 3)
+        assert measured == expected_wire_bytes(mc, tc, s, 4)

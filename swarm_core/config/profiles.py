@@ -188,12 +188,12 @@ class RunSpec:
     repeat: int
     model_source: str
     compression: str
-    stages: int | None = None  # None: one per fellow
+    slots_per_fellow: int = 1  # one stage per slot
 
     def job_body(self, run_id: str) -> dict[str, Any]:
         return {"name": run_id, "kind": "train", "model": self.model,
                 "training": self.training,
-                "topology": {"fellows": self.fellows, "stages": self.stages}}
+                "topology": {"fellows": self.fellows, "slots_per_fellow": self.slots_per_fellow}}
 
 
 @attrs.define

@@ -67,7 +67,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         message = exc.reason if exc.status != 404 else f"no route {request.method} {request.path}"
-        return error_response(exc.status, _CODES.get(exc.status, "error"), message)
+        resp = error_response(exc.status, _CODES.get(exc.status, "error"), message)
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return resp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal", "internal error; see the leader log")

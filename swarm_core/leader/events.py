@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from typing import Any
@@ -29,10 +30,20 @@ class Subscriber:
         return self.job_id is None or data.get("job_id") == self.job_id
 
 
+RECENT = 1000  # kept for plain GET /events (polling without a WebSocket)
+
+
 class EventHub:
     def __init__(self) -> None:
         self._subs: set[Subscriber] = set()
         self.seq = 0
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+
+    def recent(self, after: int = 0, types: frozenset[str] | None = None,
+               job_id: str | None = None) -> list[dict[str, Any]]:
+        probe = Subscriber(asyncio.Queue(1), types, job_id)
+        return [e for e in self._recent
+                if e["seq"] > after and probe.wants(e["type"], e["data"])]
 
     def subscribe(self, types: frozenset[str] | None = None,
                   job_id: str | None = None) -> Subscriber:
@@ -49,6 +60,7 @@ class EventHub:
 
     def publish(self, kind: str, data: dict[str, Any]) -> None:
         self.seq += 1
+        self._recent.append({"seq": self.seq, "ts": time.time(), "type": kind, "data": data})
         if not self._subs:
             return
         frame: bytes | None = None

@@ -121,7 +121,7 @@ class JobQueue:
         if ahead:
             return f"{len(ahead)} job(s) ahead in the queue"
         ready = self.registry.ready()
-        per_fellow = -(-job.topology.num_stages // job.topology.fellows)
+        per_fellow = job.topology.slots_per_fellow
         if per_fellow > 1:
             able = sum(1 for f in ready if len(f.devices) >= per_fellow)
             return (f"needs {job.topology.fellows} ready fellow(s) with {per_fellow} device "
@@ -210,7 +210,7 @@ class JobQueue:
         if len(ready) < job.topology.fellows:
             return None
         stages = job.topology.num_stages
-        per_fellow = -(-stages // job.topology.fellows)
+        per_fellow = job.topology.slots_per_fellow
         able = [f for f in ready if len(f.devices) >= per_fellow]
         if len(able) < job.topology.fellows:
             return None
@@ -530,5 +530,5 @@ def resolve_train_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any
     if stages > model.n_layers + 2:
         raise SchemaError(f"{stages} stages for {model.n_layers} layers leaves stages with "
                           "nothing to do",
-                          "$.topology.stages" if req.topology.stages else "$.topology.fellows")
+                          "$.topology")
     return unstructure(model), unstructure(training)

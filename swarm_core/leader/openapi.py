@@ -6,6 +6,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
+
 import swarm_core
 from swarm_core.schema import json_schema
 
@@ -25,9 +27,11 @@ _ERROR_SCHEMA = {
     },
 }
 
-_STATUS_TEXT = {400: "Bad request", 401: "Missing or wrong token", 403: "Wrong fellow",
-                404: "Not found", 409: "Conflict with current state", 413: "Body too large",
-                415: "Not JSON"}
+_STATUS_TEXT = {
+    400: "Bad request (for /events: not a WebSocket upgrade)", 401: "Missing or wrong token",
+    403: "Wrong fellow", 404: "Not found", 409: "Conflict with current state",
+    413: "Body too large", 415: "Not JSON",
+}
 
 
 def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
@@ -45,11 +49,14 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
             schema: dict[str, Any] = {"type": kind}
             if kind == "integer":
                 schema["minimum"] = 0
+                schema["maximum"] = 2**63 - 1
             params.append({"name": name, "in": "path", "required": True, "schema": schema})
-        for name, kind, desc in r.query:
-            schema = {"type": kind}
+        for name, kind, desc, *extra in r.query:
+            schema = {"type": kind, **(extra[0] if extra else {})}
             if kind in ("integer", "number"):
-                schema["minimum"] = 0
+                schema.setdefault("minimum", 0)
+            if kind == "integer":
+                schema.setdefault("maximum", 2**63 - 1)
             params.append({"name": name, "in": "query", "required": False,
                            "description": desc, "schema": schema})
         if r.fellow_session:
@@ -66,14 +73,16 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
                                           "weights": {"type": "string", "format": "binary"}}},
             }}}
         if r.body is not None:
+            has_required = any(f.default is attrs.NOTHING for f in attrs.fields(r.body)) \
+                or bool(getattr(r.body, "__json_schema__", None))
             op["requestBody"] = {
-                "required": True,
+                "required": has_required,
                 "content": {"application/json": {"schema": json_schema(r.body, components)}},
             }
         ok_status = "201" if r.handler.__name__ in ("register", "submit_job", "push_shard") else (
             "202" if r.handler.__name__ in ("set_speed", "release") else "200")
         if r.handler.__name__ == "events":
-            ok_status = "101"
+            op["responses"]["101"] = {"description": "WebSocket upgrade: one JSON event a frame"}
         ok_resp: dict[str, Any] = {"description": "OK"}
         if r.response is not None:
             ok_resp["content"] = {
@@ -85,6 +94,8 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
         statuses = set(r.errors)
         if r.auth:
             statuses.add(401)
+        if "{" in r.path:
+            statuses.add(404)  # an id that matches nothing, or is not a number
         for status in sorted(statuses):
             op["responses"][str(status)] = {
                 "description": _STATUS_TEXT.get(status, "Error"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -53,7 +54,8 @@ class Route:
     response: type | None = None
     auth: bool = True
     fellow_session: bool = False
-    query: tuple[tuple[str, str, str], ...] = ()  # (name, type, description)
+    # (name, type, description[, extra JSON Schema])
+    query: tuple[tuple[Any, ...], ...] = ()
     errors: tuple[int, ...] = ()
     upload: bool = False  # multipart body (manifest JSON, then weights)
 
@@ -88,8 +90,9 @@ def _int_param(request: web.Request, name: str) -> int:
     except ValueError:
         raise ApiError(400, f"{name} must be an integer, got {raw!r}", code="invalid_param",
                        field=name) from None
-    if value < 0:
-        raise ApiError(400, f"{name} must be >= 0", code="invalid_param", field=name)
+    if not 0 <= value < 2**63:
+        raise ApiError(400, f"{name} must be between 0 and 2**63-1", code="invalid_param",
+                       field=name)
     return value
 
 
@@ -325,6 +328,10 @@ async def events(request: web.Request) -> web.StreamResponse:
     types_q = request.query.get("types")
     types = frozenset(t for t in types_q.split(",") if t) if types_q else None
     job_id = request.query.get("job_id") or None
+    if request.headers.get("Upgrade", "").lower() != "websocket":
+        # Without a WebSocket: the recent events, for polling scripts.
+        after = _int_param(request, "after") if "after" in request.query else 0
+        return ok({"seq": st.hub.seq, "events": st.hub.recent(after, types, job_id)})
     ws = web.WebSocketResponse(heartbeat=20.0)
     await ws.prepare(request)
     sub = st.hub.subscribe(types, job_id)
@@ -393,7 +400,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
           errors=(400, 413)),
     Route("GET", f"{A}/jobs", list_jobs, "All jobs, oldest first", response=JobList,
-          query=(("state", "string", "only jobs in this state"),), errors=(400,)),
+          query=(("state", "string", "only jobs in this state",
+                  {"enum": [s.value for s in JobState]
+                   + [s.value.lower() for s in JobState]}),), errors=(400,)),
     Route("GET", f"{A}/jobs/{{job_id}}", get_job, "One job", response=JobInfo, errors=(404,)),
     Route("GET", f"{A}/jobs/{{job_id}}/progress", job_progress,
           "Per-step records of a train job: loss, tokens/s, wire bytes, eval loss",
@@ -410,12 +419,17 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
           "A fellow fetches a stage checkpoint to resume from (part: weights or manifest)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),
-    Route("GET", f"{A}/events", events, "WebSocket stream of fellow, job and metric events",
+    Route("GET", f"{A}/events", events,
+          "WebSocket stream of fellow, job and metric events (plain GET: the last 1000)",
           query=(("types", "string", "comma-separated: fellow,job,metric"),
-                 ("job_id", "string", "only events of this job"))),
+                 ("job_id", "string", "only events of this job"),
+                 ("after", "integer", "plain GET: only events after this seq")),
+          errors=(400,)),
 )
 
 
 def add_routes(app: web.Application) -> None:
     for r in ROUTES:
-        app.router.add_route(r.method, r.path, r.handler)
+        # Integer ids only match digits, so /fellows/register is never "fellow 'register'".
+        path = re.sub(r"{(fellow_id|stage|step)}", r"{\1:\\d+}", r.path)
+        app.router.add_route(r.method, path, r.handler)
