@@ -60,7 +60,8 @@ def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data, n: int,
     return results
 
 
-@pytest.mark.parametrize("n, schedule", [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b")])
+@pytest.mark.parametrize("n, schedule", [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b"),
+                                         (3, "eager")])
 def test_pipeline_equals_single_process(data, n, schedule):
     mc = ModelConfig(**MODEL)
     tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan, split_layers
-from swarm_core.pipeline.schedules import gpipe, max_in_flight, one_f_one_b
+from swarm_core.pipeline.schedules import eager, gpipe, max_in_flight, one_f_one_b
 
 
 def test_largest_remainder_split():
@@ -51,7 +51,7 @@ def test_plan_needs_enough_slots():
 @pytest.mark.parametrize("stages, m", [(1, 4), (2, 8), (4, 8), (4, 2)])
 def test_schedules_run_every_op_once_with_backwards_in_order(stages, m):
     for s in range(stages):
-        for sched in (gpipe, one_f_one_b):
+        for sched in (gpipe, one_f_one_b, eager):
             ops = sched(s, stages, m)
             every = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
             assert sorted(ops) == sorted(every)
@@ -64,3 +64,9 @@ def test_schedules_run_every_op_once_with_backwards_in_order(stages, m):
 def test_1f1b_bounds_activations_gpipe_does_not():
     assert max_in_flight(gpipe(0, 4, 8)) == 8
     assert [max_in_flight(one_f_one_b(s, 4, 8)) for s in range(4)] == [4, 3, 2, 1]
+
+
+def test_eager_schedule_shape():
+    # Early stages: every forward first; the last stage: forward, backward, forward, ...
+    assert eager(0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert eager(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]

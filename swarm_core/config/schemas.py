@@ -12,7 +12,7 @@ from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "eager"]
 
 COMPRESSION_FORMS = ("none", "fixed_int8", "learned_bottleneck", "learned_dimK",
                      "learned_dimK_int8")
