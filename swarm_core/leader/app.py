@@ -38,7 +38,8 @@ class LeaderConfig:
     max_json_bytes: int = 1 << 20
     max_upload_bytes: int = 4 << 30  # shard pushes: streamed to disk, limit checked as they come
     tick_s: float = 0.25
-    flush_s: float = 2.0
+    flush_s: float = 2.0  # status and identity changes
+    telemetry_flush_s: float = 30.0  # counters and steps of otherwise unchanged fellows
 
 
 async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -50,7 +51,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     jobs = JobQueue(store, registry, hub, runs_dir=cfg.state_dir / "runs")
     app[STATE_KEY] = LeaderState(cfg.state_dir, store, registry, jobs, hub)
     yield
-    app[STATE_KEY].flush()
+    app[STATE_KEY].flush(telemetry=True)
     store.close()
 
 
@@ -60,7 +61,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
 
     async def tick() -> None:
         last_status: dict[int, str] = {}
-        last_flush = 0.0
+        last_flush = last_telemetry = 0.0
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(cfg.tick_s)
@@ -72,9 +73,13 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                     last_status[rec.fellow_id] = status
                 st.jobs.check_liveness()
                 st.jobs.dispatch()
-                if loop.time() - last_flush >= cfg.flush_s:
+                now = loop.time()
+                if now - last_telemetry >= cfg.telemetry_flush_s:
+                    st.flush(telemetry=True)
+                    last_flush = last_telemetry = now
+                elif now - last_flush >= cfg.flush_s:
                     st.flush()
-                    last_flush = loop.time()
+                    last_flush = now
             except Exception:
                 log.exception("leader tick failed")
 

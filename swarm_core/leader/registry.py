@@ -21,7 +21,7 @@ from swarm_core.protocol import (
     Signal,
     SignalKind,
 )
-from swarm_core.schema import converter, structure_persisted
+from swarm_core.schema import structure_persisted
 
 THROTTLED_MBPS = 1.0
 STUCK_AFTER_S = 30.0
@@ -67,11 +67,21 @@ class FellowRecord:
         return self.reported_status
 
     def persistable(self) -> dict[str, Any]:
-        out = {}
-        for f in attrs.fields(FellowRecord):
-            if not f.metadata.get("transient"):
-                out[f.name] = converter.unstructure(getattr(self, f.name))
+        out = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        out["devices"] = list(self.devices)
+        out["data_addrs"] = list(self.data_addrs)
+        c, lk = self.counters, self.link
+        out["counters"] = {"control_tx": c.control_tx, "control_rx": c.control_rx,
+                           "data_tx": c.data_tx, "data_rx": c.data_rx}
+        out["link"] = {"tx_mbps": lk.tx_mbps, "rx_mbps": lk.rx_mbps,
+                       "latency_ms": lk.latency_ms}
         return out
+
+
+_PLAIN_FIELDS = tuple(
+    f.name for f in attrs.fields(FellowRecord)
+    if not f.metadata.get("transient") and f.name not in ("devices", "data_addrs", "counters",
+                                                           "link"))
 
 
 class FellowRegistry:
@@ -81,7 +91,9 @@ class FellowRegistry:
         self._by_id: dict[int, FellowRecord] = {}
         self._by_name: dict[str, FellowRecord] = {}
         self._by_session: dict[str, FellowRecord] = {}
+        # Identity and status changes are written soon; telemetry (counters, step) rarely.
         self.dirty: set[int] = set()
+        self.telemetry_dirty: set[int] = set()
 
     # loading ----------------------------------------------------------------------------------
     def load(self, rows: list[dict[str, Any]]) -> None:
@@ -203,6 +215,7 @@ class FellowRegistry:
         """Apply a heartbeat; returns the status before it (to spot transitions)."""
         now_mono = time.monotonic()
         before = self.status(rec, now_mono)
+        rec_link_before = rec.link
         if hb.current_step != rec.current_step or rec.step_changed is None \
                 or hb.status != "busy":
             rec.step_changed = now_mono
@@ -213,7 +226,10 @@ class FellowRegistry:
         rec.last_seen, rec.last_heartbeat = now_mono, time.time()
         # Signals up to the fellow's signal_seq are applied; forget them.
         rec.pending = [s for s in rec.pending if s.seq > hb.signal_seq]
-        self.dirty.add(rec.fellow_id)
+        if hb.status != before or hb.link != rec_link_before:
+            self.dirty.add(rec.fellow_id)
+        else:
+            self.telemetry_dirty.add(rec.fellow_id)
         if hb.status in ("released", "leaving"):
             self._by_session.pop(rec.session, None)
         return before
@@ -234,7 +250,13 @@ class FellowRegistry:
                 await asyncio.wait_for(rec.wakeup.wait(), timeout)
         return [s for s in rec.pending if s.seq > after]
 
-    def take_dirty(self) -> list[dict[str, Any]]:
-        rows = [self._by_id[i].persistable() for i in sorted(self.dirty) if i in self._by_id]
+    def take_dirty(self, telemetry: bool = False) -> list[dict[str, Any]]:
+        """Records to write: changed ones, plus (``telemetry``) those with only new counters."""
+        ids = self.dirty | self.telemetry_dirty if telemetry else self.dirty
+        rows = [self._by_id[i].persistable() for i in sorted(ids) if i in self._by_id]
         self.dirty.clear()
+        if telemetry:
+            self.telemetry_dirty.clear()
+        else:
+            self.telemetry_dirty -= ids
         return rows

@@ -163,8 +163,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     before = st.registry.heartbeat(rec, hb)
     after = st.registry.status(rec)
     st.fellow_event("fellow.heartbeat" if before == after else "fellow.status", rec)
-    if before != after or after == "ready":
-        st.jobs.dispatch()
+    if before != after:
+        st.jobs.dispatch()  # the tick dispatches too: an unchanged heartbeat needs no scan
     return ok({"pending_signals": len(rec.pending)})
 
 

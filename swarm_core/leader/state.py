@@ -23,15 +23,15 @@ class LeaderState:
     started_at: float = attrs.field(factory=time.time)
 
     def fellow_event(self, kind: str, rec: FellowRecord) -> None:
-        info = self.registry.info(rec)
         self.hub.publish(kind, {
-            "fellow_id": rec.fellow_id, "name": rec.name, "status": info.status,
-            "job_id": info.current_job, "step": rec.current_step, "loss": rec.last_loss,
+            "fellow_id": rec.fellow_id, "name": rec.name, "status": self.registry.status(rec),
+            "job_id": rec.current_job or rec.assigned_job, "step": rec.current_step,
+            "loss": rec.last_loss,
             "tokens_per_s": rec.tokens_per_s, "link": _link(rec), "counters": _counters(rec),
         })
 
-    def flush(self) -> None:
-        self.store.save_fellows(self.registry.take_dirty())
+    def flush(self, telemetry: bool = False) -> None:
+        self.store.save_fellows(self.registry.take_dirty(telemetry))
 
 
 def _link(rec: FellowRecord) -> dict[str, float | None]:
