@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
+from swarm_tui.commands.argtypes import port, positive_float, positive_int
 from swarm_tui.commands.base import CommandError, ExitCode
 
 
@@ -61,36 +62,6 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     return code
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leader", help="run the leader in the foreground",
                        description="Run the leader (HTTP API, registry, queue) until SIGTERM.")
@@ -98,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="SQLite state and token live here (default: $SWARM_HOME/leader, "
                         "else the user data dir)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    p.add_argument("--port", type=_port, default=8765, help="TCP port (default: %(default)s)")
-    p.add_argument("--stale-after", type=_positive_float, default=5.0,
+    p.add_argument("--port", type=port, default=8765, help="TCP port (default: %(default)s)")
+    p.add_argument("--stale-after", type=positive_float, default=5.0,
                    help="seconds without heartbeat before a fellow is stale (default: 5)")
     p.add_argument("--allow-remote", action="store_true",
                    help="allow binding a non-loopback address")
@@ -111,11 +82,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="fellow name, unique in the cluster (default: hostname)")
     p.add_argument("--devices", default="cpu",
                    help="device slots: cpu, or cuda:0,cuda:1 (default: cpu)")
-    p.add_argument("--threads", type=_positive_int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per stage (default: 1)")
     p.add_argument("--data-host", default="127.0.0.1",
                    help="address neighbours dial for activations (default: %(default)s)")
-    p.add_argument("--data-port", type=_port, default=0,
+    p.add_argument("--data-port", type=port, default=0,
                    help="data-plane TCP port (default: any free one)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_fellow)

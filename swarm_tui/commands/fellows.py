@@ -6,6 +6,7 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.protocol import SetSpeedRequest
+from swarm_tui.commands.argtypes import fellow_id, latency_ms, positive_float
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -18,7 +19,6 @@ from swarm_tui.commands.base import (
     print_line,
     run_with_client,
 )
-from swarm_tui.commands.daemons import _positive_float
 
 
 def cmd_fellows(args: argparse.Namespace) -> int:
@@ -89,26 +89,6 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
-def _fellow_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fellow id (integer), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"fellow ids are >= 0, got {value}")
-    return value
-
-
-def _latency(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if not 0 <= value <= 60_000:
-        raise argparse.ArgumentTypeError(f"latency must be 0-60000 ms, got {text}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fellows", help="list fellows with live status")
     add_format(p)
@@ -121,18 +101,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("release", help="release fellows: they stop work and leave the cluster")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--all", action="store_true", help="release every fellow")
-    g.add_argument("--fellow-id", type=_fellow_id, action="append",
+    g.add_argument("--fellow-id", type=fellow_id, action="append",
                    help="release this fellow (repeatable)")
     add_format(p)
     p.set_defaults(func=cmd_release)
 
     p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live")
-    p.add_argument("--fellow-id", type=_fellow_id, required=True, help="which fellow")
-    p.add_argument("--tx-mbps", type=_positive_float, default=None,
+    p.add_argument("--fellow-id", type=fellow_id, required=True, help="which fellow")
+    p.add_argument("--tx-mbps", type=positive_float, default=None,
                    help="send limit in Mbit/s (omit: unlimited)")
-    p.add_argument("--rx-mbps", type=_positive_float, default=None,
+    p.add_argument("--rx-mbps", type=positive_float, default=None,
                    help="receive limit in Mbit/s (omit: unlimited)")
-    p.add_argument("--latency-ms", type=_latency, default=0.0,
+    p.add_argument("--latency-ms", type=latency_ms, default=0.0,
                    help="added one-way latency in ms (default 0)")
     add_format(p)
     p.set_defaults(func=cmd_set_speed)

@@ -12,6 +12,7 @@ from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.protocol import JobInfo, JobState, JobSubmit
 from swarm_core.schema import SchemaError, structure
+from swarm_tui.commands.argtypes import positive_int
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -22,7 +23,6 @@ from swarm_tui.commands.base import (
     print_line,
     run_with_client,
 )
-from swarm_tui.commands.daemons import _positive_int
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 
@@ -252,9 +252,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--training", help="training profile JSON (a train job; default: "
                                       "quickstart_shakespeare)")
     p.add_argument("--name", default=None, help="job name (smoke job)")
-    p.add_argument("--fellows", type=_positive_int, default=1,
+    p.add_argument("--fellows", type=positive_int, default=1,
                    help="fellows the smoke job needs (default 1)")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
     add_format(p)

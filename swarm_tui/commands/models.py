@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
+from swarm_tui.commands.argtypes import positive_int, temperature
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -13,7 +14,6 @@ from swarm_tui.commands.base import (
     emit_json,
     print_line,
 )
-from swarm_tui.commands.daemons import _positive_int
 
 
 def cmd_glue(args: argparse.Namespace) -> int:
@@ -105,16 +105,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _temperature(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v <= 10:
-        raise argparse.ArgumentTypeError(f"must be in (0, 10], got {text}")
-    return v
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("glue", help="glue a run's stage shards into one model "
                                     "(model_export/full_model)")
@@ -124,19 +114,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("eval", help="validation loss of a glued model on its dataset")
     p.add_argument("--model", required=True, help="model_export/full_model directory")
-    p.add_argument("--batches", type=_positive_int, default=None,
+    p.add_argument("--batches", type=positive_int, default=None,
                    help="held-out batches (default: the run's eval_batches)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     add_format(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a glued model on CPU")
     p.add_argument("--model", required=True, help="model_export/full_model directory")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--tokens", type=_positive_int, default=200, help="tokens to sample")
-    p.add_argument("--temperature", type=_temperature, default=0.8, help="sampling temperature")
-    p.add_argument("--top-k", type=_positive_int, default=None, help="sample from the top k")
+    p.add_argument("--tokens", type=positive_int, default=200, help="tokens to sample")
+    p.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample from the top k")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     add_format(p)
     p.set_defaults(func=cmd_generate)

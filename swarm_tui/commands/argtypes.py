@@ -1,0 +1,39 @@
+"""argparse value types: one place for "a number in this range", with one-line messages."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
+           lo_open: bool = False) -> Callable[[str], float]:
+    """A type that parses ``cast`` and accepts ``lo <= v <= hi`` (``lo < v`` if ``lo_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            kind = "a whole number" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind} ({what}), got {text!r}") \
+                from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{what} must be finite, got {text}")
+        low_ok = value > lo if lo_open else value >= lo
+        if not low_ok or value > hi:
+            left = f"> {lo:g}" if lo_open else f">= {lo:g}"
+            right = "" if hi == math.inf else f" and <= {hi:g}"
+            raise argparse.ArgumentTypeError(f"{what} must be {left}{right}, got {text}")
+        return value
+
+    parse.__name__ = what.replace(" ", "_")
+    return parse
+
+
+positive_int = number(int, 1, math.inf, "count")
+positive_float = number(float, 0, math.inf, "value", lo_open=True)
+port = number(int, 0, 65535, "port")
+fellow_id = number(int, 0, 2**63 - 1, "fellow id")
+latency_ms = number(float, 0, 60_000, "latency in ms")
+temperature = number(float, 0, 10, "temperature", lo_open=True)
