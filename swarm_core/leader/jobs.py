@@ -292,14 +292,7 @@ class JobQueue:
             return
         job.recovering_since = time.monotonic()
         job.recover_reason = reason
-        for fid in dict.fromkeys(job.fellows):
-            try:
-                rec = self.registry.get(fid)
-            except ApiError:
-                continue
-            if rec.assigned_job == job.job_id:
-                rec.assigned_job = None
-                self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+        self._stop_fellows(job, reason)
         job.reason = f"recovering: {reason}"
         self._save(job)
         self._event(job, "job.recovering")
@@ -484,18 +477,19 @@ class JobQueue:
             return
         atomic_write(self.runs_dir / job.job_id / name, jsonio.dumps(data, pretty=True))
 
+    def _stop_fellows(self, job: JobRecord, reason: str) -> None:
+        """Free the job's fellows and tell those still working on it to STOP."""
+        for fid in dict.fromkeys(job.fellows):
+            rec = self._maybe(fid)
+            if rec is not None and rec.assigned_job == job.job_id:
+                rec.assigned_job = None
+                self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+
     def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
         if was_running:
-            for fid in dict.fromkeys(job.fellows):
-                try:
-                    rec = self.registry.get(fid)
-                except ApiError:
-                    continue
-                if rec.assigned_job == job.job_id:
-                    rec.assigned_job = None
-                    self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+            self._stop_fellows(job, reason)
         self._save(job)
         if job.kind == "train" and was_running:
             self._write_run_file(job, "job_final.json",
