@@ -65,3 +65,45 @@ async def test_job_ids_in_urls_never_become_paths(api, leader_config):
         assert resp.status in (401, 404), job_id
     runs = leader_config.state_dir / "runs"
     assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_data_plane_admits_only_the_jobs_session_key():
+    import socket
+    import threading
+
+    from swarm_core.pipeline.frames import Kind, job_tag, make_header
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.listener import DataListener
+    from swarm_core.pipeline.transport import PeerTimeout, _hello_payload, connect
+
+    listener = DataListener()
+    tag = job_tag("job-1")
+    host, port = listener.addr.rsplit(":", 1)
+    results: dict[str, object] = {}
+
+    def accept() -> None:
+        try:
+            results["link"] = listener.accept("right-key", 1, tag, LinkShaper(), timeout=5)
+        except PeerTimeout as exc:
+            results["error"] = exc
+
+    t = threading.Thread(target=accept)
+    t.start()
+    # An intruder with the wrong key, and one with garbage, are dropped without effect...
+    for payload in (_hello_payload("wrong-key", 0), b"not a frame at all"):
+        with socket.create_connection((host, int(port))) as s:
+            if payload.startswith(b"not"):
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            else:
+                s.sendall(make_header(Kind.HELLO, tag, 0, 0, (len(payload),), 0,
+                                      payload).pack() + payload)
+            s.settimeout(2)
+            assert s.recv(1) == b"", "the listener closes a connection with a bad hello"
+    # ...and the upstream stage with the job's key gets in.
+    good = connect(listener.addr, "right-key", 0, tag, LinkShaper(), timeout=5)
+    t.join(10)
+    listener.close()
+    assert "link" in results, results
+    results["link"].close()  # type: ignore[union-attr]
+    good.close()
