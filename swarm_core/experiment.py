@@ -133,17 +133,21 @@ class Experiment:
         if self.sequential:
             for st in self.states:
                 tc = st.spec.tc_profile
+                log: dict[str, Any] = {"tc_profile": tc}
                 try:
                     if tc:
-                        netem("setup", tc)
+                        log["setup"] = netem("setup", tc)
                     await self._submit(st)
                     await self._monitor([st])
                 except ExperimentError as exc:
                     st.state, st.note = "FAILED", str(exc)
                     self._write_manifest(st)
+                    self.on_line(f"[{st.spec.index + 1}/{len(self.states)}] "
+                                 f"{st.spec.run_name} FAILED: {exc}")
                 finally:
                     if tc:
-                        netem("cleanup", tc, check=False)
+                        log["cleanup"] = netem("cleanup", tc, check=False)
+                        _write(st.run_dir / "netem.json", log)
         else:
             await self._monitor(self.states)
         return self.states
@@ -279,8 +283,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
     return summary
 
 
-def netem(action: str, tc: dict[str, Any], check: bool = True) -> None:
-    """Run exp/scripts/{setup,cleanup}_netem.sh for one tc profile."""
+def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:
+    """Run exp/scripts/{setup,cleanup}_netem.sh for one tc profile; returns what it said."""
     script = SCRIPTS / f"{action}_netem.sh"
     argv = ["bash", str(script)]
     if tc.get("netns"):
@@ -294,6 +298,7 @@ def netem(action: str, tc: dict[str, Any], check: bool = True) -> None:
     if proc.returncode != 0 and check:
         last = (proc.stderr or proc.stdout).strip().splitlines()
         raise ExperimentError(f"{script.name} failed: {last[-1] if last else proc.returncode}")
+    return (proc.stdout + proc.stderr).strip()
 
 
 async def _sleep(seconds: float) -> None:

@@ -45,7 +45,8 @@ run ip link show "$dev" >/dev/null 2>&1 || die "no interface $dev${netns:+ in na
 # 64 KiB burst: tbf on loopback-sized MTUs needs at least that (see shared/anchors.md).
 tbf=(tbf rate "${rate}mbit" burst 64kb latency 400ms)
 run tc qdisc del dev "$dev" root 2>/dev/null || true
-if [[ "$delay" != "0" || "$loss" != "0" ]]; then
+is_zero() { [[ "$1" =~ ^0+([.]0+)?$ ]]; }
+if ! is_zero "$delay" || ! is_zero "$loss"; then
   if run tc qdisc add dev "$dev" root handle 1: netem delay "${delay}ms" loss "${loss}%" 2>/dev/null; then
     run tc qdisc add dev "$dev" parent 1:1 handle 10: "${tbf[@]}"
     echo "setup_netem: $dev${netns:+ ($netns)}: ${rate} Mbit/s, ${delay} ms delay, ${loss}% loss"

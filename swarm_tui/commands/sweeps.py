@@ -62,8 +62,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             except ExperimentError as exc:
                 raise CommandError(str(exc)) from None
             mode = "one at a time (tc profiles)" if runner.sequential else "all queued"
-            print_line(f"{exp.config.name}: {len(runner.states)} run(s), {mode}, artifacts "
-                       f"in {runner.runs_dir}") if args.format == "table" else None
+            runner.on_line(f"{exp.config.name}: {len(runner.states)} run(s), {mode}, "
+                           f"artifacts in {runner.runs_dir}")
             if args.detach:
                 _report(runner, args.format)
                 return 0
