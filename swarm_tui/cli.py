@@ -99,9 +99,44 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
             else:
                 action, rest = arg.split("=", 1)[1], args[i + 1:]
             return run([*args[:i], action, *rest], "swarm-tui --cmd")
-    warn("swarm-tui: the interactive console is not built yet; use 'swarm-tui --cmd ACTION' "
-         "or 'swarm ACTION' (see 'swarm --help')")
-    return int(ExitCode.USAGE)
+    # The interactive console. Textual is imported only here, so headless commands never load it.
+    parser = _Parser(prog="swarm-tui",
+                     description="SilentSwarm console; 'swarm-tui --cmd ACTION …' runs a headless "
+                                 "action instead (see 'swarm --help').")
+    parser.add_argument("--version", action="version", version=swarm_core.__version__)
+    parser.add_argument("--leader-url", default=None,
+                        help="leader URL (default: SWARM_LEADER_URL, then the local cluster's)")
+    parser.add_argument("--token", default=None,
+                        help="bearer token (default: SWARM_TOKEN, then the local cluster's)")
+    parser.add_argument("--local", type=_fellow_count, default=None, metavar="N",
+                        help="start a local cluster (leader + N fellows) first; stop it on exit")
+    parser.add_argument("--read-only", action="store_true",
+                        help="refuse every action that changes the cluster (shared screens)")
+    parser.add_argument("--configs", default=None, metavar="DIR",
+                        help="experiment configs for the launcher (default: exp/configs)")
+    ns = parser.parse_args(args)
+    if ns.local is not None and ns.leader_url:
+        parser.error("--local starts its own leader; leave out --leader-url")
+    try:
+        from swarm_tui.app.main import run_console
+
+        return run_console(ns)
+    except CommandError as exc:
+        warn(f"swarm-tui: {exc}")
+        return int(exc.code)
+    except KeyboardInterrupt:
+        warn("swarm-tui: interrupted")
+        return int(ExitCode.INTERRUPTED)
+
+
+def _fellow_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"must be 1-64 fellows, got {n}")
+    return n
 
 
 if __name__ == "__main__":

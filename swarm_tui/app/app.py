@@ -1,0 +1,432 @@
+"""``SwarmApp``: the console. Everything it knows comes through :class:`SwarmClient`.
+
+Data flow: a worker consumes the leader's event stream (reconnecting with backoff), a timer
+fetches full snapshots every few seconds to catch anything missed, both update one
+:class:`ClusterModel`, and every change is published on ``model_changed`` so views redraw only
+what it touched. Calls to the leader run in workers; their failures all arrive at one
+``Worker.StateChanged`` handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import aiohttp
+from textual import work
+from textual.app import App
+from textual.binding import Binding, BindingType
+from textual.reactive import reactive
+from textual.signal import Signal
+from textual.timer import Timer
+from textual.worker import Worker, WorkerState
+
+from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.protocol import JobSubmit, SetSpeedRequest
+from swarm_tui.app.commands import SwarmCommands
+from swarm_tui.app.launch import LaunchSource, ProfileSource, default_configs_dir
+from swarm_tui.app.model import Change, ClusterModel, describe_link
+from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDialog
+from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
+from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
+from swarm_tui.app.screens.launch import LaunchScreen
+
+VIEWS = ("fellows", "jobs", "launch")
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 5.0
+
+
+class SwarmApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "SilentSwarm"
+    MODES: ClassVar[dict[str, Any]] = {
+        "fellows": FellowsScreen,
+        "jobs": JobsScreen,
+        "launch": LaunchScreen,
+    }
+    DEFAULT_MODE = "fellows"
+    COMMANDS = App.COMMANDS | {SwarmCommands}
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("1", "view('fellows')", "Fellows", show=False, id="view.fellows"),
+        Binding("2", "view('jobs')", "Jobs", show=False, id="view.jobs"),
+        Binding("3", "view('launch')", "Launch", show=False, id="view.launch"),
+        Binding("question_mark", "help", "Help", id="app.help"),
+        Binding("q", "ask_quit", "Quit", id="app.quit"),
+        Binding("ctrl+q", "quit", "Quit", show=False, priority=True, id="app.quit_now"),
+        Binding("ctrl+r", "refresh", "Refresh now", show=False, id="app.refresh"),
+        Binding("ctrl+p", "command_palette", "Commands", show=False, id="app.palette"),
+    ]
+
+    # connecting | live | polling (no event stream) | lost (no answer) | refused (an error answer)
+    connection: reactive[str] = reactive("connecting")
+    connection_detail: reactive[str] = reactive("")
+
+    def __init__(self, client: SwarmClient, *, leader_url: str | None = None,
+                 read_only: bool = False, clock: Callable[[], float] = time.time,
+                 refresh_s: float | None = 3.0, tick_s: float | None = 1.0,
+                 stream: bool = True, configs_dir: Path | None = None,
+                 launch_source: LaunchSource | None = None, note: str = "",
+                 owns_client: bool = True, flush_s: float = 0.25,
+                 local_cluster: bool = False) -> None:
+        super().__init__()
+        self.client = client
+        self.leader_url = leader_url or client.base_url
+        self.read_only = read_only
+        self.model = ClusterModel(clock)
+        self.model_changed: Signal[Change] = Signal(self, "model_changed")
+        self.refresh_s, self.tick_s, self.stream = refresh_s, tick_s, stream
+        self.flush_s = flush_s
+        self._pending = Change()
+        self._flush_timer: Timer | None = None
+        self.launch_source: LaunchSource = launch_source or ProfileSource(
+            configs_dir or default_configs_dir())
+        self.owns_client = owns_client
+        self.local_cluster = local_cluster  # quitting stops it: ask first
+        self.sub_title = self.leader_url + (f"  {note}" if note else "")
+        self._api_ok: bool | None = None
+        self._stream_ok = False
+        self._stream_error = ""
+        self._api_error = ""
+        self._retry_at: float | None = None
+        self._wake_stream = asyncio.Event()  # the API answers again: retry the stream now
+        self.snapshots = 0  # full refreshes applied (tests wait on it)
+
+    # lifecycle --------------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        if self.local_cluster:
+            # An SSH session that drops (SIGHUP) or a kill (SIGTERM) still stops the cluster
+            # this console started: exit cleanly, and the caller's `finally` stops it.
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGHUP, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    loop.add_signal_handler(sig, self.exit)
+        self.refresh_now()
+        if self.stream:
+            self.stream_events()
+        if self.refresh_s:
+            self.set_interval(self.refresh_s, self.refresh_now, name="refresh")
+        if self.tick_s:
+            self.set_interval(self.tick_s, self._tick, name="tick")
+
+    async def on_unmount(self) -> None:
+        if self.owns_client:
+            await self.client.close()
+
+    def publish(self, change: Change, *, now: bool = False) -> None:
+        """Views redraw what ``change`` touched, at most every ``flush_s``: hundreds of
+        heartbeats a second become a few frames a second."""
+        if not change:
+            return
+        self._pending.merge(change)
+        if now or not self.flush_s:
+            self.flush_changes()
+        elif self._flush_timer is None:
+            self._flush_timer = self.set_timer(self.flush_s, self.flush_changes, name="flush")
+
+    def flush_changes(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.stop()
+            self._flush_timer = None
+        change, self._pending = self._pending, Change()
+        if change:
+            self.model_changed.publish(change)
+
+    def _tick(self) -> None:
+        """Ages move on even when nothing happens."""
+        self.publish(Change(ages=True))
+        self._update_connection()
+
+    # the leader -------------------------------------------------------------------------------
+    def refresh_now(self) -> None:
+        self.refresh_snapshot()
+
+    def action_refresh(self) -> None:
+        self.refresh_now()
+
+    @work(exclusive=True, group="refresh", exit_on_error=False, description="refresh")
+    async def refresh_snapshot(self) -> None:
+        try:
+            fellows = await self.client.fellows()
+            jobs = await self.client.jobs()
+        except ApiError as exc:  # it answers, but refuses (a wrong token): say so, keep trying
+            self._api_ok, self._api_error = False, f"leader refused: {_one_line(exc)}"
+            self._update_connection()
+            return
+        except (LeaderUnreachable, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            self._api_ok, self._api_error = False, _one_line(exc)
+            self._update_connection()
+            return
+        if self._api_ok is False or not self._stream_ok:
+            self._wake_stream.set()
+        self._api_ok, self._api_error = True, ""
+        self.model.need_refresh = False
+        change = self.model.apply_fellows(fellows).merge(self.model.apply_jobs(jobs))
+        self.snapshots += 1
+        self._update_connection()
+        self.publish(change)
+
+    @work(exclusive=True, group="events", exit_on_error=False, description="event stream")
+    async def stream_events(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                async for ev in self.client.events():
+                    if ev.get("type") == "hello":
+                        self._stream_ok, self._stream_error = True, ""
+                        backoff = BACKOFF_MIN_S
+                        self._update_connection()
+                        self.refresh_now()  # whatever happened while we were away
+                    self.apply_event(ev)
+                reason = "the event stream closed"
+            except (ClientError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+                reason = _one_line(exc)
+            self._stream_ok, self._stream_error = False, reason
+            self._retry_at = self.model.clock() + backoff
+            self._update_connection()
+            self._wake_stream.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_stream.wait(), backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def apply_event(self, ev: dict[str, Any]) -> Change:
+        change = self.model.apply_event(ev)
+        self.publish(change)
+        if self.model.need_refresh:
+            self.model.need_refresh = False
+            self.refresh_now()
+        return change
+
+    def _update_connection(self) -> None:
+        if self._api_ok is False and self._api_error.startswith("leader refused"):
+            self.connection_detail = self._api_error
+            self.connection = "refused"
+        elif self._api_ok is False:
+            left = "" if self._retry_at is None else \
+                f"next try in {max(0.0, self._retry_at - self.model.clock()):.0f}s: "
+            self.connection_detail = f"{left}{_short_reason(self._api_error)}"
+            self.connection = "lost"
+        elif self._stream_ok:
+            self.connection, self.connection_detail = "live", ""
+        elif self._api_ok and self.stream:
+            self.connection_detail = f"event stream: {self._stream_error or 'connecting'}"
+            self.connection = "polling"
+        elif self._api_ok:
+            self.connection, self.connection_detail = "live", ""
+        else:
+            self.connection, self.connection_detail = "connecting", ""
+
+    def watch_connection(self, old: str, new: str) -> None:
+        if old == new:
+            return
+        if new == "lost":
+            self.notify(f"leader lost: {self._api_error}; retrying", severity="error",
+                        timeout=4)
+        elif new == "refused":
+            self.notify(f"{self._api_error}; retrying", severity="error", timeout=6)
+        elif old in ("lost", "refused") and new in ("live", "polling"):
+            self.notify("leader back", timeout=3)
+
+    @work(exclusive=True, group="job", exit_on_error=False, description="fetch job")
+    async def fetch_job(self, job_id: str) -> None:
+        self.publish(self.model.apply_job(await self.client.job(job_id)))
+
+    # the one place worker failures arrive -----------------------------------------------------
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        worker = event.worker
+        if event.state is not WorkerState.ERROR:
+            return
+        exc = worker.error
+        what = worker.description or worker.name or "request"
+        if isinstance(exc, LeaderUnreachable):
+            self._api_ok, self._api_error = False, _one_line(exc)
+            self._update_connection()
+            self.notify(f"{what}: {exc}", severity="error")
+        elif isinstance(exc, ApiError):
+            where = f" ({exc.field})" if exc.field else ""
+            self.notify(f"{what}: leader refused: {exc.message}{where}", severity="error")
+        else:
+            self.notify(f"{what}: {type(exc).__name__}: {exc}", severity="error")
+        if worker.group == "events":  # the stream must outlive any surprise
+            self.set_timer(BACKOFF_MAX_S, self.stream_events)
+
+    # views ------------------------------------------------------------------------------------
+    def action_view(self, name: str) -> None:
+        self.switch_view(name)
+
+    def switch_view(self, name: str) -> None:
+        if name in VIEWS and self.current_mode != name:
+            self.switch_mode(name)
+
+    def action_ask_quit(self) -> None:
+        if not self.local_cluster:
+            self.exit()
+            return
+        dialog = ConfirmDialog("Quit?", "This console started a local cluster; quitting stops "
+                               "its leader and fellows (ctrl+q quits without asking).", "Quit")
+        self.push_screen(dialog, lambda ok: self.exit() if ok else None)
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen(help_sections(), read_only=self.read_only))
+
+    def watch_job(self, job_id: str) -> None:
+        if self.current_mode != "jobs":
+            self.switch_mode("jobs")
+        screen = self.screen
+        if isinstance(screen, JobWatchScreen):
+            if screen.job_id == job_id:
+                return
+            self.pop_screen()
+        self.push_screen(JobWatchScreen(job_id))
+
+    # actions that change the cluster ----------------------------------------------------------
+    def refuse_if_read_only(self, what: str) -> bool:
+        if self.read_only:
+            self.notify(f"read-only console: {what} is disabled", severity="warning")
+        return self.read_only
+
+    def _names(self, ids: Iterable[int]) -> list[tuple[int, str]]:
+        return [(f, self.model.fellows[f].name if f in self.model.fellows else "?") for f in ids]
+
+    def ask_set_speed(self, ids: Sequence[int]) -> None:
+        if self.refuse_if_read_only("set-speed"):
+            return
+        if not ids:
+            self.notify("no fellow selected", severity="warning")
+            return
+        first = self.model.fellows.get(ids[0])
+        dialog = SetSpeedDialog(self._names(ids), first.tx_limit if first else None,
+                                first.rx_limit if first else None,
+                                first.latency_ms if first else 0.0)
+
+        def done(req: SetSpeedRequest | None) -> None:
+            if req is not None:
+                self.set_speed(list(ids), req)
+
+        self.push_screen(dialog, done)
+
+    @work(group="set_speed", exit_on_error=False, description="set-speed")
+    async def set_speed(self, ids: list[int], req: SetSpeedRequest) -> None:
+        # Not exclusive: a second request must not cancel the first one mid-flight.
+        for fid in ids:
+            await self.client.set_speed(fid, req)
+        self.notify(f"set-speed {describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
+                    f"sent to fellow{'s' if len(ids) > 1 else ''} {_ids(ids)}")
+        self.refresh_now()
+
+    def ask_release(self, ids: Sequence[int]) -> None:
+        if self.refuse_if_read_only("release"):
+            return
+        if not ids:
+            self.notify("no fellow selected", severity="warning")
+            return
+        names = ", ".join(f"{f} {n}" for f, n in self._names(ids))
+        dialog = ConfirmDialog(f"Release {len(ids)} fellow{'s' if len(ids) > 1 else ''}?",
+                               f"{names}\n\nThey stop their job and leave the cluster.",
+                               "Release")
+        self.push_screen(dialog, lambda ok: self.release(list(ids)) if ok else None)
+
+    def ask_release_all(self) -> None:
+        if self.refuse_if_read_only("release all"):
+            return
+        n = len(self.model.fellows)
+        dialog = ConfirmDialog(f"Release ALL {n} fellows?",
+                               "Every fellow stops its job and leaves the cluster.",
+                               "Release all")
+        self.push_screen(dialog, lambda ok: self.release([], everyone=True) if ok else None)
+
+    @work(group="release", exit_on_error=False, description="release")
+    async def release(self, ids: list[int], everyone: bool = False) -> None:
+        released = await self.client.release(None if everyone else ids, all=everyone)
+        self.notify(f"released fellow{'s' if len(released) != 1 else ''} {_ids(released)}"
+                    if released else "no fellow to release")
+        self.refresh_now()
+
+    def ask_cancel(self, job_id: str) -> None:
+        if self.refuse_if_read_only("cancel"):
+            return
+        view = self.model.jobs.get(job_id)
+        if view is not None and view.terminal:
+            self.notify(f"{job_id} is already {view.info.state}", severity="warning")
+            return
+        name = f" ({view.info.name})" if view is not None else ""
+        dialog = ConfirmDialog(f"Cancel {job_id}?", f"{job_id}{name} stops on every fellow.",
+                               "Cancel job")
+        self.push_screen(dialog, lambda ok: self.cancel(job_id) if ok else None)
+
+    @work(group="cancel", exit_on_error=False, description="cancel")
+    async def cancel(self, job_id: str) -> None:
+        job = await self.client.cancel(job_id)
+        self.publish(self.model.apply_job(job), now=True)
+        self.notify(f"{job_id} {job.state.lower()}")
+
+    def launch(self, runs: Sequence[JobSubmit], origin: Any = None) -> None:
+        if self.refuse_if_read_only("launch"):
+            return
+        self._submit(list(runs), origin)
+
+    @work(group="submit", exit_on_error=False, description="launch")
+    async def _submit(self, runs: list[JobSubmit], origin: Any) -> None:
+        submitted: list[str] = []
+        try:
+            for req in runs:
+                job = await self.client.submit(req)
+                submitted.append(job.job_id)
+                self.publish(self.model.apply_job(job), now=True)
+        except ClientError as exc:
+            if origin is not None and hasattr(origin, "launch_failed"):
+                origin.launch_failed(exc, submitted)
+            raise
+        self.notify(f"submitted {', '.join(submitted)}")
+        self.switch_view("jobs")
+        screen = self.screen
+        if isinstance(screen, JobsScreen) and submitted:
+            screen.select_job(submitted[-1])
+
+
+def help_sections() -> list[tuple[str, list[Binding]]]:
+    """Every binding of every view, for the help screen."""
+    from swarm_tui.app.screens.dialogs import ConfirmDialog as Confirm
+    from swarm_tui.app.screens.dialogs import SetSpeedDialog as Speed
+
+    def of(cls: type) -> list[Binding]:
+        return [b for b in cls.BINDINGS if isinstance(b, Binding)]
+
+    navigation = [
+        Binding("up,down,pageup,pagedown,home,end", "", "move in a table", id="table.move"),
+        Binding("enter", "", "open (fellow detail / job watch)", id="table.open"),
+        Binding("tab,shift+tab", "", "next / previous field", id="focus.next"),
+    ]
+    return [
+        ("everywhere", of(SwarmApp)),
+        ("fellows", of(FellowsScreen)),
+        ("fellow detail", of(FellowDetailScreen)),
+        ("jobs", of(JobsScreen)),
+        ("job watch", of(JobWatchScreen)),
+        ("launch", of(LaunchScreen)),
+        ("set-speed dialog", of(Speed)),
+        ("confirmation", of(Confirm)),
+        ("tables and forms", navigation),
+    ]
+
+
+def _ids(ids: Iterable[int]) -> str:
+    return ", ".join(map(str, ids))
+
+
+def _short_reason(text: str) -> str:
+    """``cannot reach the leader at URL: ClientConnectorError …`` -> ``ClientConnectorError …``
+    (the URL is on screen already)."""
+    head, sep, tail = text.partition(": ")
+    return tail if sep and head.startswith("cannot reach the leader") else text
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

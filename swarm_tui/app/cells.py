@@ -1,0 +1,316 @@
+"""Columns of the console's tables and the cells written into them (Rich, no Textual).
+
+A :class:`Cell` is a Rich ``Text`` that also carries the value it sorts by, so sorting a column
+of numbers sorts numbers; ``None`` sorts last. Columns have fixed widths: values that change
+every second never make the table re-measure or jump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from rich.text import Text
+
+from swarm_tui.app.model import ClusterModel, FellowState, JobView
+
+STATUS_STYLE = {
+    "ready": "green",
+    "busy": "bold cyan",
+    "stale": "bold red",
+    "offline": "red",
+    "released": "dim",
+    "leaving": "dim",
+}
+JOB_STATE_STYLE = {
+    "PENDING": "yellow",
+    "RUNNING": "bold cyan",
+    "COMPLETED": "green",
+    "FAILED": "bold red",
+    "CANCELLED": "dim",
+}
+STALE_ROW_STYLE = "red"
+MARK = "●"
+
+
+class Cell(Text):
+    """Text that sorts by ``sort_key`` (a tuple; a missing value sorts after every value)."""
+
+    def __init__(self, text: str, value: Any = None, *, key: Any = 0, style: str = "",
+                 justify: str = "left") -> None:
+        super().__init__(text, style=style, justify=justify, no_wrap=True,  # type: ignore[arg-type]
+                         overflow="ellipsis", end="")
+        self.sort_key = (1, 0, key) if value is None else (0, value, key)
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        return self.plain, str(self.style)
+
+
+@attrs.define(frozen=True)
+class Column:
+    key: str
+    label: str
+    width: int
+    justify: str = "left"
+    help: str = ""
+
+
+FELLOW_COLUMNS: tuple[Column, ...] = (
+    Column("sel", " ", 1, help="marked (space)"),
+    Column("id", "id", 3, "right", "fellow id"),
+    Column("name", "name", 10),
+    Column("status", "status", 8, help="! marks a note (see the detail view)"),
+    Column("hb", "hb", 4, "right", "seconds since the last heartbeat"),
+    Column("job", "job/stage", 12),
+    Column("step", "step", 6, "right"),
+    Column("loss", "loss", 6, "right", "last loss"),
+    Column("tps", "tok/s", 6, "right", "tokens per second"),
+    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate"),
+    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate"),
+    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s"),
+    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s"),
+    Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent"),
+    Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received"),
+    Column("node", "node", 10, help="host"),
+    Column("dev", "slots", 8, help="device slots"),
+)
+FELLOW_COLUMN_KEYS = tuple(c.key for c in FELLOW_COLUMNS)
+SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
+
+JOB_COLUMNS: tuple[Column, ...] = (
+    Column("id", "job", 10),
+    Column("name", "name", 14),
+    Column("kind", "kind", 5),
+    Column("state", "state", 9),
+    Column("progress", "progress", 18, help="steps done of the steps asked"),
+    Column("loss", "loss", 6, "right"),
+    Column("fellows", "fellows", 8),
+    Column("age", "age", 5, "right", "since submitted"),
+    Column("info", "why / reason", 40),
+)
+JOB_COLUMN_KEYS = tuple(c.key for c in JOB_COLUMNS)
+
+
+# --- number formats ------------------------------------------------------------------------------
+
+
+def fmt_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 100:
+        return f"{s}s"
+    if s < 6000:
+        return f"{s // 60}m"
+    if s < 360000:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1000 or unit == "T":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return str(n)
+
+
+def fmt_mbps(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v < 10:
+        return f"{v:.2f}"
+    if v < 1000:
+        return f"{v:.1f}"
+    return f"{v:.0f}"
+
+
+def fmt_limit(v: float | None) -> str:
+    return "∞" if v is None else f"{v:g}"
+
+
+def fmt_loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def fmt_tps(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v < 10_000 else f"{v / 1000:.0f}k"
+
+
+def fmt_devices(devices: list[str]) -> str:
+    if not devices:
+        return "-"
+    if all(d.startswith("cuda:") for d in devices):
+        return "cuda:" + ",".join(d[5:] for d in devices)
+    if len(set(devices)) == 1:
+        return devices[0] if len(devices) == 1 else f"{len(devices)}x{devices[0]}"
+    return ",".join(devices)
+
+
+def progress_bar(done: int, total: int | None, width: int = 8) -> str:
+    if not total:
+        return f"{'':{width}} {done}"
+    frac = max(0.0, min(1.0, done / total))
+    full = int(frac * width)
+    return "█" * full + "░" * (width - full) + f" {done}/{total}"
+
+
+# --- rows ---------------------------------------------------------------------------------------
+
+
+def _fellow_row_style(st: FellowState) -> str:
+    return STALE_ROW_STYLE if st.stale else "dim" if st.status in ("released", "leaving") else ""
+
+
+def fellow_age_cell(model: ClusterModel, st: FellowState) -> Cell:
+    """The heartbeat age alone: the one cell that changes every second by itself."""
+    age = model.heartbeat_age(st)
+    style = _fellow_row_style(st) or ("yellow" if age is not None and age >= 3 else "")
+    return Cell(fmt_age(age), age, key=st.fellow_id, style=style, justify="right")
+
+
+def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str, Cell]:
+    fid = st.fellow_id
+    row_style = _fellow_row_style(st)
+    live = not st.stale  # rates of a silent fellow are history, not news
+
+    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+        return Cell(text, value, key=fid, style=style or row_style, justify=justify)
+
+    def num(text: str, value: Any) -> Cell:
+        return cell(text, value, justify="right")
+
+    job = "-" if st.job_id is None else st.job_id + ("" if st.stage is None else f"/{st.stage}")
+    tx_rate = st.tx_mbps if live else None
+    rx_rate = st.rx_mbps if live else None
+    return {
+        "sel": cell(MARK if marked else " ", int(marked), style="bold magenta"),
+        "id": num(str(fid), fid),
+        "name": cell(st.name, st.name),
+        "status": cell(st.status + ("!" if st.note else ""), st.status,
+                       style="yellow" if st.note and not st.stale else
+                       STATUS_STYLE.get(st.status, "")),
+        "hb": fellow_age_cell(model, st),
+        "job": cell(job, None if st.job_id is None else (st.job_id, st.stage or 0)),
+        "step": num(str(st.step) if st.job_id else "-", st.step if st.job_id else None),
+        "loss": num(fmt_loss(st.loss), st.loss),
+        "tps": num(fmt_tps(st.tokens_per_s) if st.job_id else "-",
+                   st.tokens_per_s if st.job_id else None),
+        "tx_rate": num(fmt_mbps(tx_rate), tx_rate),
+        "rx_rate": num(fmt_mbps(rx_rate), rx_rate),
+        "tx_lim": num(fmt_limit(st.tx_limit), st.tx_limit if st.tx_limit is not None
+                      else float("inf")),
+        "rx_lim": num(fmt_limit(st.rx_limit), st.rx_limit if st.rx_limit is not None
+                      else float("inf")),
+        "tx_bytes": num(fmt_bytes(st.counters.get("data_tx")), st.counters.get("data_tx")),
+        "rx_bytes": num(fmt_bytes(st.counters.get("data_rx")), st.counters.get("data_rx")),
+        "node": cell(st.host or "-", st.host),
+        "dev": cell(fmt_devices(st.devices), len(st.devices)),
+    }
+
+
+def fellow_haystack(st: FellowState) -> str:
+    """What ``/`` filters match against."""
+    return " ".join([str(st.fellow_id), st.name, st.host, st.status, st.job_id or "",
+                     *st.devices, st.note])
+
+
+JOB_STATE_ORDER = {"RUNNING": 0, "PENDING": 1, "FAILED": 2, "CANCELLED": 2, "COMPLETED": 2}
+
+
+def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
+    info = view.info
+    jid = info.job_id
+    # Default order: running, then the queue oldest first, then the history newest first.
+    group = JOB_STATE_ORDER.get(info.state, 3)
+    created = info.created_at if group < 2 else -info.created_at
+
+    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+        return Cell(text, value, key=jid, style=style, justify=justify)
+
+    total = view.total_steps
+    why = info.waiting_for if info.state == "PENDING" else info.reason
+    return {
+        "id": cell(jid, (group, created)),
+        "name": cell(info.name, info.name),
+        "kind": cell(info.kind or "-", info.kind),
+        "state": cell(info.state, (group, info.state), style=JOB_STATE_STYLE.get(info.state, "")),
+        "progress": cell(progress_bar(info.last_step, total),
+                         info.last_step / total if total else info.last_step),
+        "loss": cell(fmt_loss(info.last_loss), info.last_loss, justify="right"),
+        "fellows": cell(",".join(map(str, info.fellows)) or f"({info.topology.fellows})",
+                        len(info.fellows)),
+        "age": job_age_cell(model, view),
+        "info": cell(why or "", why or None),
+    }
+
+
+def job_age_cell(model: ClusterModel, view: JobView) -> Cell:
+    created = view.info.created_at
+    age = None if created is None else max(0.0, model.leader_now() - created)
+    return Cell(fmt_age(age), age, key=view.job_id, justify="right")
+
+
+def job_haystack(view: JobView) -> str:
+    info = view.info
+    return " ".join([info.job_id, info.name, info.kind, info.state, info.reason])
+
+
+CellsFn = Callable[..., dict[str, Cell]]
+
+
+WATCH_COLUMNS: tuple[Column, ...] = (
+    Column("id", "fellow", 6, "right"),
+    Column("name", "name", 10),
+    Column("stage", "stage", 5, "right"),
+    Column("status", "status", 8),
+    Column("step", "step", 6, "right"),
+    Column("loss", "loss", 6, "right"),
+    Column("tps", "tok/s", 6, "right"),
+    Column("tx_rate", "tx Mb/s", 7, "right"),
+    Column("rx_rate", "rx Mb/s", 7, "right"),
+    Column("hb", "hb", 4, "right"),
+)
+
+
+def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]:
+    """One fellow of a job: what it last reported (metric events), and what it is now."""
+    st = model.fellows.get(fid)
+    fp = view.per_fellow.get(fid)
+    in_job = st is not None and st.job_id == view.job_id
+    stage = st.stage if in_job and st is not None else None
+    if stage is None and fid in view.info.fellows:
+        stage = view.info.fellows.index(fid)
+    step = fp.step if fp is not None else (st.step if in_job and st is not None else None)
+    loss = fp.loss if fp is not None and fp.loss is not None else (
+        st.loss if in_job and st is not None else None)
+    tps = fp.tokens_per_s if fp is not None and fp.tokens_per_s is not None else (
+        st.tokens_per_s if in_job and st is not None else None)
+    status = st.status if st is not None else "gone"
+    row_style = STALE_ROW_STYLE if st is None or st.stale else ""
+    age = model.heartbeat_age(st) if st is not None else None
+    tx = st.tx_mbps if st is not None and in_job else None
+    rx = st.rx_mbps if st is not None and in_job else None
+
+    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+        return Cell(text, value, key=fid, style=style or row_style, justify=justify)
+
+    return {
+        "id": cell(str(fid), fid, justify="right"),
+        "name": cell(st.name if st is not None else "?", st.name if st is not None else None),
+        "stage": cell("-" if stage is None else str(stage), stage, justify="right"),
+        "status": cell(status, status, style=STATUS_STYLE.get(status, row_style)),
+        "step": cell("-" if step is None else str(step), step, justify="right"),
+        "loss": cell(fmt_loss(loss), loss, justify="right"),
+        "tps": cell(fmt_tps(tps), tps, justify="right"),
+        "tx_rate": cell(fmt_mbps(tx), tx, justify="right"),
+        "rx_rate": cell(fmt_mbps(rx), rx, justify="right"),
+        "hb": cell(fmt_age(age), age, justify="right"),
+    }

@@ -1,0 +1,54 @@
+"""Parsing what people type into the console's dialogs (no Textual): one-line errors."""
+
+from __future__ import annotations
+
+import math
+
+from swarm_core.protocol import SetSpeedRequest
+from swarm_core.schema import FieldError
+
+SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
+
+
+class FormError(ValueError):
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
+    text = text.strip()
+    if not text or text.lower() in ("unlimited", "none", "-", "∞"):
+        if empty is None and field == "latency_ms":
+            raise FormError(f"{SPEED_LABELS[field]}: give a number", field)
+        return empty
+    try:
+        value = float(text)
+    except ValueError:
+        raise FormError(f"{SPEED_LABELS.get(field, field)}: {text!r} is not a number",
+                        field) from None
+    if not math.isfinite(value):
+        raise FormError(f"{SPEED_LABELS.get(field, field)}: must be a finite number "
+                        "(leave it empty for unlimited)", field)
+    return value
+
+
+def parse_speed(tx: str, rx: str, latency: str) -> SetSpeedRequest:
+    """Rates in Mbit/s (empty: unlimited), latency in ms (empty: 0)."""
+    tx_v = parse_number(tx, "tx_mbps", empty=None)
+    rx_v = parse_number(rx, "rx_mbps", empty=None)
+    for field, v in (("tx_mbps", tx_v), ("rx_mbps", rx_v)):
+        if v is not None and v <= 0:
+            raise FormError(f"{SPEED_LABELS[field]}: must be > 0 (leave it empty for "
+                            f"unlimited), got {v:g}", field)
+    lat_v = parse_number(latency, "latency_ms", empty=0.0)
+    try:
+        return SetSpeedRequest(tx_mbps=tx_v, rx_mbps=rx_v, latency_ms=lat_v or 0.0)
+    except FieldError as exc:
+        field = exc.field or ""
+        raise FormError(f"{SPEED_LABELS.get(field, field)}: {exc}", field) from None
+
+
+def fmt_input(v: float | None) -> str:
+    """A value as the dialog pre-fills it (empty for unlimited)."""
+    return "" if v is None else f"{v:g}"

@@ -1,0 +1,59 @@
+"""Start the console: optionally an embedded local cluster first, then the app."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+from pathlib import Path
+
+from swarm_core.client import SwarmClient
+from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader, warn
+
+
+def run_console(args: argparse.Namespace) -> int:
+    """``args``: leader_url, token, local (fellow count or None), read_only, configs."""
+    from swarm_tui.app.app import SwarmApp
+
+    stop = None
+    note = ""
+    if args.local is not None:
+        from swarm_tui.commands.local_cluster import (
+            ClusterSpec,
+            start_cluster,
+            stop_cluster,
+            token_for,
+        )
+
+        warn(f"swarm-tui: starting a local cluster (leader + {args.local} fellows)…")
+        record = start_cluster(ClusterSpec(fellows=args.local))
+        url, token = record.leader_url, token_for(record)
+        stop = stop_cluster
+        note = f"(local cluster, {args.local} fellows; stopped on exit)"
+    else:
+        url, token = resolve_leader(args)
+    try:
+        app = SwarmApp(SwarmClient(url, token), leader_url=url, read_only=args.read_only,
+                       configs_dir=Path(args.configs) if args.configs else None, note=note,
+                       local_cluster=stop is not None)
+        app.run()
+        if app.return_code not in (None, 0):
+            return int(app.return_code)
+        return int(ExitCode.OK)
+    finally:
+        if stop is not None:
+            # The terminal may be gone (SSH dropped) and more signals may follow: finish the
+            # cleanup regardless, and never fail on writing to a closed terminal.
+            for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(sig, signal.SIG_IGN)
+            _say("swarm-tui: stopping the local cluster…")
+            try:
+                stop()
+            except (OSError, CommandError) as exc:  # pragma: no cover - best effort
+                _say(f"swarm-tui: could not stop the local cluster: {exc}")
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        warn(text)

@@ -1,0 +1,431 @@
+"""The cluster as the console sees it: fellows, jobs and their recent history (no Textual).
+
+The app feeds it full snapshots (``SwarmClient.fellows()`` / ``jobs()``, every few seconds) and
+the events of the leader's stream; widgets read it. Timestamps the leader sends are its wall
+clock; ``offset`` (leader minus local) is estimated from event timestamps, so ages and rates are
+right even when the two clocks disagree. Byte rates come from successive cumulative counters,
+over windows of at least ``MIN_RATE_WINDOW_S`` of leader time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from swarm_core.protocol import FellowInfo, JobInfo, Topology
+
+HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
+EVENTS_KEPT = 60  # recent events kept per fellow
+MIN_RATE_WINDOW_S = 0.5
+SAME_SAMPLE_S = 0.05  # a snapshot's last_heartbeat and that heartbeat's event ts differ by less
+NOT_HEARTBEATS = ("stale", "offline")  # statuses the leader sets without hearing from a fellow
+TERMINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+@attrs.define(eq=False)
+class RateMeter:
+    """Bytes per second from a cumulative counter sampled at leader timestamps."""
+
+    value: int | None = None
+    ts: float | None = None
+    rate: float | None = None
+
+    def sample(self, value: int, ts: float) -> bool:
+        """Take a sample; True when the rate changed."""
+        if self.value is None or self.ts is None or value < self.value:
+            reset = self.value is not None and self.rate is not None
+            self.value, self.ts = value, ts
+            if reset:  # the counter went backwards: the fellow restarted
+                self.rate = None
+            return reset
+        dt = ts - self.ts
+        if dt < MIN_RATE_WINDOW_S:
+            return False
+        rate = (value - self.value) / dt
+        self.value, self.ts = value, ts
+        changed = rate != self.rate
+        self.rate = rate
+        return changed
+
+
+@attrs.define(eq=False)
+class FellowState:
+    fellow_id: int
+    name: str = ""
+    host: str = ""
+    pid: int = 0
+    devices: list[str] = attrs.field(factory=list)
+    threads: int = 1
+    data_addr: str | None = None
+    status: str = "unknown"
+    note: str = ""  # why a live fellow may look stuck ("throttled link …"), from snapshots
+    job_id: str | None = None
+    stage: int | None = None
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    tx_limit: float | None = None  # Mbit/s; None is unlimited
+    rx_limit: float | None = None
+    latency_ms: float = 0.0
+    counters: dict[str, int] = attrs.field(factory=dict)
+    registered_at: float | None = None  # leader clock
+    hb_local: float | None = None  # local clock of the last heartbeat
+    sample_ts: float | None = None  # leader clock of the newest counters sample
+    tx: RateMeter = attrs.field(factory=RateMeter)
+    rx: RateMeter = attrs.field(factory=RateMeter)
+    loss_hist: deque[tuple[int, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    tps_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    tx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))  # Mbit/s
+    rx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    events: deque[tuple[float, str]] = attrs.field(factory=lambda: deque(maxlen=EVENTS_KEPT))
+
+    @property
+    def stale(self) -> bool:
+        return self.status in NOT_HEARTBEATS
+
+    @property
+    def tx_mbps(self) -> float | None:
+        return None if self.tx.rate is None else self.tx.rate * 8 / 1e6
+
+    @property
+    def rx_mbps(self) -> float | None:
+        return None if self.rx.rate is None else self.rx.rate * 8 / 1e6
+
+    def log(self, ts: float, text: str) -> None:
+        self.events.append((ts, text))
+
+    # updates ----------------------------------------------------------------------------------
+    def _progress(self, job_id: str | None, stage: int | None, step: int, loss: float | None,
+                  tps: float, ts: float) -> None:
+        if job_id != self.job_id:
+            if job_id is not None:
+                where = "" if stage is None else f" as stage {stage}"
+                self.log(ts, f"joined {job_id}{where}")
+            elif self.job_id is not None:
+                self.log(ts, f"left {self.job_id} at step {self.step}")
+            self.loss_hist.clear()
+            self.stage = stage
+        elif stage is not None:
+            self.stage = stage
+        self.job_id, self.step, self.loss, self.tokens_per_s = job_id, step, loss, tps
+        if loss is not None and job_id is not None and (
+                not self.loss_hist or self.loss_hist[-1][0] < step):
+            self.loss_hist.append((step, loss))
+
+    def _status(self, status: str, ts: float) -> None:
+        if status != self.status and self.status != "unknown":
+            self.log(ts, f"status {self.status} -> {status}")
+        self.status = status
+
+    def _link(self, link: dict[str, Any] | None) -> None:
+        if link:
+            self.tx_limit = link.get("tx_mbps")
+            self.rx_limit = link.get("rx_mbps")
+            self.latency_ms = link.get("latency_ms") or 0.0
+
+    def _counters(self, counters: dict[str, Any] | None, ts: float | None) -> None:
+        if not counters:
+            return
+        if ts is not None and self.sample_ts is not None and ts <= self.sample_ts:
+            return
+        self.counters = {k: int(v) for k, v in counters.items() if isinstance(v, int | float)}
+        if ts is None:
+            return
+        self.sample_ts = ts
+        if self.tx.sample(self.counters.get("data_tx", 0), ts) and self.tx.rate is not None:
+            self.tx_hist.append(self.tx.rate * 8 / 1e6)
+        if self.rx.sample(self.counters.get("data_rx", 0), ts) and self.rx.rate is not None:
+            self.rx_hist.append(self.rx.rate * 8 / 1e6)
+
+    def apply_info(self, fi: FellowInfo, now: float) -> None:
+        self.name, self.host, self.pid = fi.name, fi.host, fi.pid
+        self.devices, self.threads, self.data_addr = list(fi.devices), fi.threads, fi.data_addr
+        self.registered_at = fi.registered_at
+        self.note = str(getattr(fi, "note", "") or "")
+        ts = fi.last_heartbeat if fi.last_heartbeat is not None else fi.registered_at
+        self._status(fi.status, ts)  # the leader's judgement (stale) needs no heartbeat
+        if fi.heartbeat_age_s is not None:
+            hb = now - fi.heartbeat_age_s
+            self.hb_local = hb if self.hb_local is None else max(self.hb_local, hb)
+        if self.sample_ts is not None and ts < self.sample_ts - SAME_SAMPLE_S:
+            return  # an event already brought a newer heartbeat than this snapshot holds
+        self._progress(fi.current_job, fi.current_stage, fi.current_step, fi.last_loss,
+                       fi.tokens_per_s, ts)
+        self._link({"tx_mbps": fi.link.tx_mbps, "rx_mbps": fi.link.rx_mbps,
+                    "latency_ms": fi.link.latency_ms})
+        self._counters(attrs.asdict(fi.counters), fi.last_heartbeat)
+
+    def apply_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> None:
+        if kind == "fellow.set_speed":
+            self.log(ts, "set-speed requested: " + describe_link(
+                data.get("tx_mbps"), data.get("rx_mbps"), data.get("latency_ms") or 0.0))
+            return
+        if kind == "fellow.release":
+            self.log(ts, "release requested")
+            return
+        if data.get("name"):
+            self.name = data["name"]
+        status = data.get("status")
+        if kind == "fellow.registered":
+            self.log(ts, "registered")
+        if isinstance(status, str):
+            self._status(status, ts)
+        if status in NOT_HEARTBEATS:
+            return  # the leader's judgement, not news from the fellow
+        self.hb_local = now
+        self._progress(data.get("job_id"), None, int(data.get("step") or 0), data.get("loss"),
+                       float(data.get("tokens_per_s") or 0.0), ts)
+        self.tps_hist.append(self.tokens_per_s)
+        self._link(data.get("link"))
+        self._counters(data.get("counters"), ts)
+
+
+@attrs.define(eq=False)
+class FellowProgress:
+    """What one fellow last reported about one job (from ``metric`` events)."""
+
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    state: str = ""
+
+
+@attrs.define(eq=False)
+class JobView:
+    info: JobInfo
+    per_fellow: dict[int, FellowProgress] = attrs.field(factory=dict)
+    partial: bool = False  # built from an event; the next snapshot fills it in
+
+    @property
+    def job_id(self) -> str:
+        return self.info.job_id
+
+    @property
+    def total_steps(self) -> int | None:
+        steps = (self.info.training or {}).get("steps")
+        return steps if isinstance(steps, int) and steps > 0 else None
+
+    @property
+    def terminal(self) -> bool:
+        return self.info.state in TERMINAL_JOB_STATES
+
+    def apply_metric(self, data: dict[str, Any]) -> None:
+        fid = data.get("fellow_id")
+        step = int(data.get("step") or 0)
+        loss = data.get("loss")
+        if isinstance(fid, int):
+            fp = self.per_fellow.setdefault(fid, FellowProgress())
+            fp.step, fp.state = step, str(data.get("state") or "")
+            if loss is not None:
+                fp.loss = loss
+            if data.get("tokens_per_s") is not None:
+                fp.tokens_per_s = data["tokens_per_s"]
+        self.info.last_step = max(self.info.last_step, step)
+        if loss is not None:
+            self.info.last_loss = loss
+            hist = self.info.loss_history
+            if not hist or hist[-1][0] < step:
+                hist.append([step, loss])
+
+
+@attrs.define
+class Change:
+    """What an update touched: rows to redraw, and whether rows came or went."""
+
+    fellows: set[int] = attrs.field(factory=set)
+    jobs: set[str] = attrs.field(factory=set)
+    fellow_rows: bool = False  # fellows added or removed
+    job_rows: bool = False
+    ages: bool = False  # time moved on: heartbeat and job ages
+
+    def __bool__(self) -> bool:
+        return bool(self.fellows or self.jobs or self.fellow_rows or self.job_rows or self.ages)
+
+    def merge(self, other: Change) -> Change:
+        self.fellows |= other.fellows
+        self.jobs |= other.jobs
+        self.fellow_rows |= other.fellow_rows
+        self.job_rows |= other.job_rows
+        self.ages |= other.ages
+        return self
+
+
+class ClusterModel:
+    """Fellows and jobs, kept current from snapshots and events."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.fellows: dict[int, FellowState] = {}
+        self.jobs: dict[str, JobView] = {}
+        self.offset = 0.0  # leader clock minus local clock
+        self.last_seq: int | None = None
+        self.need_refresh = False  # an event was missed or named something unknown
+        self.events_seen = 0
+
+    def leader_now(self) -> float:
+        return self.clock() + self.offset
+
+    # snapshots --------------------------------------------------------------------------------
+    def apply_fellows(self, infos: Iterable[FellowInfo]) -> Change:
+        now = self.clock()
+        change = Change()
+        seen: set[int] = set()
+        for fi in infos:
+            seen.add(fi.fellow_id)
+            st = self.fellows.get(fi.fellow_id)
+            if st is None:
+                st = self.fellows[fi.fellow_id] = FellowState(fi.fellow_id)
+                change.fellow_rows = True
+            st.apply_info(fi, now)
+            change.fellows.add(fi.fellow_id)
+        for fid in set(self.fellows) - seen:
+            del self.fellows[fid]
+            change.fellow_rows = True
+        return change
+
+    def apply_jobs(self, infos: Iterable[JobInfo]) -> Change:
+        change = Change()
+        seen: set[str] = set()
+        for ji in infos:
+            seen.add(ji.job_id)
+            view = self.jobs.get(ji.job_id)
+            if view is None:
+                self.jobs[ji.job_id] = JobView(ji)
+                change.job_rows = True
+            else:
+                view.info, view.partial = ji, False
+            change.jobs.add(ji.job_id)
+        for jid in set(self.jobs) - seen:
+            del self.jobs[jid]
+            change.job_rows = True
+        return change
+
+    def apply_job(self, ji: JobInfo) -> Change:
+        """One job fetched on its own (the watch view): keeps the other jobs."""
+        view = self.jobs.get(ji.job_id)
+        if view is None:
+            self.jobs[ji.job_id] = JobView(ji)
+            return Change(jobs={ji.job_id}, job_rows=True)
+        view.info, view.partial = ji, False
+        return Change(jobs={ji.job_id})
+
+    # events -----------------------------------------------------------------------------------
+    def apply_event(self, ev: dict[str, Any]) -> Change:
+        kind = str(ev.get("type", ""))
+        data = ev.get("data") or {}
+        seq = ev.get("seq")
+        ts = ev.get("ts")
+        now = self.clock()
+        if isinstance(ts, int | float):
+            self.offset = ts - now
+        else:
+            ts = now + self.offset
+        if isinstance(seq, int):
+            if kind != "hello" and self.last_seq is not None and seq != self.last_seq + 1:
+                self.need_refresh = True
+            self.last_seq = seq
+        if kind == "hello":
+            return Change()
+        self.events_seen += 1
+        if kind.startswith("fellow."):
+            return self._fellow_event(kind, data, ts, now)
+        if kind == "metric":
+            return self._metric(data)
+        if kind.startswith("job."):
+            return self._job_event(kind, data)
+        return Change()
+
+    def _fellow_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> Change:
+        fid = data.get("fellow_id")
+        if not isinstance(fid, int):
+            return Change()
+        change = Change(fellows={fid})
+        st = self.fellows.get(fid)
+        if st is None:
+            if kind in ("fellow.set_speed", "fellow.release"):
+                return Change()
+            st = self.fellows[fid] = FellowState(fid)
+            change.fellow_rows = True
+            self.need_refresh = True  # host, devices and the rest come with the snapshot
+        st.apply_event(kind, data, ts, now)
+        return change
+
+    def _metric(self, data: dict[str, Any]) -> Change:
+        jid = data.get("job_id")
+        view = self.jobs.get(jid) if isinstance(jid, str) else None
+        if view is None:
+            self.need_refresh = True
+            return Change()
+        view.apply_metric(data)
+        state = data.get("state")
+        fid = data.get("fellow_id")
+        st = self.fellows.get(fid) if isinstance(fid, int) else None
+        if st is not None and state in ("COMPLETED", "FAILED"):
+            st.log(self.leader_now(), f"{jid}: {state.lower()} at step {data.get('step')}")
+        return Change(jobs={view.job_id})
+
+    def _job_event(self, kind: str, data: dict[str, Any]) -> Change:
+        jid = data.get("job_id")
+        if not isinstance(jid, str):
+            return Change()
+        view = self.jobs.get(jid)
+        change = Change(jobs={jid})
+        if view is None:
+            if kind == "job.shard":
+                return Change()
+            info = JobInfo(job_id=jid, name=str(data.get("name") or jid), kind="",
+                           state=str(data.get("state") or "PENDING"),
+                           created_at=self.leader_now(), started_at=None, finished_at=None,
+                           last_step=0, last_loss=None, fellows=[], topology=Topology(),
+                           reason="", model={}, training={})
+            view = self.jobs[jid] = JobView(info, partial=True)
+            change.job_rows = True
+            self.need_refresh = True
+        if kind == "job.shard":
+            return change
+        info = view.info
+        for key in ("name", "state", "reason"):
+            if isinstance(data.get(key), str):
+                setattr(info, key, data[key])
+        if isinstance(data.get("last_step"), int):
+            info.last_step = data["last_step"]
+        if "last_loss" in data:
+            info.last_loss = data["last_loss"]
+        if isinstance(data.get("fellows"), list):
+            info.fellows = [f for f in data["fellows"] if isinstance(f, int)]
+        if info.state == "RUNNING" and info.started_at is None:
+            info.started_at = self.leader_now()
+        if info.state in TERMINAL_JOB_STATES and info.finished_at is None:
+            info.finished_at = self.leader_now()
+            self.need_refresh = True  # final metrics and history
+        if info.state != "PENDING":
+            info.waiting_for = ""
+        return change
+
+    # queries ----------------------------------------------------------------------------------
+    def heartbeat_age(self, st: FellowState) -> float | None:
+        return None if st.hb_local is None else max(0.0, self.clock() - st.hb_local)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for st in self.fellows.values():
+            out[st.status] = out.get(st.status, 0) + 1
+        return out
+
+    def job_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for view in self.jobs.values():
+            out[view.info.state] = out.get(view.info.state, 0) + 1
+        return out
+
+
+def describe_link(tx: float | None, rx: float | None, latency_ms: float) -> str:
+    def rate(v: float | None) -> str:
+        return "unlimited" if v is None else f"{v:g} Mbit/s"
+
+    lat = f", +{latency_ms:g} ms" if latency_ms else ""
+    return f"tx {rate(tx)}, rx {rate(rx)}{lat}"

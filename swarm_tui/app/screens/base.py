@@ -1,0 +1,66 @@
+"""What every view of the console shares: the app, model updates, a filter bar."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Input, Label
+
+from swarm_tui.app.model import Change
+
+if TYPE_CHECKING:
+    from swarm_tui.app.app import SwarmApp
+
+
+class SwarmScreen(Screen[None]):
+    """A view that redraws from the app's model whenever it changes."""
+
+    @property
+    def swarm(self) -> SwarmApp:
+        return self.app  # type: ignore[return-value]
+
+    def on_mount(self) -> None:
+        self.swarm.model_changed.subscribe(self, self._model_changed, immediate=True)
+        self.sync(None)
+
+    def on_screen_resume(self) -> None:
+        self.sync(None)
+
+    def _model_changed(self, change: Change) -> None:
+        if self.is_attached and self.is_mounted:
+            self.sync(change)
+
+    def sync(self, change: Change | None) -> None:
+        """Redraw what ``change`` touched (everything when None)."""
+
+    def status_hint(self) -> str:
+        return ""
+
+
+class FilterBar(Horizontal):
+    """``/`` opens it; what is typed filters the table live (a regex, case-insensitive)."""
+
+    DEFAULT_CSS = """
+    FilterBar { height: 1; display: none; }
+    FilterBar.-open { display: block; }
+    FilterBar > Label { width: auto; padding: 0 1; }
+    FilterBar > Input { width: 1fr; }
+    FilterBar > #filter-error { color: $error; width: auto; max-width: 50%; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Label("filter /", id="filter-label")
+        yield Input(placeholder="regex over id, name, node, status, job", compact=True,
+                    id="filter-input")
+        yield Label("", id="filter-error")
+
+    @property
+    def input(self) -> Input:
+        return self.query_one("#filter-input", Input)
+
+    def show_error(self, message: str | None) -> None:
+        self.query_one("#filter-error", Label).update(message or "")
+        self.input.set_class(bool(message), "-invalid")

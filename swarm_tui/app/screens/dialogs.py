@@ -1,0 +1,166 @@
+"""Modal dialogs: set-speed, confirmation, help."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static
+
+from swarm_core.protocol import SetSpeedRequest
+from swarm_tui.app.forms import FormError, fmt_input, parse_speed
+
+
+class SetSpeedDialog(ModalScreen[SetSpeedRequest | None]):
+    """Link limits for one or more fellows. Bad input shows an error here and sends nothing."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel", id="dialog.cancel"),
+        Binding("ctrl+s", "apply", "Apply", id="dialog.apply"),
+    ]
+
+    def __init__(self, targets: Sequence[tuple[int, str]], tx: float | None = None,
+                 rx: float | None = None, latency_ms: float = 0.0) -> None:
+        super().__init__()
+        self.targets = list(targets)
+        self.initial = (fmt_input(tx), fmt_input(rx), fmt_input(latency_ms or 0.0))
+
+    def compose(self) -> ComposeResult:
+        who = ", ".join(f"{fid} {name}" for fid, name in self.targets[:4])
+        if len(self.targets) > 4:
+            who += f" and {len(self.targets) - 4} more"
+        with Vertical(id="dialog", classes="dialog"):
+            yield Label(f"Set link speed: {who}", classes="dialog-title")
+            yield Label("Rates in Mbit/s (empty = unlimited); added one-way latency in ms.",
+                        classes="dialog-help")
+            with Horizontal(classes="field"):
+                yield Label("tx Mbit/s", classes="field-label")
+                yield Input(self.initial[0], placeholder="unlimited", compact=True, id="tx")
+            with Horizontal(classes="field"):
+                yield Label("rx Mbit/s", classes="field-label")
+                yield Input(self.initial[1], placeholder="unlimited", compact=True, id="rx")
+            with Horizontal(classes="field"):
+                yield Label("latency ms", classes="field-label")
+                yield Input(self.initial[2], placeholder="0", compact=True, id="latency")
+            yield Label("", id="error", classes="dialog-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Apply", variant="primary", compact=True, id="apply")
+                yield Button("Cancel", compact=True, id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#tx", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_apply()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "apply":
+            self.action_apply()
+        else:
+            self.action_cancel()
+
+    def action_apply(self) -> None:
+        error = self.query_one("#error", Label)
+        try:
+            req = parse_speed(self.query_one("#tx", Input).value,
+                              self.query_one("#rx", Input).value,
+                              self.query_one("#latency", Input).value)
+        except FormError as exc:
+            error.update(str(exc))
+            error.add_class("-shown")
+            target = {"tx_mbps": "#tx", "rx_mbps": "#rx", "latency_ms": "#latency"}
+            field = self.query_one(target[exc.field], Input) if exc.field in target else None
+            if field is not None and not field.has_focus:
+                field.focus()  # (re-focusing the focused input would eat the next keys)
+            return
+        self.dismiss(req)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmDialog(ModalScreen[bool]):
+    """Yes or no for a destructive action; focus starts on the safe answer."""
+
+    BINDINGS = [
+        Binding("y", "confirm", "Yes", id="confirm.yes"),
+        Binding("n", "cancel", "No", id="confirm.no"),
+        Binding("escape", "cancel", "No", show=False, id="confirm.escape"),
+    ]
+
+    def __init__(self, title: str, body: str, confirm_label: str = "Yes") -> None:
+        super().__init__()
+        self.title_text, self.body, self.confirm_label = title, body, confirm_label
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title")
+            yield Static(self.body, classes="dialog-body")
+            with Horizontal(classes="buttons"):
+                yield Button(f"{self.confirm_label} [y]", variant="error", compact=True, id="yes")
+                yield Button("Cancel [n]", compact=True, id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "yes")
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+
+HelpSection = tuple[str, Sequence[Binding]]
+
+
+def key_label(key: str) -> str:
+    names = {"question_mark": "?", "slash": "/", "escape": "esc", "up": "↑", "down": "↓",
+             "pageup": "pgup", "pagedown": "pgdn"}
+    return " ".join(names.get(k.strip(), k.strip()) for k in key.split(","))
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key of every view, from the bindings themselves (so it cannot go stale)."""
+
+    BINDINGS = [
+        Binding("escape", "close", "Close", id="help.close"),
+        Binding("question_mark", "close", "Close", show=False, id="help.close_key"),
+        Binding("q", "close", "Close", show=False, id="help.close_q"),
+    ]
+
+    def __init__(self, sections: Sequence[HelpSection], read_only: bool = False) -> None:
+        super().__init__()
+        self.sections = list(sections)
+        self.read_only = read_only
+
+    def compose(self) -> ComposeResult:
+        table = Table(show_header=True, show_edge=False, box=None, expand=True,
+                      padding=(0, 1), header_style="bold")
+        table.add_column("key", no_wrap=True)
+        table.add_column("does")
+        table.add_column("id", style="dim", no_wrap=True)
+        for title, bindings in self.sections:
+            table.add_row(Text(title, style="bold underline"), "", "")
+            for b in bindings:
+                table.add_row(key_label(b.key), b.description or b.action, b.id or "")
+        with Vertical(id="help", classes="dialog"):
+            title = "Keys  (esc closes; ctrl+p: command palette)"
+            if self.read_only:
+                title += "  READ-ONLY: actions that change the cluster are refused"
+            yield Label(title, classes="dialog-title")
+            with VerticalScroll():
+                yield Static(table, id="help-table")
+
+    def action_close(self) -> None:
+        self.dismiss(None)

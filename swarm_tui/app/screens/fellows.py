@@ -1,0 +1,306 @@
+"""The home view (a live table of fellows) and the detail view of one fellow."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+
+from swarm_tui.app.cells import (
+    FELLOW_COLUMNS,
+    SORTABLE_FELLOW_COLUMNS,
+    STATUS_STYLE,
+    fellow_age_cell,
+    fellow_cells,
+    fellow_haystack,
+    fmt_age,
+    fmt_bytes,
+    fmt_devices,
+    fmt_limit,
+    fmt_loss,
+    fmt_mbps,
+    fmt_tps,
+)
+from swarm_tui.app.model import Change, FellowState, describe_link
+from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.live_table import LiveTable
+from swarm_tui.app.widgets.status import StatusBar
+
+
+class FellowsScreen(SwarmScreen):
+    AUTO_FOCUS = "LiveTable"
+    BINDINGS = [
+        Binding("s", "set_speed", "Speed", id="fellows.set_speed"),
+        Binding("r", "release", "Release", id="fellows.release"),
+        Binding("R", "release_all", "Release all", show=False, id="fellows.release_all"),
+        Binding("space", "mark", "Mark", id="fellows.mark"),
+        Binding("slash", "filter", "Filter", id="fellows.filter"),
+        Binding("o", "sort_next", "Sort", show=False, id="fellows.sort_next"),
+        Binding("O", "sort_reverse", "Reverse sort", show=False, id="fellows.sort_reverse"),
+        Binding("enter", "detail", "Detail", show=False, id="fellows.detail"),
+        Binding("w", "watch", "Watch job", show=False, id="fellows.watch"),
+        Binding("escape", "clear", "Clear filter/marks", show=False, id="fellows.clear"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked: set[int] = set()
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar("fellows")
+        yield FilterBar()
+        yield LiveTable(FELLOW_COLUMNS, self._cells, self._haystack, sort_column="id",
+                        id="fellows-table")
+        yield Footer()
+
+    @property
+    def table(self) -> LiveTable:
+        return self.query_one(LiveTable)
+
+    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+        st = self.swarm.model.fellows[int(key)]
+        return fellow_cells(self.swarm.model, st, st.fellow_id in self.marked)
+
+    def _haystack(self, key: str) -> str:
+        return fellow_haystack(self.swarm.model.fellows[int(key)])
+
+    def _keys(self) -> list[str]:
+        return [str(fid) for fid in self.swarm.model.fellows]
+
+    def sync(self, change: Change | None) -> None:
+        table = self.table
+        fellows = self.swarm.model.fellows
+        if change is None or change.fellow_rows:
+            self.marked &= set(fellows)
+            table.rebuild(self._keys())
+            return
+        keys = [str(f) for f in change.fellows if f in fellows]
+        if keys:
+            table.update_rows(keys)
+        if change.ages:
+            table.update_column("hb", lambda k: fellow_age_cell(self.swarm.model,
+                                                                fellows[int(k)]), skip=keys)
+
+    def status_hint(self) -> str:
+        try:
+            table = self.table
+        except Exception:
+            return ""
+        label = next(c.label for c in FELLOW_COLUMNS if c.key == table.sort_column)
+        hint = f"sort {label}{'▼' if table.sort_reverse else '▲'}"
+        if table.filter_text:
+            hint += f"  /{table.filter_text}/ {table.row_count} shown"
+        if self.marked:
+            hint += f"  {len(self.marked)} marked"
+        return hint
+
+    def _refresh_status(self) -> None:
+        self.query_one(StatusBar).update_status()
+
+    # selection --------------------------------------------------------------------------------
+    def selected_ids(self) -> list[int]:
+        """Marked fellows, else the one under the cursor."""
+        fellows = self.swarm.model.fellows
+        if self.marked:
+            return sorted(f for f in self.marked if f in fellows)
+        key = self.table.cursor_key
+        return [int(key)] if key is not None and int(key) in fellows else []
+
+    def action_mark(self) -> None:
+        table = self.table
+        key = table.cursor_key
+        if key is None:
+            return
+        self.marked ^= {int(key)}
+        table.update_rows([key])
+        table.action_cursor_down()
+        self._refresh_status()
+
+    def action_clear(self) -> None:
+        bar = self.query_one(FilterBar)
+        if bar.has_class("-open") or self.table.filter_text:
+            bar.input.value = ""
+            bar.remove_class("-open")
+            bar.show_error(None)
+            self.table.set_filter("", self._keys())
+            self.table.focus()
+        elif self.marked:
+            self.marked.clear()
+            self.table.rebuild(self._keys())
+        self._refresh_status()
+
+    # filter and sort --------------------------------------------------------------------------
+    def action_filter(self) -> None:
+        bar = self.query_one(FilterBar)
+        bar.add_class("-open")
+        self.set_focus(bar.input)  # now, not after the keys already queued behind "/"
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id != "filter-input":
+            return
+        error = self.table.set_filter(event.value, self._keys())
+        self.query_one(FilterBar).show_error(error)
+        self._refresh_status()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter-input":
+            event.stop()
+            if not event.value:
+                self.query_one(FilterBar).remove_class("-open")
+            self.table.focus()
+
+    def action_sort_next(self) -> None:
+        keys = [c.key for c in SORTABLE_FELLOW_COLUMNS]
+        table = self.table
+        i = keys.index(table.sort_column) if table.sort_column in keys else -1
+        table.set_sort(keys[(i + 1) % len(keys)], reverse=False)
+        self._refresh_status()
+
+    def action_sort_reverse(self) -> None:
+        self.table.set_sort(self.table.sort_column, reverse=not self.table.sort_reverse)
+        self._refresh_status()
+
+    def sort_by(self, column: str) -> None:
+        self.table.set_sort(column, reverse=False)
+        self._refresh_status()
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        column = event.column_key.value
+        if column and column != "sel":
+            self.table.set_sort(column)
+            self._refresh_status()
+
+    # actions ----------------------------------------------------------------------------------
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_detail()
+
+    def action_detail(self) -> None:
+        key = self.table.cursor_key
+        if key is not None:
+            self.app.push_screen(FellowDetailScreen(int(key)))
+
+    def action_set_speed(self) -> None:
+        self.swarm.ask_set_speed(self.selected_ids())
+
+    def action_release(self) -> None:
+        self.swarm.ask_release(self.selected_ids())
+
+    def action_release_all(self) -> None:
+        self.swarm.ask_release_all()
+
+    def action_watch(self) -> None:
+        ids = self.selected_ids()
+        st = self.swarm.model.fellows.get(ids[0]) if ids else None
+        if st is None or st.job_id is None:
+            self.notify("the selected fellow has no job", severity="warning")
+            return
+        self.swarm.watch_job(st.job_id)
+
+
+class FellowDetailScreen(SwarmScreen):
+    """Metric panes of one fellow: loss, tokens/s, link rates against limits, recent events."""
+
+    BINDINGS = [
+        Binding("escape", "back", "Back", id="detail.back"),
+        Binding("s", "set_speed", "Speed", id="detail.set_speed"),
+        Binding("r", "release", "Release", id="detail.release"),
+        Binding("w", "watch", "Watch job", id="detail.watch"),
+    ]
+
+    def __init__(self, fellow_id: int) -> None:
+        super().__init__()
+        self.fellow_id = fellow_id
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(f"fellow {self.fellow_id}")
+        with VerticalScroll(id="detail"):
+            yield Static(id="summary", classes="summary")
+            with Horizontal(classes="panes"):
+                with Vertical(classes="pane"):
+                    yield Label(id="loss-label", classes="pane-title")
+                    yield Sparkline([], id="loss-spark", classes="spark")
+                with Vertical(classes="pane"):
+                    yield Label(id="tps-label", classes="pane-title")
+                    yield Sparkline([], id="tps-spark", classes="spark")
+            with Horizontal(classes="panes"):
+                with Vertical(classes="pane"):
+                    yield Label(id="tx-label", classes="pane-title")
+                    yield Sparkline([], id="tx-spark", classes="spark")
+                with Vertical(classes="pane"):
+                    yield Label(id="rx-label", classes="pane-title")
+                    yield Sparkline([], id="rx-spark", classes="spark")
+            yield Label("recent events", classes="pane-title")
+            yield Static(id="events", classes="events")
+        yield Footer()
+
+    @property
+    def state(self) -> FellowState | None:
+        return self.swarm.model.fellows.get(self.fellow_id)
+
+    def sync(self, change: Change | None) -> None:
+        if change is not None and not change.fellow_rows and not change.ages and \
+                self.fellow_id not in change.fellows:
+            return
+        st = self.state
+        summary = self.query_one("#summary", Static)
+        if st is None:
+            summary.update(f"fellow {self.fellow_id} is no longer known to the leader")
+            return
+        model = self.swarm.model
+        job = "no job" if st.job_id is None else (
+            f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}")
+            + f"  step {st.step}  loss {fmt_loss(st.loss)}  {fmt_tps(st.tokens_per_s)} tok/s")
+        c = st.counters
+        text = Text()
+        text.append(f"{st.fellow_id} {st.name}", style="bold")
+        text.append(f"  {st.status}", style=STATUS_STYLE.get(st.status, ""))
+        text.append(f"  hb {fmt_age(model.heartbeat_age(st))}  node {st.host or '-'}"
+                    f"  slots {fmt_devices(st.devices)}  threads {st.threads}\n")
+        if st.note:
+            text.append(f"note: {st.note}\n", style="bold yellow")
+        text.append(f"{job}\n")
+        text.append(f"link {describe_link(st.tx_limit, st.rx_limit, st.latency_ms)}\n")
+        text.append(f"bytes data tx {fmt_bytes(c.get('data_tx'))} rx {fmt_bytes(c.get('data_rx'))}"
+                    f"  control tx {fmt_bytes(c.get('control_tx'))}"
+                    f" rx {fmt_bytes(c.get('control_rx'))}")
+        summary.update(text)
+        losses = [loss for _, loss in st.loss_hist]
+        loss_text = "loss: no steps yet" if not losses else (
+            f"loss {fmt_loss(losses[-1])}  (min {fmt_loss(min(losses))}, "
+            f"{len(losses)} steps)")
+        self.query_one("#loss-label", Label).update(loss_text)
+        self.query_one("#loss-spark", Sparkline).data = losses
+        tps = list(st.tps_hist)
+        self.query_one("#tps-label", Label).update(
+            f"tokens/s {fmt_tps(st.tokens_per_s)}" + (f"  (max {fmt_tps(max(tps))})" if tps
+                                                       else ""))
+        self.query_one("#tps-spark", Sparkline).data = tps
+        for side, rate, limit, hist in (("tx", st.tx_mbps, st.tx_limit, st.tx_hist),
+                                        ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
+            use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
+            self.query_one(f"#{side}-label", Label).update(
+                f"{side} {fmt_mbps(rate)} of {fmt_limit(limit)} Mbit/s{use}")
+            self.query_one(f"#{side}-spark", Sparkline).data = list(hist)
+        now = model.leader_now()
+        lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]
+        self.query_one("#events", Static).update(Text("\n".join(reversed(lines)) or "none yet"))
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def action_set_speed(self) -> None:
+        self.swarm.ask_set_speed([self.fellow_id])
+
+    def action_release(self) -> None:
+        self.swarm.ask_release([self.fellow_id])
+
+    def action_watch(self) -> None:
+        st = self.state
+        if st is None or st.job_id is None:
+            self.notify("this fellow has no job", severity="warning")
+            return
+        self.swarm.watch_job(st.job_id)

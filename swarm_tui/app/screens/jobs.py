@@ -1,0 +1,227 @@
+"""The queue (PENDING, RUNNING and finished jobs) and the live watch view of one job."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+
+from swarm_tui.app.cells import (
+    JOB_COLUMNS,
+    JOB_STATE_STYLE,
+    WATCH_COLUMNS,
+    fmt_age,
+    fmt_loss,
+    job_age_cell,
+    job_cells,
+    job_haystack,
+    progress_bar,
+    watch_cells,
+)
+from swarm_tui.app.model import Change, JobView
+from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.live_table import LiveTable
+from swarm_tui.app.widgets.status import StatusBar
+
+
+class JobsScreen(SwarmScreen):
+    AUTO_FOCUS = "LiveTable"
+    BINDINGS = [
+        Binding("w", "watch", "Watch", id="jobs.watch"),
+        Binding("enter", "watch", "Watch", show=False, id="jobs.open"),
+        Binding("c", "cancel_job", "Cancel job", id="jobs.cancel"),
+        Binding("slash", "filter", "Filter", id="jobs.filter"),
+        Binding("o", "sort_next", "Sort", id="jobs.sort_next"),
+        Binding("O", "sort_reverse", "Reverse sort", show=False, id="jobs.sort_reverse"),
+        Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar("jobs")
+        yield FilterBar()
+        yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="id",
+                        id="jobs-table")
+        yield Footer()
+
+    @property
+    def table(self) -> LiveTable:
+        return self.query_one(LiveTable)
+
+    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+        return job_cells(self.swarm.model, self.swarm.model.jobs[key])
+
+    def _haystack(self, key: str) -> str:
+        return job_haystack(self.swarm.model.jobs[key])
+
+    def sync(self, change: Change | None) -> None:
+        jobs = self.swarm.model.jobs
+        if change is None or change.job_rows:
+            self.table.rebuild(list(jobs))
+            return
+        keys = [j for j in change.jobs if j in jobs]
+        if keys:
+            self.table.update_rows(keys)
+        if change.ages:
+            self.table.update_column("age", lambda k: job_age_cell(self.swarm.model, jobs[k]),
+                                     skip=keys)
+
+    def status_hint(self) -> str:
+        try:
+            table = self.table
+        except Exception:
+            return ""
+        label = next(c.label for c in JOB_COLUMNS if c.key == table.sort_column)
+        hint = f"sort {label}{'▼' if table.sort_reverse else '▲'}"
+        if table.filter_text:
+            hint += f"  /{table.filter_text}/"
+        return hint
+
+    def select_job(self, job_id: str) -> None:
+        table = self.table
+        if job_id in table.shown_keys:
+            table.move_cursor(row=table.get_row_index(job_id))
+
+    @property
+    def selected_job(self) -> str | None:
+        return self.table.cursor_key
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_watch()
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        if event.column_key.value:
+            self.table.set_sort(event.column_key.value)
+            self.query_one(StatusBar).update_status()
+
+    def action_watch(self) -> None:
+        job = self.selected_job
+        if job is not None:
+            self.swarm.watch_job(job)
+
+    def action_cancel_job(self) -> None:
+        job = self.selected_job
+        if job is None:
+            self.notify("no job selected", severity="warning")
+            return
+        self.swarm.ask_cancel(job)
+
+    def action_filter(self) -> None:
+        bar = self.query_one(FilterBar)
+        bar.add_class("-open")
+        self.set_focus(bar.input)  # now, not after the keys already queued behind "/"
+
+    def action_clear(self) -> None:
+        bar = self.query_one(FilterBar)
+        bar.input.value = ""
+        bar.remove_class("-open")
+        bar.show_error(None)
+        self.table.set_filter("", list(self.swarm.model.jobs))
+        self.table.focus()
+        self.query_one(StatusBar).update_status()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "filter-input":
+            error = self.table.set_filter(event.value, list(self.swarm.model.jobs))
+            self.query_one(FilterBar).show_error(error)
+            self.query_one(StatusBar).update_status()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter-input":
+            event.stop()
+            self.table.focus()
+
+    def action_sort_next(self) -> None:
+        keys = [c.key for c in JOB_COLUMNS]
+        i = keys.index(self.table.sort_column)
+        self.table.set_sort(keys[(i + 1) % len(keys)], reverse=False)
+        self.query_one(StatusBar).update_status()
+
+    def action_sort_reverse(self) -> None:
+        self.table.set_sort(self.table.sort_column, reverse=not self.table.sort_reverse)
+        self.query_one(StatusBar).update_status()
+
+
+class JobWatchScreen(SwarmScreen):
+    """One job, live: its loss curve and, per fellow, step, loss and throughput."""
+
+    AUTO_FOCUS = "LiveTable"
+
+    BINDINGS = [
+        Binding("escape", "back", "Back", id="watch.back"),
+        Binding("c", "cancel_job", "Cancel job", id="watch.cancel"),
+    ]
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__()
+        self.job_id = job_id
+
+    def compose(self) -> ComposeResult:
+        yield StatusBar(self.job_id)
+        with Vertical(id="watch"):
+            yield Static(id="job-summary", classes="summary")
+            yield Label(id="curve-label", classes="pane-title")
+            yield Sparkline([], id="curve", classes="curve")
+            yield LiveTable(WATCH_COLUMNS, self._cells, lambda key: key, sort_column="stage",
+                            id="watch-table")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
+        self.swarm.fetch_job(self.job_id)
+
+    @property
+    def view(self) -> JobView | None:
+        return self.swarm.model.jobs.get(self.job_id)
+
+    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+        view = self.view
+        assert view is not None
+        return watch_cells(self.swarm.model, view, int(key))
+
+    def _fellow_keys(self, view: JobView) -> list[str]:
+        ids = list(view.info.fellows) or sorted(view.per_fellow)
+        return [str(f) for f in ids]
+
+    def sync(self, change: Change | None) -> None:
+        view = self.view
+        summary = self.query_one("#job-summary", Static)
+        table = self.query_one(LiveTable)
+        if view is None:
+            summary.update(f"{self.job_id}: not known to the leader (yet)")
+            return
+        if change is not None and self.job_id not in change.jobs and not (
+                change.fellows & set(view.info.fellows)) and not change.fellow_rows and \
+                not change.ages:
+            return
+        info = view.info
+        text = Text()
+        text.append(f"{info.job_id} ", style="bold")
+        text.append(f"{info.name} ({info.kind or '?'})  ")
+        text.append(info.state, style=JOB_STATE_STYLE.get(info.state, ""))
+        text.append(f"  {progress_bar(info.last_step, view.total_steps, 12)}")
+        text.append(f"  loss {fmt_loss(info.last_loss)}")
+        if info.started_at is not None:
+            end = info.finished_at if info.finished_at is not None else \
+                self.swarm.model.leader_now()
+            text.append(f"  ran {fmt_age(end - info.started_at)}")
+        why = info.waiting_for if info.state == "PENDING" else info.reason
+        if why:
+            text.append(f"\n{why}", style="italic")
+        summary.update(text)
+        losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
+        self.query_one("#curve-label", Label).update(
+            "loss curve: no losses reported yet" if not losses else
+            f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
+            f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
+        self.query_one("#curve", Sparkline).data = losses
+        table.rebuild(self._fellow_keys(view))
+
+    def action_back(self) -> None:
+        self.app.pop_screen()
+
+    def action_cancel_job(self) -> None:
+        self.swarm.ask_cancel(self.job_id)

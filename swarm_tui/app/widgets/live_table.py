@@ -1,0 +1,269 @@
+"""A DataTable kept current in place: stable row keys, diffed cells, sort, regex filter.
+
+Rows are never cleared and re-added (``clear()`` resets the cursor and flickers): a changed
+value is one cell write; rows come and go with ``add_row``/``remove_row``; the cursor stays on
+the same row key through sorts, filters and removals.
+
+Cell writes: ``DataTable.update_cell`` bumps a counter that every render cache is keyed on, so
+after any change the next frame re-renders every visible cell (about 0.2 ms each: ~150 ms a
+frame at 160x48). With hundreds of fellows heartbeating every second that is all the CPU there
+is. ``_write_cell`` stores the value like ``update_cell`` does and, before the next frame,
+drops only the cached renders of the rows it touched, and repaints only those lines that are
+on screen (Textual is pinned exactly, so these private caches are a known quantity;
+``tests/test_tui_table.py`` checks what is painted).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+from rich.text import Text
+from textual.coordinate import Coordinate
+from textual.geometry import Region
+from textual.strip import Strip
+from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowDoesNotExist, RowKey
+
+from swarm_tui.app.cells import Cell, Column
+
+CellsFor = Callable[[str], dict[str, Cell]]
+HaystackFor = Callable[[str], str]
+
+
+class LiveTable(DataTable[Cell]):
+    DEFAULT_CSS = """
+    LiveTable { height: 1fr; }
+    """
+
+    def __init__(self, columns: Sequence[Column], cells_for: CellsFor, haystack_for: HaystackFor,
+                 *, sort_column: str, sort_reverse: bool = False, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=False, id=id, classes=classes)
+        self.spec = tuple(columns)
+        self.cells_for = cells_for
+        self.haystack_for = haystack_for
+        self.sort_column = sort_column
+        self.sort_reverse = sort_reverse
+        self.filter_text = ""
+        self._filter: re.Pattern[str] | None = None
+        self._shown: dict[str, dict[str, tuple[str, str]]] = {}  # row key -> column -> signature
+        self._dirty_rows: set[str] = set()  # rows whose cached renders are out of date
+        self.updates = 0  # cells written (tests and the benchmark read it)
+
+    def on_mount(self) -> None:
+        for col in self.spec:
+            self.add_column(self._label(col), width=col.width, key=col.key)
+
+    # queries ----------------------------------------------------------------------------------
+    @property
+    def shown_keys(self) -> list[str]:
+        """Row keys in display order."""
+        return [row.key.value for row in self.ordered_rows if row.key.value is not None]
+
+    @property
+    def cursor_key(self) -> str | None:
+        if not self.row_count:
+            return None
+        try:
+            return self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value
+        except CellDoesNotExist:
+            return None
+
+    def matches(self, key: str) -> bool:
+        return self._filter is None or self._filter.search(self.haystack_for(key)) is not None
+
+    # filter and sort --------------------------------------------------------------------------
+    def set_filter(self, text: str, keys: Iterable[str]) -> str | None:
+        """Filter rows by a case-insensitive regex; returns an error (and changes nothing) if
+        ``text`` is not one."""
+        try:
+            pattern = re.compile(text, re.IGNORECASE) if text else None
+        except re.error as exc:
+            return f"not a regular expression: {exc}"
+        self.filter_text, self._filter = text, pattern
+        self.rebuild(keys)
+        return None
+
+    def set_sort(self, column: str, reverse: bool | None = None) -> None:
+        if reverse is None:
+            reverse = not self.sort_reverse if column == self.sort_column else False
+        self.sort_column, self.sort_reverse = column, reverse
+        for col in self.spec:
+            self.columns[ColumnKey(col.key)].label = self._label(col)
+        self._resort()
+
+    def _label(self, col: Column) -> Text:
+        if col.key != self.sort_column:
+            return Text(col.label)
+        return Text(col.label.rstrip() + ("▼" if self.sort_reverse else "▲"), style="bold")
+
+    def _resort(self, keep: str | bool | None = True) -> None:
+        """Sort; the cursor stays on row ``keep`` (True: the row it is on now; None: the top)."""
+        if not self.row_count:
+            return
+        key = self.cursor_key if keep is True else keep
+        self.sort(self.sort_column, key=self._order)
+        if key is None:
+            self.move_cursor(row=0, animate=False)
+        else:
+            self._restore_cursor(key)  # type: ignore[arg-type]
+
+    def _order(self, cell: Cell) -> tuple[object, ...]:
+        """Where a cell sorts: by value, either way round, missing values last both ways."""
+        missing, *rest = cell.sort_key
+        return (missing, _Desc(tuple(rest)) if self.sort_reverse else tuple(rest))
+
+    def _restore_cursor(self, key: str | None) -> None:
+        if key is None or key not in self._shown:
+            return
+        try:
+            index = self.get_row_index(key)
+        except RowDoesNotExist:
+            return
+        if index != self.cursor_row:
+            self.move_cursor(row=index, animate=False)
+
+    # updates ----------------------------------------------------------------------------------
+    def rebuild(self, keys: Iterable[str]) -> None:
+        """Make the rows exactly ``keys`` (those that pass the filter)."""
+        wanted = [k for k in keys if self.matches(k)]
+        wanted_set = set(wanted)
+        cursor = self.cursor_key
+        removed = False
+        for key in [k for k in self._shown if k not in wanted_set]:
+            self.remove_row(key)
+            del self._shown[key]
+            removed = True
+        self.update_rows(wanted, check_filter=False, cursor=cursor, force_sort=removed)
+
+    def update_rows(self, keys: Iterable[str], *, check_filter: bool = True,
+                    cursor: str | None = None, force_sort: bool = False) -> None:
+        """Bring these rows up to date (adding or, when filtered out, removing them)."""
+        cursor = cursor if cursor is not None else self.cursor_key  # None: the table was empty
+        resort = force_sort
+        for key in keys:
+            if check_filter and not self.matches(key):
+                if key in self._shown:
+                    self.remove_row(key)
+                    del self._shown[key]
+                continue
+            cells = self.cells_for(key)
+            shown = self._shown.get(key)
+            if shown is None:
+                self.add_row(*(cells[c.key] for c in self.spec), key=key)
+                self._shown[key] = {c: cell.signature for c, cell in cells.items()}
+                self.updates += len(cells)
+                resort = True
+                continue
+            for col, cell in cells.items():
+                sig = cell.signature
+                if shown.get(col) != sig:
+                    if col == self.sort_column and not self._still_in_order(key, cell):
+                        resort = True
+                    self._write_cell(key, col, cell)
+                    shown[col] = sig
+                    self.updates += 1
+        if resort:
+            self._resort(keep=cursor)
+        else:
+            self._restore_cursor(cursor)
+
+    def update_column(self, column: str, cell_for: Callable[[str], Cell],
+                      skip: Iterable[str] = ()) -> None:
+        """Recompute one column of every shown row (ages, once a second)."""
+        skipped = set(skip)
+        resort = False
+        for key, shown in self._shown.items():
+            if key in skipped:
+                continue
+            cell = cell_for(key)
+            sig = cell.signature
+            if shown.get(column) != sig:
+                if column == self.sort_column and not self._still_in_order(key, cell):
+                    resort = True
+                self._write_cell(key, column, cell)
+                shown[column] = sig
+                self.updates += 1
+        if resort:
+            self._resort()
+
+    def _still_in_order(self, key: str, cell: Cell) -> bool:
+        """Does the row keep its place with this new sort value? (Then no re-sort.)"""
+        try:
+            index = self.get_row_index(key)
+        except RowDoesNotExist:
+            return False
+        col = ColumnKey(self.sort_column)
+        mine = self._order(cell)
+        for neighbour, before in ((index - 1, True), (index + 1, False)):
+            if not 0 <= neighbour < self.row_count:
+                continue
+            other_key = self._row_locations.get_key(neighbour)
+            if other_key is None:
+                return False
+            other = self._order(self._data[other_key][col])
+            if (other > mine) if before else (mine > other):  # type: ignore[operator]
+                return False
+        return True
+
+    # cell writes that keep the render caches of the other rows ---------------------------------
+    def _write_cell(self, key: str, column: str, cell: Cell) -> None:
+        row_key = RowKey(key)
+        if row_key not in self._row_locations:
+            raise CellDoesNotExist(f"no row {key!r}")
+        self._data[row_key][ColumnKey(column)] = cell
+        self._dirty_rows.add(key)
+        index = self._row_locations.get(row_key)
+        if index is not None:
+            # Repaint that line, and only if it is on screen. (Not refresh_row: it adds up the
+            # heights of every row above, which makes a once-a-second pass over N rows O(N²);
+            # our rows are one line high.)
+            header = self.header_height if self.show_header else 0
+            self._refresh_region(Region(0, header + index, self.virtual_size.width, 1))
+
+    def _drop_stale_renders(self) -> None:
+        rows = self._dirty_rows
+        if not rows:
+            return
+        self._dirty_rows = set()
+        indexes = {self._row_locations.get(RowKey(k)) for k in rows} - {None}
+        header = self.header_height if self.show_header else 0
+        lines = {i + header for i in indexes if i is not None}  # rows are one line high
+        for cache, stale in (
+                (self._cell_render_cache, lambda k: k[0] in rows),
+                (self._row_render_cache, lambda k: k[0] in rows),
+                (self._row_renderable_cache, lambda k: k[1] in indexes),
+                (self._line_cache, lambda k: k[0] in lines)):
+            for cache_key in [k for k in cache.keys() if stale(k)]:  # noqa: SIM118
+                cache.discard(cache_key)
+
+    def render_lines(self, crop: Region) -> list[Strip]:
+        self._drop_stale_renders()
+        return super().render_lines(crop)
+
+    def forget(self, key: str) -> None:
+        if key in self._shown:
+            self.remove_row(key)
+            del self._shown[key]
+
+
+class _Desc:
+    """Reverses comparisons, so one ascending sort can order values descending."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: tuple[object, ...]) -> None:
+        self.value = value
+
+    def __lt__(self, other: _Desc) -> bool:
+        return other.value < self.value  # type: ignore[operator]
+
+    def __gt__(self, other: _Desc) -> bool:
+        return other.value > self.value  # type: ignore[operator]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Desc) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)

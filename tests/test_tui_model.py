@@ -1,0 +1,220 @@
+"""The console's plain-Python parts: the cluster model, cells, forms, the launcher's sources, the
+`swarm-tui` flags, and which of these stay free of Textual."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm_core.protocol import FellowInfo
+from swarm_tui.app.cells import (
+    FELLOW_COLUMNS,
+    Cell,
+    fellow_cells,
+    fmt_age,
+    fmt_bytes,
+    fmt_mbps,
+    progress_bar,
+)
+from swarm_tui.app.forms import FormError, parse_speed
+from swarm_tui.app.launch import LaunchChoice, ProfileSource
+from swarm_tui.app.model import ClusterModel, RateMeter
+from swarm_tui.cli import main_tui
+from tests.conftest import REPO
+from tests.tui_support import T0, fixed_fellows, fixed_jobs, snapshot_configs
+
+
+def hb(fid: int, ts: float, seq: int, **data: object) -> dict[str, object]:
+    body = {"fellow_id": fid, "name": f"f{fid}", "status": "ready", "job_id": None, "step": 0,
+            "loss": None, "tokens_per_s": 0.0,
+            "link": {"tx_mbps": None, "rx_mbps": None, "latency_ms": 0.0},
+            "counters": {"control_tx": 0, "control_rx": 0, "data_tx": 0, "data_rx": 0}}
+    body.update(data)
+    return {"seq": seq, "ts": ts, "type": "fellow.heartbeat", "data": body}
+
+
+def test_rate_meter_windows_and_resets() -> None:
+    m = RateMeter()
+    assert not m.sample(1000, 10.0) and m.rate is None
+    assert not m.sample(1100, 10.2)  # too short a window: wait for a wider one
+    assert m.sample(3000, 11.0) and m.rate == pytest.approx(2000.0)
+    assert m.sample(500, 12.0) and m.rate is None  # went backwards: the fellow restarted
+    assert m.sample(1500, 13.0) and m.rate == pytest.approx(1000.0)
+
+
+def test_snapshot_then_events_update_in_place() -> None:
+    clock = [T0]
+    model = ClusterModel(lambda: clock[0])
+    change = model.apply_fellows(fixed_fellows())
+    assert change.fellow_rows and change.fellows == {0, 1, 2, 3, 4, 5}
+    assert model.fellows[3].stale and model.heartbeat_age(model.fellows[3]) == pytest.approx(9)
+    # An event for a known fellow changes that row only; rows neither come nor go.
+    change = model.apply_event(hb(2, T0, 1, counters={"data_tx": 1_000_000, "data_rx": 0,
+                                                       "control_tx": 0, "control_rx": 0}))
+    assert change.fellows == {2} and not change.fellow_rows
+    st = model.fellows[2]
+    assert st.counters["data_tx"] == 1_000_000 and st.tx.rate == pytest.approx(1_000_000)
+    assert st.tx_mbps == pytest.approx(8.0)
+    # A snapshot older than the newest event does not roll the counters back.
+    model.apply_fellows(fixed_fellows())
+    assert st.counters["data_tx"] == 1_000_000
+    # The leader's own judgement arrives without a heartbeat and keeps the age running.
+    clock[0] = T0 + 7
+    model.apply_event({"seq": 2, "ts": T0 + 7, "type": "fellow.status",
+                       "data": {"fellow_id": 2, "status": "stale"}})
+    assert st.stale and model.heartbeat_age(st) == pytest.approx(7)
+    assert any("ready -> stale" in text for _, text in st.events)
+    # A gap in sequence numbers asks for a snapshot.
+    assert not model.need_refresh
+    model.apply_event(hb(2, T0 + 8, 5))
+    assert model.need_refresh
+
+
+def test_unknown_fellow_and_job_events_ask_for_a_snapshot() -> None:
+    model = ClusterModel(lambda: T0)
+    change = model.apply_event(hb(9, T0, 1, name="new"))
+    assert change.fellow_rows and model.fellows[9].name == "new" and model.need_refresh
+    model.need_refresh = False
+    change = model.apply_event({"seq": 2, "ts": T0, "type": "job.submitted", "data": {
+        "job_id": "job-000007", "name": "x", "state": "PENDING", "last_step": 0,
+        "last_loss": None, "fellows": [], "reason": ""}})
+    assert change.job_rows and model.jobs["job-000007"].partial and model.need_refresh
+
+
+def test_metrics_extend_the_loss_curve_once_per_step() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    n = len(view.info.loss_history)
+    for fid in (0, 1):  # two fellows report the same step: one point
+        model.apply_event({"seq": 1 + fid, "ts": T0, "type": "metric", "data": {
+            "job_id": "job-000002", "fellow_id": fid, "step": 121, "loss": 2.4,
+            "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}})
+    assert len(view.info.loss_history) == n + 1 and view.info.last_step == 121
+    assert view.per_fellow[1].step == 121 and view.per_fellow[1].tokens_per_s == 1800.0
+
+
+def test_cells_sort_by_value_with_missing_values_last() -> None:
+    a, b, missing = Cell("10", 10.0, key=1), Cell("9", 9.0, key=2), Cell("-", None, key=0)
+    assert sorted([missing, a, b], key=lambda c: c.sort_key) == [b, a, missing]
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    cells = fellow_cells(model, model.fellows[3], marked=True)
+    assert set(cells) == {c.key for c in FELLOW_COLUMNS}
+    assert cells["sel"].plain == "●" and "red" in str(cells["name"].style)  # stale stands out
+    assert cells["tx_lim"].plain == "∞" and cells["hb"].plain == "9s"
+
+
+def test_number_formats() -> None:
+    assert [fmt_age(x) for x in (None, 3.9, 150, 7200)] == ["-", "3s", "2m", "2h"]
+    assert fmt_bytes(512) == "512B" and fmt_bytes(3 * 1024 * 1024) == "3.0M"
+    assert [fmt_mbps(x) for x in (None, 1.234, 12.34, 1234.5)] == ["-", "1.23", "12.3", "1234"]
+    assert progress_bar(5, 10, 4) == "██░░ 5/10"
+
+
+@pytest.mark.parametrize(("tx", "rx", "lat", "error"), [
+    ("fast", "", "", "tx Mbit/s: 'fast' is not a number"),
+    ("-1", "", "", "tx Mbit/s: must be > 0"),
+    ("", "0", "", "rx Mbit/s: must be > 0"),
+    ("inf", "", "", "tx Mbit/s: must be a finite number"),
+    ("", "", "-2", "latency ms: must be between 0 and 60000"),
+    ("", "", "1e9", "latency ms: must be between 0 and 60000"),
+])
+def test_set_speed_form_errors(tx: str, rx: str, lat: str, error: str) -> None:
+    with pytest.raises(FormError, match=error.replace("(", r"\(")):
+        parse_speed(tx, rx, lat)
+
+
+def test_set_speed_form_values() -> None:
+    req = parse_speed(" 80 ", "", "")
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (80.0, None, 0.0)
+    req = parse_speed("unlimited", "12.5", "20")
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (None, 12.5, 20.0)
+
+
+def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
+    src = ProfileSource(snapshot_configs(tmp_path))
+    assert src.models() == ["model/small_fixed_int8.json", "model/small_none.json"]
+    assert src.trainings() == ["training/quickstart_shakespeare.json"]
+    plan = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
+                                 fellows="3", steps="7"))
+    assert plan.ok and len(plan.runs) == 1
+    run = plan.runs[0]
+    assert (run.kind, run.name, run.topology.fellows) == ("train", "small_none", 3)
+    assert run.training["steps"] == 7 and run.model["compression"] == "none"
+    bad = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
+                                fellows="two"))
+    assert not bad.ok and bad.field == "$.topology.fellows" and "whole number" in bad.error
+    (tmp_path / "configs" / "model" / "broken.json").write_text('{"n_layers": "many"}')
+    bad = src.plan(LaunchChoice("model/broken.json", "training/quickstart_shakespeare.json"))
+    assert not bad.ok and bad.field is not None and bad.field.startswith("$.model")
+    (tmp_path / "configs" / "model" / "notjson.json").write_text("{")
+    bad = src.plan(LaunchChoice("model/notjson.json", "training/quickstart_shakespeare.json"))
+    assert "not valid JSON" in (bad.error or "")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--local", "x"], "--local: 'x' is not a whole number"),
+    (["--local", "0"], "must be 1-64 fellows"),
+    (["--local", "2", "--leader-url", "http://h:1"], "leave out --leader-url"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_console_flags_are_checked(argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main_tui(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_tui([]) == 3
+    err = capsys.readouterr().err
+    assert "no leader" in err and err.count("\n") == 1
+
+
+def test_plain_modules_and_headless_paths_import_no_textual() -> None:
+    code = ("import json, sys\n"
+            "import swarm_tui.cli, swarm_tui.app.model, swarm_tui.app.cells, "
+            "swarm_tui.app.forms, swarm_tui.app.launch\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO)
+    assert not any(m == "textual" or m.startswith("textual.") for m in json.loads(out.stdout))
+
+
+def test_fixture_fellows_are_valid_infos() -> None:
+    assert all(isinstance(f, FellowInfo) for f in fixed_fellows())
+
+
+def test_every_binding_has_an_id_and_is_in_the_help() -> None:
+    from textual.binding import Binding
+
+    from swarm_tui.app.app import SwarmApp, help_sections
+    from swarm_tui.app.screens.dialogs import HelpScreen
+
+    classes = [SwarmApp, *SwarmApp.MODES.values()]
+    classes += [cls for _, cls in _screens()] + [HelpScreen]
+    ids: list[str] = []
+    for cls in classes:
+        for b in cls.BINDINGS:
+            assert isinstance(b, Binding) and b.id, f"{cls.__name__}: {b}"
+            ids.append(b.id)
+    in_help = {b.id for _, bindings in help_sections() for b in bindings}
+    assert set(ids) - {b.id for b in HelpScreen.BINDINGS} <= in_help
+    own = [b.id for cls in classes for b in cls.BINDINGS]
+    assert len(own) == len(set(own)), "binding ids are unique"
+
+
+def _screens() -> list[tuple[str, type]]:
+    from swarm_tui.app.screens.dialogs import ConfirmDialog, SetSpeedDialog
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+    from swarm_tui.app.screens.jobs import JobWatchScreen
+
+    return [("detail", FellowDetailScreen), ("watch", JobWatchScreen),
+            ("speed", SetSpeedDialog), ("confirm", ConfirmDialog)]

@@ -1,0 +1,343 @@
+"""The console driven by a Pilot against a real leader on a loopback port, with fellow daemons
+running in this process (the daemon's own code over real HTTP; only its torch warm-up is
+skipped, and jobs are smoke jobs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.command import CommandList, CommandPalette
+from textual.widgets import Button, Input, Label
+
+from swarm_core.client import SwarmClient
+from swarm_core.protocol import JobSubmit, Topology
+from swarm_tui.app.app import SwarmApp
+from swarm_tui.app.model import Change
+from swarm_tui.app.screens.dialogs import ConfirmDialog, SetSpeedDialog
+from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
+from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
+from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.app.widgets.live_table import LiveTable
+from tests.tui_support import (  # noqa: F401  (no_engine is a fixture)
+    live_cluster,
+    no_engine,
+    screen_text,
+    snapshot_configs,
+    wait_for,
+)
+
+pytestmark = pytest.mark.usefixtures("no_engine")
+SIZE = (100, 30)
+
+
+def all_ready(app: SwarmApp, n: int = 3) -> bool:
+    fellows = app.model.fellows.values()
+    return len(fellows) == n and all(f.status == "ready" for f in fellows)
+
+
+def fellows_table(app: SwarmApp) -> LiveTable:
+    return app.screen.query_one("#fellows-table", LiveTable)
+
+
+def names_shown(app: SwarmApp) -> list[str]:
+    table = fellows_table(app)
+    return [app.model.fellows[int(k)].name for k in table.shown_keys]
+
+
+async def test_table_fills_and_updates_in_place(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            table = fellows_table(app)
+            await wait_for(pilot, lambda: table.row_count == 3, "three rows")
+            assert names_shown(app) == ["sim-0", "sim-1", "sim-2"]
+            await pilot.press("down")
+            assert table.cursor_key == "1"
+            rows_before = {k: id(table.rows[k]) for k in table.rows}  # the Row objects
+            seen, updates = app.model.events_seen, table.updates
+            # Heartbeats (4 a second per fellow) and snapshots keep arriving...
+            await wait_for(pilot, lambda: app.model.events_seen >= seen + 12, "heartbeats")
+            await wait_for(pilot, lambda: app.snapshots >= 2, "a second snapshot")
+            # ...and change cells in place: same rows, cursor where it was.
+            assert table.updates > updates
+            assert {k: id(table.rows[k]) for k in table.rows} == rows_before
+            assert table.cursor_key == "1" and table.cursor_row == 1
+            text = screen_text(app)
+            assert "● live" in text and "sim-2" in text
+
+
+async def test_set_speed_dialog_validates_then_reaches_the_fellow(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await pilot.press("down", "s")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                    and app.screen, "the set-speed dialog")
+            assert dialog.targets == [(1, "sim-1")]
+            # Bad input: an inline error, the dialog stays, nothing is sent.
+            dialog.query_one("#tx", Input).value = "fast"
+            await pilot.press("enter")
+            error = dialog.query_one("#error", Label)
+            assert "tx Mbit/s: 'fast' is not a number" in str(error.render())
+            assert app.screen is dialog
+            dialog.query_one("#tx", Input).value = "-5"
+            await pilot.press("enter")
+            assert "must be > 0" in str(error.render())
+            assert app.screen is dialog
+            async with leader.client() as c:
+                assert (await c.fellow(1)).link.tx_mbps is None
+            # Good input: the dialog closes and the fellow's shaper takes the new limits.
+            dialog.query_one("#tx", Input).value = "80"
+            dialog.query_one("#rx", Input).value = "40"
+            dialog.query_one("#latency", Input).value = "5"
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "dialog closed")
+            daemon = fellows.daemons[1]
+            await wait_for(pilot, lambda: daemon.shaper.limits().tx_mbps == 80, "fellow shaped")
+            limits = daemon.shaper.limits()
+            assert (limits.tx_mbps, limits.rx_mbps, limits.latency_ms) == (80, 40, 5)
+            # The fellow reports it back in its heartbeat; the table shows it.
+            await wait_for(pilot, lambda: app.model.fellows[1].tx_limit == 80, "reported back")
+            table = fellows_table(app)
+            await wait_for(pilot, lambda: table.get_cell("1", "tx_lim").plain == "80", "cell")
+            assert table.get_cell("1", "rx_lim").plain == "40"
+            assert fellows.daemons[0].shaper.limits().tx_mbps is None
+
+
+async def test_release_needs_confirmation(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            # Mark sim-0 and sim-2 (space marks and moves down).
+            await pilot.press("space", "down", "space")
+            screen = app.screen
+            assert isinstance(screen, FellowsScreen)
+            assert screen.selected_ids() == [0, 2]
+            assert fellows_table(app).get_cell("0", "sel").plain == "●"
+            # Declined: nothing happens.
+            await pilot.press("r")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                    and app.screen, "the confirmation")
+            assert "0 sim-0, 2 sim-2" in str(dialog.query_one(".dialog-body").render())
+            await pilot.press("n")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "declined")
+            await pilot.pause(0.5)
+            assert all(not t.done() for t in fellows.tasks)
+            # Confirmed: those two are released and leave; the third stays.
+            await pilot.press("r")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "confirmation")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: fellows.tasks[0].done() and fellows.tasks[2].done(),
+                           "released fellows to exit")
+            await wait_for(pilot, lambda: app.model.fellows[0].status == "released"
+                           and app.model.fellows[2].status == "released", "shown released")
+            assert not fellows.tasks[1].done()
+            assert app.model.fellows[1].status == "ready"
+            # R releases everyone, also after a confirmation.
+            await pilot.press("R")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                    and app.screen, "confirmation")
+            assert "ALL 3" in str(dialog.query_one(".dialog-title").render())
+            await pilot.press("y")
+            await wait_for(pilot, lambda: fellows.tasks[1].done(), "the last fellow to exit")
+
+
+async def test_filter_and_sort(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            table = fellows_table(app)
+            await wait_for(pilot, lambda: table.row_count == 3, "rows")
+            await pilot.press("down", "down")
+            assert table.cursor_key == "2"
+            # `/` filters live by regex; the cursor stays on its fellow.
+            await pilot.press("slash")
+            await pilot.press(*"sim-[12]")
+            await wait_for(pilot, lambda: names_shown(app) == ["sim-1", "sim-2"], "filtered")
+            assert table.cursor_key == "2"
+            # A bad regex says so and changes nothing.
+            await pilot.press("(")
+            bar_error = app.screen.query_one("#filter-error", Label)
+            assert "not a regular expression" in str(bar_error.render())
+            assert names_shown(app) == ["sim-1", "sim-2"]
+            await pilot.press("backspace", "enter")
+            assert table.has_focus
+            # Rows that update while filtered stay filtered.
+            seen = app.model.events_seen
+            await wait_for(pilot, lambda: app.model.events_seen >= seen + 6, "heartbeats")
+            assert names_shown(app) == ["sim-1", "sim-2"]
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: table.row_count == 3, "filter cleared")
+            assert table.cursor_key == "2"
+            # `o` moves the sort to the next column (name), `O` reverses it.
+            await pilot.press("o")
+            assert table.sort_column == "name"
+            await pilot.press("O")
+            assert names_shown(app) == ["sim-2", "sim-1", "sim-0"]
+            assert table.cursor_key == "2"
+            # Clicking a header sorts by that column; clicking it again reverses.
+            x = next(iter(table.columns.values())).get_render_width(table) + 1  # in "id"
+            await pilot.click(LiveTable, offset=(x, 0))
+            await wait_for(pilot, lambda: table.sort_column == "id", "sorted by id")
+            assert names_shown(app) == ["sim-0", "sim-1", "sim-2"]
+            await pilot.click(LiveTable, offset=(x, 0))
+            await wait_for(pilot, lambda: table.sort_reverse, "reversed")
+            assert names_shown(app) == ["sim-2", "sim-1", "sim-0"]
+
+
+async def test_read_only_refuses_every_action(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, fellows):
+        async with leader.client() as c:
+            job = await c.submit(JobSubmit(name="queued", kind="smoke",
+                                           training={"steps": 3}, topology=Topology(9)))
+        app = SwarmApp(leader.client(), refresh_s=1.0, read_only=True,
+                       configs_dir=snapshot_configs(tmp_path))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            assert "READ-ONLY" in screen_text(app)
+            for key in ("s", "r", "R"):
+                await pilot.press(key)
+                await pilot.pause(0.1)
+                assert isinstance(app.screen, FellowsScreen), key
+            await pilot.press("2")
+            await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
+                           and app.screen.table.row_count == 1, "the queue")
+            await pilot.press("c")
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, JobsScreen)
+            await pilot.press("3")
+            await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen), "launcher")
+            assert app.screen.query_one("#launch-button", Button).disabled
+            await pilot.press("ctrl+s")
+            await pilot.pause(0.2)
+            messages = [n.message for n in app._notifications]
+            for what in ("set-speed", "release", "release all", "cancel", "launch"):
+                assert f"read-only console: {what} is disabled" in messages
+            # The palette's entries are refused too.
+            await pilot.press("1")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "fellows")
+            app.screen.action_set_speed()
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, FellowsScreen)
+        async with leader.client() as c:
+            assert (await c.job(job.job_id)).state == "PENDING"
+            assert [f.link.tx_mbps for f in await c.fellows()] == [None, None, None]
+        assert all(not t.done() for t in fellows.tasks)
+
+
+async def test_lost_leader_is_shown_retried_and_recovered(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app) and app.connection == "live", "live")
+            await leader.stop()
+            await wait_for(pilot, lambda: app.connection == "lost", "leader lost")
+            assert "leader lost, retrying" in screen_text(app).splitlines()[0]
+            assert fellows_table(app).row_count == 3  # the last known state stays on screen
+            await leader.start()  # same port, same state directory
+            await wait_for(pilot, lambda: app.connection == "live", "back to live")
+            snapshots = app.snapshots
+            await wait_for(pilot, lambda: app.snapshots > snapshots and all_ready(app),
+                           "fresh data")
+            assert "● live" in screen_text(app)
+
+
+async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0, configs_dir=snapshot_configs(tmp_path))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            async with leader.client() as c:
+                smoke = await c.submit(JobSubmit(
+                    name="smoke", kind="smoke", training={"steps": 12, "step_seconds": 0.1},
+                    topology=Topology(2)))
+            await pilot.press("2")
+            await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
+                           and smoke.job_id in app.screen.table.shown_keys, "the job listed")
+            await pilot.press("enter")
+            watch = await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                                   and app.screen, "the watch view")
+            assert watch.job_id == smoke.job_id
+            table = watch.query_one(LiveTable)
+            await wait_for(pilot, lambda: table.row_count == 2, "its two fellows")
+            await wait_for(pilot, lambda: app.model.jobs[smoke.job_id].info.state == "COMPLETED",
+                           "the smoke job to finish", timeout=30)
+            await wait_for(pilot, lambda: {table.get_cell(k, "step").plain
+                                           for k in table.shown_keys} == {"12"}, "final steps")
+            assert "COMPLETED" in screen_text(app)
+            await pilot.press("escape")
+            # Launch: a bad field is refused by the leader and shown; a good one is queued.
+            await pilot.press("3")
+            launch = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                    and app.screen, "launcher")
+            launch.query_one("#fellows", Input).value = "x"
+            await pilot.pause(0.1)
+            assert "not a whole number" in str(launch.query_one("#preview").render())
+            launch.query_one("#fellows", Input).value = "9"  # more stages than 4 layers allow
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: "$.topology" in str(
+                launch.query_one("#launch-error").render()), "the leader's 400 shown")
+            assert isinstance(app.screen, LaunchScreen)
+            launch.query_one("#fellows", Input).value = "5"  # valid, but only 3 fellows here
+            launch.query_one("#name", Input).value = "queued-train"
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
+            jobs = app.screen
+            queued = next(v for v in app.model.jobs.values() if v.info.name == "queued-train")
+            assert queued.info.state == "PENDING" and queued.info.kind == "train"
+            await wait_for(pilot, lambda: jobs.selected_job == queued.job_id, "cursor on it")
+            # c cancels it after a confirmation.
+            await pilot.press("c")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "confirmation")
+            await pilot.press("y")
+            await wait_for(pilot, lambda: app.model.jobs[queued.job_id].info.state
+                           == "CANCELLED", "cancelled")
+        async with leader.client() as c:
+            assert (await c.job(queued.job_id)).state == "CANCELLED"
+
+
+async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await pilot.press("down", "enter")
+            detail = await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen)
+                                    and app.screen, "the detail view")
+            assert detail.fellow_id == 1
+            await wait_for(pilot, lambda: "sim-1" in screen_text(app), "its name")
+            # The detail view follows events: ages and samples move on.
+            tps = len(app.model.fellows[1].tps_hist)
+            await wait_for(pilot, lambda: len(app.model.fellows[1].tps_hist) > tps + 2, "samples")
+            assert "registered" in screen_text(app) or "recent events" in screen_text(app)
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back")
+            # The command palette runs "group: action" entries.
+            await pilot.press("ctrl+p")
+            palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)
+                                     and app.screen, "the command palette")
+            palette.query_one(Input).value = "fellows: sort by name"
+            await wait_for(pilot, lambda: palette.query_one(CommandList).option_count, "hits")
+            await pilot.press("down", "enter")
+            table = fellows_table(app)
+            await wait_for(pilot, lambda: table.sort_column == "name", "sorted by name")
+            app.publish(Change(fellows={0, 1, 2}))
+            assert table.sort_column == "name"
+
+
+async def test_a_refusing_leader_is_shown(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path, n=1) as (leader, _fellows):
+        app = SwarmApp(SwarmClient(leader.url, "not-the-token"), refresh_s=0.5)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.connection == "refused", "refused")
+            line = screen_text(app).splitlines()[0]
+            assert "leader refused: missing or wrong bearer token" in line
+            assert not app.model.fellows

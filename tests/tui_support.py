@@ -1,0 +1,294 @@
+"""Helpers of the console tests: a real leader on a loopback port, in-process fellows (the real
+daemon code, minus the torch warm-up), a fixed-data client for snapshots, and waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from swarm_core.client import SwarmClient
+from swarm_core.fellow import daemon as fellow_daemon
+from swarm_core.leader import LeaderConfig, create_app
+from swarm_core.protocol import (
+    ByteCounters,
+    FellowInfo,
+    JobInfo,
+    LinkLimits,
+    SetSpeedRequest,
+    Topology,
+)
+from tests.clusters import free_port
+from tests.conftest import TOKEN
+
+WAIT_S = 20.0  # generous: the CI machine may be a loaded 2-core box
+
+
+async def wait_for(pilot: Any, cond: Callable[[], Any], what: str,
+                   timeout: float = WAIT_S) -> Any:
+    """Let the app run until ``cond()`` is truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.05)
+
+
+class LiveLeader:
+    """A real leader app served on 127.0.0.1, stoppable and restartable on the same port."""
+
+    def __init__(self, state_dir: Path, stale_after_s: float = 5.0) -> None:
+        self.state_dir = state_dir
+        self.stale_after_s = stale_after_s
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server: TestServer | None = None
+
+    async def start(self) -> None:
+        cfg = LeaderConfig(state_dir=self.state_dir, token=TOKEN,
+                           stale_after_s=self.stale_after_s, tick_s=0.05)
+        self.server = TestServer(create_app(cfg), host="127.0.0.1", port=self.port)
+        await self.server.start_server()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+
+    def client(self) -> SwarmClient:
+        return SwarmClient(self.url, TOKEN)
+
+
+class Fellows:
+    """N fellow daemons in this process and event loop."""
+
+    def __init__(self, url: str, names: list[str], heartbeat_s: float = 0.25) -> None:
+        self.daemons = [fellow_daemon.FellowDaemon(fellow_daemon.FellowOptions(
+            leader_url=url, token=TOKEN, name=name, heartbeat_s=heartbeat_s, poll_wait_s=2.0,
+            max_backoff_s=0.5)) for name in names]
+        self.tasks: list[asyncio.Task[int]] = []
+
+    async def start(self) -> None:
+        self.tasks = [asyncio.create_task(d.run(), name=f"fellow-{d.opts.name}")
+                      for d in self.daemons]
+
+    async def stop(self) -> None:
+        for d in self.daemons:
+            d.request_stop("test over")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), 10)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # the daemons installed these
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+
+
+@pytest.fixture
+def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fellows here run smoke jobs only: skip the torch warm-up the daemon starts with."""
+    monkeypatch.setattr(fellow_daemon, "import_engine", lambda: None)
+
+
+@contextlib.asynccontextmanager
+async def live_cluster(tmp_path: Path, n: int = 3, **leader_kw: Any
+                       ) -> AsyncIterator[tuple[LiveLeader, Fellows]]:
+    leader = LiveLeader(tmp_path / "state", **leader_kw)
+    await leader.start()
+    fellows = Fellows(leader.url, [f"sim-{i}" for i in range(n)])
+    await fellows.start()
+    try:
+        yield leader, fellows
+    finally:
+        await fellows.stop()
+        await leader.stop()
+
+
+# --- fixed data for snapshots -------------------------------------------------------------------
+
+T0 = 1_700_000_000.0  # the frozen clock of snapshot tests (leader and console agree)
+HISTORY_S = 30  # seconds of heartbeats the fake stream replays for busy fellows
+
+
+def frozen_clock() -> float:
+    return T0
+
+
+def _fellow(fid: int, name: str, status: str, *, host: str = "node-a", job: str | None = None,
+            stage: int | None = None, step: int = 0, loss: float | None = None,
+            tps: float = 0.0, tx: float | None = None, rx: float | None = None,
+            lat: float = 0.0, data_tx: int = 0, data_rx: int = 0, age: float = 1.0,
+            devices: list[str] | None = None, note: str = "") -> FellowInfo:
+    hb = T0 - age
+    return FellowInfo(
+        fellow_id=fid, name=name, host=host, pid=1000 + fid, devices=devices or ["cpu"],
+        threads=2, data_addr=f"127.0.0.1:{9000 + fid}", status=status,
+        reported_status=status if status not in ("stale", "offline") else "ready",
+        current_job=job, current_stage=stage, current_step=step, last_loss=loss,
+        tokens_per_s=tps, counters=ByteCounters(control_tx=5_000 * fid, control_rx=9_000 * fid,
+                                                data_tx=data_tx, data_rx=data_rx),
+        link=LinkLimits(tx_mbps=tx, rx_mbps=rx, latency_ms=lat), registered_at=T0 - 600,
+        last_heartbeat=hb, heartbeat_age_s=age, note=note)
+
+
+def fixed_fellows() -> list[FellowInfo]:
+    return [
+        # Busy fellows as of HISTORY_S ago; the fake stream brings them to step 120.
+        _fellow(0, "gpu-a", "busy", host="node-a", job="job-000002", stage=0, step=90,
+                loss=3.0312, tps=1830, tx=80, rx=80, lat=20, data_tx=480_000_000,
+                data_rx=470_000_000, devices=["cuda:0", "cuda:1"], age=HISTORY_S),
+        _fellow(1, "gpu-b", "busy", host="node-b", job="job-000002", stage=1, step=90,
+                loss=3.0312, tps=1825, tx=80, rx=80, data_tx=470_000_000, data_rx=481_000_000,
+                devices=["cuda:0"], age=HISTORY_S),
+        _fellow(2, "cpu-c", "ready", host="node-c"),
+        _fellow(3, "cpu-d", "stale", host="node-d", age=9.0),
+        _fellow(4, "laptop", "released", host="laptop"),
+        _fellow(5, "cpu-f", "ready", host="node-c", tx=10, rx=None,
+                note="throttled link: tx 10 Mbit/s"),
+    ]
+
+
+def _job(n: int, state: str, *, name: str, kind: str = "train", step: int = 0,
+         loss: float | None = None, fellows: list[int] | None = None, steps: int = 400,
+         created: float = 0.0, reason: str = "", waiting: str = "",
+         history: list[list[float]] | None = None) -> JobInfo:
+    return JobInfo(
+        job_id=f"job-{n:06d}", name=name, kind=kind, state=state, created_at=T0 - created,
+        started_at=None if state == "PENDING" else T0 - created + 2,
+        finished_at=T0 - 5 if state in ("COMPLETED", "FAILED", "CANCELLED") else None,
+        last_step=step, last_loss=loss, fellows=fellows or [], topology=Topology(2),
+        reason=reason, model={"name": name, "compression": "fixed_int8"},
+        training={"steps": steps, "dataset": "shakespeare"}, waiting_for=waiting,
+        loss_history=history or [])
+
+
+def fixed_jobs() -> list[JobInfo]:
+    curve = [[float(s), 4.2 * (0.985 ** s) + 1.78] for s in range(0, 121, 4)]
+    return [
+        _job(1, "COMPLETED", name="smoke", kind="smoke", step=5, fellows=[0, 1], steps=5,
+             created=900, reason="smoke: 5 control-plane round trips in 1.02s"),
+        _job(2, "RUNNING", name="small_fixed_int8", step=120, loss=2.4312, fellows=[0, 1],
+             created=300, history=curve),
+        _job(3, "PENDING", name="large_fixed_int8", created=60,
+             waiting="needs 4 ready fellows, 2 ready"),
+        _job(4, "FAILED", name="xlarge", fellows=[2], steps=100, step=3, loss=7.1, created=1200,
+             reason="fellow 2 (cpu-c) failed at step 3: out of memory"),
+    ]
+
+
+class FakeClient(SwarmClient):
+    """The leader's answers, fixed: fellows, jobs, then one heartbeat per live fellow (so byte
+    rates exist), with timestamps on the frozen clock. Records the calls that change things."""
+
+    def __init__(self) -> None:
+        super().__init__("http://leader.test:8765", "t")
+        self.calls: list[tuple[str, Any]] = []
+        self._fellows = fixed_fellows()
+        self._jobs = fixed_jobs()
+        self._snapshot_served = asyncio.Event()
+
+    async def fellows(self) -> list[FellowInfo]:
+        self._snapshot_served.set()
+        return list(self._fellows)
+
+    async def jobs(self, state: str | None = None) -> list[JobInfo]:
+        return list(self._jobs)
+
+    async def job(self, job_id: str) -> JobInfo:
+        return next(j for j in self._jobs if j.job_id == job_id)
+
+    async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
+        self.calls.append(("set_speed", (fellow_id, req)))
+        return {}
+
+    async def release(self, fellow_ids: list[int] | None = None, *, all: bool = False
+                      ) -> list[int]:
+        self.calls.append(("release", (fellow_ids, all)))
+        return list(fellow_ids or [])
+
+    @property
+    def expected_events(self) -> int:
+        """How many events (besides hello) the fake stream sends."""
+        return sum(HISTORY_S if f.status == "busy" else 1 for f in self._fellows
+                   if f.status not in ("stale", "offline", "released"))
+
+    async def events(self, *, types: list[str] | None = None, job_id: str | None = None
+                     ) -> AsyncIterator[dict[str, Any]]:
+        yield {"seq": 100, "ts": T0, "type": "hello", "data": {}}
+        await self._snapshot_served.wait()
+        seq = 100
+        for fi in self._fellows:
+            if fi.status in ("stale", "offline", "released"):
+                continue
+            busy = fi.status == "busy"
+            # Heartbeats once a second since the snapshot's (HISTORY_S ago): histories for
+            # the detail panes, and rates from the counters (busy: about 20 Mbit/s each way).
+            c = fi.counters
+            tx, rx = c.data_tx, c.data_rx
+            for i in range(1, HISTORY_S + 1) if busy else [HISTORY_S]:
+                seq += 1
+                k = i if busy else 0
+                if busy:
+                    tx += 2_000_000 + 250_000 * ((i * 3) % 5)
+                    rx += 2_400_000 + 100_000 * ((i * 2) % 3)
+                yield {"seq": seq, "ts": T0 - HISTORY_S + i, "type": "fellow.heartbeat",
+                       "data": {
+                    "fellow_id": fi.fellow_id, "name": fi.name, "status": fi.status,
+                    "job_id": fi.current_job, "step": fi.current_step + k,
+                    "loss": None if fi.last_loss is None else
+                    fi.last_loss - 0.02 * k + 0.01 * (k % 3),
+                    "tokens_per_s": fi.tokens_per_s * (0.9 + 0.1 * ((i * 7) % 5) / 4),
+                    "link": {"tx_mbps": fi.link.tx_mbps, "rx_mbps": fi.link.rx_mbps,
+                             "latency_ms": fi.link.latency_ms},
+                    "counters": {"control_tx": c.control_tx, "control_rx": c.control_rx,
+                                 "data_tx": tx, "data_rx": rx}}}
+        await asyncio.Event().wait()  # then quiet, forever
+
+
+FIXED_CONFIGS: dict[str, dict[str, Any]] = {
+    "model/small_fixed_int8.json": {
+        "name": "small_fixed_int8", "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64,
+        "dropout": 0.0, "dtype": "float32", "compression": "fixed_int8"},
+    "model/small_none.json": {
+        "name": "small_none", "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64,
+        "dropout": 0.0, "dtype": "float32", "compression": "none", "wire_dtype": "fp32"},
+    "training/quickstart_shakespeare.json": {
+        "name": "quickstart_shakespeare", "dataset": "shakespeare", "tokenizer": "byte",
+        "seed": 0, "steps": 40, "batch_size": 16, "micro_batches": 4, "schedule": "1f1b",
+        "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 5, "weight_decay": 0.01,
+        "grad_clip": 1.0, "eval_every": 20, "eval_batches": 4, "real_min_tokens": 1000000},
+}
+
+
+def snapshot_configs(tmp_path: Path) -> Path:
+    """Fixed profiles for the launcher (as exp/configs had them), so that edits to the real
+    ones do not move snapshots."""
+    dest = tmp_path / "configs"
+    for rel, body in FIXED_CONFIGS.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(json.dumps(body, indent=2))
+    return dest
+
+
+def screen_text(app: Any) -> str:
+    """What the terminal shows now, as plain text."""
+    import io
+
+    from rich.console import Console
+
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
+                      color_system=None, record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens, simplify=True))
+    return console.export_text()
