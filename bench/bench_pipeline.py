@@ -10,23 +10,41 @@ model and global batch run several ways, as tokens/s and as a ratio to row (a).
   and ``Schedule1F1B``; the stage modules are our ``StageModule`` for stage 0 and 1 (same split,
   same weights), the loss on the last stage, the same global clipping (an all-reduce) and AdamW;
 * (x) a diagnostic ceiling: the same two processes computing their halves on local data with no
-  communication and no bubble, i.e. the most two one-thread processes get out of this machine.
+  communication and no bubble, i.e. about the most two one-thread processes get out of this
+  machine (a little optimistic: each micro-batch's backward follows its forward at once, while its
+  activations are still in cache).
 
-Tokens/s is global tokens (batch x seq_len) per step over the wall time of the timed steps, after
-the warm-up steps. Every process sets one intra-op and one inter-op thread before any torch work
-(and ``OMP_NUM_THREADS=1``), so two processes fill the two cores of the reference machine.
+Every worker is a fresh process (``spawn``) that sets one intra-op and one inter-op thread
+before any torch work (and inherits ``OMP_NUM_THREADS=1``), so two processes fill the two cores
+of the reference machine; this parent process only waits. Rows run one after another, each
+after waiting (``--wait-idle``) for the machine to be idle.
 
-For (b) each stage process also records where its step time goes, by wrapping (in that process
-only) the module forward, backward, the link's recv/send/flush, the norm exchange and the
-optimiser, plus the CPU time of each of its threads (main, tx, rx). The breakdown is printed
-under the table (``--no-profile`` runs (b) unwrapped).
+Tokens/s is global tokens (batch x seq_len) over the step time, the median of the timed steps
+(warm-up excluded, ``--repeats`` trials pooled) that no other process disturbed: after every step
+each worker notes its own CPU and the machine's (/proc/stat, steal included), and a step during
+which others used >= 0.1 cores is set aside. The table says how many steps were clean and warns
+when a row had none (a shared machine: run again, or with ``--repeats 3``). Even clean, a small
+VM's per-core speed can drift by several percent between rows that run minutes apart; more
+repeats interleave the rows, and the drift-free figures under the table (below) cross-check.
+
+Each (b) and (c) worker also records where its step time goes, by wrapping (in that process only)
+the module forward, loss, backward, and for (b) the link's recv/send/flush, the norm exchange and
+the optimiser (for (c) ``schedule.step``, the all-reduce and the optimiser), plus the CPU time of
+each of its threads. Printed under the table with the schedule bound implied by the measured
+compute, and the ratio to (a) that the same compute would give at equal per-core speed (a check
+that does not depend on the machine staying equally fast from row to row); ``--no-profile`` runs
+unwrapped.
 
 Usage::
 
-    .venv/bin/python bench/bench_pipeline.py                 # the default model, ~2-3 minutes
-    .venv/bin/python bench/bench_pipeline.py --quick         # tiny model, 2 timed steps, < 30 s
+    .venv/bin/python bench/bench_pipeline.py                 # the default model, ~3-4 minutes
+    .venv/bin/python bench/bench_pipeline.py --repeats 3     # on a shared machine
+    .venv/bin/python bench/bench_pipeline.py --quick         # tiny model, 2 timed steps, ~10 s
     .venv/bin/python bench/bench_pipeline.py --steps 8 --warmup 2 \\
         --model d_model=384,n_layers=12,n_heads=6 --only a,b
+
+``--quick`` is a smoke run (numbers meaningless): it starts workers from a ``forkserver`` with
+torch preloaded, so the start-up is paid once.
 
 Exits 0 when every row ran (whether or not the targets are met), 1 when a row failed.
 Only ever uses 127.0.0.1.
@@ -34,24 +52,21 @@ Only ever uses 127.0.0.1.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import multiprocessing as mp
 import os
-
-# Before torch is imported anywhere: here, and in every spawned child (they inherit the env).
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[_var] = "1"
-
-import argparse  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import queue  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from collections import defaultdict  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import queue
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
@@ -62,6 +77,7 @@ TARGET_VS_A = 1.70
 TARGET_VS_C = 1.05
 DEFAULT_MODEL = dict(d_model=256, n_layers=8, n_heads=8, seq_len=128)
 QUICK_MODEL = dict(d_model=64, n_layers=2, n_heads=2, seq_len=32)
+NOISY_CORES = 0.1
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
@@ -95,7 +111,8 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _thread_cpu() -> dict[str, float]:
     """CPU seconds per thread of this process, keyed by the Python thread name's prefix
-    (``MainThread``, ``tx``, ``rx``) or ``native`` for threads Python did not start."""
+    (``MainThread``, ``tx``, ``rx``) or ``native`` for threads Python did not start; plus the
+    main thread's system time (``main sys``) and the process's minor page faults (``minflt``)."""
     names = {}
     for th in threading.enumerate():
         if th.native_id is not None:
@@ -111,15 +128,69 @@ def _thread_cpu() -> dict[str, float]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        out[names.get(int(tid), "native")] += (int(fields[11]) + int(fields[12])) / _TICK
+        name = names.get(int(tid), "native")
+        out[name] += (int(fields[11]) + int(fields[12])) / _TICK
+        if name == "MainThread":
+            out["main sys"] += int(fields[12]) / _TICK
+    try:
+        with open("/proc/self/stat") as f:
+            out["minflt"] = float(f.read().rsplit(")", 1)[1].split()[7])
+    except (OSError, ValueError, IndexError):
+        pass
     return dict(out)
+
+
+def _machine_cpu() -> dict[str, float]:
+    """Machine-wide CPU seconds from /proc/stat: busy (user+nice+system+irq+softirq), steal."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return {}
+    vals += [0] * (8 - len(vals))
+    return {"busy": (vals[0] + vals[1] + vals[2] + vals[5] + vals[6]) / _TICK,
+            "steal": vals[7] / _TICK}
+
+
+def _rq_wait() -> float:
+    """Seconds this (compute) thread has been runnable but waiting for a CPU (schedstat)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _proc_cpu() -> float:
+    """CPU seconds of this process, all threads."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return time.process_time()
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
 
 
-# --- (b) instrumentation: exclusive wall time per bucket on the stage's compute thread ----------
+def _mark(marks: list[float], snaps: dict[str, Any], warm: int, total: int) -> None:
+    """After each step: a timestamp, this process's CPU and the machine's (to tell which steps
+    other processes disturbed); at the end of warm-up and of the run, per-thread CPU."""
+    marks.append(time.monotonic())
+    mach = _machine_cpu()
+    snaps.setdefault("samples", []).append(
+        (_proc_cpu(), mach.get("busy", 0.0) + mach.get("steal", 0.0), _rq_wait()))
+    if len(marks) in (warm, total):
+        snaps["start" if len(marks) == warm else "end"] = _thread_cpu()
+
+
+def _cpu_result(snaps: dict[str, Any]) -> dict[str, Any]:
+    return {"cpu": _diff(snaps["end"], snaps["start"]), "samples": snaps["samples"]}
+
+
+# --- (b)/(c) instrumentation: exclusive wall time per bucket on the compute thread ------------
 
 
 class _Profiler:
@@ -129,25 +200,31 @@ class _Profiler:
         self._owner = threading.get_ident()
 
     def wrap(self, owner: Any, attr: str, name: str | Callable[[tuple], str]) -> None:
-        orig = getattr(owner, attr)
+        orig = getattr(owner, attr, None)
+        if orig is None:  # renamed upstream: that time shows up under "other"
+            return
         prof = self
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if threading.get_ident() != prof._owner:
                 return orig(*args, **kwargs)
-            prof._stack.append(0.0)
-            t0 = time.perf_counter()
-            try:
+            with prof.section(name if isinstance(name, str) else name(args)):
                 return orig(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - t0
-                inner = prof._stack.pop()
-                key = name if isinstance(name, str) else name(args)
-                prof.acc[key] += elapsed - inner
-                if prof._stack:
-                    prof._stack[-1] += elapsed
 
         setattr(owner, attr, wrapper)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Time spent inside, less the time of sections nested in it, goes to ``name``."""
+        self._stack.append(0.0)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - t0
+            self.acc[name] += elapsed - self._stack.pop()
+            if self._stack:
+                self._stack[-1] += elapsed
 
     def install(self) -> None:
         import torch
@@ -163,14 +240,16 @@ class _Profiler:
         self.wrap(torch.Tensor, "backward", "backward")
         self.wrap(PeerLink, "recv", lambda a: "norm wait" if a[1] == Kind.NORM else "recv wait")
         self.wrap(PeerLink, "recv_tensor", "decode")
-        self.wrap(PeerLink, "send_tensor", "send+encode")
-        self.wrap(PeerLink, "send_raw", "send+encode")
+        self.wrap(PeerLink, "send_tensor", "send+enc")
+        self.wrap(PeerLink, "send_raw", "send+enc")
         self.wrap(PeerLink, "flush", "flush wait")
         self.wrap(stage_mod.StageRunner, "_global_sq", "grad norm")
         self.wrap(stage_mod, "scale_grads", "grad norm")
         self.wrap(torch.optim.Optimizer, "zero_grad", "optimizer")
         self.wrap(TokenData, "batch", "data")
-        make = stage_mod.make_optimizer
+        make = getattr(stage_mod, "make_optimizer", None)
+        if make is None:
+            return
 
         def make_wrapped(module: Any, cfg: Any) -> Any:
             opt = make(module, cfg)
@@ -180,7 +259,7 @@ class _Profiler:
         stage_mod.make_optimizer = make_wrapped
 
 
-PROFILE_COLUMNS = ["forward", "loss", "backward", "send+encode", "decode", "recv wait",
+PROFILE_COLUMNS = ["forward", "loss", "backward", "send+enc", "decode", "recv wait",
                    "grad norm", "norm wait", "optimizer", "flush wait", "data", "other"]
 
 
@@ -189,7 +268,7 @@ PROFILE_COLUMNS = ["forward", "loss", "backward", "send+encode", "decode", "recv
 
 def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """(a): train_reference's loop, with a timestamp after every step."""
-    torch = _init_torch()
+    _init_torch()
     from swarm_core.data import load_token_data
     from swarm_core.pipeline.model import ExperimentModel, lm_loss
     from swarm_core.pipeline.optim import (
@@ -209,11 +288,10 @@ def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[
     opts = [make_optimizer(stage, tc) for stage in model.stages]
     params = [p for stage in model.stages for p in stage.parameters() if p.requires_grad]
     m = tc.micro_batches
-    marks, losses = [], []
-    cpu0 = time.thread_time()
+    marks: list[float] = []
+    losses: list[float] = []
+    snaps: dict[str, Any] = {}
     for step in range(tc.steps):
-        if step == cfg["warmup"]:
-            cpu0 = time.thread_time()
         model.train()
         for opt in opts:
             set_lr(opt, lr_at(step, tc))
@@ -233,9 +311,8 @@ def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(total)
-        marks.append(time.monotonic())
-    del torch
-    return {"marks": marks, "losses": losses, "main_cpu": time.thread_time() - cpu0}
+        _mark(marks, snaps, cfg["warmup"], tc.steps)
+    return {"marks": marks, "losses": losses, **_cpu_result(snaps)}
 
 
 def _worker_swarm(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -264,14 +341,15 @@ def _worker_swarm(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
     warm = cfg["warmup"]
     marks: list[float] = []
     step_s: list[float] = []
-    snap: dict[str, Any] = {}
+    snaps: dict[str, Any] = {}
+    acc: dict[str, dict[str, float]] = {}
 
     def on_step(rep: Any) -> None:
-        marks.append(time.monotonic())
+        # Snapshots while the link threads are still alive: they end when the run closes.
+        _mark(marks, snaps, warm, tc.steps)
         step_s.append(rep.seconds)
-        if rep.step in (warm, tc.steps):  # threads still alive: the links close after the run
-            key = "start" if rep.step == warm else "end"
-            snap[key] = (dict(prof.acc) if prof else {}, _thread_cpu())
+        if rep.step in (warm, tc.steps):
+            acc["start" if rep.step == warm else "end"] = dict(prof.acc) if prof else {}
 
     try:
         metrics = run_stage(spec, data, LinkShaper(), listener, threading.Event(), on_step,
@@ -279,14 +357,11 @@ def _worker_swarm(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
     finally:
         if listener is not None:
             listener.close()
-    out: dict[str, Any] = {"marks": marks, "losses": metrics.get("losses", []),
-                           "wire_tx_bytes_per_step": metrics["wire_tx_bytes_per_step"]}
-    (acc0, cpu0), (acc1, cpu1) = snap["start"], snap["end"]
     timed_step_s = sum(step_s[warm:])
-    out["cpu"] = _diff(cpu1, cpu0)
-    out["step_s"] = timed_step_s
+    out: dict[str, Any] = {"marks": marks, "losses": metrics.get("losses", []),
+                           "step_s": timed_step_s, **_cpu_result(snaps)}
     if prof is not None:
-        buckets = _diff(acc1, acc0)
+        buckets = _diff(acc["end"], acc["start"])
         buckets["other"] = timed_step_s - sum(buckets.values())
         out["buckets"] = buckets
     return out
@@ -315,47 +390,76 @@ def _worker_torch(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
     data = load_token_data(tc, mc.seq_len)
     vocab = mc.vocab_size or data.vocab_size
     ranges = split_layers(mc.n_layers, [1] * NUM_STAGES)
+    prof = _Profiler() if cfg["profile"] else None
+    section: Callable[[str], Any] = prof.section if prof else lambda _n: contextlib.nullcontext()
+    if prof is not None:
+        prof.wrap(StageModule, "forward", "forward")
+        prof.wrap(torch.autograd, "backward", "backward")
+        prof.wrap(torch.autograd, "grad", "backward")
+        prof.wrap(torch.Tensor, "backward", "backward")
+
+    def loss_fn(out: Any, target: Any) -> Any:
+        with section("loss"):
+            return lm_loss(out, target)
+
     dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
     try:
         module = StageModule(mc, vocab, tc.seed, ranges[rank][0], ranges[rank][1], rank,
                              NUM_STAGES)
         params = [p for p in module.parameters() if p.requires_grad]
         m, mb, t, d = tc.micro_batches, tc.batch_size // tc.micro_batches, mc.seq_len, mc.d_model
+        # Static shapes; requires_grad marks what carries gradients (all but the token ids).
         if rank == 0:
-            example_in, example_out = torch.zeros(mb, t, dtype=torch.long), torch.zeros(mb, t, d)
+            example_in = torch.zeros(mb, t, dtype=torch.long)
+            example_out = torch.zeros(mb, t, d, requires_grad=True)
         else:
-            example_in, example_out = torch.zeros(mb, t, d), torch.zeros(mb, t, vocab)
+            example_in = torch.zeros(mb, t, d, requires_grad=True)
+            example_out = torch.zeros(mb, t, vocab, requires_grad=True)
         stage = PipelineStage(module, rank, NUM_STAGES, torch.device("cpu"),
                               input_args=example_in, output_args=example_out)
         cls = ScheduleGPipe if ctx["schedule"] == "gpipe" else Schedule1F1B
-        sched = cls(stage, m, loss_fn=lm_loss)  # scale_grads: grads / m, as loss / m in (a)
+        sched = cls(stage, m, loss_fn=loss_fn)  # scale_grads: grads / m, as loss / m in (a)
         opt = make_optimizer(module, tc)
         last = rank == NUM_STAGES - 1
-        marks, losses = [], []
-        cpu0 = _thread_cpu()
+        marks: list[float] = []
+        losses: list[float] = []
+        snaps: dict[str, Any] = {}
+        acc: dict[str, dict[str, float]] = {}
         for step in range(tc.steps):
-            if step == cfg["warmup"]:
-                cpu0 = _thread_cpu()
             module.train()
             set_lr(opt, lr_at(step, tc))
-            x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
-            if rank == 0:
-                sched.step(x, return_outputs=False)
-            else:
-                mb_losses: list[Any] = []
-                sched.step(target=y, losses=mb_losses, return_outputs=False)
-                losses.append(float(sum(float(v) for v in mb_losses)) / m)
-            sq = torch.tensor([grad_sq_sum(params)], dtype=torch.float64)
-            dist.all_reduce(sq)
-            scale_grads(params, clip_scale(float(sq), tc.grad_clip))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            marks.append(time.monotonic())
-        cpu = _diff(_thread_cpu(), cpu0)
+            with section("data"):
+                x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
+            # Inside schedule.step, all but forward/loss/backward is p2p comm and waiting.
+            with section("recv wait"):
+                if rank == 0:
+                    sched.step(x, return_outputs=False)
+                else:
+                    mb_losses: list[Any] = []
+                    sched.step(target=y, losses=mb_losses, return_outputs=False)
+                    losses.append(sum(float(v.detach()) for v in mb_losses) / m)
+            with section("grad norm"):
+                sq = torch.tensor([grad_sq_sum(params)], dtype=torch.float64)
+            with section("norm wait"):
+                dist.all_reduce(sq)
+            with section("grad norm"):
+                scale_grads(params, clip_scale(float(sq), tc.grad_clip))
+            with section("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            _mark(marks, snaps, cfg["warmup"], tc.steps)
+            if prof is not None and len(marks) in (cfg["warmup"], tc.steps):
+                acc["start" if len(marks) == cfg["warmup"] else "end"] = dict(prof.acc)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return {"marks": marks, "losses": losses if last else [], "cpu": cpu}
+    out: dict[str, Any] = {"marks": marks, "losses": losses if last else [],
+                           **_cpu_result(snaps)}
+    if prof is not None:
+        out["step_s"] = marks[-1] - marks[cfg["warmup"] - 1]
+        out["buckets"] = _diff(acc["end"], acc["start"])
+        out["buckets"]["other"] = out["step_s"] - sum(out["buckets"].values())
+    return out
 
 
 def _worker_ceiling(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -385,7 +489,8 @@ def _worker_ceiling(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict
     gen = torch.Generator().manual_seed(rank)
     acts = torch.randn(m, mb, mc.seq_len, mc.d_model, generator=gen)
     grads = torch.randn(m, mb, mc.seq_len, mc.d_model, generator=gen) * 1e-3
-    marks = []
+    marks: list[float] = []
+    snaps: dict[str, Any] = {}
     for step in range(tc.steps):
         module.train()
         set_lr(opt, lr_at(step, tc))
@@ -399,8 +504,8 @@ def _worker_ceiling(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict
         scale_grads(params, clip_scale(grad_sq_sum(params), tc.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        marks.append(time.monotonic())
-    return {"marks": marks}
+        _mark(marks, snaps, cfg["warmup"], tc.steps)
+    return {"marks": marks, **_cpu_result(snaps)}
 
 
 WORKERS: dict[str, Callable[[dict[str, Any], int, dict[str, Any]], dict[str, Any]]] = {
@@ -429,7 +534,7 @@ def _free_port() -> int:
 def launch(kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
            timeout: float = 900.0) -> dict[int, dict[str, Any]]:
     """Run ``nprocs`` spawned workers of ``kind`` side by side; their results by rank."""
-    mpc = mp.get_context("spawn")
+    mpc = mp.get_context(cfg["start_method"])
     results = mpc.Queue()
     ctx = {"schedule": schedule, "side": mpc.Queue(),
            "port": _free_port() if kind == "torch" else 0}
@@ -465,3 +570,347 @@ def launch(kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
         raise RuntimeError("\n".join(errors))
     return out
 
+
+
+def wait_for_idle(limit_s: float, sample_s: float = 2.0) -> float:
+    """Wait (at most ``limit_s``) until other processes use under NOISY_CORES of CPU over
+    ``sample_s``; returns the load last seen (cores)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        m0, t0 = _machine_cpu(), time.monotonic()
+        time.sleep(sample_s)
+        d = _diff(_machine_cpu(), m0)
+        load = (d.get("busy", 0.0) + d.get("steal", 0.0)) / (time.monotonic() - t0)
+        if load < NOISY_CORES or time.monotonic() >= deadline:
+            return load
+
+
+# --- rows, table, targets ---------------------------------------------------------------------
+
+
+class Row:
+    """One way of running the step; its trials' timed steps pooled. The row's figure is the
+    median step time over the steps no other process disturbed (other load < NOISY_CORES),
+    or over all its steps when there are none (then flagged)."""
+
+    def __init__(self, key: str, label: str, kind: str, procs: int,
+                 schedule: str = "gpipe") -> None:
+        self.key, self.label, self.kind, self.procs, self.schedule = (key, label, kind, procs,
+                                                                      schedule)
+        self.steps: list[tuple[float, float, float]] = []  # (s, other load, runqueue wait s)
+        self.error: str | None = None
+        self.res: dict[int, dict[str, Any]] = {}  # the least disturbed trial (for the profile)
+        self._res_load = float("inf")
+        self.loss: float | None = None
+
+    def run(self, cfg: dict[str, Any]) -> None:
+        t0 = time.monotonic()
+        try:
+            res = launch(self.kind, cfg, self.procs, self.schedule, cfg["timeout"])
+        except Exception as exc:
+            self.error = str(exc)
+            print(f"  {self.label}: FAILED\n{exc}", file=sys.stderr, flush=True)
+            return
+        warm, total = cfg["warmup"], cfg["warmup"] + cfg["steps"]
+        ranks = [res[r] for r in sorted(res)]
+        steps = []
+        for k in range(warm, total):
+            # The slowest process sets the pace (the pipeline's ranks end each step together).
+            d = max(r["marks"][k] - r["marks"][k - 1] for r in ranks)
+            own = sum(r["samples"][k][0] - r["samples"][k - 1][0] for r in ranks)
+            mach = ranks[0]["samples"][k][1] - ranks[0]["samples"][k - 1][1]
+            window = ranks[0]["marks"][k] - ranks[0]["marks"][k - 1]
+            rq = sum(r["samples"][k][2] - r["samples"][k - 1][2] for r in ranks)
+            steps.append((d, max(0.0, mach - own) / window, rq))
+        self.steps += steps
+        load = sum(f for _, f, _ in steps) / len(steps)
+        if load < self._res_load:
+            self.res, self._res_load = res, load
+        losses = ranks[-1].get("losses")
+        self.loss = losses[-1] if losses else None
+        mean = sum(d for d, _, _ in steps) / len(steps)
+        rq = sum(q for _, _, q in steps) / len(steps)
+        main_cpu = sum(r["cpu"].get("MainThread", 0.0) for r in ranks) / len(steps)
+        clean = sum(f < NOISY_CORES for _, f, _ in steps)
+        print(f"  {self.label}: {self.tokens(cfg) / mean:,.0f} tokens/s, {mean * 1e3:.0f} "
+              f"ms/step, compute-thread CPU {main_cpu * 1e3:.0f} ms/step and runqueue wait "
+              f"{rq * 1e3:.0f} ms/step (all procs), other load {load:.2f} cores, "
+              f"{clean}/{len(steps)} steps undisturbed "
+              f"({time.monotonic() - t0:.1f} s with start-up)", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def tokens(cfg: dict[str, Any]) -> int:
+        return cfg["batch"] * cfg["model"]["seq_len"]
+
+    def _used(self) -> list[tuple[float, float, float]]:
+        clean = [s for s in self.steps if s[1] < NOISY_CORES]
+        return clean or self.steps
+
+    @property
+    def clean(self) -> int:
+        return sum(f < NOISY_CORES for _, f, _ in self.steps)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        used = self._used()
+        return statistics.median(d for d, _, _ in used) if used else None
+
+    @property
+    def ms_per_step(self) -> float | None:
+        s = self.seconds_per_step
+        return None if s is None else s * 1e3
+
+    @property
+    def foreign(self) -> float | None:
+        used = self._used()
+        return statistics.mean(f for _, f, _ in used) if used else None
+
+    @property
+    def rq_ms(self) -> float | None:
+        """Runqueue wait of the compute threads (all processes), ms per step."""
+        used = self._used()
+        return statistics.mean(q for _, _, q in used) * 1e3 if used else None
+
+    def tokens_per_s(self, cfg: dict[str, Any]) -> float | None:
+        s = self.seconds_per_step
+        return None if not s else self.tokens(cfg) / s
+
+
+def _ratio(row: Row | None, base: Row | None) -> float | None:
+    """Throughput of ``row`` over that of ``base`` (same tokens per step)."""
+    if row is None or base is None or not row.seconds_per_step or not base.seconds_per_step:
+        return None
+    return base.seconds_per_step / row.seconds_per_step
+
+
+def _trial_step_s(cfg: dict[str, Any], res: dict[int, dict[str, Any]]) -> float:
+    warm = cfg["warmup"]
+    return max(r["marks"][-1] - r["marks"][warm - 1] for r in res.values()) / cfg["steps"]
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_table(cfg: dict[str, Any], rows: list[Row]) -> None:
+    by = {r.key: r for r in rows}
+    base = by.get("a")
+    mdl = cfg["model"]
+    m = cfg["micro_batches"]
+    tokens = cfg["batch"] * mdl["seq_len"]
+    print()
+    print(f"model d_model={mdl['d_model']} n_layers={mdl['n_layers']} n_heads={mdl['n_heads']} "
+          f"seq_len={mdl['seq_len']} vocab=256 (byte, shakespeare); global batch "
+          f"{cfg['batch']} seqs = {tokens} tokens/step, {m} micro-batches of "
+          f"{cfg['batch'] // m}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps; "
+          f"{os.cpu_count()} CPUs, 1 thread per process; {cfg['repeats']} trial(s) per row")
+    w = max(len(r.label) for r in rows)
+    head = f"{'row':<{w}} {'procs':>5} {'tokens/s':>10} {'ms/step':>9} {'vs (a)':>7} " \
+           f"{'loss@last':>10} {'clean':>7} {'other load':>10} {'rq wait':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r.error is not None:
+            print(f"{r.label:<{w}} {r.procs:>5} {'FAILED':>10}")
+            continue
+        clean = f"{r.clean}/{len(r.steps)}"
+        print(f"{r.label:<{w}} {r.procs:>5} {_fmt(r.tokens_per_s(cfg), ',.0f'):>10} "
+              f"{_fmt(r.ms_per_step, '.0f'):>9} {_fmt(_ratio(r, base), '.2f', 'x'):>7} "
+              f"{_fmt(r.loss, '.5f'):>10} {clean:>7} {_fmt(r.foreign, '.2f', ' cpu'):>10} "
+              f"{_fmt(r.rq_ms, '.0f', ' ms'):>8}")
+    print("-" * len(head))
+    print(f"tokens/s and ms/step: median over the timed steps (all trials) that other processes "
+          f"left alone ('clean': other load < {NOISY_CORES} cores); 'other load': mean CPU "
+          "used outside this benchmark (+ hypervisor steal) during those steps; 'rq wait': "
+          "time per step our compute threads were runnable but had no CPU")
+    noisy = [r.key for r in rows if r.error is None and r.steps and r.clean == 0]
+    if noisy:
+        print(f"WARNING: rows {', '.join(noisy)} had no undisturbed step (other processes used "
+              "the CPUs): their figures are low; rerun on an idle machine or with --repeats")
+    cap = NUM_STAGES * m / (m + NUM_STAGES - 1)
+    print(f"bubble cap, {NUM_STAGES} stages x {m} micro-batches: {NUM_STAGES * m}/"
+          f"{m + NUM_STAGES - 1} = {cap:.2f}x (a)")
+    ceiling = _ratio(by.get("x"), base)
+    if ceiling is not None:
+        print(f"this machine, 2 one-thread processes, no comms/bubble (x): {ceiling:.2f}x (a); "
+              f"with the bubble ~ {ceiling * m / (m + NUM_STAGES - 1):.2f}x (a) (optimistic: "
+              "(x) runs each backward right after its forward)")
+    print("targets:")
+
+    def verdict(ratio: float, target: float, *involved: Row | None) -> str:
+        word = "met" if ratio >= target else "NOT met"
+        if any(r is not None and r.clean == 0 for r in involved):
+            word += " (unreliable: a row had no undisturbed step)"
+        return word
+
+    for sched, tname in SCHEDULES.items():
+        b, c = by.get(f"b-{sched}"), by.get(f"c-{sched}")
+        vs_a, vs_c = _ratio(b, base), _ratio(b, c)
+        if vs_a is not None:
+            print(f"  (b) {sched:<5} >= {TARGET_VS_A:.2f}x (a): {vs_a:.2f}x -> "
+                  f"{verdict(vs_a, TARGET_VS_A, b, base)}")
+        if vs_c is not None:
+            print(f"  (b) {sched:<5} >= {TARGET_VS_C:.2f}x (c) {tname}: {vs_c:.2f}x -> "
+                  f"{verdict(vs_c, TARGET_VS_C, b, c)}")
+    ref = base.loss if base is not None else None
+    diffs = [f"{r.key} {abs(r.loss - ref):.1e}" for r in rows
+             if r.key[0] in "bc" and ref is not None and r.loss is not None]
+    if diffs:
+        print(f"same training: |last loss - (a)'s| = {', '.join(diffs)}")
+
+
+def print_profile(cfg: dict[str, Any], rows: list[Row]) -> None:
+    prof_rows = [r for r in rows if r.kind in ("swarm", "torch") and r.error is None
+                 and "buckets" in r.res.get(0, {})]
+    steps, m = cfg["steps"], cfg["micro_batches"]
+    if prof_rows:
+        print()
+        print(f"where a stage's step goes: ms per step on its compute thread (exclusive wall "
+              f"time), mean of {steps} timed steps of each row's least disturbed trial; (c) "
+              "'recv wait' is all of schedule.step that is not forward/loss/backward (p2p "
+              "comm, waits, bookkeeping), 'norm wait' the all-reduce")
+        cols = ["step", *PROFILE_COLUMNS]
+        print(f"{'':<12}" + "".join(f"{c:>11}" for c in cols))
+        for r in prof_rows:
+            for rank, res in sorted(r.res.items()):
+                b = res["buckets"]
+                vals = [res["step_s"], *(b.get(c, 0.0) for c in PROFILE_COLUMNS)]
+                tag = f"{'b' if r.kind == 'swarm' else 'c'} {r.schedule} s{rank}"
+                print(f"{tag:<12}" + "".join(f"{v / steps * 1e3:>11.1f}" for v in vals))
+        print()
+        print(f"schedule bound from the measured compute (c_s = stage s forward+loss+backward "
+              f"per micro-batch): (m-1)*max(c0,c1) + c0 + c1 + the slower stage's grad norm "
+              f"+ optimizer, m = {m}; 'as (a)': the same compute run as (a) does, "
+              f"m*(c0+c1) + both stages' grad norm + optimizer, over the measured step: the "
+              f"ratio to (a) at equal per-core speed, robust to the machine's drift between rows")
+        for r in prof_rows:
+            comp, tail = [], []
+            for _rank, res in sorted(r.res.items()):
+                b = res["buckets"]
+                comp.append(sum(b.get(k, 0.0) for k in ("forward", "loss", "backward"))
+                            / steps / m)
+                tail.append((b.get("grad norm", 0.0) + b.get("optimizer", 0.0)) / steps)
+            bound = (m - 1) * max(comp) + sum(comp) + max(tail)
+            serial = m * sum(comp) + sum(tail)
+            step = _trial_step_s(cfg, r.res)
+            print(f"  {r.label}: bound {bound * 1e3:.0f} ms, measured {step * 1e3:.0f} ms/step "
+                  f"-> {step / bound - 1:+.1%} over the bound; as (a) {serial * 1e3:.0f} ms "
+                  f"-> {serial / step:.2f}x")
+    cpu_rows = [r for r in rows if r.kind in ("swarm", "torch") and r.error is None]
+    if not cpu_rows:
+        return
+    print()
+    print("CPU ms per step by thread (main = compute thread, 'sys' its kernel part; tx/rx = link "
+          "threads; native = threads torch/gloo started), main-thread CPU / step wall, and the "
+          "process's minor page faults per step:")
+    print(f"{'':<12}{'main':>9}{'sys':>9}{'tx':>9}{'rx':>9}{'native':>9}{'busy':>8}"
+          f"{'faults':>9}")
+    for r in cpu_rows:
+        for rank, res in sorted(r.res.items()):
+            cpu = res.get("cpu", {})
+            wall = _trial_step_s(cfg, r.res) * steps
+            main = cpu.get("MainThread", 0.0)
+            tag = f"{'b' if r.kind == 'swarm' else 'c'} {r.schedule} s{rank}"
+            print(f"{tag:<12}" + "".join(f"{cpu.get(k, 0.0) / steps * 1e3:>9.1f}"
+                                         for k in ("MainThread", "main sys", "tx", "rx",
+                                                   "native"))
+                  + f"{(main / wall if wall else 0.0):>8.0%}"
+                  + f"{cpu.get('minflt', 0.0) / steps:>9.0f}")
+
+
+def parse_model(spec: str | None, base: dict[str, int]) -> dict[str, int]:
+    out = dict(base)
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        k, _, v = part.partition("=")
+        k = k.strip()
+        if k not in DEFAULT_MODEL or not v:
+            raise SystemExit(f"--model: expected key=value with key in "
+                             f"{', '.join(DEFAULT_MODEL)}, got {part!r}")
+        out[k] = int(v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    # This process never imports torch; the workers inherit this before they do.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, 1 warm-up + 2 timed steps: a smoke run (< 30 s)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 2)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up steps, not timed (default 2; quick 1; at least 1)")
+    ap.add_argument("--model", default=None,
+                    help="overrides, e.g. d_model=256,n_layers=8,n_heads=8,seq_len=128")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 32)")
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--only", default=None,
+                    help="rows to run, e.g. a,b (default a,b,c,x; quick a,b,c)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="run (b) and (c) without the timing wrappers")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="trials per row, rows in rotation; a row's figure pools the clean steps "
+                         "of all its trials (default 1)")
+    ap.add_argument("--wait-idle", type=float, default=None,
+                    help="before each trial wait up to this many seconds for the machine to be "
+                         "idle (default 30; quick 0)")
+    ap.add_argument("--start-method", choices=("spawn", "forkserver"), default=None,
+                    help="how worker processes start (default spawn; quick forkserver, with "
+                         "torch preloaded in the server, to skip most of the start-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row")
+    args = ap.parse_args(argv)
+    model = parse_model(args.model, QUICK_MODEL if args.quick else DEFAULT_MODEL)
+    cfg = {
+        "model": model,
+        "batch": args.batch or (16 if args.quick else 32),
+        "micro_batches": args.micro_batches,
+        "steps": args.steps or (2 if args.quick else 5),
+        "warmup": max(1, args.warmup if args.warmup is not None else (1 if args.quick else 2)),
+        "seed": args.seed,
+        "profile": not args.no_profile,
+        "timeout": args.timeout,
+        "repeats": max(1, args.repeats),
+        "start_method": args.start_method or ("forkserver" if args.quick else "spawn"),
+    }
+    if cfg["start_method"] == "forkserver":
+        # Imported once in the server (OMP_NUM_THREADS=1 already set; no torch work done
+        # there), so each worker forks with torch loaded and still sets its threads first.
+        mp.set_forkserver_preload(["torch", "torch.distributed.pipelining",
+                                   "swarm_core.pipeline.stage", "swarm_core.data"])
+    if cfg["batch"] % cfg["micro_batches"]:
+        raise SystemExit("--batch must be divisible by --micro-batches")
+    if model["n_layers"] < NUM_STAGES:
+        raise SystemExit(f"need at least {NUM_STAGES} layers")
+    only_arg = args.only or ("a,b,c" if args.quick else "a,b,c,x")
+    only = {s.strip() for s in only_arg.split(",") if s.strip()}
+    plan = [Row("a", "(a) 1 process, 1 thread, plain loop", "single", 1)]
+    plan += [Row(f"b-{s}", f"(b) SilentSwarm pipeline, {s}, 2 procs x 1 thread", "swarm", 2, s)
+             for s in SCHEDULES]
+    plan += [Row(f"c-{s}", f"(c) torch.pipelining {t} (gloo), 2 x 1 thread", "torch", 2, s)
+             for s, t in SCHEDULES.items()]
+    plan += [Row("x", "(x) 2 procs x 1 thread, no comms, no bubble", "ceiling", 2)]
+    rows = [r for r in plan if r.key.split("-")[0] in only]
+    print(f"bench_pipeline: {len(rows)} rows, {cfg['warmup']}+{cfg['steps']} steps each ...",
+          file=sys.stderr, flush=True)
+    wait_s = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 30.0)
+    for _ in range(cfg["repeats"]):
+        for r in rows:
+            if r.error is not None:
+                continue
+            if wait_s > 0:
+                load = wait_for_idle(wait_s)
+                if load >= NOISY_CORES:
+                    print(f"  (machine still busy: {load:.2f} cores used by others; "
+                          "running anyway)", file=sys.stderr, flush=True)
+            r.run(cfg)
+    print_table(cfg, rows)
+    print_profile(cfg, rows)
+    return 1 if any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
