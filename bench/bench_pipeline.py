@@ -37,7 +37,7 @@ unwrapped.
 
 Usage::
 
-    .venv/bin/python bench/bench_pipeline.py                 # the default model, ~3-4 minutes
+    .venv/bin/python bench/bench_pipeline.py                 # the default model, ~2-4 minutes
     .venv/bin/python bench/bench_pipeline.py --repeats 3     # on a shared machine
     .venv/bin/python bench/bench_pipeline.py --quick         # tiny model, 2 timed steps, ~10 s
     .venv/bin/python bench/bench_pipeline.py --steps 8 --warmup 2 \\
