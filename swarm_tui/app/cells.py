@@ -14,6 +14,7 @@ import attrs
 from rich.text import Text
 
 from swarm_tui.app.model import ClusterModel, FellowState, JobView
+from swarm_tui.commands.base import fmt_bytes as _fmt_bytes
 
 STATUS_STYLE = {
     "ready": "green",
@@ -110,14 +111,7 @@ def fmt_age(seconds: float | None) -> str:
 
 
 def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "K", "M", "G", "T"):
-        if value < 1000 or unit == "T":
-            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return str(n)
+    return _fmt_bytes(n, compact=True)
 
 
 def fmt_mbps(v: float | None) -> str:

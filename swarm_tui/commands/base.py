@@ -125,13 +125,18 @@ def run_async(coro: Awaitable[int | None]) -> int:
     return int(ExitCode.OK if result is None else result)
 
 
-def fmt_bytes(n: int | None) -> str:
+def fmt_bytes(n: int | None, compact: bool = False) -> str:
+    """``1.5 MiB``; ``compact`` (table cells): ``1.5M``, at most five characters."""
     if n is None:
         return "-"
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    units = ("B", "K", "M", "G", "T") if compact else ("B", "KiB", "MiB", "GiB", "TiB")
+    # Compact cells switch unit at 1000 so "1023.5K" never needs six characters.
+    limit = 1000 if compact else 1024
+    sep = "" if compact else " "
+    for unit in units:
+        if value < limit or unit == units[-1]:
+            return f"{value:.0f}{sep}{unit}" if unit == "B" else f"{value:.1f}{sep}{unit}"
         value /= 1024
     return str(n)
 
