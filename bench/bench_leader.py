@@ -94,6 +94,7 @@ class RunResult:
     client_lag_max_ms: float
     consoles: list[ConsoleStats]
     published: int  # events the leader published while the consoles were subscribed
+    job_steps: tuple[int, int] | None = None  # a real job's step at window start and end
 
     @property
     def hb_per_s(self) -> float:
@@ -425,8 +426,57 @@ async def submit_unsatisfiable_job(http: aiohttp.ClientSession, base: str,
             raise RuntimeError(f"submit pending job: HTTP {resp.status}: {raw[:200]!r}")
 
 
+async def start_running_job(http: aiohttp.ClientSession, leader: Leader,
+                            auth: dict[str, str], token: str) -> tuple[list[Any], str]:
+    """Two real fellow processes training a tiny model beside the simulated fleet, so the
+    leader also handles a live job: status reports, progress records, metric events."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env.update(SWARM_TOKEN=token, SWARM_HOME=str(leader.tmp / "home"), PYTHONUNBUFFERED="1")
+    procs = []
+    for i in range(2):
+        with open(leader.tmp / f"fellow-{i}.log", "ab") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "swarm_tui.cli", "fellow", "--leader-url", leader.url,
+                 "--name", f"real-{i}"], cwd=REPO, env=env, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    base = leader.url
+    deadline = time.monotonic() + 60
+    while True:
+        async with http.get(f"{base}{API_PREFIX}/fellows", headers=auth) as resp:
+            ready = [f for f in orjson.loads(await resp.read())["fellows"]
+                     if f["status"] == "ready"]
+        if len(ready) >= 2:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("the real fellows did not become ready")
+        await asyncio.sleep(0.2)
+    body = orjson.dumps({
+        "name": "bench-running", "kind": "train",
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+        # 50 ms per frame on its links keeps the job stepping (status reports, progress
+        # records, metric events) without taking a core from the leader on a small machine.
+        "training": {"steps": 10_000_000, "batch_size": 4, "micro_batches": 2,
+                     "eval_batches": 0, "link": {"latency_ms": 50}},
+        "topology": {"fellows": 2}})
+    async with http.post(f"{base}{API_PREFIX}/jobs", data=body,
+                         headers={**auth, "Content-Type": "application/json"}) as resp:
+        job_id = orjson.loads(await resp.read())["job_id"]
+    while (await job_step(http, base, auth, job_id)) < 3:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the running job did not start stepping")
+        await asyncio.sleep(0.2)
+    return procs, job_id
+
+
+async def job_step(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
+                   job_id: str) -> int:
+    async with http.get(f"{base}{API_PREFIX}/jobs/{job_id}", headers=auth) as resp:
+        return int(orjson.loads(await resp.read())["last_step"])
+
+
 async def run_one(leader: Leader, n: int, seconds: float, warmup: float, consoles: int,
-                  token: str, pending_job: bool = False) -> RunResult:
+                  token: str, pending_job: bool = False,
+                  running_job: bool = False) -> RunResult:
     await leader.wait_healthy()
     base = leader.url
     auth = {"Authorization": f"Bearer {token}"}
@@ -444,6 +494,10 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
             if console_tasks:
                 await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 10)
 
+            real: list[Any] = []
+            job_id = None
+            if running_job:
+                real, job_id = await start_running_job(http, leader, auth, token)
             t_reg = time.perf_counter()
             fleet = await register_all(http, base, auth, n, secrets.token_hex(3))
             register_s = time.perf_counter() - t_reg
@@ -468,9 +522,11 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
 
             await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
             cpu_h0, cpu_l0, cpu_c0 = host_busy_s(), proc_cpu_s(leader.pid), time.process_time()
+            step0 = await job_step(http, base, auth, job_id) if job_id else None
             w0 = time.perf_counter()
             await asyncio.sleep(max(0.0, rec.t_end - loop.time()))
             cpu_h1, cpu_l1, cpu_c1 = host_busy_s(), proc_cpu_s(leader.pid), time.process_time()
+            step1 = await job_step(http, base, auth, job_id) if job_id else None
             w1 = time.perf_counter()
             rss = proc_rss_mb(leader.pid)
 
@@ -506,6 +562,13 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for p in real:
+                p.send_signal(signal.SIGTERM)
+            for p in real:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
 
     wall = w1 - w0
     return RunResult(
@@ -519,6 +582,7 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
         leader_rss_mb=rss,
         client_lag_p99_ms=percentile(lag, 99), client_lag_max_ms=max(lag, default=math.nan),
         consoles=stats, published=published,
+        job_steps=None if step0 is None or step1 is None else (step0, step1),
     )
 
 
@@ -560,7 +624,9 @@ def print_details(results: list[RunResult]) -> None:
               f"leader RSS {fmt(r.leader_rss_mb, '.0f')} MB; other processes "
               f"{r.other_cpu_pct:.0f}% CPU; client loop lag "
               f"p99 {fmt(r.client_lag_p99_ms, '.1f')} ms, max {fmt(r.client_lag_max_ms, '.1f')} "
-              f"ms; {cons}")
+              f"ms; {cons}"
+              + (f"; running job: steps {r.job_steps[0]} -> {r.job_steps[1]} in the window"
+                 if r.job_steps else ""))
 
 
 def target_line(results: list[RunResult]) -> tuple[str, bool | None]:
@@ -595,6 +661,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pending-job", action="store_true",
                    help="keep one job PENDING that needs N+1 fellows (N < 1024), so every "
                         "heartbeat runs the dispatcher against the whole registry")
+    p.add_argument("--running-job", action="store_true",
+                   help="also run a real 2-fellow training job beside the simulated fleet")
     p.add_argument("--profile", metavar="DIR",
                    help="run each leader under cProfile; writes DIR/leader-N.prof "
                         "(inflates the leader's CPU and latency)")
@@ -657,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
                 prof = Path(args.profile).resolve() / f"leader-{n}.prof"
             with leader_process(token, args.verbose, prof) as leader:
                 r = asyncio.run(run_one(leader, n, args.seconds, args.warmup, args.consoles,
-                                        token, args.pending_job))
+                                        token, args.pending_job, args.running_job))
             results.append(r)
             print(f" {r.hb_per_s:.0f} hb/s, p99 {fmt(r.pct(99), '.2f')} ms", flush=True)
     except KeyboardInterrupt:
