@@ -141,3 +141,33 @@ def test_leader_killed_mid_run_picks_the_run_up_again(cli_env, tmp_path, swarm_h
 def _job_or_none(job_id: str, env) -> dict | None:
     res = run_cli("job", job_id, "--format", "json", env=env)
     return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_home):
+    """A fellow that stops answering (SIGSTOP: alive, sockets open, nothing moves, as when its
+    network is cut) is noticed by the heartbeat timeout; its neighbour stops waiting and the
+    job resumes on a spare."""
+    up = run_cli("restart-cluster", "--fellows", "3", "--stale-after", "2", env=cli_env,
+                 timeout=90)
+    assert up.returncode == 0, up.stderr
+    frozen = None
+    try:
+        _slow_steps(cli_env)
+        job_id = _submit(tmp_path, cli_env, "replace")
+        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
+                   "the job to pass step 9")
+        job = cli_json("job", job_id, env=cli_env)
+        name = job["placement"]["stages"][1]["name"]
+        frozen = next(f["pid"] for f in _record(swarm_home)["fellows"] if f["name"] == name)
+        os.kill(frozen, signal.SIGSTOP)
+        job = wait_until(
+            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] in
+            ("COMPLETED", "FAILED") and j, 180, "the job to finish without the frozen fellow")
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert len(job["restarts"]) == 1
+    assert f"({name}) is stale" in job["restarts"][0]["reason"]
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 31))
