@@ -54,7 +54,7 @@ def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swar
     assert up.returncode == 0, up.stderr
     try:
         _slow_steps(cli_env)
-        job_id = _submit(tmp_path, cli_env, "replace")
+        job_id = _submit(tmp_path, cli_env, "replace", steps=200)
         wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
                    "the job to pass step 9 (two shard pushes)")
         dead_id, dead_name = _kill_stage(job_id, 1, cli_env, _record(swarm_home))
@@ -70,12 +70,12 @@ def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swar
     assert restart["resume_step"] >= 8 and restart["resume_step"] % 4 == 0
     assert restart["replaced"]["1"]["from"] == dead_id
     assert dead_id not in job["fellows"] and len(job["fellows"]) == 2
-    # The step count and the loss curve continue: one record per step, 1..30.
+    # The step count and the loss curve continue: one record per step, 1..200.
     steps = [s for s, _ in job["loss_history"]]
-    assert steps == list(range(1, 31))
+    assert steps == list(range(1, 201))
     losses = [loss for _, loss in job["loss_history"]]
     assert losses[-1] < losses[0]
-    assert {p["step"] for p in job["latest_shard_pushes"].values()} == {30}
+    assert {p["step"] for p in job["latest_shard_pushes"].values()} == {200}
 
 
 def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_home):
@@ -153,7 +153,7 @@ def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_hom
     frozen = None
     try:
         _slow_steps(cli_env)
-        job_id = _submit(tmp_path, cli_env, "replace")
+        job_id = _submit(tmp_path, cli_env, "replace", steps=200)
         wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
                    "the job to pass step 9")
         job = cli_json("job", job_id, env=cli_env)
@@ -170,4 +170,4 @@ def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_hom
     assert job["state"] == "COMPLETED", job["reason"]
     assert len(job["restarts"]) == 1
     assert f"({name}) is stale" in job["restarts"][0]["reason"]
-    assert [s for s, _ in job["loss_history"]] == list(range(1, 31))
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 201))
