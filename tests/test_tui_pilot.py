@@ -201,7 +201,7 @@ async def test_read_only_refuses_every_action(tmp_path: Path) -> None:
                        configs_dir=snapshot_configs(tmp_path))
         async with app.run_test(size=SIZE) as pilot:
             await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
-            assert "READ-ONLY" in screen_text(app)
+            await wait_for(pilot, lambda: "READ-ONLY" in screen_text(app), "the read-only badge")
             for key in ("s", "r", "R"):
                 await pilot.press(key)
                 await pilot.pause(0.1)
@@ -239,14 +239,15 @@ async def test_lost_leader_is_shown_retried_and_recovered(tmp_path: Path) -> Non
             await wait_for(pilot, lambda: all_ready(app) and app.connection == "live", "live")
             await leader.stop()
             await wait_for(pilot, lambda: app.connection == "lost", "leader lost")
-            assert "leader lost, retrying" in screen_text(app).splitlines()[0]
+            await wait_for(pilot, lambda: "leader lost, retrying"
+                           in screen_text(app).splitlines()[0], "the lost banner")
             assert fellows_table(app).row_count == 3  # the last known state stays on screen
             await leader.start()  # same port, same state directory
             await wait_for(pilot, lambda: app.connection == "live", "back to live")
             snapshots = app.snapshots
             await wait_for(pilot, lambda: app.snapshots > snapshots and all_ready(app),
                            "fresh data")
-            assert "● live" in screen_text(app)
+            await wait_for(pilot, lambda: "● live" in screen_text(app), "the live badge")
 
 
 async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
@@ -271,7 +272,8 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
                            "the smoke job to finish", timeout=30)
             await wait_for(pilot, lambda: {table.get_cell(k, "step").plain
                                            for k in table.shown_keys} == {"12"}, "final steps")
-            assert "COMPLETED" in screen_text(app)
+            # The model updates before the next repaint; the terminal must catch up.
+            await wait_for(pilot, lambda: "COMPLETED" in screen_text(app), "COMPLETED on screen")
             await pilot.press("escape")
             # Launch: a bad field is refused by the leader and shown; a good one is queued.
             await pilot.press("3")
@@ -317,7 +319,8 @@ async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
             # The detail view follows events: ages and samples move on.
             tps = len(app.model.fellows[1].tps_hist)
             await wait_for(pilot, lambda: len(app.model.fellows[1].tps_hist) > tps + 2, "samples")
-            assert "registered" in screen_text(app) or "recent events" in screen_text(app)
+            await wait_for(pilot, lambda: "registered" in screen_text(app)
+                           or "recent events" in screen_text(app), "the events pane")
             await pilot.press("escape")
             await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back")
             # The command palette runs "group: action" entries.
