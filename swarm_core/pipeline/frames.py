@@ -1,11 +1,17 @@
 """The data-plane frame: a fixed 64-byte header, then the raw payload.
 
     magic "SWRM" | version u8 | kind u8 | codec u8 | dtype u8 | ndim u8 | flags u8 | pad u16
-    job u64 | step u64 | micro_batch u32 | shape 4 x u32 | payload_len u64 | payload_crc u32
-    header_crc u32
+    job u64 | step u64 | micro_batch u32 | shape 4 x u32 | payload_len u64 | payload_check u32
+    header_check u32
 
 Little-endian. The payload goes out straight from the tensor's buffer: no JSON, no base64. A frame
 for the wrong job, step, micro-batch or kind is an error, never a guess.
+
+Both checks are the low 32 bits of XXH3-64 (version 2; version 1 used zlib's CRC-32). A checksum
+pass runs over every payload on both ends, so its speed bounds the frame path: CRC-32 ran at
+~3.5 GB/s a core here, XXH3 at ~19 GB/s (and it releases the GIL, so the receiver thread's check
+overlaps the compute thread). It is an integrity check against corruption, not authentication:
+the data plane's session key (HELLO) decides who may send.
 """
 
 from __future__ import annotations
@@ -13,18 +19,24 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-import zlib
 
 import attrs
+import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
 assert HEADER_SIZE == 64
 MAX_DIMS = 4
 DEFAULT_MAX_PAYLOAD = 1 << 30
+_MASK32 = 0xFFFFFFFF
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The frame's 32-bit check of ``data``: the low half of its XXH3-64."""
+    return xxhash.xxh3_64_intdigest(data) & _MASK32
 
 
 class Kind(enum.IntEnum):
@@ -55,7 +67,7 @@ class FrameHeader:
     micro_batch: int
     shape: tuple[int, ...]
     payload_len: int
-    payload_crc: int
+    payload_check: int
     flags: int = 0
 
     def pack(self) -> bytes:
@@ -64,8 +76,8 @@ class FrameHeader:
         dims = (*self.shape, *([0] * (MAX_DIMS - len(self.shape))))
         head = _HEADER.pack(MAGIC, VERSION, int(self.kind), self.codec, self.dtype,
                             len(self.shape), self.flags, 0, self.job, self.step,
-                            self.micro_batch, *dims, self.payload_len, self.payload_crc)
-        return head + _CRC.pack(zlib.crc32(head))
+                            self.micro_batch, *dims, self.payload_len, self.payload_check)
+        return head + _CRC.pack(checksum(head))
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview,
@@ -80,7 +92,7 @@ class FrameHeader:
         if version != VERSION:
             raise FrameError(f"frame version {version}, this fellow speaks {VERSION}")
         (hcrc,) = _CRC.unpack(bytes(data[_HEADER.size:]))
-        if hcrc != zlib.crc32(head):
+        if hcrc != checksum(head):
             raise FrameError("header checksum mismatch (corrupted header)")
         try:
             kind_e = Kind(kind)
@@ -98,19 +110,21 @@ def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[
                 codec: int, payload: list[memoryview] | bytes, dtype: int = 1,
                 flags: int = 0) -> FrameHeader:
     bufs = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
-    crc = 0
-    total = 0
-    for b in bufs:
-        crc = zlib.crc32(b, crc)
-        total += len(b)
-    return FrameHeader(kind, codec, dtype, job, step, micro_batch, tuple(shape), total, crc,
-                       flags)
+    if len(bufs) == 1:
+        check = checksum(bufs[0])
+    else:  # the int8 codec's scales + codes: one streaming hash over the concatenation
+        h = xxhash.xxh3_64()
+        for b in bufs:
+            h.update(b)
+        check = h.intdigest() & _MASK32
+    return FrameHeader(kind, codec, dtype, job, step, micro_batch, tuple(shape),
+                       sum(len(b) for b in bufs), check, flags)
 
 
 def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> None:
     if len(payload) != header.payload_len:
         raise FrameError(f"payload length {len(payload)} != header's {header.payload_len}")
-    if zlib.crc32(payload) != header.payload_crc:
+    if checksum(payload) != header.payload_check:
         raise FrameError(f"payload checksum mismatch in {header.kind.name} step {header.step} "
                          f"micro-batch {header.micro_batch}")
 
