@@ -88,19 +88,26 @@ def _configs(cfg: dict[str, Any], schedule: str = "gpipe") -> tuple[Any, Any]:
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
 
     mc = ModelConfig(**cfg["model"])
+    # "1f1b" runs our default (split backward); "1f1b-plain" the same schedule without it.
+    schedule, _, variant = schedule.partition("-")
     tc = TrainingConfig(steps=cfg["warmup"] + cfg["steps"], batch_size=cfg["batch"],
                         micro_batches=cfg["micro_batches"], schedule=schedule,
+                        split_backward=variant != "plain",
                         eval_batches=0, eval_every=0, threads=1, seed=cfg["seed"],
                         warmup_steps=cfg["warmup"] + cfg["steps"], frame_timeout_s=300.0)
     return mc, tc
 
 
 def _init_torch() -> Any:
-    """First thing in every worker: one thread, before any torch work."""
+    """First thing in every worker: one thread, before any torch work; and the heap setting
+    fellows run with (every row gets it, so that rows differ only in how they train)."""
     import torch
+
+    from swarm_core.pipeline.heap import keep_large_blocks
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    keep_large_blocks()
     return torch
 
 
@@ -234,6 +241,7 @@ class _Profiler:
         from swarm_core.pipeline.frames import Kind
         from swarm_core.pipeline.model import StageModule
         from swarm_core.pipeline.transport import PeerLink
+        from swarm_core.pipeline.wgrad import WeightGradQueue
 
         self.wrap(StageModule, "forward", "forward")
         self.wrap(stage_mod, "lm_loss", "loss")
@@ -243,6 +251,7 @@ class _Profiler:
         self.wrap(PeerLink, "send_tensor", "send+enc")
         self.wrap(PeerLink, "send_raw", "send+enc")
         self.wrap(PeerLink, "flush", "flush wait")
+        self.wrap(WeightGradQueue, "run_one", "wgrad")
         self.wrap(stage_mod.StageRunner, "_global_sq", "grad norm")
         self.wrap(stage_mod, "scale_grads", "grad norm")
         self.wrap(torch.optim.Optimizer, "zero_grad", "optimizer")
@@ -259,7 +268,7 @@ class _Profiler:
         stage_mod.make_optimizer = make_wrapped
 
 
-PROFILE_COLUMNS = ["forward", "loss", "backward", "send+enc", "decode", "recv wait",
+PROFILE_COLUMNS = ["forward", "loss", "backward", "wgrad", "send+enc", "decode", "recv wait",
                    "grad norm", "norm wait", "optimizer", "flush wait", "data", "other"]
 
 
@@ -770,24 +779,25 @@ def print_profile(cfg: dict[str, Any], rows: list[Row]) -> None:
               "'recv wait' is all of schedule.step that is not forward/loss/backward (p2p "
               "comm, waits, bookkeeping), 'norm wait' the all-reduce")
         cols = ["step", *PROFILE_COLUMNS]
-        print(f"{'':<12}" + "".join(f"{c:>11}" for c in cols))
+        print(f"{'':<18}" + "".join(f"{c:>11}" for c in cols))
         for r in prof_rows:
             for rank, res in sorted(r.res.items()):
                 b = res["buckets"]
                 vals = [res["step_s"], *(b.get(c, 0.0) for c in PROFILE_COLUMNS)]
                 tag = f"{'b' if r.kind == 'swarm' else 'c'} {r.schedule} s{rank}"
-                print(f"{tag:<12}" + "".join(f"{v / steps * 1e3:>11.1f}" for v in vals))
+                print(f"{tag:<18}" + "".join(f"{v / steps * 1e3:>11.1f}" for v in vals))
         print()
         print(f"schedule bound from the measured compute (c_s = stage s forward+loss+backward "
               f"per micro-batch): (m-1)*max(c0,c1) + c0 + c1 + the slower stage's grad norm "
               f"+ optimizer, m = {m}; 'as (a)': the same compute run as (a) does, "
               f"m*(c0+c1) + both stages' grad norm + optimizer, over the measured step: the "
               f"ratio to (a) at equal per-core speed, robust to the machine's drift between rows")
+        as_a: dict[str, float] = {}
         for r in prof_rows:
             comp, tail = [], []
             for _rank, res in sorted(r.res.items()):
                 b = res["buckets"]
-                comp.append(sum(b.get(k, 0.0) for k in ("forward", "loss", "backward"))
+                comp.append(sum(b.get(k, 0.0) for k in ("forward", "loss", "backward", "wgrad"))
                             / steps / m)
                 tail.append((b.get("grad norm", 0.0) + b.get("optimizer", 0.0)) / steps)
             bound = (m - 1) * max(comp) + sum(comp) + max(tail)
@@ -796,6 +806,13 @@ def print_profile(cfg: dict[str, Any], rows: list[Row]) -> None:
             print(f"  {r.label}: bound {bound * 1e3:.0f} ms, measured {step * 1e3:.0f} ms/step "
                   f"-> {step / bound - 1:+.1%} over the bound; as (a) {serial * 1e3:.0f} ms "
                   f"-> {serial / step:.2f}x")
+            as_a[r.key] = serial / step
+        for sched, tname in SCHEDULES.items():
+            b, c = as_a.get(f"b-{sched}"), as_a.get(f"c-{sched}")
+            if b is not None and c is not None:
+                print(f"  cross-check at equal per-core speed: (b) {sched} / (c) {tname} = "
+                      f"{b / c:.2f}x (target {TARGET_VS_C:.2f}x; each row normalised by its own "
+                      "compute, so a row's extra compute does not count against it here)")
     cpu_rows = [r for r in rows if r.kind in ("swarm", "torch") and r.error is None]
     if not cpu_rows:
         return
@@ -889,6 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     only = {s.strip() for s in only_arg.split(",") if s.strip()}
     plan = [Row("a", "(a) 1 process, 1 thread, plain loop", "single", 1)]
     plan += [Row(f"b-{s}", f"(b) SilentSwarm pipeline, {s}, 2 procs x 1 thread", "swarm", 2, s)
+             for s in SCHEDULES]
+    plan += [Row(f"b-{s}-plain", f"(b) same, {s}, split backward off", "swarm", 2, f"{s}-plain")
              for s in SCHEDULES]
     plan += [Row(f"c-{s}", f"(c) torch.pipelining {t} (gloo), 2 x 1 thread", "torch", 2, s)
              for s, t in SCHEDULES.items()]

@@ -21,7 +21,7 @@ from swarm_tui.app.cells import (
     progress_bar,
 )
 from swarm_tui.app.forms import FormError, parse_speed
-from swarm_tui.app.launch import LaunchChoice, ProfileSource
+from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource
 from swarm_tui.app.model import ClusterModel, RateMeter
 from swarm_tui.cli import main_tui
 from tests.conftest import REPO
@@ -138,8 +138,10 @@ def test_set_speed_form_values() -> None:
 
 def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     src = ProfileSource(snapshot_configs(tmp_path))
-    assert src.models() == ["model/small_fixed_int8.json", "model/small_none.json"]
-    assert src.trainings() == ["training/quickstart_shakespeare.json"]
+    assert src.options("model") == ["model/small_fixed_int8.json", "model/small_none.json"]
+    assert src.options("training") == ["training/quickstart_shakespeare.json",
+                                       "training/tiny_sweep.json"]
+    assert src.options("fellows") == []
     plan = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
                                  fellows="3", steps="7"))
     assert plan.ok and len(plan.runs) == 1
@@ -155,6 +157,35 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     (tmp_path / "configs" / "model" / "notjson.json").write_text("{")
     bad = src.plan(LaunchChoice("model/notjson.json", "training/quickstart_shakespeare.json"))
     assert "not valid JSON" in (bad.error or "")
+
+
+def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
+    configs = snapshot_configs(tmp_path)
+    src = ExperimentSource(configs)
+    assert src.fields == ("config",)
+    assert src.options("config") == ["exp_tiny_sweep_v1.json"]  # not the profiles below
+    plan = src.plan(LaunchChoice(config="exp_tiny_sweep_v1.json"))
+    assert plan.ok and plan.experiment is not None
+    assert [r.model["compression"] for r in plan.runs] == ["none", "fixed_int8"]
+    assert [r.name for r in plan.runs] == [r.run_name for r in plan.experiment.runs]
+    assert all(r.kind == "train" and r.topology.fellows == 2 and r.training["steps"] == 3
+               for r in plan.runs)
+    assert plan.experiment.runs_dir == (tmp_path / "runs").resolve()
+    assert any("2 runs" in note for note in plan.notes)
+    # Errors name the file and the field, as `swarm validate` does.
+    body = json.loads((configs / "exp_tiny_sweep_v1.json").read_text())
+    body["sweep"]["compressions"] = ["none", "int3"]
+    (configs / "exp_bad.json").write_text(json.dumps(body))
+    bad = src.plan(LaunchChoice(config="exp_bad.json"))
+    assert not bad.ok and bad.error is not None
+    assert bad.error.startswith("exp_bad.json: $.sweep.compressions[1]: ")
+    body = json.loads((configs / "exp_tiny_sweep_v1.json").read_text())
+    body["training_config"] = "training/missing.json"
+    (configs / "exp_missing.json").write_text(json.dumps(body))
+    bad = src.plan(LaunchChoice(config="exp_missing.json"))
+    assert bad.error is not None and "file not found" in bad.error \
+        and "$.training_config" in bad.error
+    assert src.plan(LaunchChoice()).error == "pick an experiment config"
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -1,14 +1,15 @@
 """The console driven by a Pilot against a real leader on a loopback port, with fellow daemons
 running in this process (the daemon's own code over real HTTP; only its torch warm-up is
-skipped, and jobs are smoke jobs)."""
+skipped). Jobs are smoke jobs, except the launched sweep, which trains a tiny model for real."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from textual.command import CommandList, CommandPalette
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Input, Label, Select
 
 from swarm_core.client import SwarmClient
 from swarm_core.protocol import JobSubmit, Topology
@@ -279,6 +280,9 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             await pilot.press("3")
             launch = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
                                     and app.screen, "launcher")
+            launch.query_one("#source", Select).value = "profiles"
+            await wait_for(pilot, lambda: launch.query_one("#row-fellows").display,
+                           "the profile form")
             launch.query_one("#fellows", Input).value = "x"
             await pilot.pause(0.1)
             assert "not a whole number" in str(launch.query_one("#preview").render())
@@ -344,3 +348,40 @@ async def test_a_refusing_leader_is_shown(tmp_path: Path) -> None:
             line = screen_text(app).splitlines()[0]
             assert "leader refused: missing or wrong bearer token" in line
             assert not app.model.fellows
+
+
+async def test_launch_an_experiment_sweep(tmp_path: Path) -> None:
+    """The launcher's default source: an experiment config, previewed as the runs it expands
+    to, launched as `swarm sweep` would (queued up front, artifacts written as runs end)."""
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0, configs_dir=snapshot_configs(tmp_path))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            await pilot.press("3")
+            launch = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                    and app.screen, "launcher")
+            assert launch.query_one("#source", Select).value == "experiment"
+            assert launch.query_one("#config", Select).value == "exp_tiny_sweep_v1.json"
+            assert not launch.query_one("#row-fellows").display  # the config says it all
+            await wait_for(pilot, lambda: "preview: 2 runs" in screen_text(app), "the preview")
+            assert [r.model["compression"] for r in launch.plan.runs] == ["none", "fixed_int8"]
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
+            sweep = await wait_for(pilot, lambda: len(runs := [
+                v for v in app.model.jobs.values() if "exp_tiny_sweep_v1" in v.info.name]) == 2
+                and runs, "both runs queued")
+            assert all(v.info.kind == "train" for v in sweep)
+            await wait_for(pilot, lambda: all(app.model.jobs[v.job_id].info.state == "COMPLETED"
+                                              for v in sweep), "both runs to finish", timeout=90)
+            # The console kept the runs' artifacts, as the sweep command does.
+            runs_dir = tmp_path / "runs"
+            await wait_for(pilot, lambda: len(list(runs_dir.glob("*/metrics_summary.json"))) == 2,
+                           "the run artifacts", timeout=20)
+            for summary_path in runs_dir.glob("*/metrics_summary.json"):
+                summary = json.loads(summary_path.read_text())
+                assert summary["status"] == "COMPLETED" and summary["steps_recorded"] == 3
+                manifest = json.loads((summary_path.parent / "manifest.json").read_text())
+                assert manifest["experiment"] == "exp_tiny_sweep_v1"
+                assert (summary_path.parent / "train_progress.ndjson").read_text().count("\n") == 3
+            await wait_for(pilot, lambda: any("finished: 2/2 completed" in n.message
+                                              for n in app._notifications), "the end notice")

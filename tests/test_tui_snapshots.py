@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import Input, Select
 
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDialog
@@ -80,6 +80,17 @@ def test_job_watch(snap_compare, tmp_path: Path, size: tuple[int, int]) -> None:
 def test_launch(snap_compare, tmp_path: Path, size: tuple[int, int]) -> None:
     assert snap_compare(make_app(tmp_path), terminal_size=size, run_before=steps(
         ["3"], lambda app: isinstance(app.screen, LaunchScreen)))
+
+
+def test_launch_profiles(snap_compare, tmp_path: Path) -> None:
+    async def profile_form(pilot: Pilot) -> None:
+        await steps(["3"], lambda app: isinstance(app.screen, LaunchScreen))(pilot)
+        pilot.app.screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: pilot.app.screen.query_one("#row-model").display,
+                       "the profile form")
+        await pilot.pause(0.1)
+
+    assert snap_compare(make_app(tmp_path), terminal_size=(80, 24), run_before=profile_form)
 
 
 def test_set_speed_dialog(snap_compare, tmp_path: Path) -> None:

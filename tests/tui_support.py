@@ -267,6 +267,17 @@ FIXED_CONFIGS: dict[str, dict[str, Any]] = {
         "seed": 0, "steps": 40, "batch_size": 16, "micro_batches": 4, "schedule": "1f1b",
         "lr": 0.003, "min_lr": 0.0003, "warmup_steps": 5, "weight_decay": 0.01,
         "grad_clip": 1.0, "eval_every": 20, "eval_batches": 4, "real_min_tokens": 1000000},
+    "training/tiny_sweep.json": {
+        "name": "tiny_sweep", "dataset": "shakespeare", "tokenizer": "byte", "steps": 3,
+        "batch_size": 4, "micro_batches": 2, "schedule": "1f1b", "warmup_steps": 1,
+        "eval_batches": 1, "cluster_profile": {"fellows": 2},
+        "network_profile": {"name": "unconstrained"},
+        "artifacts": {"runs_dir": "../../runs", "shard_push_interval_steps": 0}},
+    "exp_tiny_sweep_v1.json": {
+        "name": "exp_tiny_sweep_v1", "description": "two compressions, three steps each",
+        "training_config": "training/tiny_sweep.json",
+        "model_configs": ["model/small_none.json"],
+        "sweep": {"compressions": ["none", "fixed_int8"], "seeds": [0], "repeats": 1}},
 }
 
 

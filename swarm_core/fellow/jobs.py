@@ -82,9 +82,6 @@ def import_engine() -> None:
     import swarm_core.artifacts.shards
     import swarm_core.data
     import swarm_core.pipeline.stage  # noqa: F401
-    from swarm_core.pipeline.heap import keep_large_blocks
-
-    keep_large_blocks()
 
 
 async def run_train(start: dict[str, Any], ctx: JobContext) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from swarm_core.config.schemas import Compression, ModelConfig
 from swarm_core.pipeline import codecs
+from swarm_core.pipeline.wgrad import SplitLinear
 from swarm_core.pipeline.wire_math import wire_codec
 
 
@@ -41,8 +42,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = SplitLinear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = SplitLinear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +65,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(),
-                                 nn.Linear(cfg.mlp_ratio * d, d))
+        self.mlp = nn.Sequential(SplitLinear(d, cfg.mlp_ratio * d), nn.GELU(),
+                                 SplitLinear(cfg.mlp_ratio * d, d))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab: int) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        self.lm_head = SplitLinear(cfg.d_model, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -102,7 +103,7 @@ class BottleneckDown(nn.Module):
 
     def __init__(self, d: int, k: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(d, k)
+        self.proj = SplitLinear(d, k)
         self.norm = nn.LayerNorm(k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +115,7 @@ class BottleneckUp(nn.Module):
 
     def __init__(self, k: int, d: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(k, d)
+        self.proj = SplitLinear(k, d)
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

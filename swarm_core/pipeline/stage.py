@@ -6,6 +6,7 @@ heartbeating while the stage computes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 import threading
@@ -19,6 +20,7 @@ import torch
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
 from swarm_core.pipeline.frames import Kind, job_tag
+from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.model import StageModule, lm_loss
@@ -32,6 +34,7 @@ from swarm_core.pipeline.optim import (
 )
 from swarm_core.pipeline.schedules import ops_for
 from swarm_core.pipeline.transport import PeerLink, connect
+from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import expected_wire_bytes, wire_codec
 
 _F64 = struct.Struct("<d")
@@ -70,6 +73,7 @@ class StageSpec:
 class StageRunner:
     def __init__(self, spec: StageSpec, data: TokenData, shaper: LinkShaper,
                  stop: threading.Event) -> None:
+        keep_large_blocks()  # per-micro-batch tensors reuse warm pages (see heap.py)
         self.spec = spec
         self.data = data
         self.shaper = shaper
@@ -79,6 +83,13 @@ class StageRunner:
         self.module = StageModule(m, vocab, spec.training.seed, spec.layers[0], spec.layers[1],
                                   spec.stage, spec.num_stages)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.wgrad: WeightGradQueue | None = None
+        if spec.training.split_backward and spec.num_stages > 1:
+            self.wgrad = WeightGradQueue()
+            attach(self.module, self.wgrad)
+        # Deferred W passes hold a micro-batch's layer inputs and output gradients each; beyond
+        # this many the stage runs one at once (memory stays in 1F1B's class).
+        self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
         self.codec = wire_codec(m)
         self.tag = job_tag(spec.job_id)
@@ -128,6 +139,9 @@ class StageRunner:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
+        wq = self.wgrad
+        if wq is not None:
+            wq.clear()  # nothing carries over from a step that did not finish
         for op, i in ops_for(t.schedule, self.spec.stage, self.spec.num_stages, m):
             self._check_stop()
             if op == "F":
@@ -135,6 +149,7 @@ class StageRunner:
                     inp = xs[i]
                 else:
                     assert self.up is not None
+                    self._fill_wait(self.up, Kind.ACT)
                     _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout)
                     inp.requires_grad_(True)
                     inputs[i] = inp
@@ -148,17 +163,22 @@ class StageRunner:
                     self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
                     outputs[i] = out
             else:
-                if self.last:
-                    outputs.pop(i).backward()
-                else:
+                grad = None
+                if not self.last:
                     assert self.down is not None
+                    self._fill_wait(self.down, Kind.GRAD)
                     _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout)
+                with wq.capture() if wq is not None else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
                 if not self.first:
                     assert self.up is not None
                     inp = inputs.pop(i)
                     assert inp.grad is not None
                     self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
+                if wq is not None and len(wq) > self.max_deferred:
+                    wq.run_one()
+        if wq is not None:
+            wq.drain()
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
@@ -170,6 +190,14 @@ class StageRunner:
         return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
                           tokens=t.batch_size * self.spec.model.seq_len,
                           wire_tx_bytes=self.sent() - tx0, lr=lr)
+
+    def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
+        """Before blocking on a frame, spend the wait on deferred W passes."""
+        wq = self.wgrad
+        if wq is None:
+            return
+        while not link.ready(kind) and wq.run_one():
+            self._check_stop()
 
     def _global_sq(self, step: int) -> float:
         """Sum of squared gradients over every stage: up the pipe, then the total back down."""

@@ -160,6 +160,10 @@ class PeerLink:
         if self._error is not None:
             raise self._error
 
+    def ready(self, kind: Kind) -> bool:
+        """Whether a ``recv`` of ``kind`` would return (or raise) without waiting."""
+        return not self._in[kind].empty()
+
     def recv(self, kind: Kind, step: int, micro_batch: int,
              timeout: float) -> tuple[FrameHeader, bytearray]:
         deadline = time.monotonic() + timeout

@@ -27,9 +27,11 @@ from textual.timer import Timer
 from textual.worker import Worker, WorkerState
 
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.config.profiles import ResolvedExperiment
+from swarm_core.experiment import Experiment, ExperimentError
 from swarm_core.protocol import JobSubmit, SetSpeedRequest
 from swarm_tui.app.commands import SwarmCommands
-from swarm_tui.app.launch import LaunchSource, ProfileSource, default_configs_dir
+from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
 from swarm_tui.app.model import Change, ClusterModel, describe_link
 from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDialog
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
@@ -70,7 +72,7 @@ class SwarmApp(App[int]):
                  read_only: bool = False, clock: Callable[[], float] = time.time,
                  refresh_s: float | None = 3.0, tick_s: float | None = 1.0,
                  stream: bool = True, configs_dir: Path | None = None,
-                 launch_source: LaunchSource | None = None, note: str = "",
+                 launch_sources: Sequence[LaunchSource] | None = None, note: str = "",
                  owns_client: bool = True, flush_s: float = 0.25,
                  local_cluster: bool = False) -> None:
         super().__init__()
@@ -83,8 +85,8 @@ class SwarmApp(App[int]):
         self.flush_s = flush_s
         self._pending = Change()
         self._flush_timer: Timer | None = None
-        self.launch_source: LaunchSource = launch_source or ProfileSource(
-            configs_dir or default_configs_dir())
+        self.launch_sources: list[LaunchSource] = list(
+            launch_sources or default_sources(configs_dir or default_configs_dir()))
         self.owns_client = owns_client
         self.local_cluster = local_cluster  # quitting stops it: ask first
         self.sub_title = self.leader_url + (f"  {note}" if note else "")
@@ -366,10 +368,45 @@ class SwarmApp(App[int]):
         self.publish(self.model.apply_job(job), now=True)
         self.notify(f"{job_id} {job.state.lower()}")
 
-    def launch(self, runs: Sequence[JobSubmit], origin: Any = None) -> None:
+    def launch(self, plan: LaunchPlan | Sequence[JobSubmit], origin: Any = None) -> None:
         if self.refuse_if_read_only("launch"):
             return
-        self._submit(list(runs), origin)
+        if isinstance(plan, LaunchPlan) and plan.experiment is not None:
+            self._run_experiment(plan.experiment, origin)
+            return
+        self._submit(list(plan.runs if isinstance(plan, LaunchPlan) else plan), origin)
+
+    @work(group="sweep", exit_on_error=False, description="sweep")
+    async def _run_experiment(self, exp: ResolvedExperiment, origin: Any) -> None:
+        """What ``swarm sweep`` does, from the console: preflight, queue every run, then keep
+        each run's artifacts current while the console is open."""
+        runner = Experiment(self.client, exp, on_line=lambda _line: None)
+        try:
+            await runner.start()
+        except (ExperimentError, ClientError) as exc:
+            if origin is not None and hasattr(origin, "launch_failed"):
+                origin.launch_failed(exc, [])
+            return
+        name = exp.config.name
+        queued = [st.job_id for st in runner.states if st.job_id]
+        self.notify(f"sweep {name}: {len(runner.states)} runs"
+                    + (f", queued {' '.join(queued)}" if queued else ", one at a time")
+                    + f"; artifacts in {runner.runs_dir}", timeout=8)
+        self.action_refresh()
+        self.switch_view("jobs")
+        screen = self.screen
+        if isinstance(screen, JobsScreen) and queued:
+            screen.select_job(queued[0])
+        try:
+            states = await runner.run()
+        except (ClientError, ExperimentError, OSError) as exc:
+            # The runs stay queued on the leader; only this console stops writing artifacts.
+            self.notify(f"sweep {name}: stopped following it: {exc}", severity="warning")
+            return
+        bad = [f"{st.spec.run_name} {st.state}" for st in states if st.state != "COMPLETED"]
+        self.notify(f"sweep {name} finished: {len(states) - len(bad)}/{len(states)} completed"
+                    + (f"; {', '.join(bad)}" if bad else ""),
+                    severity="warning" if bad else "information", timeout=10)
 
     @work(group="submit", exit_on_error=False, description="launch")
     async def _submit(self, runs: list[JobSubmit], origin: Any) -> None:

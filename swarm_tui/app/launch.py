@@ -1,15 +1,20 @@
 """What the launcher can launch (no Textual): sources of job bodies, expanded into a plan.
 
 A *source* turns the launcher's choices into a :class:`LaunchPlan`: the ``JobSubmit`` bodies it
-would send, in order, or the first error that stops it. The launcher screen previews a plan
-and submits its runs one by one; it knows nothing else about the source. Today's source pairs a
-model profile (``exp/configs/model/*.json``) with a training profile
-(``exp/configs/training/*.json``); a sweep loader plugs in as another :class:`LaunchSource`
-whose ``plan`` expands one sweep config into many runs.
+would send, in order, or the first error that stops it. The launcher screen shows the fields a
+source asks for, previews its plan and launches it; it knows nothing else about the source.
+
+* :class:`ExperimentSource`: an experiment config (``exp/configs/*.json``) expanded by
+  ``load_experiment`` into its sweep's runs; launched through the same
+  :class:`~swarm_core.experiment.Experiment` runner as ``swarm sweep`` (preflight, run
+  artifacts under the profile's ``runs_dir``).
+* :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
+  training profile (``exp/configs/training/*.json``) and a fellow count.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,6 +22,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.config import ModelConfig, TrainingConfig
+from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
 from swarm_core.protocol import JobSubmit
 from swarm_core.schema import SchemaError, structure
 
@@ -27,6 +33,7 @@ class LaunchChoice:
 
     model: str | None = None  # a path relative to the configs directory
     training: str | None = None
+    config: str | None = None  # an experiment config, relative to the configs directory
     fellows: str = "2"
     steps: str = ""  # empty: as the profile says
     name: str = ""  # empty: the model profile's name
@@ -39,6 +46,8 @@ class LaunchPlan:
     error: str | None = None  # the first problem, one line
     field: str | None = None  # its JSON path when there is one
     notes: list[str] = attrs.field(factory=list)
+    # Set by ExperimentSource: the launch goes through the Experiment runner (artifacts).
+    experiment: ResolvedExperiment | None = None
 
     @property
     def ok(self) -> bool:
@@ -48,12 +57,21 @@ class LaunchPlan:
 class LaunchSource(Protocol):
     key: str
     label: str
+    fields: tuple[str, ...]  # LaunchChoice fields this source reads, in form order
 
-    def models(self) -> list[str]: ...
-
-    def trainings(self) -> list[str]: ...
+    def options(self, field: str) -> list[str]:
+        """The choices of a pick-one field (configs-relative paths); [] for free text."""
+        ...
 
     def plan(self, choice: LaunchChoice) -> LaunchPlan: ...
+
+
+def _json_files(configs_dir: Path, sub: str = "") -> list[str]:
+    folder = configs_dir / sub if sub else configs_dir
+    if not folder.is_dir():
+        return []
+    return sorted(p.relative_to(configs_dir).as_posix()
+                  for p in folder.glob("*.json") if p.is_file())
 
 
 def default_configs_dir() -> Path:
@@ -64,27 +82,66 @@ def default_configs_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "exp" / "configs"
 
 
+class ExperimentSource:
+    """Every run of one experiment config's sweep, queued up front (as ``swarm sweep``)."""
+
+    key = "experiment"
+    label = "experiment config (sweep)"
+    fields = ("config",)
+
+    def __init__(self, configs_dir: Path) -> None:
+        self.configs_dir = configs_dir
+
+    def options(self, field: str) -> list[str]:
+        # Experiment configs sit at the top of the configs directory; profiles and suites in
+        # folders below it.
+        return _json_files(self.configs_dir) if field == "config" else []
+
+    def plan(self, choice: LaunchChoice) -> LaunchPlan:
+        if not choice.config:
+            return LaunchPlan(error="pick an experiment config")
+        try:
+            exp = load_experiment(self.configs_dir / choice.config)
+            runs = [structure(r.job_body(r.run_name), JobSubmit) for r in exp.runs]
+        except ConfigError as exc:
+            where = Path(exc.path).resolve()
+            root = self.configs_dir.resolve()
+            name = where.relative_to(root).as_posix() if where.is_relative_to(root) else where
+            field = f"{exc.field}: " if exc.field else ""
+            return LaunchPlan(error=f"{name}: {field}{exc.message}")
+        except SchemaError as exc:
+            return LaunchPlan(error=exc.message, field=exc.field)
+        notes = [f"{exp.config.name}: {len(runs)} run{'s' if len(runs) != 1 else ''}",
+                 f"artifacts in {_display(exp.runs_dir, self.configs_dir)}",
+                 "checked locally; the leader checks again"]
+        if any(r.tc_profile for r in exp.runs):
+            notes.append("tc profiles: runs go one at a time, each wrapped in setup_netem.sh "
+                         "(needs root)")
+        return LaunchPlan(runs=runs, bodies=[r.job_body(r.run_name) for r in exp.runs],
+                          notes=notes, experiment=exp)
+
+
+def _display(path: Path, configs_dir: Path) -> str:
+    """Relative to the working directory when below it, else to the configs directory."""
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return f"{configs_dir.name}/{os.path.relpath(path, configs_dir.resolve())}"
+
+
 class ProfileSource:
     """One train job from a model profile, a training profile and a fellow count."""
 
     key = "profiles"
     label = "model + training profile"
+    fields = ("model", "training", "fellows", "steps", "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
 
-    def _list(self, sub: str) -> list[str]:
-        folder = self.configs_dir / sub
-        if not folder.is_dir():
-            return []
-        return sorted(p.relative_to(self.configs_dir).as_posix()
-                      for p in folder.glob("*.json") if p.is_file())
-
-    def models(self) -> list[str]:
-        return self._list("model")
-
-    def trainings(self) -> list[str]:
-        return self._list("training")
+    def options(self, field: str) -> list[str]:
+        sub = {"model": "model", "training": "training"}.get(field)
+        return _json_files(self.configs_dir, sub) if sub else []
 
     def _load(self, rel: str | None, what: str) -> dict[str, Any]:
         if not rel:
@@ -128,15 +185,16 @@ def _int(text: str, label: str, field: str) -> int:
 
 
 def run_summary(req: JobSubmit) -> str:
+    """``name`` on the first line, then fellows · steps · compression · dataset · schedule."""
     m, t = req.model, req.training
-    parts = [req.name, f"{req.topology.fellows} fellows"]
+    parts = [f"{req.topology.fellows} fellows"]
     if "steps" in t:
         parts.append(f"{t['steps']} steps")
     for key in ("compression", "dataset", "schedule"):
         value = m.get(key) if key in m else t.get(key)
         if value:
             parts.append(str(value))
-    return " · ".join(parts)
+    return f"{req.name}\n   " + " · ".join(parts)
 
 
 def run_body(body: dict[str, Any]) -> str:
@@ -144,4 +202,5 @@ def run_body(body: dict[str, Any]) -> str:
     return jsonio.dumps(body, pretty=True).decode()
 
 
-SOURCES: dict[str, type] = {ProfileSource.key: ProfileSource}
+def default_sources(configs_dir: Path) -> list[LaunchSource]:
+    return [ExperimentSource(configs_dir), ProfileSource(configs_dir)]

@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
 
 from swarm_tui.app.cells import (
@@ -38,6 +39,8 @@ class JobsScreen(SwarmScreen):
         Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
     ]
 
+    _select_later: str | None = None
+
     def compose(self) -> ComposeResult:
         yield StatusBar("jobs")
         yield FilterBar()
@@ -59,6 +62,7 @@ class JobsScreen(SwarmScreen):
         jobs = self.swarm.model.jobs
         if change is None or change.job_rows:
             self.table.rebuild(list(jobs))
+            self._apply_selection()
             return
         keys = [j for j in change.jobs if j in jobs]
         if keys:
@@ -79,9 +83,22 @@ class JobsScreen(SwarmScreen):
         return hint
 
     def select_job(self, job_id: str) -> None:
-        table = self.table
-        if job_id in table.shown_keys:
-            table.move_cursor(row=table.get_row_index(job_id))
+        """Put the cursor on a job: now, or once the screen and the job's row exist (a job
+        just submitted reaches the table with the next event or refresh)."""
+        self._select_later = job_id
+        self._apply_selection()
+
+    def _apply_selection(self) -> None:
+        want = self._select_later
+        if want is None:
+            return
+        try:
+            table = self.table
+        except NoMatches:  # not composed yet: sync() calls again
+            return
+        if want in table.shown_keys:
+            table.move_cursor(row=table.get_row_index(want))
+            self._select_later = None
 
     @property
     def selected_job(self) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
@@ -27,38 +28,38 @@ class LaunchScreen(SwarmScreen):
         self.plan = LaunchPlan()
 
     @property
+    def sources(self) -> list[LaunchSource]:
+        return self.swarm.launch_sources
+
+    @property
     def source(self) -> LaunchSource:
-        return self.swarm.launch_source
+        value = self.query_one("#source", Select).value
+        return next((src for src in self.sources if src.key == value), self.sources[0])
 
     def compose(self) -> ComposeResult:
-        src = self.source
-        models = src.models()
-        trainings = src.trainings()
-        default_model = next((m for m in models if "small" in m), models[0] if models else None)
-        default_training = trainings[0] if trainings else None
+        sources = self.sources
         yield StatusBar("launch")
         with Horizontal(id="launch"):
             with Vertical(id="launch-form"):
-                yield Label(f"source: {src.label}", classes="pane-title")
+                yield Label("launch", classes="pane-title")
                 with Horizontal(classes="form-row"):
-                    yield Label("model", classes="form-label")
-                    yield Select([(_short(m), m) for m in models], compact=True,
-                                 value=default_model or Select.BLANK,
-                                 allow_blank=default_model is None, id="model")
-                with Horizontal(classes="form-row"):
-                    yield Label("training", classes="form-label")
-                    yield Select([(_short(t), t) for t in trainings], compact=True,
-                                 value=default_training or Select.BLANK,
-                                 allow_blank=default_training is None, id="training")
-                with Horizontal(classes="form-row"):
-                    yield Label("fellows", classes="form-label")
-                    yield Input("2", compact=True, id="fellows")
-                with Horizontal(classes="form-row"):
-                    yield Label("steps", classes="form-label")
-                    yield Input("", placeholder="as the profile says", compact=True, id="steps")
-                with Horizontal(classes="form-row"):
-                    yield Label("name", classes="form-label")
-                    yield Input("", placeholder="the model's name", compact=True, id="name")
+                    yield Label("source", classes="form-label")
+                    yield Select([(src.label, src.key) for src in sources], compact=True,
+                                 value=sources[0].key, allow_blank=False, id="source")
+                for field, hint in PICK_FIELDS.items():
+                    options = next((src.options(field) for src in sources
+                                    if field in src.fields), [])
+                    default = next((o for o in options if hint in o),
+                                   options[0] if options else None)
+                    with Horizontal(classes="form-row", id=f"row-{field}"):
+                        yield Label(field, classes="form-label")
+                        yield Select([(_short(o), o) for o in options], compact=True,
+                                     value=default or Select.BLANK,
+                                     allow_blank=default is None, id=field)
+                for field, (value, placeholder) in TEXT_FIELDS.items():
+                    with Horizontal(classes="form-row", id=f"row-{field}"):
+                        yield Label(field, classes="form-label")
+                        yield Input(value, placeholder=placeholder, compact=True, id=field)
                 yield Button("Launch (ctrl+s)", variant="primary", id="launch-button",
                              compact=True, disabled=self.swarm.read_only)
                 yield Static("", id="launch-error")
@@ -69,7 +70,13 @@ class LaunchScreen(SwarmScreen):
 
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
+        self.show_fields()
         self.update_plan()
+
+    def show_fields(self) -> None:
+        wanted = self.source.fields
+        for field in (*PICK_FIELDS, *TEXT_FIELDS):
+            self.query_one(f"#row-{field}").display = field in wanted
 
     def sync(self, change: Change | None) -> None:
         pass
@@ -82,7 +89,7 @@ class LaunchScreen(SwarmScreen):
             value = self.query_one(f"#{wid}", Select).value
             return value if isinstance(value, str) else None
 
-        return LaunchChoice(model=sel("model"), training=sel("training"),
+        return LaunchChoice(model=sel("model"), training=sel("training"), config=sel("config"),
                             fellows=self.query_one("#fellows", Input).value,
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
@@ -98,13 +105,21 @@ class LaunchScreen(SwarmScreen):
             self.show_error(None)
             return
         n = len(self.plan.runs)
-        title.update(Text(f"preview: {n} run{'s' if n != 1 else ''} "
-                          f"({'; '.join(self.plan.notes)}; it fills in defaults)",
-                          style="bold"))
-        lines = [f"{i + 1}. {run_summary(r)}" for i, r in enumerate(self.plan.runs)]
-        body = Syntax(run_body(self.plan.bodies[0]), "json", theme="ansi_dark",
-                      background_color="default", word_wrap=True)
-        preview.update(body if n == 1 else Text("\n".join(lines)))
+        title.update(Text(f"preview: {n} run{'s' if n != 1 else ''}", style="bold"))
+        notes = Text("\n".join(self.plan.notes) + "; the leader fills in defaults\n",
+                     style="dim")
+        if n == 1:
+            body = Syntax(run_body(self.plan.bodies[0]), "json", theme="ansi_dark",
+                          background_color="default", word_wrap=True)
+            preview.update(Group(notes, body))
+        else:
+            lines: list[Text] = []
+            for i, req in enumerate(self.plan.runs):
+                name, details = run_summary(req).split("\n", 1)
+                # A run's name is one long token: cut it, rather than wrap it mid-word.
+                lines.append(Text(f"{i + 1}. {name}", no_wrap=True, overflow="ellipsis"))
+                lines.append(Text(details, style="dim"))
+            preview.update(Group(notes, *lines))
         self.show_error(None)
 
     def show_error(self, message: str | None) -> None:
@@ -120,7 +135,9 @@ class LaunchScreen(SwarmScreen):
         else:
             self.show_error(f"{exc}{done}")
 
-    def on_select_changed(self, _event: Select.Changed) -> None:
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "source":
+            self.show_fields()
         self.update_plan()
 
     def on_input_changed(self, _event: Input.Changed) -> None:
@@ -140,10 +157,17 @@ class LaunchScreen(SwarmScreen):
         if not self.plan.ok:
             self.show_error("nothing to launch: " + (self.plan.error or "no runs"))
             return
-        self.swarm.launch(self.plan.runs, origin=self)
+        self.swarm.launch(self.plan, origin=self)
 
     def action_back(self) -> None:
         self.swarm.switch_view("fellows")
+
+
+# Pick-one fields (their options come from the sources) with the option to preselect, and
+# free-text fields with their initial value and placeholder.
+PICK_FIELDS = {"config": "smoke", "model": "small", "training": ""}
+TEXT_FIELDS = {"fellows": ("2", ""), "steps": ("", "as the profile says"),
+               "name": ("", "the model's name")}
 
 
 def _short(rel: str) -> str:

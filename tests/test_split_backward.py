@@ -1,0 +1,56 @@
+"""Split backward: input gradients first, weight gradients deferred, same numbers."""
+
+from __future__ import annotations
+
+import torch
+
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.pipeline.model import StageModule, lm_loss
+from swarm_core.pipeline.wgrad import SplitLinear, WeightGradQueue, attach
+
+CFG = ModelConfig(d_model=32, n_layers=4, n_heads=4, seq_len=16)
+
+
+def _grads(split: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, WeightGradQueue | None]:
+    torch.manual_seed(1)
+    stage = StageModule(CFG, 64, 0, 2, 4, 1, 2)  # the last stage: blocks 2-3 and the head
+    queue = WeightGradQueue() if split else None
+    attach(stage, queue)
+    x = torch.randn(2, 3, 16, 32)
+    y = torch.randint(0, 64, (2, 3, 16))
+    inputs = []
+    for i in range(2):  # two micro-batches, gradients accumulated
+        inp = x[i].clone().requires_grad_(True)
+        loss = lm_loss(stage(inp), y[i]) / 2
+        with queue.capture() if queue is not None else torch.enable_grad():
+            loss.backward()
+        inputs.append(inp.grad)
+        if queue is not None:
+            # The input gradient is there before any weight gradient of a Linear.
+            assert stage.blocks["2"].mlp[0].weight.grad is None
+            assert len(queue) == i + 1
+    if queue is not None:
+        queue.drain()
+        assert len(queue) == 0
+    return ({n: p.grad.clone() for n, p in stage.named_parameters()}, torch.stack(inputs), queue)
+
+
+def test_split_backward_gives_the_fused_gradients() -> None:
+    plain, plain_in, _ = _grads(split=False)
+    split, split_in, _ = _grads(split=True)
+    assert plain.keys() == split.keys()
+    assert torch.equal(plain_in, split_in)
+    for name in plain:
+        torch.testing.assert_close(split[name], plain[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_split_linear_is_a_plain_linear_without_a_queue() -> None:
+    layer = SplitLinear(8, 4)
+    ref = torch.nn.Linear(8, 4)
+    ref.load_state_dict(layer.state_dict())  # same names, same shapes
+    x = torch.randn(3, 8)
+    assert torch.equal(layer(x), ref(x))
+    assert attach(layer, WeightGradQueue()) == 1 and layer.wgrad is not None
+    with torch.no_grad():  # evaluation never builds W passes
+        assert torch.equal(layer(x), ref(x))
+    assert attach(layer, None) == 1 and layer.wgrad is None
