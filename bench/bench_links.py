@@ -19,10 +19,12 @@ Two pipeline stages run in threads of this process, joined by real loopback TCP 
   tx bucket burst 4 KiB (the default 64 KiB of credit per idle gap flatters slow links);
 * C (full run): micro-batch sweep for ``none`` at B's rate, 1f1b and the "ahead" candidate:
   does step/bound follow (M+1)/M?
+* E (full run): B's specs and rates as a researcher would run a slow link: the ``eager``
+  schedule and 16 micro-batches (the fill floor (M+1)/M drops to 1.06);
 * D (full run): schedules 1f1b, gpipe and a candidate ("ahead": early stages run all forwards
   first, the last stage 1f1b), swapped in by patching ``stage.ops_for`` in this process only;
 * where each stage thread's time goes: waiting in ``PeerLink.recv``, in ``send_tensor``
-  (encode + crc32 + enqueue on the compute thread), in ``flush``, and the rest (compute).
+  (encode + checksum + enqueue on the compute thread), in ``flush``, and the rest (compute).
 
 Usage::
 
@@ -75,6 +77,7 @@ SPECS = ("none", "fixed_int8", "learned_dim64_int8")
 RUN_TIMEOUT_S = 180.0
 LINK_BOUND_FACTOR = 3.0  # table B: the link rate that makes the bound this x compute-only
 STRICT_BURST = 4096  # table B's bucket: 64 KiB of credit per idle gap would skew slow links
+SLOW_LINK_MICRO = 16  # table E: micro-batches of one sequence on a slow link
 
 
 # --- where a stage thread's time goes (bench-only instrumentation, no swarm_core edits) -------
@@ -87,7 +90,7 @@ _spent: dict[str, dict[str, float]] = collections.defaultdict(
 def _instrument() -> None:
     """Wrap PeerLink.recv / send_tensor / flush and StageRunner.train_step so each stage thread
     adds up, for steps after the first, the seconds it spends waiting for frames, encoding and
-    queueing (send_tensor: codec + crc32 on the compute thread) and waiting for the sender."""
+    queueing (send_tensor: codec + checksum on the compute thread) and waiting for the sender."""
 
     def timed(fn: Any, key: str) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -123,7 +126,7 @@ def forwards_ahead(stage: int, num_stages: int, micro_batches: int) -> list[sche
 
 
 BENCH_SCHEDULES: dict[str, Any] = {"1f1b": schedules.one_f_one_b, "gpipe": schedules.gpipe,
-                                   "ahead": forwards_ahead}
+                                   "ahead": forwards_ahead, "eager": schedules.eager}
 _schedule = ["1f1b"]  # the schedule both stages use in the next run_pipeline
 
 
@@ -369,6 +372,19 @@ def main() -> int:
                 f"{(r['micro'] + 1) / r['micro']:.2f}", f"{r['free'].step_s * 1e3:.1f}",
                 f"{(r['shaped'].step_s - r['fill']) * 1e3:.1f}", verdict(r)) for r in sweep])
 
+    results_e: list[dict[str, Any]] = []
+    if not args.quick:
+        # What a researcher sets for a slow link: the eager schedule (the activation link is busy
+        # from the first micro-batch, gradients flow back from the first) and more, smaller
+        # micro-batches, so the one-micro-batch fill at each end of the step is a small part.
+        for r in results_b:
+            results_e.append(measure(r["spec"], SLOW_LINK_MICRO, steps, r["mbps"], data,
+                                     "eager", burst=STRICT_BURST))
+        print(f"\n== E: B's specs and rates with the slow-link settings: schedule eager, "
+              f"{SLOW_LINK_MICRO} micro-batches of {BATCH // SLOW_LINK_MICRO} (split backward "
+              "on) ==")
+        print_step_table(results_e)
+
     results_d: list[dict[str, Any]] = []
     if not args.quick:
         cases = [("none", mbps, results_a[0]), ("fixed_int8", mbps, results_a[1]),
@@ -392,11 +408,11 @@ def main() -> int:
                "compute ms", "vs 1f1b", "same losses"), rows, first=24)
 
     print("\n== where each stage thread's time goes, ms per step (recv wait: blocked on a frame; "
-          "send_tensor: encode + crc32 + enqueue; flush: waiting for the sender) ==")
-    print_breakdown(results_a + results_b + results_d)
+          "send_tensor: encode + checksum + enqueue; flush: waiting for the sender) ==")
+    print_breakdown(results_a + results_b + results_e + results_d)
 
     print("\n== verdicts (target: step <= 1.15 x bound when communication dominates) ==")
-    for label, res in (("A", results_a), ("B", results_b)):
+    for label, res in (("A", results_a), ("B", results_b), ("E", results_e)):
         for r in res:
             print(f"  {label} {r['spec']:<20} {r['mbps']:>5.3g} Mbit/s  step/bound "
                   f"{r['ratio']:.2f}  step/fill {r['shaped'].step_s / r['fill']:.2f}: "

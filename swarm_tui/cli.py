@@ -114,6 +114,9 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
                         help="refuse every action that changes the cluster (shared screens)")
     parser.add_argument("--configs", default=None, metavar="DIR",
                         help="experiment configs for the launcher (default: exp/configs)")
+    parser.add_argument("--keymap", default=None, metavar="FILE",
+                        help="JSON of binding id -> keys (default: the user config dir's "
+                             "silentswarm/keymap.json, when it exists)")
     ns = parser.parse_args(args)
     if ns.local is not None and ns.leader_url:
         parser.error("--local starts its own leader; leave out --leader-url")

@@ -203,6 +203,60 @@ def test_console_flags_are_checked(argv: list[str], message: str,
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"fellows.relase": "x"}', "unknown binding id 'fellows.relase' (did you mean "
+                                "'fellows.release'?)"),
+    ('{"fellows.release": "s"}', "key 's' would be both fellows.set_speed and fellows.release"),
+    ('{"fellows.release": 3}', "fellows.release: expected keys as a string"),
+    ('["x"]', "expected a JSON object of binding id -> keys"),
+    ("{", "not valid JSON"),
+])
+def test_a_bad_keymap_stops_the_console_before_anything_starts(
+        body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm_tui.commands import local_cluster
+
+    def no_cluster(*_a: object, **_k: object) -> None:
+        raise AssertionError("a local cluster was started")
+
+    monkeypatch.setattr(local_cluster, "start_cluster", no_cluster)
+    keymap = tmp_path / "keymap.json"
+    keymap.write_text(body)
+    assert main_tui(["--keymap", str(keymap), "--local", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(keymap) in err and err.count("\n") == 1
+
+
+def test_keymap_file_is_read_from_the_default_place(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm_tui.app import keymap
+
+    monkeypatch.setenv("SWARM_KEYMAP", str(tmp_path / "keymap.json"))
+    assert keymap.load() == {}  # none there: the defaults
+    (tmp_path / "keymap.json").write_text('{"jobs.cancel": " k , delete "}')
+    assert keymap.load() == {"jobs.cancel": "k,delete"}
+    with pytest.raises(keymap.KeymapError, match="No such file"):
+        keymap.load(tmp_path / "missing.json")  # named explicitly: it must exist
+
+
+def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
+    from swarm_tui.app.cells import Cell
+    from swarm_tui.app.export import ExportError, cell_value, write_view
+
+    assert cell_value(Cell("1.2 MB/s", 1_200_000.0)) == 1_200_000.0
+    assert cell_value(Cell("—")) == "—"
+    assert cell_value(Cell("", None)) is None
+    rows = [{"id": 1, "name": "a,b", "rate": 2.5}, {"id": 2, "name": "c", "rate": None}]
+    out = write_view(tmp_path / "v.csv", ["id", "name", "rate"], rows)
+    assert out.read_text() == 'id,name,rate\n1,"a,b",2.5\n2,c,\n'
+    out = write_view(tmp_path / "v.json", ["id", "name", "rate"], rows)
+    assert json.loads(out.read_text()) == rows
+    for bad, why in [("", "give a file name"), (str(tmp_path / "v.xlsx"), "must end in"),
+                     (str(tmp_path / "nope" / "v.csv"), "no such directory")]:
+        with pytest.raises(ExportError, match=why):
+            write_view(bad, ["id"], rows)
+
+
 def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main_tui([]) == 3
     err = capsys.readouterr().err
@@ -212,7 +266,7 @@ def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) ->
 def test_plain_modules_and_headless_paths_import_no_textual() -> None:
     code = ("import json, sys\n"
             "import swarm_tui.cli, swarm_tui.app.model, swarm_tui.app.cells, "
-            "swarm_tui.app.forms, swarm_tui.app.launch\n"
+            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO)

@@ -5,6 +5,7 @@ skipped). Jobs are smoke jobs, except the launched sweep, which trains a tiny mo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from swarm_core.client import SwarmClient
 from swarm_core.protocol import JobSubmit, Topology
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.model import Change
-from swarm_tui.app.screens.dialogs import ConfirmDialog, SetSpeedDialog
+from swarm_tui.app.screens.dialogs import ConfirmDialog, ExportDialog, SetSpeedDialog
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
@@ -385,3 +386,74 @@ async def test_launch_an_experiment_sweep(tmp_path: Path) -> None:
                 assert (summary_path.parent / "train_progress.ndjson").read_text().count("\n") == 3
             await wait_for(pilot, lambda: any("finished: 2/2 completed" in n.message
                                               for n in app._notifications), "the end notice")
+
+
+async def test_export_the_view_as_shown(tmp_path: Path) -> None:
+    """`e` writes the table's rows as shown (filtered, sorted) with values, not display text."""
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0, read_only=True)  # not a cluster change
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            table = fellows_table(app)
+            await wait_for(pilot, lambda: table.row_count == 3, "rows")
+            await pilot.press("slash", *"sim-[12]", "enter")
+            await wait_for(pilot, lambda: names_shown(app) == ["sim-1", "sim-2"], "filtered")
+            await pilot.press("O")  # reverse the sort: sim-2 first
+            await wait_for(pilot, lambda: names_shown(app) == ["sim-2", "sim-1"], "reversed")
+            await pilot.press("e")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog)
+                                    and app.screen, "the export dialog")
+            path_input = dialog.query_one("#path", Input)
+            assert path_input.value.startswith("swarm-fellows-") and \
+                path_input.value.endswith(".csv")
+            # A name without a known extension is refused there, and nothing is written.
+            path_input.value = str(tmp_path / "fellows.txt")
+            await pilot.press("enter")
+            error = dialog.query_one("#error", Label)
+            await wait_for(pilot, lambda: "must end in .csv or .json" in str(error.render()),
+                           "the error")
+            assert not (tmp_path / "fellows.txt").exists()
+            path_input.value = str(tmp_path / "fellows.json")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "closed")
+            rows = json.loads((tmp_path / "fellows.json").read_text())
+            assert [r["name"] for r in rows] == ["sim-2", "sim-1"]
+            assert [r["id"] for r in rows] == [2, 1]  # values, not text
+            assert all(r["status"] == "ready" and "sel" not in r for r in rows)
+            assert any("exported 2 rows" in n.message for n in app._notifications)
+            # The jobs view exports the same way, as CSV.
+            async with leader.client() as c:
+                job = await c.submit(JobSubmit(name="queued", kind="smoke",
+                                               training={"steps": 3}, topology=Topology(9)))
+            await pilot.press("2")
+            await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
+                           and app.screen.table.row_count == 1, "the queue")
+            await pilot.press("e")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog)
+                                    and app.screen, "the export dialog")
+            dialog.query_one("#path", Input).value = str(tmp_path / "jobs.csv")
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: (tmp_path / "jobs.csv").exists(), "the CSV")
+            lines = (tmp_path / "jobs.csv").read_text().splitlines()
+            header = lines[0].split(",")
+            assert "id" in header and "state" in header and len(lines) == 2
+            assert job.job_id in lines[1] and "PENDING" in lines[1]
+
+
+async def test_keymap_remaps_keys(tmp_path: Path) -> None:
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0, keymap={"fellows.release": "x"})
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await pilot.press("r")  # no longer bound
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, FellowsScreen)
+            await pilot.press("x")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the confirmation")
+            await pilot.press("n")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "declined")
+            await pilot.press("question_mark")
+            await wait_for(pilot, lambda: "fellows.release" in screen_text(app), "help")
+            line = next(ln for ln in screen_text(app).splitlines() if "fellows.release " in ln)
+            assert re.search(r"\sx\s+Release\s+fellows\.release\s", line), line

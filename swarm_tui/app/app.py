@@ -74,8 +74,11 @@ class SwarmApp(App[int]):
                  stream: bool = True, configs_dir: Path | None = None,
                  launch_sources: Sequence[LaunchSource] | None = None, note: str = "",
                  owns_client: bool = True, flush_s: float = 0.25,
-                 local_cluster: bool = False) -> None:
+                 local_cluster: bool = False, keymap: dict[str, str] | None = None) -> None:
         super().__init__()
+        self.keymap = dict(keymap or {})  # binding id -> keys, checked by keymap.check
+        if self.keymap:
+            self.set_keymap(self.keymap)
         self.client = client
         self.leader_url = leader_url or client.base_url
         self.read_only = read_only
@@ -275,7 +278,8 @@ class SwarmApp(App[int]):
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
             return
-        self.push_screen(HelpScreen(help_sections(), read_only=self.read_only))
+        self.push_screen(HelpScreen(help_sections(), read_only=self.read_only,
+                                    keymap=self.keymap))
 
     def watch_job(self, job_id: str) -> None:
         if self.current_mode != "jobs":
@@ -430,6 +434,7 @@ class SwarmApp(App[int]):
 def help_sections() -> list[tuple[str, list[Binding]]]:
     """Every binding of every view, for the help screen."""
     from swarm_tui.app.screens.dialogs import ConfirmDialog as Confirm
+    from swarm_tui.app.screens.dialogs import ExportDialog as Export
     from swarm_tui.app.screens.dialogs import SetSpeedDialog as Speed
 
     def of(cls: type) -> list[Binding]:
@@ -449,6 +454,7 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("launch", of(LaunchScreen)),
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
+        ("export dialog", of(Export)),
         ("tables and forms", navigation),
     ]
 

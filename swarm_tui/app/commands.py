@@ -46,6 +46,8 @@ class SwarmCommands(Provider):
                 ("fellows: clear filter and marks", screen.action_clear, ""),
                 ("fellows: reverse sort", screen.action_sort_reverse, ""),
                 ("fellows: watch job", screen.action_watch, "the job of the selected fellow"),
+                ("fellows: export view", screen.action_export,
+                 "the rows as shown to a .csv or .json file"),
             ]
             out += [(f"fellows: sort by {c.label}", partial(screen.sort_by, c.key), c.help)
                     for c in SORTABLE_FELLOW_COLUMNS]
@@ -60,9 +62,13 @@ class SwarmCommands(Provider):
                 ("jobs: watch", screen.action_watch, "follow the selected job live"),
                 ("jobs: cancel", screen.action_cancel_job, "cancel the selected job"),
                 ("jobs: filter", screen.action_filter, ""),
+                ("jobs: export view", screen.action_export,
+                 "the rows as shown to a .csv or .json file"),
             ]
         elif isinstance(screen, JobWatchScreen):
-            out += [("job: cancel", screen.action_cancel_job, "")]
+            out += [("job: cancel", screen.action_cancel_job, ""),
+                    ("job: export view", screen.action_export,
+                     "per-fellow rows to a .csv or .json file")]
         return out
 
     async def discover(self) -> Hits:

@@ -12,9 +12,15 @@ from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader, warn
 
 
 def run_console(args: argparse.Namespace) -> int:
-    """``args``: leader_url, token, local (fellow count or None), read_only, configs."""
+    """``args``: leader_url, token, local (fellow count or None), read_only, configs,
+    keymap."""
+    from swarm_tui.app import keymap as keymaps
     from swarm_tui.app.app import SwarmApp
 
+    try:  # before anything starts: a bad keymap changes nothing
+        keymap = keymaps.load(Path(args.keymap) if getattr(args, "keymap", None) else None)
+    except keymaps.KeymapError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
     stop = None
     note = ""
     if args.local is not None:
@@ -35,7 +41,7 @@ def run_console(args: argparse.Namespace) -> int:
     try:
         app = SwarmApp(SwarmClient(url, token), leader_url=url, read_only=args.read_only,
                        configs_dir=Path(args.configs) if args.configs else None, note=note,
-                       local_cluster=stop is not None)
+                       local_cluster=stop is not None, keymap=keymap)
         app.run()
         if app.return_code not in (None, 0):
             return int(app.return_code)

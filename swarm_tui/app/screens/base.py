@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
 class SwarmScreen(Screen[None]):
     """A view that redraws from the app's model whenever it changes."""
+
+    EXPORT_NAME: ClassVar[str] = ""  # views with a table name their export files with it
 
     @property
     def swarm(self) -> SwarmApp:
@@ -38,6 +41,25 @@ class SwarmScreen(Screen[None]):
 
     def status_hint(self) -> str:
         return ""
+
+    def action_export(self) -> None:
+        """``e``: the table's rows as shown (filter, sort) to a CSV or JSON file."""
+        from swarm_tui.app.screens.dialogs import ExportDialog
+        from swarm_tui.app.widgets.live_table import LiveTable
+
+        name = self.export_label()
+        if not name:
+            return
+        columns, rows = self.query_one(LiveTable).export_rows()
+
+        def done(path: Path | None) -> None:
+            if path is not None:
+                self.notify(f"exported {len(rows)} rows to {path}")
+
+        self.app.push_screen(ExportDialog(name, columns, rows), done)
+
+    def export_label(self) -> str:
+        return self.EXPORT_NAME
 
 
 class FilterBar(Horizontal):

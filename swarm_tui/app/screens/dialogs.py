@@ -1,8 +1,10 @@
-"""Modal dialogs: set-speed, confirmation, help."""
+"""Modal dialogs: set-speed, confirmation, export, help."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 
 from rich.table import Table
 from rich.text import Text
@@ -13,10 +15,46 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from swarm_core.protocol import SetSpeedRequest
+from swarm_tui.app.export import ExportError, default_name, write_view
 from swarm_tui.app.forms import FormError, fmt_input, parse_speed
 
+T = TypeVar("T")
 
-class SetSpeedDialog(ModalScreen[SetSpeedRequest | None]):
+
+class FormDialog(ModalScreen[T]):
+    """A dialog of a few inputs: enter or Apply runs ``action_apply``, which shows an error
+    here (and does nothing) or dismisses with a result; escape or Cancel dismisses with None."""
+
+    def buttons(self, apply: str) -> ComposeResult:
+        yield Label("", id="error", classes="dialog-error")
+        with Horizontal(classes="buttons"):
+            yield Button(apply, variant="primary", compact=True, id="apply")
+            yield Button("Cancel", compact=True, id="cancel")
+
+    def show_error(self, message: str) -> None:
+        error = self.query_one("#error", Label)
+        error.update(message)
+        error.add_class("-shown")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_apply()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "apply":
+            self.action_apply()
+        else:
+            self.action_cancel()
+
+    def action_apply(self) -> None:
+        raise NotImplementedError
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
     """Link limits for one or more fellows. Bad input shows an error here and sends nothing."""
 
     BINDINGS = [
@@ -47,43 +85,24 @@ class SetSpeedDialog(ModalScreen[SetSpeedRequest | None]):
             with Horizontal(classes="field"):
                 yield Label("latency ms", classes="field-label")
                 yield Input(self.initial[2], placeholder="0", compact=True, id="latency")
-            yield Label("", id="error", classes="dialog-error")
-            with Horizontal(classes="buttons"):
-                yield Button("Apply", variant="primary", compact=True, id="apply")
-                yield Button("Cancel", compact=True, id="cancel")
+            yield from self.buttons("Apply")
 
     def on_mount(self) -> None:
         self.query_one("#tx", Input).focus()
 
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.stop()
-        self.action_apply()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        if event.button.id == "apply":
-            self.action_apply()
-        else:
-            self.action_cancel()
-
     def action_apply(self) -> None:
-        error = self.query_one("#error", Label)
         try:
             req = parse_speed(self.query_one("#tx", Input).value,
                               self.query_one("#rx", Input).value,
                               self.query_one("#latency", Input).value)
         except FormError as exc:
-            error.update(str(exc))
-            error.add_class("-shown")
+            self.show_error(str(exc))
             target = {"tx_mbps": "#tx", "rx_mbps": "#rx", "latency_ms": "#latency"}
             field = self.query_one(target[exc.field], Input) if exc.field in target else None
             if field is not None and not field.has_focus:
                 field.focus()  # (re-focusing the focused input would eat the next keys)
             return
         self.dismiss(req)
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
 
 class ConfirmDialog(ModalScreen[bool]):
@@ -130,6 +149,42 @@ def key_label(key: str) -> str:
     return " ".join(names.get(k.strip(), k.strip()) for k in key.split(","))
 
 
+class ExportDialog(FormDialog[Path | None]):
+    """Where to write the view (its rows as they were when ``e`` was pressed); the extension
+    picks the format. A bad name or an unwritable place shows here and writes nothing."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel", id="export.cancel"),
+        Binding("ctrl+s", "apply", "Write", id="export.apply"),
+    ]
+
+    def __init__(self, view: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.view, self.columns, self.rows = view, columns, rows
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog"):
+            yield Label(f"Export {self.view}: {len(self.rows)} rows as shown",
+                        classes="dialog-title")
+            yield Label("A file name ending in .csv or .json (relative to where the console "
+                        "started).", classes="dialog-help")
+            with Horizontal(classes="field"):
+                yield Label("file", classes="field-label")
+                yield Input(default_name(self.view), compact=True, id="path")
+            yield from self.buttons("Write")
+
+    def on_mount(self) -> None:
+        self.query_one("#path", Input).focus()
+
+    def action_apply(self) -> None:
+        try:
+            path = write_view(self.query_one("#path", Input).value, self.columns, self.rows)
+        except ExportError as exc:
+            self.show_error(str(exc))
+            return
+        self.dismiss(path)
+
+
 class HelpScreen(ModalScreen[None]):
     """Every key of every view, from the bindings themselves (so it cannot go stale)."""
 
@@ -139,10 +194,12 @@ class HelpScreen(ModalScreen[None]):
         Binding("q", "close", "Close", show=False, id="help.close_q"),
     ]
 
-    def __init__(self, sections: Sequence[HelpSection], read_only: bool = False) -> None:
+    def __init__(self, sections: Sequence[HelpSection], read_only: bool = False,
+                 keymap: dict[str, str] | None = None) -> None:
         super().__init__()
         self.sections = list(sections)
         self.read_only = read_only
+        self.keymap = keymap or {}
 
     def compose(self) -> ComposeResult:
         table = Table(show_header=True, show_edge=False, box=None, expand=True,
@@ -153,7 +210,8 @@ class HelpScreen(ModalScreen[None]):
         for title, bindings in self.sections:
             table.add_row(Text(title, style="bold underline"), "", "")
             for b in bindings:
-                table.add_row(key_label(b.key), b.description or b.action, b.id or "")
+                keys = self.keymap.get(b.id or "", b.key)
+                table.add_row(key_label(keys), b.description or b.action, b.id or "")
         with Vertical(id="help", classes="dialog"):
             title = "Keys  (esc closes; ctrl+p: command palette)"
             if self.read_only:

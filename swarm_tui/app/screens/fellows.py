@@ -31,6 +31,7 @@ from swarm_tui.app.widgets.status import StatusBar
 
 class FellowsScreen(SwarmScreen):
     AUTO_FOCUS = "LiveTable"
+    EXPORT_NAME = "fellows"
     BINDINGS = [
         Binding("s", "set_speed", "Speed", id="fellows.set_speed"),
         Binding("r", "release", "Release", id="fellows.release"),
@@ -42,6 +43,7 @@ class FellowsScreen(SwarmScreen):
         Binding("enter", "detail", "Detail", show=False, id="fellows.detail"),
         Binding("w", "watch", "Watch job", show=False, id="fellows.watch"),
         Binding("escape", "clear", "Clear filter/marks", show=False, id="fellows.clear"),
+        Binding("e", "export", "Export view", show=False, id="fellows.export"),
     ]
 
     def __init__(self) -> None:

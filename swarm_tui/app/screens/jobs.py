@@ -29,6 +29,7 @@ from swarm_tui.app.widgets.status import StatusBar
 
 class JobsScreen(SwarmScreen):
     AUTO_FOCUS = "LiveTable"
+    EXPORT_NAME = "jobs"
     BINDINGS = [
         Binding("w", "watch", "Watch", id="jobs.watch"),
         Binding("enter", "watch", "Watch", show=False, id="jobs.open"),
@@ -37,6 +38,7 @@ class JobsScreen(SwarmScreen):
         Binding("o", "sort_next", "Sort", id="jobs.sort_next"),
         Binding("O", "sort_reverse", "Reverse sort", show=False, id="jobs.sort_reverse"),
         Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
+        Binding("e", "export", "Export view", show=False, id="jobs.export"),
     ]
 
     _select_later: str | None = None
@@ -167,14 +169,19 @@ class JobWatchScreen(SwarmScreen):
 
     AUTO_FOCUS = "LiveTable"
 
+    EXPORT_NAME = "job"  # with the job id: export_label
     BINDINGS = [
         Binding("escape", "back", "Back", id="watch.back"),
         Binding("c", "cancel_job", "Cancel job", id="watch.cancel"),
+        Binding("e", "export", "Export view", show=False, id="watch.export"),
     ]
 
     def __init__(self, job_id: str) -> None:
         super().__init__()
         self.job_id = job_id
+
+    def export_label(self) -> str:
+        return self.job_id
 
     def compose(self) -> ComposeResult:
         yield StatusBar(self.job_id)

@@ -26,6 +26,7 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowDoesNotExist, RowKey
 
 from swarm_tui.app.cells import Cell, Column
+from swarm_tui.app.export import SKIP_COLUMNS, cell_value
 
 CellsFor = Callable[[str], dict[str, Cell]]
 HaystackFor = Callable[[str], str]
@@ -69,6 +70,13 @@ class LiveTable(DataTable[Cell]):
             return self.coordinate_to_cell_key(Coordinate(self.cursor_row, 0)).row_key.value
         except CellDoesNotExist:
             return None
+
+    def export_rows(self) -> tuple[list[str], list[dict[str, object]]]:
+        """The view as data: column keys, and one dict per shown row in display order."""
+        columns = [c.key for c in self.spec if c.key not in SKIP_COLUMNS]
+        rows = [{c: cell_value(self.get_cell(key, c)) for c in columns}
+                for key in self.shown_keys]
+        return columns, rows
 
     def matches(self, key: str) -> bool:
         return self._filter is None or self._filter.search(self.haystack_for(key)) is not None

@@ -1,0 +1,73 @@
+"""The current view of a table as a file (no Textual): CSV or JSON, by the file's extension.
+
+What is exported is what the table shows — its rows after the filter, in its sort order — but
+with each cell's value rather than its display text where the cell has one (bytes as numbers,
+not "1.2 MB/s"), so the file goes straight into pandas or a spreadsheet. Columns are named by
+their keys (``tx_rate``, ``last_loss``), the same names ``--format json`` uses where they
+overlap.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.paths import atomic_write
+
+FORMATS = (".csv", ".json")
+SKIP_COLUMNS = {"sel"}  # the mark column is a console state, not data
+
+
+class ExportError(ValueError):
+    """One line saying why nothing was written."""
+
+
+def default_name(view: str, suffix: str = ".csv") -> str:
+    return f"swarm-{view}-{time.strftime('%Y%m%d-%H%M%S')}{suffix}"
+
+
+def cell_value(cell: Any) -> Any:
+    """A cell's value when it carries a plain scalar, else the text it shows."""
+    sort_key = getattr(cell, "sort_key", None)
+    if sort_key and sort_key[0] == 0:
+        value = sort_key[1]
+        if isinstance(value, bool | int | str) or (isinstance(value, float)
+                                                    and math.isfinite(value)):
+            return value
+    text = getattr(cell, "plain", str(cell)).strip()
+    return text or None
+
+
+def render(rows: list[dict[str, Any]], columns: list[str], suffix: str) -> bytes:
+    if suffix == ".json":
+        return jsonio.dumps(rows, pretty=True)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in columns} for r in rows)
+    return out.getvalue().encode()
+
+
+def write_view(path: str | Path, columns: list[str], rows: list[dict[str, Any]]) -> Path:
+    """Write ``rows`` atomically; the format comes from the extension. Raises ExportError."""
+    text = str(path).strip()
+    if not text:
+        raise ExportError("give a file name ending in .csv or .json")
+    target = Path(text).expanduser()
+    suffix = target.suffix.lower()
+    if suffix not in FORMATS:
+        raise ExportError(f"{target.name}: the name must end in .csv or .json")
+    if target.is_dir():
+        raise ExportError(f"{target}: is a directory")
+    if not target.parent.is_dir():
+        raise ExportError(f"{target.parent}: no such directory")
+    try:
+        atomic_write(target, render(rows, columns, suffix))
+    except OSError as exc:
+        raise ExportError(f"{target}: {exc.strerror or exc}") from None
+    return target

@@ -1,0 +1,94 @@
+"""Remapped keys: a JSON object of binding id -> keys, checked before the console starts.
+
+Every key binding of the console has an id (``?`` lists them). A keymap file changes the keys of
+any of them, e.g. ``{"fellows.release": "x", "app.quit": "ctrl+c"}``; several keys are separated
+by commas as in Textual (``"x,delete"``). It is read from ``--keymap FILE``, else from
+``<user config dir>/silentswarm/keymap.json`` when that exists (``SWARM_KEYMAP`` overrides the
+default place). An unknown id, a key bound twice in one view, or a file that is not such an
+object is a one-line error and the console does not start.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import platformdirs
+from textual.binding import Binding
+
+from swarm_core import jsonio
+
+
+class KeymapError(ValueError):
+    pass
+
+
+def default_path() -> Path:
+    env = os.environ.get("SWARM_KEYMAP")
+    if env:
+        return Path(env)
+    return platformdirs.user_config_path("silentswarm") / "keymap.json"
+
+
+def remappable() -> dict[str, list[tuple[str, Binding]]]:
+    """View name -> its (id, binding) pairs, for every binding that has an id."""
+    from swarm_tui.app.app import help_sections
+
+    out: dict[str, list[tuple[str, Binding]]] = {}
+    for title, bindings in help_sections():
+        if title == "tables and forms":  # the widgets' own keys, listed for help only
+            continue
+        out[title] = [(b.id, b) for b in bindings if b.id]
+    return out
+
+
+def _keys(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise KeymapError(f"{where}: expected keys as a string such as \"x\" or \"x,delete\"")
+    parts = [k.strip() for k in value.split(",")]
+    if any(not k or " " in k for k in parts):
+        raise KeymapError(f"{where}: {value!r} is not a comma-separated list of keys")
+    return ",".join(parts)
+
+
+def check(keymap: object, source: str) -> dict[str, str]:
+    if not isinstance(keymap, dict):
+        raise KeymapError(f"{source}: expected a JSON object of binding id -> keys")
+    views = remappable()
+    known = {bid for pairs in views.values() for bid, _ in pairs}
+    out: dict[str, str] = {}
+    for bid, value in keymap.items():
+        if bid not in known:
+            near = difflib.get_close_matches(str(bid), sorted(known), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else " ('?' in the console lists ids)"
+            raise KeymapError(f"{source}: unknown binding id {bid!r}{hint}")
+        out[bid] = _keys(value, f"{source}: {bid}")
+    everywhere = views.get("everywhere", [])
+    for view, pairs in views.items():
+        scope = pairs if view == "everywhere" else [*everywhere, *pairs]
+        seen: dict[str, str] = {}
+        for bid, binding in scope:
+            for key in out.get(bid, binding.key).split(","):
+                other = seen.setdefault(key, bid)
+                if other != bid and (bid in out or other in out):
+                    raise KeymapError(f"{source}: key {key!r} would be both {other} and {bid} "
+                                      f"in the {view} view")
+    return out
+
+
+def load(path: Path | None = None) -> dict[str, str]:
+    """The keymap to use: ``path`` (which must exist), else the default file if present."""
+    explicit = path is not None
+    target = path if path is not None else default_path()
+    if not explicit and not target.exists():
+        return {}
+    try:
+        raw = target.read_bytes()
+    except OSError as exc:
+        raise KeymapError(f"keymap {target}: {exc.strerror or exc}") from None
+    try:
+        data = jsonio.loads(raw)
+    except jsonio.JSONDecodeError as exc:
+        raise KeymapError(f"keymap {target}: not valid JSON: {exc}") from None
+    return check(data, f"keymap {target}")
