@@ -866,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--only", default=None,
                     help="rows to run, e.g. a,b (default a,b,c,x; quick a,b,c)")
+    ap.add_argument("--schedules", default="gpipe,1f1b",
+                    help="comma-separated schedules for the (b) and (c) rows (default both)")
     ap.add_argument("--no-profile", action="store_true",
                     help="run (b) and (c) without the timing wrappers")
     ap.add_argument("--repeats", type=int, default=1,
@@ -905,12 +907,17 @@ def main(argv: list[str] | None = None) -> int:
     only_arg = args.only or ("a,b,c" if args.quick else "a,b,c,x")
     only = {s.strip() for s in only_arg.split(",") if s.strip()}
     plan = [Row("a", "(a) 1 process, 1 thread, plain loop", "single", 1)]
+    scheds = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = [s for s in scheds if s not in SCHEDULES]
+    if unknown or not scheds:
+        raise SystemExit(f"--schedules: expected some of {', '.join(SCHEDULES)}, got "
+                         f"{args.schedules!r}")
     plan += [Row(f"b-{s}", f"(b) SilentSwarm pipeline, {s}, 2 procs x 1 thread", "swarm", 2, s)
-             for s in SCHEDULES]
+             for s in scheds]
     plan += [Row(f"b-{s}-plain", f"(b) same, {s}, split backward off", "swarm", 2, f"{s}-plain")
-             for s in SCHEDULES]
-    plan += [Row(f"c-{s}", f"(c) torch.pipelining {t} (gloo), 2 x 1 thread", "torch", 2, s)
-             for s, t in SCHEDULES.items()]
+             for s in scheds]
+    plan += [Row(f"c-{s}", f"(c) torch.pipelining {SCHEDULES[s]} (gloo), 2 x 1 thread", "torch",
+                 2, s) for s in scheds]
     plan += [Row("x", "(x) 2 procs x 1 thread, no comms, no bubble", "ceiling", 2)]
     rows = [r for r in plan if r.key.split("-")[0] in only]
     print(f"bench_pipeline: {len(rows)} rows, {cfg['warmup']}+{cfg['steps']} steps each ...",
