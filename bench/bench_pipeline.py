@@ -5,7 +5,8 @@ model and global batch run several ways, as tokens/s and as a ratio to row (a).
   (the whole model, one micro-batch after another, then clip and one AdamW step);
 * (b) our pipeline: two processes of one thread each, each running ``run_stage`` for its stage
   (stage 1 listens on a ``DataListener``, stage 0 dials it over loopback TCP), schedules
-  ``gpipe`` and ``1f1b``;
+  ``gpipe`` and ``1f1b`` as configured by default (split backward on), and the same with
+  ``split_backward`` off;
 * (c) ``torch.distributed.pipelining`` over gloo: two ranks of one thread each, ``ScheduleGPipe``
   and ``Schedule1F1B``; the stage modules are our ``StageModule`` for stage 0 and 1 (same split,
   same weights), the loss on the last stage, the same global clipping (an all-reduce) and AdamW;
@@ -38,7 +39,10 @@ unwrapped.
 Usage::
 
     .venv/bin/python bench/bench_pipeline.py                 # the default model, ~2-4 minutes
-    .venv/bin/python bench/bench_pipeline.py --repeats 3     # on a shared machine
+    .venv/bin/python bench/bench_pipeline.py --repeats 3     # the verdicts of record: rows
+                                                             # interleaved 3 times, so a drift
+                                                             # of the VM's core speed evens out
+    .venv/bin/python bench/bench_pipeline.py --schedules gpipe --repeats 4   # one schedule
     .venv/bin/python bench/bench_pipeline.py --quick         # tiny model, 2 timed steps, ~10 s
     .venv/bin/python bench/bench_pipeline.py --steps 8 --warmup 2 \\
         --model d_model=384,n_layers=12,n_heads=6 --only a,b

@@ -9,6 +9,7 @@ not (``infra_resolved.json``).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from pathlib import Path
@@ -210,7 +211,7 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
     cfg = ExperimentConfig(name=suite.spec.name, training_config="(per scenario)",
                            model_configs=["(per scenario)"], description=suite.spec.description)
     profile = TrainingProfile(TrainingConfig(), *_dummy_profiles())
-    digest = __import__("hashlib").sha256(Path(suite.path).read_bytes()).hexdigest()
+    digest = hashlib.sha256(Path(suite.path).read_bytes()).hexdigest()
     return ResolvedExperiment(suite.path, cfg, "(per scenario)", profile, runs, out_dir,
                               digest)
 
