@@ -202,10 +202,11 @@ class JobQueue:
         """Start the oldest PENDING job if nothing runs and enough fellows are ready."""
         if self.running() is not None:
             return None
-        pending = [j for j in self.all() if j.state is JobState.PENDING]
+        # Called on every fellow change: a linear scan, not a sort of the whole history.
+        pending = [j for j in self._jobs.values() if j.state is JobState.PENDING]
         if not pending:
             return None
-        job = pending[0]
+        job = min(pending, key=lambda j: j.seq)
         ready = self.registry.ready()
         if len(ready) < job.topology.fellows:
             return None
