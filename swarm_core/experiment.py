@@ -10,6 +10,8 @@ atomically.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
 import subprocess
@@ -22,7 +24,7 @@ import attrs
 
 import swarm_core
 from swarm_core import jsonio
-from swarm_core.client import SwarmClient
+from swarm_core.client import ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.paths import atomic_write
@@ -121,12 +123,36 @@ class Experiment:
 
     # phases ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Preflight, write each run's static artifacts, queue every run (unless sequential).
+        All or nothing: when the leader refuses a run, the runs queued before it are cancelled
+        and ExperimentError says which run and why."""
         self.fellows_at_start = await preflight(self.client, self.exp)
-        for st in self.states:
-            self._write_static(st)
-        if not self.sequential:
+        try:
             for st in self.states:
+                self._write_static(st)
+        except OSError as exc:
+            raise ExperimentError(f"cannot write run artifacts under {self.runs_dir}: "
+                                  f"{exc.strerror or exc}") from None
+        if self.sequential:
+            return
+        for st in self.states:
+            try:
                 await self._submit(st)
+            except ClientError as exc:
+                cancelled: list[str] = []
+                with contextlib.suppress(ClientError):
+                    cancelled = await self.cancel_open()
+                for other in self.states:
+                    if other.job_id and other.job_id in cancelled:
+                        other.state = "CANCELLED"
+                    other.note = f"sweep not queued: run {st.spec.index + 1} was refused"
+                    with contextlib.suppress(OSError):
+                        self._write_manifest(other)
+                undone = f"; cancelled the {len(cancelled)} run(s) queued before it" \
+                    if cancelled else ""
+                raise ExperimentError(f"run {st.spec.index + 1}/{len(self.states)} "
+                                      f"{st.spec.run_name}: the leader refused it: {exc}{undone}"
+                                      ) from None
 
     async def run(self) -> list[RunState]:
         """Queue (or, with tc profiles, run one by one) and monitor until every run ends."""
@@ -135,8 +161,8 @@ class Experiment:
                 tc = st.spec.tc_profile
                 log: dict[str, Any] = {"tc_profile": tc}
                 try:
-                    if tc:
-                        log["setup"] = netem("setup", tc)
+                    if tc:  # (a thread: the script may take a while; the loop keeps going)
+                        log["setup"] = await asyncio.to_thread(netem, "setup", tc)
                     await self._submit(st)
                     await self._monitor([st])
                 except ExperimentError as exc:
@@ -146,7 +172,7 @@ class Experiment:
                                  f"{st.spec.run_name} FAILED: {exc}")
                 finally:
                     if tc:
-                        log["cleanup"] = netem("cleanup", tc, check=False)
+                        log["cleanup"] = await asyncio.to_thread(netem, "cleanup", tc, False)
                         _write(st.run_dir / "netem.json", log)
         else:
             await self._monitor(self.states)
@@ -172,8 +198,20 @@ class Experiment:
 
     async def _monitor(self, states: list[RunState]) -> None:
         total = len(self.states)
+        lost = False
         while True:
-            jobs = {j.job_id: j for j in await self.client.jobs()}
+            try:
+                jobs = {j.job_id: j for j in await self.client.jobs()}
+            except LeaderUnreachable as exc:
+                # The runs live on the leader; a restart or a network blip is waited out.
+                if not lost:
+                    self.on_line(f"leader unreachable ({exc}); still waiting for it")
+                lost = True
+                await _sleep(self.poll_s)
+                continue
+            if lost:
+                self.on_line("leader reachable again")
+                lost = False
             open_runs = 0
             for st in states:
                 job = jobs.get(st.job_id or "")
@@ -294,7 +332,12 @@ def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:
     if action == "setup":
         argv += ["--rate-mbit", str(tc["rate_mbit"]), "--delay-ms", str(tc.get("delay_ms", 0)),
                  "--loss-pct", str(tc.get("loss_pct", 0))]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{script.name} did not finish in 60 s") from None
+    except OSError as exc:
+        raise ExperimentError(f"{script.name}: cannot run bash: {exc.strerror}") from None
     if proc.returncode != 0 and check:
         last = (proc.stderr or proc.stdout).strip().splitlines()
         raise ExperimentError(f"{script.name} failed: {last[-1] if last else proc.returncode}")
@@ -302,6 +345,4 @@ def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:
 
 
 async def _sleep(seconds: float) -> None:
-    import asyncio
-
     await asyncio.sleep(seconds)

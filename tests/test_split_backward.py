@@ -26,12 +26,20 @@ def _grads(split: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, WeightGr
             loss.backward()
         inputs.append(inp.grad)
         if queue is not None:
-            # The input gradient is there before any weight gradient of a Linear.
+            # The input gradient is there before any weight gradient of a Linear, except the
+            # LM head's, which is never deferred (its output gradient is tokens x vocab).
             assert stage.blocks["2"].mlp[0].weight.grad is None
+            assert stage.head.lm_head.weight.grad is not None
             assert len(queue) == i + 1
     if queue is not None:
+        # One layer per run_one, oldest micro-batch first.
+        layers = 8  # 2 blocks x (qkv, proj, fc1, fc2)
+        for _ in range(layers - 1):
+            assert queue.run_one()
+        assert len(queue) == 2  # the first micro-batch still has one layer to go
+        assert queue.run_one() and len(queue) == 1
         queue.drain()
-        assert len(queue) == 0
+        assert len(queue) == 0 and not queue.run_one()
     return ({n: p.grad.clone() for n, p in stage.named_parameters()}, torch.stack(inputs), queue)
 
 

@@ -210,6 +210,9 @@ def test_console_flags_are_checked(argv: list[str], message: str,
     ('{"fellows.release": 3}', "fellows.release: expected keys as a string"),
     ('["x"]', "expected a JSON object of binding id -> keys"),
     ("{", "not valid JSON"),
+    ('{"fellows.export": "/"}', "key 'slash' would be both fellows.filter and fellows.export"),
+    ('{"app.quit_now": "x"}', "app.quit_now works even while typing in a field"),
+    ('{"jobs.cancel": "enter"}', "'enter' belongs to the tables and fields"),
 ])
 def test_a_bad_keymap_stops_the_console_before_anything_starts(
         body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -231,12 +234,19 @@ def test_keymap_file_is_read_from_the_default_place(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from swarm_tui.app import keymap
 
-    monkeypatch.setenv("SWARM_KEYMAP", str(tmp_path / "keymap.json"))
-    assert keymap.load() == {}  # none there: the defaults
-    (tmp_path / "keymap.json").write_text('{"jobs.cancel": " k , delete "}')
+    monkeypatch.delenv("SWARM_KEYMAP", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert keymap.load() == {}  # none in the user config dir: the defaults
+    user_file = tmp_path / "config" / "silentswarm" / "keymap.json"
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text('{"jobs.cancel": " k , delete "}')
     assert keymap.load() == {"jobs.cancel": "k,delete"}
+    # A file named explicitly (flag or SWARM_KEYMAP) must exist.
     with pytest.raises(keymap.KeymapError, match="No such file"):
-        keymap.load(tmp_path / "missing.json")  # named explicitly: it must exist
+        keymap.load(tmp_path / "missing.json")
+    monkeypatch.setenv("SWARM_KEYMAP", str(tmp_path / "missing.json"))
+    with pytest.raises(keymap.KeymapError, match="No such file"):
+        keymap.load()
 
 
 def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
@@ -244,15 +254,20 @@ def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
     from swarm_tui.app.export import ExportError, cell_value, write_view
 
     assert cell_value(Cell("1.2 MB/s", 1_200_000.0)) == 1_200_000.0
-    assert cell_value(Cell("—")) == "—"
-    assert cell_value(Cell("", None)) is None
-    rows = [{"id": 1, "name": "a,b", "rate": 2.5}, {"id": 2, "name": "c", "rate": None}]
+    assert cell_value(Cell("-")) is None  # no value: empty, not the dash on screen
+    assert cell_value(Cell("∞", float("inf"))) is None  # an unlimited link
+    assert cell_value(Cell("job-7/1", ("job-7", 1))) == "job-7/1"  # a sort key: the text
+    assert cell_value(Cell("2 dev", 2, export="cpu,cuda:0")) == "cpu,cuda:0"
+    assert cell_value(None) is None
+    rows = [{"id": 1, "name": "a,b", "rate": 2.5}, {"id": 2, "name": "=cmd()", "rate": None}]
     out = write_view(tmp_path / "v.csv", ["id", "name", "rate"], rows)
-    assert out.read_text() == 'id,name,rate\n1,"a,b",2.5\n2,c,\n'
+    # Text a spreadsheet would run as a formula is quoted away.
+    assert out.read_text() == 'id,name,rate\n1,"a,b",2.5\n2,\'=cmd(),\n'
     out = write_view(tmp_path / "v.json", ["id", "name", "rate"], rows)
-    assert json.loads(out.read_text()) == rows
+    assert json.loads(out.read_text()) == rows  # JSON keeps the text as it is
     for bad, why in [("", "give a file name"), (str(tmp_path / "v.xlsx"), "must end in"),
-                     (str(tmp_path / "nope" / "v.csv"), "no such directory")]:
+                     (str(tmp_path / "nope" / "v.csv"), "no such directory"),
+                     (str(tmp_path / "v.csv"), "exists already")]:
         with pytest.raises(ExportError, match=why):
             write_view(bad, ["id"], rows)
 

@@ -15,6 +15,7 @@ import attrs
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, import_engine, run_job
+from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
@@ -82,6 +83,8 @@ class FellowDaemon:
 
     async def run(self) -> int:
         """Run until stopped or released. Returns the process exit code."""
+        # Before any thread of ours exists: the stage threads must share the main heap.
+        keep_large_blocks()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -10,7 +10,9 @@ for the wrong job, step, micro-batch or kind is an error, never a guess.
 Both checks are the low 32 bits of XXH3-64 (version 2; version 1 used zlib's CRC-32). A checksum
 pass runs over every payload on both ends, so its speed bounds the frame path: CRC-32 ran at
 ~3.5 GB/s a core here, XXH3 at ~19 GB/s (and it releases the GIL, so the receiver thread's check
-overlaps the compute thread). It is an integrity check against corruption, not authentication:
+overlaps the compute thread). Random corruption passes it with probability 2^-32, as with
+CRC-32, though without CRC-32's guarantee for short bursts (TCP's checksum and the link CRC stand
+below it). It is an integrity check against corruption, not authentication:
 the data plane's session key (HELLO) decides who may send.
 """
 

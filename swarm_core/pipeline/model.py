@@ -93,6 +93,7 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = SplitLinear(cfg.d_model, vocab, bias=False)
+        self.lm_head.deferrable = False  # see SplitLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))

@@ -176,7 +176,7 @@ class StageRunner:
                     assert inp.grad is not None
                     self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
                 if wq is not None and len(wq) > self.max_deferred:
-                    wq.run_one()
+                    wq.run_batch()
         if wq is not None:
             wq.drain()
         if t.grad_clip > 0:

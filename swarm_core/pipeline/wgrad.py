@@ -55,17 +55,27 @@ class WeightGradQueue:
         self._open.append(fn)
 
     def run_one(self) -> bool:
-        """Run the oldest W pass; False when there is none."""
+        """Run one layer's weight gradient, the oldest first; False when there is none. One
+        layer at a time, so a stage filling a wait notices its frame within a layer's work."""
         if not self._pending:
             return False
+        batch = self._pending[0]
         with torch.no_grad():
-            for fn in self._pending.popleft():
-                fn()
+            batch.pop(0)()
+        if not batch:
+            self._pending.popleft()
         return True
 
+    def run_batch(self) -> None:
+        """Finish the oldest micro-batch's W pass."""
+        if self._pending:
+            with torch.no_grad():
+                for fn in self._pending.popleft():
+                    fn()
+
     def drain(self) -> None:
-        while self.run_one():
-            pass
+        while self._pending:
+            self.run_batch()
 
     def clear(self) -> None:
         self._pending.clear()
@@ -114,9 +124,14 @@ class _SplitLinearFn(torch.autograd.Function):
 
 class SplitLinear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict names) whose weight gradient can be
-    deferred to a :class:`WeightGradQueue`. Without a queue it is a plain Linear."""
+    deferred to a :class:`WeightGradQueue`. Without a queue it is a plain Linear.
+
+    ``deferrable = False`` keeps a layer out of the queue: the LM head, whose output gradient
+    (tokens x vocabulary) would be the largest thing a deferred pass holds, and which runs
+    last on the last stage, where nothing waits for its input gradient anyway."""
 
     wgrad: WeightGradQueue | None = None
+    deferrable: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wgrad is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
@@ -125,11 +140,11 @@ class SplitLinear(nn.Linear):
 
 
 def attach(module: nn.Module, queue: WeightGradQueue | None) -> int:
-    """Route the weight gradients of every SplitLinear in ``module`` to ``queue`` (None: back
-    to plain Linears). Returns how many layers it touched."""
+    """Route the weight gradients of every deferrable SplitLinear in ``module`` to ``queue``
+    (None: back to plain Linears). Returns how many layers it touched."""
     n = 0
     for sub in module.modules():
-        if isinstance(sub, SplitLinear):
+        if isinstance(sub, SplitLinear) and sub.deferrable:
             sub.wgrad = queue
             n += 1
     return n

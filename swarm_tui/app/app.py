@@ -384,9 +384,11 @@ class SwarmApp(App[int]):
     async def _run_experiment(self, exp: ResolvedExperiment, origin: Any) -> None:
         """What ``swarm sweep`` does, from the console: preflight, queue every run, then keep
         each run's artifacts current while the console is open."""
-        runner = Experiment(self.client, exp, on_line=lambda _line: None)
+        # (built in a thread: it asks git for the commit, which may take a moment)
+        runner = await asyncio.to_thread(Experiment, self.client, exp,
+                                         on_line=lambda _line: None)
         try:
-            await runner.start()
+            await runner.start()  # all or nothing: a refused run cancels those before it
         except (ExperimentError, ClientError) as exc:
             if origin is not None and hasattr(origin, "launch_failed"):
                 origin.launch_failed(exc, [])
@@ -441,9 +443,10 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         return [b for b in cls.BINDINGS if isinstance(b, Binding)]
 
     navigation = [
-        Binding("up,down,pageup,pagedown,home,end", "", "move in a table", id="table.move"),
-        Binding("enter", "", "open (fellow detail / job watch)", id="table.open"),
-        Binding("tab,shift+tab", "", "next / previous field", id="focus.next"),
+        # The widgets' own keys: listed for help, without ids (they cannot be remapped).
+        Binding("up,down,pageup,pagedown,home,end", "", "move in a table"),
+        Binding("enter", "", "open (fellow detail / job watch)"),
+        Binding("tab,shift+tab", "", "next / previous field"),
     ]
     return [
         ("everywhere", of(SwarmApp)),

@@ -39,10 +39,13 @@ class Cell(Text):
     """Text that sorts by ``sort_key`` (a tuple; a missing value sorts after every value)."""
 
     def __init__(self, text: str, value: Any = None, *, key: Any = 0, style: str = "",
-                 justify: str = "left") -> None:
+                 justify: str = "left", export: Any = NotImplemented) -> None:
         super().__init__(text, style=style, justify=justify, no_wrap=True,  # type: ignore[arg-type]
                          overflow="ellipsis", end="")
         self.sort_key = (1, 0, key) if value is None else (0, value, key)
+        # What an export writes when the sort value is not the datum (NotImplemented: derive
+        # it from the sort value; see export.cell_value).
+        self.export = export
 
     @property
     def signature(self) -> tuple[str, str]:
@@ -206,7 +209,8 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         "tx_bytes": num(fmt_bytes(st.counters.get("data_tx")), st.counters.get("data_tx")),
         "rx_bytes": num(fmt_bytes(st.counters.get("data_rx")), st.counters.get("data_rx")),
         "node": cell(st.host or "-", st.host),
-        "dev": cell(fmt_devices(st.devices), len(st.devices)),
+        "dev": Cell(fmt_devices(st.devices), len(st.devices), key=fid, style=row_style,
+                    export=",".join(st.devices)),
     }
 
 
@@ -236,11 +240,12 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
         "name": cell(info.name, info.name),
         "kind": cell(info.kind or "-", info.kind),
         "state": cell(info.state, (group, info.state), style=JOB_STATE_STYLE.get(info.state, "")),
-        "progress": cell(progress_bar(info.last_step, total),
-                         info.last_step / total if total else info.last_step),
+        "progress": Cell(progress_bar(info.last_step, total),
+                         info.last_step / total if total else info.last_step, key=jid,
+                         export=f"{info.last_step}/{total}" if total else info.last_step),
         "loss": cell(fmt_loss(info.last_loss), info.last_loss, justify="right"),
-        "fellows": cell(",".join(map(str, info.fellows)) or f"({info.topology.fellows})",
-                        len(info.fellows)),
+        "fellows": Cell(",".join(map(str, info.fellows)) or f"({info.topology.fellows})",
+                        len(info.fellows), key=jid, export=",".join(map(str, info.fellows))),
         "age": job_age_cell(model, view),
         "info": cell(why or "", why or None),
     }

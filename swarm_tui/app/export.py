@@ -2,9 +2,10 @@
 
 What is exported is what the table shows — its rows after the filter, in its sort order — but
 with each cell's value rather than its display text where the cell has one (bytes as numbers,
-not "1.2 MB/s"), so the file goes straight into pandas or a spreadsheet. Columns are named by
-their keys (``tx_rate``, ``last_loss``), the same names ``--format json`` uses where they
-overlap.
+not "1.2 MB/s"; empty where the screen shows "-", and for an unlimited link), so the file goes
+straight into pandas or a spreadsheet. Columns are named by their keys (``tx_rate``,
+``loss``). An existing file is never overwritten; in CSV, text that a spreadsheet would run as
+a formula (``=``, ``+``, ``-``, ``@``) is prefixed with ``'``.
 """
 
 from __future__ import annotations
@@ -32,15 +33,32 @@ def default_name(view: str, suffix: str = ".csv") -> str:
 
 
 def cell_value(cell: Any) -> Any:
-    """A cell's value when it carries a plain scalar, else the text it shows."""
+    """What a cell exports: its declared export value, else its value when that is a plain
+    scalar, None when it has none (a "-" on screen; an unlimited link), else its text (the
+    value is only a sort key, as for job ids and states)."""
+    if cell is None:
+        return None
+    export = getattr(cell, "export", NotImplemented)
+    if export is not NotImplemented:
+        return export
     sort_key = getattr(cell, "sort_key", None)
-    if sort_key and sort_key[0] == 0:
+    if sort_key is not None:
+        if sort_key[0] == 1:
+            return None
         value = sort_key[1]
-        if isinstance(value, bool | int | str) or (isinstance(value, float)
-                                                    and math.isfinite(value)):
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, bool | int | str):
             return value
     text = getattr(cell, "plain", str(cell)).strip()
     return text or None
+
+
+def _csv_safe(value: Any) -> Any:
+    # Fellow and job names are anyone's text: a spreadsheet must not run "=..." as a formula.
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return "" if value is None else value
 
 
 def render(rows: list[dict[str, Any]], columns: list[str], suffix: str) -> bytes:
@@ -49,7 +67,7 @@ def render(rows: list[dict[str, Any]], columns: list[str], suffix: str) -> bytes
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows({c: ("" if r.get(c) is None else r[c]) for c in columns} for r in rows)
+    writer.writerows({c: _csv_safe(r.get(c)) for c in columns} for r in rows)
     return out.getvalue().encode()
 
 
@@ -64,6 +82,8 @@ def write_view(path: str | Path, columns: list[str], rows: list[dict[str, Any]])
         raise ExportError(f"{target.name}: the name must end in .csv or .json")
     if target.is_dir():
         raise ExportError(f"{target}: is a directory")
+    if target.exists():
+        raise ExportError(f"{target.name} exists already: pick another name")
     if not target.parent.is_dir():
         raise ExportError(f"{target.parent}: no such directory")
     try:

@@ -4,8 +4,10 @@ Every key binding of the console has an id (``?`` lists them). A keymap file cha
 any of them, e.g. ``{"fellows.release": "x", "app.quit": "ctrl+c"}``; several keys are separated
 by commas as in Textual (``"x,delete"``). It is read from ``--keymap FILE``, else from
 ``<user config dir>/silentswarm/keymap.json`` when that exists (``SWARM_KEYMAP`` overrides the
-default place). An unknown id, a key bound twice in one view, or a file that is not such an
-object is a one-line error and the console does not start.
+default place; a file it names must exist). An unknown id, a key bound twice in one view, a
+key of the tables and fields (arrows, enter, tab), a plain letter for a binding that works
+even while typing (``app.quit_now``), or a file that is not such an object is a one-line error
+and the console does not start.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import platformdirs
 from textual.binding import Binding
+from textual.keys import _normalize_key_list  # Textual is pinned exactly (pyproject)
 
 from swarm_core import jsonio
 
@@ -24,11 +27,24 @@ class KeymapError(ValueError):
     pass
 
 
-def default_path() -> Path:
+# The widgets' own keys (tables and inputs): not remappable, and nothing may be mapped onto them.
+FIXED_KEYS = ("up", "down", "left", "right", "pageup", "pagedown", "home", "end", "enter",
+              "tab", "shift+tab", "backspace")
+_NON_PRINTING = {*FIXED_KEYS, "escape", "delete", "insert", *(f"f{i}" for i in range(1, 25))}
+
+
+def default_path() -> tuple[Path, bool]:
+    """Where the keymap is read from, and whether it must exist (named by SWARM_KEYMAP)."""
     env = os.environ.get("SWARM_KEYMAP")
     if env:
-        return Path(env)
-    return platformdirs.user_config_path("silentswarm") / "keymap.json"
+        return Path(env), True
+    return platformdirs.user_config_path("silentswarm") / "keymap.json", False
+
+
+def _types_a_character(key: str) -> bool:
+    mods = key.split("+")[:-1]
+    return not any(m in ("ctrl", "alt", "meta", "super") for m in mods) \
+        and key.split("+")[-1] not in _NON_PRINTING
 
 
 def remappable() -> dict[str, list[tuple[str, Binding]]]:
@@ -49,7 +65,8 @@ def _keys(value: object, where: str) -> str:
     parts = [k.strip() for k in value.split(",")]
     if any(not k or " " in k for k in parts):
         raise KeymapError(f"{where}: {value!r} is not a comma-separated list of keys")
-    return ",".join(parts)
+    # "/" and "slash" are one key to Textual: compare them in its long form.
+    return _normalize_key_list(",".join(parts))
 
 
 def check(keymap: object, source: str) -> dict[str, str]:
@@ -63,13 +80,23 @@ def check(keymap: object, source: str) -> dict[str, str]:
             near = difflib.get_close_matches(str(bid), sorted(known), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else " ('?' in the console lists ids)"
             raise KeymapError(f"{source}: unknown binding id {bid!r}{hint}")
-        out[bid] = _keys(value, f"{source}: {bid}")
+        out[bid] = keys = _keys(value, f"{source}: {bid}")
+        binding = next(b for pairs in views.values() for i, b in pairs if i == bid)
+        typed = [k for k in keys.split(",") if _types_a_character(k)]
+        if binding.priority and typed:
+            raise KeymapError(f"{source}: {bid} works even while typing in a field, so "
+                              f"{typed[0]!r} would never reach the field; use a key with "
+                              "ctrl or alt")
+        fixed = [k for k in keys.split(",") if k in FIXED_KEYS]
+        if fixed:
+            raise KeymapError(f"{source}: {bid}: {fixed[0]!r} belongs to the tables and "
+                              "fields (moving, opening, tabbing) and cannot be remapped")
     everywhere = views.get("everywhere", [])
     for view, pairs in views.items():
         scope = pairs if view == "everywhere" else [*everywhere, *pairs]
         seen: dict[str, str] = {}
         for bid, binding in scope:
-            for key in out.get(bid, binding.key).split(","):
+            for key in out.get(bid, _normalize_key_list(binding.key)).split(","):
                 other = seen.setdefault(key, bid)
                 if other != bid and (bid in out or other in out):
                     raise KeymapError(f"{source}: key {key!r} would be both {other} and {bid} "
@@ -79,9 +106,11 @@ def check(keymap: object, source: str) -> dict[str, str]:
 
 def load(path: Path | None = None) -> dict[str, str]:
     """The keymap to use: ``path`` (which must exist), else the default file if present."""
-    explicit = path is not None
-    target = path if path is not None else default_path()
-    if not explicit and not target.exists():
+    if path is not None:
+        target, must_exist = path, True
+    else:
+        target, must_exist = default_path()
+    if not must_exist and not target.exists():
         return {}
     try:
         raw = target.read_bytes()

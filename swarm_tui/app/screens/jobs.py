@@ -101,6 +101,8 @@ class JobsScreen(SwarmScreen):
         if want in table.shown_keys:
             table.move_cursor(row=table.get_row_index(want))
             self._select_later = None
+        elif want in self.swarm.model.jobs and not table.matches(want):
+            self._select_later = None  # filtered out: do not jump there later
 
     @property
     def selected_job(self) -> str | None:
