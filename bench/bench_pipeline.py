@@ -256,6 +256,7 @@ class _Profiler:
         self.wrap(PeerLink, "send_raw", "send+enc")
         self.wrap(PeerLink, "flush", "flush wait")
         self.wrap(WeightGradQueue, "run_one", "wgrad")
+        self.wrap(WeightGradQueue, "run_batch", "wgrad")
         self.wrap(stage_mod.StageRunner, "_global_sq", "grad norm")
         self.wrap(stage_mod, "scale_grads", "grad norm")
         self.wrap(torch.optim.Optimizer, "zero_grad", "optimizer")
