@@ -18,7 +18,10 @@ model and global batch run several ways, as tokens/s and as a ratio to row (a).
 Every worker is a fresh process (``spawn``) that sets one intra-op and one inter-op thread
 before any torch work (and inherits ``OMP_NUM_THREADS=1``), so two processes fill the two cores
 of the reference machine; this parent process only waits. Rows run one after another, each
-after waiting (``--wait-idle``) for the machine to be idle.
+after waiting (``--wait-idle``) for the machine to be idle; (b) and (c) of a schedule run back
+to back, and with ``--repeats`` the table also gives their paired ratio trial by trial (each
+(b) trial against the (c) trial that followed it), which a drift of the VM's core speed over
+minutes barely moves.
 
 Tokens/s is global tokens (batch x seq_len) over the step time, the median of the timed steps
 (warm-up excluded, ``--repeats`` trials pooled) that no other process disturbed: after every step
@@ -612,6 +615,7 @@ class Row:
         self.key, self.label, self.kind, self.procs, self.schedule = (key, label, kind, procs,
                                                                       schedule)
         self.steps: list[tuple[float, float, float]] = []  # (s, other load, runqueue wait s)
+        self.trials: list[float] = []  # each trial's median step (s), in run order
         self.error: str | None = None
         self.res: dict[int, dict[str, Any]] = {}  # the least disturbed trial (for the profile)
         self._res_load = float("inf")
@@ -637,6 +641,7 @@ class Row:
             rq = sum(r["samples"][k][2] - r["samples"][k - 1][2] for r in ranks)
             steps.append((d, max(0.0, mach - own) / window, rq))
         self.steps += steps
+        self.trials.append(statistics.median(d for d, _, _ in steps))
         load = sum(f for _, f, _ in steps) / len(steps)
         if load < self._res_load:
             self.res, self._res_load = res, load
@@ -759,6 +764,11 @@ def print_table(cfg: dict[str, Any], rows: list[Row]) -> None:
 
     for sched, tname in SCHEDULES.items():
         b, c = by.get(f"b-{sched}"), by.get(f"c-{sched}")
+        if b is not None and c is not None and len(b.trials) == len(c.trials) > 1:
+            # Each (b) trial ran right before its (c) trial: drift between them is small.
+            pairs = [ct / bt for bt, ct in zip(b.trials, c.trials, strict=True)]
+            print(f"  paired, trial by trial: (b) {sched} / (c) {tname} = "
+                  f"{', '.join(f'{x:.2f}' for x in pairs)}; median {statistics.median(pairs):.2f}x")
         vs_a, vs_c = _ratio(b, base), _ratio(b, c)
         if vs_a is not None:
             print(f"  (b) {sched:<5} >= {TARGET_VS_A:.2f}x (a): {vs_a:.2f}x -> "
@@ -917,12 +927,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not scheds:
         raise SystemExit(f"--schedules: expected some of {', '.join(SCHEDULES)}, got "
                          f"{args.schedules!r}")
-    plan += [Row(f"b-{s}", f"(b) SilentSwarm pipeline, {s}, 2 procs x 1 thread", "swarm", 2, s)
-             for s in scheds]
-    plan += [Row(f"b-{s}-plain", f"(b) same, {s}, split backward off", "swarm", 2, f"{s}-plain")
-             for s in scheds]
-    plan += [Row(f"c-{s}", f"(c) torch.pipelining {SCHEDULES[s]} (gloo), 2 x 1 thread", "torch",
-                 2, s) for s in scheds]
+    # (b) and (c) of a schedule run back to back, so the VM's drift between them stays small.
+    for sch in scheds:
+        plan += [Row(f"b-{sch}", f"(b) SilentSwarm pipeline, {sch}, 2 procs x 1 thread", "swarm",
+                     2, sch),
+                 Row(f"c-{sch}", f"(c) torch.pipelining {SCHEDULES[sch]} (gloo), 2 x 1 thread",
+                     "torch", 2, sch),
+                 Row(f"b-{sch}-plain", f"(b) same, {sch}, split backward off", "swarm", 2,
+                     f"{sch}-plain")]
     plan += [Row("x", "(x) 2 procs x 1 thread, no comms, no bubble", "ceiling", 2)]
     rows = [r for r in plan if r.key.split("-")[0] in only]
     print(f"bench_pipeline: {len(rows)} rows, {cfg['warmup']}+{cfg['steps']} steps each ...",
