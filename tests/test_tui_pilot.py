@@ -38,6 +38,12 @@ def all_ready(app: SwarmApp, n: int = 3) -> bool:
     return len(fellows) == n and all(f.status == "ready" for f in fellows)
 
 
+async def fellows_listed(pilot: object, app: SwarmApp) -> None:
+    """The three fellows are ready and the home table shows them."""
+    await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+    await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+
+
 def fellows_table(app: SwarmApp) -> LiveTable:
     return app.screen.query_one("#fellows-table", LiveTable)
 
@@ -74,8 +80,7 @@ async def test_set_speed_dialog_validates_then_reaches_the_fellow(tmp_path: Path
     async with live_cluster(tmp_path) as (leader, fellows):
         app = SwarmApp(leader.client(), refresh_s=1.0)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
-            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await fellows_listed(pilot, app)
             await pilot.press("down", "s")
             dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
                                     and app.screen, "the set-speed dialog")
@@ -114,8 +119,7 @@ async def test_release_needs_confirmation(tmp_path: Path) -> None:
     async with live_cluster(tmp_path) as (leader, fellows):
         app = SwarmApp(leader.client(), refresh_s=1.0)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
-            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await fellows_listed(pilot, app)
             # Mark sim-0 and sim-2 (space marks and moves down).
             await pilot.press("space", "down", "space")
             screen = app.screen
@@ -314,8 +318,7 @@ async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
     async with live_cluster(tmp_path) as (leader, _fellows):
         app = SwarmApp(leader.client(), refresh_s=1.0)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
-            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await fellows_listed(pilot, app)
             await pilot.press("down", "enter")
             detail = await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen)
                                     and app.screen, "the detail view")
@@ -444,8 +447,7 @@ async def test_keymap_remaps_keys(tmp_path: Path) -> None:
     async with live_cluster(tmp_path) as (leader, _fellows):
         app = SwarmApp(leader.client(), refresh_s=1.0, keymap={"fellows.release": "x"})
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
-            await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
+            await fellows_listed(pilot, app)
             await pilot.press("r")  # no longer bound
             await pilot.pause(0.2)
             assert isinstance(app.screen, FellowsScreen)

@@ -372,13 +372,13 @@ class SwarmApp(App[int]):
         self.publish(self.model.apply_job(job), now=True)
         self.notify(f"{job_id} {job.state.lower()}")
 
-    def launch(self, plan: LaunchPlan | Sequence[JobSubmit], origin: Any = None) -> None:
+    def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
         if self.refuse_if_read_only("launch"):
             return
-        if isinstance(plan, LaunchPlan) and plan.experiment is not None:
+        if plan.experiment is not None:
             self._run_experiment(plan.experiment, origin)
             return
-        self._submit(list(plan.runs if isinstance(plan, LaunchPlan) else plan), origin)
+        self._submit(list(plan.runs), origin)
 
     @work(group="sweep", exit_on_error=False, description="sweep")
     async def _run_experiment(self, exp: ResolvedExperiment, origin: Any) -> None:

@@ -73,15 +73,15 @@ def check(keymap: object, source: str) -> dict[str, str]:
     if not isinstance(keymap, dict):
         raise KeymapError(f"{source}: expected a JSON object of binding id -> keys")
     views = remappable()
-    known = {bid for pairs in views.values() for bid, _ in pairs}
+    by_id = {bid: b for pairs in views.values() for bid, b in pairs}
     out: dict[str, str] = {}
     for bid, value in keymap.items():
-        if bid not in known:
-            near = difflib.get_close_matches(str(bid), sorted(known), n=1)
+        if bid not in by_id:
+            near = difflib.get_close_matches(str(bid), sorted(by_id), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else " ('?' in the console lists ids)"
             raise KeymapError(f"{source}: unknown binding id {bid!r}{hint}")
         out[bid] = keys = _keys(value, f"{source}: {bid}")
-        binding = next(b for pairs in views.values() for i, b in pairs if i == bid)
+        binding = by_id[bid]
         typed = [k for k in keys.split(",") if _types_a_character(k)]
         if binding.priority and typed:
             raise KeymapError(f"{source}: {bid} works even while typing in a field, so "

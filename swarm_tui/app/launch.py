@@ -102,7 +102,8 @@ class ExperimentSource:
             return LaunchPlan(error="pick an experiment config")
         try:
             exp = load_experiment(self.configs_dir / choice.config)
-            runs = [structure(r.job_body(r.run_name), JobSubmit) for r in exp.runs]
+            bodies = [r.job_body(r.run_name) for r in exp.runs]
+            runs = [structure(body, JobSubmit) for body in bodies]
         except ConfigError as exc:
             where = Path(exc.path).resolve()
             root = self.configs_dir.resolve()
@@ -117,7 +118,7 @@ class ExperimentSource:
         if any(r.tc_profile for r in exp.runs):
             notes.append("tc profiles: runs go one at a time, each wrapped in setup_netem.sh "
                          "(needs root)")
-        return LaunchPlan(runs=runs, bodies=[r.job_body(r.run_name) for r in exp.runs],
+        return LaunchPlan(runs=runs, bodies=bodies,
                           notes=notes, experiment=exp)
 
 
@@ -184,8 +185,8 @@ def _int(text: str, label: str, field: str) -> int:
         raise SchemaError(f"{label}: {text.strip()!r} is not a whole number", field) from None
 
 
-def run_summary(req: JobSubmit) -> str:
-    """``name`` on the first line, then fellows · steps · compression · dataset · schedule."""
+def run_summary(req: JobSubmit) -> tuple[str, str]:
+    """The run's name, and "fellows · steps · compression · dataset · schedule"."""
     m, t = req.model, req.training
     parts = [f"{req.topology.fellows} fellows"]
     if "steps" in t:
@@ -194,7 +195,7 @@ def run_summary(req: JobSubmit) -> str:
         value = m.get(key) if key in m else t.get(key)
         if value:
             parts.append(str(value))
-    return f"{req.name}\n   " + " · ".join(parts)
+    return req.name, " · ".join(parts)
 
 
 def run_body(body: dict[str, Any]) -> str:

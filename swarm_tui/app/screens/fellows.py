@@ -221,20 +221,12 @@ class FellowDetailScreen(SwarmScreen):
         yield StatusBar(f"fellow {self.fellow_id}")
         with VerticalScroll(id="detail"):
             yield Static(id="summary", classes="summary")
-            with Horizontal(classes="panes"):
-                with Vertical(classes="pane"):
-                    yield Label(id="loss-label", classes="pane-title")
-                    yield Sparkline([], id="loss-spark", classes="spark")
-                with Vertical(classes="pane"):
-                    yield Label(id="tps-label", classes="pane-title")
-                    yield Sparkline([], id="tps-spark", classes="spark")
-            with Horizontal(classes="panes"):
-                with Vertical(classes="pane"):
-                    yield Label(id="tx-label", classes="pane-title")
-                    yield Sparkline([], id="tx-spark", classes="spark")
-                with Vertical(classes="pane"):
-                    yield Label(id="rx-label", classes="pane-title")
-                    yield Sparkline([], id="rx-spark", classes="spark")
+            for row in (("loss", "tps"), ("tx", "rx")):
+                with Horizontal(classes="panes"):
+                    for metric in row:
+                        with Vertical(classes="pane"):
+                            yield Label(id=f"{metric}-label", classes="pane-title")
+                            yield Sparkline([], id=f"{metric}-spark", classes="spark")
             yield Label("recent events", classes="pane-title")
             yield Static(id="events", classes="events")
         yield Footer()

@@ -115,10 +115,10 @@ class LaunchScreen(SwarmScreen):
         else:
             lines: list[Text] = []
             for i, req in enumerate(self.plan.runs):
-                name, details = run_summary(req).split("\n", 1)
+                name, details = run_summary(req)
                 # A run's name is one long token: cut it, rather than wrap it mid-word.
                 lines.append(Text(f"{i + 1}. {name}", no_wrap=True, overflow="ellipsis"))
-                lines.append(Text(details, style="dim"))
+                lines.append(Text(f"   {details}", style="dim"))
             preview.update(Group(notes, *lines))
         self.show_error(None)
 
