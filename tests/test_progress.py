@@ -61,6 +61,23 @@ async def test_records_join_stages_even_out_of_order(api, running):
     assert listed["jobs"][0]["loss_history"] == []  # the list stays small
 
 
+async def test_a_stage_catching_up_joins_the_stored_records(api, running):
+    """After a leader restart both stages flush the reports they held; one may run far ahead
+    of the other (beyond the steps the leader keeps in memory). The late stage's reports must
+    join each step's record, not replace it (losing the loss)."""
+    job, stage = running
+    steps = range(1, 21)
+    for s in steps:
+        await _report(api, job, stage[1], s, loss=5.0 - s / 10, tokens_per_s=900.0,
+                      metrics={"wire_tx_bytes": 50})
+    for s in steps:
+        await _report(api, job, stage[0], s, metrics={"wire_tx_bytes": 100})
+    resp = await api.get(f"{A}/jobs/{job['job_id']}/progress", headers=AUTH)
+    records = (await resp.json())["records"]
+    assert [(r["step"], r.get("loss"), r["wire_bytes"]) for r in records] == \
+        [(s, 5.0 - s / 10, 150) for s in steps]
+
+
 async def test_progress_errors(api, running):
     job, _ = running
     assert (await api.get(f"{A}/jobs/job-424242/progress", headers=AUTH)).status == 404

@@ -446,11 +446,14 @@ class JobQueue:
     def _record_progress(self, job: JobRecord, stage: int, upd: JobStatusUpdate) -> None:
         """One record per step: the last stage's loss and tokens/s, every stage's wire bytes.
 
-        Stages report independently, so a few recent steps stay open for late reports."""
+        Stages report independently, so a few recent steps stay open in memory; a report for an
+        older step (a stage catching up after a leader restart) joins the stored record rather
+        than replacing it."""
         rec = job.current.get(upd.step)
         if rec is None:
-            rec = job.current[upd.step] = {"step": upd.step, "wire_bytes": 0,
-                                           "stages_reported": []}
+            rec = self.store.progress_record(job.job_id, upd.step) or \
+                {"step": upd.step, "wire_bytes": 0, "stages_reported": []}
+            job.current[upd.step] = rec
             for old in sorted(job.current)[:-8]:
                 del job.current[old]
         if "eval_loss" in upd.metrics:

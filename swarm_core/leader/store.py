@@ -105,6 +105,11 @@ class Store:
                 (job_id, step, jsonio.dumps(record)),
             )
 
+    def progress_record(self, job_id: str, step: int) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT data FROM progress WHERE job_id=? AND step=?",
+                               (job_id, step)).fetchone()
+        return None if row is None else jsonio.loads(row[0])
+
     def delete_progress_after(self, job_id: str, step: int) -> None:
         with self._tx():
             self._db.execute("DELETE FROM progress WHERE job_id=? AND step>?", (job_id, step))
