@@ -172,15 +172,22 @@ class SwarmClient:
         return _parse(res, JobInfo)
 
     async def push_shard(self, job_id: str, stage: int, session: str,
-                         manifest: dict[str, Any], weights: bytes) -> dict[str, Any]:
-        """Upload one stage shard (multipart: manifest JSON, then the weights.npz bytes)."""
+                         manifest: dict[str, Any], weights: bytes,
+                         optimizer: bytes | None = None) -> dict[str, Any]:
+        """Upload one stage shard (multipart: manifest JSON, the weights.npz bytes, then the
+        optimizer.npz bytes when the manifest names them)."""
         with aiohttp.MultipartWriter("form-data") as mp:
             part = mp.append(jsonio.dumps(manifest), {"Content-Type": "application/json"})
             part.set_content_disposition("form-data", name="manifest")
             part = mp.append(weights, {"Content-Type": "application/octet-stream"})
             part.set_content_disposition("form-data", name="weights", filename="weights.npz")
+            if optimizer is not None:
+                part = mp.append(optimizer, {"Content-Type": "application/octet-stream"})
+                part.set_content_disposition("form-data", name="optimizer",
+                                             filename="optimizer.npz")
+        size = len(weights) + len(optimizer or b"")
         url = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/shards/{stage}"
-        timeout = aiohttp.ClientTimeout(total=max(60.0, len(weights) / 5e6))
+        timeout = aiohttp.ClientTimeout(total=max(60.0, size / 5e6))
         try:
             async with self._http().post(url, data=mp, headers={SESSION_HEADER: session},
                                          timeout=timeout) as resp:
@@ -188,7 +195,7 @@ class SwarmClient:
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
             raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: {exc}") \
                 from None
-        self.bytes_sent += len(weights) + 400
+        self.bytes_sent += size + 400
         self.bytes_received += len(raw) + 150
         payload = jsonio.loads(raw) if raw else {}
         if resp.status >= 400:
@@ -198,11 +205,15 @@ class SwarmClient:
         return payload
 
     async def checkpoint(self, job_id: str, step: int, stage: int,
-                         session: str) -> tuple[dict[str, Any], bytes]:
-        """(manifest, weights.npz bytes) of a stage checkpoint, to resume from."""
+                         session: str) -> tuple[dict[str, Any], bytes, bytes | None]:
+        """(manifest, weights.npz bytes, optimizer.npz bytes or None) of a stage checkpoint, to
+        resume from; the optimiser state is fetched when the manifest names it."""
         base = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/checkpoints/{step}/{stage}"
-        out = []
-        for part in ("manifest", "weights"):
+        out: list[bytes] = []
+        manifest: dict[str, Any] = {}
+        for part in ("manifest", "weights", "optimizer"):
+            if part == "optimizer" and not manifest.get("optimizer_sha256"):
+                break
             try:
                 async with self._http().get(f"{base}/{part}",
                                             headers={SESSION_HEADER: session},
@@ -217,7 +228,9 @@ class SwarmClient:
                 raise ApiError(resp.status, err.get("code", "error"),
                                err.get("message", f"HTTP {resp.status}"), err.get("field"))
             out.append(raw)
-        return jsonio.loads(out[0]), out[1]
+            if part == "manifest":
+                manifest = jsonio.loads(raw)
+        return manifest, out[1], out[2] if len(out) > 2 else None
 
     # jobs -------------------------------------------------------------------------------------
     async def submit(self, req: JobSubmit) -> JobInfo:

@@ -10,6 +10,11 @@ import time
 
 import pytest
 
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.data import load_token_data
+from swarm_core.pipeline.placement import split_layers
+from swarm_core.pipeline.reference import train_reference
+from swarm_core.schema import structure
 from tests.clusters import cli_json, run_cli, wait_until
 
 pytestmark = pytest.mark.slow
@@ -76,6 +81,15 @@ def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swar
     losses = [loss for _, loss in job["loss_history"]]
     assert losses[-1] < losses[0]
     assert {p["step"] for p in job["latest_shard_pushes"].values()} == {200}
+    # And it continues exactly: the pushed shards carry the optimiser state, so every step
+    # after the restart is the step the uninterrupted run takes (the single process here).
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
+                             split_layers(mc.n_layers, [1, 1]))
+    after = slice(restart["resume_step"], None)
+    diff = max(abs(a - b) for a, b in zip(ref[after], losses[after], strict=True))
+    assert diff <= 1e-5, f"after the resume at step {restart['resume_step']}: {diff}"
 
 
 def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_home):

@@ -17,30 +17,128 @@ from swarm_core.artifacts.shards import (
     build_manifest,
     load_shard,
     npz_bytes,
+    optimizer_from_checkpoint,
     state_arrays,
     write_shard,
 )
-from swarm_core.config.schemas import ModelConfig
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.pipeline.model import ExperimentModel, StageModule
+from swarm_core.pipeline.optim import (
+    OptimizerStateError,
+    load_optimizer_arrays,
+    make_optimizer,
+    optimizer_arrays,
+)
 from tests.conftest import AUTH, TOKEN
 
 A = "/api/v1"
 MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
 
 
-def _shard(stage: int = 0, fellow_id: int = 0, job_id: str = "job-000001",
-           step: int = 4) -> tuple[dict[str, Any], bytes, dict[str, np.ndarray]]:
-    mc = ModelConfig(**MODEL)
-    module = StageModule(mc, 32, 0, stage, stage + 1, stage, 2)
+def _stage_module(stage: int) -> StageModule:
+    return StageModule(ModelConfig(**MODEL), 32, 0, stage, stage + 1, stage, 2)
+
+
+def _trained(stage: int) -> tuple[StageModule, torch.optim.AdamW]:
+    """A stage module after two AdamW steps: it has optimiser state."""
+    module = _stage_module(stage)
+    opt = make_optimizer(module, TrainingConfig())
+    for _ in range(2):
+        x = torch.randint(0, 32, (2, 8)) if stage == 0 else torch.randn(2, 8, 16)
+        module(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return module, opt
+
+
+def _build(module: StageModule, opt: torch.optim.AdamW | None, stage: int, fellow_id: int,
+           job_id: str, step: int) -> tuple[dict[str, Any], bytes, dict[str, np.ndarray],
+                                            bytes | None]:
     arrays = state_arrays(module)
     weights = npz_bytes(arrays)
+    opt_bytes = npz_bytes(optimizer_arrays(opt, module)) if opt is not None else None
     manifest = build_manifest(job_id=job_id, stage=stage, num_stages=2, fellow_id=fellow_id,
                               fellow_name=f"f{fellow_id}", layers=(stage, stage + 1), step=step,
                               model=MODEL, seed=0, vocab_size=32,
-                              tokenizer={"name": "byte"}, arrays=arrays, weights=weights)
-    return manifest, weights, arrays
+                              tokenizer={"name": "byte"}, arrays=arrays, weights=weights,
+                              optimizer=opt_bytes)
+    return manifest, weights, arrays, opt_bytes
+
+
+def _shard(stage: int = 0, fellow_id: int = 0, job_id: str = "job-000001",
+           step: int = 4) -> tuple[dict[str, Any], bytes, dict[str, np.ndarray]]:
+    """A fresh stage's shard, as exported: weights only."""
+    return _build(_stage_module(stage), None, stage, fellow_id, job_id, step)[:3]
+
+
+def _checkpoint(stage: int, fellow_id: int, job_id: str,
+                step: int = 4) -> tuple[dict[str, Any], bytes, bytes]:
+    """A trained stage's pushed checkpoint: manifest, weights and optimiser state."""
+    manifest, weights, _, opt_bytes = _build(*_trained(stage), stage, fellow_id, job_id, step)
+    assert opt_bytes is not None
+    return manifest, weights, opt_bytes
+
+
+def test_optimizer_state_roundtrips_through_npz_exactly():
+    module, opt = _trained(1)
+    raw = npz_bytes(optimizer_arrays(opt, module))
+    manifest = {"optimizer_sha256": hashlib.sha256(raw).hexdigest()}
+    arrays = optimizer_from_checkpoint(manifest, raw)
+    assert arrays is not None
+    assert "blocks.1.attn.qkv.weight.exp_avg_sq" in arrays
+    assert "head.lm_head.weight.step" in arrays
+    fresh = _stage_module(1)
+    fresh.load_state_dict(module.state_dict())
+    fresh_opt = make_optimizer(fresh, TrainingConfig())
+    load_optimizer_arrays(fresh_opt, fresh, arrays)
+    by_name = dict(fresh.named_parameters())
+    for name, p in module.named_parameters():
+        got, want = fresh_opt.state[by_name[name]], opt.state[p]
+        assert set(got) == set(want)
+        for field in want:
+            assert torch.equal(got[field], want[field]), (name, field)
+    # The next step is the same on both.
+    for m, o in ((module, opt), (fresh, fresh_opt)):
+        m(torch.ones(1, 8, 16)).pow(2).mean().backward()
+        o.step()
+    for (name, a), b in zip(module.state_dict().items(), fresh.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update({"blocks.9.mlp.0.weight.exp_avg": np.zeros(1)}), "names no parameter"),
+    (lambda a: a.update({"blocks.1.ln1.weight.momentum": np.zeros(16)}), "unknown field"),
+    (lambda a: a.update({"blocks.1.ln1.weight.exp_avg": np.zeros(3)}), "has shape"),
+    (lambda a: a.pop("blocks.1.ln1.weight.exp_avg_sq"), "incomplete"),
+])
+def test_optimizer_state_that_does_not_fit_is_refused_and_changes_nothing(change, message):
+    module, opt = _trained(1)
+    arrays = optimizer_arrays(opt, module)
+    change(arrays)
+    target, target_opt = _trained(1)
+    before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in target_opt.state.items()}
+    with pytest.raises(OptimizerStateError, match=message):
+        load_optimizer_arrays(target_opt, target, arrays)
+    after = {id(p): st for p, st in target_opt.state.items()}
+    assert before.keys() == after.keys()
+    for key, fields in before.items():
+        for field, value in fields.items():
+            assert torch.equal(after[key][field], value)
+
+
+def test_checkpoint_optimizer_bytes_must_be_the_ones_the_manifest_names():
+    module, opt = _trained(0)
+    raw = npz_bytes(optimizer_arrays(opt, module))
+    with pytest.raises(ShardError, match="sha256"):
+        optimizer_from_checkpoint({"optimizer_sha256": "0" * 64}, raw)
+    with pytest.raises(ShardError, match="did not come"):
+        optimizer_from_checkpoint({"optimizer_sha256": hashlib.sha256(raw).hexdigest()}, None)
+    with pytest.raises(ShardError, match="does not name"):
+        optimizer_from_checkpoint({"optimizer_sha256": None}, raw)
+    assert optimizer_from_checkpoint({}, None) is None  # a checkpoint from before: no state
 
 
 def test_shard_roundtrip_without_pickles(tmp_path):
@@ -103,12 +201,14 @@ async def leader(aiohttp_client, tmp_path: Path):
     return client, fellows, job, cfg
 
 
-def _form(manifest: Any, weights: bytes, order: tuple[str, str] = ("manifest", "weights"),
-          ) -> aiohttp.MultipartWriter:
+def _form(manifest: Any, weights: bytes, order: tuple[str, ...] = ("manifest", "weights"),
+          optimizer: bytes | None = None) -> aiohttp.MultipartWriter:
+    if optimizer is not None and order == ("manifest", "weights"):
+        order = ("manifest", "weights", "optimizer")
+    parts = {"manifest": orjson.dumps(manifest), "weights": weights, "optimizer": optimizer}
     mp = aiohttp.MultipartWriter("form-data")
     for name in order:
-        data = orjson.dumps(manifest) if name == "manifest" else weights
-        part = mp.append(data)
+        part = mp.append(parts[name] or b"")
         part.set_content_disposition("form-data", name=name)
     return mp
 
@@ -215,3 +315,70 @@ async def test_checkpoint_fetch_for_resuming(leader):
         resp = await client.get(url, headers=headers)
         assert resp.status == status, (url, await resp.text())
         assert "error" in await resp.json()
+
+
+async def test_push_with_optimizer_state_is_stored_published_and_fetched(leader):
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 1)
+    manifest, weights, optimizer = _checkpoint(1, f["fellow_id"], job["job_id"])
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/1",
+                             data=_form(manifest, weights, optimizer=optimizer),
+                             headers=f["headers"])
+    assert resp.status == 201, await resp.text()
+    runs = cfg.state_dir / "runs" / job["job_id"]
+    assert (runs / "checkpoints" / "step-4" / "stage-1" / "optimizer.npz").read_bytes() \
+        == optimizer
+    export = runs / "model_export" / "shards" / f"stage-1-fellow-{f['fellow_id']}"
+    assert (export / "optimizer.npz").read_bytes() == optimizer
+    base = f"{A}/jobs/{job['job_id']}/checkpoints/4/1"
+    got = await client.get(f"{base}/optimizer", headers=f["headers"])
+    assert got.status == 200 and await got.read() == optimizer
+    assert not [p for p in export.parent.parent.parent.rglob(".*") if p.is_file()], \
+        "no temp files left"
+    # Pushed again at the same step without optimiser state: no stale state stays behind.
+    manifest2, weights2, _ = _shard(stage=1, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/1",
+                             data=_form(manifest2, weights2), headers=f["headers"])
+    assert resp.status == 201, await resp.text()
+    assert not (runs / "checkpoints" / "step-4" / "stage-1" / "optimizer.npz").exists()
+    assert not (export / "optimizer.npz").exists()
+    assert (await client.get(f"{base}/optimizer", headers=f["headers"])).status == 404
+
+
+@pytest.mark.parametrize("case", ["sha_mismatch", "missing", "stray_param", "four_parts",
+                                  "too_big", "not_a_zip"])
+async def test_bad_optimizer_part_is_refused_and_changes_nothing(leader, case):
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, optimizer = _checkpoint(0, f["fellow_id"], job["job_id"])
+    data: Any = None
+    if case == "sha_mismatch":
+        data = _form({**manifest, "optimizer_sha256": "0" * 64}, weights, optimizer=optimizer)
+    elif case == "missing":
+        data = _form(manifest, weights)
+    elif case == "stray_param":
+        bad = npz_bytes({"blocks.7.attn.qkv.weight.exp_avg": np.zeros(2, np.float32)})
+        data = _form({**manifest, "optimizer_sha256": hashlib.sha256(bad).hexdigest(),
+                      "optimizer_bytes": len(bad)}, weights, optimizer=bad)
+    elif case == "four_parts":
+        data = _form(manifest, weights, optimizer=optimizer,
+                     order=("manifest", "weights", "optimizer", "weights"))
+    elif case == "too_big":
+        big = b"\0" * 250_000
+        data = _form({**manifest, "optimizer_sha256": hashlib.sha256(big).hexdigest(),
+                      "optimizer_bytes": len(big)}, weights, optimizer=big)
+    elif case == "not_a_zip":
+        junk = b"y" * 64
+        data = _form({**manifest, "optimizer_sha256": hashlib.sha256(junk).hexdigest(),
+                      "optimizer_bytes": len(junk)}, weights, optimizer=junk)
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0", data=data,
+                             headers=f["headers"])
+    assert resp.status == (413 if case == "too_big" else 400), await resp.text()
+    err = (await resp.json())["error"]
+    if case != "too_big":
+        assert err["field"] == "optimizer", err
+    runs = cfg.state_dir / "runs" / job["job_id"]
+    assert not [p for p in runs.rglob("*") if p.is_file() and p.parent != runs], \
+        "no shard file written"
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["latest_shard_pushes"] == {}

@@ -1,9 +1,13 @@
-"""Stage shards: ``stage-K-fellow-F/{shard_manifest.json,weights.npz}``.
+"""Stage shards: ``stage-K-fellow-F/{shard_manifest.json,weights.npz,optimizer.npz}``.
 
 Weights are plain ``.npy`` members of an ``.npz`` (no pickles; they load with
 ``allow_pickle=False``), named by global parameter names, so shards glue back by union. The
 manifest says which global layers and edge parts the shard holds, at which step, and the config
 fingerprint that all shards of one model must share.
+
+``optimizer.npz`` holds the stage's optimiser state (``<parameter>.<field>``, see
+``pipeline.optim.optimizer_arrays``), so that a run resumed from pushed shards continues exactly
+as the uninterrupted run would. Gluing and inference read only the weights.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from swarm_core.paths import atomic_write
 
 MANIFEST = "shard_manifest.json"
 WEIGHTS = "weights.npz"
+OPTIMIZER = "optimizer.npz"
 FORMAT = "silentswarm-shard/1"
 
 
@@ -57,7 +62,8 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
                    seed: int, vocab_size: int, tokenizer: dict[str, Any],
                    arrays: dict[str, np.ndarray], weights: bytes,
                    slot: int = 0, device: str = "cpu",
-                   training: dict[str, Any] | None = None) -> dict[str, Any]:
+                   training: dict[str, Any] | None = None,
+                   optimizer: bytes | None = None) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -80,14 +86,20 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
         "params": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in arrays.items()},
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
         "weights_bytes": len(weights),
+        "optimizer_sha256": None if optimizer is None else hashlib.sha256(optimizer).hexdigest(),
+        "optimizer_bytes": None if optimizer is None else len(optimizer),
         "created_at": time.time(),
     }
 
 
-def write_shard(root: Path, manifest: dict[str, Any], weights: bytes) -> Path:
-    """Weights first, manifest last: a manifest on disk means its weights are complete."""
+def write_shard(root: Path, manifest: dict[str, Any], weights: bytes,
+                optimizer: bytes | None = None) -> Path:
+    """Weights and optimiser state first, manifest last: a manifest on disk means the files it
+    names are complete."""
     d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
     atomic_write(d / WEIGHTS, weights)
+    if optimizer is not None:
+        atomic_write(d / OPTIMIZER, optimizer)
     atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True))
     return d
 
@@ -96,12 +108,32 @@ class ShardError(ValueError):
     pass
 
 
+def _arrays(raw: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        return {k: np.array(z[k]) for k in z.files}
+
+
 def weights_from_checkpoint(manifest: dict[str, Any], weights: bytes) -> dict[str, torch.Tensor]:
     """State dict from a fetched checkpoint, after checking it is the one the manifest names."""
     if hashlib.sha256(weights).hexdigest() != manifest.get("weights_sha256"):
         raise ShardError("checkpoint weights do not match their manifest's sha256")
-    with np.load(io.BytesIO(weights), allow_pickle=False) as z:
-        return {k: torch.from_numpy(np.array(z[k])) for k in z.files}
+    return {k: torch.from_numpy(v) for k, v in _arrays(weights).items()}
+
+
+def optimizer_from_checkpoint(manifest: dict[str, Any],
+                              optimizer: bytes | None) -> dict[str, np.ndarray] | None:
+    """The optimiser state arrays a checkpoint carries (None for a checkpoint without them),
+    after checking they are the ones its manifest names."""
+    want = manifest.get("optimizer_sha256")
+    if want is None:
+        if optimizer is not None:
+            raise ShardError("checkpoint has optimiser state its manifest does not name")
+        return None
+    if optimizer is None:
+        raise ShardError("checkpoint manifest names optimiser state that did not come")
+    if hashlib.sha256(optimizer).hexdigest() != want:
+        raise ShardError("checkpoint optimiser state does not match its manifest's sha256")
+    return _arrays(optimizer)
 
 
 def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -300,14 +300,17 @@ class FellowDaemon:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
-        async def push_shard(job: str, stage: int, manifest: dict, weights: bytes) -> None:
+        async def push_shard(job: str, stage: int, manifest: dict, weights: bytes,
+                             optimizer: bytes | None) -> None:
             try:
-                await self.client.push_shard(job, stage, self.session, manifest, weights)
+                await self.client.push_shard(job, stage, self.session, manifest, weights,
+                                             optimizer)
             except ClientError as exc:
                 # The shard is on this fellow's disk either way; the leader's copy can lag.
                 log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
 
-        async def fetch_checkpoint(job: str, step: int, stage: int) -> tuple[dict, bytes]:
+        async def fetch_checkpoint(job: str, step: int,
+                                   stage: int) -> tuple[dict, bytes, bytes | None]:
             return await self.client.checkpoint(job, step, stage, self.session)
 
         slot = _slot_of(start, fellow_id)

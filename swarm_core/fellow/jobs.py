@@ -21,7 +21,9 @@ import attrs
 from swarm_core.protocol import JobStatusUpdate
 
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
-PushShard = Callable[[str, int, dict[str, Any], bytes], Awaitable[None]]
+# (job_id, stage, manifest, weights.npz bytes, optimizer.npz bytes or None)
+PushShard = Callable[[str, int, dict[str, Any], bytes, bytes | None], Awaitable[None]]
+Checkpoint = tuple[dict[str, Any], bytes, bytes | None]
 
 
 @attrs.define
@@ -51,9 +53,8 @@ class JobContext:
     threads: int = 1
     fellow_name: str = ""
     push_shard: PushShard | None = None
-    # (job_id, step, stage) -> (manifest, weights.npz bytes) from the leader
-    fetch_checkpoint: Callable[[str, int, int], Awaitable[tuple[dict[str, Any], bytes]]] | None \
-        = None
+    # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
+    fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
 
 
 async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
@@ -88,14 +89,17 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     # Importing torch takes seconds; in a worker thread, so heartbeats keep flowing meanwhile.
     await asyncio.to_thread(import_engine)
     from swarm_core.artifacts.shards import (
+        ShardError,
         build_manifest,
         npz_bytes,
+        optimizer_from_checkpoint,
         state_arrays,
         weights_from_checkpoint,
         write_shard,
     )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
     from swarm_core.data import DataError, load_token_data
+    from swarm_core.pipeline.optim import OptimizerStateError, optimizer_arrays
     from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
     from swarm_core.schema import SchemaError, structure
 
@@ -145,12 +149,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             await ctx.report(upd)
 
     export_root = _export_root(training.export_dir, spec.job_id) / "shards"
-    pushes: asyncio.Queue[tuple[dict[str, Any], bytes] | None] = asyncio.Queue()
+    pushes: asyncio.Queue[Checkpoint | None] = asyncio.Queue()
     holder: dict[str, Any] = {}
 
-    def on_checkpoint(step: int, module: Any) -> None:  # runs in the stage thread
+    def on_checkpoint(step: int, module: Any, opt: Any) -> None:  # runs in the stage thread
         arrays = state_arrays(module)
         weights = npz_bytes(arrays)
+        optimizer = npz_bytes(optimizer_arrays(opt, module))
         data = holder["data"]
         manifest = build_manifest(
             job_id=spec.job_id, stage=stage, num_stages=spec.num_stages, fellow_id=fid,
@@ -158,9 +163,10 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             model=start.get("model") or {}, seed=training.seed,
             vocab_size=model.vocab_size or data.vocab_size, tokenizer=data.tokenizer.spec(),
             arrays=arrays, weights=weights, slot=int(mine.get("slot", 0)),
-            device=str(mine.get("device", "cpu")), training=start.get("training"))
-        write_shard(export_root, manifest, weights)
-        loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights))
+            device=str(mine.get("device", "cpu")), training=start.get("training"),
+            optimizer=optimizer)
+        write_shard(export_root, manifest, weights, optimizer)
+        loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights, optimizer))
 
     async def pusher() -> None:
         while (item := await pushes.get()) is not None:
@@ -168,7 +174,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                 await ctx.push_shard(spec.job_id, stage, *item)
 
     resume_step = int(start.get("resume_step") or 0)
-    initial: dict[str, Any] | None = None
+    initial: Checkpoint | None = None
     if resume_step:
         if ctx.fetch_checkpoint is None:
             raise JobRefused("cannot resume: no way to fetch checkpoints")
@@ -177,12 +183,23 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     def work() -> dict[str, Any]:
         data = load_token_data(training, model.seq_len)
         holder["data"] = data
-        state = None
+        state = opt_state = None
         if initial is not None:
-            state = weights_from_checkpoint(*initial)
-        return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
-                         connect_timeout=training.frame_timeout_s, on_checkpoint=on_checkpoint,
-                         start_step=resume_step, initial_state=state)
+            manifest, weights, optimizer = initial
+            try:
+                state = weights_from_checkpoint(manifest, weights)
+                # A checkpoint from before optimiser state was pushed resumes with fresh
+                # moments: the run continues, but not exactly as it would have.
+                opt_state = optimizer_from_checkpoint(manifest, optimizer)
+            except ShardError as exc:
+                raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
+        try:
+            return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
+                             connect_timeout=training.frame_timeout_s,
+                             on_checkpoint=on_checkpoint, start_step=resume_step,
+                             initial_state=state, initial_optimizer=opt_state)
+        except OptimizerStateError as exc:
+            raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
 
     ctx.progress.stage = stage
     previous_link = ctx.shaper.limits()

@@ -16,6 +16,7 @@ from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
+from swarm_core.leader.uploads import complete_checkpoints
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan
 from swarm_core.protocol import JobInfo, JobState, JobStatusUpdate, JobSubmit, Topology
@@ -355,17 +356,8 @@ class JobQueue:
         """The newest step at which every stage has a pushed shard; 0 if none."""
         if self.runs_dir is None:
             return 0
-        root = self.runs_dir / job.job_id / "checkpoints"
-        n = len(job.fellows)
-        best = 0
-        for d in root.glob("step-*"):
-            try:
-                step = int(d.name.removeprefix("step-"))
-            except ValueError:
-                continue
-            if all((d / f"stage-{k}" / "shard_manifest.json").exists() for k in range(n)):
-                best = max(best, step)
-        return best
+        steps = complete_checkpoints(self.runs_dir, job.job_id, len(job.fellows))
+        return steps[0] if steps else 0
 
     def _maybe(self, fellow_id: int) -> FellowRecord | None:
         try:

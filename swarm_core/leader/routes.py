@@ -298,8 +298,9 @@ async def push_shard(request: web.Request) -> web.Response:
 
 
 async def get_checkpoint(request: web.Request) -> web.StreamResponse:
-    """A fellow resuming a job fetches its stage's weights (or manifest) at a step."""
-    from swarm_core.leader.uploads import checkpoint_dir
+    """A fellow resuming a job fetches its stage's manifest, weights and optimiser state at a
+    step."""
+    from swarm_core.leader.uploads import MANIFEST, OPTIMIZER, WEIGHTS, checkpoint_dir
 
     st = _state(request)
     job = st.jobs.get(request.match_info["job_id"])
@@ -309,15 +310,15 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
                             f"{job.job_id}", code="wrong_fellow")
     part = request.match_info["part"]
-    name = {"weights": "weights.npz", "manifest": "shard_manifest.json"}.get(part)
+    name = {"weights": WEIGHTS, "manifest": MANIFEST, "optimizer": OPTIMIZER}.get(part)
     if name is None:
-        raise ApiError(404, f"no checkpoint part {part!r} (weights or manifest)")
+        raise ApiError(404, f"no checkpoint part {part!r} (manifest, weights or optimizer)")
     path = checkpoint_dir(st.state_dir / "runs", job.job_id, step, stage) / name
     if not path.exists():
         raise ApiError(404, f"no checkpoint of stage {stage} at step {step}",
                        code="no_checkpoint")
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"
-                                           if part == "weights" else "application/json"})
+                                           if part != "manifest" else "application/json"})
 
 
 # --- events -------------------------------------------------------------------------------------
@@ -417,7 +418,7 @@ ROUTES: tuple[Route, ...] = (
           "A fellow pushes its stage's latest weights (multipart: manifest, weights)",
           fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415)),
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
-          "A fellow fetches a stage checkpoint to resume from (part: weights or manifest)",
+          "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),
     Route("GET", f"{A}/events", events,
           "WebSocket stream of fellow, job and metric events (plain GET: the last 1000)",

@@ -25,6 +25,7 @@ from swarm_core.paths import atomic_write
 
 MAX_MANIFEST = 4 << 20
 SHARDS = "model_export/shards"
+MANIFEST, WEIGHTS, OPTIMIZER = "shard_manifest.json", "weights.npz", "optimizer.npz"
 
 
 def shard_dir(runs_dir: Path, job_id: str, stage: int, fellow_id: int) -> Path:
@@ -39,6 +40,20 @@ def checkpoint_dir(runs_dir: Path, job_id: str, step: int, stage: int) -> Path:
 KEEP_CHECKPOINTS = 2
 
 
+def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[int]:
+    """Steps at which every stage's checkpoint is in place (its manifest written), newest
+    first."""
+    steps = []
+    for d in (runs_dir / job_id / "checkpoints").glob("step-*"):
+        try:
+            step = int(d.name.removeprefix("step-"))
+        except ValueError:
+            continue
+        if all((d / f"stage-{k}" / MANIFEST).exists() for k in range(num_stages)):
+            steps.append(step)
+    return sorted(steps, reverse=True)
+
+
 def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
             num_stages: int) -> None:
     """Make a received checkpoint the stage's latest export shard, and prune old checkpoints
@@ -50,7 +65,13 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
         if old != dest:
             shutil.rmtree(old, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("weights.npz", "shard_manifest.json"):  # manifest last
+    names = [n for n in (WEIGHTS, OPTIMIZER) if (src / n).exists()] + [MANIFEST]  # manifest last
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(dest / MANIFEST)
+    if OPTIMIZER not in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest / OPTIMIZER)
+    for name in names:
         tmp = dest / f".{name}.tmp"
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -60,20 +81,19 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
             shutil.copyfile(src / name, tmp)
         os.replace(tmp, dest / name)
     root = runs_dir / job_id / "checkpoints"
-    complete = sorted(
-        (int(d.name.removeprefix("step-")) for d in root.glob("step-*")
-         if all((d / f"stage-{k}" / "shard_manifest.json").exists() for k in range(num_stages))),
-        reverse=True)
+    complete = complete_checkpoints(runs_dir, job_id, num_stages)
     if len(complete) > KEEP_CHECKPOINTS:
         cutoff = complete[KEEP_CHECKPOINTS - 1]
         for d in root.glob("step-*"):
-            if int(d.name.removeprefix("step-")) < cutoff:
+            if d.name.removeprefix("step-").isdigit() and \
+                    int(d.name.removeprefix("step-")) < cutoff:
                 shutil.rmtree(d, ignore_errors=True)
 
 
 async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
                         limit: int, expect: dict[str, Any]) -> dict[str, Any]:
-    """Read ``manifest`` then ``weights`` parts; returns the manifest once both are in place.
+    """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
+    manifest once all are in place. ``limit`` bounds the bytes of weights and optimizer together.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
     """
@@ -108,29 +128,93 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         raise ApiError(400, "second part must be 'weights'", field="weights")
     dest = dest_for(manifest)
     dest.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".weights.", dir=dest)
+    tmps: dict[str, str] = {}
+    try:
+        tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
+        _check_weights(Path(tmps[WEIGHTS]), manifest, digest, size)
+        part = await reader.next()
+        if part is not None:
+            if getattr(part, "name", None) != "optimizer":
+                raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
+            tmps[OPTIMIZER], opt_size, digest = await _receive_part(part, dest, limit, size)
+            _check_optimizer(Path(tmps[OPTIMIZER]), manifest, digest, opt_size)
+        elif manifest.get("optimizer_sha256") is not None:
+            raise ApiError(400, "the manifest names optimizer state but no 'optimizer' part came",
+                           field="optimizer")
+        if await reader.next() is not None:
+            raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
+                                "optimizer", field="optimizer")
+        # Old manifest first: files on disk are complete only while a manifest names them.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest / MANIFEST)
+        if OPTIMIZER not in tmps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(dest / OPTIMIZER)
+        for name, tmp in tmps.items():
+            os.replace(tmp, dest / name)
+    except BaseException:
+        for tmp in tmps.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+    manifest["received_at"] = time.time()
+    atomic_write(dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
+    return manifest
+
+
+async def _receive_part(part: Any, dest: Path, limit: int,
+                        used: int = 0) -> tuple[str, int, str]:
+    """Stream one part into a temp file in ``dest``: (path, bytes, sha256); ``used`` bytes of
+    the push's ``limit`` went to earlier parts."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{part.name}.", dir=dest)
     digest = hashlib.sha256()
     size = 0
     try:
         with os.fdopen(fd, "wb") as fh:
-            while chunk := await part.read_chunk(1 << 20):  # type: ignore[union-attr]
+            while chunk := await part.read_chunk(1 << 20):
                 size += len(chunk)
-                if size > limit:
+                if used + size > limit:
                     raise ApiError(413, f"shard exceeds the upload limit of {limit} bytes",
                                    code="body_too_large")
                 digest.update(chunk)
                 fh.write(chunk)
             fh.flush()
             os.fsync(fh.fileno())
-        _check_weights(Path(tmp), manifest, digest.hexdigest(), size)
-        os.replace(tmp, dest / "weights.npz")
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    manifest["received_at"] = time.time()
-    atomic_write(dest / "shard_manifest.json", jsonio.dumps(manifest, pretty=True))
-    return manifest
+    return tmp, size, digest.hexdigest()
+
+
+def _npy_members(path: Path, field: str) -> set[str]:
+    """Member names (without ``.npy``) of an ``.npz``; anything else in it is refused."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = z.namelist()
+    except zipfile.BadZipFile:
+        raise ApiError(400, f"{field} is not an .npz archive", field=field) from None
+    bad = [n for n in members if not n.endswith(".npy") or "/" in n]
+    if bad:
+        raise ApiError(400, f"unexpected members in {field}: {bad[:3]}", field=field)
+    return {n.removesuffix(".npy") for n in members}
+
+
+def _check_optimizer(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
+    if manifest.get("optimizer_sha256") != sha256:
+        raise ApiError(400, "optimizer state does not match the manifest's optimizer_sha256",
+                       field="optimizer")
+    if manifest.get("optimizer_bytes") not in (None, size):
+        raise ApiError(400, f"optimizer state is {size} bytes, the manifest says "
+                            f"{manifest.get('optimizer_bytes')}", field="optimizer")
+    params = manifest.get("params")
+    params = params if isinstance(params, dict) else {}
+    # "<parameter>.<field>": the fields are the optimiser's business, the parameters the shard's.
+    stray = sorted(n for n in _npy_members(path, "optimizer")
+                   if n.rpartition(".")[0] not in params)
+    if stray:
+        raise ApiError(400, f"optimizer state for parameters the shard does not hold: "
+                            f"{stray[:3]}", field="optimizer")
 
 
 def _check_weights(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
@@ -140,14 +224,7 @@ def _check_weights(path: Path, manifest: dict[str, Any], sha256: str, size: int)
     if manifest.get("weights_bytes") not in (None, size):
         raise ApiError(400, f"weights are {size} bytes, the manifest says "
                             f"{manifest.get('weights_bytes')}", field="weights")
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = {n.removesuffix(".npy") for n in z.namelist()}
-            bad = [n for n in z.namelist() if not n.endswith(".npy") or "/" in n]
-    except zipfile.BadZipFile:
-        raise ApiError(400, "weights are not an .npz archive", field="weights") from None
-    if bad:
-        raise ApiError(400, f"unexpected members in weights: {bad[:3]}", field="weights")
+    names = _npy_members(path, "weights")
     params = manifest.get("params")
     if not isinstance(params, dict) or set(params) != names:
         raise ApiError(400, "weights and manifest list different parameters",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,3 +60,58 @@ def scale_grads(params: Iterable[nn.Parameter], scale: float) -> None:
     for p in params:
         if p.grad is not None:
             p.grad.mul_(scale)
+
+
+# --- optimiser state in checkpoints -------------------------------------------------------------
+
+# AdamW's per-parameter state; a checkpoint member is named "<parameter>.<field>".
+STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class OptimizerStateError(ValueError):
+    """A checkpoint's optimiser state does not fit this stage's parameters."""
+
+
+def optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module) -> dict[str, np.ndarray]:
+    """The optimiser's per-parameter state as plain arrays keyed ``<parameter>.<field>``, the
+    parameter by its (global) name, so a replacement fellow can take the state over exactly."""
+    out: dict[str, np.ndarray] = {}
+    for name, p in module.named_parameters():
+        for field, value in opt.state.get(p, {}).items():
+            if field not in STATE_FIELDS:
+                raise OptimizerStateError(f"unexpected optimiser state {field!r} of {name}")
+            t = torch.as_tensor(value).detach().cpu()
+            if t.dtype == torch.bfloat16:
+                t = t.to(torch.float32)  # numpy has no bfloat16
+            out[f"{name}.{field}"] = t.numpy().copy()
+    return out
+
+
+def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
+                          arrays: dict[str, np.ndarray]) -> None:
+    """Install state written by :func:`optimizer_arrays`; checked whole before anything
+    changes (an unknown parameter or field, or a shape that does not match, is an error)."""
+    params = dict(module.named_parameters())
+    state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for key, arr in arrays.items():
+        name, _, field = key.rpartition(".")
+        p = params.get(name)
+        if p is None or field not in STATE_FIELDS:
+            raise OptimizerStateError(f"optimiser state {key!r} names no parameter of this "
+                                      "stage" if p is None else
+                                      f"optimiser state {key!r}: unknown field {field!r}")
+        want = () if field == "step" else tuple(p.shape)
+        if tuple(arr.shape) != want:
+            raise OptimizerStateError(f"optimiser state {key!r} has shape {list(arr.shape)}, "
+                                      f"expected {list(want)}")
+        t = torch.from_numpy(np.array(arr))
+        t = t.to(torch.float32) if field == "step" else t.to(p.dtype)
+        state.setdefault(p, {})[field] = t
+    for p, fields in state.items():
+        if "step" not in fields or "exp_avg" not in fields or "exp_avg_sq" not in fields:
+            name = next(n for n, q in params.items() if q is p)
+            raise OptimizerStateError(f"optimiser state of {name} is incomplete: "
+                                      f"{sorted(fields)}")
+    opt.state.clear()
+    for p, fields in state.items():
+        opt.state[p] = fields

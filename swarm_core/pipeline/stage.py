@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
@@ -27,6 +28,7 @@ from swarm_core.pipeline.model import StageModule, lm_loss
 from swarm_core.pipeline.optim import (
     clip_scale,
     grad_sq_sum,
+    load_optimizer_arrays,
     lr_at,
     make_optimizer,
     scale_grads,
@@ -257,17 +259,23 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
               on_step: Callable[[StepReport], None],
               on_eval: Callable[[int, float], None] | None = None,
               connect_timeout: float = 60.0,
-              on_checkpoint: Callable[[int, StageModule], None] | None = None,
+              on_checkpoint: Callable[[int, StageModule, torch.optim.Optimizer], None]
+              | None = None,
               start_step: int = 0,
-              initial_state: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+              initial_state: dict[str, torch.Tensor] | None = None,
+              initial_optimizer: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Train all steps of one stage; returns final metrics (loss and eval on the last stage).
 
-    ``on_checkpoint(step, module)`` runs every ``shard_push_interval_steps`` and after the last
-    step, between optimiser steps, so it sees consistent weights."""
+    ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
+    after the last step, between optimiser steps, so it sees consistent weights and state.
+    ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
+    run: with both, the steps after it are those of the uninterrupted run."""
     torch.set_num_threads(spec.training.threads)
     runner = StageRunner(spec, data, shaper, stop)
     if initial_state is not None:
         runner.module.load_state_dict(initial_state, strict=True)
+    if initial_optimizer is not None:
+        load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
     t = spec.training
     reports: list[StepReport] = []
     try:
@@ -280,7 +288,7 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
             every = t.shard_push_interval_steps
             if on_checkpoint is not None and every and rep.step % every == 0 \
                     and rep.step != t.steps:
-                on_checkpoint(rep.step, runner.module)
+                on_checkpoint(rep.step, runner.module, runner.opt)
             if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
                 ev = runner.evaluate(rep.step)
                 if ev is not None and on_eval is not None:
@@ -288,7 +296,7 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
         eval_loss = runner.evaluate(t.steps)
         wall = time.perf_counter() - t0
         if on_checkpoint is not None:
-            on_checkpoint(t.steps, runner.module)
+            on_checkpoint(t.steps, runner.module, runner.opt)
     finally:
         runner.close()
     losses = [r.loss for r in reports if r.loss is not None]
