@@ -380,5 +380,6 @@ async def test_bad_optimizer_part_is_refused_and_changes_nothing(leader, case):
     runs = cfg.state_dir / "runs" / job["job_id"]
     assert not [p for p in runs.rglob("*") if p.is_file() and p.parent != runs], \
         "no shard file written"
+    assert not list((runs / "checkpoints").glob("step-*/stage-*")), "no checkpoint dir left"
     view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert view["latest_shard_pushes"] == {}

@@ -156,6 +156,8 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         for tmp in tmps.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            dest.rmdir()  # only if this push made it and left it empty
         raise
     manifest["received_at"] = time.time()
     atomic_write(dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
