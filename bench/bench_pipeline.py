@@ -28,8 +28,17 @@ Tokens/s is global tokens (batch x seq_len) over the step time, the median of th
 each worker notes its own CPU and the machine's (/proc/stat, steal included), and a step during
 which others used >= 0.1 cores is set aside. The table says how many steps were clean and warns
 when a row had none (a shared machine: run again, or with ``--repeats 3``). Even clean, a small
-VM's per-core speed can drift by several percent between rows that run minutes apart; more
-repeats interleave the rows, and the drift-free figures under the table (below) cross-check.
+VM's per-core speed drifts, by up to ~20 % between trials minutes apart (the same step's CPU
+time with it); more repeats interleave the rows, and the drift-free figures under the table
+(below) cross-check.
+
+``--interleave`` removes the drift instead of averaging it: every row's workers start at once and
+wait at a gate after each step; the parent lets one row take a step at a time, row after row,
+round after round, so step k of (a), (b) and (c) run within seconds of each other. Each worker
+takes its time at the gate off its clock, and a step's 'other load' window starts when its gate
+opens. The verdicts are then medians of step-by-step ratios ((a)'s step k over (b)'s step k,
+and so on). A probe of the machine's speed (a fixed matmul before and after each trial) was tried
+first and dropped: it spread 29 % itself and did not narrow the rows' spread.
 
 Each (b) and (c) worker also records where its step time goes, by wrapping (in that process only)
 the module forward, loss, backward, and for (b) the link's recv/send/flush, the norm exchange and
@@ -46,6 +55,8 @@ Usage::
                                                              # interleaved 3 times, so a drift
                                                              # of the VM's core speed evens out
     .venv/bin/python bench/bench_pipeline.py --schedules gpipe --repeats 4   # one schedule
+    .venv/bin/python bench/bench_pipeline.py --interleave --repeats 4 --steps 8 \
+        --only a,b,c                                         # step by step, ~12 minutes
     .venv/bin/python bench/bench_pipeline.py --quick         # tiny model, 2 timed steps, ~10 s
     .venv/bin/python bench/bench_pipeline.py --steps 8 --warmup 2 \\
         --model d_model=384,n_layers=12,n_heads=6 --only a,b
@@ -189,19 +200,50 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
 
 
+class _Gate:
+    """``--interleave``: this worker runs a step only when the parent lets it. Time spent
+    waiting at the gate is taken off the worker's clock, so its marks measure its own steps."""
+
+    def __init__(self, go: Any, done: Any, key: str, rank: int) -> None:
+        self.go, self.done, self.key, self.rank = go, done, key, rank
+        self.waited = 0.0
+
+    def wait(self) -> None:
+        t = time.monotonic()
+        self.go.acquire()
+        self.waited += time.monotonic() - t
+
+    def step_done(self) -> None:
+        self.done.put((self.key, self.rank))
+        self.wait()
+
+
+_GATE: _Gate | None = None
+
+
+def _sample() -> tuple[float, float, float]:
+    mach = _machine_cpu()
+    return _proc_cpu(), mach.get("busy", 0.0) + mach.get("steal", 0.0), _rq_wait()
+
+
 def _mark(marks: list[float], snaps: dict[str, Any], warm: int, total: int) -> None:
     """After each step: a timestamp, this process's CPU and the machine's (to tell which steps
-    other processes disturbed); at the end of warm-up and of the run, per-thread CPU."""
-    marks.append(time.monotonic())
-    mach = _machine_cpu()
-    snaps.setdefault("samples", []).append(
-        (_proc_cpu(), mach.get("busy", 0.0) + mach.get("steal", 0.0), _rq_wait()))
+    other processes disturbed); at the end of warm-up and of the run, per-thread CPU. Under a
+    gate, the next step's window starts when the gate opens (other rows ran meanwhile)."""
+    marks.append(time.monotonic() - (_GATE.waited if _GATE else 0.0))
+    samples = snaps.setdefault("samples", [])
+    samples.append(_sample())
     if len(marks) in (warm, total):
         snaps["start" if len(marks) == warm else "end"] = _thread_cpu()
+    if _GATE is not None:
+        _GATE.step_done()
+        snaps.setdefault("starts", []).append(_sample())  # the next step starts now
 
 
 def _cpu_result(snaps: dict[str, Any]) -> dict[str, Any]:
-    return {"cpu": _diff(snaps["end"], snaps["start"]), "samples": snaps["samples"]}
+    # samples[k]: at the end of step k+1; under a gate, starts[k]: when step k+2 began.
+    return {"cpu": _diff(snaps["end"], snaps["start"]), "samples": snaps["samples"],
+            "starts": snaps.get("starts") or snaps["samples"]}
 
 
 # --- (b)/(c) instrumentation: exclusive wall time per bucket on the compute thread ------------
@@ -533,7 +575,11 @@ WORKERS: dict[str, Callable[[dict[str, Any], int, dict[str, Any]], dict[str, Any
 
 def _entry(kind: str, cfg: dict[str, Any], rank: int, ctx: dict[str, Any],
            results: Any) -> None:
+    global _GATE
     try:
+        if ctx.get("gates") is not None:
+            _GATE = _Gate(ctx["gates"][rank], ctx["done"], ctx["key"], rank)
+            _GATE.wait()  # set-up and the first (warm-up) step run in the first window
         results.put((rank, WORKERS[kind](cfg, rank, ctx)))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
@@ -548,44 +594,127 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
-           timeout: float = 900.0) -> dict[int, dict[str, Any]]:
-    """Run ``nprocs`` spawned workers of ``kind`` side by side; their results by rank."""
-    mpc = mp.get_context(cfg["start_method"])
-    results = mpc.Queue()
-    ctx = {"schedule": schedule, "side": mpc.Queue(),
-           "port": _free_port() if kind == "torch" else 0}
-    procs = [mpc.Process(target=_entry, args=(kind, cfg, r, ctx, results), daemon=True,
-                         name=f"bench-{kind}-{r}") for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < nprocs:
-            try:
-                rank, res = results.get(timeout=0.5)
-                out[rank] = res
-                if "error" in res:
-                    break
-            except queue.Empty:
-                dead = [p for i, p in enumerate(procs) if i not in out and p.exitcode is not None]
-                if dead:
-                    raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} "
-                                       "without a result") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{kind} run did not finish in {timeout:g}s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10 if len(out) == nprocs else 0.5)
-        for p in procs:
+class Launched:
+    """``nprocs`` spawned workers of one kind, started; ``collect`` waits for their results.
+    With ``done`` (a queue shared by every gated row) each rank gets a gate of its own."""
+
+    def __init__(self, kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
+                 key: str = "", done: Any = None) -> None:
+        mpc = mp.get_context(cfg["start_method"])
+        self.kind, self.nprocs = kind, nprocs
+        self.results = mpc.Queue()
+        self.gates = [mpc.Semaphore(0) for _ in range(nprocs)] if done is not None else None
+        # Held for the workers' lifetime: a queue collected here unlinks its semaphores
+        # before a spawned child has unpickled them.
+        self.ctx = {"schedule": schedule, "side": mpc.Queue(),
+                    "port": _free_port() if kind == "torch" else 0,
+                    "gates": self.gates, "done": done, "key": key}
+        self.procs = [mpc.Process(target=_entry, args=(kind, cfg, r, self.ctx, self.results),
+                                  daemon=True, name=f"bench-{kind}-{r}")
+                      for r in range(nprocs)]
+        self.out: dict[int, dict[str, Any]] = {}
+        for p in self.procs:
+            p.start()
+
+    def open_gates(self) -> None:
+        assert self.gates is not None
+        for g in self.gates:
+            g.release()
+
+    def check(self) -> None:
+        """Raise if a worker failed or died (while the parent waits on it)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                rank, res = self.results.get_nowait()
+                self.out[rank] = res
+        errors = [f"rank {r}:\n{res['error']}" for r, res in sorted(self.out.items())
+                  if "error" in res]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        dead = [p for i, p in enumerate(self.procs) if i not in self.out and
+                p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode} without "
+                               "a result")
+
+    def collect(self, timeout: float) -> dict[int, dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        try:
+            while len(self.out) < self.nprocs:
+                try:
+                    rank, res = self.results.get(timeout=0.5)
+                    self.out[rank] = res
+                    if "error" in res:
+                        break
+                except queue.Empty:
+                    self.check()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{self.kind} run did not finish in {timeout:g}s") \
+                            from None
+            self.check()
+        finally:
+            self.stop()
+        return self.out
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.join(timeout=10 if len(self.out) == self.nprocs else 0.5)
+        for p in self.procs:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-    errors = [f"rank {r}:\n{res['error']}" for r, res in sorted(out.items()) if "error" in res]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return out
+
+
+def launch(kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
+           timeout: float = 900.0) -> dict[int, dict[str, Any]]:
+    """Run ``nprocs`` spawned workers of ``kind`` side by side; their results by rank."""
+    return Launched(kind, cfg, nprocs, schedule).collect(timeout)
+
+
+def run_interleaved(rows: list[Row], cfg: dict[str, Any]) -> None:
+    """One trial of every row at once, step by step: all rows' workers start, and the parent
+    lets one row take a step at a time, in row order, round after round. Rows compared step
+    by step ran seconds apart, so a drift of the machine's speed over minutes cancels out."""
+    mpc = mp.get_context(cfg["start_method"])
+    done = mpc.Queue()
+    t0 = time.monotonic()
+    live = [r for r in rows if r.error is None]
+    runs: dict[str, Launched] = {}
+    try:
+        for r in live:
+            runs[r.key] = Launched(r.kind, cfg, r.procs, r.schedule, r.key, done)
+        total = cfg["warmup"] + cfg["steps"]
+        deadline = time.monotonic() + cfg["timeout"]
+        # One window per step of each row, and a last one that lets them all finish.
+        for _step in range(total):
+            for r in live:
+                run = runs[r.key]
+                run.open_gates()
+                waiting = set(range(r.procs))
+                while waiting:
+                    try:
+                        key, rank = done.get(timeout=0.5)
+                    except queue.Empty:
+                        run.check()
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{r.label}: no step within "
+                                               f"{cfg['timeout']:g}s") from None
+                        continue
+                    if key != r.key:
+                        raise RuntimeError(f"{key} stepped outside its window")
+                    waiting.discard(rank)
+        for run in runs.values():
+            run.open_gates()
+        results = {key: run.collect(cfg["timeout"]) for key, run in runs.items()}
+    except Exception as exc:
+        for run in runs.values():
+            run.stop()
+        for r in live:
+            r.error = str(exc)
+        print(f"  interleaved trial FAILED\n{exc}", file=sys.stderr, flush=True)
+        return
+    for r in live:
+        r.absorb(cfg, results[r.key], t0)
 
 
 
@@ -629,16 +758,20 @@ class Row:
             self.error = str(exc)
             print(f"  {self.label}: FAILED\n{exc}", file=sys.stderr, flush=True)
             return
+        self.absorb(cfg, res, t0)
+
+    def absorb(self, cfg: dict[str, Any], res: dict[int, dict[str, Any]], t0: float) -> None:
+        """Take one trial's results (by rank) in."""
         warm, total = cfg["warmup"], cfg["warmup"] + cfg["steps"]
         ranks = [res[r] for r in sorted(res)]
         steps = []
         for k in range(warm, total):
             # The slowest process sets the pace (the pipeline's ranks end each step together).
             d = max(r["marks"][k] - r["marks"][k - 1] for r in ranks)
-            own = sum(r["samples"][k][0] - r["samples"][k - 1][0] for r in ranks)
-            mach = ranks[0]["samples"][k][1] - ranks[0]["samples"][k - 1][1]
+            own = sum(r["samples"][k][0] - r["starts"][k - 1][0] for r in ranks)
+            mach = ranks[0]["samples"][k][1] - ranks[0]["starts"][k - 1][1]
             window = ranks[0]["marks"][k] - ranks[0]["marks"][k - 1]
-            rq = sum(r["samples"][k][2] - r["samples"][k - 1][2] for r in ranks)
+            rq = sum(r["samples"][k][2] - r["starts"][k - 1][2] for r in ranks)
             steps.append((d, max(0.0, mach - own) / window, rq))
         self.steps += steps
         self.trials.append(statistics.median(d for d, _, _ in steps))
@@ -762,6 +895,9 @@ def print_table(cfg: dict[str, Any], rows: list[Row]) -> None:
             word += " (unreliable: a row had no undisturbed step)"
         return word
 
+    if cfg.get("interleave"):
+        print_step_paired(by, verdict)
+        print("pooled (each row's median step, as without --interleave):")
     for sched, tname in SCHEDULES.items():
         b, c = by.get(f"b-{sched}"), by.get(f"c-{sched}")
         if b is not None and c is not None and len(b.trials) == len(c.trials) > 1:
@@ -781,6 +917,55 @@ def print_table(cfg: dict[str, Any], rows: list[Row]) -> None:
              if r.key[0] in "bc" and ref is not None and r.loss is not None]
     if diffs:
         print(f"same training: |last loss - (a)'s| = {', '.join(diffs)}")
+
+
+def _step_pairs(num: Row | None, den: Row | None) -> tuple[list[float], str]:
+    """num's step time over den's, step by step (they ran one after the other under
+    --interleave), over the steps that other processes left alone in both (all steps, and a
+    warning, when there are none)."""
+    if num is None or den is None or len(num.steps) != len(den.steps) or not num.steps:
+        return [], ""
+    pairs = list(zip(num.steps, den.steps, strict=True))
+    clean = [n / d for (n, fn, _), (d, fd, _) in pairs if fn < NOISY_CORES and fd < NOISY_CORES]
+    if clean:
+        return clean, ""
+    return [n / d for (n, _, _), (d, _, _) in pairs], " (unreliable: no undisturbed pair)"
+
+
+def _quartiles(xs: list[float]) -> str:
+    if len(xs) < 4:
+        return ", ".join(f"{x:.2f}" for x in xs)
+    q = statistics.quantiles(xs, n=4)
+    return f"quartiles {q[0]:.2f}-{q[2]:.2f}"
+
+
+def print_step_paired(by: dict[str, Row], verdict: Callable[..., str]) -> None:
+    """The verdicts of record under --interleave: medians of step-by-step ratios."""
+    print("step by step (--interleave: each row's step k ran right after the previous row's):")
+    base = by.get("a")
+    ceiling, warn = _step_pairs(base, by.get("x"))
+    if ceiling:
+        print(f"  (x) no comms, no bubble: {statistics.median(ceiling):.2f}x (a) over "
+              f"{len(ceiling)} steps ({_quartiles(ceiling)}): what two one-thread processes get "
+              f"out of this machine at all{warn}")
+    for sched, tname in SCHEDULES.items():
+        b, c = by.get(f"b-{sched}"), by.get(f"c-{sched}")
+        vs_a, warn = _step_pairs(base, b)
+        if vs_a:
+            x = statistics.median(vs_a)
+            print(f"  (b) {sched:<5} >= {TARGET_VS_A:.2f}x (a): {x:.2f}x over {len(vs_a)} "
+                  f"steps ({_quartiles(vs_a)}) -> {verdict(x, TARGET_VS_A, b, base)}{warn}")
+        vs_c, warn = _step_pairs(c, b)
+        if vs_c:
+            x = statistics.median(vs_c)
+            print(f"  (b) {sched:<5} >= {TARGET_VS_C:.2f}x (c) {tname}: {x:.2f}x over "
+                  f"{len(vs_c)} steps ({_quartiles(vs_c)}) -> "
+                  f"{verdict(x, TARGET_VS_C, b, c)}{warn}")
+        plain, warn = _step_pairs(by.get(f"b-{sched}-plain"), b)
+        if plain:
+            print(f"  (b) {sched:<5} split backward on over off: "
+                  f"{statistics.median(plain):.2f}x over {len(plain)} steps "
+                  f"({_quartiles(plain)}){warn}")
 
 
 def print_profile(cfg: dict[str, Any], rows: list[Row]) -> None:
@@ -885,6 +1070,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated schedules for the (b) and (c) rows (default both)")
     ap.add_argument("--no-profile", action="store_true",
                     help="run (b) and (c) without the timing wrappers")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every row at once and let them take steps in turn (row "
+                         "after row, step after step), so rows compared step by step ran "
+                         "seconds apart; the verdicts of record on a VM whose speed drifts")
     ap.add_argument("--repeats", type=int, default=1,
                     help="trials per row, rows in rotation; a row's figure pools the clean steps "
                          "of all its trials (default 1)")
@@ -908,6 +1097,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": not args.no_profile,
         "timeout": args.timeout,
         "repeats": max(1, args.repeats),
+        "interleave": args.interleave,
         "start_method": args.start_method or ("forkserver" if args.quick else "spawn"),
     }
     if cfg["start_method"] == "forkserver":
@@ -940,15 +1130,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_pipeline: {len(rows)} rows, {cfg['warmup']}+{cfg['steps']} steps each ...",
           file=sys.stderr, flush=True)
     wait_s = args.wait_idle if args.wait_idle is not None else (0.0 if args.quick else 30.0)
+    def settle() -> None:
+        if wait_s > 0:
+            load = wait_for_idle(wait_s)
+            if load >= NOISY_CORES:
+                print(f"  (machine still busy: {load:.2f} cores used by others; "
+                      "running anyway)", file=sys.stderr, flush=True)
+
     for _ in range(cfg["repeats"]):
+        if cfg["interleave"]:
+            settle()
+            run_interleaved(rows, cfg)
+            continue
         for r in rows:
             if r.error is not None:
                 continue
-            if wait_s > 0:
-                load = wait_for_idle(wait_s)
-                if load >= NOISY_CORES:
-                    print(f"  (machine still busy: {load:.2f} cores used by others; "
-                          "running anyway)", file=sys.stderr, flush=True)
+            settle()
             r.run(cfg)
     print_table(cfg, rows)
     print_profile(cfg, rows)

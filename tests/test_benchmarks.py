@@ -27,3 +27,17 @@ def test_benchmark_runs_quick(script, needle, cli_env):
                          capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert needle in res.stdout, res.stdout[-2000:]
+
+
+def test_pipeline_benchmark_runs_rows_step_by_step(cli_env):
+    """--interleave: every row's workers at once, one row's step at a time; the verdicts
+    come from step-by-step ratios over the undisturbed steps."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--quick",
+                          "--interleave", "--only", "a,b", "--schedules", "gpipe",
+                          "--no-profile"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    assert "step by step (--interleave" in out, out[-2000:]
+    assert "(b) gpipe >= 1.70x (a):" in out.split("step by step", 1)[1], out[-2000:]
+    assert "split backward on over off" in out, out[-2000:]
