@@ -613,8 +613,12 @@ class Launched:
                                   daemon=True, name=f"bench-{kind}-{r}")
                       for r in range(nprocs)]
         self.out: dict[int, dict[str, Any]] = {}
-        for p in self.procs:
-            p.start()
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def open_gates(self) -> None:
         assert self.gates is not None
@@ -657,9 +661,10 @@ class Launched:
         return self.out
 
     def stop(self) -> None:
-        for p in self.procs:
+        started = [p for p in self.procs if p.pid is not None]
+        for p in started:
             p.join(timeout=10 if len(self.out) == self.nprocs else 0.5)
-        for p in self.procs:
+        for p in started:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
@@ -680,16 +685,17 @@ def run_interleaved(rows: list[Row], cfg: dict[str, Any]) -> None:
     t0 = time.monotonic()
     live = [r for r in rows if r.error is None]
     runs: dict[str, Launched] = {}
+    results: dict[str, dict[int, dict[str, Any]]] = {}
     try:
         for r in live:
             runs[r.key] = Launched(r.kind, cfg, r.procs, r.schedule, r.key, done)
         total = cfg["warmup"] + cfg["steps"]
-        deadline = time.monotonic() + cfg["timeout"]
         # One window per step of each row, and a last one that lets them all finish.
         for _step in range(total):
             for r in live:
                 run = runs[r.key]
                 run.open_gates()
+                deadline = time.monotonic() + cfg["timeout"]
                 waiting = set(range(r.procs))
                 while waiting:
                     try:
@@ -707,12 +713,14 @@ def run_interleaved(rows: list[Row], cfg: dict[str, Any]) -> None:
             run.open_gates()
         results = {key: run.collect(cfg["timeout"]) for key, run in runs.items()}
     except Exception as exc:
-        for run in runs.values():
-            run.stop()
+        # One row failing stops the trial; every row is marked, its earlier trials kept.
         for r in live:
             r.error = str(exc)
         print(f"  interleaved trial FAILED\n{exc}", file=sys.stderr, flush=True)
         return
+    finally:
+        for run in runs.values():  # also on Ctrl-C: no worker left waiting at its gate
+            run.stop()
     for r in live:
         r.absorb(cfg, results[r.key], t0)
 

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import aiohttp
 
 from swarm_core import jsonio
+from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.protocol import (
     API_PREFIX,
     FellowInfo,
@@ -212,7 +213,7 @@ class SwarmClient:
         out: list[bytes] = []
         manifest: dict[str, Any] = {}
         for part in ("manifest", "weights", "optimizer"):
-            if part == "optimizer" and not manifest.get("optimizer_sha256"):
+            if part == "optimizer" and not names_optimizer(manifest):
                 break
             try:
                 async with self._http().get(f"{base}/{part}",
@@ -223,6 +224,8 @@ class SwarmClient:
                 raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
                                         f"{exc}") from None
             self.bytes_received += len(raw) + 150
+            if part == "optimizer" and resp.status == 404:
+                break  # a leader from before optimiser state: resume with fresh moments
             if resp.status >= 400:
                 err = jsonio.loads(raw).get("error", {}) if raw.startswith(b"{") else {}
                 raise ApiError(resp.status, err.get("code", "error"),

@@ -157,6 +157,22 @@ def test_a_resumed_run_continues_exactly(data, schedule):
     assert max(abs(a - b) for a, b in zip(resumed[False], whole[3:], strict=True)) > 1e-4
 
 
+def test_a_checkpoint_that_does_not_fit_is_a_resume_error(data):
+    import numpy as np
+
+    from swarm_core.pipeline.stage import ResumeError
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=2, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=5)
+    bad = {"blocks.9.attn.qkv.weight.exp_avg": np.zeros(3, np.float32)}
+    res = run_pipeline(mc, tc, data, 2,
+                       stage_kwargs={0: {"start_step": 1, "initial_optimizer": bad}})
+    assert isinstance(res[0], ResumeError)
+    assert str(res[0]) == "optimiser state 'blocks.9.attn.qkv.weight.exp_avg' names no " \
+        "parameter of this stage"
+
+
 @pytest.mark.parametrize("spec, width, per_elem, scales", [
     ("none", 32, 4, False), ("fixed_int8", 32, 1, True), ("learned_dim8", 8, 4, False),
     ("learned_dim8_int8", 8, 1, True),

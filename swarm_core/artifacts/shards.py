@@ -22,11 +22,9 @@ import numpy as np
 import torch
 
 from swarm_core import jsonio
+from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS, names_optimizer
 from swarm_core.paths import atomic_write
 
-MANIFEST = "shard_manifest.json"
-WEIGHTS = "weights.npz"
-OPTIMIZER = "optimizer.npz"
 FORMAT = "silentswarm-shard/1"
 
 
@@ -124,14 +122,13 @@ def optimizer_from_checkpoint(manifest: dict[str, Any],
                               optimizer: bytes | None) -> dict[str, np.ndarray] | None:
     """The optimiser state arrays a checkpoint carries (None for a checkpoint without them),
     after checking they are the ones its manifest names."""
-    want = manifest.get("optimizer_sha256")
-    if want is None:
+    if not names_optimizer(manifest):
         if optimizer is not None:
             raise ShardError("checkpoint has optimiser state its manifest does not name")
         return None
     if optimizer is None:
         raise ShardError("checkpoint manifest names optimiser state that did not come")
-    if hashlib.sha256(optimizer).hexdigest() != want:
+    if hashlib.sha256(optimizer).hexdigest() != manifest["optimizer_sha256"]:
         raise ShardError("checkpoint optimiser state does not match its manifest's sha256")
     return _arrays(optimizer)
 
@@ -144,6 +141,4 @@ def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
     if hashlib.sha256(raw).hexdigest() != manifest.get("weights_sha256"):
         raise ShardError(f"{d}: weights.npz does not match the manifest's sha256")
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    return manifest, arrays
+    return manifest, _arrays(raw)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,10 @@ from typing import Any
 
 import attrs
 
+from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.protocol import JobStatusUpdate
+
+log = logging.getLogger(__name__)
 
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
 # (job_id, stage, manifest, weights.npz bytes, optimizer.npz bytes or None)
@@ -99,8 +103,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
     from swarm_core.data import DataError, load_token_data
-    from swarm_core.pipeline.optim import OptimizerStateError, optimizer_arrays
-    from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
+    from swarm_core.pipeline.optim import optimizer_arrays
+    from swarm_core.pipeline.stage import ResumeError, StageSpec, StepReport, run_stage
     from swarm_core.schema import SchemaError, structure
 
     try:
@@ -188,9 +192,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             manifest, weights, optimizer = initial
             try:
                 state = weights_from_checkpoint(manifest, weights)
-                # A checkpoint from before optimiser state was pushed resumes with fresh
-                # moments: the run continues, but not exactly as it would have.
-                opt_state = optimizer_from_checkpoint(manifest, optimizer)
+                # A checkpoint from before optimiser state was pushed, or a leader that kept
+                # none, resumes with fresh moments: the run continues, not exactly as it would.
+                if optimizer is None and names_optimizer(manifest):
+                    log.warning("%s: no optimiser state at step %d from the leader; resuming "
+                                "with fresh moments", spec.job_id, resume_step)
+                else:
+                    opt_state = optimizer_from_checkpoint(manifest, optimizer)
             except ShardError as exc:
                 raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
         try:
@@ -198,7 +206,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                              connect_timeout=training.frame_timeout_s,
                              on_checkpoint=on_checkpoint, start_step=resume_step,
                              initial_state=state, initial_optimizer=opt_state)
-        except OptimizerStateError as exc:
+        except ResumeError as exc:
             raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
 
     ctx.progress.stage = stage

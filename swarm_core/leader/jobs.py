@@ -371,6 +371,7 @@ class JobQueue:
             "stage": stage, "fellow_id": fellow.fellow_id, "step": manifest.get("step"),
             "weights_sha256": manifest.get("weights_sha256"),
             "weights_bytes": manifest.get("weights_bytes"),
+            "optimizer_bytes": manifest.get("optimizer_bytes"),
             "config_fingerprint": manifest.get("config_fingerprint"),
             "received_at": manifest.get("received_at"),
         }

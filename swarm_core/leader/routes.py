@@ -415,7 +415,7 @@ ROUTES: tuple[Route, ...] = (
           body=JobStatusUpdate, response=JobInfo, fellow_session=True,
           errors=(400, 401, 403, 404, 409)),
     Route("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}", push_shard,
-          "A fellow pushes its stage's latest weights (multipart: manifest, weights)",
+          "A fellow pushes its stage's latest weights (multipart: manifest, weights, optimizer)",
           fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415)),
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
           "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",

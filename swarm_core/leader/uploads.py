@@ -20,12 +20,15 @@ from typing import Any
 from aiohttp import web
 
 from swarm_core import jsonio
+from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS, names_optimizer
 from swarm_core.leader.errors import ApiError
 from swarm_core.paths import atomic_write
 
 MAX_MANIFEST = 4 << 20
 SHARDS = "model_export/shards"
-MANIFEST, WEIGHTS, OPTIMIZER = "shard_manifest.json", "weights.npz", "optimizer.npz"
+# The optimiser state is two moments per parameter, so twice the weights, plus its own
+# per-member overhead.
+OPTIMIZER_SLACK = 1 << 20
 
 
 def shard_dir(runs_dir: Path, job_id: str, stage: int, fellow_id: int) -> Path:
@@ -45,11 +48,9 @@ def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[i
     first."""
     steps = []
     for d in (runs_dir / job_id / "checkpoints").glob("step-*"):
-        try:
-            step = int(d.name.removeprefix("step-"))
-        except ValueError:
-            continue
-        if all((d / f"stage-{k}" / MANIFEST).exists() for k in range(num_stages)):
+        step = _step_of(d)
+        if step is not None and all((d / f"stage-{k}" / MANIFEST).exists()
+                                    for k in range(num_stages)):
             steps.append(step)
     return sorted(steps, reverse=True)
 
@@ -65,41 +66,60 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
         if old != dest:
             shutil.rmtree(old, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
-    names = [n for n in (WEIGHTS, OPTIMIZER) if (src / n).exists()] + [MANIFEST]  # manifest last
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(dest / MANIFEST)
-    if OPTIMIZER not in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dest / OPTIMIZER)
-    for name in names:
-        tmp = dest / f".{name}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        try:
-            os.link(src / name, tmp)
-        except OSError:
-            shutil.copyfile(src / name, tmp)
-        os.replace(tmp, dest / name)
+    files = {}
+    for name in (WEIGHTS, OPTIMIZER, MANIFEST):
+        if (src / name).exists():
+            tmp = files[name] = dest / f".{name}.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            try:
+                os.link(src / name, tmp)
+            except OSError:
+                shutil.copyfile(src / name, tmp)
+    manifest = files.pop(MANIFEST)
+    _swap_in(dest, files)
+    os.replace(manifest, dest / MANIFEST)
     root = runs_dir / job_id / "checkpoints"
     complete = complete_checkpoints(runs_dir, job_id, num_stages)
     if len(complete) > KEEP_CHECKPOINTS:
         cutoff = complete[KEEP_CHECKPOINTS - 1]
         for d in root.glob("step-*"):
-            if d.name.removeprefix("step-").isdigit() and \
-                    int(d.name.removeprefix("step-")) < cutoff:
+            step = _step_of(d)
+            if step is not None and step < cutoff:
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _swap_in(dest: Path, files: dict[str, Path]) -> None:
+    """Move a shard's new files (temp paths by final name) into ``dest``, the old manifest
+    out first: files on disk are complete only while a manifest names them. The caller
+    writes the new manifest last. State the new shard does not carry does not stay."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(dest / MANIFEST)
+    if OPTIMIZER not in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest / OPTIMIZER)
+    for name, tmp in files.items():
+        os.replace(tmp, dest / name)
+
+
+def _step_of(d: Path) -> int | None:
+    rest = d.name.removeprefix("step-")
+    return int(rest) if rest != d.name and rest.isdigit() else None
 
 
 async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
                         limit: int, expect: dict[str, Any]) -> dict[str, Any]:
     """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
-    manifest once all are in place. ``limit`` bounds the bytes of weights and optimizer together.
+    manifest once all are in place. ``limit`` bounds the weights, and twice it (plus a little)
+    the optimiser state.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
     """
     if not request.content_type.startswith("multipart/"):
-        raise ApiError(415, "a shard push is multipart/form-data: manifest, then weights")
-    if request.content_length is not None and request.content_length > limit + MAX_MANIFEST:
+        raise ApiError(415, "a shard push is multipart/form-data: manifest, weights, and "
+                            "optionally optimizer")
+    most = 3 * limit + OPTIMIZER_SLACK + MAX_MANIFEST
+    if request.content_length is not None and request.content_length > most:
         raise ApiError(413, f"shard of {request.content_length} bytes exceeds the upload limit "
                             f"of {limit} bytes", code="body_too_large")
     reader = await request.multipart()
@@ -128,46 +148,39 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         raise ApiError(400, "second part must be 'weights'", field="weights")
     dest = dest_for(manifest)
     dest.mkdir(parents=True, exist_ok=True)
-    tmps: dict[str, str] = {}
+    tmps: dict[str, Path] = {}
     try:
         tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
-        _check_weights(Path(tmps[WEIGHTS]), manifest, digest, size)
+        _check_weights(tmps[WEIGHTS], manifest, digest, size)
         part = await reader.next()
         if part is not None:
             if getattr(part, "name", None) != "optimizer":
                 raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
-            tmps[OPTIMIZER], opt_size, digest = await _receive_part(part, dest, limit, size)
-            _check_optimizer(Path(tmps[OPTIMIZER]), manifest, digest, opt_size)
-        elif manifest.get("optimizer_sha256") is not None:
+            tmps[OPTIMIZER], opt_size, digest = await _receive_part(
+                part, dest, 2 * limit + OPTIMIZER_SLACK)
+            _check_optimizer(tmps[OPTIMIZER], manifest, digest, opt_size)
+        elif names_optimizer(manifest):
             raise ApiError(400, "the manifest names optimizer state but no 'optimizer' part came",
                            field="optimizer")
         if await reader.next() is not None:
             raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
                                 "optimizer", field="optimizer")
-        # Old manifest first: files on disk are complete only while a manifest names them.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(dest / MANIFEST)
-        if OPTIMIZER not in tmps:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(dest / OPTIMIZER)
-        for name, tmp in tmps.items():
-            os.replace(tmp, dest / name)
+        _swap_in(dest, tmps)
     except BaseException:
         for tmp in tmps.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        with contextlib.suppress(OSError):
-            dest.rmdir()  # only if this push made it and left it empty
+        for d in (dest, dest.parent):  # only if this push made them and left them empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
     manifest["received_at"] = time.time()
     atomic_write(dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
     return manifest
 
 
-async def _receive_part(part: Any, dest: Path, limit: int,
-                        used: int = 0) -> tuple[str, int, str]:
-    """Stream one part into a temp file in ``dest``: (path, bytes, sha256); ``used`` bytes of
-    the push's ``limit`` went to earlier parts."""
+async def _receive_part(part: Any, dest: Path, limit: int) -> tuple[Path, int, str]:
+    """Stream one part into a temp file in ``dest``: (path, bytes, sha256), at most ``limit``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{part.name}.", dir=dest)
     digest = hashlib.sha256()
     size = 0
@@ -175,9 +188,9 @@ async def _receive_part(part: Any, dest: Path, limit: int,
         with os.fdopen(fd, "wb") as fh:
             while chunk := await part.read_chunk(1 << 20):
                 size += len(chunk)
-                if used + size > limit:
-                    raise ApiError(413, f"shard exceeds the upload limit of {limit} bytes",
-                                   code="body_too_large")
+                if size > limit:
+                    raise ApiError(413, f"shard {part.name} exceeds the upload limit of "
+                                        f"{limit} bytes", code="body_too_large")
                 digest.update(chunk)
                 fh.write(chunk)
             fh.flush()
@@ -186,7 +199,7 @@ async def _receive_part(part: Any, dest: Path, limit: int,
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return tmp, size, digest.hexdigest()
+    return Path(tmp), size, digest.hexdigest()
 
 
 def _npy_members(path: Path, field: str) -> set[str]:

@@ -105,7 +105,9 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
             raise OptimizerStateError(f"optimiser state {key!r} has shape {list(arr.shape)}, "
                                       f"expected {list(want)}")
         t = torch.from_numpy(np.array(arr))
-        t = t.to(torch.float32) if field == "step" else t.to(p.dtype)
+        # step keeps its saved float dtype (torch's default dtype when it was made); moments
+        # take the parameter's
+        t = t.to(p.dtype) if field != "step" else t if t.is_floating_point() else t.float()
         state.setdefault(p, {})[field] = t
     for p, fields in state.items():
         if "step" not in fields or "exp_avg" not in fields or "exp_avg_sq" not in fields:

@@ -26,6 +26,7 @@ from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.model import StageModule, lm_loss
 from swarm_core.pipeline.optim import (
+    OptimizerStateError,
     clip_scale,
     grad_sq_sum,
     load_optimizer_arrays,
@@ -58,6 +59,10 @@ class StepReport:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class ResumeError(ValueError):
+    """The checkpoint a stage was asked to resume from does not fit it."""
 
 
 @attrs.define
@@ -269,13 +274,19 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
     ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
     after the last step, between optimiser steps, so it sees consistent weights and state.
     ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
-    run: with both, the steps after it are those of the uninterrupted run."""
+    run: with both and dropout 0 (the default), the steps after it are bit for bit those of the
+    uninterrupted run. Dropout draws from torch's process-wide generator, which a checkpoint
+    does not hold. A checkpoint that does not fit this stage raises :class:`ResumeError`."""
     torch.set_num_threads(spec.training.threads)
     runner = StageRunner(spec, data, shaper, stop)
-    if initial_state is not None:
-        runner.module.load_state_dict(initial_state, strict=True)
-    if initial_optimizer is not None:
-        load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
+    try:
+        if initial_state is not None:
+            runner.module.load_state_dict(initial_state, strict=True)
+        if initial_optimizer is not None:
+            load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
+    except (RuntimeError, OptimizerStateError) as exc:
+        # load_state_dict lists every missing and unexpected key: the first line says enough.
+        raise ResumeError(str(exc).strip().splitlines()[0]) from None
     t = spec.training
     reports: list[StepReport] = []
     try:
