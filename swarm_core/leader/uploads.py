@@ -215,13 +215,18 @@ def _npy_members(path: Path, field: str) -> set[str]:
     return {n.removesuffix(".npy") for n in members}
 
 
+def _check_digest(part: str, manifest: dict[str, Any], sha256: str, size: int) -> None:
+    """The part's bytes are the ones the manifest names (``<part>_sha256``, ``<part>_bytes``)."""
+    if manifest.get(f"{part}_sha256") != sha256:
+        raise ApiError(400, f"the {part} part does not match the manifest's {part}_sha256",
+                       field=part)
+    if manifest.get(f"{part}_bytes") not in (None, size):
+        raise ApiError(400, f"the {part} part is {size} bytes, the manifest says "
+                            f"{manifest.get(f'{part}_bytes')}", field=part)
+
+
 def _check_optimizer(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
-    if manifest.get("optimizer_sha256") != sha256:
-        raise ApiError(400, "optimizer state does not match the manifest's optimizer_sha256",
-                       field="optimizer")
-    if manifest.get("optimizer_bytes") not in (None, size):
-        raise ApiError(400, f"optimizer state is {size} bytes, the manifest says "
-                            f"{manifest.get('optimizer_bytes')}", field="optimizer")
+    _check_digest("optimizer", manifest, sha256, size)
     params = manifest.get("params")
     params = params if isinstance(params, dict) else {}
     # "<parameter>.<field>": the fields are the optimiser's business, the parameters the shard's.
@@ -233,12 +238,7 @@ def _check_optimizer(path: Path, manifest: dict[str, Any], sha256: str, size: in
 
 
 def _check_weights(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
-    if manifest.get("weights_sha256") != sha256:
-        raise ApiError(400, "weights do not match the manifest's weights_sha256",
-                       field="weights")
-    if manifest.get("weights_bytes") not in (None, size):
-        raise ApiError(400, f"weights are {size} bytes, the manifest says "
-                            f"{manifest.get('weights_bytes')}", field="weights")
+    _check_digest("weights", manifest, sha256, size)
     names = _npy_members(path, "weights")
     params = manifest.get("params")
     if not isinstance(params, dict) or set(params) != names:
