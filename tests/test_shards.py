@@ -384,3 +384,30 @@ async def test_bad_optimizer_part_is_refused_and_changes_nothing(leader, case):
     assert not list((runs / "checkpoints").glob("step-*")), "no checkpoint dir left"
     view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert view["latest_shard_pushes"] == {}
+
+
+async def test_a_push_whose_step_is_pruned_meanwhile_is_a_conflict(leader, monkeypatch):
+    """A newer complete checkpoint's publish() may prune an older step while a push for it is
+    still arriving: the push is refused as a conflict, not an internal error."""
+    import shutil
+
+    from swarm_core.leader import uploads
+
+    client, fellows, job, _cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, optimizer = _checkpoint(0, f["fellow_id"], job["job_id"])
+    original = uploads._check_weights
+
+    def pruned_meanwhile(path, *args):  # type: ignore[no-untyped-def]
+        original(path, *args)
+        shutil.rmtree(path.parent.parent)  # checkpoints/step-4, as the pruning does
+
+    monkeypatch.setattr(uploads, "_check_weights", pruned_meanwhile)
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0",
+                             data=_form(manifest, weights, optimizer=optimizer),
+                             headers=f["headers"])
+    assert resp.status == 409, await resp.text()
+    err = (await resp.json())["error"]
+    assert err["code"] == "checkpoint_pruned" and "step 4" in err["message"]
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["latest_shard_pushes"] == {}

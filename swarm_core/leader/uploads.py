@@ -166,17 +166,27 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
             raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
                                 "optimizer", field="optimizer")
         _swap_in(dest, tmps)
+    except FileNotFoundError:
+        # publish() of a newer complete checkpoint pruned this older step while it arrived.
+        _discard(dest, tmps)
+        raise ApiError(409, f"checkpoint step {step} was pruned while it arrived: a newer "
+                            "complete checkpoint exists", code="checkpoint_pruned") from None
     except BaseException:
-        for tmp in tmps.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        for d in (dest, dest.parent):  # only if this push made them and left them empty
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        _discard(dest, tmps)
         raise
     manifest["received_at"] = time.time()
     atomic_write(dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
     return manifest
+
+
+def _discard(dest: Path, tmps: dict[str, Path]) -> None:
+    """Undo a refused push: its temp files, and the directories it made if they are empty."""
+    for tmp in tmps.values():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    for d in (dest, dest.parent):
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 async def _receive_part(part: Any, dest: Path, limit: int) -> tuple[Path, int, str]:
