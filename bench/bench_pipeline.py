@@ -601,7 +601,7 @@ class Launched:
     def __init__(self, kind: str, cfg: dict[str, Any], nprocs: int, schedule: str = "gpipe",
                  key: str = "", done: Any = None) -> None:
         mpc = mp.get_context(cfg["start_method"])
-        self.kind, self.nprocs = kind, nprocs
+        self.kind, self.nprocs, self.key, self.done = kind, nprocs, key, done
         self.results = mpc.Queue()
         self.gates = [mpc.Semaphore(0) for _ in range(nprocs)] if done is not None else None
         # Held for the workers' lifetime: a queue collected here unlinks its semaphores
@@ -624,6 +624,23 @@ class Launched:
         assert self.gates is not None
         for g in self.gates:
             g.release()
+
+    def take_step(self, timeout: float, label: str) -> None:
+        """Open the gates for one step and wait until every rank has taken it."""
+        self.open_gates()
+        deadline = time.monotonic() + timeout
+        waiting = set(range(self.nprocs))
+        while waiting:
+            try:
+                key, rank = self.done.get(timeout=0.5)
+            except queue.Empty:
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{label}: no step within {timeout:g}s") from None
+                continue
+            if key != self.key:
+                raise RuntimeError(f"{key} stepped outside its window")
+            waiting.discard(rank)
 
     def check(self) -> None:
         """Raise if a worker failed or died (while the parent waits on it)."""
@@ -693,22 +710,7 @@ def run_interleaved(rows: list[Row], cfg: dict[str, Any]) -> None:
         # One window per step of each row, and a last one that lets them all finish.
         for _step in range(total):
             for r in live:
-                run = runs[r.key]
-                run.open_gates()
-                deadline = time.monotonic() + cfg["timeout"]
-                waiting = set(range(r.procs))
-                while waiting:
-                    try:
-                        key, rank = done.get(timeout=0.5)
-                    except queue.Empty:
-                        run.check()
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"{r.label}: no step within "
-                                               f"{cfg['timeout']:g}s") from None
-                        continue
-                    if key != r.key:
-                        raise RuntimeError(f"{key} stepped outside its window")
-                    waiting.discard(rank)
+                runs[r.key].take_step(cfg["timeout"], r.label)
         for run in runs.values():
             run.open_gates()
         results = {key: run.collect(cfg["timeout"]) for key, run in runs.items()}

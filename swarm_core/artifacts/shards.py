@@ -106,6 +106,11 @@ class ShardError(ValueError):
     pass
 
 
+def _matches(raw: bytes, manifest: dict[str, Any], part: str) -> bool:
+    """``raw`` is the file the manifest names as ``<part>_sha256``."""
+    return hashlib.sha256(raw).hexdigest() == manifest.get(f"{part}_sha256")
+
+
 def _arrays(raw: bytes) -> dict[str, np.ndarray]:
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         return {k: np.array(z[k]) for k in z.files}
@@ -113,7 +118,7 @@ def _arrays(raw: bytes) -> dict[str, np.ndarray]:
 
 def weights_from_checkpoint(manifest: dict[str, Any], weights: bytes) -> dict[str, torch.Tensor]:
     """State dict from a fetched checkpoint, after checking it is the one the manifest names."""
-    if hashlib.sha256(weights).hexdigest() != manifest.get("weights_sha256"):
+    if not _matches(weights, manifest, "weights"):
         raise ShardError("checkpoint weights do not match their manifest's sha256")
     return {k: torch.from_numpy(v) for k, v in _arrays(weights).items()}
 
@@ -128,7 +133,7 @@ def optimizer_from_checkpoint(manifest: dict[str, Any],
         return None
     if optimizer is None:
         raise ShardError("checkpoint manifest names optimiser state that did not come")
-    if hashlib.sha256(optimizer).hexdigest() != manifest["optimizer_sha256"]:
+    if not _matches(optimizer, manifest, "optimizer"):
         raise ShardError("checkpoint optimiser state does not match its manifest's sha256")
     return _arrays(optimizer)
 
@@ -139,6 +144,6 @@ def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raw = (d / WEIGHTS).read_bytes()
     except FileNotFoundError as exc:
         raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
-    if hashlib.sha256(raw).hexdigest() != manifest.get("weights_sha256"):
+    if not _matches(raw, manifest, "weights"):
         raise ShardError(f"{d}: weights.npz does not match the manifest's sha256")
     return manifest, _arrays(raw)

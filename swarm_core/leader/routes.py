@@ -300,7 +300,8 @@ async def push_shard(request: web.Request) -> web.Response:
 async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     """A fellow resuming a job fetches its stage's manifest, weights and optimiser state at a
     step."""
-    from swarm_core.leader.uploads import MANIFEST, OPTIMIZER, WEIGHTS, checkpoint_dir
+    from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS
+    from swarm_core.leader.uploads import checkpoint_dir
 
     st = _state(request)
     job = st.jobs.get(request.match_info["job_id"])
