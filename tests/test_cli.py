@@ -75,6 +75,17 @@ def test_leader_refuses_non_loopback_without_flag(capsys):
     assert "--allow-remote" in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("devices, needle", [
+    ("cpu,gpu0", "'gpu0' is not 'cpu' or 'cuda:N'"),
+    ("cpu,cuda:99", "--devices: cuda:99: "),  # no machine here has a hundred GPUs
+])
+def test_fellow_refuses_a_device_slot_it_cannot_serve(devices, needle, capsys):
+    # Refused before it registers (nothing listens at the URL): never trained on the CPU.
+    url = f"http://127.0.0.1:{free_port()}"
+    assert run(["fellow", "--leader-url", url, "--devices", devices]) == ExitCode.USAGE
+    assert needle in _one_line(capsys.readouterr().err)
+
+
 def test_swarm_tui_cmd_maps_to_the_same_action(capsys):
     assert main_tui(["--cmd", "info", "--format", "json"]) == 0
     via_tui = json.loads(capsys.readouterr().out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import attrs
 import pytest
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
@@ -200,6 +201,40 @@ def test_compressed_pipeline_matches_its_own_reference(data):
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     got = run_pipeline(mc, tc, data, 2)[1]["losses"]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("compression, schedule", [("none", "1f1b"),
+                                                   ("learned_dim8_int8", "gpipe")])
+def test_bfloat16_pipeline_matches_its_own_reference(data, compression, schedule):
+    """dtype bfloat16 is mixed precision on every stage (and in the reference), with the
+    boundary in float32 and the wire's codec on top: still the single process's losses."""
+    mc = ModelConfig(**MODEL, dtype="bfloat16", compression=compression)
+    tc = TrainingConfig(steps=4, batch_size=8, micro_batches=4, schedule=schedule,
+                        eval_batches=1)
+    ranges = split_layers(mc.n_layers, [1] * 3)
+    ref, _ = train_reference(mc, tc, data, ranges)
+    res = run_pipeline(mc, tc, data, 3)
+    got = res[2]["losses"]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert ref[-1] < ref[0], "the loss falls"
+    fp32, _ = train_reference(attrs.evolve(mc, dtype="float32"), tc, data, ranges)
+    assert max(abs(a - b) for a, b in zip(fp32, got, strict=True)) > 1e-4, "bf16 was used"
+
+
+def test_a_stage_on_a_device_this_machine_lacks_is_refused(data):
+    from swarm_core.pipeline.devices import DeviceError
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=2, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=2.0)
+
+    def elsewhere(spec: StageSpec) -> None:
+        spec.device = "cuda:99"
+
+    res = run_pipeline(mc, tc, data, 2, sabotage={1: elsewhere})
+    assert isinstance(res[1], DeviceError)
+    assert str(res[1]).startswith("cuda:99: ")
+    assert not isinstance(res[0], dict), "stage 0 did not train on alone"
 
 
 def test_dead_neighbour_times_out_instead_of_hanging(data):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from swarm_core.config.schemas import ModelConfig
@@ -11,9 +12,10 @@ from swarm_core.pipeline.wgrad import SplitLinear, WeightGradQueue, attach
 CFG = ModelConfig(d_model=32, n_layers=4, n_heads=4, seq_len=16)
 
 
-def _grads(split: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, WeightGradQueue | None]:
+def _grads(split: bool, cfg: ModelConfig = CFG,
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, WeightGradQueue | None]:
     torch.manual_seed(1)
-    stage = StageModule(CFG, 64, 0, 2, 4, 1, 2)  # the last stage: blocks 2-3 and the head
+    stage = StageModule(cfg, 64, 0, 2, 4, 1, 2)  # the last stage: blocks 2-3 and the head
     queue = WeightGradQueue() if split else None
     attach(stage, queue)
     x = torch.randn(2, 3, 16, 32)
@@ -62,3 +64,37 @@ def test_split_linear_is_a_plain_linear_without_a_queue() -> None:
     with torch.no_grad():  # evaluation never builds W passes
         assert torch.equal(layer(x), ref(x))
     assert attach(layer, None) == 1 and layer.wgrad is None
+
+
+def test_split_backward_under_bfloat16_gives_the_fused_gradients() -> None:
+    """dtype bfloat16 (autocast): a deferred weight pass uses the same bfloat16 products as
+    autocast's linear, and every gradient lands in the float32 parameters."""
+    bf16 = attrs.evolve(CFG, dtype="bfloat16")
+    plain, plain_in, _ = _grads(split=False, cfg=bf16)
+    split, split_in, _ = _grads(split=True, cfg=bf16)
+    assert torch.equal(plain_in, split_in)
+    for name in plain:
+        assert split[name].dtype == torch.float32, name
+        torch.testing.assert_close(split[name], plain[name], rtol=1e-6, atol=1e-7, msg=name)
+    # and bfloat16 really was the compute dtype: the float32 gradients differ from these
+    fp32, _, _ = _grads(split=False)
+    assert max(float((fp32[n] - plain[n]).abs().max()) for n in plain) > 1e-4
+
+
+def test_bfloat16_computes_in_bfloat16_and_hands_on_float32() -> None:
+    bf16 = attrs.evolve(CFG, dtype="bfloat16")
+    first = StageModule(bf16, 64, 0, 0, 2, 0, 2)
+    last = StageModule(bf16, 64, 0, 2, 4, 1, 2)
+    seen: list[torch.dtype] = []
+    first.blocks["0"].mlp[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    attach(first, WeightGradQueue())
+    ids = torch.randint(0, 64, (2, 16))
+    act = first(ids)
+    assert seen == [torch.bfloat16]
+    # What crosses the boundary is float32 (the wire codec decides the bytes); the logits come
+    # out in the compute dtype and the loss is taken in float32.
+    assert act.dtype == torch.float32
+    logits = last(act.detach())
+    assert logits.dtype == torch.bfloat16
+    assert lm_loss(logits, torch.randint(0, 64, (2, 16))).dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in first.parameters())

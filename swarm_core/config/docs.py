@@ -43,7 +43,11 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("ExperimentConfig (top level)", profiles.ExperimentConfig, ""),
     ("SweepSpec (`sweep`)", profiles.SweepSpec,
      "Fields left out keep the training profile's values."),
-    ("ModelConfig (`model/*.json`)", schemas.ModelConfig, ""),
+    ("ModelConfig (`model/*.json`)", schemas.ModelConfig,
+     "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
+     "gradients and optimiser state stay float32 (and are exported as such). What crosses a "
+     "boundary is float32 before the wire codec, which `compression` or `wire_dtype` picks. "
+     "bfloat16 pays off on GPUs and on CPUs with native bfloat16; elsewhere it is slower."),
     ("TrainingConfig (`training/*.json`)", schemas.TrainingConfig,
      "`link` is normally filled by the sweep from the network profile."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,

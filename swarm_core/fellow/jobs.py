@@ -103,6 +103,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
     from swarm_core.data import DataError, load_token_data
+    from swarm_core.pipeline.devices import DeviceError, resolve_device
     from swarm_core.pipeline.optim import optimizer_arrays
     from swarm_core.pipeline.stage import ResumeError, StageSpec, StepReport, run_stage
     from swarm_core.schema import SchemaError, structure
@@ -120,9 +121,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         downstream = stages[stage + 1]["data_addr"] if stage + 1 < len(stages) else None
         spec = StageSpec(job_id=start["job_id"], key=start["key"], stage=stage,
                          num_stages=len(stages), layers=layers, downstream_addr=downstream,
-                         model=model, training=training)
+                         model=model, training=training, device=str(mine.get("device", "cpu")))
     except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise JobRefused(f"bad START payload: {exc}") from None
+    try:
+        resolve_device(spec.device)
+    except DeviceError as exc:
+        raise JobRefused(f"cannot run stage {stage} on {exc}") from None
 
     loop = asyncio.get_running_loop()
     updates: asyncio.Queue[JobStatusUpdate | None] = asyncio.Queue()
@@ -167,7 +172,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             model=start.get("model") or {}, seed=training.seed,
             vocab_size=model.vocab_size or data.vocab_size, tokenizer=data.tokenizer.spec(),
             arrays=arrays, weights=weights, slot=int(mine.get("slot", 0)),
-            device=str(mine.get("device", "cpu")), training=start.get("training"),
+            device=spec.device, training=start.get("training"),
             optimizer=optimizer)
         write_shard(export_root, manifest, weights, optimizer)
         loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights, optimizer))

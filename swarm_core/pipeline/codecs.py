@@ -1,7 +1,8 @@
 """Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (per-row absmax).
 
 ``encode`` returns the payload as a list of buffers (written back to back, no copy into one
-blob); ``decode`` rebuilds a float32 tensor from one contiguous payload.
+blob), from a tensor on any device; ``decode`` rebuilds a float32 CPU tensor from one contiguous
+payload.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_()).div_(127.0)
     scale.masked_fill_(scale == 0, 1.0)
     col = scale.unsqueeze(1)
-    codes = torch.empty((n_rows, width), dtype=torch.int8)
+    codes = torch.empty((n_rows, width), dtype=torch.int8, device=x.device)
     blk = max(1, _BLOCK_ELEMS // max(width, 1))
-    scratch = torch.empty((min(blk, n_rows), width))
+    scratch = torch.empty((min(blk, n_rows), width), device=x.device)
     for i in range(0, n_rows, blk):
         j = min(n_rows, i + blk)
         q = torch.div(rows[i:j], col[i:j], out=scratch[: j - i])
@@ -49,7 +50,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    out = torch.empty(codes.shape, dtype=torch.float32)
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
     col = scale.unsqueeze(1)
     blk = max(1, _BLOCK_ELEMS // max(codes.shape[-1], 1))
     for i in range(0, codes.shape[0], blk):
@@ -59,10 +60,11 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size)
 
 def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
     x = x.detach()
+    # Cast first, then copy off an accelerator: fp16/bf16 cross to the host at half the bytes.
     if codec is Codec.INT8:
-        codes, scale = quantize_rows(x.to(torch.float32))
+        codes, scale = quantize_rows(x.to(torch.float32).cpu())
         return [_as_bytes(scale), _as_bytes(codes)]
-    return [_as_bytes(x.to(_CAST[codec]))]
+    return [_as_bytes(x.to(_CAST[codec]).cpu())]
 
 
 def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

@@ -9,6 +9,7 @@ back into one state dict by union.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
@@ -21,6 +22,14 @@ from swarm_core.config.schemas import Compression, ModelConfig
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.wgrad import SplitLinear
 from swarm_core.pipeline.wire_math import wire_codec
+
+
+def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
+    """The model profile's ``dtype``: ``bfloat16`` is mixed precision (autocast), with float32
+    weights, gradients and optimiser state; ``float32`` computes in float32."""
+    if cfg.dtype == "bfloat16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def part_seed(seed: int, name: str) -> int:
@@ -162,6 +171,13 @@ class StageModule(nn.Module):
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with compute_precision(self.cfg, x.device.type):
+            x = self._layers(x)
+        # What leaves a stage for the next is float32 whatever the compute dtype: the wire
+        # codec alone decides the bytes, and the gradient that comes back has the same dtype.
+        return x if self.last else x.float()
+
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         if self.up is not None:
@@ -208,4 +224,5 @@ class ExperimentModel(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean token cross-entropy, in float32 whatever dtype the logits were computed in."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -105,9 +105,10 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
             raise OptimizerStateError(f"optimiser state {key!r} has shape {list(arr.shape)}, "
                                       f"expected {list(want)}")
         t = torch.from_numpy(np.array(arr))
-        # step keeps its saved float dtype (torch's default dtype when it was made); moments
-        # take the parameter's
-        t = t.to(p.dtype) if field != "step" else t if t.is_floating_point() else t.float()
+        # Moments take the parameter's dtype and device; step keeps its saved float dtype
+        # (torch's default when it was made) and stays on the CPU, where AdamW keeps it.
+        t = (t.to(device=p.device, dtype=p.dtype) if field != "step"
+             else t if t.is_floating_point() else t.float())
         state.setdefault(p, {})[field] = t
     for p, fields in state.items():
         if "step" not in fields or "exp_avg" not in fields or "exp_avg_sq" not in fields:

@@ -20,6 +20,7 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
+from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
@@ -75,6 +76,7 @@ class StageSpec:
     downstream_addr: str | None
     model: ModelConfig
     training: TrainingConfig
+    device: str = "cpu"
 
 
 class StageRunner:
@@ -87,8 +89,10 @@ class StageRunner:
         self.stop = stop
         m = spec.model
         vocab = m.vocab_size or data.vocab_size
+        self.device = resolve_device(spec.device)
+        # Built on the CPU under the part seeds, then moved: the same weights on any device.
         self.module = StageModule(m, vocab, spec.training.seed, spec.layers[0], spec.layers[1],
-                                  spec.stage, spec.num_stages)
+                                  spec.stage, spec.num_stages).to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.wgrad: WeightGradQueue | None = None
         if spec.training.split_backward and spec.num_stages > 1:
@@ -142,7 +146,7 @@ class StageRunner:
         set_lr(self.opt, lr)
         self.module.train()
         x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
-        xs, ys = x.chunk(m), y.chunk(m)
+        xs, ys = x.to(self.device).chunk(m), y.to(self.device).chunk(m)
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
@@ -158,7 +162,7 @@ class StageRunner:
                     assert self.up is not None
                     self._fill_wait(self.up, Kind.ACT)
                     _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout)
-                    inp.requires_grad_(True)
+                    inp = inp.to(self.device).requires_grad_(True)
                     inputs[i] = inp
                 out = self.module(inp)
                 if self.last:
@@ -175,6 +179,7 @@ class StageRunner:
                     assert self.down is not None
                     self._fill_wait(self.down, Kind.GRAD)
                     _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout)
+                    grad = grad.to(self.device)
                 with wq.capture() if wq is not None else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
                 if not self.first:
@@ -243,13 +248,14 @@ class StageRunner:
         for i, (x, y) in enumerate(batches):
             self._check_stop()
             if self.first:
-                inp = x
+                inp = x.to(self.device)
             else:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout)
+                inp = inp.to(self.device)
             out = self.module(inp)
             if self.last:
-                total += float(lm_loss(out, y))
+                total += float(lm_loss(out, y.to(self.device)))
             else:
                 assert self.down is not None
                 self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec)

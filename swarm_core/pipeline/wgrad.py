@@ -11,7 +11,9 @@ fill waits from any cause (the pipeline bubble, a slow link).
 
 The weight gradient is computed with the same matrix products autograd's ``addmm`` backward uses
 (``g.t() @ x`` and ``g.sum(0)``) and accumulated in micro-batch order, so losses match a single
-process to float rounding.
+process to float rounding. Under autocast (a model profile's ``dtype: bfloat16``) the layer casts
+its input and weight as autocast's ``linear`` would and keeps the casts for backward, so the
+products are the same bfloat16 ones; gradients are accumulated in the parameters' float32.
 """
 
 from __future__ import annotations
@@ -89,10 +91,20 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) \
+        if torch.is_autocast_enabled(device_type) else None
+
+
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None, layer: SplitLinear) -> torch.Tensor:
+        # Autocast does not reach inside a custom Function: cast here, as its linear would.
+        dt = _autocast_dtype(x.device.type)
+        if dt is not None:
+            x, weight = x.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
         ctx.save_for_backward(x, weight)
         ctx.layer = layer
         ctx.has_bias = bias is not None
@@ -111,9 +123,10 @@ class _SplitLinearFn(torch.autograd.Function):
             w, b = layer.weight, layer.bias
 
             def weight_pass() -> None:
-                _accumulate(w, g2.t().mm(x2))
+                # (The autograd engine casts the undeferred path's gradients the same way.)
+                _accumulate(w, g2.t().mm(x2).to(w.dtype))
                 if has_bias and b is not None:
-                    _accumulate(b, g2.sum(0))
+                    _accumulate(b, g2.sum(0).to(b.dtype))
 
             queue.add(weight_pass)
             return grad_x, None, None, None

@@ -50,6 +50,16 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     for d in devices:
         if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
             raise CommandError(f"--devices: {d!r} is not 'cpu' or 'cuda:N'", ExitCode.USAGE)
+    if any(d != "cpu" for d in devices):
+        # Only then is torch imported here (seconds): a slot this machine lacks is refused
+        # now, not at the first START, and never silently trained on the CPU.
+        from swarm_core.pipeline.devices import DeviceError, resolve_device
+
+        for d in devices:
+            try:
+                resolve_device(d)
+            except DeviceError as exc:
+                raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
     opts = FellowOptions(
         leader_url=url, token=args.token or os.environ.get("SWARM_TOKEN"),
         name=args.name or socket.gethostname(), devices=devices or ["cpu"],

@@ -1,0 +1,33 @@
+"""Device slots as torch devices: ``cpu`` or ``cuda:N``, checked against what this machine has.
+
+A fellow started with a slot its machine cannot serve is refused at start (``swarm fellow``), and
+a stage assigned one anyway refuses its START: training never falls back to the CPU unasked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeviceError(ValueError):
+    """A device slot this machine cannot serve."""
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise DeviceError(f"{name!r} is not 'cpu' or 'cuda:N'") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda" or dev.index is None:
+        raise DeviceError(f"{name!r} is not 'cpu' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise DeviceError(f"{name}: torch sees no CUDA device here (torch {torch.__version__}, "
+                          f"{build})")
+    count = torch.cuda.device_count()
+    if dev.index >= count:
+        raise DeviceError(f"{name}: this machine has {count} CUDA device(s), "
+                          f"cuda:0..cuda:{count - 1}")
+    return dev
