@@ -15,11 +15,10 @@ import pytest
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.frames import HEADER_SIZE
-from swarm_core.pipeline.links import LinkShaper
-from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.local import run_local_pipeline
 from swarm_core.pipeline.placement import split_layers
 from swarm_core.pipeline.reference import train_reference
-from swarm_core.pipeline.stage import StageSpec, StageStopped, expected_wire_bytes, run_stage
+from swarm_core.pipeline.stage import StageSpec, StageStopped, expected_wire_bytes
 from swarm_core.pipeline.transport import LinkAborted, LinkClosed, PeerTimeout
 
 MODEL = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
@@ -34,33 +33,11 @@ def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data, n: int,
                  stop: threading.Event | None = None,
                  sabotage: dict[int, Any] | None = None,
                  stage_kwargs: dict[int, dict[str, Any]] | None = None) -> dict[int, Any]:
-    ranges = split_layers(mc.n_layers, [1] * n)
-    listeners = [DataListener() for _ in range(n)]
-    results: dict[int, Any] = {}
-    stop = stop or threading.Event()
-
-    def go(s: int) -> None:
-        spec = StageSpec("job-t", "k" * 32, s, n, ranges[s],
-                         listeners[s + 1].addr if s < n - 1 else None, mc, tc)
-        try:
-            if sabotage and s in sabotage:
-                sabotage[s](spec)
-            results[s] = run_stage(spec, data, LinkShaper(), listeners[s], stop,
-                                   lambda r: None, connect_timeout=5,
-                                   **(stage_kwargs or {}).get(s, {}))
-        except Exception as exc:
-            results[s] = exc
-            stop.set()
-
-    threads = [threading.Thread(target=go, args=(s,)) for s in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for ln in listeners:
-        ln.close()
-    assert not any(t.is_alive() for t in threads), "a stage hung"
-    return results
+    try:
+        return run_local_pipeline(mc, tc, data, n, stop=stop, prepare=sabotage,
+                                  stage_kwargs=stage_kwargs)
+    except TimeoutError:
+        raise AssertionError("a stage hung") from None
 
 
 @pytest.mark.parametrize("n, schedule", [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "1f1b"),

@@ -1,0 +1,69 @@
+"""Every stage of one pipeline as threads of this process, over real loopback TCP: the data
+plane and schedules exactly as fellows run them, without a leader. For tests, device checks and
+notebooks; fellows do not use it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.data import TokenData
+from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.placement import split_layers
+from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
+
+__all__ = ["run_local_pipeline"]
+
+
+def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: TokenData,
+                       num_stages: int, *,
+                       devices: Sequence[str] | None = None,
+                       stop: threading.Event | None = None,
+                       prepare: Mapping[int, Callable[[StageSpec], None]] | None = None,
+                       stage_kwargs: Mapping[int, dict[str, Any]] | None = None,
+                       on_step: Callable[[int, StepReport], None] | None = None,
+                       timeout: float = 60.0) -> dict[int, Any]:
+    """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s metrics
+    or the exception that ended it; the first failure sets ``stop`` for the others.
+    ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);
+    ``stage_kwargs[s]`` go to its ``run_stage``. Raises TimeoutError if a stage is still
+    running after ``timeout`` seconds."""
+    ranges = split_layers(model.n_layers, [1] * num_stages)
+    devs = list(devices or ["cpu"] * num_stages)
+    if len(devs) != num_stages:
+        raise ValueError(f"{len(devs)} devices for {num_stages} stages")
+    listeners = [DataListener() for _ in range(num_stages)]
+    results: dict[int, Any] = {}
+    stop = stop or threading.Event()
+
+    def go(s: int) -> None:
+        spec = StageSpec("job-local", "k" * 32, s, num_stages, ranges[s],
+                         listeners[s + 1].addr if s < num_stages - 1 else None, model,
+                         training, device=devs[s])
+        try:
+            if prepare and s in prepare:
+                prepare[s](spec)
+            results[s] = run_stage(spec, data, LinkShaper(), listeners[s], stop,
+                                   (lambda r: on_step(s, r)) if on_step else (lambda r: None),
+                                   connect_timeout=5, **(stage_kwargs or {}).get(s, {}))
+        except Exception as exc:
+            results[s] = exc
+            stop.set()
+
+    threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
+               for s in range(num_stages)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        for ln in listeners:
+            ln.close()
+    if any(t.is_alive() for t in threads):
+        stop.set()
+        raise TimeoutError(f"a stage was still running after {timeout:g}s")
+    return results
