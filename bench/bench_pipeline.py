@@ -1,8 +1,8 @@
 """Pipeline throughput benchmark (not a test): one table, one invocation, the same GPT-style
 model and global batch run several ways, as tokens/s and as a ratio to row (a).
 
-* (a) one process, one thread: the plain loop of ``train_reference`` over the same micro-batches
-  (the whole model, one micro-batch after another, then clip and one AdamW step);
+* (a) one process, one thread: ``train_reference`` over the same micro-batches (the whole
+  model, one micro-batch after another, then clip and one AdamW step);
 * (b) our pipeline: two processes of one thread each, each running ``run_stage`` for its stage
   (stage 1 listens on a ``DataListener``, stage 0 dials it over loopback TCP), schedules
   ``gpipe`` and ``1f1b`` as configured by default (split backward on), and the same with
@@ -326,51 +326,20 @@ PROFILE_COLUMNS = ["forward", "loss", "backward", "wgrad", "send+enc", "decode",
 
 
 def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
-    """(a): train_reference's loop, with a timestamp after every step."""
+    """(a): ``train_reference`` itself (the run every pipeline is held against), with a
+    timestamp after every step."""
     _init_torch()
     from swarm_core.data import load_token_data
-    from swarm_core.pipeline.model import ExperimentModel, lm_loss
-    from swarm_core.pipeline.optim import (
-        clip_scale,
-        grad_sq_sum,
-        lr_at,
-        make_optimizer,
-        scale_grads,
-        set_lr,
-    )
     from swarm_core.pipeline.placement import split_layers
+    from swarm_core.pipeline.reference import train_reference
 
     mc, tc = _configs(cfg)
     data = load_token_data(tc, mc.seq_len)
-    vocab = mc.vocab_size or data.vocab_size
-    model = ExperimentModel(mc, vocab, tc.seed, split_layers(mc.n_layers, [1] * NUM_STAGES))
-    opts = [make_optimizer(stage, tc) for stage in model.stages]
-    params = [p for stage in model.stages for p in stage.parameters() if p.requires_grad]
-    m = tc.micro_batches
     marks: list[float] = []
-    losses: list[float] = []
     snaps: dict[str, Any] = {}
-    for step in range(tc.steps):
-        model.train()
-        for opt in opts:
-            set_lr(opt, lr_at(step, tc))
-        x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
-        total = 0.0
-        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-            loss = lm_loss(model(xs), ys) / m
-            total += float(loss.detach())
-            loss.backward()
-        per_stage = [grad_sq_sum(p for p in s.parameters() if p.requires_grad)
-                     for s in model.stages]
-        acc = 0.0
-        for sq in reversed(per_stage):
-            acc = sq + acc
-        scale_grads(params, clip_scale(acc, tc.grad_clip))
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        losses.append(total)
-        _mark(marks, snaps, cfg["warmup"], tc.steps)
+    losses, _ = train_reference(
+        mc, tc, data, split_layers(mc.n_layers, [1] * NUM_STAGES),
+        on_step=lambda _step, _loss: _mark(marks, snaps, cfg["warmup"], tc.steps))
     return {"marks": marks, "losses": losses, **_cpu_result(snaps)}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,8 +21,11 @@ from swarm_core.pipeline.optim import (
 
 def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData,
                     ranges: Sequence[tuple[int, int]] | None = None,
-                    steps: int | None = None) -> tuple[list[float], ExperimentModel]:
-    """Per-step losses of one process running the micro-batches one after another."""
+                    steps: int | None = None,
+                    on_step: Callable[[int, float], None] | None = None,
+                    ) -> tuple[list[float], ExperimentModel]:
+    """Per-step losses of one process running the micro-batches one after another;
+    ``on_step(step, loss)`` after each optimiser step (bench_pipeline times row (a) by it)."""
     torch.set_num_threads(cfg.threads)
     vocab = model_cfg.vocab_size or data.vocab_size
     model = ExperimentModel(model_cfg, vocab, cfg.seed, ranges)
@@ -54,4 +57,6 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(total)
+        if on_step is not None:
+            on_step(step, total)
     return losses, model
