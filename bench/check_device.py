@@ -9,7 +9,9 @@ prints a table:
 
 * the largest per-step |loss difference| against the CPU reference (float32 on a GPU differs by
   kernel rounding only; bfloat16 by bfloat16 rounding),
-* whether the loss falls, tokens/s, and where the weights ended up,
+* whether the loss falls, tokens/s, and that the weights ended up on the device asked for,
+* the same with a learned bottleneck whose int8 code crosses the boundary (the bottleneck and the
+  int8 codec, both ways, on the device),
 * a resume row: the pipeline restarted on the device from its own step-k checkpoints (weights
   and AdamW state through their npz bytes, as a fellow pushes them) against the uninterrupted run.
 
@@ -26,20 +28,18 @@ Only ever uses 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
-from swarm_core.artifacts.shards import npz_bytes, state_arrays  # noqa: E402
+from swarm_core.artifacts.shards import npz_arrays, npz_bytes, state_arrays  # noqa: E402
 from swarm_core.config.schemas import ModelConfig, TrainingConfig  # noqa: E402
 from swarm_core.data import load_token_data  # noqa: E402
 from swarm_core.pipeline.devices import DeviceError, resolve_device  # noqa: E402
@@ -53,16 +53,19 @@ STAGES = 2
 # round differently (and TF32 stays off for matmuls by default); bfloat16 rounds at 2^-8.
 TOLERANCE = {("cpu", "float32"): 1e-5, ("cpu", "bfloat16"): 1e-5,
              ("cuda", "float32"): 2e-3, ("cuda", "bfloat16"): 5e-2}
-RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 1e-4}  # CUDA attention backward may reorder sums
+# Resumed against uninterrupted, on the same device: the CPU is bit for bit; CUDA's attention
+# backward may sum in another order, which in bfloat16 can move a value by a whole ulp.
+RESUME_TOLERANCE = {("cpu", "float32"): 0.0, ("cpu", "bfloat16"): 0.0,
+                    ("cuda", "float32"): 1e-4, ("cuda", "bfloat16"): 2e-3}
+# A second model per dtype crosses its boundary as a learned bottleneck's int8 code: the
+# bottleneck and the int8 codec (both ways) run on the device too.
+COMPRESSED = "learned_dim16_int8"
 
 
-def _load(raw: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
-
-
-def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str]) -> list[dict]:
+def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
+          resume: bool = True) -> list[dict]:
     kind = torch.device(devices[0]).type
+    name = f"{mc.dtype} {mc.compression}"
     ranges = split_layers(mc.n_layers, [1] * STAGES)
     ref, _ = train_reference(mc, tc, data, ranges)
     where: dict[int, str] = {}
@@ -84,33 +87,36 @@ def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str]) ->
     rows: list[dict] = []
     if failed:
         s, exc = next(iter(failed.items()))
-        return [{"check": f"train {mc.dtype}", "ok": False,
+        return [{"check": f"train {name}", "ok": False,
                  "detail": f"stage {s}: {type(exc).__name__}: {exc}"}]
     got = res[STAGES - 1]["losses"]
     diff = max(abs(a - b) for a, b in zip(ref, got, strict=True))
     tol = TOLERANCE[(kind, mc.dtype)]
     falls = got[-1] < got[0]
+    placed = [where.get(s) for s in range(STAGES)] == [str(torch.device(d)) for d in devices]
     tokens = tc.steps * tc.batch_size * mc.seq_len
-    rows.append({"check": f"train {mc.dtype}", "ok": diff <= tol and falls,
+    rows.append({"check": f"train {name}", "ok": diff <= tol and falls and placed,
                  "detail": f"max |loss - CPU ref| {diff:.2e} (tol {tol:g}); loss "
                            f"{got[0]:.4f} -> {got[-1]:.4f}; {tokens / wall:,.0f} tokens/s; "
                            f"weights on {', '.join(where[s] for s in sorted(where))}"})
+    if not resume:
+        return rows
     # Resume on the device from the mid-run checkpoints, through their npz bytes.
     k = tc.shard_push_interval_steps
     kwargs = {s: {"start_step": k,
                   "initial_state": {n: torch.from_numpy(a)
-                                    for n, a in _load(saved[s][k][0]).items()},
-                  "initial_optimizer": _load(saved[s][k][1])} for s in range(STAGES)}
+                                    for n, a in npz_arrays(saved[s][k][0]).items()},
+                  "initial_optimizer": npz_arrays(saved[s][k][1])} for s in range(STAGES)}
     again = run_local_pipeline(mc, tc, data, STAGES, devices=devices, timeout=600,
                                stage_kwargs=kwargs)
     last = again.get(STAGES - 1)
     if not isinstance(last, dict):
-        rows.append({"check": f"resume {mc.dtype}", "ok": False,
+        rows.append({"check": f"resume {name}", "ok": False,
                      "detail": f"{type(last).__name__}: {last}"})
         return rows
     rdiff = max(abs(a - b) for a, b in zip(got[k:], last["losses"], strict=True))
-    rtol = RESUME_TOLERANCE[kind]
-    rows.append({"check": f"resume {mc.dtype}", "ok": rdiff <= rtol,
+    rtol = RESUME_TOLERANCE[(kind, mc.dtype)]
+    rows.append({"check": f"resume {name}", "ok": rdiff <= rtol,
                  "detail": f"from step {k}: max |loss - uninterrupted| {rdiff:.2e} "
                            f"(tol {rtol:g})"})
     return rows
@@ -124,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 8; quick 4)")
     ap.add_argument("--quick", action="store_true", help="a tiny model, 4 steps (seconds)")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 2:
+        ap.error("--steps: at least 2 (the resume check restarts halfway)")
     name = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     try:
         first = resolve_device(name)
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         rows += check(attrs.evolve(mc, dtype=dtype), tc, data, devices)
+        rows += check(attrs.evolve(mc, dtype=dtype, compression=COMPRESSED), tc, data, devices,
+                      resume=False)
     w = max(len(r["check"]) for r in rows)
     print(f"{'check':<{w}}  {'result':<6}  detail")
     for r in rows:

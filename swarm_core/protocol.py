@@ -39,7 +39,7 @@ class JobState(enum.Enum):
 # Validators carry the JSON Schema they enforce (``json_schema``), so the OpenAPI document
 # states exactly what the leader accepts.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-_DEVICE = re.compile(r"cpu|cuda:[0-9]+")
+DEVICE_SLOT = re.compile(r"cpu|cuda:[0-9]+")
 
 
 def _name(_inst: Any, attr: attrs.Attribute, value: str) -> None:
@@ -161,7 +161,7 @@ class RegisterRequest:
         if not 1 <= len(value) <= 64:
             raise FieldError("must list 1-64 slots", "devices")
         for d in value:
-            if not _DEVICE.fullmatch(d):
+            if not DEVICE_SLOT.fullmatch(d):
                 raise FieldError(f"{d!r} is not 'cpu' or 'cuda:N'", "devices")
 
     _devices.json_schema = {  # type: ignore[attr-defined]

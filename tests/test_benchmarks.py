@@ -18,7 +18,7 @@ BENCHES = {
     "bench_leader.py": "p99 ms",
     "bench_pipeline.py": "tokens/s",
     "bench_tui.py": "ms",
-    "check_device.py": "resume bfloat16  ok",
+    "check_device.py": "resume bfloat16 none",
 }
 
 

@@ -103,10 +103,9 @@ def test_a_resumed_run_continues_exactly(data, schedule):
     """Stages restarted from the step-3 checkpoints (weights and optimiser state, through their
     npz bytes) train steps 4-6 exactly as the uninterrupted run did; from the weights alone
     (fresh AdamW moments) they do not."""
-    import io
-
-    import numpy as np
     import torch
+
+    from swarm_core.artifacts.shards import npz_arrays
 
     mc = ModelConfig(**MODEL)
     tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,
@@ -115,10 +114,6 @@ def test_a_resumed_run_continues_exactly(data, schedule):
     whole = run_pipeline(mc, tc, data, 3, stage_kwargs=hooks)[2]["losses"]
     assert sorted(saved[0]) == [3, 6]
 
-    def load(raw: bytes) -> dict[str, Any]:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-
     resumed = {}
     for with_optimizer in (True, False):
         kwargs = {}
@@ -126,8 +121,8 @@ def test_a_resumed_run_continues_exactly(data, schedule):
             weights, optimizer = saved[s][3]
             kwargs[s] = {"start_step": 3,
                          "initial_state": {k: torch.from_numpy(v)
-                                           for k, v in load(weights).items()},
-                         "initial_optimizer": load(optimizer) if with_optimizer else None}
+                                           for k, v in npz_arrays(weights).items()},
+                         "initial_optimizer": npz_arrays(optimizer) if with_optimizer else None}
         resumed[with_optimizer] = run_pipeline(mc, tc, data, 3, stage_kwargs=kwargs)[2]["losses"]
     assert len(resumed[True]) == 3
     assert resumed[True] == whole[3:], "bit for bit"
@@ -212,6 +207,21 @@ def test_a_stage_on_a_device_this_machine_lacks_is_refused(data):
     assert isinstance(res[1], DeviceError)
     assert str(res[1]).startswith("cuda:99: ")
     assert not isinstance(res[0], dict), "stage 0 did not train on alone"
+
+
+async def test_a_start_for_a_device_this_fellow_lacks_is_refused():
+    """The fellow's own check, before any link or thread: the job fails naming the slot."""
+    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+
+    async def report(_update: Any) -> None:
+        raise AssertionError("nothing to report")
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": MODEL, "training": {"steps": 1},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 3}, "slot": 1,
+                                       "device": "cuda:99", "data_addr": None}]}}
+    with pytest.raises(JobRefused, match=r"^cannot run stage 0 on cuda:99: "):
+        await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
 
 
 def test_dead_neighbour_times_out_instead_of_hanging(data):

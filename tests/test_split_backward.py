@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 import torch
 
 from swarm_core.config.schemas import ModelConfig
@@ -81,12 +82,17 @@ def test_split_backward_under_bfloat16_gives_the_fused_gradients() -> None:
     assert max(float((fp32[n] - plain[n]).abs().max()) for n in plain) > 1e-4
 
 
-def test_bfloat16_computes_in_bfloat16_and_hands_on_float32() -> None:
-    bf16 = attrs.evolve(CFG, dtype="bfloat16")
+@pytest.mark.parametrize("compression", ["none", "learned_dim8"])
+def test_bfloat16_computes_in_bfloat16_and_hands_on_float32(compression: str) -> None:
+    bf16 = attrs.evolve(CFG, dtype="bfloat16", compression=compression)
     first = StageModule(bf16, 64, 0, 0, 2, 0, 2)
     last = StageModule(bf16, 64, 0, 2, 4, 1, 2)
     seen: list[torch.dtype] = []
     first.blocks["0"].mlp[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    # The residual stream stays float32 on every device, also after a bottleneck's norm
+    # (the CPU's autocast would leave a LayerNorm of bfloat16 in bfloat16).
+    streams: list[torch.dtype] = []
+    last.blocks["2"].register_forward_pre_hook(lambda _m, args: streams.append(args[0].dtype))
     attach(first, WeightGradQueue())
     ids = torch.randint(0, 64, (2, 16))
     act = first(ids)
@@ -97,4 +103,5 @@ def test_bfloat16_computes_in_bfloat16_and_hands_on_float32() -> None:
     logits = last(act.detach())
     assert logits.dtype == torch.bfloat16
     assert lm_loss(logits, torch.randint(0, 64, (2, 16))).dtype == torch.float32
+    assert streams == [torch.float32]
     assert all(p.dtype == torch.float32 for p in first.parameters())

@@ -111,7 +111,8 @@ def _matches(raw: bytes, manifest: dict[str, Any], part: str) -> bool:
     return hashlib.sha256(raw).hexdigest() == manifest.get(f"{part}_sha256")
 
 
-def _arrays(raw: bytes) -> dict[str, np.ndarray]:
+def npz_arrays(raw: bytes) -> dict[str, np.ndarray]:
+    """The arrays of :func:`npz_bytes`' output (plain ``.npy`` members only: no pickles)."""
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         return {k: np.array(z[k]) for k in z.files}
 
@@ -120,7 +121,7 @@ def weights_from_checkpoint(manifest: dict[str, Any], weights: bytes) -> dict[st
     """State dict from a fetched checkpoint, after checking it is the one the manifest names."""
     if not _matches(weights, manifest, "weights"):
         raise ShardError("checkpoint weights do not match their manifest's sha256")
-    return {k: torch.from_numpy(v) for k, v in _arrays(weights).items()}
+    return {k: torch.from_numpy(v) for k, v in npz_arrays(weights).items()}
 
 
 def optimizer_from_checkpoint(manifest: dict[str, Any],
@@ -135,7 +136,7 @@ def optimizer_from_checkpoint(manifest: dict[str, Any],
         raise ShardError("checkpoint manifest names optimiser state that did not come")
     if not _matches(optimizer, manifest, "optimizer"):
         raise ShardError("checkpoint optimiser state does not match its manifest's sha256")
-    return _arrays(optimizer)
+    return npz_arrays(optimizer)
 
 
 def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -146,4 +147,4 @@ def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
     if not _matches(raw, manifest, "weights"):
         raise ShardError(f"{d}: weights.npz does not match the manifest's sha256")
-    return manifest, _arrays(raw)
+    return manifest, npz_arrays(raw)

@@ -125,7 +125,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise JobRefused(f"bad START payload: {exc}") from None
     try:
-        resolve_device(spec.device)
+        resolve_device(spec.device, model.dtype)
     except DeviceError as exc:
         raise JobRefused(f"cannot run stage {stage} on {exc}") from None
 

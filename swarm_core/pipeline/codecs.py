@@ -1,8 +1,8 @@
 """Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (per-row absmax).
 
 ``encode`` returns the payload as a list of buffers (written back to back, no copy into one
-blob), from a tensor on any device; ``decode`` rebuilds a float32 CPU tensor from one contiguous
-payload.
+blob); ``decode`` rebuilds a float32 tensor from one contiguous payload. On an accelerator both do
+the codec's work there, so only the coded bytes cross to and from the host.
 """
 
 from __future__ import annotations
@@ -60,23 +60,25 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size)
 
 def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
     x = x.detach()
-    # Cast first, then copy off an accelerator: fp16/bf16 cross to the host at half the bytes.
     if codec is Codec.INT8:
-        codes, scale = quantize_rows(x.to(torch.float32).cpu())
-        return [_as_bytes(scale), _as_bytes(codes)]
+        codes, scale = quantize_rows(x.to(torch.float32))
+        return [_as_bytes(scale.cpu()), _as_bytes(codes.cpu())]
     return [_as_bytes(x.to(_CAST[codec]).cpu())]
 
 
 def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
-           codec: Codec) -> torch.Tensor:
-    """A float32 tensor of ``shape``. ``payload`` must stay alive while the tensor is used."""
+           codec: Codec, device: torch.device | None = None) -> torch.Tensor:
+    """A float32 tensor of ``shape`` on ``device`` (the CPU by default). On the CPU ``payload``
+    must stay alive while the tensor is used."""
     expected = payload_size(shape, codec)
     if len(payload) != expected:
         raise CodecError(f"{codec.name} payload of shape {shape} needs {expected} bytes, "
                          f"got {len(payload)}")
     if expected == 0:
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32, device=device)
     buf = torch.frombuffer(payload, dtype=torch.uint8)
+    if device is not None and device.type != "cpu":
+        buf = buf.to(device)  # the coded bytes cross; the codec's work happens there
     if codec is Codec.INT8:
         rows = expected - _numel(shape)
         scale = buf[:rows].view(torch.float32)

@@ -13,7 +13,9 @@ class DeviceError(ValueError):
     """A device slot this machine cannot serve."""
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, dtype: str = "float32") -> torch.device:
+    """``name`` as a torch device, if this machine has it and it can compute in ``dtype``
+    (a model profile's: ``float32`` or ``bfloat16``)."""
     try:
         dev = torch.device(name)
     except RuntimeError:
@@ -30,4 +32,15 @@ def resolve_device(name: str) -> torch.device:
     if dev.index >= count:
         raise DeviceError(f"{name}: this machine has {count} CUDA device(s), "
                           f"cuda:0..cuda:{count - 1}")
+    if dtype == "bfloat16" and not _cuda_bf16(dev):
+        raise DeviceError(f"{name} ({torch.cuda.get_device_name(dev)}) has no native "
+                          "bfloat16: use dtype float32 on it")
     return dev
+
+
+def _cuda_bf16(dev: torch.device) -> bool:
+    with torch.cuda.device(dev):
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch before 2.5 has no including_emulation
+            return torch.cuda.is_bf16_supported()

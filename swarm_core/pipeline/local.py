@@ -5,6 +5,7 @@ notebooks; fellows do not use it."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,18 +49,20 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: Token
                 prepare[s](spec)
             results[s] = run_stage(spec, data, LinkShaper(), listeners[s], stop,
                                    (lambda r: on_step(s, r)) if on_step else (lambda r: None),
-                                   connect_timeout=5, **(stage_kwargs or {}).get(s, {}))
+                                   connect_timeout=training.frame_timeout_s,
+                                   **(stage_kwargs or {}).get(s, {}))
         except Exception as exc:
             results[s] = exc
             stop.set()
 
     threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
                for s in range(num_stages)]
+    deadline = time.monotonic() + timeout
     try:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
     finally:
         for ln in listeners:
             ln.close()

@@ -42,8 +42,10 @@ _INIT_LOCK = threading.Lock()
 
 
 def seeded(seed: int, name: str, build: Callable[[], nn.Module]) -> nn.Module:
+    # Only the CPU generator (modules are built on the CPU): torch.manual_seed would also reseed
+    # every GPU's generator, under a stage already training there.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(part_seed(seed, name))
+        torch.default_generator.manual_seed(part_seed(seed, name))
         return build()
 
 
@@ -117,7 +119,9 @@ class BottleneckDown(nn.Module):
         self.norm = nn.LayerNorm(k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x))
+        # LayerNorm in float32 under autocast on every device (CUDA's autocast does this
+        # itself, the CPU's does not), so the residual stream after it stays float32.
+        return self.norm(self.proj(x).float())
 
 
 class BottleneckUp(nn.Module):
@@ -129,7 +133,7 @@ class BottleneckUp(nn.Module):
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.proj(x))
+        return self.norm(self.proj(x).float())  # float32, as in BottleneckDown
 
 
 class _WireRoundTrip(torch.autograd.Function):

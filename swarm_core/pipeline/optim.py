@@ -92,6 +92,7 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
     """Install state written by :func:`optimizer_arrays`; checked whole before anything
     changes (an unknown parameter or field, or a shape that does not match, is an error)."""
     params = dict(module.named_parameters())
+    groups = {id(q): g for g in opt.param_groups for q in g["params"]}
     state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     for key, arr in arrays.items():
         name, _, field = key.rpartition(".")
@@ -105,10 +106,15 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
             raise OptimizerStateError(f"optimiser state {key!r} has shape {list(arr.shape)}, "
                                       f"expected {list(want)}")
         t = torch.from_numpy(np.array(arr))
-        # Moments take the parameter's dtype and device; step keeps its saved float dtype
-        # (torch's default when it was made) and stays on the CPU, where AdamW keeps it.
-        t = (t.to(device=p.device, dtype=p.dtype) if field != "step"
-             else t if t.is_floating_point() else t.float())
+        if field != "step":
+            t = t.to(device=p.device, dtype=p.dtype)
+        else:
+            # step keeps its saved float dtype (torch's default when it was made), on the CPU
+            # unless the group is fused or capturable: where AdamW itself would keep it.
+            t = t if t.is_floating_point() else t.float()
+            group = groups.get(id(p), {})
+            if group.get("fused") or group.get("capturable"):
+                t = t.to(p.device)
         state.setdefault(p, {})[field] = t
     for p, fields in state.items():
         if "step" not in fields or "exp_avg" not in fields or "exp_avg_sq" not in fields:

@@ -89,7 +89,7 @@ class StageRunner:
         self.stop = stop
         m = spec.model
         vocab = m.vocab_size or data.vocab_size
-        self.device = resolve_device(spec.device)
+        self.device = resolve_device(spec.device, m.dtype)
         # Built on the CPU under the part seeds, then moved: the same weights on any device.
         self.module = StageModule(m, vocab, spec.training.seed, spec.layers[0], spec.layers[1],
                                   spec.stage, spec.num_stages).to(self.device)
@@ -146,7 +146,9 @@ class StageRunner:
         set_lr(self.opt, lr)
         self.module.train()
         x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
-        xs, ys = x.to(self.device).chunk(m), y.to(self.device).chunk(m)
+        # Token ids go to the device of the stage that reads them: inputs first, targets last.
+        xs = x.to(self.device).chunk(m) if self.first else ()
+        ys = y.to(self.device).chunk(m) if self.last else ()
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
@@ -161,8 +163,8 @@ class StageRunner:
                 else:
                     assert self.up is not None
                     self._fill_wait(self.up, Kind.ACT)
-                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout)
-                    inp = inp.to(self.device).requires_grad_(True)
+                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device)
+                    inp.requires_grad_(True)
                     inputs[i] = inp
                 out = self.module(inp)
                 if self.last:
@@ -178,8 +180,7 @@ class StageRunner:
                 if not self.last:
                     assert self.down is not None
                     self._fill_wait(self.down, Kind.GRAD)
-                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout)
-                    grad = grad.to(self.device)
+                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device)
                 with wq.capture() if wq is not None else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
                 if not self.first:
@@ -251,8 +252,8 @@ class StageRunner:
                 inp = x.to(self.device)
             else:
                 assert self.up is not None
-                _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout)
-                inp = inp.to(self.device)
+                _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
+                                             self.device)
             out = self.module(inp)
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))

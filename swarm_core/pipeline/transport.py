@@ -187,14 +187,15 @@ class PeerLink:
         expect(header, kind, self.job, step, micro_batch)
         return header, payload
 
-    def recv_tensor(self, kind: Kind, step: int, micro_batch: int,
-                    timeout: float) -> tuple[FrameHeader, torch.Tensor]:
+    def recv_tensor(self, kind: Kind, step: int, micro_batch: int, timeout: float,
+                    device: torch.device | None = None) -> tuple[FrameHeader, torch.Tensor]:
+        """The next frame's tensor, decoded onto ``device`` (the CPU by default)."""
         header, payload = self.recv(kind, step, micro_batch, timeout)
         try:
             codec = codecs.Codec(header.codec)
         except ValueError:
             raise FrameError(f"unknown codec {header.codec}") from None
-        return header, codecs.decode(payload, header.shape, codec)
+        return header, codecs.decode(payload, header.shape, codec, device)
 
     def close(self) -> None:
         self._stop.set()

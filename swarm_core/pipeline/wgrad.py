@@ -12,8 +12,9 @@ fill waits from any cause (the pipeline bubble, a slow link).
 The weight gradient is computed with the same matrix products autograd's ``addmm`` backward uses
 (``g.t() @ x`` and ``g.sum(0)``) and accumulated in micro-batch order, so losses match a single
 process to float rounding. Under autocast (a model profile's ``dtype: bfloat16``) the layer casts
-its input and weight as autocast's ``linear`` would and keeps the casts for backward, so the
-products are the same bfloat16 ones; gradients are accumulated in the parameters' float32.
+its input and weight as autocast's ``linear`` would and saves those casts for backward (which runs
+without autocast), so the products are the same bfloat16 ones; gradients are accumulated in the
+parameters' float32.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor,  # type: ignore[override]
                 bias: torch.Tensor | None, layer: SplitLinear) -> torch.Tensor:
-        # Autocast does not reach inside a custom Function: cast here, as its linear would.
+        # Backward runs without autocast, so what is saved for it must already be the casts
+        # autocast's linear would make (a bfloat16 grad times a float32 weight fails).
         dt = _autocast_dtype(x.device.type)
         if dt is not None:
             x, weight = x.to(dt), weight.to(dt)

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
+from swarm_core.protocol import DEVICE_SLOT
 from swarm_tui.commands.argtypes import port, positive_float, positive_int
 from swarm_tui.commands.base import CommandError, ExitCode
 
@@ -48,7 +49,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
         raise CommandError("fellow needs --leader-url (or SWARM_LEADER_URL)", ExitCode.USAGE)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     for d in devices:
-        if d != "cpu" and not (d.startswith("cuda:") and d[5:].isdigit()):
+        if not DEVICE_SLOT.fullmatch(d):
             raise CommandError(f"--devices: {d!r} is not 'cpu' or 'cuda:N'", ExitCode.USAGE)
     if any(d != "cpu" for d in devices):
         # Only then is torch imported here (seconds): a slot this machine lacks is refused

@@ -92,7 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with torch.no_grad():
         for _ in range(args.tokens):
             ctx = torch.tensor([out[-seq_len:]])
-            logits = model(ctx)[0, -1] / max(args.temperature, 1e-6)
+            # float32 whatever the model computes in: softmax over bfloat16 rounds coarsely
+            logits = model(ctx)[0, -1].float() / max(args.temperature, 1e-6)
             if args.top_k:
                 kth = torch.topk(logits, min(args.top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
