@@ -48,6 +48,21 @@ def test_int8_is_per_row_absmax():
     assert (y[0] - x[0]).abs().max() < 2 / 127
 
 
+@pytest.mark.parametrize("codec", list(codecs.Codec))
+def test_the_codec_works_on_the_device_it_is_given(codec):
+    """Decoding onto a device moves the coded bytes and widens or dequantises them there; every
+    tensor the codec makes follows its input's device. (The meta device stands in for a GPU,
+    which CI does not have: any CPU tensor mixed in would raise.)"""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    raw = bytearray(b"".join(bytes(b) for b in codecs.encode(x, codec)))
+    meta = torch.device("meta")
+    y = codecs.decode(raw, tuple(x.shape), codec, meta)
+    assert y.device == meta and y.dtype == torch.float32 and tuple(y.shape) == (8, 16)
+    codes, scale = codecs.quantize_rows(x.to(meta))
+    assert codes.device == meta and scale.device == meta and codes.dtype == torch.int8
+    assert codecs.roundtrip(x.to(meta), codec).device == meta
+
+
 def test_decode_refuses_wrong_length():
     with pytest.raises(codecs.CodecError, match="needs 24 bytes"):
         codecs.decode(bytearray(20), (2, 3), codecs.Codec.FP32)
