@@ -54,6 +54,23 @@ def test_pipeline_equals_single_process(data, n, schedule):
     assert ref[-1] < ref[0], "the loss falls"
 
 
+@pytest.mark.parametrize("n, schedule", [(2, "1f1b"), (3, "gpipe")])
+def test_pipeline_with_dropout_equals_single_process(data, n, schedule):
+    """Dropout masks depend on (seed, stage, step, micro-batch) alone: stages in threads that
+    share torch's generators still draw what the single process draws, and a second run draws
+    the same again."""
+    mc = ModelConfig(**MODEL, dropout=0.2)
+    tc = TrainingConfig(steps=5, batch_size=8, micro_batches=4, schedule=schedule,
+                        eval_batches=1)
+    ranges = split_layers(mc.n_layers, [1] * n)
+    ref, _ = train_reference(mc, tc, data, ranges)
+    got = run_pipeline(mc, tc, data, n)[n - 1]["losses"]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert run_pipeline(mc, tc, data, n)[n - 1]["losses"] == got, "repeatable"
+    plain, _ = train_reference(attrs.evolve(mc, dropout=0.0), tc, data, ranges)
+    assert max(abs(a - b) for a, b in zip(plain, got, strict=True)) > 1e-3, "dropout was on"
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monkeypatch):
     """The stage runner with deferred weight passes (filling waits, capped, drained before
@@ -98,16 +115,16 @@ def _checkpoint_bytes(n: int) -> tuple[dict[int, dict[str, Any]], dict[int, dict
     return {s: {"on_checkpoint": hook(s)} for s in range(n)}, saved
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_a_resumed_run_continues_exactly(data, schedule):
+@pytest.mark.parametrize("schedule, dropout", [("1f1b", 0.0), ("gpipe", 0.0), ("1f1b", 0.2)])
+def test_a_resumed_run_continues_exactly(data, schedule, dropout):
     """Stages restarted from the step-3 checkpoints (weights and optimiser state, through their
-    npz bytes) train steps 4-6 exactly as the uninterrupted run did; from the weights alone
-    (fresh AdamW moments) they do not."""
+    npz bytes) train steps 4-6 exactly as the uninterrupted run did, dropout masks included;
+    from the weights alone (fresh AdamW moments) they do not."""
     import torch
 
     from swarm_core.artifacts.shards import npz_arrays
 
-    mc = ModelConfig(**MODEL)
+    mc = ModelConfig(**MODEL, dropout=dropout)
     tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,
                         eval_batches=0, shard_push_interval_steps=3, lr=3e-3)
     hooks, saved = _checkpoint_bytes(3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +37,41 @@ def part_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-# torch's default generator is process-global; stages built in threads must take turns.
-_INIT_LOCK = threading.Lock()
+# torch's generators are process-wide, and a fellow may run several stages in threads: whatever
+# seeds one and then draws from it (building a part, a forward pass with dropout) takes turns.
+_RNG_LOCK = threading.Lock()
 
 
 def seeded(seed: int, name: str, build: Callable[[], nn.Module]) -> nn.Module:
     # Only the CPU generator (modules are built on the CPU): torch.manual_seed would also reseed
     # every GPU's generator, under a stage already training there.
-    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(part_seed(seed, name))
         return build()
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+@contextlib.contextmanager
+def dropout_rng(module: StageModule, step: int, micro_batch: int) -> Iterator[None]:
+    """Dropout masks that depend on (run seed, stage, step, micro-batch) alone: the generator
+    of the stage's device is seeded with them for the forward pass inside (backward draws
+    nothing: the masks are saved). So a pipeline with dropout equals the single process (which
+    seeds each stage's forward the same way), a resumed run continues exactly with no generator
+    state in its checkpoint, and a fellow's earlier jobs do not change a run. A no-op without
+    dropout or outside training; with it, forwards of stages sharing a process take turns."""
+    if not (module.training and module.cfg.dropout > 0):
+        yield
+        return
+    with _RNG_LOCK:
+        _generator(next(module.parameters()).device).manual_seed(
+            part_seed(module.seed, f"dropout/{module.stage}/{step}/{micro_batch}"))
+        yield
 
 
 class CausalSelfAttention(nn.Module):
@@ -157,7 +182,7 @@ class StageModule(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab: int, seed: int, start: int, stop: int,
                  stage: int, num_stages: int) -> None:
         super().__init__()
-        self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
+        self.cfg, self.stage, self.num_stages, self.seed = cfg, stage, num_stages, seed
         self.start, self.stop = start, stop
         comp: Compression = cfg.compression_spec
         self.first, self.last = stage == 0, stage == num_stages - 1
@@ -211,10 +236,15 @@ class ExperimentModel(nn.Module):
         )
         self.codec = wire_codec(cfg)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, step: int | None = None,
+                micro_batch: int | None = None) -> torch.Tensor:
+        """With ``step`` and ``micro_batch`` (training), dropout draws as each stage of the
+        pipeline would (see :func:`dropout_rng`)."""
         x = idx
         for i, stage in enumerate(self.stages):
-            x = stage(x)
+            with (dropout_rng(stage, step, micro_batch)
+                  if step is not None and micro_batch is not None else contextlib.nullcontext()):
+                x = stage(x)
             if i < len(self.stages) - 1 and self.codec is not codecs.Codec.FP32:
                 x = _WireRoundTrip.apply(x, self.codec)
         return x

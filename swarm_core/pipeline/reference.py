@@ -41,8 +41,8 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData
             set_lr(opt, lr)
         x, y = data.batch(step, cfg.batch_size, model_cfg.seq_len, cfg.seed)
         total = 0.0
-        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-            loss = lm_loss(model(xs), ys) / m
+        for i, (xs, ys) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+            loss = lm_loss(model(xs, step, i), ys) / m
             total += float(loss.detach())
             loss.backward()
         if cfg.grad_clip > 0:

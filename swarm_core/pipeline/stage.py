@@ -25,7 +25,7 @@ from swarm_core.pipeline.frames import Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.model import StageModule, lm_loss
+from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     clip_scale,
@@ -166,7 +166,8 @@ class StageRunner:
                     _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device)
                     inp.requires_grad_(True)
                     inputs[i] = inp
-                out = self.module(inp)
+                with dropout_rng(self.module, step, i):
+                    out = self.module(inp)
                 if self.last:
                     loss = lm_loss(out, ys[i]) / m
                     loss_sum += float(loss.detach())
@@ -281,9 +282,9 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
     ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
     after the last step, between optimiser steps, so it sees consistent weights and state.
     ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
-    run: with both and dropout 0 (the default), the steps after it are bit for bit those of the
-    uninterrupted run. Dropout draws from torch's process-wide generator, which a checkpoint
-    does not hold. A checkpoint that does not fit this stage raises :class:`ResumeError`."""
+    run: with both, the steps after it are bit for bit those of the uninterrupted run (dropout
+    masks depend on the seed, stage, step and micro-batch alone). A checkpoint that does not fit
+    this stage raises :class:`ResumeError`."""
     torch.set_num_threads(spec.training.threads)
     runner = StageRunner(spec, data, shaper, stop)
     try:
