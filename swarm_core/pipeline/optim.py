@@ -20,8 +20,9 @@ def make_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8,
-                             foreach=False)
+    # foreach left to torch: its multi-tensor kernels on a GPU, the per-parameter loop on the
+    # CPU (the single-process reference's, so CPU stages stay bit for bit equal to it).
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:
