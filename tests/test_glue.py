@@ -53,6 +53,22 @@ def test_glue_rebuilds_the_model_with_bottleneck_halves_rejoined(tmp_path):
                 "up.0.proj.weight", "down.1.proj.weight", "up.1.proj.weight"} <= set(z.files)
 
 
+def test_a_one_stage_model_with_tied_weights_glues_and_stays_tied(tmp_path):
+    tied = {**MODEL, "compression": "none", "tie_weights": True}
+    stage = StageModule(ModelConfig(**tied), 40, 0, 0, 4, 0, 1)
+    assert stage.tied and stage.head.lm_head.weight is stage.embed.tok.weight
+    split = StageModule(ModelConfig(**tied), 40, 0, 0, 2, 0, 2)
+    assert not split.tied, "split across stages, the weights stay untied"
+    out = glue(export(tmp_path, ranges=[(0, 4)], model=tied))
+    model, _ = load_full_model(out)
+    only = model.stages[0]
+    assert only.head.lm_head.weight is only.embed.tok.weight  # still one parameter
+    assert torch.equal(only.embed.tok.weight, stage.embed.tok.weight)
+    x = torch.randint(0, 40, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x), stage.eval()(x))
+
+
 @pytest.mark.parametrize("breakage, message", [
     ("missing_stage", "missing stage(s) [1] of 3"),
     ("overlap", "layer 1 is held by stage 0 and stage 1"),

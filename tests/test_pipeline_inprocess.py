@@ -71,6 +71,26 @@ def test_pipeline_with_dropout_equals_single_process(data, n, schedule):
     assert max(abs(a - b) for a, b in zip(plain, got, strict=True)) > 1e-3, "dropout was on"
 
 
+def test_tied_weights_train_one_shared_matrix_in_a_one_stage_job(data):
+    mc = ModelConfig(**MODEL, tie_weights=True)
+    tc = TrainingConfig(steps=4, batch_size=8, micro_batches=2, eval_batches=1,
+                        shard_push_interval_steps=4)
+    ref, model = train_reference(mc, tc, data)
+    assert model.stages[0].tied
+    hooks, saved = _checkpoint_bytes(1)
+    got = run_pipeline(mc, tc, data, 1, stage_kwargs=hooks)[0]["losses"]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    untied, _ = train_reference(attrs.evolve(mc, tie_weights=False), tc, data)
+    assert max(abs(a - b) for a, b in zip(untied, got, strict=True)) > 1e-4, "tying was on"
+    from swarm_core.artifacts.shards import npz_arrays
+
+    weights = npz_arrays(saved[0][4][0])
+    assert (weights["head.lm_head.weight"] == weights["embed.tok.weight"]).all()
+    # One parameter, one set of AdamW moments, under its first name.
+    state = npz_arrays(saved[0][4][1])
+    assert "embed.tok.weight.exp_avg" in state and "head.lm_head.weight.exp_avg" not in state
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monkeypatch):
     """The stage runner with deferred weight passes (filling waits, capped, drained before

@@ -47,7 +47,9 @@ SECTIONS: list[tuple[str, type, str]] = [
      "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
      "gradients and optimiser state stay float32 (and are exported as such). What crosses a "
      "boundary is float32 before the wire codec, which `compression` or `wire_dtype` picks. "
-     "bfloat16 pays off on GPUs and on CPUs with native bfloat16; elsewhere it is slower."),
+     "bfloat16 pays off on GPUs and on CPUs with native bfloat16; elsewhere it is slower. "
+     "`tie_weights` shares the token embedding with the LM head where one stage holds both (a "
+     "one-stage job); split across stages they stay untied, and the fellows say so."),
     ("TrainingConfig (`training/*.json`)", schemas.TrainingConfig,
      "`link` is normally filled by the sweep from the network profile."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,

@@ -124,6 +124,9 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                          model=model, training=training, device=str(mine.get("device", "cpu")))
     except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise JobRefused(f"bad START payload: {exc}") from None
+    if model.tie_weights and spec.num_stages > 1 and stage == 0:
+        log.warning("%s: tie_weights is off: the embedding and the LM head are on different "
+                    "stages (0 and %d)", spec.job_id, spec.num_stages - 1)
     try:
         resolve_device(spec.device, model.dtype)
     except DeviceError as exc:

@@ -198,6 +198,14 @@ class StageModule(nn.Module):
             seed, f"down{stage}", lambda: BottleneckDown(cfg.d_model, comp.bottleneck_dim))})
                      if comp.learned and not self.last else None)
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
+        if self.tied:
+            self.head.lm_head.weight = self.embed.tok.weight  # type: ignore[union-attr]
+
+    @property
+    def tied(self) -> bool:
+        """``tie_weights`` takes effect where one stage holds both the embedding and the head:
+        split, tying would cost the shared gradient's round trip over the link every step."""
+        return self.cfg.tie_weights and self.first and self.last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with compute_precision(self.cfg, x.device.type):
