@@ -279,7 +279,8 @@ class Experiment:
         lines = b"".join(jsonio.dumps({
             "step": r["step"], "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
             "wire_bytes": r.get("wire_bytes"), "step_seconds": r.get("step_seconds"),
-            "eval_loss": r.get("eval_loss"), "lr": r.get("lr"), "ts": r.get("ts"),
+            "eval_loss": r.get("eval_loss"), "lr": r.get("lr"),
+            "activation_peak_bytes": r.get("activation_peak_bytes"), "ts": r.get("ts"),
         }) + b"\n" for r in records)
         atomic_write(st.run_dir / "train_progress.ndjson", lines)
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
@@ -311,7 +312,9 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "uncompressed_wire_bytes_per_step": uncompressed,
         "compression_ratio": (uncompressed / measured) if measured else None,
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
-        "fellows": st.spec.fellows, "thresholds": {},
+        "fellows": st.spec.fellows,
+        "activation_peak_bytes_by_stage": peaks_by_stage(records),
+        "thresholds": {},
     }
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss
@@ -319,6 +322,15 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
             "limit": training.max_final_loss, "value": final, "met": met}
     summary["thresholds_met"] = all(t["met"] for t in summary["thresholds"].values())
     return summary
+
+
+def peaks_by_stage(records: list[dict[str, Any]]) -> list[int] | None:
+    """The largest activation memory each stage held in any step, in stage order."""
+    peaks: dict[int, int] = {}
+    for r in records:
+        for stage, n in (r.get("activation_peak_bytes") or {}).items():
+            peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
+    return [peaks[s] for s in sorted(peaks)] if peaks else None
 
 
 def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:

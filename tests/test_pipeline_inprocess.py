@@ -91,6 +91,38 @@ def test_tied_weights_train_one_shared_matrix_in_a_one_stage_job(data):
     assert "embed.tok.weight.exp_avg" in state and "head.lm_head.weight.exp_avg" not in state
 
 
+def test_activation_memory_is_what_the_schedule_keeps_alive(data):
+    """Each stage reports the peak bytes it held for backward: GPipe keeps all m micro-batches'
+    activations, 1F1B at most (stages from here to the end), and the meter lets go of every
+    byte once backward is done."""
+    import torch
+
+    from swarm_core.pipeline.memory import ActivationMeter
+    from swarm_core.pipeline.model import StageModule
+
+    mc = ModelConfig(**MODEL)
+    one = StageModule(mc, data.vocab_size, 0, 0, 2, 0, 2)  # stage 0 of the 2-stage split
+    meter = ActivationMeter(one.parameters())
+    x = torch.randint(0, data.vocab_size, (2, MODEL["seq_len"]))  # one micro-batch
+    with meter.saving():
+        out = one(x)
+    held = meter.hold(out)
+    per_mb = meter.peak
+    out.sum().backward()
+    del out, held
+    assert meter.live == 0, "all released after backward"
+
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        tc = TrainingConfig(steps=2, batch_size=16, micro_batches=8, schedule=schedule,
+                            split_backward=False, eval_batches=0)
+        res = run_pipeline(mc, tc, data, 2)
+        peaks[schedule] = [res[s]["activation_peak_bytes"] for s in (0, 1)]
+    assert 7.5 * per_mb <= peaks["gpipe"][0] <= 8.5 * per_mb
+    assert 1.5 * per_mb <= peaks["1f1b"][0] <= 2.5 * per_mb
+    assert peaks["1f1b"][1] * 6 < peaks["gpipe"][1]  # the last stage: 1 against 8
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monkeypatch):
     """The stage runner with deferred weight passes (filling waits, capped, drained before

@@ -67,11 +67,17 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
         assert [x["step"] for x in records] == [1, 2, 3, 4]
         assert all(x["loss"] > 0 and x["tokens_per_s"] > 0 and x["wire_bytes"] > 0
                    for x in records)
+        # Every stage's activation memory, every step, from the fellows' reports.
+        assert all(set(x["activation_peak_bytes"]) == {"0", "1"} and
+                   min(x["activation_peak_bytes"].values()) > 0 for x in records)
         summary = jsonio.loads((d / "metrics_summary.json").read_bytes())
         assert summary["steps_recorded"] == summary["steps_expected"] == 4
         assert summary["wire_bytes_per_step"] == summary["expected_wire_bytes_per_step"]
         assert summary["thresholds"]["max_final_loss"]["met"] is True
         assert summary["eval_loss"] > 0
+        peaks = summary["activation_peak_bytes_by_stage"]
+        assert peaks == [max(x["activation_peak_bytes"][str(k)] for x in records)
+                         for k in (0, 1)]
         bytes_per_step.append(summary["wire_bytes_per_step"])
     # none > fixed_int8 > learned_dim8_int8 on the wire
     assert bytes_per_step[0] > bytes_per_step[1] > bytes_per_step[2]

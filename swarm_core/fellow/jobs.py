@@ -147,7 +147,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                               tokens_per_s=rep.tokens_per_s, attempt=attempt,
                               stage=stage,
                               metrics={"wire_tx_bytes": rep.wire_tx_bytes,
-                                       "step_seconds": rep.seconds, "lr": rep.lr})
+                                       "step_seconds": rep.seconds, "lr": rep.lr,
+                                       "activation_peak_bytes": rep.activation_peak_bytes})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     def on_eval(step: int, loss: float) -> None:

@@ -456,6 +456,11 @@ class JobQueue:
                 return
             rec["stages_reported"].append(stage)
             rec["wire_bytes"] += int(upd.metrics["wire_tx_bytes"])
+            peak = upd.metrics.get("activation_peak_bytes")
+            if isinstance(peak, int | float):
+                # Per stage (keyed by its index as text: a JSON object), since the schedule
+                # gives each stage its own share.
+                rec.setdefault("activation_peak_bytes", {})[str(stage)] = int(peak)
             rec["ts"] = time.time()
             if upd.loss is not None:
                 rec["loss"] = upd.loss

@@ -25,6 +25,7 @@ from swarm_core.pipeline.frames import Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
@@ -56,6 +57,8 @@ class StepReport:
     tokens: int
     wire_tx_bytes: int
     lr: float
+    # Peak bytes held for backward during the step (see pipeline/memory.py).
+    activation_peak_bytes: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,9 +97,10 @@ class StageRunner:
         self.module = StageModule(m, vocab, spec.training.seed, spec.layers[0], spec.layers[1],
                                   spec.stage, spec.num_stages).to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.meter = ActivationMeter(self.module.parameters())
         self.wgrad: WeightGradQueue | None = None
         if spec.training.split_backward and spec.num_stages > 1:
-            self.wgrad = WeightGradQueue()
+            self.wgrad = WeightGradQueue(self.meter)
             attach(self.module, self.wgrad)
         # Deferred W passes hold a micro-batch's layer inputs and output gradients each; beyond
         # this many the stage runs one at once (memory stays in 1F1B's class).
@@ -151,6 +155,8 @@ class StageRunner:
         ys = y.to(self.device).chunk(m) if self.last else ()
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
+        held: dict[int, Any] = {}  # the meter's tokens for outputs kept until their backward
+        self.meter.start_step()
         loss_sum = 0.0
         wq = self.wgrad
         if wq is not None:
@@ -166,7 +172,7 @@ class StageRunner:
                     _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device)
                     inp.requires_grad_(True)
                     inputs[i] = inp
-                with dropout_rng(self.module, step, i):
+                with dropout_rng(self.module, step, i), self.meter.saving():
                     out = self.module(inp)
                 if self.last:
                     loss = lm_loss(out, ys[i]) / m
@@ -176,6 +182,7 @@ class StageRunner:
                     assert self.down is not None
                     self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
                     outputs[i] = out
+                    held[i] = self.meter.hold(out)
             else:
                 grad = None
                 if not self.last:
@@ -184,6 +191,7 @@ class StageRunner:
                     _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device)
                 with wq.capture() if wq is not None else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
+                held.pop(i, None)
                 if not self.first:
                     assert self.up is not None
                     inp = inputs.pop(i)
@@ -203,7 +211,8 @@ class StageRunner:
         seconds = time.perf_counter() - t0
         return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
                           tokens=t.batch_size * self.spec.model.seq_len,
-                          wire_tx_bytes=self.sent() - tx0, lr=lr)
+                          wire_tx_bytes=self.sent() - tx0, lr=lr,
+                          activation_peak_bytes=self.meter.peak)
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -327,6 +336,7 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
                                    if reports else 0.0),
         "expected_wire_tx_bytes_per_step": expected_wire_bytes(
             spec.model, t, spec.stage, spec.num_stages),
+        "activation_peak_bytes": max((r.activation_peak_bytes for r in reports), default=0),
     }
     if losses:
         metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)

@@ -27,13 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm_core.pipeline.memory import ActivationMeter
+
 
 class WeightGradQueue:
     """Deferred weight gradients of one stage, oldest micro-batch first."""
 
-    def __init__(self) -> None:
+    def __init__(self, meter: ActivationMeter | None = None) -> None:
         self._pending: deque[list[Callable[[], None]]] = deque()
         self._open: list[Callable[[], None]] | None = None
+        self.meter = meter  # counts what the pending passes hold
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -123,8 +126,10 @@ class _SplitLinearFn(torch.autograd.Function):
         has_bias = ctx.has_bias
         if queue is not None and queue.deferring:
             w, b = layer.weight, layer.bias
+            # Counted while the pass is pending: the function holds the meter's tokens.
+            held = (queue.meter.hold(g2), queue.meter.hold(x2)) if queue.meter else ()
 
-            def weight_pass() -> None:
+            def weight_pass(_held: tuple = held) -> None:
                 # (The autograd engine casts the undeferred path's gradients the same way.)
                 _accumulate(w, g2.t().mm(x2).to(w.dtype))
                 if has_bias and b is not None:
