@@ -123,6 +123,23 @@ def test_activation_memory_is_what_the_schedule_keeps_alive(data):
     assert peaks["1f1b"][1] * 6 < peaks["gpipe"][1]  # the last stage: 1 against 8
 
 
+def test_the_meter_keeps_autograds_in_place_check():
+    """Autograd skips its own check that a saved tensor was not changed in place when saves go
+    through hooks; the meter makes that check itself."""
+    import torch
+
+    from swarm_core.pipeline.memory import ActivationMeter
+
+    x = torch.randn(4, requires_grad=True)
+    meter = ActivationMeter()
+    with meter.saving():
+        y = x * 2
+        z = y.sin()  # saves y
+    y.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monkeypatch):
     """The stage runner with deferred weight passes (filling waits, capped, drained before
@@ -291,6 +308,63 @@ async def test_a_start_for_a_device_this_fellow_lacks_is_refused():
                                        "device": "cuda:99", "data_addr": None}]}}
     with pytest.raises(JobRefused, match=r"^cannot run stage 0 on cuda:99: "):
         await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
+
+
+@pytest.mark.parametrize("ending", ["failed", "stopped"])
+async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypatch):
+    """A failed or STOPped stage's model, optimiser and activations go when the job does, not
+    at some later garbage collection (the next job on that GPU wants the memory)."""
+    import asyncio
+    import gc
+    import weakref
+
+    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+    from swarm_core.pipeline import stage as stage_mod
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.listener import DataListener
+
+    modules: list[weakref.ref] = []
+    built = stage_mod.StageRunner.__init__
+
+    def spy(self, *args: Any, **kwargs: Any) -> None:
+        built(self, *args, **kwargs)
+        modules.append(weakref.ref(self.module))
+
+    monkeypatch.setattr(stage_mod.StageRunner, "__init__", spy)
+
+    async def report(_update: Any) -> None:
+        pass
+
+    listener = DataListener()
+    # Stage 0 dials a port nobody listens on (fails); stage 1 waits for a dial (stopped).
+    stages = [{"layers": {"start": 0, "stop": 2}, "data_addr": listener.addr},
+              {"layers": {"start": 2, "stop": 3}, "data_addr": "127.0.0.1:1"}]
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0 if ending == "failed" else 1,
+             "model": MODEL, "placement": {"stages": stages},
+             "training": {"steps": 2, "batch_size": 4, "micro_batches": 2,
+                          "frame_timeout_s": 1.0 if ending == "failed" else 30.0}}
+    ctx = JobContext(fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper(),
+                     listener=listener)
+    # torch's first optimiser keeps its construction frames in a one-time cache: warm it.
+    from swarm_core.pipeline.model import StageModule
+    from swarm_core.pipeline.optim import make_optimizer
+
+    make_optimizer(StageModule(ModelConfig(**MODEL), 8, 0, 0, 1, 0, 2), TrainingConfig())
+    gc.collect()
+    gc.disable()
+    try:
+        job = asyncio.ensure_future(run_train(start, ctx))
+        if ending == "stopped":
+            while not modules:
+                await asyncio.sleep(0.05)
+            job.cancel()
+        with pytest.raises(PeerTimeout if ending == "failed" else asyncio.CancelledError):
+            await job
+        del job
+        assert modules and modules[0]() is None, "the model outlived its job"
+    finally:
+        gc.enable()
+        listener.close()
 
 
 def test_dead_neighbour_times_out_instead_of_hanging(data):

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -215,8 +216,14 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                              connect_timeout=training.frame_timeout_s,
                              on_checkpoint=on_checkpoint, start_step=resume_step,
                              initial_state=state, initial_optimizer=opt_state)
-        except ResumeError as exc:
-            raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
+        except BaseException as exc:
+            # The traceback holds the stage's frames, and through them its model, optimiser
+            # and activations; the awaiting frame holds the exception: a cycle that only a
+            # full garbage collection frees, long after the next job wanted the memory.
+            traceback.clear_frames(exc.__traceback__)
+            if isinstance(exc, ResumeError):
+                raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
+            raise
 
     ctx.progress.stage = stage
     previous_link = ctx.shaper.limits()

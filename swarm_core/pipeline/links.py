@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import attrs
 
@@ -43,8 +44,9 @@ class TokenBucket:
                                self._tokens + (now - self._last) * self._rate)
         self._last = now
 
-    def consume(self, n: int, stop: threading.Event | None = None) -> None:
-        """Block until ``n`` bytes may pass. Rate changes apply within 50 ms."""
+    def consume(self, n: int, stop: Callable[[], bool] | None = None) -> None:
+        """Block until ``n`` bytes may pass, or ``stop()`` says to give up. Rate changes apply
+        within 50 ms."""
         with self._lock:
             self._refill(time.monotonic())
             if self._rate is None:
@@ -56,7 +58,7 @@ class TokenBucket:
                 if self._rate is None or self._tokens >= 0:
                     return
                 wait = -self._tokens / self._rate
-            if stop is not None and stop.is_set():
+            if stop is not None and stop():
                 return
             time.sleep(min(wait, 0.05))
 

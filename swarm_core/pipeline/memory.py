@@ -28,10 +28,11 @@ def _key(t: torch.Tensor) -> _Key:
 class _Held:
     """A saved tensor, and the count that ends when autograd (or the queue) lets it go."""
 
-    __slots__ = ("key", "meter", "tensor")
+    __slots__ = ("key", "meter", "tensor", "version")
 
     def __init__(self, meter: ActivationMeter, tensor: torch.Tensor, key: _Key | None) -> None:
         self.meter, self.tensor, self.key = meter, tensor, key
+        self.version = tensor._version
 
     def __del__(self) -> None:
         if self.key is not None:
@@ -88,4 +89,10 @@ class ActivationMeter:
 
 
 def _unpack(held: _Held) -> torch.Tensor:
+    # Autograd skips its own in-place check for hooked saves; this is that check.
+    if held.tensor._version != held.version:
+        raise RuntimeError("one of the variables needed for gradient computation has been "
+                           f"modified by an inplace operation: a {list(held.tensor.shape)} "
+                           f"tensor is at version {held.tensor._version}, saved at "
+                           f"{held.version}")
     return held.tensor

@@ -174,8 +174,9 @@ class StageRunner:
                     inputs[i] = inp
                 with dropout_rng(self.module, step, i), self.meter.saving():
                     out = self.module(inp)
+                    if self.last:  # the loss's saved log-probabilities count too
+                        loss = lm_loss(out, ys[i]) / m
                 if self.last:
-                    loss = lm_loss(out, ys[i]) / m
                     loss_sum += float(loss.detach())
                     outputs[i] = loss
                 else:

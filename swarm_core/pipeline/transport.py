@@ -65,6 +65,9 @@ class PeerLink:
         self._stop = threading.Event()
         # Set by the owner (STOP from the leader): a blocked recv gives up within 0.1 s.
         self.abort = abort or threading.Event()
+        # When bytes last moved either way: waits time out on a link gone quiet, not on one
+        # still carrying a long transfer (m frames at 8 Mbit/s can outlast any fixed wait).
+        self.last_progress = time.monotonic()
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"rx-{peer}",
@@ -88,13 +91,22 @@ class PeerLink:
                        [memoryview(payload)], None))
 
     def flush(self, timeout: float) -> None:
-        """Wait until everything queued has been written."""
-        deadline = time.monotonic() + timeout
+        """Wait until everything queued has been written (``timeout``: seconds without any
+        progress on the link)."""
+        start = time.monotonic()
         while self._out.unfinished_tasks:
             self._raise_if_failed()
-            if time.monotonic() > deadline:
-                raise PeerTimeout(f"sending to {self.peer} did not finish in {timeout:g}s")
+            if self.abort.is_set():
+                raise LinkAborted("stopped while sending to the peer")
+            if self._quiet_for(start) > timeout:
+                raise PeerTimeout(f"sending to {self.peer}: nothing moved for {timeout:g}s")
             time.sleep(0.002)
+
+    def _quiet_for(self, since: float) -> float:
+        return time.monotonic() - max(since, self.last_progress)
+
+    def _halted(self) -> bool:
+        return self._stop.is_set() or self.abort.is_set()
 
     def _send_loop(self) -> None:
         try:
@@ -103,24 +115,31 @@ class PeerLink:
                 try:
                     if item is _CLOSED:
                         return
+                    if self.abort.is_set():
+                        continue  # stopping: what is queued is dropped, not sent
                     due, head, bufs, _keepalive = item
                     delay = due - time.monotonic()
-                    if delay > 0:
-                        time.sleep(delay)
+                    if delay > 0 and self.abort.wait(delay):
+                        continue
                     self._write(memoryview(head))
                     for b in bufs:
                         for off in range(0, len(b), CHUNK):
+                            if self.abort.is_set():
+                                break
                             self._write(b[off:off + CHUNK])
                 finally:
                     self._out.task_done()
         except OSError as exc:
             self._fail(LinkClosed(f"link to {self.peer} broke while sending: {exc}"))
+        except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
+            self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
 
     def _write(self, chunk: memoryview) -> None:
-        self.shaper.tx.consume(len(chunk), self._stop)
+        self.shaper.tx.consume(len(chunk), self._halted)
         self.sock.sendall(chunk)
         self.shaper.count_tx(len(chunk))
         self.sent += len(chunk)
+        self.last_progress = time.monotonic()
 
     # receiving -------------------------------------------------------------------------------
     def _read_exact(self, n: int) -> bytearray:
@@ -129,12 +148,15 @@ class PeerLink:
         got = 0
         while got < n:
             want = min(CHUNK, n - got)
-            self.shaper.rx.consume(want, self._stop)
             r = self.sock.recv_into(view[got:got + want], want)
             if r == 0:
                 raise LinkClosed(f"{self.peer} closed the link")
             got += r
+            self.last_progress = time.monotonic()
             self.shaper.count_rx(r)
+            # Charged for what arrived (TCP often returns less than asked), after the fact:
+            # the bucket's debt then holds the next read back.
+            self.shaper.rx.consume(r, self._halted)
         return buf
 
     def _recv_loop(self) -> None:
@@ -149,6 +171,8 @@ class PeerLink:
                 err = exc if isinstance(exc, FrameError | LinkClosed) else \
                     LinkClosed(f"link to {self.peer} broke: {exc}")
                 self._fail(err)
+        except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
+            self._fail(LinkClosed(f"link to {self.peer} failed while receiving: {exc!r}"))
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -166,16 +190,17 @@ class PeerLink:
 
     def recv(self, kind: Kind, step: int, micro_batch: int,
              timeout: float) -> tuple[FrameHeader, bytearray]:
-        deadline = time.monotonic() + timeout
+        """The next frame of ``kind``, which must be for ``step`` and ``micro_batch``.
+        ``timeout``: seconds with no byte moving on the link either way."""
+        start = time.monotonic()
         while True:
             if self.abort.is_set():
                 raise LinkAborted("stopped while waiting for the peer")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if self._quiet_for(start) > timeout:
                 raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} from "
-                                  f"{self.peer} within {timeout:g}s")
+                                  f"{self.peer}: nothing moved for {timeout:g}s")
             try:
-                item = self._in[kind].get(timeout=min(remaining, 0.1))
+                item = self._in[kind].get(timeout=0.1)
                 break
             except queue.Empty:
                 continue
@@ -229,11 +254,15 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
                 raise PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}") \
                     from None
             time.sleep(0.1)
-    sock.settimeout(None)
-    payload = _hello_payload(key, stage)
-    header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
-    sock.sendall(header.pack() + payload)
-    return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort)
+    try:
+        sock.settimeout(None)
+        payload = _hello_payload(key, stage)
+        header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
+        sock.sendall(header.pack() + payload)
+        return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
