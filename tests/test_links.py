@@ -119,3 +119,68 @@ def test_latency_delays_without_cutting_throughput():
         right.close()
     # Ten frames queued together each arrive ~50 ms after they were sent, not 10 x 50 ms.
     assert 0.05 <= elapsed < 0.25
+
+
+def test_a_wait_times_out_on_a_quiet_link_not_a_busy_one():
+    """The frame timeout counts seconds with no byte moving: a GRAD that arrives behind 1.5 s
+    of activations on a slow link is waited for with a 0.8 s timeout; on a quiet link the
+    same wait gives up after 0.8 s."""
+    from swarm_core.pipeline.transport import PeerTimeout
+
+    left, right, _, _ = _pair(16.0, tcp=True)
+    try:
+        x = torch.randn(256, 1024)  # 1 MiB: about 0.5 s at 16 Mbit/s
+        for i in range(3):
+            left.send_tensor(Kind.ACT, 0, i, x, Codec.FP32)
+        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)
+        t0 = time.monotonic()
+        _, g = right.recv_tensor(Kind.GRAD, 0, 0, timeout=0.8)
+        assert torch.equal(g, torch.ones(4)) and time.monotonic() - t0 > 1.2
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeout, match=r"nothing moved for 0\.8s"):
+            right.recv(Kind.GRAD, 0, 1, timeout=0.8)
+        assert 0.7 < time.monotonic() - t0 < 2.0
+    finally:
+        left.close()
+        right.close()
+
+
+def test_stop_reaches_a_flush_and_the_sender_at_once():
+    from swarm_core.pipeline.transport import LinkAborted
+
+    left, right, shaper, _ = _pair(8.0)
+    try:
+        left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), Codec.FP32)  # 2 MiB: 2 s
+        threading.Timer(0.2, left.abort.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(LinkAborted):
+            left.flush(5)
+        assert time.monotonic() - t0 < 0.5
+        time.sleep(0.2)
+        sent = shaper.tx_bytes
+        time.sleep(0.3)
+        assert shaper.tx_bytes == sent, "the sender stopped sending"
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_jobs_link_limits_last_while_any_of_its_stages_runs():
+    """Two stages of one job on one fellow share its shaper: the job's limits hold until the
+    last of them ends, then the fellow's own come back, including a SET_SPEED sent mid-job
+    (applied at once, and kept)."""
+    from swarm_core.fellow.jobs import LinkOverrides
+    from swarm_core.protocol import LinkLimits
+
+    shaper = LinkShaper()
+    links = LinkOverrides(shaper)
+    job = LinkLimits(tx_mbps=500.0, rx_mbps=500.0)
+    links.hold(job)
+    links.hold(job)  # the second stage of the job
+    assert shaper.limits() == job
+    links.release()
+    assert shaper.limits() == job, "one stage still runs"
+    links.set_speed(LinkLimits(tx_mbps=80.0, latency_ms=20.0))
+    assert shaper.tx.mbps == 80.0
+    links.release()
+    assert shaper.limits() == LinkLimits(tx_mbps=80.0, latency_ms=20.0)

@@ -148,3 +148,29 @@ def test_header_check_covers_fields():
     _, raw = _frame()
     (check,) = struct.unpack("<I", raw[60:])
     assert check == xxhash.xxh3_64_intdigest(raw[:60]) & 0xFFFFFFFF
+
+
+def test_frames_that_do_not_fit_are_frame_errors():
+    """A peer's frame of the wrong size or shape fails the stage with a FrameError that says
+    what came and what was expected, never a struct or reshape error from deep inside."""
+    import socket
+
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.transport import PeerLink
+
+    a, b = socket.socketpair()
+    left, right = PeerLink(a, LinkShaper(), 7, "b"), PeerLink(b, LinkShaper(), 7, "a")
+    try:
+        left.send_raw(Kind.NORM, 3, 0, b"\0" * 4)
+        with pytest.raises(FrameError, match="NORM step 3 from a carries 4 bytes, expected 8"):
+            right.recv_float(Kind.NORM, 3, 0, timeout=5)
+        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 3), codecs.Codec.FP32)
+        with pytest.raises(FrameError, match=r"ACT step 3 micro-batch 0 from a has shape "
+                                             r"\[2, 3\], expected \[2, 4\]"):
+            right.recv_tensor(Kind.ACT, 3, 0, timeout=5, shape=(2, 4))
+        left.send_tensor(Kind.GRAD, 3, 0, torch.ones(()), codecs.Codec.INT8)
+        with pytest.raises(FrameError, match="rows need a last dimension"):
+            right.recv_tensor(Kind.GRAD, 3, 0, timeout=5)
+    finally:
+        left.close()
+        right.close()

@@ -14,7 +14,14 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, import_engine, run_job
+from swarm_core.fellow.jobs import (
+    JobContext,
+    JobRefused,
+    LinkOverrides,
+    Progress,
+    import_engine,
+    run_job,
+)
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
@@ -67,6 +74,7 @@ class FellowDaemon:
         self.fellow_id: int | None = None
         self.session = ""
         self.shaper = LinkShaper()
+        self.links = LinkOverrides(self.shaper)
         self.listeners: list[DataListener] = []  # one per device slot
         self.signal_seq = 0
         self.status = "ready"
@@ -242,7 +250,7 @@ class FellowDaemon:
         log.info("signal %d %s %s", sig.seq, sig.kind, sig.job_id or "")
         if sig.kind == "SET_SPEED":
             try:
-                self.shaper.apply(structure(sig.payload, LinkLimits))
+                self.links.set_speed(structure(sig.payload, LinkLimits))
             except SchemaError as exc:
                 log.error("ignoring bad SET_SPEED payload: %s", exc)
         elif sig.kind == "START":
@@ -318,7 +326,7 @@ class FellowDaemon:
         ctx = JobContext(fellow_id=fellow_id, progress=progress, report=report,
                          shaper=self.shaper, listener=listener, threads=self.opts.threads,
                          fellow_name=self.opts.name, push_shard=push_shard,
-                         fetch_checkpoint=fetch_checkpoint)
+                         fetch_checkpoint=fetch_checkpoint, links=self.links)
         try:
             await run_job(start, ctx)
         except JobRefused as exc:

@@ -46,6 +46,30 @@ class JobRefused(Exception):
     pass
 
 
+class LinkOverrides:
+    """A fellow's link limits: the baseline SET_SPEED gives (live, and kept), and a job's own
+    (``training.link``) for as long as any of its stages runs here. Stages of one job on one
+    fellow share the shaper, so the baseline comes back when the last of them ends."""
+
+    def __init__(self, shaper: Any) -> None:
+        self.shaper = shaper
+        self.baseline = shaper.limits()
+        self.holders = 0
+
+    def set_speed(self, limits: Any) -> None:
+        self.baseline = limits
+        self.shaper.apply(limits)
+
+    def hold(self, limits: Any) -> None:
+        self.holders += 1
+        self.shaper.apply(limits)
+
+    def release(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.shaper.apply(self.baseline)
+
+
 @attrs.define
 class JobContext:
     """What the daemon lends a job: identity, progress, reporting and the data plane."""
@@ -60,6 +84,7 @@ class JobContext:
     push_shard: PushShard | None = None
     # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
     fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
+    links: LinkOverrides | None = None  # the daemon's; None: this job's own view of the shaper
 
 
 async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
@@ -226,9 +251,9 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             raise
 
     ctx.progress.stage = stage
-    previous_link = ctx.shaper.limits()
+    links = ctx.links or LinkOverrides(ctx.shaper)
     if training.link is not None:
-        ctx.shaper.apply(training.link)
+        links.hold(training.link)
     reporter_task = asyncio.create_task(reporter())
     pusher_task = asyncio.create_task(pusher())
     fut = loop.run_in_executor(None, work)
@@ -252,7 +277,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await pusher_task
         if training.link is not None:
-            ctx.shaper.apply(previous_link)
+            links.release()
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(

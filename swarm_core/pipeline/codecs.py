@@ -70,6 +70,8 @@ def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
            codec: Codec, device: torch.device | None = None) -> torch.Tensor:
     """A float32 tensor of ``shape`` on ``device`` (the CPU by default). On the CPU ``payload``
     must stay alive while the tensor is used."""
+    if codec is Codec.INT8 and (not shape or shape[-1] == 0):
+        raise CodecError(f"INT8 payload of shape {list(shape)}: rows need a last dimension")
     expected = payload_size(shape, codec)
     if len(payload) != expected:
         raise CodecError(f"{codec.name} payload of shape {shape} needs {expected} bytes, "

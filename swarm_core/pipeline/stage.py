@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +39,7 @@ from swarm_core.pipeline.optim import (
 from swarm_core.pipeline.schedules import ops_for
 from swarm_core.pipeline.transport import PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
-from swarm_core.pipeline.wire_math import expected_wire_bytes, wire_codec
-
-_F64 = struct.Struct("<d")
+from swarm_core.pipeline.wire_math import boundary_width, expected_wire_bytes, wire_codec
 
 
 class StageStopped(Exception):
@@ -107,6 +104,9 @@ class StageRunner:
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
         self.codec = wire_codec(m)
+        # Every ACT and GRAD frame at this stage's boundaries: one micro-batch, boundary-wide.
+        self.frame_shape = (spec.training.batch_size // spec.training.micro_batches, m.seq_len,
+                            boundary_width(m))
         self.tag = job_tag(spec.job_id)
         self.first = spec.stage == 0
         self.last = spec.stage == spec.num_stages - 1
@@ -169,7 +169,8 @@ class StageRunner:
                 else:
                     assert self.up is not None
                     self._fill_wait(self.up, Kind.ACT)
-                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device)
+                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device,
+                                                 self.frame_shape)
                     inp.requires_grad_(True)
                     inputs[i] = inp
                 with dropout_rng(self.module, step, i), self.meter.saving():
@@ -189,7 +190,8 @@ class StageRunner:
                 if not self.last:
                     assert self.down is not None
                     self._fill_wait(self.down, Kind.GRAD)
-                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device)
+                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device,
+                                                    self.frame_shape)
                 with wq.capture() if wq is not None else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
                 held.pop(i, None)
@@ -232,18 +234,16 @@ class StageRunner:
         below = 0.0
         if not self.last:
             assert self.down is not None
-            _, raw = self.down.recv(Kind.NORM, step, 0, timeout)
-            below = _F64.unpack(raw)[0]
+            below = self.down.recv_float(Kind.NORM, step, 0, timeout)
         if not self.first:
             assert self.up is not None
-            self.up.send_raw(Kind.NORM, step, 0, _F64.pack(local + below))
-            _, raw = self.up.recv(Kind.NORM, step, 1, timeout)
-            total = _F64.unpack(raw)[0]
+            self.up.send_float(Kind.NORM, step, 0, local + below)
+            total = self.up.recv_float(Kind.NORM, step, 1, timeout)
         else:
             total = local + below
         if not self.last:
             assert self.down is not None
-            self.down.send_raw(Kind.NORM, step, 1, _F64.pack(total))
+            self.down.send_float(Kind.NORM, step, 1, total)
         return total
 
     @torch.no_grad()
@@ -264,7 +264,7 @@ class StageRunner:
             else:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
-                                             self.device)
+                                             self.device, self.frame_shape)
             out = self.module(inp)
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -44,6 +45,7 @@ class LinkAborted(Exception):
 
 
 _CLOSED = object()
+_F64 = struct.Struct("<d")
 
 
 class PeerLink:
@@ -213,14 +215,35 @@ class PeerLink:
         return header, payload
 
     def recv_tensor(self, kind: Kind, step: int, micro_batch: int, timeout: float,
-                    device: torch.device | None = None) -> tuple[FrameHeader, torch.Tensor]:
-        """The next frame's tensor, decoded onto ``device`` (the CPU by default)."""
+                    device: torch.device | None = None,
+                    shape: tuple[int, ...] | None = None) -> tuple[FrameHeader, torch.Tensor]:
+        """The next frame's tensor, decoded onto ``device`` (the CPU by default); with
+        ``shape``, a frame of any other shape is an error, not a tensor to train on."""
         header, payload = self.recv(kind, step, micro_batch, timeout)
+        if shape is not None and tuple(header.shape) != tuple(shape):
+            raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
+                             f"{self.peer} has shape {list(header.shape)}, expected "
+                             f"{list(shape)}")
         try:
             codec = codecs.Codec(header.codec)
         except ValueError:
             raise FrameError(f"unknown codec {header.codec}") from None
-        return header, codecs.decode(payload, header.shape, codec, device)
+        try:
+            return header, codecs.decode(payload, header.shape, codec, device)
+        except codecs.CodecError as exc:
+            raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
+                             f"{self.peer}: {exc}") from None
+
+    def recv_float(self, kind: Kind, step: int, micro_batch: int, timeout: float) -> float:
+        """A frame that carries one float64 (the gradient-norm exchange)."""
+        _, raw = self.recv(kind, step, micro_batch, timeout)
+        if len(raw) != _F64.size:
+            raise FrameError(f"{kind.name} step {step} from {self.peer} carries {len(raw)} "
+                             f"bytes, expected {_F64.size}")
+        return _F64.unpack(raw)[0]
+
+    def send_float(self, kind: Kind, step: int, micro_batch: int, value: float) -> None:
+        self.send_raw(kind, step, micro_batch, _F64.pack(value))
 
     def close(self) -> None:
         self._stop.set()
