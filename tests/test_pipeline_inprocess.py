@@ -310,6 +310,25 @@ async def test_a_start_for_a_device_this_fellow_lacks_is_refused():
         await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"stage": "x"}, "bad START payload: invalid literal"),
+    ({"stage": -1}, "bad START payload: stage -1 of a 2-stage placement"),
+    ({"stage": 0}, "bad START payload: stage 1 has no data address to dial: None"),
+])
+async def test_a_start_that_does_not_fit_is_refused(change, message):
+    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+
+    async def report(_update: Any) -> None:
+        raise AssertionError("nothing to report")
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "model": MODEL, "training": {"steps": 1},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None},
+                                      {"layers": {"start": 2, "stop": 3}, "data_addr": None}]},
+             **change}
+    with pytest.raises(JobRefused, match=f"^{message}"):
+        await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
+
+
 @pytest.mark.parametrize("ending", ["failed", "stopped"])
 async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypatch):
     """A failed or STOPped stage's model, optimiser and activations go when the job does, not

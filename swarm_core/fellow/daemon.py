@@ -265,7 +265,10 @@ class FellowDaemon:
     # jobs -------------------------------------------------------------------------------------
     async def _start_job(self, sig: Signal) -> None:
         start = sig.payload
-        stage = int(start.get("stage") or 0)
+        try:
+            stage = int(start.get("stage") or 0)
+        except (TypeError, ValueError):
+            stage = 0  # the job refuses the payload and reports it; the fellow carries on
         key = (sig.job_id or "", stage)
         running = self.stages.get(key)
         if running is not None and not running[0].done():

@@ -142,9 +142,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         training = attrs.evolve(training, threads=ctx.threads)
         stage = int(start["stage"])
         stages = start["placement"]["stages"]
+        if not 0 <= stage < len(stages):
+            raise IndexError(f"stage {stage} of a {len(stages)}-stage placement")
         mine = stages[stage]
         layers = (int(mine["layers"]["start"]), int(mine["layers"]["stop"]))
         downstream = stages[stage + 1]["data_addr"] if stage + 1 < len(stages) else None
+        if stage + 1 < len(stages) and not (isinstance(downstream, str) and ":" in downstream):
+            raise ValueError(f"stage {stage + 1} has no data address to dial: {downstream!r}")
         spec = StageSpec(job_id=start["job_id"], key=start["key"], stage=stage,
                          num_stages=len(stages), layers=layers, downstream_addr=downstream,
                          model=model, training=training, device=str(mine.get("device", "cpu")))
@@ -154,7 +158,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         log.warning("%s: tie_weights is off: the embedding and the LM head are on different "
                     "stages (0 and %d)", spec.job_id, spec.num_stages - 1)
     try:
-        resolve_device(spec.device, model.dtype)
+        # In a thread: a first touch of a GPU creates its context, which takes seconds.
+        await asyncio.to_thread(resolve_device, spec.device, model.dtype)
     except DeviceError as exc:
         raise JobRefused(f"cannot run stage {stage} on {exc}") from None
 

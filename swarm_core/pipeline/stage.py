@@ -159,8 +159,11 @@ class StageRunner:
         self.meter.start_step()
         loss_sum = 0.0
         wq = self.wgrad
+        # Nothing carries over from a step that did not finish: no pending weight passes, no
+        # gradients half accumulated.
+        self.opt.zero_grad(set_to_none=True)
         if wq is not None:
-            wq.clear()  # nothing carries over from a step that did not finish
+            wq.clear()
         for op, i in ops_for(t.schedule, self.spec.stage, self.spec.num_stages, m):
             self._check_stop()
             if op == "F":
