@@ -220,7 +220,7 @@ class FakeClient(SwarmClient):
     def expected_events(self) -> int:
         """How many events (besides hello) the fake stream sends."""
         return sum(HISTORY_S if f.status == "busy" else 1 for f in self._fellows
-                   if f.status not in ("stale", "offline", "released"))
+                   if f.status not in ("stale", "offline", "released")) + 2  # + 2 metrics
 
     async def events(self, *, types: list[str] | None = None, job_id: str | None = None
                      ) -> AsyncIterator[dict[str, Any]]:
@@ -252,6 +252,13 @@ class FakeClient(SwarmClient):
                              "latency_ms": fi.link.latency_ms},
                     "counters": {"control_tx": c.control_tx, "control_rx": c.control_rx,
                                  "data_tx": tx, "data_rx": rx}}}
+        # What the running job's two stages last reported (the watch view's columns).
+        for fid, loss, peak in ((0, None, 18_400_000), (1, 2.4312, 9_700_000)):
+            seq += 1
+            yield {"seq": seq, "ts": T0, "type": "metric", "data": {
+                "job_id": "job-000002", "fellow_id": fid, "step": 120, "loss": loss,
+                "tokens_per_s": 1825.0, "state": "RUNNING",
+                "metrics": {"wire_tx_bytes": 1_050_000, "activation_peak_bytes": peak}}}
         await asyncio.Event().wait()  # then quiet, forever
 
 

@@ -275,6 +275,7 @@ WATCH_COLUMNS: tuple[Column, ...] = (
     Column("tps", "tok/s", 6, "right"),
     Column("tx_rate", "tx Mb/s", 7, "right"),
     Column("rx_rate", "rx Mb/s", 7, "right"),
+    Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step"),
     Column("hb", "hb", 4, "right"),
 )
 
@@ -292,6 +293,7 @@ def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]
         st.loss if in_job and st is not None else None)
     tps = fp.tokens_per_s if fp is not None and fp.tokens_per_s is not None else (
         st.tokens_per_s if in_job and st is not None else None)
+    act = fp.activation_bytes if fp is not None else None
     status = st.status if st is not None else "gone"
     row_style = STALE_ROW_STYLE if st is None or st.stale else ""
     age = model.heartbeat_age(st) if st is not None else None
@@ -309,6 +311,7 @@ def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]
         "step": cell("-" if step is None else str(step), step, justify="right"),
         "loss": cell(fmt_loss(loss), loss, justify="right"),
         "tps": cell(fmt_tps(tps), tps, justify="right"),
+        "act": cell(fmt_bytes(act), act, justify="right"),
         "tx_rate": cell(fmt_mbps(tx), tx, justify="right"),
         "rx_rate": cell(fmt_mbps(rx), rx, justify="right"),
         "hb": cell(fmt_age(age), age, justify="right"),

@@ -192,6 +192,7 @@ class FellowProgress:
     loss: float | None = None
     tokens_per_s: float | None = None
     state: str = ""
+    activation_bytes: int | None = None  # peak held for backward in its last step
 
 
 @attrs.define(eq=False)
@@ -224,6 +225,9 @@ class JobView:
                 fp.loss = loss
             if data.get("tokens_per_s") is not None:
                 fp.tokens_per_s = data["tokens_per_s"]
+            peak = (data.get("metrics") or {}).get("activation_peak_bytes")
+            if isinstance(peak, int | float):
+                fp.activation_bytes = int(peak)
         self.info.last_step = max(self.info.last_step, step)
         if loss is not None:
             self.info.last_loss = loss
