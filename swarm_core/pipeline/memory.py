@@ -11,6 +11,7 @@ the same on any device. Allocator slack and temporaries inside one op are not in
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,8 +36,10 @@ class _Held:
         self.version = tensor._version
 
     def __del__(self) -> None:
+        # No lock here: a collection may run this in the middle of _pack, in the same thread.
+        # The key waits in a deque (appends are atomic) until the meter next counts.
         if self.key is not None:
-            self.meter._release(self.key)
+            self.meter._released.append(self.key)
 
 
 class ActivationMeter:
@@ -45,8 +48,16 @@ class ActivationMeter:
         self._skip = {_key(p) for p in parameters}
         self._refs: dict[_Key, int] = {}
         self._sizes: dict[_Key, int] = {}
-        self.live = 0
+        self._released: deque[_Key] = deque()
+        self._live = 0
         self.peak = 0
+
+    @property
+    def live(self) -> int:
+        """Bytes held now."""
+        with self._lock:
+            self._drain()
+            return self._live
 
     def saving(self) -> AbstractContextManager[Any]:
         """Autograd saves made inside this block are counted until autograd frees them."""
@@ -59,7 +70,8 @@ class ActivationMeter:
     def start_step(self) -> None:
         """The next step's peak starts from what is held now."""
         with self._lock:
-            self.peak = self.live
+            self._drain()
+            self.peak = self._live
 
     def _pack(self, t: torch.Tensor) -> _Held:
         # Detached: a saved output holding its own grad_fn would be a reference cycle, freed
@@ -69,23 +81,26 @@ class ActivationMeter:
         if key in self._skip or t.device.type == "meta":
             return _Held(self, t, None)
         with self._lock:
+            # Releases first: a storage freed before this one was made may share its address.
+            self._drain()
             n = self._refs.get(key, 0)
             if n == 0:
                 size = t.untyped_storage().nbytes()
                 self._sizes[key] = size
-                self.live += size
-                self.peak = max(self.peak, self.live)
+                self._live += size
+                self.peak = max(self.peak, self._live)
             self._refs[key] = n + 1
         return _Held(self, t, key)
 
-    def _release(self, key: _Key) -> None:
-        with self._lock:
+    def _drain(self) -> None:
+        while self._released:
+            key = self._released.popleft()
             n = self._refs[key] - 1
             if n:
                 self._refs[key] = n
             else:
                 del self._refs[key]
-                self.live -= self._sizes.pop(key)
+                self._live -= self._sizes.pop(key)
 
 
 def _unpack(held: _Held) -> torch.Tensor:
