@@ -313,7 +313,7 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "compression_ratio": (uncompressed / measured) if measured else None,
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
-        "activation_peak_bytes_by_stage": peaks_by_stage(records),
+        "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
         "thresholds": {},
     }
     if training.max_final_loss is not None:
@@ -324,13 +324,14 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
     return summary
 
 
-def peaks_by_stage(records: list[dict[str, Any]]) -> list[int] | None:
-    """The largest activation memory each stage held in any step, in stage order."""
+def peaks_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[int | None] | None:
+    """The largest activation memory each stage held in any step, by stage index (None for a
+    stage that never reported it); None when no stage did."""
     peaks: dict[int, int] = {}
     for r in records:
         for stage, n in (r.get("activation_peak_bytes") or {}).items():
             peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
-    return [peaks[s] for s in sorted(peaks)] if peaks else None
+    return [peaks.get(s) for s in range(num_stages)] if peaks else None
 
 
 def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:

@@ -165,6 +165,47 @@ def test_stop_reaches_a_flush_and_the_sender_at_once():
         right.close()
 
 
+def test_a_stopping_receiver_leaves_no_debt_in_the_fellows_bucket():
+    """The rx bucket is the fellow's: bytes a stopping link still reads are not charged, or
+    the next job would start seconds in debt."""
+    from swarm_core.pipeline.links import CHUNK
+
+    left, right, _, rx_shaper = _pair(None, 8.0, tcp=True)
+    try:
+        for i in range(4):
+            left.send_tensor(Kind.ACT, 0, i, torch.randn(1024, 1024), Codec.FP32)  # 4 MiB
+        time.sleep(0.2)
+        right.abort.set()
+        time.sleep(0.5)  # the receiver reads on at full speed until the link closes
+    finally:
+        left.close()
+        right.close()
+    rx_shaper.rx._refill(time.monotonic())
+    assert rx_shaper.rx._tokens >= -CHUNK
+
+
+def test_an_error_in_a_link_thread_fails_the_link_at_once(monkeypatch):
+    """Not only socket errors: anything that ends the receiver (a bug, MemoryError) reaches
+    the stage now, not after its frame timeout."""
+    from swarm_core.pipeline import transport
+    from swarm_core.pipeline.transport import LinkClosed
+
+    def broken(raw, max_payload):  # type: ignore[no-untyped-def]
+        raise MemoryError("no room for the payload")
+
+    monkeypatch.setattr(transport.FrameHeader, "unpack", staticmethod(broken))
+    left, right, _, _ = _pair(None)
+    try:
+        left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), Codec.FP32)
+        t0 = time.monotonic()
+        with pytest.raises(LinkClosed, match="failed while receiving: MemoryError"):
+            right.recv(Kind.ACT, 0, 0, timeout=30)
+        assert time.monotonic() - t0 < 2
+    finally:
+        left.close()
+        right.close()
+
+
 def test_a_jobs_link_limits_last_while_any_of_its_stages_runs():
     """Two stages of one job on one fellow share its shaper: the job's limits hold until the
     last of them ends, then the fellow's own come back, including a SET_SPEED sent mid-job

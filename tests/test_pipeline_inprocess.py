@@ -386,6 +386,23 @@ async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypat
         listener.close()
 
 
+def test_a_frame_of_the_wrong_shape_fails_the_stage(data):
+    """The stage names the shape it expects: stage 1 configured for micro-batches of 4
+    sequences refuses stage 0's 2-sequence activations instead of training on them."""
+    from swarm_core.pipeline.frames import FrameError
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=1, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=5)
+
+    def other_batch(spec: StageSpec) -> None:
+        spec.training = attrs.evolve(spec.training, batch_size=8)
+
+    res = run_pipeline(mc, tc, data, 2, sabotage={1: other_batch})
+    assert isinstance(res[1], FrameError)
+    assert "has shape [2, 16, 32], expected [4, 16, 32]" in str(res[1])
+
+
 def test_dead_neighbour_times_out_instead_of_hanging(data):
     mc = ModelConfig(**MODEL)
     tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=0,

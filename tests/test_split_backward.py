@@ -105,3 +105,26 @@ def test_bfloat16_computes_in_bfloat16_and_hands_on_float32(compression: str) ->
     assert lm_loss(logits, torch.randint(0, 64, (2, 16))).dtype == torch.float32
     assert streams == [torch.float32]
     assert all(p.dtype == torch.float32 for p in first.parameters())
+
+
+def test_the_meter_counts_what_pending_weight_passes_hold() -> None:
+    """A deferred weight pass keeps its layer's input and output gradient: counted while it
+    waits, released when it has run."""
+    from swarm_core.pipeline.memory import ActivationMeter
+
+    stage = StageModule(CFG, 64, 0, 2, 4, 1, 2)
+    meter = ActivationMeter(stage.parameters())
+    queue = WeightGradQueue(meter)
+    attach(stage, queue)
+    x = torch.randn(3, 16, 32, requires_grad=True)
+    with meter.saving():
+        loss = lm_loss(stage(x), torch.randint(0, 64, (3, 16)))
+    saved = meter.live
+    with queue.capture():
+        loss.backward()
+    del loss
+    pending = meter.live
+    assert pending > 0, "the queue's inputs and gradients are counted"
+    assert pending != saved
+    queue.drain()
+    assert meter.live == 0

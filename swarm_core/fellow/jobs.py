@@ -251,6 +251,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             # and activations; the awaiting frame holds the exception: a cycle that only a
             # full garbage collection frees, long after the next job wanted the memory.
             traceback.clear_frames(exc.__traceback__)
+            state = opt_state = None  # this frame is still running: clear_frames skips it
             if isinstance(exc, ResumeError):
                 raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
             raise
@@ -283,6 +284,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             await pusher_task
         if training.link is not None:
             links.release()
+        fut = None  # an exception from it holds this frame: no cycle back through fut
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(

@@ -47,6 +47,8 @@ class TokenBucket:
     def consume(self, n: int, stop: Callable[[], bool] | None = None) -> None:
         """Block until ``n`` bytes may pass, or ``stop()`` says to give up. Rate changes apply
         within 50 ms."""
+        if stop is not None and stop():
+            return  # stopping: bytes still moving are not charged (no debt for the next job)
         with self._lock:
             self._refill(time.monotonic())
             if self._rate is None:

@@ -226,7 +226,8 @@ class JobView:
             if data.get("tokens_per_s") is not None:
                 fp.tokens_per_s = data["tokens_per_s"]
             peak = (data.get("metrics") or {}).get("activation_peak_bytes")
-            if isinstance(peak, int | float):
+            # (a COMPLETED report carries the whole run's peak under the same name)
+            if isinstance(peak, int | float) and fp.state == "RUNNING":
                 fp.activation_bytes = int(peak)
         self.info.last_step = max(self.info.last_step, step)
         if loss is not None:

@@ -47,10 +47,11 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                            f"{m.get('perplexity', float('nan')):.2f}, "
                            f"{m.get('tokens_per_s', 0):.0f} tokens/s, "
                            f"{m.get('wire_bytes_per_step', 0) / 1e6:.2f} MB on the wire per step")
-            peaks = peaks_by_stage(await c.progress(job.job_id))
+            peaks = peaks_by_stage(await c.progress(job.job_id), len(final.fellows))
             if peaks:
                 print_line("activations held for backward, at the peak: " + ", ".join(
-                    f"stage {k} {n / 1e6:.2f} MB" for k, n in enumerate(peaks)))
+                    f"stage {k} " + ("-" if n is None else f"{n / 1e6:.2f} MB")
+                    for k, n in enumerate(peaks)))
             return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
 
     try:
