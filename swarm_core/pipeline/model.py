@@ -58,14 +58,16 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 @contextlib.contextmanager
-def dropout_rng(module: StageModule, step: int, micro_batch: int) -> Iterator[None]:
+def dropout_rng(module: StageModule, step: int | None,
+                micro_batch: int | None) -> Iterator[None]:
     """Dropout masks that depend on (run seed, stage, step, micro-batch) alone: the generator
     of the stage's device is seeded with them for the forward pass inside (backward draws
     nothing: the masks are saved). So a pipeline with dropout equals the single process (which
     seeds each stage's forward the same way), a resumed run continues exactly with no generator
     state in its checkpoint, and a fellow's earlier jobs do not change a run. A no-op without
-    dropout or outside training; with it, forwards of stages sharing a process take turns."""
-    if not (module.training and module.cfg.dropout > 0):
+    dropout, outside training or without a step (``None``: the generator as it stands); with
+    it, forwards of stages sharing a process take turns."""
+    if not (module.training and module.cfg.dropout > 0) or step is None or micro_batch is None:
         yield
         return
     with _RNG_LOCK:
@@ -250,8 +252,7 @@ class ExperimentModel(nn.Module):
         pipeline would (see :func:`dropout_rng`)."""
         x = idx
         for i, stage in enumerate(self.stages):
-            with (dropout_rng(stage, step, micro_batch)
-                  if step is not None and micro_batch is not None else contextlib.nullcontext()):
+            with dropout_rng(stage, step, micro_batch):
                 x = stage(x)
             if i < len(self.stages) - 1 and self.codec is not codecs.Codec.FP32:
                 x = _WireRoundTrip.apply(x, self.codec)
