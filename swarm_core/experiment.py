@@ -280,7 +280,9 @@ class Experiment:
             "step": r["step"], "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
             "wire_bytes": r.get("wire_bytes"), "step_seconds": r.get("step_seconds"),
             "eval_loss": r.get("eval_loss"), "lr": r.get("lr"),
-            "activation_peak_bytes": r.get("activation_peak_bytes"), "ts": r.get("ts"),
+            "activation_peak_bytes": r.get("activation_peak_bytes"),
+            "wait_seconds": r.get("wait_seconds"), "stage_seconds": r.get("stage_seconds"),
+            "ts": r.get("ts"),
         }) + b"\n" for r in records)
         atomic_write(st.run_dir / "train_progress.ndjson", lines)
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
@@ -314,6 +316,7 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
         "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
+        "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows)),
         "thresholds": {},
     }
     if training.max_final_loss is not None:
@@ -332,6 +335,26 @@ def peaks_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[int |
         for stage, n in (r.get("activation_peak_bytes") or {}).items():
             peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
     return [peaks.get(s) for s in range(num_stages)] if peaks else None
+
+
+def wait_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[float | None] | None:
+    """The share of its step time each stage spent blocked on its links, by stage index: its
+    wait_seconds over its own stage_seconds, summed over the steps after the first (which also
+    waits for the neighbours to start). None for a stage that never reported; None when no
+    stage did."""
+    waits: dict[int, float] = {}
+    spans: dict[int, float] = {}
+    steady = sorted(records, key=lambda r: r["step"])[1:] if len(records) > 1 else records
+    for r in steady:
+        spent = r.get("stage_seconds") or {}
+        for stage, w in (r.get("wait_seconds") or {}).items():
+            span = spent.get(stage)
+            if isinstance(span, int | float) and span > 0:
+                waits[int(stage)] = waits.get(int(stage), 0.0) + float(w)
+                spans[int(stage)] = spans.get(int(stage), 0.0) + float(span)
+    if not waits:
+        return None
+    return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
 
 
 def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:

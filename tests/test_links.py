@@ -145,6 +145,32 @@ def test_a_wait_times_out_on_a_quiet_link_not_a_busy_one():
         right.close()
 
 
+def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
+    """``waited``: seconds in recv before the frame was there, and in flush before the sends
+    drained; a frame that had already arrived costs no wait."""
+    left, right, _, _ = _pair(16.0)
+    try:
+        timer = threading.Timer(0.3, left.send_tensor,
+                                (Kind.ACT, 0, 0, torch.ones(4), Codec.FP32))
+        timer.start()
+        right.recv_tensor(Kind.ACT, 0, 0, timeout=5)
+        assert 0.25 < right.waited < 1.0
+        left.send_tensor(Kind.ACT, 0, 1, torch.ones(4), Codec.FP32)
+        deadline = time.monotonic() + 5
+        while not right.ready(Kind.ACT) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        before = right.waited
+        right.recv_tensor(Kind.ACT, 0, 1, timeout=5)
+        assert right.waited - before < 0.02
+        assert left.waited == 0.0  # sending queues: no wait
+        left.send_tensor(Kind.ACT, 0, 2, torch.randn(256, 1024), Codec.FP32)  # 1 MiB: ~0.5 s
+        left.flush(5)
+        assert left.waited > 0.35
+    finally:
+        left.close()
+        right.close()
+
+
 def test_stop_reaches_a_flush_and_the_sender_at_once():
     from swarm_core.pipeline.transport import LinkAborted
 

@@ -123,6 +123,34 @@ def test_activation_memory_is_what_the_schedule_keeps_alive(data):
     assert peaks["1f1b"][1] * 6 < peaks["gpipe"][1]  # the last stage: 1 against 8
 
 
+def test_each_stage_reports_the_time_it_waited_on_a_slow_link(data):
+    """Stage 0 sends its activations at 8 Mbit/s to a stage that computes in milliseconds:
+    stage 1 spends most of each step waiting for them, at least the time the bytes need at
+    that rate, and stage 0 waits for its sends to drain; the steady steps' waits make the run's
+    share."""
+    from swarm_core.pipeline.links import LinkShaper
+
+    mc = ModelConfig(d_model=64, n_layers=2, n_heads=2, seq_len=64)
+    tc = TrainingConfig(steps=3, batch_size=16, micro_batches=4, schedule="1f1b",
+                        eval_batches=0)
+    shapers = [LinkShaper(), LinkShaper()]
+    shapers[0].tx.set_mbps(8.0)
+    reports: dict[int, list[Any]] = {0: [], 1: []}
+    res = run_local_pipeline(mc, tc, data, 2, shapers=shapers,
+                             on_step=lambda s, r: reports[s].append(r))
+    frame = HEADER_SIZE + 4 * 64 * 64 * 4  # one micro-batch's activation, fp32
+    # The bucket's 64 KiB burst is free, and it refills while the gradients come back.
+    ideal = (tc.micro_batches * frame - 65536) * 8 / 8e6
+    for r in reports[1][1:]:
+        assert 0.9 * ideal <= r.wait_seconds <= r.seconds, (r.wait_seconds, ideal)
+        assert r.wait_fraction > 0.7
+    assert all(r.wait_fraction > 0.5 for r in reports[0][1:])
+    for s in (0, 1):  # the run's share leaves out the first step (neighbours starting)
+        steady = reports[s][1:]
+        share = sum(r.wait_seconds for r in steady) / sum(r.seconds for r in steady)
+        assert res[s]["wait_fraction"] == pytest.approx(share)
+
+
 def test_the_meter_keeps_autograds_in_place_check():
     """Autograd skips its own check that a saved tensor was not changed in place when saves go
     through hooks; the meter makes that check itself."""

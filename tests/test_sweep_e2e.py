@@ -78,6 +78,16 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
         peaks = summary["activation_peak_bytes_by_stage"]
         assert peaks == [max(x["activation_peak_bytes"][str(k)] for x in records)
                          for k in (0, 1)]
+        # And the time each stage sat blocked on its links, within its own step time, every
+        # step; the summary's share leaves out the first step (neighbours starting).
+        assert all(set(x["wait_seconds"]) == set(x["stage_seconds"]) == {"0", "1"} and
+                   all(0 <= x["wait_seconds"][k] <= x["stage_seconds"][k] for k in "01")
+                   for x in records)
+        waits = summary["wait_fraction_by_stage"]
+        assert waits == [pytest.approx(sum(x["wait_seconds"][str(k)] for x in records[1:])
+                                       / sum(x["stage_seconds"][str(k)] for x in records[1:]))
+                         for k in (0, 1)]
+        assert all(0 < w < 1 for w in waits)
         bytes_per_step.append(summary["wire_bytes_per_step"])
     # none > fixed_int8 > learned_dim8_int8 on the wire
     assert bytes_per_step[0] > bytes_per_step[1] > bytes_per_step[2]

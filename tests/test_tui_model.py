@@ -19,6 +19,7 @@ from swarm_tui.app.cells import (
     fmt_bytes,
     fmt_mbps,
     progress_bar,
+    watch_cells,
 )
 from swarm_tui.app.forms import FormError, parse_speed
 from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource
@@ -96,6 +97,26 @@ def test_metrics_extend_the_loss_curve_once_per_step() -> None:
             "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}})
     assert len(view.info.loss_history) == n + 1 and view.info.last_step == 121
     assert view.per_fellow[1].step == 121 and view.per_fellow[1].tokens_per_s == 1800.0
+
+
+def test_watch_row_shows_each_stages_memory_and_link_wait() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    event = {"job_id": "job-000002", "fellow_id": 1, "step": 121, "loss": 2.4,
+             "tokens_per_s": 1800.0, "state": "RUNNING",
+             "metrics": {"activation_peak_bytes": 9_700_000, "step_seconds": 0.5,
+                         "wait_seconds": 0.11}}
+    model.apply_event({"seq": 1, "ts": T0, "type": "metric", "data": event})
+    cells = watch_cells(model, view, 1)
+    assert cells["act"].plain == fmt_bytes(9_700_000) and cells["wait"].plain == "22%"
+    assert cells["wait"].sort_key[1] == pytest.approx(0.22)
+    # A report without the timing (an eval) leaves the last step's share in place.
+    model.apply_event({"seq": 2, "ts": T0, "type": "metric",
+                       "data": {**event, "metrics": {"eval_loss": 2.5}}})
+    assert watch_cells(model, view, 1)["wait"].plain == "22%"
+    assert watch_cells(model, view, 0)["wait"].plain == "-"  # nothing reported yet
 
 
 def test_cells_sort_by_value_with_missing_values_last() -> None:

@@ -253,12 +253,13 @@ class FakeClient(SwarmClient):
                     "counters": {"control_tx": c.control_tx, "control_rx": c.control_rx,
                                  "data_tx": tx, "data_rx": rx}}}
         # What the running job's two stages last reported (the watch view's columns).
-        for fid, loss, peak in ((0, None, 18_400_000), (1, 2.4312, 9_700_000)):
+        for fid, loss, peak, wait in ((0, None, 18_400_000, 0.092), (1, 2.4312, 9_700_000, 0.049)):
             seq += 1
             yield {"seq": seq, "ts": T0, "type": "metric", "data": {
                 "job_id": "job-000002", "fellow_id": fid, "step": 120, "loss": loss,
                 "tokens_per_s": 1825.0, "state": "RUNNING",
-                "metrics": {"wire_tx_bytes": 1_050_000, "activation_peak_bytes": peak}}}
+                "metrics": {"wire_tx_bytes": 1_050_000, "activation_peak_bytes": peak,
+                            "step_seconds": 0.61, "wait_seconds": wait}}}
         await asyncio.Event().wait()  # then quiet, forever
 
 

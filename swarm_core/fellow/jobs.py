@@ -179,7 +179,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                               stage=stage,
                               metrics={"wire_tx_bytes": rep.wire_tx_bytes,
                                        "step_seconds": rep.seconds, "lr": rep.lr,
-                                       "activation_peak_bytes": rep.activation_peak_bytes})
+                                       "activation_peak_bytes": rep.activation_peak_bytes,
+                                       "wait_seconds": rep.wait_seconds})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     def on_eval(step: int, loss: float) -> None:

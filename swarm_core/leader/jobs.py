@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import time
 from pathlib import Path
@@ -461,6 +462,12 @@ class JobQueue:
                 # Per stage (keyed by its index as text: a JSON object), since the schedule
                 # gives each stage its own share.
                 rec.setdefault("activation_peak_bytes", {})[str(stage)] = int(peak)
+            # Each stage's own step time beside its wait: a stage's first step also waits
+            # for its neighbours to start, so the last stage's step_seconds is no denominator.
+            for key, src in (("wait_seconds", "wait_seconds"), ("stage_seconds", "step_seconds")):
+                v = upd.metrics.get(src)
+                if isinstance(v, int | float) and math.isfinite(v):
+                    rec.setdefault(key, {})[str(stage)] = float(v)
             rec["ts"] = time.time()
             if upd.loss is not None:
                 rec["loss"] = upd.loss

@@ -22,6 +22,7 @@ __all__ = ["run_local_pipeline"]
 def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: TokenData,
                        num_stages: int, *,
                        devices: Sequence[str] | None = None,
+                       shapers: Sequence[LinkShaper] | None = None,
                        stop: threading.Event | None = None,
                        prepare: Mapping[int, Callable[[StageSpec], None]] | None = None,
                        stage_kwargs: Mapping[int, dict[str, Any]] | None = None,
@@ -30,12 +31,16 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: Token
     """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s metrics
     or the exception that ended it; the first failure sets ``stop`` for the others.
     ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);
-    ``stage_kwargs[s]`` go to its ``run_stage``. Raises TimeoutError if a stage is still
+    ``stage_kwargs[s]`` go to its ``run_stage``; ``shapers[s]`` shapes stage s's links (as a
+    fellow's set-speed would; unshaped by default). Raises TimeoutError if a stage is still
     running after ``timeout`` seconds."""
     ranges = split_layers(model.n_layers, [1] * num_stages)
     devs = list(devices or ["cpu"] * num_stages)
     if len(devs) != num_stages:
         raise ValueError(f"{len(devs)} devices for {num_stages} stages")
+    shaping = list(shapers or [LinkShaper() for _ in range(num_stages)])
+    if len(shaping) != num_stages:
+        raise ValueError(f"{len(shaping)} shapers for {num_stages} stages")
     listeners = [DataListener() for _ in range(num_stages)]
     results: dict[int, Any] = {}
     stop = stop or threading.Event()
@@ -47,7 +52,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: Token
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
-            results[s] = run_stage(spec, data, LinkShaper(), listeners[s], stop,
+            results[s] = run_stage(spec, data, shaping[s], listeners[s], stop,
                                    (lambda r: on_step(s, r)) if on_step else (lambda r: None),
                                    connect_timeout=training.frame_timeout_s,
                                    **(stage_kwargs or {}).get(s, {}))

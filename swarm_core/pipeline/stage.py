@@ -56,10 +56,17 @@ class StepReport:
     lr: float
     # Peak bytes held for backward during the step (see pipeline/memory.py).
     activation_peak_bytes: int = 0
+    # Of ``seconds``, the time the stage sat blocked on its links: waiting for a neighbour's
+    # frame (its compute, the network, the pipeline's bubble) or for its own sends to drain.
+    wait_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        return _ratio(self.wait_seconds, self.seconds)
 
 
 class ResumeError(ValueError):
@@ -129,6 +136,10 @@ class StageRunner:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
         return sum(link.sent for link in (self.up, self.down) if link is not None)
 
+    def waited(self) -> float:
+        """Seconds this stage has spent blocked on its links."""
+        return sum(link.waited for link in (self.up, self.down) if link is not None)
+
     def close(self) -> None:
         for link in (self.up, self.down):
             if link is not None:
@@ -144,7 +155,7 @@ class StageRunner:
         t = self.spec.training
         m = t.micro_batches
         timeout = t.frame_timeout_s
-        tx0 = self.sent()
+        tx0, wait0 = self.sent(), self.waited()
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
@@ -218,7 +229,8 @@ class StageRunner:
         return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
                           tokens=t.batch_size * self.spec.model.seq_len,
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
-                          activation_peak_bytes=self.meter.peak)
+                          activation_peak_bytes=self.meter.peak,
+                          wait_seconds=self.waited() - wait0)
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -341,6 +353,9 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
         "expected_wire_tx_bytes_per_step": expected_wire_bytes(
             spec.model, t, spec.stage, spec.num_stages),
         "activation_peak_bytes": max((r.activation_peak_bytes for r in reports), default=0),
+        # After the first step, which also waits for the neighbours to start.
+        "wait_fraction": _ratio(sum(r.wait_seconds for r in reports[1:] or reports),
+                                sum(r.seconds for r in reports[1:] or reports)),
     }
     if losses:
         metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)
@@ -349,3 +364,7 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
         if on_eval is not None:
             on_eval(t.steps, eval_loss)
     return metrics
+
+
+def _ratio(part: float, whole: float) -> float:
+    return min(1.0, part / whole) if whole > 0 else 0.0

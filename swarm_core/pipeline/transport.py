@@ -64,6 +64,9 @@ class PeerLink:
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
         self.sent = 0  # bytes this link put on the wire (the shaper counts the whole fellow)
+        # Seconds the owner spent blocked in recv and flush: time it could have computed had
+        # the network and the neighbour been instant (the stage reports it per step).
+        self.waited = 0.0
         self._stop = threading.Event()
         # Set by the owner (STOP from the leader): a blocked recv gives up within 0.1 s.
         self.abort = abort or threading.Event()
@@ -96,13 +99,16 @@ class PeerLink:
         """Wait until everything queued has been written (``timeout``: seconds without any
         progress on the link)."""
         start = time.monotonic()
-        while self._out.unfinished_tasks:
-            self._raise_if_failed()
-            if self.abort.is_set():
-                raise LinkAborted("stopped while sending to the peer")
-            if self._quiet_for(start) > timeout:
-                raise PeerTimeout(f"sending to {self.peer}: nothing moved for {timeout:g}s")
-            time.sleep(0.002)
+        try:
+            while self._out.unfinished_tasks:
+                self._raise_if_failed()
+                if self.abort.is_set():
+                    raise LinkAborted("stopped while sending to the peer")
+                if self._quiet_for(start) > timeout:
+                    raise PeerTimeout(f"sending to {self.peer}: nothing moved for {timeout:g}s")
+                time.sleep(0.002)
+        finally:
+            self.waited += time.monotonic() - start
 
     def _quiet_for(self, since: float) -> float:
         return time.monotonic() - max(since, self.last_progress)
@@ -195,17 +201,20 @@ class PeerLink:
         """The next frame of ``kind``, which must be for ``step`` and ``micro_batch``.
         ``timeout``: seconds with no byte moving on the link either way."""
         start = time.monotonic()
-        while True:
-            if self.abort.is_set():
-                raise LinkAborted("stopped while waiting for the peer")
-            if self._quiet_for(start) > timeout:
-                raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} from "
-                                  f"{self.peer}: nothing moved for {timeout:g}s")
-            try:
-                item = self._in[kind].get(timeout=0.1)
-                break
-            except queue.Empty:
-                continue
+        try:
+            while True:
+                if self.abort.is_set():
+                    raise LinkAborted("stopped while waiting for the peer")
+                if self._quiet_for(start) > timeout:
+                    raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} "
+                                      f"from {self.peer}: nothing moved for {timeout:g}s")
+                try:
+                    item = self._in[kind].get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    continue
+        finally:
+            self.waited += time.monotonic() - start
         if item is _CLOSED:
             self._in[kind].put(_CLOSED)
             self._raise_if_failed()

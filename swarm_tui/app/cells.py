@@ -276,6 +276,8 @@ WATCH_COLUMNS: tuple[Column, ...] = (
     Column("tx_rate", "tx Mb/s", 7, "right"),
     Column("rx_rate", "rx Mb/s", 7, "right"),
     Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step"),
+    Column("wait", "wait", 5, "right",
+           "share of the last step spent blocked on links (neighbours, network, bubble)"),
     Column("hb", "hb", 4, "right"),
 )
 
@@ -294,6 +296,7 @@ def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]
     tps = fp.tokens_per_s if fp is not None and fp.tokens_per_s is not None else (
         st.tokens_per_s if in_job and st is not None else None)
     act = fp.activation_bytes if fp is not None else None
+    wait = fp.wait_fraction if fp is not None else None
     status = st.status if st is not None else "gone"
     row_style = STALE_ROW_STYLE if st is None or st.stale else ""
     age = model.heartbeat_age(st) if st is not None else None
@@ -312,6 +315,7 @@ def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]
         "loss": cell(fmt_loss(loss), loss, justify="right"),
         "tps": cell(fmt_tps(tps), tps, justify="right"),
         "act": cell(fmt_bytes(act), act, justify="right"),
+        "wait": cell("-" if wait is None else f"{wait:.0%}", wait, justify="right"),
         "tx_rate": cell(fmt_mbps(tx), tx, justify="right"),
         "rx_rate": cell(fmt_mbps(rx), rx, justify="right"),
         "hb": cell(fmt_age(age), age, justify="right"),

@@ -193,6 +193,7 @@ class FellowProgress:
     tokens_per_s: float | None = None
     state: str = ""
     activation_bytes: int | None = None  # peak held for backward in its last step
+    wait_fraction: float | None = None  # of its last step, blocked on its links
 
 
 @attrs.define(eq=False)
@@ -229,12 +230,22 @@ class JobView:
             # (a COMPLETED report carries the whole run's peak under the same name)
             if isinstance(peak, int | float) and fp.state == "RUNNING":
                 fp.activation_bytes = int(peak)
+            wait_fraction = _wait_fraction(data.get("metrics") or {})
+            if wait_fraction is not None:
+                fp.wait_fraction = wait_fraction
         self.info.last_step = max(self.info.last_step, step)
         if loss is not None:
             self.info.last_loss = loss
             hist = self.info.loss_history
             if not hist or hist[-1][0] < step:
                 hist.append([step, loss])
+
+
+def _wait_fraction(metrics: dict[str, Any]) -> float | None:
+    wait, span = metrics.get("wait_seconds"), metrics.get("step_seconds")
+    if not isinstance(wait, int | float) or not isinstance(span, int | float) or span <= 0:
+        return None
+    return min(1.0, max(0.0, wait / span))
 
 
 @attrs.define

@@ -11,7 +11,7 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
-from swarm_core.experiment import peaks_by_stage
+from swarm_core.experiment import peaks_by_stage, wait_by_stage
 from swarm_core.protocol import JobState
 from swarm_tui.commands.argtypes import positive_int
 from swarm_tui.commands.base import ExitCode, print_line, run_async
@@ -47,11 +47,17 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                            f"{m.get('perplexity', float('nan')):.2f}, "
                            f"{m.get('tokens_per_s', 0):.0f} tokens/s, "
                            f"{m.get('wire_bytes_per_step', 0) / 1e6:.2f} MB on the wire per step")
-            peaks = peaks_by_stage(await c.progress(job.job_id), len(final.fellows))
+            records = await c.progress(job.job_id)
+            peaks = peaks_by_stage(records, len(final.fellows))
             if peaks:
                 print_line("activations held for backward, at the peak: " + ", ".join(
                     f"stage {k} " + ("-" if n is None else f"{n / 1e6:.2f} MB")
                     for k, n in enumerate(peaks)))
+            waits = wait_by_stage(records, len(final.fellows))
+            if waits:
+                print_line("time blocked on links (neighbours, network, bubble): " + ", ".join(
+                    f"stage {k} " + ("-" if w is None else f"{w:.0%}")
+                    for k, w in enumerate(waits)))
             return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
 
     try:
