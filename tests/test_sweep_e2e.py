@@ -49,7 +49,7 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     assert [r["state"] for r in runs] == ["COMPLETED"] * 3
     # Progress lines went to stderr (stdout is the JSON document).
     assert "COMPLETED" in res.stderr
-    bytes_per_step = []
+    bytes_per_step, wait_cells = [], []
     for r in runs:
         d = tmp_path / "runs" / r["run_id"]
         assert d.is_dir()
@@ -88,6 +88,8 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
                                        / sum(x["stage_seconds"][str(k)] for x in records[1:]))
                          for k in (0, 1)]
         assert all(0 < w < 1 for w in waits)
+        most = max(range(2), key=lambda k: waits[k])
+        wait_cells.append(f"{waits[most]:.0%} (s{most})")
         bytes_per_step.append(summary["wire_bytes_per_step"])
     # none > fixed_int8 > learned_dim8_int8 on the wire
     assert bytes_per_step[0] > bytes_per_step[1] > bytes_per_step[2]
@@ -98,6 +100,8 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     html = report.read_text()
     assert html.count("<polyline") == 9  # three charts, one line per run
     assert "none" in html and "learned_dim8_int8" in html
+    # The table names each run's most blocked stage.
+    assert "<th>link wait</th>" in html and all(f"<td>{c}</td>" in html for c in wait_cells)
 
 
 def test_runner_refuses_standalone_and_unsatisfiable_topology(cli_env, tmp_path):

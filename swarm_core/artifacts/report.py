@@ -77,12 +77,22 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
         rows.append([r.label, str(s.get("status", "-")), _fmt(s.get("final_loss"), ".4f"),
                      _fmt(s.get("eval_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ".0f"),
                      _fmt(s.get("wire_bytes_per_step"), ",.0f"),
-                     _fmt(s.get("compression_ratio"), ".1f")])
+                     _fmt(s.get("compression_ratio"), ".1f"), _most_waiting(s)])
     return rows
 
 
+def _most_waiting(summary: dict[str, Any]) -> str:
+    """The stage that sat blocked on its links the longest: "38% (s1)"."""
+    shares = [(w, k) for k, w in enumerate(summary.get("wait_fraction_by_stage") or [])
+              if isinstance(w, int | float)]
+    if not shares:
+        return "-"
+    w, k = max(shares)
+    return f"{w:.0%} (s{k})"
+
+
 HEADERS = ["run", "status", "final loss", "eval loss", "tokens/s", "bytes/step",
-           "compression"]
+           "compression", "link wait"]
 
 
 def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str) -> str:
