@@ -82,7 +82,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,12 @@ DEFAULT_MODEL = dict(d_model=256, n_layers=8, n_heads=8, seq_len=128)
 QUICK_MODEL = dict(d_model=64, n_layers=2, n_heads=2, seq_len=32)
 NOISY_CORES = 0.1
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def _undisturbed(step: tuple[float, float, float]) -> bool:
+    """A timed step (seconds, other processes' load in cores, runqueue wait) that no other
+    process disturbed: the one rule for which steps count."""
+    return step[1] < NOISY_CORES
 
 
 # --- configuration (plain dicts: they cross the spawn boundary) ---------------------------------
@@ -549,6 +555,8 @@ def _entry(kind: str, cfg: dict[str, Any], rank: int, ctx: dict[str, Any],
         if ctx.get("gates") is not None:
             _GATE = _Gate(ctx["gates"][rank], ctx["done"], ctx["key"], rank)
             _GATE.wait()  # set-up and the first (warm-up) step run in the first window
+        if rank == 0 and cfg.get("fail_row") is not None and cfg["fail_row"] == ctx.get("key"):
+            raise RuntimeError("failure injected by --fail-row")
         results.put((rank, WORKERS[kind](cfg, rank, ctx)))
     except BaseException:
         results.put((rank, {"error": traceback.format_exc()}))
@@ -594,8 +602,9 @@ class Launched:
         for g in self.gates:
             g.release()
 
-    def take_step(self, timeout: float, label: str) -> None:
-        """Open the gates for one step and wait until every rank has taken it."""
+    def take_step(self, timeout: float, label: str, dropped: Collection[str] = ()) -> None:
+        """Open the gates for one step and wait until every rank has taken it (a late report
+        of a row already ``dropped`` from the trial is ignored)."""
         self.open_gates()
         deadline = time.monotonic() + timeout
         waiting = set(range(self.nprocs))
@@ -606,6 +615,8 @@ class Launched:
                 self.check()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{label}: no step within {timeout:g}s") from None
+                continue
+            if key in dropped:
                 continue
             if key != self.key:
                 raise RuntimeError(f"{key} stepped outside its window")
@@ -672,29 +683,39 @@ def run_interleaved(rows: list[Row], cfg: dict[str, Any]) -> None:
     live = [r for r in rows if r.error is None]
     runs: dict[str, Launched] = {}
     results: dict[str, dict[int, dict[str, Any]]] = {}
+
+    dropped: set[str] = set()
+
+    def drop(r: Row, exc: Exception) -> None:
+        # A failing row leaves the trial (its earlier trials kept); the others go on, since
+        # each row's workers are processes of their own.
+        r.error = str(exc)
+        live.remove(r)
+        dropped.add(r.key)
+        if r.key in runs:
+            runs[r.key].stop()
+        print(f"  {r.label}: interleaved trial FAILED\n{exc}", file=sys.stderr, flush=True)
+
+    def each(action: Callable[[Row], None]) -> None:
+        for r in list(live):
+            try:
+                action(r)
+            except Exception as exc:
+                drop(r, exc)
+
     try:
-        for r in live:
-            runs[r.key] = Launched(r.kind, cfg, r.procs, r.schedule, r.key, done)
-        total = cfg["warmup"] + cfg["steps"]
+        each(lambda r: runs.__setitem__(
+            r.key, Launched(r.kind, cfg, r.procs, r.schedule, r.key, done)))
         # One window per step of each row, and a last one that lets them all finish.
-        for _step in range(total):
-            for r in live:
-                runs[r.key].take_step(cfg["timeout"], r.label)
-        for run in runs.values():
-            run.open_gates()
-        results = {key: run.collect(cfg["timeout"]) for key, run in runs.items()}
-    except Exception as exc:
-        # One row failing stops the trial; every row is marked, its earlier trials kept.
-        for r in live:
-            r.error = str(exc)
-        print(f"  interleaved trial FAILED\n{exc}", file=sys.stderr, flush=True)
-        return
+        for _step in range(cfg["warmup"] + cfg["steps"]):
+            each(lambda r: runs[r.key].take_step(cfg["timeout"], r.label, dropped))
+        each(lambda r: runs[r.key].open_gates())
+        each(lambda r: results.__setitem__(r.key, runs[r.key].collect(cfg["timeout"])))
     finally:
         for run in runs.values():  # also on Ctrl-C: no worker left waiting at its gate
             run.stop()
     for r in live:
         r.absorb(cfg, results[r.key], t0)
-
 
 
 def wait_for_idle(limit_s: float, sample_s: float = 2.0) -> float:
@@ -762,7 +783,7 @@ class Row:
         mean = sum(d for d, _, _ in steps) / len(steps)
         rq = sum(q for _, _, q in steps) / len(steps)
         main_cpu = sum(r["cpu"].get("MainThread", 0.0) for r in ranks) / len(steps)
-        clean = sum(f < NOISY_CORES for _, f, _ in steps)
+        clean = sum(map(_undisturbed, steps))
         print(f"  {self.label}: {self.tokens(cfg) / mean:,.0f} tokens/s, {mean * 1e3:.0f} "
               f"ms/step, compute-thread CPU {main_cpu * 1e3:.0f} ms/step and runqueue wait "
               f"{rq * 1e3:.0f} ms/step (all procs), other load {load:.2f} cores, "
@@ -774,12 +795,12 @@ class Row:
         return cfg["batch"] * cfg["model"]["seq_len"]
 
     def _used(self) -> list[tuple[float, float, float]]:
-        clean = [s for s in self.steps if s[1] < NOISY_CORES]
+        clean = [s for s in self.steps if _undisturbed(s)]
         return clean or self.steps
 
     @property
     def clean(self) -> int:
-        return sum(f < NOISY_CORES for _, f, _ in self.steps)
+        return sum(map(_undisturbed, self.steps))
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -905,7 +926,7 @@ def _step_pairs(num: Row | None, den: Row | None) -> tuple[list[float], str]:
     if num is None or den is None or len(num.steps) != len(den.steps) or not num.steps:
         return [], ""
     pairs = list(zip(num.steps, den.steps, strict=True))
-    clean = [n / d for (n, fn, _), (d, fd, _) in pairs if fn < NOISY_CORES and fd < NOISY_CORES]
+    clean = [n[0] / d[0] for n, d in pairs if _undisturbed(n) and _undisturbed(d)]
     if clean:
         return clean, ""
     return [n / d for (n, _, _), (d, _, _) in pairs], " (unreliable: no undisturbed pair)"
@@ -1064,6 +1085,9 @@ def main(argv: list[str] | None = None) -> int:
                          "torch preloaded in the server, to skip most of the start-up)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per row")
+    # The test suite's: under --interleave, a row (its key, e.g. b-gpipe-plain) whose first
+    # worker raises.
+    ap.add_argument("--fail-row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     model = parse_model(args.model, QUICK_MODEL if args.quick else DEFAULT_MODEL)
     cfg = {
@@ -1078,6 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": max(1, args.repeats),
         "interleave": args.interleave,
         "start_method": args.start_method or ("forkserver" if args.quick else "spawn"),
+        "fail_row": args.fail_row,
     }
     if cfg["start_method"] == "forkserver":
         # Imported once in the server (OMP_NUM_THREADS=1 already set; no torch work done

@@ -42,3 +42,19 @@ def test_pipeline_benchmark_runs_rows_step_by_step(cli_env):
     assert "step by step (--interleave" in out, out[-2000:]
     assert "(b) gpipe >= 1.70x (a):" in out.split("step by step", 1)[1], out[-2000:]
     assert "split backward on over off" in out, out[-2000:]
+
+
+def test_a_failing_row_leaves_the_other_rows_of_an_interleaved_trial_measured(cli_env):
+    """One row's worker raising mid-trial marks that row FAILED (exit 1); the rows beside it
+    take their steps to the end and get their verdicts."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--quick",
+                          "--interleave", "--only", "a,b", "--schedules", "gpipe",
+                          "--no-profile", "--fail-row", "b-gpipe-plain"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "failure injected by --fail-row" in res.stderr
+    table = res.stdout.split("targets:", 1)[0]
+    assert "split backward off" in table and "FAILED" in table.split("split backward off")[1]
+    verdicts = res.stdout.split("step by step", 1)[1]
+    assert "(b) gpipe >= 1.70x (a):" in verdicts and "over 2 steps" in verdicts
+    assert "split backward on over off" not in verdicts
