@@ -282,7 +282,7 @@ class Experiment:
             "eval_loss": r.get("eval_loss"), "lr": r.get("lr"),
             "activation_peak_bytes": r.get("activation_peak_bytes"),
             "wait_seconds": r.get("wait_seconds"), "stage_seconds": r.get("stage_seconds"),
-            "ts": r.get("ts"),
+            "codec_error": r.get("codec_error"), "ts": r.get("ts"),
         }) + b"\n" for r in records)
         atomic_write(st.run_dir / "train_progress.ndjson", lines)
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
@@ -317,6 +317,7 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "fellows": st.spec.fellows,
         "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
         "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows)),
+        "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
         "thresholds": {},
     }
     if training.max_final_loss is not None:
@@ -355,6 +356,22 @@ def wait_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[float 
     if not waits:
         return None
     return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
+
+
+def codec_error_by_stage(records: list[dict[str, Any]],
+                         num_stages: int) -> list[dict[str, float] | None] | None:
+    """Each stage's mean relative error of what its wire codec sent, over the steps:
+    ``{"act": ..., "grad": ...}`` (the directions it sends), by stage index; None for a stage
+    that never reported; None when no stage did (a run from before the field)."""
+    sums: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        for stage, errs in (r.get("codec_error") or {}).items():
+            for k, v in errs.items():
+                sums.setdefault(int(stage), {}).setdefault(k, []).append(float(v))
+    if not sums:
+        return None
+    return [{k: sum(v) / len(v) for k, v in sums[s].items()} if s in sums else None
+            for s in range(num_stages)]
 
 
 def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:

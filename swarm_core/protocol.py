@@ -371,8 +371,8 @@ class JobInfo:
 @attrs.define
 class ProgressList:
     """One record per training step: step, loss, tokens_per_s, wire_bytes, step_seconds, lr,
-    activation_peak_bytes, wait_seconds and stage_seconds (by stage index), eval_loss (when
-    evaluated), ts."""
+    activation_peak_bytes, wait_seconds, stage_seconds and codec_error ({act, grad}) by stage
+    index, eval_loss (when evaluated), ts."""
 
     records: list[dict[str, Any]]
 

@@ -260,6 +260,40 @@ def test_a_checkpoint_that_does_not_fit_is_a_resume_error(data):
         "parameter of this stage"
 
 
+def test_each_stage_reports_what_its_wire_codec_changed(data):
+    """Per step, each stage reports the relative error its codec put on what it sent, for
+    micro-batch 0: activations downstream ("act"), gradients upstream ("grad"). At step 0 the
+    weights are the initial ones, so stage 0's figure is the int8 round trip of the first
+    micro-batch's activation, recomputed here from scratch; an fp32 wire changes nothing."""
+    import torch
+
+    from swarm_core.pipeline.codecs import Codec, roundtrip
+    from swarm_core.pipeline.model import StageModule
+
+    tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=0)
+    reports: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+    mc = ModelConfig(**MODEL, compression="fixed_int8")
+    res = run_local_pipeline(mc, tc, data, 3, on_step=lambda s, r: reports[s].append(r))
+    assert [sorted(reports[s][0].codec_error) for s in (0, 1, 2)] == [
+        ["act"], ["act", "grad"], ["grad"]]
+    assert all(0 < e < 0.05 for s in (0, 1, 2) for r in reports[s]
+               for e in r.codec_error.values())
+    x, _ = data.batch(0, tc.batch_size, mc.seq_len, tc.seed)
+    with torch.no_grad():
+        stage0 = StageModule(mc, data.vocab_size, tc.seed, *split_layers(3, [1] * 3)[0], 0, 3)
+        act = stage0(x.chunk(tc.micro_batches)[0])
+        expected = float((roundtrip(act, Codec.INT8) - act).norm() / act.norm())
+    assert reports[0][0].codec_error["act"] == pytest.approx(expected, rel=1e-4)
+    assert res[1]["codec_error"]["grad"] == pytest.approx(
+        sum(r.codec_error["grad"] for r in reports[1]) / 2)
+
+    plain: dict[int, list[Any]] = {0: [], 1: []}
+    run_local_pipeline(ModelConfig(**MODEL), tc, data, 2,
+                       on_step=lambda s, r: plain[s].append(r))
+    assert [r.codec_error for r in plain[0]] == [{"act": 0.0}] * 2
+    assert [r.codec_error for r in plain[1]] == [{"grad": 0.0}] * 2
+
+
 @pytest.mark.parametrize("spec, width, per_elem, scales", [
     ("none", 32, 4, False), ("fixed_int8", 32, 1, True), ("learned_dim8", 8, 4, False),
     ("learned_dim8_int8", 8, 1, True),

@@ -49,7 +49,7 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     assert [r["state"] for r in runs] == ["COMPLETED"] * 3
     # Progress lines went to stderr (stdout is the JSON document).
     assert "COMPLETED" in res.stderr
-    bytes_per_step, wait_cells = [], []
+    bytes_per_step, wait_cells, error_cells = [], [], []
     for r in runs:
         d = tmp_path / "runs" / r["run_id"]
         assert d.is_dir()
@@ -88,8 +88,20 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
                                        / sum(x["stage_seconds"][str(k)] for x in records[1:]))
                          for k in (0, 1)]
         assert all(0 < w < 1 for w in waits)
+        # What the wire codec changed: nothing on fp32 (none), something on int8 (the others).
+        assert all(x["codec_error"] == {"0": {"act": x["codec_error"]["0"]["act"]},
+                                        "1": {"grad": x["codec_error"]["1"]["grad"]}}
+                   for x in records)
+        errors = summary["codec_error_by_stage"]
+        assert errors[0]["act"] == pytest.approx(
+            sum(x["codec_error"]["0"]["act"] for x in records) / len(records))
+        if r is runs[0]:
+            assert errors == [{"act": 0.0}, {"grad": 0.0}]
+        else:
+            assert 0 < errors[0]["act"] < 0.05 and 0 < errors[1]["grad"] < 0.05
         most = max(range(2), key=lambda k: waits[k])
         wait_cells.append(f"{waits[most]:.0%} (s{most})")
+        error_cells.append(f"{errors[0]['act']:.2%}")
         bytes_per_step.append(summary["wire_bytes_per_step"])
     # none > fixed_int8 > learned_dim8_int8 on the wire
     assert bytes_per_step[0] > bytes_per_step[1] > bytes_per_step[2]
@@ -102,6 +114,7 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     assert "none" in html and "learned_dim8_int8" in html
     # The table names each run's most blocked stage.
     assert "<th>link wait</th>" in html and all(f"<td>{c}</td>" in html for c in wait_cells)
+    assert "<th>act error</th>" in html and all(f"<td>{c}</td>" in html for c in error_cells)
 
 
 def test_runner_refuses_standalone_and_unsatisfiable_topology(cli_env, tmp_path):

@@ -77,8 +77,16 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
         rows.append([r.label, str(s.get("status", "-")), _fmt(s.get("final_loss"), ".4f"),
                      _fmt(s.get("eval_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ".0f"),
                      _fmt(s.get("wire_bytes_per_step"), ",.0f"),
-                     _fmt(s.get("compression_ratio"), ".1f"), _most_waiting(s)])
+                     _fmt(s.get("compression_ratio"), ".1f"), _codec_error(s),
+                     _most_waiting(s)])
     return rows
+
+
+def _codec_error(summary: dict[str, Any]) -> str:
+    """The largest mean relative error a stage's wire codec put on the activations it sent."""
+    errors = [e["act"] for e in summary.get("codec_error_by_stage") or []
+              if isinstance(e, dict) and isinstance(e.get("act"), int | float)]
+    return f"{max(errors):.2%}" if errors else "-"
 
 
 def _most_waiting(summary: dict[str, Any]) -> str:
@@ -92,7 +100,7 @@ def _most_waiting(summary: dict[str, Any]) -> str:
 
 
 HEADERS = ["run", "status", "final loss", "eval loss", "tokens/s", "bytes/step",
-           "compression", "link wait"]
+           "compression", "act error", "link wait"]
 
 
 def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str) -> str:

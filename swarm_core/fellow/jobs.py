@@ -180,7 +180,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                               metrics={"wire_tx_bytes": rep.wire_tx_bytes,
                                        "step_seconds": rep.seconds, "lr": rep.lr,
                                        "activation_peak_bytes": rep.activation_peak_bytes,
-                                       "wait_seconds": rep.wait_seconds})
+                                       "wait_seconds": rep.wait_seconds,
+                                       "codec_error": rep.codec_error})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     def on_eval(step: int, loss: float) -> None:

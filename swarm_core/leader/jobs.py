@@ -468,6 +468,12 @@ class JobQueue:
                 v = upd.metrics.get(src)
                 if isinstance(v, int | float) and math.isfinite(v):
                     rec.setdefault(key, {})[str(stage)] = float(v)
+            errors = upd.metrics.get("codec_error")
+            if isinstance(errors, dict):
+                kept = {k: float(v) for k, v in errors.items() if k in ("act", "grad")
+                        and isinstance(v, int | float) and math.isfinite(v)}
+                if kept:
+                    rec.setdefault("codec_error", {})[str(stage)] = kept
             rec["ts"] = time.time()
             if upd.loss is not None:
                 rec["loss"] = upd.loss

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
+from swarm_core.pipeline import codecs
 from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
@@ -59,6 +61,9 @@ class StepReport:
     # Of ``seconds``, the time the stage sat blocked on its links: waiting for a neighbour's
     # frame (its compute, the network, the pipeline's bubble) or for its own sends to drain.
     wait_seconds: float = 0.0
+    # Relative L2 error the wire codec put on what this stage sent, micro-batch 0: "act"
+    # (activations downstream) and "grad" (gradients upstream); 0 on an fp32 wire.
+    codec_error: dict[str, float] = attrs.field(factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -169,6 +174,7 @@ class StageRunner:
         held: dict[int, Any] = {}  # the meter's tokens for outputs kept until their backward
         self.meter.start_step()
         loss_sum = 0.0
+        errors: dict[str, float] = {}
         wq = self.wgrad
         # Nothing carries over from a step that did not finish: no pending weight passes, no
         # gradients half accumulated.
@@ -197,6 +203,8 @@ class StageRunner:
                 else:
                     assert self.down is not None
                     self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
+                    if i == 0:
+                        errors["act"] = self._codec_error(out)
                     outputs[i] = out
                     held[i] = self.meter.hold(out)
             else:
@@ -214,6 +222,8 @@ class StageRunner:
                     inp = inputs.pop(i)
                     assert inp.grad is not None
                     self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
+                    if i == 0:
+                        errors["grad"] = self._codec_error(inp.grad)
                 if wq is not None and len(wq) > self.max_deferred:
                     wq.run_batch()
         if wq is not None:
@@ -230,7 +240,19 @@ class StageRunner:
                           tokens=t.batch_size * self.spec.model.seq_len,
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
                           activation_peak_bytes=self.meter.peak,
-                          wait_seconds=self.waited() - wait0)
+                          wait_seconds=self.waited() - wait0, codec_error=errors)
+
+    def _codec_error(self, x: torch.Tensor) -> float:
+        """||decode(encode(x)) - x|| / ||x||: what the wire codec changed in ``x``. Once per
+        step and direction, so an int8 wire costs one more quantisation in m."""
+        if self.codec is codecs.Codec.FP32:
+            return 0.0
+        with torch.no_grad():
+            x = x.detach().float()
+            norm = float(torch.linalg.vector_norm(x))
+            if norm == 0.0 or not math.isfinite(norm):
+                return 0.0 if norm == 0.0 else math.nan
+            return float(torch.linalg.vector_norm(codecs.roundtrip(x, self.codec) - x)) / norm
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -356,6 +378,8 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
         # After the first step, which also waits for the neighbours to start.
         "wait_fraction": _ratio(sum(r.wait_seconds for r in reports[1:] or reports),
                                 sum(r.seconds for r in reports[1:] or reports)),
+        "codec_error": {k: statistics.fmean(r.codec_error[k] for r in reports)
+                        for k in ("act", "grad") if reports and k in reports[0].codec_error},
     }
     if losses:
         metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)
