@@ -161,7 +161,7 @@ def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
             time.sleep(0.01)
         before = right.waited
         right.recv_tensor(Kind.ACT, 0, 1, timeout=5)
-        assert right.waited - before < 0.02
+        assert right.waited - before < 0.05
         assert left.waited == 0.0  # sending queues: no wait
         left.send_tensor(Kind.ACT, 0, 2, torch.randn(256, 1024), Codec.FP32)  # 1 MiB: ~0.5 s
         left.flush(5)

@@ -124,25 +124,25 @@ def test_activation_memory_is_what_the_schedule_keeps_alive(data):
 
 
 def test_each_stage_reports_the_time_it_waited_on_a_slow_link(data):
-    """Stage 0 sends its activations at 8 Mbit/s to a stage that computes in milliseconds:
-    stage 1 spends most of each step waiting for them, at least the time the bytes need at
-    that rate, and stage 0 waits for its sends to drain; the steady steps' waits make the run's
-    share."""
+    """Stage 0 sends its activations at 2 Mbit/s to a stage that computes in milliseconds:
+    stage 1 spends nearly all of each step waiting for them (all but its compute, which
+    overlaps the next frame's transfer), and stage 0 waits for its sends to drain; the steady
+    steps' waits make the run's share."""
     from swarm_core.pipeline.links import LinkShaper
 
     mc = ModelConfig(d_model=64, n_layers=2, n_heads=2, seq_len=64)
     tc = TrainingConfig(steps=3, batch_size=16, micro_batches=4, schedule="1f1b",
                         eval_batches=0)
     shapers = [LinkShaper(), LinkShaper()]
-    shapers[0].tx.set_mbps(8.0)
+    shapers[0].tx.set_mbps(2.0)
     reports: dict[int, list[Any]] = {0: [], 1: []}
     res = run_local_pipeline(mc, tc, data, 2, shapers=shapers,
                              on_step=lambda s, r: reports[s].append(r))
     frame = HEADER_SIZE + 4 * 64 * 64 * 4  # one micro-batch's activation, fp32
     # The bucket's 64 KiB burst is free, and it refills while the gradients come back.
-    ideal = (tc.micro_batches * frame - 65536) * 8 / 8e6
+    transfer = (tc.micro_batches * frame - 65536) * 8 / 2e6  # about 0.8 s
     for r in reports[1][1:]:
-        assert 0.9 * ideal <= r.wait_seconds <= r.seconds, (r.wait_seconds, ideal)
+        assert 0.75 * transfer <= r.wait_seconds <= r.seconds, (r.wait_seconds, transfer)
         assert r.wait_fraction > 0.7
     assert all(r.wait_fraction > 0.5 for r in reports[0][1:])
     for s in (0, 1):  # the run's share leaves out the first step (neighbours starting)

@@ -85,3 +85,44 @@ async def test_progress_errors(api, running):
                         headers=AUTH)
     assert bad.status == 400 and (await bad.json())["error"]["field"] == "after"
     assert (await api.get(f"{A}/jobs/{job['job_id']}/progress")).status == 401
+
+
+async def test_records_keep_each_stages_link_wait_and_codec_error(api, running):
+    job, stage = running
+    await _report(api, job, stage[0], 1, metrics={
+        "wire_tx_bytes": 100, "step_seconds": 0.3, "wait_seconds": 0.1,
+        "codec_error": {"act": 0.006}})
+    await _report(api, job, stage[1], 1, loss=4.0, metrics={
+        "wire_tx_bytes": 50, "step_seconds": 0.25, "wait_seconds": "slow",
+        "codec_error": {"grad": 0.005, "other": 1.0, "act": None}})
+    resp = await api.get(f"{A}/jobs/{job['job_id']}/progress", headers=AUTH)
+    (rec,) = (await resp.json())["records"]
+    # Each stage's own step time beside its wait; what is not a number is left out.
+    assert rec["wait_seconds"] == {"0": 0.1}
+    assert rec["stage_seconds"] == {"0": 0.3, "1": 0.25} and rec["step_seconds"] == 0.25
+    assert rec["codec_error"] == {"0": {"act": 0.006}, "1": {"grad": 0.005}}
+
+
+def test_the_runs_link_wait_leaves_out_steps_that_follow_a_pause():
+    """Steps after the start, a resume, an eval or a shard push also wait for the neighbours'
+    own pause: the share is taken over the other steps, each stage by its own step time."""
+    from swarm_core.config.schemas import TrainingConfig
+    from swarm_core.experiment import wait_by_stage
+
+    tc = TrainingConfig(steps=9, eval_every=3, shard_push_interval_steps=4)
+    # The start; evals after 3 and 6; pushes after 4 and 8; a resume from 6.
+    paused = {1, 4, 5, 7, 9}
+    assert {s for s in range(1, 10) if tc.follows_a_pause(s) or tc.follows_a_pause(s, 6)} \
+        == paused
+    records = [{"step": s, "step_seconds": 1.0,
+                "stage_seconds": {"0": 1.0, "1": 2.0},
+                "wait_seconds": {"0": 0.9 if s in paused else 0.1,
+                                 "1": 1.8 if s in paused else 0.5}}
+               for s in range(1, 10)]
+    assert wait_by_stage(records, 3, tc, [6]) == [pytest.approx(0.1), pytest.approx(0.25),
+                                                  None]
+    # Without the training config only the start and the resume are known.
+    known = [2, 3, 4, 5, 6, 8, 9]
+    assert wait_by_stage(records, 2, None, [6])[0] == pytest.approx(
+        sum(0.9 if s in paused else 0.1 for s in known) / len(known))
+    assert wait_by_stage([], 2) is None

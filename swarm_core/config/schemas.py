@@ -146,6 +146,16 @@ class TrainingConfig:
     resume_policy: Literal["fail", "replace"] = "fail"
     max_restarts: int = attrs.field(default=3, validator=[_nonneg, _le(1000)])
 
+    def follows_a_pause(self, step: int, start_step: int = 0) -> bool:
+        """Whether 1-based ``step`` comes right after time out of training: the first step of
+        a run (or of a resume from ``start_step``), which waits for the neighbours to start,
+        or the one after an evaluation or a shard push, which waits for them to finish it.
+        Link waits measured in such a step are not the network's."""
+        done = step - 1
+        return done == start_step or any(
+            every and done % every == 0 for every in (self.eval_every,
+                                                       self.shard_push_interval_steps))
+
     def __attrs_post_init__(self) -> None:
         if self.batch_size % self.micro_batches:
             raise FieldError(f"batch_size {self.batch_size} is not divisible by micro_batches "

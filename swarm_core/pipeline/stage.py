@@ -366,6 +366,9 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
     finally:
         runner.close()
     losses = [r.loss for r in reports if r.loss is not None]
+    # Link waits of steps that follow a start, an eval or a shard push are partly the
+    # neighbours' own pause; the run's share leaves them out (all of them: a short run).
+    steady = [r for r in reports if not t.follows_a_pause(r.step, start_step)] or reports
     metrics: dict[str, Any] = {
         "steps": len(reports),
         "wall_s": wall,
@@ -375,9 +378,8 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
         "expected_wire_tx_bytes_per_step": expected_wire_bytes(
             spec.model, t, spec.stage, spec.num_stages),
         "activation_peak_bytes": max((r.activation_peak_bytes for r in reports), default=0),
-        # After the first step, which also waits for the neighbours to start.
-        "wait_fraction": _ratio(sum(r.wait_seconds for r in reports[1:] or reports),
-                                sum(r.seconds for r in reports[1:] or reports)),
+        "wait_fraction": _ratio(sum(r.wait_seconds for r in steady),
+                                sum(r.seconds for r in steady)),
         "codec_error": {k: statistics.fmean(r.codec_error[k] for r in reports)
                         for k in ("act", "grad") if reports and k in reports[0].codec_error},
     }

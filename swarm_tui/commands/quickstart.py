@@ -11,8 +11,10 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
+from swarm_core.config.schemas import TrainingConfig
 from swarm_core.experiment import peaks_by_stage, wait_by_stage
 from swarm_core.protocol import JobState
+from swarm_core.schema import structure
 from swarm_tui.commands.argtypes import positive_int
 from swarm_tui.commands.base import ExitCode, print_line, run_async
 from swarm_tui.commands.jobs import smoke_job, train_job, watch_job
@@ -53,7 +55,9 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                 print_line("activations held for backward, at the peak: " + ", ".join(
                     f"stage {k} " + ("-" if n is None else f"{n / 1e6:.2f} MB")
                     for k, n in enumerate(peaks)))
-            waits = wait_by_stage(records, len(final.fellows))
+            waits = None if args.smoke else wait_by_stage(
+                records, len(final.fellows), structure(final.training, TrainingConfig),
+                [r.get("resume_step", 0) for r in final.restarts])
             if waits:
                 print_line("time blocked on links (neighbours, network, bubble): " + ", ".join(
                     f"stage {k} " + ("-" if w is None else f"{w:.0%}")
