@@ -3,6 +3,7 @@ full runs, not asserted here."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -56,5 +57,6 @@ def test_a_failing_row_leaves_the_other_rows_of_an_interleaved_trial_measured(cl
     table = res.stdout.split("targets:", 1)[0]
     assert "split backward off" in table and "FAILED" in table.split("split backward off")[1]
     verdicts = res.stdout.split("step by step", 1)[1]
-    assert "(b) gpipe >= 1.70x (a):" in verdicts and "over 2 steps" in verdicts
+    # (Over the steps no other process disturbed: 1 or 2 of the 2 timed, on a busy machine.)
+    assert re.search(r"\(b\) gpipe >= 1\.70x \(a\): [0-9.]+x over [12] steps", verdicts), verdicts
     assert "split backward on over off" not in verdicts
