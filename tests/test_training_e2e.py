@@ -47,7 +47,7 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
     up = run_cli("restart-cluster", "--fellows", "3", env=cli_env, timeout=90)
     assert up.returncode == 0, up.stderr
     try:
-        results = {}
+        results, tables = {}, {}
         for n, schedule in ((2, "gpipe"), (3, "1f1b")):
             payload = {"name": f"exact-{n}", "kind": "train", "model": MODEL,
                        "training": {**TRAINING, "schedule": schedule},
@@ -56,6 +56,7 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
             path.write_text(json.dumps(payload))
             job = cli_json("submit", "--payload", str(path), env=cli_env)
             results[n] = (_wait_job(job["job_id"], cli_env), schedule)
+            tables[n] = run_cli("job", job["job_id"], env=cli_env)
     finally:
         run_cli("stop-cluster", env=cli_env)
 
@@ -78,6 +79,18 @@ def test_two_and_three_stage_runs_match_a_single_process(cli_env, tmp_path, data
             measured = job["metrics"]["stages"][str(s)]["wire_tx_bytes_per_step"]
             assert measured == expected_wire_bytes(mc, tc, s, n)
         assert job["metrics"]["eval_loss"] > 0 and job["metrics"]["perplexity"] > 1
+        # Each stage's run figures: its link wait, activation memory and codec error (an fp32
+        # wire: none), in the job's metrics and in `swarm job`'s table.
+        shown = tables[n]
+        assert shown.returncode == 0, shown.stderr
+        for s in range(n):
+            figures = job["metrics"]["stages"][str(s)]
+            assert 0 < figures["wait_fraction"] < 1 and figures["activation_peak_bytes"] > 0
+            sends = ["act"] * (s < n - 1) + ["grad"] * (s > 0)
+            assert figures["codec_error"] == {k: 0.0 for k in sends}
+            line = next(ln for ln in shown.stdout.splitlines() if ln.startswith(f"stage {s}"))
+            assert f"link wait {figures['wait_fraction']:.0%}" in line
+            assert "act mem" in line and "codec error" in line
         # Every stage pushed its final shard; together they are the single-process weights.
         pushes = job["latest_shard_pushes"]
         assert sorted(pushes) == [str(s) for s in range(n)]

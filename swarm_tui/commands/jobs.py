@@ -19,6 +19,7 @@ from swarm_tui.commands.base import (
     add_format,
     emit_json,
     emit_table,
+    fmt_bytes,
     fmt_loss,
     print_line,
     run_with_client,
@@ -67,12 +68,33 @@ def cmd_job(args: argparse.Namespace) -> int:
                 rows.append([key.replace("_", " "), f"{m[key]:.4g}"])
         if job.placement:
             for st in job.placement["stages"]:
-                rows.append([f"stage {st['stage']}",
-                             f"fellow {st['fellow_id']} ({st['name']}) layers "
-                             f"{st['layers']['start']}-{st['layers']['stop']}"])
+                rows.append([f"stage {st['stage']}", " · ".join([
+                    f"fellow {st['fellow_id']} ({st['name']}) layers "
+                    f"{st['layers']['start']}-{st['layers']['stop']}",
+                    *_stage_figures(m.get("stages", {}).get(str(st["stage"]), {}))])])
         emit_table(None, ["what", "value"], rows)
 
     return run_with_client(args, body)
+
+
+def _stage_figures(reported: dict[str, Any]) -> list[str]:
+    """What a stage last reported, for ``swarm job``: the run's figures once it COMPLETED,
+    the last step's while it runs."""
+    out = []
+    wait = reported.get("wait_fraction")
+    if wait is None and isinstance(reported.get("step_seconds"), int | float) \
+            and reported["step_seconds"] > 0:
+        wait = reported.get("wait_seconds", 0.0) / reported["step_seconds"]
+    if isinstance(wait, int | float):
+        out.append(f"link wait {wait:.0%}")
+    peak = reported.get("activation_peak_bytes")
+    if isinstance(peak, int | float):
+        out.append(f"act mem {fmt_bytes(int(peak))}")
+    errors = reported.get("codec_error")
+    if isinstance(errors, dict) and errors:
+        out.append("codec error " + ", ".join(
+            f"{k} {v:.2%}" for k, v in sorted(errors.items()) if isinstance(v, int | float)))
+    return out
 
 
 def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
