@@ -326,7 +326,9 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss
         summary["thresholds"]["max_final_loss"] = {
             "limit": training.max_final_loss, "value": final, "met": met}
-    summary["thresholds_met"] = all(t["met"] for t in summary["thresholds"].values())
+    # None when the run set no threshold; a run that did not complete met none of its own.
+    summary["thresholds_met"] = None if not summary["thresholds"] else (
+        job.state == "COMPLETED" and all(t["met"] for t in summary["thresholds"].values()))
     return summary
 
 

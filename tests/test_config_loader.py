@@ -92,6 +92,11 @@ BAD = [
     ("bad_override", "must be > 0, got -1", "$.sweep(overrides).lr"),
     ("heads", "d_model 32 is not divisible by n_heads 3", "$.n_heads"),
     ("bad_name", "it names run directories", "$.name"),
+    # What the leader would refuse, refused by validate first (one rule for both).
+    ("weights_vs_fellows", "3 weights for 2 stages", "$.stage_weights"),
+    ("fellows_vs_layers", "5 stages for 2 layers", "$.cluster_profile.fellows"),
+    ("small_vocab", "vocab_size 100 is smaller than the byte tokenizer's 256", "$.vocab_size"),
+    ("weights_override", "1 weights for 2 stages", "$.sweep(overrides).stage_weights"),
 ]
 
 
@@ -136,6 +141,19 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
         path, target = exp(), "model/m.json"
     elif case == "bad_name":
         path = exp(name="../escape")
+    elif case == "weights_vs_fellows":
+        _write(tmp, "training/t.json", {"stage_weights": [1, 1, 1],
+                                        "cluster_profile": {"fellows": 2}})
+        path, target = exp(), "training/t.json"
+    elif case == "fellows_vs_layers":
+        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 5}})
+        path, target = exp(), "training/t.json"
+    elif case == "small_vocab":
+        _write(tmp, "model/m.json", {"d_model": 32, "n_layers": 2, "n_heads": 2,
+                                     "vocab_size": 100})
+        path, target = exp(), "model/m.json"
+    elif case == "weights_override":
+        path = exp(sweep={"overrides": {"stage_weights": [1]}})
     with pytest.raises(ConfigError) as exc:
         load_experiment(path)
     err = exc.value
@@ -144,6 +162,18 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     assert Path(err.path).resolve() == (tmp / target).resolve()
     # The one-line form names file, field and problem.
     assert str(err).startswith(str(err.path))
+
+
+def test_dataset_paths_are_relative_to_the_file_that_names_them(layout, tmp_path):
+    tmp, exp = layout
+    _write(tmp, "training/t.json", {"dataset": "textfiles", "dataset_paths": [
+        "../corpus/*.txt", "/abs/b.txt", "~/c.txt"], "cluster_profile": {"fellows": 2}})
+    (run,) = load_experiment(exp()).runs
+    assert run.training["dataset_paths"] == [str(tmp / "corpus" / "*.txt"), "/abs/b.txt",
+                                             "~/c.txt"]
+    # A sweep override's paths are the experiment file's.
+    (run,) = load_experiment(exp(sweep={"overrides": {"dataset_paths": ["data/x.txt"]}})).runs
+    assert run.training["dataset_paths"] == [str(tmp / "data" / "x.txt")]
 
 
 def test_validate_command(layout, capsys):

@@ -5,7 +5,7 @@ import torch
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.data import DataError, load_token_data
-from swarm_core.data.datasets import shakespeare_text
+from swarm_core.data.datasets import load_text, shakespeare_text
 
 
 def test_shakespeare_is_real_text_and_splits_deterministically():
@@ -45,6 +45,20 @@ def test_textfiles_and_missing_paths(tmp_path):
                                        dataset_paths=[str(tmp_path / "nope*.md")]), 16)
 
 
+def test_overlapping_patterns_read_each_file_once(tmp_path):
+    """A file named by two patterns is read once: a second copy would put training text in
+    the validation split. A pattern that matches only directories matches no file."""
+    (tmp_path / "a.txt").write_text("alpha " * 300)
+    (tmp_path / "b.txt").write_text("beta " * 300)
+    (tmp_path / "sub.txt").mkdir()
+    once = load_text(TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "*.txt")]))
+    both = load_text(TrainingConfig(dataset="textfiles", dataset_paths=[
+        str(tmp_path / "a.txt"), str(tmp_path / "*.txt")]))
+    assert both == once and once.count("alpha") == 300 and once.count("beta") == 300
+    with pytest.raises(DataError, match=r"sub\.txt' matches no file"):
+        load_text(TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "sub.txt")]))
+
+
 def test_too_small_corpus_is_a_clear_error(tmp_path):
     (tmp_path / "tiny.txt").write_text("short")
     with pytest.raises(DataError, match="fewer than seq_len"):
@@ -76,3 +90,9 @@ def test_bpe_trains_offline_and_caches(tmp_path, swarm_home):
     assert any(p.suffix == ".json" for p in cached) and any(p.suffix == ".npy" for p in cached)
     again = load_token_data(cfg, 16)
     assert torch.equal(again.train, d.train)
+    # A damaged cache entry is trained anew, to the same tokenizer.
+    (json_file,) = [p for p in cached if p.suffix == ".json"]
+    json_file.write_text(json_file.read_text()[:100])
+    healed = load_token_data(cfg, 16)
+    assert healed.tokenizer.spec()["sha256"] == d.tokenizer.spec()["sha256"]
+    assert torch.equal(healed.train, d.train)

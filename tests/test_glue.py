@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -20,20 +22,22 @@ MODEL = {"d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8,
 RANGES = [(0, 1), (1, 3), (3, 4)]
 
 
-def export(tmp: Path, ranges=RANGES, model=MODEL, seed=0, steps=None, skip=()) -> Path:
+def export(tmp: Path, ranges=RANGES, model=MODEL, seed=0, steps=None, skip=(),
+           job_id="job-1", vocab=40, training=None, tokenizer=None) -> Path:
     root = tmp / "model_export"
     mc = ModelConfig(**model)
     for s, (a, b) in enumerate(ranges):
         if s in skip:
             continue
-        module = StageModule(mc, 40, seed, a, b, s, len(ranges))
+        module = StageModule(mc, vocab, seed, a, b, s, len(ranges))
         arrays = state_arrays(module)
         weights = npz_bytes(arrays)
         step = steps[s] if steps else 10
-        manifest = build_manifest(job_id="job-1", stage=s, num_stages=len(ranges), fellow_id=s,
+        manifest = build_manifest(job_id=job_id, stage=s, num_stages=len(ranges), fellow_id=s,
                                   fellow_name=f"f{s}", layers=(a, b), step=step, model=model,
-                                  seed=seed, vocab_size=40, tokenizer={"name": "byte"},
-                                  arrays=arrays, weights=weights, training={"seed": 0})
+                                  seed=seed, vocab_size=vocab,
+                                  tokenizer=tokenizer or {"name": "byte"}, arrays=arrays,
+                                  weights=weights, training=training or {"seed": 0})
         write_shard(root / "shards", manifest, weights)
     return root
 
@@ -78,6 +82,11 @@ def test_a_one_stage_model_with_tied_weights_glues_and_stays_tied(tmp_path):
     ("tampered", "does not match the manifest's sha256"),
     ("no_shards", "no shards/ directory"),
     ("duplicate", "stage 1 appears twice"),
+    ("other_job", "shards come from different jobs (job-1, job-2)"),
+    ("no_field", "stage-1-fellow-1/shard_manifest.json: no stage"),
+    ("wrong_type", "stage-1-fellow-1/shard_manifest.json: step is '10', not int"),
+    ("pickled", "stage-1-fellow-1/weights.npz: an array holds pickled objects"),
+    ("not_npz", "stage-1-fellow-1/weights.npz: not an .npz archive"),
 ])
 def test_glue_errors(tmp_path, breakage, message):
     if breakage == "missing_stage":
@@ -110,7 +119,102 @@ def test_glue_errors(tmp_path, breakage, message):
         m = json.loads((copy / "shard_manifest.json").read_text())
         m["fellow_id"] = 9
         (copy / "shard_manifest.json").write_text(json.dumps(m))
+    elif breakage == "other_job":  # same model, seed and step: only the job tells them apart
+        root = export(tmp_path)
+        other = export(tmp_path / "other", job_id="job-2")
+        shutil.rmtree(root / "shards" / "stage-2-fellow-2")
+        shutil.copytree(other / "shards" / "stage-2-fellow-2", root / "shards" / "stage-2-fellow-2")
+    elif breakage in ("no_field", "wrong_type"):
+        root = export(tmp_path)
+        path = root / "shards" / "stage-1-fellow-1" / "shard_manifest.json"
+        m = json.loads(path.read_text())
+        if breakage == "no_field":
+            del m["stage"]
+        else:
+            m["step"] = "10"
+        path.write_text(json.dumps(m))
+    elif breakage in ("pickled", "not_npz"):  # with a manifest that vouches for the bytes
+        root = export(tmp_path)
+        d = root / "shards" / "stage-1-fellow-1"
+        if breakage == "pickled":
+            buf = io.BytesIO()
+            np.savez(buf, w=np.array([{"x": 1}], dtype=object))
+            raw = buf.getvalue()
+        else:
+            raw = b"\x00not an archive" * 10
+        (d / "weights.npz").write_bytes(raw)
+        m = json.loads((d / "shard_manifest.json").read_text())
+        m["weights_sha256"] = hashlib.sha256(raw).hexdigest()
+        (d / "shard_manifest.json").write_text(json.dumps(m))
     with pytest.raises(GlueError) as exc:
         glue(root)
-    assert message in str(exc.value)
+    assert message in str(exc.value) and "\n" not in str(exc.value)
     assert not (root / "full_model").exists(), "nothing written on error"
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("shape", "weights do not fit the model: size mismatch for blocks.0"),
+    ("no_sha", "inference_manifest.json: weights_sha256 is missing or not a str"),
+    ("ranges", "inference_manifest.json: stage_ranges must be [start, stop] pairs"),
+])
+def test_a_broken_glued_model_is_one_clear_error(tmp_path, breakage, message):
+    out = glue(export(tmp_path))
+    manifest = json.loads((out / "inference_manifest.json").read_text())
+    if breakage == "shape":
+        with np.load(out / "weights.npz", allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        key = next(k for k in arrays if k.startswith("blocks.0."))
+        arrays[key] = np.zeros((3, 3), np.float32)
+        raw = npz_bytes(arrays)
+        (out / "weights.npz").write_bytes(raw)
+        manifest["weights_sha256"] = hashlib.sha256(raw).hexdigest()
+    elif breakage == "no_sha":
+        del manifest["weights_sha256"]
+    else:
+        manifest["stage_ranges"] = [[0, "1"]]
+    (out / "inference_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GlueError) as exc:
+        load_full_model(out)
+    assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_generate_and_eval_use_the_tokenizer_the_model_learned(tmp_path, capsys):
+    """generate needs no corpus for a byte model; a BPE model's tokenizer is read from the
+    file its run recorded. When the corpus has changed since, eval (and generate without the
+    file) refuse in one line, rather than read token ids as other text."""
+    from swarm_core.config.schemas import TrainingConfig
+    from swarm_core.data import load_token_data
+    from swarm_core.schema import unstructure
+    from swarm_tui.cli import run
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = run(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    gone = {"seed": 0, "dataset": "textfiles", "dataset_paths": [str(tmp_path / "gone/*.txt")]}
+    byte = glue(export(tmp_path / "byte", vocab=256, training=gone,
+                       tokenizer={"name": "byte", "vocab_size": 256}))
+    code, out, _ = cli("generate", "--model", str(byte), "--prompt", "ab", "--tokens", "3",
+                       "--format", "json")
+    assert code == 0 and json.loads(out)["text"].startswith("ab")
+    code, _, err = cli("eval", "--model", str(byte))
+    assert code != 0 and "matches no file" in err and err.count("\n") == 1
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(f"word{i % 50} thing{i % 7}" for i in range(4000)))
+    cfg = TrainingConfig(dataset="textfiles", dataset_paths=[str(corpus)], tokenizer="bpe",
+                         bpe_vocab_size=300, batch_size=4, micro_batches=2, eval_batches=1)
+    data = load_token_data(cfg, MODEL["seq_len"])
+    bpe = glue(export(tmp_path / "bpe", vocab=data.vocab_size, training=unstructure(cfg),
+                      tokenizer=data.tokenizer.spec()))
+    assert cli("eval", "--model", str(bpe))[0] == 0
+    corpus.write_text(" ".join(f"other{i % 30} stuff{i % 11}" for i in range(4000)))
+    code, _, err = cli("eval", "--model", str(bpe))
+    assert code != 0 and "not the one the model was trained with" in err
+    code, out, _ = cli("generate", "--model", str(bpe), "--prompt", "word1", "--tokens", "3",
+                       "--format", "json")
+    assert code == 0 and json.loads(out)["text"].startswith("word1")
+    Path(data.tokenizer.spec()["file"]).unlink()
+    code, _, err = cli("generate", "--model", str(bpe), "--prompt", "word1")
+    assert code != 0 and "not the one the model was trained with" in err

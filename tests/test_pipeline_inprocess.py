@@ -372,6 +372,30 @@ async def test_a_start_for_a_device_this_fellow_lacks_is_refused():
         await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
 
 
+async def test_a_model_narrower_than_its_tokenizer_is_refused_by_name(tmp_path):
+    """A BPE vocabulary is known only once trained: the fellow checks the model's vocab_size
+    against it before training, rather than fail on an IndexError in the first forward."""
+    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+    from swarm_core.pipeline.links import LinkShaper
+
+    updates: list[Any] = []
+
+    async def report(update: Any) -> None:
+        updates.append(update)
+
+    (tmp_path / "c.txt").write_text(" ".join(f"word{i % 50} thing{i % 7}" for i in range(4000)))
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": {**MODEL, "vocab_size": 260},
+             "training": {"steps": 1, "dataset": "textfiles", "tokenizer": "bpe",
+                          "bpe_vocab_size": 300, "dataset_paths": [str(tmp_path / "c.txt")]},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 3}, "data_addr": None}]}}
+    with pytest.raises(JobRefused, match=r"^model vocab_size 260 is smaller than the bpe "
+                                         r"tokenizer's 3\d\d tokens$"):
+        await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report,
+                                          shaper=LinkShaper()))
+    assert not any(u.state == "RUNNING" for u in updates), "no step was taken"
+
+
 @pytest.mark.parametrize("change, message", [
     ({"stage": "x"}, "bad START payload: invalid literal"),
     ({"stage": -1}, "bad START payload: stage -1 of a 2-stage placement"),

@@ -126,3 +126,21 @@ def test_the_runs_link_wait_leaves_out_steps_that_follow_a_pause():
     assert wait_by_stage(records, 2, None, [6])[0] == pytest.approx(
         sum(0.9 if s in paused else 0.1 for s in known) / len(known))
     assert wait_by_stage([], 2) is None
+
+
+@pytest.mark.parametrize("state, limit, met", [
+    ("COMPLETED", 5.0, True), ("COMPLETED", 1.0, False), ("FAILED", 5.0, False),
+    ("FAILED", None, None), ("COMPLETED", None, None),
+])
+def test_thresholds_are_met_only_by_a_completed_run_that_set_them(state, limit, met):
+    from types import SimpleNamespace
+
+    from swarm_core.experiment import summarize
+
+    training = {"steps": 2, **({"max_final_loss": limit} if limit else {})}
+    st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
+        model=MODEL, training=training, fellows=2, compression="none", network={}))
+    job = SimpleNamespace(job_id="job-000001", state=state, reason="", metrics={},
+                          finished_at=None, started_at=None, fellows=[0, 1], restarts=[])
+    records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
+    assert summarize(st, job, records)["thresholds_met"] is met

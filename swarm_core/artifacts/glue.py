@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from swarm_core import jsonio
-from swarm_core.artifacts.shards import MANIFEST, ShardError, load_shard, npz_bytes
+from swarm_core.artifacts.shards import MANIFEST, ShardError, load_shard, npz_arrays, npz_bytes
 from swarm_core.config.schemas import ModelConfig
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.model import ExperimentModel
@@ -41,9 +41,32 @@ def _shard_dirs(export_dir: Path) -> list[Path]:
     return dirs
 
 
+# What glue reads from each shard manifest, and of what type.
+_SHARD_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "job_id": str, "stage": int, "num_stages": int, "fellow_id": int, "step": int,
+    "config_fingerprint": str, "layers": dict, "model": dict, "vocab_size": int, "seed": int,
+}
+
+
+def _check_fields(m: dict[str, Any], where: str) -> None:
+    for key, kind in _SHARD_FIELDS.items():
+        v = m.get(key)
+        if v is None:
+            raise GlueError(f"{where}: no {key}")
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise GlueError(f"{where}: {key} is {v!r}, not {getattr(kind, '__name__', kind)}")
+    layers = m["layers"]
+    if not all(isinstance(layers.get(k), int) for k in ("start", "stop")):
+        raise GlueError(f"{where}: layers must have integer start and stop")
+
+
 def check_shards(manifests: list[dict[str, Any]]) -> list[tuple[int, int]]:
     """The stage layer ranges, or a GlueError saying what is missing or inconsistent."""
     by_stage: dict[int, dict[str, Any]] = {}
+    jobs = {m["job_id"] for m in manifests}
+    if len(jobs) != 1:
+        raise GlueError(f"shards come from different jobs ({', '.join(sorted(jobs))}): glue "
+                        "one job's shards")
     for m in manifests:
         stage = m["stage"]
         if stage in by_stage:
@@ -96,6 +119,8 @@ def glue(export_dir: Path) -> Path:
         except ShardError as exc:
             raise GlueError(str(exc)) from None
     manifests = [m for m, _ in loaded]
+    for d, m in zip(dirs, manifests, strict=True):
+        _check_fields(m, str(d / MANIFEST))
     ranges = check_shards(manifests)
     first = min(manifests, key=lambda m: m["stage"])
     try:
@@ -117,9 +142,7 @@ def glue(export_dir: Path) -> Path:
         unknown = sorted(set(state) - expected)[:3]
         raise GlueError(f"shard parameters do not match the model: missing {missing}, "
                         f"unexpected {unknown}")
-    for stage_module in model.stages:
-        own = {k: state[k] for k in stage_module.state_dict()}
-        stage_module.load_state_dict(own, strict=True)
+    _load_stages(model, state, str(export_dir))
     out = export_dir / FULL_MODEL
     weights = npz_bytes({k: v.numpy() for k, v in model.flat_state_dict().items()})
     atomic_write(out / "weights.npz", weights)
@@ -146,25 +169,55 @@ def glue(export_dir: Path) -> Path:
     return out
 
 
+def _load_stages(model: ExperimentModel, state: dict[str, torch.Tensor], where: str) -> None:
+    for stage_module in model.stages:
+        try:
+            stage_module.load_state_dict({k: state[k] for k in stage_module.state_dict()},
+                                         strict=True)
+        except KeyError as exc:
+            raise GlueError(f"{where}: the weights lack {exc.args[0]}") from None
+        except RuntimeError as exc:  # wrong shapes: the first complaint names the tensor
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            raise GlueError(f"{where}: weights do not fit the model: "
+                            f"{lines[-1] if lines else exc}") from None
+
+
 def load_full_model(model_dir: Path) -> tuple[ExperimentModel, dict[str, Any]]:
     """The glued model, ready for inference; weights load with ``allow_pickle=False``."""
+    path = model_dir / INFERENCE_MANIFEST
     try:
-        manifest = jsonio.loads((model_dir / INFERENCE_MANIFEST).read_bytes())
+        manifest = jsonio.loads(path.read_bytes())
         raw = (model_dir / "weights.npz").read_bytes()
     except FileNotFoundError as exc:
         raise GlueError(f"{model_dir}: missing {Path(exc.filename).name} (run the glue step)") \
             from None
+    except jsonio.JSONDecodeError as exc:
+        raise GlueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise GlueError(f"{path}: not a JSON object")
+    for key, kind in (("weights_sha256", str), ("model", dict), ("vocab_size", int),
+                      ("seed", int), ("stage_ranges", list)):
+        if not isinstance(manifest.get(key), kind):
+            raise GlueError(f"{path}: {key} is missing or not a {kind.__name__}")
     if hashlib.sha256(raw).hexdigest() != manifest["weights_sha256"]:
         raise GlueError(f"{model_dir}: weights.npz does not match its manifest")
-    import io
-
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        state = {k: torch.from_numpy(np.array(z[k])) for k in z.files}
-    cfg = structure(manifest["model"], ModelConfig)
-    ranges = [tuple(r) for r in manifest["stage_ranges"]]
-    model = ExperimentModel(cfg, manifest["vocab_size"], manifest["seed"], ranges)
-    for stage_module in model.stages:
-        stage_module.load_state_dict({k: state[k] for k in stage_module.state_dict()},
-                                     strict=True)
+    try:
+        state = {k: torch.from_numpy(v) for k, v in npz_arrays(raw).items()}
+    except ShardError as exc:
+        raise GlueError(f"{model_dir / 'weights.npz'}: {exc}") from None
+    try:
+        cfg = structure(manifest["model"], ModelConfig)
+    except SchemaError as exc:
+        raise GlueError(f"{path}: model: {exc}") from None
+    ranges = manifest["stage_ranges"]
+    if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(i, int) for i in r)
+               for r in ranges):
+        raise GlueError(f"{path}: stage_ranges must be [start, stop] pairs of integers")
+    try:
+        model = ExperimentModel(cfg, manifest["vocab_size"], manifest["seed"],
+                                [tuple(r) for r in ranges])
+    except (ValueError, IndexError) as exc:
+        raise GlueError(f"{path}: stage_ranges {ranges} do not fit the model: {exc}") from None
+    _load_stages(model, state, str(model_dir))
     model.eval()
     return model, manifest

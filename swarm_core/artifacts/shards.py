@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,20 @@ def _matches(raw: bytes, manifest: dict[str, Any], part: str) -> bool:
 
 
 def npz_arrays(raw: bytes) -> dict[str, np.ndarray]:
-    """The arrays of :func:`npz_bytes`' output (plain ``.npy`` members only: no pickles)."""
-    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-        return {k: np.array(z[k]) for k in z.files}
+    """The arrays of :func:`npz_bytes`' output (plain ``.npy`` members only: no pickles);
+    anything else is a :class:`ShardError`."""
+    if not raw.startswith(b"PK"):  # numpy would try the bytes as a pickle, and say so
+        raise ShardError("not an .npz archive")
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            return {k: np.array(z[k]) for k in z.files}
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise ShardError("an array holds pickled objects; only plain arrays load") \
+                from None
+        raise ShardError(f"not a valid .npz archive: {exc}") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ShardError(f"not a valid .npz archive: {exc}") from None
 
 
 def weights_from_checkpoint(manifest: dict[str, Any], weights: bytes) -> dict[str, torch.Tensor]:
@@ -145,6 +157,15 @@ def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         raw = (d / WEIGHTS).read_bytes()
     except FileNotFoundError as exc:
         raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
+    except jsonio.JSONDecodeError as exc:
+        raise ShardError(f"{d / MANIFEST}: not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ShardError(f"{d / MANIFEST}: not a JSON object")
+    if not isinstance(manifest.get("weights_sha256"), str):
+        raise ShardError(f"{d / MANIFEST}: no weights_sha256 to check weights.npz against")
     if not _matches(raw, manifest, "weights"):
         raise ShardError(f"{d}: weights.npz does not match the manifest's sha256")
-    return manifest, npz_arrays(raw)
+    try:
+        return manifest, npz_arrays(raw)
+    except ShardError as exc:
+        raise ShardError(f"{d / WEIGHTS}: {exc}") from None

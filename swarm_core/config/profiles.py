@@ -13,6 +13,7 @@ expected.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 
@@ -233,6 +234,18 @@ def _structure(data: Any, cls: type, path: Path, root: str = "$") -> Any:
         raise ConfigError(path, exc.message, exc.field) from None
 
 
+def anchor_dataset_paths(training: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``dataset_paths`` as the file that names them meant them: a relative path (or glob) is
+    relative to that file's folder, wherever the fellows that read it run from."""
+    paths = training.get("dataset_paths")
+    if not isinstance(paths, list):
+        return training
+    return {**training, "dataset_paths": [
+        os.path.normpath(os.path.join(base, p))
+        if isinstance(p, str) and p and not os.path.isabs(p) and not p.startswith("~") else p
+        for p in paths]}
+
+
 def load_model_profile(path: Path, referenced_from: tuple[Path, str] | None = None
                        ) -> ModelConfig:
     return _structure(_read_json(path, referenced_from), ModelConfig, path)
@@ -245,7 +258,7 @@ def load_training_profile(path: Path, referenced_from: tuple[Path, str] | None =
         raise ConfigError(path, "expected an object", "$")
     profiles = {k: data[k] for k in PROFILE_KEYS if k in data}
     rest = {k: v for k, v in data.items() if k not in PROFILE_KEYS}
-    training = _structure(rest, TrainingConfig, path)
+    training = _structure(anchor_dataset_paths(rest, path.parent), TrainingConfig, path)
     cluster = _structure(profiles.get("cluster_profile", {}), ClusterProfile, path,
                          "$.cluster_profile")
     network = _structure(profiles.get("network_profile", {}), NetworkProfile, path,
@@ -285,6 +298,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                 for seed in sweep.seeds:
                     for rep in range(sweep.repeats):
                         training = _run_training(profile, sweep, seed, network, path)
+                        _check_shape(model_dict, training, profile, path, tpath, mpath)
                         name = "-".join([model.name, comp, network.name, f"s{seed}",
                                          f"r{rep}"])
                         runs.append(RunSpec(
@@ -299,6 +313,24 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
 
 
+def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: TrainingProfile,
+                 path: Path, tpath: Path, mpath: Path) -> None:
+    """What the leader would refuse, refused here first, naming the file and field at fault."""
+    stages = profile.cluster_profile.fellows  # one stage per fellow, as RunSpec.job_body asks
+    shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
+                            stages)
+    if shape is None:
+        return
+    message, where = shape
+    if where == "model.vocab_size":
+        raise ConfigError(mpath, message, "$.vocab_size")
+    if where == "topology":
+        raise ConfigError(tpath, message, "$.cluster_profile.fellows")
+    if profile.training.stage_weights is not None:
+        raise ConfigError(tpath, message, "$.stage_weights")
+    raise ConfigError(path, message, "$.sweep(overrides).stage_weights")
+
+
 def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
                   network: NetworkProfile, path: Path) -> dict[str, Any]:
     training = unstructure(profile.training)
@@ -306,7 +338,7 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         value = getattr(sweep, key)
         if value is not None:
             training[key] = value
-    training.update(sweep.overrides)
+    training.update(anchor_dataset_paths(sweep.overrides, path.parent))
     training["seed"] = seed
     training["shard_push_interval_steps"] = profile.artifacts.shard_push_interval_steps
     link = network.link

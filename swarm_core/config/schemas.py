@@ -172,3 +172,20 @@ class TrainingConfig:
                     or ":" in self.export_dir:
                 raise FieldError("must be a relative path inside the fellow's runs directory "
                                  "(no '..', no absolute path)", "export_dir")
+
+
+def job_shape_error(model: ModelConfig, training: TrainingConfig,
+                    stages: int) -> tuple[str, str] | None:
+    """Why this model, training config and stage count cannot run together, with the field at
+    fault (``training.stage_weights``, ``topology`` or ``model.vocab_size``); None if they can.
+    The leader refuses such a job and ``swarm validate`` such a config, by this one rule."""
+    if training.stage_weights is not None and len(training.stage_weights) != stages:
+        return (f"{len(training.stage_weights)} weights for {stages} stages",
+                "training.stage_weights")
+    if stages > model.n_layers + 2:
+        return (f"{stages} stages for {model.n_layers} layers leaves stages with nothing to do",
+                "topology")
+    if training.tokenizer == "byte" and model.vocab_size is not None and model.vocab_size < 256:
+        return (f"vocab_size {model.vocab_size} is smaller than the byte tokenizer's 256 "
+                "tokens", "model.vocab_size")
+    return None

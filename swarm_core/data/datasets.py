@@ -42,12 +42,15 @@ def shakespeare_text() -> str:
 
 
 def textfiles_text(patterns: list[str]) -> str:
-    files: list[str] = []
+    # Each file once, in the order first named: patterns that overlap must not read a file
+    # twice (its second copy would land in the validation split, which training then saw).
+    files: dict[str, None] = {}
     for pat in patterns:
-        hits = sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+        hits = [h for h in sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+                if os.path.isfile(h)]
         if not hits:
             raise DataError(f"dataset_paths: {pat!r} matches no file")
-        files += [h for h in hits if os.path.isfile(h)]
+        files.update((os.path.realpath(h), None) for h in hits)
     return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
 
 

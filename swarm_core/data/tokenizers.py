@@ -35,6 +35,20 @@ class BpeTokenizer:
         self._tok = tok
         self.path = path
         self.vocab_size = tok.get_vocab_size()  # type: ignore[attr-defined]
+        # Names this exact tokenizer (merges and vocabulary): a model records it, so a later
+        # tokenizer rebuilt from a changed corpus is told apart from the one it learned.
+        self.digest = hashlib.sha256(tok.to_str().encode()).hexdigest()  # type: ignore[attr-defined]
+
+    @classmethod
+    def load(cls, path: Path) -> BpeTokenizer:
+        """A tokenizer file written by :meth:`train`."""
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), path)
+        except Exception as exc:  # the tokenizers library raises bare Exceptions
+            raise TokenizerError(f"{path}: not a tokenizer file: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
 
     @classmethod
     def train(cls, text: str, vocab_size: int, cache_dir: Path | None = None) -> BpeTokenizer:
@@ -47,7 +61,10 @@ class BpeTokenizer:
         digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
         cache = (cache_dir or swarm_home() / "cache" / "bpe") / f"bpe-{vocab_size}-{digest}.json"
         if cache.exists():
-            return cls(Tokenizer.from_file(str(cache)), cache)
+            try:
+                return cls.load(cache)
+            except TokenizerError:
+                pass  # a damaged cache entry (an interrupted disk, a hand edit): train anew
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -65,7 +82,8 @@ class BpeTokenizer:
         return self._tok.decode([int(i) for i in ids])  # type: ignore[attr-defined]
 
     def spec(self) -> dict[str, object]:
-        return {"name": "bpe", "vocab_size": self.vocab_size, "file": str(self.path)}
+        return {"name": "bpe", "vocab_size": self.vocab_size, "file": str(self.path),
+                "sha256": self.digest}
 
 
 def _chunks(text: str, size: int = 1 << 16) -> list[str]:

@@ -229,6 +229,11 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     def work() -> dict[str, Any]:
         data = load_token_data(training, model.seq_len)
         holder["data"] = data
+        if model.vocab_size is not None and model.vocab_size < data.vocab_size:
+            # Token ids beyond the embedding would fail the first forward with an IndexError
+            # (and the other stages with a closed link): say why instead, on every stage.
+            raise JobRefused(f"model vocab_size {model.vocab_size} is smaller than the "
+                             f"{training.tokenizer} tokenizer's {data.vocab_size} tokens")
         state = opt_state = None
         if initial is not None:
             manifest, weights, optimizer = initial

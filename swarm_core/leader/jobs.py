@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
@@ -532,12 +532,7 @@ def resolve_train_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any
     with every default filled in, so the job record says exactly what ran."""
     model = structure(req.model, ModelConfig, "$.model")
     training = structure(req.training, TrainingConfig, "$.training")
-    stages = req.topology.num_stages
-    if training.stage_weights is not None and len(training.stage_weights) != stages:
-        raise SchemaError(f"{len(training.stage_weights)} weights for {stages} stages",
-                          "$.training.stage_weights")
-    if stages > model.n_layers + 2:
-        raise SchemaError(f"{stages} stages for {model.n_layers} layers leaves stages with "
-                          "nothing to do",
-                          "$.topology")
+    shape = job_shape_error(model, training, req.topology.num_stages)
+    if shape is not None:
+        raise SchemaError(shape[0], f"$.{shape[1]}")
     return unstructure(model), unstructure(training)

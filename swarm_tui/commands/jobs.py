@@ -140,6 +140,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         model = _load_json(args.model) if args.model else dict(DEFAULT_MODEL)
         training = _load_json(args.training) if args.training else dict(DEFAULT_TRAINING)
+        if args.training and isinstance(training, dict):
+            from swarm_core.config.profiles import anchor_dataset_paths
+
+            training = anchor_dataset_paths(training, Path(args.training).resolve().parent)
         if args.steps is not None:
             training["steps"] = args.steps
         req = train_job(model, training, args.fellows,

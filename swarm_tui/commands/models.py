@@ -39,16 +39,50 @@ def _load(model_dir: str):  # type: ignore[no-untyped-def]
         raise CommandError(str(exc)) from None
 
 
+def _same_tokenizer(recorded: dict, now: dict) -> bool:
+    keys = ("name", "vocab_size", "sha256")
+    return all(recorded.get(k) == now.get(k) for k in keys if k in recorded)
+
+
 def _data(manifest: dict):  # type: ignore[no-untyped-def]
+    """The run's training config and its dataset, tokenized as the model learned it."""
     from swarm_core.config.schemas import TrainingConfig
     from swarm_core.data import DataError, load_token_data
-    from swarm_core.schema import structure
+    from swarm_core.schema import SchemaError, structure
 
-    training = structure(manifest.get("training") or {}, TrainingConfig)
     try:
-        return training, load_token_data(training, manifest["model"]["seq_len"])
+        training = structure(manifest.get("training") or {}, TrainingConfig)
+    except SchemaError as exc:
+        raise CommandError(f"the model's training config is invalid: {exc}") from None
+    try:
+        data = load_token_data(training, manifest["model"]["seq_len"])
     except DataError as exc:
         raise CommandError(str(exc)) from None
+    recorded = manifest.get("tokenizer") or {}
+    if not _same_tokenizer(recorded, data.tokenizer.spec()):
+        raise CommandError(f"the dataset's {training.dataset} tokenizer is not the one the "
+                           "model was trained with (the corpus changed since?): its token ids "
+                           "would mean other text")
+    return training, data
+
+
+def _tokenizer(manifest: dict):  # type: ignore[no-untyped-def]
+    """The tokenizer the model was trained with: bytes need no corpus; a BPE tokenizer is read
+    from the file the run recorded, else rebuilt from the dataset if that gives the same one."""
+    from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
+
+    recorded = manifest.get("tokenizer") or {}
+    if recorded.get("name") == "byte":
+        return ByteTokenizer()
+    path = recorded.get("file")
+    if isinstance(path, str) and Path(path).is_file():
+        try:
+            tok = BpeTokenizer.load(Path(path))
+        except TokenizerError:
+            tok = None
+        if tok is not None and _same_tokenizer(recorded, tok.spec()):
+            return tok
+    return _data(manifest)[1].tokenizer
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -80,8 +114,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     model, manifest = _load(args.model)
-    _training, data = _data(manifest)
-    tok = data.tokenizer
+    tok = _tokenizer(manifest)
     ids = [int(i) for i in tok.encode(args.prompt)]  # type: ignore[attr-defined]
     if not ids:
         raise CommandError("--prompt must not be empty", ExitCode.USAGE)
