@@ -39,10 +39,17 @@ class FieldError(ValueError):
         self.field = field
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 def _strict_int(value: Any, _t: type) -> int:
     # bool is an int in Python; in an API body it is always a mistake.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected an integer, got {_json_type(value)}")
+    # The documented range (OpenAPI says int64), and what SQLite and orjson can hold: orjson
+    # parses up to 2**64 - 1, which would fail later, half applied, as a 500.
+    if not _INT64[0] <= value <= _INT64[1]:
+        raise TypeError("expected an integer between -2**63 and 2**63-1")
     return value
 
 
@@ -240,7 +247,7 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
         return {"type": "boolean"}
     if tp is int:
         # orjson reads 64-bit integers; the document says so.
-        return {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+        return {"type": "integer", "minimum": _INT64[0], "maximum": _INT64[1]}
     if tp is float:
         return {"type": "number"}
     if tp is str:

@@ -313,6 +313,27 @@ async def test_register_invalid_json_400(api):
         assert "not valid JSON" in err["message"]
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_does_not_decode_is_a_400_error_object(api, encoding):
+    """Sent raw (aiohttp's client would not send a body its header lies about)."""
+    reader, writer = await asyncio.open_connection(api.server.host, api.server.port)
+    body = b"not compressed at all"
+    writer.write(b"POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Authorization: " + AUTH["Authorization"].encode() + b"\r\n"
+                 b"Content-Type: application/json\r\nContent-Encoding: " + encoding.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    reply = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply
+    err = orjson.loads(payload)["error"]
+    assert err["code"] == "invalid_body" and encoding in err["message"]
+    assert "\n" not in err["message"]
+    jobs = await (await api.get(f"{A}/jobs", headers=AUTH)).json()
+    assert jobs["jobs"] == []
+
+
 async def test_register_auth_and_media_type(api):
     body = {"name": "a", "instance_id": "i"}
     await expect_error(await api.post(f"{A}/fellows/register", json=body), 401, "unauthorized")
@@ -756,12 +777,22 @@ async def test_submit_deeply_nested_config_400(api):
     # Nothing half-stored: the fellow is still free and gets no START.
     assert await poll(api, f) == []
     assert (await expect_ok(await api.get(f"{A}/jobs", headers=AUTH)))["jobs"] == []
-    # 64 levels are fine, and travel all the way to the fellow's START signal.
-    body = b'{"kind":"smoke","model":' + _nested_json(63) + b"}"
-    job = await expect_ok(await api.post(f"{A}/jobs", **raw(body)), 201)
-    assert job["state"] == "RUNNING"
+    # Within the limit, a smoke job's body is checked like any other: it takes no model, and
+    # its training names steps and step_seconds only (both used to pass, then fail later).
+    for body, field, message in (
+            (b'{"kind":"smoke","model":' + _nested_json(63) + b"}", "$.model",
+             "a smoke job takes no model"),
+            (b'{"kind":"smoke","training":{"steps":-3}}', "$.training.steps",
+             "must be 1-100000, got -3"),
+            (b'{"kind":"smoke","training":{"bogus":1}}', "$.training", "unknown field")):
+        err = await expect_error(await api.post(f"{A}/jobs", **raw(body)), 400, field=field)
+        assert message in err["message"]
+    assert await poll(api, f) == []
+    job = await expect_ok(await api.post(f"{A}/jobs", **raw(
+        b'{"kind":"smoke","training":{"steps":2,"step_seconds":0}}')), 201)
+    assert job["training"] == {"steps": 2, "step_seconds": 0.0}
     start = (await poll(api, f))[0]
-    assert start["kind"] == "START" and start["payload"]["model"] == orjson.loads(body)["model"]
+    assert start["kind"] == "START" and start["payload"]["training"] == job["training"]
 
 
 def _nested_json(depth: int) -> bytes:
@@ -770,7 +801,7 @@ def _nested_json(depth: int) -> bytes:
 
 async def test_dispatch_starts_job_and_sends_start(api):
     a = await register(api, "a", data_addr="127.0.0.1:1")
-    job = await submit(api, fellows=2, model={"layers": 2})
+    job = await submit(api, fellows=2, training={"steps": 3})
     assert job["state"] == "PENDING"
     assert await poll(api, a) == []
     b = await register(api, "b", data_addr="127.0.0.1:2")
@@ -784,7 +815,7 @@ async def test_dispatch_starts_job_and_sends_start(api):
     for s in starts:
         p = s["payload"]
         assert p["num_stages"] == 2 and p["job_id"] == job["job_id"]
-        assert p["model"] == {"layers": 2} and p["kind"] == "smoke"
+        assert p["training"] == {"steps": 3, "step_seconds": 0.2} and p["kind"] == "smoke"
         stages = p["placement"]["stages"]
         assert [(x["stage"], x["fellow_id"]) for x in stages] == [
             (0, job["fellows"][0]), (1, job["fellows"][1])]

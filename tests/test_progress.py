@@ -144,3 +144,18 @@ def test_thresholds_are_met_only_by_a_completed_run_that_set_them(state, limit, 
                           finished_at=None, started_at=None, fellows=[0, 1], restarts=[])
     records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
     assert summarize(st, job, records)["thresholds_met"] is met
+
+
+async def test_an_integer_beyond_int64_is_a_400_that_changes_nothing(api, running):
+    """orjson reads integers up to 2**64-1; SQLite holds 2**63-1. A step between the two was
+    applied to the job in memory and then failed to store, as a 500."""
+    job, stage = running
+    await _report(api, job, stage[1], 1, loss=4.0, metrics={"wire_tx_bytes": 50})
+    resp = await api.post(f"{A}/jobs/{job['job_id']}/status", headers=stage[1]["headers"],
+                          json={"fellow_id": stage[1]["fellow_id"], "state": "RUNNING",
+                                "step": 2**63, "loss": 1.0})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["field"] == "$.step" and "2**63-1" in error["message"]
+    after = await (await api.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert after["last_step"] == 1 and after["last_loss"] == 4.0

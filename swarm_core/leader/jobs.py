@@ -21,7 +21,14 @@ from swarm_core.leader.uploads import complete_checkpoints
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan
 from swarm_core.protocol import JobInfo, JobState, JobStatusUpdate, JobSubmit, Topology
-from swarm_core.schema import SchemaError, converter, structure, structure_persisted, unstructure
+from swarm_core.schema import (
+    FieldError,
+    SchemaError,
+    converter,
+    structure,
+    structure_persisted,
+    unstructure,
+)
 
 
 @attrs.define(eq=False)
@@ -135,6 +142,8 @@ class JobQueue:
         model, training = req.model, req.training
         if req.kind == "train":
             model, training = resolve_train_payload(req)
+        else:
+            model, training = resolve_smoke_payload(req)
         seq = self.store.next_job_seq()
         job = JobRecord(
             job_id=f"job-{seq:06d}", seq=seq, name=req.name, kind=req.kind,
@@ -525,6 +534,28 @@ class JobQueue:
             "last_step": job.last_step, "last_loss": job.last_loss, "fellows": job.fellows,
             "reason": job.reason,
         })
+
+
+@attrs.define
+class SmokeTraining:
+    """A smoke job's only settings: its fellows walk ``steps`` RUNNING steps of
+    ``step_seconds`` each, then COMPLETE."""
+
+    steps: int = attrs.field(default=5)
+    step_seconds: float = attrs.field(default=0.2)
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.steps <= 100_000:
+            raise FieldError(f"must be 1-100000, got {self.steps}", "steps")
+        if not 0 <= self.step_seconds <= 60:
+            raise FieldError(f"must be 0-60, got {self.step_seconds}", "step_seconds")
+
+
+def resolve_smoke_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A smoke job's settings checked at submit (a bad one used to fail on its fellows)."""
+    if req.model:
+        raise SchemaError("a smoke job takes no model", "$.model")
+    return {}, unstructure(structure(req.training, SmokeTraining, "$.training"))
 
 
 def resolve_train_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -72,7 +72,14 @@ def ok(obj: Any, status: int = 200) -> web.Response:
 async def read_body(request: web.Request, cls: type) -> Any:
     if request.content_type not in ("application/json", "application/octet-stream", ""):
         raise ApiError(415, f"expected application/json, got {request.content_type}")
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    except Exception as exc:  # a body that does not decode (Content-Encoding it is not in)
+        detail = " ".join(str(getattr(exc, "message", "") or exc).split())
+        raise ApiError(400, f"body could not be read: {detail or type(exc).__name__}",
+                       code="invalid_body") from None
     if not raw:
         data: Any = {}
     else:
