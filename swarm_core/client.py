@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -168,7 +169,7 @@ class SwarmClient:
         return _parse(res, SignalBatch)
 
     async def job_status(self, job_id: str, session: str, upd: JobStatusUpdate) -> JobInfo:
-        res = await self.request("POST", f"{API_PREFIX}/jobs/{job_id}/status", upd,
+        res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/status", upd,
                                  headers={SESSION_HEADER: session})
         return _parse(res, JobInfo)
 
@@ -187,7 +188,7 @@ class SwarmClient:
                 part.set_content_disposition("form-data", name="optimizer",
                                              filename="optimizer.npz")
         size = len(weights) + len(optimizer or b"")
-        url = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/shards/{stage}"
+        url = f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/shards/{stage}"
         timeout = aiohttp.ClientTimeout(total=max(60.0, size / 5e6))
         try:
             async with self._http().post(url, data=mp, headers={SESSION_HEADER: session},
@@ -209,7 +210,7 @@ class SwarmClient:
                          session: str) -> tuple[dict[str, Any], bytes, bytes | None]:
         """(manifest, weights.npz bytes, optimizer.npz bytes or None) of a stage checkpoint, to
         resume from; the optimiser state is fetched when the manifest names it."""
-        base = f"{self.base_url}{API_PREFIX}/jobs/{job_id}/checkpoints/{step}/{stage}"
+        base = f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/checkpoints/{step}/{stage}"
         out: list[bytes] = []
         manifest: dict[str, Any] = {}
         for part in ("manifest", "weights", "optimizer"):
@@ -244,15 +245,16 @@ class SwarmClient:
         return (await self._get(f"{API_PREFIX}/jobs", JobList, params=params)).jobs
 
     async def job(self, job_id: str) -> JobInfo:
-        return await self._get(f"{API_PREFIX}/jobs/{job_id}", JobInfo)
+        return await self._get(f"{API_PREFIX}/jobs/{_seg(job_id)}", JobInfo)
 
     async def progress(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
-        res = await self.request("GET", f"{API_PREFIX}/jobs/{job_id}/progress",
+        res = await self.request("GET", f"{API_PREFIX}/jobs/{_seg(job_id)}/progress",
                                  params={"after": after})
         return _parse(res, ProgressList).records
 
     async def cancel(self, job_id: str) -> JobInfo:
-        return _parse(await self.request("POST", f"{API_PREFIX}/jobs/{job_id}/cancel"), JobInfo)
+        res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/cancel")
+        return _parse(res, JobInfo)
 
     # events -----------------------------------------------------------------------------------
     async def events(self, *, types: list[str] | None = None,
@@ -301,3 +303,8 @@ async def wait_for_leader(url: str, timeout_s: float) -> None:
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
+
+
+def _seg(value: object) -> str:
+    """One URL path segment: an id like ``../info`` must not walk to another route."""
+    return urllib.parse.quote(str(value), safe="")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def _one_line(text: str) -> str:
     (["fellows", "--format", "yaml"], "--format"),
     (["no-such-command"], "no-such-command"),
     (["leader", "--port", "70000"], "--port"),
+    (["restart-cluster", "--fellows", "1000"], "<= 64, got 1000"),
+    (["restart-cluster", "--devices", "cuda:x"], "'cuda:x' is not 'cpu' or 'cuda:N'"),
+    (["submit", "--fellows", "2000"], "<= 1024, got 2000"),
+    (["submit", "--steps", "99999999999999999999"], "<= 9223372036854775807"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -37,6 +42,46 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert exc.value.code == ExitCode.USAGE
     err = _one_line(capsys.readouterr().err)
     assert needle in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--leader-url", "notaurl", "fellows"], "leader URL 'notaurl' is not http(s)://host:port"),
+    (["fellow", "--leader-url", "http://127.0.0.1:9", "--name", "x" * 300],
+     "--name: must be 1-128 characters"),
+])
+def test_bad_values_found_after_parsing_are_usage_errors_too(argv, needle, capsys):
+    assert run(argv) == ExitCode.USAGE
+    assert needle in _one_line(capsys.readouterr().err)
+
+
+def test_a_job_id_cannot_walk_to_another_route(capsys):
+    """The id is one path segment, escaped: ``../info`` asks for a job of that name."""
+    from aiohttp import web
+
+    seen: list[str] = []
+
+    async def any_route(request: web.Request) -> web.Response:
+        seen.append(request.raw_path)
+        return web.json_response({"error": {"code": "not_found", "message": "no such job"}},
+                                 status=404)
+
+    async def serve_and_ask() -> int:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", any_route)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            return await asyncio.to_thread(run, ["--leader-url", f"http://127.0.0.1:{port}",
+                                                 "--token", "t", "job", "../info"])
+        finally:
+            await runner.cleanup()
+
+    code = asyncio.run(serve_and_ask())
+    assert seen == ["/api/v1/jobs/..%2Finfo"]
+    assert code != 0 and "no such job" in _one_line(capsys.readouterr().err)
 
 
 def test_release_needs_a_target(capsys):

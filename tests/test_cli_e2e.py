@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -75,6 +76,24 @@ def test_restart_cluster_replaces_the_previous_one(cli_env, swarm_home):
         fellows = cli_json("fellows", env=cli_env)["fellows"]
         assert [(f["fellow_id"], f["name"], f["status"]) for f in fellows] == \
             [(0, "local-0", "ready")]
+        # A restart bound to fail is refused before anything is stopped: the running cluster
+        # stays, and says so in one line, exit 2.
+        a_file = swarm_home / "not-a-dir"
+        a_file.write_text("x")
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            for argv, message in ((["--devices", "bogus"], "'bogus' is not 'cpu' or 'cuda:N'"),
+                                  (["--state-dir", str(a_file)], "is not a directory"),
+                                  (["--port", str(taken)], f"--port {taken}: "),
+                                  (["--fellows", "1000"], "<= 64, got 1000")):
+                refused = run_cli("restart-cluster", *argv, env=cli_env, timeout=90)
+                assert refused.returncode == 2, (argv, refused.stderr)
+                assert message in refused.stderr and refused.stderr.count("\n") == 1, \
+                    refused.stderr
+        assert _record(swarm_home) == new and pid_alive(new["leader"]["pid"])
+        assert [f["status"] for f in cli_json("fellows", env=cli_env)["fellows"]] == ["ready"]
     finally:
         run_cli("stop-cluster", env=cli_env)
 

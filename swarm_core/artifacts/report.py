@@ -38,6 +38,11 @@ def load_run(d: Path) -> RunData:
     except FileNotFoundError as exc:
         raise ReportError(f"{d}: not a finished run directory (missing "
                           f"{Path(exc.filename).name})") from None
+    except NotADirectoryError:
+        raise ReportError(f"{d}: not a directory (give run directories, or a folder of "
+                          "them)") from None
+    except OSError as exc:
+        raise ReportError(f"{d}: cannot read: {exc.strerror}") from None
     except jsonio.JSONDecodeError as exc:
         raise ReportError(f"{d}: metrics_summary.json is not valid JSON: {exc}") from None
     steps, losses, wall, sent = [], [], [], []

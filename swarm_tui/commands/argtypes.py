@@ -23,7 +23,8 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
         low_ok = value > lo if lo_open else value >= lo
         if not low_ok or value > hi:
             left = f"> {lo:g}" if lo_open else f">= {lo:g}"
-            right = "" if hi == math.inf else f" and <= {hi:g}"
+            right = "" if hi == math.inf else \
+                f" and <= {int(hi) if cast is int else hi:{'d' if cast is int else 'g'}}"
             raise argparse.ArgumentTypeError(f"{what} must be {left}{right}, got {text}")
         return value
 
@@ -31,9 +32,26 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
     return parse
 
 
-positive_int = number(int, 1, math.inf, "count")
+positive_int = number(int, 1, 2**63 - 1, "count")  # int64: what the leader and SQLite hold
+# A job's fellows (the API's bound), and a local cluster's (processes on this machine).
+fellow_count = number(int, 1, 1024, "fellow count")
+local_fellow_count = number(int, 1, 64, "local fellow count")
 positive_float = number(float, 0, math.inf, "value", lo_open=True)
 port = number(int, 0, 65535, "port")
 fellow_id = number(int, 0, 2**63 - 1, "fellow id")
 latency_ms = number(float, 0, 60_000, "latency in ms")
 temperature = number(float, 0, 10, "temperature", lo_open=True)
+
+
+def device_slots(text: str) -> str:
+    """``cpu,cuda:0,…``: the syntax only (no torch here); whether the machine has the GPUs is
+    the fellow's check."""
+    from swarm_core.protocol import DEVICE_SLOT
+
+    slots = [d.strip() for d in text.split(",") if d.strip()]
+    if not slots:
+        raise argparse.ArgumentTypeError("expected device slots such as cpu or cpu,cuda:0")
+    for d in slots:
+        if not DEVICE_SLOT.fullmatch(d):
+            raise argparse.ArgumentTypeError(f"{d!r} is not 'cpu' or 'cuda:N'")
+    return ",".join(slots)

@@ -11,6 +11,7 @@ import enum
 import os
 import shutil
 import sys
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -98,6 +99,9 @@ def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
             "no leader: pass --leader-url, set SWARM_LEADER_URL, or run 'swarm restart-cluster'",
             ExitCode.UNREACHABLE,
         )
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CommandError(f"leader URL {url!r} is not http(s)://host:port", ExitCode.USAGE)
     token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if not token and record is not None and record.leader_url.rstrip("/") == url.rstrip("/"):
         token = token_for(record)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from swarm_tui.commands.argtypes import port, positive_float, positive_int
+from swarm_tui.commands.argtypes import (
+    device_slots,
+    local_fellow_count,
+    port,
+    positive_float,
+    positive_int,
+)
 from swarm_tui.commands.base import add_format, emit_json, print_line
 from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster
 
@@ -45,13 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "restart-cluster", help="(re)start a local leader and N fellows in the background",
         description="Stop the previous local cluster (by its recorded pids), start a leader and "
                     "N fellows, wait until all fellows are ready, print the leader URL.")
-    p.add_argument("--fellows", type=positive_int, default=2, help="fellows to start (default 2)")
+    p.add_argument("--fellows", type=local_fellow_count, default=2,
+                   help="fellows to start (default 2, at most 64)")
     p.add_argument("--port", type=port, default=None, help="leader port (default: a free one)")
     p.add_argument("--state-dir", default=None,
                    help="leader state dir (default: under SWARM_HOME or the user data dir)")
     p.add_argument("--stale-after", type=positive_float, default=5.0,
                    help="heartbeat timeout in seconds (default 5)")
-    p.add_argument("--devices", default="cpu", help="device slots of each fellow (default cpu)")
+    p.add_argument("--devices", type=device_slots, default="cpu",
+                   help="device slots of each fellow (default cpu)")
     p.add_argument("--threads", type=positive_int, default=1, help="threads per fellow")
     p.add_argument("--timeout", type=positive_float, default=30.0,
                    help="seconds to wait for readiness (default 30)")

@@ -10,7 +10,8 @@ import socket
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
-from swarm_core.protocol import DEVICE_SLOT
+from swarm_core.protocol import DEVICE_SLOT, RegisterRequest
+from swarm_core.schema import FieldError
 from swarm_tui.commands.argtypes import port, positive_float, positive_int
 from swarm_tui.commands.base import CommandError, ExitCode
 
@@ -61,9 +62,14 @@ def cmd_fellow(args: argparse.Namespace) -> int:
                 resolve_device(d)
             except DeviceError as exc:
                 raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    name = socket.gethostname() if args.name is None else args.name
+    try:  # the name the leader will check, checked here: one line and exit 2, no traceback
+        RegisterRequest(name=name, instance_id="check")
+    except FieldError as exc:
+        raise CommandError(f"--name: {exc}", ExitCode.USAGE) from None
     opts = FellowOptions(
         leader_url=url, token=args.token or os.environ.get("SWARM_TOKEN"),
-        name=args.name or socket.gethostname(), devices=devices or ["cpu"],
+        name=name, devices=devices or ["cpu"],
         threads=args.threads, data_host=args.data_host, data_port=args.data_port,
     )
     daemon = FellowDaemon(opts)

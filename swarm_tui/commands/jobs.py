@@ -12,7 +12,7 @@ from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.protocol import JobInfo, JobState, JobSubmit
 from swarm_core.schema import SchemaError, structure
-from swarm_tui.commands.argtypes import positive_int
+from swarm_tui.commands.argtypes import fellow_count, positive_int
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -98,8 +98,8 @@ def _stage_figures(reported: dict[str, Any]) -> list[str]:
 
 
 def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
-    return structure({"name": name, "kind": "smoke", "topology": {"fellows": fellows},
-                      "training": {"steps": steps, "step_seconds": 0.2}}, JobSubmit)
+    return _validated_job({"name": name, "kind": "smoke", "topology": {"fellows": fellows},
+                             "training": {"steps": steps, "step_seconds": 0.2}})
 
 
 def _load_payload(path: str) -> JobSubmit:
@@ -110,7 +110,7 @@ def _load_payload(path: str) -> JobSubmit:
         raise CommandError(f"{path}: {exc}", ExitCode.USAGE) from None
 
 
-def _validated_train(req_data: dict[str, Any]) -> JobSubmit:
+def _validated_job(req_data: dict[str, Any]) -> JobSubmit:
     try:
         return structure(req_data, JobSubmit)
     except SchemaError as exc:
@@ -119,7 +119,7 @@ def _validated_train(req_data: dict[str, Any]) -> JobSubmit:
 
 def train_job(model: dict[str, Any], training: dict[str, Any], fellows: int,
               name: str) -> JobSubmit:
-    return _validated_train({"name": name, "kind": "train", "model": model,
+    return _validated_job({"name": name, "kind": "train", "model": model,
                              "training": training, "topology": {"fellows": fellows}})
 
 
@@ -278,7 +278,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--training", help="training profile JSON (a train job; default: "
                                       "quickstart_shakespeare)")
     p.add_argument("--name", default=None, help="job name (smoke job)")
-    p.add_argument("--fellows", type=positive_int, default=1,
+    p.add_argument("--fellows", type=fellow_count, default=1,
                    help="fellows the smoke job needs (default 1)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")

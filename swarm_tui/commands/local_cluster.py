@@ -159,8 +159,35 @@ class ClusterSpec:
     timeout_s: float = 30.0
 
 
+def check_spec(spec: ClusterSpec) -> None:
+    """What would make the new cluster fail to start, found before the running one is
+    stopped: a refused restart leaves the cluster that was there."""
+    state_dir = spec.state_dir or default_state_dir()
+    if state_dir.exists() and not state_dir.is_dir():
+        raise CommandError(f"--state-dir: {state_dir} is not a directory", ExitCode.USAGE)
+    running = read_record()
+    if spec.port and not (running and running.leader_url.endswith(f":{spec.port}")):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", spec.port))
+            except OSError as exc:
+                raise CommandError(f"--port {spec.port}: {exc.strerror}", ExitCode.USAGE) \
+                    from None
+    gpus = [d for d in spec.devices.split(",") if d.strip() not in ("", "cpu")]
+    if gpus:
+        from swarm_core.pipeline.devices import DeviceError, resolve_device
+
+        for d in gpus:
+            try:
+                resolve_device(d.strip())
+            except DeviceError as exc:
+                raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+
+
 def start_cluster(spec: ClusterSpec) -> ClusterRecord:
-    """Stop the previous local cluster, start a leader and N fellows, wait until all are ready."""
+    """Stop the previous local cluster, start a leader and N fellows, wait until all are ready.
+    Nothing is stopped when the new one is bound to fail (:func:`check_spec`)."""
+    check_spec(spec)
     stop_cluster()
     home = local_cluster_dir()
     logs = home / "logs"

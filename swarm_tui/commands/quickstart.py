@@ -15,7 +15,7 @@ from swarm_core.config.schemas import TrainingConfig
 from swarm_core.experiment import peaks_by_stage, wait_by_stage
 from swarm_core.protocol import JobState
 from swarm_core.schema import structure
-from swarm_tui.commands.argtypes import positive_int
+from swarm_tui.commands.argtypes import local_fellow_count, positive_int
 from swarm_tui.commands.base import ExitCode, print_line, run_async
 from swarm_tui.commands.jobs import smoke_job, train_job, watch_job
 from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster, token_for
@@ -78,7 +78,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quickstart",
                        help="start a local cluster, train the default model, show the loss fall")
-    p.add_argument("--fellows", type=positive_int, default=2, help="fellows (default 2)")
+    p.add_argument("--fellows", type=local_fellow_count, default=2,
+                   help="fellows (default 2)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="training steps (default: the profile's 40)")
     p.add_argument("--smoke", action="store_true",
