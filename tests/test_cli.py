@@ -89,9 +89,17 @@ def test_release_needs_a_target(capsys):
     assert "--all or --fellow-id" in _one_line(capsys.readouterr().err)
 
 
-def test_no_leader_configured_exits_3(capsys):
-    assert run(["fellows"]) == ExitCode.UNREACHABLE
+@pytest.mark.parametrize("argv", [["fellows"], ["fellow"]])
+def test_no_leader_configured_exits_3(argv, capsys):
+    assert run(argv) == ExitCode.UNREACHABLE
     assert "no leader" in _one_line(capsys.readouterr().err)
+
+
+def test_a_leader_state_dir_that_is_a_file_is_named(tmp_path, capsys):
+    a_file = tmp_path / "state"
+    a_file.write_text("x")
+    assert run(["leader", "--state-dir", str(a_file)]) == ExitCode.USAGE
+    assert f"--state-dir: {a_file} is not a directory" in _one_line(capsys.readouterr().err)
 
 
 def test_unreachable_leader_exits_3(capsys):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from swarm_core.paths import default_state_dir
 from swarm_core.protocol import DEVICE_SLOT, RegisterRequest
 from swarm_core.schema import FieldError
 from swarm_tui.commands.argtypes import port, positive_float, positive_int
-from swarm_tui.commands.base import CommandError, ExitCode
+from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader
 
 
 def _logging(verbose: bool) -> None:
@@ -29,6 +28,8 @@ def cmd_leader(args: argparse.Namespace) -> int:
         raise CommandError(f"refusing to bind {args.host}: the leader binds loopback unless "
                            "--allow-remote is given (then protect the token)", ExitCode.USAGE)
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
+    if state_dir.exists() and not state_dir.is_dir():
+        raise CommandError(f"--state-dir: {state_dir} is not a directory", ExitCode.USAGE)
     cfg = LeaderConfig(state_dir=state_dir,
                        stale_after_s=args.stale_after)
     try:
@@ -45,9 +46,9 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     from swarm_core.fellow import FellowDaemon, FellowOptions
 
     _logging(args.verbose)
-    url = args.leader_url or os.environ.get("SWARM_LEADER_URL")
-    if not url:
-        raise CommandError("fellow needs --leader-url (or SWARM_LEADER_URL)", ExitCode.USAGE)
+    # As every other command: --leader-url, SWARM_LEADER_URL, else the local cluster (with its
+    # token), so a fellow joins the cluster `swarm restart-cluster` started without flags.
+    url, token = resolve_leader(args)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     for d in devices:
         if not DEVICE_SLOT.fullmatch(d):
@@ -68,7 +69,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     except FieldError as exc:
         raise CommandError(f"--name: {exc}", ExitCode.USAGE) from None
     opts = FellowOptions(
-        leader_url=url, token=args.token or os.environ.get("SWARM_TOKEN"),
+        leader_url=url, token=token,
         name=name, devices=devices or ["cpu"],
         threads=args.threads, data_host=args.data_host, data_port=args.data_port,
     )
