@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 
 from swarm_core.config.profiles import load_experiment
@@ -22,13 +23,10 @@ def _config(tmp_path: Path) -> Path:
     tiny = {"d_model": 32, "n_heads": 2, "seq_len": 16}
     (tmp_path / "model" / "two.json").write_text(json.dumps({"name": "two", "n_layers": 2,
                                                              **tiny}))
-    # Valid on its own, but four stages leave one with nothing to do on a one-layer model
-    # (embedding and head stages may be layerless): only the leader checks stages against
-    # layers, so the refusal comes from the leader, for the second run.
     (tmp_path / "model" / "one.json").write_text(json.dumps({"name": "one", "n_layers": 1,
                                                              **tiny}))
     (tmp_path / "training" / "t.json").write_text(json.dumps(
-        {"steps": 200, "batch_size": 4, "micro_batches": 2, "cluster_profile": {"fellows": 4},
+        {"steps": 200, "batch_size": 4, "micro_batches": 2, "cluster_profile": {"fellows": 2},
          "artifacts": {"runs_dir": "../runs"}}))
     cfg = tmp_path / "exp.json"
     cfg.write_text(json.dumps({"name": "partial", "training_config": "training/t.json",
@@ -39,6 +37,9 @@ def _config(tmp_path: Path) -> Path:
 async def test_a_refused_run_cancels_the_runs_queued_before_it(tmp_path: Path) -> None:
     exp = load_experiment(_config(tmp_path))
     assert len(exp.runs) == 2
+    # The loader refuses what the leader would (four stages leave one with nothing to do on a
+    # one-layer model); to see the runner meet a refusal, the second run is changed after it.
+    exp.runs[1] = attrs.evolve(exp.runs[1], fellows=4)
     async with live_cluster(tmp_path, n=4) as (leader, _fellows), leader.client() as client:
         for _ in range(200):  # the in-process fellows register within a moment
             if sum(f.status == "ready" for f in await client.fellows()) == 4:
