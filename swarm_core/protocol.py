@@ -60,13 +60,20 @@ def _non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) 
 _non_negative.json_schema = {"minimum": 0}  # type: ignore[attr-defined]
 
 
-def _positive_or_none(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise FieldError(f"must be > 0 (or null for unlimited), got {value}", attr.name)
+# A link rate: 1 kbit/s (below, one 64 KiB frame outlasts any sensible timeout) to 1 Tbit/s
+# (above, no token bucket on a CPU would notice; 1e308 read back as unlimited).
+RATE_MBPS = (0.001, 1_000_000.0)
 
 
-_positive_or_none.json_schema = {  # type: ignore[attr-defined]
-    "minimum": 0, "exclusiveMinimum": True}
+def rate_or_none(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
+    """attrs validator of a link rate in Mbit/s (None: unlimited)."""
+    if value is not None and not RATE_MBPS[0] <= value <= RATE_MBPS[1]:
+        raise FieldError(f"must be {RATE_MBPS[0]:g}-{RATE_MBPS[1]:g} Mbit/s (or null for "
+                         f"unlimited), got {value}", attr.name)
+
+
+rate_or_none.json_schema = {  # type: ignore[attr-defined]
+    "minimum": RATE_MBPS[0], "maximum": RATE_MBPS[1]}
 
 
 def _bounded(lo: float, hi: float):
@@ -103,10 +110,10 @@ class LinkLimits:
     """Link shaping of one fellow's data plane. null means unlimited."""
 
     tx_mbps: float | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_meta("send limit, Mbit/s")
+        default=None, validator=rate_or_none, metadata=_meta("send limit, Mbit/s")
     )
     rx_mbps: float | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_meta("receive limit, Mbit/s")
+        default=None, validator=rate_or_none, metadata=_meta("receive limit, Mbit/s")
     )
     latency_ms: float = attrs.field(
         default=0.0,
@@ -216,10 +223,10 @@ class SetSpeedRequest:
     """New link limits for a fellow; null rates mean unlimited."""
 
     tx_mbps: float | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_meta("Mbit/s")
+        default=None, validator=rate_or_none, metadata=_meta("Mbit/s")
     )
     rx_mbps: float | None = attrs.field(
-        default=None, validator=_positive_or_none, metadata=_meta("Mbit/s")
+        default=None, validator=rate_or_none, metadata=_meta("Mbit/s")
     )
     latency_ms: float = attrs.field(
         default=0.0, validator=_bounded(0, 60_000), metadata=_meta("", minimum=0, maximum=60000)

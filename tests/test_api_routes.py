@@ -600,6 +600,8 @@ async def test_set_speed(api):
 @pytest.mark.parametrize(("body", "field"), [
     ({"tx_mbps": -1}, "$.tx_mbps"),
     ({"rx_mbps": 0}, "$.rx_mbps"),
+    ({"tx_mbps": 1e308}, "$.tx_mbps"),  # was taken, and read back as unlimited
+    ({"rx_mbps": 1e-300}, "$.rx_mbps"),  # was taken: a link that never moves a frame
     ({"tx_mbps": "1"}, "$.tx_mbps"),
     ({"latency_ms": -0.1}, "$.latency_ms"),
     ({"latency_ms": 1e9}, "$.latency_ms"),
@@ -1130,6 +1132,11 @@ async def test_events_filters(api):
     assert {e["type"].split(".")[0] for e in mf_events} == {"metric", "fellow"}
     seqs = [e["seq"] for e in mf_events]
     assert seqs == sorted(seqs)
+    # A type that names no events is a mistake (a typo would otherwise be a silent stream).
+    for params in ({"types": "bogus"}, {"types": "job,metrc"}):
+        err = await expect_error(await api.get(f"{A}/events", params=params, headers=AUTH),
+                                 400, "invalid_param", "types")
+        assert "expected fellow, job, metric" in err["message"]
 
 
 async def test_events_client_close_is_prompt(api):

@@ -84,7 +84,8 @@ BAD = [
     ("bad_compression", "unknown compression 'int4'", "$.sweep.compressions[0]"),
     ("bad_seed_type", "expected an integer, got a string", "$.sweep.seeds[1]"),
     ("zero_repeats", "must be 1-100, got 0", "$.sweep.repeats"),
-    ("bad_network_rate", "must be > 0, got -5", "$.sweep.network_profiles[0].tx_mbps"),
+    ("bad_network_rate", "must be 0.001-1e+06 Mbit/s (or null for unlimited), got -5",
+     "$.sweep.network_profiles[0].tx_mbps"),
     ("tc_without_target", "give exactly one of netns or dev", "$.sweep.network_profiles[0]"
                                                               ".tc_profile.dev"),
     ("bad_cluster", "must be 1-1024, got 0", "$.cluster_profile.fellows"),

@@ -22,7 +22,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
-from swarm_core.protocol import LinkLimits
+from swarm_core.protocol import LinkLimits, rate_or_none
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 
 
@@ -76,8 +76,8 @@ class NetworkProfile:
     """Link limits every fellow applies during a run (application shaper), optionally tc too."""
 
     name: str = attrs.field(default="unconstrained", validator=_safe_name)
-    tx_mbps: float | None = attrs.field(default=None, validator=_pos)
-    rx_mbps: float | None = attrs.field(default=None, validator=_pos)
+    tx_mbps: float | None = attrs.field(default=None, validator=rate_or_none)
+    rx_mbps: float | None = attrs.field(default=None, validator=rate_or_none)
     latency_ms: float = 0.0
     tc_profile: TcProfile | None = None
 

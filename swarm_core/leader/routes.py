@@ -331,11 +331,18 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
 
 # --- events -------------------------------------------------------------------------------------
 
+# What ?types= filters on: the part of an event's type before the dot.
+EVENT_GROUPS = frozenset({"fellow", "job", "metric"})
+
 
 async def events(request: web.Request) -> web.StreamResponse:
     st = _state(request)
     types_q = request.query.get("types")
     types = frozenset(t for t in types_q.split(",") if t) if types_q else None
+    unknown = sorted((types or frozenset()) - EVENT_GROUPS)
+    if unknown:
+        raise ApiError(400, f"unknown event type(s) {', '.join(unknown)}: expected "
+                       f"{', '.join(sorted(EVENT_GROUPS))}", code="invalid_param", field="types")
     job_id = request.query.get("job_id") or None
     if request.headers.get("Upgrade", "").lower() != "websocket":
         # Without a WebSocket: the recent events, for polling scripts.
