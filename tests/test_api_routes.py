@@ -1137,6 +1137,8 @@ async def test_events_filters(api):
         err = await expect_error(await api.get(f"{A}/events", params=params, headers=AUTH),
                                  400, "invalid_param", "types")
         assert "expected fellow, job, metric" in err["message"]
+    await expect_error(await api.get(f"{A}/events", params={"job_id": "job-999999"},
+                                     headers=AUTH), 404, "unknown_job")
 
 
 async def test_events_client_close_is_prompt(api):

@@ -48,6 +48,11 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     (["--leader-url", "notaurl", "fellows"], "leader URL 'notaurl' is not http(s)://host:port"),
     (["fellow", "--leader-url", "http://127.0.0.1:9", "--name", "x" * 300],
      "--name: must be 1-128 characters"),
+    (["fellow", "--leader-url", "http://127.0.0.1:9", "--name", ""],
+     "--name: must be 1-128 characters"),
+    (["--leader-url", "", "fellows"], "--leader-url is empty"),
+    (["--leader-url", "http://127.0.0.1:9", "--token", "", "jobs"], "--token is empty"),
+    (["--leader-url", "http://127.0.0.1:9", "submit", "--name", ""], "--name is empty"),
 ])
 def test_bad_values_found_after_parsing_are_usage_errors_too(argv, needle, capsys):
     assert run(argv) == ExitCode.USAGE

@@ -344,6 +344,8 @@ async def events(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, f"unknown event type(s) {', '.join(unknown)}: expected "
                        f"{', '.join(sorted(EVENT_GROUPS))}", code="invalid_param", field="types")
     job_id = request.query.get("job_id") or None
+    if job_id is not None:
+        st.jobs.get(job_id)  # 404 for a job that does not exist: its stream would stay empty
     if request.headers.get("Upgrade", "").lower() != "websocket":
         # Without a WebSocket: the recent events, for polling scripts.
         after = _int_param(request, "after") if "after" in request.query else 0

@@ -90,6 +90,9 @@ def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
     local cluster's token file when the URL is the local cluster's."""
     from swarm_tui.commands.local_cluster import read_record, token_for
 
+    for flag in ("leader_url", "token"):  # given but empty: a script's unset variable
+        if getattr(args, flag, None) == "":
+            raise CommandError(f"--{flag.replace('_', '-')} is empty", ExitCode.USAGE)
     url = getattr(args, "leader_url", None) or os.environ.get("SWARM_LEADER_URL")
     record = read_record()
     if not url and record is not None:

@@ -133,6 +133,8 @@ def _load_json(path: str) -> Any:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    if args.name == "":
+        raise CommandError("--name is empty", ExitCode.USAGE)
     if args.payload:
         req = _load_payload(args.payload)
     elif args.model or args.training:
