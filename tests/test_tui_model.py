@@ -96,7 +96,7 @@ def test_metrics_extend_the_loss_curve_once_per_step() -> None:
             "job_id": "job-000002", "fellow_id": fid, "step": 121, "loss": 2.4,
             "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}})
     assert len(view.info.loss_history) == n + 1 and view.info.last_step == 121
-    assert view.per_fellow[1].step == 121 and view.per_fellow[1].tokens_per_s == 1800.0
+    assert view.per_stage[1].step == 121 and view.per_stage[1].tokens_per_s == 1800.0
 
 
 def test_watch_row_shows_each_stages_memory_and_link_wait() -> None:
@@ -117,6 +117,28 @@ def test_watch_row_shows_each_stages_memory_and_link_wait() -> None:
                        "data": {**event, "metrics": {"eval_loss": 2.5}}})
     assert watch_cells(model, view, 1)["wait"].plain == "22%"
     assert watch_cells(model, view, 0)["wait"].plain == "-"  # nothing reported yet
+
+
+def test_watch_rows_are_stages_so_a_two_slot_fellow_shows_both() -> None:
+    """A fellow with two device slots holds two stages of one job: each has its own row, with
+    its own memory and waits, however the reports interleave."""
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    view.info.fellows = [0, 0, 1]
+    for seq, (stage, wait, peak) in enumerate(((0, 0.40, 50_000_000), (1, 0.02, 1_000_000))):
+        model.apply_event({"seq": seq + 1, "ts": T0, "type": "metric", "data": {
+            "job_id": "job-000002", "fellow_id": 0, "stage": stage, "step": 121, "loss": None,
+            "tokens_per_s": 1800.0, "state": "RUNNING",
+            "metrics": {"activation_peak_bytes": peak, "step_seconds": 1.0,
+                        "wait_seconds": wait}}})
+    rows = [watch_cells(model, view, s) for s in range(3)]
+    assert [(r["id"].plain, r["stage"].plain) for r in rows] == [("0", "0"), ("0", "1"),
+                                                                 ("1", "2")]
+    assert [r["wait"].plain for r in rows] == ["40%", "2%", "-"]
+    assert rows[0]["act"].plain == fmt_bytes(50_000_000)
+    assert rows[1]["act"].plain == fmt_bytes(1_000_000)
 
 
 def test_cells_sort_by_value_with_missing_values_last() -> None:

@@ -62,3 +62,37 @@ async def test_cell_writes_repaint_their_rows_and_keep_the_rest(tmp_path: Path) 
         updates = table.updates
         app.publish(Change(ages=True))
         assert table.updates == updates  # the clock is frozen: nothing to write
+
+
+async def test_views_left_open_on_what_is_gone_show_and_do_nothing_stale(tmp_path: Path) -> None:
+    """A job that vanishes empties its watch view (nothing stale to read or export); a fellow
+    that vanishes takes no set-speed or release from its detail view."""
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+    from swarm_tui.app.screens.jobs import JobWatchScreen
+
+    client = FakeClient()
+    app = SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(pilot, lambda: app.model.events_seen >= client.expected_events, "data")
+        await pilot.press("2", "enter")
+        watch = await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                               and app.screen, "the watch view")
+        assert watch.job_id == "job-000002"
+        table = watch.query_one(LiveTable)
+        await wait_for(pilot, lambda: table.row_count == 2, "its two stages")
+        client._jobs = [j for j in client._jobs if j.job_id != "job-000002"]
+        app.refresh_now()
+        await wait_for(pilot, lambda: table.row_count == 0, "the rows gone")
+        assert "not known to the leader" in screen_text(app)
+        await pilot.press("escape", "1", "enter")
+        detail = await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen)
+                                and app.screen, "the detail view")
+        assert detail.fellow_id == 0
+        client._fellows = [f for f in client._fellows if f.fellow_id != 0]
+        app.refresh_now()
+        await wait_for(pilot, lambda: 0 not in app.model.fellows, "fellow 0 gone")
+        for key in ("s", "r"):
+            await pilot.press(key)
+            await pilot.pause()
+            assert isinstance(app.screen, FellowDetailScreen), f"{key} opened a dialog"
+        assert client.calls == []

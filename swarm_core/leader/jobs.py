@@ -185,7 +185,7 @@ class JobQueue:
         if upd.state == "RUNNING" and upd.metrics and job.kind == "train":
             self._record_progress(job, stage, upd)
         self.hub.publish("metric", {
-            "job_id": job_id, "fellow_id": fellow.fellow_id, "step": upd.step,
+            "job_id": job_id, "fellow_id": fellow.fellow_id, "stage": stage, "step": upd.step,
             "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
             "metrics": upd.metrics,
         })

@@ -306,6 +306,8 @@ class SwarmApp(App[int]):
         if not ids:
             self.notify("no fellow selected", severity="warning")
             return
+        if self._refuse_gone(ids, "set-speed"):
+            return
         first = self.model.fellows.get(ids[0])
         dialog = SetSpeedDialog(self._names(ids), first.tx_limit if first else None,
                                 first.rx_limit if first else None,
@@ -332,11 +334,21 @@ class SwarmApp(App[int]):
         if not ids:
             self.notify("no fellow selected", severity="warning")
             return
+        if self._refuse_gone(ids, "release"):
+            return
         names = ", ".join(f"{f} {n}" for f, n in self._names(ids))
         dialog = ConfirmDialog(f"Release {len(ids)} fellow{'s' if len(ids) > 1 else ''}?",
                                f"{names}\n\nThey stop their job and leave the cluster.",
                                "Release")
         self.push_screen(dialog, lambda ok: self.release(list(ids)) if ok else None)
+
+    def _refuse_gone(self, ids: Sequence[int], what: str) -> bool:
+        """A fellow the leader no longer knows (a detail view left open) takes no action."""
+        gone = [i for i in ids if i not in self.model.fellows]
+        if gone:
+            self.notify(f"{what}: fellow {_ids(gone)} is no longer known to the leader",
+                        severity="warning")
+        return bool(gone)
 
     def ask_release_all(self) -> None:
         if self.refuse_if_read_only("release all"):

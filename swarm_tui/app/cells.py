@@ -282,19 +282,21 @@ WATCH_COLUMNS: tuple[Column, ...] = (
 )
 
 
-def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]:
-    """One fellow of a job: what it last reported (metric events), and what it is now."""
-    st = model.fellows.get(fid)
-    fp = view.per_fellow.get(fid)
+def watch_cells(model: ClusterModel, view: JobView, stage: int) -> dict[str, Cell]:
+    """One stage of a job: what it last reported (metric events), and what its fellow is
+    doing now."""
+    fp = view.per_stage.get(stage)
+    fellows = view.info.fellows
+    fid = fellows[stage] if 0 <= stage < len(fellows) else (fp.fellow_id if fp else None)
+    st = model.fellows.get(fid) if fid is not None else None
     in_job = st is not None and st.job_id == view.job_id
-    stage = st.stage if in_job and st is not None else None
-    if stage is None and fid in view.info.fellows:
-        stage = view.info.fellows.index(fid)
-    step = fp.step if fp is not None else (st.step if in_job and st is not None else None)
+    # A fellow's heartbeat speaks for one of its stages: only fall back on it for that one.
+    own = in_job and st is not None and (st.stage is None or st.stage == stage)
+    step = fp.step if fp is not None else (st.step if own and st is not None else None)
     loss = fp.loss if fp is not None and fp.loss is not None else (
-        st.loss if in_job and st is not None else None)
+        st.loss if own and st is not None else None)
     tps = fp.tokens_per_s if fp is not None and fp.tokens_per_s is not None else (
-        st.tokens_per_s if in_job and st is not None else None)
+        st.tokens_per_s if own and st is not None else None)
     act = fp.activation_bytes if fp is not None else None
     wait = fp.wait_fraction if fp is not None else None
     status = st.status if st is not None else "gone"
@@ -304,10 +306,10 @@ def watch_cells(model: ClusterModel, view: JobView, fid: int) -> dict[str, Cell]
     rx = st.rx_mbps if st is not None and in_job else None
 
     def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
-        return Cell(text, value, key=fid, style=style or row_style, justify=justify)
+        return Cell(text, value, key=stage, style=style or row_style, justify=justify)
 
     return {
-        "id": cell(str(fid), fid, justify="right"),
+        "id": cell("-" if fid is None else str(fid), fid, justify="right"),
         "name": cell(st.name if st is not None else "?", st.name if st is not None else None),
         "stage": cell("-" if stage is None else str(stage), stage, justify="right"),
         "status": cell(status, status, style=STATUS_STYLE.get(status, row_style)),

@@ -186,8 +186,9 @@ class FellowState:
 
 @attrs.define(eq=False)
 class FellowProgress:
-    """What one fellow last reported about one job (from ``metric`` events)."""
+    """What one stage of a job last reported (from ``metric`` events), and its fellow."""
 
+    fellow_id: int | None = None
     step: int = 0
     loss: float | None = None
     tokens_per_s: float | None = None
@@ -199,7 +200,9 @@ class FellowProgress:
 @attrs.define(eq=False)
 class JobView:
     info: JobInfo
-    per_fellow: dict[int, FellowProgress] = attrs.field(factory=dict)
+    # By stage: a fellow with several device slots runs several stages of one job, each with
+    # its own memory and waits.
+    per_stage: dict[int, FellowProgress] = attrs.field(factory=dict)
     partial: bool = False  # built from an event; the next snapshot fills it in
 
     @property
@@ -219,8 +222,12 @@ class JobView:
         fid = data.get("fellow_id")
         step = int(data.get("step") or 0)
         loss = data.get("loss")
-        if isinstance(fid, int):
-            fp = self.per_fellow.setdefault(fid, FellowProgress())
+        stage = data.get("stage")
+        if not isinstance(stage, int) and isinstance(fid, int) and fid in self.info.fellows:
+            stage = self.info.fellows.index(fid)  # a leader that does not name the stage
+        if isinstance(fid, int) and isinstance(stage, int) and not isinstance(stage, bool):
+            fp = self.per_stage.setdefault(stage, FellowProgress())
+            fp.fellow_id = fid
             fp.step, fp.state = step, str(data.get("state") or "")
             if loss is not None:
                 fp.loss = loss

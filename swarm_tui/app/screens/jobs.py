@@ -208,9 +208,10 @@ class JobWatchScreen(SwarmScreen):
         assert view is not None
         return watch_cells(self.swarm.model, view, int(key))
 
-    def _fellow_keys(self, view: JobView) -> list[str]:
-        ids = list(view.info.fellows) or sorted(view.per_fellow)
-        return [str(f) for f in ids]
+    def _stage_keys(self, view: JobView) -> list[str]:
+        # One row per stage (a fellow with several slots holds several).
+        stages = range(len(view.info.fellows)) if view.info.fellows else sorted(view.per_stage)
+        return [str(s) for s in stages]
 
     def sync(self, change: Change | None) -> None:
         view = self.view
@@ -218,6 +219,7 @@ class JobWatchScreen(SwarmScreen):
         table = self.query_one(LiveTable)
         if view is None:
             summary.update(f"{self.job_id}: not known to the leader (yet)")
+            table.rebuild([])  # no rows of a job that is gone (nor an export of them)
             return
         if change is not None and self.job_id not in change.jobs and not (
                 change.fellows & set(view.info.fellows)) and not change.fellow_rows and \
@@ -244,7 +246,7 @@ class JobWatchScreen(SwarmScreen):
             f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
             f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
         self.query_one("#curve", Sparkline).data = losses
-        table.rebuild(self._fellow_keys(view))
+        table.rebuild(self._stage_keys(view))
 
     def action_back(self) -> None:
         self.app.pop_screen()
