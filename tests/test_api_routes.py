@@ -1095,9 +1095,9 @@ async def test_events_stream_fellow_job_and_metric(api):
         assert started["data"]["fellows"] == [f["fellow_id"]]
         await report(api, jid, f, "RUNNING", step=3, loss=1.25)
         metric = await next_event(ws, "metric")
-        assert metric["data"] == {"job_id": jid, "fellow_id": f["fellow_id"], "step": 3,
-                                  "loss": 1.25, "tokens_per_s": None, "state": "RUNNING",
-                                  "metrics": {}}
+        assert metric["data"] == {"job_id": jid, "fellow_id": f["fellow_id"], "stage": 0,
+                                  "step": 3, "loss": 1.25, "tokens_per_s": None,
+                                  "state": "RUNNING", "metrics": {}}
         await report(api, jid, f, "COMPLETED", step=4)
         done = await next_event(ws, "job.completed")
         assert done["data"]["state"] == "COMPLETED" and done["data"]["last_step"] == 4

@@ -442,7 +442,7 @@ ROUTES: tuple[Route, ...] = (
           query=(("types", "string", "comma-separated: fellow,job,metric"),
                  ("job_id", "string", "only events of this job"),
                  ("after", "integer", "plain GET: only events after this seq")),
-          errors=(400,)),
+          errors=(400, 404)),
 )
 
 
