@@ -316,9 +316,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
         "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
-        "wait_fraction_by_stage": wait_by_stage(
-            records, len(job.fellows), training,
-            [r.get("resume_step", 0) for r in job.restarts or []]),
+        "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
+                                                job.restarts),
         "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
         "thresholds": {},
     }
@@ -344,14 +343,15 @@ def peaks_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[int |
 
 def wait_by_stage(records: list[dict[str, Any]], num_stages: int,
                   training: TrainingConfig | None = None,
-                  resumed_at: list[int] | None = None) -> list[float | None] | None:
+                  restarts: list[dict[str, Any]] | None = None) -> list[float | None] | None:
     """The share of its step time each stage spent blocked on its links, by stage index: its
     wait_seconds over its own stage_seconds, summed over the steady steps, i.e. leaving out
-    the first step of the run and of each resume (``resumed_at``: resume steps) and, given
+    the first step of the run and of each resume (``restarts``: the job's) and, given
     ``training``, the step after each eval and shard push: those also wait for the neighbours
     to start or to finish their pause (every step when no other is left). None for a stage
     that never reported; None when no stage did."""
-    starts = {min((r["step"] for r in records), default=1) - 1, *(resumed_at or [])}
+    starts = {min((r["step"] for r in records), default=1) - 1,
+              *(r.get("resume_step", 0) for r in restarts or [])}
     tc = training or TrainingConfig()
 
     def paused(step: int) -> bool:

@@ -314,6 +314,22 @@ class Topology:
 
 
 @attrs.define
+class SmokeTraining:
+    """A smoke job's only settings: its fellows walk ``steps`` RUNNING steps of
+    ``step_seconds`` each, then COMPLETE. The leader checks them at submit, the fellow again
+    at START (a leader of another version)."""
+
+    steps: int = attrs.field(default=5)
+    step_seconds: float = attrs.field(default=0.2)
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.steps <= 100_000:
+            raise FieldError(f"must be 1-100000, got {self.steps}", "steps")
+        if not 0 <= self.step_seconds <= 60:
+            raise FieldError(f"must be 0-60, got {self.step_seconds}", "step_seconds")
+
+
+@attrs.define
 class JobSubmit:
     """Enqueue a job: the resolved model and training config plus the requested topology."""
 
@@ -415,3 +431,12 @@ class LeaderInfo:
     fellows_ready: int
     jobs_pending: int
     jobs_running: int
+
+
+def step_wait_share(metrics: dict[str, Any]) -> float | None:
+    """From a stage's step report (``wait_seconds``, ``step_seconds``): the share of the step
+    it sat blocked on its links, in [0, 1]; None without both."""
+    wait, span = metrics.get("wait_seconds"), metrics.get("step_seconds")
+    if not isinstance(wait, int | float) or not isinstance(span, int | float) or span <= 0:
+        return None
+    return min(1.0, max(0.0, wait / span))

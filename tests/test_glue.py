@@ -154,7 +154,7 @@ def test_glue_errors(tmp_path, breakage, message):
 
 @pytest.mark.parametrize("breakage, message", [
     ("shape", "weights do not fit the model: size mismatch for blocks.0"),
-    ("no_sha", "inference_manifest.json: weights_sha256 is missing or not a str"),
+    ("no_sha", "inference_manifest.json: no weights_sha256"),
     ("ranges", "inference_manifest.json: stage_ranges must be [start, stop] pairs"),
 ])
 def test_a_broken_glued_model_is_one_clear_error(tmp_path, breakage, message):

@@ -119,11 +119,12 @@ def test_the_runs_link_wait_leaves_out_steps_that_follow_a_pause():
                 "wait_seconds": {"0": 0.9 if s in paused else 0.1,
                                  "1": 1.8 if s in paused else 0.5}}
                for s in range(1, 10)]
-    assert wait_by_stage(records, 3, tc, [6]) == [pytest.approx(0.1), pytest.approx(0.25),
-                                                  None]
+    resumed = [{"resume_step": 6}]  # the job's restarts
+    assert wait_by_stage(records, 3, tc, resumed) == [pytest.approx(0.1), pytest.approx(0.25),
+                                                      None]
     # Without the training config only the start and the resume are known.
     known = [2, 3, 4, 5, 6, 8, 9]
-    assert wait_by_stage(records, 2, None, [6])[0] == pytest.approx(
+    assert wait_by_stage(records, 2, None, resumed)[0] == pytest.approx(
         sum(0.9 if s in paused else 0.1 for s in known) / len(known))
     assert wait_by_stage([], 2) is None
 

@@ -41,23 +41,23 @@ def _shard_dirs(export_dir: Path) -> list[Path]:
     return dirs
 
 
-# What glue reads from each shard manifest, and of what type.
-_SHARD_FIELDS: dict[str, type | tuple[type, ...]] = {
+# What glue reads from each shard manifest, and from a glued model's manifest, by type.
+_SHARD_FIELDS: dict[str, type] = {
     "job_id": str, "stage": int, "num_stages": int, "fellow_id": int, "step": int,
     "config_fingerprint": str, "layers": dict, "model": dict, "vocab_size": int, "seed": int,
 }
+_MODEL_FIELDS: dict[str, type] = {
+    "weights_sha256": str, "model": dict, "vocab_size": int, "seed": int, "stage_ranges": list,
+}
 
 
-def _check_fields(m: dict[str, Any], where: str) -> None:
-    for key, kind in _SHARD_FIELDS.items():
+def _check_fields(m: dict[str, Any], fields: dict[str, type], where: str) -> None:
+    for key, kind in fields.items():
         v = m.get(key)
         if v is None:
             raise GlueError(f"{where}: no {key}")
         if not isinstance(v, kind) or isinstance(v, bool):
-            raise GlueError(f"{where}: {key} is {v!r}, not {getattr(kind, '__name__', kind)}")
-    layers = m["layers"]
-    if not all(isinstance(layers.get(k), int) for k in ("start", "stop")):
-        raise GlueError(f"{where}: layers must have integer start and stop")
+            raise GlueError(f"{where}: {key} is {v!r}, not {kind.__name__}")
 
 
 def check_shards(manifests: list[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -120,7 +120,9 @@ def glue(export_dir: Path) -> Path:
             raise GlueError(str(exc)) from None
     manifests = [m for m, _ in loaded]
     for d, m in zip(dirs, manifests, strict=True):
-        _check_fields(m, str(d / MANIFEST))
+        _check_fields(m, _SHARD_FIELDS, str(d / MANIFEST))
+        if not all(isinstance(m["layers"].get(k), int) for k in ("start", "stop")):
+            raise GlueError(f"{d / MANIFEST}: layers must have integer start and stop")
     ranges = check_shards(manifests)
     first = min(manifests, key=lambda m: m["stage"])
     try:
@@ -195,10 +197,7 @@ def load_full_model(model_dir: Path) -> tuple[ExperimentModel, dict[str, Any]]:
         raise GlueError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(manifest, dict):
         raise GlueError(f"{path}: not a JSON object")
-    for key, kind in (("weights_sha256", str), ("model", dict), ("vocab_size", int),
-                      ("seed", int), ("stage_ranges", list)):
-        if not isinstance(manifest.get(key), kind):
-            raise GlueError(f"{path}: {key} is missing or not a {kind.__name__}")
+    _check_fields(manifest, _MODEL_FIELDS, str(path))
     if hashlib.sha256(raw).hexdigest() != manifest["weights_sha256"]:
         raise GlueError(f"{model_dir}: weights.npz does not match its manifest")
     try:

@@ -21,7 +21,8 @@ from typing import Any
 import attrs
 
 from swarm_core.artifacts.layout import names_optimizer
-from swarm_core.protocol import JobStatusUpdate
+from swarm_core.protocol import JobStatusUpdate, SmokeTraining
+from swarm_core.schema import SchemaError, structure
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +89,11 @@ class JobContext:
 
 
 async def run_smoke(start: dict[str, Any], ctx: JobContext) -> None:
-    training = start.get("training") or {}
-    steps = training.get("steps", 5)
-    step_s = training.get("step_seconds", 0.2)
-    if not isinstance(steps, int) or not isinstance(step_s, int | float) or \
-            not 1 <= steps <= 100_000 or not 0 <= step_s <= 60:
-        raise JobRefused(f"smoke job wants 1-100000 steps of 0-60 s, got {steps!r} x {step_s!r}")
+    try:
+        smoke = structure(start.get("training") or {}, SmokeTraining, "training")
+    except SchemaError as exc:
+        raise JobRefused(f"smoke job: {exc}") from None
+    steps, step_s = smoke.steps, smoke.step_seconds
     t0 = time.monotonic()
     for step in range(1, steps + 1):
         await asyncio.sleep(step_s)
@@ -132,7 +132,6 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     from swarm_core.pipeline.devices import DeviceError, resolve_device
     from swarm_core.pipeline.optim import optimizer_arrays
     from swarm_core.pipeline.stage import ResumeError, StageSpec, StepReport, run_stage
-    from swarm_core.schema import SchemaError, structure
 
     try:
         model = structure(start.get("model") or {}, ModelConfig, "$.model")

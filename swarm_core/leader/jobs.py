@@ -20,9 +20,15 @@ from swarm_core.leader.store import Store
 from swarm_core.leader.uploads import complete_checkpoints
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan
-from swarm_core.protocol import JobInfo, JobState, JobStatusUpdate, JobSubmit, Topology
+from swarm_core.protocol import (
+    JobInfo,
+    JobState,
+    JobStatusUpdate,
+    JobSubmit,
+    SmokeTraining,
+    Topology,
+)
 from swarm_core.schema import (
-    FieldError,
     SchemaError,
     converter,
     structure,
@@ -534,21 +540,6 @@ class JobQueue:
             "last_step": job.last_step, "last_loss": job.last_loss, "fellows": job.fellows,
             "reason": job.reason,
         })
-
-
-@attrs.define
-class SmokeTraining:
-    """A smoke job's only settings: its fellows walk ``steps`` RUNNING steps of
-    ``step_seconds`` each, then COMPLETE."""
-
-    steps: int = attrs.field(default=5)
-    step_seconds: float = attrs.field(default=0.2)
-
-    def __attrs_post_init__(self) -> None:
-        if not 1 <= self.steps <= 100_000:
-            raise FieldError(f"must be 1-100000, got {self.steps}", "steps")
-        if not 0 <= self.step_seconds <= 60:
-            raise FieldError(f"must be 0-60, got {self.step_seconds}", "step_seconds")
 
 
 def resolve_smoke_payload(req: JobSubmit) -> tuple[dict[str, Any], dict[str, Any]]:

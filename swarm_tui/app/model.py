@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from swarm_core.protocol import FellowInfo, JobInfo, Topology
+from swarm_core.protocol import FellowInfo, JobInfo, Topology, step_wait_share
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
@@ -237,7 +237,7 @@ class JobView:
             # (a COMPLETED report carries the whole run's peak under the same name)
             if isinstance(peak, int | float) and fp.state == "RUNNING":
                 fp.activation_bytes = int(peak)
-            wait_fraction = _wait_fraction(data.get("metrics") or {})
+            wait_fraction = step_wait_share(data.get("metrics") or {})
             if wait_fraction is not None:
                 fp.wait_fraction = wait_fraction
         self.info.last_step = max(self.info.last_step, step)
@@ -246,13 +246,6 @@ class JobView:
             hist = self.info.loss_history
             if not hist or hist[-1][0] < step:
                 hist.append([step, loss])
-
-
-def _wait_fraction(metrics: dict[str, Any]) -> float | None:
-    wait, span = metrics.get("wait_seconds"), metrics.get("step_seconds")
-    if not isinstance(wait, int | float) or not isinstance(span, int | float) or span <= 0:
-        return None
-    return min(1.0, max(0.0, wait / span))
 
 
 @attrs.define

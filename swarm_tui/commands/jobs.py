@@ -10,7 +10,7 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.protocol import JobInfo, JobState, JobSubmit
+from swarm_core.protocol import JobInfo, JobState, JobSubmit, step_wait_share
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.commands.argtypes import fellow_count, positive_int
 from swarm_tui.commands.base import (
@@ -82,9 +82,8 @@ def _stage_figures(reported: dict[str, Any]) -> list[str]:
     the last step's while it runs."""
     out = []
     wait = reported.get("wait_fraction")
-    if wait is None and isinstance(reported.get("step_seconds"), int | float) \
-            and reported["step_seconds"] > 0:
-        wait = reported.get("wait_seconds", 0.0) / reported["step_seconds"]
+    if wait is None:
+        wait = step_wait_share(reported)
     if isinstance(wait, int | float):
         out.append(f"link wait {wait:.0%}")
     peak = reported.get("activation_peak_bytes")

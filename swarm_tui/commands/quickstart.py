@@ -57,7 +57,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                     for k, n in enumerate(peaks)))
             waits = None if args.smoke else wait_by_stage(
                 records, len(final.fellows), structure(final.training, TrainingConfig),
-                [r.get("resume_step", 0) for r in final.restarts])
+                final.restarts)
             if waits:
                 print_line("time blocked on links (neighbours, network, bubble): " + ", ".join(
                     f"stage {k} " + ("-" if w is None else f"{w:.0%}")
