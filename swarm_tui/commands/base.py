@@ -13,6 +13,7 @@ import shutil
 import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
@@ -154,3 +155,24 @@ def fmt_mbps(v: float | None) -> str:
 
 def fmt_loss(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
+
+
+def check_state_dir(path: Path) -> None:
+    """A leader's state dir must be a directory, or not exist yet."""
+    if path.exists() and not path.is_dir():
+        raise CommandError(f"--state-dir: {path} is not a directory", ExitCode.USAGE)
+
+
+def check_gpu_slots(slots: Sequence[str]) -> None:
+    """Device slots this machine cannot serve are refused now, not at a job's START (and never
+    trained on the CPU instead). Imports torch (seconds) only when a GPU slot is named."""
+    gpus = [d for d in slots if d != "cpu"]
+    if not gpus:
+        return
+    from swarm_core.pipeline.devices import DeviceError, resolve_device
+
+    for d in gpus:
+        try:
+            resolve_device(d)
+        except DeviceError as exc:
+            raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None

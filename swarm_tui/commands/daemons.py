@@ -9,10 +9,16 @@ import socket
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
-from swarm_core.protocol import DEVICE_SLOT, RegisterRequest
+from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import FieldError
-from swarm_tui.commands.argtypes import port, positive_float, positive_int
-from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader
+from swarm_tui.commands.argtypes import device_slots, port, positive_float, positive_int
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    check_gpu_slots,
+    check_state_dir,
+    resolve_leader,
+)
 
 
 def _logging(verbose: bool) -> None:
@@ -28,8 +34,7 @@ def cmd_leader(args: argparse.Namespace) -> int:
         raise CommandError(f"refusing to bind {args.host}: the leader binds loopback unless "
                            "--allow-remote is given (then protect the token)", ExitCode.USAGE)
     state_dir = Path(args.state_dir).expanduser() if args.state_dir else default_state_dir()
-    if state_dir.exists() and not state_dir.is_dir():
-        raise CommandError(f"--state-dir: {state_dir} is not a directory", ExitCode.USAGE)
+    check_state_dir(state_dir)
     cfg = LeaderConfig(state_dir=state_dir,
                        stale_after_s=args.stale_after)
     try:
@@ -49,20 +54,11 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     # As every other command: --leader-url, SWARM_LEADER_URL, else the local cluster (with its
     # token), so a fellow joins the cluster `swarm restart-cluster` started without flags.
     url, token = resolve_leader(args)
-    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    for d in devices:
-        if not DEVICE_SLOT.fullmatch(d):
-            raise CommandError(f"--devices: {d!r} is not 'cpu' or 'cuda:N'", ExitCode.USAGE)
-    if any(d != "cpu" for d in devices):
-        # Only then is torch imported here (seconds): a slot this machine lacks is refused
-        # now, not at the first START, and never silently trained on the CPU.
-        from swarm_core.pipeline.devices import DeviceError, resolve_device
-
-        for d in devices:
-            try:
-                resolve_device(d)
-            except DeviceError as exc:
-                raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    try:
+        devices = device_slots(args.devices).split(",")
+    except argparse.ArgumentTypeError as exc:
+        raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    check_gpu_slots(devices)
     name = socket.gethostname() if args.name is None else args.name
     try:  # the name the leader will check, checked here: one line and exit 2, no traceback
         RegisterRequest(name=name, instance_id="check")

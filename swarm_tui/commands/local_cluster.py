@@ -24,7 +24,7 @@ from swarm_core.client import ClientError, SwarmClient, wait_for_leader
 from swarm_core.leader import read_token
 from swarm_core.paths import atomic_write, default_state_dir, local_cluster_dir
 from swarm_core.schema import SchemaError, structure, unstructure
-from swarm_tui.commands.base import CommandError, ExitCode
+from swarm_tui.commands.base import CommandError, ExitCode, check_gpu_slots, check_state_dir
 
 RECORD_FILE = "cluster.json"
 FELLOW_PREFIX = "local-"
@@ -162,9 +162,7 @@ class ClusterSpec:
 def check_spec(spec: ClusterSpec) -> None:
     """What would make the new cluster fail to start, found before the running one is
     stopped: a refused restart leaves the cluster that was there."""
-    state_dir = spec.state_dir or default_state_dir()
-    if state_dir.exists() and not state_dir.is_dir():
-        raise CommandError(f"--state-dir: {state_dir} is not a directory", ExitCode.USAGE)
+    check_state_dir(spec.state_dir or default_state_dir())
     running = read_record()
     if spec.port and not (running and running.leader_url.endswith(f":{spec.port}")):
         with socket.socket() as probe:
@@ -173,15 +171,7 @@ def check_spec(spec: ClusterSpec) -> None:
             except OSError as exc:
                 raise CommandError(f"--port {spec.port}: {exc.strerror}", ExitCode.USAGE) \
                     from None
-    gpus = [d for d in spec.devices.split(",") if d.strip() not in ("", "cpu")]
-    if gpus:
-        from swarm_core.pipeline.devices import DeviceError, resolve_device
-
-        for d in gpus:
-            try:
-                resolve_device(d.strip())
-            except DeviceError as exc:
-                raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    check_gpu_slots([d.strip() for d in spec.devices.split(",") if d.strip()])
 
 
 def start_cluster(spec: ClusterSpec) -> ClusterRecord:
