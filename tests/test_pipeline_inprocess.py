@@ -168,6 +168,36 @@ def test_the_meter_keeps_autograds_in_place_check():
         z.sum().backward()
 
 
+
+def test_the_meter_runs_on_the_first_step_and_every_tenth(data, monkeypatch):
+    """Metering every saved tensor costs a Python call each, so a runner meters its first step
+    and every METER_EVERY-th; the steps between report the latest metered peak."""
+    from swarm_core.pipeline import stage as stage_mod
+    from swarm_core.pipeline.memory import ActivationMeter
+
+    metered: list[int] = []
+    original = ActivationMeter.start_step
+
+    def counting_start(self):  # type: ignore[no-untyped-def]
+        metered.append(1)
+        return original(self)
+
+    monkeypatch.setattr(ActivationMeter, "start_step", counting_start)
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=12, batch_size=8, micro_batches=4, schedule="1f1b",
+                        eval_batches=0)
+    peaks: dict[int, list[int]] = {0: [], 1: []}
+    losses = run_local_pipeline(mc, tc, data, 2, on_step=lambda s, r: peaks[s].append(
+        r.activation_peak_bytes))[1]["losses"]
+    assert stage_mod.METER_EVERY == 10
+    assert len(metered) == 2 * 2  # steps 0 and 10, on both stages
+    for s in (0, 1):
+        assert len(peaks[s]) == 12 and peaks[s][0] > 0
+        assert peaks[s][1:10] == [peaks[s][0]] * 9  # repeated until the next metered step
+        assert peaks[s][10] > 0 and peaks[s][11] == peaks[s][10]
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    assert max(abs(a - b) for a, b in zip(ref, losses, strict=True)) <= 1e-5
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monkeypatch):
     """The stage runner with deferred weight passes (filling waits, capped, drained before
