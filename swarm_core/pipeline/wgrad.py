@@ -109,7 +109,8 @@ class SplitLinear(nn.Linear):
     ``addmm`` backward computes only the input gradient, and a hook on the output collects the
     output gradient for the weight pass. A custom autograd Function did the same at a Python
     call per layer in forward and backward, which cost ~2 % of a stage's step on the bench
-    model; the hook is one call per layer, in backward only.
+    model; the hook is one call per layer, in backward only. (So with a queue attached, any
+    backward through the layer, ``torch.autograd.grad`` too, produces the weight gradient.)
 
     ``deferrable = False`` keeps a layer out of the queue: the LM head, whose output gradient
     (tokens x vocabulary) would be the largest thing a deferred pass holds, and which runs
