@@ -110,7 +110,9 @@ class Experiment:
         self.skip_netem = skip_netem
         self.poll_s = poll_s
         self.commit = git_commit(Path(exp.config_path).resolve().parent)
-        ids = names or run_ids(exp, stamp)
+        # Stamped ids are claimed (new folders) at start; given names reuse theirs.
+        self._stamp = None if names else (stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+        ids = names or run_ids(exp, self._stamp)
         self.states = [RunState(spec, rid, self.runs_dir / rid)
                        for spec, rid in zip(exp.runs, ids, strict=True)]
         self.stop_on_failure = stop_on_failure
@@ -128,6 +130,8 @@ class Experiment:
         and ExperimentError says which run and why."""
         self.fellows_at_start = await preflight(self.client, self.exp)
         try:
+            if self._stamp is not None:
+                self._claim_run_dirs(self._stamp)
             for st in self.states:
                 self._write_static(st)
         except OSError as exc:
@@ -238,6 +242,27 @@ class Experiment:
             if not open_runs:
                 return
             await _sleep(self.poll_s)
+
+    def _claim_run_dirs(self, stamp: str) -> None:
+        """New run folders for every run: a sweep started in the same second as another of the
+        same config (a second console, a double launch) takes ``<stamp>-2`` and so on, rather
+        than writing into the other's folders."""
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            ids = run_ids(self.exp, stamp if n == 1 else f"{stamp}-{n}")
+            made: list[Path] = []
+            try:
+                for rid in ids:
+                    (self.runs_dir / rid).mkdir()
+                    made.append(self.runs_dir / rid)
+            except FileExistsError:
+                for d in made:
+                    d.rmdir()
+                continue
+            for st, rid in zip(self.states, ids, strict=True):
+                st.run_id, st.run_dir = rid, self.runs_dir / rid
+            return
+        raise ExperimentError(f"no free run folder name under {self.runs_dir} for stamp {stamp}")
 
     def _write_static(self, st: RunState) -> None:
         d = st.run_dir

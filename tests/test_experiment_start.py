@@ -61,3 +61,32 @@ async def test_a_refused_run_cancels_the_runs_queued_before_it(tmp_path: Path) -
         assert manifest["note"] == "sweep not queued: run 2 was refused"
     assert json.loads((runner.states[0].run_dir / "manifest.json").read_text())["status"] \
         == "CANCELLED"
+
+
+async def test_sweeps_started_in_the_same_second_get_their_own_run_folders(
+        tmp_path: Path) -> None:
+    """Two sweeps of one config stamped alike (a double launch, two consoles) must not write
+    into each other's run folders: the second takes ``<stamp>-2``."""
+    exp = load_experiment(_config(tmp_path))
+    async with live_cluster(tmp_path, n=2) as (leader, _fellows), leader.client() as client:
+        for _ in range(200):
+            if sum(f.status == "ready" for f in await client.fellows()) == 2:
+                break
+            await asyncio.sleep(0.05)
+        first = Experiment(client, exp, stamp="20261129T000000")
+        second = Experiment(client, exp, stamp="20261129T000000")
+        await first.start()
+        await second.start()
+        jobs = {j.job_id: j for j in await client.jobs()}
+        assert len(jobs) == 4
+        for runner in (first, second):
+            for st in runner.states:
+                config = json.loads((st.run_dir / "config_resolved.json").read_text())
+                assert config["run_id"] == st.run_id == st.run_dir.name
+                assert jobs[st.job_id].name == st.run_id
+        dirs = {st.run_dir for r in (first, second) for st in r.states}
+        assert len(dirs) == 4
+        assert all(st.run_id.startswith("20261129T000000-partial-") for st in first.states)
+        assert all(st.run_id.startswith("20261129T000000-2-partial-") for st in second.states)
+        for runner in (first, second):
+            await runner.cancel_open()

@@ -256,6 +256,9 @@ def test_console_flags_are_checked(argv: list[str], message: str,
     ('{"fellows.export": "/"}', "key 'slash' would be both fellows.filter and fellows.export"),
     ('{"app.quit_now": "x"}', "app.quit_now works even while typing in a field"),
     ('{"jobs.cancel": "enter"}', "'enter' belongs to the tables and fields"),
+    # In a dialog only the app's priority keys stay live: those still clash.
+    ('{"confirm.yes": "ctrl+q,y"}', "key 'ctrl+q' would be both app.quit_now and "
+                                    "confirm.yes in the confirmation view"),
 ])
 def test_a_bad_keymap_stops_the_console_before_anything_starts(
         body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -271,6 +274,17 @@ def test_a_bad_keymap_stops_the_console_before_anything_starts(
     assert main_tui(["--keymap", str(keymap), "--local", "2"]) == 2
     err = capsys.readouterr().err
     assert message in err and str(keymap) in err and err.count("\n") == 1
+
+
+def test_keymap_checks_dialogs_against_the_keys_that_reach_them() -> None:
+    """A modal screen (dialog, help) cuts off the app's keys but the priority ones: an app key
+    may share a key with a dialog's, and the help screen's own keys are remappable."""
+    from swarm_tui.app import keymap
+
+    assert keymap.check({"app.help": "y"}, "k") == {"app.help": "y"}  # confirm.yes is y
+    assert keymap.check({"help.close_q": "x"}, "k") == {"help.close_q": "x"}
+    with pytest.raises(keymap.KeymapError, match="in the help view"):
+        keymap.check({"help.close_q": "ctrl+q"}, "k")  # quits everywhere (priority)
 
 
 def test_keymap_file_is_read_from_the_default_place(tmp_path: Path,
@@ -313,6 +327,15 @@ def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
                      (str(tmp_path / "v.csv"), "exists already")]:
         with pytest.raises(ExportError, match=why):
             write_view(bad, ["id"], rows)
+    # Paths the checks themselves choke on are refused in a line too, never a traceback.
+    (tmp_path / "dangling.csv").symlink_to(tmp_path / "gone.csv")
+    for bad, why in [(str(tmp_path / ("x" * 300 + ".csv")), "too long"),
+                     ("~no-such-user-swarm/v.csv", "home directory"),
+                     (str(tmp_path / "nul\x00.csv"), "null byte"),
+                     (str(tmp_path / "dangling.csv"), "exists already")]:
+        with pytest.raises(ExportError, match=why):
+            write_view(bad, ["id"], rows)
+    assert not (tmp_path / "gone.csv").exists()
 
 
 def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) -> None:

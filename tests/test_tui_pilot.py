@@ -4,9 +4,11 @@ skipped). Jobs are smoke jobs, except the launched sweep, which trains a tiny mo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.command import CommandList, CommandPalette
@@ -16,7 +18,12 @@ from swarm_core.client import SwarmClient
 from swarm_core.protocol import JobSubmit, Topology
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.model import Change
-from swarm_tui.app.screens.dialogs import ConfirmDialog, ExportDialog, SetSpeedDialog
+from swarm_tui.app.screens.dialogs import (
+    ConfirmDialog,
+    ExportDialog,
+    HelpScreen,
+    SetSpeedDialog,
+)
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
@@ -298,8 +305,20 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             assert isinstance(app.screen, LaunchScreen)
             launch.query_one("#fellows", Input).value = "5"  # valid, but only 3 fellows here
             launch.query_one("#name", Input).value = "queued-train"
-            await pilot.press("ctrl+s")
+            # A second ctrl+s while the first launch is on its way queues nothing twice (the
+            # leader is made slow to answer, so the second press lands in between).
+            submit = app.client.submit
+
+            async def slow_submit(req: JobSubmit) -> Any:
+                await asyncio.sleep(0.3)
+                return await submit(req)
+
+            app.client.submit = slow_submit  # type: ignore[method-assign]
+            await pilot.press("ctrl+s", "ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
+            assert any("a launch is under way" in n.message for n in app._notifications)
+            async with leader.client() as c:
+                assert [j.name for j in await c.jobs()].count("queued-train") == 1
             jobs = app.screen
             queued = next(v for v in app.model.jobs.values() if v.info.name == "queued-train")
             assert queued.info.state == "PENDING" and queued.info.kind == "train"
@@ -331,6 +350,20 @@ async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
                            or "recent events" in screen_text(app), "the events pane")
             await pilot.press("escape")
             await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back")
+            # "view: fellows" (key 1) from the detail view goes back to the fellows view too.
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen), "detail")
+            await pilot.press("1")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back by 1")
+            # The palette opens over the help screen (which says it does).
+            await pilot.press("question_mark")
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            await pilot.press("ctrl+p")
+            await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), "palette")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "help again")
+            await pilot.press("escape")
+            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "fellows")
             # The command palette runs "group: action" entries.
             await pilot.press("ctrl+p")
             palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)

@@ -61,7 +61,9 @@ class SwarmApp(App[int]):
         Binding("q", "ask_quit", "Quit", id="app.quit"),
         Binding("ctrl+q", "quit", "Quit", show=False, priority=True, id="app.quit_now"),
         Binding("ctrl+r", "refresh", "Refresh now", show=False, id="app.refresh"),
-        Binding("ctrl+p", "command_palette", "Commands", show=False, id="app.palette"),
+        # Priority, as Textual's own palette key is: it opens over the help screen and dialogs.
+        Binding("ctrl+p", "command_palette", "Commands", show=False, priority=True,
+                id="app.palette"),
     ]
 
     # connecting | live | polling (no event stream) | lost (no answer) | refused (an error answer)
@@ -92,6 +94,8 @@ class SwarmApp(App[int]):
             launch_sources or default_sources(configs_dir or default_configs_dir()))
         self.owns_client = owns_client
         self.local_cluster = local_cluster  # quitting stops it: ask first
+        # A launch until its runs are queued (or refused): a second would queue them twice.
+        self.launching = False
         self.sub_title = self.leader_url + (f"  {note}" if note else "")
         self._api_ok: bool | None = None
         self._stream_ok = False
@@ -264,8 +268,15 @@ class SwarmApp(App[int]):
         self.switch_view(name)
 
     def switch_view(self, name: str) -> None:
-        if name in VIEWS and self.current_mode != name:
+        if name not in VIEWS:
+            return
+        if self.current_mode != name:
             self.switch_mode(name)
+            return
+        # Already in that view, on a screen pushed over it (a fellow's detail, a job's watch):
+        # back to the view itself.
+        while len(self.screen_stack) > 1:
+            self.pop_screen()
 
     def action_ask_quit(self) -> None:
         if not self.local_cluster:
@@ -387,6 +398,10 @@ class SwarmApp(App[int]):
     def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
         if self.refuse_if_read_only("launch"):
             return
+        if self.launching:
+            self.notify("a launch is under way: its runs are not queued yet", severity="warning")
+            return
+        self.launching = True
         if plan.experiment is not None:
             self._run_experiment(plan.experiment, origin)
             return
@@ -396,15 +411,17 @@ class SwarmApp(App[int]):
     async def _run_experiment(self, exp: ResolvedExperiment, origin: Any) -> None:
         """What ``swarm sweep`` does, from the console: preflight, queue every run, then keep
         each run's artifacts current while the console is open."""
-        # (built in a thread: it asks git for the commit, which may take a moment)
-        runner = await asyncio.to_thread(Experiment, self.client, exp,
-                                         on_line=lambda _line: None)
         try:
+            # (built in a thread: it asks git for the commit, which may take a moment)
+            runner = await asyncio.to_thread(Experiment, self.client, exp,
+                                             on_line=lambda _line: None)
             await runner.start()  # all or nothing: a refused run cancels those before it
         except (ExperimentError, ClientError) as exc:
             if origin is not None and hasattr(origin, "launch_failed"):
                 origin.launch_failed(exc, [])
             return
+        finally:
+            self.launching = False
         name = exp.config.name
         queued = [st.job_id for st in runner.states if st.job_id]
         self.notify(f"sweep {name}: {len(runner.states)} runs"
@@ -438,11 +455,17 @@ class SwarmApp(App[int]):
             if origin is not None and hasattr(origin, "launch_failed"):
                 origin.launch_failed(exc, submitted)
             raise
+        finally:
+            self.launching = False
         self.notify(f"submitted {', '.join(submitted)}")
         self.switch_view("jobs")
         screen = self.screen
         if isinstance(screen, JobsScreen) and submitted:
             screen.select_job(submitted[-1])
+
+
+# help_sections' titles of modal screens (and the help screen itself, see keymap.remappable).
+MODAL_VIEWS = frozenset({"set-speed dialog", "confirmation", "export dialog", "help"})
 
 
 def help_sections() -> list[tuple[str, list[Binding]]]:

@@ -76,18 +76,23 @@ def write_view(path: str | Path, columns: list[str], rows: list[dict[str, Any]])
     text = str(path).strip()
     if not text:
         raise ExportError("give a file name ending in .csv or .json")
-    target = Path(text).expanduser()
+    try:
+        target = Path(text).expanduser()
+    except RuntimeError as exc:  # ~user with no such user
+        raise ExportError(f"{text}: {exc}") from None
     suffix = target.suffix.lower()
     if suffix not in FORMATS:
         raise ExportError(f"{target.name}: the name must end in .csv or .json")
-    if target.is_dir():
-        raise ExportError(f"{target}: is a directory")
-    if target.exists():
-        raise ExportError(f"{target.name} exists already: pick another name")
-    if not target.parent.is_dir():
-        raise ExportError(f"{target.parent}: no such directory")
     try:
+        # Any of these may raise too: a folder we may not read, a name too long.
+        if target.is_dir():
+            raise ExportError(f"{target}: is a directory")
+        if target.exists() or target.is_symlink():
+            raise ExportError(f"{target.name} exists already: pick another name")
+        if not target.parent.is_dir():
+            raise ExportError(f"{target.parent}: no such directory")
         atomic_write(target, render(rows, columns, suffix))
-    except OSError as exc:
-        raise ExportError(f"{target}: {exc.strerror or exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ExportError(f"{target}: {detail}") from None
     return target

@@ -50,13 +50,22 @@ def _types_a_character(key: str) -> bool:
 def remappable() -> dict[str, list[tuple[str, Binding]]]:
     """View name -> its (id, binding) pairs, for every binding that has an id."""
     from swarm_tui.app.app import help_sections
+    from swarm_tui.app.screens.dialogs import HelpScreen
 
     out: dict[str, list[tuple[str, Binding]]] = {}
     for title, bindings in help_sections():
         if title == "tables and forms":  # the widgets' own keys, listed for help only
             continue
         out[title] = [(b.id, b) for b in bindings if b.id]
+    out["help"] = [(b.id, b) for b in HelpScreen.BINDINGS if isinstance(b, Binding) and b.id]
     return out
+
+
+def _modal(view: str) -> bool:
+    """Views that are modal screens: only the app's priority keys reach them."""
+    from swarm_tui.app.app import MODAL_VIEWS
+
+    return view in MODAL_VIEWS
 
 
 def _keys(value: object, where: str) -> str:
@@ -93,7 +102,10 @@ def check(keymap: object, source: str) -> dict[str, str]:
                               "fields (moving, opening, tabbing) and cannot be remapped")
     everywhere = views.get("everywhere", [])
     for view, pairs in views.items():
-        scope = pairs if view == "everywhere" else [*everywhere, *pairs]
+        # A modal screen (a dialog, the help) cuts off the app's keys except priority ones.
+        app_keys = [(bid, b) for bid, b in everywhere if b.priority] if _modal(view) \
+            else everywhere
+        scope = pairs if view == "everywhere" else [*app_keys, *pairs]
         seen: dict[str, str] = {}
         for bid, binding in scope:
             for key in out.get(bid, _normalize_key_list(binding.key)).split(","):
