@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import swarm_core
+from swarm_core.schema import clip, whole_number
 from swarm_tui.commands.base import CommandError, ExitCode, warn
 
 
@@ -134,9 +135,9 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
 
 def _fellow_count(text: str) -> int:
     try:
-        n = int(text)
+        n = whole_number(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{clip(text)!r} is not a whole number") from None
     if not 1 <= n <= 64:
         raise argparse.ArgumentTypeError(f"must be 1-64 fellows, got {n}")
     return n

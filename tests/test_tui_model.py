@@ -194,6 +194,10 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     bad = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
                                 fellows="two"))
     assert not bad.ok and bad.field == "$.topology.fellows" and "whole number" in bad.error
+    for typed in ("1_0", "\u0663", "9" * 5000):  # int() takes the first two, chokes on the last
+        bad = src.plan(LaunchChoice("model/small_none.json",
+                                    "training/quickstart_shakespeare.json", fellows=typed))
+        assert not bad.ok and "whole number" in bad.error and len(bad.error) < 80, bad.error
     (tmp_path / "configs" / "model" / "broken.json").write_text('{"n_layers": "many"}')
     bad = src.plan(LaunchChoice("model/broken.json", "training/quickstart_shakespeare.json"))
     assert not bad.ok and bad.field is not None and bad.field.startswith("$.model")
@@ -233,6 +237,8 @@ def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--local", "x"], "--local: 'x' is not a whole number"),
+    (["--local", "1_0"], "--local: '1_0' is not a whole number"),  # int() would take these
+    (["--local", "\u0663"], "is not a whole number"),  # an Arabic-Indic 3
     (["--local", "0"], "must be 1-64 fellows"),
     (["--local", "2", "--leader-url", "http://h:1"], "leave out --leader-url"),
     (["--bogus"], "unrecognized arguments: --bogus"),

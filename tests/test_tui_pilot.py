@@ -314,11 +314,21 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
                 return await submit(req)
 
             app.client.submit = slow_submit  # type: ignore[method-assign]
+            # Who leaves the launcher before the answer is not pulled back to the queue.
+            launch.query_one("#name", Input).value = "left-behind"
+            await pilot.press("ctrl+s", "1")
+            await wait_for(pilot, lambda: any("submitted" in n.message
+                                              for n in app._notifications), "the notice")
+            assert isinstance(app.screen, FellowsScreen)
+            await pilot.press("3")
+            await wait_for(pilot, lambda: app.screen is launch, "the launcher again")
+            launch.query_one("#name", Input).value = "queued-train"
             await pilot.press("ctrl+s", "ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
             assert any("a launch is under way" in n.message for n in app._notifications)
             async with leader.client() as c:
-                assert [j.name for j in await c.jobs()].count("queued-train") == 1
+                names = [j.name for j in await c.jobs()]
+                assert names.count("queued-train") == 1 and names.count("left-behind") == 1
             jobs = app.screen
             queued = next(v for v in app.model.jobs.values() if v.info.name == "queued-train")
             assert queued.info.state == "PENDING" and queued.info.kind == "train"

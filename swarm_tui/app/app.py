@@ -428,10 +428,7 @@ class SwarmApp(App[int]):
                     + (f", queued {' '.join(queued)}" if queued else ", one at a time")
                     + f"; artifacts in {runner.runs_dir}", timeout=8)
         self.action_refresh()
-        self.switch_view("jobs")
-        screen = self.screen
-        if isinstance(screen, JobsScreen) and queued:
-            screen.select_job(queued[0])
+        self._show_queued(origin, queued[:1])
         try:
             states = await runner.run()
         except (ClientError, ExperimentError, OSError) as exc:
@@ -458,10 +455,17 @@ class SwarmApp(App[int]):
         finally:
             self.launching = False
         self.notify(f"submitted {', '.join(submitted)}")
+        self._show_queued(origin, submitted[-1:])
+
+    def _show_queued(self, origin: Any, job_ids: list[str]) -> None:
+        """To the queue, cursor on the job, if the user still looks at the launcher: one who
+        has moved on meanwhile stays where they went (the notice says what was queued)."""
+        if origin is not None and self.screen is not origin:
+            return
         self.switch_view("jobs")
         screen = self.screen
-        if isinstance(screen, JobsScreen) and submitted:
-            screen.select_job(submitted[-1])
+        if isinstance(screen, JobsScreen) and job_ids:
+            screen.select_job(job_ids[0])
 
 
 # help_sections' titles of modal screens (and the help screen itself, see keymap.remappable).

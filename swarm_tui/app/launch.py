@@ -24,7 +24,7 @@ from swarm_core import jsonio
 from swarm_core.config import ModelConfig, TrainingConfig
 from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
 from swarm_core.protocol import JobSubmit
-from swarm_core.schema import SchemaError, structure
+from swarm_core.schema import SchemaError, clip, structure, whole_number
 
 
 @attrs.define
@@ -180,9 +180,10 @@ class ProfileSource:
 
 def _int(text: str, label: str, field: str) -> int:
     try:
-        return int(text.strip())
+        return whole_number(text)
     except ValueError:
-        raise SchemaError(f"{label}: {text.strip()!r} is not a whole number", field) from None
+        raise SchemaError(f"{label}: {clip(text.strip())!r} is not a whole number",
+                          field) from None
 
 
 def run_summary(req: JobSubmit) -> tuple[str, str]:

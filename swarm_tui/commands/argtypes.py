@@ -6,6 +6,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from swarm_core.schema import clip, whole_number
+
 
 def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
            lo_open: bool = False) -> Callable[[str], float]:
@@ -13,10 +15,10 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
 
     def parse(text: str) -> float:
         try:
-            value = cast(text)
+            value = whole_number(text) if cast is int else cast(text)
         except ValueError:
             kind = "a whole number" if cast is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {kind} ({what}), got {text!r}") \
+            raise argparse.ArgumentTypeError(f"expected {kind} ({what}), got {clip(text)!r}") \
                 from None
         if isinstance(value, float) and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{what} must be finite, got {text}")
