@@ -128,3 +128,30 @@ def test_the_meter_counts_what_pending_weight_passes_hold() -> None:
     assert pending != saved
     queue.drain()
     assert meter.live == 0
+
+
+def test_split_linear_keeps_what_autograd_guarantees() -> None:
+    """A frozen bias gets no gradient, and an input changed in place after the forward is an
+    error, as with a plain Linear (whose saved input autograd checks)."""
+    torch.manual_seed(0)
+    layer, ref = SplitLinear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(layer.state_dict())
+    for lin in (layer, ref):
+        lin.bias.requires_grad_(False)
+    queue = WeightGradQueue()
+    attach(layer, queue)
+    x = torch.randn(2, 4, requires_grad=True)
+    for lin in (layer, ref):
+        with queue.capture():
+            lin(x * 1.0).sum().backward()
+    queue.drain()
+    assert layer.bias.grad is None and ref.bias.grad is None
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    for lin in (layer, ref):
+        h = x * 1.0
+        out = lin(h)
+        h.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"), \
+                queue.capture():
+            out.sum().backward()
+    queue.clear()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import struct
 
+import attrs
 import pytest
 import torch
 import xxhash
@@ -173,4 +175,40 @@ def test_frames_that_do_not_fit_are_frame_errors():
             right.recv_tensor(Kind.GRAD, 3, 0, timeout=5)
     finally:
         left.close()
+        right.close()
+
+
+@pytest.mark.parametrize("frame, message", [
+    ("hello", "unexpected HELLO frame from a (this link carries ACT/NORM)"),
+    ("grad", "unexpected GRAD frame from a (this link carries ACT/NORM)"),
+    ("foreign", "frame for another job from a"),
+    ("huge", "payload of 1073741824 bytes exceeds the limit of 4096"),
+])
+def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
+    """A frame of a kind this link does not carry, for another job, or claiming more than one
+    boundary tensor fails the link when it arrives (a waiting recv raises it), instead of
+    sitting in a queue nobody reads while the recv times out, or allocating what it claims."""
+    import socket
+    import time
+
+    from swarm_core.pipeline.frames import make_header
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.transport import PeerLink
+
+    a, b = socket.socketpair()
+    right = PeerLink(b, LinkShaper(), 7, "a", max_payload=4096, receives=(Kind.ACT, Kind.NORM))
+    try:
+        payload = b"\0" * 16
+        kind, job = {"hello": (Kind.HELLO, 7), "grad": (Kind.GRAD, 7),
+                     "foreign": (Kind.ACT, 8), "huge": (Kind.ACT, 7)}[frame]
+        header = make_header(kind, job, 0, 0, (4,), 1, payload)
+        if frame == "huge":
+            header = attrs.evolve(header, payload_len=1 << 30)
+        a.sendall(header.pack() + payload)
+        start = time.monotonic()
+        with pytest.raises(FrameError, match=re.escape(message)):
+            right.recv(Kind.ACT, 0, 0, timeout=30)
+        assert time.monotonic() - start < 5  # not the frame timeout
+    finally:
+        a.close()
         right.close()

@@ -48,6 +48,10 @@ class Kind(enum.IntEnum):
     HELLO = 4  # first frame of a connection: the job's session key
 
 
+# What a link may carry once its HELLO is through.
+DATA_KINDS = frozenset({Kind.ACT, Kind.GRAD, Kind.NORM})
+
+
 class FrameError(ValueError):
     """A frame that must not be used. The message says what was wrong."""
 

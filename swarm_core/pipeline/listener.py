@@ -12,9 +12,18 @@ import hmac
 import socket
 import threading
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-from swarm_core.pipeline.frames import HEADER_SIZE, FrameError, FrameHeader, Kind, check_payload
+from swarm_core.pipeline.frames import (
+    DATA_KINDS,
+    DEFAULT_MAX_PAYLOAD,
+    HEADER_SIZE,
+    FrameError,
+    FrameHeader,
+    Kind,
+    check_payload,
+)
 from swarm_core.pipeline.links import LinkShaper
 
 if TYPE_CHECKING:
@@ -37,7 +46,9 @@ class DataListener:
         return f"{self.host}:{self.port}"
 
     def accept(self, key: str, stage: int, job: int, shaper: LinkShaper,
-               timeout: float, abort: threading.Event | None = None) -> PeerLink:
+               timeout: float, abort: threading.Event | None = None,
+               max_payload: int = DEFAULT_MAX_PAYLOAD,
+               receives: Collection[Kind] = DATA_KINDS) -> PeerLink:
         """Accept the upstream neighbour; connections without the job's key are dropped."""
         from swarm_core.pipeline.transport import (
             LinkAborted,
@@ -60,7 +71,8 @@ class DataListener:
                 conn, peer = self.sock.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(5)
+            # (A connection that says nothing holds the accept at most until the deadline.)
+            conn.settimeout(max(0.2, min(5.0, deadline - time.monotonic())))
             try:
                 raw = _recv_exact(conn, HEADER_SIZE)
                 header = FrameHeader.unpack(raw, max_payload=4096)
@@ -74,7 +86,7 @@ class DataListener:
                 continue
             conn.settimeout(None)
             return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})",
-                            abort=abort)
+                            abort=abort, max_payload=max_payload, receives=receives)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -41,7 +41,13 @@ from swarm_core.pipeline.optim import (
 from swarm_core.pipeline.schedules import ops_for
 from swarm_core.pipeline.transport import PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
-from swarm_core.pipeline.wire_math import boundary_width, expected_wire_bytes, wire_codec
+from swarm_core.pipeline.wire_math import (
+    NORM_PAYLOAD,
+    boundary_width,
+    expected_wire_bytes,
+    payload_size,
+    wire_codec,
+)
 
 # The activation meter hooks every tensor autograd saves, in Python: ~2 ms a micro-batch on the
 # bench model (1-2 % of a step; a quarter of a tiny model's). What a step holds is set by the
@@ -135,14 +141,19 @@ class StageRunner:
     # links -----------------------------------------------------------------------------------
     def connect(self, listener: DataListener | None, timeout: float) -> None:
         s = self.spec
+        # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
+        # claims more is refused before its buffer is allocated.
+        limit = max(payload_size(self.frame_shape, self.codec), NORM_PAYLOAD)
         if not self.last:
             assert s.downstream_addr is not None
             self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
-                                timeout, abort=self.stop)
+                                timeout, abort=self.stop, max_payload=limit,
+                                receives=(Kind.GRAD, Kind.NORM))
         if not self.first:
             assert listener is not None
             self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
-                                      abort=self.stop)
+                                      abort=self.stop, max_payload=limit,
+                                      receives=(Kind.ACT, Kind.NORM))
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""

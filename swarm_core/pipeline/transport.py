@@ -14,12 +14,14 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.frames import (
+    DATA_KINDS,
     DEFAULT_MAX_PAYLOAD,
     HEADER_SIZE,
     FrameError,
@@ -53,14 +55,19 @@ class PeerLink:
 
     def __init__(self, sock: socket.socket, shaper: LinkShaper, job: int, peer: str,
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 abort: threading.Event | None = None) -> None:
+                 abort: threading.Event | None = None,
+                 receives: Collection[Kind] = DATA_KINDS) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.shaper = shaper
         self.job = job
         self.peer = peer
+        # The largest payload a frame from this peer may claim (its buffer is allocated from
+        # the header's length before a byte of it arrives), and the kinds it may send: any
+        # other frame fails the link at once, rather than waiting in a queue nobody reads.
         self.max_payload = max_payload
+        self.receives = frozenset(receives)
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
         self.sent = 0  # bytes this link put on the wire (the shaper counts the whole fellow)
@@ -171,6 +178,13 @@ class PeerLink:
         try:
             while not self._stop.is_set():
                 header = FrameHeader.unpack(self._read_exact(HEADER_SIZE), self.max_payload)
+                if header.job != self.job:
+                    raise FrameError(f"frame for another job from {self.peer} (tag "
+                                     f"{header.job:#x}, expected {self.job:#x})")
+                if header.kind not in self.receives:
+                    carried = "/".join(k.name for k in sorted(self.receives))
+                    raise FrameError(f"unexpected {header.kind.name} frame from {self.peer} "
+                                     f"(this link carries {carried})")
                 payload = self._read_exact(header.payload_len)
                 check_payload(header, payload)
                 self._in[header.kind].put((header, payload))
@@ -271,7 +285,9 @@ def _hello_payload(key: str, stage: int) -> bytes:
 
 
 def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
-            timeout: float, abort: threading.Event | None = None) -> PeerLink:
+            timeout: float, abort: threading.Event | None = None,
+            max_payload: int = DEFAULT_MAX_PAYLOAD,
+            receives: Collection[Kind] = DATA_KINDS) -> PeerLink:
     """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -291,7 +307,8 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         payload = _hello_payload(key, stage)
         header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
         sock.sendall(header.pack() + payload)
-        return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort)
+        return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
+                        max_payload=max_payload, receives=receives)
     except BaseException:
         sock.close()
         raise

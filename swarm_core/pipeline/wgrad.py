@@ -126,11 +126,18 @@ class SplitLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         out = F.linear(x, self.weight.detach(), bias)
-        out.register_hook(functools.partial(self._output_grad, x.detach(),
+        x = x.detach()  # (shares the version counter: the check below sees in-place changes)
+        out.register_hook(functools.partial(self._output_grad, x, x._version,
                                             _autocast_dtype(x.device.type)))
         return out
 
-    def _output_grad(self, x: torch.Tensor, dt: torch.dtype | None, grad: torch.Tensor) -> None:
+    def _output_grad(self, x: torch.Tensor, version: int, dt: torch.dtype | None,
+                     grad: torch.Tensor) -> None:
+        if x._version != version:
+            # Autograd makes this check for the tensors it saves; this input is ours to save.
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               f"modified by an inplace operation: the {list(x.shape)} input "
+                               f"of a Linear is at version {x._version}, saved at {version}")
         g2 = grad.reshape(-1, grad.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         queue = self.wgrad
@@ -154,7 +161,7 @@ class SplitLinear(nn.Linear):
         else:
             # One GEMM into the running sum: no product tensor, no separate add.
             w.grad.addmm_(g2.t(), x2)
-        if b is not None:
+        if b is not None and b.requires_grad:  # (a frozen bias gets no gradient)
             _accumulate(b, g2.sum(0).to(b.dtype))
 
 
