@@ -360,20 +360,16 @@ async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
                            or "recent events" in screen_text(app), "the events pane")
             await pilot.press("escape")
             await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back")
-            # "view: fellows" (key 1) from the detail view goes back to the fellows view too.
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen), "detail")
-            await pilot.press("1")
-            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "back by 1")
-            # The palette opens over the help screen (which says it does).
-            await pilot.press("question_mark")
-            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
-            await pilot.press("ctrl+p")
-            await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), "palette")
-            await pilot.press("escape")
-            await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "help again")
-            await pilot.press("escape")
-            await wait_for(pilot, lambda: isinstance(app.screen, FellowsScreen), "fellows")
+            # "view: fellows" (key 1) from the detail view goes back to the fellows view too;
+            # the palette opens over the help screen (which says it does).
+            for key, screen, what in [("enter", FellowDetailScreen, "detail"),
+                                      ("1", FellowsScreen, "back by 1"),
+                                      ("question_mark", HelpScreen, "the help"),
+                                      ("ctrl+p", CommandPalette, "palette over the help"),
+                                      ("escape", HelpScreen, "help again"),
+                                      ("escape", FellowsScreen, "fellows")]:
+                await pilot.press(key)
+                await wait_for(pilot, lambda s=screen: isinstance(app.screen, s), what)
             # The command palette runs "group: action" entries.
             await pilot.press("ctrl+p")
             palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)
