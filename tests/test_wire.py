@@ -212,3 +212,25 @@ def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
     finally:
         a.close()
         right.close()
+
+
+def test_unused_header_fields_must_be_as_written():
+    """dtype, flags, padding and the sizes past ndim are fixed in this version: a peer that
+    sets them means something this fellow would not do, so the frame is refused."""
+    from swarm_core.pipeline import frames
+
+    h = make_header(Kind.ACT, 1, 0, 0, (2, 3), 1, b"\0" * 24)
+    for bad, message in [(attrs.evolve(h, dtype=2), "unknown frame dtype 2"),
+                         (attrs.evolve(h, flags=4), "unknown frame flags 0x4")]:
+        with pytest.raises(FrameError, match=message):
+            FrameHeader.unpack(bad.pack())
+    fields = [frames.MAGIC, frames.VERSION, int(h.kind), h.codec, h.dtype, 2, 0, 0, h.job,
+              h.step, h.micro_batch, 2, 3, 0, 0, h.payload_len, h.payload_check]
+    for index, value, message in [(7, 1, "padding 0x1"), (13, 5, "sizes past its 2")]:
+        raw_fields = list(fields)
+        raw_fields[index] = value
+        head = frames._HEADER.pack(*raw_fields)
+        raw = head + frames._CRC.pack(frames.checksum(head))
+        with pytest.raises(FrameError, match=message):
+            FrameHeader.unpack(raw)
+    assert FrameHeader.unpack(h.pack()) == h

@@ -57,6 +57,7 @@ class FrameError(ValueError):
 
 
 FLAG_EVAL = 1  # forward-only evaluation pass; no gradient will come back
+DTYPE = 1  # the header's dtype field: the codec says how the payload is coded
 
 
 def job_tag(job_id: str) -> int:
@@ -106,6 +107,14 @@ class FrameHeader:
             raise FrameError(f"unknown frame kind {kind}") from None
         if ndim > MAX_DIMS:
             raise FrameError(f"ndim {ndim} > {MAX_DIMS}")
+        # Fields this version does not use must be as it writes them: a peer that sets them
+        # means something this fellow would not do.
+        if dtype != DTYPE:
+            raise FrameError(f"unknown frame dtype {dtype} (version {VERSION} writes {DTYPE})")
+        if flags & ~FLAG_EVAL or _pad:
+            raise FrameError(f"unknown frame flags {flags:#x} / padding {_pad:#x}")
+        if any((d0, d1, d2, d3)[ndim:]):
+            raise FrameError(f"shape {[d0, d1, d2, d3]} has sizes past its {ndim} dimensions")
         if plen > max_payload:
             raise FrameError(f"payload of {plen} bytes exceeds the limit of {max_payload}")
         return cls(kind_e, codec, dtype, job, step, micro, (d0, d1, d2, d3)[:ndim], plen,
@@ -113,7 +122,7 @@ class FrameHeader:
 
 
 def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[int, ...],
-                codec: int, payload: list[memoryview] | bytes, dtype: int = 1,
+                codec: int, payload: list[memoryview] | bytes, dtype: int = DTYPE,
                 flags: int = 0) -> FrameHeader:
     bufs = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     if len(bufs) == 1:
