@@ -128,8 +128,8 @@ class StageRunner:
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
         self.codec = wire_codec(m)
+        self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
         # Every ACT and GRAD frame at this stage's boundaries: one micro-batch, boundary-wide.
-        self.metered_steps = 0
         self.frame_shape = (spec.training.batch_size // spec.training.micro_batches, m.seq_len,
                             boundary_width(m))
         self.tag = job_tag(spec.job_id)
