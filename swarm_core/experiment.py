@@ -92,8 +92,7 @@ async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[Fellow
     return fellows
 
 
-def run_ids(exp: ResolvedExperiment, stamp: str | None = None) -> list[str]:
-    stamp = stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+def run_ids(exp: ResolvedExperiment, stamp: str) -> list[str]:
     return [f"{stamp}-{exp.config.name}-{r.index:02d}-{r.run_name}" for r in exp.runs]
 
 

@@ -61,13 +61,6 @@ def remappable() -> dict[str, list[tuple[str, Binding]]]:
     return out
 
 
-def _modal(view: str) -> bool:
-    """Views that are modal screens: only the app's priority keys reach them."""
-    from swarm_tui.app.app import MODAL_VIEWS
-
-    return view in MODAL_VIEWS
-
-
 def _keys(value: object, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise KeymapError(f"{where}: expected keys as a string such as \"x\" or \"x,delete\"")
@@ -81,6 +74,8 @@ def _keys(value: object, where: str) -> str:
 def check(keymap: object, source: str) -> dict[str, str]:
     if not isinstance(keymap, dict):
         raise KeymapError(f"{source}: expected a JSON object of binding id -> keys")
+    from swarm_tui.app.app import MODAL_VIEWS
+
     views = remappable()
     by_id = {bid: b for pairs in views.values() for bid, b in pairs}
     out: dict[str, str] = {}
@@ -103,8 +98,8 @@ def check(keymap: object, source: str) -> dict[str, str]:
     everywhere = views.get("everywhere", [])
     for view, pairs in views.items():
         # A modal screen (a dialog, the help) cuts off the app's keys except priority ones.
-        app_keys = [(bid, b) for bid, b in everywhere if b.priority] if _modal(view) \
-            else everywhere
+        app_keys = [(bid, b) for bid, b in everywhere if b.priority] \
+            if view in MODAL_VIEWS else everywhere
         scope = pairs if view == "everywhere" else [*app_keys, *pairs]
         seen: dict[str, str] = {}
         for bid, binding in scope:
