@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan, split_layers
-from swarm_core.pipeline.schedules import eager, gpipe, max_in_flight, one_f_one_b
+from swarm_core.pipeline.schedules import (
+    eager,
+    gpipe,
+    hurried_backwards,
+    max_in_flight,
+    one_f_one_b,
+)
 
 
 def test_largest_remainder_split():
@@ -70,3 +76,16 @@ def test_eager_schedule_shape():
     # Early stages: every forward first; the last stage: forward, backward, forward, ...
     assert eager(0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
     assert eager(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+
+
+def test_split_backward_hurries_only_backwards_a_neighbour_waits_behind():
+    # A stage with an upstream neighbour sends every backward's input gradient: all hurry.
+    for sched in (gpipe, one_f_one_b, eager):
+        assert hurried_backwards(sched(1, 2, 4), first=False) == {0, 1, 2, 3}
+    # The first stage sends only activations: a backward hurries when a forward follows it.
+    assert hurried_backwards(gpipe(0, 2, 4), first=True) == set()
+    assert hurried_backwards(eager(0, 3, 4), first=True) == set()
+    # 1F1B on 2 stages: F0 F1 B0 F2 B1 F3 B2 B3
+    assert hurried_backwards(one_f_one_b(0, 2, 4), first=True) == {0, 1}
+    # 1F1B on 3 stages: F0 F1 F2 B0 F3 B1 B2 B3
+    assert hurried_backwards(one_f_one_b(0, 3, 4), first=True) == {0}

@@ -45,6 +45,28 @@ def ops_for(schedule: str, stage: int, num_stages: int, micro_batches: int) -> l
     return SCHEDULES[schedule](stage, num_stages, micro_batches)
 
 
+def hurried_backwards(ops: list[Op], first: bool) -> frozenset[int]:
+    """The micro-batches whose backward should leave its weight gradients for later (split
+    backward): those after which the stage still sends something a neighbour is waiting for.
+
+    Every stage but the first sends each backward's input gradient upstream, so all of its
+    backwards hurry. The first stage sends no gradient, only activations: a backward of its
+    hurries only when a forward follows it (1F1B's steady phase, where the next activation
+    leaves sooner). Under GPipe or eager all its forwards come first, so it splits nothing, and
+    a deferred pass there would only cost its Python call and a second, cache-cold read of the
+    layer's input and gradient."""
+    if not first:
+        return frozenset(i for kind, i in ops if kind == "B")
+    hurried: set[int] = set()
+    forwards_left = sum(kind == "F" for kind, _ in ops)
+    for kind, i in ops:
+        if kind == "F":
+            forwards_left -= 1
+        elif forwards_left:
+            hurried.add(i)
+    return frozenset(hurried)
+
+
 def max_in_flight(ops: list[Op]) -> int:
     alive = peak = 0
     for kind, _ in ops:

@@ -38,7 +38,7 @@ from swarm_core.pipeline.optim import (
     scale_grads,
     set_lr,
 )
-from swarm_core.pipeline.schedules import ops_for
+from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.transport import PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
@@ -119,8 +119,16 @@ class StageRunner:
                                   spec.stage, spec.num_stages).to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.meter = ActivationMeter(self.module.parameters())
+        self.first = spec.stage == 0
+        self.last = spec.stage == spec.num_stages - 1
+        t = spec.training
+        self.ops = ops_for(t.schedule, spec.stage, spec.num_stages, t.micro_batches)
+        # Split backward only where it pays (see hurried_backwards): none on the first stage of
+        # GPipe, whose Linears then stay plain.
+        self.hurried = hurried_backwards(self.ops, self.first) \
+            if t.split_backward and spec.num_stages > 1 else frozenset()
         self.wgrad: WeightGradQueue | None = None
-        if spec.training.split_backward and spec.num_stages > 1:
+        if self.hurried:
             self.wgrad = WeightGradQueue(self.meter)
             attach(self.module, self.wgrad)
         # Deferred W passes hold a micro-batch's layer inputs and output gradients each; beyond
@@ -133,8 +141,6 @@ class StageRunner:
         self.frame_shape = (spec.training.batch_size // spec.training.micro_batches, m.seq_len,
                             boundary_width(m))
         self.tag = job_tag(spec.job_id)
-        self.first = spec.stage == 0
-        self.last = spec.stage == spec.num_stages - 1
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
 
@@ -204,7 +210,7 @@ class StageRunner:
         if wq is not None:
             wq.clear()
             wq.meter = self.meter if metered else None
-        for op, i in ops_for(t.schedule, self.spec.stage, self.spec.num_stages, m):
+        for op, i in self.ops:
             self._check_stop()
             if op == "F":
                 if self.first:
@@ -238,7 +244,12 @@ class StageRunner:
                     self._fill_wait(self.down, Kind.GRAD)
                     _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device,
                                                     self.frame_shape)
-                with wq.capture() if wq is not None else contextlib.nullcontext():
+                hurry = wq is not None and i in self.hurried
+                if wq is not None and not hurry:
+                    # This backward's W passes run at once, in its hooks: the pending ones
+                    # first, so gradients still add up in micro-batch order.
+                    wq.drain()
+                with wq.capture() if hurry else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
                 held.pop(i, None)
                 if not self.first:
