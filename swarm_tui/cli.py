@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 import swarm_core
-from swarm_core.schema import clip, whole_number
+from swarm_tui.commands.argtypes import local_fellow_count
 from swarm_tui.commands.base import CommandError, ExitCode, warn
 
 
@@ -109,7 +109,7 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
                         help="leader URL (default: SWARM_LEADER_URL, then the local cluster's)")
     parser.add_argument("--token", default=None,
                         help="bearer token (default: SWARM_TOKEN, then the local cluster's)")
-    parser.add_argument("--local", type=_fellow_count, default=None, metavar="N",
+    parser.add_argument("--local", type=local_fellow_count, default=None, metavar="N",
                         help="start a local cluster (leader + N fellows) first; stop it on exit")
     parser.add_argument("--read-only", action="store_true",
                         help="refuse every action that changes the cluster (shared screens)")
@@ -131,16 +131,6 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         warn("swarm-tui: interrupted")
         return int(ExitCode.INTERRUPTED)
-
-
-def _fellow_count(text: str) -> int:
-    try:
-        n = whole_number(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{clip(text)!r} is not a whole number") from None
-    if not 1 <= n <= 64:
-        raise argparse.ArgumentTypeError(f"must be 1-64 fellows, got {n}")
-    return n
 
 
 if __name__ == "__main__":

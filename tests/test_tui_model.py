@@ -236,10 +236,11 @@ def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--local", "x"], "--local: 'x' is not a whole number"),
-    (["--local", "1_0"], "--local: '1_0' is not a whole number"),  # int() would take these
-    (["--local", "\u0663"], "is not a whole number"),  # an Arabic-Indic 3
-    (["--local", "0"], "must be 1-64 fellows"),
+    (["--local", "x"], "--local: expected a whole number (local fellow count), got 'x'"),
+    # int() would take these two
+    (["--local", "1_0"], "--local: expected a whole number (local fellow count), got '1_0'"),
+    (["--local", "\u0663"], "expected a whole number"),  # an Arabic-Indic 3
+    (["--local", "0"], "--local: local fellow count must be >= 1 and <= 64, got 0"),
     (["--local", "2", "--leader-url", "http://h:1"], "leave out --leader-url"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
