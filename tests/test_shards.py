@@ -241,6 +241,7 @@ async def test_push_shard_stores_it_and_records_a_receipt(leader):
     ("no_session", 401, "unknown_session"),
     ("wrong_stage", 403, "wrong_fellow"),
     ("not_multipart", 415, "unsupported_media_type"),
+    ("content_encoded", 415, "unsupported_media_type"),
     ("sha_mismatch", 400, "bad_request"),
     ("manifest_for_other_stage", 400, "bad_request"),
     ("parts_swapped", 400, "bad_request"),
@@ -260,6 +261,8 @@ async def test_push_shard_errors_change_nothing(leader, case, status, code):
         headers = other["headers"]
     elif case == "not_multipart":
         data = weights
+    elif case == "content_encoded":
+        headers = {**headers, "Content-Encoding": "gzip"}
     elif case == "sha_mismatch":
         data = _form({**manifest, "weights_sha256": "0" * 64}, weights)
     elif case == "manifest_for_other_stage":

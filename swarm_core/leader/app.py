@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 from aiohttp import WSCloseCode, web
 
+from swarm_core.leader import content_coding
 from swarm_core.leader.auth import auth_middleware, load_or_create_token
 from swarm_core.leader.errors import error_middleware
 from swarm_core.leader.events import EventHub
@@ -102,6 +103,7 @@ def create_app(config: LeaderConfig) -> web.Application:
     app = web.Application(
         middlewares=[error_middleware, auth_middleware(token)],
         client_max_size=config.max_json_bytes,
+        handler_args=content_coding.HANDLER_ARGS,  # bodies decoded by the API, not the parser
     )
     app[CONFIG_KEY] = config
     app[WEBSOCKETS_KEY] = weakref.WeakSet()

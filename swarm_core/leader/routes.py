@@ -14,6 +14,7 @@ from aiohttp import WSCloseCode, web
 
 import swarm_core
 from swarm_core import jsonio
+from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
 from swarm_core.leader.state import LeaderState
@@ -72,14 +73,8 @@ def ok(obj: Any, status: int = 200) -> web.Response:
 async def read_body(request: web.Request, cls: type) -> Any:
     if request.content_type not in ("application/json", "application/octet-stream", ""):
         raise ApiError(415, f"expected application/json, got {request.content_type}")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    except Exception as exc:  # a body that does not decode (Content-Encoding it is not in)
-        detail = " ".join(str(getattr(exc, "message", "") or exc).split())
-        raise ApiError(400, f"body could not be read: {detail or type(exc).__name__}",
-                       code="invalid_body") from None
+    content_coding.coding(request)  # (refused before the body is read)
+    raw = content_coding.decode(request, await request.read())
     if not raw:
         data: Any = {}
     else:

@@ -1,0 +1,55 @@
+"""Request bodies sent with a ``Content-Encoding``: the leader decodes them itself.
+
+aiohttp's own decoding (``auto_decompress``) happens in its HTTP parser, before any middleware:
+an encoding it cannot decode (``br`` without the brotli package, ``zstd``) got its plain-text 400
+and a traceback in the leader log, not the API's error object. So the app turns it off
+(``handler_args``) and JSON bodies pass through :func:`decode`: ``identity``, ``gzip`` and
+``deflate`` are read, with the decoded size held to the same limit as a plain body (a small
+compressed body may not unpack into gigabytes); anything else is a 415 naming the encoding.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from aiohttp import web
+
+from swarm_core.leader.errors import ApiError
+
+# wbits per coding: gzip framing, and deflate's zlib framing (RFC 9110; raw deflate, which some
+# clients send instead, is tried when the zlib header is missing).
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+HANDLER_ARGS = {"auto_decompress": False}
+
+
+def coding(request: web.Request) -> str:
+    """The request's content coding, lower case; 415 when the leader cannot decode it."""
+    value = request.headers.get("Content-Encoding", "").strip().lower()
+    if value in ("", "identity"):
+        return "identity"
+    if value not in _WBITS:
+        raise ApiError(415, f"Content-Encoding {value[:40]!r} is not supported (identity, gzip "
+                            "or deflate)")
+    return value
+
+
+def decode(request: web.Request, raw: bytes) -> bytes:
+    """``raw`` as sent, decoded per its Content-Encoding, at most ``client_max_size`` bytes."""
+    name = coding(request)
+    if name == "identity" or not raw:
+        return raw
+    limit = request.client_max_size
+    for wbits in (_WBITS[name], -zlib.MAX_WBITS)[: 2 if name == "deflate" else 1]:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(raw, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes once decoded "
+                                f"({name})", code="body_too_large")
+        if not d.eof or d.unused_data:
+            break  # a stream cut short, or bytes after it
+        return out
+    raise ApiError(400, f"body could not be read: it is not valid {name} data",
+                   code="invalid_body")
