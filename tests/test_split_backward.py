@@ -67,6 +67,31 @@ def test_split_linear_is_a_plain_linear_without_a_queue() -> None:
     assert attach(layer, None) == 1 and layer.wgrad is None
 
 
+def test_a_micro_batch_that_does_not_split_trains_as_plain_linears() -> None:
+    """With ``splitting`` off for a micro-batch (a backward nobody waits behind), the forward
+    keeps the weight in the graph: autograd's fused backward, no hook, nothing queued."""
+    layer = SplitLinear(8, 4)
+    queue = WeightGradQueue()
+    attach(layer, queue)
+    x = torch.randn(3, 8, requires_grad=True)
+    queue.splitting = False
+    out = layer(x)
+    assert not out._backward_hooks
+    with queue.capture():
+        out.sum().backward()
+    assert len(queue) == 0 and layer.weight.grad is not None
+    plain = layer.weight.grad.clone()
+    layer.weight.grad = None
+    queue.splitting = True
+    out = layer(x)
+    assert out._backward_hooks  # the hook that queues the W pass
+    with queue.capture():
+        out.sum().backward()
+    assert len(queue) == 1 and layer.weight.grad is None
+    queue.drain()
+    torch.testing.assert_close(layer.weight.grad, plain)
+
+
 def test_split_backward_under_bfloat16_gives_the_fused_gradients() -> None:
     """dtype bfloat16 (autocast): a deferred weight pass uses the same bfloat16 products as
     autocast's linear, and every gradient lands in the float32 parameters."""

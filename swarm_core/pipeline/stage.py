@@ -222,6 +222,8 @@ class StageRunner:
                                                  self.frame_shape)
                     inp.requires_grad_(True)
                     inputs[i] = inp
+                if wq is not None:
+                    wq.splitting = i in self.hurried  # (the rest train as plain Linears)
                 with dropout_rng(self.module, step, i), saving():
                     out = self.module(inp)
                     if self.last:  # the loss's saved log-probabilities count too

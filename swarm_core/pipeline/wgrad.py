@@ -38,6 +38,9 @@ class WeightGradQueue:
         self._pending: deque[list[Callable[[], None]]] = deque()
         self._open: list[Callable[[], None]] | None = None
         self.meter = meter  # counts what the pending passes hold
+        # Whether the forward now running will have its backward split: off, the layers run
+        # as plain Linears (autograd's fused backward, no hook) for that micro-batch.
+        self.splitting = True
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -120,8 +123,8 @@ class SplitLinear(nn.Linear):
     deferrable: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.wgrad is None or not torch.is_grad_enabled() or not self.weight.requires_grad
-                or not x.requires_grad):
+        if (self.wgrad is None or not self.wgrad.splitting or not torch.is_grad_enabled()
+                or not self.weight.requires_grad or not x.requires_grad):
             # (An input without a gradient leaves no input gradient to hurry: nothing to split.)
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
