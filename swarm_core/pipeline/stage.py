@@ -248,8 +248,8 @@ class StageRunner:
                                                     self.frame_shape)
                 hurry = wq is not None and i in self.hurried
                 if wq is not None and not hurry:
-                    # This backward's W passes run at once, in its hooks: the pending ones
-                    # first, so gradients still add up in micro-batch order.
+                    # A fused backward (its forward ran plain): the pending W passes first,
+                    # so gradients still add up in micro-batch order.
                     wq.drain()
                 with wq.capture() if hurry else contextlib.nullcontext():
                     outputs.pop(i).backward(grad)
