@@ -242,6 +242,7 @@ async def test_push_shard_stores_it_and_records_a_receipt(leader):
     ("wrong_stage", 403, "wrong_fellow"),
     ("not_multipart", 415, "unsupported_media_type"),
     ("content_encoded", 415, "unsupported_media_type"),
+    ("content_encoded_br", 415, "unsupported_media_type"),
     ("sha_mismatch", 400, "bad_request"),
     ("manifest_for_other_stage", 400, "bad_request"),
     ("parts_swapped", 400, "bad_request"),
@@ -261,8 +262,8 @@ async def test_push_shard_errors_change_nothing(leader, case, status, code):
         headers = other["headers"]
     elif case == "not_multipart":
         data = weights
-    elif case == "content_encoded":
-        headers = {**headers, "Content-Encoding": "gzip"}
+    elif case in ("content_encoded", "content_encoded_br"):
+        headers = {**headers, "Content-Encoding": "br" if case.endswith("br") else "gzip"}
     elif case == "sha_mismatch":
         data = _form({**manifest, "weights_sha256": "0" * 64}, weights)
     elif case == "manifest_for_other_stage":
@@ -278,7 +279,10 @@ async def test_push_shard_errors_change_nothing(leader, case, status, code):
         data = _form({**manifest, "weights_sha256": hashlib.sha256(big).hexdigest()}, big)
     resp = await client.post(url, data=data, headers=headers)
     assert resp.status == status, await resp.text()
-    assert (await resp.json())["error"]["code"] == code
+    err = (await resp.json())["error"]
+    assert err["code"] == code
+    if case.startswith("content_encoded"):
+        assert "without a Content-Encoding" in err["message"]
     shards = cfg.state_dir / "runs" / job["job_id"] / "model_export" / "shards"
     assert not list(shards.glob("*/weights.npz")) and not list(shards.glob("*/*.json"))
     view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()

@@ -241,6 +241,9 @@ def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
     (["--local", "1_0"], "--local: expected a whole number (local fellow count), got '1_0'"),
     (["--local", "\u0663"], "expected a whole number"),  # an Arabic-Indic 3
     (["--local", "0"], "--local: local fellow count must be >= 1 and <= 64, got 0"),
+    # What was parsed, cut short: one line whatever was typed.
+    (["--local", "0\n"], "local fellow count must be >= 1 and <= 64, got 0 (see"),
+    (["--local", "9" * 30], f"must be >= 1 and <= 64, got {'9' * 24}... (see"),
     (["--local", "2", "--leader-url", "http://h:1"], "leave out --leader-url"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])

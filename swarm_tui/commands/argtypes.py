@@ -20,14 +20,16 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
             kind = "a whole number" if cast is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {kind} ({what}), got {clip(text)!r}") \
                 from None
+        # What was parsed (whitespace gone), cut short: the error stays one line.
+        shown = clip(text.strip())
         if isinstance(value, float) and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{what} must be finite, got {text}")
+            raise argparse.ArgumentTypeError(f"{what} must be finite, got {shown}")
         low_ok = value > lo if lo_open else value >= lo
         if not low_ok or value > hi:
             left = f"> {lo:g}" if lo_open else f">= {lo:g}"
             right = "" if hi == math.inf else \
                 f" and <= {int(hi) if cast is int else hi:{'d' if cast is int else 'g'}}"
-            raise argparse.ArgumentTypeError(f"{what} must be {left}{right}, got {text}")
+            raise argparse.ArgumentTypeError(f"{what} must be {left}{right}, got {shown}")
         return value
 
     parse.__name__ = what.replace(" ", "_")
