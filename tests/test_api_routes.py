@@ -328,6 +328,26 @@ async def _post_raw(api: TestClient, encoding: str, body: bytes) -> tuple[bytes,
     return head, payload
 
 
+def _gzip_cut_short() -> bytes:
+    import gzip
+    return gzip.compress(b'{"name": "a"}')[:-6]
+
+
+def _gzip_then_junk() -> bytes:
+    import gzip
+    return gzip.compress(b'{"name": "a"}') + b"junk"
+
+
+@pytest.mark.parametrize(("encoding", "body"), [
+    ("gzip", _gzip_cut_short()), ("gzip", _gzip_then_junk()),
+])
+async def test_a_gzip_body_cut_short_or_trailed_is_a_400(api, encoding, body):
+    head, payload = await _post_raw(api, encoding, body)
+    assert head.startswith(b"HTTP/1.1 400"), head
+    err = orjson.loads(payload)["error"]
+    assert err["code"] == "invalid_body" and "not valid gzip" in err["message"]
+
+
 @pytest.mark.parametrize(("encoding", "status", "code"), [
     ("gzip", 400, "invalid_body"), ("deflate", 400, "invalid_body"),
     # Codings aiohttp's parser cannot decode here answered its plain-text 400 (and logged a
@@ -347,17 +367,25 @@ async def test_a_body_that_does_not_decode_is_an_error_object(api, encoding, sta
     assert jobs["jobs"] == []
 
 
-@pytest.mark.parametrize("encoding", ["gzip", "deflate", "identity"])
+@pytest.mark.parametrize("encoding", ["gzip", "gzip-members", "deflate", "raw-deflate",
+                                      "identity"])
 async def test_a_compressed_body_is_read(api, encoding):
+    import gzip
     import zlib
 
     body = {"name": "a", "instance_id": "i"}
     data = orjson.dumps(body)
     if encoding == "gzip":
-        import gzip
         data = gzip.compress(data)
+    elif encoding == "gzip-members":  # two members end to end (RFC 1952)
+        data = gzip.compress(data[:10]) + gzip.compress(data[10:])
+        encoding = "gzip"
     elif encoding == "deflate":
         data = zlib.compress(data)
+    elif encoding == "raw-deflate":  # what some clients send as deflate
+        c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        data = c.compress(data) + c.flush()
+        encoding = "deflate"
     resp = await api.post(f"{A}/fellows/register", data=data,
                           headers={**JSON, "Content-Encoding": encoding})
     reg = await expect_ok(resp, 201)

@@ -40,16 +40,36 @@ def decode(request: web.Request, raw: bytes) -> bytes:
         return raw
     limit = request.client_max_size
     for wbits in (_WBITS[name], -zlib.MAX_WBITS)[: 2 if name == "deflate" else 1]:
-        d = zlib.decompressobj(wbits)
         try:
-            out = d.decompress(raw, limit + 1)
+            out = _inflate(raw, wbits, limit)
         except zlib.error:
             continue
+        if out is None:
+            break  # a stream cut short, or bytes after it
         if len(out) > limit:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes once decoded "
                                 f"({name})", code="body_too_large")
-        if not d.eof or d.unused_data:
-            break  # a stream cut short, or bytes after it
         return out
     raise ApiError(400, f"body could not be read: it is not valid {name} data",
                    code="invalid_body")
+
+
+def _inflate(raw: bytes, wbits: int, limit: int) -> bytes | None:
+    """Inflate at most ``limit + 1`` bytes (more is over the limit whatever follows); None for
+    a stream cut short or followed by stray bytes. Gzip may be several members end to end
+    (RFC 1952), as ``gzip.decompress`` reads it."""
+    out = bytearray()
+    data = raw
+    while True:
+        d = zlib.decompressobj(wbits)
+        # (At least 1: a max_length of 0 would mean no limit.)
+        out += d.decompress(data, limit + 1 - len(out))
+        if len(out) > limit:
+            return bytes(out)
+        if not d.eof:
+            return None
+        data = d.unused_data
+        if not data:
+            return bytes(out)
+        if wbits <= zlib.MAX_WBITS:
+            return None  # deflate is one stream
