@@ -891,6 +891,8 @@ def print_table(cfg: dict[str, Any], rows: list[Row]) -> None:
 
     def verdict(ratio: float, target: float, *involved: Row | None) -> str:
         word = "met" if ratio >= target else "NOT met"
+        if round(ratio, 2) >= target > ratio:  # printed as the target itself: say by how much
+            word += f" ({ratio:.3f}x)"
         if any(r is not None and r.clean == 0 for r in involved):
             word += " (unreliable: a row had no undisturbed step)"
         return word
