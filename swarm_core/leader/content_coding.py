@@ -22,20 +22,25 @@ _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate":
 HANDLER_ARGS = {"auto_decompress": False}
 
 
+def named(request: web.Request) -> str:
+    """The request's content coding as sent, lower case; ``identity`` when there is none."""
+    return request.headers.get("Content-Encoding", "").strip().lower() or "identity"
+
+
 def coding(request: web.Request) -> str:
     """The request's content coding, lower case; 415 when the leader cannot decode it."""
-    value = request.headers.get("Content-Encoding", "").strip().lower()
-    if value in ("", "identity"):
-        return "identity"
+    value = named(request)
+    if value == "identity":
+        return value
     if value not in _WBITS:
         raise ApiError(415, f"Content-Encoding {value[:40]!r} is not supported (identity, gzip "
                             "or deflate)")
     return value
 
 
-def decode(request: web.Request, raw: bytes) -> bytes:
-    """``raw`` as sent, decoded per its Content-Encoding, at most ``client_max_size`` bytes."""
-    name = coding(request)
+def decode(request: web.Request, name: str, raw: bytes) -> bytes:
+    """``raw`` as sent, decoded per its coding ``name`` (from :func:`coding`), at most
+    ``client_max_size`` bytes."""
     if name == "identity" or not raw:
         return raw
     limit = request.client_max_size

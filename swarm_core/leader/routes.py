@@ -73,8 +73,8 @@ def ok(obj: Any, status: int = 200) -> web.Response:
 async def read_body(request: web.Request, cls: type) -> Any:
     if request.content_type not in ("application/json", "application/octet-stream", ""):
         raise ApiError(415, f"expected application/json, got {request.content_type}")
-    content_coding.coding(request)  # (refused before the body is read)
-    raw = content_coding.decode(request, await request.read())
+    name = content_coding.coding(request)  # (refused before the body is read)
+    raw = content_coding.decode(request, name, await request.read())
     if not raw:
         data: Any = {}
     else:

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from swarm_core import jsonio
 from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS, names_optimizer
+from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.paths import atomic_write
 
@@ -118,7 +119,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
     if not request.content_type.startswith("multipart/"):
         raise ApiError(415, "a shard push is multipart/form-data: manifest, weights, and "
                             "optionally optimizer")
-    if request.headers.get("Content-Encoding", "").strip().lower() not in ("", "identity"):
+    if content_coding.named(request) != "identity":
         raise ApiError(415, "a shard push is sent without a Content-Encoding (weights do not "
                             "compress)")
     most = 3 * limit + OPTIMIZER_SLACK + MAX_MANIFEST
