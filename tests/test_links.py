@@ -145,6 +145,60 @@ def test_a_wait_times_out_on_a_quiet_link_not_a_busy_one():
         right.close()
 
 
+def test_a_live_peer_busy_elsewhere_pulses_and_is_waited_for():
+    """A peer that sends nothing for longer than the frame timeout, but is alive and not
+    waiting on this link, keeps it alive with empty PULSE frames: the wait lasts until its
+    frame comes. The pulses reach no queue (the GRAD is the first frame the wait sees)."""
+    from swarm_core.pipeline.frames import HEADER_SIZE
+
+    a, b = _sockets(tcp=True)
+    busy = PeerLink(a, LinkShaper(), 7, "waiter", pulse_s=0.1)
+    waiter = PeerLink(b, LinkShaper(), 7, "busy", pulse_s=0.1)
+    try:
+        threading.Timer(1.5, busy.send_tensor,
+                        (Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)).start()
+        t0 = time.monotonic()
+        _, g = waiter.recv_tensor(Kind.GRAD, 0, 0, timeout=0.5)
+        assert torch.equal(g, torch.ones(4)) and time.monotonic() - t0 > 1.4
+        pulses = (busy.sent - HEADER_SIZE - 16) // HEADER_SIZE
+        assert 5 <= pulses <= 16, pulses  # about one a pulse_s while idle, none while sending
+        assert waiter.sent == 0, "no pulses from the side that was waiting on the link"
+    finally:
+        busy.close()
+        waiter.close()
+
+
+def test_two_stages_waiting_on_each_other_both_time_out():
+    """Neither side pulses a link it is itself waiting on: a schedule mismatch (each waits for
+    the other's frame) times out on both ends instead of keeping both alive for ever."""
+    from swarm_core.pipeline.transport import PeerTimeout
+
+    a, b = _sockets(tcp=True)
+    left = PeerLink(a, LinkShaper(), 7, "b", pulse_s=0.1)
+    right = PeerLink(b, LinkShaper(), 7, "a", pulse_s=0.1)
+    errors: list[BaseException] = []
+
+    def wait(link: PeerLink, kind: Kind) -> None:
+        try:
+            link.recv(kind, 0, 0, timeout=0.6)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=wait, args=(left, Kind.GRAD)),
+                   threading.Thread(target=wait, args=(right, Kind.ACT))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(5)
+        assert len(errors) == 2 and all(isinstance(e, PeerTimeout) for e in errors), errors
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        left.close()
+        right.close()
+
+
 def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
     """``waited``: seconds in recv before the frame was there, and in flush before the sends
     drained; a frame that had already arrived costs no wait."""

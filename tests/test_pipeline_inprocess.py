@@ -7,6 +7,7 @@ this one covers schedules, specs and failure modes quickly.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import attrs
@@ -534,6 +535,27 @@ def test_dead_neighbour_times_out_instead_of_hanging(data):
     assert isinstance(res[1], RuntimeError)
     # Stage 0 either could not complete the step (timeout / closed link) or was told to stop.
     assert isinstance(res[0], PeerTimeout | LinkClosed | LinkAborted | StageStopped)
+
+
+def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
+    """The last of three stages spends 2.5 s in a checkpoint after step 1, with a 1 s frame
+    timeout: it pulses its link, and stage 1, waiting on it, pulses stage 0's, so all three
+    train to the end with the same losses as the single process."""
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=1.0, shard_push_interval_steps=1)
+    slept: list[int] = []
+
+    def slow_checkpoint(step: int, module: Any, opt: Any) -> None:
+        if step == 1:
+            time.sleep(2.5)
+            slept.append(step)
+
+    res = run_pipeline(mc, tc, data, 3, stage_kwargs={2: {"on_checkpoint": slow_checkpoint}})
+    assert slept == [1]
+    assert all(isinstance(res[s], dict) for s in range(3)), res
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 3))
+    assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
 
 
 def test_stop_event_ends_a_waiting_stage_quickly(data):

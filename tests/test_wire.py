@@ -183,6 +183,7 @@ def test_frames_that_do_not_fit_are_frame_errors():
     ("grad", "unexpected GRAD frame from a (this link carries ACT/NORM)"),
     ("foreign", "frame for another job from a"),
     ("huge", "payload of 1073741824 bytes exceeds the limit of 4096"),
+    ("pulse", "PULSE frame from a is not empty"),
 ])
 def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
     """A frame of a kind this link does not carry, for another job, or claiming more than one
@@ -200,7 +201,8 @@ def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
     try:
         payload = b"\0" * 16
         kind, job = {"hello": (Kind.HELLO, 7), "grad": (Kind.GRAD, 7),
-                     "foreign": (Kind.ACT, 8), "huge": (Kind.ACT, 7)}[frame]
+                     "foreign": (Kind.ACT, 8), "huge": (Kind.ACT, 7),
+                     "pulse": (Kind.PULSE, 7)}[frame]
         header = make_header(kind, job, 0, 0, (4,), 1, payload)
         if frame == "huge":
             header = attrs.evolve(header, payload_len=1 << 30)

@@ -48,7 +48,8 @@ class DataListener:
     def accept(self, key: str, stage: int, job: int, shaper: LinkShaper,
                timeout: float, abort: threading.Event | None = None,
                max_payload: int = DEFAULT_MAX_PAYLOAD,
-               receives: Collection[Kind] = DATA_KINDS) -> PeerLink:
+               receives: Collection[Kind] = DATA_KINDS,
+               pulse_s: float | None = None) -> PeerLink:
         """Accept the upstream neighbour; connections without the job's key are dropped."""
         from swarm_core.pipeline.transport import (
             LinkAborted,
@@ -86,7 +87,8 @@ class DataListener:
                 continue
             conn.settimeout(None)
             return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})",
-                            abort=abort, max_payload=max_payload, receives=receives)
+                            abort=abort, max_payload=max_payload, receives=receives,
+                            pulse_s=pulse_s)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -150,16 +150,19 @@ class StageRunner:
         # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
         # claims more is refused before its buffer is allocated.
         limit = max(payload_size(self.frame_shape, self.codec), NORM_PAYLOAD)
+        # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits
+        # out our checkpoint or our wait on the stage beyond, not our death or a frozen process.
+        pulse = s.training.frame_timeout_s / 4
         if not self.last:
             assert s.downstream_addr is not None
             self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
                                 timeout, abort=self.stop, max_payload=limit,
-                                receives=(Kind.GRAD, Kind.NORM))
+                                receives=(Kind.GRAD, Kind.NORM), pulse_s=pulse)
         if not self.first:
             assert listener is not None
             self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
                                       abort=self.stop, max_payload=limit,
-                                      receives=(Kind.ACT, Kind.NORM))
+                                      receives=(Kind.ACT, Kind.NORM), pulse_s=pulse)
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""

@@ -4,6 +4,13 @@ Sends never block compute: a sender thread drains a queue (so the next micro-bat
 runs while the previous activation is still leaving), applying latency and the tx bucket in
 64 KiB chunks. A receiver thread reads frames, checks them and files them by kind; the schedule
 then takes exactly the frame it expects or fails with a FrameError.
+
+Waits time out on a link where nothing has moved for the frame timeout. So that a neighbour
+that is alive but long busy elsewhere (a checkpoint, its own wait on the stage beyond) is not
+taken for a dead one, the sender writes a PULSE on a link it has left idle for ``pulse_s``,
+unless its owner is itself waiting on that link: two stages that wait on each other (a schedule
+mismatch) then both go quiet and time out, instead of keeping each other waiting for ever. A
+pulse we send is not progress on our side: only the peer's bytes, and our data, are.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from swarm_core.pipeline.frames import (
     check_payload,
     expect,
     make_header,
+    pulse_frame,
 )
 from swarm_core.pipeline.links import CHUNK, LinkShaper
 
@@ -56,7 +64,8 @@ class PeerLink:
     def __init__(self, sock: socket.socket, shaper: LinkShaper, job: int, peer: str,
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
                  abort: threading.Event | None = None,
-                 receives: Collection[Kind] = DATA_KINDS) -> None:
+                 receives: Collection[Kind] = DATA_KINDS,
+                 pulse_s: float | None = None) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
@@ -80,6 +89,11 @@ class PeerLink:
         # When bytes last moved either way: waits time out on a link gone quiet, not on one
         # still carrying a long transfer (m frames at 8 Mbit/s can outlast any fixed wait).
         self.last_progress = time.monotonic()
+        # ``pulse_s``: seconds this side may leave the link idle before a PULSE (None: never).
+        self.pulse_s = pulse_s
+        self._pulse = pulse_frame(job)
+        self._last_write = self.last_progress
+        self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"rx-{peer}",
@@ -106,6 +120,7 @@ class PeerLink:
         """Wait until everything queued has been written (``timeout``: seconds without any
         progress on the link)."""
         start = time.monotonic()
+        self._owner_waiting = True
         try:
             while self._out.unfinished_tasks:
                 self._raise_if_failed()
@@ -115,6 +130,7 @@ class PeerLink:
                     raise PeerTimeout(f"sending to {self.peer}: nothing moved for {timeout:g}s")
                 time.sleep(0.002)
         finally:
+            self._owner_waiting = False
             self.waited += time.monotonic() - start
 
     def _quiet_for(self, since: float) -> float:
@@ -126,7 +142,11 @@ class PeerLink:
     def _send_loop(self) -> None:
         try:
             while not self._stop.is_set():
-                item = self._out.get()
+                try:
+                    item = self._out.get(timeout=self._until_pulse())
+                except queue.Empty:
+                    self._send_pulse()
+                    continue
                 try:
                     if item is _CLOSED:
                         return
@@ -149,12 +169,26 @@ class PeerLink:
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
 
-    def _write(self, chunk: memoryview) -> None:
+    def _until_pulse(self) -> float | None:
+        if self.pulse_s is None:
+            return None
+        # A pulse held back by the owner's wait is looked at again an eighth later, no sooner.
+        return max(self.pulse_s / 8, self._last_write + self.pulse_s - time.monotonic())
+
+    def _send_pulse(self) -> None:
+        if self._halted() or self._owner_waiting or \
+                time.monotonic() - self._last_write < self.pulse_s:
+            return
+        self._write(memoryview(self._pulse), progress=False)
+
+    def _write(self, chunk: memoryview, progress: bool = True) -> None:
         self.shaper.tx.consume(len(chunk), self._halted)
         self.sock.sendall(chunk)
         self.shaper.count_tx(len(chunk))
         self.sent += len(chunk)
-        self.last_progress = time.monotonic()
+        self._last_write = time.monotonic()
+        if progress:
+            self.last_progress = self._last_write
 
     # receiving -------------------------------------------------------------------------------
     def _read_exact(self, n: int) -> bytearray:
@@ -181,6 +215,11 @@ class PeerLink:
                 if header.job != self.job:
                     raise FrameError(f"frame for another job from {self.peer} (tag "
                                      f"{header.job:#x}, expected {self.job:#x})")
+                if header.kind is Kind.PULSE:
+                    if header.payload_len or header.shape or header.step \
+                            or header.micro_batch or header.codec or header.flags:
+                        raise FrameError(f"PULSE frame from {self.peer} is not empty")
+                    continue  # its bytes were the progress
                 if header.kind not in self.receives:
                     carried = "/".join(k.name for k in sorted(self.receives))
                     raise FrameError(f"unexpected {header.kind.name} frame from {self.peer} "
@@ -215,6 +254,7 @@ class PeerLink:
         """The next frame of ``kind``, which must be for ``step`` and ``micro_batch``.
         ``timeout``: seconds with no byte moving on the link either way."""
         start = time.monotonic()
+        self._owner_waiting = True
         try:
             while True:
                 if self.abort.is_set():
@@ -228,6 +268,7 @@ class PeerLink:
                 except queue.Empty:
                     continue
         finally:
+            self._owner_waiting = False
             self.waited += time.monotonic() - start
         if item is _CLOSED:
             self._in[kind].put(_CLOSED)
@@ -287,7 +328,8 @@ def _hello_payload(key: str, stage: int) -> bytes:
 def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             timeout: float, abort: threading.Event | None = None,
             max_payload: int = DEFAULT_MAX_PAYLOAD,
-            receives: Collection[Kind] = DATA_KINDS) -> PeerLink:
+            receives: Collection[Kind] = DATA_KINDS,
+            pulse_s: float | None = None) -> PeerLink:
     """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -308,7 +350,7 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
         sock.sendall(header.pack() + payload)
         return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
-                        max_payload=max_payload, receives=receives)
+                        max_payload=max_payload, receives=receives, pulse_s=pulse_s)
     except BaseException:
         sock.close()
         raise
