@@ -102,22 +102,16 @@ class SwarmClient:
             async with self._http().request(method, url, data=data, params=params,
                                             headers=hdrs, timeout=timeout) as resp:
                 raw = await resp.read()
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
-                                    f"{exc.__class__.__name__} {exc}".strip()) from None
+        except _NO_ANSWER as exc:
+            raise self._unreachable(exc) from None
         # Request line and headers are small next to bodies; count bodies plus a fixed estimate.
         self.bytes_sent += len(data or b"") + 200
         self.bytes_received += len(raw) + 150
-        try:
-            payload = jsonio.loads(raw) if raw else {}
-        except jsonio.JSONDecodeError:
-            raise ApiError(resp.status, "bad_response",
-                           f"leader sent non-JSON ({resp.status}): {raw[:80]!r}") from None
-        if resp.status >= 400:
-            err = payload.get("error", {}) if isinstance(payload, dict) else {}
-            raise ApiError(resp.status, err.get("code", "error"),
-                           err.get("message", f"HTTP {resp.status}"), err.get("field"))
-        return payload
+        return _reply(resp.status, raw)
+
+    def _unreachable(self, exc: BaseException) -> LeaderUnreachable:
+        return LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
+                                 f"{exc.__class__.__name__} {exc}".strip())
 
     async def _get(self, path: str, cls: type[T], **kw: Any) -> T:
         return _parse(await self.request("GET", path, **kw), cls)
@@ -194,17 +188,11 @@ class SwarmClient:
             async with self._http().post(url, data=mp, headers={SESSION_HEADER: session},
                                          timeout=timeout) as resp:
                 raw = await resp.read()
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: {exc}") \
-                from None
+        except _NO_ANSWER as exc:
+            raise self._unreachable(exc) from None
         self.bytes_sent += size + 400
         self.bytes_received += len(raw) + 150
-        payload = jsonio.loads(raw) if raw else {}
-        if resp.status >= 400:
-            err = payload.get("error", {}) if isinstance(payload, dict) else {}
-            raise ApiError(resp.status, err.get("code", "error"),
-                           err.get("message", f"HTTP {resp.status}"), err.get("field"))
-        return payload
+        return _reply(resp.status, raw)
 
     async def checkpoint(self, job_id: str, step: int, stage: int,
                          session: str) -> tuple[dict[str, Any], bytes, bytes | None]:
@@ -221,19 +209,16 @@ class SwarmClient:
                                             headers={SESSION_HEADER: session},
                                             timeout=aiohttp.ClientTimeout(total=600)) as resp:
                     raw = await resp.read()
-            except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-                raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
-                                        f"{exc}") from None
+            except _NO_ANSWER as exc:
+                raise self._unreachable(exc) from None
             self.bytes_received += len(raw) + 150
             if part == "optimizer" and resp.status == 404:
                 break  # a leader from before optimiser state: resume with fresh moments
             if resp.status >= 400:
-                err = jsonio.loads(raw).get("error", {}) if raw.startswith(b"{") else {}
-                raise ApiError(resp.status, err.get("code", "error"),
-                               err.get("message", f"HTTP {resp.status}"), err.get("field"))
+                _reply(resp.status, raw)  # raises the leader's error
             out.append(raw)
             if part == "manifest":
-                manifest = jsonio.loads(raw)
+                manifest = _reply(resp.status, raw)
         return manifest, out[1], out[2] if len(out) > 2 else None
 
     # jobs -------------------------------------------------------------------------------------
@@ -272,8 +257,8 @@ class SwarmClient:
             if exc.status == 401:
                 raise ApiError(401, "unauthorized", "missing or wrong bearer token") from None
             raise ApiError(exc.status, "error", f"event stream refused: {exc.message}") from None
-        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-            raise LeaderUnreachable(f"cannot reach the leader at {self.base_url}: {exc}") from None
+        except _NO_ANSWER as exc:
+            raise self._unreachable(exc) from None
         async with ws:
             async for msg in ws:
                 if msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
@@ -281,6 +266,27 @@ class SwarmClient:
                     yield jsonio.loads(msg.data)
                 elif msg.type == aiohttp.WSMsgType.ERROR:
                     break
+
+
+# No answer at all (refused, reset, timed out, a reply cut short): aiohttp.ClientError covers
+# its connection and payload errors.
+_NO_ANSWER = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+def _reply(status: int, raw: bytes) -> Any:
+    """The JSON body of a leader's answer; an ApiError for an error status or a body that is
+    not JSON (a proxy's HTML page, say)."""
+    try:
+        payload = jsonio.loads(raw) if raw else {}
+    except jsonio.JSONDecodeError:
+        raise ApiError(status, "bad_response",
+                       f"leader sent non-JSON ({status}): {raw[:80]!r}") from None
+    if status >= 400:
+        err = payload.get("error", {}) if isinstance(payload, dict) else {}
+        err = err if isinstance(err, dict) else {}
+        raise ApiError(status, err.get("code", "error"),
+                       err.get("message", f"HTTP {status}"), err.get("field"))
+    return payload
 
 
 def _parse(payload: Any, cls: type[T]) -> T:

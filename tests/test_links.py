@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -154,15 +155,23 @@ def test_a_live_peer_busy_elsewhere_pulses_and_is_waited_for():
     a, b = _sockets(tcp=True)
     busy = PeerLink(a, LinkShaper(), 7, "waiter", pulse_s=0.1)
     waiter = PeerLink(b, LinkShaper(), 7, "busy", pulse_s=0.1)
+    seen: dict[str, int] = {}
+
+    def answer() -> None:
+        # Counted while the waiter surely still waits (it pulses again once the wait is over).
+        seen.update(pulses=busy.pulse_bytes // HEADER_SIZE, waiter=waiter.pulse_bytes)
+        busy.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)
+
     try:
-        threading.Timer(1.5, busy.send_tensor,
-                        (Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)).start()
         t0 = time.monotonic()
+        threading.Timer(1.5, answer).start()
         _, g = waiter.recv_tensor(Kind.GRAD, 0, 0, timeout=0.5)
-        assert torch.equal(g, torch.ones(4)) and time.monotonic() - t0 > 1.4
-        pulses = (busy.sent - HEADER_SIZE - 16) // HEADER_SIZE
-        assert 5 <= pulses <= 16, pulses  # about one a pulse_s while idle, none while sending
-        assert waiter.sent == 0, "no pulses from the side that was waiting on the link"
+        waited = time.monotonic() - t0
+        assert torch.equal(g, torch.ones(4)) and waited > 1.4
+        # About one a pulse_s while idle, and none of them counted as data.
+        assert 5 <= seen["pulses"] <= waited / 0.1 + 1, (seen, waited)
+        assert busy.sent == HEADER_SIZE + 16
+        assert seen["waiter"] == 0, "no pulses from the side that was waiting on the link"
     finally:
         busy.close()
         waiter.close()
@@ -197,6 +206,48 @@ def test_two_stages_waiting_on_each_other_both_time_out():
     finally:
         left.close()
         right.close()
+
+
+def test_a_link_that_failed_stops_pulsing_and_tells_the_peer_at_once():
+    """B's link fails on a frame it never takes while B's stage is busy elsewhere: B does not
+    keep pulsing a dead link; the link closes, so A's wait ends now, not at B's next touch."""
+    from swarm_core.pipeline.frames import FrameError
+    from swarm_core.pipeline.transport import LinkClosed
+
+    a, b = _sockets(tcp=True)
+    left = PeerLink(a, LinkShaper(), 7, "b", pulse_s=0.1)
+    right = PeerLink(b, LinkShaper(), 7, "a", pulse_s=0.1, receives=(Kind.ACT,))
+    try:
+        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)  # not for that link
+        t0 = time.monotonic()
+        with pytest.raises(LinkClosed):
+            left.recv(Kind.GRAD, 0, 0, timeout=5.0)
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(FrameError, match="unexpected GRAD frame from a"):
+            right.recv(Kind.ACT, 0, 0, timeout=5.0)
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_stage_that_shows_no_progress_stops_pulsing():
+    """Pulses speak for a live owner: once its liveness is older than the limit (a compute
+    thread stuck in a hung call), they stop, and the peer's wait times out."""
+    from swarm_core.pipeline.transport import Liveness, PeerTimeout
+
+    a, b = _sockets(tcp=True)
+    owner = Liveness(limit_s=0.5)
+    stuck = PeerLink(a, LinkShaper(), 7, "waiter", pulse_s=0.1, liveness=owner)
+    waiter = PeerLink(b, LinkShaper(), 7, "stuck")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeout):
+            waiter.recv(Kind.GRAD, 0, 0, timeout=0.4)
+        assert 0.8 < time.monotonic() - t0 < 2.0  # 0.5 s of pulses, then 0.4 s of quiet
+        assert stuck.pulse_bytes > 0
+    finally:
+        stuck.close()
+        waiter.close()
 
 
 def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
@@ -305,3 +356,43 @@ def test_a_jobs_link_limits_last_while_any_of_its_stages_runs():
     assert shaper.tx.mbps == 80.0
     links.release()
     assert shaper.limits() == LinkLimits(tx_mbps=80.0, latency_ms=20.0)
+
+
+async def test_a_push_that_fails_unforeseen_neither_fails_the_job_nor_keeps_its_limits(
+        tmp_path, caplog, monkeypatch):
+    """A shard push that raises something no one planned for (here a JSON error, as from a
+    proxy's HTML page) is logged; the job still completes, the later pushes still go out, and
+    the fellow's own link limits come back."""
+    import json
+
+    from swarm_core.fellow.jobs import JobContext, LinkOverrides, Progress, run_train
+    from swarm_core.protocol import LinkLimits
+
+    monkeypatch.setenv("SWARM_HOME", str(tmp_path))
+    shaper = LinkShaper()
+    links = LinkOverrides(shaper)
+    links.set_speed(LinkLimits(tx_mbps=80.0))
+    reports: list[Any] = []
+    pushed: list[int] = []
+
+    async def report(update: Any) -> None:
+        reports.append(update)
+
+    async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
+        pushed.append(manifest["step"])
+        raise json.JSONDecodeError("Expecting value", "<html>502</html>", 0)
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+             "training": {"steps": 2, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                          "shard_push_interval_steps": 1,
+                          "link": {"tx_mbps": 5.0, "rx_mbps": 5.0}},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    ctx = JobContext(fellow_id=0, progress=Progress(), report=report, shaper=shaper,
+                     push_shard=push_shard, links=links)
+    await run_train(start, ctx)
+    assert reports[-1].state == "COMPLETED"
+    assert pushed == [1, 2]
+    assert links.holders == 0
+    assert shaper.limits() == LinkLimits(tx_mbps=80.0)
+    assert "shard push of stage 0 failed" in caplog.text

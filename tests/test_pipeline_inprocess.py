@@ -558,6 +558,28 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
     assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
 
 
+def test_a_neighbour_stuck_without_progress_is_timed_out(data, monkeypatch):
+    """A checkpoint that never returns (a hung disk, say) keeps the process alive, but once the
+    stage has shown no progress for STUCK_AFTER frame timeouts its links stop pulsing and the
+    neighbour fails the job with a timeout instead of waiting for ever."""
+    from swarm_core.pipeline import stage as stage_mod
+
+    monkeypatch.setattr(stage_mod, "STUCK_AFTER", 3)
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=0.5, shard_push_interval_steps=1)
+    stop = threading.Event()  # set by the first failure: only then does the "disk" answer
+
+    def hung_checkpoint(step: int, module: Any, opt: Any) -> None:
+        stop.wait(30)
+
+    t0 = time.monotonic()
+    res = run_pipeline(mc, tc, data, 2, stop=stop,
+                       stage_kwargs={1: {"on_checkpoint": hung_checkpoint}})
+    assert isinstance(res[0], PeerTimeout), res
+    assert time.monotonic() - t0 < 15
+
+
 def test_stop_event_ends_a_waiting_stage_quickly(data):
     mc = ModelConfig(**MODEL)
     tc = TrainingConfig(steps=1000, batch_size=4, micro_batches=2, eval_batches=0)

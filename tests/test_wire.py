@@ -178,6 +178,29 @@ def test_frames_that_do_not_fit_are_frame_errors():
         right.close()
 
 
+def test_an_evaluation_frame_is_not_taken_for_a_training_one():
+    import socket
+
+    from swarm_core.pipeline.frames import FLAG_EVAL
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.transport import PeerLink
+
+    a, b = socket.socketpair()
+    left, right = PeerLink(a, LinkShaper(), 7, "b"), PeerLink(b, LinkShaper(), 7, "a")
+    try:
+        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 4), codecs.Codec.FP32, flags=FLAG_EVAL)
+        with pytest.raises(FrameError, match="expected a training ACT step 3 micro-batch 0, "
+                                             "got an evaluation one"):
+            right.recv_tensor(Kind.ACT, 3, 0, timeout=5)
+        left.send_tensor(Kind.ACT, 3, 1, torch.ones(2, 4), codecs.Codec.FP32)
+        with pytest.raises(FrameError, match="expected an evaluation ACT step 3 micro-batch 1, "
+                                             "got a training one"):
+            right.recv_tensor(Kind.ACT, 3, 1, timeout=5, flags=FLAG_EVAL)
+    finally:
+        left.close()
+        right.close()
+
+
 @pytest.mark.parametrize("frame, message", [
     ("hello", "unexpected HELLO frame from a (this link carries ACT/NORM)"),
     ("grad", "unexpected GRAD frame from a (this link carries ACT/NORM)"),

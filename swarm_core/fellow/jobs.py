@@ -215,8 +215,14 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
 
     async def pusher() -> None:
         while (item := await pushes.get()) is not None:
-            if ctx.push_shard is not None:
+            if ctx.push_shard is None:
+                continue
+            try:
                 await ctx.push_shard(spec.job_id, stage, *item)
+            except Exception:
+                # The shard is on this fellow's disk either way: a push that fails in a way
+                # nobody foresaw must not fail a job that trained, nor stop the later pushes.
+                log.exception("%s: shard push of stage %d failed", spec.job_id, stage)
 
     resume_step = int(start.get("resume_step") or 0)
     initial: Checkpoint | None = None
@@ -283,13 +289,16 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     finally:
         updates.put_nowait(None)
         pushes.put_nowait(None)
-        with contextlib.suppress(asyncio.CancelledError):
-            await reporter_task
-        # The final shard reaches the leader before the stage says COMPLETED.
-        with contextlib.suppress(asyncio.CancelledError):
-            await pusher_task
-        if training.link is not None:
-            links.release()
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter_task
+            # The final shard reaches the leader before the stage says COMPLETED.
+            with contextlib.suppress(asyncio.CancelledError):
+                await pusher_task
+        finally:
+            # Whatever happened above, the fellow's own limits come back for the next job.
+            if training.link is not None:
+                links.release()
         fut = None  # an exception from it holds this frame: no cycle back through fut
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)

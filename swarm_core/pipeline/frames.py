@@ -138,9 +138,9 @@ def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[
                        sum(len(b) for b in bufs), check, flags)
 
 
-def pulse_frame(job: int) -> bytes:
-    """The whole PULSE frame (header only) for ``job``."""
-    return make_header(Kind.PULSE, job, 0, 0, (), 0, b"").pack()
+def pulse_header(job: int) -> FrameHeader:
+    """The PULSE frame for ``job``: a header and no payload."""
+    return make_header(Kind.PULSE, job, 0, 0, (), 0, b"")
 
 
 def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> None:
@@ -151,11 +151,18 @@ def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) 
                          f"micro-batch {header.micro_batch}")
 
 
-def expect(header: FrameHeader, kind: Kind, job: int, step: int, micro_batch: int) -> None:
-    """Raise unless this is exactly the frame the schedule waits for."""
+def expect(header: FrameHeader, kind: Kind, job: int, step: int, micro_batch: int,
+           flags: int = 0) -> None:
+    """Raise unless this is exactly the frame the schedule waits for (``flags``: FLAG_EVAL for
+    an evaluation pass's activations, else none)."""
     if header.job != job:
         raise FrameError(f"frame for another job (tag {header.job:#x}, expected {job:#x})")
     if header.kind != kind or header.step != step or header.micro_batch != micro_batch:
         raise FrameError(
             f"expected {kind.name} step {step} micro-batch {micro_batch}, got "
             f"{header.kind.name} step {header.step} micro-batch {header.micro_batch}")
+    if header.flags != flags:
+        def what(f: int) -> str:
+            return "an evaluation" if f & FLAG_EVAL else "a training"
+        raise FrameError(f"expected {what(flags)} {kind.name} step {step} micro-batch "
+                         f"{micro_batch}, got {what(header.flags)} one")

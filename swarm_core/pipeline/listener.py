@@ -27,7 +27,7 @@ from swarm_core.pipeline.frames import (
 from swarm_core.pipeline.links import LinkShaper
 
 if TYPE_CHECKING:
-    from swarm_core.pipeline.transport import PeerLink
+    from swarm_core.pipeline.transport import Liveness, PeerLink
 
 
 class DataListener:
@@ -49,7 +49,7 @@ class DataListener:
                timeout: float, abort: threading.Event | None = None,
                max_payload: int = DEFAULT_MAX_PAYLOAD,
                receives: Collection[Kind] = DATA_KINDS,
-               pulse_s: float | None = None) -> PeerLink:
+               pulse_s: float | None = None, liveness: Liveness | None = None) -> PeerLink:
         """Accept the upstream neighbour; connections without the job's key are dropped."""
         from swarm_core.pipeline.transport import (
             LinkAborted,
@@ -88,7 +88,7 @@ class DataListener:
             conn.settimeout(None)
             return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})",
                             abort=abort, max_payload=max_payload, receives=receives,
-                            pulse_s=pulse_s)
+                            pulse_s=pulse_s, liveness=liveness)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -22,7 +22,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.devices import resolve_device
-from swarm_core.pipeline.frames import Kind, job_tag
+from swarm_core.pipeline.frames import FLAG_EVAL, Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
@@ -39,7 +39,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
-from swarm_core.pipeline.transport import PeerLink, connect
+from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
     NORM_PAYLOAD,
@@ -54,6 +54,11 @@ from swarm_core.pipeline.wire_math import (
 # shapes and the schedule, and only deferred W passes (which fill waits) move it, so the meter
 # runs on a runner's first step and every METER_EVERY-th; the steps between repeat its peak.
 METER_EVERY = 10
+
+# A stage whose compute thread shows no progress (an op begun, a wait polled) for this many frame
+# timeouts stops pulsing its links, so its neighbours time out: long enough for any checkpoint
+# (a shard write is seconds), short of for ever for a call hung on a disk or a device.
+STUCK_AFTER = 10
 
 
 class StageStopped(Exception):
@@ -143,6 +148,7 @@ class StageRunner:
         self.tag = job_tag(spec.job_id)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
+        self.liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
 
     # links -----------------------------------------------------------------------------------
     def connect(self, listener: DataListener | None, timeout: float) -> None:
@@ -151,18 +157,21 @@ class StageRunner:
         # claims more is refused before its buffer is allocated.
         limit = max(payload_size(self.frame_shape, self.codec), NORM_PAYLOAD)
         # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits
-        # out our checkpoint or our wait on the stage beyond, not our death or a frozen process.
+        # out our checkpoint or our wait on the stage beyond, not our death, a frozen process
+        # or a compute thread that has shown no progress for STUCK_AFTER frame timeouts.
         pulse = s.training.frame_timeout_s / 4
         if not self.last:
             assert s.downstream_addr is not None
             self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
                                 timeout, abort=self.stop, max_payload=limit,
-                                receives=(Kind.GRAD, Kind.NORM), pulse_s=pulse)
+                                receives=(Kind.GRAD, Kind.NORM), pulse_s=pulse,
+                                liveness=self.liveness)
         if not self.first:
             assert listener is not None
             self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
                                       abort=self.stop, max_payload=limit,
-                                      receives=(Kind.ACT, Kind.NORM), pulse_s=pulse)
+                                      receives=(Kind.ACT, Kind.NORM), pulse_s=pulse,
+                                      liveness=self.liveness)
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
@@ -179,6 +188,7 @@ class StageRunner:
 
     # training --------------------------------------------------------------------------------
     def _check_stop(self) -> None:
+        self.liveness.touch()  # before every op: the compute thread is moving
         if self.stop.is_set():
             raise StageStopped()
 
@@ -341,13 +351,14 @@ class StageRunner:
             else:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
-                                             self.device, self.frame_shape)
+                                             self.device, self.frame_shape, FLAG_EVAL)
             out = self.module(inp)
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))
             else:
                 assert self.down is not None
-                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec)
+                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec,
+                                      flags=FLAG_EVAL)
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(timeout)

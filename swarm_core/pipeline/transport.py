@@ -9,7 +9,9 @@ Waits time out on a link where nothing has moved for the frame timeout. So that 
 that is alive but long busy elsewhere (a checkpoint, its own wait on the stage beyond) is not
 taken for a dead one, the sender writes a PULSE on a link it has left idle for ``pulse_s``,
 unless its owner is itself waiting on that link: two stages that wait on each other (a schedule
-mismatch) then both go quiet and time out, instead of keeping each other waiting for ever. A
+mismatch) then both go quiet and time out, instead of keeping each other waiting for ever. Nor
+does it pulse for an owner that has shown no sign of life (``Liveness``) for longer than its
+limit: a compute thread stuck in a hung disk or device call lets its neighbours time out. A
 pulse we send is not progress on our side: only the peer's bytes, and our data, are.
 """
 
@@ -37,7 +39,7 @@ from swarm_core.pipeline.frames import (
     check_payload,
     expect,
     make_header,
-    pulse_frame,
+    pulse_header,
 )
 from swarm_core.pipeline.links import CHUNK, LinkShaper
 
@@ -54,6 +56,21 @@ class LinkAborted(Exception):
     """The owner asked to stop; not a fault of the peer."""
 
 
+class Liveness:
+    """When the owner (a stage's compute thread) last showed progress: each op it runs and each
+    poll of a wait touches it. Its links pulse only while it is fresher than ``limit_s``."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.at = time.monotonic()
+
+    def touch(self) -> None:
+        self.at = time.monotonic()
+
+    def fresh(self) -> bool:
+        return time.monotonic() - self.at < self.limit_s
+
+
 _CLOSED = object()
 _F64 = struct.Struct("<d")
 
@@ -65,7 +82,7 @@ class PeerLink:
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
                  abort: threading.Event | None = None,
                  receives: Collection[Kind] = DATA_KINDS,
-                 pulse_s: float | None = None) -> None:
+                 pulse_s: float | None = None, liveness: Liveness | None = None) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
@@ -79,7 +96,8 @@ class PeerLink:
         self.receives = frozenset(receives)
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
-        self.sent = 0  # bytes this link put on the wire (the shaper counts the whole fellow)
+        self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
+        self.pulse_bytes = 0  # and its pulses' (not data: kept out of the per-step wire bytes)
         # Seconds the owner spent blocked in recv and flush: time it could have computed had
         # the network and the neighbour been instant (the stage reports it per step).
         self.waited = 0.0
@@ -91,7 +109,9 @@ class PeerLink:
         self.last_progress = time.monotonic()
         # ``pulse_s``: seconds this side may leave the link idle before a PULSE (None: never).
         self.pulse_s = pulse_s
-        self._pulse = pulse_frame(job)
+        self.liveness = liveness
+        self._pulse_header = pulse_header(job)
+        self._pulse = self._pulse_header.pack()
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
@@ -123,6 +143,8 @@ class PeerLink:
         self._owner_waiting = True
         try:
             while self._out.unfinished_tasks:
+                if self.liveness is not None:
+                    self.liveness.touch()
                 self._raise_if_failed()
                 if self.abort.is_set():
                     raise LinkAborted("stopped while sending to the peer")
@@ -172,22 +194,26 @@ class PeerLink:
     def _until_pulse(self) -> float | None:
         if self.pulse_s is None:
             return None
-        # A pulse held back by the owner's wait is looked at again an eighth later, no sooner.
-        return max(self.pulse_s / 8, self._last_write + self.pulse_s - time.monotonic())
+        # A pulse held back (by the owner's wait, say) is looked at again an eighth later.
+        return max(self.pulse_s / 8, 0.01, self._last_write + self.pulse_s - time.monotonic())
 
     def _send_pulse(self) -> None:
-        if self._halted() or self._owner_waiting or \
-                time.monotonic() - self._last_write < self.pulse_s:
+        assert self.pulse_s is not None
+        if self._halted() or self._error is not None or self._owner_waiting \
+                or (self.liveness is not None and not self.liveness.fresh()) \
+                or time.monotonic() - self._last_write < self.pulse_s:
             return
-        self._write(memoryview(self._pulse), progress=False)
+        self._write(memoryview(self._pulse), pulse=True)
 
-    def _write(self, chunk: memoryview, progress: bool = True) -> None:
+    def _write(self, chunk: memoryview, pulse: bool = False) -> None:
         self.shaper.tx.consume(len(chunk), self._halted)
         self.sock.sendall(chunk)
         self.shaper.count_tx(len(chunk))
-        self.sent += len(chunk)
         self._last_write = time.monotonic()
-        if progress:
+        if pulse:
+            self.pulse_bytes += len(chunk)
+        else:
+            self.sent += len(chunk)
             self.last_progress = self._last_write
 
     # receiving -------------------------------------------------------------------------------
@@ -216,8 +242,7 @@ class PeerLink:
                     raise FrameError(f"frame for another job from {self.peer} (tag "
                                      f"{header.job:#x}, expected {self.job:#x})")
                 if header.kind is Kind.PULSE:
-                    if header.payload_len or header.shape or header.step \
-                            or header.micro_batch or header.codec or header.flags:
+                    if header != self._pulse_header:
                         raise FrameError(f"PULSE frame from {self.peer} is not empty")
                     continue  # its bytes were the progress
                 if header.kind not in self.receives:
@@ -240,6 +265,10 @@ class PeerLink:
             self._error = exc
         for q in self._in.values():
             q.put(_CLOSED)
+        # The peer hears of it now (the link closes), not when our stage next touches the link
+        # or its wait times out.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -249,14 +278,16 @@ class PeerLink:
         """Whether a ``recv`` of ``kind`` would return (or raise) without waiting."""
         return not self._in[kind].empty()
 
-    def recv(self, kind: Kind, step: int, micro_batch: int,
-             timeout: float) -> tuple[FrameHeader, bytearray]:
+    def recv(self, kind: Kind, step: int, micro_batch: int, timeout: float,
+             flags: int = 0) -> tuple[FrameHeader, bytearray]:
         """The next frame of ``kind``, which must be for ``step`` and ``micro_batch``.
         ``timeout``: seconds with no byte moving on the link either way."""
         start = time.monotonic()
         self._owner_waiting = True
         try:
             while True:
+                if self.liveness is not None:
+                    self.liveness.touch()
                 if self.abort.is_set():
                     raise LinkAborted("stopped while waiting for the peer")
                 if self._quiet_for(start) > timeout:
@@ -275,15 +306,16 @@ class PeerLink:
             self._raise_if_failed()
             raise LinkClosed(f"link to {self.peer} closed")
         header, payload = item
-        expect(header, kind, self.job, step, micro_batch)
+        expect(header, kind, self.job, step, micro_batch, flags)
         return header, payload
 
     def recv_tensor(self, kind: Kind, step: int, micro_batch: int, timeout: float,
                     device: torch.device | None = None,
-                    shape: tuple[int, ...] | None = None) -> tuple[FrameHeader, torch.Tensor]:
+                    shape: tuple[int, ...] | None = None,
+                    flags: int = 0) -> tuple[FrameHeader, torch.Tensor]:
         """The next frame's tensor, decoded onto ``device`` (the CPU by default); with
         ``shape``, a frame of any other shape is an error, not a tensor to train on."""
-        header, payload = self.recv(kind, step, micro_batch, timeout)
+        header, payload = self.recv(kind, step, micro_batch, timeout, flags)
         if shape is not None and tuple(header.shape) != tuple(shape):
             raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
                              f"{self.peer} has shape {list(header.shape)}, expected "
@@ -329,7 +361,7 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             timeout: float, abort: threading.Event | None = None,
             max_payload: int = DEFAULT_MAX_PAYLOAD,
             receives: Collection[Kind] = DATA_KINDS,
-            pulse_s: float | None = None) -> PeerLink:
+            pulse_s: float | None = None, liveness: Liveness | None = None) -> PeerLink:
     """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -350,7 +382,8 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
         sock.sendall(header.pack() + payload)
         return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
-                        max_payload=max_payload, receives=receives, pulse_s=pulse_s)
+                        max_payload=max_payload, receives=receives, pulse_s=pulse_s,
+                        liveness=liveness)
     except BaseException:
         sock.close()
         raise

@@ -1,0 +1,66 @@
+"""The one client of the leader API, against answers no leader should give: every call turns
+them into the client's own errors (ApiError, LeaderUnreachable), never a JSON or aiohttp
+exception that its callers (the CLI, a fellow) did not plan for."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient
+
+MANIFEST = {"job_id": "job-000001", "stage": 0, "step": 1}
+
+
+@pytest.fixture
+async def proxy_page(aiohttp_server) -> AsyncIterator[str]:
+    """A server that answers everything as a failing proxy does: 502 with an HTML page."""
+
+    async def html(_: web.Request) -> web.Response:
+        return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
+                            content_type="text/html")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", html)
+    server = await aiohttp_server(app)
+    yield str(server.make_url("")).rstrip("/")
+
+
+async def test_a_non_json_answer_is_an_api_error_on_every_call(proxy_page):
+    async with SwarmClient(proxy_page, None) as client:
+        calls = {
+            "request": client.health(),
+            "push_shard": client.push_shard("job-000001", 0, "s", MANIFEST, b"npz"),
+            "checkpoint": client.checkpoint("job-000001", 1, 0, "s"),
+        }
+        for name, call in calls.items():
+            with pytest.raises(ApiError) as info:
+                await call
+            assert (info.value.status, info.value.code) == (502, "bad_response"), name
+            assert "leader sent non-JSON (502): b'<html>" in str(info.value), name
+
+
+async def test_an_answer_cut_short_is_an_unreachable_leader():
+    """The connection closes mid-body (aiohttp's payload error): the leader is unreachable."""
+
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"ok\"")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with SwarmClient(f"http://127.0.0.1:{port}", None) as client:
+            with pytest.raises(LeaderUnreachable, match="cannot reach the leader at"):
+                await client.health()
+            with pytest.raises(LeaderUnreachable, match="cannot reach the leader at"):
+                await client.push_shard("job-000001", 0, "s", MANIFEST, b"npz")
+    finally:
+        server.close()
+        await server.wait_closed()
