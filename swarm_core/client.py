@@ -260,11 +260,21 @@ class SwarmClient:
         except _NO_ANSWER as exc:
             raise self._unreachable(exc) from None
         async with ws:
-            async for msg in ws:
+            while True:
+                try:
+                    msg = await ws.receive()
+                except _NO_ANSWER as exc:
+                    raise self._unreachable(exc) from None
                 if msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                     self.bytes_received += len(msg.data)
-                    yield jsonio.loads(msg.data)
-                elif msg.type == aiohttp.WSMsgType.ERROR:
+                    try:
+                        event = jsonio.loads(msg.data)
+                    except jsonio.JSONDecodeError:
+                        raise ApiError(200, "bad_response", f"leader sent a non-JSON event: "
+                                       f"{msg.data[:80]!r}") from None
+                    yield event
+                elif msg.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSE,
+                                  aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
                     break
 
 

@@ -64,3 +64,23 @@ async def test_an_answer_cut_short_is_an_unreachable_leader():
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_non_json_event_is_an_api_error(aiohttp_server):
+    async def ws_handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str('{"type": "hello"}')
+        await ws.send_str("<html>")
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/api/v1/events", ws_handler)
+    server = await aiohttp_server(app)
+    got = []
+    async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
+        with pytest.raises(ApiError, match="leader sent a non-JSON event: '<html>'"):
+            async for event in client.events():
+                got.append(event)
+    assert got == [{"type": "hello"}]
