@@ -63,6 +63,11 @@ class SwarmClient:
     """
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 10.0) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            # Refused here: a URL aiohttp cannot use would otherwise read as a leader that is
+            # down, and a fellow would retry it for ever.
+            raise ValueError(f"leader URL {base_url!r} is not http(s)://host[:port]")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
@@ -273,14 +278,22 @@ class SwarmClient:
                         raise ApiError(200, "bad_response", f"leader sent a non-JSON event: "
                                        f"{msg.data[:80]!r}") from None
                     yield event
-                elif msg.type in (aiohttp.WSMsgType.ERROR, aiohttp.WSMsgType.CLOSE,
-                                  aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+                elif msg.type == aiohttp.WSMsgType.ERROR:
+                    raise self._unreachable(msg.data)
+                elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                                  aiohttp.WSMsgType.CLOSED):
+                    # aiohttp reports a lost connection as a close (code 1006): only a close
+                    # the leader sent (normal, or going away as it stops) ends the stream.
+                    if ws.close_code not in _CLOSED_BY_LEADER:
+                        raise self._unreachable(ConnectionError(
+                            f"event stream lost (close code {ws.close_code})"))
                     break
 
 
 # No answer at all (refused, reset, timed out, a reply cut short): aiohttp.ClientError covers
 # its connection and payload errors.
 _NO_ANSWER = (aiohttp.ClientError, TimeoutError, OSError)
+_CLOSED_BY_LEADER = (aiohttp.WSCloseCode.OK, aiohttp.WSCloseCode.GOING_AWAY)
 
 
 def _reply(status: int, raw: bytes) -> Any:

@@ -84,3 +84,37 @@ async def test_a_non_json_event_is_an_api_error(aiohttp_server):
             async for event in client.events():
                 got.append(event)
     assert got == [{"type": "hello"}]
+
+
+async def test_an_event_stream_lost_midway_is_an_unreachable_leader(aiohttp_server):
+    """The connection drops after one event (no close frame): not the end of the stream, a
+    leader gone, which callers retry; a close the leader sends ends it quietly."""
+
+    async def ws_handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str('{"type": "hello"}')
+        if request.query.get("types") == "cut":
+            assert request.transport is not None
+            request.transport.abort()
+        else:
+            await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/api/v1/events", ws_handler)
+    server = await aiohttp_server(app)
+    async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
+        got = [ev async for ev in client.events()]
+        assert got == [{"type": "hello"}]
+        got = []
+        with pytest.raises(LeaderUnreachable, match="event stream lost"):
+            async for event in client.events(types=["cut"]):
+                got.append(event)
+        assert got == [{"type": "hello"}]
+
+
+@pytest.mark.parametrize("url", ["localhost:8080", "ftp://h/", "http://", "127.0.0.1"])
+def test_a_leader_url_aiohttp_cannot_use_is_refused_at_once(url):
+    with pytest.raises(ValueError, match="is not http"):
+        SwarmClient(url, None)

@@ -206,7 +206,7 @@ def test_an_evaluation_frame_is_not_taken_for_a_training_one():
     ("grad", "unexpected GRAD frame from a (this link carries ACT/NORM)"),
     ("foreign", "frame for another job from a"),
     ("huge", "payload of 1073741824 bytes exceeds the limit of 4096"),
-    ("pulse", "PULSE frame from a is not empty"),
+    ("pulse", "PULSE frame from a is not the empty frame a pulse is"),
 ])
 def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
     """A frame of a kind this link does not carry, for another job, or claiming more than one

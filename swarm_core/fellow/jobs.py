@@ -289,16 +289,20 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     finally:
         updates.put_nowait(None)
         pushes.put_nowait(None)
+        outcomes: list[Any] = []
         try:
+            # The final shard reaches the leader before the stage says COMPLETED; both tasks
+            # are waited for even if one of them failed.
             with contextlib.suppress(asyncio.CancelledError):
-                await reporter_task
-            # The final shard reaches the leader before the stage says COMPLETED.
-            with contextlib.suppress(asyncio.CancelledError):
-                await pusher_task
+                outcomes = await asyncio.gather(reporter_task, pusher_task,
+                                                return_exceptions=True)
         finally:
             # Whatever happened above, the fellow's own limits come back for the next job.
             if training.link is not None:
                 links.release()
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
         fut = None  # an exception from it holds this frame: no cycle back through fut
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)

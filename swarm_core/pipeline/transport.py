@@ -243,7 +243,8 @@ class PeerLink:
                                      f"{header.job:#x}, expected {self.job:#x})")
                 if header.kind is Kind.PULSE:
                     if header != self._pulse_header:
-                        raise FrameError(f"PULSE frame from {self.peer} is not empty")
+                        raise FrameError(f"PULSE frame from {self.peer} is not the empty "
+                                         f"frame a pulse is")
                     continue  # its bytes were the progress
                 if header.kind not in self.receives:
                     carried = "/".join(k.name for k in sorted(self.receives))
@@ -265,10 +266,8 @@ class PeerLink:
             self._error = exc
         for q in self._in.values():
             q.put(_CLOSED)
-        # The peer hears of it now (the link closes), not when our stage next touches the link
-        # or its wait times out.
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+        # The socket stays open until our stage raises the error and closes its links: were it
+        # shut here, the peer's "closed the link" would reach the leader before our reason.
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
