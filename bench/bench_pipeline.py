@@ -75,7 +75,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import threading
@@ -419,7 +418,7 @@ def _worker_torch(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
     )
     from swarm_core.pipeline.placement import split_layers
 
-    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(ctx["port"]), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(GLOO_SOCKET_IFNAME="lo")
     mc, tc = _configs(cfg, ctx["schedule"])
     data = load_token_data(tc, mc.seq_len)
     vocab = mc.vocab_size or data.vocab_size
@@ -436,7 +435,14 @@ def _worker_torch(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
         with section("loss"):
             return lm_loss(out, target)
 
-    dist.init_process_group("gloo", rank=rank, world_size=NUM_STAGES)
+    # Rank 0's store takes a port the kernel picks while it binds, and tells rank 1: a port
+    # looked up free beforehand was taken meanwhile by another row starting (EADDRINUSE).
+    if rank == 0:
+        store = dist.TCPStore(HOST, 0, NUM_STAGES, is_master=True, wait_for_workers=False)
+        ctx["side"].put(store.port)
+    else:
+        store = dist.TCPStore(HOST, ctx["side"].get(timeout=120), NUM_STAGES, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=NUM_STAGES)
     try:
         module = StageModule(mc, vocab, tc.seed, ranges[rank][0], ranges[rank][1], rank,
                              NUM_STAGES)
@@ -565,12 +571,6 @@ def _entry(kind: str, cfg: dict[str, Any], rank: int, ctx: dict[str, Any],
 # --- orchestration --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class Launched:
     """``nprocs`` spawned workers of one kind, started; ``collect`` waits for their results.
     With ``done`` (a queue shared by every gated row) each rank gets a gate of its own."""
@@ -584,7 +584,6 @@ class Launched:
         # Held for the workers' lifetime: a queue collected here unlinks its semaphores
         # before a spawned child has unpickled them.
         self.ctx = {"schedule": schedule, "side": mpc.Queue(),
-                    "port": _free_port() if kind == "torch" else 0,
                     "gates": self.gates, "done": done, "key": key}
         self.procs = [mpc.Process(target=_entry, args=(kind, cfg, r, self.ctx, self.results),
                                   daemon=True, name=f"bench-{kind}-{r}")
