@@ -359,6 +359,12 @@ class JobStatusUpdate:
     metrics: dict[str, Any] = attrs.field(
         factory=dict, validator=_shallow,
         metadata=_meta("numbers such as eval_loss, wire_tx_bytes, tokens_per_s"))
+    blames_stage: int | None = attrs.field(
+        default=None, validator=_non_negative,
+        metadata=_meta("on a FAILED report caused by the link to a neighbouring stage (it "
+                       "closed, broke or went quiet): that stage. The leader then waits up to "
+                       "the heartbeat timeout for a report or a stale fellow that names the "
+                       "cause", minimum=0))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:

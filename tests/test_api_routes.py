@@ -970,6 +970,67 @@ async def test_failed_fellow_fails_job(api):
     assert sigs[1]["job_id"] == jid and body["reason"] in sigs[1]["payload"]["reason"]
 
 
+@pytest.mark.parametrize("cause", ["report", "stale", "none"])
+async def test_a_failure_that_blames_a_neighbour_waits_for_the_cause(make_api, cause):
+    """A stage whose link to its neighbour closed reports FAILED blaming that stage. The job
+    holds on for up to a heartbeat timeout: the neighbour's own report, or its going stale,
+    names the cause; with neither, the survivor's reason stands."""
+    api = await make_api(stale_after_s=0.3, heartbeat_interval_s=0.2)
+    a = await register(api, "a")
+    b = await register(api, "b", "b-inst")
+    jid = (await submit(api, fellows=2))["job_id"]
+    beating = {"a": True, "b": True}
+
+    async def beat() -> None:
+        while True:
+            for name, reg in (("a", a), ("b", b)):
+                if beating[name]:
+                    await heartbeat(api, reg, status="busy", current_step=4)
+            await asyncio.sleep(0.05)
+
+    beater = asyncio.create_task(beat())
+    try:
+        stages = (await get_job(api, jid))["fellows"]
+        sa, sb = stages.index(a["fellow_id"]), stages.index(b["fellow_id"])
+        t0 = time.monotonic()
+        body = await expect_ok(await report(api, jid, a, "FAILED", step=4, stage=sa,
+                                            blames_stage=sb,
+                                            message="LinkClosed: stage 1 closed the link"))
+        assert body["state"] == "RUNNING", "held for the cause"
+        beating["b"] = cause != "stale"  # as if b had died with the link
+        if cause == "report":
+            body = await expect_ok(await report(api, jid, b, "FAILED", step=4, stage=sb,
+                                                message="FrameError: bad magic"))
+            assert body["state"] == "FAILED"
+            assert body["reason"] == \
+                f"fellow {b['fellow_id']} (b) failed at step 4: FrameError: bad magic"
+            return
+
+        async def failed() -> dict[str, Any] | None:
+            job = await get_job(api, jid)
+            return job if job["state"] == "FAILED" else None
+
+        job = await wait_for(failed, timeout=5.0, interval=0.05)
+    finally:
+        beater.cancel()
+    if cause == "stale":
+        assert job["reason"] == f"fellow {b['fellow_id']} (b) stopped heartbeating at step 4"
+    else:
+        assert time.monotonic() - t0 >= 0.45  # stale_after + one heartbeat interval
+        assert job["reason"] == f"fellow {a['fellow_id']} (a) failed at step 4: LinkClosed: " \
+                                "stage 1 closed the link"
+
+
+async def test_a_failure_blaming_its_own_or_no_stage_fails_at_once(api):
+    a = await register(api, "a")
+    await register(api, "b", "b-inst")
+    jid = (await submit(api, fellows=2))["job_id"]
+    sa = (await get_job(api, jid))["fellows"].index(a["fellow_id"])
+    body = await expect_ok(await report(api, jid, a, "FAILED", step=2, stage=sa,
+                                        blames_stage=sa, message="odd"))
+    assert body["state"] == "FAILED" and body["reason"].endswith("failed at step 2: odd")
+
+
 async def test_cancel_pending_job(api):
     job = await submit(api, fellows=3)
     body = await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))

@@ -577,6 +577,7 @@ def test_a_neighbour_stuck_without_progress_is_timed_out(data, monkeypatch):
     res = run_pipeline(mc, tc, data, 2, stop=stop,
                        stage_kwargs={1: {"on_checkpoint": hung_checkpoint}})
     assert isinstance(res[0], PeerTimeout), res
+    assert res[0].peer_stage == 1, "the timeout blames the stage at the other end"
     assert time.monotonic() - t0 < 15
 
 

@@ -344,7 +344,7 @@ class FellowDaemon:
                 await report(JobStatusUpdate(
                     fellow_id=fellow_id, state="FAILED", step=progress.step,
                     message=f"{type(exc).__name__}: {exc}"[:4000], attempt=attempt,
-                    stage=stage))
+                    stage=stage, blames_stage=getattr(exc, "peer_stage", None)))
         finally:
             key = (job_id, stage or 0)
             if self.stages.get(key, (None,))[0] is asyncio.current_task():

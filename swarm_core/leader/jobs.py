@@ -65,6 +65,10 @@ class JobRecord:
     # Set while the job waits out the heartbeat timeout to see which fellows are really gone.
     recovering_since: float | None = attrs.field(default=None, metadata={"transient": True})
     recover_reason: str = attrs.field(default="", metadata={"transient": True})
+    # A FAILED report that blames a neighbour's link, held until the cause shows (see
+    # JobQueue._blamed): the reason to use if none does, and until when.
+    held_reason: str = attrs.field(default="", metadata={"transient": True})
+    held_until: float = attrs.field(default=0.0, metadata={"transient": True})
     # The step being assembled from every stage's report (written through to the store).
     current: dict[int, dict[str, Any]] = attrs.field(factory=dict,
                                                      metadata={"transient": True})
@@ -197,8 +201,12 @@ class JobQueue:
         })
         if upd.state == "FAILED":
             msg = f": {upd.message}" if upd.message else ""
-            self._lost(job, f"fellow {fellow.fellow_id} ({fellow.name}) failed at step "
-                            f"{upd.step}{msg}")
+            reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
+            if upd.blames_stage is not None and upd.blames_stage < len(job.fellows) \
+                    and upd.blames_stage != stage:
+                self._blamed(job, reason)
+            else:
+                self._lost(job, reason)
         elif upd.state == "COMPLETED":
             if stage not in job.done_stages:
                 job.done_stages.append(stage)
@@ -259,6 +267,19 @@ class JobQueue:
         self._event(job, "job.started")
         return job
 
+    def _blamed(self, job: JobRecord, reason: str) -> None:
+        """A stage failed because the link to a neighbour closed, broke or went quiet: the
+        neighbour is the likelier cause. Its own report (a bad frame, an error) or its going
+        stale names the cause better than the survivor's "closed the link", so wait for either
+        until the heartbeat timeout has passed; then this reason stands."""
+        if job.held_reason:
+            return  # the first survivor's reason is kept; the others say the same
+        job.held_reason = reason
+        # A fellow that died just now goes stale one heartbeat timeout after its last beat.
+        job.held_until = time.monotonic() + self.registry.stale_after_s + \
+            self.registry.heartbeat_interval_s
+        self._save(job, quiet=True)
+
     def check_liveness(self) -> None:
         """React when a fellow of the running job stopped heartbeating or left."""
         job = self.running()
@@ -268,6 +289,9 @@ class JobQueue:
         if job.recovering_since is not None:
             if now - job.recovering_since >= self.registry.stale_after_s + 0.5:
                 self._resume(job)
+            return
+        if job.held_reason and now >= job.held_until:
+            self._lost(job, job.held_reason)
             return
         grace = self.registry.stale_after_s
         if job.watched_since is not None and now - job.watched_since < grace:
@@ -300,6 +324,7 @@ class JobQueue:
     # recovery ---------------------------------------------------------------------------------
     def _lost(self, job: JobRecord, reason: str) -> None:
         """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
+        job.held_reason, job.held_until = "", 0.0
         policy = job.training.get("resume_policy", "fail") if job.kind == "train" else "fail"
         limit = int(job.training.get("max_restarts", 3))
         if policy != "replace":

@@ -66,7 +66,9 @@ class DataListener:
                 raise LinkAborted("stopped while waiting for the upstream stage")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PeerTimeout(f"stage {stage - 1} did not connect within {timeout:g}s")
+                err = PeerTimeout(f"stage {stage - 1} did not connect within {timeout:g}s")
+                err.peer_stage = stage - 1
+                raise err
             self.sock.settimeout(min(remaining, 0.2))
             try:
                 conn, peer = self.sock.accept()
@@ -88,7 +90,7 @@ class DataListener:
             conn.settimeout(None)
             return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})",
                             abort=abort, max_payload=max_payload, receives=receives,
-                            pulse_s=pulse_s, liveness=liveness)
+                            pulse_s=pulse_s, liveness=liveness, peer_stage=stage - 1)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -45,11 +45,13 @@ from swarm_core.pipeline.links import CHUNK, LinkShaper
 
 
 class LinkClosed(ConnectionError):
-    pass
+    # The neighbouring stage at the other end, when known: a failure it likely caused (the
+    # leader waits a moment for that stage's own report before it takes this one's word).
+    peer_stage: int | None = None
 
 
 class PeerTimeout(TimeoutError):
-    pass
+    peer_stage: int | None = None
 
 
 class LinkAborted(Exception):
@@ -82,13 +84,15 @@ class PeerLink:
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
                  abort: threading.Event | None = None,
                  receives: Collection[Kind] = DATA_KINDS,
-                 pulse_s: float | None = None, liveness: Liveness | None = None) -> None:
+                 pulse_s: float | None = None, liveness: Liveness | None = None,
+                 peer_stage: int | None = None) -> None:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock = sock
         self.shaper = shaper
         self.job = job
         self.peer = peer
+        self.peer_stage = peer_stage
         # The largest payload a frame from this peer may claim (its buffer is allocated from
         # the header's length before a byte of it arrives), and the kinds it may send: any
         # other frame fails the link at once, rather than waiting in a queue nobody reads.
@@ -149,7 +153,8 @@ class PeerLink:
                 if self.abort.is_set():
                     raise LinkAborted("stopped while sending to the peer")
                 if self._quiet_for(start) > timeout:
-                    raise PeerTimeout(f"sending to {self.peer}: nothing moved for {timeout:g}s")
+                    raise self._blame(PeerTimeout(f"sending to {self.peer}: nothing moved for "
+                                                  f"{timeout:g}s"))
                 time.sleep(0.002)
         finally:
             self._owner_waiting = False
@@ -261,7 +266,13 @@ class PeerLink:
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._fail(LinkClosed(f"link to {self.peer} failed while receiving: {exc!r}"))
 
+    def _blame(self, exc: LinkClosed | PeerTimeout) -> LinkClosed | PeerTimeout:
+        exc.peer_stage = self.peer_stage
+        return exc
+
     def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, LinkClosed):
+            self._blame(exc)
         if self._error is None:
             self._error = exc
         for q in self._in.values():
@@ -290,8 +301,9 @@ class PeerLink:
                 if self.abort.is_set():
                     raise LinkAborted("stopped while waiting for the peer")
                 if self._quiet_for(start) > timeout:
-                    raise PeerTimeout(f"no {kind.name} step {step} micro-batch {micro_batch} "
-                                      f"from {self.peer}: nothing moved for {timeout:g}s")
+                    raise self._blame(PeerTimeout(
+                        f"no {kind.name} step {step} micro-batch {micro_batch} from "
+                        f"{self.peer}: nothing moved for {timeout:g}s"))
                 try:
                     item = self._in[kind].get(timeout=0.1)
                     break
@@ -303,7 +315,7 @@ class PeerLink:
         if item is _CLOSED:
             self._in[kind].put(_CLOSED)
             self._raise_if_failed()
-            raise LinkClosed(f"link to {self.peer} closed")
+            raise self._blame(LinkClosed(f"link to {self.peer} closed"))
         header, payload = item
         expect(header, kind, self.job, step, micro_batch, flags)
         return header, payload
@@ -372,8 +384,9 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             if abort is not None and abort.is_set():
                 raise LinkAborted("stopped while connecting") from None
             if time.monotonic() > deadline:
-                raise PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}") \
-                    from None
+                err = PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}")
+                err.peer_stage = stage + 1
+                raise err from None
             time.sleep(0.1)
     try:
         sock.settimeout(None)
@@ -382,7 +395,7 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         sock.sendall(header.pack() + payload)
         return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
                         max_payload=max_payload, receives=receives, pulse_s=pulse_s,
-                        liveness=liveness)
+                        liveness=liveness, peer_stage=stage + 1)
     except BaseException:
         sock.close()
         raise
