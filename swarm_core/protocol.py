@@ -362,9 +362,9 @@ class JobStatusUpdate:
     blames_stage: int | None = attrs.field(
         default=None, validator=_non_negative,
         metadata=_meta("on a FAILED report caused by the link to a neighbouring stage (it "
-                       "closed, broke or went quiet): that stage. The leader then waits up to "
-                       "the heartbeat timeout for a report or a stale fellow that names the "
-                       "cause", minimum=0))
+                       "closed, broke or went quiet): that stage. Under resume_policy fail the "
+                       "leader then waits up to the stale timeout plus one heartbeat interval "
+                       "for a report or a fellow state that names the cause", minimum=0))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:

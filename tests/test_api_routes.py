@@ -1021,14 +1021,88 @@ async def test_a_failure_that_blames_a_neighbour_waits_for_the_cause(make_api, c
                                 "stage 1 closed the link"
 
 
-async def test_a_failure_blaming_its_own_or_no_stage_fails_at_once(api):
+async def test_a_held_failure_survives_a_leader_restart(aiohttp_client, tmp_path):
+    """The leader restarts while it holds a failure that blames a live neighbour: the held
+    reason is kept, and once the wait runs out again the job fails with it (it does not stay
+    RUNNING for ever with every fellow alive and idle)."""
+    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05,
+                       stale_after_s=0.3, heartbeat_interval_s=0.2)
+    api = await aiohttp_client(create_app(cfg))
     a = await register(api, "a")
-    await register(api, "b", "b-inst")
+    b = await register(api, "b", "b-inst")
     jid = (await submit(api, fellows=2))["job_id"]
-    sa = (await get_job(api, jid))["fellows"].index(a["fellow_id"])
+    stages = (await get_job(api, jid))["fellows"]
+    sa, sb = stages.index(a["fellow_id"]), stages.index(b["fellow_id"])
+    body = await expect_ok(await report(api, jid, a, "FAILED", step=3, stage=sa,
+                                        blames_stage=sb, message="LinkClosed: closed"))
+    assert body["state"] == "RUNNING"
+    await api.close()
+
+    api = await aiohttp_client(create_app(cfg))
+    a = await register(api, "a")  # the same processes: sessions are per leader
+    b = await register(api, "b", "b-inst")
+
+    async def failed() -> dict[str, Any] | None:
+        for reg in (a, b):
+            await heartbeat(api, reg, status="ready")
+        job = await get_job(api, jid)
+        return job if job["state"] == "FAILED" else None
+
+    job = await wait_for(failed, timeout=5.0, interval=0.05)
+    assert job["reason"] == f"fellow {a['fellow_id']} (a) failed at step 3: LinkClosed: closed"
+
+
+@pytest.mark.parametrize("blames", ["own", "beyond", "done"])
+async def test_a_failure_blaming_no_neighbour_that_could_answer_fails_at_once(api, blames):
+    """Only a running neighbour one stage away is waited for: blaming the reporter's own stage,
+    a stage past the pipeline, or a stage that already finished fails the job at once."""
+    a = await register(api, "a")
+    b = await register(api, "b", "b-inst")
+    jid = (await submit(api, fellows=2))["job_id"]
+    stages = (await get_job(api, jid))["fellows"]
+    sa, sb = stages.index(a["fellow_id"]), stages.index(b["fellow_id"])
+    if blames == "done":
+        await expect_ok(await report(api, jid, b, "COMPLETED", step=2, stage=sb))
+    target = {"own": sa, "beyond": 2, "done": sb}[blames]
     body = await expect_ok(await report(api, jid, a, "FAILED", step=2, stage=sa,
-                                        blames_stage=sa, message="odd"))
+                                        blames_stage=target, message="odd"))
     assert body["state"] == "FAILED" and body["reason"].endswith("failed at step 2: odd")
+
+
+async def test_in_a_chain_the_blamed_stages_own_blame_is_nearer_the_cause(make_api):
+    """Stage 2 hangs: stage 1 times out blaming 2, and stage 0, whose link stage 1 then closed,
+    blames 1. Whichever arrives first, the job ends with stage 1's reason."""
+    api = await make_api(stale_after_s=0.3, heartbeat_interval_s=0.2)
+    regs = [await register(api, n, f"{n}-inst") for n in ("a", "b", "c")]
+    jid = (await submit(api, fellows=3))["job_id"]
+    stages = (await get_job(api, jid))["fellows"]
+    by_stage = sorted(regs, key=lambda r: stages.index(r["fellow_id"]))
+
+    async def beat() -> None:
+        while True:
+            for reg in regs:
+                await heartbeat(api, reg, status="busy", current_step=5)
+            await asyncio.sleep(0.05)
+
+    beater = asyncio.create_task(beat())
+    try:
+        body = await expect_ok(await report(api, jid, by_stage[0], "FAILED", step=5, stage=0,
+                                            blames_stage=1, message="LinkClosed: closed"))
+        assert body["state"] == "RUNNING"
+        body = await expect_ok(await report(api, jid, by_stage[1], "FAILED", step=5, stage=1,
+                                            blames_stage=2, message="PeerTimeout: quiet"))
+        assert body["state"] == "RUNNING"
+
+        async def failed() -> dict[str, Any] | None:
+            job = await get_job(api, jid)
+            return job if job["state"] == "FAILED" else None
+
+        job = await wait_for(failed, timeout=5.0, interval=0.05)
+    finally:
+        beater.cancel()
+    names = {r["fellow_id"]: n for r, n in zip(regs, "abc", strict=True)}
+    fid = by_stage[1]["fellow_id"]
+    assert job["reason"] == f"fellow {fid} ({names[fid]}) failed at step 5: PeerTimeout: quiet"
 
 
 async def test_cancel_pending_job(api):

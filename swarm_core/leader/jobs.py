@@ -66,8 +66,10 @@ class JobRecord:
     recovering_since: float | None = attrs.field(default=None, metadata={"transient": True})
     recover_reason: str = attrs.field(default="", metadata={"transient": True})
     # A FAILED report that blames a neighbour's link, held until the cause shows (see
-    # JobQueue._blamed): the reason to use if none does, and until when.
-    held_reason: str = attrs.field(default="", metadata={"transient": True})
+    # JobQueue._blamed): the reason to use if none does, the stage it blames, and until when
+    # (kept across a leader restart, which re-arms the wait).
+    held_reason: str = ""
+    held_stage: int | None = None
     held_until: float = attrs.field(default=0.0, metadata={"transient": True})
     # The step being assembled from every stage's report (written through to the store).
     current: dict[int, dict[str, Any]] = attrs.field(factory=dict,
@@ -94,6 +96,8 @@ class JobQueue:
             if job.state is JobState.RUNNING:
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
                 job.watched_since = time.monotonic()
+                if job.held_reason:
+                    job.held_until = job.watched_since + self._hold_s()
                 for fid in job.fellows:
                     with contextlib.suppress(ApiError):
                         registry.get(fid).assigned_job = job.job_id
@@ -202,9 +206,13 @@ class JobQueue:
         if upd.state == "FAILED":
             msg = f": {upd.message}" if upd.message else ""
             reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
-            if upd.blames_stage is not None and upd.blames_stage < len(job.fellows) \
-                    and upd.blames_stage != stage:
-                self._blamed(job, reason)
+            blamed = upd.blames_stage
+            # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway
+            # and names the fellows it lost from their status.
+            recovers = job.kind == "train" and job.training.get("resume_policy") == "replace"
+            if blamed is not None and abs(blamed - stage) == 1 and blamed < len(job.fellows) \
+                    and blamed not in job.done_stages and not recovers:
+                self._blamed(job, reason, stage, blamed)
             else:
                 self._lost(job, reason)
         elif upd.state == "COMPLETED":
@@ -267,17 +275,22 @@ class JobQueue:
         self._event(job, "job.started")
         return job
 
-    def _blamed(self, job: JobRecord, reason: str) -> None:
-        """A stage failed because the link to a neighbour closed, broke or went quiet: the
-        neighbour is the likelier cause. Its own report (a bad frame, an error) or its going
-        stale names the cause better than the survivor's "closed the link", so wait for either
-        until the heartbeat timeout has passed; then this reason stands."""
-        if job.held_reason:
-            return  # the first survivor's reason is kept; the others say the same
-        job.held_reason = reason
+    def _hold_s(self) -> float:
         # A fellow that died just now goes stale one heartbeat timeout after its last beat.
-        job.held_until = time.monotonic() + self.registry.stale_after_s + \
-            self.registry.heartbeat_interval_s
+        return self.registry.stale_after_s + self.registry.heartbeat_interval_s
+
+    def _blamed(self, job: JobRecord, reason: str, stage: int, blamed: int) -> None:
+        """Stage ``stage`` failed because the link to ``blamed`` closed, broke or went quiet:
+        that neighbour is the likelier cause. Its own report (a bad frame, an error) or its
+        going stale names the cause better than "closed the link", so wait for either until
+        the heartbeat timeout has passed; then the held reason stands. In a chain, the stage
+        a held report blames may itself report a link to the stage beyond: that one is nearer
+        the cause and replaces it (within the same deadline)."""
+        if not job.held_reason:
+            job.held_until = time.monotonic() + self._hold_s()
+        elif job.held_stage != stage:
+            return  # another survivor of the same failure: the first reason is kept
+        job.held_reason, job.held_stage = reason, blamed
         self._save(job, quiet=True)
 
     def check_liveness(self) -> None:
@@ -290,12 +303,15 @@ class JobQueue:
             if now - job.recovering_since >= self.registry.stale_after_s + 0.5:
                 self._resume(job)
             return
-        if job.held_reason and now >= job.held_until:
-            self._lost(job, job.held_reason)
-            return
         grace = self.registry.stale_after_s
-        if job.watched_since is not None and now - job.watched_since < grace:
-            return
+        if job.watched_since is None or now - job.watched_since >= grace:
+            self._check_fellows(job, now)
+        # After the fellows: a fellow gone stale by now names the cause of a held failure.
+        if job.state is JobState.RUNNING and job.recovering_since is None \
+                and job.held_reason and now >= job.held_until:
+            self._lost(job, job.held_reason)
+
+    def _check_fellows(self, job: JobRecord, now: float) -> None:
         for fid in dict.fromkeys(job.fellows):
             if all(s in job.done_stages for s, f in enumerate(job.fellows) if f == fid):
                 continue
@@ -324,7 +340,7 @@ class JobQueue:
     # recovery ---------------------------------------------------------------------------------
     def _lost(self, job: JobRecord, reason: str) -> None:
         """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
-        job.held_reason, job.held_until = "", 0.0
+        job.held_reason, job.held_stage, job.held_until = "", None, 0.0
         policy = job.training.get("resume_policy", "fail") if job.kind == "train" else "fail"
         limit = int(job.training.get("max_restarts", 3))
         if policy != "replace":
@@ -543,6 +559,7 @@ class JobQueue:
     def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
+        job.held_reason, job.held_stage = "", None
         if was_running:
             self._stop_fellows(job, reason)
         self._save(job)

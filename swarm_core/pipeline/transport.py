@@ -192,7 +192,7 @@ class PeerLink:
                 finally:
                     self._out.task_done()
         except OSError as exc:
-            self._fail(LinkClosed(f"link to {self.peer} broke while sending: {exc}"))
+            self._fail(self._blame(LinkClosed(f"link to {self.peer} broke while sending: {exc}")))
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
 
@@ -260,8 +260,11 @@ class PeerLink:
                 self._in[header.kind].put((header, payload))
         except (FrameError, LinkClosed, OSError) as exc:
             if not self._stop.is_set():
-                err = exc if isinstance(exc, FrameError | LinkClosed) else \
-                    LinkClosed(f"link to {self.peer} broke: {exc}")
+                # The peer closed or broke the link: a failure that points at it. (A FrameError
+                # is the reason itself; a bug of ours below points at nobody.)
+                err = exc if isinstance(exc, FrameError) else self._blame(
+                    exc if isinstance(exc, LinkClosed) else
+                    LinkClosed(f"link to {self.peer} broke: {exc}"))
                 self._fail(err)
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._fail(LinkClosed(f"link to {self.peer} failed while receiving: {exc!r}"))
@@ -271,8 +274,6 @@ class PeerLink:
         return exc
 
     def _fail(self, exc: BaseException) -> None:
-        if isinstance(exc, LinkClosed):
-            self._blame(exc)
         if self._error is None:
             self._error = exc
         for q in self._in.values():
@@ -392,7 +393,13 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         sock.settimeout(None)
         payload = _hello_payload(key, stage)
         header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
-        sock.sendall(header.pack() + payload)
+        try:
+            sock.sendall(header.pack() + payload)
+        except OSError as exc:
+            err = LinkClosed(f"stage {stage + 1} at {addr} broke the link during the hello: "
+                             f"{exc}")
+            err.peer_stage = stage + 1
+            raise err from None
         return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
                         max_payload=max_payload, receives=receives, pulse_s=pulse_s,
                         liveness=liveness, peer_stage=stage + 1)
