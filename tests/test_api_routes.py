@@ -4,8 +4,10 @@ each error status, against a real leader app on a loopback TestServer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,35 @@ async def wait_for(cond, timeout: float = 3.0, interval: float = 0.02) -> Any:
             return value
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(interval)
+
+
+async def wait_until_failed(api: TestClient, job_id: str) -> dict[str, Any]:
+    async def failed() -> dict[str, Any] | None:
+        job = await get_job(api, job_id)
+        return job if job["state"] == "FAILED" else None
+
+    return await wait_for(failed, timeout=5.0, interval=0.05)
+
+
+@contextlib.asynccontextmanager
+async def beating(api: TestClient, regs: list[dict[str, Any]], step: int,
+                  alive: set[int] | None = None) -> AsyncIterator[None]:
+    """Busy heartbeats from ``regs`` every 50 ms, while the block runs, from those whose
+    fellow id is in ``alive`` (all by default; the set may shrink meanwhile)."""
+    alive = {r["fellow_id"] for r in regs} if alive is None else alive
+
+    async def beat() -> None:
+        while True:
+            for reg in regs:
+                if reg["fellow_id"] in alive:
+                    await heartbeat(api, reg, status="busy", current_step=step)
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def next_event(ws, type_prefix: str, timeout: float = 2.0, **match: Any) -> dict[str, Any]:
@@ -973,23 +1004,14 @@ async def test_failed_fellow_fails_job(api):
 @pytest.mark.parametrize("cause", ["report", "stale", "none"])
 async def test_a_failure_that_blames_a_neighbour_waits_for_the_cause(make_api, cause):
     """A stage whose link to its neighbour closed reports FAILED blaming that stage. The job
-    holds on for up to a heartbeat timeout: the neighbour's own report, or its going stale,
-    names the cause; with neither, the survivor's reason stands."""
+    holds on for up to the stale timeout plus one heartbeat interval: the neighbour's own
+    report, or its going stale, names the cause; with neither, the survivor's reason stands."""
     api = await make_api(stale_after_s=0.3, heartbeat_interval_s=0.2)
     a = await register(api, "a")
     b = await register(api, "b", "b-inst")
     jid = (await submit(api, fellows=2))["job_id"]
-    beating = {"a": True, "b": True}
-
-    async def beat() -> None:
-        while True:
-            for name, reg in (("a", a), ("b", b)):
-                if beating[name]:
-                    await heartbeat(api, reg, status="busy", current_step=4)
-            await asyncio.sleep(0.05)
-
-    beater = asyncio.create_task(beat())
-    try:
+    alive = {a["fellow_id"], b["fellow_id"]}
+    async with beating(api, [a, b], 4, alive):
         stages = (await get_job(api, jid))["fellows"]
         sa, sb = stages.index(a["fellow_id"]), stages.index(b["fellow_id"])
         t0 = time.monotonic()
@@ -997,7 +1019,8 @@ async def test_a_failure_that_blames_a_neighbour_waits_for_the_cause(make_api, c
                                             blames_stage=sb,
                                             message="LinkClosed: stage 1 closed the link"))
         assert body["state"] == "RUNNING", "held for the cause"
-        beating["b"] = cause != "stale"  # as if b had died with the link
+        if cause == "stale":
+            alive.discard(b["fellow_id"])  # as if b had died with the link
         if cause == "report":
             body = await expect_ok(await report(api, jid, b, "FAILED", step=4, stage=sb,
                                                 message="FrameError: bad magic"))
@@ -1005,18 +1028,11 @@ async def test_a_failure_that_blames_a_neighbour_waits_for_the_cause(make_api, c
             assert body["reason"] == \
                 f"fellow {b['fellow_id']} (b) failed at step 4: FrameError: bad magic"
             return
-
-        async def failed() -> dict[str, Any] | None:
-            job = await get_job(api, jid)
-            return job if job["state"] == "FAILED" else None
-
-        job = await wait_for(failed, timeout=5.0, interval=0.05)
-    finally:
-        beater.cancel()
+        job = await wait_until_failed(api, jid)
     if cause == "stale":
         assert job["reason"] == f"fellow {b['fellow_id']} (b) stopped heartbeating at step 4"
     else:
-        assert time.monotonic() - t0 >= 0.45  # stale_after + one heartbeat interval
+        assert time.monotonic() - t0 >= 0.5  # stale_after + one heartbeat interval
         assert job["reason"] == f"fellow {a['fellow_id']} (a) failed at step 4: LinkClosed: " \
                                 "stage 1 closed the link"
 
@@ -1077,29 +1093,14 @@ async def test_in_a_chain_the_blamed_stages_own_blame_is_nearer_the_cause(make_a
     jid = (await submit(api, fellows=3))["job_id"]
     stages = (await get_job(api, jid))["fellows"]
     by_stage = sorted(regs, key=lambda r: stages.index(r["fellow_id"]))
-
-    async def beat() -> None:
-        while True:
-            for reg in regs:
-                await heartbeat(api, reg, status="busy", current_step=5)
-            await asyncio.sleep(0.05)
-
-    beater = asyncio.create_task(beat())
-    try:
+    async with beating(api, regs, 5):
         body = await expect_ok(await report(api, jid, by_stage[0], "FAILED", step=5, stage=0,
                                             blames_stage=1, message="LinkClosed: closed"))
         assert body["state"] == "RUNNING"
         body = await expect_ok(await report(api, jid, by_stage[1], "FAILED", step=5, stage=1,
                                             blames_stage=2, message="PeerTimeout: quiet"))
         assert body["state"] == "RUNNING"
-
-        async def failed() -> dict[str, Any] | None:
-            job = await get_job(api, jid)
-            return job if job["state"] == "FAILED" else None
-
-        job = await wait_for(failed, timeout=5.0, interval=0.05)
-    finally:
-        beater.cancel()
+        job = await wait_until_failed(api, jid)
     names = {r["fellow_id"]: n for r, n in zip(regs, "abc", strict=True)}
     fid = by_stage[1]["fellow_id"]
     assert job["reason"] == f"fellow {fid} ({names[fid]}) failed at step 5: PeerTimeout: quiet"
