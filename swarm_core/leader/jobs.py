@@ -82,6 +82,11 @@ class JobRecord:
         }
 
 
+def _resume_policy(job: JobRecord) -> str:
+    """What a lost stage leads to: "fail", or "replace" (recover on a spare fellow)."""
+    return job.training.get("resume_policy", "fail") if job.kind == "train" else "fail"
+
+
 class JobQueue:
     def __init__(self, store: Store, registry: FellowRegistry, hub: EventHub,
                  runs_dir: Path | None = None) -> None:
@@ -209,9 +214,8 @@ class JobQueue:
             blamed = upd.blames_stage
             # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway
             # and names the fellows it lost from their status.
-            recovers = job.kind == "train" and job.training.get("resume_policy") == "replace"
             if blamed is not None and abs(blamed - stage) == 1 and blamed < len(job.fellows) \
-                    and blamed not in job.done_stages and not recovers:
+                    and blamed not in job.done_stages and _resume_policy(job) == "fail":
                 self._blamed(job, reason, stage, blamed)
             else:
                 self._lost(job, reason)
@@ -307,8 +311,7 @@ class JobQueue:
         if job.watched_since is None or now - job.watched_since >= grace:
             self._check_fellows(job, now)
         # After the fellows: a fellow gone stale by now names the cause of a held failure.
-        if job.state is JobState.RUNNING and job.recovering_since is None \
-                and job.held_reason and now >= job.held_until:
+        if job.state is JobState.RUNNING and job.held_reason and now >= job.held_until:
             self._lost(job, job.held_reason)
 
     def _check_fellows(self, job: JobRecord, now: float) -> None:
@@ -340,10 +343,8 @@ class JobQueue:
     # recovery ---------------------------------------------------------------------------------
     def _lost(self, job: JobRecord, reason: str) -> None:
         """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
-        job.held_reason, job.held_stage, job.held_until = "", None, 0.0
-        policy = job.training.get("resume_policy", "fail") if job.kind == "train" else "fail"
         limit = int(job.training.get("max_restarts", 3))
-        if policy != "replace":
+        if _resume_policy(job) != "replace":
             self._finish(job, JobState.FAILED, reason)
             return
         if len(job.restarts) >= limit:
@@ -559,7 +560,7 @@ class JobQueue:
     def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
-        job.held_reason, job.held_stage = "", None
+        job.held_reason, job.held_stage, job.held_until = "", None, 0.0
         if was_running:
             self._stop_fellows(job, reason)
         self._save(job)

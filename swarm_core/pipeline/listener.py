@@ -57,6 +57,7 @@ class DataListener:
             PeerTimeout,
             _hello_payload,
             _recv_exact,
+            blaming,
         )
 
         deadline = time.monotonic() + timeout
@@ -66,9 +67,8 @@ class DataListener:
                 raise LinkAborted("stopped while waiting for the upstream stage")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                err = PeerTimeout(f"stage {stage - 1} did not connect within {timeout:g}s")
-                err.peer_stage = stage - 1
-                raise err
+                raise blaming(PeerTimeout(f"stage {stage - 1} did not connect within "
+                                          f"{timeout:g}s"), stage - 1)
             self.sock.settimeout(min(remaining, 0.2))
             try:
                 conn, peer = self.sock.accept()

@@ -58,6 +58,12 @@ class LinkAborted(Exception):
     """The owner asked to stop; not a fault of the peer."""
 
 
+def blaming(exc: LinkClosed | PeerTimeout, stage: int | None) -> LinkClosed | PeerTimeout:
+    """``exc``, marked as pointing at neighbouring stage ``stage``."""
+    exc.peer_stage = stage
+    return exc
+
+
 class Liveness:
     """When the owner (a stage's compute thread) last showed progress: each op it runs and each
     poll of a wait touches it. Its links pulse only while it is fresher than ``limit_s``."""
@@ -270,8 +276,7 @@ class PeerLink:
             self._fail(LinkClosed(f"link to {self.peer} failed while receiving: {exc!r}"))
 
     def _blame(self, exc: LinkClosed | PeerTimeout) -> LinkClosed | PeerTimeout:
-        exc.peer_stage = self.peer_stage
-        return exc
+        return blaming(exc, self.peer_stage)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
@@ -385,9 +390,8 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             if abort is not None and abort.is_set():
                 raise LinkAborted("stopped while connecting") from None
             if time.monotonic() > deadline:
-                err = PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: {exc}")
-                err.peer_stage = stage + 1
-                raise err from None
+                raise blaming(PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: "
+                                          f"{exc}"), stage + 1) from None
             time.sleep(0.1)
     try:
         sock.settimeout(None)
@@ -396,10 +400,8 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
         try:
             sock.sendall(header.pack() + payload)
         except OSError as exc:
-            err = LinkClosed(f"stage {stage + 1} at {addr} broke the link during the hello: "
-                             f"{exc}")
-            err.peer_stage = stage + 1
-            raise err from None
+            raise blaming(LinkClosed(f"stage {stage + 1} at {addr} broke the link during the "
+                                     f"hello: {exc}"), stage + 1) from None
         return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
                         max_payload=max_payload, receives=receives, pulse_s=pulse_s,
                         liveness=liveness, peer_stage=stage + 1)
