@@ -395,6 +395,8 @@ class JobInfo:
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
     attempt: int = 0
     restarts: list[dict[str, Any]] = attrs.field(factory=list)
+    # {at_step, fellow_id, link: {tx_mbps, rx_mbps, latency_ms}, at}: set-speeds while it ran
+    link_changes: list[dict[str, Any]] = attrs.field(factory=list)
 
 
 @attrs.define

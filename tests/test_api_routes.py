@@ -703,6 +703,31 @@ async def test_set_speed(api):
     assert body["signal_seq"] == 2
 
 
+async def test_a_set_speed_mid_job_is_recorded_in_the_job(api):
+    """The fellow applies a set-speed at once: the running job's record says from which step
+    its link changed; an idle fellow's set-speed names no job, nor does one after the job
+    ended."""
+    a = await register(api, "a")
+    b = await register(api, "b")
+    idle = await expect_ok(await api.post(f"{A}/fellows/{a['fellow_id']}/speed",
+                                          json={"tx_mbps": 50}, headers=AUTH), 202)
+    assert idle["job_id"] is None
+    job = await submit(api, fellows=2)
+    await expect_ok(await report(api, job["job_id"], b, "RUNNING", step=3))
+    body = await expect_ok(await api.post(f"{A}/fellows/{b['fellow_id']}/speed",
+                                          json={"tx_mbps": 8, "latency_ms": 40},
+                                          headers=AUTH), 202)
+    assert body["job_id"] == job["job_id"]
+    changes = (await get_job(api, job["job_id"]))["link_changes"]
+    assert [(c["at_step"], c["fellow_id"], c["link"]) for c in changes] == [
+        (3, b["fellow_id"], {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 40.0})]
+    await expect_ok(await api.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH))
+    after = await expect_ok(await api.post(f"{A}/fellows/{b['fellow_id']}/speed", json={},
+                                           headers=AUTH), 202)
+    assert after["job_id"] is None, "an ended job's record stays as it ended"
+    assert len((await get_job(api, job["job_id"]))["link_changes"]) == 1
+
+
 @pytest.mark.parametrize(("body", "field"), [
     ({"tx_mbps": -1}, "$.tx_mbps"),
     ({"rx_mbps": 0}, "$.rx_mbps"),

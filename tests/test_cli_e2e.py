@@ -118,6 +118,18 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         watched = run_cli("watch", queued["job_id"], env=cli_env)
         assert watched.returncode == 1
         assert "CANCELLED" in watched.stdout
+
+        # A set-speed mid-run is recorded in the running job, and `swarm job` shows it.
+        long = cli_json("submit", "--fellows", "2", "--steps", "40", env=cli_env)
+        wait_until(lambda: cli_json("job", long["job_id"], env=cli_env)["last_step"] >= 1,
+                   15.0, "the job to take a step")
+        res = run_cli("set-speed", "--fellow-id", "1", "--tx-mbps", "8", env=cli_env)
+        assert res.returncode == 0, res.stderr
+        assert f"recorded in running job {long['job_id']}" in res.stdout
+        shown = run_cli("job", long["job_id"], env=cli_env)
+        line = next(ln for ln in shown.stdout.splitlines() if ln.startswith("link set @"))
+        assert "fellow 1: tx 8 Mbit/s, rx unlimited" in line, shown.stdout
+        cli_json("cancel", long["job_id"], env=cli_env)
     finally:
         run_cli("stop-cluster", env=cli_env)
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -101,7 +102,8 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
         job_id = _submit(tmp_path, cli_env, "fail")
         wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 3, 60,
                    "the job to start stepping")
-        _dead_id, dead_name = _kill_stage(job_id, 0, cli_env, _record(swarm_home))
+        record = _record(swarm_home)
+        _dead_id, dead_name = _kill_stage(job_id, 0, cli_env, record)
         t0 = time.monotonic()
         job = wait_until(
             lambda: (j := cli_json("job", job_id, env=cli_env))["state"] == "FAILED" and j,
@@ -117,6 +119,11 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
     # stage 0, the leader held until the dead one went stale).
     assert f"({dead_name}) stopped heartbeating at step" in job["reason"], job["reason"]
     assert survivor
+    # The neighbour logs what broke in one line, not a traceback of its own stack.
+    stage1 = job["placement"]["stages"][1]["name"]
+    log = Path(next(f["log"] for f in record["fellows"] if f["name"] == stage1)).read_text()
+    assert f"job {job_id} stage 1 failed: LinkClosed: " in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
 
 
 def test_leader_killed_mid_run_picks_the_run_up_again(cli_env, tmp_path, swarm_home):

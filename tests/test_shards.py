@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,47 @@ async def test_push_for_unknown_or_finished_job(leader):
     resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0",
                              data=_form(manifest, weights), headers=f["headers"])
     assert resp.status == 409
+
+
+async def test_a_push_still_arriving_when_its_job_is_cancelled_changes_nothing(leader):
+    """The job is cancelled while the push's weights are halfway in: the push is refused once
+    it has arrived, and neither the export nor the ended job's record takes it."""
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 1)
+    manifest, weights, _ = _shard(stage=1, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    form = _form(manifest, weights)
+    body = bytearray()
+
+    class Sink:
+        async def write(self, chunk: bytes) -> None:
+            body.extend(chunk)
+
+    await form.write(Sink())
+    cut = body.index(weights[:64]) + len(weights) // 2
+    halfway, go_on = asyncio.Event(), asyncio.Event()
+
+    async def chunks():
+        yield bytes(body[:cut])
+        halfway.set()
+        await go_on.wait()
+        yield bytes(body[cut:])
+
+    push = asyncio.create_task(client.post(
+        f"{A}/jobs/{job['job_id']}/shards/1", data=chunks(),
+        headers={**f["headers"], "Content-Type": form.content_type}))
+    await halfway.wait()
+    cancel = await client.post(f"{A}/jobs/{job['job_id']}/cancel", headers=AUTH)
+    assert cancel.status == 200, await cancel.text()
+    go_on.set()
+    resp = await push
+    assert resp.status == 409, await resp.text()
+    assert (await resp.json())["error"]["code"] == "job_not_running"
+    runs = cfg.state_dir / "runs" / job["job_id"]
+    left = [p for d in ("checkpoints", "model_export") for p in (runs / d).rglob("*")
+            if p.is_file()]
+    assert not left, "nothing of the push is left on disk"
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["state"] == "CANCELLED" and view["latest_shard_pushes"] == {}
 
 
 async def test_checkpoint_fetch_for_resuming(leader):

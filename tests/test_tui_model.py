@@ -75,6 +75,19 @@ def test_snapshot_then_events_update_in_place() -> None:
     assert model.need_refresh
 
 
+def test_a_set_speed_shows_in_the_fellows_log_with_the_job_that_records_it() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_event({"seq": 1, "ts": T0, "type": "fellow.set_speed", "data": {
+        "fellow_id": 2, "job_id": "job-000007", "tx_mbps": 8.0, "rx_mbps": None,
+        "latency_ms": 40.0}})
+    model.apply_event({"seq": 2, "ts": T0, "type": "fellow.set_speed", "data": {
+        "fellow_id": 2, "job_id": None, "tx_mbps": None, "rx_mbps": None, "latency_ms": 0.0}})
+    assert [text for _, text in model.fellows[2].events][-2:] == [
+        "set-speed requested: tx 8 Mbit/s, rx unlimited, +40 ms (recorded in job job-000007)",
+        "set-speed requested: tx unlimited, rx unlimited"]
+
+
 def test_unknown_fellow_and_job_events_ask_for_a_snapshot() -> None:
     model = ClusterModel(lambda: T0)
     change = model.apply_event(hb(9, T0, 1, name="new"))

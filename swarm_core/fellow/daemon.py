@@ -22,6 +22,7 @@ from swarm_core.fellow.jobs import (
     import_engine,
     run_job,
 )
+from swarm_core.pipeline.frames import FrameError
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
@@ -52,6 +53,12 @@ class FellowOptions:
     max_backoff_s: float = 5.0
     data_host: str = "127.0.0.1"
     data_port: int = 0
+
+
+def _data_plane_fault(exc: BaseException) -> bool:
+    """A failure the data plane explains in one line: a link error pointing at a neighbouring
+    stage, or a frame refused by its checks."""
+    return getattr(exc, "peer_stage", None) is not None or isinstance(exc, FrameError)
 
 
 def _slot_of(start: dict, fellow_id: int) -> int:
@@ -339,7 +346,13 @@ class FellowDaemon:
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            log.exception("job %s crashed", job_id)
+            if _data_plane_fault(exc):
+                # A neighbour closed, broke or went quiet, or sent a bad frame: the message
+                # says it all, and a traceback of our own stack would only bury it.
+                log.warning("job %s stage %s failed: %s: %s", job_id, stage,
+                            type(exc).__name__, exc)
+            else:
+                log.exception("job %s crashed", job_id)
             with contextlib.suppress(ClientError, asyncio.CancelledError):
                 await report(JobStatusUpdate(
                     fellow_id=fellow_id, state="FAILED", step=progress.step,

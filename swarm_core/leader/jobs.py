@@ -60,6 +60,8 @@ class JobRecord:
     latest_shard_pushes: dict[str, Any] = attrs.field(factory=dict)
     attempt: int = 0
     restarts: list[dict[str, Any]] = attrs.field(factory=list)
+    # Link limits set live on its fellows while it ran: the run's network, as it really was.
+    link_changes: list[dict[str, Any]] = attrs.field(factory=list)
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
     # Set while the job waits out the heartbeat timeout to see which fellows are really gone.
@@ -80,6 +82,9 @@ class JobRecord:
             f.name: converter.unstructure(getattr(self, f.name))
             for f in attrs.fields(JobRecord) if not f.metadata.get("transient")
         }
+
+
+MAX_LINK_CHANGES = 200
 
 
 def _resume_policy(job: JobRecord) -> str:
@@ -132,7 +137,7 @@ class JobQueue:
             waiting_for=self.waiting_for(job), metrics=job.metrics, placement=job.placement,
             loss_history=self.loss_history(job) if with_history else [],
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
-            restarts=job.restarts,
+            restarts=job.restarts, link_changes=job.link_changes,
         )
 
     def loss_history(self, job: JobRecord) -> list[list[float]]:
@@ -437,6 +442,20 @@ class JobQueue:
         self.store.save_job(job.persistable())
         self.hub.publish("job.shard", {"job_id": job.job_id, **receipt})
         return receipt
+
+    def link_set(self, fellow: FellowRecord, link: dict[str, Any]) -> str | None:
+        """Note a set-speed in the running job of ``fellow``, if it runs one: the fellow applies
+        it at once, so the job's record says from which step its link changed. Returns that
+        job's id."""
+        job = self._jobs.get(fellow.assigned_job or "")
+        if job is None or job.state is not JobState.RUNNING:
+            return None
+        job.link_changes.append({"at_step": job.last_step, "fellow_id": fellow.fellow_id,
+                                 "link": link, "at": time.time()})
+        # A script setting speeds in a loop must not grow the record without end.
+        del job.link_changes[:-MAX_LINK_CHANGES]
+        self._save(job, quiet=True)
+        return job.job_id
 
     def holds(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
         """Whether this fellow runs this stage of the job (a fellow may run several)."""

@@ -198,10 +198,12 @@ async def set_speed(request: web.Request) -> web.Response:
     if st.registry.status(rec) in ("released", "leaving"):
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
     limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms)
-    sig = st.registry.send(rec, "SET_SPEED", None, unstructure(limits))
-    st.hub.publish("fellow.set_speed", {"fellow_id": rec.fellow_id, **unstructure(limits)})
-    return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": unstructure(limits)},
-              status=202)
+    link = unstructure(limits)
+    sig = st.registry.send(rec, "SET_SPEED", None, link)
+    job_id = st.jobs.link_set(rec, link)
+    st.hub.publish("fellow.set_speed", {"fellow_id": rec.fellow_id, "job_id": job_id, **link})
+    return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
+               "job_id": job_id}, status=202)
 
 
 async def release(request: web.Request) -> web.Response:
@@ -283,18 +285,26 @@ async def push_shard(request: web.Request) -> web.Response:
     job = st.jobs.get(request.match_info["job_id"])
     stage = _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if not st.jobs.holds(job, rec.fellow_id, stage):
-        raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
-                            f"{job.job_id}", code="wrong_fellow")
-    if job.state is not JobState.RUNNING:
-        raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
-                       code="job_not_running")
+
+    def still_wanted() -> None:
+        # Checked again once the upload is in: an ended job's record and export stay as they
+        # ended, and a stage handed to a replacement fellow meanwhile is not overwritten by
+        # the push of the one it replaced.
+        if not st.jobs.holds(job, rec.fellow_id, stage):
+            raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
+                                f"{job.job_id}", code="wrong_fellow")
+        if job.state is not JobState.RUNNING:
+            raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
+                           code="job_not_running")
+
+    still_wanted()
     cfg = request.app[CONFIG_KEY]
     runs = st.state_dir / "runs"
     manifest = await receive_shard(
         request, lambda m: checkpoint_dir(runs, job.job_id, m["step"], stage),
         cfg.max_upload_bytes,
-        expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id})
+        expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id},
+        still_wanted=still_wanted)
     publish(runs, job.job_id, manifest["step"], stage, rec.fellow_id, len(job.fellows))
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 

@@ -109,12 +109,15 @@ def _step_of(d: Path) -> int | None:
 
 
 async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
-                        limit: int, expect: dict[str, Any]) -> dict[str, Any]:
+                        limit: int, expect: dict[str, Any],
+                        still_wanted: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
     manifest once all are in place. ``limit`` bounds the weights, and twice it (plus a little)
     the optimiser state.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
+    ``still_wanted``: called once every part has arrived, just before the files are swapped in;
+    an ApiError it raises discards the push (the world may have changed while it arrived).
     """
     if not request.content_type.startswith("multipart/"):
         raise ApiError(415, "a shard push is multipart/form-data: manifest, weights, and "
@@ -169,6 +172,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         if await reader.next() is not None:
             raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
                                 "optimizer", field="optimizer")
+        still_wanted()
         _swap_in(dest, tmps)
     except FileNotFoundError:
         # publish() of a newer complete checkpoint pruned this older step while it arrived.

@@ -161,8 +161,10 @@ class FellowState:
 
     def apply_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> None:
         if kind == "fellow.set_speed":
+            during = f" (recorded in job {data['job_id']})" if data.get("job_id") else ""
             self.log(ts, "set-speed requested: " + describe_link(
-                data.get("tx_mbps"), data.get("rx_mbps"), data.get("latency_ms") or 0.0))
+                data.get("tx_mbps"), data.get("rx_mbps"), data.get("latency_ms") or 0.0)
+                + during)
             return
         if kind == "fellow.release":
             self.log(ts, "release requested")

@@ -82,9 +82,10 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
         if args.format == "json":
             emit_json(res)
         else:
+            during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
             print_line(f"fellow {args.fellow_id}: tx {fmt_mbps(req.tx_mbps)} Mbit/s, "
                        f"rx {fmt_mbps(req.rx_mbps)} Mbit/s, latency {req.latency_ms:g} ms "
-                       f"(signal {res['signal_seq']})")
+                       f"(signal {res['signal_seq']}{during})")
 
     return run_with_client(args, body)
 

@@ -12,6 +12,7 @@ from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.protocol import JobInfo, JobState, JobSubmit, step_wait_share
 from swarm_core.schema import SchemaError, structure
+from swarm_tui.app.model import describe_link
 from swarm_tui.commands.argtypes import fellow_count, positive_int
 from swarm_tui.commands.base import (
     CommandError,
@@ -52,6 +53,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
+LINK_CHANGES_SHOWN = 10  # the newest; --format json has them all
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     async def body(c: SwarmClient) -> None:
         job = await c.job(args.job_id)
@@ -72,6 +76,11 @@ def cmd_job(args: argparse.Namespace) -> int:
                     f"fellow {st['fellow_id']} ({st['name']}) layers "
                     f"{st['layers']['start']}-{st['layers']['stop']}",
                     *_stage_figures(m.get("stages", {}).get(str(st["stage"]), {}))])])
+        for ch in job.link_changes[-LINK_CHANGES_SHOWN:]:
+            lk = ch.get("link") or {}
+            rows.append([f"link set @{ch.get('at_step')}", f"fellow {ch.get('fellow_id')}: "
+                         + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
+                                         lk.get("latency_ms") or 0.0)])
         emit_table(None, ["what", "value"], rows)
 
     return run_with_client(args, body)
