@@ -60,6 +60,7 @@ from swarm_core.pipeline.frames import (  # noqa: E402
 from swarm_core.pipeline.heap import keep_large_blocks  # noqa: E402
 
 INT8_TARGET_GBPS = 1.0
+INT8_BLOCK = 64
 FRAME_TARGET_SIZE = "40 MiB"  # the anchor's copy: 40 MB of fp32, ~13 GB/s a core
 FRAME_TARGET_RATIO = 0.5
 SHAPES = {"4 MiB": (32, 128, 256), "40 MiB": (80, 512, 256)}
@@ -241,6 +242,11 @@ def codec_rows(x: torch.Tensor, repeats: int, with_crc: bool = True) -> list[dic
                        codecs.decode(ref, shape, codecs.Codec.INT8))
     i8 = codecs.Codec.INT8
     rows.append(frame_row("int8 candidate", x, i8, int8_encode_candidate, int8_decode_candidate,
+                          None, repeats, True))
+    # Scales per block of a row (fixed_int8_b64): the same quantiser over a narrower view.
+    rows.append(frame_row(f"int8 block {INT8_BLOCK}", x, i8,
+                          lambda t: codecs.encode(t, i8, INT8_BLOCK),
+                          lambda p, s: codecs.decode(p, s, i8, block=INT8_BLOCK),
                           None, repeats, True))
     if with_crc:
         for label, crc32 in legacy_checks().items():

@@ -73,6 +73,23 @@ def test_grid_expansion_order_and_overrides(layout):
     assert [x.model["compression"] for x in r.runs] == ["none", "learned_dim8_int8"]
 
 
+def test_swept_specs_take_their_own_width_and_block(layout):
+    """A profile's bottleneck_dim is the width of its learned_bottleneck: a swept spec that
+    names its own width (or has none) runs without it, and int8 blocks sweep like any spec."""
+    tmp, exp = layout
+    _write(tmp, "model/lb.json", {"name": "lb", "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                  "seq_len": 16, "compression": "learned_bottleneck",
+                                  "bottleneck_dim": 16})
+    specs = ["learned_bottleneck", "learned_dim8_int8_b4", "fixed_int8", "fixed_int8_b8"]
+    r = load_experiment(exp(model_configs=["model/lb.json"], sweep={"compressions": specs}))
+    assert [(x.model["compression"], x.model["bottleneck_dim"]) for x in r.runs] == [
+        ("learned_bottleneck", 16), ("learned_dim8_int8_b4", None), ("fixed_int8", None),
+        ("fixed_int8_b8", None)]
+    with pytest.raises(ConfigError, match=r"\$\.sweep\.compressions\[1\].*int8 block 5"):
+        load_experiment(exp(model_configs=["model/lb.json"],
+                            sweep={"compressions": ["none", "fixed_int8_b5"]}))
+
+
 BAD = [
     # (what to break, expected message fragment, field)
     ("unknown_top_key", "unknown field(s): trainig_config", "$"),

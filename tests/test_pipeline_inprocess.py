@@ -328,16 +328,16 @@ def test_each_stage_reports_what_its_wire_codec_changed(data):
     assert [r.codec_error for r in plain[1]] == [{"grad": 0.0}] * 2
 
 
-@pytest.mark.parametrize("spec, width, per_elem, scales", [
-    ("none", 32, 4, False), ("fixed_int8", 32, 1, True), ("learned_dim8", 8, 4, False),
-    ("learned_dim8_int8", 8, 1, True),
+@pytest.mark.parametrize("spec, width, per_elem, scales_per_row", [
+    ("none", 32, 4, 0), ("fixed_int8", 32, 1, 1), ("fixed_int8_b8", 32, 1, 4),
+    ("learned_dim8", 8, 4, 0), ("learned_dim8_int8", 8, 1, 1), ("learned_dim8_int8_b4", 8, 1, 2),
 ])
-def test_wire_bytes_match_the_spec(data, spec, width, per_elem, scales):
+def test_wire_bytes_match_the_spec(data, spec, width, per_elem, scales_per_row):
     mc = ModelConfig(**MODEL, compression=spec)
     tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=0)
     res = run_pipeline(mc, tc, data, 2)
     rows = (8 // 2) * MODEL["seq_len"]
-    payload = rows * width * per_elem + (rows * 4 if scales else 0)
+    payload = rows * width * per_elem + rows * scales_per_row * 4
     norm_frame = HEADER_SIZE + 8
     # Each stage sends 2 micro-batches one way and one norm frame per step.
     expected = 2 * (HEADER_SIZE + payload) + norm_frame
@@ -347,14 +347,20 @@ def test_wire_bytes_match_the_spec(data, spec, width, per_elem, scales):
         assert expected_wire_bytes(mc, tc, s, 2) == expected
 
 
-def test_compressed_pipeline_matches_its_own_reference(data):
+@pytest.mark.parametrize("spec", ["learned_dim8_int8", "fixed_int8_b8"])
+def test_compressed_pipeline_matches_its_own_reference(data, spec):
     # Compression changes the model, not the exactness: the in-process simulation of the same
     # boundary (codec forward and backward, bottleneck halves) gives the same losses.
-    mc = ModelConfig(**MODEL, compression="learned_dim8_int8")
+    mc = ModelConfig(**MODEL, compression=spec)
     tc = TrainingConfig(steps=4, batch_size=8, micro_batches=2, eval_batches=0)
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     got = run_pipeline(mc, tc, data, 2)[1]["losses"]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    if spec == "fixed_int8_b8":
+        # Blocks are not rows: per-row scales give other losses.
+        rows, _ = train_reference(attrs.evolve(mc, compression="fixed_int8"), tc, data,
+                                  split_layers(mc.n_layers, [1, 1]))
+        assert max(abs(a - b) for a, b in zip(rows, got, strict=True)) > 1e-6
 
 
 @pytest.mark.parametrize("compression, schedule", [("none", "1f1b"),

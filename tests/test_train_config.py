@@ -11,13 +11,30 @@ from tests.conftest import AUTH
 A = "/api/v1"
 
 
-@pytest.mark.parametrize("spec, dim, int8", [
-    ("none", None, False), ("fixed_int8", None, True), ("learned_dim64", 64, False),
-    ("learned_dim256_int8", 256, True),
+@pytest.mark.parametrize("spec, dim, int8, block", [
+    ("none", None, False, 0), ("fixed_int8", None, True, 0), ("fixed_int8_b64", None, True, 64),
+    ("learned_dim64", 64, False, 0), ("learned_dim256_int8", 256, True, 0),
+    ("learned_dim32_int8_b8", 32, True, 8),
 ])
-def test_compression_specs(spec, dim, int8):
+def test_compression_specs(spec, dim, int8, block):
     c = parse_compression(spec, d_model=256)
-    assert (c.bottleneck_dim, c.int8, c.spec) == (dim, int8, spec)
+    assert (c.bottleneck_dim, c.int8, c.int8_block, c.spec) == (dim, int8, block, spec)
+
+
+@pytest.mark.parametrize("spec, bottleneck_dim, needle", [
+    ("fixed_int8_b48", None, "int8 block 48 in 'fixed_int8_b48' must be 2..65535 and divide "
+                             "the boundary's width (128)"),
+    ("learned_dim32_int8_b64", None, "divide the boundary's width (32)"),
+    ("fixed_int8_b1", None, "must be 2..65535"),
+    ("learned_dim32_b8", None, "valid forms"),  # a block without int8 codes
+    ("learned_dim32", 64, "bottleneck_dim 64 contradicts 'learned_dim32'"),
+])
+def test_a_block_or_width_that_does_not_fit_is_a_config_error(spec, bottleneck_dim, needle):
+    with pytest.raises(SchemaError) as exc:
+        structure({"compression": spec, "d_model": 128, "bottleneck_dim": bottleneck_dim},
+                  ModelConfig)
+    assert needle in exc.value.message
+    assert exc.value.field in ("$.compression", "$.bottleneck_dim")
 
 
 def test_learned_bottleneck_takes_its_width_from_the_profile():

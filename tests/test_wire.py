@@ -50,6 +50,33 @@ def test_int8_is_per_row_absmax():
     assert (y[0] - x[0]).abs().max() < 2 / 127
 
 
+def test_int8_blocks_scale_each_run_of_a_row_apart():
+    """With a block B, each B consecutive elements of a row get their own absmax scale: an
+    outlier costs its own block's precision, not the row's, for 4/B bytes an element."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 256, generator=gen)
+    x[:, 3] = 200.0  # one outlier a row, in block 0
+    per_row = b"".join(bytes(b) for b in codecs.encode(x, codecs.Codec.INT8))
+    blocked = b"".join(bytes(b) for b in codecs.encode(x, codecs.Codec.INT8, block=64))
+    assert len(per_row) == codecs.payload_size((32, 256), codecs.Codec.INT8) == 32 * 4 + 32 * 256
+    assert len(blocked) == codecs.payload_size((32, 256), codecs.Codec.INT8, 64) == \
+        32 * 4 * 4 + 32 * 256
+    y_row = codecs.decode(bytearray(per_row), (32, 256), codecs.Codec.INT8)
+    y_blk = codecs.decode(bytearray(blocked), (32, 256), codecs.Codec.INT8, block=64)
+    # The scales are each block's absmax / 127, in row-major block order.
+    scales = torch.frombuffer(bytearray(blocked[:32 * 4 * 4]), dtype=torch.float32)
+    want = x.reshape(32, 4, 64).abs().amax(dim=2).reshape(-1) / 127
+    assert torch.allclose(scales, want)
+    # Outside the outlier's block the error is that block's half-step, far below the row's.
+    rest = (slice(None), slice(64, None))
+    assert float((y_blk - x)[rest].abs().max()) <= float(want.reshape(32, 4)[:, 1:].max()) / 2
+    assert float((y_blk - x)[rest].pow(2).mean()) < float((y_row - x)[rest].pow(2).mean()) / 100
+    # The same through roundtrip (the single-process simulation of a boundary).
+    assert torch.equal(codecs.roundtrip(x, codecs.Codec.INT8, 64), y_blk)
+    with pytest.raises(codecs.CodecError, match="block 48 does not divide the width 256"):
+        codecs.encode(x, codecs.Codec.INT8, block=48)
+
+
 @pytest.mark.parametrize("codec", list(codecs.Codec))
 def test_the_codec_works_on_the_device_it_is_given(codec):
     """Decoding onto a device moves the coded bytes and widens or dequantises them there; every
@@ -240,7 +267,7 @@ def test_a_frame_the_link_never_takes_fails_it_at_once(frame, message):
 
 
 def test_unused_header_fields_must_be_as_written():
-    """dtype, flags, padding and the sizes past ndim are fixed in this version: a peer that
+    """dtype, flags and the sizes past ndim are fixed in this version: a peer that
     sets them means something this fellow would not do, so the frame is refused."""
     from swarm_core.pipeline import frames
 
@@ -251,7 +278,7 @@ def test_unused_header_fields_must_be_as_written():
             FrameHeader.unpack(bad.pack())
     fields = [frames.MAGIC, frames.VERSION, int(h.kind), h.codec, h.dtype, 2, 0, 0, h.job,
               h.step, h.micro_batch, 2, 3, 0, 0, h.payload_len, h.payload_check]
-    for index, value, message in [(7, 1, "padding 0x1"), (13, 5, "sizes past its 2")]:
+    for index, value, message in [(13, 5, "sizes past its 2")]:
         raw_fields = list(fields)
         raw_fields[index] = value
         head = frames._HEADER.pack(*raw_fields)
@@ -259,3 +286,31 @@ def test_unused_header_fields_must_be_as_written():
         with pytest.raises(FrameError, match=message):
             FrameHeader.unpack(raw)
     assert FrameHeader.unpack(h.pack()) == h
+
+
+@pytest.mark.parametrize("codec, codec_arg, shape, message", [
+    (codecs.Codec.INT8, 3, (2, 4), "INT8 block 3 does not divide the width 4"),
+    (codecs.Codec.FP32, 2, (2, 4), "FP32 takes no block (got 2)"),
+])
+def test_a_codec_argument_that_does_not_fit_is_a_frame_error(codec, codec_arg, shape, message):
+    """The int8 block comes in the header: one that does not divide the width, or a block on a
+    codec that has none, fails the stage with a FrameError naming it, never a reshape error."""
+    import socket
+
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.transport import PeerLink
+
+    a, b = socket.socketpair()
+    right = PeerLink(b, LinkShaper(), 7, "a")
+    try:
+        payload = b"\0" * 24  # the block is checked before the length
+        header = make_header(Kind.ACT, 7, 3, 0, shape, int(codec), payload,
+                             codec_arg=codec_arg)
+        a.sendall(header.pack() + payload)
+        with pytest.raises(FrameError, match=re.escape(f"ACT step 3 micro-batch 0 from a: "
+                                                       f"{message}")):
+            right.recv_tensor(Kind.ACT, 3, 0, timeout=5)
+    finally:
+        a.close()
+        right.close()
+

@@ -36,7 +36,13 @@ one train job on the leader, and `swarm sweep --config …` queues them all at o
 when a network profile has a `tc_profile`, since kernel shaping must wrap each run).
 
 Compression specs: `none`, `fixed_int8`, `learned_bottleneck` (with `bottleneck_dim`),
-`learned_dimK`, `learned_dimK_int8` (K a positive integer up to `d_model`).
+`learned_dimK`, `learned_dimK_int8` (K a positive integer up to `d_model`). The int8 specs scale
+each row of a boundary tensor by its absmax; `fixed_int8_bB` and `learned_dimK_int8_bB` scale
+each B consecutive elements of a row apart (B from 2 and dividing the boundary's width: `d_model`,
+or K), so an outlier costs its block's precision rather than its row's, for 4/B bytes more per
+element. `bottleneck_dim` is the width of `learned_bottleneck`; a sweep's `compressions` that
+names another spec leaves it out, and `learned_dimK` with a different `bottleneck_dim` is an
+error.
 """
 
 SECTIONS: list[tuple[str, type, str]] = [

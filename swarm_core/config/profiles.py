@@ -289,6 +289,10 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
             model_dict = unstructure(model)
             if sweep.compressions is not None:
                 model_dict["compression"] = comp
+                if comp != "learned_bottleneck":
+                    # The profile's bottleneck_dim is the width of its learned_bottleneck; a
+                    # swept spec names its own (learned_dimK) or has none.
+                    model_dict["bottleneck_dim"] = None
                 try:
                     structure(model_dict, ModelConfig)
                 except SchemaError as exc:

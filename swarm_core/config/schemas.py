@@ -14,9 +14,11 @@ from swarm_core.schema import FieldError
 WireDtype = Literal["fp32", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b", "eager"]
 
-COMPRESSION_FORMS = ("none", "fixed_int8", "learned_bottleneck", "learned_dimK",
-                     "learned_dimK_int8")
-_LEARNED = re.compile(r"learned_dim(\d+)(_int8)?")
+COMPRESSION_FORMS = ("none", "fixed_int8", "fixed_int8_bB", "learned_bottleneck",
+                     "learned_dimK", "learned_dimK_int8", "learned_dimK_int8_bB")
+_FIXED = re.compile(r"fixed_int8(?:_b(\d+))?")
+_LEARNED = re.compile(r"learned_dim(\d+)(_int8(?:_b(\d+))?)?")
+MAX_INT8_BLOCK = 65535  # the frame header's codec_arg is a u16
 
 
 @attrs.frozen
@@ -25,7 +27,10 @@ class Compression:
 
     spec: str
     bottleneck_dim: int | None  # None: the full hidden width crosses
-    int8: bool  # int8 codes (per-row absmax) forward and backward, straight-through
+    int8: bool  # int8 codes (absmax scales) forward and backward, straight-through
+    # int8 scales: 0 = one per row (the boundary's width); B = one per B consecutive elements
+    # of a row, so one outlier spoils B codes, not a row, for 4/B bytes per element.
+    int8_block: int = 0
 
     @property
     def learned(self) -> bool:
@@ -34,27 +39,36 @@ class Compression:
 
 def parse_compression(spec: str, bottleneck_dim: int | None = None,
                       d_model: int | None = None) -> Compression:
-    """``none``, ``fixed_int8``, ``learned_bottleneck`` (+bottleneck_dim), ``learned_dimK``,
-    ``learned_dimK_int8``. Anything else is an error naming the valid forms."""
+    """``none``, ``fixed_int8`` (``_bB``: one scale per B elements), ``learned_bottleneck``
+    (+bottleneck_dim), ``learned_dimK``, ``learned_dimK_int8`` (``_bB`` likewise). Anything
+    else is an error naming the valid forms."""
     if spec == "none":
         return Compression(spec, None, False)
-    if spec == "fixed_int8":
-        return Compression(spec, None, True)
-    if spec == "learned_bottleneck":
+    block: str | None = None
+    if m := _FIXED.fullmatch(spec):
+        dim, int8, block = None, True, m.group(1)
+    elif spec == "learned_bottleneck":
         if bottleneck_dim is None:
             raise FieldError("learned_bottleneck needs bottleneck_dim", "bottleneck_dim")
-        dim = bottleneck_dim
-        int8 = False
+        dim, int8 = bottleneck_dim, False
+    elif m := _LEARNED.fullmatch(spec):
+        dim, int8, block = int(m.group(1)), m.group(2) is not None, m.group(3)
+        if bottleneck_dim is not None and bottleneck_dim != dim:
+            raise FieldError(f"bottleneck_dim {bottleneck_dim} contradicts {spec!r}, which "
+                             f"names width {dim} (leave bottleneck_dim out)", "bottleneck_dim")
     else:
-        m = _LEARNED.fullmatch(spec)
-        if m is None:
-            raise FieldError(
-                f"unknown compression {spec!r}; valid forms: {', '.join(COMPRESSION_FORMS)} "
-                "(K a positive integer)", "compression")
-        dim, int8 = int(m.group(1)), m.group(2) is not None
-    if dim < 1 or (d_model is not None and dim > d_model):
+        raise FieldError(
+            f"unknown compression {spec!r}; valid forms: {', '.join(COMPRESSION_FORMS)} "
+            "(K and B positive integers, B dividing the boundary's width)", "compression")
+    if dim is not None and (dim < 1 or (d_model is not None and dim > d_model)):
         raise FieldError(f"bottleneck width {dim} must be 1..d_model ({d_model})", "compression")
-    return Compression(spec, dim, int8)
+    b = int(block) if block is not None else 0
+    if block is not None:
+        width = dim if dim is not None else d_model
+        if not 2 <= b <= MAX_INT8_BLOCK or (width is not None and width % b):
+            raise FieldError(f"int8 block {b} in {spec!r} must be 2..{MAX_INT8_BLOCK} and "
+                             f"divide the boundary's width ({width})", "compression")
+    return Compression(spec, dim, int8, b)
 
 
 def _pos(_i: Any, a: attrs.Attribute, v: int | float) -> None:

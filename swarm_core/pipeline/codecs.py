@@ -1,4 +1,5 @@
-"""Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (per-row absmax).
+"""Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (absmax scales per
+row, or per block of B consecutive elements of a row).
 
 ``encode`` returns the payload as a list of buffers (written back to back, no copy into one
 blob); ``decode`` rebuilds a float32 tensor from one contiguous payload. On an accelerator both do
@@ -58,21 +59,40 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size)
     return out.reshape(shape)
 
 
-def encode(x: torch.Tensor, codec: Codec) -> list[memoryview]:
+def _check_block(shape: tuple[int, ...], codec: Codec, block: int) -> int:
+    """The width each int8 scale covers: ``block``, or the row's width when it is 0."""
+    if codec is not Codec.INT8:
+        if block:
+            raise CodecError(f"{codec.name} takes no block (got {block})")
+        return 0
+    if not shape or shape[-1] == 0:
+        raise CodecError(f"INT8 payload of shape {list(shape)}: rows need a last dimension")
+    if block and shape[-1] % block:
+        raise CodecError(f"INT8 block {block} does not divide the width {shape[-1]}")
+    return block or shape[-1]
+
+
+def encode(x: torch.Tensor, codec: Codec, block: int = 0) -> list[memoryview]:
+    """``x`` coded, as buffers to write back to back. ``block``: int8's scale block (0: one
+    scale per row)."""
     x = x.detach()
     if codec is Codec.INT8:
-        codes, scale = quantize_rows(x.to(torch.float32))
+        x = x.to(torch.float32)
+        if block:
+            # Blocks of a row are rows of a narrower view: the same quantiser serves both.
+            x = x.reshape(-1, _check_block(tuple(x.shape), codec, block))
+        codes, scale = quantize_rows(x)
         return [_as_bytes(scale.cpu()), _as_bytes(codes.cpu())]
+    _check_block(tuple(x.shape), codec, block)
     return [_as_bytes(x.to(_CAST[codec]).cpu())]
 
 
 def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
-           codec: Codec, device: torch.device | None = None) -> torch.Tensor:
+           codec: Codec, device: torch.device | None = None, block: int = 0) -> torch.Tensor:
     """A float32 tensor of ``shape`` on ``device`` (the CPU by default). On the CPU ``payload``
     must stay alive while the tensor is used."""
-    if codec is Codec.INT8 and (not shape or shape[-1] == 0):
-        raise CodecError(f"INT8 payload of shape {list(shape)}: rows need a last dimension")
-    expected = payload_size(shape, codec)
+    width = _check_block(shape, codec, block)
+    expected = payload_size(shape, codec, block)
     if len(payload) != expected:
         raise CodecError(f"{codec.name} payload of shape {shape} needs {expected} bytes, "
                          f"got {len(payload)}")
@@ -82,9 +102,9 @@ def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
     if device is not None and device.type != "cpu":
         buf = buf.to(device)  # the coded bytes cross; the codec's work happens there
     if codec is Codec.INT8:
-        rows = expected - _numel(shape)
-        scale = buf[:rows].view(torch.float32)
-        codes = buf[rows:].view(torch.int8).reshape(-1, shape[-1])
+        scales = expected - _numel(shape)
+        scale = buf[:scales].view(torch.float32)
+        codes = buf[scales:].view(torch.int8).reshape(-1, width)
         return dequantize_rows(codes, scale, torch.Size(shape))
     t = buf.view(_CAST[codec]).reshape(shape)
     return t if codec is Codec.FP32 else t.to(torch.float32)
@@ -97,11 +117,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def roundtrip(x: torch.Tensor, codec: Codec) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, codec: Codec, block: int = 0) -> torch.Tensor:
     """What the far side sees: encode then decode (for single-process simulation)."""
     if codec is Codec.FP32:
         return x
     if codec is Codec.INT8:
-        codes, scale = quantize_rows(x.detach().to(torch.float32))
+        width = _check_block(tuple(x.shape), codec, block)
+        codes, scale = quantize_rows(x.detach().to(torch.float32).reshape(-1, width))
         return dequantize_rows(codes, scale, x.shape)
     return x.to(_CAST[codec]).to(torch.float32)

@@ -1,6 +1,6 @@
 """The data-plane frame: a fixed 64-byte header, then the raw payload.
 
-    magic "SWRM" | version u8 | kind u8 | codec u8 | dtype u8 | ndim u8 | flags u8 | pad u16
+    magic "SWRM" | version u8 | kind u8 | codec u8 | dtype u8 | ndim u8 | flags u8 | codec_arg u16
     job u64 | step u64 | micro_batch u32 | shape 4 x u32 | payload_len u64 | payload_check u32
     header_check u32
 
@@ -8,7 +8,9 @@ Little-endian. The payload goes out straight from the tensor's buffer: no JSON, 
 for the wrong job, step, micro-batch or kind is an error, never a guess.
 
 Both checks are the low 32 bits of XXH3-64 (since version 2; version 1 used zlib's CRC-32).
-Version 3 added PULSE, the empty frame a live stage sends on a link it has left idle. A checksum
+Version 3 added PULSE, the empty frame a live stage sends on a link it has left idle; version 4
+the codec's argument (int8's scale block; 0 for one scale per row and for the other codecs) where
+version 3 had two bytes of padding. A checksum
 pass runs over every payload on both ends, so its speed bounds the frame path: CRC-32 ran at
 ~3.5 GB/s a core here, XXH3 at ~19 GB/s (and it releases the GIL, so the receiver thread's check
 overlaps the compute thread). Random corruption passes it with probability 2^-32, as with
@@ -27,7 +29,7 @@ import attrs
 import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 3
+VERSION = 4
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
@@ -78,13 +80,14 @@ class FrameHeader:
     payload_len: int
     payload_check: int
     flags: int = 0
+    codec_arg: int = 0
 
     def pack(self) -> bytes:
         if len(self.shape) > MAX_DIMS:
             raise FrameError(f"at most {MAX_DIMS} dimensions, got {len(self.shape)}")
         dims = (*self.shape, *([0] * (MAX_DIMS - len(self.shape))))
         head = _HEADER.pack(MAGIC, VERSION, int(self.kind), self.codec, self.dtype,
-                            len(self.shape), self.flags, 0, self.job, self.step,
+                            len(self.shape), self.flags, self.codec_arg, self.job, self.step,
                             self.micro_batch, *dims, self.payload_len, self.payload_check)
         return head + _CRC.pack(checksum(head))
 
@@ -94,7 +97,7 @@ class FrameHeader:
         if len(data) != HEADER_SIZE:
             raise FrameError(f"truncated header: {len(data)} of {HEADER_SIZE} bytes")
         head = bytes(data[: _HEADER.size])
-        (magic, version, kind, codec, dtype, ndim, flags, _pad, job, step, micro,
+        (magic, version, kind, codec, dtype, ndim, flags, codec_arg, job, step, micro,
          d0, d1, d2, d3, plen, pcrc) = _HEADER.unpack(head)
         if magic != MAGIC:
             raise FrameError(f"bad magic {magic!r} (not a SilentSwarm data-plane stream)")
@@ -113,19 +116,19 @@ class FrameHeader:
         # means something this fellow would not do.
         if dtype != DTYPE:
             raise FrameError(f"unknown frame dtype {dtype} (version {VERSION} writes {DTYPE})")
-        if flags & ~FLAG_EVAL or _pad:
-            raise FrameError(f"unknown frame flags {flags:#x} / padding {_pad:#x}")
+        if flags & ~FLAG_EVAL:
+            raise FrameError(f"unknown frame flags {flags:#x}")
         if any((d0, d1, d2, d3)[ndim:]):
             raise FrameError(f"shape {[d0, d1, d2, d3]} has sizes past its {ndim} dimensions")
         if plen > max_payload:
             raise FrameError(f"payload of {plen} bytes exceeds the limit of {max_payload}")
         return cls(kind_e, codec, dtype, job, step, micro, (d0, d1, d2, d3)[:ndim], plen,
-                   pcrc, flags)
+                   pcrc, flags, codec_arg)
 
 
 def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[int, ...],
                 codec: int, payload: list[memoryview] | bytes, dtype: int = DTYPE,
-                flags: int = 0) -> FrameHeader:
+                flags: int = 0, codec_arg: int = 0) -> FrameHeader:
     bufs = [payload] if isinstance(payload, bytes | bytearray | memoryview) else payload
     if len(bufs) == 1:
         check = checksum(bufs[0])
@@ -135,7 +138,7 @@ def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[
             h.update(b)
         check = h.intdigest() & _MASK32
     return FrameHeader(kind, codec, dtype, job, step, micro_batch, tuple(shape),
-                       sum(len(b) for b in bufs), check, flags)
+                       sum(len(b) for b in bufs), check, flags, codec_arg)
 
 
 def pulse_header(job: int) -> FrameHeader:

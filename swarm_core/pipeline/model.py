@@ -21,7 +21,7 @@ from torch import nn
 from swarm_core.config.schemas import Compression, ModelConfig
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.wgrad import SplitLinear
-from swarm_core.pipeline.wire_math import wire_codec
+from swarm_core.pipeline.wire_math import wire_block, wire_codec
 
 
 def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
@@ -167,13 +167,15 @@ class _WireRoundTrip(torch.autograd.Function):
     """What a boundary does to a tensor in one process: the codec forward and backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, codec: codecs.Codec) -> torch.Tensor:  # type: ignore[override]
-        ctx.codec = codec
-        return codecs.roundtrip(x, codec)
+    def forward(ctx, x: torch.Tensor, codec: codecs.Codec,  # type: ignore[override]
+                block: int) -> torch.Tensor:
+        ctx.codec, ctx.block = codec, block
+        return codecs.roundtrip(x, codec, block)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return codecs.roundtrip(grad, ctx.codec), None
+    def backward(ctx, grad: torch.Tensor  # type: ignore[override]
+                 ) -> tuple[torch.Tensor, None, None]:
+        return codecs.roundtrip(grad, ctx.codec, ctx.block), None, None
 
 
 class StageModule(nn.Module):
@@ -244,7 +246,7 @@ class ExperimentModel(nn.Module):
         self.stages = nn.ModuleList(
             StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
         )
-        self.codec = wire_codec(cfg)
+        self.codec, self.block = wire_codec(cfg), wire_block(cfg)
 
     def forward(self, idx: torch.Tensor, step: int | None = None,
                 micro_batch: int | None = None) -> torch.Tensor:
@@ -255,7 +257,7 @@ class ExperimentModel(nn.Module):
             with dropout_rng(stage, step, micro_batch):
                 x = stage(x)
             if i < len(self.stages) - 1 and self.codec is not codecs.Codec.FP32:
-                x = _WireRoundTrip.apply(x, self.codec)
+                x = _WireRoundTrip.apply(x, self.codec, self.block)
         return x
 
     def flat_state_dict(self) -> dict[str, torch.Tensor]:

@@ -46,6 +46,7 @@ from swarm_core.pipeline.wire_math import (
     boundary_width,
     expected_wire_bytes,
     payload_size,
+    wire_block,
     wire_codec,
 )
 
@@ -140,7 +141,7 @@ class StageRunner:
         # this many the stage runs one at once (memory stays in 1F1B's class).
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
-        self.codec = wire_codec(m)
+        self.codec, self.block = wire_codec(m), wire_block(m)
         self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
         # Every ACT and GRAD frame at this stage's boundaries: one micro-batch, boundary-wide.
         self.frame_shape = (spec.training.batch_size // spec.training.micro_batches, m.seq_len,
@@ -155,7 +156,7 @@ class StageRunner:
         s = self.spec
         # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
         # claims more is refused before its buffer is allocated.
-        limit = max(payload_size(self.frame_shape, self.codec), NORM_PAYLOAD)
+        limit = max(payload_size(self.frame_shape, self.codec, self.block), NORM_PAYLOAD)
         # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits
         # out our checkpoint or our wait on the stage beyond, not our death, a frozen process
         # or a compute thread that has shown no progress for STUCK_AFTER frame timeouts.
@@ -246,7 +247,8 @@ class StageRunner:
                     outputs[i] = loss
                 else:
                     assert self.down is not None
-                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
+                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec,
+                                          block=self.block)
                     if i == 0:
                         errors["act"] = self._codec_error(out)
                     outputs[i] = out
@@ -271,7 +273,8 @@ class StageRunner:
                     assert self.up is not None
                     inp = inputs.pop(i)
                     assert inp.grad is not None
-                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
+                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec,
+                                        block=self.block)
                     if i == 0:
                         errors["grad"] = self._codec_error(inp.grad)
                 if wq is not None and len(wq) > self.max_deferred:
@@ -302,7 +305,8 @@ class StageRunner:
             norm = float(torch.linalg.vector_norm(x))
             if norm == 0.0 or not math.isfinite(norm):
                 return 0.0 if norm == 0.0 else math.nan
-            return float(torch.linalg.vector_norm(codecs.roundtrip(x, self.codec) - x)) / norm
+            err = codecs.roundtrip(x, self.codec, self.block) - x
+            return float(torch.linalg.vector_norm(err)) / norm
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -358,7 +362,7 @@ class StageRunner:
             else:
                 assert self.down is not None
                 self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec,
-                                      flags=FLAG_EVAL)
+                                      flags=FLAG_EVAL, block=self.block)
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(timeout)

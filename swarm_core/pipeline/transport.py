@@ -133,11 +133,12 @@ class PeerLink:
 
     # sending ---------------------------------------------------------------------------------
     def send_tensor(self, kind: Kind, step: int, micro_batch: int, x: torch.Tensor,
-                    codec: codecs.Codec, flags: int = 0) -> int:
-        """Queue a tensor; returns the bytes it will put on the wire (header included)."""
-        bufs = codecs.encode(x, codec)
+                    codec: codecs.Codec, flags: int = 0, block: int = 0) -> int:
+        """Queue a tensor; returns the bytes it will put on the wire (header included).
+        ``block``: int8's scale block (0: one scale per row), carried in the header."""
+        bufs = codecs.encode(x, codec, block)
         header = make_header(kind, self.job, step, micro_batch, tuple(x.shape), int(codec),
-                             bufs, flags=flags)
+                             bufs, flags=flags, codec_arg=block)
         self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, x))
         return HEADER_SIZE + header.payload_len
 
@@ -342,7 +343,8 @@ class PeerLink:
         except ValueError:
             raise FrameError(f"unknown codec {header.codec}") from None
         try:
-            return header, codecs.decode(payload, header.shape, codec, device)
+            return header, codecs.decode(payload, header.shape, codec, device,
+                                         block=header.codec_arg)
         except codecs.CodecError as exc:
             raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
                              f"{self.peer}: {exc}") from None

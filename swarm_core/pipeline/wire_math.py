@@ -18,25 +18,34 @@ class Codec(enum.IntEnum):
     FP32 = 1
     FP16 = 2
     BF16 = 3
-    INT8 = 4  # per-row absmax: fp32 scale per row (last dim), then int8 codes
+    # Symmetric absmax: the fp32 scales, then the int8 codes. One scale per row (the last
+    # dimension), or with a block B (the frame's codec_arg) one per B consecutive elements.
+    INT8 = 4
 
 
 CODEC_NAMES = {"fp32": Codec.FP32, "fp16": Codec.FP16, "bf16": Codec.BF16, "int8": Codec.INT8}
 
 
-def payload_size(shape: tuple[int, ...], codec: Codec) -> int:
+def payload_size(shape: tuple[int, ...], codec: Codec, block: int = 0) -> int:
+    """Bytes of a ``shape`` tensor's payload under ``codec`` (``block``: int8's scale block,
+    0 for one scale per row)."""
     n = 1
     for d in shape:
         n *= d
     if codec is Codec.INT8:
-        rows = n // shape[-1] if shape and shape[-1] else 1
-        return rows * 4 + n
+        groups = n // (block or shape[-1]) if shape and shape[-1] else 1
+        return groups * 4 + n
     return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
 
 
 def wire_codec(cfg: ModelConfig) -> Codec:
     comp = cfg.compression_spec
     return Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype]
+
+
+def wire_block(cfg: ModelConfig) -> int:
+    """The int8 codec's scale block at the boundaries (0: one scale per row)."""
+    return cfg.compression_spec.int8_block
 
 
 def boundary_width(cfg: ModelConfig) -> int:
@@ -49,7 +58,7 @@ def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int
     """Bytes this stage sends in one training step (headers included)."""
     mb = training.batch_size // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
-    frame = HEADER_SIZE + payload_size(shape, wire_codec(model))
+    frame = HEADER_SIZE + payload_size(shape, wire_codec(model), wire_block(model))
     sent = 0
     if stage < num_stages - 1:
         sent += training.micro_batches * frame  # activations forward
