@@ -6,6 +6,7 @@ Field names here are public interface: scripts read them from ``--format json`` 
 from __future__ import annotations
 
 import enum
+import math
 import re
 from typing import Any, Literal
 
@@ -403,7 +404,7 @@ class JobInfo:
 class ProgressList:
     """One record per training step: step, loss, tokens_per_s, wire_bytes, step_seconds, lr,
     activation_peak_bytes, wait_seconds, stage_seconds and codec_error ({act, grad}) by stage
-    index, eval_loss (when evaluated), ts."""
+    index, eval_loss and perplexity (when evaluated), ts."""
 
     records: list[dict[str, Any]]
 
@@ -448,3 +449,9 @@ def step_wait_share(metrics: dict[str, Any]) -> float | None:
     if not isinstance(wait, int | float) or not isinstance(span, int | float) or span <= 0:
         return None
     return min(1.0, max(0.0, wait / span))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) so a diverged run reads as huge rather than overflowing."""
+    return math.exp(min(loss, 50.0))
+

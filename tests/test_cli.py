@@ -192,3 +192,18 @@ def test_api_doc_lists_every_route():
     text = (REPO / "docs" / "api.md").read_text()
     assert route_table_markdown(ROUTES) in text, \
         "docs/api.md route table is stale: run 'python -m swarm_core.leader.openapi'"
+
+
+def test_watch_lines_say_the_step_loss_and_a_mid_run_evaluation():
+    from swarm_tui.commands.jobs import _describe
+
+    def metric(**data):
+        return {"type": "metric", "data": {"state": "RUNNING", "step": 40, "fellow_id": 1,
+                                           **data}}
+
+    assert _describe(metric(loss=2.5, tokens_per_s=1234.4, metrics={})) == \
+        "step 40  fellow 1  loss 2.5000  1234 tok/s"
+    assert _describe(metric(metrics={"eval_loss": 2.0})) == \
+        "step 40  eval loss 2.0000  perplexity 7.39"
+    # A stage without the loss says nothing: the last stage speaks for all.
+    assert _describe(metric(metrics={"wire_tx_bytes": 10})) is None

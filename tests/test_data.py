@@ -26,8 +26,29 @@ def test_batches_depend_on_seed_and_step_only():
     x3, _ = d.batch(4, 4, 32, seed=1)
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and not torch.equal(x1, x3)
     assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are the next tokens
-    ev = d.eval_batches(2, 4, 32, seed=1)
-    assert len(ev) == 2 and ev[0][0].shape == (4, 32)
+
+
+def test_eval_batches_are_fixed_windows_spread_over_the_validation_split():
+    d = load_token_data(TrainingConfig(), 32)
+    ev = d.eval_batches(3, 4, 32)
+    assert len(ev) == 3 and all(x.shape == y.shape == (4, 32) for x, y in ev)
+    x = torch.cat([b[0] for b in ev])
+    y = torch.cat([b[1] for b in ev])
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # Each window is the validation split at a multiple of seq_len: none overlaps another,
+    # and they reach from the split's start to its far end.
+    fit = (len(d.val) - 1) // 32
+    starts = [k * fit // 12 * 32 for k in range(12)]
+    assert starts[0] == 0 and starts[-1] >= len(d.val) - 32 * (fit // 12 + 2)
+    assert len(set(starts)) == 12
+    for row, start in zip(x, starts, strict=True):
+        assert torch.equal(row, d.val[start:start + 32])
+    # No seed or step in them: every evaluation of every run scores the same text.
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ev, d.eval_batches(3, 4, 32),
+                                                        strict=True))
+    # More windows than the split holds: the split's windows, some twice, all in range.
+    many = torch.cat([b[0] for b in d.eval_batches(fit // 4 + 1, 8, 32)])
+    assert len(many) > fit and len({tuple(r.tolist()) for r in many}) <= fit
 
 
 def test_real_min_tokens_is_enforced_not_padded():

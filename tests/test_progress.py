@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -52,6 +53,8 @@ async def test_records_join_stages_even_out_of_order(api, running):
     assert [(r["step"], r["loss"], r["wire_bytes"], r["tokens_per_s"]) for r in records] == \
         [(1, 4.0, 150, 900.0), (2, 3.5, 150, 950.0)]
     assert records[1]["eval_loss"] == 3.6 and records[1]["lr"] == 0.002
+    assert records[1]["perplexity"] == pytest.approx(math.exp(3.6))
+    assert "perplexity" not in records[0]
     after = await api.get(f"{A}/jobs/{job['job_id']}/progress", params={"after": "1"},
                           headers=AUTH)
     assert [r["step"] for r in (await after.json())["records"]] == [2]

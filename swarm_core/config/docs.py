@@ -57,7 +57,11 @@ SECTIONS: list[tuple[str, type, str]] = [
      "`tie_weights` shares the token embedding with the LM head where one stage holds both (a "
      "one-stage job); split across stages they stay untied, and the fellows say so."),
     ("TrainingConfig (`training/*.json`)", schemas.TrainingConfig,
-     "`link` is normally filled by the sweep from the network profile."),
+     "`link` is normally filled by the sweep from the network profile. Evaluation scores "
+     "`eval_batches` micro-batches of held-out windows (every `eval_every` steps, and at the "
+     "end): non-overlapping, spread evenly over the whole validation split, and the same for "
+     "every seed, step and spec, so evaluations compare across runs; each reports the loss "
+     "and its perplexity."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
      "One pipeline stage per fellow; the runner checks this against the leader's active "
      "fellows before anything runs."),

@@ -1,8 +1,9 @@
 """Datasets by name: ``shakespeare`` (the embedded default), ``textfiles``, ``wikitext103``.
 
 Train/validation split is deterministic: the last ``validation_fraction`` of the token stream is
-held out. Batches are random windows drawn from a generator seeded by (seed, step), so every
-stage of a pipeline and a single-process reference see the same data in the same order.
+held out. Training batches are random windows drawn from a generator seeded by (seed, step), so
+every stage of a pipeline and a single-process reference see the same data in the same order.
+Evaluation batches are fixed windows spread over the whole validation split.
 """
 
 from __future__ import annotations
@@ -89,10 +90,18 @@ class TokenData:
               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _windows(self.train, batch_size, seq_len, seed * 1_000_003 + step)
 
-    def eval_batches(self, n: int, batch_size: int, seq_len: int,
-                     seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [_windows(self.val, batch_size, seq_len, -(seed * 1_000_003 + i + 1))
-                for i in range(n)]
+    def eval_batches(self, n: int, batch_size: int, seq_len: int
+                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` batches of held-out windows: non-overlapping, spread evenly over the whole
+        validation split, and the same for every seed and step, so evaluations compare across
+        steps, runs and compression specs. Asking for more windows than the split holds
+        repeats some, evenly."""
+        fit = max(1, (len(self.val) - 1) // seq_len)
+        wanted = n * batch_size
+        starts = (torch.arange(wanted) * fit // wanted) * seq_len
+        win = self.val[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+        x, y = win[:, :-1].contiguous(), win[:, 1:].contiguous()
+        return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
 
 
 def _windows(ids: torch.Tensor, batch_size: int, seq_len: int,

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from swarm_core.artifacts.layout import names_optimizer
-from swarm_core.protocol import JobStatusUpdate, SmokeTraining
+from swarm_core.protocol import JobStatusUpdate, SmokeTraining, perplexity
 from swarm_core.schema import SchemaError, structure
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
 
     def on_eval(step: int, loss: float) -> None:
         upd = JobStatusUpdate(fellow_id=fid, state="RUNNING", step=step, attempt=attempt,
-                              stage=stage, metrics={"eval_loss": loss})
+                              stage=stage,
+                              metrics={"eval_loss": loss, "perplexity": perplexity(loss)})
         loop.call_soon_threadsafe(updates.put_nowait, upd)
 
     async def reporter() -> None:

@@ -27,6 +27,7 @@ from swarm_core.protocol import (
     JobSubmit,
     SmokeTraining,
     Topology,
+    perplexity,
 )
 from swarm_core.schema import (
     SchemaError,
@@ -528,6 +529,8 @@ class JobQueue:
                 del job.current[old]
         if "eval_loss" in upd.metrics:
             rec["eval_loss"] = upd.metrics["eval_loss"]
+            if isinstance(rec["eval_loss"], int | float):
+                rec["perplexity"] = perplexity(rec["eval_loss"])
         if "wire_tx_bytes" in upd.metrics:
             if stage in rec["stages_reported"]:
                 return

@@ -49,6 +49,7 @@ from swarm_core.pipeline.wire_math import (
     wire_block,
     wire_codec,
 )
+from swarm_core.protocol import perplexity
 
 # The activation meter hooks every tensor autograd saves, in Python: ~2 ms a micro-batch on the
 # bench model (1-2 % of a step; a quarter of a tiny model's). What a step holds is set by the
@@ -339,14 +340,14 @@ class StageRunner:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
-        """Validation loss on fixed held-out batches (the last stage returns it)."""
+        """Validation loss on the fixed held-out batches (the last stage returns it)."""
         t = self.spec.training
         if t.eval_batches == 0:
             return None
         self.module.eval()
         timeout = t.frame_timeout_s
         mb = t.batch_size // t.micro_batches
-        batches = self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len, t.seed)
+        batches = self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len)
         total = 0.0
         for i, (x, y) in enumerate(batches):
             self._check_stop()
@@ -441,7 +442,7 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
     if losses:
         metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)
     if eval_loss is not None:
-        metrics.update(eval_loss=eval_loss, perplexity=math.exp(min(eval_loss, 50.0)))
+        metrics.update(eval_loss=eval_loss, perplexity=perplexity(eval_loss))
         if on_eval is not None:
             on_eval(t.steps, eval_loss)
     return metrics

@@ -10,7 +10,7 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.protocol import JobInfo, JobState, JobSubmit, step_wait_share
+from swarm_core.protocol import JobInfo, JobState, JobSubmit, perplexity, step_wait_share
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.app.model import describe_link
 from swarm_tui.commands.argtypes import fellow_count, positive_int
@@ -199,7 +199,8 @@ def _describe(event: dict[str, Any]) -> str | None:
     if kind == "metric":
         metrics = d.get("metrics") or {}
         if "eval_loss" in metrics and d.get("state") == "RUNNING":
-            return f"step {d.get('step')}  eval loss {metrics['eval_loss']:.4f}"
+            loss = metrics["eval_loss"]
+            return f"step {d.get('step')}  eval loss {loss:.4f}  perplexity {perplexity(loss):.2f}"
         if d.get("loss") is None and d.get("state") == "RUNNING" and metrics:
             return None  # a training stage without the loss: the last stage speaks for all
         parts = [f"step {d.get('step')}", f"fellow {d.get('fellow_id')}"]

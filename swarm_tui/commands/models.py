@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
+from swarm_core.protocol import perplexity
 from swarm_tui.commands.argtypes import positive_int, temperature
 from swarm_tui.commands.base import (
     CommandError,
@@ -94,13 +94,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     training, data = _data(manifest)
     n = args.batches or training.eval_batches or 1
     mb = training.batch_size // training.micro_batches
-    batches = data.eval_batches(n, mb, manifest["model"]["seq_len"], training.seed)
+    batches = data.eval_batches(n, mb, manifest["model"]["seq_len"])
     torch.set_num_threads(args.threads)
     with torch.no_grad():
         losses = [float(lm_loss(model(x), y)) for x, y in batches]
     loss = sum(losses) / len(losses)
     result = {"model": args.model, "step": manifest["step"], "eval_loss": loss,
-              "perplexity": math.exp(min(loss, 50.0)), "batches": n,
+              "perplexity": perplexity(loss), "batches": n,
               "dataset": training.dataset}
     if args.format == "json":
         emit_json(result)
