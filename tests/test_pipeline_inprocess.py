@@ -564,6 +564,59 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
     assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
 
 
+def test_a_stage_slow_to_load_its_data_is_waited_for(data):
+    """Stage 0 takes 2.5 s to load its data (a BPE tokenizer trained on a cold cache, say)
+    with a 1 s frame timeout: its links were opened first and pulse meanwhile, so stage 1 does
+    not time out on the dial, and both train to the single process's losses."""
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=2, batch_size=4, micro_batches=2, eval_batches=1,
+                        frame_timeout_s=1.0)
+    loaded: list[int] = []
+
+    def load(stage: int):
+        if stage == 0:
+            time.sleep(2.5)
+        loaded.append(stage)
+        return data
+
+    res = run_pipeline(mc, tc, load, 2)
+    assert sorted(loaded) == [0, 1]
+    assert all(isinstance(res[s], dict) for s in range(2)), res
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 2))
+    assert max(abs(a - b) for a, b in zip(ref, res[1]["losses"], strict=True)) <= 1e-5
+
+
+def test_a_stage_whose_data_fails_to_load_ends_its_dial_at_once(data):
+    """A loader that fails ends the stage with its own error, and the accept it had begun for
+    its upstream neighbour ends with it instead of waiting out the 20 s connect timeout (a
+    thread left in accept() would take the next job's connection)."""
+    from swarm_core.data import DataError
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.listener import DataListener
+    from swarm_core.pipeline.stage import run_stage
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=2, batch_size=4, micro_batches=2, eval_batches=0,
+                        frame_timeout_s=20.0)
+    spec = StageSpec("job-local", "k" * 32, 1, 2, (2, 3), None, mc, tc)
+    listener, stop = DataListener(), threading.Event()
+
+    def load():
+        time.sleep(0.3)  # the accept is under way
+        raise DataError("no such corpus")
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(DataError, match="^no such corpus$"):
+            run_stage(spec, load, LinkShaper(), listener, stop, lambda r: None,
+                      connect_timeout=20.0)
+        assert time.monotonic() - t0 < 5
+        assert stop.is_set()
+        assert not [t for t in threading.enumerate() if t.name == "stage-links"]
+    finally:
+        listener.close()
+
+
 def test_a_neighbour_stuck_without_progress_is_timed_out(data, monkeypatch):
     """A checkpoint that never returns (a hung disk, say) keeps the process alive, but once the
     stage has shown no progress for STUCK_AFTER frame timeouts its links stop pulsing and the

@@ -128,7 +128,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         write_shard,
     )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
-    from swarm_core.data import DataError, load_token_data
+    from swarm_core.data import DataError, TokenData, load_token_data
     from swarm_core.pipeline.devices import DeviceError, resolve_device
     from swarm_core.pipeline.optim import optimizer_arrays
     from swarm_core.pipeline.stage import ResumeError, StageSpec, StepReport, run_stage
@@ -232,7 +232,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             raise JobRefused("cannot resume: no way to fetch checkpoints")
         initial = await ctx.fetch_checkpoint(spec.job_id, resume_step, stage)
 
-    def work() -> dict[str, Any]:
+    def load() -> TokenData:
+        # In the stage's thread while its links are being opened (see run_stage).
         data = load_token_data(training, model.seq_len)
         holder["data"] = data
         if model.vocab_size is not None and model.vocab_size < data.vocab_size:
@@ -240,6 +241,9 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             # (and the other stages with a closed link): say why instead, on every stage.
             raise JobRefused(f"model vocab_size {model.vocab_size} is smaller than the "
                              f"{training.tokenizer} tokenizer's {data.vocab_size} tokens")
+        return data
+
+    def work() -> dict[str, Any]:
         state = opt_state = None
         if initial is not None:
             manifest, weights, optimizer = initial
@@ -255,7 +259,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             except ShardError as exc:
                 raise JobRefused(f"cannot resume from step {resume_step}: {exc}") from None
         try:
-            return run_stage(spec, data, ctx.shaper, ctx.listener, stop, on_step, on_eval,
+            return run_stage(spec, load, ctx.shaper, ctx.listener, stop, on_step, on_eval,
                              connect_timeout=training.frame_timeout_s,
                              on_checkpoint=on_checkpoint, start_step=resume_step,
                              initial_state=state, initial_optimizer=opt_state)

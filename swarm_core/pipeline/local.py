@@ -19,7 +19,8 @@ from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
 __all__ = ["run_local_pipeline"]
 
 
-def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: TokenData,
+def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
+                       data: TokenData | Callable[[int], TokenData],
                        num_stages: int, *,
                        devices: Sequence[str] | None = None,
                        shapers: Sequence[LinkShaper] | None = None,
@@ -30,6 +31,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: Token
                        timeout: float = 60.0) -> dict[int, Any]:
     """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s metrics
     or the exception that ended it; the first failure sets ``stop`` for the others.
+    ``data`` may be a loader ``data(s)``, which stage s calls as a fellow loads its data:
+    while its links are being opened.
     ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);
     ``stage_kwargs[s]`` go to its ``run_stage``; ``shapers[s]`` shapes stage s's links (as a
     fellow's set-speed would; unshaped by default). Raises TimeoutError if a stage is still
@@ -52,7 +55,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig, data: Token
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
-            results[s] = run_stage(spec, data, shaping[s], listeners[s], stop,
+            mine = (lambda: data(s)) if callable(data) else data
+            results[s] = run_stage(spec, mine, shaping[s], listeners[s], stop,
                                    (lambda r: on_step(s, r)) if on_step else (lambda r: None),
                                    connect_timeout=training.frame_timeout_s,
                                    **(stage_kwargs or {}).get(s, {}))

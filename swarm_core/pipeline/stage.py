@@ -110,9 +110,81 @@ class StageSpec:
     device: str = "cpu"
 
 
+def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
+    """Every ACT and GRAD frame at a stage's boundaries: one micro-batch, boundary-wide."""
+    t, m = spec.training, spec.model
+    return (t.batch_size // t.micro_batches, m.seq_len, boundary_width(m))
+
+
+def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
+               stop: threading.Event, timeout: float, liveness: Liveness
+               ) -> tuple[PeerLink | None, PeerLink | None]:
+    """Dial the next stage and take the previous one's dial: (up, down)."""
+    m, t = spec.model, spec.training
+    # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
+    # claims more is refused before its buffer is allocated.
+    limit = max(payload_size(frame_shape(spec), wire_codec(m), wire_block(m)), NORM_PAYLOAD)
+    # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
+    # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
+    # compute thread that has shown no progress for STUCK_AFTER frame timeouts.
+    pulse = t.frame_timeout_s / 4
+    tag = job_tag(spec.job_id)
+    up = down = None
+    try:
+        if spec.stage < spec.num_stages - 1:
+            assert spec.downstream_addr is not None
+            down = connect(spec.downstream_addr, spec.key, spec.stage, tag, shaper, timeout,
+                           abort=stop, max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
+                           pulse_s=pulse, liveness=liveness)
+        if spec.stage > 0:
+            assert listener is not None
+            up = listener.accept(spec.key, spec.stage, tag, shaper, timeout, abort=stop,
+                                 max_payload=limit, receives=(Kind.ACT, Kind.NORM),
+                                 pulse_s=pulse, liveness=liveness)
+    except BaseException:
+        if down is not None:
+            down.close()
+        raise
+    return up, down
+
+
+class _LinkOpener:
+    """``open_links`` in a thread of its own, begun before the stage loads its data and builds
+    its model: the neighbours are linked (and kept patient by pulses) however long each stage
+    takes to prepare, instead of timing out on a dial that a slow tokenizer held back."""
+
+    def __init__(self, *args: Any) -> None:
+        self._links: tuple[PeerLink | None, PeerLink | None] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=args, name="stage-links",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, *args: Any) -> None:
+        try:
+            self._links = open_links(*args)
+        except BaseException as exc:  # handed to the stage's thread by result()
+            self._error = exc
+
+    def result(self) -> tuple[PeerLink | None, PeerLink | None]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._links is not None
+        return self._links
+
+    def discard(self) -> None:
+        """After the stage failed first: wait for the thread (its dial or accept ends on the
+        stage's stop) and close whatever it opened."""
+        self._thread.join()
+        for link in self._links or ():
+            if link is not None:
+                link.close()
+
+
 class StageRunner:
     def __init__(self, spec: StageSpec, data: TokenData, shaper: LinkShaper,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, liveness: Liveness | None = None) -> None:
         keep_large_blocks()  # per-micro-batch tensors reuse warm pages (see heap.py)
         self.spec = spec
         self.data = data
@@ -144,36 +216,12 @@ class StageRunner:
         self.opt = make_optimizer(self.module, spec.training)
         self.codec, self.block = wire_codec(m), wire_block(m)
         self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
-        # Every ACT and GRAD frame at this stage's boundaries: one micro-batch, boundary-wide.
-        self.frame_shape = (spec.training.batch_size // spec.training.micro_batches, m.seq_len,
-                            boundary_width(m))
-        self.tag = job_tag(spec.job_id)
+        self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
-        self.liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
+        self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
 
     # links -----------------------------------------------------------------------------------
-    def connect(self, listener: DataListener | None, timeout: float) -> None:
-        s = self.spec
-        # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
-        # claims more is refused before its buffer is allocated.
-        limit = max(payload_size(self.frame_shape, self.codec, self.block), NORM_PAYLOAD)
-        # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits
-        # out our checkpoint or our wait on the stage beyond, not our death, a frozen process
-        # or a compute thread that has shown no progress for STUCK_AFTER frame timeouts.
-        pulse = s.training.frame_timeout_s / 4
-        if not self.last:
-            assert s.downstream_addr is not None
-            self.down = connect(s.downstream_addr, s.key, s.stage, self.tag, self.shaper,
-                                timeout, abort=self.stop, max_payload=limit,
-                                receives=(Kind.GRAD, Kind.NORM), pulse_s=pulse,
-                                liveness=self.liveness)
-        if not self.first:
-            assert listener is not None
-            self.up = listener.accept(s.key, s.stage, self.tag, self.shaper, timeout,
-                                      abort=self.stop, max_payload=limit,
-                                      receives=(Kind.ACT, Kind.NORM), pulse_s=pulse,
-                                      liveness=self.liveness)
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
@@ -370,7 +418,7 @@ class StageRunner:
         return total / len(batches) if self.last else None
 
 
-def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
+def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper: LinkShaper,
               listener: DataListener | None, stop: threading.Event,
               on_step: Callable[[StepReport], None],
               on_eval: Callable[[int, float], None] | None = None,
@@ -387,21 +435,33 @@ def run_stage(spec: StageSpec, data: TokenData, shaper: LinkShaper,
     ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
     run: with both, the steps after it are bit for bit those of the uninterrupted run (dropout
     masks depend on the seed, stage, step and micro-batch alone). A checkpoint that does not fit
-    this stage raises :class:`ResumeError`."""
+    this stage raises :class:`ResumeError`.
+
+    ``data`` may be a loader, called in this thread once the links are being opened (a BPE
+    tokenizer trained on a cold cache can take longer than the neighbours' dial timeout).
+    A stage that fails before its links are up sets ``stop``, which ends their dial."""
     torch.set_num_threads(spec.training.threads)
-    runner = StageRunner(spec, data, shaper, stop)
+    liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
+    opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
-        if initial_state is not None:
-            runner.module.load_state_dict(initial_state, strict=True)
-        if initial_optimizer is not None:
-            load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
-    except (RuntimeError, OptimizerStateError) as exc:
-        # load_state_dict lists every missing and unexpected key: the first line says enough.
-        raise ResumeError(str(exc).strip().splitlines()[0]) from None
+        runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
+        try:
+            if initial_state is not None:
+                runner.module.load_state_dict(initial_state, strict=True)
+            if initial_optimizer is not None:
+                load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
+        except (RuntimeError, OptimizerStateError) as exc:
+            # load_state_dict lists every missing and unexpected key: the first line says
+            # enough.
+            raise ResumeError(str(exc).strip().splitlines()[0]) from None
+    except BaseException:
+        stop.set()
+        opener.discard()
+        raise
     t = spec.training
     reports: list[StepReport] = []
     try:
-        runner.connect(listener, connect_timeout)
+        runner.up, runner.down = opener.result()
         t0 = time.perf_counter()
         for step in range(start_step, t.steps):
             rep = runner.train_step(step)
