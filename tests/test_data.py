@@ -42,7 +42,7 @@ def test_eval_batches_are_fixed_windows_spread_over_the_validation_split():
     assert starts[0] == 0 and starts[-1] >= len(d.val) - 32 * (fit // 12 + 2)
     assert len(set(starts)) == 12
     for row, start in zip(x, starts, strict=True):
-        assert torch.equal(row, d.val[start:start + 32])
+        assert torch.equal(row, d.val[start:start + 32].long())
     # No seed or step in them: every evaluation of every run scores the same text.
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ev, d.eval_batches(3, 4, 32),
                                                         strict=True))
@@ -117,3 +117,34 @@ def test_bpe_trains_offline_and_caches(tmp_path, swarm_home):
     healed = load_token_data(cfg, 16)
     assert healed.tokenizer.spec()["sha256"] == d.tokenizer.spec()["sha256"]
     assert torch.equal(healed.train, d.train)
+
+
+def test_wikitext_uses_its_own_splits_offline(tmp_path, monkeypatch):
+    """A stand-in ``datasets`` package (the real one is not installed here) records what the
+    loader does: offline mode is on before the package is imported, and the validation text
+    is the corpus's own validation split, not a cut of its training split."""
+    import sys
+
+    (tmp_path / "datasets.py").write_text(
+        "import os\n"
+        "OFFLINE_AT_IMPORT = os.environ.get('HF_DATASETS_OFFLINE')\n"
+        "CALLS = []\n"
+        "def load_dataset(name, config, split):\n"
+        "    CALLS.append((name, config, split))\n"
+        "    line = {'train': 'the train split. ', 'validation': 'held out words. '}[split]\n"
+        "    return {'text': [line] * 400}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "datasets", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    d = load_token_data(TrainingConfig(dataset="wikitext103"), 16)
+    fake = sys.modules["datasets"]
+    assert fake.OFFLINE_AT_IMPORT == "1"
+    assert fake.CALLS == [("wikitext", "wikitext-103-raw-v1", "train"),
+                          ("wikitext", "wikitext-103-raw-v1", "validation")]
+    assert d.tokenizer.decode(d.val[:16].tolist()) == "held out words. "
+    assert len(d.val) == 400 * 16 and "held" not in d.tokenizer.decode(d.train.tolist())
+    # Ids are held narrow; batches come out as int64 for the embedding and the loss.
+    assert d.train.dtype == torch.uint8
+    x, y = d.batch(0, 2, 16, seed=0)
+    assert x.dtype == y.dtype == torch.int64
+

@@ -607,7 +607,7 @@ def test_a_stage_whose_data_fails_to_load_ends_its_dial_at_once(data):
 
     t0 = time.monotonic()
     try:
-        with pytest.raises(DataError, match="^no such corpus$"):
+        with pytest.raises(DataError, match=r"^no such corpus$"):
             run_stage(spec, load, LinkShaper(), listener, stop, lambda r: None,
                       connect_timeout=20.0)
         assert time.monotonic() - t0 < 5

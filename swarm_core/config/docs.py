@@ -61,7 +61,9 @@ SECTIONS: list[tuple[str, type, str]] = [
      "`eval_batches` micro-batches of held-out windows (every `eval_every` steps, and at the "
      "end): non-overlapping, spread evenly over the whole validation split, and the same for "
      "every seed, step and spec, so evaluations compare across runs; each reports the loss "
-     "and its perplexity."),
+     "and its perplexity. `validation_fraction` is the tail of the text held out; "
+     "`wikitext103` uses the corpus's own validation split instead (read offline from the "
+     "Hugging Face cache), so its perplexities compare with published ones."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
      "One pipeline stage per fellow; the runner checks this against the leader's active "
      "fellows before anything runs."),

@@ -1,9 +1,10 @@
 """Datasets by name: ``shakespeare`` (the embedded default), ``textfiles``, ``wikitext103``.
 
-Train/validation split is deterministic: the last ``validation_fraction`` of the token stream is
-held out. Training batches are random windows drawn from a generator seeded by (seed, step), so
-every stage of a pipeline and a single-process reference see the same data in the same order.
-Evaluation batches are fixed windows spread over the whole validation split.
+Train/validation split is deterministic: the last ``validation_fraction`` of the text is held
+out (``wikitext103`` uses its own validation split). Training batches are random windows drawn
+from a generator seeded by (seed, step), so every stage of a pipeline and a single-process
+reference see the same data in the same order. Evaluation batches are fixed windows spread over
+the whole validation split.
 """
 
 from __future__ import annotations
@@ -55,23 +56,29 @@ def textfiles_text(patterns: list[str]) -> str:
     return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
 
 
-def wikitext103_text() -> str:
+def wikitext103_text() -> tuple[str, str]:
+    """The corpus's own train and validation splits, so perplexities compare with published
+    ones. Offline only: a fellow never downloads a corpus mid-job."""
+    # Read by datasets when it is first imported: set before.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
         raise DataError("dataset 'wikitext103' needs Hugging Face datasets with the corpus "
                         "cached: pip install datasets, then load 'wikitext', "
                         "'wikitext-103-raw-v1' once while online") from None
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
-        ds = datasets.load_dataset("wikitext", "wikitext-103-raw-v1", split="train")
+        parts = [datasets.load_dataset("wikitext", "wikitext-103-raw-v1", split=split)
+                 for split in ("train", "validation")]
     except Exception as exc:  # datasets raises many types for "not cached"
         raise DataError(f"wikitext103 is not in the Hugging Face cache ({type(exc).__name__}); "
                         "load it once while online") from None
-    return "".join(ds["text"])
+    train, val = ("".join(ds["text"]) for ds in parts)
+    return train, val
 
 
-def load_text(cfg: TrainingConfig) -> str:
+def load_text(cfg: TrainingConfig) -> str | tuple[str, str]:
+    """The dataset's text, or its (train, validation) texts where it defines the split."""
     if cfg.dataset == "shakespeare":
         return shakespeare_text()
     if cfg.dataset == "textfiles":
@@ -81,7 +88,9 @@ def load_text(cfg: TrainingConfig) -> str:
 
 @attrs.define(eq=False)
 class TokenData:
-    train: torch.Tensor  # int64, 1-D
+    # 1-D token ids in the narrowest type that holds them (uint8 bytes, int32 BPE ids): a
+    # corpus of hundreds of MB is held by every stage, and batches are widened to int64.
+    train: torch.Tensor
     val: torch.Tensor
     vocab_size: int
     tokenizer: object
@@ -99,7 +108,7 @@ class TokenData:
         fit = max(1, (len(self.val) - 1) // seq_len)
         wanted = n * batch_size
         starts = (torch.arange(wanted) * fit // wanted) * seq_len
-        win = self.val[starts.unsqueeze(1) + torch.arange(seq_len + 1)]
+        win = self.val[starts.unsqueeze(1) + torch.arange(seq_len + 1)].long()
         x, y = win[:, :-1].contiguous(), win[:, 1:].contiguous()
         return list(zip(x.split(batch_size), y.split(batch_size), strict=True))
 
@@ -109,7 +118,7 @@ def _windows(ids: torch.Tensor, batch_size: int, seq_len: int,
     gen = torch.Generator().manual_seed(key & ((1 << 63) - 1))
     starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size,), generator=gen)
     offsets = torch.arange(seq_len + 1)
-    win = ids[starts.unsqueeze(1) + offsets]
+    win = ids[starts.unsqueeze(1) + offsets].long()
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()
 
 
@@ -117,25 +126,28 @@ def _encode_cached(tok: ByteTokenizer | BpeTokenizer, text: str) -> np.ndarray:
     """BPE-encoding megabytes takes seconds; every stage of every run would pay it. Cache the
     ids next to the tokenizer, keyed by tokenizer and text."""
     if isinstance(tok, ByteTokenizer):
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     path = tok.path.with_name(f"{tok.path.stem}-ids-{digest}.npy")
     if path.exists():
         try:
-            return np.load(path, allow_pickle=False).astype(np.int64)
+            return np.load(path, allow_pickle=False).astype(np.int32, copy=False)
         except (OSError, ValueError):
             pass  # a damaged cache entry: encode again
     ids = np.ascontiguousarray(tok.encode(text), dtype=np.int32)
     buf = io.BytesIO()
     np.save(buf, ids, allow_pickle=False)
     atomic_write(path, buf.getvalue())
-    return ids.astype(np.int64)
+    return ids
 
 
 def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
     text = load_text(cfg)
-    cut = int(len(text) * (1 - cfg.validation_fraction))
-    train_text, val_text = text[:cut], text[cut:]
+    if isinstance(text, tuple):
+        train_text, val_text = text
+    else:
+        cut = int(len(text) * (1 - cfg.validation_fraction))
+        train_text, val_text = text[:cut], text[cut:]
     try:
         tok: ByteTokenizer | BpeTokenizer = ByteTokenizer() if cfg.tokenizer == "byte" else \
             BpeTokenizer.train(train_text, cfg.bpe_vocab_size)
