@@ -136,6 +136,27 @@ class ByteCounters:
 # --- fellows -------------------------------------------------------------------------------------
 
 
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+def split_host_port(addr: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port`` too) as (host, port), or None if it is not one."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or _CONTROL.search(host):
+        return None
+    return host, int(port)
+
+
+def _check_dialable(addr: str, field: str) -> None:
+    # A neighbour dials what is registered here: a bind-all address would have it dial itself.
+    hp = split_host_port(addr)
+    if hp is None:
+        raise FieldError(f"{addr!r} is not host:port", field)
+    if hp[0] in WILDCARD_HOSTS:
+        raise FieldError(f"{addr!r} is a bind-all address that neighbours cannot dial; "
+                         "register the address they reach this fellow at", field)
+
+
 @attrs.define
 class RegisterRequest:
     """A fellow introduces itself. The same ``name`` gets the same fellow_id back."""
@@ -159,6 +180,13 @@ class RegisterRequest:
     def _addrs(self, _attr: attrs.Attribute, value: list[str]) -> None:
         if len(value) > 64 or any(not a or len(a) > 255 or _CONTROL.search(a) for a in value):
             raise FieldError("must list at most 64 host:port addresses", "data_addrs")
+        for i, a in enumerate(value):
+            _check_dialable(a, f"data_addrs[{i}]")
+
+    @data_addr.validator
+    def _addr(self, _attr: attrs.Attribute, value: str | None) -> None:
+        if value is not None:
+            _check_dialable(value, "data_addr")
 
     _addrs.json_schema = {  # type: ignore[attr-defined]
         "maxItems": 64, "items": {"type": "string", "minLength": 1, "maxLength": 255,

@@ -207,3 +207,38 @@ def test_watch_lines_say_the_step_loss_and_a_mid_run_evaluation():
         "step 40  eval loss 2.0000  perplexity 7.39"
     # A stage without the loss says nothing: the last stage speaks for all.
     assert _describe(metric(metrics={"wire_tx_bytes": 10})) is None
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("0.0.0.0", "'0.0.0.0' is a bind-all address"), ("10.0.0.1:9000", "without a port"),
+    (" ", "expected a host name or address")])
+def test_fellow_refuses_an_advertised_host_neighbours_cannot_dial(flag, needle, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as exc:
+        run(["fellow", "--leader-url", url, "--data-advertise", flag])
+    assert exc.value.code == ExitCode.USAGE
+    err = _one_line(capsys.readouterr().err)
+    assert "--data-advertise" in err and needle in err
+
+
+def test_the_advertised_data_host_is_one_neighbours_can_dial():
+    """What a fellow registers: --data-advertise when given, else --data-host, else (bind-all)
+    the address this machine reaches the leader from; the listener reports it as its addr."""
+    from swarm_core.fellow.daemon import FellowOptions, advertised_host
+    from swarm_core.pipeline.listener import DataListener
+
+    def opts(**kw):
+        return FellowOptions(leader_url="http://127.0.0.1:8765", token=None, name="f", **kw)
+
+    assert advertised_host(opts()) == "127.0.0.1"
+    assert advertised_host(opts(data_host="127.0.0.3")) == "127.0.0.3"
+    assert advertised_host(opts(data_host="0.0.0.0")) == "127.0.0.1"  # nothing is bound
+    assert advertised_host(opts(data_host="0.0.0.0", data_advertise="node7.lan")) == \
+        "node7.lan"
+    ln = DataListener("127.0.0.1", 0, advertise="127.0.0.2")
+    try:
+        assert ln.addr == f"127.0.0.2:{ln.port}"
+        assert ln.sock.getsockname()[0] == "127.0.0.1"
+    finally:
+        ln.close()
+

@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import urllib.parse
 
 import attrs
 
@@ -27,6 +28,7 @@ from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
+    WILDCARD_HOSTS,
     ByteCounters,
     Heartbeat,
     JobStatusUpdate,
@@ -53,6 +55,24 @@ class FellowOptions:
     max_backoff_s: float = 5.0
     data_host: str = "127.0.0.1"
     data_port: int = 0
+    # The host neighbours dial, when it is not data_host (a bind-all address, NAT). None with a
+    # bind-all data_host: the address this machine reaches the leader from.
+    data_advertise: str | None = None
+
+
+def advertised_host(opts: FellowOptions) -> str:
+    """The data-plane host to register. Raises OSError when a bind-all data_host has no route
+    to the leader to take it from."""
+    if opts.data_advertise:
+        return opts.data_advertise
+    if opts.data_host not in WILDCARD_HOSTS:
+        return opts.data_host
+    # The source address of the route to the leader: connecting a UDP socket only picks it
+    # (nothing is sent). Fellows reach each other where they reach the leader.
+    url = urllib.parse.urlsplit(opts.leader_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((url.hostname or "127.0.0.1", url.port or 80))
+        return probe.getsockname()[0]
 
 
 def _data_plane_fault(exc: BaseException) -> bool:
@@ -105,9 +125,17 @@ class FellowDaemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop, sig.name)
         try:
+            advertise = advertised_host(self.opts)
+        except OSError as exc:
+            self.exit_reason = (f"registration refused: --data-host {self.opts.data_host} binds "
+                                f"every address and the route to the leader names none ({exc}); "
+                                "give --data-advertise")
+            await self.client.close()
+            return 1
+        try:
             for slot in range(len(self.opts.devices)):
                 port = self.opts.data_port + slot if self.opts.data_port else 0
-                self.listeners.append(DataListener(self.opts.data_host, port))
+                self.listeners.append(DataListener(self.opts.data_host, port, advertise))
         except OSError as exc:
             self.exit_reason = f"registration refused: cannot open the data port: {exc}"
             for ln in self.listeners:

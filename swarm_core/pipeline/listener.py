@@ -33,12 +33,13 @@ if TYPE_CHECKING:
 class DataListener:
     """A fellow's data-plane listening socket (bound once, at daemon start)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 advertise: str | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.sock.listen(16)
-        self.host = host
+        self.host = advertise or host  # what neighbours dial (``addr``); bound to ``host``
         self.port = self.sock.getsockname()[1]
 
     @property

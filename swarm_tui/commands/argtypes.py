@@ -59,3 +59,19 @@ def device_slots(text: str) -> str:
         if not DEVICE_SLOT.fullmatch(d):
             raise argparse.ArgumentTypeError(f"{d!r} is not 'cpu' or 'cuda:N'")
     return ",".join(slots)
+
+
+def data_host(text: str) -> str:
+    """A host neighbours can dial: not empty, no port, not a bind-all address."""
+    from swarm_core.protocol import WILDCARD_HOSTS
+
+    host = text.strip()
+    if not host:
+        raise argparse.ArgumentTypeError("expected a host name or address")
+    if host in WILDCARD_HOSTS:
+        raise argparse.ArgumentTypeError(f"{clip(text)!r} is a bind-all address; give one "
+                                         "neighbours can dial")
+    if any(c.isspace() or c == ":" for c in host):
+        raise argparse.ArgumentTypeError(f"expected a host name or address without a port, "
+                                         f"got {clip(text)!r}")
+    return host

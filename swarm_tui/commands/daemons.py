@@ -11,7 +11,13 @@ from pathlib import Path
 from swarm_core.paths import default_state_dir
 from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import FieldError
-from swarm_tui.commands.argtypes import device_slots, port, positive_float, positive_int
+from swarm_tui.commands.argtypes import (
+    data_host,
+    device_slots,
+    port,
+    positive_float,
+    positive_int,
+)
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -68,6 +74,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
         leader_url=url, token=token,
         name=name, devices=devices or ["cpu"],
         threads=args.threads, data_host=args.data_host, data_port=args.data_port,
+        data_advertise=args.data_advertise,
     )
     daemon = FellowDaemon(opts)
     code = asyncio.run(daemon.run())
@@ -99,7 +106,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch threads per stage (default: 1)")
     p.add_argument("--data-host", default="127.0.0.1",
-                   help="address neighbours dial for activations (default: %(default)s)")
+                   help="address the data plane binds; neighbours dial it for activations "
+                        "(default: %(default)s)")
+    p.add_argument("--data-advertise", type=data_host, default=None, metavar="HOST",
+                   help="host neighbours dial when it is not --data-host (NAT, a bind-all "
+                        "--data-host); default with 0.0.0.0: the address this machine "
+                        "reaches the leader from")
     p.add_argument("--data-port", type=port, default=0,
                    help="data-plane TCP port (default: any free one)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
