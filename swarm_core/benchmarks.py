@@ -138,7 +138,7 @@ class ResolvedSuite:
 def _emulation(infra: InfraProfile) -> tuple[int, list[str], list[str]]:
     emulated = [f"node {n.name}: a group of {n.fellows} fellow process(es) on this machine, "
                 f"{n.slots_per_fellow} device slot(s) each (stages in one fellow talk over "
-                "loopback TCP)" for n in infra.nodes]
+                "loopback TCP, outside its link shaping)" for n in infra.nodes]
     missing = []
     fellows = 0
     for n in infra.nodes:
@@ -157,8 +157,8 @@ def _emulation(infra: InfraProfile) -> tuple[int, list[str], list[str]]:
         missing.append("separate machines: all nodes share this machine's cores and memory, so "
                        "compute contends where real nodes would not")
         if any(n.fellows > 1 for n in infra.nodes) and infra.inter_node_link is not None:
-            missing.append("per-peer shaping: a node's fellows shape all their data-plane "
-                           "traffic, intra-node links included")
+            missing.append("per-peer shaping: links between a node's fellow processes are "
+                           "shaped as inter-node ones (a fellow's own slots are not)")
         missing.append("network namespaces per node: not created by the suite (loopback)")
     return fellows, emulated, missing
 

@@ -564,6 +564,34 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
     assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
 
 
+def test_links_within_one_fellow_leave_its_shaper_out(data):
+    """Stages 0 and 1 share a fellow (one shaper, as a two-slot fellow does); stage 2 is
+    elsewhere. The 0-1 link never leaves the machine, so it is neither shaped nor counted: the
+    fellow's shaper sees stage 1's link to stage 2 alone. Without the placement's word, it
+    counts both stages' traffic."""
+    from swarm_core.pipeline.links import LinkShaper
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=0)
+    per_step = [expected_wire_bytes(mc, tc, s, 3) for s in range(3)]
+
+    def together(spec: StageSpec) -> None:
+        spec.local_down = spec.stage == 0
+        spec.local_up = spec.stage == 1
+
+    fellow, other = LinkShaper(), LinkShaper()
+    res = run_local_pipeline(mc, tc, data, 3, shapers=[fellow, fellow, other],
+                             prepare={0: together, 1: together})
+    assert all(isinstance(res[s], dict) for s in range(3)), res
+    # Stage 1's half of its traffic goes down (activations and the norm), plus its HELLO.
+    down = tc.steps * per_step[1] // 2
+    assert down <= fellow.tx_bytes <= down + 256, (fellow.tx_bytes, down)
+    assert down <= fellow.rx_bytes <= down + 256  # gradients and the norm, from stage 2
+    both = LinkShaper()
+    run_local_pipeline(mc, tc, data, 3, shapers=[both, both, LinkShaper()])
+    assert both.tx_bytes >= tc.steps * (per_step[0] + per_step[1])
+
+
 def test_a_stage_slow_to_load_its_data_is_waited_for(data):
     """Stage 0 takes 2.5 s to load its data (a BPE tokenizer trained on a cold cache, say)
     with a 1 s frame timeout: its links were opened first and pulse meanwhile, so stage 1 does

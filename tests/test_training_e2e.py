@@ -137,6 +137,8 @@ def test_a_fellow_with_two_slots_runs_two_stages_exactly(cli_env, tmp_path, data
     try:
         job = _wait_job(cli_json("submit", "--payload", str(path), env=cli_env)["job_id"],
                         cli_env)
+        time.sleep(1.5)  # a heartbeat after the job: the fellows' final byte counters
+        nodes = {n["fellow_id"]: n for n in cli_json("nodes", env=cli_env)["nodes"]}
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -153,3 +155,11 @@ def test_a_fellow_with_two_slots_runs_two_stages_exactly(cli_env, tmp_path, data
     for s in range(4):  # each stage counts only its own links
         measured = job["metrics"]["stages"][str(s)]["wire_tx_bytes_per_step"]
         assert measured == expected_wire_bytes(mc, tc, s, 4)
+    # The link between a fellow's own two slots never leaves it: the fellow's data counters
+    # (and its link shaping) cover the one boundary between the fellows. Fellow a sends stage
+    # 1's activations down (half of stage 1's bytes a step, plus the evaluation's), and none
+    # of stage 0's.
+    per_step = [expected_wire_bytes(mc, tc, s, 4) for s in range(4)]
+    across = tc.steps * per_step[1] // 2
+    assert across <= nodes[a]["data_tx"] < across + per_step[0] // 2, nodes[a]
+    assert across <= nodes[b]["data_tx"] < across + per_step[3] // 2, nodes[b]

@@ -148,9 +148,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         downstream = stages[stage + 1]["data_addr"] if stage + 1 < len(stages) else None
         if stage + 1 < len(stages) and not (isinstance(downstream, str) and ":" in downstream):
             raise ValueError(f"stage {stage + 1} has no data address to dial: {downstream!r}")
+        here = mine.get("fellow_id")
         spec = StageSpec(job_id=start["job_id"], key=start["key"], stage=stage,
                          num_stages=len(stages), layers=layers, downstream_addr=downstream,
-                         model=model, training=training, device=str(mine.get("device", "cpu")))
+                         model=model, training=training, device=str(mine.get("device", "cpu")),
+                         local_up=stage > 0 and stages[stage - 1].get("fellow_id") == here,
+                         local_down=stage + 1 < len(stages)
+                         and stages[stage + 1].get("fellow_id") == here)
     except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise JobRefused(f"bad START payload: {exc}") from None
     if model.tie_weights and spec.num_stages > 1 and stage == 0:

@@ -108,6 +108,10 @@ class StageSpec:
     model: ModelConfig
     training: TrainingConfig
     device: str = "cpu"
+    # The neighbour upstream / downstream runs in this same fellow (another device slot): that
+    # link never leaves the machine, so the fellow's link shaping and counters leave it out.
+    local_up: bool = False
+    local_down: bool = False
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
@@ -119,7 +123,9 @@ def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
 def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
                stop: threading.Event, timeout: float, liveness: Liveness
                ) -> tuple[PeerLink | None, PeerLink | None]:
-    """Dial the next stage and take the previous one's dial: (up, down)."""
+    """Dial the next stage and take the previous one's dial: (up, down). ``shaper`` shapes
+    and counts the links that leave the fellow; a link to a stage in the same fellow
+    (``spec.local_up``/``local_down``) gets an unshaped one of its own."""
     m, t = spec.model, spec.training
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
@@ -133,12 +139,14 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     try:
         if spec.stage < spec.num_stages - 1:
             assert spec.downstream_addr is not None
-            down = connect(spec.downstream_addr, spec.key, spec.stage, tag, shaper, timeout,
-                           abort=stop, max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
+            down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
+                           LinkShaper() if spec.local_down else shaper, timeout, abort=stop,
+                           max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
                            pulse_s=pulse, liveness=liveness)
         if spec.stage > 0:
             assert listener is not None
-            up = listener.accept(spec.key, spec.stage, tag, shaper, timeout, abort=stop,
+            up = listener.accept(spec.key, spec.stage, tag,
+                                 LinkShaper() if spec.local_up else shaper, timeout, abort=stop,
                                  max_payload=limit, receives=(Kind.ACT, Kind.NORM),
                                  pulse_s=pulse, liveness=liveness)
     except BaseException:
