@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -399,3 +400,99 @@ async def test_a_push_that_fails_unforeseen_neither_fails_the_job_nor_keeps_its_
     assert links.holders == 0
     assert shaper.limits() == LinkLimits(tx_mbps=80.0)
     assert "shard push of stage 0 failed" in caplog.text
+
+
+async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monkeypatch):
+    """A checkpoint costs the stage thread a copy of its state: the shard's serialisation and
+    write (slowed to 0.4 s here) go on while the stage trains its next steps. The shards
+    still reach disk and the leader in step order, the final one before COMPLETED, and no
+    more than SNAPSHOTS_IN_FLIGHT copies ever wait for the writer."""
+    import threading
+    import time
+
+    from swarm_core.artifacts import shards
+    from swarm_core.fellow import jobs
+    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+
+    monkeypatch.setenv("SWARM_HOME", str(tmp_path))
+    events: list[tuple[str, int, float]] = []
+    waiting = [0, 0]  # copies taken and not yet written; the most at once
+    lock = threading.Lock()
+    copy, write = shards.state_arrays, shards.write_shard
+
+    def copying(module: Any) -> Any:
+        with lock:
+            waiting[0] += 1
+            waiting[1] = max(waiting)
+        return copy(module)
+
+    def slow_write(root: Any, manifest: dict, *rest: Any) -> Any:
+        time.sleep(0.4)
+        out = write(root, manifest, *rest)
+        with lock:
+            waiting[0] -= 1
+        events.append(("written", manifest["step"], time.monotonic()))
+        return out
+
+    monkeypatch.setattr(shards, "state_arrays", copying)
+    monkeypatch.setattr(shards, "write_shard", slow_write)
+    reports: list[Any] = []
+
+    async def report(update: Any) -> None:
+        reports.append(update)
+        if update.state == "RUNNING" and update.step:
+            events.append(("trained", update.step, time.monotonic()))
+
+    async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
+        events.append(("pushed", manifest["step"], time.monotonic()))
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+             "training": {"steps": 5, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                          "shard_push_interval_steps": 1},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report,
+                                      shaper=LinkShaper(), push_shard=push_shard))
+    assert reports[-1].state == "COMPLETED"
+    written = [step for kind, step, _ in events if kind == "written"]
+    assert written == [1, 2, 3, 4, 5]
+    assert [step for kind, step, _ in events if kind == "pushed"] == [1, 2, 3, 4, 5]
+    at = {(kind, step): t for kind, step, t in events}
+    # Step 2 trained while step 1's shard was still being written.
+    assert at[("trained", 2)] < at[("written", 1)]
+    assert 2 <= waiting[1] <= jobs.SNAPSHOTS_IN_FLIGHT
+    shard = tmp_path / "runs" / "job-000001" / "model_export" / "shards" / "stage-0-fellow-0"
+    assert (shard / "shard_manifest.json").exists() and (shard / "weights.npz").exists()
+
+
+@pytest.mark.parametrize("fail_at", [2, 4])
+async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatch, fail_at):
+    """A disk that refuses a shard (mid-run, or the final one) fails the stage with that error,
+    as it did when the stage thread wrote them itself; nothing hangs."""
+    from swarm_core.artifacts import shards
+    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+
+    monkeypatch.setenv("SWARM_HOME", str(tmp_path))
+    write = shards.write_shard
+
+    def full_disk(root: Any, manifest: dict, *rest: Any) -> Any:
+        if manifest["step"] == fail_at:
+            raise OSError(28, "No space left on device")
+        return write(root, manifest, *rest)
+
+    monkeypatch.setattr(shards, "write_shard", full_disk)
+    reports: list[Any] = []
+
+    async def report(update: Any) -> None:
+        reports.append(update)
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+             "training": {"steps": 4, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                          "shard_push_interval_steps": 1},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    with pytest.raises(OSError, match=rf"^cannot write the shard of step {fail_at}: OSError: "
+                                      r"\[Errno 28\] No space left on device$"):
+        await asyncio.wait_for(run_train(start, JobContext(
+            fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper())), 60)
+    assert not [r for r in reports if r.state == "COMPLETED"]

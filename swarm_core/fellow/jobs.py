@@ -26,6 +26,8 @@ from swarm_core.schema import SchemaError, structure
 
 log = logging.getLogger(__name__)
 
+SNAPSHOTS_IN_FLIGHT = 2  # checkpoint copies a stage may have waiting for the shard writer
+
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
 # (job_id, stage, manifest, weights.npz bytes, optimizer.npz bytes or None)
 PushShard = Callable[[str, int, dict[str, Any], bytes, bytes | None], Awaitable[None]]
@@ -45,6 +47,10 @@ class Progress:
 
 class JobRefused(Exception):
     pass
+
+
+class ShardWriteError(OSError):
+    """A checkpoint's shard could not be written to this fellow's disk."""
 
 
 class LinkOverrides:
@@ -131,7 +137,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     from swarm_core.data import DataError, TokenData, load_token_data
     from swarm_core.pipeline.devices import DeviceError, resolve_device
     from swarm_core.pipeline.optim import optimizer_arrays
-    from swarm_core.pipeline.stage import ResumeError, StageSpec, StepReport, run_stage
+    from swarm_core.pipeline.stage import (
+        ResumeError,
+        StageSpec,
+        StageStopped,
+        StepReport,
+        run_stage,
+    )
 
     try:
         model = structure(start.get("model") or {}, ModelConfig, "$.model")
@@ -199,27 +211,60 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             await ctx.report(upd)
 
     export_root = _export_root(training.export_dir, spec.job_id) / "shards"
-    pushes: asyncio.Queue[Checkpoint | None] = asyncio.Queue()
+    # Snapshots of (step, weights, optimiser state), written to disk and pushed in order.
+    pushes: asyncio.Queue[tuple[int, dict, dict] | None] = asyncio.Queue()
     holder: dict[str, Any] = {}
+    # A checkpoint costs the stage thread only a copy of its state; the writer serialises,
+    # hashes and fsyncs it (seconds for a large stage) while training goes on. At most
+    # SNAPSHOTS_IN_FLIGHT copies wait: a stage that checkpoints faster than it can write
+    # waits instead of piling them up.
+    in_flight = threading.BoundedSemaphore(SNAPSHOTS_IN_FLIGHT)
+    write_failed: list[str] = []  # why the first write failed, until one raises it
 
     def on_checkpoint(step: int, module: Any, opt: Any) -> None:  # runs in the stage thread
-        arrays = state_arrays(module)
-        weights = npz_bytes(arrays)
-        optimizer = npz_bytes(optimizer_arrays(opt, module))
-        data = holder["data"]
-        manifest = build_manifest(
-            job_id=spec.job_id, stage=stage, num_stages=spec.num_stages, fellow_id=fid,
-            fellow_name=ctx.fellow_name, layers=layers, step=step,
-            model=start.get("model") or {}, seed=training.seed,
-            vocab_size=model.vocab_size or data.vocab_size, tokenizer=data.tokenizer.spec(),
-            arrays=arrays, weights=weights, slot=int(mine.get("slot", 0)),
-            device=spec.device, training=start.get("training"),
-            optimizer=optimizer)
-        write_shard(export_root, manifest, weights, optimizer)
-        loop.call_soon_threadsafe(pushes.put_nowait, (manifest, weights, optimizer))
+        while not in_flight.acquire(timeout=0.5):
+            if stop.is_set():
+                raise StageStopped()
+        if write_failed:  # a write the writer could not do fails the stage, as it used to
+            in_flight.release()
+            raise ShardWriteError(write_failed.pop())
+        snapshot = (step, state_arrays(module), optimizer_arrays(opt, module))
+        loop.call_soon_threadsafe(pushes.put_nowait, snapshot)
+
+    def write(step: int, arrays: dict, opt_arrays: dict) -> Checkpoint:  # a worker thread
+        try:
+            weights = npz_bytes(arrays)
+            optimizer = npz_bytes(opt_arrays)
+            data = holder["data"]
+            manifest = build_manifest(
+                job_id=spec.job_id, stage=stage, num_stages=spec.num_stages, fellow_id=fid,
+                fellow_name=ctx.fellow_name, layers=layers, step=step,
+                model=start.get("model") or {}, seed=training.seed,
+                vocab_size=model.vocab_size or data.vocab_size,
+                tokenizer=data.tokenizer.spec(), arrays=arrays, weights=weights,
+                slot=int(mine.get("slot", 0)), device=spec.device,
+                training=start.get("training"), optimizer=optimizer)
+            write_shard(export_root, manifest, weights, optimizer)
+            return manifest, weights, optimizer
+        finally:
+            in_flight.release()
 
     async def pusher() -> None:
-        while (item := await pushes.get()) is not None:
+        failed = False
+        while (snapshot := await pushes.get()) is not None:
+            if failed:
+                in_flight.release()  # not written: the stage raises at its next checkpoint
+                continue
+            try:
+                item = await asyncio.to_thread(write, *snapshot)
+            except Exception as exc:
+                # A new exception, raised where it is reported: the writer's own holds this
+                # coroutine's frame, which the stage's clean-up would clear (and so close it).
+                failed = True
+                write_failed.append(f"cannot write the shard of step {snapshot[0]}: "
+                                    f"{type(exc).__name__}: {exc}")
+                continue
+            del snapshot
             if ctx.push_shard is None:
                 continue
             try:
@@ -228,6 +273,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                 # The shard is on this fellow's disk either way: a push that fails in a way
                 # nobody foresaw must not fail a job that trained, nor stop the later pushes.
                 log.exception("%s: shard push of stage %d failed", spec.job_id, stage)
+        if write_failed:  # not raised by the stage (the final shard): no export delivered
+            raise ShardWriteError(write_failed.pop())
 
     resume_step = int(start.get("resume_step") or 0)
     initial: Checkpoint | None = None
