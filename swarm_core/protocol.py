@@ -6,6 +6,7 @@ Field names here are public interface: scripts read them from ``--format json`` 
 from __future__ import annotations
 
 import enum
+import ipaddress
 import math
 import re
 from typing import Any, Literal
@@ -139,10 +140,22 @@ class ByteCounters:
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
+def is_bind_all(host: str) -> bool:
+    """Whether ``host`` means every address of a machine (``0.0.0.0``, ``::``, ``0``, ...)."""
+    if host in WILDCARD_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_unspecified
+    except ValueError:
+        # "0" and the like, which the resolver reads as 0.0.0.0
+        return host.isascii() and host.isdigit() and int(host) == 0
+
+
 def split_host_port(addr: str) -> tuple[str, int] | None:
     """``host:port`` (``[v6]:port`` too) as (host, port), or None if it is not one."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or _CONTROL.search(host):
+    if not sep or not (port.isascii() and port.isdigit()) or len(port) > 5 \
+            or not 0 < int(port) < 65536 or _CONTROL.search(host):
         return None
     return host, int(port)
 
@@ -152,7 +165,7 @@ def _check_dialable(addr: str, field: str) -> None:
     hp = split_host_port(addr)
     if hp is None:
         raise FieldError(f"{addr!r} is not host:port", field)
-    if hp[0] in WILDCARD_HOSTS:
+    if is_bind_all(hp[0]):
         raise FieldError(f"{addr!r} is a bind-all address that neighbours cannot dial; "
                          "register the address they reach this fellow at", field)
 

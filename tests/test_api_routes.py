@@ -333,6 +333,10 @@ async def _status_is(api: TestClient, fellow_id: int, status: str) -> bool:
      "$.data_addrs[1]", "bind-all"),
     ({"name": "a", "instance_id": "i", "data_addrs": ["h:70000"]}, "$.data_addrs[0]",
      "not host:port"),
+    ({"name": "a", "instance_id": "i", "data_addr": "0:9000"}, "$.data_addr", "bind-all"),
+    ({"name": "a", "instance_id": "i", "data_addr": "[::0]:1"}, "$.data_addr", "bind-all"),
+    ({"name": "a", "instance_id": "i", "data_addr": "h:\u0663"}, "$.data_addr",
+     "not host:port"),  # an Arabic-Indic digit three: not a port
     ({"name": "a", "instance_id": "i", "color": "red"}, "$", "color"),
     ([], "$", "object"),
     ("name", "$", "object"),

@@ -211,6 +211,7 @@ def test_watch_lines_say_the_step_loss_and_a_mid_run_evaluation():
 
 @pytest.mark.parametrize("flag, needle", [
     ("0.0.0.0", "'0.0.0.0' is a bind-all address"), ("10.0.0.1:9000", "without a port"),
+    ("0", "'0' is a bind-all address"),
     (" ", "expected a host name or address")])
 def test_fellow_refuses_an_advertised_host_neighbours_cannot_dial(flag, needle, capsys):
     url = f"http://127.0.0.1:{free_port()}"

@@ -496,3 +496,59 @@ async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatc
         await asyncio.wait_for(run_train(start, JobContext(
             fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper())), 60)
     assert not [r for r in reports if r.state == "COMPLETED"]
+
+
+async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_path, monkeypatch):
+    """The disk hangs in a shard write; the job is cancelled. The stage stops, the pending
+    copies are dropped (neither written nor pushed), and the job ends within about a frame
+    timeout instead of waiting on the disk: the fellow is free for the next job."""
+    import threading
+    import time
+
+    from swarm_core.artifacts import shards
+    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+
+    monkeypatch.setenv("SWARM_HOME", str(tmp_path))
+    hung, release = threading.Event(), threading.Event()
+    written: list[int] = []
+    write = shards.write_shard
+
+    def hanging(root: Any, manifest: dict, *rest: Any) -> Any:
+        if manifest["step"] == 1:
+            hung.set()
+            release.wait(60)  # the disk, stuck
+        written.append(manifest["step"])
+        return write(root, manifest, *rest)
+
+    monkeypatch.setattr(shards, "write_shard", hanging)
+    pushed: list[int] = []
+
+    async def report(_update: Any) -> None:
+        pass
+
+    async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
+        pushed.append(manifest["step"])
+
+    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
+             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+             "training": {"steps": 500, "batch_size": 4, "micro_batches": 2,
+                          "eval_batches": 0, "shard_push_interval_steps": 1,
+                          "frame_timeout_s": 1.0},
+             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    job = asyncio.create_task(run_train(start, JobContext(
+        fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper(),
+        push_shard=push_shard)))
+    try:
+        while not hung.is_set():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the stage takes its next copies, then waits for a slot
+        t0 = time.monotonic()
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert time.monotonic() - t0 < 5
+    finally:
+        release.set()
+    await asyncio.sleep(0.5)  # the write that was under way finishes; nothing else follows
+    assert written == [1] and pushed == []
+

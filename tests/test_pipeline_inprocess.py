@@ -592,10 +592,15 @@ def test_links_within_one_fellow_leave_its_shaper_out(data):
     assert both.tx_bytes >= tc.steps * (per_step[0] + per_step[1])
 
 
-def test_a_stage_slow_to_load_its_data_is_waited_for(data):
-    """Stage 0 takes 2.5 s to load its data (a BPE tokenizer trained on a cold cache, say)
-    with a 1 s frame timeout: its links were opened first and pulse meanwhile, so stage 1 does
-    not time out on the dial, and both train to the single process's losses."""
+def test_a_stage_slow_to_load_its_data_is_waited_for(data, monkeypatch):
+    """Stage 0 takes 4 s to load its data (a BPE tokenizer trained on a cold cache, say)
+    with a 1 s frame timeout, and (here) a stage counted as stuck after 2 s without progress:
+    its links were opened first and pulse meanwhile, preparing counting as progress, so stage
+    1 neither times out on the dial nor on the quiet link, and both train to the single
+    process's losses."""
+    from swarm_core.pipeline import stage as stage_mod
+
+    monkeypatch.setattr(stage_mod, "STUCK_AFTER", 2)
     mc = ModelConfig(**MODEL)
     tc = TrainingConfig(steps=2, batch_size=4, micro_batches=2, eval_batches=1,
                         frame_timeout_s=1.0)
@@ -603,7 +608,7 @@ def test_a_stage_slow_to_load_its_data_is_waited_for(data):
 
     def load(stage: int):
         if stage == 0:
-            time.sleep(2.5)
+            time.sleep(4.0)
         loaded.append(stage)
         return data
 

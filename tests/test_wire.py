@@ -272,8 +272,11 @@ def test_unused_header_fields_must_be_as_written():
     from swarm_core.pipeline import frames
 
     h = make_header(Kind.ACT, 1, 0, 0, (2, 3), 1, b"\0" * 24)
+    norm = make_header(Kind.NORM, 1, 0, 0, (8,), 0, b"\0" * 8)
     for bad, message in [(attrs.evolve(h, dtype=2), "unknown frame dtype 2"),
-                         (attrs.evolve(h, flags=4), "unknown frame flags 0x4")]:
+                         (attrs.evolve(h, flags=4), "unknown frame flags 0x4"),
+                         (attrs.evolve(norm, codec_arg=64),
+                          r"NORM frame with a codec argument \(64\)")]:
         with pytest.raises(FrameError, match=message):
             FrameHeader.unpack(bad.pack())
     fields = [frames.MAGIC, frames.VERSION, int(h.kind), h.codec, h.dtype, 2, 0, 0, h.job,

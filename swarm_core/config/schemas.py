@@ -16,8 +16,8 @@ Schedule = Literal["gpipe", "1f1b", "eager"]
 
 COMPRESSION_FORMS = ("none", "fixed_int8", "fixed_int8_bB", "learned_bottleneck",
                      "learned_dimK", "learned_dimK_int8", "learned_dimK_int8_bB")
-_FIXED = re.compile(r"fixed_int8(?:_b(\d+))?")
-_LEARNED = re.compile(r"learned_dim(\d+)(_int8(?:_b(\d+))?)?")
+_FIXED = re.compile(r"fixed_int8(?:_b([0-9]{1,6}))?")
+_LEARNED = re.compile(r"learned_dim([0-9]{1,6})(_int8(?:_b([0-9]{1,6}))?)?")
 MAX_INT8_BLOCK = 65535  # the frame header's codec_arg is a u16
 
 
@@ -53,9 +53,6 @@ def parse_compression(spec: str, bottleneck_dim: int | None = None,
         dim, int8 = bottleneck_dim, False
     elif m := _LEARNED.fullmatch(spec):
         dim, int8, block = int(m.group(1)), m.group(2) is not None, m.group(3)
-        if bottleneck_dim is not None and bottleneck_dim != dim:
-            raise FieldError(f"bottleneck_dim {bottleneck_dim} contradicts {spec!r}, which "
-                             f"names width {dim} (leave bottleneck_dim out)", "bottleneck_dim")
     else:
         raise FieldError(
             f"unknown compression {spec!r}; valid forms: {', '.join(COMPRESSION_FORMS)} "
@@ -191,7 +188,8 @@ class TrainingConfig:
 def job_shape_error(model: ModelConfig, training: TrainingConfig,
                     stages: int) -> tuple[str, str] | None:
     """Why this model, training config and stage count cannot run together, with the field at
-    fault (``training.stage_weights``, ``topology`` or ``model.vocab_size``); None if they can.
+    fault (``training.stage_weights``, ``topology``, ``model.bottleneck_dim`` or
+    ``model.vocab_size``); None if they can.
     The leader refuses such a job and ``swarm validate`` such a config, by this one rule."""
     if training.stage_weights is not None and len(training.stage_weights) != stages:
         return (f"{len(training.stage_weights)} weights for {stages} stages",
@@ -199,6 +197,15 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig,
     if stages > model.n_layers + 2:
         return (f"{stages} stages for {model.n_layers} layers leaves stages with nothing to do",
                 "topology")
+    comp = model.compression_spec
+    if (model.bottleneck_dim is not None and comp.learned
+            and model.compression != "learned_bottleneck"
+            and model.bottleneck_dim != comp.bottleneck_dim):
+        # (Checked where configs come in, not in ModelConfig: stored configs from before this
+        # rule, where the spec's K won, still load.)
+        return (f"bottleneck_dim {model.bottleneck_dim} contradicts {model.compression!r}, "
+                f"which names width {comp.bottleneck_dim} (leave bottleneck_dim out)",
+                "model.bottleneck_dim")
     if training.tokenizer == "byte" and model.vocab_size is not None and model.vocab_size < 256:
         return (f"vocab_size {model.vocab_size} is smaller than the byte tokenizer's 256 "
                 "tokens", "model.vocab_size")

@@ -28,13 +28,13 @@ from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
-    WILDCARD_HOSTS,
     ByteCounters,
     Heartbeat,
     JobStatusUpdate,
     LinkLimits,
     RegisterRequest,
     Signal,
+    is_bind_all,
 )
 from swarm_core.schema import SchemaError, structure
 
@@ -65,7 +65,7 @@ def advertised_host(opts: FellowOptions) -> str:
     to the leader to take it from."""
     if opts.data_advertise:
         return opts.data_advertise
-    if opts.data_host not in WILDCARD_HOSTS:
+    if not is_bind_all(opts.data_host):
         return opts.data_host
     # The source address of the route to the leader: connecting a UDP socket only picks it
     # (nothing is sent). Fellows reach each other where they reach the leader.

@@ -164,8 +164,9 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         spec = StageSpec(job_id=start["job_id"], key=start["key"], stage=stage,
                          num_stages=len(stages), layers=layers, downstream_addr=downstream,
                          model=model, training=training, device=str(mine.get("device", "cpu")),
-                         local_up=stage > 0 and stages[stage - 1].get("fellow_id") == here,
-                         local_down=stage + 1 < len(stages)
+                         local_up=here is not None and stage > 0
+                         and stages[stage - 1].get("fellow_id") == here,
+                         local_down=here is not None and stage + 1 < len(stages)
                          and stages[stage + 1].get("fellow_id") == here)
     except (SchemaError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise JobRefused(f"bad START payload: {exc}") from None
@@ -212,14 +213,16 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
 
     export_root = _export_root(training.export_dir, spec.job_id) / "shards"
     # Snapshots of (step, weights, optimiser state), written to disk and pushed in order.
-    pushes: asyncio.Queue[tuple[int, dict, dict] | None] = asyncio.Queue()
+    snapshots: asyncio.Queue[tuple[int, dict, dict] | None] = asyncio.Queue()
+    written: asyncio.Queue[Checkpoint | None] = asyncio.Queue()
     holder: dict[str, Any] = {}
     # A checkpoint costs the stage thread only a copy of its state; the writer serialises,
-    # hashes and fsyncs it (seconds for a large stage) while training goes on. At most
-    # SNAPSHOTS_IN_FLIGHT copies wait: a stage that checkpoints faster than it can write
-    # waits instead of piling them up.
+    # hashes and fsyncs it (seconds for a large stage) while training goes on, and the pusher
+    # sends what was written. At most SNAPSHOTS_IN_FLIGHT copies wait for the writer: a stage
+    # that checkpoints faster than it can write waits instead of piling them up.
     in_flight = threading.BoundedSemaphore(SNAPSHOTS_IN_FLIGHT)
     write_failed: list[str] = []  # why the first write failed, until one raises it
+    abandon = threading.Event()  # the job ended without completing: drop what is pending
 
     def on_checkpoint(step: int, module: Any, opt: Any) -> None:  # runs in the stage thread
         while not in_flight.acquire(timeout=0.5):
@@ -229,7 +232,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
             in_flight.release()
             raise ShardWriteError(write_failed.pop())
         snapshot = (step, state_arrays(module), optimizer_arrays(opt, module))
-        loop.call_soon_threadsafe(pushes.put_nowait, snapshot)
+        loop.call_soon_threadsafe(snapshots.put_nowait, snapshot)
 
     def write(step: int, arrays: dict, opt_arrays: dict) -> Checkpoint:  # a worker thread
         try:
@@ -246,26 +249,32 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                 training=start.get("training"), optimizer=optimizer)
             write_shard(export_root, manifest, weights, optimizer)
             return manifest, weights, optimizer
+        except Exception as exc:
+            # Noted before the copy's slot is freed, so the stage's next checkpoint sees it.
+            # (A new exception is raised there: this one's traceback holds the writer's
+            # frames, which the stage's clean-up would clear.)
+            write_failed.append(f"cannot write the shard of step {step}: "
+                                f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             in_flight.release()
 
-    async def pusher() -> None:
-        failed = False
-        while (snapshot := await pushes.get()) is not None:
-            if failed:
-                in_flight.release()  # not written: the stage raises at its next checkpoint
+    async def writer() -> None:
+        while (snapshot := await snapshots.get()) is not None:
+            if write_failed or abandon.is_set():
+                in_flight.release()  # dropped: the stage raises, or has ended
                 continue
             try:
                 item = await asyncio.to_thread(write, *snapshot)
-            except Exception as exc:
-                # A new exception, raised where it is reported: the writer's own holds this
-                # coroutine's frame, which the stage's clean-up would clear (and so close it).
-                failed = True
-                write_failed.append(f"cannot write the shard of step {snapshot[0]}: "
-                                    f"{type(exc).__name__}: {exc}")
-                continue
+            except Exception:
+                continue  # noted by write(): raised by the stage, or once it has ended
             del snapshot
-            if ctx.push_shard is None:
+            written.put_nowait(item)
+        written.put_nowait(None)
+
+    async def pusher() -> None:
+        while (item := await written.get()) is not None:
+            if ctx.push_shard is None or abandon.is_set():
                 continue
             try:
                 await ctx.push_shard(spec.job_id, stage, *item)
@@ -273,8 +282,6 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
                 # The shard is on this fellow's disk either way: a push that fails in a way
                 # nobody foresaw must not fail a job that trained, nor stop the later pushes.
                 log.exception("%s: shard push of stage %d failed", spec.job_id, stage)
-        if write_failed:  # not raised by the stage (the final shard): no export delivered
-            raise ShardWriteError(write_failed.pop())
 
     resume_step = int(start.get("resume_step") or 0)
     initial: Checkpoint | None = None
@@ -328,11 +335,13 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     links = ctx.links or LinkOverrides(ctx.shaper)
     if training.link is not None:
         links.hold(training.link)
-    reporter_task = asyncio.create_task(reporter())
-    pusher_task = asyncio.create_task(pusher())
+    side_tasks = [asyncio.create_task(reporter()), asyncio.create_task(writer()),
+                  asyncio.create_task(pusher())]
     fut = loop.run_in_executor(None, work)
+    completed = False
     try:
         metrics = await asyncio.shield(fut)
+        completed = True
     except asyncio.CancelledError:
         stop.set()
         # Let the stage thread finish before this job counts as stopped: a thread still in
@@ -343,23 +352,31 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
     except DataError as exc:
         raise JobRefused(str(exc)) from None
     finally:
+        if not completed:
+            abandon.set()  # nobody wants the shards of a job that ended early
         updates.put_nowait(None)
-        pushes.put_nowait(None)
+        snapshots.put_nowait(None)
         outcomes: list[Any] = []
         try:
-            # The final shard reaches the leader before the stage says COMPLETED; both tasks
-            # are waited for even if one of them failed.
-            with contextlib.suppress(asyncio.CancelledError):
-                outcomes = await asyncio.gather(reporter_task, pusher_task,
-                                                return_exceptions=True)
+            # The final shard reaches the leader before the stage says COMPLETED; the side
+            # tasks are waited for even if one of them failed. A job that ended early waits
+            # for a write under way only so long: a hung disk must not keep the fellow busy.
+            tasks = asyncio.gather(*side_tasks, return_exceptions=True)
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                outcomes = await (tasks if completed else
+                                  asyncio.wait_for(tasks, training.frame_timeout_s))
         finally:
             # Whatever happened above, the fellow's own limits come back for the next job.
             if training.link is not None:
                 links.release()
-        for outcome in outcomes:
-            if isinstance(outcome, Exception):
-                raise outcome
         fut = None  # an exception from it holds this frame: no cycle back through fut
+    # Only a completed run raises its side tasks' errors: otherwise the stage's own error (a
+    # neighbour it blames, a cancellation) is what the job ends with.
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
+    if write_failed:  # the final shard: the job did not deliver its export
+        raise ShardWriteError(write_failed.pop())
     metrics["shard_dir"] = str(export_root)
     metrics.pop("losses", None)
     await ctx.report(JobStatusUpdate(

@@ -118,6 +118,8 @@ class FrameHeader:
             raise FrameError(f"unknown frame dtype {dtype} (version {VERSION} writes {DTYPE})")
         if flags & ~FLAG_EVAL:
             raise FrameError(f"unknown frame flags {flags:#x}")
+        if codec_arg and kind_e not in (Kind.ACT, Kind.GRAD):
+            raise FrameError(f"{kind_e.name} frame with a codec argument ({codec_arg})")
         if any((d0, d1, d2, d3)[ndim:]):
             raise FrameError(f"shape {[d0, d1, d2, d3]} has sizes past its {ndim} dimensions")
         if plen > max_payload:

@@ -61,6 +61,9 @@ METER_EVERY = 10
 # timeouts stops pulsing its links, so its neighbours time out: long enough for any checkpoint
 # (a shard write is seconds), short of for ever for a call hung on a disk or a device.
 STUCK_AFTER = 10
+# How long a stage may take to load its data and build its model once its links are up, in
+# frame timeouts (an hour by default): a cold BPE tokenizer on a large corpus takes minutes.
+PREPARE_AFTER = 60
 
 
 class StageStopped(Exception):
@@ -158,23 +161,34 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
 
 class _LinkOpener:
     """``open_links`` in a thread of its own, begun before the stage loads its data and builds
-    its model: the neighbours are linked (and kept patient by pulses) however long each stage
-    takes to prepare, instead of timing out on a dial that a slow tokenizer held back."""
+    its model, so the neighbours are linked however long each stage takes to prepare, instead
+    of timing out on a dial that a slow tokenizer held back. Until the stage takes the links,
+    preparing counts as progress (its links pulse), for up to PREPARE_AFTER frame timeouts."""
 
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
+                 stop: threading.Event, timeout: float, liveness: Liveness) -> None:
         self._links: tuple[PeerLink | None, PeerLink | None] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=args, name="stage-links",
-                                        daemon=True)
+        self._taken = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(spec, shaper, listener, stop, timeout, liveness),
+            name="stage-links", daemon=True)
         self._thread.start()
 
-    def _run(self, *args: Any) -> None:
+    def _run(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
+             stop: threading.Event, timeout: float, liveness: Liveness) -> None:
         try:
-            self._links = open_links(*args)
+            self._links = open_links(spec, shaper, listener, stop, timeout, liveness)
         except BaseException as exc:  # handed to the stage's thread by result()
             self._error = exc
+            return
+        frame_timeout = spec.training.frame_timeout_s
+        until = time.monotonic() + PREPARE_AFTER * frame_timeout
+        while not self._taken.wait(min(1.0, frame_timeout / 8)) and time.monotonic() < until:
+            liveness.touch()
 
     def result(self) -> tuple[PeerLink | None, PeerLink | None]:
+        self._taken.set()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -184,6 +198,7 @@ class _LinkOpener:
     def discard(self) -> None:
         """After the stage failed first: wait for the thread (its dial or accept ends on the
         stage's stop) and close whatever it opened."""
+        self._taken.set()
         self._thread.join()
         for link in self._links or ():
             if link is not None:
@@ -446,7 +461,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     this stage raises :class:`ResumeError`.
 
     ``data`` may be a loader, called in this thread once the links are being opened (a BPE
-    tokenizer trained on a cold cache can take longer than the neighbours' dial timeout).
+    tokenizer trained on a cold cache can take longer than the neighbours' dial timeout; the
+    links pulse meanwhile, for up to PREPARE_AFTER frame timeouts).
     A stage that fails before its links are up sets ``stop``, which ends their dial."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)

@@ -63,12 +63,12 @@ def device_slots(text: str) -> str:
 
 def data_host(text: str) -> str:
     """A host neighbours can dial: not empty, no port, not a bind-all address."""
-    from swarm_core.protocol import WILDCARD_HOSTS
+    from swarm_core.protocol import is_bind_all
 
     host = text.strip()
     if not host:
         raise argparse.ArgumentTypeError("expected a host name or address")
-    if host in WILDCARD_HOSTS:
+    if is_bind_all(host):
         raise argparse.ArgumentTypeError(f"{clip(text)!r} is a bind-all address; give one "
                                          "neighbours can dial")
     if any(c.isspace() or c == ":" for c in host):
