@@ -300,6 +300,20 @@ def test_stop_reaches_a_flush_and_the_sender_at_once():
         right.close()
 
 
+def test_close_returns_once_the_links_threads_have_ended():
+    """Even mid-transfer on a throttled link: close() ends both threads before it returns, so
+    none is left in native code when the process exits."""
+    left, right, _shaper, _ = _pair(8.0)
+    left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), Codec.FP32)  # 2 MiB: 2 s
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    left.close()
+    right.close()
+    assert time.monotonic() - t0 < 2
+    threads = [left._sender, left._receiver, right._sender, right._receiver]
+    assert not [t.name for t in threads if t.is_alive()]
+
+
 def test_a_stopping_receiver_leaves_no_debt_in_the_fellows_bucket():
     """The rx bucket is the fellow's: bytes a stopping link still reads are not charged, or
     the next job would start seconds in debt."""

@@ -83,6 +83,9 @@ _CLOSED = object()
 _F64 = struct.Struct("<d")
 
 
+CLOSE_JOIN_S = 2.0  # how long close() waits for each of a link's threads to end
+
+
 class PeerLink:
     """Frames to and from one neighbouring stage over one TCP connection."""
 
@@ -367,6 +370,11 @@ class PeerLink:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+        # Both threads end on the closed socket; waiting for them means none is still in
+        # native code when the interpreter exits (a daemon thread unwound there aborts it).
+        for t in (self._sender, self._receiver):
+            if t is not threading.current_thread():
+                t.join(CLOSE_JOIN_S)
 
 
 # --- connection setup -----------------------------------------------------------------------
