@@ -343,6 +343,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
                                                 job.restarts),
         "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
+        # Set-speeds while it ran: its network was not the profile's throughout.
+        "link_changes": list(getattr(job, "link_changes", None) or []),
         "thresholds": {},
     }
     if training.max_final_loss is not None:

@@ -150,6 +150,33 @@ def test_thresholds_are_met_only_by_a_completed_run_that_set_them(state, limit, 
     assert summarize(st, job, records)["thresholds_met"] is met
 
 
+def test_a_run_whose_link_was_set_mid_run_says_so_in_its_summary_and_report(tmp_path):
+    """A set-speed during a run is in its metrics_summary.json (link_changes, from the job's
+    record) and in the report's "link set" column, so a run that left its network profile
+    part-way is not compared as if it had not."""
+    from types import SimpleNamespace
+
+    from swarm_core.artifacts.report import HEADERS, RunData, summary_rows
+    from swarm_core.experiment import summarize
+
+    st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
+        model=MODEL, training={"steps": 2}, fellows=2, compression="none", network={}))
+    changes = [{"at_step": s, "fellow_id": 1, "link": {"tx_mbps": 8.0, "rx_mbps": None,
+                                                      "latency_ms": 0.0}, "at": 0.0}
+               for s in (12, 30, 31, 40)]
+    records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
+    rows = []
+    for link_changes in ([], changes[:2], changes):
+        job = SimpleNamespace(job_id="job-000001", state="COMPLETED", reason="", metrics={},
+                              finished_at=None, started_at=None, fellows=[0, 1], restarts=[],
+                              link_changes=link_changes)
+        summary = summarize(st, job, records)
+        assert summary["link_changes"] == link_changes
+        rows.append(summary_rows([RunData(tmp_path, "r", summary, [], [], [], [])])[0])
+    column = HEADERS.index("link set")
+    assert [r[column] for r in rows] == ["-", "@12 @30", "@12 @30 @31 +1"]
+
+
 async def test_an_integer_beyond_int64_is_a_400_that_changes_nothing(api, running):
     """orjson reads integers up to 2**64-1; SQLite holds 2**63-1. A step between the two was
     applied to the job in memory and then failed to store, as a 500."""

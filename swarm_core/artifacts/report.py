@@ -83,8 +83,18 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
                      _fmt(s.get("eval_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ".0f"),
                      _fmt(s.get("wire_bytes_per_step"), ",.0f"),
                      _fmt(s.get("compression_ratio"), ".1f"), _codec_error(s),
-                     _most_waiting(s)])
+                     _most_waiting(s), _link_set(s)])
     return rows
+
+
+def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
+    """The steps at which a set-speed changed a fellow's link mid-run ("@12 @30"): such a run
+    did not run on its network profile throughout."""
+    steps = [c.get("at_step") for c in summary.get("link_changes") or [] if isinstance(c, dict)]
+    if not steps:
+        return "-"
+    more = f" +{len(steps) - shown}" if len(steps) > shown else ""
+    return " ".join(f"@{s}" for s in steps[:shown]) + more
 
 
 def _codec_error(summary: dict[str, Any]) -> str:
@@ -105,7 +115,7 @@ def _most_waiting(summary: dict[str, Any]) -> str:
 
 
 HEADERS = ["run", "status", "final loss", "eval loss", "tokens/s", "bytes/step",
-           "compression", "act error", "link wait"]
+           "compression", "act error", "link wait", "link set"]
 
 
 def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str) -> str:
