@@ -148,3 +148,36 @@ def test_wikitext_uses_its_own_splits_offline(tmp_path, monkeypatch):
     x, y = d.batch(0, 2, 16, seed=0)
     assert x.dtype == y.dtype == torch.int64
 
+
+def test_a_stage_that_reads_no_tokens_loads_only_the_tokenizer(tmp_path):
+    """tokens=False: the byte tokenizer needs no text (a missing file is not even read); BPE
+    reads the text for its tokenizer but holds no token ids."""
+    gone = TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "gone*.txt")])
+    d = load_token_data(gone, 16, tokens=False)
+    assert (len(d.train), len(d.val), d.vocab_size) == (0, 0, 256)
+    (tmp_path / "a.txt").write_text("to be or not to be, that is the question. " * 200)
+    bpe = TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "a.txt")],
+                         tokenizer="bpe", bpe_vocab_size=300)
+    full, bare = load_token_data(bpe, 16), load_token_data(bpe, 16, tokens=False)
+    assert len(bare.train) == len(bare.val) == 0 and len(full.train) > 0
+    assert bare.vocab_size == full.vocab_size and bare.tokenizer.spec() == full.tokenizer.spec()
+
+
+def test_stages_of_one_process_share_one_loaded_corpus():
+    """A fellow's stages running at once share one copy of the corpus; a stage that reads no
+    tokens takes it too; once no stage holds it, the next job loads afresh."""
+    import gc
+
+    from swarm_core.fellow.jobs import shared_token_data
+
+    tc = TrainingConfig()
+    a = shared_token_data(tc, 32, tokens=True)
+    assert shared_token_data(tc, 32, tokens=True) is a
+    assert shared_token_data(tc, 32, tokens=False) is a
+    other = shared_token_data(TrainingConfig(validation_fraction=0.1), 32, tokens=True)
+    assert other is not a and len(other.val) > len(a.val)
+    del a, other
+    gc.collect()
+    again = shared_token_data(tc, 32, tokens=False)
+    assert len(again.train) == 0, "nothing held it: the middle stage loaded only the tokenizer"
+

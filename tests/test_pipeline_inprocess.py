@@ -564,6 +564,24 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
     assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
 
 
+def test_a_middle_stage_holds_no_tokens_and_trains_the_same(data):
+    """Only the first stage reads inputs and only the last targets: the middle stage of three
+    gets the tokenizer with empty splits (no corpus held), training and evaluation included,
+    and the losses are still the single process's."""
+    from swarm_core.data import load_token_data
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=2)
+    middle = load_token_data(tc, mc.seq_len, tokens=False)
+    assert len(middle.train) == len(middle.val) == 0 and middle.vocab_size == data.vocab_size
+    res = run_pipeline(mc, tc, lambda s: middle if s == 1 else data, 3)
+    assert all(isinstance(res[s], dict) for s in range(3)), res
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 3))
+    assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
+    whole = run_pipeline(mc, tc, data, 3)
+    assert res[2]["eval_loss"] == whole[2]["eval_loss"]
+
+
 def test_links_within_one_fellow_leave_its_shaper_out(data):
     """Stages 0 and 1 share a fellow (one shaper, as a two-slot fellow does); stage 2 is
     elsewhere. The 0-1 link never leaves the machine, so it is neither shaped nor counted: the

@@ -86,6 +86,9 @@ def load_text(cfg: TrainingConfig) -> str | tuple[str, str]:
     return wikitext103_text()
 
 
+_NONE = torch.empty(0, dtype=torch.uint8)  # the splits of a stage that reads no tokens
+
+
 @attrs.define(eq=False)
 class TokenData:
     # 1-D token ids in the narrowest type that holds them (uint8 bytes, int32 BPE ids): a
@@ -141,7 +144,12 @@ def _encode_cached(tok: ByteTokenizer | BpeTokenizer, text: str) -> np.ndarray:
     return ids
 
 
-def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
+def load_token_data(cfg: TrainingConfig, seq_len: int, tokens: bool = True) -> TokenData:
+    """The dataset, tokenized. ``tokens=False`` (a pipeline's middle stages, which read no
+    tokens): only the tokenizer, with empty splits, so a corpus of hundreds of MB is not held
+    for its vocabulary size; the byte tokenizer needs no text at all."""
+    if not tokens and cfg.tokenizer == "byte":
+        return TokenData(_NONE, _NONE, ByteTokenizer.vocab_size, ByteTokenizer())
     text = load_text(cfg)
     if isinstance(text, tuple):
         train_text, val_text = text
@@ -153,6 +161,8 @@ def load_token_data(cfg: TrainingConfig, seq_len: int) -> TokenData:
             BpeTokenizer.train(train_text, cfg.bpe_vocab_size)
     except TokenizerError as exc:
         raise DataError(str(exc)) from None
+    if not tokens:
+        return TokenData(_NONE, _NONE, tok.vocab_size, tok)
     train = torch.from_numpy(_encode_cached(tok, train_text))
     val = torch.from_numpy(_encode_cached(tok, val_text))
     if cfg.real_min_tokens and len(train) < cfg.real_min_tokens:

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,32 @@ class Progress:
 
 class JobRefused(Exception):
     pass
+
+
+_loaded: dict[tuple, weakref.ref] = {}
+_loading = threading.Lock()
+
+
+def shared_token_data(training: Any, seq_len: int, tokens: bool) -> Any:
+    """``load_token_data``, once per process for the stages that run in it at the same time
+    (a fellow's device slots): they share one copy of the corpus, freed with the last of them.
+    A stage that reads no tokens takes a loaded copy if there is one."""
+    from swarm_core.data import load_token_data
+
+    key = (training.dataset, tuple(training.dataset_paths), training.tokenizer,
+           training.bpe_vocab_size, training.validation_fraction, training.real_min_tokens,
+           seq_len)
+    with _loading:  # a second stage waits for the first one's load instead of doing it too
+        for want in ((True, False) if not tokens else (True,)):
+            ref = _loaded.get((*key, want))
+            data = ref() if ref is not None else None
+            if data is not None:
+                return data
+        data = load_token_data(training, seq_len, tokens=tokens)
+        for k in [k for k, r in _loaded.items() if r() is None]:
+            del _loaded[k]
+        _loaded[(*key, tokens)] = weakref.ref(data)
+        return data
 
 
 class ShardWriteError(OSError):
@@ -134,7 +161,7 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         write_shard,
     )
     from swarm_core.config.schemas import ModelConfig, TrainingConfig
-    from swarm_core.data import DataError, TokenData, load_token_data
+    from swarm_core.data import DataError, TokenData
     from swarm_core.pipeline.devices import DeviceError, resolve_device
     from swarm_core.pipeline.optim import optimizer_arrays
     from swarm_core.pipeline.stage import (
@@ -291,8 +318,10 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         initial = await ctx.fetch_checkpoint(spec.job_id, resume_step, stage)
 
     def load() -> TokenData:
-        # In the stage's thread while its links are being opened (see run_stage).
-        data = load_token_data(training, model.seq_len)
+        # In the stage's thread while its links are being opened (see run_stage). Only the
+        # first and last stages read tokens.
+        data = shared_token_data(training, model.seq_len,
+                                 tokens=stage in (0, spec.num_stages - 1))
         holder["data"] = data
         if model.vocab_size is not None and model.vocab_size < data.vocab_size:
             # Token ids beyond the embedding would fail the first forward with an IndexError

@@ -275,10 +275,14 @@ class StageRunner:
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
         self.module.train()
-        x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
-        # Token ids go to the device of the stage that reads them: inputs first, targets last.
-        xs = x.to(self.device).chunk(m) if self.first else ()
-        ys = y.to(self.device).chunk(m) if self.last else ()
+        # Token ids go to the device of the stage that reads them: inputs first, targets last
+        # (the stages between read none, and may hold no tokens at all).
+        xs: tuple[torch.Tensor, ...] = ()
+        ys: tuple[torch.Tensor, ...] = ()
+        if self.first or self.last:
+            x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
+            xs = x.to(self.device).chunk(m) if self.first else ()
+            ys = y.to(self.device).chunk(m) if self.last else ()
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         held: dict[int, Any] = {}  # the meter's tokens for outputs kept until their backward
@@ -418,7 +422,9 @@ class StageRunner:
         self.module.eval()
         timeout = t.frame_timeout_s
         mb = t.batch_size // t.micro_batches
-        batches = self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len)
+        batches: list[tuple[Any, Any]] = \
+            self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len) \
+            if self.first or self.last else [(None, None)] * t.eval_batches
         total = 0.0
         for i, (x, y) in enumerate(batches):
             self._check_stop()
