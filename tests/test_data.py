@@ -181,3 +181,16 @@ def test_stages_of_one_process_share_one_loaded_corpus():
     again = shared_token_data(tc, 32, tokens=False)
     assert len(again.train) == 0, "nothing held it: the middle stage loaded only the tokenizer"
 
+
+def test_an_edited_corpus_is_not_served_from_the_shared_copy(tmp_path):
+    """Even while an old copy is still held, a changed file is a new corpus."""
+    from swarm_core.fellow.jobs import shared_token_data
+
+    (tmp_path / "a.txt").write_text("alpha beta gamma. " * 200)
+    tc = TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "*.txt")])
+    old = shared_token_data(tc, 16, tokens=True)
+    (tmp_path / "a.txt").write_text("delta epsilon zeta eta. " * 200)
+    new = shared_token_data(tc, 16, tokens=True)
+    assert new is not old
+    assert new.tokenizer.decode(new.train[:6].tolist()) == "delta "
+

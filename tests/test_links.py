@@ -312,6 +312,15 @@ def test_close_returns_once_the_links_threads_have_ended():
     assert time.monotonic() - t0 < 2
     threads = [left._sender, left._receiver, right._sender, right._receiver]
     assert not [t.name for t in threads if t.is_alive()]
+    # Nor does it wait out a frame's added latency.
+    left, right, shaper, _ = _pair(None)
+    shaper.latency_s = 30.0
+    left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), Codec.FP32)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    left.close()
+    right.close()
+    assert time.monotonic() - t0 < 1 and not left._sender.is_alive()
 
 
 def test_a_stopping_receiver_leaves_no_debt_in_the_fellows_bucket():

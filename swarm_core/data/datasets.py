@@ -43,9 +43,10 @@ def shakespeare_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
 
 
-def textfiles_text(patterns: list[str]) -> str:
-    # Each file once, in the order first named: patterns that overlap must not read a file
-    # twice (its second copy would land in the validation split, which training then saw).
+def textfiles_paths(patterns: list[str]) -> list[str]:
+    """The files ``patterns`` name, each once, in the order first named: patterns that overlap
+    must not read a file twice (its second copy would land in the validation split, which
+    training then saw)."""
     files: dict[str, None] = {}
     for pat in patterns:
         hits = [h for h in sorted(glob.glob(os.path.expanduser(pat), recursive=True))
@@ -53,7 +54,12 @@ def textfiles_text(patterns: list[str]) -> str:
         if not hits:
             raise DataError(f"dataset_paths: {pat!r} matches no file")
         files.update((os.path.realpath(h), None) for h in hits)
-    return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+    return list(files)
+
+
+def textfiles_text(patterns: list[str]) -> str:
+    return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace")
+                       for f in textfiles_paths(patterns))
 
 
 def wikitext103_text() -> tuple[str, str]:

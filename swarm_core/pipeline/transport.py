@@ -190,8 +190,7 @@ class PeerLink:
                     if self.abort.is_set():
                         continue  # stopping: what is queued is dropped, not sent
                     due, head, bufs, _keepalive = item
-                    delay = due - time.monotonic()
-                    if delay > 0 and self.abort.wait(delay):
+                    if self._sleep_until(due):
                         continue
                     self._write(memoryview(head))
                     for b in bufs:
@@ -205,6 +204,14 @@ class PeerLink:
             self._fail(self._blame(LinkClosed(f"link to {self.peer} broke while sending: {exc}")))
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
+
+    def _sleep_until(self, due: float) -> bool:
+        """The added latency: sleep until ``due``, or until the owner stops or closes the link
+        (True: then the frame is dropped)."""
+        while (left := due - time.monotonic()) > 0:
+            if self.abort.wait(min(left, 0.05)) or self._stop.is_set():
+                return True
+        return False
 
     def _until_pulse(self) -> float | None:
         if self.pulse_s is None:
