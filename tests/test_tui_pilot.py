@@ -498,3 +498,63 @@ async def test_keymap_remaps_keys(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: "fellows.release" in screen_text(app), "help")
             line = next(ln for ln in screen_text(app).splitlines() if "fellows.release " in ln)
             assert re.search(r"\sx\s+Release\s+fellows\.release\s", line), line
+
+
+async def test_the_watch_view_says_when_a_running_jobs_link_was_set(tmp_path: Path) -> None:
+    """A set-speed during a run reaches the job's record at the leader, and the job's watch
+    view says so under its summary: at which step, which fellow, what link."""
+    from textual.widgets import Static
+
+    async with live_cluster(tmp_path) as (leader, _fellows):
+        app = SwarmApp(leader.client(), refresh_s=0.5, configs_dir=snapshot_configs(tmp_path))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
+            async with leader.client() as c:
+                job = await c.submit(JobSubmit(
+                    name="slow", kind="smoke", training={"steps": 200, "step_seconds": 0.1},
+                    topology=Topology(2)))
+                await wait_for(pilot, lambda: app.model.jobs.get(job.job_id) is not None
+                               and app.model.jobs[job.job_id].info.last_step >= 2, "steps")
+                fid = job.fellows[1]
+                from swarm_core.protocol import SetSpeedRequest
+
+                answer = await c.set_speed(fid, SetSpeedRequest(tx_mbps=8.0, latency_ms=40))
+                assert answer["job_id"] == job.job_id
+            app.watch_job(job.job_id)
+            await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                           and app.screen.query("#job-summary"), "the watch view")
+
+            def summary() -> str:
+                return str(app.screen.query_one("#job-summary", Static).render())
+
+            await wait_for(pilot, lambda: "link set mid-run: @" in summary(),
+                           "the change in the summary", timeout=10)
+            text = summary()
+            assert f"fellow {fid} tx 8 Mbit/s, rx unlimited, +40 ms" in text
+            async with leader.client() as c:
+                await c.cancel(job.job_id)
+
+
+async def test_the_watch_view_shows_a_finished_runs_evaluation(tmp_path: Path) -> None:
+    """A completed train job's validation loss and perplexity sit beside its loss."""
+    import attrs
+    from textual.widgets import Static
+
+    from tests.tui_support import FakeClient, frozen_clock
+
+    client = FakeClient()
+    client._jobs[1] = attrs.evolve(client._jobs[1], metrics={"eval_loss": 2.0})
+    app = SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0,
+                   configs_dir=snapshot_configs(tmp_path))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshots >= 1, "the fixed data")
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                       and app.screen.query("#job-summary"), "the watch view")
+        assert app.screen.query_one("#watch-table", LiveTable).row_count == 2
+
+        def summary() -> str:
+            return str(app.screen.query_one("#job-summary", Static).render())
+
+        await wait_for(pilot, lambda: "eval 2.0000 (perplexity 7.39)" in summary(),
+                       "the evaluation in the summary")

@@ -441,6 +441,19 @@ class ClusterModel:
         return out
 
 
+def describe_link_changes(changes: list[dict[str, Any]], shown: int = 3) -> str:
+    """A job's mid-run set-speeds, newest last: "link set mid-run: @12 fellow 1 tx 8 Mbit/s,
+    rx unlimited; …" (the run did not keep its network profile throughout)."""
+    parts = []
+    for c in changes[-shown:]:
+        lk = c.get("link") or {}
+        parts.append(f"@{c.get('at_step')} fellow {c.get('fellow_id')} "
+                     + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
+                                     lk.get("latency_ms") or 0.0))
+    earlier = f" (+{len(changes) - shown} earlier)" if len(changes) > shown else ""
+    return "link set mid-run: " + "; ".join(parts) + earlier
+
+
 def describe_link(tx: float | None, rx: float | None, latency_ms: float) -> str:
     def rate(v: float | None) -> str:
         return "unlimited" if v is None else f"{v:g} Mbit/s"

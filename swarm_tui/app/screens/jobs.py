@@ -9,6 +9,7 @@ from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
 
+from swarm_core.protocol import perplexity
 from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
@@ -21,7 +22,7 @@ from swarm_tui.app.cells import (
     progress_bar,
     watch_cells,
 )
-from swarm_tui.app.model import Change, JobView
+from swarm_tui.app.model import Change, JobView, describe_link_changes
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
@@ -236,9 +237,14 @@ class JobWatchScreen(SwarmScreen):
             end = info.finished_at if info.finished_at is not None else \
                 self.swarm.model.leader_now()
             text.append(f"  ran {fmt_age(end - info.started_at)}")
+        ev = (info.metrics or {}).get("eval_loss")
+        if isinstance(ev, int | float):
+            text.append(f"  eval {ev:.4f} (perplexity {perplexity(ev):.2f})")
         why = info.waiting_for if info.state == "PENDING" else info.reason
         if why:
             text.append(f"\n{why}", style="italic")
+        if info.link_changes:
+            text.append("\n" + describe_link_changes(info.link_changes), style="yellow")
         summary.update(text)
         losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
         self.query_one("#curve-label", Label).update(
