@@ -10,8 +10,8 @@ prints a table:
 * the largest per-step |loss difference| against the CPU reference (float32 on a GPU differs by
   kernel rounding only; bfloat16 by bfloat16 rounding),
 * whether the loss falls, tokens/s, and that the weights ended up on the device asked for,
-* the same with a learned bottleneck whose int8 code crosses the boundary (the bottleneck and the
-  int8 codec, both ways, on the device),
+* the same with a learned bottleneck whose int8 code (one scale per 8 elements) crosses the
+  boundary (the bottleneck and the block int8 codec, both ways, on the device),
 * a resume row: the pipeline restarted on the device from its own step-k checkpoints (weights
   and AdamW state through their npz bytes, as a fellow pushes them) against the uninterrupted run.
 
@@ -57,9 +57,9 @@ TOLERANCE = {("cpu", "float32"): 1e-5, ("cpu", "bfloat16"): 1e-5,
 # backward may sum in another order, which in bfloat16 can move a value by a whole ulp.
 RESUME_TOLERANCE = {("cpu", "float32"): 0.0, ("cpu", "bfloat16"): 0.0,
                     ("cuda", "float32"): 1e-4, ("cuda", "bfloat16"): 2e-3}
-# A second model per dtype crosses its boundary as a learned bottleneck's int8 code: the
-# bottleneck and the int8 codec (both ways) run on the device too.
-COMPRESSED = "learned_dim16_int8"
+# A second model per dtype crosses its boundary as a learned bottleneck's int8 code, one scale
+# per 8 elements: the bottleneck and the block int8 codec (both ways) run on the device too.
+COMPRESSED = "learned_dim16_int8_b8"
 
 
 def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
