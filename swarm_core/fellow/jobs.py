@@ -350,10 +350,8 @@ async def run_train(start: dict[str, Any], ctx: JobContext) -> None:
         initial = await ctx.fetch_checkpoint(spec.job_id, resume_step, stage)
 
     def load() -> TokenData:
-        # In the stage's thread while its links are being opened (see run_stage). Only the
-        # first and last stages read tokens.
-        data = shared_token_data(training, model.seq_len,
-                                 tokens=stage in (0, spec.num_stages - 1))
+        # In the stage's thread while its links are being opened (see run_stage).
+        data = shared_token_data(training, model.seq_len, tokens=spec.reads_tokens)
         holder["data"] = data
         if model.vocab_size is not None and model.vocab_size < data.vocab_size:
             # Token ids beyond the embedding would fail the first forward with an IndexError

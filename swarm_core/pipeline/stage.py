@@ -116,6 +116,11 @@ class StageSpec:
     local_up: bool = False
     local_down: bool = False
 
+    @property
+    def reads_tokens(self) -> bool:
+        """Inputs go to the first stage and targets to the last; those between read none."""
+        return self.stage in (0, self.num_stages - 1)
+
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
     """Every ACT and GRAD frame at a stage's boundaries: one micro-batch, boundary-wide."""
@@ -279,7 +284,7 @@ class StageRunner:
         # (the stages between read none, and may hold no tokens at all).
         xs: tuple[torch.Tensor, ...] = ()
         ys: tuple[torch.Tensor, ...] = ()
-        if self.first or self.last:
+        if self.spec.reads_tokens:
             x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
             xs = x.to(self.device).chunk(m) if self.first else ()
             ys = y.to(self.device).chunk(m) if self.last else ()
@@ -424,7 +429,7 @@ class StageRunner:
         mb = t.batch_size // t.micro_batches
         batches: list[tuple[Any, Any]] = \
             self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len) \
-            if self.first or self.last else [(None, None)] * t.eval_batches
+            if self.spec.reads_tokens else [(None, None)] * t.eval_batches
         total = 0.0
         for i, (x, y) in enumerate(batches):
             self._check_stop()
