@@ -345,6 +345,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": list(getattr(job, "link_changes", None) or []),
+        "link_changes_total": max(getattr(job, "link_changes_total", 0) or 0,
+                                  len(getattr(job, "link_changes", None) or [])),
         "thresholds": {},
     }
     if training.max_final_loss is not None:

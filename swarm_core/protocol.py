@@ -439,6 +439,8 @@ class JobInfo:
     restarts: list[dict[str, Any]] = attrs.field(factory=list)
     # {at_step, fellow_id, link: {tx_mbps, rx_mbps, latency_ms}, at}: set-speeds while it ran
     link_changes: list[dict[str, Any]] = attrs.field(factory=list)
+    # How many set-speeds it saw in all: link_changes keeps the first and the newest 199.
+    link_changes_total: int = 0
 
 
 @attrs.define

@@ -243,3 +243,17 @@ def test_the_advertised_data_host_is_one_neighbours_can_dial():
     finally:
         ln.close()
 
+
+
+def test_swarm_job_shows_the_newest_set_speeds_and_counts_them_all():
+    from swarm_tui.commands.jobs import link_change_rows
+
+    changes = [{"at_step": s, "fellow_id": 0, "link": {"tx_mbps": 8.0, "rx_mbps": None,
+                                                      "latency_ms": 20.0}} for s in range(1, 6)]
+    assert link_change_rows(changes[:1]) == [
+        ["link set @1", "fellow 0: tx 8 Mbit/s, rx unlimited, +20 ms"]]
+    rows = link_change_rows(changes, total=300, shown=2)
+    assert rows[0] == ["link set", "300 times, the first @1; the newest 2:"]
+    assert [r[0] for r in rows[1:]] == ["link set @4", "link set @5"]
+    assert [r[0] for r in link_change_rows(changes, shown=5)] == [
+        f"link set @{s}" for s in range(1, 6)]

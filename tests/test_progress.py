@@ -166,15 +166,18 @@ def test_a_run_whose_link_was_set_mid_run_says_so_in_its_summary_and_report(tmp_
                for s in (12, 30, 31, 40)]
     records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
     rows = []
-    for link_changes in ([], changes[:2], changes):
+    # (The last: a record that kept 4 of 250 set-speeds; the "+N" counts them all.)
+    for link_changes, total in (([], 0), (changes[:2], 2), (changes, 4), (changes, 250)):
         job = SimpleNamespace(job_id="job-000001", state="COMPLETED", reason="", metrics={},
                               finished_at=None, started_at=None, fellows=[0, 1], restarts=[],
-                              link_changes=link_changes)
+                              link_changes=link_changes, link_changes_total=total)
         summary = summarize(st, job, records)
         assert summary["link_changes"] == link_changes
+        assert summary["link_changes_total"] == total
         rows.append(summary_rows([RunData(tmp_path, "r", summary, [], [], [], [])])[0])
     column = HEADERS.index("link set")
-    assert [r[column] for r in rows] == ["-", "@12 @30", "@12 @30 @31 +1"]
+    assert [r[column] for r in rows] == ["-", "@12 @30", "@12 @30 @31 +1",
+                                         "@12 @30 @31 +247"]
 
 
 async def test_an_integer_beyond_int64_is_a_400_that_changes_nothing(api, running):

@@ -407,3 +407,17 @@ def _screens() -> list[tuple[str, type]]:
 
     return [("detail", FellowDetailScreen), ("watch", JobWatchScreen),
             ("speed", SetSpeedDialog), ("confirm", ConfirmDialog)]
+
+
+def test_mid_run_set_speeds_are_described_newest_last_with_the_count_of_the_rest():
+    from swarm_tui.app.model import describe_link_changes
+
+    changes = [{"at_step": s, "fellow_id": 1, "link": {"tx_mbps": float(s), "rx_mbps": None,
+                                                      "latency_ms": 0.0}} for s in (3, 7, 9, 12)]
+    assert describe_link_changes(changes[:1]) == (
+        "link set mid-run: @3 fellow 1 tx 3 Mbit/s, rx unlimited")
+    text = describe_link_changes(changes)
+    assert text.startswith("link set mid-run: @7 fellow 1 tx 7 Mbit/s") and "@12" in text
+    assert text.endswith("(+1 earlier)")
+    # The job's record kept 4 of 40: the count says so.
+    assert describe_link_changes(changes, total=40).endswith("(+37 earlier)")

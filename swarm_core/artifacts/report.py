@@ -93,7 +93,9 @@ def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
     steps = [c.get("at_step") for c in summary.get("link_changes") or [] if isinstance(c, dict)]
     if not steps:
         return "-"
-    more = f" +{len(steps) - shown}" if len(steps) > shown else ""
+    total = summary.get("link_changes_total")
+    total = max(total, len(steps)) if isinstance(total, int) else len(steps)
+    more = f" +{total - shown}" if total > shown else ""
     return " ".join(f"@{s}" for s in steps[:shown]) + more
 
 

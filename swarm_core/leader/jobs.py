@@ -63,6 +63,7 @@ class JobRecord:
     restarts: list[dict[str, Any]] = attrs.field(factory=list)
     # Link limits set live on its fellows while it ran: the run's network, as it really was.
     link_changes: list[dict[str, Any]] = attrs.field(factory=list)
+    link_changes_total: int = 0  # all of them, also those the capped list let go
     # Leader-local: when this leader process began watching the run (restart grace).
     watched_since: float | None = attrs.field(default=None, metadata={"transient": True})
     # Set while the job waits out the heartbeat timeout to see which fellows are really gone.
@@ -139,6 +140,7 @@ class JobQueue:
             loss_history=self.loss_history(job) if with_history else [],
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
             restarts=job.restarts, link_changes=job.link_changes,
+            link_changes_total=max(job.link_changes_total, len(job.link_changes)),
         )
 
     def loss_history(self, job: JobRecord) -> list[list[float]]:
@@ -451,10 +453,12 @@ class JobQueue:
         job = self._jobs.get(fellow.assigned_job or "")
         if job is None or job.state is not JobState.RUNNING:
             return None
+        job.link_changes_total = max(job.link_changes_total, len(job.link_changes)) + 1
         job.link_changes.append({"at_step": job.last_step, "fellow_id": fellow.fellow_id,
                                  "link": link, "at": time.time()})
-        # A script setting speeds in a loop must not grow the record without end.
-        del job.link_changes[:-MAX_LINK_CHANGES]
+        # A script setting speeds in a loop must not grow the record without end. The first
+        # change stays: it is the step from which the run left its network profile.
+        del job.link_changes[1:len(job.link_changes) - MAX_LINK_CHANGES + 1]
         self._save(job, quiet=True)
         return job.job_id
 

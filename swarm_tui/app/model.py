@@ -441,16 +441,19 @@ class ClusterModel:
         return out
 
 
-def describe_link_changes(changes: list[dict[str, Any]], shown: int = 3) -> str:
+def describe_link_changes(changes: list[dict[str, Any]], shown: int = 3,
+                          total: int = 0) -> str:
     """A job's mid-run set-speeds, newest last: "link set mid-run: @12 fellow 1 tx 8 Mbit/s,
-    rx unlimited; …" (the run did not keep its network profile throughout)."""
+    rx unlimited; …" (the run did not keep its network profile throughout). ``total``: how
+    many there were in all, where the record kept only some."""
     parts = []
     for c in changes[-shown:]:
         lk = c.get("link") or {}
         parts.append(f"@{c.get('at_step')} fellow {c.get('fellow_id')} "
                      + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
                                      lk.get("latency_ms") or 0.0))
-    earlier = f" (+{len(changes) - shown} earlier)" if len(changes) > shown else ""
+    total = max(total, len(changes))
+    earlier = f" (+{total - shown} earlier)" if total > shown else ""
     return "link set mid-run: " + "; ".join(parts) + earlier
 
 

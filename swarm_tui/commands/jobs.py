@@ -53,7 +53,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
-LINK_CHANGES_SHOWN = 10  # the newest; --format json has them all
+LINK_CHANGES_SHOWN = 10  # the newest; --format json has the first and the newest 199
 
 
 def cmd_job(args: argparse.Namespace) -> int:
@@ -76,14 +76,27 @@ def cmd_job(args: argparse.Namespace) -> int:
                     f"fellow {st['fellow_id']} ({st['name']}) layers "
                     f"{st['layers']['start']}-{st['layers']['stop']}",
                     *_stage_figures(m.get("stages", {}).get(str(st["stage"]), {}))])])
-        for ch in job.link_changes[-LINK_CHANGES_SHOWN:]:
-            lk = ch.get("link") or {}
-            rows.append([f"link set @{ch.get('at_step')}", f"fellow {ch.get('fellow_id')}: "
-                         + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
-                                         lk.get("latency_ms") or 0.0)])
+        rows += link_change_rows(job.link_changes, job.link_changes_total)
         emit_table(None, ["what", "value"], rows)
 
     return run_with_client(args, body)
+
+
+def link_change_rows(changes: list[dict[str, Any]], total: int = 0,
+                     shown: int = LINK_CHANGES_SHOWN) -> list[list[str]]:
+    """``swarm job``'s rows for the set-speeds a job saw while it ran: the newest ``shown``,
+    after a row that counts them all and names the first, when there were more."""
+    rows = []
+    total = max(total, len(changes))
+    if total > shown and changes:
+        rows.append(["link set", f"{total} times, the first @{changes[0].get('at_step')}; "
+                                 f"the newest {shown}:"])
+    for ch in changes[-shown:]:
+        lk = ch.get("link") or {}
+        rows.append([f"link set @{ch.get('at_step')}", f"fellow {ch.get('fellow_id')}: "
+                     + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
+                                     lk.get("latency_ms") or 0.0)])
+    return rows
 
 
 def _stage_figures(reported: dict[str, Any]) -> list[str]:

@@ -244,7 +244,8 @@ class JobWatchScreen(SwarmScreen):
         if why:
             text.append(f"\n{why}", style="italic")
         if info.link_changes:
-            text.append("\n" + describe_link_changes(info.link_changes), style="yellow")
+            text.append("\n" + describe_link_changes(info.link_changes,
+                                                     total=info.link_changes_total), style="yellow")
         summary.update(text)
         losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
         self.query_one("#curve-label", Label).update(
