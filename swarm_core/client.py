@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
@@ -56,6 +57,28 @@ class ApiError(ClientError):
         return f"{self.message}{where}"
 
 
+def shown_url(url: str) -> str:
+    """``url`` fit for an error line: a password in it is not echoed."""
+    return re.sub(r"//([^/@]*?):[^/@]*@", r"//\1:***@", url)
+
+
+def check_leader_url(url: str) -> str:
+    """``url`` if it is http(s)://host[:port]; else a ValueError naming what is wrong. Refused
+    up front: a URL aiohttp cannot use would otherwise read as a leader that is down, and a
+    fellow would retry it for ever."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, port = parts.hostname, parts.port  # (.port raises on a bad port)
+    except ValueError as exc:
+        raise ValueError(f"leader URL {shown_url(url)!r} is not http(s)://host[:port]: {exc}") \
+            from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError(f"leader URL {shown_url(url)!r} is not http(s)://host[:port]")
+    if port == 0:
+        raise ValueError(f"leader URL {shown_url(url)!r} has port 0, which nothing listens on")
+    return url
+
+
 class SwarmClient:
     """``async with SwarmClient(url, token) as c: await c.fellows()``.
 
@@ -63,11 +86,7 @@ class SwarmClient:
     """
 
     def __init__(self, base_url: str, token: str | None, *, timeout_s: float = 10.0) -> None:
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            # Refused here: a URL aiohttp cannot use would otherwise read as a leader that is
-            # down, and a fellow would retry it for ever.
-            raise ValueError(f"leader URL {base_url!r} is not http(s)://host[:port]")
+        check_leader_url(base_url)
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s

@@ -35,6 +35,11 @@ def _one_line(text: str) -> str:
     (["restart-cluster", "--devices", "cuda:x"], "'cuda:x' is not 'cpu' or 'cuda:N'"),
     (["submit", "--fellows", "2000"], "<= 1024, got 2000"),
     (["submit", "--steps", "99999999999999999999"], "<= 9223372036854775807"),
+    (["set-speed", "--fellow-id", "0", "--tx-mbps", "1e300"], "rate in Mbit/s must be >= 0.001"),
+    (["set-speed", "--fellow-id", "0", "--rx-mbps", "0.0001"], "--rx-mbps"),
+    (["fellow", "--threads", "5000"], "thread count must be >= 1 and <= 1024, got 5000"),
+    (["restart-cluster", "--threads", "5000"], "--threads"),
+    (["generate", "--model", "m", "--prompt", "x", "--threads", "100000"], "--threads"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -45,7 +50,13 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--leader-url", "notaurl", "fellows"], "leader URL 'notaurl' is not http(s)://host:port"),
+    (["--leader-url", "notaurl", "fellows"], "leader URL 'notaurl' is not http(s)://host[:port]"),
+    (["--leader-url", "http://[::1", "fellows"], "'http://[::1' is not http(s)://host[:port]: "
+                                                 "Invalid IPv6 URL"),
+    (["--leader-url", "http://127.0.0.1:99999", "jobs"], "Port out of range"),
+    (["--leader-url", "http://127.0.0.1:abc", "jobs"], "Port could not be cast"),
+    (["--leader-url", "http://me:secret@127.0.0.1:0", "jobs"],
+     "'http://me:***@127.0.0.1:0' has port 0"),
     (["fellow", "--leader-url", "http://127.0.0.1:9", "--name", "x" * 300],
      "--name: must be 1-128 characters"),
     (["fellow", "--leader-url", "http://127.0.0.1:9", "--name", ""],
@@ -53,6 +64,8 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     (["--leader-url", "", "fellows"], "--leader-url is empty"),
     (["--leader-url", "http://127.0.0.1:9", "--token", "", "jobs"], "--token is empty"),
     (["--leader-url", "http://127.0.0.1:9", "submit", "--name", ""], "--name is empty"),
+    (["--leader-url", "http://127.0.0.1:9", "submit", "--payload", "p.json", "--steps", "3",
+      "--fellows", "2"], "--payload is the whole job body; --fellows, --steps would be ignored"),
 ])
 def test_bad_values_found_after_parsing_are_usage_errors_too(argv, needle, capsys):
     assert run(argv) == ExitCode.USAGE
@@ -257,3 +270,44 @@ def test_swarm_job_shows_the_newest_set_speeds_and_counts_them_all():
     assert [r[0] for r in rows[1:]] == ["link set @4", "link set @5"]
     assert [r[0] for r in link_change_rows(changes, shown=5)] == [
         f"link set @{s}" for s in range(1, 6)]
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("null", ": $: expected an object"),
+    ("[1, 2]", ": $: expected an object"),
+    ('{"d_model": "wide"}', ": $.d_model:"),
+])
+def test_submit_refuses_a_profile_that_is_not_one_naming_the_file(content, needle, tmp_path,
+                                                                  capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    for flag in ("--model", "--training"):
+        if flag == "--training" and "d_model" in content:
+            continue
+        assert run(["--leader-url", "http://127.0.0.1:9", "submit", flag, str(bad)]) == \
+            ExitCode.USAGE
+        assert f"{bad}{needle}" in _one_line(capsys.readouterr().err)
+
+
+def test_submit_runs_a_sweep_training_profile_as_its_job(tmp_path):
+    """A shipped training profile names its cluster, network and artifacts too: one job of it
+    takes its fellows, its link limits and its shard push interval."""
+    from swarm_core.config.profiles import load_job_training
+    from swarm_tui.commands.jobs import train_job
+
+    shipped = REPO / "exp/configs/training/distributed_smoke.json"
+    training, fellows = load_job_training(shipped)
+    assert fellows == 2 and training["shard_push_interval_steps"] == 6
+    assert training["link"] is None and training["steps"] == 12
+    body = json.loads(shipped.read_text())
+    body.update({"cluster_profile": {"fellows": 3},
+                 "network_profile": {"name": "slow", "tx_mbps": 8, "latency_ms": 20}})
+    (tmp_path / "t.json").write_text(json.dumps(body))
+    training, fellows = load_job_training(tmp_path / "t.json")
+    assert fellows == 3
+    assert training["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 20.0}
+    job = train_job({"name": "m"}, training, fellows, "m")  # what the leader structures too
+    assert job.topology.fellows == 3 and job.training["link"]["tx_mbps"] == 8.0
+    # A job's own training profile names no cluster: the fellows are the flag's (default 1).
+    assert load_job_training(REPO / "exp/configs/training/quickstart_shakespeare.json")[1] \
+        is None

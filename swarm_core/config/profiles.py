@@ -268,6 +268,20 @@ def load_training_profile(path: Path, referenced_from: tuple[Path, str] | None =
     return TrainingProfile(training, cluster, network, artifacts)
 
 
+def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
+    """A training profile as one job runs it (``swarm submit --training``): its training
+    fields, its artifacts' shard push interval and its network profile's link limits (not
+    its tc shaping, which only a sweep sets up), and the fellows its cluster profile asks for
+    (None when it names none)."""
+    profile = load_training_profile(path)
+    training = unstructure(profile.training)
+    training["shard_push_interval_steps"] = profile.artifacts.shard_push_interval_steps
+    link = profile.network_profile.link
+    training["link"] = None if link is None else unstructure(link)
+    data = _read_json(path)  # (valid: it loaded above)
+    return training, profile.cluster_profile.fellows if "cluster_profile" in data else None
+
+
 def load_experiment(path: Path | str) -> ResolvedExperiment:
     """Load, resolve references and expand the sweep grid into concrete runs."""
     path = Path(path)

@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
+from swarm_core.protocol import RATE_MBPS
 from swarm_core.schema import clip, whole_number
 
 
@@ -45,6 +46,20 @@ port = number(int, 0, 65535, "port")
 fellow_id = number(int, 0, 2**63 - 1, "fellow id")
 latency_ms = number(float, 0, 60_000, "latency in ms")
 temperature = number(float, 0, 10, "temperature", lo_open=True)
+# torch's thread pool: what a fellow registers with (the API's bound) and a local run sets.
+thread_count = number(int, 1, 1024, "thread count")
+link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
+
+
+def job_id(text: str) -> str:
+    """A job id as the leader makes them (``job-000001``): not empty, one short token. What
+    else it names is the leader's answer (no such job)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a job id such as job-000001, got nothing")
+    if len(text) > 128 or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError(f"expected a job id such as job-000001, got "
+                                         f"{clip(text)!r}")
+    return text
 
 
 def device_slots(text: str) -> str:

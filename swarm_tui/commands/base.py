@@ -11,13 +11,12 @@ import enum
 import os
 import shutil
 import sys
-import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient
+from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient, check_leader_url
 from swarm_core.schema import unstructure
 
 
@@ -103,9 +102,10 @@ def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
             "no leader: pass --leader-url, set SWARM_LEADER_URL, or run 'swarm restart-cluster'",
             ExitCode.UNREACHABLE,
         )
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CommandError(f"leader URL {url!r} is not http(s)://host:port", ExitCode.USAGE)
+    try:
+        check_leader_url(url)
+    except ValueError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
     token = getattr(args, "token", None) or os.environ.get("SWARM_TOKEN")
     if not token and record is not None and record.leader_url.rstrip("/") == url.rstrip("/"):
         token = token_for(record)

@@ -10,7 +10,7 @@ from swarm_tui.commands.argtypes import (
     local_fellow_count,
     port,
     positive_float,
-    positive_int,
+    thread_count,
 )
 from swarm_tui.commands.base import add_format, emit_json, print_line
 from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="heartbeat timeout in seconds (default 5)")
     p.add_argument("--devices", type=device_slots, default="cpu",
                    help="device slots of each fellow (default cpu)")
-    p.add_argument("--threads", type=positive_int, default=1, help="threads per fellow")
+    p.add_argument("--threads", type=thread_count, default=1, help="threads per fellow")
     p.add_argument("--timeout", type=positive_float, default=30.0,
                    help="seconds to wait for readiness (default 30)")
     add_format(p)

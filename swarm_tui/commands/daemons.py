@@ -16,7 +16,7 @@ from swarm_tui.commands.argtypes import (
     device_slots,
     port,
     positive_float,
-    positive_int,
+    thread_count,
 )
 from swarm_tui.commands.base import (
     CommandError,
@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", help="fellow name, unique in the cluster (default: hostname)")
     p.add_argument("--devices", default="cpu",
                    help="device slots: cpu, or cuda:0,cuda:1 (default: cpu)")
-    p.add_argument("--threads", type=positive_int, default=1,
+    p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per stage (default: 1)")
     p.add_argument("--data-host", default="127.0.0.1",
                    help="address the data plane binds; neighbours dial it for activations "

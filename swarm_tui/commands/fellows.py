@@ -6,7 +6,7 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.protocol import SetSpeedRequest
-from swarm_tui.commands.argtypes import fellow_id, latency_ms, positive_float
+from swarm_tui.commands.argtypes import fellow_id, latency_ms, link_mbps
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -109,9 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live")
     p.add_argument("--fellow-id", type=fellow_id, required=True, help="which fellow")
-    p.add_argument("--tx-mbps", type=positive_float, default=None,
+    p.add_argument("--tx-mbps", type=link_mbps, default=None,
                    help="send limit in Mbit/s (omit: unlimited)")
-    p.add_argument("--rx-mbps", type=positive_float, default=None,
+    p.add_argument("--rx-mbps", type=link_mbps, default=None,
                    help="receive limit in Mbit/s (omit: unlimited)")
     p.add_argument("--latency-ms", type=latency_ms, default=0.0,
                    help="added one-way latency in ms (default 0)")

@@ -13,7 +13,7 @@ from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.protocol import JobInfo, JobState, JobSubmit, perplexity, step_wait_share
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.app.model import describe_link
-from swarm_tui.commands.argtypes import fellow_count, positive_int
+from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -157,22 +157,38 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.name == "":
         raise CommandError("--name is empty", ExitCode.USAGE)
     if args.payload:
+        given = [flag for flag, value in (("--model", args.model), ("--training", args.training),
+                                          ("--name", args.name), ("--fellows", args.fellows),
+                                          ("--steps", args.steps)) if value is not None]
+        if given:
+            raise CommandError(f"--payload is the whole job body; {', '.join(given)} would be "
+                               "ignored: set them in the payload", ExitCode.USAGE)
         req = _load_payload(args.payload)
     elif args.model or args.training:
         from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
+        from swarm_core.config.profiles import (
+            ConfigError,
+            load_job_training,
+            load_model_profile,
+        )
+        from swarm_core.schema import unstructure
 
-        model = _load_json(args.model) if args.model else dict(DEFAULT_MODEL)
-        training = _load_json(args.training) if args.training else dict(DEFAULT_TRAINING)
-        if args.training and isinstance(training, dict):
-            from swarm_core.config.profiles import anchor_dataset_paths
-
-            training = anchor_dataset_paths(training, Path(args.training).resolve().parent)
+        fellows = args.fellows
+        try:
+            model = unstructure(load_model_profile(Path(args.model))) if args.model \
+                else dict(DEFAULT_MODEL)
+            if args.training:
+                training, profile_fellows = load_job_training(Path(args.training))
+                fellows = fellows or profile_fellows
+            else:
+                training = dict(DEFAULT_TRAINING)
+        except ConfigError as exc:
+            raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
-        req = train_job(model, training, args.fellows,
-                        args.name or f"{model.get('name', 'model')}")
+        req = train_job(model, training, fellows or 1, args.name or f"{model.get('name', 'model')}")
     else:
-        req = smoke_job(args.fellows, args.steps or 5, args.name or "smoke")
+        req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
     async def body(c: SwarmClient) -> int:
         job = await c.submit(req)
@@ -289,7 +305,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("job", help="one job in detail (json: with its loss history)")
-    p.add_argument("job_id", help="e.g. job-000001")
+    p.add_argument("job_id", type=job_id, help="e.g. job-000001")
     add_format(p)
     p.set_defaults(func=cmd_job)
 
@@ -302,8 +318,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--training", help="training profile JSON (a train job; default: "
                                       "quickstart_shakespeare)")
     p.add_argument("--name", default=None, help="job name (smoke job)")
-    p.add_argument("--fellows", type=fellow_count, default=1,
-                   help="fellows the smoke job needs (default 1)")
+    p.add_argument("--fellows", type=fellow_count, default=None,
+                   help="fellows the job needs (default: the training profile's "
+                        "cluster_profile, else 1)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
@@ -311,13 +328,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("cancel", help="cancel a pending or running job")
-    p.add_argument("job_id", help="e.g. job-000001")
+    p.add_argument("job_id", type=job_id, help="e.g. job-000001")
     add_format(p)
     p.set_defaults(func=cmd_cancel)
 
     p = sub.add_parser("watch", help="stream a job's events until it ends "
                                      "(exit 0 if it COMPLETED)")
-    p.add_argument("job_id", help="e.g. job-000001")
+    p.add_argument("job_id", type=job_id, help="e.g. job-000001")
     add_format(p)
     p.set_defaults(func=cmd_watch)
 

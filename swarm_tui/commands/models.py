@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from swarm_core.protocol import perplexity
-from swarm_tui.commands.argtypes import positive_int, temperature
+from swarm_tui.commands.argtypes import positive_int, temperature, thread_count
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -150,7 +150,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model_export/full_model directory")
     p.add_argument("--batches", type=positive_int, default=None,
                    help="held-out batches (default: the run's eval_batches)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads")
     add_format(p)
     p.set_defaults(func=cmd_eval)
 
@@ -161,6 +161,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample from the top k")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch threads")
     add_format(p)
     p.set_defaults(func=cmd_generate)
