@@ -311,3 +311,20 @@ def test_submit_runs_a_sweep_training_profile_as_its_job(tmp_path):
     # A job's own training profile names no cluster: the fellows are the flag's (default 1).
     assert load_job_training(REPO / "exp/configs/training/quickstart_shakespeare.json")[1] \
         is None
+
+
+def test_an_unreadable_local_cluster_record_is_named_not_taken_for_none(capsys):
+    """stop-cluster must not say "no local cluster" while the processes a damaged record
+    names may run on; a leader named outright does not need the record."""
+    from swarm_tui.commands.local_cluster import record_path
+
+    path = record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"leader_url": "http://127.')  # cut short
+    for argv in (["fellows"], ["stop-cluster"], ["restart-cluster", "--fellows", "1"]):
+        assert run(argv) == ExitCode.FAILURE, argv
+        assert f"{path}: unreadable local cluster record" in _one_line(capsys.readouterr().err)
+    assert path.exists(), "the record stays for the user to act on"
+    url = f"http://127.0.0.1:{free_port()}"
+    assert run(["--leader-url", url, "jobs"]) == ExitCode.UNREACHABLE
+    assert "cannot reach the leader" in _one_line(capsys.readouterr().err)

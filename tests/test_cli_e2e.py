@@ -118,6 +118,12 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         watched = run_cli("watch", queued["job_id"], env=cli_env)
         assert watched.returncode == 1
         assert "CANCELLED" in watched.stdout
+        # Why it did not complete is one line on stderr, in json mode too (stdout: events).
+        for fmt in ("table", "json"):
+            watched = run_cli("watch", queued["job_id"], "--format", fmt, env=cli_env)
+            assert watched.returncode == 1
+            assert watched.stderr.splitlines() == [
+                f"{queued['job_id']} CANCELLED at step 0: cancelled by request"]
 
         # A set-speed mid-run is recorded in the running job, and `swarm job` shows it.
         long = cli_json("submit", "--fellows", "2", "--steps", "40", env=cli_env)

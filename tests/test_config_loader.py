@@ -115,6 +115,13 @@ BAD = [
     ("fellows_vs_layers", "5 stages for 2 layers", "$.cluster_profile.fellows"),
     ("small_vocab", "vocab_size 100 is smaller than the byte tokenizer's 256", "$.vocab_size"),
     ("weights_override", "1 weights for 2 stages", "$.sweep(overrides).stage_weights"),
+    ("dim_vs_spec", "bottleneck_dim 16 contradicts 'learned_dim32'", "$.bottleneck_dim"),
+    # Runs are named by model, spec, network, seed and repeat: none may repeat.
+    ("same_seed_twice", "seeds must be unique, got [1, 1]", "$.sweep.seeds"),
+    ("same_spec_twice", "specs must be unique", "$.sweep.compressions"),
+    ("no_networks", "must list at least one profile", "$.sweep.network_profiles"),
+    ("same_model_twice", "model profiles 0 and 1 are both named 'm'", "$.model_configs[1]"),
+    ("grid_too_big", "the sweep has 20,000 runs, more than 10,000", "$.sweep"),
 ]
 
 
@@ -172,6 +179,20 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
         path, target = exp(), "model/m.json"
     elif case == "weights_override":
         path = exp(sweep={"overrides": {"stage_weights": [1]}})
+    elif case == "dim_vs_spec":
+        _write(tmp, "model/m.json", {"d_model": 64, "n_layers": 2, "n_heads": 2,
+                                     "compression": "learned_dim32", "bottleneck_dim": 16})
+        path, target = exp(), "model/m.json"
+    elif case == "same_seed_twice":
+        path = exp(sweep={"seeds": [1, 1]})
+    elif case == "same_spec_twice":
+        path = exp(sweep={"compressions": ["none", "fixed_int8", "none"]})
+    elif case == "no_networks":
+        path = exp(sweep={"network_profiles": []})
+    elif case == "same_model_twice":
+        path = exp(model_configs=["model/m.json", "model/m.json"])
+    elif case == "grid_too_big":
+        path = exp(sweep={"seeds": list(range(200)), "repeats": 100})
     with pytest.raises(ConfigError) as exc:
         load_experiment(path)
     err = exc.value

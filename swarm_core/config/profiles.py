@@ -115,6 +115,9 @@ class ArtifactsProfile:
 
 
 PROFILE_KEYS = ("cluster_profile", "network_profile", "artifacts")
+# A sweep is queued whole on the leader, a run each: a grid bigger than any study needs is a
+# typo (a seed range pasted in), caught before it is expanded.
+MAX_RUNS = 10_000
 
 
 @attrs.define
@@ -146,8 +149,16 @@ class SweepSpec:
             raise FieldError("must list at least one seed", "seeds")
         if any(s < 0 for s in self.seeds):
             raise FieldError("seeds must be >= 0", "seeds")
+        if len(set(self.seeds)) != len(self.seeds):  # (runs are named by their seed)
+            raise FieldError(f"seeds must be unique, got {self.seeds}", "seeds")
         if self.compressions is not None and not self.compressions:
             raise FieldError("must list at least one spec (or be omitted)", "compressions")
+        if self.compressions is not None and len(set(self.compressions)) != \
+                len(self.compressions):
+            raise FieldError(f"specs must be unique, got {self.compressions}", "compressions")
+        if self.network_profiles is not None and not self.network_profiles:
+            raise FieldError("must list at least one profile (or be omitted)",
+                             "network_profiles")
         if self.network_profiles is not None:
             names = [n.name for n in self.network_profiles]
             if len(set(names)) != len(names):
@@ -296,6 +307,16 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
+    names = [m.name for _, m in models]
+    for i, name in enumerate(names):
+        if name in names[:i]:  # (runs are named by their model)
+            raise ConfigError(path, f"model profiles {names.index(name)} and {i} are both named "
+                              f"{name!r}", f"$.model_configs[{i}]")
+    per_model = len(sweep.compressions or [None]) * len(networks) * len(sweep.seeds) \
+        * sweep.repeats
+    if per_model * len(models) > MAX_RUNS:
+        raise ConfigError(path, f"the sweep has {per_model * len(models):,} runs, more than "
+                          f"{MAX_RUNS:,}: split it into several experiments", "$.sweep")
     runs: list[RunSpec] = []
     for mpath, model in models:
         compressions = sweep.compressions or [model.compression]
@@ -340,8 +361,8 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: Train
     if shape is None:
         return
     message, where = shape
-    if where == "model.vocab_size":
-        raise ConfigError(mpath, message, "$.vocab_size")
+    if where.startswith("model."):  # (a model field: the model profile's, by its own name)
+        raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
     if where == "topology":
         raise ConfigError(tpath, message, "$.cluster_profile.fellows")
     if profile.training.stage_weights is not None:

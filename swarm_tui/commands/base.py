@@ -94,7 +94,12 @@ def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
         if getattr(args, flag, None) == "":
             raise CommandError(f"--{flag.replace('_', '-')} is empty", ExitCode.USAGE)
     url = getattr(args, "leader_url", None) or os.environ.get("SWARM_LEADER_URL")
-    record = read_record()
+    try:
+        record = read_record()
+    except CommandError:
+        if not url:
+            raise
+        record = None  # (a leader named outright does not need it)
     if not url and record is not None:
         url = record.leader_url
     if not url:

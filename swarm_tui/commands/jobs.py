@@ -24,6 +24,7 @@ from swarm_tui.commands.base import (
     fmt_loss,
     print_line,
     run_with_client,
+    warn,
 )
 
 TERMINAL = {s.value for s in JobState if s.terminal}
@@ -198,8 +199,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             else:
                 print_line(f"{job.job_id} {job.state} ({job.waiting_for or 'queued'})")
             return 0
-        final = await watch_job(c, job.job_id, json_lines=args.format == "json")
-        return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
+        return _watched(await watch_job(c, job.job_id, json_lines=args.format == "json"))
 
     return run_with_client(args, body)
 
@@ -217,8 +217,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_watch(args: argparse.Namespace) -> int:
     async def body(c: SwarmClient) -> int:
-        final = await watch_job(c, args.job_id, json_lines=args.format == "json")
-        return 0 if final.state == JobState.COMPLETED.value else int(ExitCode.FAILURE)
+        return _watched(await watch_job(c, args.job_id, json_lines=args.format == "json"))
 
     return run_with_client(args, body)
 
@@ -288,6 +287,16 @@ async def watch_job(c: SwarmClient, job_id: str, *, json_lines: bool = False,
         reason = f": {job.reason}" if job.reason else ""
         print_line(f"{job.job_id} {job.state} at step {job.last_step}{reason}")
     return job
+
+
+def _watched(final: JobInfo) -> int:
+    """A watch's exit code: 0 if the job COMPLETED; else 1, with why on stderr in one line
+    (in json mode too, whose stdout holds only events)."""
+    if final.state == JobState.COMPLETED.value:
+        return 0
+    reason = f": {final.reason}" if final.reason else ""
+    warn(f"{final.job_id} {final.state} at step {final.last_step}{reason}")
+    return int(ExitCode.FAILURE)
 
 
 def _job_state(text: str) -> str:

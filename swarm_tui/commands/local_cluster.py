@@ -51,13 +51,19 @@ def record_path() -> Path:
 
 
 def read_record() -> ClusterRecord | None:
+    """The local cluster's record; None when there is none. A record that cannot be read is an
+    error, not "no cluster": stop-cluster would otherwise say there is nothing to stop while
+    the processes it names run on."""
     path = record_path()
     try:
         return structure(jsonio.loads(path.read_bytes()), ClusterRecord, strict=False)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, SchemaError):
-        return None
+    except (OSError, ValueError, SchemaError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise CommandError(f"{path}: unreadable local cluster record ({why}); stop the "
+                           "swarm processes it started by hand, then remove it",
+                           ExitCode.FAILURE) from None
 
 
 def token_for(record: ClusterRecord) -> str | None:

@@ -25,12 +25,16 @@ from swarm_tui.commands.local_cluster import read_record
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    record = read_record()
+    unreadable = None
+    try:
+        record = read_record()
+    except CommandError as exc:  # (info says what it can, this too)
+        record, unreadable = None, str(exc)
     out: dict[str, object] = {
         "version": swarm_core.__version__,
         "python": platform.python_version(),
         "swarm_home": str(swarm_home()),
-        "local_cluster": None if record is None else {
+        "local_cluster": unreadable if record is None else {
             "leader_url": record.leader_url, "fellows": len(record.fellows),
             "state_dir": record.state_dir,
         },
@@ -60,6 +64,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ["version", out["version"]], ["python", out["python"]],
         ["swarm home", out["swarm_home"]], ["leader url", url or "(none configured)"],
     ]
+    if unreadable:
+        rows.append(["local cluster", unreadable])
     leader = out["leader"]
     if leader is not None:
         rows += [["leader version", leader.version],  # type: ignore[attr-defined]
