@@ -275,11 +275,17 @@ class SetSpeedRequest:
     )
 
 
+def _ids(ids: list[int]) -> None:
+    for i, fid in enumerate(ids):  # (an id no fellow can have is a bad body, not "unknown")
+        if not 0 <= fid < 2**63:
+            raise FieldError(f"must be a fellow id (0 to 2**63-1), got {fid}", f"fellow_ids[{i}]")
+
+
 @attrs.define
 class ReleaseRequest:
     """Release the listed fellows, or all of them."""
 
-    fellow_ids: list[int] = attrs.field(factory=list)
+    fellow_ids: list[int] = attrs.field(factory=list, validator=lambda _i, _a, v: _ids(v))
     all: bool = False
 
     __json_schema__ = {"oneOf": [

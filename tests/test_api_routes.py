@@ -834,6 +834,7 @@ async def test_release_running_fellow_carries_job_id(api):
     ({}, 400, "$"),
     ({"fellow_ids": [], "all": False}, 400, "$"),
     ({"fellow_ids": ["0"]}, 400, "$.fellow_ids[0]"),
+    ({"fellow_ids": [0, -1]}, 400, "$.fellow_ids[1]"),
     ({"fellow_ids": 0}, 400, "$.fellow_ids"),
     ({"all": "yes"}, 400, "$.all"),
     ({"all": 1}, 400, "$.all"),
@@ -896,8 +897,12 @@ async def test_submit_defaults(api):
     assert (job["name"], job["kind"], job["topology"]) == \
         ("job", "train", {"fellows": 1, "slots_per_fellow": 1})
     assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
-    empty = await expect_ok(await api.post(f"{A}/jobs", data=b"", headers=AUTH), 201)
-    assert empty["job_id"] != job["job_id"]
+    # A body that is not there is not {}: refused, and nothing is queued.
+    resp = await api.post(f"{A}/jobs", data=b"", headers=AUTH)
+    assert resp.status == 400
+    assert "empty body" in (await resp.json())["error"]["message"]
+    jobs = await expect_ok(await api.get(f"{A}/jobs", headers=AUTH))
+    assert [j["job_id"] for j in jobs["jobs"]] == [job["job_id"]]
 
 
 @pytest.mark.parametrize(("body", "field"), [

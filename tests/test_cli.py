@@ -328,3 +328,54 @@ def test_an_unreadable_local_cluster_record_is_named_not_taken_for_none(capsys):
     url = f"http://127.0.0.1:{free_port()}"
     assert run(["--leader-url", url, "jobs"]) == ExitCode.UNREACHABLE
     assert "cannot reach the leader" in _one_line(capsys.readouterr().err)
+
+
+def test_a_leader_state_that_is_not_one_is_named_in_one_line(tmp_path, capsys):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "token").write_bytes(b"\xff\xfe")
+    assert run(["leader", "--port", "0", "--state-dir", str(state)]) == ExitCode.FAILURE
+    assert f"{state / 'token'}: not a token" in _one_line(capsys.readouterr().err)
+    (state / "token").unlink()
+    (state / "leader.sqlite3").write_text("not a database\n" * 10)
+    assert run(["leader", "--port", "0", "--state-dir", str(state)]) == ExitCode.FAILURE
+    assert f"{state / 'leader.sqlite3'}: cannot open the leader's state: file is not a " \
+        "database" in _one_line(capsys.readouterr().err)
+    assert (state / "leader.sqlite3").read_text() == "not a database\n" * 10, "left as it was"
+
+
+def test_a_local_clusters_bad_token_file_is_named_not_sent(tmp_path, capsys):
+    """Sending it would earn a 401 that blames the token, not the file."""
+    from swarm_tui.commands.local_cluster import record_path
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "token").write_bytes(b"two words\n")
+    path = record_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "leader_url": "http://127.0.0.1:9", "state_dir": str(state), "started_at": 0.0,
+        "leader": {"name": "leader", "pid": 1, "log": "x"}, "fellows": []}))
+    assert run(["jobs"]) == ExitCode.FAILURE
+    assert f"{state / 'token'}: not a token (it holds whitespace)" in \
+        _one_line(capsys.readouterr().err)
+
+
+def test_a_swarm_home_that_is_a_file_is_named(tmp_path, monkeypatch, capsys):
+    a_file = tmp_path / "home"
+    a_file.write_text("x")
+    monkeypatch.setenv("SWARM_HOME", str(a_file))
+    assert run(["restart-cluster", "--fellows", "1"]) == ExitCode.USAGE
+    assert f"SWARM_HOME: {a_file} is not a directory" in _one_line(capsys.readouterr().err)
+
+
+def test_a_suite_out_that_cannot_be_a_directory_is_a_usage_error(tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    suite = str(REPO / "exp/configs/benchmarks/multinode_training_v1.json")
+    for out, needle in ((a_file, f"--out: {a_file} is not a directory"),
+                        (a_file / "x", f"--out: {a_file} is not a directory")):
+        assert run(["--leader-url", "http://127.0.0.1:9", "suite", "--suite", suite,
+                    "--dry-run", "--out", str(out)]) == ExitCode.USAGE
+        assert needle in _one_line(capsys.readouterr().err)
+    assert a_file.read_text() == "x"

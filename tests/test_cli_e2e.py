@@ -151,3 +151,34 @@ def test_swarm_tui_cmd_is_the_same_cli(cli_env):
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
     ja, jb = json.loads(a.stdout), json.loads(b.stdout)
     assert ja.keys() == jb.keys() and ja["version"] == jb["version"]
+
+
+def test_a_leader_binds_before_it_creates_anything(cli_env, tmp_path):
+    """A port in use fails in one line with no state or token left behind, and nothing said
+    to be listening; port 0 announces the port it got."""
+    import subprocess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_cli("leader", "--port", str(port), "--state-dir", str(tmp_path / "s"),
+                      env=cli_env)
+    assert res.returncode == 1
+    assert res.stdout == "" and len(res.stderr.splitlines()) == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in res.stderr
+    assert not (tmp_path / "s").exists()
+
+    proc = subprocess.Popen([sys.executable, "-m", "swarm_tui.cli", "leader", "--port", "0",
+                             "--state-dir", str(tmp_path / "z")], env=cli_env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        got = int(line.split()[3].rsplit(":", 1)[1])
+        assert got != 0, line
+        with socket.create_connection(("127.0.0.1", got), timeout=5):
+            pass  # listening where it said
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

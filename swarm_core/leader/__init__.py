@@ -6,7 +6,8 @@ outside this package uses only the names exported here; everything else goes thr
 """
 
 from swarm_core.leader.app import LeaderConfig, create_app, run_leader
-from swarm_core.leader.auth import read_token
+from swarm_core.leader.auth import TokenFileError, read_token
 from swarm_core.leader.store import StoreError
 
-__all__ = ["LeaderConfig", "StoreError", "create_app", "read_token", "run_leader"]
+__all__ = ["LeaderConfig", "StoreError", "TokenFileError", "create_app", "read_token",
+           "run_leader"]

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -115,13 +116,23 @@ def create_app(config: LeaderConfig) -> web.Application:
 
 
 def run_leader(config: LeaderConfig, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Serve until SIGINT/SIGTERM. Prints the URL once listening (scripts wait for it)."""
-    app = create_app(config)
-    url = f"http://{host}:{port}"
+    """Serve until SIGINT/SIGTERM. Prints the URL once listening (scripts wait for it).
+
+    The port is bound before anything else: a port in use fails with nothing created (no
+    state, no token) and nothing announced, and port 0 announces the port it got."""
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
+                                else socket.AF_INET)
+    bound = sock.getsockname()[1]
+    url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+    try:
+        app = create_app(config)
+    except BaseException:
+        sock.close()
+        raise
 
     async def announce(_app: web.Application) -> None:
         print(f"leader listening on {url} (state {config.state_dir})", flush=True)
 
     app.on_startup.append(announce)
-    web.run_app(app, host=host, port=port, print=None, access_log=None,
+    web.run_app(app, sock=sock, print=None, access_log=None,
                 handle_signals=True, shutdown_timeout=3.0)

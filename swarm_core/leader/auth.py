@@ -22,7 +22,7 @@ def load_or_create_token(state_dir: Path, explicit: str | None = None) -> str:
         return explicit
     path = state_dir / TOKEN_FILE
     if path.exists():
-        token = path.read_text().strip()
+        token = _token_text(path)
         if token:
             return token
     token = secrets.token_urlsafe(32)
@@ -30,12 +30,29 @@ def load_or_create_token(state_dir: Path, explicit: str | None = None) -> str:
     return token
 
 
+class TokenFileError(ValueError):
+    """The state dir's token file holds something that is not a token."""
+
+
 def read_token(state_dir: Path) -> str | None:
-    path = state_dir / TOKEN_FILE
+    """The state dir's token; None if there is none to read. A TokenFileError if the file is
+    not a token (sending it would only earn a 401 that blames the token, not the file)."""
     try:
-        return path.read_text().strip() or None
+        return _token_text(state_dir / TOKEN_FILE) or None
     except OSError:
         return None
+
+
+def _token_text(path: Path) -> str:
+    try:
+        token = path.read_bytes().decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise TokenFileError(f"{path}: not a token (expected one line of ASCII text); remove it "
+                         "and restart the leader to make a new one") from None
+    if any(c.isspace() for c in token):
+        raise TokenFileError(f"{path}: not a token (it holds whitespace); remove it and restart "
+                         "the leader to make a new one")
+    return token
 
 
 def auth_middleware(token: str) -> Handler:
@@ -54,5 +71,6 @@ def auth_middleware(token: str) -> Handler:
     return middleware
 
 
-__all__ = ["PUBLIC_PATHS", "auth_middleware", "load_or_create_token", "read_token"]
+__all__ = ["PUBLIC_PATHS", "TokenFileError", "auth_middleware", "load_or_create_token",
+           "read_token"]
 

@@ -76,12 +76,14 @@ async def read_body(request: web.Request, cls: type) -> Any:
     name = content_coding.coding(request)  # (refused before the body is read)
     raw = content_coding.decode(request, name, await request.read())
     if not raw:
-        data: Any = {}
-    else:
-        try:
-            data = jsonio.loads(raw)
-        except jsonio.JSONDecodeError as exc:
-            raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        # Not read as {}: a request that lost its body would run on every default (a POST
+        # /jobs so cut short would start a training job). {} asks for them outright.
+        raise ApiError(400, "empty body: expected a JSON object ({} for every default)",
+                       code="invalid_json")
+    try:
+        data = jsonio.loads(raw)
+    except jsonio.JSONDecodeError as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
     return structure(data, cls)
 
 

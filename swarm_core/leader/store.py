@@ -44,9 +44,13 @@ class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:  # (not a database, locked, unwritable…)
+            self._db.close()
+            raise StoreError(f"{path}: cannot open the leader's state: {exc}") from None
         row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))

@@ -162,10 +162,19 @@ def fmt_loss(v: float | None) -> str:
     return "-" if v is None else f"{v:.4f}"
 
 
+def check_dir(path: Path, what: str) -> None:
+    """``path`` must be a directory, or one that can be made: the nearest part of it that
+    exists is a directory."""
+    part = path
+    while not part.exists() and part != part.parent:
+        part = part.parent
+    if part.exists() and not part.is_dir():
+        raise CommandError(f"{what}: {part} is not a directory", ExitCode.USAGE)
+
+
 def check_state_dir(path: Path) -> None:
     """A leader's state dir must be a directory, or not exist yet."""
-    if path.exists() and not path.is_dir():
-        raise CommandError(f"--state-dir: {path} is not a directory", ExitCode.USAGE)
+    check_dir(path, "--state-dir")
 
 
 def check_gpu_slots(slots: Sequence[str]) -> None:

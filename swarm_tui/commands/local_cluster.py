@@ -21,10 +21,16 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.client import ClientError, SwarmClient, wait_for_leader
-from swarm_core.leader import read_token
-from swarm_core.paths import atomic_write, default_state_dir, local_cluster_dir
+from swarm_core.leader import TokenFileError, read_token
+from swarm_core.paths import atomic_write, default_state_dir, local_cluster_dir, swarm_home
 from swarm_core.schema import SchemaError, structure, unstructure
-from swarm_tui.commands.base import CommandError, ExitCode, check_gpu_slots, check_state_dir
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    check_dir,
+    check_gpu_slots,
+    check_state_dir,
+)
 
 RECORD_FILE = "cluster.json"
 FELLOW_PREFIX = "local-"
@@ -57,7 +63,7 @@ def read_record() -> ClusterRecord | None:
     path = record_path()
     try:
         return structure(jsonio.loads(path.read_bytes()), ClusterRecord, strict=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (no record where none could be)
         return None
     except (OSError, ValueError, SchemaError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
@@ -67,7 +73,10 @@ def read_record() -> ClusterRecord | None:
 
 
 def token_for(record: ClusterRecord) -> str | None:
-    return os.environ.get("SWARM_TOKEN") or read_token(Path(record.state_dir))
+    try:
+        return os.environ.get("SWARM_TOKEN") or read_token(Path(record.state_dir))
+    except TokenFileError as exc:
+        raise CommandError(str(exc), ExitCode.FAILURE) from None
 
 
 def _ours(pid: int) -> bool:
@@ -168,6 +177,7 @@ class ClusterSpec:
 def check_spec(spec: ClusterSpec) -> None:
     """What would make the new cluster fail to start, found before the running one is
     stopped: a refused restart leaves the cluster that was there."""
+    check_dir(swarm_home(), "SWARM_HOME")
     check_state_dir(spec.state_dir or default_state_dir())
     running = read_record()
     if spec.port and not (running and running.leader_url.endswith(f":{spec.port}")):

@@ -15,6 +15,7 @@ from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
     add_format,
+    check_dir,
     emit_json,
     emit_table,
     print_line,
@@ -37,6 +38,12 @@ def cmd_suite(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else \
         Path(suite.path).resolve().parents[2] / "runs" / "suites" / f"{suite.spec.name}-{stamp}"
     url, token = resolve_leader(args)
+    check_dir(out, "--out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandError(f"--out: cannot create {out}: {exc.strerror}", ExitCode.USAGE) \
+            from None
     say = print_line if args.format == "table" else warn
 
     async def main() -> int:
