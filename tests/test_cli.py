@@ -379,3 +379,10 @@ def test_a_suite_out_that_cannot_be_a_directory_is_a_usage_error(tmp_path, capsy
                     "--dry-run", "--out", str(out)]) == ExitCode.USAGE
         assert needle in _one_line(capsys.readouterr().err)
     assert a_file.read_text() == "x"
+
+
+def test_llm_doc_output_under_a_file_is_a_usage_error(tmp_path, capsys):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert run(["llm-doc", "--output", str(a_file / "cli.md")]) == ExitCode.USAGE
+    assert f"--output: {a_file} is not a directory" in _one_line(capsys.readouterr().err)

@@ -16,6 +16,7 @@ from swarm_tui.commands.base import (
     FORMATS,
     CommandError,
     add_format,
+    check_dir,
     emit_json,
     emit_table,
     resolve_leader,
@@ -142,6 +143,7 @@ def cmd_llm_doc(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     path = Path(args.output)
+    check_dir(path.parent, "--output")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
