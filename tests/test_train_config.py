@@ -61,6 +61,8 @@ def test_unknown_specs_name_the_valid_forms(spec):
     ({"training": {"stage_weights": [1, 2, 3]}}, "$.training.stage_weights", "3 weights"),
     ({"training": {"dataset": "textfiles"}}, "$.training.dataset_paths", "needs dataset_paths"),
     ({"training": {"lr": -1}}, "$.training.lr", "must be > 0"),
+    ({"training": {"lr": 1e-4}}, "$.training.min_lr",
+     "min_lr 0.0003 is above lr 0.0001; the schedule decays from lr to min_lr"),
     ({"model": {"n_layers": 1}, "topology": {"fellows": 4}}, "$.topology",
      "nothing to do"),
     ({"model": {"compression": "learned_dim32", "bottleneck_dim": 64}},

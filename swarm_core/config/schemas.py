@@ -175,6 +175,9 @@ class TrainingConfig:
             raise FieldError("must be two numbers in [0, 1)", "betas")
         if self.dataset == "textfiles" and not self.dataset_paths:
             raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
+        if self.min_lr > self.lr:  # (the rate would rise all run: a low lr set alone)
+            raise FieldError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}; the schedule "
+                             "decays from lr to min_lr", "min_lr")
         if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):
             raise FieldError("weights must be >= 0", "stage_weights")
         if self.export_dir is not None:
