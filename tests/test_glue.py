@@ -83,8 +83,9 @@ def test_a_one_stage_model_with_tied_weights_glues_and_stays_tied(tmp_path):
     ("no_shards", "no shards/ directory"),
     ("duplicate", "stage 1 appears twice"),
     ("other_job", "shards come from different jobs (job-1, job-2)"),
-    ("no_field", "stage-1-fellow-1/shard_manifest.json: no stage"),
-    ("wrong_type", "stage-1-fellow-1/shard_manifest.json: step is '10', not int"),
+    ("no_field", "stage-1-fellow-1/shard_manifest.json: $.stage: required field missing"),
+    ("wrong_type", "stage-1-fellow-1/shard_manifest.json: $.step: expected an integer, got a "
+                   "string"),
     ("pickled", "stage-1-fellow-1/weights.npz: an array holds pickled objects"),
     ("not_npz", "stage-1-fellow-1/weights.npz: not an .npz archive"),
 ])
@@ -154,8 +155,8 @@ def test_glue_errors(tmp_path, breakage, message):
 
 @pytest.mark.parametrize("breakage, message", [
     ("shape", "weights do not fit the model: size mismatch for blocks.0"),
-    ("no_sha", "inference_manifest.json: no weights_sha256"),
-    ("ranges", "inference_manifest.json: stage_ranges must be [start, stop] pairs"),
+    ("no_sha", "inference_manifest.json: $.weights_sha256: required field missing"),
+    ("ranges", "inference_manifest.json: $.stage_ranges[0][1]: expected an integer"),
 ])
 def test_a_broken_glued_model_is_one_clear_error(tmp_path, breakage, message):
     out = glue(export(tmp_path))

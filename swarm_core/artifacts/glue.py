@@ -1,7 +1,8 @@
 """Glue stage shards back into one model: ``model_export/full_model/``.
 
-Checks before it builds: every stage once, every global layer exactly once, one config
-fingerprint, one step. Then it rebuilds the same ``ExperimentModel`` the stages came from (so the
+Checks before it builds: each manifest against the model it names (``manifests``), every stage
+once, every global layer exactly once, one config fingerprint, one step, and the weights' shapes
+against the model's. Then it rebuilds the same ``ExperimentModel`` the stages came from (so the
 halves of a learned bottleneck meet again at their boundary), loads the union of the shards
 strictly, and writes ``weights.npz`` (no pickles) and ``inference_manifest.json``.
 """
@@ -17,11 +18,13 @@ import numpy as np
 import torch
 
 from swarm_core import jsonio
-from swarm_core.artifacts.shards import MANIFEST, ShardError, load_shard, npz_arrays, npz_bytes
+from swarm_core.artifacts.layout import MANIFEST, WEIGHTS
+from swarm_core.artifacts.manifests import ShardManifest, model_manifest, shard_manifest
+from swarm_core.artifacts.shards import ShardError, load_shard, npz_arrays, npz_bytes, read_file
 from swarm_core.config.schemas import ModelConfig
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.model import ExperimentModel
-from swarm_core.schema import SchemaError, structure
+from swarm_core.schema import SchemaError
 
 FULL_MODEL = "full_model"
 INFERENCE_MANIFEST = "inference_manifest.json"
@@ -41,59 +44,38 @@ def _shard_dirs(export_dir: Path) -> list[Path]:
     return dirs
 
 
-# What glue reads from each shard manifest, and from a glued model's manifest, by type.
-_SHARD_FIELDS: dict[str, type] = {
-    "job_id": str, "stage": int, "num_stages": int, "fellow_id": int, "step": int,
-    "config_fingerprint": str, "layers": dict, "model": dict, "vocab_size": int, "seed": int,
-}
-_MODEL_FIELDS: dict[str, type] = {
-    "weights_sha256": str, "model": dict, "vocab_size": int, "seed": int, "stage_ranges": list,
-}
-
-
-def _check_fields(m: dict[str, Any], fields: dict[str, type], where: str) -> None:
-    for key, kind in fields.items():
-        v = m.get(key)
-        if v is None:
-            raise GlueError(f"{where}: no {key}")
-        if not isinstance(v, kind) or isinstance(v, bool):
-            raise GlueError(f"{where}: {key} is {v!r}, not {kind.__name__}")
-
-
-def check_shards(manifests: list[dict[str, Any]]) -> list[tuple[int, int]]:
+def check_shards(manifests: list[ShardManifest], n_layers: int) -> list[tuple[int, int]]:
     """The stage layer ranges, or a GlueError saying what is missing or inconsistent."""
-    by_stage: dict[int, dict[str, Any]] = {}
-    jobs = {m["job_id"] for m in manifests}
+    by_stage: dict[int, ShardManifest] = {}
+    jobs = {m.job_id for m in manifests}
     if len(jobs) != 1:
         raise GlueError(f"shards come from different jobs ({', '.join(sorted(jobs))}): glue "
                         "one job's shards")
     for m in manifests:
-        stage = m["stage"]
-        if stage in by_stage:
-            raise GlueError(f"stage {stage} appears twice (fellows {by_stage[stage]['fellow_id']} "
-                            f"and {m['fellow_id']})")
-        by_stage[stage] = m
-    num = {m["num_stages"] for m in manifests}
+        if m.stage in by_stage:
+            raise GlueError(f"stage {m.stage} appears twice (fellows "
+                            f"{by_stage[m.stage].fellow_id} and {m.fellow_id})")
+        by_stage[m.stage] = m
+    num = {m.num_stages for m in manifests}
     if len(num) != 1:
         raise GlueError(f"shards disagree on the number of stages: {sorted(num)}")
     (n,) = num
     missing = sorted(set(range(n)) - set(by_stage))
     if missing:
         raise GlueError(f"missing stage(s) {missing} of {n} (have {sorted(by_stage)})")
-    prints = {m["config_fingerprint"] for m in manifests}
+    prints = {m.config_fingerprint for m in manifests}
     if len(prints) != 1:
-        detail = ", ".join(f"stage {s}: {by_stage[s]['config_fingerprint'][:8]}"
+        detail = ", ".join(f"stage {s}: {by_stage[s].config_fingerprint[:8]}"
                            for s in sorted(by_stage))
         raise GlueError(f"config fingerprints differ ({detail}): shards of different models")
-    steps = {m["step"] for m in manifests}
+    steps = {m.step for m in manifests}
     if len(steps) != 1:
-        detail = ", ".join(f"stage {s} at {by_stage[s]['step']}" for s in sorted(by_stage))
+        detail = ", ".join(f"stage {s} at {by_stage[s].step}" for s in sorted(by_stage))
         raise GlueError(f"shards come from different steps ({detail})")
-    n_layers = by_stage[0]["model"].get("n_layers")
     owner: dict[int, int] = {}
     ranges = []
     for s in range(n):
-        start, stop = by_stage[s]["layers"]["start"], by_stage[s]["layers"]["stop"]
+        start, stop = by_stage[s].layers.start, by_stage[s].layers.stop
         for layer in range(start, stop):
             if layer in owner:
                 raise GlueError(f"layer {layer} is held by stage {owner[layer]} and stage {s}")
@@ -110,113 +92,124 @@ def check_shards(manifests: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return ranges
 
 
+def _check_output(out: Path) -> None:
+    """Found before the work, not half way through writing it."""
+    if out.exists() and not out.is_dir():
+        raise GlueError(f"{out} exists and is not a directory")
+    for name in (WEIGHTS, INFERENCE_MANIFEST):
+        if (out / name).is_dir():
+            raise GlueError(f"{out / name} is a directory")
+
+
 def glue(export_dir: Path) -> Path:
     dirs = _shard_dirs(export_dir)
-    loaded = []
+    out = export_dir / FULL_MODEL
+    _check_output(out)
+    manifests, cfgs, shard_arrays = [], [], []
     for d in dirs:
         try:
-            loaded.append(load_shard(d))
+            data, arrays = load_shard(d)
+            m, cfg = shard_manifest(data)
         except ShardError as exc:
             raise GlueError(str(exc)) from None
-    manifests = [m for m, _ in loaded]
-    for d, m in zip(dirs, manifests, strict=True):
-        _check_fields(m, _SHARD_FIELDS, str(d / MANIFEST))
-        if not all(isinstance(m["layers"].get(k), int) for k in ("start", "stop")):
-            raise GlueError(f"{d / MANIFEST}: layers must have integer start and stop")
-    ranges = check_shards(manifests)
-    first = min(manifests, key=lambda m: m["stage"])
-    try:
-        model_cfg = structure(first["model"], ModelConfig)
-    except SchemaError as exc:
-        raise GlueError(f"shard model config is invalid: {exc}") from None
-    model = ExperimentModel(model_cfg, first["vocab_size"], first["seed"], ranges)
+        except SchemaError as exc:
+            raise GlueError(f"{d / MANIFEST}: {exc}") from None
+        manifests.append(m)
+        cfgs.append(cfg)
+        shard_arrays.append(arrays)
+    first, cfg = min(zip(manifests, cfgs, strict=True), key=lambda x: x[0].stage)
+    ranges = check_shards(manifests, cfg.n_layers)
     state: dict[str, torch.Tensor] = {}
     holder: dict[str, int] = {}
-    for m, arrays in loaded:
+    for m, arrays in zip(manifests, shard_arrays, strict=True):
         for k, v in arrays.items():
             if k in state:
                 raise GlueError(f"parameter {k} is in the shards of stage {holder[k]} and "
-                                f"stage {m['stage']}")
-            state[k], holder[k] = torch.from_numpy(np.array(v)), m["stage"]
-    expected = set(model.flat_state_dict())
-    if set(state) != expected:
-        missing = sorted(expected - set(state))[:3]
-        unknown = sorted(set(state) - expected)[:3]
-        raise GlueError(f"shard parameters do not match the model: missing {missing}, "
-                        f"unexpected {unknown}")
-    _load_stages(model, state, str(export_dir))
-    out = export_dir / FULL_MODEL
+                                f"stage {m.stage}")
+            state[k], holder[k] = torch.from_numpy(np.array(v)), m.stage
+    model = _build(cfg, first.vocab_size, first.seed, ranges, state, str(export_dir))
     weights = npz_bytes({k: v.numpy() for k, v in model.flat_state_dict().items()})
-    atomic_write(out / "weights.npz", weights)
     manifest = {
         "format": "silentswarm-model/1",
-        "job_id": first["job_id"],
-        "step": first["step"],
-        "config_fingerprint": first["config_fingerprint"],
-        "model": first["model"],
-        "training": first.get("training"),
-        "seed": first["seed"],
-        "vocab_size": first["vocab_size"],
-        "tokenizer": first["tokenizer"],
+        "job_id": first.job_id,
+        "step": first.step,
+        "config_fingerprint": first.config_fingerprint,
+        "model": first.model,
+        "training": first.training,
+        "seed": first.seed,
+        "vocab_size": first.vocab_size,
+        "tokenizer": first.tokenizer,
         "stage_ranges": [list(r) for r in ranges],
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
-        "sources": [{"stage": m["stage"], "fellow_id": m["fellow_id"],
+        "sources": [{"stage": m.stage, "fellow_id": m.fellow_id,
                      "dir": str(d.relative_to(export_dir)),
-                     "weights_sha256": m["weights_sha256"]}
+                     "weights_sha256": m.weights_sha256}
                     for d, m in sorted(zip(dirs, manifests, strict=True),
-                                       key=lambda x: x[1]["stage"])],
+                                       key=lambda x: x[1].stage)],
         "glued_at": time.time(),
     }
-    atomic_write(out / INFERENCE_MANIFEST, jsonio.dumps(manifest, pretty=True))
+    try:  # the manifest last: one on disk means its weights are complete
+        atomic_write(out / WEIGHTS, weights)
+        atomic_write(out / INFERENCE_MANIFEST, jsonio.dumps(manifest, pretty=True))
+    except OSError as exc:
+        raise GlueError(f"cannot write {out}: {exc.strerror or exc}") from None
     return out
 
 
-def _load_stages(model: ExperimentModel, state: dict[str, torch.Tensor], where: str) -> None:
+def _build(cfg: ModelConfig, vocab: int, seed: int, ranges: list[tuple[int, int]],
+           state: dict[str, torch.Tensor], where: str) -> ExperimentModel:
+    """The model the manifest describes, with ``state`` loaded. The manifest sizes the model,
+    so the weights, whose size is real, must fit it on the meta device (which allocates
+    nothing) before it is built."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in
+                  ExperimentModel(cfg, vocab, seed, ranges).flat_state_dict().items()}
+    if set(state) != set(shapes):
+        missing = sorted(set(shapes) - set(state))[:3]
+        unknown = sorted(set(state) - set(shapes))[:3]
+        raise GlueError(f"{where}: parameters do not match the model: missing {missing}, "
+                        f"unexpected {unknown}")
+    for k, shape in shapes.items():
+        if tuple(state[k].shape) != shape:
+            raise GlueError(f"{where}: weights do not fit the model: size mismatch for {k}: "
+                            f"{list(state[k].shape)} in the weights, {list(shape)} in the model")
+    model = ExperimentModel(cfg, vocab, seed, ranges)
     for stage_module in model.stages:
         try:
             stage_module.load_state_dict({k: state[k] for k in stage_module.state_dict()},
                                          strict=True)
-        except KeyError as exc:
-            raise GlueError(f"{where}: the weights lack {exc.args[0]}") from None
-        except RuntimeError as exc:  # wrong shapes: the first complaint names the tensor
+        except RuntimeError as exc:  # e.g. a dtype torch cannot copy: the last line names it
             lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
             raise GlueError(f"{where}: weights do not fit the model: "
                             f"{lines[-1] if lines else exc}") from None
+    return model
 
 
 def load_full_model(model_dir: Path) -> tuple[ExperimentModel, dict[str, Any]]:
-    """The glued model, ready for inference; weights load with ``allow_pickle=False``."""
+    """The glued model, ready for inference, and its manifest (the fields eval and generate use
+    checked by ``manifests.model_manifest``); weights load with ``allow_pickle=False``."""
     path = model_dir / INFERENCE_MANIFEST
+    hint = " (run the glue step)"
     try:
-        manifest = jsonio.loads(path.read_bytes())
-        raw = (model_dir / "weights.npz").read_bytes()
-    except FileNotFoundError as exc:
-        raise GlueError(f"{model_dir}: missing {Path(exc.filename).name} (run the glue step)") \
-            from None
+        text = read_file(model_dir, INFERENCE_MANIFEST, hint)
+        raw = read_file(model_dir, WEIGHTS, hint)
+    except ShardError as exc:
+        raise GlueError(str(exc)) from None
+    try:
+        manifest = jsonio.loads(text)
     except jsonio.JSONDecodeError as exc:
         raise GlueError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise GlueError(f"{path}: not a JSON object")
-    _check_fields(manifest, _MODEL_FIELDS, str(path))
-    if hashlib.sha256(raw).hexdigest() != manifest["weights_sha256"]:
+    try:
+        m, cfg = model_manifest(manifest)
+    except SchemaError as exc:
+        raise GlueError(f"{path}: {exc}") from None
+    if hashlib.sha256(raw).hexdigest() != m.weights_sha256:
         raise GlueError(f"{model_dir}: weights.npz does not match its manifest")
     try:
         state = {k: torch.from_numpy(v) for k, v in npz_arrays(raw).items()}
     except ShardError as exc:
-        raise GlueError(f"{model_dir / 'weights.npz'}: {exc}") from None
-    try:
-        cfg = structure(manifest["model"], ModelConfig)
-    except SchemaError as exc:
-        raise GlueError(f"{path}: model: {exc}") from None
-    ranges = manifest["stage_ranges"]
-    if not all(isinstance(r, list) and len(r) == 2 and all(isinstance(i, int) for i in r)
-               for r in ranges):
-        raise GlueError(f"{path}: stage_ranges must be [start, stop] pairs of integers")
-    try:
-        model = ExperimentModel(cfg, manifest["vocab_size"], manifest["seed"],
-                                [tuple(r) for r in ranges])
-    except (ValueError, IndexError) as exc:
-        raise GlueError(f"{path}: stage_ranges {ranges} do not fit the model: {exc}") from None
-    _load_stages(model, state, str(model_dir))
+        raise GlueError(f"{model_dir / WEIGHTS}: {exc}") from None
+    ranges = [(a, b) for a, b in m.stage_ranges]
+    model = _build(cfg, m.vocab_size, m.seed, ranges, state, str(model_dir))
     model.eval()
     return model, manifest

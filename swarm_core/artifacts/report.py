@@ -4,13 +4,17 @@ plus a summary table. HTML is self-contained (inline SVG, no scripts); PNG uses 
 from __future__ import annotations
 
 import html
+import io
 import math
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.paths import atomic_write
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
            "#e377c2", "#7f7f7f", "#bcbd22"]
@@ -31,9 +35,92 @@ class RunData:
     bytes_sent: list[float]
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _string(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    # A list by stage holds null for a stage that never reported; null is no damage in any.
+    return lambda v: isinstance(v, list) and all(e is None or item(e) for e in v)
+
+
+def _codec_errors(v: Any) -> bool:
+    return isinstance(v, dict) and all(_number(e) for e in v.values())
+
+
+def _link_change(v: Any) -> bool:
+    return isinstance(v, dict) and _integer(v.get("at_step"))
+
+
+# What the report reads from metrics_summary.json, and what each must be where it is not null
+# (null, or absent as in runs from older versions, shows as "-").
+_SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "run_id": (_string, "a string"),
+    "status": (_string, "a string"),
+    "final_loss": (_number, "a number"),
+    "eval_loss": (_number, "a number"),
+    "tokens_per_s": (_number, "a number"),
+    "wire_bytes_per_step": (_number, "a number"),
+    "compression_ratio": (_number, "a number"),
+    "codec_error_by_stage": (_list_of(_codec_errors), "a list of {act, grad} numbers by stage"),
+    "wait_fraction_by_stage": (_list_of(_number), "a list of numbers by stage"),
+    "link_changes": (_list_of(_link_change), "a list of objects with an integer at_step"),
+    "link_changes_total": (_integer, "an integer"),
+}
+
+# The leader keeps steps, times and byte counts as int64, and training computes losses in
+# float32 at the widest: a number beyond these came from no run (and near the float limit it
+# overflows the charts' arithmetic, matplotlib's included).
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _counter(v: Any) -> bool:
+    return _number(v) and 0 <= v <= _INT64_MAX
+
+
+def _loss(v: Any) -> bool:
+    return _number(v) and abs(v) <= _FLOAT32_MAX
+
+
+# What the report reads from each train_progress.ndjson record, where it is not null.
+_RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_counter, "a number from 0 to 2**63-1"),
+    "loss": (_loss, "a number within float32's range"),
+    "ts": (_counter, "a number from 0 to 2**63-1"),
+    "wire_bytes": (_counter, "a number from 0 to 2**63-1"),
+}
+
+
+def _shown(v: Any) -> str:
+    text = jsonio.dumps(v).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _wrong_field(obj: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bool], str]]
+                 ) -> str | None:
+    """The first field of ``obj`` that is not what ``fields`` says, as "x is 1, not a y"."""
+    for key, (ok, what) in fields.items():
+        v = obj.get(key)
+        if v is not None and not ok(v):
+            return f"{key} is {_shown(v)}, not {what}"
+    return None
+
+
 def load_run(d: Path) -> RunData:
+    """One run directory's summary and loss curves. Its files are input (half-written,
+    hand-edited, from an older version): ReportError names the file and what is wrong in it,
+    so that no damage reaches the renderers as an exception of theirs."""
     try:
-        summary = jsonio.loads((d / "metrics_summary.json").read_bytes())
+        raw = (d / "metrics_summary.json").read_bytes()
         lines = (d / "train_progress.ndjson").read_bytes().splitlines()
     except FileNotFoundError as exc:
         raise ReportError(f"{d}: not a finished run directory (missing "
@@ -42,31 +129,81 @@ def load_run(d: Path) -> RunData:
         raise ReportError(f"{d}: not a directory (give run directories, or a folder of "
                           "them)") from None
     except OSError as exc:
-        raise ReportError(f"{d}: cannot read: {exc.strerror}") from None
+        raise ReportError(f"{exc.filename}: cannot read: {exc.strerror}") from None
+    try:
+        summary = jsonio.loads(raw)
     except jsonio.JSONDecodeError as exc:
-        raise ReportError(f"{d}: metrics_summary.json is not valid JSON: {exc}") from None
+        raise ReportError(f"{d}/metrics_summary.json is not valid JSON: {exc}") from None
+    if not isinstance(summary, dict):
+        raise ReportError(f"{d}/metrics_summary.json holds {_shown(summary)}, not a JSON "
+                          "object")
+    wrong = _wrong_field(summary, _SUMMARY_FIELDS)
+    if wrong:
+        raise ReportError(f"{d}/metrics_summary.json: {wrong}")
     steps, losses, wall, sent = [], [], [], []
     total = 0.0
     t0 = None
     for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        where = f"{d}/train_progress.ndjson line {i + 1}"
         try:
             rec = jsonio.loads(line)
         except jsonio.JSONDecodeError:
-            raise ReportError(f"{d}/train_progress.ndjson line {i + 1} is not JSON") from None
+            raise ReportError(f"{where} is not JSON") from None
+        if not isinstance(rec, dict):
+            raise ReportError(f"{where} holds {_shown(rec)}, not a JSON object")
+        wrong = _wrong_field(rec, _RECORD_FIELDS)
+        if wrong:
+            raise ReportError(f"{where}: {wrong}")
         total += rec.get("wire_bytes") or 0
         if rec.get("loss") is None:
             continue
+        if rec.get("step") is None:
+            raise ReportError(f"{where} has a loss but no step")
         ts = rec.get("ts") or 0.0
         t0 = ts if t0 is None else t0
         steps.append(rec["step"])
         losses.append(rec["loss"])
         wall.append(ts - t0)
         sent.append(total)
-    label = summary.get("run_id", d.name)
+    label = summary.get("run_id") or d.name or d.resolve().name
     parts = label.split("-")
     if len(parts) > 4:  # <stamp>-<experiment>-<index>-<run name>: keep what tells runs apart
         label = "-".join(parts[3:])
     return RunData(d, label, summary, steps, losses, wall, sent)
+
+
+def find_run_dirs(paths: list[Path]) -> list[Path]:
+    """The run directories the command line names: each path itself, or, for a folder that is
+    not one, the finished runs in it (a sweep's runs_dir). ReportError for a path that is not
+    there or not a directory: a mistyped argument, not a damaged run."""
+    dirs: list[Path] = []
+    for p in paths:
+        try:
+            if not p.is_dir():
+                what = "not a directory" if p.exists() else "no such directory"
+                raise ReportError(f"{p}: {what} (give run directories, or a folder of them)")
+            found = [] if (p / "metrics_summary.json").exists() else \
+                sorted(s.parent for s in p.glob("*/metrics_summary.json"))
+        except OSError as exc:
+            raise ReportError(f"{p}: cannot read: {exc.strerror}") from None
+        # A folder with no finished run in it stays, for load_run to say what it lacks.
+        dirs += found or [p]
+    return dirs
+
+
+def load_runs(dirs: list[Path]) -> tuple[list[RunData], list[tuple[Path, str]]]:
+    """The runs that could be read, and each other with why it could not: one damaged run in
+    a sweep should not keep the others out of the report."""
+    runs: list[RunData] = []
+    unreadable: list[tuple[Path, str]] = []
+    for d in dirs:
+        try:
+            runs.append(load_run(d))
+        except ReportError as exc:
+            unreadable.append((d, str(exc)))
+    return runs, unreadable
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -189,7 +326,7 @@ def render_html(runs: list[RunData]) -> str:
             "</body></html>\n")
 
 
-def render_png(runs: list[RunData], path: Path) -> None:
+def render_png(runs: list[RunData]) -> bytes:
     try:
         import matplotlib
 
@@ -203,13 +340,35 @@ def render_png(runs: list[RunData], path: Path) -> None:
             ("loss by step", "step", "steps"), ("loss by wall time", "seconds", "wall"),
             ("loss by bytes sent", "bytes on the wire", "bytes_sent")), strict=True):
         for i, r in enumerate(runs):
-            ax.plot(getattr(r, attr), r.losses, color=PALETTE[i % len(PALETTE)],
-                    label=r.label, linewidth=1.2)
+            ax.plot(getattr(r, attr), r.losses, color=PALETTE[i % len(PALETTE)], linewidth=1.2)
         ax.set_title(title)
         ax.set_xlabel(xl)
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # Labels are run names, not markup: given to the legend (matplotlib hides a line's own
+    # label that starts with "_"), and not read as mathtext ("$" in a name).
+    legend = axes[0].legend(axes[0].get_lines(), [r.label for r in runs], fontsize=7)
+    for text in legend.get_texts():
+        text.set_parse_math(False)
+    out = io.BytesIO()
+    with warnings.catch_warnings():
+        # A name in a script the font lacks shows as boxes in the picture; matplotlib's
+        # warning about it is noise on a swarm command's stderr.
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        fig.tight_layout()
+        fig.savefig(out, format="png", dpi=120)
     plt.close(fig)
+    return out.getvalue()
+
+
+def write_report(runs: list[RunData], out: Path) -> None:
+    """``out`` by its suffix, .html or .png, written atomically (a failure leaves no partial
+    file). Its folder is created when missing, as for ``sweep --runs-dir``, ``suite --out`` and
+    ``llm-doc --output``."""
+    if out.suffix not in (".html", ".png"):
+        raise ReportError(f"--output must end in .html or .png, got {out.name}")
+    data = render_html(runs).encode() if out.suffix == ".html" else render_png(runs)
+    try:
+        atomic_write(out, data)
+    except OSError as exc:
+        raise ReportError(f"cannot write {out}: {exc.strerror}") from None

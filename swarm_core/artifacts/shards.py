@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import time
 import zipfile
 from pathlib import Path
@@ -112,14 +113,46 @@ def _matches(raw: bytes, manifest: dict[str, Any], part: str) -> bool:
     return hashlib.sha256(raw).hexdigest() == manifest.get(f"{part}_sha256")
 
 
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _check_members(raw: bytes) -> None:
+    """Each member is a stored ``.npy`` whose header describes the bytes it holds. numpy
+    allocates the shape a header claims before it reads the data, so a header of a few bytes
+    could ask for any amount of memory; stored (not compressed) members cannot hold more than
+    the archive, and a header that matches its member cannot claim more than that."""
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        for info in z.infolist():
+            name = info.filename
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(raw):
+                raise ShardError(f"member {name} is compressed or larger than the archive; only "
+                                 "stored .npy members load")
+            with z.open(info) as fh:
+                read_header = _NPY_HEADERS.get(np.lib.format.read_magic(fh))
+                if read_header is None:
+                    raise ShardError(f"member {name} is not a version 1 or 2 .npy array")
+                shape, _, dtype = read_header(fh)
+                if dtype.hasobject:
+                    raise ShardError("an array holds pickled objects; only plain arrays load")
+                claimed = math.prod(shape) * dtype.itemsize
+                held = info.file_size - fh.tell()
+            if claimed != held:
+                raise ShardError(f"member {name} claims shape {shape} of {dtype} "
+                                 f"({claimed} bytes) but holds {held} bytes")
+
+
 def npz_arrays(raw: bytes) -> dict[str, np.ndarray]:
     """The arrays of :func:`npz_bytes`' output (plain ``.npy`` members only: no pickles);
     anything else is a :class:`ShardError`."""
     if not raw.startswith(b"PK"):  # numpy would try the bytes as a pickle, and say so
         raise ShardError("not an .npz archive")
     try:
+        _check_members(raw)
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             return {k: np.array(z[k]) for k in z.files}
+    except ShardError:
+        raise
     except ValueError as exc:
         if "allow_pickle" in str(exc):
             raise ShardError("an array holds pickled objects; only plain arrays load") \
@@ -151,12 +184,21 @@ def optimizer_from_checkpoint(manifest: dict[str, Any],
     return npz_arrays(optimizer)
 
 
-def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_file(d: Path, name: str, hint: str = "") -> bytes:
+    """``d/name``'s bytes; missing, a directory or unreadable is a one-line ShardError (with
+    ``hint`` after "missing")."""
     try:
-        manifest = jsonio.loads((d / MANIFEST).read_bytes())
-        raw = (d / WEIGHTS).read_bytes()
-    except FileNotFoundError as exc:
-        raise ShardError(f"{d}: missing {Path(exc.filename).name}") from None
+        return (d / name).read_bytes()
+    except FileNotFoundError:
+        raise ShardError(f"{d}: missing {name}{hint}") from None
+    except OSError as exc:
+        raise ShardError(f"{d / name}: cannot read it ({exc.strerror or exc})") from None
+
+
+def load_shard(d: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    text, raw = read_file(d, MANIFEST), read_file(d, WEIGHTS)
+    try:
+        manifest = jsonio.loads(text)
     except jsonio.JSONDecodeError as exc:
         raise ShardError(f"{d / MANIFEST}: not valid JSON: {exc}") from None
     if not isinstance(manifest, dict):

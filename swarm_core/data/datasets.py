@@ -108,13 +108,17 @@ class TokenData:
               seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _windows(self.train, batch_size, seq_len, seed * 1_000_003 + step)
 
+    def eval_windows(self, seq_len: int) -> int:
+        """How many distinct held-out windows the validation split holds."""
+        return max(1, (len(self.val) - 1) // seq_len)
+
     def eval_batches(self, n: int, batch_size: int, seq_len: int
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``n`` batches of held-out windows: non-overlapping, spread evenly over the whole
         validation split, and the same for every seed and step, so evaluations compare across
         steps, runs and compression specs. Asking for more windows than the split holds
         repeats some, evenly."""
-        fit = max(1, (len(self.val) - 1) // seq_len)
+        fit = self.eval_windows(seq_len)
         wanted = n * batch_size
         starts = (torch.arange(wanted) * fit // wanted) * seq_len
         win = self.val[starts.unsqueeze(1) + torch.arange(seq_len + 1)].long()

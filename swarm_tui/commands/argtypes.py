@@ -49,6 +49,17 @@ temperature = number(float, 0, 10, "temperature", lo_open=True)
 # torch's thread pool: what a fellow registers with (the API's bound) and a local run sets.
 thread_count = number(int, 1, 1024, "thread count")
 link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
+# What torch.Generator.manual_seed takes (a negative seed is only another name for one of these).
+sampling_seed = number(int, 0, 2**64 - 1, "seed")
+
+
+def utf8_text(value: str) -> str:
+    """argv that is not UTF-8 arrives as surrogate escapes, which no tokenizer can encode."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text") from None
+    return value
 
 
 def job_id(text: str) -> str:

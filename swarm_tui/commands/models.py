@@ -6,7 +6,13 @@ import argparse
 from pathlib import Path
 
 from swarm_core.protocol import perplexity
-from swarm_tui.commands.argtypes import positive_int, temperature, thread_count
+from swarm_tui.commands.argtypes import (
+    positive_int,
+    sampling_seed,
+    temperature,
+    thread_count,
+    utf8_text,
+)
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -44,7 +50,7 @@ def _same_tokenizer(recorded: dict, now: dict) -> bool:
     return all(recorded.get(k) == now.get(k) for k in keys if k in recorded)
 
 
-def _data(manifest: dict):  # type: ignore[no-untyped-def]
+def _data(manifest: dict, seq_len: int):  # type: ignore[no-untyped-def]
     """The run's training config and its dataset, tokenized as the model learned it."""
     from swarm_core.config.schemas import TrainingConfig
     from swarm_core.data import DataError, load_token_data
@@ -55,7 +61,7 @@ def _data(manifest: dict):  # type: ignore[no-untyped-def]
     except SchemaError as exc:
         raise CommandError(f"the model's training config is invalid: {exc}") from None
     try:
-        data = load_token_data(training, manifest["model"]["seq_len"])
+        data = load_token_data(training, seq_len)
     except DataError as exc:
         raise CommandError(str(exc)) from None
     recorded = manifest.get("tokenizer") or {}
@@ -66,7 +72,7 @@ def _data(manifest: dict):  # type: ignore[no-untyped-def]
     return training, data
 
 
-def _tokenizer(manifest: dict):  # type: ignore[no-untyped-def]
+def _tokenizer(manifest: dict, seq_len: int):  # type: ignore[no-untyped-def]
     """The tokenizer the model was trained with: bytes need no corpus; a BPE tokenizer is read
     from the file the run recorded, else rebuilt from the dataset if that gives the same one."""
     from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
@@ -82,7 +88,17 @@ def _tokenizer(manifest: dict):  # type: ignore[no-untyped-def]
             tok = None
         if tok is not None and _same_tokenizer(recorded, tok.spec()):
             return tok
-    return _data(manifest)[1].tokenizer
+    return _data(manifest, seq_len)[1].tokenizer
+
+
+def _check_vocab(tokens: int, manifest: dict, model_dir: str) -> None:
+    """A token id past the model's embedding would fail inside torch."""
+    from swarm_core.artifacts.glue import INFERENCE_MANIFEST
+
+    if tokens > manifest["vocab_size"]:
+        raise CommandError(f"{Path(model_dir) / INFERENCE_MANIFEST}: vocab_size "
+                           f"{manifest['vocab_size']} is smaller than its tokenizer's {tokens} "
+                           "tokens")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -91,10 +107,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from swarm_core.pipeline.model import lm_loss
 
     model, manifest = _load(args.model)
-    training, data = _data(manifest)
-    n = args.batches or training.eval_batches or 1
+    seq_len = model.cfg.seq_len  # (the manifest may leave it to the default)
+    training, data = _data(manifest, seq_len)
+    _check_vocab(data.vocab_size, manifest, args.model)
     mb = training.batch_size // training.micro_batches
-    batches = data.eval_batches(n, mb, manifest["model"]["seq_len"])
+    # Distinct windows, as TokenData.eval_batches counts them: more batches only repeat them,
+    # and every batch asked for is allocated before the first is scored.
+    held = max(1, data.eval_windows(seq_len) // mb)
+    if args.batches is not None and args.batches > held:
+        raise CommandError(f"--batches {args.batches}: the validation split of "
+                           f"{training.dataset} holds {held} batch(es) of {mb} windows of "
+                           f"{seq_len} tokens", ExitCode.USAGE)
+    n = args.batches or training.eval_batches or 1
+    batches = data.eval_batches(n, mb, seq_len)
     torch.set_num_threads(args.threads)
     with torch.no_grad():
         losses = [float(lm_loss(model(x), y)) for x, y in batches]
@@ -114,11 +139,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     model, manifest = _load(args.model)
-    tok = _tokenizer(manifest)
+    tok = _tokenizer(manifest, model.cfg.seq_len)
+    _check_vocab(tok.vocab_size, manifest, args.model)  # type: ignore[attr-defined]
     ids = [int(i) for i in tok.encode(args.prompt)]  # type: ignore[attr-defined]
     if not ids:
         raise CommandError("--prompt must not be empty", ExitCode.USAGE)
-    seq_len = manifest["model"]["seq_len"]
+    seq_len = model.cfg.seq_len
     gen = torch.Generator().manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     out = list(ids)
@@ -156,11 +182,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("generate", help="sample text from a glued model on CPU")
     p.add_argument("--model", required=True, help="model_export/full_model directory")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", type=utf8_text, required=True, help="text to continue")
     p.add_argument("--tokens", type=positive_int, default=200, help="tokens to sample")
     p.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample from the top k")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=sampling_seed, default=0, help="sampling seed")
     p.add_argument("--threads", type=thread_count, default=1, help="torch threads")
     add_format(p)
     p.set_defaults(func=cmd_generate)

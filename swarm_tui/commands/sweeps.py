@@ -152,47 +152,49 @@ def cmd_report(args: argparse.Namespace) -> int:
     from swarm_core.artifacts.report import (
         HEADERS,
         ReportError,
-        load_run,
-        render_html,
-        render_png,
+        find_run_dirs,
+        load_runs,
         summary_rows,
+        write_report,
     )
-    from swarm_core.paths import atomic_write
+    from swarm_tui.commands.base import check_dir
 
-    dirs: list[Path] = []
-    for raw in args.run_dirs:
-        d = Path(raw)
-        # A sweep's parent directory stands for all the runs in it.
-        dirs += sorted(p.parent for p in d.glob("*/metrics_summary.json")) \
-            if not (d / "metrics_summary.json").exists() and d.is_dir() else [d]
+    out = Path(args.output) if args.output else None
+    if out is not None:
+        if out.suffix not in (".html", ".png"):
+            raise CommandError(f"--output must end in .html or .png, got {out.name}",
+                               ExitCode.USAGE)
+        if out.is_dir():
+            raise CommandError(f"--output: {out} is a directory", ExitCode.USAGE)
+        check_dir(out.parent, "--output")
     try:
-        runs = [load_run(d) for d in dirs]
+        runs, unreadable = load_runs(find_run_dirs([Path(raw) for raw in args.run_dirs]))
+        if not runs and len(unreadable) == 1:
+            raise ReportError(unreadable[0][1])
+        for _, why in unreadable:
+            warn(f"skipped {why}")
         if not runs:
-            raise ReportError("no run directories found")
-        if args.output:
-            out = Path(args.output)
-            if out.suffix == ".html":
-                atomic_write(out, render_html(runs).encode())
-            elif out.suffix == ".png":
-                render_png(runs, out)
-            else:
-                raise CommandError(f"--output must end in .html or .png, got {out.name}",
-                                   ExitCode.USAGE)
+            raise ReportError(f"none of the {len(unreadable)} run directories could be read")
+        if out is not None:
+            write_report(runs, out)
     except ReportError as exc:
         raise CommandError(str(exc)) from None
     if args.format == "json":
         emit_json({"runs": [{"run_dir": str(r.run_dir), **r.summary} for r in runs],
+                   "skipped": [{"run_dir": str(d), "error": why} for d, why in unreadable],
                    "output": args.output})
     else:
         emit_table("runs", HEADERS, summary_rows(runs))
-        if args.output:
-            print_line(f"wrote {args.output}")
-    return 0
+        if out is not None:
+            print_line(f"wrote {out}")
+    # The report leaves out what it could not read; a script must not take it as complete.
+    return int(ExitCode.FAILURE) if unreadable else 0
 
 
 def register_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="compare run directories: loss by step, wall time and "
-                                      "bytes, plus a summary (HTML or PNG)")
+                                      "bytes, plus a summary (HTML or PNG); a run that cannot "
+                                      "be read is left out and named on stderr (exit 1)")
     p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
     p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
     add_format(p)

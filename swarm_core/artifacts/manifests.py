@@ -1,0 +1,128 @@
+"""What glue reads from a stage shard's manifest, and eval and generate from a glued model's.
+
+No checksum covers a manifest, and its numbers size what is built from it: stages, layers, the
+vocabulary. So each is checked here, once, against the model it describes before anything is
+built, and a bad one is a :class:`~swarm_core.schema.SchemaError` naming its JSON path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.schema import FieldError, SchemaError, structure
+
+
+def _at_least(lo: int) -> Callable[[Any, attrs.Attribute, int], None]:
+    def check(_inst: Any, attr: attrs.Attribute, value: int) -> None:
+        if value < lo:
+            raise FieldError(f"must be >= {lo}, got {value}", attr.name)
+
+    return check
+
+
+@attrs.define
+class LayerRange:
+    start: int = attrs.field(validator=_at_least(0))
+    stop: int = attrs.field(validator=_at_least(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.stop < self.start:
+            raise FieldError(f"{self.stop} is before start {self.start}", "stop")
+
+
+@attrs.define
+class ShardManifest:
+    """The fields of ``shard_manifest.json`` that glue uses (others are passed over)."""
+
+    job_id: str
+    stage: int = attrs.field(validator=_at_least(0))
+    num_stages: int = attrs.field(validator=_at_least(1))
+    fellow_id: int
+    step: int = attrs.field(validator=_at_least(0))
+    config_fingerprint: str
+    layers: LayerRange
+    model: dict[str, Any]
+    vocab_size: int
+    seed: int
+    weights_sha256: str
+    tokenizer: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.stage >= self.num_stages:
+            raise FieldError(f"{self.stage} is not below num_stages {self.num_stages}", "stage")
+
+
+@attrs.define
+class ModelManifest:
+    """The fields of ``inference_manifest.json`` that eval and generate use."""
+
+    step: int = attrs.field(validator=_at_least(0))
+    model: dict[str, Any]
+    vocab_size: int
+    seed: int
+    stage_ranges: list[list[int]]
+    weights_sha256: str
+    tokenizer: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+
+
+def _max_stages(cfg: ModelConfig) -> int:
+    # The leader's rule (config.schemas.job_shape_error): no job has more stages than this.
+    return cfg.n_layers + 2
+
+
+def _model(data: Any) -> ModelConfig:
+    """The manifest's model, strictly (an unknown key may change the architecture), and its
+    vocabulary within the bound ModelConfig sets."""
+    if not isinstance(data, dict):
+        raise SchemaError("expected an object", "$")
+    if "model" not in data:
+        raise SchemaError("required field missing", "$.model")
+    cfg = structure(data["model"], ModelConfig, root="$.model")
+    vocab = data.get("vocab_size")
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        try:  # ModelConfig holds the bound on a vocabulary
+            attrs.evolve(cfg, vocab_size=vocab)
+        except FieldError as exc:
+            raise SchemaError(str(exc), "$.vocab_size") from None
+    return cfg
+
+
+def shard_manifest(data: Any) -> tuple[ShardManifest, ModelConfig]:
+    """A shard manifest whose stage and layers fit the model it names, or a SchemaError."""
+    cfg = _model(data)
+    m = structure(data, ShardManifest, strict=False)
+    if m.num_stages > _max_stages(cfg):
+        raise SchemaError(f"{m.num_stages} stages for {cfg.n_layers} layers (at most "
+                          f"{_max_stages(cfg)})", "$.num_stages")
+    if m.layers.stop > cfg.n_layers:
+        raise SchemaError(f"{m.layers.stop} is past the model's {cfg.n_layers} layers",
+                          "$.layers.stop")
+    return m, cfg
+
+
+def model_manifest(data: Any) -> tuple[ModelManifest, ModelConfig]:
+    """A glued model's manifest whose stage ranges cover the model's layers in order, or a
+    SchemaError."""
+    cfg = _model(data)
+    ranges = data.get("stage_ranges")
+    # Before structuring walks the list: each range builds a stage.
+    if isinstance(ranges, list) and not 1 <= len(ranges) <= _max_stages(cfg):
+        raise SchemaError(f"{len(ranges)} ranges for {cfg.n_layers} layers (1 to "
+                          f"{_max_stages(cfg)})", "$.stage_ranges")
+    m = structure(data, ModelManifest, strict=False)
+    at = 0
+    for i, r in enumerate(m.stage_ranges):
+        if len(r) != 2 or r[0] != at or not r[0] <= r[1] <= cfg.n_layers:
+            raise SchemaError(f"expected [{at}, stop] with stop {at}..{cfg.n_layers}, got {r}",
+                              f"$.stage_ranges[{i}]")
+        at = r[1]
+    if at != cfg.n_layers:
+        raise SchemaError(f"the ranges end at layer {at}, not at n_layers {cfg.n_layers}",
+                          "$.stage_ranges")
+    return m, cfg
