@@ -40,6 +40,8 @@ def _one_line(text: str) -> str:
     (["fellow", "--threads", "5000"], "thread count must be >= 1 and <= 1024, got 5000"),
     (["restart-cluster", "--threads", "5000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--threads", "100000"], "--threads"),
+    (["generate", "--model", "m", "--prompt", "x", "--tokens", "10000000"],
+     "token count must be >= 1 and <= 1000000"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -49,6 +49,8 @@ temperature = number(float, 0, 10, "temperature", lo_open=True)
 # torch's thread pool: what a fellow registers with (the API's bound) and a local run sets.
 thread_count = number(int, 1, 1024, "thread count")
 link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
+# Sampled one at a time on the CPU: more than this is a typo, not a text.
+token_count = number(int, 1, 1_000_000, "token count")
 # What torch.Generator.manual_seed takes (a negative seed is only another name for one of these).
 sampling_seed = number(int, 0, 2**64 - 1, "seed")
 

@@ -11,6 +11,7 @@ from swarm_tui.commands.argtypes import (
     sampling_seed,
     temperature,
     thread_count,
+    token_count,
     utf8_text,
 )
 from swarm_tui.commands.base import (
@@ -183,7 +184,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a glued model on CPU")
     p.add_argument("--model", required=True, help="model_export/full_model directory")
     p.add_argument("--prompt", type=utf8_text, required=True, help="text to continue")
-    p.add_argument("--tokens", type=positive_int, default=200, help="tokens to sample")
+    p.add_argument("--tokens", type=token_count, default=200, help="tokens to sample")
     p.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample from the top k")
     p.add_argument("--seed", type=sampling_seed, default=0, help="sampling seed")
