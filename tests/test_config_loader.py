@@ -229,6 +229,19 @@ def test_validate_command(layout, capsys):
     assert run(["sweep", "--config", str(bad), "--leader-url", "http://127.0.0.1:9"]) == 2
 
 
+def test_validate_warns_of_dataset_paths_that_match_nothing_here(layout, capsys):
+    """Valid (fellows elsewhere may hold the files), but said: here the runs would fail."""
+    tmp, exp = layout
+    (tmp / "corpus").mkdir()
+    (tmp / "corpus" / "a.txt").write_text("some text")
+    _write(tmp, "training/t.json", {"dataset": "textfiles", "cluster_profile": {"fellows": 2},
+                                    "dataset_paths": ["../corpus/*.txt", "../nope/*.txt"]})
+    assert run(["validate", str(exp(sweep={"seeds": [0, 1]}))]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: dataset_paths {str(tmp / 'nope' / '*.txt')!r} matches no file on "
+                   "this machine (fellows elsewhere read their own copies)"]
+
+
 def test_config_docs_cover_every_field():
     import attrs
 

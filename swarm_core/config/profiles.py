@@ -12,6 +12,7 @@ expected.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import re
@@ -255,6 +256,21 @@ def anchor_dataset_paths(training: dict[str, Any], base: Path) -> dict[str, Any]
         os.path.normpath(os.path.join(base, p))
         if isinstance(p, str) and p and not os.path.isabs(p) and not p.startswith("~") else p
         for p in paths]}
+
+
+def dataset_files(patterns: list[str]) -> tuple[list[str], list[str]]:
+    """The files ``patterns`` name on this machine, each once, in the order first named (patterns
+    that overlap must not read a file twice: its second copy would land in the validation split,
+    which training then saw), and the patterns that name none."""
+    files: dict[str, None] = {}
+    unmatched = []
+    for pat in patterns:
+        hits = [h for h in sorted(glob.glob(os.path.expanduser(pat), recursive=True))
+                if os.path.isfile(h)]
+        if not hits:
+            unmatched.append(pat)
+        files.update((os.path.realpath(h), None) for h in hits)
+    return list(files), unmatched
 
 
 def load_model_profile(path: Path, referenced_from: tuple[Path, str] | None = None

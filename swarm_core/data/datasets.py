@@ -9,7 +9,6 @@ the whole validation split.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import io
 import os
@@ -19,6 +18,7 @@ import attrs
 import numpy as np
 import torch
 
+from swarm_core.config.profiles import dataset_files
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
 from swarm_core.paths import atomic_write
@@ -44,17 +44,12 @@ def shakespeare_text() -> str:
 
 
 def textfiles_paths(patterns: list[str]) -> list[str]:
-    """The files ``patterns`` name, each once, in the order first named: patterns that overlap
-    must not read a file twice (its second copy would land in the validation split, which
-    training then saw)."""
-    files: dict[str, None] = {}
-    for pat in patterns:
-        hits = [h for h in sorted(glob.glob(os.path.expanduser(pat), recursive=True))
-                if os.path.isfile(h)]
-        if not hits:
-            raise DataError(f"dataset_paths: {pat!r} matches no file")
-        files.update((os.path.realpath(h), None) for h in hits)
-    return list(files)
+    """The files ``patterns`` name (see ``dataset_files``); a pattern that names none is an
+    error."""
+    files, unmatched = dataset_files(patterns)
+    if unmatched:
+        raise DataError(f"dataset_paths: {unmatched[0]!r} matches no file")
+    return files
 
 
 def textfiles_text(patterns: list[str]) -> str:

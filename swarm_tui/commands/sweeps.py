@@ -8,7 +8,12 @@ import sys
 from pathlib import Path
 
 from swarm_core.client import SwarmClient
-from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
+from swarm_core.config.profiles import (
+    ConfigError,
+    ResolvedExperiment,
+    dataset_files,
+    load_experiment,
+)
 from swarm_core.experiment import TERMINAL, Experiment, ExperimentError
 from swarm_core.schema import unstructure
 from swarm_tui.commands.base import (
@@ -31,8 +36,23 @@ def load(path: str, code: ExitCode) -> ResolvedExperiment:
         raise CommandError(str(exc), code) from None
 
 
+def _warn_unmatched_dataset_paths(exp: ResolvedExperiment) -> None:
+    """A warning, not an error: the fellows read their own copies of the files, which may be
+    on other machines; on this one, the runs would fail at their first step."""
+    seen: set[str] = set()
+    for run in exp.runs:
+        if run.training.get("dataset") != "textfiles":
+            continue
+        for pat in dataset_files(run.training.get("dataset_paths") or [])[1]:
+            if pat not in seen:
+                seen.add(pat)
+                warn(f"warning: dataset_paths {pat!r} matches no file on this machine "
+                     "(fellows elsewhere read their own copies)")
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     exp = load(args.config, ExitCode.FAILURE)
+    _warn_unmatched_dataset_paths(exp)
     if args.format == "json":
         emit_json({"config": exp.config_path, "name": exp.config.name,
                    "training_profile": exp.training_path, "runs_dir": str(exp.runs_dir),
