@@ -743,17 +743,20 @@ async def test_a_set_speed_mid_job_is_recorded_in_the_job(api):
 async def test_a_job_keeps_its_first_set_speed_and_counts_them_all(api, monkeypatch):
     """The record of set-speeds is capped: it keeps the first (the step the run left its
     network profile) and the newest, and counts every one, so reports say "+N" truly."""
-    monkeypatch.setattr("swarm_core.leader.jobs.MAX_LINK_CHANGES", 3)
+    monkeypatch.setattr("swarm_core.leader.jobs.MAX_LINK_CHANGES", 6)
     b = (await register(api, "a"), await register(api, "b"))[1]
     job = await submit(api, fellows=2)
-    for step, mbps in enumerate((10, 20, 30, 40, 50), start=1):
+    seen = []
+    for step, mbps in enumerate(range(10, 90, 10), start=1):
         await expect_ok(await report(api, job["job_id"], b, "RUNNING", step=step))
         await expect_ok(await api.post(f"{A}/fellows/{b['fellow_id']}/speed",
                                        json={"tx_mbps": mbps}, headers=AUTH), 202)
-    info = await get_job(api, job["job_id"])
-    assert [(c["at_step"], c["link"]["tx_mbps"]) for c in info["link_changes"]] == [
-        (1, 10.0), (4, 40.0), (5, 50.0)]
-    assert info["link_changes_total"] == 5
+        info = await get_job(api, job["job_id"])
+        seen.append([c["at_step"] for c in info["link_changes"]])
+        assert info["link_changes_total"] == step
+    # Up to the cap every change is kept; past it the first and the newest.
+    assert seen == [list(range(1, n + 1)) for n in range(1, 7)] + [
+        [1, 3, 4, 5, 6, 7], [1, 4, 5, 6, 7, 8]]
 
 
 @pytest.mark.parametrize(("body", "field"), [

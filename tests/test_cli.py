@@ -37,7 +37,7 @@ def _one_line(text: str) -> str:
     (["submit", "--steps", "99999999999999999999"], "<= 9223372036854775807"),
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "1e300"], "rate in Mbit/s must be >= 0.001"),
     (["set-speed", "--fellow-id", "0", "--rx-mbps", "0.0001"], "--rx-mbps"),
-    (["fellow", "--threads", "5000"], "thread count must be >= 1 and <= 1024, got 5000"),
+    (["fellow", "--threads", "300"], "thread count must be >= 1 and <= 256, got 300"),
     (["restart-cluster", "--threads", "5000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--threads", "100000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--tokens", "10000000"],
@@ -310,6 +310,12 @@ def test_submit_runs_a_sweep_training_profile_as_its_job(tmp_path):
     assert training["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 20.0}
     job = train_job({"name": "m"}, training, fellows, "m")  # what the leader structures too
     assert job.topology.fellows == 3 and job.training["link"]["tx_mbps"] == 8.0
+    # A profile without those sections keeps the training fields it sets itself.
+    plain = {"steps": 3, "shard_push_interval_steps": 2, "link": {"tx_mbps": 5}}
+    (tmp_path / "p.json").write_text(json.dumps(plain))
+    training, fellows = load_job_training(tmp_path / "p.json")
+    assert fellows is None and training["shard_push_interval_steps"] == 2
+    assert training["link"] == {"tx_mbps": 5.0, "rx_mbps": None, "latency_ms": 0.0}
     # A job's own training profile names no cluster: the fellows are the flag's (default 1).
     assert load_job_training(REPO / "exp/configs/training/quickstart_shakespeare.json")[1] \
         is None
@@ -344,6 +350,11 @@ def test_a_leader_state_that_is_not_one_is_named_in_one_line(tmp_path, capsys):
     assert f"{state / 'leader.sqlite3'}: cannot open the leader's state: file is not a " \
         "database" in _one_line(capsys.readouterr().err)
     assert (state / "leader.sqlite3").read_text() == "not a database\n" * 10, "left as it was"
+    (state / "leader.sqlite3").unlink()
+    (state / "leader.sqlite3").mkdir()
+    assert run(["leader", "--port", "0", "--state-dir", str(state)]) == ExitCode.FAILURE
+    assert f"{state / 'leader.sqlite3'}: cannot open the leader's state: unable to open" in \
+        _one_line(capsys.readouterr().err)
 
 
 def test_a_local_clusters_bad_token_file_is_named_not_sent(tmp_path, capsys):

@@ -71,6 +71,12 @@ def test_grid_expansion_order_and_overrides(layout):
     # compressions override every model's spec
     r = load_experiment(exp(sweep={"compressions": ["none", "learned_dim8_int8"]}))
     assert [x.model["compression"] for x in r.runs] == ["none", "learned_dim8_int8"]
+    # Two profiles of one name make runs of different names when their specs differ.
+    _write(tmp, "model/m3.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                  "seq_len": 16, "compression": "fixed_int8"})
+    r = load_experiment(exp(model_configs=["model/m.json", "model/m3.json"]))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-s0-r0",
+                                            "m-fixed_int8-unconstrained-s0-r0"]
 
 
 def test_swept_specs_take_their_own_width_and_block(layout):
@@ -120,8 +126,11 @@ BAD = [
     ("same_seed_twice", "seeds must be unique, got [1, 1]", "$.sweep.seeds"),
     ("same_spec_twice", "specs must be unique", "$.sweep.compressions"),
     ("no_networks", "must list at least one profile", "$.sweep.network_profiles"),
-    ("same_model_twice", "model profiles 0 and 1 are both named 'm'", "$.model_configs[1]"),
+    ("same_model_twice", "model profiles 0 and 1 both make a run named "
+                         "'m-none-unconstrained-s0-r0'", "$.model_configs[1]"),
     ("grid_too_big", "the sweep has 20,000 runs, more than 10,000", "$.sweep"),
+    ("min_lr_above_lr", "min_lr 0.0003 is above lr 0.0001", "$.min_lr"),
+    ("min_lr_override", "min_lr 0.01 is above lr 0.003", "$.sweep(overrides).min_lr"),
 ]
 
 
@@ -191,6 +200,11 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
         path = exp(sweep={"network_profiles": []})
     elif case == "same_model_twice":
         path = exp(model_configs=["model/m.json", "model/m.json"])
+    elif case == "min_lr_above_lr":
+        _write(tmp, "training/t.json", {"lr": 1e-4, "cluster_profile": {"fellows": 2}})
+        path, target = exp(), "training/t.json"
+    elif case == "min_lr_override":
+        path = exp(sweep={"overrides": {"min_lr": 0.01}})
     elif case == "grid_too_big":
         path = exp(sweep={"seeds": list(range(200)), "repeats": 100})
     with pytest.raises(ConfigError) as exc:

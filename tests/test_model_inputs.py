@@ -280,11 +280,13 @@ def test_eval_batches_are_bounded_by_the_validation_split(full_model, capsys):
 
 def test_generate_seed_is_what_torch_takes(full_model, capsys):
     gen = ["generate", "--model", str(full_model), "--prompt", "word1", "--tokens", "2"]
-    for bad in ("99999999999999999999999", str(2**64), "-1"):
+    for bad in ("99999999999999999999999", str(2**64), str(-(2**63) - 1)):
         code, err = cli(capsys, *gen, "--seed", bad)
         assert code == 2
-        one_line(err, "argument --seed: seed must be >= 0 and <= 18446744073709551615, got ")
-    assert cli(capsys, *gen, "--seed", str(2**64 - 1))[0] == 0
+        one_line(err, "argument --seed: seed must be >= -9223372036854775808 and <= "
+                      "18446744073709551615, got ")
+    for good in (str(2**64 - 1), "-1"):
+        assert cli(capsys, *gen, "--seed", good)[0] == 0
 
 
 def test_generate_prompt_must_be_text(full_model, capsys):

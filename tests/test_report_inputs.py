@@ -221,6 +221,17 @@ def test_undamaged_runs_report_with_exit_0_and_nothing_on_stderr(runs, capsys):
     assert doc["skipped"] == []
 
 
+def test_a_diverged_run_is_reported_not_skipped(runs, capsys):
+    """NaN losses and codec errors (a diverged run: a finding) reach JSON as null."""
+    _edit_summary(final_loss=None, codec_error_by_stage=[{"act": None, "grad": None}, None])(
+        runs[0])
+    assert run(["report", *map(str, runs), "--format", "json"]) == ExitCode.OK
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    doc = json.loads(captured.out)
+    assert doc["skipped"] == [] and len(doc["runs"]) == 2
+
+
 def test_a_path_that_is_no_directory_is_an_error_before_anything_is_written(runs, capsys):
     out = runs[0].parent.parent / "r.html"
     missing = runs[0].parent / "no-such-run"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm_core.config.schemas import ModelConfig, parse_compression
+from swarm_core.config.schemas import ModelConfig, TrainingConfig, parse_compression
 from swarm_core.schema import FieldError, SchemaError, structure
 from tests.conftest import AUTH
 
@@ -85,3 +85,11 @@ def test_a_stored_config_from_before_the_width_rule_still_loads():
                   ModelConfig)
     assert m.compression_spec.bottleneck_dim == 32
 
+
+
+def test_a_stored_config_from_before_the_min_lr_rule_still_loads():
+    """A job or export whose lr was set below the default min_lr (the rate rose all run)
+    still loads for eval, glue and a fellow's START: the rule is checked where configs come
+    in."""
+    t = structure({"lr": 1e-4}, TrainingConfig)
+    assert (t.lr, t.min_lr) == (1e-4, 3e-4)

@@ -53,7 +53,8 @@ def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 
 def _codec_errors(v: Any) -> bool:
-    return isinstance(v, dict) and all(_number(e) for e in v.values())
+    # null: a diverged run's error (NaN, which JSON cannot hold) is a finding, not damage.
+    return isinstance(v, dict) and all(e is None or _number(e) for e in v.values())
 
 
 def _link_change(v: Any) -> bool:
@@ -225,15 +226,17 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
 
 
 def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
-    """The steps at which a set-speed changed a fellow's link mid-run ("@12 @30"): such a run
-    did not run on its network profile throughout."""
+    """The steps at which a set-speed changed a fellow's link mid-run ("@12 @30"; past
+    ``shown``, the first and the last of them and how many: "@12 … @95 (40 in all)"): such a
+    run did not run on its network profile throughout. (The record keeps the first and the
+    newest, so only those two ends are sure to be there.)"""
     steps = [c.get("at_step") for c in summary.get("link_changes") or [] if isinstance(c, dict)]
     if not steps:
         return "-"
-    total = summary.get("link_changes_total")
-    total = max(total, len(steps)) if isinstance(total, int) else len(steps)
-    more = f" +{total - shown}" if total > shown else ""
-    return " ".join(f"@{s}" for s in steps[:shown]) + more
+    total = max(summary.get("link_changes_total") or 0, len(steps))
+    if total <= shown:
+        return " ".join(f"@{s}" for s in steps)
+    return f"@{steps[0]} … @{steps[-1]} ({total} in all)"
 
 
 def _codec_error(summary: dict[str, Any]) -> str:

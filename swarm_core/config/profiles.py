@@ -301,12 +301,22 @@ def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
     its tc shaping, which only a sweep sets up), and the fellows its cluster profile asks for
     (None when it names none)."""
     profile = load_training_profile(path)
+    named = _read_json(path).keys()  # (an object: it loaded above)
     training = unstructure(profile.training)
-    training["shard_push_interval_steps"] = profile.artifacts.shard_push_interval_steps
-    link = profile.network_profile.link
-    training["link"] = None if link is None else unstructure(link)
-    data = _read_json(path)  # (valid: it loaded above)
-    return training, profile.cluster_profile.fellows if "cluster_profile" in data else None
+    # A profile section it does not name leaves the training fields as the file sets them.
+    _apply_profiles(training, profile.artifacts if "artifacts" in named else None,
+                    profile.network_profile if "network_profile" in named else None)
+    return training, profile.cluster_profile.fellows if "cluster_profile" in named else None
+
+
+def _apply_profiles(training: dict[str, Any], artifacts: ArtifactsProfile | None,
+                    network: NetworkProfile | None) -> None:
+    """What a training profile's artifacts and network sections set in the job's training."""
+    if artifacts is not None:
+        training["shard_push_interval_steps"] = artifacts.shard_push_interval_steps
+    if network is not None:
+        link = network.link
+        training["link"] = None if link is None else unstructure(link)
 
 
 def load_experiment(path: Path | str) -> ResolvedExperiment:
@@ -323,18 +333,14 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
-    names = [m.name for _, m in models]
-    for i, name in enumerate(names):
-        if name in names[:i]:  # (runs are named by their model)
-            raise ConfigError(path, f"model profiles {names.index(name)} and {i} are both named "
-                              f"{name!r}", f"$.model_configs[{i}]")
     per_model = len(sweep.compressions or [None]) * len(networks) * len(sweep.seeds) \
         * sweep.repeats
     if per_model * len(models) > MAX_RUNS:
         raise ConfigError(path, f"the sweep has {per_model * len(models):,} runs, more than "
                           f"{MAX_RUNS:,}: split it into several experiments", "$.sweep")
     runs: list[RunSpec] = []
-    for mpath, model in models:
+    made_by: dict[str, int] = {}  # run name -> the model profile it came from
+    for mi, (mpath, model) in enumerate(models):
         compressions = sweep.compressions or [model.compression]
         for ci, comp in enumerate(compressions):
             model_dict = unstructure(model)
@@ -353,11 +359,18 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                 for seed in sweep.seeds:
                     for rep in range(sweep.repeats):
                         training = _run_training(profile, sweep, seed, network, path)
-                        _check_shape(model_dict, training, profile, path, tpath, mpath)
-                        name = "-".join([model.name, comp, network.name, f"s{seed}",
-                                         f"r{rep}"])
+                        _check_shape(model_dict, training, profile, sweep.overrides, path,
+                                     tpath, mpath)
+                        name = _slug("-".join([model.name, comp, network.name, f"s{seed}",
+                                               f"r{rep}"]))
+                        if name in made_by:  # (a run directory each: names must differ)
+                            raise ConfigError(
+                                path, f"model profiles {made_by[name]} and {mi} both make a run "
+                                f"named {name!r}: give them different names",
+                                f"$.model_configs[{mi}]")
+                        made_by[name] = mi
                         runs.append(RunSpec(
-                            index=len(runs), run_name=_slug(name), model=model_dict,
+                            index=len(runs), run_name=name, model=model_dict,
                             training=training, fellows=profile.cluster_profile.fellows,
                             network=unstructure(network),
                             tc_profile=None if network.tc_profile is None
@@ -369,7 +382,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
 
 
 def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: TrainingProfile,
-                 path: Path, tpath: Path, mpath: Path) -> None:
+                 sweep_overrides: dict[str, Any], path: Path, tpath: Path, mpath: Path) -> None:
     """What the leader would refuse, refused here first, naming the file and field at fault."""
     stages = profile.cluster_profile.fellows  # one stage per fellow, as RunSpec.job_body asks
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
@@ -381,9 +394,10 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: Train
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
     if where == "topology":
         raise ConfigError(tpath, message, "$.cluster_profile.fellows")
-    if profile.training.stage_weights is not None:
-        raise ConfigError(tpath, message, "$.stage_weights")
-    raise ConfigError(path, message, "$.sweep(overrides).stage_weights")
+    field = where.removeprefix("training.")
+    if field in sweep_overrides:
+        raise ConfigError(path, message, f"$.sweep(overrides).{field}")
+    raise ConfigError(tpath, message, f"$.{field}")
 
 
 def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
@@ -395,9 +409,7 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
             training[key] = value
     training.update(anchor_dataset_paths(sweep.overrides, path.parent))
     training["seed"] = seed
-    training["shard_push_interval_steps"] = profile.artifacts.shard_push_interval_steps
-    link = network.link
-    training["link"] = None if link is None else unstructure(link)
+    _apply_profiles(training, profile.artifacts, network)
     try:
         structure(training, TrainingConfig)
     except SchemaError as exc:

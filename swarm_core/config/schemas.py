@@ -117,6 +117,10 @@ class ModelConfig:
         return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
 
 
+# torch threads per stage: more than any machine here gives one process.
+MAX_THREADS = 256
+
+
 @attrs.define
 class TrainingConfig:
     """Data, schedule and optimiser of a training job."""
@@ -146,7 +150,7 @@ class TrainingConfig:
     eval_batches: int = attrs.field(default=2, validator=[_nonneg, _le(1000)])
     stage_weights: list[float] | None = None
     frame_timeout_s: float = attrs.field(default=60.0, validator=[_pos, _le(86400.0)])
-    threads: int = attrs.field(default=1, validator=[_pos, _le(256)])
+    threads: int = attrs.field(default=1, validator=[_pos, _le(MAX_THREADS)])
     max_final_loss: float | None = None
     export_dir: str | None = None
     shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
@@ -175,9 +179,6 @@ class TrainingConfig:
             raise FieldError("must be two numbers in [0, 1)", "betas")
         if self.dataset == "textfiles" and not self.dataset_paths:
             raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
-        if self.min_lr > self.lr:  # (the rate would rise all run: a low lr set alone)
-            raise FieldError(f"min_lr {self.min_lr:g} is above lr {self.lr:g}; the schedule "
-                             "decays from lr to min_lr", "min_lr")
         if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):
             raise FieldError("weights must be >= 0", "stage_weights")
         if self.export_dir is not None:
@@ -191,8 +192,9 @@ class TrainingConfig:
 def job_shape_error(model: ModelConfig, training: TrainingConfig,
                     stages: int) -> tuple[str, str] | None:
     """Why this model, training config and stage count cannot run together, with the field at
-    fault (``training.stage_weights``, ``topology``, ``model.bottleneck_dim`` or
-    ``model.vocab_size``); None if they can.
+    fault (``training.stage_weights``, ``training.min_lr``, ``topology``,
+    ``model.bottleneck_dim`` or ``model.vocab_size``); None if they can. (Checked where configs
+    come in, not in the schemas: stored configs from before a rule still load.)
     The leader refuses such a job and ``swarm validate`` such a config, by this one rule."""
     if training.stage_weights is not None and len(training.stage_weights) != stages:
         return (f"{len(training.stage_weights)} weights for {stages} stages",
@@ -204,11 +206,13 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig,
     if (model.bottleneck_dim is not None and comp.learned
             and model.compression != "learned_bottleneck"
             and model.bottleneck_dim != comp.bottleneck_dim):
-        # (Checked where configs come in, not in ModelConfig: stored configs from before this
-        # rule, where the spec's K won, still load.)
+        # (Before this rule the spec's K won.)
         return (f"bottleneck_dim {model.bottleneck_dim} contradicts {model.compression!r}, "
                 f"which names width {comp.bottleneck_dim} (leave bottleneck_dim out)",
                 "model.bottleneck_dim")
+    if training.min_lr > training.lr:  # (the rate would rise all run: a low lr set alone)
+        return (f"min_lr {training.min_lr:g} is above lr {training.lr:g}; the schedule decays "
+                "from lr to min_lr", "training.min_lr")
     if training.tokenizer == "byte" and model.vocab_size is not None and model.vocab_size < 256:
         return (f"vocab_size {model.vocab_size} is smaller than the byte tokenizer's 256 "
                 "tokens", "model.vocab_size")

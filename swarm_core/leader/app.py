@@ -23,7 +23,7 @@ from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
 from swarm_core.leader.registry import FellowRegistry
 from swarm_core.leader.routes import add_routes
 from swarm_core.leader.state import LeaderState
-from swarm_core.leader.store import Store
+from swarm_core.leader.store import Store, StoreError
 from swarm_core.paths import ensure_private_dir
 
 log = logging.getLogger("swarm.leader")
@@ -115,24 +115,52 @@ def create_app(config: LeaderConfig) -> web.Application:
     return app
 
 
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` names (``localhost``: 127.0.0.1 and ::1, as
+    aiohttp binds them); with port 0 all share the port the first one got."""
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            if socks and port == 0:
+                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (its IPv4 twin, if any, has its own socket)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(128)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 def run_leader(config: LeaderConfig, host: str = "127.0.0.1", port: int = 8765) -> None:
     """Serve until SIGINT/SIGTERM. Prints the URL once listening (scripts wait for it).
 
     The port is bound before anything else: a port in use fails with nothing created (no
     state, no token) and nothing announced, and port 0 announces the port it got."""
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
-                                else socket.AF_INET)
-    bound = sock.getsockname()[1]
+    socks = _listen(host, port)
+    bound = socks[0].getsockname()[1]
     url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
     try:
         app = create_app(config)
+    except OSError as exc:  # (named here: the caller reads an OSError as the port's)
+        for sock in socks:
+            sock.close()
+        raise StoreError(f"{config.state_dir}: cannot set up the leader's state: "
+                         f"{exc.strerror or exc}") from None
     except BaseException:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
 
     async def announce(_app: web.Application) -> None:
         print(f"leader listening on {url} (state {config.state_dir})", flush=True)
 
     app.on_startup.append(announce)
-    web.run_app(app, sock=sock, print=None, access_log=None,
+    web.run_app(app, sock=socks, print=None, access_log=None,
                 handle_signals=True, shutdown_timeout=3.0)

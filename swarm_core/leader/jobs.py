@@ -458,7 +458,9 @@ class JobQueue:
                                  "link": link, "at": time.time()})
         # A script setting speeds in a loop must not grow the record without end. The first
         # change stays: it is the step from which the run left its network profile.
-        del job.link_changes[1:len(job.link_changes) - MAX_LINK_CHANGES + 1]
+        excess = len(job.link_changes) - MAX_LINK_CHANGES
+        if excess > 0:
+            del job.link_changes[1:1 + excess]
         self._save(job, quiet=True)
         return job.job_id
 

@@ -43,7 +43,10 @@ class StoreError(RuntimeError):
 class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except sqlite3.DatabaseError as exc:  # (a directory, unreadable…)
+            raise StoreError(f"{path}: cannot open the leader's state: {exc}") from None
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")

@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 
+from swarm_core.config.schemas import MAX_THREADS
 from swarm_core.protocol import RATE_MBPS
 from swarm_core.schema import clip, whole_number
 
@@ -27,9 +28,11 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
             raise argparse.ArgumentTypeError(f"{what} must be finite, got {shown}")
         low_ok = value > lo if lo_open else value >= lo
         if not low_ok or value > hi:
-            left = f"> {lo:g}" if lo_open else f">= {lo:g}"
-            right = "" if hi == math.inf else \
-                f" and <= {int(hi) if cast is int else hi:{'d' if cast is int else 'g'}}"
+            def shown_bound(b: float) -> str:
+                return f"{int(b)}" if cast is int else f"{b:g}"
+
+            left = f"> {shown_bound(lo)}" if lo_open else f">= {shown_bound(lo)}"
+            right = "" if hi == math.inf else f" and <= {shown_bound(hi)}"
             raise argparse.ArgumentTypeError(f"{what} must be {left}{right}, got {shown}")
         return value
 
@@ -46,13 +49,13 @@ port = number(int, 0, 65535, "port")
 fellow_id = number(int, 0, 2**63 - 1, "fellow id")
 latency_ms = number(float, 0, 60_000, "latency in ms")
 temperature = number(float, 0, 10, "temperature", lo_open=True)
-# torch's thread pool: what a fellow registers with (the API's bound) and a local run sets.
-thread_count = number(int, 1, 1024, "thread count")
+# torch's thread pool: what a job's stage may use (a fellow with more would refuse every job).
+thread_count = number(int, 1, MAX_THREADS, "thread count")
 link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
 # Sampled one at a time on the CPU: more than this is a typo, not a text.
 token_count = number(int, 1, 1_000_000, "token count")
-# What torch.Generator.manual_seed takes (a negative seed is only another name for one of these).
-sampling_seed = number(int, 0, 2**64 - 1, "seed")
+# What torch.Generator.manual_seed takes (a negative seed is another name for a large one).
+sampling_seed = number(int, -(2**63), 2**64 - 1, "seed")
 
 
 def utf8_text(value: str) -> str:

@@ -166,10 +166,14 @@ def check_dir(path: Path, what: str) -> None:
     """``path`` must be a directory, or one that can be made: the nearest part of it that
     exists is a directory."""
     part = path
-    while not part.exists() and part != part.parent:
-        part = part.parent
-    if part.exists() and not part.is_dir():
-        raise CommandError(f"{what}: {part} is not a directory", ExitCode.USAGE)
+    try:
+        while not part.exists() and part != part.parent:
+            part = part.parent
+        if part.exists() and not part.is_dir():
+            raise CommandError(f"{what}: {part} is not a directory", ExitCode.USAGE)
+    except OSError as exc:  # (exists() raises on a directory we may not search)
+        raise CommandError(f"{what}: cannot look at {part}: {exc.strerror}", ExitCode.USAGE) \
+            from None
 
 
 def check_state_dir(path: Path) -> None:
