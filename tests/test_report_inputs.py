@@ -276,7 +276,6 @@ def test_a_png_goes_where_it_is_asked_and_says_nothing_on_stderr(runs, capsys):
     """Steps and bytes up to int64, losses up to float32's limit, and run names that
     matplotlib would otherwise read as markup ("$", a leading "_") or lack glyphs for, make a
     PNG with nothing on stderr."""
-    pytest.importorskip("matplotlib")
     _edit_summary(run_id="_hidden")(runs[0])
     _edit_summary(run_id=r"$\foo$ 日本")(runs[1])
     (runs[0] / "train_progress.ndjson").write_text("".join(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import io
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -330,6 +331,9 @@ def render_html(runs: list[RunData]) -> str:
 
 
 def render_png(runs: list[RunData]) -> bytes:
+    # A first import on a fresh machine says it builds a font cache (and where it cannot
+    # write one): notes, not errors, and stderr is for errors.
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     try:
         import matplotlib
 
