@@ -29,7 +29,7 @@ from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
-from swarm_core.protocol import FellowInfo, JobState, JobSubmit
+from swarm_core.protocol import FellowInfo, JobState, JobSubmit, link_changes_in_all
 from swarm_core.schema import structure
 
 TERMINAL = {s.value for s in JobState if s.terminal}
@@ -345,8 +345,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": list(getattr(job, "link_changes", None) or []),
-        "link_changes_total": max(getattr(job, "link_changes_total", 0) or 0,
-                                  len(getattr(job, "link_changes", None) or [])),
+        "link_changes_total": link_changes_in_all(
+            getattr(job, "link_changes", None) or [], getattr(job, "link_changes_total", 0)),
         "thresholds": {},
     }
     if training.max_final_loss is not None:

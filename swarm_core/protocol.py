@@ -449,6 +449,12 @@ class JobInfo:
     link_changes_total: int = 0
 
 
+def link_changes_in_all(changes: list[Any], total: int | None) -> int:
+    """How many set-speeds a job saw: its count, or as many as its record holds where that is
+    more (a record from before the count was kept)."""
+    return max(total or 0, len(changes))
+
+
 @attrs.define
 class ProgressList:
     """One record per training step: step, loss, tokens_per_s, wire_bytes, step_seconds, lr,

@@ -16,6 +16,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.paths import atomic_write
+from swarm_core.protocol import link_changes_in_all
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
            "#e377c2", "#7f7f7f", "#bcbd22"]
@@ -234,7 +235,7 @@ def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
     steps = [c.get("at_step") for c in summary.get("link_changes") or [] if isinstance(c, dict)]
     if not steps:
         return "-"
-    total = max(summary.get("link_changes_total") or 0, len(steps))
+    total = link_changes_in_all(steps, summary.get("link_changes_total"))
     if total <= shown:
         return " ".join(f"@{s}" for s in steps)
     return f"@{steps[0]} … @{steps[-1]} ({total} in all)"

@@ -27,6 +27,7 @@ from swarm_core.protocol import (
     JobSubmit,
     SmokeTraining,
     Topology,
+    link_changes_in_all,
     perplexity,
 )
 from swarm_core.schema import (
@@ -140,7 +141,7 @@ class JobQueue:
             loss_history=self.loss_history(job) if with_history else [],
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
             restarts=job.restarts, link_changes=job.link_changes,
-            link_changes_total=max(job.link_changes_total, len(job.link_changes)),
+            link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
         )
 
     def loss_history(self, job: JobRecord) -> list[list[float]]:
@@ -453,7 +454,7 @@ class JobQueue:
         job = self._jobs.get(fellow.assigned_job or "")
         if job is None or job.state is not JobState.RUNNING:
             return None
-        job.link_changes_total = max(job.link_changes_total, len(job.link_changes)) + 1
+        job.link_changes_total = link_changes_in_all(job.link_changes, job.link_changes_total) + 1
         job.link_changes.append({"at_step": job.last_step, "fellow_id": fellow.fellow_id,
                                  "link": link, "at": time.time()})
         # A script setting speeds in a loop must not grow the record without end. The first

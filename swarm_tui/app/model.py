@@ -16,7 +16,13 @@ from typing import Any
 
 import attrs
 
-from swarm_core.protocol import FellowInfo, JobInfo, Topology, step_wait_share
+from swarm_core.protocol import (
+    FellowInfo,
+    JobInfo,
+    Topology,
+    link_changes_in_all,
+    step_wait_share,
+)
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
@@ -452,7 +458,7 @@ def describe_link_changes(changes: list[dict[str, Any]], shown: int = 3,
         parts.append(f"@{c.get('at_step')} fellow {c.get('fellow_id')} "
                      + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
                                      lk.get("latency_ms") or 0.0))
-    total = max(total, len(changes))
+    total = link_changes_in_all(changes, total)
     earlier = f" (+{total - shown} earlier)" if total > shown else ""
     return "link set mid-run: " + "; ".join(parts) + earlier
 

@@ -10,7 +10,14 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.protocol import JobInfo, JobState, JobSubmit, perplexity, step_wait_share
+from swarm_core.protocol import (
+    JobInfo,
+    JobState,
+    JobSubmit,
+    link_changes_in_all,
+    perplexity,
+    step_wait_share,
+)
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.app.model import describe_link
 from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
@@ -88,7 +95,7 @@ def link_change_rows(changes: list[dict[str, Any]], total: int = 0,
     """``swarm job``'s rows for the set-speeds a job saw while it ran: the newest ``shown``,
     after a row that counts them all and names the first, when there were more."""
     rows = []
-    total = max(total, len(changes))
+    total = link_changes_in_all(changes, total)
     if total > shown and changes:
         rows.append(["link set", f"{total} times, the first @{changes[0].get('at_step')}; "
                                  f"the newest {shown}:"])
