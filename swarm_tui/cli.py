@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import swarm_core
@@ -121,6 +122,8 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if ns.local is not None and ns.leader_url:
         parser.error("--local starts its own leader; leave out --leader-url")
+    if ns.configs is not None and not Path(ns.configs).expanduser().is_dir():
+        parser.error(f"--configs: {ns.configs} is not a directory")
     try:
         from swarm_tui.app.main import run_console
 

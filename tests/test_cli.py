@@ -174,6 +174,16 @@ def test_swarm_tui_cmd_without_action(capsys):
     _one_line(capsys.readouterr().err)
 
 
+def test_swarm_tui_refuses_a_configs_dir_that_is_not_one(tmp_path, capsys):
+    for bad in (tmp_path / "nope", tmp_path / "f"):
+        if bad.name == "f":
+            bad.write_text("x")
+        with pytest.raises(SystemExit) as exc:
+            main_tui(["--configs", str(bad)])
+        assert exc.value.code == ExitCode.USAGE
+        assert f"--configs: {bad} is not a directory" in _one_line(capsys.readouterr().err)
+
+
 def test_llm_doc_covers_every_command_and_exit_code():
     parser = build_parser()
     text = render_llm_doc(parser)

@@ -130,6 +130,8 @@ BAD = [
                          "'m-none-unconstrained-s0-r0'", "$.model_configs[1]"),
     ("grid_too_big", "the sweep has 20,000 runs, more than 10,000", "$.sweep"),
     ("min_lr_above_lr", "min_lr 0.0003 is above lr 0.0001", "$.min_lr"),
+    ("training_is_a_dir", "cannot read", "$.training_config"),
+    ("nul_in_runs_dir", "not a usable path (embedded null byte)", "$.artifacts.runs_dir"),
     ("min_lr_override", "min_lr 0.01 is above lr 0.003", "$.sweep(overrides).min_lr"),
 ]
 
@@ -202,6 +204,13 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
         path = exp(model_configs=["model/m.json", "model/m.json"])
     elif case == "min_lr_above_lr":
         _write(tmp, "training/t.json", {"lr": 1e-4, "cluster_profile": {"fellows": 2}})
+        path, target = exp(), "training/t.json"
+    elif case == "training_is_a_dir":
+        (tmp / "training" / "d.json").mkdir()
+        path = exp(training_config="training/d.json")
+    elif case == "nul_in_runs_dir":
+        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 2},
+                                        "artifacts": {"runs_dir": "ru\u0000ns"}})
         path, target = exp(), "training/t.json"
     elif case == "min_lr_override":
         path = exp(sweep={"overrides": {"min_lr": 0.01}})

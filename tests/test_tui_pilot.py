@@ -180,7 +180,13 @@ async def test_filter_and_sort(tmp_path: Path) -> None:
             bar_error = app.screen.query_one("#filter-error", Label)
             assert "not a regular expression" in str(bar_error.render())
             assert names_shown(app) == ["sim-1", "sim-2"]
-            await pilot.press("backspace", "enter")
+            # So does one the engine cannot hold (it raised OverflowError through the app);
+            # the filter stays the last that was one (without "}", a literal "{…").
+            await pilot.press("backspace", *"|x{4294967296}")
+            assert "not a regular expression" in str(bar_error.render())
+            assert table.filter_text == "sim-[12]|x{4294967296"
+            assert names_shown(app) == ["sim-1", "sim-2"]
+            await pilot.press(*["backspace"] * len("|x{4294967296}"), "enter")
             assert table.has_focus
             # Rows that update while filtered stay filtered.
             seen = app.model.events_seen
@@ -558,3 +564,25 @@ async def test_the_watch_view_shows_a_finished_runs_evaluation(tmp_path: Path) -
 
         await wait_for(pilot, lambda: "eval 2.0000 (perplexity 7.39)" in summary(),
                        "the evaluation in the summary")
+
+
+async def test_the_launcher_opens_with_nothing_to_pick(tmp_path: Path) -> None:
+    """A configs folder with no profiles leaves the pick lists empty (a crash before: an
+    empty Select was given Select.BLANK); launching says there is nothing to launch."""
+    from tests.tui_support import FakeClient, frozen_clock
+
+    client = FakeClient()
+    app = SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0,
+                   configs_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.snapshots >= 1, "the fixed data")
+        await pilot.press("3")
+        await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen), "the launcher")
+        assert app.screen.query_one("#model", Select).value is Select.NULL
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.1)
+        assert isinstance(app.screen, LaunchScreen)
+        from textual.widgets import Static
+
+        assert "nothing to launch" in str(app.screen.query_one("#launch-error", Static).render())
+        assert client.calls == []

@@ -54,7 +54,7 @@ class LaunchScreen(SwarmScreen):
                     with Horizontal(classes="form-row", id=f"row-{field}"):
                         yield Label(field, classes="form-label")
                         yield Select([(_short(o), o) for o in options], compact=True,
-                                     value=default or Select.BLANK,
+                                     value=default if default is not None else Select.NULL,
                                      allow_blank=default is None, id=field)
                 for field, (value, placeholder) in TEXT_FIELDS.items():
                     with Horizontal(classes="form-row", id=f"row-{field}"):

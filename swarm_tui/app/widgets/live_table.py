@@ -25,6 +25,7 @@ from textual.strip import Strip
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowDoesNotExist, RowKey
 
+from swarm_core.schema import clip
 from swarm_tui.app.cells import Cell, Column
 from swarm_tui.app.export import SKIP_COLUMNS, cell_value
 
@@ -87,8 +88,9 @@ class LiveTable(DataTable[Cell]):
         ``text`` is not one."""
         try:
             pattern = re.compile(text, re.IGNORECASE) if text else None
-        except re.error as exc:
-            return f"not a regular expression: {exc}"
+        except (re.error, OverflowError, RecursionError) as exc:
+            # (The last two: a repeat count past the engine's limit, or nesting past Python's.)
+            return f"not a regular expression: {clip(str(exc), 80)}"
         self.filter_text, self._filter = text, pattern
         self.rebuild(keys)
         return None
