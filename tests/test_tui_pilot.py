@@ -122,6 +122,41 @@ async def test_set_speed_dialog_validates_then_reaches_the_fellow(tmp_path: Path
             assert fellows.daemons[0].shaper.limits().tx_mbps is None
 
 
+async def test_set_speed_on_marked_fellows_says_which_took_it(tmp_path: Path) -> None:
+    """One of three marked fellows leaves while the dialog is open: the other two take the
+    limits and the notices say which did; once it shows as released, the set is refused
+    whole, before anything is sent."""
+    async with live_cluster(tmp_path) as (leader, fellows):
+        app = SwarmApp(leader.client(), refresh_s=1.0)
+        async with app.run_test(size=SIZE) as pilot:
+            await fellows_listed(pilot, app)
+            await pilot.press("space", "space", "space")
+            assert app.screen.selected_ids() == [0, 1, 2]
+            await pilot.press("s")
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                    and app.screen, "the set-speed dialog")
+            async with leader.client() as c:
+                assert await c.release([1]) == [1]
+            dialog.query_one("#tx", Input).value = "50"
+            await pilot.press("enter")
+
+            def notices() -> list[str]:
+                return [n.message for n in app._notifications]
+
+            await wait_for(pilot, lambda: any("refused" in m for m in notices()), "the notices")
+            assert "set-speed tx 50 Mbit/s, rx unlimited sent to fellows 0, 2" in notices()
+            assert any(m.startswith("set-speed tx 50 Mbit/s, rx unlimited: leader refused "
+                                    "fellow 1: ") for m in notices())
+            async with leader.client() as c:
+                assert [f.link.tx_mbps for f in await c.fellows()] == [50.0, None, 50.0]
+            await wait_for(pilot, lambda: app.model.fellows[1].status == "released",
+                           "shown released")
+            await pilot.press("s")
+            await pilot.pause(0.1)
+            assert isinstance(app.screen, FellowsScreen)
+            assert "set-speed: fellow 1 has left the cluster; nothing sent" in notices()
+
+
 async def test_release_needs_confirmation(tmp_path: Path) -> None:
     async with live_cluster(tmp_path) as (leader, fellows):
         app = SwarmApp(leader.client(), refresh_s=1.0)

@@ -32,7 +32,7 @@ from swarm_core.experiment import Experiment, ExperimentError
 from swarm_core.protocol import JobSubmit, SetSpeedRequest
 from swarm_tui.app.commands import SwarmCommands
 from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
-from swarm_tui.app.model import Change, ClusterModel, describe_link
+from swarm_tui.app.model import LEFT, Change, ClusterModel, describe_link
 from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDialog
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
@@ -332,11 +332,23 @@ class SwarmApp(App[int]):
 
     @work(group="set_speed", exit_on_error=False, description="set-speed")
     async def set_speed(self, ids: list[int], req: SetSpeedRequest) -> None:
-        # Not exclusive: a second request must not cancel the first one mid-flight.
+        # Not exclusive: a second request must not cancel the first one mid-flight. Each
+        # fellow is its own request: one refused (it left meanwhile) does not stop the rest,
+        # and the notice says which took it.
+        link = describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)
+        sent, refused = [], []
         for fid in ids:
-            await self.client.set_speed(fid, req)
-        self.notify(f"set-speed {describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
-                    f"sent to fellow{'s' if len(ids) > 1 else ''} {_ids(ids)}")
+            try:
+                await self.client.set_speed(fid, req)
+                sent.append(fid)
+            except ApiError as exc:
+                refused.append(f"fellow {fid}: {exc.message}")
+        if sent:
+            self.notify(f"set-speed {link} sent to fellow{'s' if len(sent) > 1 else ''} "
+                        f"{_ids(sent)}")
+        if refused:
+            self.notify(f"set-speed {link}: leader refused " + "; ".join(refused),
+                        severity="error")
         self.refresh_now()
 
     def ask_release(self, ids: Sequence[int]) -> None:
@@ -354,12 +366,19 @@ class SwarmApp(App[int]):
         self.push_screen(dialog, lambda ok: self.release(list(ids)) if ok else None)
 
     def _refuse_gone(self, ids: Sequence[int], what: str) -> bool:
-        """A fellow the leader no longer knows (a detail view left open) takes no action."""
+        """A fellow the leader no longer knows (a detail view left open), or one released or
+        leaving (the leader would refuse it part-way through a marked set), takes no action:
+        none of the set does."""
         gone = [i for i in ids if i not in self.model.fellows]
         if gone:
             self.notify(f"{what}: fellow {_ids(gone)} is no longer known to the leader",
                         severity="warning")
-        return bool(gone)
+            return True
+        left = [i for i in ids if self.model.fellows[i].status in LEFT]
+        if left:
+            self.notify(f"{what}: fellow {_ids(left)} has left the cluster; nothing sent",
+                        severity="warning")
+        return bool(left)
 
     def ask_release_all(self) -> None:
         if self.refuse_if_read_only("release all"):
