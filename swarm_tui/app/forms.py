@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 
 from swarm_core.protocol import SetSpeedRequest
-from swarm_core.schema import FieldError
+from swarm_core.schema import FieldError, clip
 
 SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
 
@@ -16,20 +17,25 @@ class FormError(ValueError):
         self.field = field
 
 
+# A plain decimal number, ASCII digits only: float() also takes "1_000", "٣", "nan" and
+# "infinity", none of which anybody means in a rate field.
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
 def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
+    """``text`` as a number; empty (or, for a rate, a word for no limit) is ``empty``."""
+    label = SPEED_LABELS.get(field, field)
+    blank = "unlimited" if empty is None else f"{empty:g}"
     text = text.strip()
-    if not text or text.lower() in ("unlimited", "none", "-", "∞"):
-        if empty is None and field == "latency_ms":
-            raise FormError(f"{SPEED_LABELS[field]}: give a number", field)
+    if not text or (empty is None and text.lower() in ("unlimited", "none", "-", "∞")):
         return empty
-    try:
-        value = float(text)
-    except ValueError:
-        raise FormError(f"{SPEED_LABELS.get(field, field)}: {text!r} is not a number",
-                        field) from None
+    if not _NUMBER.fullmatch(text):
+        raise FormError(f"{label}: {clip(text)!r} is not a number (leave it empty for "
+                        f"{blank})", field)
+    value = float(text)
     if not math.isfinite(value):
-        raise FormError(f"{SPEED_LABELS.get(field, field)}: must be a finite number "
-                        "(leave it empty for unlimited)", field)
+        raise FormError(f"{label}: {clip(text)!r} is too large (leave it empty for {blank})",
+                        field)
     return value
 
 
