@@ -147,8 +147,10 @@ async def test_set_speed_on_marked_fellows_says_which_took_it(tmp_path: Path) ->
             assert "set-speed tx 50 Mbit/s, rx unlimited sent to fellows 0, 2" in notices()
             assert any(m.startswith("set-speed tx 50 Mbit/s, rx unlimited: leader refused "
                                     "fellow 1: ") for m in notices())
-            async with leader.client() as c:
-                assert [f.link.tx_mbps for f in await c.fellows()] == [50.0, None, 50.0]
+            # (A fellow's link is what it reports back: its next heartbeat.)
+            await wait_for(pilot, lambda: [app.model.fellows[i].tx_limit for i in (0, 2)]
+                           == [50.0, 50.0], "fellows 0 and 2 shaped")
+            assert fellows.daemons[1].shaper.limits().tx_mbps is None
             await wait_for(pilot, lambda: app.model.fellows[1].status == "released",
                            "shown released")
             await pilot.press("s")
