@@ -353,11 +353,17 @@ def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
     assert out.read_text() == 'id,name,rate\n1,"a,b",2.5\n2,\'=cmd(),\n'
     out = write_view(tmp_path / "v.json", ["id", "name", "rate"], rows)
     assert json.loads(out.read_text()) == rows  # JSON keeps the text as it is
-    for bad, why in [("", "give a file name"), (str(tmp_path / "v.xlsx"), "must end in"),
-                     (str(tmp_path / "nope" / "v.csv"), "no such directory"),
-                     (str(tmp_path / "v.csv"), "exists already")]:
-        with pytest.raises(ExportError, match=why):
+    (tmp_path / "d.csv").mkdir()
+    for bad, says in [("", "give a file name ending in .csv or .json"),
+                      (str(tmp_path / "v.xlsx"), "v.xlsx: the name must end in .csv or .json"),
+                      (str(tmp_path / ".csv"), ".csv: give a name before the extension"),
+                      (str(tmp_path / "nope" / "v.csv"), f"{tmp_path / 'nope'}: no such "
+                                                         "directory"),
+                      (str(tmp_path / "d.csv"), f"{tmp_path / 'd.csv'}: is a directory"),
+                      (str(tmp_path / "v.csv"), "v.csv exists already: pick another name")]:
+        with pytest.raises(ExportError) as exc:
             write_view(bad, ["id"], rows)
+        assert str(exc.value) == says  # (the path once: it was named twice)
     # Paths the checks themselves choke on are refused in a line too, never a traceback.
     (tmp_path / "dangling.csv").symlink_to(tmp_path / "gone.csv")
     for bad, why in [(str(tmp_path / ("x" * 300 + ".csv")), "too long"),

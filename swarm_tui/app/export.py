@@ -81,6 +81,8 @@ def write_view(path: str | Path, columns: list[str], rows: list[dict[str, Any]])
     except RuntimeError as exc:  # ~user with no such user
         raise ExportError(f"{text}: {exc}") from None
     suffix = target.suffix.lower()
+    if target.name.lower() in FORMATS:  # (".csv" alone: a hidden file with no extension)
+        raise ExportError(f"{target.name}: give a name before the extension")
     if suffix not in FORMATS:
         raise ExportError(f"{target.name}: the name must end in .csv or .json")
     try:
@@ -92,6 +94,8 @@ def write_view(path: str | Path, columns: list[str], rows: list[dict[str, Any]])
         if not target.parent.is_dir():
             raise ExportError(f"{target.parent}: no such directory")
         atomic_write(target, render(rows, columns, suffix))
+    except ExportError:
+        raise
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ExportError(f"{target}: {detail}") from None
