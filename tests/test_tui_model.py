@@ -287,6 +287,11 @@ def test_console_flags_are_checked(argv: list[str], message: str,
     ('{"fellows.export": "/"}', "key 'slash' would be both fellows.filter and fellows.export"),
     ('{"app.quit_now": "x"}', "app.quit_now works even while typing in a field"),
     ('{"jobs.cancel": "enter"}', "'enter' belongs to the tables and fields"),
+    # A key nobody can press would leave the action with none.
+    ('{"fellows.release": "notakey"}', "fellows.release: 'notakey' is not a key"),
+    ('{"fellows.release": "ctrl+shift+alt+meta+zz"}', "'ctrl+shift+alt+meta+zz' is not a key"),
+    ('{"fellows.release": "F5"}', "'F5' is not a key"),
+    ('{"fellows.release": "' + "k" * 5000 + '"}', "'kkkkkkkkkkkkkkkkkkkkkkkk...' is not a key"),
     # In a dialog only the app's priority keys stay live: those still clash.
     ('{"confirm.yes": "ctrl+q,y"}', "key 'ctrl+q' would be both app.quit_now and "
                                     "confirm.yes in the confirmation view"),

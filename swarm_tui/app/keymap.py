@@ -4,7 +4,8 @@ Every key binding of the console has an id (``?`` lists them). A keymap file cha
 any of them, e.g. ``{"fellows.release": "x", "app.quit": "ctrl+c"}``; several keys are separated
 by commas as in Textual (``"x,delete"``). It is read from ``--keymap FILE``, else from
 ``<user config dir>/silentswarm/keymap.json`` when that exists (``SWARM_KEYMAP`` overrides the
-default place; a file it names must exist). An unknown id, a key bound twice in one view, a
+default place; a file it names must exist). An unknown id, a key no terminal sends, a key
+bound twice in one view, a
 key of the tables and fields (arrows, enter, tab), a plain letter for a binding that works
 even while typing (``app.quit_now``), or a file that is not such an object is a one-line error
 and the console does not start.
@@ -13,14 +14,21 @@ and the console does not start.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
+import string
 from pathlib import Path
 
 import platformdirs
 from textual.binding import Binding
-from textual.keys import _normalize_key_list  # Textual is pinned exactly (pyproject)
+from textual.keys import (  # Textual is pinned exactly (pyproject)
+    Keys,
+    _character_to_key,
+    _normalize_key_list,
+)
 
 from swarm_core import jsonio
+from swarm_core.schema import clip
 
 
 class KeymapError(ValueError):
@@ -61,14 +69,38 @@ def remappable() -> dict[str, list[tuple[str, Binding]]]:
     return out
 
 
+MODIFIERS = ("ctrl", "alt", "shift", "meta", "super", "hyper")
+
+
+@functools.cache
+def _key_names() -> frozenset[str]:
+    """Every key name a terminal can send Textual without modifiers: its named keys (escape,
+    f5, pageup…) and the names of printable characters (slash, question_mark…)."""
+    named = {k.value for k in Keys if "+" not in k.value and not k.value.startswith("<")}
+    chars = {_character_to_key(c) for c in string.printable if c.isprintable()}
+    return frozenset(named | chars)
+
+
+def _check_key(key: str, where: str) -> None:
+    """A key nobody can press would leave its binding without one, silently."""
+    *mods, base = key.split("+")
+    if any(m not in MODIFIERS for m in mods) or len(set(mods)) != len(mods) or not (
+            (len(base) == 1 and base.isprintable()) or base in _key_names()):
+        raise KeymapError(f"{where}: {clip(key)!r} is not a key (a character, or a name "
+                          "such as escape, f5 or slash, after modifiers such as ctrl+)")
+
+
 def _keys(value: object, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise KeymapError(f"{where}: expected keys as a string such as \"x\" or \"x,delete\"")
     parts = [k.strip() for k in value.split(",")]
     if any(not k or " " in k for k in parts):
-        raise KeymapError(f"{where}: {value!r} is not a comma-separated list of keys")
+        raise KeymapError(f"{where}: {clip(value)!r} is not a comma-separated list of keys")
     # "/" and "slash" are one key to Textual: compare them in its long form.
-    return _normalize_key_list(",".join(parts))
+    keys = _normalize_key_list(",".join(parts))
+    for key in keys.split(","):
+        _check_key(key, where)
+    return keys
 
 
 def check(keymap: object, source: str) -> dict[str, str]:
