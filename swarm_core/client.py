@@ -134,8 +134,8 @@ class SwarmClient:
         return _reply(resp.status, raw)
 
     def _unreachable(self, exc: BaseException) -> LeaderUnreachable:
-        return LeaderUnreachable(f"cannot reach the leader at {self.base_url}: "
-                                 f"{exc.__class__.__name__} {exc}".strip())
+        return LeaderUnreachable(f"cannot reach the leader at {shown_url(self.base_url)}: "
+                                 f"{_why_unreachable(exc)}")
 
     async def _get(self, path: str, cls: type[T], **kw: Any) -> T:
         return _parse(await self.request("GET", path, **kw), cls)
@@ -312,6 +312,21 @@ class SwarmClient:
 # No answer at all (refused, reset, timed out, a reply cut short): aiohttp.ClientError covers
 # its connection and payload errors.
 _NO_ANSWER = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+def _why_unreachable(exc: BaseException) -> str:
+    """What went wrong, in words a person acts on (the console and the CLI show it as is)."""
+    os_error = getattr(exc, "os_error", None)  # (aiohttp's connector errors wrap one)
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return f"cannot resolve {getattr(exc, 'host', 'the host')}"
+    if isinstance(exc, ConnectionRefusedError) or isinstance(os_error, ConnectionRefusedError):
+        return "connection refused (is the leader running there?)"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the leader closed the connection"
+    detail = getattr(os_error, "strerror", None) or str(exc)
+    return detail or exc.__class__.__name__
 _CLOSED_BY_LEADER = (aiohttp.WSCloseCode.OK, aiohttp.WSCloseCode.GOING_AWAY)
 
 

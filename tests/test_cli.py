@@ -125,6 +125,10 @@ def test_a_leader_state_dir_that_is_a_file_is_named(tmp_path, capsys):
 def test_unreachable_leader_exits_3(capsys):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert run(["--leader-url", url, "jobs"]) == ExitCode.UNREACHABLE
+    assert _one_line(capsys.readouterr().err) == (
+        f"swarm: cannot reach the leader at {url}: connection refused (is the leader running "
+        "there?)")
+    assert run(["--leader-url", url, "jobs"]) == ExitCode.UNREACHABLE
     assert "cannot reach the leader" in _one_line(capsys.readouterr().err)
 
 
