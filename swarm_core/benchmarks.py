@@ -27,6 +27,7 @@ from swarm_core.config.profiles import (
     _read_json,
     _structure,
     load_model_profile,
+    resolve_ref,
 )
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.paths import atomic_write
@@ -170,12 +171,12 @@ def load_suite(path: Path | str) -> ResolvedSuite:
     scenarios = []
     for i, sc in enumerate(spec.scenarios):
         where = f"$.scenarios[{i}]"
-        mpath = (base / sc.model).resolve()
+        mpath = resolve_ref(base, sc.model, path, f"{where}.model")
         model = load_model_profile(mpath, (path, f"{where}.model"))
-        tpath = (base / sc.training).resolve()
+        tpath = resolve_ref(base, sc.training, path, f"{where}.training")
         raw = _read_json(tpath, (path, f"{where}.training"))
         training = _structure(raw, TrainingConfig, tpath)
-        ipath = (base / sc.infra).resolve()
+        ipath = resolve_ref(base, sc.infra, path, f"{where}.infra")
         infra = _structure(_read_json(ipath, (path, f"{where}.infra")), InfraProfile, ipath)
         fellows, emulated, missing = _emulation(infra)
         slots = {n.slots_per_fellow for n in infra.nodes}

@@ -314,6 +314,9 @@ class SwarmClient:
 _NO_ANSWER = (aiohttp.ClientError, TimeoutError, OSError)
 
 
+_CLOSED_BY_LEADER = (aiohttp.WSCloseCode.OK, aiohttp.WSCloseCode.GOING_AWAY)
+
+
 def _why_unreachable(exc: BaseException) -> str:
     """What went wrong, in words a person acts on (the console and the CLI show it as is)."""
     os_error = getattr(exc, "os_error", None)  # (aiohttp's connector errors wrap one)
@@ -325,9 +328,16 @@ def _why_unreachable(exc: BaseException) -> str:
         return "no answer in time"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the leader closed the connection"
-    detail = getattr(os_error, "strerror", None) or str(exc)
-    return detail or exc.__class__.__name__
-_CLOSED_BY_LEADER = (aiohttp.WSCloseCode.OK, aiohttp.WSCloseCode.GOING_AWAY)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut short"
+    cause = os_error if isinstance(os_error, OSError) else exc
+    if isinstance(cause, OSError):
+        # (strerror where there is an errno; else the text: happy eyeballs joins the errors
+        # of every address it tried)
+        detail = cause.strerror or (str(cause.args[0]) if cause.args else "")
+    else:
+        detail = str(exc)
+    return f"the connection failed: {detail}" if detail else "the connection failed"
 
 
 def _reply(status: int, raw: bytes) -> Any:

@@ -122,8 +122,14 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if ns.local is not None and ns.leader_url:
         parser.error("--local starts its own leader; leave out --leader-url")
-    if ns.configs is not None and not Path(ns.configs).expanduser().is_dir():
-        parser.error(f"--configs: {ns.configs} is not a directory")
+    if ns.configs is not None:
+        try:  # (expanded once, here: the launcher reads what was checked)
+            configs = Path(ns.configs).expanduser()
+        except RuntimeError:  # ~user with no such user
+            parser.error(f"--configs: {ns.configs}: no such user's home directory")
+        if not configs.is_dir():
+            parser.error(f"--configs: {ns.configs} is not a directory")
+        ns.configs = str(configs)
     try:
         from swarm_tui.app.main import run_console
 

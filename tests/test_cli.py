@@ -179,13 +179,14 @@ def test_swarm_tui_cmd_without_action(capsys):
 
 
 def test_swarm_tui_refuses_a_configs_dir_that_is_not_one(tmp_path, capsys):
-    for bad in (tmp_path / "nope", tmp_path / "f"):
-        if bad.name == "f":
-            bad.write_text("x")
+    (tmp_path / "f").write_text("x")
+    for bad, says in ((tmp_path / "nope", f"{tmp_path / 'nope'} is not a directory"),
+                      (tmp_path / "f", f"{tmp_path / 'f'} is not a directory"),
+                      ("~no-such-user-swarm/x", "~no-such-user-swarm/x: no such user's home")):
         with pytest.raises(SystemExit) as exc:
             main_tui(["--configs", str(bad)])
         assert exc.value.code == ExitCode.USAGE
-        assert f"--configs: {bad} is not a directory" in _one_line(capsys.readouterr().err)
+        assert f"--configs: {says}" in _one_line(capsys.readouterr().err)
 
 
 def test_llm_doc_covers_every_command_and_exit_code():

@@ -130,7 +130,9 @@ BAD = [
                          "'m-none-unconstrained-s0-r0'", "$.model_configs[1]"),
     ("grid_too_big", "the sweep has 20,000 runs, more than 10,000", "$.sweep"),
     ("min_lr_above_lr", "min_lr 0.0003 is above lr 0.0001", "$.min_lr"),
-    ("training_is_a_dir", "cannot read", "$.training_config"),
+    ("training_is_a_dir", "cannot read {tmp}/training/d.json: Is a directory",
+     "$.training_config"),
+    ("training_link_loop", "not a usable path", "$.training_config"),
     ("nul_in_runs_dir", "not a usable path (embedded null byte)", "$.artifacts.runs_dir"),
     ("min_lr_override", "min_lr 0.01 is above lr 0.003", "$.sweep(overrides).min_lr"),
 ]
@@ -208,6 +210,9 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     elif case == "training_is_a_dir":
         (tmp / "training" / "d.json").mkdir()
         path = exp(training_config="training/d.json")
+    elif case == "training_link_loop":
+        (tmp / "training" / "loop.json").symlink_to(tmp / "training" / "loop.json")
+        path = exp(training_config="training/loop.json")
     elif case == "nul_in_runs_dir":
         _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 2},
                                         "artifacts": {"runs_dir": "ru\u0000ns"}})
@@ -219,7 +224,7 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     with pytest.raises(ConfigError) as exc:
         load_experiment(path)
     err = exc.value
-    assert message in err.message
+    assert message.format(tmp=tmp) in err.message
     assert err.field == field
     assert Path(err.path).resolve() == (tmp / target).resolve()
     # The one-line form names file, field and problem.

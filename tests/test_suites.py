@@ -56,6 +56,7 @@ def test_default_suite_loads_and_says_what_it_emulates():
     ("bad_baseline", "names no scenario"),
     ("duplicate_dirs", "artifact dirs must be unique"),
     ("bad_node", "must be 1-64, got 0"),
+    ("nul_in_model", "$.scenarios[0].model: not a usable path (embedded null byte)"),
 ])
 def test_planning_errors(tmp_path, case, message):
     path, _sc = _suite(tmp_path)
@@ -66,6 +67,8 @@ def test_planning_errors(tmp_path, case, message):
         data["baseline"] = "nope"
     elif case == "duplicate_dirs":
         data["scenarios"][1]["artifacts"]["dir"] = "base"
+    elif case == "nul_in_model":
+        data["scenarios"][0]["model"] = "model/m\u0000.json"
     elif case == "bad_node":
         (tmp_path / "infra" / "two.json").write_text(json.dumps(
             {"name": "two", "nodes": [{"name": "a", "fellows": 0}]}))

@@ -177,15 +177,16 @@ def test_number_formats() -> None:
     ("-1", "", "", "tx Mbit/s: must be > 0"),
     ("", "0", "", "rx Mbit/s: must be > 0"),
     ("inf", "", "", "tx Mbit/s: 'inf' is not a number (leave it empty for unlimited)"),
-    ("1e999", "", "", "tx Mbit/s: '1e999' is too large (leave it empty for unlimited)"),
+    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (leave it empty for unlimited)"),
+    ("-1e999", "", "", "tx Mbit/s: '-1e999' is out of range"),
     ("1_000", "", "", "tx Mbit/s: '1_000' is not a number"),
     ("\u0663", "", "", "tx Mbit/s: '\u0663' is not a number"),  # an Arabic-Indic 3
-    ("9" * 5000, "", "", "tx Mbit/s: '999999999999999999999999...' is too large"),
+    ("9" * 5000, "", "", "tx Mbit/s: '999999999999999999999999...' is out of range"),
     ("x" * 5000, "", "", "tx Mbit/s: 'xxxxxxxxxxxxxxxxxxxxxxxx...' is not a number"),
     ("", "", "-2", "latency ms: must be between 0 and 60000"),
     ("", "", "1e9", "latency ms: must be between 0 and 60000"),
-    ("", "", "nan", "latency ms: 'nan' is not a number (leave it empty for 0)"),
-    ("", "", "unlimited", "latency ms: 'unlimited' is not a number (leave it empty for 0)"),
+    ("", "", "nan", "latency ms: 'nan' is not a number (leave it empty for 0 ms)"),
+    ("", "", "unlimited", "latency ms: 'unlimited' is not a number (leave it empty for 0 ms)"),
 ])
 def test_set_speed_form_errors(tx: str, rx: str, lat: str, error: str) -> None:
     with pytest.raises(FormError) as exc:
@@ -198,6 +199,9 @@ def test_set_speed_form_values() -> None:
     assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (80.0, None, 0.0)
     req = parse_speed("unlimited", "12.5", "20")
     assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (None, 12.5, 20.0)
+    req = parse_speed("1e3", "+5", "-")  # ("none" and "-" mean nothing: no added latency)
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (1000.0, 5.0, 0.0)
+    assert parse_speed(".5", "5.", "none").tx_mbps == 0.5
 
 
 def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
@@ -310,6 +314,16 @@ def test_a_bad_keymap_stops_the_console_before_anything_starts(
     assert main_tui(["--keymap", str(keymap), "--local", "2"]) == 2
     err = capsys.readouterr().err
     assert message in err and str(keymap) in err and err.count("\n") == 1
+
+
+def test_keymap_takes_every_key_textual_sends_in_its_long_form() -> None:
+    from swarm_tui.app.keymap import check
+
+    keys = {"£": "pound_sign", "euro_sign": "euro_sign", "pause": "pause", "f35": "f35",
+            "ctrl+.": "ctrl+full_stop", "ctrl+/": "ctrl+slash", "ctrl+£": "ctrl+pound_sign",
+            "é": "é", "shift+f5": "shift+f5", "ctrl+shift+up": "ctrl+shift+up"}
+    for written, long_form in keys.items():
+        assert check({"fellows.release": written}, "k.json") == {"fellows.release": long_form}
 
 
 def test_keymap_checks_dialogs_against_the_keys_that_reach_them() -> None:

@@ -334,7 +334,9 @@ def render_html(runs: list[RunData]) -> str:
 def render_png(runs: list[RunData]) -> bytes:
     # A first import on a fresh machine says it builds a font cache (and where it cannot
     # write one): notes, not errors, and stderr is for errors.
-    logging.getLogger("matplotlib").setLevel(logging.ERROR)
+    mpl_log = logging.getLogger("matplotlib")
+    level = mpl_log.level
+    mpl_log.setLevel(logging.ERROR)
     try:
         import matplotlib
 
@@ -343,6 +345,8 @@ def render_png(runs: list[RunData]) -> bytes:
     except ImportError:
         raise ReportError("PNG reports need matplotlib: pip install 'silentswarm[report]' "
                           "(or write .html)") from None
+    finally:
+        mpl_log.setLevel(level)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (title, xl, attr) in zip(axes, (
             ("loss by step", "step", "steps"), ("loss by wall time", "seconds", "wall"),

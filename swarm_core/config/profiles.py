@@ -242,12 +242,12 @@ def _read_json(path: Path, referenced_from: tuple[Path, str] | None = None) -> A
         raise ConfigError(path, f"not valid JSON: {exc}") from None
 
 
-def _resolve(base: Path, rel: str, path: Path, field: str) -> Path:
+def resolve_ref(base: Path, rel: str, path: Path, field: str) -> Path:
     """``rel`` as the file at ``path`` names it, made absolute; a name no file system takes
     (a NUL byte, a loop of links) is a ConfigError at ``field``."""
     try:
         return (base / rel).resolve()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # (RuntimeError: a loop, before 3.13)
         raise ConfigError(path, f"not a usable path ({exc}): {rel!r}", field) from None
 
 
@@ -337,11 +337,11 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
     raw = _read_json(path)
     cfg: ExperimentConfig = _structure(raw, ExperimentConfig, path)
     base = path.parent
-    tpath = _resolve(base, cfg.training_config, path, "$.training_config")
+    tpath = resolve_ref(base, cfg.training_config, path, "$.training_config")
     profile = load_training_profile(tpath, (path, "$.training_config"))
     models = []
     for i, rel in enumerate(cfg.model_configs):
-        mpath = _resolve(base, rel, path, f"$.model_configs[{i}]")
+        mpath = resolve_ref(base, rel, path, f"$.model_configs[{i}]")
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
@@ -388,7 +388,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                             tc_profile=None if network.tc_profile is None
                             else unstructure(network.tc_profile),
                             seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
-    runs_dir = _resolve(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
+    runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
 

@@ -317,7 +317,7 @@ class SwarmApp(App[int]):
         if not ids:
             self.notify("no fellow selected", severity="warning")
             return
-        if self._refuse_gone(ids, "set-speed"):
+        if self._refuse_gone(ids, "set-speed", left_too=True):
             return
         first = self.model.fellows.get(ids[0])
         dialog = SetSpeedDialog(self._names(ids), first.tx_limit if first else None,
@@ -336,19 +336,23 @@ class SwarmApp(App[int]):
         # fellow is its own request: one refused (it left meanwhile) does not stop the rest,
         # and the notice says which took it.
         link = describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)
-        sent, refused = [], []
-        for fid in ids:
+        sent: list[int] = []
+        failed: list[str] = []
+        for i, fid in enumerate(ids):
             try:
                 await self.client.set_speed(fid, req)
                 sent.append(fid)
             except ApiError as exc:
-                refused.append(f"fellow {fid}: {exc.message}")
+                failed.append(f"leader refused {exc.message}")
+            except LeaderUnreachable as exc:  # (the rest would not get through either)
+                failed.append(f"not sent to fellow{'s' if len(ids) - i > 1 else ''} "
+                              f"{_ids(ids[i:])}: {exc}")
+                break
         if sent:
             self.notify(f"set-speed {link} sent to fellow{'s' if len(sent) > 1 else ''} "
                         f"{_ids(sent)}")
-        if refused:
-            self.notify(f"set-speed {link}: leader refused " + "; ".join(refused),
-                        severity="error")
+        if failed:
+            self.notify(f"set-speed {link}: " + "; ".join(failed), severity="error")
         self.refresh_now()
 
     def ask_release(self, ids: Sequence[int]) -> None:
@@ -365,15 +369,17 @@ class SwarmApp(App[int]):
                                "Release")
         self.push_screen(dialog, lambda ok: self.release(list(ids)) if ok else None)
 
-    def _refuse_gone(self, ids: Sequence[int], what: str) -> bool:
-        """A fellow the leader no longer knows (a detail view left open), or one released or
-        leaving (the leader would refuse it part-way through a marked set), takes no action:
-        none of the set does."""
+    def _refuse_gone(self, ids: Sequence[int], what: str, *, left_too: bool = False) -> bool:
+        """A fellow the leader no longer knows (a detail view left open) takes no action, and
+        with ``left_too`` neither does one released or leaving (the leader refuses it a
+        set-speed, part-way through a marked set): none of the set does."""
         gone = [i for i in ids if i not in self.model.fellows]
         if gone:
             self.notify(f"{what}: fellow {_ids(gone)} is no longer known to the leader",
                         severity="warning")
             return True
+        if not left_too:
+            return False
         left = [i for i in ids if self.model.fellows[i].status in LEFT]
         if left:
             self.notify(f"{what}: fellow {_ids(left)} has left the cluster; nothing sent",
@@ -525,7 +531,7 @@ def _ids(ids: Iterable[int]) -> str:
 
 
 def _short_reason(text: str) -> str:
-    """``cannot reach the leader at URL: ClientConnectorError …`` -> ``ClientConnectorError …``
+    """``cannot reach the leader at URL: connection refused …`` -> ``connection refused …``
     (the URL is on screen already)."""
     head, sep, tail = text.partition(": ")
     return tail if sep and head.startswith("cannot reach the leader") else text

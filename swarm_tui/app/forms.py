@@ -23,19 +23,21 @@ _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 
 
 def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
-    """``text`` as a number; empty (or, for a rate, a word for no limit) is ``empty``."""
+    """``text`` as a number; empty (or a word for nothing: for a rate, also "unlimited") is
+    ``empty``."""
     label = SPEED_LABELS.get(field, field)
-    blank = "unlimited" if empty is None else f"{empty:g}"
+    blank = "unlimited" if empty is None else f"{empty:g} ms"
+    nothing = ("none", "-") if empty is not None else ("none", "-", "unlimited", "∞")
     text = text.strip()
-    if not text or (empty is None and text.lower() in ("unlimited", "none", "-", "∞")):
+    if not text or text.lower() in nothing:
         return empty
     if not _NUMBER.fullmatch(text):
         raise FormError(f"{label}: {clip(text)!r} is not a number (leave it empty for "
                         f"{blank})", field)
     value = float(text)
     if not math.isfinite(value):
-        raise FormError(f"{label}: {clip(text)!r} is too large (leave it empty for {blank})",
-                        field)
+        raise FormError(f"{label}: {clip(text)!r} is out of range (leave it empty for "
+                        f"{blank})", field)
     return value
 
 

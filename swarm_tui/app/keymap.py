@@ -17,13 +17,16 @@ import difflib
 import functools
 import os
 import string
+import unicodedata
 from pathlib import Path
 
 import platformdirs
+from textual._keyboard_protocol import FUNCTIONAL_KEYS
 from textual.binding import Binding
 from textual.keys import (  # Textual is pinned exactly (pyproject)
     Keys,
     _character_to_key,
+    _get_unicode_name_from_key,
     _normalize_key_list,
 )
 
@@ -74,20 +77,35 @@ MODIFIERS = ("ctrl", "alt", "shift", "meta", "super", "hyper")
 
 @functools.cache
 def _key_names() -> frozenset[str]:
-    """Every key name a terminal can send Textual without modifiers: its named keys (escape,
-    f5, pageup…) and the names of printable characters (slash, question_mark…)."""
+    """The named keys a terminal can send Textual without modifiers (escape, f5, pageup, the
+    kitty protocol's pause or f35…) and the names of printable ASCII characters (slash…)."""
     named = {k.value for k in Keys if "+" not in k.value and not k.value.startswith("<")}
+    functional = set(FUNCTIONAL_KEYS.values())
     chars = {_character_to_key(c) for c in string.printable if c.isprintable()}
-    return frozenset(named | chars)
+    return frozenset(named | functional | chars)
 
 
-def _check_key(key: str, where: str) -> None:
-    """A key nobody can press would leave its binding without one, silently."""
+def _names_a_character(base: str) -> bool:
+    """``pound_sign``, ``euro_sign``…: Textual's name of a printable character."""
+    try:
+        char = unicodedata.lookup(_get_unicode_name_from_key(base).upper().replace("_", " "))
+    except KeyError:
+        return False
+    return len(char) == 1 and char.isprintable()
+
+
+def _is_key(key: str) -> bool:
     *mods, base = key.split("+")
-    if any(m not in MODIFIERS for m in mods) or len(set(mods)) != len(mods) or not (
-            (len(base) == 1 and base.isprintable()) or base in _key_names()):
-        raise KeymapError(f"{where}: {clip(key)!r} is not a key (a character, or a name "
-                          "such as escape, f5 or slash, after modifiers such as ctrl+)")
+    return all(m in MODIFIERS for m in mods) and len(set(mods)) == len(mods) and (
+        (len(base) == 1 and base.isprintable()) or base in _key_names()
+        or _names_a_character(base))
+
+
+def _long_form(key: str) -> str:
+    *mods, base = key.split("+")
+    if mods and len(base) == 1 and not base.isalnum():
+        base = _character_to_key(base)
+    return "+".join([*mods, base])
 
 
 def _keys(value: object, where: str) -> str:
@@ -96,10 +114,15 @@ def _keys(value: object, where: str) -> str:
     parts = [k.strip() for k in value.split(",")]
     if any(not k or " " in k for k in parts):
         raise KeymapError(f"{where}: {clip(value)!r} is not a comma-separated list of keys")
-    # "/" and "slash" are one key to Textual: compare them in its long form.
-    keys = _normalize_key_list(",".join(parts))
-    for key in keys.split(","):
-        _check_key(key, where)
+    # "/" and "slash" are one key to Textual: compare them in its long form, after modifiers
+    # too (Textual sends ctrl+. as ctrl+full_stop, which it does not rewrite itself).
+    keys = ",".join(_long_form(k) for k in _normalize_key_list(",".join(parts)).split(","))
+    for written, key in zip(parts, keys.split(","), strict=True):
+        # A key nobody can press would leave its binding without one, silently.
+        if not _is_key(key):
+            raise KeymapError(f"{where}: {clip(written)!r} is not a key (a character, or a "
+                              "name such as escape, f5 or slash, after modifiers such as "
+                              "ctrl+)")
     return keys
 
 

@@ -29,7 +29,7 @@ EVENTS_KEPT = 60  # recent events kept per fellow
 MIN_RATE_WINDOW_S = 0.5
 SAME_SAMPLE_S = 0.05  # a snapshot's last_heartbeat and that heartbeat's event ts differ by less
 NOT_HEARTBEATS = ("stale", "offline")  # statuses the leader sets without hearing from a fellow
-LEFT = ("released", "leaving")  # fellows on their way out: the leader refuses them any action
+LEFT = ("released", "leaving")  # fellows on their way out: the leader refuses them a set-speed
 TERMINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED")
 
 
