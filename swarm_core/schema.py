@@ -311,6 +311,7 @@ def structure_persisted(row: dict[str, Any], cls: type[T]) -> T:
 
 # (Up to 40 digits: past int64, and short enough that a range check can name its bound.)
 _WHOLE = re.compile(r"[+-]?[0-9]{1,40}")
+_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 
 
 def whole_number(text: str) -> int:
@@ -320,6 +321,16 @@ def whole_number(text: str) -> int:
     if not _WHOLE.fullmatch(t):
         raise ValueError(f"not a whole number: {clip(t)!r}")
     return int(t)
+
+
+def decimal_number(text: str) -> float:
+    """A decimal number as a person types it: ASCII digits, an optional sign, point and
+    exponent. (``float()`` also takes ``1_0``, other scripts' digits, ``nan`` and
+    ``infinity``.)"""
+    t = text.strip()
+    if not _DECIMAL.fullmatch(t):
+        raise ValueError(f"not a number: {clip(t)!r}")
+    return float(t)
 
 
 def clip(text: str, n: int = 24) -> str:

@@ -37,6 +37,10 @@ def _one_line(text: str) -> str:
     (["submit", "--steps", "99999999999999999999"], "<= 9223372036854775807"),
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "1e300"], "rate in Mbit/s must be >= 0.001"),
     (["set-speed", "--fellow-id", "0", "--rx-mbps", "0.0001"], "--rx-mbps"),
+    # As the console's form reads them: ASCII decimal numbers only.
+    (["set-speed", "--fellow-id", "0", "--tx-mbps", "nan"], "expected a number"),
+    (["set-speed", "--fellow-id", "0", "--tx-mbps", "1_000"], "got '1_000'"),
+    (["set-speed", "--fellow-id", "0", "--latency-ms", "\u0663"], "--latency-ms"),
     (["fellow", "--threads", "300"], "thread count must be >= 1 and <= 256, got 300"),
     (["restart-cluster", "--threads", "5000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--threads", "100000"], "--threads"),

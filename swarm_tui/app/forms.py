@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-import re
 
 from swarm_core.protocol import SetSpeedRequest
-from swarm_core.schema import FieldError, clip
+from swarm_core.schema import FieldError, clip, decimal_number
 
 SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
 
@@ -15,11 +14,6 @@ class FormError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
-
-
-# A plain decimal number, ASCII digits only: float() also takes "1_000", "٣", "nan" and
-# "infinity", none of which anybody means in a rate field.
-_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 
 
 def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
@@ -31,10 +25,11 @@ def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
     text = text.strip()
     if not text or text.lower() in nothing:
         return empty
-    if not _NUMBER.fullmatch(text):
+    try:
+        value = decimal_number(text)
+    except ValueError:
         raise FormError(f"{label}: {clip(text)!r} is not a number (leave it empty for "
-                        f"{blank})", field)
-    value = float(text)
+                        f"{blank})", field) from None
     if not math.isfinite(value):
         raise FormError(f"{label}: {clip(text)!r} is out of range (leave it empty for "
                         f"{blank})", field)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from swarm_core.config.schemas import MAX_THREADS
 from swarm_core.protocol import RATE_MBPS
-from swarm_core.schema import clip, whole_number
+from swarm_core.schema import clip, decimal_number, whole_number
 
 
 def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
@@ -17,7 +17,7 @@ def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
 
     def parse(text: str) -> float:
         try:
-            value = whole_number(text) if cast is int else cast(text)
+            value = whole_number(text) if cast is int else decimal_number(text)
         except ValueError:
             kind = "a whole number" if cast is int else "a number"
             raise argparse.ArgumentTypeError(f"expected {kind} ({what}), got {clip(text)!r}") \
