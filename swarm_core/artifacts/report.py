@@ -373,11 +373,14 @@ def render_png(runs: list[RunData]) -> bytes:
     return out.getvalue()
 
 
+OUTPUT_SUFFIXES = (".html", ".png")
+
+
 def write_report(runs: list[RunData], out: Path) -> None:
     """``out`` by its suffix, .html or .png, written atomically (a failure leaves no partial
     file). Its folder is created when missing, as for ``sweep --runs-dir``, ``suite --out`` and
     ``llm-doc --output``."""
-    if out.suffix not in (".html", ".png"):
+    if out.suffix not in OUTPUT_SUFFIXES:
         raise ReportError(f"--output must end in .html or .png, got {out.name}")
     data = render_html(runs).encode() if out.suffix == ".html" else render_png(runs)
     try:

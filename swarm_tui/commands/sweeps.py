@@ -171,6 +171,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from swarm_core.artifacts.report import (
         HEADERS,
+        OUTPUT_SUFFIXES,
         ReportError,
         find_run_dirs,
         load_runs,
@@ -181,7 +182,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     out = Path(args.output) if args.output else None
     if out is not None:
-        if out.suffix not in (".html", ".png"):
+        if out.suffix not in OUTPUT_SUFFIXES:  # (checked before any run is read)
             raise CommandError(f"--output must end in .html or .png, got {out.name}",
                                ExitCode.USAGE)
         if out.is_dir():
