@@ -15,6 +15,9 @@ Two pipeline stages run in threads of this process, joined by real loopback TCP 
   idles while the first activation is in flight and vice versa at the end), compute-only (the
   same run unshaped) and the issue's target: within 15 % of the bound when communication
   dominates (bound > compute-only), else "n/a: compute-bound";
+* A2: A's specs and rate with the slow-link settings of E (schedule ``eager``, 16
+  micro-batches): where ``none`` at ``--mbps`` is link-bound (a fast core), 1F1B's 4
+  micro-batches leave the link idle at both ends of the step, and these settings do not;
 * B (full run): each spec on a link slow enough that the bound is ~3x its compute-only step,
   tx bucket burst 4 KiB (the default 64 KiB of credit per idle gap flatters slow links);
 * C (full run): micro-batch sweep for ``none`` at B's rate, 1f1b and the "ahead" candidate:
@@ -319,7 +322,7 @@ def print_breakdown(results: list[dict[str, Any]]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
-                    help="1 measured step, calibration and table A only (~12 s)")
+                    help="1 measured step, calibration and tables A and A2 only (~20 s)")
     ap.add_argument("--mbps", type=float, default=80.0)
     ap.add_argument("--steps", type=int, default=None, help="measured steps (one more runs)")
     args = ap.parse_args()
@@ -348,6 +351,14 @@ def main() -> int:
     print("  KiB/step: expected_wire_bytes of the busier stage; measured: its shaper tx counter;"
           "\n  fill = (M+1)/M x bound; compute = same run unshaped; comm dominates when bound > "
           "compute.")
+
+    # The same link and specs with the settings a slow link calls for (as in E below): on a
+    # core fast enough that `none` at this rate is link-bound, 1F1B's 4 micro-batches leave
+    # the link idle at each end of the step and between a gradient and the next activation.
+    results_a2 = [measure(spec, SLOW_LINK_MICRO, steps, mbps, data, "eager") for spec in SPECS]
+    print(f"\n== A2: A's specs at {mbps:g} Mbit/s with the slow-link settings: schedule eager, "
+          f"{SLOW_LINK_MICRO} micro-batches of {BATCH // SLOW_LINK_MICRO} ==")
+    print_step_table(results_a2)
 
     results_b: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
@@ -415,12 +426,13 @@ def main() -> int:
 
     print("\n== where each stage thread's time goes, ms per step (recv wait: blocked on a frame; "
           "send_tensor: encode + checksum + enqueue; flush: waiting for the sender) ==")
-    print_breakdown(results_a + results_b + results_e + results_d)
+    print_breakdown(results_a + results_a2 + results_b + results_e + results_d)
 
     print("\n== verdicts (target: step <= 1.15 x bound when communication dominates) ==")
-    for label, res in (("A", results_a), ("B", results_b), ("E", results_e)):
+    for label, res in (("A", results_a), ("A2", results_a2), ("B", results_b),
+                       ("E", results_e)):
         for r in res:
-            print(f"  {label} {r['spec']:<20} {r['mbps']:>5.3g} Mbit/s  step/bound "
+            print(f"  {label:<2} {r['spec']:<20} {r['mbps']:>5.3g} Mbit/s  step/bound "
                   f"{r['ratio']:.2f}  step/fill {r['shaped'].step_s / r['fill']:.2f}: "
                   f"{verdict(r)}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.1f} s; load average "

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.artifacts.report import ReportError, read_records, read_summary
 from swarm_core.config.profiles import (
     ConfigError,
     ExperimentConfig,
@@ -264,12 +265,13 @@ def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) ->
         d = run_dirs.get(sc.spec.name)
         summary: dict[str, Any] = {}
         steps: list[float] = []
+        damage = None
         if d is not None and (d / "metrics_summary.json").exists():
-            summary = jsonio.loads((d / "metrics_summary.json").read_bytes())
-            for line in (d / "train_progress.ndjson").read_bytes().splitlines():
-                rec = jsonio.loads(line)
-                if rec.get("step_seconds"):
-                    steps.append(rec["step_seconds"])
+            try:
+                summary = read_summary(d)
+                steps = [r["step_seconds"] for r in read_records(d) if r.get("step_seconds")]
+            except ReportError as exc:
+                summary, damage = {"status": "DAMAGED"}, str(exc)
         steps_sorted = sorted(steps[1:] or steps)  # the first step pays for warm-up
         median = steps_sorted[len(steps_sorted) // 2] if steps_sorted else None
         rows.append({
@@ -280,6 +282,7 @@ def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) ->
             "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
             "link": unstructure(sc.infra.inter_node_link) if sc.infra.inter_node_link else None,
             "run_dir": str(d) if d else None,
+            **({"damage": damage} if damage else {}),
         })
     base_name = suite.spec.baseline or suite.scenarios[0].spec.name
     base = next(r for r in rows if r["scenario"] == base_name)

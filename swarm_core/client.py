@@ -291,12 +291,7 @@ class SwarmClient:
                     raise self._unreachable(exc) from None
                 if msg.type in (aiohttp.WSMsgType.BINARY, aiohttp.WSMsgType.TEXT):
                     self.bytes_received += len(msg.data)
-                    try:
-                        event = jsonio.loads(msg.data)
-                    except jsonio.JSONDecodeError:
-                        raise ApiError(200, "bad_response", f"leader sent a non-JSON event: "
-                                       f"{msg.data[:80]!r}") from None
-                    yield event
+                    yield _event(msg.data)
                 elif msg.type == aiohttp.WSMsgType.ERROR:
                     raise self._unreachable(msg.data)
                 elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
@@ -307,6 +302,35 @@ class SwarmClient:
                         raise self._unreachable(ConnectionError(
                             f"event stream lost (close code {ws.close_code})"))
                     break
+
+
+def _event(raw: str | bytes) -> dict[str, Any]:
+    """One event frame, checked as an envelope: an object with a string ``type``, an object
+    ``data`` (``{}`` when absent), an integer ``seq`` and a numeric ``ts`` where present. What
+    its callers (the console, ``swarm watch``) read past that they read with ``.get``; a frame
+    from something that is no leader of ours ends the stream as an ApiError saying so, not as
+    an AttributeError deep in the console."""
+    try:
+        event = jsonio.loads(raw)
+    except jsonio.JSONDecodeError:
+        raise ApiError(200, "bad_response",
+                       f"leader sent a non-JSON event: {raw[:80]!r}") from None
+    problem = None
+    if not isinstance(event, dict):
+        problem = "that is not a JSON object"
+    elif not isinstance(event.get("type"), str):
+        problem = "with no string 'type'"
+    elif not isinstance(event.setdefault("data", {}), dict):
+        problem = "whose 'data' is not an object"
+    elif "seq" in event and (not isinstance(event["seq"], int) or isinstance(event["seq"], bool)):
+        problem = "whose 'seq' is not an integer"
+    elif "ts" in event and (not isinstance(event["ts"], int | float)
+                            or isinstance(event["ts"], bool)):
+        problem = "whose 'ts' is not a number"
+    if problem:
+        raise ApiError(200, "bad_response",
+                       f"leader sent an event {problem}: {raw[:80]!r}")
+    return event
 
 
 # No answer at all (refused, reset, timed out, a reply cut short): aiohttp.ClientError covers

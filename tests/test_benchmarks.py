@@ -18,6 +18,7 @@ BENCHES = {
     "bench_links.py": "step/bound",
     "bench_leader.py": "p99 ms",
     "bench_pipeline.py": "tokens/s",
+    "bench_profiles.py": "vs small_none",
     "bench_stage.py": "paired ratio to plain",
     "bench_tui.py": "ms",
     "check_device.py": "resume bfloat16 none",

@@ -418,3 +418,28 @@ def test_llm_doc_output_under_a_file_is_a_usage_error(tmp_path, capsys):
     a_file.write_text("x")
     assert run(["llm-doc", "--output", str(a_file / "cli.md")]) == ExitCode.USAGE
     assert f"--output: {a_file} is not a directory" in _one_line(capsys.readouterr().err)
+
+
+def test_a_sweeps_closing_table_names_a_damaged_summary_and_shows_the_rest(tmp_path, capsys):
+    """The sweep's closing table reads run summaries through the report's checks: a damaged
+    one is one line on stderr and a row of '-', not a traceback that hides every run."""
+    from types import SimpleNamespace
+
+    from swarm_tui.commands.sweeps import _report
+
+    good, bad, queued = (tmp_path / n for n in ("good", "bad", "queued"))
+    for d in (good, bad, queued):
+        d.mkdir()
+    (good / "metrics_summary.json").write_text(json.dumps(
+        {"final_loss": 2.25, "eval_loss": 2.5, "tokens_per_s": 1234.0, "thresholds_met": True}))
+    (bad / "metrics_summary.json").write_text(json.dumps({"final_loss": "low"}))
+    states = [SimpleNamespace(run_id=f"20261201-x-{i}-{d.name}", job_id=f"job-00000{i}",
+                              state=state, run_dir=d)
+              for i, (d, state) in enumerate([(good, "COMPLETED"), (bad, "COMPLETED"),
+                                              (queued, "PENDING")], start=1)]
+    _report(SimpleNamespace(states=states), "json")
+    out, err = capsys.readouterr()
+    rows = {r["run_id"].rsplit("-", 1)[-1]: r for r in json.loads(out)["runs"]}
+    assert rows["good"]["final_loss"] == 2.25 and rows["good"]["thresholds_met"] is True
+    assert rows["bad"]["final_loss"] is None and rows["queued"]["final_loss"] is None
+    assert err == f'{bad}/metrics_summary.json: final_loss is "low", not a number\n'

@@ -83,7 +83,41 @@ async def test_a_non_json_event_is_an_api_error(aiohttp_server):
         with pytest.raises(ApiError, match="leader sent a non-JSON event: '<html>'"):
             async for event in client.events():
                 got.append(event)
-    assert got == [{"type": "hello"}]
+    assert got == [{"type": "hello", "data": {}}]
+
+
+@pytest.mark.parametrize(("frame", "says"), [
+    ("[1, 2]", "that is not a JSON object"),
+    ('{"data": {}}', "with no string 'type'"),
+    ('{"type": 3}', "with no string 'type'"),
+    ('{"type": "metric", "data": [1]}', "whose 'data' is not an object"),
+    ('{"type": "metric", "seq": "7"}', "whose 'seq' is not an integer"),
+    ('{"type": "metric", "seq": true}', "whose 'seq' is not an integer"),
+    ('{"type": "metric", "ts": "noon"}', "whose 'ts' is not a number"),
+])
+async def test_an_event_that_is_no_event_is_an_api_error(aiohttp_server, frame, says):
+    """The envelope the console and ``swarm watch`` read is checked here, once: a frame from
+    something that is no leader of ours ends the stream in words, after the good events."""
+
+    async def ws_handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str('{"type": "hello", "seq": 1, "ts": 1.5}')
+        await ws.send_str(frame)
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/api/v1/events", ws_handler)
+    server = await aiohttp_server(app)
+    got = []
+    async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
+        with pytest.raises(ApiError) as info:
+            async for event in client.events():
+                got.append(event)
+    assert got == [{"type": "hello", "seq": 1, "ts": 1.5, "data": {}}]
+    assert info.value.code == "bad_response"
+    assert str(info.value) == f"leader sent an event {says}: {frame!r}"
 
 
 async def test_an_event_stream_lost_midway_is_an_unreachable_leader(aiohttp_server):
@@ -106,12 +140,12 @@ async def test_an_event_stream_lost_midway_is_an_unreachable_leader(aiohttp_serv
     server = await aiohttp_server(app)
     async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
         got = [ev async for ev in client.events()]
-        assert got == [{"type": "hello"}]
+        assert got == [{"type": "hello", "data": {}}]
         got = []
         with pytest.raises(LeaderUnreachable, match="event stream lost"):
             async for event in client.events(types=["cut"]):
                 got.append(event)
-        assert got == [{"type": "hello"}]
+        assert got == [{"type": "hello", "data": {}}]
 
 
 @pytest.mark.parametrize("url", ["localhost:8080", "ftp://h/", "http://", "127.0.0.1"])

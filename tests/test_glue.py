@@ -153,6 +153,32 @@ def test_glue_errors(tmp_path, breakage, message):
     assert not (root / "full_model").exists(), "nothing written on error"
 
 
+def test_a_reglue_stopped_before_its_manifest_leaves_no_stale_manifest(tmp_path, monkeypatch):
+    """Glue again over a glued model, with the disk full after the weights: the old manifest
+    must not stay beside new weights; what is left says to run the glue step."""
+    import swarm_core.artifacts.glue as glue_mod
+
+    root = export(tmp_path)
+    out = glue(root)
+    old_sha = json.loads((out / "inference_manifest.json").read_text())["weights_sha256"]
+    shutil.rmtree(root / "shards")
+    export(tmp_path, seed=1)  # other weights, the same layout
+    real = glue_mod.atomic_write
+
+    def full_disk(path: Path, data: bytes, mode: int = 0o644) -> None:
+        if path.name == "inference_manifest.json":
+            raise OSError(28, "No space left on device")
+        real(path, data, mode)
+
+    monkeypatch.setattr(glue_mod, "atomic_write", full_disk)
+    with pytest.raises(GlueError, match="No space left on device"):
+        glue(root)
+    assert not (out / "inference_manifest.json").exists()
+    assert hashlib.sha256((out / "weights.npz").read_bytes()).hexdigest() != old_sha
+    with pytest.raises(GlueError, match=r"inference_manifest.json.*\(run the glue step\)"):
+        load_full_model(out)
+
+
 @pytest.mark.parametrize("breakage, message", [
     ("shape", "weights do not fit the model: size mismatch for blocks.0"),
     ("no_sha", "inference_manifest.json: $.weights_sha256: required field missing"),

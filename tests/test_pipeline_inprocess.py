@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import load_token_data
@@ -328,12 +329,18 @@ def test_each_stage_reports_what_its_wire_codec_changed(data):
     assert [r.codec_error for r in plain[1]] == [{"grad": 0.0}] * 2
 
 
-@pytest.mark.parametrize("spec, width, per_elem, scales_per_row", [
-    ("none", 32, 4, 0), ("fixed_int8", 32, 1, 1), ("fixed_int8_b8", 32, 1, 4),
-    ("learned_dim8", 8, 4, 0), ("learned_dim8_int8", 8, 1, 1), ("learned_dim8_int8_b4", 8, 1, 2),
+@pytest.mark.parametrize("spec, extra, width, per_elem, scales_per_row", [
+    ("none", {}, 32, 4, 0), ("fixed_int8", {}, 32, 1, 1), ("fixed_int8_b8", {}, 32, 1, 4),
+    ("learned_dim8", {}, 8, 4, 0), ("learned_dim8_int8", {}, 8, 1, 1),
+    ("learned_dim8_int8_b4", {}, 8, 1, 2),
+    ("learned_bottleneck", {"bottleneck_dim": 4}, 4, 4, 0),
+    # The wire dtype codes what crosses uncompressed (int8 specs take no wire dtype).
+    ("none", {"wire_dtype": "fp16"}, 32, 2, 0), ("none", {"wire_dtype": "bf16"}, 32, 2, 0),
+    ("learned_dim8", {"wire_dtype": "bf16"}, 8, 2, 0),
+    ("fixed_int8", {"wire_dtype": "fp16"}, 32, 1, 1),
 ])
-def test_wire_bytes_match_the_spec(data, spec, width, per_elem, scales_per_row):
-    mc = ModelConfig(**MODEL, compression=spec)
+def test_wire_bytes_match_the_spec(data, spec, extra, width, per_elem, scales_per_row):
+    mc = ModelConfig(**MODEL, compression=spec, **extra)
     tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=0)
     res = run_pipeline(mc, tc, data, 2)
     rows = (8 // 2) * MODEL["seq_len"]
@@ -698,3 +705,29 @@ def test_stop_event_ends_a_waiting_stage_quickly(data):
     threading.Timer(0.5, stop.set).start()
     res = run_pipeline(mc, tc, data, 2, stop=stop)
     assert all(not isinstance(r, dict) for r in res.values()), "both stages stopped early"
+
+
+def test_mid_run_evaluations_are_the_models_validation_loss_at_their_step(data):
+    """eval_every 2 over 6 steps: evaluations at steps 2 and 4 and at the end, each the
+    validation loss of the single process's model after as many steps, and none of them
+    changes the training (the losses equal a run without them)."""
+    from swarm_core.pipeline.model import lm_loss
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=6, batch_size=8, micro_batches=2, eval_batches=2, eval_every=2)
+    evals: list[tuple[int, float]] = []
+    res = run_pipeline(mc, tc, data, 2,
+                       stage_kwargs={1: {"on_eval": lambda s, v: evals.append((s, v))}})
+    assert [s for s, _ in evals] == [2, 4, 6]
+    assert evals[-1][1] == res[1]["eval_loss"]
+    plain = run_pipeline(mc, attrs.evolve(tc, eval_every=0), data, 2)
+    assert res[1]["losses"] == plain[1]["losses"]
+    ranges = split_layers(mc.n_layers, [1, 1])
+    for step, got in evals:
+        _, model = train_reference(mc, tc, data, ranges, steps=step)
+        model.eval()
+        with torch.no_grad():
+            batches = data.eval_batches(tc.eval_batches, tc.batch_size // tc.micro_batches,
+                                        mc.seq_len)
+            want = sum(float(lm_loss(model(x), y)) for x, y in batches) / len(batches)
+        assert abs(got - want) <= 1e-5, (step, got, want)

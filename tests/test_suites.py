@@ -111,3 +111,30 @@ def test_dry_run_checks_topology_and_a_small_suite_runs(cli_env, tmp_path):
     assert rows["shaped"]["link_bound_s"] > 0 and rows["shaped"]["slowdown_vs_baseline"] > 0
     # Same seed, same data: splitting into two stages does not change the losses.
     assert abs(rows["base"]["final_loss"] - rows["shaped"]["final_loss"]) < 1e-5
+
+
+def test_the_suite_summary_reads_runs_through_the_reports_checks(tmp_path):
+    """A scenario whose run files are damaged is a DAMAGED row naming the file and field, not
+    a traceback that loses the whole summary; the other rows are still summed up."""
+    from swarm_core.benchmarks import summarize
+
+    path, _sc = _suite(tmp_path)
+    suite = load_suite(path)
+    good, bad = tmp_path / "runs" / "base", tmp_path / "runs" / "shaped"
+    for d in (good, bad):
+        d.mkdir(parents=True)
+        (d / "metrics_summary.json").write_text(json.dumps(
+            {"status": "COMPLETED", "final_loss": 2.5, "tokens_per_s": 100.0}))
+        (d / "train_progress.ndjson").write_text("".join(
+            json.dumps({"step": i, "loss": 3.0 - i / 10, "step_seconds": s}) + "\n"
+            for i, s in enumerate([9.0, 0.5, 0.25, 0.75], start=1)))
+    (bad / "train_progress.ndjson").write_text('{"step": 1, "step_seconds": "fast"}\n')
+    summary = summarize(suite, tmp_path / "runs", {"base": good, "shaped": bad})
+    rows = {r["scenario"]: r for r in summary["scenarios"]}
+    assert rows["base"]["status"] == "COMPLETED" and "damage" not in rows["base"]
+    assert rows["base"]["step_time_s"] == 0.5  # the median, the warm-up step left out
+    assert rows["base"]["final_loss"] == 2.5
+    assert rows["shaped"]["status"] == "DAMAGED"
+    assert rows["shaped"]["damage"] == (f"{bad}/train_progress.ndjson line 1: step_seconds "
+                                        'is "fast", not a number from 0 to 2**63-1')
+    assert rows["shaped"]["tokens_per_s"] is None and rows["shaped"]["step_time_s"] is None

@@ -93,3 +93,27 @@ def test_a_stored_config_from_before_the_min_lr_rule_still_loads():
     in."""
     t = structure({"lr": 1e-4}, TrainingConfig)
     assert (t.lr, t.min_lr) == (1e-4, 3e-4)
+
+
+def test_the_shipped_model_profiles_load_and_grow_in_size():
+    """The four profiles the engine ships (small, small int8, large int8, xlarge bottleneck)
+    load through the config loader, each the compression its name says, and grow in size in
+    that order (sized on torch's meta device: nothing is allocated)."""
+    import torch
+
+    from swarm_core.config.profiles import load_model_profile
+    from swarm_core.pipeline.model import ExperimentModel
+    from tests.conftest import REPO
+
+    names = ["small_none", "small_fixed_int8", "large_fixed_int8", "xlarge_learned_bottleneck"]
+    folder = REPO / "exp" / "configs" / "model"
+    assert set(names) <= {p.stem for p in folder.glob("*.json")}
+    sizes = []
+    for name in names:
+        mc = load_model_profile(folder / f"{name}.json")
+        assert mc.compression == name.split("_", 1)[1]
+        with torch.device("meta"):
+            model = ExperimentModel(mc, 256, 0, [(0, mc.n_layers // 2),
+                                                 (mc.n_layers // 2, mc.n_layers)])
+        sizes.append(sum(p.numel() for p in model.parameters()))
+    assert sizes[0] == sizes[1] < sizes[2] < sizes[3]

@@ -124,6 +124,25 @@ def test_embedded_defaults_mirror_the_profiles():
     structure(training, TrainingConfig)
 
 
+def test_the_readmes_main_job_trains_and_stops_its_cluster(cli_env):
+    """`swarm quickstart` (the README's first command, fewer steps): a local leader and two
+    fellow processes train the embedded default on Shakespeare; the loss falls, the
+    validation loss and wire bytes are shown, and the cluster is stopped afterwards."""
+    import re
+
+    res = run_cli("quickstart", "--steps", "12", env=cli_env, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    loss = re.search(r"loss (\d+\.\d+) at step 1 -> (\d+\.\d+) at step 12", out)
+    assert loss, out
+    assert float(loss.group(2)) < float(loss.group(1)) - 0.5, loss.group(0)
+    assert re.search(r"validation loss \d+\.\d+, perplexity \d+\.\d+, \d+ tokens/s, "
+                     r"\d+\.\d+ MB on the wire per step", out), out
+    assert out.rstrip().endswith("local cluster stopped"), out
+    after = run_cli("fellows", env=cli_env)
+    assert after.returncode == 3 and "no leader" in after.stderr, after.stderr
+
+
 def test_a_fellow_with_two_slots_runs_two_stages_exactly(cli_env, tmp_path, data):
     up = run_cli("restart-cluster", "--fellows", "2", "--devices", "cpu,cpu", env=cli_env,
                  timeout=90)

@@ -148,7 +148,10 @@ def glue(export_dir: Path) -> Path:
                                        key=lambda x: x[1].stage)],
         "glued_at": time.time(),
     }
-    try:  # the manifest last: one on disk means its weights are complete
+    # The manifest last, and an older one gone first: a manifest on disk always means the
+    # weights beside it are its own, even if this write stops part-way (a disk full).
+    try:
+        (out / INFERENCE_MANIFEST).unlink(missing_ok=True)
         atomic_write(out / WEIGHTS, weights)
         atomic_write(out / INFERENCE_MANIFEST, jsonio.dumps(manifest, pretty=True))
     except OSError as exc:

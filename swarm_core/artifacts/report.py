@@ -45,6 +45,10 @@ def _integer(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _boolean(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
 def _string(v: Any) -> bool:
     return isinstance(v, str)
 
@@ -77,6 +81,7 @@ _SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "wait_fraction_by_stage": (_list_of(_number), "a list of numbers by stage"),
     "link_changes": (_list_of(_link_change), "a list of objects with an integer at_step"),
     "link_changes_total": (_integer, "an integer"),
+    "thresholds_met": (_boolean, "true or false"),
 }
 
 # The leader keeps steps, times and byte counts as int64, and training computes losses in
@@ -100,6 +105,7 @@ _RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "loss": (_loss, "a number within float32's range"),
     "ts": (_counter, "a number from 0 to 2**63-1"),
     "wire_bytes": (_counter, "a number from 0 to 2**63-1"),
+    "step_seconds": (_counter, "a number from 0 to 2**63-1"),
 }
 
 
@@ -118,16 +124,16 @@ def _wrong_field(obj: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bo
     return None
 
 
-def load_run(d: Path) -> RunData:
-    """One run directory's summary and loss curves. Its files are input (half-written,
-    hand-edited, from an older version): ReportError names the file and what is wrong in it,
-    so that no damage reaches the renderers as an exception of theirs."""
+def read_summary(d: Path) -> dict[str, Any]:
+    """A run directory's ``metrics_summary.json``, each field the report reads checked: its
+    files are input (half-written, hand-edited, from an older version), so ReportError names
+    the file and what is wrong in it, and no damage reaches a renderer or a table as an
+    exception of theirs. The sweep's and the suite's closing tables read it here too."""
     try:
         raw = (d / "metrics_summary.json").read_bytes()
-        lines = (d / "train_progress.ndjson").read_bytes().splitlines()
-    except FileNotFoundError as exc:
+    except FileNotFoundError:
         raise ReportError(f"{d}: not a finished run directory (missing "
-                          f"{Path(exc.filename).name})") from None
+                          "metrics_summary.json)") from None
     except NotADirectoryError:
         raise ReportError(f"{d}: not a directory (give run directories, or a folder of "
                           "them)") from None
@@ -143,9 +149,19 @@ def load_run(d: Path) -> RunData:
     wrong = _wrong_field(summary, _SUMMARY_FIELDS)
     if wrong:
         raise ReportError(f"{d}/metrics_summary.json: {wrong}")
-    steps, losses, wall, sent = [], [], [], []
-    total = 0.0
-    t0 = None
+    return summary
+
+
+def read_records(d: Path) -> list[dict[str, Any]]:
+    """A run directory's ``train_progress.ndjson`` as records, each field read checked."""
+    try:
+        lines = (d / "train_progress.ndjson").read_bytes().splitlines()
+    except FileNotFoundError:
+        raise ReportError(f"{d}: not a finished run directory (missing "
+                          "train_progress.ndjson)") from None
+    except OSError as exc:
+        raise ReportError(f"{exc.filename}: cannot read: {exc.strerror}") from None
+    records = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -159,11 +175,23 @@ def load_run(d: Path) -> RunData:
         wrong = _wrong_field(rec, _RECORD_FIELDS)
         if wrong:
             raise ReportError(f"{where}: {wrong}")
+        if rec.get("loss") is not None and rec.get("step") is None:
+            raise ReportError(f"{where} has a loss but no step")
+        records.append(rec)
+    return records
+
+
+def load_run(d: Path) -> RunData:
+    """One run directory's summary and loss curves (ReportError for damage, as above)."""
+    summary = read_summary(d)
+    records = read_records(d)
+    steps, losses, wall, sent = [], [], [], []
+    total = 0.0
+    t0 = None
+    for rec in records:
         total += rec.get("wire_bytes") or 0
         if rec.get("loss") is None:
             continue
-        if rec.get("step") is None:
-            raise ReportError(f"{where} has a loss but no step")
         ts = rec.get("ts") or 0.0
         t0 = ts if t0 is None else t0
         steps.append(rec["step"])

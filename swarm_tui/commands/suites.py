@@ -150,6 +150,9 @@ def _print_summary(summary: dict, fmt: str) -> None:
                  _fmt(r["eval_loss"], ".4f"), _fmt(r["wire_bytes_per_step"], ",.0f"),
                  _fmt(r.get("slowdown_vs_baseline"), ".2f"), _fmt(r.get("link_bound_s"), ".3f"),
                  _fmt(r.get("measured_vs_predicted"), ".2f")] for r in summary["scenarios"]])
+    for r in summary["scenarios"]:
+        if r.get("damage"):
+            warn(f"{r['scenario']}: {r['damage']}")
     print_line(f"wrote {summary['out_dir']}/suite_summary.json")
 
 

@@ -117,14 +117,16 @@ async def _cancel(url: str, token: str | None, runner: Experiment) -> list[str]:
 
 
 def _report(runner: Experiment, fmt: str) -> None:
+    from swarm_core.artifacts.report import ReportError, read_summary
+
     rows = []
     for st in runner.states:
-        summary_path = st.run_dir / "metrics_summary.json"
         summary = {}
-        if summary_path.exists():
-            from swarm_core import jsonio
-
-            summary = jsonio.loads(summary_path.read_bytes())
+        if (st.run_dir / "metrics_summary.json").exists():  # (not yet, for a queued run)
+            try:
+                summary = read_summary(st.run_dir)
+            except ReportError as exc:
+                warn(str(exc))
         rows.append({"run_id": st.run_id, "job_id": st.job_id, "state": st.state,
                      "run_dir": str(st.run_dir), **{k: summary.get(k) for k in (
                          "final_loss", "eval_loss", "tokens_per_s", "wire_bytes_per_step",
