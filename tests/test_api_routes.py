@@ -968,7 +968,7 @@ def _nested_json(depth: int) -> bytes:
     return b'{"a":' * depth + b"1" + b"}" * depth
 
 
-async def test_dispatch_starts_job_and_sends_start(api):
+async def test_dispatch_starts_job_and_sends_start(api, leader_config):
     a = await register(api, "a", data_addr="127.0.0.1:1")
     job = await submit(api, fellows=2, training={"steps": 3})
     assert job["state"] == "PENDING"
@@ -991,6 +991,9 @@ async def test_dispatch_starts_job_and_sends_start(api):
         assert {x["data_addr"] for x in stages} == {"127.0.0.1:1", "127.0.0.1:2"}
         assert len(p["key"]) == 32  # the job's data-plane session key
     assert job["placement"] == starts[0]["payload"]["placement"]
+    # The plan is an artifact of the run too: the same global layer ranges, fellows and slots.
+    plan_file = leader_config.state_dir / "runs" / job["job_id"] / "placement_plan.json"
+    assert orjson.loads(plan_file.read_bytes()) == job["placement"]
     view = await get_fellow(api, a["fellow_id"])
     assert view["current_job"] == job["job_id"]
 

@@ -66,20 +66,27 @@ async def test_an_answer_cut_short_is_an_unreachable_leader():
         await server.wait_closed()
 
 
-async def test_a_non_json_event_is_an_api_error(aiohttp_server):
+async def _event_server(aiohttp_server, *frames: str) -> str:
+    """A leader stand-in whose event stream sends ``frames``, then closes: its base URL."""
+
     async def ws_handler(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
-        await ws.send_str('{"type": "hello"}')
-        await ws.send_str("<html>")
+        for frame in frames:
+            await ws.send_str(frame)
         await ws.close()
         return ws
 
     app = web.Application()
     app.router.add_get("/api/v1/events", ws_handler)
     server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
+async def test_a_non_json_event_is_an_api_error(aiohttp_server):
+    url = await _event_server(aiohttp_server, '{"type": "hello"}', "<html>")
     got = []
-    async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
+    async with SwarmClient(url, None) as client:
         with pytest.raises(ApiError, match="leader sent a non-JSON event: '<html>'"):
             async for event in client.events():
                 got.append(event)
@@ -99,19 +106,9 @@ async def test_an_event_that_is_no_event_is_an_api_error(aiohttp_server, frame, 
     """The envelope the console and ``swarm watch`` read is checked here, once: a frame from
     something that is no leader of ours ends the stream in words, after the good events."""
 
-    async def ws_handler(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse()
-        await ws.prepare(request)
-        await ws.send_str('{"type": "hello", "seq": 1, "ts": 1.5}')
-        await ws.send_str(frame)
-        await ws.close()
-        return ws
-
-    app = web.Application()
-    app.router.add_get("/api/v1/events", ws_handler)
-    server = await aiohttp_server(app)
+    url = await _event_server(aiohttp_server, '{"type": "hello", "seq": 1, "ts": 1.5}', frame)
     got = []
-    async with SwarmClient(str(server.make_url("")).rstrip("/"), None) as client:
+    async with SwarmClient(url, None) as client:
         with pytest.raises(ApiError) as info:
             async for event in client.events():
                 got.append(event)

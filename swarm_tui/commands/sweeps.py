@@ -7,6 +7,16 @@ import asyncio
 import sys
 from pathlib import Path
 
+from swarm_core.artifacts.report import (
+    HEADERS,
+    OUTPUT_SUFFIXES,
+    ReportError,
+    find_run_dirs,
+    load_runs,
+    read_summary,
+    summary_rows,
+    write_report,
+)
 from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import (
     ConfigError,
@@ -20,6 +30,7 @@ from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
     add_format,
+    check_dir,
     emit_json,
     emit_table,
     print_line,
@@ -117,8 +128,6 @@ async def _cancel(url: str, token: str | None, runner: Experiment) -> list[str]:
 
 
 def _report(runner: Experiment, fmt: str) -> None:
-    from swarm_core.artifacts.report import ReportError, read_summary
-
     rows = []
     for st in runner.states:
         summary = {}
@@ -171,17 +180,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from swarm_core.artifacts.report import (
-        HEADERS,
-        OUTPUT_SUFFIXES,
-        ReportError,
-        find_run_dirs,
-        load_runs,
-        summary_rows,
-        write_report,
-    )
-    from swarm_tui.commands.base import check_dir
-
     out = Path(args.output) if args.output else None
     if out is not None:
         if out.suffix not in OUTPUT_SUFFIXES:  # (checked before any run is read)
