@@ -57,13 +57,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig  # noqa: E402
+from swarm_core.contract.placement import split_layers  # noqa: E402
 from swarm_core.data import TokenData, load_token_data  # noqa: E402
 from swarm_core.pipeline import codecs, schedules  # noqa: E402
 from swarm_core.pipeline import stage as stage_mod  # noqa: E402
 from swarm_core.pipeline.frames import Kind, job_tag  # noqa: E402
 from swarm_core.pipeline.links import BURST, LinkShaper, TokenBucket  # noqa: E402
 from swarm_core.pipeline.listener import DataListener  # noqa: E402
-from swarm_core.pipeline.placement import split_layers  # noqa: E402
 from swarm_core.pipeline.stage import (  # noqa: E402
     StageRunner,
     StageSpec,
@@ -203,7 +203,7 @@ def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data: TokenData,
         spent=tuple({k: v / measured for k, v in _spent[f"stage-{s}"].items()}
                     for s in range(n)),
         wall_s=wall,
-        losses=list(results[n - 1]["losses"]))
+        losses=list(results[n - 1].losses))
 
 
 def bound_s(mc: ModelConfig, tc: TrainingConfig, mbps: float) -> float:
@@ -235,7 +235,7 @@ def calibrate(cases: list[tuple[float, int, tuple[int, ...], int]]) -> list[tupl
             sent = 0
             t0 = time.perf_counter()
             for i in range(frames):
-                sent += tx.send_tensor(Kind.ACT, step, i, x, codecs.Codec.FP32)
+                sent += tx.send_tensor(Kind.ACT, step, i, x, codecs.FP32_WIRE)
             for i in range(frames):
                 rx.recv_tensor(Kind.ACT, step, i, timeout=30)
             dt = time.perf_counter() - t0

@@ -334,8 +334,8 @@ def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[
     """(a): ``train_reference`` itself (the run every pipeline is held against), with a
     timestamp after every step."""
     _init_torch()
+    from swarm_core.contract.placement import split_layers
     from swarm_core.data import load_token_data
-    from swarm_core.pipeline.placement import split_layers
     from swarm_core.pipeline.reference import train_reference
 
     mc, tc = _configs(cfg)
@@ -351,10 +351,10 @@ def _worker_single(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[
 def _worker_swarm(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """(b): one stage of our pipeline, via run_stage, in a process of its own."""
     _init_torch()
+    from swarm_core.contract.placement import split_layers
     from swarm_core.data import load_token_data
     from swarm_core.pipeline.links import LinkShaper
     from swarm_core.pipeline.listener import DataListener
-    from swarm_core.pipeline.placement import split_layers
     from swarm_core.pipeline.stage import StageSpec, run_stage
 
     mc, tc = _configs(cfg, ctx["schedule"])
@@ -391,7 +391,7 @@ def _worker_swarm(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
         if listener is not None:
             listener.close()
     timed_step_s = sum(step_s[warm:])
-    out: dict[str, Any] = {"marks": marks, "losses": metrics.get("losses", []),
+    out: dict[str, Any] = {"marks": marks, "losses": metrics.losses,
                            "step_s": timed_step_s, **_cpu_result(snaps)}
     if prof is not None:
         buckets = _diff(acc["end"], acc["start"])
@@ -406,6 +406,7 @@ def _worker_torch(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from swarm_core.contract.placement import split_layers
     from swarm_core.data import load_token_data
     from swarm_core.pipeline.model import StageModule, lm_loss
     from swarm_core.pipeline.optim import (
@@ -416,7 +417,6 @@ def _worker_torch(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict[s
         scale_grads,
         set_lr,
     )
-    from swarm_core.pipeline.placement import split_layers
 
     os.environ.update(GLOO_SOCKET_IFNAME="lo")
     mc, tc = _configs(cfg, ctx["schedule"])
@@ -506,6 +506,7 @@ def _worker_ceiling(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict
     """(x): this stage's forward+backward of every micro-batch, clip and AdamW, on local inputs:
     no communication, no bubble. Two of these side by side bound any 2-process pipeline."""
     torch = _init_torch()
+    from swarm_core.contract.placement import split_layers
     from swarm_core.data import load_token_data
     from swarm_core.pipeline.model import StageModule, lm_loss
     from swarm_core.pipeline.optim import (
@@ -516,7 +517,6 @@ def _worker_ceiling(cfg: dict[str, Any], rank: int, ctx: dict[str, Any]) -> dict
         scale_grads,
         set_lr,
     )
-    from swarm_core.pipeline.placement import split_layers
 
     mc, tc = _configs(cfg)
     data = load_token_data(tc, mc.seq_len)

@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from swarm_core.config.profiles import ConfigError, load_model_profile, load_training_profile
+    from swarm_core.contract.placement import split_layers
     from swarm_core.data import load_token_data
-    from swarm_core.pipeline.placement import split_layers
     from swarm_core.pipeline.reference import train_reference
 
     torch.set_num_threads(1)

@@ -53,9 +53,9 @@ class StageBench:
         import torch
 
         from swarm_core.config.schemas import ModelConfig
+        from swarm_core.contract.placement import split_layers
         from swarm_core.pipeline.memory import ActivationMeter
         from swarm_core.pipeline.model import StageModule
-        from swarm_core.pipeline.placement import split_layers
 
         self.torch = torch
         self.cfg = ModelConfig(**model)

@@ -38,12 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.client import SwarmClient  # noqa: E402
-from swarm_core.protocol import (  # noqa: E402
-    ByteCounters,
-    FellowInfo,
-    JobInfo,
-    LinkLimits,
-)
+from swarm_core.contract import JobInfo  # noqa: E402
+from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits  # noqa: E402
 from swarm_tui.app.app import SwarmApp  # noqa: E402
 from swarm_tui.app.model import Change  # noqa: E402
 from swarm_tui.app.widgets.live_table import LiveTable  # noqa: E402

@@ -41,12 +41,13 @@ sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.artifacts.shards import npz_arrays, npz_bytes, state_arrays  # noqa: E402
 from swarm_core.config.schemas import ModelConfig, TrainingConfig  # noqa: E402
+from swarm_core.contract.placement import split_layers  # noqa: E402
 from swarm_core.data import load_token_data  # noqa: E402
 from swarm_core.pipeline.devices import DeviceError, resolve_device  # noqa: E402
 from swarm_core.pipeline.local import run_local_pipeline  # noqa: E402
 from swarm_core.pipeline.optim import optimizer_arrays  # noqa: E402
-from swarm_core.pipeline.placement import split_layers  # noqa: E402
 from swarm_core.pipeline.reference import train_reference  # noqa: E402
+from swarm_core.pipeline.stage import StageResult  # noqa: E402
 
 STAGES = 2
 # |loss - CPU reference| allowed per step: the CPU itself is exact; a GPU's float32 kernels
@@ -83,13 +84,13 @@ def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
                              stage_kwargs={s: {"on_checkpoint": hook(s)}
                                            for s in range(STAGES)})
     wall = time.perf_counter() - t0
-    failed = {s: r for s, r in res.items() if not isinstance(r, dict)}
+    failed = {s: r for s, r in res.items() if not isinstance(r, StageResult)}
     rows: list[dict] = []
     if failed:
         s, exc = next(iter(failed.items()))
         return [{"check": f"train {name}", "ok": False,
                  "detail": f"stage {s}: {type(exc).__name__}: {exc}"}]
-    got = res[STAGES - 1]["losses"]
+    got = res[STAGES - 1].losses
     diff = max(abs(a - b) for a, b in zip(ref, got, strict=True))
     tol = TOLERANCE[(kind, mc.dtype)]
     falls = got[-1] < got[0]
@@ -110,11 +111,11 @@ def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
     again = run_local_pipeline(mc, tc, data, STAGES, devices=devices, timeout=600,
                                stage_kwargs=kwargs)
     last = again.get(STAGES - 1)
-    if not isinstance(last, dict):
+    if not isinstance(last, StageResult):
         rows.append({"check": f"resume {name}", "ok": False,
                      "detail": f"{type(last).__name__}: {last}"})
         return rows
-    rdiff = max(abs(a - b) for a, b in zip(got[k:], last["losses"], strict=True))
+    rdiff = max(abs(a - b) for a, b in zip(got[k:], last.losses, strict=True))
     rtol = RESUME_TOLERANCE[(kind, mc.dtype)]
     rows.append({"check": f"resume {name}", "ok": rdiff <= rtol,
                  "detail": f"from step {k}: max |loss - uninterrupted| {rdiff:.2e} "

@@ -227,7 +227,7 @@ def _dummy_profiles() -> tuple[Any, Any, Any]:
 def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, Any]:
     """``suite_plan.json``: every scenario resolved, and the topology check when a leader's
     fellows are known."""
-    active = None if fellows is None else [f for f in fellows if f.status in ("ready", "busy")]
+    active = None if fellows is None else [f for f in fellows if f.status.live]
     out: dict[str, Any] = {
         "suite": suite.spec.name, "source": suite.path, "planned_at": time.time(),
         "repeats": suite.spec.repeats, "baseline": suite.spec.baseline,

@@ -12,18 +12,21 @@ import aiohttp
 
 from swarm_core import jsonio
 from swarm_core.artifacts.layout import names_optimizer
+from swarm_core.contract import (
+    JobInfo,
+    JobList,
+    JobStatusUpdate,
+    JobSubmit,
+    ProgressList,
+    ProgressRecord,
+)
 from swarm_core.protocol import (
     API_PREFIX,
     FellowInfo,
     FellowList,
     Heartbeat,
-    JobInfo,
-    JobList,
-    JobStatusUpdate,
-    JobSubmit,
     LeaderInfo,
     NodeList,
-    ProgressList,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -256,7 +259,7 @@ class SwarmClient:
     async def job(self, job_id: str) -> JobInfo:
         return await self._get(f"{API_PREFIX}/jobs/{_seg(job_id)}", JobInfo)
 
-    async def progress(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+    async def progress(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
         res = await self.request("GET", f"{API_PREFIX}/jobs/{_seg(job_id)}/progress",
                                  params={"after": after})
         return _parse(res, ProgressList).records

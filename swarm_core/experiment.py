@@ -27,10 +27,17 @@ from swarm_core import jsonio
 from swarm_core.client import ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import (
+    JobInfo,
+    Placement,
+    ProgressRecord,
+    Restart,
+    link_changes_in_all,
+)
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
-from swarm_core.protocol import FellowInfo, JobState, JobSubmit, link_changes_in_all
-from swarm_core.schema import structure
+from swarm_core.protocol import FellowInfo, JobState
+from swarm_core.schema import structure, unstructure
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 SCRIPTS = Path(__file__).resolve().parents[1] / "exp" / "scripts"
@@ -73,7 +80,7 @@ def git_commit(start: Path) -> str | None:
 
 
 def active(fellows: list[FellowInfo]) -> list[FellowInfo]:
-    return [f for f in fellows if f.status in ("ready", "busy")]
+    return [f for f in fellows if f.status.live]
 
 
 async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[FellowInfo]:
@@ -194,8 +201,7 @@ class Experiment:
 
     # internals -------------------------------------------------------------------------------
     async def _submit(self, st: RunState) -> None:
-        body = structure(st.spec.job_body(st.run_id), JobSubmit)
-        job = await self.client.submit(body)
+        job = await self.client.submit(st.spec.job(st.run_id))
         st.job_id, st.state, st.note = job.job_id, job.state, job.waiting_for
         self._write_manifest(st)
 
@@ -268,7 +274,7 @@ class Experiment:
         d.mkdir(parents=True, exist_ok=True)
         _write(d / "config_resolved.json", {
             "run_id": st.run_id, "experiment": self.exp.config.name,
-            "job": st.spec.job_body(st.run_id), "network_profile": st.spec.network,
+            "job": unstructure(st.spec.job(st.run_id)), "network_profile": st.spec.network,
             "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
             "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
                         "training_profile": self.exp.training_path,
@@ -277,13 +283,13 @@ class Experiment:
         _write(d / "topology_snapshot.json", self._topology(st, None))
         self._write_manifest(st)
 
-    def _topology(self, st: RunState, placement: dict[str, Any] | None) -> dict[str, Any]:
+    def _topology(self, st: RunState, placement: Placement | None) -> dict[str, Any]:
         return {
             "requested": {"fellows": st.spec.fellows, "stages": st.spec.fellows},
             "active_fellows_at_start": [
                 {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
                  "devices": f.devices, "status": f.status} for f in self.fellows_at_start],
-            "actual": placement,
+            "actual": unstructure(placement),
         }
 
     def _write_manifest(self, st: RunState) -> None:
@@ -300,14 +306,7 @@ class Experiment:
         assert st.job_id is not None
         job = await self.client.job(st.job_id)
         records = await self.client.progress(st.job_id)
-        lines = b"".join(jsonio.dumps({
-            "step": r["step"], "loss": r.get("loss"), "tokens_per_s": r.get("tokens_per_s"),
-            "wire_bytes": r.get("wire_bytes"), "step_seconds": r.get("step_seconds"),
-            "eval_loss": r.get("eval_loss"), "lr": r.get("lr"),
-            "activation_peak_bytes": r.get("activation_peak_bytes"),
-            "wait_seconds": r.get("wait_seconds"), "stage_seconds": r.get("stage_seconds"),
-            "codec_error": r.get("codec_error"), "ts": r.get("ts"),
-        }) + b"\n" for r in records)
+        lines = b"".join(jsonio.dumps(progress_line(r)) + b"\n" for r in records)
         atomic_write(st.run_dir / "train_progress.ndjson", lines)
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
         _write(st.run_dir / "metrics_summary.json", summarize(st, job, records))
@@ -315,12 +314,23 @@ class Experiment:
         self._write_manifest(st)
 
 
-def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+# The fields of a train_progress.ndjson line, in order (null where a step lacks one).
+PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "step_seconds", "eval_loss",
+                   "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
+                   "codec_error", "ts")
+
+
+def progress_line(rec: ProgressRecord) -> dict[str, Any]:
+    """One line of a run's ``train_progress.ndjson``."""
+    return {k: unstructure(getattr(rec, k)) for k in PROGRESS_FIELDS}
+
+
+def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict[str, Any]:
     model = structure(st.spec.model, ModelConfig)
     training = structure(st.spec.training, TrainingConfig)
-    losses = [r["loss"] for r in records if r.get("loss") is not None]
-    wire = [r["wire_bytes"] for r in records if r.get("wire_bytes")]
-    m = job.metrics or {}
+    losses = [r.loss for r in records if r.loss is not None]
+    wire = [r.wire_bytes for r in records if r.wire_bytes]
+    m = job.metrics
     plain = structure({**st.spec.model, "compression": "none", "bottleneck_dim": None,
                        "wire_dtype": "fp32"}, ModelConfig)
     measured = sum(wire) / len(wire) if wire else None
@@ -331,8 +341,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
         "run_id": st.run_id, "job_id": job.job_id, "status": job.state, "reason": job.reason,
         "steps_expected": training.steps, "steps_recorded": len(records),
         "final_loss": final, "best_loss": min(losses) if losses else None,
-        "eval_loss": m.get("eval_loss"), "perplexity": m.get("perplexity"),
-        "wall_time_s": wall, "tokens_per_s": m.get("tokens_per_s"),
+        "eval_loss": m.eval_loss, "perplexity": m.perplexity,
+        "wall_time_s": wall, "tokens_per_s": m.tokens_per_s,
         "wire_bytes_per_step": measured,
         "expected_wire_bytes_per_step": step_wire_bytes(model, training, st.spec.fellows),
         "uncompressed_wire_bytes_per_step": uncompressed,
@@ -344,9 +354,8 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
                                                 job.restarts),
         "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
         # Set-speeds while it ran: its network was not the profile's throughout.
-        "link_changes": list(getattr(job, "link_changes", None) or []),
-        "link_changes_total": link_changes_in_all(
-            getattr(job, "link_changes", None) or [], getattr(job, "link_changes_total", 0)),
+        "link_changes": unstructure(job.link_changes),
+        "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
         "thresholds": {},
     }
     if training.max_final_loss is not None:
@@ -359,38 +368,39 @@ def summarize(st: RunState, job: Any, records: list[dict[str, Any]]) -> dict[str
     return summary
 
 
-def peaks_by_stage(records: list[dict[str, Any]], num_stages: int) -> list[int | None] | None:
+def peaks_by_stage(records: list[ProgressRecord],
+                   num_stages: int) -> list[int | None] | None:
     """The largest activation memory each stage held in any step, by stage index (None for a
     stage that never reported it); None when no stage did."""
     peaks: dict[int, int] = {}
     for r in records:
-        for stage, n in (r.get("activation_peak_bytes") or {}).items():
+        for stage, n in (r.activation_peak_bytes or {}).items():
             peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
     return [peaks.get(s) for s in range(num_stages)] if peaks else None
 
 
-def wait_by_stage(records: list[dict[str, Any]], num_stages: int,
+def wait_by_stage(records: list[ProgressRecord], num_stages: int,
                   training: TrainingConfig | None = None,
-                  restarts: list[dict[str, Any]] | None = None) -> list[float | None] | None:
+                  restarts: list[Restart] | None = None) -> list[float | None] | None:
     """The share of its step time each stage spent blocked on its links, by stage index: its
     wait_seconds over its own stage_seconds, summed over the steady steps, i.e. leaving out
     the first step of the run and of each resume (``restarts``: the job's) and, given
     ``training``, the step after each eval and shard push: those also wait for the neighbours
     to start or to finish their pause (every step when no other is left). None for a stage
     that never reported; None when no stage did."""
-    starts = {min((r["step"] for r in records), default=1) - 1,
-              *(r.get("resume_step", 0) for r in restarts or [])}
+    starts = {min((r.step for r in records), default=1) - 1,
+              *(r.resume_step for r in restarts or [])}
     tc = training or TrainingConfig()
 
     def paused(step: int) -> bool:
         return any(tc.follows_a_pause(step, s) for s in starts)
 
-    steady = [r for r in records if not paused(r["step"])] or records
+    steady = [r for r in records if not paused(r.step)] or records
     waits: dict[int, float] = {}
     spans: dict[int, float] = {}
     for r in steady:
-        spent = r.get("stage_seconds") or {}
-        for stage, w in (r.get("wait_seconds") or {}).items():
+        spent = r.stage_seconds or {}
+        for stage, w in (r.wait_seconds or {}).items():
             span = spent.get(stage)
             if isinstance(span, int | float) and span > 0:
                 waits[int(stage)] = waits.get(int(stage), 0.0) + float(w)
@@ -400,15 +410,15 @@ def wait_by_stage(records: list[dict[str, Any]], num_stages: int,
     return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
 
 
-def codec_error_by_stage(records: list[dict[str, Any]],
+def codec_error_by_stage(records: list[ProgressRecord],
                          num_stages: int) -> list[dict[str, float] | None] | None:
     """Each stage's mean relative error of what its wire codec sent, over the steps:
     ``{"act": ..., "grad": ...}`` (the directions it sends), by stage index; None for a stage
     that never reported; None when no stage did (a run from before the field)."""
     sums: dict[int, dict[str, list[float]]] = {}
     for r in records:
-        for stage, errs in (r.get("codec_error") or {}).items():
-            for k, v in errs.items():
+        for stage, errs in (r.codec_error or {}).items():
+            for k, v in unstructure(errs).items():
                 sums.setdefault(int(stage), {}).setdefault(k, []).append(float(v))
     if not sums:
         return None

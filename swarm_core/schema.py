@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 T = TypeVar("T")
 
@@ -91,6 +92,16 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
+def _strict_str_enum(value: Any, t: type[enum.StrEnum]) -> enum.StrEnum:
+    # (Registered for StrEnum itself: the str hook would otherwise take these, unchecked.)
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {_json_type(value)}")
+    try:
+        return t(value)
+    except ValueError:
+        raise ValueError("expected one of " + ", ".join(repr(m.value) for m in t)) from None
+
+
 def _structure_dict(value: Any, _t: type) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise TypeError(f"expected an object, got {_json_type(value)}")
@@ -103,6 +114,7 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(enum.StrEnum, _strict_str_enum)
     conv.register_structure_hook_func(
         lambda t: t is dict or (typing.get_origin(t) is dict and typing.get_args(t)[1] is Any),
         _structure_dict,
@@ -135,7 +147,7 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
     )
 
     def _attrs_hook_factory(t: Any) -> Any:
-        inner = conv.gen_structure_attrs_fromdict(t)
+        inner = make_dict_structure_fn(t, conv, **_renames(t))
 
         def hook(value: Any, _t: Any) -> Any:
             # Else a nested list or number fails with "'list' object has no attribute 'keys'".
@@ -146,7 +158,31 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
         return hook
 
     conv.register_structure_hook_factory(attrs.has, _attrs_hook_factory)
+    conv.register_unstructure_hook_factory(
+        lambda t: attrs.has(t) and (_renames(t) or getattr(t, "__sparse__", False)),
+        lambda t: _sparse_unstructure(make_dict_unstructure_fn(t, conv, **_renames(t)))
+        if getattr(t, "__sparse__", False) else make_dict_unstructure_fn(t, conv, **_renames(t)))
     return conv
+
+
+def _renames(cls: Any) -> dict[str, Any]:
+    """A class's ``__renames__`` ({attribute: JSON key}, for keys that are Python keywords) as
+    cattrs overrides."""
+    return {a: override(rename=k) for a, k in getattr(cls, "__renames__", {}).items()}
+
+
+def _sparse_unstructure(inner: Any) -> Any:
+    def hook(obj: Any) -> dict[str, Any]:
+        return {k: v for k, v in inner(obj).items() if v is not None}
+
+    return hook
+
+
+def sparse(cls: type[T]) -> type[T]:
+    """Class decorator: unstructure without the fields that are None, so a figure a reporter
+    did not have is absent from the JSON rather than null."""
+    cls.__sparse__ = True  # type: ignore[attr-defined]
+    return cls
 
 
 converter = _make_converter(forbid_extra_keys=True)
@@ -262,22 +298,24 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
             hints = typing.get_type_hints(tp)
             props = {}
             required = []
+            renames = getattr(tp, "__renames__", {})
             for f in attrs.fields(tp):
-                props[f.name] = json_schema(hints[f.name], components)
+                key = renames.get(f.name, f.name)
+                props[key] = json_schema(hints[f.name], components)
                 for v in _validators(f.validator):
                     extra = getattr(v, "json_schema", None)
-                    if extra and "$ref" not in props[f.name]:
-                        props[f.name].update(extra)
+                    if extra and "$ref" not in props[key]:
+                        props[key].update(extra)
                 if f.metadata.get("doc"):
-                    props[f.name]["description"] = f.metadata["doc"]
+                    props[key]["description"] = f.metadata["doc"]
                 if f.metadata.get("minimum") is not None:
-                    props[f.name]["minimum"] = f.metadata["minimum"]
+                    props[key]["minimum"] = f.metadata["minimum"]
                 if f.metadata.get("maximum") is not None:
-                    props[f.name]["maximum"] = f.metadata["maximum"]
+                    props[key]["maximum"] = f.metadata["maximum"]
                 if f.metadata.get("maxLength") is not None:
-                    props[f.name]["maxLength"] = f.metadata["maxLength"]
+                    props[key]["maxLength"] = f.metadata["maxLength"]
                 if f.default is attrs.NOTHING:
-                    required.append(f.name)
+                    required.append(key)
             comp: dict[str, Any] = {
                 "type": "object",
                 "properties": props,

@@ -52,3 +52,20 @@ def cli_env(swarm_home: Path) -> Iterator[dict[str, str]]:
 def swarm_argv(*args: str) -> list[str]:
     """Run the CLI as the installed entry point would, via the current interpreter."""
     return [sys.executable, "-m", "swarm_tui.cli", *args]
+
+
+@pytest.fixture
+def make_start():
+    """A stage's START as the leader builds one (a planned placement, ``stage_starts``):
+    ``make_start(model, training, addrs=[None], stage=0, devices=None)``, with the model and
+    training given as dicts of fields."""
+    from swarm_core.config.schemas import ModelConfig, TrainingConfig
+    from swarm_core.contract import chain_starts
+    from swarm_core.schema import structure
+
+    def make(model: dict, training: dict, addrs: list | None = None, stage: int = 0,
+             devices: list[str] | None = None):
+        return chain_starts(structure(model, ModelConfig), structure(training, TrainingConfig),
+                            addrs or [None], devices, job_id="job-000001")[stage]
+
+    return make

@@ -25,16 +25,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from swarm_core import protocol
+from swarm_core.contract import JobStatusUpdate, JobSubmit
+from swarm_core.contract import job as contract_job
+from swarm_core.contract import metrics as contract_metrics
+from swarm_core.contract import placement as contract_placement
+from swarm_core.contract import start as contract_start
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.routes import SESSION_HEADER
-from swarm_core.protocol import (
-    Heartbeat,
-    JobStatusUpdate,
-    JobSubmit,
-    RegisterRequest,
-    ReleaseRequest,
-    SetSpeedRequest,
-)
+from swarm_core.protocol import Heartbeat, RegisterRequest, ReleaseRequest, SetSpeedRequest
 from swarm_core.schema import SchemaError, structure
 from tests.conftest import AUTH, TOKEN
 
@@ -366,9 +364,11 @@ def test_path_and_query_values_never_5xx(leader: Leader, segment: str, after: st
 
 # --- structure() directly -----------------------------------------------------------------------
 
+# Every API body and what they carry: the protocol's and the job contract's classes.
+CONTRACT_MODULES = (protocol, contract_job, contract_metrics, contract_placement, contract_start)
 PROTOCOL_CLASSES = sorted(
-    (obj for obj in vars(protocol).values()
-     if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == protocol.__name__),
+    (obj for mod in CONTRACT_MODULES for obj in vars(mod).values()
+     if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == mod.__name__),
     key=lambda c: c.__name__,
 )
 
@@ -376,7 +376,8 @@ PROTOCOL_CLASSES = sorted(
 def test_protocol_classes_found() -> None:
     names = {c.__name__ for c in PROTOCOL_CLASSES}
     assert {"RegisterRequest", "Heartbeat", "SetSpeedRequest", "ReleaseRequest", "JobSubmit",
-            "JobStatusUpdate", "FellowInfo", "JobInfo", "SignalBatch"} <= names
+            "JobStatusUpdate", "FellowInfo", "JobInfo", "SignalBatch", "StageStart",
+            "StageMetrics", "Placement"} <= names
 
 
 @settings(max_examples=300, deadline=None)

@@ -743,7 +743,7 @@ async def test_a_set_speed_mid_job_is_recorded_in_the_job(api):
 async def test_a_job_keeps_its_first_set_speed_and_counts_them_all(api, monkeypatch):
     """The record of set-speeds is capped: it keeps the first (the step the run left its
     network profile) and the newest, and counts every one, so reports say "+N" truly."""
-    monkeypatch.setattr("swarm_core.leader.jobs.MAX_LINK_CHANGES", 6)
+    monkeypatch.setattr("swarm_core.leader.queue.MAX_LINK_CHANGES", 6)
     b = (await register(api, "a"), await register(api, "b"))[1]
     job = await submit(api, fellows=2)
     seen = []

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from swarm_core.contract import LinkChange
+from swarm_core.protocol import LinkLimits
 from swarm_tui.cli import build_parser, main_tui, run
 from swarm_tui.commands.base import ExitCode
 from swarm_tui.commands.meta import render_llm_doc
@@ -282,8 +284,9 @@ def test_the_advertised_data_host_is_one_neighbours_can_dial():
 def test_swarm_job_shows_the_newest_set_speeds_and_counts_them_all():
     from swarm_tui.commands.jobs import link_change_rows
 
-    changes = [{"at_step": s, "fellow_id": 0, "link": {"tx_mbps": 8.0, "rx_mbps": None,
-                                                      "latency_ms": 20.0}} for s in range(1, 6)]
+    changes = [LinkChange(at_step=s, fellow_id=0, at=0.0,
+                          link=LinkLimits(tx_mbps=8.0, rx_mbps=None, latency_ms=20.0))
+               for s in range(1, 6)]
     assert link_change_rows(changes[:1]) == [
         ["link set @1", "fellow 0: tx 8 Mbit/s, rx unlimited, +20 ms"]]
     rows = link_change_rows(changes, total=300, shown=2)
@@ -328,7 +331,7 @@ def test_submit_runs_a_sweep_training_profile_as_its_job(tmp_path):
     assert fellows == 3
     assert training["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 20.0}
     job = train_job({"name": "m"}, training, fellows, "m")  # what the leader structures too
-    assert job.topology.fellows == 3 and job.training["link"]["tx_mbps"] == 8.0
+    assert job.topology.fellows == 3 and job.training.link.tx_mbps == 8.0
     # A profile without those sections keeps the training fields it sets itself.
     plain = {"steps": 3, "shard_push_interval_steps": 2, "link": {"tx_mbps": 5}}
     (tmp_path / "p.json").write_text(json.dumps(plain))

@@ -168,7 +168,7 @@ def test_stages_of_one_process_share_one_loaded_corpus():
     tokens takes it too; once no stage holds it, the next job loads afresh."""
     import gc
 
-    from swarm_core.fellow.jobs import shared_token_data
+    from swarm_core.fellow.corpus import shared_token_data
 
     tc = TrainingConfig()
     a = shared_token_data(tc, 32, tokens=True)
@@ -184,7 +184,7 @@ def test_stages_of_one_process_share_one_loaded_corpus():
 
 def test_an_edited_corpus_is_not_served_from_the_shared_copy(tmp_path):
     """Even while an old copy is still held, a changed file is a new corpus."""
-    from swarm_core.fellow.jobs import shared_token_data
+    from swarm_core.fellow.corpus import shared_token_data
 
     (tmp_path / "a.txt").write_text("alpha beta gamma. " * 200)
     tc = TrainingConfig(dataset="textfiles", dataset_paths=[str(tmp_path / "*.txt")])

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from swarm_core.pipeline.codecs import Codec
+from swarm_core.pipeline.codecs import FP32_WIRE
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.links import LinkShaper, TokenBucket
-from swarm_core.pipeline.transport import PeerLink
+from swarm_core.pipeline.transport import LinkClosed, PeerLink
 
 
 def test_bucket_rate_within_5_percent():
@@ -77,7 +77,7 @@ def _shaped_transfer(side: str, tcp: bool) -> tuple[float, float]:
     x = torch.randn(8, 128, 1024)  # 4 MiB fp32, twice
     try:
         t0 = time.monotonic()
-        sent = sum(left.send_tensor(Kind.ACT, 0, i, x, Codec.FP32) for i in range(2))
+        sent = sum(left.send_tensor(Kind.ACT, 0, i, x, FP32_WIRE) for i in range(2))
         got = [right.recv_tensor(Kind.ACT, 0, i, timeout=10)[1] for i in range(2)]
         elapsed = time.monotonic() - t0
         left.flush(5)  # the sender counts a chunk after the receiver may already have it
@@ -106,6 +106,42 @@ def test_shaped_transfer_of_several_mb_within_5_percent(side, tcp):
     assert min(tries) <= 1.05, tries
 
 
+def test_a_peer_that_closes_once_it_has_everything_fails_no_flush():
+    """The last frame of a run is written; the peer reads it, finishes and closes the link
+    before this side's sender (descheduled on a busy machine, played here by a slow
+    task_done) has marked the frame written. The flush that waits for that frame finds the
+    link closed: it must still return, as the peer had all it was sent. A sender whose own
+    write fails still fails the flush."""
+    left, right, _, _ = _pair(None, tcp=True)
+    done = left._out.task_done
+
+    def late_done() -> None:
+        time.sleep(0.3)
+        done()
+
+    left._out.task_done = late_done  # type: ignore[method-assign]
+    try:
+        left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), FP32_WIRE)
+        right.recv_tensor(Kind.ACT, 0, 0, timeout=5)
+        right.close()  # the peer's run is over
+        deadline = time.monotonic() + 2
+        while left._error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert left._error is not None, "the close reached this side first"
+        left.flush(5)
+    finally:
+        left.close()
+    left, right, _, _ = _pair(None, tcp=True)
+    try:
+        right.close()
+        with pytest.raises(LinkClosed):
+            for i in range(64):  # until the kernel refuses: a write that truly failed
+                left.send_tensor(Kind.ACT, 0, i, torch.ones(1 << 16), FP32_WIRE)
+                left.flush(5)
+    finally:
+        left.close()
+
+
 def test_a_send_returns_before_its_bytes_have_left():
     """Sends overlap compute: a stage queues an activation and goes on to its next forward
     while the link threads move the bytes. Four 1 MiB frames at 40 Mbit/s take ~0.8 s on
@@ -115,7 +151,7 @@ def test_a_send_returns_before_its_bytes_have_left():
     try:
         t0 = time.monotonic()
         for i, x in enumerate(xs):
-            left.send_tensor(Kind.ACT, 0, i, x, Codec.FP32)
+            left.send_tensor(Kind.ACT, 0, i, x, FP32_WIRE)
         queued = time.monotonic() - t0
         got = [right.recv_tensor(Kind.ACT, 0, i, timeout=10)[1] for i in range(4)]
         left.flush(5)
@@ -134,7 +170,7 @@ def test_latency_delays_without_cutting_throughput():
     try:
         t0 = time.monotonic()
         for i in range(10):
-            left.send_tensor(Kind.ACT, 0, i, torch.ones(4), Codec.FP32)
+            left.send_tensor(Kind.ACT, 0, i, torch.ones(4), FP32_WIRE)
         for i in range(10):
             right.recv_tensor(Kind.ACT, 0, i, timeout=5)
         elapsed = time.monotonic() - t0
@@ -155,8 +191,8 @@ def test_a_wait_times_out_on_a_quiet_link_not_a_busy_one():
     try:
         x = torch.randn(256, 1024)  # 1 MiB: about 0.5 s at 16 Mbit/s
         for i in range(3):
-            left.send_tensor(Kind.ACT, 0, i, x, Codec.FP32)
-        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)
+            left.send_tensor(Kind.ACT, 0, i, x, FP32_WIRE)
+        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), FP32_WIRE)
         t0 = time.monotonic()
         _, g = right.recv_tensor(Kind.GRAD, 0, 0, timeout=0.8)
         assert torch.equal(g, torch.ones(4)) and time.monotonic() - t0 > 1.2
@@ -183,7 +219,7 @@ def test_a_live_peer_busy_elsewhere_pulses_and_is_waited_for():
     def answer() -> None:
         # Counted while the waiter surely still waits (it pulses again once the wait is over).
         seen.update(pulses=busy.pulse_bytes // HEADER_SIZE, waiter=waiter.pulse_bytes)
-        busy.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)
+        busy.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), FP32_WIRE)
 
     try:
         t0 = time.monotonic()
@@ -242,7 +278,7 @@ def test_a_link_that_failed_stops_pulsing():
     left = PeerLink(a, LinkShaper(), 7, "b", pulse_s=0.1)
     right = PeerLink(b, LinkShaper(), 7, "a", pulse_s=0.1, receives=(Kind.ACT,))
     try:
-        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), Codec.FP32)  # not for that link
+        left.send_tensor(Kind.GRAD, 0, 0, torch.ones(4), FP32_WIRE)  # not for that link
         t0 = time.monotonic()
         with pytest.raises(PeerTimeout):
             left.recv(Kind.GRAD, 0, 0, timeout=0.5)
@@ -282,11 +318,11 @@ def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
     left, right, _, _ = _pair(16.0)
     try:
         timer = threading.Timer(0.3, left.send_tensor,
-                                (Kind.ACT, 0, 0, torch.ones(4), Codec.FP32))
+                                (Kind.ACT, 0, 0, torch.ones(4), FP32_WIRE))
         timer.start()
         right.recv_tensor(Kind.ACT, 0, 0, timeout=5)
         assert 0.25 < right.waited < 1.0
-        left.send_tensor(Kind.ACT, 0, 1, torch.ones(4), Codec.FP32)
+        left.send_tensor(Kind.ACT, 0, 1, torch.ones(4), FP32_WIRE)
         deadline = time.monotonic() + 5
         while not right.ready(Kind.ACT) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -294,7 +330,7 @@ def test_a_link_counts_the_time_its_owner_spends_blocked_on_it():
         right.recv_tensor(Kind.ACT, 0, 1, timeout=5)
         assert right.waited - before < 0.05
         assert left.waited == 0.0  # sending queues: no wait
-        left.send_tensor(Kind.ACT, 0, 2, torch.randn(256, 1024), Codec.FP32)  # 1 MiB: ~0.5 s
+        left.send_tensor(Kind.ACT, 0, 2, torch.randn(256, 1024), FP32_WIRE)  # 1 MiB: ~0.5 s
         left.flush(5)
         assert left.waited > 0.35
     finally:
@@ -307,7 +343,7 @@ def test_stop_reaches_a_flush_and_the_sender_at_once():
 
     left, right, shaper, _ = _pair(8.0)
     try:
-        left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), Codec.FP32)  # 2 MiB: 2 s
+        left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), FP32_WIRE)  # 2 MiB: 2 s
         threading.Timer(0.2, left.abort.set).start()
         t0 = time.monotonic()
         with pytest.raises(LinkAborted):
@@ -326,7 +362,7 @@ def test_close_returns_once_the_links_threads_have_ended():
     """Even mid-transfer on a throttled link: close() ends both threads before it returns, so
     none is left in native code when the process exits."""
     left, right, _shaper, _ = _pair(8.0)
-    left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), Codec.FP32)  # 2 MiB: 2 s
+    left.send_tensor(Kind.ACT, 0, 0, torch.randn(512, 1024), FP32_WIRE)  # 2 MiB: 2 s
     time.sleep(0.2)
     t0 = time.monotonic()
     left.close()
@@ -337,7 +373,7 @@ def test_close_returns_once_the_links_threads_have_ended():
     # Nor does it wait out a frame's added latency.
     left, right, shaper, _ = _pair(None)
     shaper.latency_s = 30.0
-    left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), Codec.FP32)
+    left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), FP32_WIRE)
     time.sleep(0.1)
     t0 = time.monotonic()
     left.close()
@@ -353,7 +389,7 @@ def test_a_stopping_receiver_leaves_no_debt_in_the_fellows_bucket():
     left, right, _, rx_shaper = _pair(None, 8.0, tcp=True)
     try:
         for i in range(4):
-            left.send_tensor(Kind.ACT, 0, i, torch.randn(1024, 1024), Codec.FP32)  # 4 MiB
+            left.send_tensor(Kind.ACT, 0, i, torch.randn(1024, 1024), FP32_WIRE)  # 4 MiB
         time.sleep(0.2)
         right.abort.set()
         time.sleep(0.5)  # the receiver reads on at full speed until the link closes
@@ -376,7 +412,7 @@ def test_an_error_in_a_link_thread_fails_the_link_at_once(monkeypatch):
     monkeypatch.setattr(transport.FrameHeader, "unpack", staticmethod(broken))
     left, right, _, _ = _pair(None)
     try:
-        left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), Codec.FP32)
+        left.send_tensor(Kind.ACT, 0, 0, torch.ones(4), FP32_WIRE)
         t0 = time.monotonic()
         with pytest.raises(LinkClosed, match="failed while receiving: MemoryError"):
             right.recv(Kind.ACT, 0, 0, timeout=30)
@@ -408,13 +444,14 @@ def test_a_jobs_link_limits_last_while_any_of_its_stages_runs():
 
 
 async def test_a_push_that_fails_unforeseen_neither_fails_the_job_nor_keeps_its_limits(
-        tmp_path, caplog, monkeypatch):
+        tmp_path, caplog, monkeypatch, make_start):
     """A shard push that raises something no one planned for (here a JSON error, as from a
     proxy's HTML page) is logged; the job still completes, the later pushes still go out, and
     the fellow's own link limits come back."""
     import json
 
-    from swarm_core.fellow.jobs import JobContext, LinkOverrides, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, LinkOverrides, Progress
+    from swarm_core.fellow.train import run_train
     from swarm_core.protocol import LinkLimits
 
     monkeypatch.setenv("SWARM_HOME", str(tmp_path))
@@ -431,12 +468,10 @@ async def test_a_push_that_fails_unforeseen_neither_fails_the_job_nor_keeps_its_
         pushed.append(manifest["step"])
         raise json.JSONDecodeError("Expecting value", "<html>502</html>", 0)
 
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
-             "training": {"steps": 2, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+    start = make_start(dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                       {"steps": 2, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
                           "shard_push_interval_steps": 1,
-                          "link": {"tx_mbps": 5.0, "rx_mbps": 5.0}},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+                          "link": {"tx_mbps": 5.0, "rx_mbps": 5.0}})
     ctx = JobContext(fellow_id=0, progress=Progress(), report=report, shaper=shaper,
                      push_shard=push_shard, links=links)
     await run_train(start, ctx)
@@ -447,7 +482,8 @@ async def test_a_push_that_fails_unforeseen_neither_fails_the_job_nor_keeps_its_
     assert "shard push of stage 0 failed" in caplog.text
 
 
-async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monkeypatch):
+async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monkeypatch,
+                                                                 make_start):
     """A checkpoint costs the stage thread a copy of its state: the shard's serialisation and
     write (slowed to 0.4 s here) go on while the stage trains its next steps. The shards
     still reach disk and the leader in step order, the final one before COMPLETED, and no
@@ -456,8 +492,9 @@ async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monke
     import time
 
     from swarm_core.artifacts import shards
-    from swarm_core.fellow import jobs
-    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+    from swarm_core.fellow import train
+    from swarm_core.fellow.jobs import JobContext, Progress
+    from swarm_core.fellow.train import run_train
 
     monkeypatch.setenv("SWARM_HOME", str(tmp_path))
     events: list[tuple[str, int, float]] = []
@@ -491,11 +528,9 @@ async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monke
     async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
         events.append(("pushed", manifest["step"], time.monotonic()))
 
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
-             "training": {"steps": 5, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
-                          "shard_push_interval_steps": 1},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    start = make_start(dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                       {"steps": 5, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                          "shard_push_interval_steps": 1})
     await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report,
                                       shaper=LinkShaper(), push_shard=push_shard))
     assert reports[-1].state == "COMPLETED"
@@ -505,17 +540,19 @@ async def test_checkpoints_are_written_while_the_stage_trains_on(tmp_path, monke
     at = {(kind, step): t for kind, step, t in events}
     # Step 2 trained while step 1's shard was still being written.
     assert at[("trained", 2)] < at[("written", 1)]
-    assert 2 <= waiting[1] <= jobs.SNAPSHOTS_IN_FLIGHT
+    assert 2 <= waiting[1] <= train.SNAPSHOTS_IN_FLIGHT
     shard = tmp_path / "runs" / "job-000001" / "model_export" / "shards" / "stage-0-fellow-0"
     assert (shard / "shard_manifest.json").exists() and (shard / "weights.npz").exists()
 
 
 @pytest.mark.parametrize("fail_at", [2, 4])
-async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatch, fail_at):
+async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatch, fail_at,
+                                                            make_start):
     """A disk that refuses a shard (mid-run, or the final one) fails the stage with that error,
     as it did when the stage thread wrote them itself; nothing hangs."""
     from swarm_core.artifacts import shards
-    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, Progress
+    from swarm_core.fellow.train import run_train
 
     monkeypatch.setenv("SWARM_HOME", str(tmp_path))
     write = shards.write_shard
@@ -531,11 +568,9 @@ async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatc
     async def report(update: Any) -> None:
         reports.append(update)
 
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
-             "training": {"steps": 4, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
-                          "shard_push_interval_steps": 1},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+    start = make_start(dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                       {"steps": 4, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                          "shard_push_interval_steps": 1})
     with pytest.raises(OSError, match=rf"^cannot write the shard of step {fail_at}: OSError: "
                                       r"\[Errno 28\] No space left on device$"):
         await asyncio.wait_for(run_train(start, JobContext(
@@ -543,7 +578,8 @@ async def test_a_shard_that_cannot_be_written_fails_the_job(tmp_path, monkeypatc
     assert not [r for r in reports if r.state == "COMPLETED"]
 
 
-async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_path, monkeypatch):
+async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_path, monkeypatch,
+                                                                          make_start):
     """The disk hangs in a shard write; the job is cancelled. The stage stops, the pending
     copies are dropped (neither written nor pushed), and the job ends within about a frame
     timeout instead of waiting on the disk: the fellow is free for the next job."""
@@ -551,7 +587,8 @@ async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_pat
     import time
 
     from swarm_core.artifacts import shards
-    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, Progress
+    from swarm_core.fellow.train import run_train
 
     monkeypatch.setenv("SWARM_HOME", str(tmp_path))
     hung, release = threading.Event(), threading.Event()
@@ -574,12 +611,10 @@ async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_pat
     async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
         pushed.append(manifest["step"])
 
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
-             "training": {"steps": 500, "batch_size": 4, "micro_batches": 2,
+    start = make_start(dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                       {"steps": 500, "batch_size": 4, "micro_batches": 2,
                           "eval_batches": 0, "shard_push_interval_steps": 1,
-                          "frame_timeout_s": 1.0},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None}]}}
+                          "frame_timeout_s": 1.0})
     job = asyncio.create_task(run_train(start, JobContext(
         fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper(),
         push_shard=push_shard)))

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.frames import HEADER_SIZE
 from swarm_core.pipeline.local import run_local_pipeline
-from swarm_core.pipeline.placement import split_layers
 from swarm_core.pipeline.reference import train_reference
-from swarm_core.pipeline.stage import StageSpec, StageStopped, expected_wire_bytes
+from swarm_core.pipeline.stage import StageResult, StageSpec, StageStopped, expected_wire_bytes
 from swarm_core.pipeline.transport import LinkAborted, LinkClosed, PeerTimeout
+from swarm_core.schema import unstructure
 
 MODEL = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
 
@@ -50,7 +51,7 @@ def test_pipeline_equals_single_process(data, n, schedule):
                         eval_batches=1)
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * n))
     res = run_pipeline(mc, tc, data, n)
-    got = res[n - 1]["losses"]
+    got = res[n - 1].losses
     assert len(got) == 6
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     assert ref[-1] < ref[0], "the loss falls"
@@ -66,9 +67,9 @@ def test_pipeline_with_dropout_equals_single_process(data, n, schedule):
                         eval_batches=1)
     ranges = split_layers(mc.n_layers, [1] * n)
     ref, _ = train_reference(mc, tc, data, ranges)
-    got = run_pipeline(mc, tc, data, n)[n - 1]["losses"]
+    got = run_pipeline(mc, tc, data, n)[n - 1].losses
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
-    assert run_pipeline(mc, tc, data, n)[n - 1]["losses"] == got, "repeatable"
+    assert run_pipeline(mc, tc, data, n)[n - 1].losses == got, "repeatable"
     plain, _ = train_reference(attrs.evolve(mc, dropout=0.0), tc, data, ranges)
     assert max(abs(a - b) for a, b in zip(plain, got, strict=True)) > 1e-3, "dropout was on"
 
@@ -80,7 +81,7 @@ def test_tied_weights_train_one_shared_matrix_in_a_one_stage_job(data):
     ref, model = train_reference(mc, tc, data)
     assert model.stages[0].tied
     hooks, saved = _checkpoint_bytes(1)
-    got = run_pipeline(mc, tc, data, 1, stage_kwargs=hooks)[0]["losses"]
+    got = run_pipeline(mc, tc, data, 1, stage_kwargs=hooks)[0].losses
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     untied, _ = train_reference(attrs.evolve(mc, tie_weights=False), tc, data)
     assert max(abs(a - b) for a, b in zip(untied, got, strict=True)) > 1e-4, "tying was on"
@@ -119,7 +120,7 @@ def test_activation_memory_is_what_the_schedule_keeps_alive(data):
         tc = TrainingConfig(steps=2, batch_size=16, micro_batches=8, schedule=schedule,
                             split_backward=False, eval_batches=0)
         res = run_pipeline(mc, tc, data, 2)
-        peaks[schedule] = [res[s]["activation_peak_bytes"] for s in (0, 1)]
+        peaks[schedule] = [res[s].metrics.activation_peak_bytes for s in (0, 1)]
     assert 7.5 * per_mb <= peaks["gpipe"][0] <= 8.5 * per_mb
     assert 1.5 * per_mb <= peaks["1f1b"][0] <= 2.5 * per_mb
     assert peaks["1f1b"][1] * 6 < peaks["gpipe"][1]  # the last stage: 1 against 8
@@ -150,7 +151,7 @@ def test_each_stage_reports_the_time_it_waited_on_a_slow_link(data):
     for s in (0, 1):  # the run's share leaves out the first step (neighbours starting)
         steady = reports[s][1:]
         share = sum(r.wait_seconds for r in steady) / sum(r.seconds for r in steady)
-        assert res[s]["wait_fraction"] == pytest.approx(share)
+        assert res[s].metrics.wait_fraction == pytest.approx(share)
 
 
 def test_the_meter_keeps_autograds_in_place_check():
@@ -190,7 +191,7 @@ def test_the_meter_runs_on_the_first_step_and_every_tenth(data, monkeypatch):
                         eval_batches=0)
     peaks: dict[int, list[int]] = {0: [], 1: []}
     losses = run_local_pipeline(mc, tc, data, 2, on_step=lambda s, r: peaks[s].append(
-        r.activation_peak_bytes))[1]["losses"]
+        r.activation_peak_bytes))[1].losses
     assert stage_mod.METER_EVERY == 10
     assert len(metered) == 2 * 2  # steps 0 and 10, on both stages
     for s in (0, 1):
@@ -221,7 +222,7 @@ def test_split_backward_trains_exactly_as_a_fused_backward(data, schedule, monke
         tc = TrainingConfig(steps=4, batch_size=8, micro_batches=4, schedule=schedule,
                             eval_batches=1, split_backward=split)
         res = run_pipeline(mc, tc, data, 3)
-        runs[split] = res[2]["losses"]
+        runs[split] = res[2].losses
         # Only when split, and only backwards a neighbour waits behind (hurried_backwards):
         # every one on stages 1 and 2; on stage 0 those a forward follows, which is B0 alone
         # under 1F1B (F0 F1 F2 B0 F3 B1 B2 B3) and none under GPipe. Four steps.
@@ -260,7 +261,7 @@ def test_a_resumed_run_continues_exactly(data, schedule, dropout):
     tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,
                         eval_batches=0, shard_push_interval_steps=3, lr=3e-3)
     hooks, saved = _checkpoint_bytes(3)
-    whole = run_pipeline(mc, tc, data, 3, stage_kwargs=hooks)[2]["losses"]
+    whole = run_pipeline(mc, tc, data, 3, stage_kwargs=hooks)[2].losses
     assert sorted(saved[0]) == [3, 6]
 
     resumed = {}
@@ -272,7 +273,7 @@ def test_a_resumed_run_continues_exactly(data, schedule, dropout):
                          "initial_state": {k: torch.from_numpy(v)
                                            for k, v in npz_arrays(weights).items()},
                          "initial_optimizer": npz_arrays(optimizer) if with_optimizer else None}
-        resumed[with_optimizer] = run_pipeline(mc, tc, data, 3, stage_kwargs=kwargs)[2]["losses"]
+        resumed[with_optimizer] = run_pipeline(mc, tc, data, 3, stage_kwargs=kwargs)[2].losses
     assert len(resumed[True]) == 3
     assert resumed[True] == whole[3:], "bit for bit"
     # Fresh moments: AdamW's first step after the restart is a full-size step again.
@@ -309,24 +310,24 @@ def test_each_stage_reports_what_its_wire_codec_changed(data):
     reports: dict[int, list[Any]] = {0: [], 1: [], 2: []}
     mc = ModelConfig(**MODEL, compression="fixed_int8")
     res = run_local_pipeline(mc, tc, data, 3, on_step=lambda s, r: reports[s].append(r))
-    assert [sorted(reports[s][0].codec_error) for s in (0, 1, 2)] == [
+    assert [sorted(unstructure(reports[s][0].codec_error)) for s in (0, 1, 2)] == [
         ["act"], ["act", "grad"], ["grad"]]
     assert all(0 < e < 0.05 for s in (0, 1, 2) for r in reports[s]
-               for e in r.codec_error.values())
+               for e in unstructure(r.codec_error).values())
     x, _ = data.batch(0, tc.batch_size, mc.seq_len, tc.seed)
     with torch.no_grad():
         stage0 = StageModule(mc, data.vocab_size, tc.seed, *split_layers(3, [1] * 3)[0], 0, 3)
         act = stage0(x.chunk(tc.micro_batches)[0])
         expected = float((roundtrip(act, Codec.INT8) - act).norm() / act.norm())
-    assert reports[0][0].codec_error["act"] == pytest.approx(expected, rel=1e-4)
-    assert res[1]["codec_error"]["grad"] == pytest.approx(
-        sum(r.codec_error["grad"] for r in reports[1]) / 2)
+    assert reports[0][0].codec_error.act == pytest.approx(expected, rel=1e-4)
+    assert res[1].metrics.codec_error.grad == pytest.approx(
+        sum(r.codec_error.grad for r in reports[1]) / 2)
 
     plain: dict[int, list[Any]] = {0: [], 1: []}
     run_local_pipeline(ModelConfig(**MODEL), tc, data, 2,
                        on_step=lambda s, r: plain[s].append(r))
-    assert [r.codec_error for r in plain[0]] == [{"act": 0.0}] * 2
-    assert [r.codec_error for r in plain[1]] == [{"grad": 0.0}] * 2
+    assert [unstructure(r.codec_error) for r in plain[0]] == [{"act": 0.0}] * 2
+    assert [unstructure(r.codec_error) for r in plain[1]] == [{"grad": 0.0}] * 2
 
 
 @pytest.mark.parametrize("spec, extra, width, per_elem, scales_per_row", [
@@ -349,8 +350,8 @@ def test_wire_bytes_match_the_spec(data, spec, extra, width, per_elem, scales_pe
     # Each stage sends 2 micro-batches one way and one norm frame per step.
     expected = 2 * (HEADER_SIZE + payload) + norm_frame
     for s in (0, 1):
-        assert res[s]["wire_tx_bytes_per_step"] == expected
-        assert res[s]["expected_wire_tx_bytes_per_step"] == expected
+        assert res[s].metrics.wire_tx_bytes_per_step == expected
+        assert res[s].metrics.expected_wire_tx_bytes_per_step == expected
         assert expected_wire_bytes(mc, tc, s, 2) == expected
 
 
@@ -361,7 +362,7 @@ def test_compressed_pipeline_matches_its_own_reference(data, spec):
     mc = ModelConfig(**MODEL, compression=spec)
     tc = TrainingConfig(steps=4, batch_size=8, micro_batches=2, eval_batches=0)
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
-    got = run_pipeline(mc, tc, data, 2)[1]["losses"]
+    got = run_pipeline(mc, tc, data, 2)[1].losses
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     if spec == "fixed_int8_b8":
         # Blocks are not rows: per-row scales give other losses.
@@ -381,7 +382,7 @@ def test_bfloat16_pipeline_matches_its_own_reference(data, compression, schedule
     ranges = split_layers(mc.n_layers, [1] * 3)
     ref, _ = train_reference(mc, tc, data, ranges)
     res = run_pipeline(mc, tc, data, 3)
-    got = res[2]["losses"]
+    got = res[2].losses
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     assert ref[-1] < ref[0], "the loss falls"
     fp32, _ = train_reference(attrs.evolve(mc, dtype="float32"), tc, data, ranges)
@@ -401,28 +402,27 @@ def test_a_stage_on_a_device_this_machine_lacks_is_refused(data):
     res = run_pipeline(mc, tc, data, 2, sabotage={1: elsewhere})
     assert isinstance(res[1], DeviceError)
     assert str(res[1]).startswith("cuda:99: ")
-    assert not isinstance(res[0], dict), "stage 0 did not train on alone"
+    assert not isinstance(res[0], StageResult), "stage 0 did not train on alone"
 
 
-async def test_a_start_for_a_device_this_fellow_lacks_is_refused():
+async def test_a_start_for_a_device_this_fellow_lacks_is_refused(make_start):
     """The fellow's own check, before any link or thread: the job fails naming the slot."""
-    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress
+    from swarm_core.fellow.train import run_train
 
     async def report(_update: Any) -> None:
         raise AssertionError("nothing to report")
 
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": MODEL, "training": {"steps": 1},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 3}, "slot": 1,
-                                       "device": "cuda:99", "data_addr": None}]}}
+    start = make_start(MODEL, {"steps": 1}, devices=["cuda:99"])
     with pytest.raises(JobRefused, match=r"^cannot run stage 0 on cuda:99: "):
         await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
 
 
-async def test_a_model_narrower_than_its_tokenizer_is_refused_by_name(tmp_path):
+async def test_a_model_narrower_than_its_tokenizer_is_refused_by_name(tmp_path, make_start):
     """A BPE vocabulary is known only once trained: the fellow checks the model's vocab_size
     against it before training, rather than fail on an IndexError in the first forward."""
-    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress
+    from swarm_core.fellow.train import run_train
     from swarm_core.pipeline.links import LinkShaper
 
     updates: list[Any] = []
@@ -431,11 +431,9 @@ async def test_a_model_narrower_than_its_tokenizer_is_refused_by_name(tmp_path):
         updates.append(update)
 
     (tmp_path / "c.txt").write_text(" ".join(f"word{i % 50} thing{i % 7}" for i in range(4000)))
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0,
-             "model": {**MODEL, "vocab_size": 260},
-             "training": {"steps": 1, "dataset": "textfiles", "tokenizer": "bpe",
-                          "bpe_vocab_size": 300, "dataset_paths": [str(tmp_path / "c.txt")]},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 3}, "data_addr": None}]}}
+    start = make_start({**MODEL, "vocab_size": 260},
+                       {"steps": 1, "dataset": "textfiles", "tokenizer": "bpe",
+                        "bpe_vocab_size": 300, "dataset_paths": [str(tmp_path / "c.txt")]})
     with pytest.raises(JobRefused, match=r"^model vocab_size 260 is smaller than the bpe "
                                          r"tokenizer's 3\d\d tokens$"):
         await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report,
@@ -443,34 +441,42 @@ async def test_a_model_narrower_than_its_tokenizer_is_refused_by_name(tmp_path):
     assert not any(u.state == "RUNNING" for u in updates), "no step was taken"
 
 
+def _no_downstream_address(payload: dict) -> None:
+    payload["placement"]["stages"][1]["data_addr"] = None
+
+
 @pytest.mark.parametrize("change, message", [
-    ({"stage": "x"}, "bad START payload: invalid literal"),
-    ({"stage": -1}, "bad START payload: stage -1 of a 2-stage placement"),
-    ({"stage": 0}, "bad START payload: stage 1 has no data address to dial: None"),
+    ({"stage": "x"}, r"bad START payload: \$\.stage: expected an integer, got a string"),
+    ({"stage": -1}, r"bad START payload: \$\.stage: stage -1 of a 2-stage placement"),
+    (_no_downstream_address,
+     r"bad START payload: \$\.placement: stage 1 has no data address to dial: None"),
 ])
-async def test_a_start_that_does_not_fit_is_refused(change, message):
-    from swarm_core.fellow.jobs import JobContext, JobRefused, Progress, run_train
+def test_a_start_that_does_not_fit_is_refused(change, message, make_start):
+    """The leader's own START for a 2-stage job, spoiled one way each: the fellow refuses it
+    by the field, before anything runs."""
+    from swarm_core.fellow.daemon import parse_start
+    from swarm_core.fellow.jobs import JobRefused
 
-    async def report(_update: Any) -> None:
-        raise AssertionError("nothing to report")
-
-    start = {"job_id": "job-000001", "key": "k" * 32, "model": MODEL, "training": {"steps": 1},
-             "placement": {"stages": [{"layers": {"start": 0, "stop": 2}, "data_addr": None},
-                                      {"layers": {"start": 2, "stop": 3}, "data_addr": None}]},
-             **change}
-    with pytest.raises(JobRefused, match=f"^{message}"):
-        await run_train(start, JobContext(fellow_id=0, progress=Progress(), report=report))
+    payload = unstructure(make_start(MODEL, {"steps": 1}, ["127.0.0.1:9", "127.0.0.1:10"]))
+    assert parse_start(payload).downstream_addr == "127.0.0.1:10"
+    if callable(change):
+        change(payload)
+    else:
+        payload.update(change)
+    with pytest.raises(JobRefused, match=f"^{message}$"):
+        parse_start(payload)
 
 
 @pytest.mark.parametrize("ending", ["failed", "stopped"])
-async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypatch):
+async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypatch, make_start):
     """A failed or STOPped stage's model, optimiser and activations go when the job does, not
     at some later garbage collection (the next job on that GPU wants the memory)."""
     import asyncio
     import gc
     import weakref
 
-    from swarm_core.fellow.jobs import JobContext, Progress, run_train
+    from swarm_core.fellow.jobs import JobContext, Progress
+    from swarm_core.fellow.train import run_train
     from swarm_core.pipeline import stage as stage_mod
     from swarm_core.pipeline.links import LinkShaper
     from swarm_core.pipeline.listener import DataListener
@@ -489,12 +495,9 @@ async def test_a_stage_that_ends_early_frees_its_model_at_once(ending, monkeypat
 
     listener = DataListener()
     # Stage 0 dials a port nobody listens on (fails); stage 1 waits for a dial (stopped).
-    stages = [{"layers": {"start": 0, "stop": 2}, "data_addr": listener.addr},
-              {"layers": {"start": 2, "stop": 3}, "data_addr": "127.0.0.1:1"}]
-    start = {"job_id": "job-000001", "key": "k" * 32, "stage": 0 if ending == "failed" else 1,
-             "model": MODEL, "placement": {"stages": stages},
-             "training": {"steps": 2, "batch_size": 4, "micro_batches": 2,
-                          "frame_timeout_s": 1.0 if ending == "failed" else 30.0}}
+    start = make_start(MODEL, {"steps": 2, "batch_size": 4, "micro_batches": 2,
+                               "frame_timeout_s": 1.0 if ending == "failed" else 30.0},
+                       [listener.addr, "127.0.0.1:1"], stage=0 if ending == "failed" else 1)
     ctx = JobContext(fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper(),
                      listener=listener)
     # torch's first optimiser keeps its construction frames in a one-time cache: warm it.
@@ -566,9 +569,9 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
 
     res = run_pipeline(mc, tc, data, 3, stage_kwargs={2: {"on_checkpoint": slow_checkpoint}})
     assert slept == [1]
-    assert all(isinstance(res[s], dict) for s in range(3)), res
+    assert all(isinstance(res[s], StageResult) for s in range(3)), res
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 3))
-    assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(ref, res[2].losses, strict=True)) <= 1e-5
 
 
 def test_a_middle_stage_holds_no_tokens_and_trains_the_same(data):
@@ -582,11 +585,11 @@ def test_a_middle_stage_holds_no_tokens_and_trains_the_same(data):
     middle = load_token_data(tc, mc.seq_len, tokens=False)
     assert len(middle.train) == len(middle.val) == 0 and middle.vocab_size == data.vocab_size
     res = run_pipeline(mc, tc, lambda s: middle if s == 1 else data, 3)
-    assert all(isinstance(res[s], dict) for s in range(3)), res
+    assert all(isinstance(res[s], StageResult) for s in range(3)), res
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 3))
-    assert max(abs(a - b) for a, b in zip(ref, res[2]["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(ref, res[2].losses, strict=True)) <= 1e-5
     whole = run_pipeline(mc, tc, data, 3)
-    assert res[2]["eval_loss"] == whole[2]["eval_loss"]
+    assert res[2].metrics.eval_loss == whole[2].metrics.eval_loss
 
 
 def test_links_within_one_fellow_leave_its_shaper_out(data):
@@ -607,7 +610,7 @@ def test_links_within_one_fellow_leave_its_shaper_out(data):
     fellow, other = LinkShaper(), LinkShaper()
     res = run_local_pipeline(mc, tc, data, 3, shapers=[fellow, fellow, other],
                              prepare={0: together, 1: together})
-    assert all(isinstance(res[s], dict) for s in range(3)), res
+    assert all(isinstance(res[s], StageResult) for s in range(3)), res
     # Stage 1's half of its traffic goes down (activations and the norm), plus its HELLO.
     down = tc.steps * per_step[1] // 2
     assert down <= fellow.tx_bytes <= down + 256, (fellow.tx_bytes, down)
@@ -639,9 +642,9 @@ def test_a_stage_slow_to_load_its_data_is_waited_for(data, monkeypatch):
 
     res = run_pipeline(mc, tc, load, 2)
     assert sorted(loaded) == [0, 1]
-    assert all(isinstance(res[s], dict) for s in range(2)), res
+    assert all(isinstance(res[s], StageResult) for s in range(2)), res
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * 2))
-    assert max(abs(a - b) for a, b in zip(ref, res[1]["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(ref, res[1].losses, strict=True)) <= 1e-5
 
 
 def test_a_stage_whose_data_fails_to_load_ends_its_dial_at_once(data):
@@ -704,7 +707,7 @@ def test_stop_event_ends_a_waiting_stage_quickly(data):
     stop = threading.Event()
     threading.Timer(0.5, stop.set).start()
     res = run_pipeline(mc, tc, data, 2, stop=stop)
-    assert all(not isinstance(r, dict) for r in res.values()), "both stages stopped early"
+    assert all(not isinstance(r, StageResult) for r in res.values()), "both stages stopped early"
 
 
 def test_mid_run_evaluations_are_the_models_validation_loss_at_their_step(data):
@@ -719,9 +722,9 @@ def test_mid_run_evaluations_are_the_models_validation_loss_at_their_step(data):
     res = run_pipeline(mc, tc, data, 2,
                        stage_kwargs={1: {"on_eval": lambda s, v: evals.append((s, v))}})
     assert [s for s, _ in evals] == [2, 4, 6]
-    assert evals[-1][1] == res[1]["eval_loss"]
+    assert evals[-1][1] == res[1].metrics.eval_loss
     plain = run_pipeline(mc, attrs.evolve(tc, eval_every=0), data, 2)
-    assert res[1]["losses"] == plain[1]["losses"]
+    assert res[1].losses == plain[1].losses
     ranges = split_layers(mc.n_layers, [1, 1])
     for step, got in evals:
         _, model = train_reference(mc, tc, data, ranges, steps=step)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm_core.pipeline.placement import FellowSlots, PlacementError, plan, split_layers
+from swarm_core.contract.placement import FellowSlots, PlacementError, plan, split_layers
 from swarm_core.pipeline.schedules import (
     eager,
     gpipe,
@@ -14,6 +14,7 @@ from swarm_core.pipeline.schedules import (
     max_in_flight,
     one_f_one_b,
 )
+from swarm_core.schema import unstructure
 
 
 def test_largest_remainder_split():
@@ -42,9 +43,9 @@ def test_plan_fills_a_fellows_slots_first():
     fellows = [FellowSlots(0, "a", ["cuda:0", "cuda:1"], "h:1"),
                FellowSlots(3, "b", ["cpu"], "h:2")]
     p = plan(fellows, 3, 12)
-    assert [(s.stage, s.fellow_id, s.slot, s.device, s.layers) for s in p.stages] == [
+    assert [(s.stage, s.fellow_id, s.slot, s.device, s.layers.as_tuple()) for s in p.stages] == [
         (0, 0, 0, "cuda:0", (0, 4)), (1, 0, 1, "cuda:1", (4, 8)), (2, 3, 0, "cpu", (8, 12))]
-    doc = p.to_json()
+    doc = unstructure(p)
     assert doc["stages"][2]["layers"] == {"start": 8, "stop": 12}
     assert doc["stages"][2]["data_addr"] == "h:2"
 

@@ -7,10 +7,25 @@ from typing import Any
 
 import pytest
 
+from swarm_core.contract import (
+    JobInfo,
+    LinkChange,
+    ProgressRecord,
+    Restart,
+    Topology,
+)
 from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.schema import structure
 from tests.conftest import AUTH
 
 A = "/api/v1"
+
+
+def _job_info(state: str, **kw: Any) -> JobInfo:
+    """A finished two-stage job as the client reads it."""
+    return JobInfo(job_id="job-000001", name="r", kind="train", state=state, created_at=0.0,
+                   started_at=None, finished_at=None, last_step=1, last_loss=3.0,
+                   fellows=[0, 1], topology=Topology(2), reason="", **kw)
 MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
 
 
@@ -95,9 +110,21 @@ async def test_records_keep_each_stages_link_wait_and_codec_error(api, running):
     await _report(api, job, stage[0], 1, metrics={
         "wire_tx_bytes": 100, "step_seconds": 0.3, "wait_seconds": 0.1,
         "codec_error": {"act": 0.006}})
+    # A figure that is not a number is refused by name (the contract's types), and the step's
+    # record is as it was.
+    for bad, field in (({"wait_seconds": "slow"}, "$.metrics.wait_seconds"),
+                       ({"codec_error": {"grad": 0.005, "other": 1.0}}, "$.metrics.codec_error")):
+        resp = await api.post(f"{A}/jobs/{job['job_id']}/status", headers=stage[1]["headers"],
+                              json={"fellow_id": stage[1]["fellow_id"], "state": "RUNNING",
+                                    "step": 1, "metrics": {"wire_tx_bytes": 50, **bad}})
+        assert resp.status == 400 and (await resp.json())["error"]["field"] == field
+    (rec,) = (await (await api.get(f"{A}/jobs/{job['job_id']}/progress",
+                                   headers=AUTH)).json())["records"]
+    assert rec["stages_reported"] == [0] and rec["wire_bytes"] == 100
+    # A direction with no figure (null: a diverged step's NaN) is left out.
     await _report(api, job, stage[1], 1, loss=4.0, metrics={
-        "wire_tx_bytes": 50, "step_seconds": 0.25, "wait_seconds": "slow",
-        "codec_error": {"grad": 0.005, "other": 1.0, "act": None}})
+        "wire_tx_bytes": 50, "step_seconds": 0.25,
+        "codec_error": {"grad": 0.005, "act": None}})
     resp = await api.get(f"{A}/jobs/{job['job_id']}/progress", headers=AUTH)
     (rec,) = (await resp.json())["records"]
     # Each stage's own step time beside its wait; what is not a number is left out.
@@ -117,12 +144,11 @@ def test_the_runs_link_wait_leaves_out_steps_that_follow_a_pause():
     paused = {1, 4, 5, 7, 9}
     assert {s for s in range(1, 10) if tc.follows_a_pause(s) or tc.follows_a_pause(s, 6)} \
         == paused
-    records = [{"step": s, "step_seconds": 1.0,
-                "stage_seconds": {"0": 1.0, "1": 2.0},
-                "wait_seconds": {"0": 0.9 if s in paused else 0.1,
-                                 "1": 1.8 if s in paused else 0.5}}
+    records = [ProgressRecord(step=s, step_seconds=1.0, stage_seconds={"0": 1.0, "1": 2.0},
+                              wait_seconds={"0": 0.9 if s in paused else 0.1,
+                                            "1": 1.8 if s in paused else 0.5})
                for s in range(1, 10)]
-    resumed = [{"resume_step": 6}]  # the job's restarts
+    resumed = [Restart(at_step=8, resume_step=6, reason="")]  # the job's restarts
     assert wait_by_stage(records, 3, tc, resumed) == [pytest.approx(0.1), pytest.approx(0.25),
                                                       None]
     # Without the training config only the start and the resume are known.
@@ -144,9 +170,8 @@ def test_thresholds_are_met_only_by_a_completed_run_that_set_them(state, limit, 
     training = {"steps": 2, **({"max_final_loss": limit} if limit else {})}
     st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
         model=MODEL, training=training, fellows=2, compression="none", network={}))
-    job = SimpleNamespace(job_id="job-000001", state=state, reason="", metrics={},
-                          finished_at=None, started_at=None, fellows=[0, 1], restarts=[])
-    records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
+    job = _job_info(state)
+    records = [ProgressRecord(step=1, loss=3.0, wire_bytes=10)]
     assert summarize(st, job, records)["thresholds_met"] is met
 
 
@@ -164,13 +189,12 @@ def test_a_run_whose_link_was_set_mid_run_says_so_in_its_summary_and_report(tmp_
     changes = [{"at_step": s, "fellow_id": 1, "link": {"tx_mbps": 8.0, "rx_mbps": None,
                                                       "latency_ms": 0.0}, "at": 0.0}
                for s in (12, 30, 31, 40)]
-    records = [{"step": 1, "loss": 3.0, "wire_bytes": 10}]
+    records = [ProgressRecord(step=1, loss=3.0, wire_bytes=10)]
     rows = []
     # (The last: a record that kept 4 of 250 set-speeds; the "+N" counts them all.)
     for link_changes, total in (([], 0), (changes[:2], 2), (changes, 4), (changes, 250)):
-        job = SimpleNamespace(job_id="job-000001", state="COMPLETED", reason="", metrics={},
-                              finished_at=None, started_at=None, fellows=[0, 1], restarts=[],
-                              link_changes=link_changes, link_changes_total=total)
+        job = _job_info("COMPLETED", link_changes=structure(link_changes, list[LinkChange]),
+                        link_changes_total=total)
         summary = summarize(st, job, records)
         assert summary["link_changes"] == link_changes
         assert summary["link_changes_total"] == total

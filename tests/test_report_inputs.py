@@ -15,7 +15,10 @@ from typing import Any
 import pytest
 
 from swarm_core.config.profiles import load_experiment
+from swarm_core.contract import JobInfo, JobMetrics, ProgressRecord, Topology
 from swarm_core.experiment import Experiment
+from swarm_core.protocol import FellowStatus
+from swarm_core.schema import structure
 from swarm_tui.cli import run
 from swarm_tui.commands.base import ExitCode
 
@@ -34,7 +37,7 @@ class _Leader:
 
     async def fellows(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(fellow_id=i, name=f"f{i}", host="h", devices=["cpu"],
-                                status="ready") for i in range(2)]
+                                status=FellowStatus.READY) for i in range(2)]
 
     async def submit(self, body: Any) -> SimpleNamespace:
         self.queued.append(f"job-{len(self.queued) + 1:06d}")
@@ -43,17 +46,16 @@ class _Leader:
     async def jobs(self) -> list[SimpleNamespace]:
         return [await self.job(j) for j in self.queued]
 
-    async def job(self, job_id: str) -> SimpleNamespace:
+    async def job(self, job_id: str) -> JobInfo:
         last = self.records[-1]
-        return SimpleNamespace(
-            job_id=job_id, state="COMPLETED", reason="", waiting_for="",
-            last_step=last["step"], last_loss=last["loss"],
-            metrics={"eval_loss": 2.5, "tokens_per_s": 1000.0}, started_at=1.0,
-            finished_at=10.0, fellows=[0, 1], restarts=[], placement=None, link_changes=[],
-            link_changes_total=0)
+        return JobInfo(
+            job_id=job_id, name=job_id, kind="train", state="COMPLETED", created_at=0.0,
+            started_at=1.0, finished_at=10.0, last_step=last["step"], last_loss=last["loss"],
+            fellows=[0, 1], topology=Topology(2), reason="",
+            metrics=JobMetrics(eval_loss=2.5, tokens_per_s=1000.0))
 
-    async def progress(self, job_id: str) -> list[dict[str, Any]]:
-        return self.records
+    async def progress(self, job_id: str) -> list[ProgressRecord]:
+        return structure(self.records, list[ProgressRecord])
 
 
 @pytest.fixture

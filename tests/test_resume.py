@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
-from swarm_core.pipeline.placement import split_layers
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.schema import structure
 from tests.clusters import cli_json, run_cli, wait_until

@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from swarm_core.fellow.jobs import JobRefused, _export_root
+from swarm_core.fellow.jobs import JobRefused
+from swarm_core.fellow.train import export_root
 from swarm_core.leader.routes import ROUTES
 from tests.conftest import AUTH
 
@@ -53,10 +54,10 @@ def test_symlinks_out_of_the_runs_dir_are_refused(swarm_home, tmp_path):
     outside.mkdir()
     (runs / "evil").symlink_to(outside)
     with pytest.raises(JobRefused, match="leads outside"):
-        _export_root("evil", "job-000001")
-    inside = _export_root("mine/sub", "job-000001")
+        export_root("evil", "job-000001")
+    inside = export_root("mine/sub", "job-000001")
     assert inside.is_relative_to(runs.resolve())
-    assert _export_root(None, "job-000002") == (runs / "job-000002" / "model_export").resolve()
+    assert export_root(None, "job-000002") == (runs / "job-000002" / "model_export").resolve()
 
 
 async def test_job_ids_in_urls_never_become_paths(api, leader_config):

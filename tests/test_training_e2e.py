@@ -12,8 +12,8 @@ import torch
 from swarm_core.artifacts.shards import load_shard
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
-from swarm_core.pipeline.placement import split_layers
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import expected_wire_bytes
 from swarm_core.schema import structure

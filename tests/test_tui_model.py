@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm_core.protocol import FellowInfo
+from swarm_core.contract import LinkChange
+from swarm_core.protocol import FellowInfo, LinkLimits
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
     Cell,
@@ -215,7 +216,7 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     assert plan.ok and len(plan.runs) == 1
     run = plan.runs[0]
     assert (run.kind, run.name, run.topology.fellows) == ("train", "small_none", 3)
-    assert run.training["steps"] == 7 and run.model["compression"] == "none"
+    assert run.training.steps == 7 and run.model.compression == "none"
     bad = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
                                 fellows="two"))
     assert not bad.ok and bad.field == "$.topology.fellows" and "whole number" in bad.error
@@ -238,9 +239,9 @@ def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
     assert src.options("config") == ["exp_tiny_sweep_v1.json"]  # not the profiles below
     plan = src.plan(LaunchChoice(config="exp_tiny_sweep_v1.json"))
     assert plan.ok and plan.experiment is not None
-    assert [r.model["compression"] for r in plan.runs] == ["none", "fixed_int8"]
+    assert [r.model.compression for r in plan.runs] == ["none", "fixed_int8"]
     assert [r.name for r in plan.runs] == [r.run_name for r in plan.experiment.runs]
-    assert all(r.kind == "train" and r.topology.fellows == 2 and r.training["steps"] == 3
+    assert all(r.kind == "train" and r.topology.fellows == 2 and r.training.steps == 3
                for r in plan.runs)
     assert plan.experiment.runs_dir == (tmp_path / "runs").resolve()
     assert any("2 runs" in note for note in plan.notes)
@@ -445,8 +446,8 @@ def _screens() -> list[tuple[str, type]]:
 def test_mid_run_set_speeds_are_described_newest_last_with_the_count_of_the_rest():
     from swarm_tui.app.model import describe_link_changes
 
-    changes = [{"at_step": s, "fellow_id": 1, "link": {"tx_mbps": float(s), "rx_mbps": None,
-                                                      "latency_ms": 0.0}} for s in (3, 7, 9, 12)]
+    changes = [LinkChange(at_step=s, fellow_id=1, at=0.0, link=LinkLimits(tx_mbps=float(s)))
+               for s in (3, 7, 9, 12)]
     assert describe_link_changes(changes[:1]) == (
         "link set mid-run: @3 fellow 1 tx 3 Mbit/s, rx unlimited")
     text = describe_link_changes(changes)

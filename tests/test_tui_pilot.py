@@ -15,7 +15,7 @@ from textual.command import CommandList, CommandPalette
 from textual.widgets import Button, Input, Label, Select
 
 from swarm_core.client import SwarmClient
-from swarm_core.protocol import JobSubmit, Topology
+from swarm_core.contract import JobMetrics, JobSubmit, SmokeTraining, Topology
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.model import Change
 from swarm_tui.app.screens.dialogs import (
@@ -259,7 +259,7 @@ async def test_read_only_refuses_every_action(tmp_path: Path) -> None:
     async with live_cluster(tmp_path) as (leader, fellows):
         async with leader.client() as c:
             job = await c.submit(JobSubmit(name="queued", kind="smoke",
-                                           training={"steps": 3}, topology=Topology(9)))
+                                           training=SmokeTraining(steps=3), topology=Topology(9)))
         app = SwarmApp(leader.client(), refresh_s=1.0, read_only=True,
                        configs_dir=snapshot_configs(tmp_path))
         async with app.run_test(size=SIZE) as pilot:
@@ -320,7 +320,7 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
             async with leader.client() as c:
                 smoke = await c.submit(JobSubmit(
-                    name="smoke", kind="smoke", training={"steps": 12, "step_seconds": 0.1},
+                    name="smoke", kind="smoke", training=SmokeTraining(steps=12, step_seconds=0.1),
                     topology=Topology(2)))
             await pilot.press("2")
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
@@ -457,7 +457,7 @@ async def test_launch_an_experiment_sweep(tmp_path: Path) -> None:
             assert launch.query_one("#config", Select).value == "exp_tiny_sweep_v1.json"
             assert not launch.query_one("#row-fellows").display  # the config says it all
             await wait_for(pilot, lambda: "preview: 2 runs" in screen_text(app), "the preview")
-            assert [r.model["compression"] for r in launch.plan.runs] == ["none", "fixed_int8"]
+            assert [r.model.compression for r in launch.plan.runs] == ["none", "fixed_int8"]
             await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
             sweep = await wait_for(pilot, lambda: len(runs := [
@@ -516,7 +516,8 @@ async def test_export_the_view_as_shown(tmp_path: Path) -> None:
             # The jobs view exports the same way, as CSV.
             async with leader.client() as c:
                 job = await c.submit(JobSubmit(name="queued", kind="smoke",
-                                               training={"steps": 3}, topology=Topology(9)))
+                                               training=SmokeTraining(steps=3),
+                                               topology=Topology(9)))
             await pilot.press("2")
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
                            and app.screen.table.row_count == 1, "the queue")
@@ -561,7 +562,7 @@ async def test_the_watch_view_says_when_a_running_jobs_link_was_set(tmp_path: Pa
             await wait_for(pilot, lambda: all_ready(app), "three ready fellows")
             async with leader.client() as c:
                 job = await c.submit(JobSubmit(
-                    name="slow", kind="smoke", training={"steps": 200, "step_seconds": 0.1},
+                    name="slow", kind="smoke", training=SmokeTraining(steps=200, step_seconds=0.1),
                     topology=Topology(2)))
                 await wait_for(pilot, lambda: app.model.jobs.get(job.job_id) is not None
                                and app.model.jobs[job.job_id].info.last_step >= 2, "steps")
@@ -593,7 +594,7 @@ async def test_the_watch_view_shows_a_finished_runs_evaluation(tmp_path: Path) -
     from tests.tui_support import FakeClient, frozen_clock
 
     client = FakeClient()
-    client._jobs[1] = attrs.evolve(client._jobs[1], metrics={"eval_loss": 2.0})
+    client._jobs[1] = attrs.evolve(client._jobs[1], metrics=JobMetrics(eval_loss=2.0))
     app = SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0,
                    configs_dir=snapshot_configs(tmp_path))
     async with app.run_test(size=SIZE) as pilot:

@@ -193,11 +193,11 @@ def test_frames_that_do_not_fit_are_frame_errors():
         left.send_raw(Kind.NORM, 3, 0, b"\0" * 4)
         with pytest.raises(FrameError, match="NORM step 3 from a carries 4 bytes, expected 8"):
             right.recv_float(Kind.NORM, 3, 0, timeout=5)
-        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 3), codecs.Codec.FP32)
+        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 3), codecs.FP32_WIRE)
         with pytest.raises(FrameError, match=r"ACT step 3 micro-batch 0 from a has shape "
                                              r"\[2, 3\], expected \[2, 4\]"):
             right.recv_tensor(Kind.ACT, 3, 0, timeout=5, shape=(2, 4))
-        left.send_tensor(Kind.GRAD, 3, 0, torch.ones(()), codecs.Codec.INT8)
+        left.send_tensor(Kind.GRAD, 3, 0, torch.ones(()), codecs.WireCodec(codecs.Codec.INT8))
         with pytest.raises(FrameError, match="rows need a last dimension"):
             right.recv_tensor(Kind.GRAD, 3, 0, timeout=5)
     finally:
@@ -215,11 +215,11 @@ def test_an_evaluation_frame_is_not_taken_for_a_training_one():
     a, b = socket.socketpair()
     left, right = PeerLink(a, LinkShaper(), 7, "b"), PeerLink(b, LinkShaper(), 7, "a")
     try:
-        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 4), codecs.Codec.FP32, flags=FLAG_EVAL)
+        left.send_tensor(Kind.ACT, 3, 0, torch.ones(2, 4), codecs.FP32_WIRE, flags=FLAG_EVAL)
         with pytest.raises(FrameError, match="expected a training ACT step 3 micro-batch 0, "
                                              "got an evaluation one"):
             right.recv_tensor(Kind.ACT, 3, 0, timeout=5)
-        left.send_tensor(Kind.ACT, 3, 1, torch.ones(2, 4), codecs.Codec.FP32)
+        left.send_tensor(Kind.ACT, 3, 1, torch.ones(2, 4), codecs.FP32_WIRE)
         with pytest.raises(FrameError, match="expected an evaluation ACT step 3 micro-batch 1, "
                                              "got a training one"):
             right.recv_tensor(Kind.ACT, 3, 1, timeout=5, flags=FLAG_EVAL)

@@ -16,16 +16,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from swarm_core.client import SwarmClient
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import JobInfo, SmokeTraining, Topology
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
-from swarm_core.protocol import (
-    ByteCounters,
-    FellowInfo,
-    JobInfo,
-    LinkLimits,
-    SetSpeedRequest,
-    Topology,
-)
+from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
 from tests.clusters import free_port
 from tests.conftest import TOKEN
 
@@ -167,8 +162,10 @@ def _job(n: int, state: str, *, name: str, kind: str = "train", step: int = 0,
         started_at=None if state == "PENDING" else T0 - created + 2,
         finished_at=T0 - 5 if state in ("COMPLETED", "FAILED", "CANCELLED") else None,
         last_step=step, last_loss=loss, fellows=fellows or [], topology=Topology(2),
-        reason=reason, model={"name": name, "compression": "fixed_int8"},
-        training={"steps": steps, "dataset": "shakespeare"}, waiting_for=waiting,
+        reason=reason,
+        model=ModelConfig(name=name, compression="fixed_int8") if kind == "train" else None,
+        training=TrainingConfig(steps=steps, dataset="shakespeare") if kind == "train"
+        else SmokeTraining(steps=steps), waiting_for=waiting,
         loss_history=history or [])
 
 

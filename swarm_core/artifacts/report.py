@@ -15,8 +15,8 @@ from typing import Any
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.contract import link_changes_in_all
 from swarm_core.paths import atomic_write
-from swarm_core.protocol import link_changes_in_all
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
            "#e377c2", "#7f7f7f", "#bcbd22"]

@@ -23,8 +23,10 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
-from swarm_core.protocol import LinkLimits, rate_or_none
+from swarm_core.contract import JobSubmit
+from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
+from swarm_core.validators import rate_or_none
 
 
 class ConfigError(ValueError):
@@ -207,6 +209,10 @@ class RunSpec:
         return {"name": run_id, "kind": "train", "model": self.model,
                 "training": self.training,
                 "topology": {"fellows": self.fellows, "slots_per_fellow": self.slots_per_fellow}}
+
+    def job(self, run_id: str) -> JobSubmit:
+        """The run as the leader gets it: a JobSubmit, checked as the leader checks it."""
+        return structure(self.job_body(run_id), JobSubmit)
 
 
 @attrs.define

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import PurePosixPath
 from typing import Any, Literal
@@ -86,7 +87,7 @@ def _le(hi: float):
     return check
 
 
-@attrs.define
+@attrs.frozen  # (so its parsed compression spec is worked out once)
 class ModelConfig:
     """A GPT-style decoder and what crosses its stage boundaries."""
 
@@ -110,9 +111,9 @@ class ModelConfig:
                              f"{self.n_heads}", "n_heads")
         if self.vocab_size is not None and not 2 <= self.vocab_size <= 1 << 20:
             raise FieldError("must be 2..1048576 or null", "vocab_size")
-        parse_compression(self.compression, self.bottleneck_dim, self.d_model)
+        _ = self.compression_spec  # a spec that does not parse is refused here
 
-    @property
+    @functools.cached_property
     def compression_spec(self) -> Compression:
         return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
 

@@ -15,6 +15,7 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.contract import JobStatusUpdate, StageStart
 from swarm_core.fellow.jobs import (
     JobContext,
     JobRefused,
@@ -29,8 +30,8 @@ from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
     ByteCounters,
+    FellowStatus,
     Heartbeat,
-    JobStatusUpdate,
     LinkLimits,
     RegisterRequest,
     Signal,
@@ -81,12 +82,18 @@ def _data_plane_fault(exc: BaseException) -> bool:
     return getattr(exc, "peer_stage", None) is not None or isinstance(exc, FrameError)
 
 
-def _slot_of(start: dict, fellow_id: int) -> int:
-    """This stage's device slot, from the placement in its START."""
+def parse_start(payload: dict) -> StageStart:
+    """A START signal's payload as the stage it describes; JobRefused saying what is wrong."""
     try:
-        return int(start["placement"]["stages"][int(start["stage"])].get("slot", 0))
-    except (KeyError, IndexError, TypeError, ValueError):
-        return 0
+        return structure(payload, StageStart)
+    except SchemaError as exc:
+        raise JobRefused(f"bad START payload: {exc}") from None
+
+
+def _raw_int(payload: dict, key: str) -> int:
+    """A field of a START that did not structure, for the report that refuses it."""
+    value = payload.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 class SessionLost(Exception):
@@ -104,7 +111,7 @@ class FellowDaemon:
         self.links = LinkOverrides(self.shaper)
         self.listeners: list[DataListener] = []  # one per device slot
         self.signal_seq = 0
-        self.status = "ready"
+        self.status = FellowStatus.READY
         # One running stage per device slot, keyed by (job, stage).
         self.stages: dict[tuple[str, int], tuple[asyncio.Task[None], Progress]] = {}
         self._stop = asyncio.Event()
@@ -294,33 +301,35 @@ class FellowDaemon:
             await self._stop_job(sig.job_id)
         elif sig.kind == "RELEASE":
             await self._stop_job()
-            self.status = "released"
+            self.status = FellowStatus.RELEASED
             self.request_stop("released by the leader")
 
     # jobs -------------------------------------------------------------------------------------
     async def _start_job(self, sig: Signal) -> None:
-        start = sig.payload
         try:
-            stage = int(start.get("stage") or 0)
-        except (TypeError, ValueError):
-            stage = 0  # the job refuses the payload and reports it; the fellow carries on
+            start: StageStart | str = parse_start(sig.payload)
+            stage, attempt = start.stage, start.attempt
+        except JobRefused as exc:
+            # Refused by the job's task, which reports it; the fellow carries on.
+            start = str(exc)
+            stage, attempt = _raw_int(sig.payload, "stage"), _raw_int(sig.payload, "attempt")
         key = (sig.job_id or "", stage)
         running = self.stages.get(key)
         if running is not None and not running[0].done():
             log.warning("START for %s stage %d while it runs; ignored", sig.job_id, stage)
             return
         progress = Progress(job_id=sig.job_id, stage=stage)
-        self.status = "busy"
-        task = asyncio.create_task(self._run_job(start, progress),
+        self.status = FellowStatus.BUSY
+        task = asyncio.create_task(self._run_job(start, progress, attempt),
                                    name=f"job-{sig.job_id}-stage-{stage}")
         self.stages[key] = (task, progress)
 
-    async def _run_job(self, start: dict, progress: Progress) -> None:
+    async def _run_job(self, start: StageStart | str, progress: Progress,
+                       attempt: int) -> None:
         job_id = progress.job_id
         assert job_id is not None and self.fellow_id is not None
         stage = progress.stage
         fellow_id = self.fellow_id
-        attempt = int(start.get("attempt") or 0)
 
         loop = asyncio.get_running_loop()
 
@@ -359,13 +368,15 @@ class FellowDaemon:
                                    stage: int) -> tuple[dict, bytes, bytes | None]:
             return await self.client.checkpoint(job, step, stage, self.session)
 
-        slot = _slot_of(start, fellow_id)
+        slot = start.mine.slot if isinstance(start, StageStart) else 0
         listener = self.listeners[slot] if slot < len(self.listeners) else None
         ctx = JobContext(fellow_id=fellow_id, progress=progress, report=report,
                          shaper=self.shaper, listener=listener, threads=self.opts.threads,
                          fellow_name=self.opts.name, push_shard=push_shard,
                          fetch_checkpoint=fetch_checkpoint, links=self.links)
         try:
+            if isinstance(start, str):
+                raise JobRefused(start)
             await run_job(start, ctx)
         except JobRefused as exc:
             await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
@@ -390,8 +401,8 @@ class FellowDaemon:
             key = (job_id, stage or 0)
             if self.stages.get(key, (None,))[0] is asyncio.current_task():
                 del self.stages[key]
-            if self.status == "busy" and not self.stages:
-                self.status = "ready"
+            if self.status is FellowStatus.BUSY and not self.stages:
+                self.status = FellowStatus.READY
             self._beat_now.set()
 
     async def _stop_job(self, job_id: str | None = None) -> None:
@@ -404,14 +415,14 @@ class FellowDaemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             self.stages.pop(k, None)
-        if not self.stages and self.status == "busy":
-            self.status = "ready"
+        if not self.stages and self.status is FellowStatus.BUSY:
+            self.status = FellowStatus.READY
 
     async def _say_goodbye(self) -> None:
         """One last heartbeat so the leader shows 'released'/'leaving' at once, not 'stale'."""
         if self.fellow_id is None or not self.session:
             return
-        if self.status != "released":
-            self.status = "leaving"
+        if self.status is not FellowStatus.RELEASED:
+            self.status = FellowStatus.LEAVING
         with contextlib.suppress(ClientError):
             await self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body())

@@ -18,8 +18,8 @@ from swarm_core.leader import content_coding
 from swarm_core.leader.auth import auth_middleware, load_or_create_token
 from swarm_core.leader.errors import error_middleware
 from swarm_core.leader.events import EventHub
-from swarm_core.leader.jobs import JobQueue
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
+from swarm_core.leader.queue import JobQueue
 from swarm_core.leader.registry import FellowRegistry
 from swarm_core.leader.routes import add_routes
 from swarm_core.leader.state import LeaderState

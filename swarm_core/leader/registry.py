@@ -14,6 +14,7 @@ from swarm_core.leader.errors import ApiError
 from swarm_core.protocol import (
     ByteCounters,
     FellowInfo,
+    FellowStatus,
     Heartbeat,
     LinkLimits,
     NodeInfo,
@@ -39,7 +40,7 @@ class FellowRecord:
     data_addr: str | None
     registered_at: float
     data_addrs: list[str] = attrs.field(factory=list)
-    reported_status: str = "ready"
+    reported_status: FellowStatus = FellowStatus.READY
     current_job: str | None = None
     current_stage: int | None = None
     current_step: int = 0
@@ -57,13 +58,13 @@ class FellowRecord:
     pending: list[Signal] = attrs.field(factory=list, metadata={"transient": True})
     wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, metadata={"transient": True})
 
-    def status(self, now: float, stale_after: float) -> str:
-        if self.reported_status in ("released", "leaving"):
+    def status(self, now: float, stale_after: float) -> FellowStatus:
+        if self.reported_status.left:
             return self.reported_status
         if self.last_seen is None:
-            return "offline"
+            return FellowStatus.OFFLINE
         if now - self.last_seen > stale_after:
-            return "stale"
+            return FellowStatus.STALE
         return self.reported_status
 
     def persistable(self) -> dict[str, Any]:
@@ -115,6 +116,9 @@ class FellowRegistry:
             raise ApiError(404, f"no fellow with id {fellow_id}", code="unknown_fellow")
         return rec
 
+    def find(self, fellow_id: int) -> FellowRecord | None:
+        return self._by_id.get(fellow_id)
+
     def by_session(self, session: str | None, fellow_id: int | None = None) -> FellowRecord:
         rec = self._by_session.get(session or "")
         if rec is None:
@@ -124,13 +128,13 @@ class FellowRegistry:
                                 f"not fellow {fellow_id}", code="wrong_fellow")
         return rec
 
-    def status(self, rec: FellowRecord, now: float | None = None) -> str:
+    def status(self, rec: FellowRecord, now: float | None = None) -> FellowStatus:
         return rec.status(time.monotonic() if now is None else now, self.stale_after_s)
 
     def ready(self) -> list[FellowRecord]:
         now = time.monotonic()
         return [r for r in self.all()
-                if r.assigned_job is None and self.status(r, now) == "ready"]
+                if r.assigned_job is None and self.status(r, now) is FellowStatus.READY]
 
     def info(self, rec: FellowRecord, now_mono: float | None = None) -> FellowInfo:
         now_mono = time.monotonic() if now_mono is None else now_mono
@@ -152,7 +156,7 @@ class FellowRegistry:
         for name, mbps in (("tx", rec.link.tx_mbps), ("rx", rec.link.rx_mbps)):
             if mbps is not None and mbps < THROTTLED_MBPS:
                 notes.append(f"throttled link: {name} {mbps:g} Mbit/s")
-        if rec.reported_status == "busy" and rec.step_changed is not None \
+        if rec.reported_status is FellowStatus.BUSY and rec.step_changed is not None \
                 and now_mono - rec.step_changed > STUCK_AFTER_S:
             notes.append(f"no new step for {now_mono - rec.step_changed:.0f}s "
                          f"(at step {rec.current_step})")
@@ -173,7 +177,7 @@ class FellowRegistry:
         rec = self._by_name.get(req.name)
         replaced = False
         if rec is not None:
-            live = self.status(rec, now_mono) in ("ready", "busy")
+            live = self.status(rec, now_mono).live
             if live and rec.instance_id != req.instance_id:
                 age = now_mono - (rec.last_seen or now_mono)
                 raise ApiError(
@@ -200,7 +204,7 @@ class FellowRegistry:
         rec.data_addrs = list(req.data_addrs)
         rec.registered_at = now if replaced or rec.last_heartbeat is None else rec.registered_at
         rec.session = secrets.token_urlsafe(24)
-        rec.reported_status = "ready"
+        rec.reported_status = FellowStatus.READY
         rec.last_seen = now_mono
         rec.last_heartbeat = now
         if replaced:
@@ -217,7 +221,7 @@ class FellowRegistry:
         before = self.status(rec, now_mono)
         rec_link_before = rec.link
         if hb.current_step != rec.current_step or rec.step_changed is None \
-                or hb.status != "busy":
+                or hb.status is not FellowStatus.BUSY:
             rec.step_changed = now_mono
         rec.reported_status = hb.status
         rec.current_job, rec.current_stage = hb.current_job, hb.current_stage
@@ -230,7 +234,7 @@ class FellowRegistry:
             self.dirty.add(rec.fellow_id)
         else:
             self.telemetry_dirty.add(rec.fellow_id)
-        if hb.status in ("released", "leaving"):
+        if hb.status.left:
             self._by_session.pop(rec.session, None)
         return before
 

@@ -14,6 +14,7 @@ from aiohttp import WSCloseCode, web
 
 import swarm_core
 from swarm_core import jsonio
+from swarm_core.contract import JobInfo, JobList, JobStatusUpdate, JobSubmit, ProgressList
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
@@ -23,15 +24,10 @@ from swarm_core.protocol import (
     FellowInfo,
     FellowList,
     Heartbeat,
-    JobInfo,
-    JobList,
     JobState,
-    JobStatusUpdate,
-    JobSubmit,
     LeaderInfo,
     LinkLimits,
     NodeList,
-    ProgressList,
     RegisterRequest,
     RegisterResponse,
     ReleaseRequest,
@@ -197,12 +193,12 @@ async def set_speed(request: web.Request) -> web.Response:
     st = _state(request)
     rec = st.registry.get(_int_param(request, "fellow_id"))
     req = await read_body(request, SetSpeedRequest)
-    if st.registry.status(rec) in ("released", "leaving"):
+    if st.registry.status(rec).left:
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
     limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms)
     link = unstructure(limits)
     sig = st.registry.send(rec, "SET_SPEED", None, link)
-    job_id = st.jobs.link_set(rec, link)
+    job_id = st.jobs.link_set(rec, limits)
     st.hub.publish("fellow.set_speed", {"fellow_id": rec.fellow_id, "job_id": job_id, **link})
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
                "job_id": job_id}, status=202)
@@ -213,7 +209,7 @@ async def release(request: web.Request) -> web.Response:
     req = await read_body(request, ReleaseRequest)
     if req.all:
         targets = [r for r in st.registry.all()
-                   if st.registry.status(r) not in ("released", "leaving")]
+                   if not st.registry.status(r).left]
     else:
         targets = [st.registry.get(fid) for fid in dict.fromkeys(req.fellow_ids)]
     for rec in targets:
@@ -260,7 +256,7 @@ async def get_job(request: web.Request) -> web.Response:
 async def job_progress(request: web.Request) -> web.Response:
     st = _state(request)
     after = _int_param(request, "after") if "after" in request.query else 0
-    return ok(ProgressList(records=st.jobs.progress(request.match_info["job_id"], after)))
+    return ok(ProgressList(records=st.jobs.records(request.match_info["job_id"], after)))
 
 
 async def cancel_job(request: web.Request) -> web.Response:
@@ -307,7 +303,7 @@ async def push_shard(request: web.Request) -> web.Response:
         cfg.max_upload_bytes,
         expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id},
         still_wanted=still_wanted)
-    publish(runs, job.job_id, manifest["step"], stage, rec.fellow_id, len(job.fellows))
+    publish(runs, job.job_id, manifest["step"], stage, rec.fellow_id, job.num_stages)
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 

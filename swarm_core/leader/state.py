@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 
 from swarm_core.leader.events import EventHub
-from swarm_core.leader.jobs import JobQueue
+from swarm_core.leader.queue import JobQueue
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
 

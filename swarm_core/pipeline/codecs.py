@@ -8,11 +8,15 @@ the codec's work there, so only the coded bytes cross to and from the host.
 
 from __future__ import annotations
 
+import math
+
+import attrs
 import torch
 
-from swarm_core.pipeline.wire_math import CODEC_NAMES, Codec, payload_size
+from swarm_core.pipeline.wire_math import CODEC_NAMES, Codec, WireFormat, payload_size
 
-__all__ = ["CODEC_NAMES", "Codec", "CodecError", "decode", "encode", "payload_size"]
+__all__ = ["CODEC_NAMES", "Codec", "CodecError", "WireCodec", "decode", "encode",
+           "payload_size"]
 
 _CAST = {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16}
 
@@ -115,6 +119,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+@attrs.frozen
+class WireCodec(WireFormat):
+    """A boundary's codec as one object: encode, decode, wire size, round-trip error."""
+
+    def encode(self, x: torch.Tensor) -> list[memoryview]:
+        return encode(x, self.codec, self.block)
+
+    def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
+               device: torch.device | None = None) -> torch.Tensor:
+        return decode(payload, shape, self.codec, device, self.block)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return roundtrip(x, self.codec, self.block)
+
+    def relative_error(self, x: torch.Tensor) -> float:
+        """||decode(encode(x)) - x|| / ||x||: what this codec changes in ``x`` (0 for fp32;
+        NaN for a tensor that is not finite)."""
+        if self.exact:
+            return 0.0
+        with torch.no_grad():
+            x = x.detach().float()
+            norm = float(torch.linalg.vector_norm(x))
+            if norm == 0.0 or not math.isfinite(norm):
+                return 0.0 if norm == 0.0 else math.nan
+            return float(torch.linalg.vector_norm(self.roundtrip(x) - x)) / norm
+
+
+FP32_WIRE = WireCodec()
 
 
 def roundtrip(x: torch.Tensor, codec: Codec, block: int = 0) -> torch.Tensor:

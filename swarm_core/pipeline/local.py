@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import chain_starts
 from swarm_core.data import TokenData
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.placement import split_layers
 from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
 
 __all__ = ["run_local_pipeline"]
@@ -36,8 +36,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);
     ``stage_kwargs[s]`` go to its ``run_stage``; ``shapers[s]`` shapes stage s's links (as a
     fellow's set-speed would; unshaped by default). Raises TimeoutError if a stage is still
-    running after ``timeout`` seconds."""
-    ranges = split_layers(model.n_layers, [1] * num_stages)
+    running after ``timeout`` seconds.
+
+    Each stage is a fellow of its own, and its START is built as the leader builds one."""
     devs = list(devices or ["cpu"] * num_stages)
     if len(devs) != num_stages:
         raise ValueError(f"{len(devs)} devices for {num_stages} stages")
@@ -47,11 +48,10 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     listeners = [DataListener() for _ in range(num_stages)]
     results: dict[int, Any] = {}
     stop = stop or threading.Event()
+    starts = chain_starts(model, training, [ln.addr for ln in listeners], devs)
 
     def go(s: int) -> None:
-        spec = StageSpec("job-local", "k" * 32, s, num_stages, ranges[s],
-                         listeners[s + 1].addr if s < num_stages - 1 else None, model,
-                         training, device=devs[s])
+        spec = StageSpec.from_start(starts[s])
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
@@ -79,3 +79,4 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
         stop.set()
         raise TimeoutError(f"a stage was still running after {timeout:g}s")
     return results
+

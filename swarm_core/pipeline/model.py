@@ -21,7 +21,6 @@ from torch import nn
 from swarm_core.config.schemas import Compression, ModelConfig
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.wgrad import SplitLinear
-from swarm_core.pipeline.wire_math import wire_block, wire_codec
 
 
 def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
@@ -167,15 +166,15 @@ class _WireRoundTrip(torch.autograd.Function):
     """What a boundary does to a tensor in one process: the codec forward and backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, codec: codecs.Codec,  # type: ignore[override]
-                block: int) -> torch.Tensor:
-        ctx.codec, ctx.block = codec, block
-        return codecs.roundtrip(x, codec, block)
+    def forward(ctx, x: torch.Tensor,  # type: ignore[override]
+                codec: codecs.WireCodec) -> torch.Tensor:
+        ctx.codec = codec
+        return codec.roundtrip(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, None, None]:
-        return codecs.roundtrip(grad, ctx.codec, ctx.block), None, None
+                 ) -> tuple[torch.Tensor, None]:
+        return ctx.codec.roundtrip(grad), None
 
 
 class StageModule(nn.Module):
@@ -246,7 +245,7 @@ class ExperimentModel(nn.Module):
         self.stages = nn.ModuleList(
             StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
         )
-        self.codec, self.block = wire_codec(cfg), wire_block(cfg)
+        self.codec = codecs.WireCodec.of(cfg)
 
     def forward(self, idx: torch.Tensor, step: int | None = None,
                 micro_batch: int | None = None) -> torch.Tensor:
@@ -256,8 +255,8 @@ class ExperimentModel(nn.Module):
         for i, stage in enumerate(self.stages):
             with dropout_rng(stage, step, micro_batch):
                 x = stage(x)
-            if i < len(self.stages) - 1 and self.codec is not codecs.Codec.FP32:
-                x = _WireRoundTrip.apply(x, self.codec, self.block)
+            if i < len(self.stages) - 1 and not self.codec.exact:
+                x = _WireRoundTrip.apply(x, self.codec)
         return x
 
     def flat_state_dict(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ heartbeating while the stage computes.
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import threading
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
 from swarm_core.data import TokenData
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.devices import resolve_device
@@ -43,13 +43,10 @@ from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
     NORM_PAYLOAD,
+    WireFormat,
     boundary_width,
     expected_wire_bytes,
-    payload_size,
-    wire_block,
-    wire_codec,
 )
-from swarm_core.protocol import perplexity
 
 # The activation meter hooks every tensor autograd saves, in Python: ~2 ms a micro-batch on the
 # bench model (1-2 % of a step; a quarter of a tiny model's). What a step holds is set by the
@@ -85,11 +82,17 @@ class StepReport:
     wait_seconds: float = 0.0
     # Relative L2 error the wire codec put on what this stage sent, micro-batch 0: "act"
     # (activations downstream) and "grad" (gradients upstream); 0 on an fp32 wire.
-    codec_error: dict[str, float] = attrs.field(factory=dict)
+    codec_error: CodecErrors = attrs.field(factory=CodecErrors)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def figures(self) -> StageMetrics:
+        """What the stage reports of this step."""
+        return StageMetrics(wire_tx_bytes=self.wire_tx_bytes, step_seconds=self.seconds,
+                            lr=self.lr, activation_peak_bytes=self.activation_peak_bytes,
+                            wait_seconds=self.wait_seconds, codec_error=self.codec_error)
 
     @property
     def wait_fraction(self) -> float:
@@ -121,6 +124,20 @@ class StageSpec:
         """Inputs go to the first stage and targets to the last; those between read none."""
         return self.stage in (0, self.num_stages - 1)
 
+    @classmethod
+    def from_start(cls, start: StageStart, threads: int | None = None) -> StageSpec:
+        """The stage a train START describes. ``threads``: what this fellow's machine gives a
+        stage (the job's own number is for the single-process reference)."""
+        training = start.train
+        assert training is not None and start.model is not None, "a train START"
+        if threads is not None:
+            training = attrs.evolve(training, threads=threads)
+        mine = start.mine
+        return cls(job_id=start.job_id, key=start.key, stage=start.stage,
+                   num_stages=start.num_stages, layers=mine.layers.as_tuple(),
+                   downstream_addr=start.downstream_addr, model=start.model, training=training,
+                   device=mine.device, local_up=start.local_up, local_down=start.local_down)
+
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
     """Every ACT and GRAD frame at a stage's boundaries: one micro-batch, boundary-wide."""
@@ -137,7 +154,7 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     m, t = spec.model, spec.training
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
-    limit = max(payload_size(frame_shape(spec), wire_codec(m), wire_block(m)), NORM_PAYLOAD)
+    limit = max(WireFormat.of(m).payload_size(frame_shape(spec)), NORM_PAYLOAD)
     # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
     # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
     # compute thread that has shown no progress for STUCK_AFTER frame timeouts.
@@ -242,7 +259,7 @@ class StageRunner:
         # this many the stage runs one at once (memory stays in 1F1B's class).
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
-        self.codec, self.block = wire_codec(m), wire_block(m)
+        self.codec = codecs.WireCodec.of(m)
         self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
@@ -297,7 +314,7 @@ class StageRunner:
             self.metered_steps += 1
         saving = self.meter.saving if metered else contextlib.nullcontext
         loss_sum = 0.0
-        errors: dict[str, float] = {}
+        errors = CodecErrors()
         wq = self.wgrad
         # Nothing carries over from a step that did not finish: no pending weight passes, no
         # gradients half accumulated.
@@ -328,10 +345,9 @@ class StageRunner:
                     outputs[i] = loss
                 else:
                     assert self.down is not None
-                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec,
-                                          block=self.block)
-                    if i == 0:
-                        errors["act"] = self._codec_error(out)
+                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
+                    if i == 0:  # (once per step and direction: one more quantisation in m)
+                        errors.act = self.codec.relative_error(out)
                     outputs[i] = out
                     if metered:
                         held[i] = self.meter.hold(out)
@@ -354,10 +370,9 @@ class StageRunner:
                     assert self.up is not None
                     inp = inputs.pop(i)
                     assert inp.grad is not None
-                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec,
-                                        block=self.block)
+                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
                     if i == 0:
-                        errors["grad"] = self._codec_error(inp.grad)
+                        errors.grad = self.codec.relative_error(inp.grad)
                 if wq is not None and len(wq) > self.max_deferred:
                     wq.run_batch()
         if wq is not None:
@@ -375,19 +390,6 @@ class StageRunner:
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
                           activation_peak_bytes=self.meter.peak,
                           wait_seconds=self.waited() - wait0, codec_error=errors)
-
-    def _codec_error(self, x: torch.Tensor) -> float:
-        """||decode(encode(x)) - x|| / ||x||: what the wire codec changed in ``x``. Once per
-        step and direction, so an int8 wire costs one more quantisation in m."""
-        if self.codec is codecs.Codec.FP32:
-            return 0.0
-        with torch.no_grad():
-            x = x.detach().float()
-            norm = float(torch.linalg.vector_norm(x))
-            if norm == 0.0 or not math.isfinite(norm):
-                return 0.0 if norm == 0.0 else math.nan
-            err = codecs.roundtrip(x, self.codec, self.block) - x
-            return float(torch.linalg.vector_norm(err)) / norm
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -445,11 +447,20 @@ class StageRunner:
             else:
                 assert self.down is not None
                 self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec,
-                                      flags=FLAG_EVAL, block=self.block)
+                                      flags=FLAG_EVAL)
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(timeout)
         return total / len(batches) if self.last else None
+
+
+@attrs.define
+class StageResult:
+    """What a stage's run ends with: its figures for the leader, and its losses by step (the
+    last stage's; empty elsewhere) for tests and benchmarks."""
+
+    metrics: StageMetrics
+    losses: list[float] = attrs.field(factory=list)
 
 
 def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper: LinkShaper,
@@ -461,8 +472,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               | None = None,
               start_step: int = 0,
               initial_state: dict[str, torch.Tensor] | None = None,
-              initial_optimizer: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
-    """Train all steps of one stage; returns final metrics (loss and eval on the last stage).
+              initial_optimizer: dict[str, np.ndarray] | None = None) -> StageResult:
+    """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
     after the last step, between optimiser steps, so it sees consistent weights and state.
@@ -480,67 +491,86 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
-        try:
-            if initial_state is not None:
-                runner.module.load_state_dict(initial_state, strict=True)
-            if initial_optimizer is not None:
-                load_optimizer_arrays(runner.opt, runner.module, initial_optimizer)
-        except (RuntimeError, OptimizerStateError) as exc:
-            # load_state_dict lists every missing and unexpected key: the first line says
-            # enough.
-            raise ResumeError(str(exc).strip().splitlines()[0]) from None
+        _restore(runner, initial_state, initial_optimizer)
     except BaseException:
         stop.set()
         opener.discard()
         raise
-    t = spec.training
-    reports: list[StepReport] = []
     try:
         runner.up, runner.down = opener.result()
-        t0 = time.perf_counter()
-        for step in range(start_step, t.steps):
-            rep = runner.train_step(step)
-            reports.append(rep)
-            on_step(rep)
-            every = t.shard_push_interval_steps
-            if on_checkpoint is not None and every and rep.step % every == 0 \
-                    and rep.step != t.steps:
-                on_checkpoint(rep.step, runner.module, runner.opt)
-            if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
-                ev = runner.evaluate(rep.step)
-                if ev is not None and on_eval is not None:
-                    on_eval(rep.step, ev)
-        eval_loss = runner.evaluate(t.steps)
-        wall = time.perf_counter() - t0
-        if on_checkpoint is not None:
-            on_checkpoint(t.steps, runner.module, runner.opt)
+        return _train(runner, on_step, on_eval, on_checkpoint, start_step)
     finally:
         runner.close()
+
+
+def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
+             optimizer: dict[str, np.ndarray] | None) -> None:
+    try:
+        if state is not None:
+            runner.module.load_state_dict(state, strict=True)
+        if optimizer is not None:
+            load_optimizer_arrays(runner.opt, runner.module, optimizer)
+    except (RuntimeError, OptimizerStateError) as exc:
+        # load_state_dict lists every missing and unexpected key: the first line says enough.
+        raise ResumeError(str(exc).strip().splitlines()[0]) from None
+
+
+def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
+           on_eval: Callable[[int, float], None] | None,
+           on_checkpoint: Callable[[int, StageModule, torch.optim.Optimizer], None] | None,
+           start_step: int) -> StageResult:
+    t = runner.spec.training
+    reports: list[StepReport] = []
+    t0 = time.perf_counter()
+    for step in range(start_step, t.steps):
+        rep = runner.train_step(step)
+        reports.append(rep)
+        on_step(rep)
+        every = t.shard_push_interval_steps
+        if on_checkpoint is not None and every and rep.step % every == 0 and rep.step != t.steps:
+            on_checkpoint(rep.step, runner.module, runner.opt)
+        if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
+            ev = runner.evaluate(rep.step)
+            if ev is not None and on_eval is not None:
+                on_eval(rep.step, ev)
+    eval_loss = runner.evaluate(t.steps)
+    wall = time.perf_counter() - t0
+    if on_checkpoint is not None:
+        on_checkpoint(t.steps, runner.module, runner.opt)
+    result = _summary(runner.spec, reports, wall, start_step)
+    if eval_loss is not None:
+        result.metrics.eval_loss, result.metrics.perplexity = eval_loss, perplexity(eval_loss)
+        if on_eval is not None:
+            on_eval(t.steps, eval_loss)
+    return result
+
+
+def _summary(spec: StageSpec, reports: list[StepReport], wall: float,
+             start_step: int) -> StageResult:
+    t = spec.training
     losses = [r.loss for r in reports if r.loss is not None]
     # Link waits of steps that follow a start, an eval or a shard push are partly the
     # neighbours' own pause; the run's share leaves them out (all of them: a short run).
     steady = [r for r in reports if not t.follows_a_pause(r.step, start_step)] or reports
-    metrics: dict[str, Any] = {
-        "steps": len(reports),
-        "wall_s": wall,
-        "tokens_per_s": sum(r.tokens for r in reports) / wall if wall > 0 else 0.0,
-        "wire_tx_bytes_per_step": (sum(r.wire_tx_bytes for r in reports) / len(reports)
-                                   if reports else 0.0),
-        "expected_wire_tx_bytes_per_step": expected_wire_bytes(
+
+    def mean_error(direction: str) -> float | None:
+        values = [getattr(r.codec_error, direction) for r in reports]
+        return statistics.fmean(values) if values and values[0] is not None else None
+
+    metrics = StageMetrics(
+        steps=len(reports), wall_s=wall,
+        tokens_per_s=sum(r.tokens for r in reports) / wall if wall > 0 else 0.0,
+        wire_tx_bytes_per_step=(sum(r.wire_tx_bytes for r in reports) / len(reports)
+                                if reports else 0.0),
+        expected_wire_tx_bytes_per_step=expected_wire_bytes(
             spec.model, t, spec.stage, spec.num_stages),
-        "activation_peak_bytes": max((r.activation_peak_bytes for r in reports), default=0),
-        "wait_fraction": _ratio(sum(r.wait_seconds for r in steady),
-                                sum(r.seconds for r in steady)),
-        "codec_error": {k: statistics.fmean(r.codec_error[k] for r in reports)
-                        for k in ("act", "grad") if reports and k in reports[0].codec_error},
-    }
+        activation_peak_bytes=max((r.activation_peak_bytes for r in reports), default=0),
+        wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
+                             sum(r.seconds for r in steady)),
+        codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")))
     if losses:
-        metrics.update(final_loss=losses[-1], best_loss=min(losses), losses=losses)
-    if eval_loss is not None:
-        metrics.update(eval_loss=eval_loss, perplexity=perplexity(eval_loss))
-        if on_eval is not None:
-            on_eval(t.steps, eval_loss)
-    return metrics
+        metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
+    return StageResult(metrics, losses)
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -84,6 +84,9 @@ _F64 = struct.Struct("<d")
 
 
 CLOSE_JOIN_S = 2.0  # how long close() waits for each of a link's threads to end
+# How long a flush waits for the sender to finish its frames once the link failed (see
+# PeerLink._settle_failure).
+SETTLE_S = 1.0
 
 
 class PeerLink:
@@ -128,6 +131,7 @@ class PeerLink:
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
+        self._send_failed = False  # the sender's own write failed (not only the receiver)
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
         self._receiver = threading.Thread(target=self._recv_loop, name=f"rx-{peer}",
                                           daemon=True)
@@ -136,12 +140,12 @@ class PeerLink:
 
     # sending ---------------------------------------------------------------------------------
     def send_tensor(self, kind: Kind, step: int, micro_batch: int, x: torch.Tensor,
-                    codec: codecs.Codec, flags: int = 0, block: int = 0) -> int:
-        """Queue a tensor; returns the bytes it will put on the wire (header included).
-        ``block``: int8's scale block (0: one scale per row), carried in the header."""
-        bufs = codecs.encode(x, codec, block)
-        header = make_header(kind, self.job, step, micro_batch, tuple(x.shape), int(codec),
-                             bufs, flags=flags, codec_arg=block)
+                    codec: codecs.WireCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
+        """Queue a tensor; returns the bytes it will put on the wire (header included). The
+        codec's int8 scale block goes in the header, for the receiver's decode."""
+        bufs = codec.encode(x)
+        header = make_header(kind, self.job, step, micro_batch, tuple(x.shape),
+                             int(codec.codec), bufs, flags=flags, codec_arg=codec.block)
         self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, x))
         return HEADER_SIZE + header.payload_len
 
@@ -159,7 +163,9 @@ class PeerLink:
             while self._out.unfinished_tasks:
                 if self.liveness is not None:
                     self.liveness.touch()
-                self._raise_if_failed()
+                if self._error is not None:
+                    self._settle_failure()
+                    continue
                 if self.abort.is_set():
                     raise LinkAborted("stopped while sending to the peer")
                 if self._quiet_for(start) > timeout:
@@ -169,6 +175,18 @@ class PeerLink:
         finally:
             self._owner_waiting = False
             self.waited += time.monotonic() - start
+
+    def _settle_failure(self) -> None:
+        """The link failed while frames were queued. A peer that got everything may close it
+        at once (its run is over) while our sender, descheduled on a busy machine, has yet to
+        mark its last frame written: that close is no failure of ours. So give the sender a
+        moment to finish; raise if it did not, or if its own write failed."""
+        deadline = time.monotonic() + SETTLE_S
+        while self._out.unfinished_tasks and time.monotonic() < deadline \
+                and not self._send_failed:
+            time.sleep(0.002)
+        if self._send_failed or self._out.unfinished_tasks:
+            self._raise_if_failed()
 
     def _quiet_for(self, since: float) -> float:
         return time.monotonic() - max(since, self.last_progress)
@@ -201,8 +219,10 @@ class PeerLink:
                 finally:
                     self._out.task_done()
         except OSError as exc:
+            self._send_failed = True
             self._fail(self._blame(LinkClosed(f"link to {self.peer} broke while sending: {exc}")))
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
+            self._send_failed = True
             self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
 
     def _sleep_until(self, due: float) -> bool:
@@ -349,12 +369,11 @@ class PeerLink:
                              f"{self.peer} has shape {list(header.shape)}, expected "
                              f"{list(shape)}")
         try:
-            codec = codecs.Codec(header.codec)
+            codec = codecs.WireCodec(codecs.Codec(header.codec), header.codec_arg)
         except ValueError:
             raise FrameError(f"unknown codec {header.codec}") from None
         try:
-            return header, codecs.decode(payload, header.shape, codec, device,
-                                         block=header.codec_arg)
+            return header, codec.decode(payload, header.shape, device)
         except codecs.CodecError as exc:
             raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
                              f"{self.peer}: {exc}") from None

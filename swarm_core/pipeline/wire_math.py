@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+import attrs
+
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.frames import HEADER_SIZE
 
@@ -38,14 +40,28 @@ def payload_size(shape: tuple[int, ...], codec: Codec, block: int = 0) -> int:
     return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
 
 
-def wire_codec(cfg: ModelConfig) -> Codec:
-    comp = cfg.compression_spec
-    return Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype]
+@attrs.frozen
+class WireFormat:
+    """How tensors cross a stage boundary: the codec, and int8's scale block (0: one scale per
+    row; carried in each frame's header as its codec_arg). Built once from the model's spec;
+    :class:`swarm_core.pipeline.codecs.WireCodec` adds the coding itself."""
 
+    codec: Codec = Codec.FP32
+    block: int = 0
 
-def wire_block(cfg: ModelConfig) -> int:
-    """The int8 codec's scale block at the boundaries (0: one scale per row)."""
-    return cfg.compression_spec.int8_block
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> WireFormat:
+        """What a model's compression spec and wire dtype put on its boundaries."""
+        comp = cfg.compression_spec
+        return cls(Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype], comp.int8_block)
+
+    @property
+    def exact(self) -> bool:
+        """fp32: what crosses is what was sent."""
+        return self.codec is Codec.FP32
+
+    def payload_size(self, shape: tuple[int, ...]) -> int:
+        return payload_size(shape, self.codec, self.block)
 
 
 def boundary_width(cfg: ModelConfig) -> int:
@@ -58,7 +74,7 @@ def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int
     """Bytes this stage sends in one training step (headers included)."""
     mb = training.batch_size // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
-    frame = HEADER_SIZE + payload_size(shape, wire_codec(model), wire_block(model))
+    frame = HEADER_SIZE + WireFormat.of(model).payload_size(shape)
     sent = 0
     if stage < num_stages - 1:
         sent += training.micro_batches * frame  # activations forward

@@ -28,8 +28,9 @@ from textual.worker import Worker, WorkerState
 
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment
+from swarm_core.contract import JobSubmit
 from swarm_core.experiment import Experiment, ExperimentError
-from swarm_core.protocol import JobSubmit, SetSpeedRequest
+from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.commands import SwarmCommands
 from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
 from swarm_tui.app.model import LEFT, Change, ClusterModel, describe_link

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 from rich.text import Text
 
-from swarm_tui.app.model import ClusterModel, FellowState, JobView
+from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
 from swarm_tui.commands.base import fmt_bytes as _fmt_bytes
 
 STATUS_STYLE = {
@@ -163,7 +163,7 @@ def progress_bar(done: int, total: int | None, width: int = 8) -> str:
 
 
 def _fellow_row_style(st: FellowState) -> str:
-    return STALE_ROW_STYLE if st.stale else "dim" if st.status in ("released", "leaving") else ""
+    return STALE_ROW_STYLE if st.stale else "dim" if st.status in LEFT else ""
 
 
 def fellow_age_cell(model: ClusterModel, st: FellowState) -> Cell:

@@ -21,9 +21,8 @@ from typing import Any, Protocol
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config import ModelConfig, TrainingConfig
 from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
-from swarm_core.protocol import JobSubmit
+from swarm_core.contract import JobSubmit
 from swarm_core.schema import SchemaError, clip, structure, whole_number
 
 
@@ -168,10 +167,8 @@ class ProfileSource:
             name = choice.name.strip() or str(model.get("name") or "job")
             body = {"name": name, "kind": "train", "topology": {"fellows": fellows},
                     "model": model, "training": training}
-            req = structure(body, JobSubmit)
             # What the leader checks too; catching it here makes the preview say so at once.
-            structure(req.model, ModelConfig, "$.model")
-            structure(req.training, TrainingConfig, "$.training")
+            req = structure(body, JobSubmit)
         except SchemaError as exc:
             return LaunchPlan(error=exc.message, field=exc.field)
         return LaunchPlan(runs=[req], bodies=[body],
@@ -188,14 +185,13 @@ def _int(text: str, label: str, field: str) -> int:
 
 def run_summary(req: JobSubmit) -> tuple[str, str]:
     """The run's name, and "fellows · steps · compression · dataset · schedule"."""
-    m, t = req.model, req.training
     parts = [f"{req.topology.fellows} fellows"]
-    if "steps" in t:
-        parts.append(f"{t['steps']} steps")
-    for key in ("compression", "dataset", "schedule"):
-        value = m.get(key) if key in m else t.get(key)
-        if value:
-            parts.append(str(value))
+    if req.training is not None:
+        parts.append(f"{req.training.steps} steps")
+    if req.model is not None:
+        parts.append(req.model.compression)
+    if (t := req.train) is not None:
+        parts += [t.dataset, t.schedule]
     return req.name, " · ".join(parts)
 
 

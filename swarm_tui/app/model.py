@@ -16,20 +16,24 @@ from typing import Any
 
 import attrs
 
-from swarm_core.protocol import (
-    FellowInfo,
+from swarm_core.contract import (
     JobInfo,
+    LinkChange,
+    StageMetrics,
     Topology,
     link_changes_in_all,
     step_wait_share,
 )
+from swarm_core.protocol import FellowInfo, FellowStatus
+from swarm_core.schema import SchemaError, structure
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
 MIN_RATE_WINDOW_S = 0.5
 SAME_SAMPLE_S = 0.05  # a snapshot's last_heartbeat and that heartbeat's event ts differ by less
-NOT_HEARTBEATS = ("stale", "offline")  # statuses the leader sets without hearing from a fellow
-LEFT = ("released", "leaving")  # fellows on their way out: the leader refuses them a set-speed
+# Statuses the leader sets without hearing from a fellow.
+NOT_HEARTBEATS = frozenset(s for s in FellowStatus if not s.reported)
+LEFT = frozenset(s for s in FellowStatus if s.left)  # the leader refuses them a set-speed
 TERMINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED")
 
 
@@ -220,8 +224,8 @@ class JobView:
 
     @property
     def total_steps(self) -> int | None:
-        steps = (self.info.training or {}).get("steps")
-        return steps if isinstance(steps, int) and steps > 0 else None
+        steps = self.info.training.steps if self.info.training is not None else 0
+        return steps if steps > 0 else None
 
     @property
     def terminal(self) -> bool:
@@ -242,11 +246,12 @@ class JobView:
                 fp.loss = loss
             if data.get("tokens_per_s") is not None:
                 fp.tokens_per_s = data["tokens_per_s"]
-            peak = (data.get("metrics") or {}).get("activation_peak_bytes")
+            figures = _figures(data.get("metrics"))
+            peak = figures.activation_peak_bytes
             # (a COMPLETED report carries the whole run's peak under the same name)
-            if isinstance(peak, int | float) and fp.state == "RUNNING":
-                fp.activation_bytes = int(peak)
-            wait_fraction = step_wait_share(data.get("metrics") or {})
+            if peak is not None and fp.state == "RUNNING":
+                fp.activation_bytes = peak
+            wait_fraction = step_wait_share(figures.wait_seconds, figures.step_seconds)
             if wait_fraction is not None:
                 fp.wait_fraction = wait_fraction
         self.info.last_step = max(self.info.last_step, step)
@@ -406,7 +411,7 @@ class ClusterModel:
                            state=str(data.get("state") or "PENDING"),
                            created_at=self.leader_now(), started_at=None, finished_at=None,
                            last_step=0, last_loss=None, fellows=[], topology=Topology(),
-                           reason="", model={}, training={})
+                           reason="")
             view = self.jobs[jid] = JobView(info, partial=True)
             change.job_rows = True
             self.need_refresh = True
@@ -448,17 +453,14 @@ class ClusterModel:
         return out
 
 
-def describe_link_changes(changes: list[dict[str, Any]], shown: int = 3,
-                          total: int = 0) -> str:
+def describe_link_changes(changes: list[LinkChange], shown: int = 3, total: int = 0) -> str:
     """A job's mid-run set-speeds, newest last: "link set mid-run: @12 fellow 1 tx 8 Mbit/s,
     rx unlimited; …" (the run did not keep its network profile throughout). ``total``: how
     many there were in all, where the record kept only some."""
     parts = []
     for c in changes[-shown:]:
-        lk = c.get("link") or {}
-        parts.append(f"@{c.get('at_step')} fellow {c.get('fellow_id')} "
-                     + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
-                                     lk.get("latency_ms") or 0.0))
+        parts.append(f"@{c.at_step} fellow {c.fellow_id} "
+                     + describe_link(c.link.tx_mbps, c.link.rx_mbps, c.link.latency_ms))
     total = link_changes_in_all(changes, total)
     earlier = f" (+{total - shown} earlier)" if total > shown else ""
     return "link set mid-run: " + "; ".join(parts) + earlier
@@ -470,3 +472,12 @@ def describe_link(tx: float | None, rx: float | None, latency_ms: float) -> str:
 
     lat = f", +{latency_ms:g} ms" if latency_ms else ""
     return f"tx {rate(tx)}, rx {rate(rx)}{lat}"
+
+
+def _figures(raw: Any) -> StageMetrics:
+    """A metric event's figures, as the contract reads them; none from a payload that is not
+    one (a foreign leader's)."""
+    try:
+        return structure(raw or {}, StageMetrics, strict=False)
+    except SchemaError:
+        return StageMetrics()

@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 
 from swarm_core.config.schemas import MAX_THREADS
-from swarm_core.protocol import RATE_MBPS
 from swarm_core.schema import clip, decimal_number, whole_number
+from swarm_core.validators import RATE_MBPS
 
 
 def number(cast: type[int] | type[float], lo: float, hi: float, what: str,
@@ -81,7 +81,7 @@ def job_id(text: str) -> str:
 def device_slots(text: str) -> str:
     """``cpu,cuda:0,…``: the syntax only (no torch here); whether the machine has the GPUs is
     the fellow's check."""
-    from swarm_core.protocol import DEVICE_SLOT
+    from swarm_core.validators import DEVICE_SLOT
 
     slots = [d.strip() for d in text.split(",") if d.strip()]
     if not slots:

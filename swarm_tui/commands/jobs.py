@@ -10,15 +10,16 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.protocol import (
+from swarm_core.contract import (
     JobInfo,
-    JobState,
     JobSubmit,
+    LinkChange,
+    StageMetrics,
     link_changes_in_all,
     perplexity,
-    step_wait_share,
 )
-from swarm_core.schema import SchemaError, structure
+from swarm_core.protocol import JobState
+from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.app.model import describe_link
 from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
 from swarm_tui.commands.base import (
@@ -76,59 +77,55 @@ def cmd_job(args: argparse.Namespace) -> int:
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
         for key in ("eval_loss", "perplexity", "tokens_per_s", "wire_bytes_per_step"):
-            if key in m:
-                rows.append([key.replace("_", " "), f"{m[key]:.4g}"])
+            value = getattr(m, key)
+            if value is not None:
+                rows.append([key.replace("_", " "), f"{value:.4g}"])
         if job.placement:
-            for st in job.placement["stages"]:
-                rows.append([f"stage {st['stage']}", " · ".join([
-                    f"fellow {st['fellow_id']} ({st['name']}) layers "
-                    f"{st['layers']['start']}-{st['layers']['stop']}",
-                    *_stage_figures(m.get("stages", {}).get(str(st["stage"]), {}))])])
+            for st in job.placement.stages:
+                rows.append([f"stage {st.stage}", " · ".join([
+                    f"fellow {st.fellow_id} ({st.name}) layers "
+                    f"{st.layers.start}-{st.layers.stop}",
+                    *_stage_figures(m.stage(st.stage))])])
         rows += link_change_rows(job.link_changes, job.link_changes_total)
         emit_table(None, ["what", "value"], rows)
 
     return run_with_client(args, body)
 
 
-def link_change_rows(changes: list[dict[str, Any]], total: int = 0,
+def link_change_rows(changes: list[LinkChange], total: int = 0,
                      shown: int = LINK_CHANGES_SHOWN) -> list[list[str]]:
     """``swarm job``'s rows for the set-speeds a job saw while it ran: the newest ``shown``,
     after a row that counts them all and names the first, when there were more."""
     rows = []
     total = link_changes_in_all(changes, total)
     if total > shown and changes:
-        rows.append(["link set", f"{total} times, the first @{changes[0].get('at_step')}; "
+        rows.append(["link set", f"{total} times, the first @{changes[0].at_step}; "
                                  f"the newest {shown}:"])
     for ch in changes[-shown:]:
-        lk = ch.get("link") or {}
-        rows.append([f"link set @{ch.get('at_step')}", f"fellow {ch.get('fellow_id')}: "
-                     + describe_link(lk.get("tx_mbps"), lk.get("rx_mbps"),
-                                     lk.get("latency_ms") or 0.0)])
+        lk = ch.link
+        rows.append([f"link set @{ch.at_step}", f"fellow {ch.fellow_id}: "
+                     + describe_link(lk.tx_mbps, lk.rx_mbps, lk.latency_ms)])
     return rows
 
 
-def _stage_figures(reported: dict[str, Any]) -> list[str]:
+def _stage_figures(reported: StageMetrics) -> list[str]:
     """What a stage last reported, for ``swarm job``: the run's figures once it COMPLETED,
     the last step's while it runs."""
     out = []
-    wait = reported.get("wait_fraction")
-    if wait is None:
-        wait = step_wait_share(reported)
-    if isinstance(wait, int | float):
+    wait = reported.wait_share
+    if wait is not None:
         out.append(f"link wait {wait:.0%}")
-    peak = reported.get("activation_peak_bytes")
-    if isinstance(peak, int | float):
-        out.append(f"act mem {fmt_bytes(int(peak))}")
-    errors = reported.get("codec_error")
-    if isinstance(errors, dict) and errors:
-        out.append("codec error " + ", ".join(
-            f"{k} {v:.2%}" for k, v in sorted(errors.items()) if isinstance(v, int | float)))
+    if reported.activation_peak_bytes is not None:
+        out.append(f"act mem {fmt_bytes(reported.activation_peak_bytes)}")
+    errors = unstructure(reported.codec_error) if reported.codec_error else {}
+    if errors:
+        out.append("codec error " + ", ".join(f"{k} {v:.2%}" for k, v in sorted(errors.items())))
     return out
 
 
 def smoke_job(fellows: int, steps: int, name: str = "smoke") -> JobSubmit:
     return _validated_job({"name": name, "kind": "smoke", "topology": {"fellows": fellows},
-                             "training": {"steps": steps, "step_seconds": 0.2}})
+                           "training": {"steps": steps, "step_seconds": 0.2}})
 
 
 def _load_payload(path: str) -> JobSubmit:
@@ -148,8 +145,9 @@ def _validated_job(req_data: dict[str, Any]) -> JobSubmit:
 
 def train_job(model: dict[str, Any], training: dict[str, Any], fellows: int,
               name: str) -> JobSubmit:
+    """A train job from profile dicts, checked here as the leader will check it."""
     return _validated_job({"name": name, "kind": "train", "model": model,
-                             "training": training, "topology": {"fellows": fellows}})
+                           "training": training, "topology": {"fellows": fellows}})
 
 
 def _load_json(path: str) -> Any:
@@ -233,7 +231,7 @@ def _describe(event: dict[str, Any]) -> str | None:
     kind, d = event.get("type", ""), event.get("data", {})
     if kind == "metric":
         metrics = d.get("metrics") or {}
-        if "eval_loss" in metrics and d.get("state") == "RUNNING":
+        if metrics.get("eval_loss") is not None and d.get("state") == "RUNNING":
             loss = metrics["eval_loss"]
             return f"step {d.get('step')}  eval loss {loss:.4f}  perplexity {perplexity(loss):.2f}"
         if d.get("loss") is None and d.get("state") == "RUNNING" and metrics:

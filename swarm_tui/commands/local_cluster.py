@@ -23,6 +23,7 @@ from swarm_core import jsonio
 from swarm_core.client import ClientError, SwarmClient, wait_for_leader
 from swarm_core.leader import TokenFileError, read_token
 from swarm_core.paths import atomic_write, default_state_dir, local_cluster_dir, swarm_home
+from swarm_core.protocol import FellowStatus
 from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.commands.base import (
     CommandError,
@@ -256,7 +257,7 @@ async def _wait_fellows(url: str, token: str, record: ClusterRecord, timeout_s: 
     async with SwarmClient(url, token) as client:
         while True:
             fellows = await client.fellows()
-            ready = {f.name for f in fellows if f.name in names and f.status == "ready"}
+            ready = {f.name for f in fellows if f.name in names and f.status is FellowStatus.READY}
             if ready == names:
                 return
             for entry in record.fellows:

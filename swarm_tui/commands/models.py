@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from swarm_core.protocol import perplexity
+from swarm_core.contract import perplexity
 from swarm_tui.commands.argtypes import (
     positive_int,
     sampling_seed,

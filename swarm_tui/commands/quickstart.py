@@ -11,10 +11,8 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
-from swarm_core.config.schemas import TrainingConfig
 from swarm_core.experiment import peaks_by_stage, wait_by_stage
 from swarm_core.protocol import JobState
-from swarm_core.schema import structure
 from swarm_tui.commands.argtypes import local_fellow_count, positive_int
 from swarm_tui.commands.base import ExitCode, print_line, run_async
 from swarm_tui.commands.jobs import smoke_job, train_job, watch_job
@@ -44,11 +42,11 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                 print_line(f"loss {first[1]:.4f} at step {first[0]:.0f} -> {last[1]:.4f} at "
                            f"step {last[0]:.0f}")
             m = final.metrics
-            if "eval_loss" in m:
-                print_line(f"validation loss {m['eval_loss']:.4f}, perplexity "
-                           f"{m.get('perplexity', float('nan')):.2f}, "
-                           f"{m.get('tokens_per_s', 0):.0f} tokens/s, "
-                           f"{m.get('wire_bytes_per_step', 0) / 1e6:.2f} MB on the wire per step")
+            if m.eval_loss is not None:
+                ppl = m.perplexity if m.perplexity is not None else float("nan")
+                print_line(f"validation loss {m.eval_loss:.4f}, perplexity {ppl:.2f}, "
+                           f"{m.tokens_per_s or 0:.0f} tokens/s, "
+                           f"{(m.wire_bytes_per_step or 0) / 1e6:.2f} MB on the wire per step")
             records = await c.progress(job.job_id)
             peaks = peaks_by_stage(records, len(final.fellows))
             if peaks:
@@ -56,8 +54,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                     f"stage {k} " + ("-" if n is None else f"{n / 1e6:.2f} MB")
                     for k, n in enumerate(peaks)))
             waits = None if args.smoke else wait_by_stage(
-                records, len(final.fellows), structure(final.training, TrainingConfig),
-                final.restarts)
+                records, len(final.fellows), final.train, final.restarts)
             if waits:
                 print_line("time blocked on links (neighbours, network, bubble): " + ", ".join(
                     f"stage {k} " + ("-" if w is None else f"{w:.0%}")

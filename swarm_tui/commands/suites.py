@@ -11,6 +11,7 @@ from swarm_core.benchmarks import as_experiment, load_suite, plan, summarize, wr
 from swarm_core.client import ClientError, SwarmClient
 from swarm_core.config.profiles import ConfigError
 from swarm_core.experiment import Experiment, ExperimentError, git_commit
+from swarm_core.schema import unstructure
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -96,13 +97,14 @@ def cmd_suite(args: argparse.Namespace) -> int:
                 if st.job_id:
                     job = await client.job(st.job_id)
                     write_json(st.run_dir / "job_final.json", jsonio.loads(
-                        jsonio.dumps(_plain(job))))
+                        jsonio.dumps(unstructure(job))))
                     if job.placement:
-                        write_json(st.run_dir / "placement_plan.json", job.placement)
+                        write_json(st.run_dir / "placement_plan.json",
+                                   unstructure(job.placement))
                     write_json(st.run_dir / "model_export" / "run_manifest.json", {
-                        "job_id": job.job_id, "state": job.state, "placement": job.placement,
-                        "shards": [job.latest_shard_pushes[k]
-                                   for k in sorted(job.latest_shard_pushes, key=int)],
+                        "job_id": job.job_id, "state": job.state,
+                        "placement": unstructure(job.placement),
+                        "shards": unstructure(job.shard_pushes),
                         "note": "the shards themselves are in the leader's run directory "
                                 "(runs/<job>/model_export) and on each fellow"})
             summary = summarize(suite, out, run_dirs)
@@ -121,12 +123,6 @@ def cmd_suite(args: argparse.Namespace) -> int:
             return 0 if ok else int(ExitCode.FAILURE)
 
     return run_async(main())
-
-
-def _plain(obj: object) -> object:
-    from swarm_core.schema import unstructure
-
-    return unstructure(obj)
 
 
 def _print_plan(the_plan: dict, fmt: str) -> None:

@@ -9,7 +9,7 @@ from textual.containers import Vertical
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
 
-from swarm_core.protocol import perplexity
+from swarm_core.contract import perplexity
 from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
@@ -237,8 +237,8 @@ class JobWatchScreen(SwarmScreen):
             end = info.finished_at if info.finished_at is not None else \
                 self.swarm.model.leader_now()
             text.append(f"  ran {fmt_age(end - info.started_at)}")
-        ev = (info.metrics or {}).get("eval_loss")
-        if isinstance(ev, int | float):
+        ev = info.metrics.eval_loss
+        if ev is not None:
             text.append(f"  eval {ev:.4f} (perplexity {perplexity(ev):.2f})")
         why = info.waiting_for if info.state == "PENDING" else info.reason
         if why:

@@ -1,12 +1,12 @@
 """Placement: layers to stages by weight, stages to fellows and their device slots.
 
-Torch-free: the leader plans placements when it dispatches a job.
+Torch-free: the leader plans placements when it dispatches a job, and the fellow reads its own
+entry from the START it receives. ``placement_plan.json`` is a :class:`Placement` unstructured.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -42,14 +42,32 @@ def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int
     return ranges
 
 
+@attrs.frozen
+class LayerRange:
+    """Global transformer blocks ``[start, stop)`` of one stage."""
+
+    start: int
+    stop: int
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop:
+            raise PlacementError(f"layer range {self.start}-{self.stop} is not 0 <= start <= stop")
+
+    def as_tuple(self) -> tuple[int, int]:
+        return (self.start, self.stop)
+
+
 @attrs.define
 class StagePlacement:
+    """One stage of a placed job: the fellow and device slot that run it, its layers, and the
+    address its upstream neighbour dials."""
+
     stage: int
     fellow_id: int
     name: str
     slot: int
     device: str
-    layers: tuple[int, int]  # global [start, stop)
+    layers: LayerRange
     data_addr: str | None
 
 
@@ -59,17 +77,34 @@ class Placement:
     n_layers: int
     stages: list[StagePlacement]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "num_stages": self.num_stages,
-            "n_layers": self.n_layers,
-            "stages": [
-                {"stage": s.stage, "fellow_id": s.fellow_id, "name": s.name, "slot": s.slot,
-                 "device": s.device, "layers": {"start": s.layers[0], "stop": s.layers[1]},
-                 "data_addr": s.data_addr}
-                for s in self.stages
-            ],
-        }
+    def __attrs_post_init__(self) -> None:
+        if len(self.stages) != self.num_stages or any(
+                s.stage != k for k, s in enumerate(self.stages)):
+            raise PlacementError(f"a {self.num_stages}-stage placement must list stages "
+                                 f"0..{self.num_stages - 1} in order")
+
+    @property
+    def fellows(self) -> list[int]:
+        """The fellow of each stage, by stage index (a fellow with several slots repeats)."""
+        return [s.fellow_id for s in self.stages]
+
+    def holds(self, fellow_id: int, stage: int) -> bool:
+        """Whether this fellow runs this stage (a fellow may run several)."""
+        return 0 <= stage < len(self.stages) and self.stages[stage].fellow_id == fellow_id
+
+    def stages_of(self, fellow_id: int) -> list[int]:
+        return [s.stage for s in self.stages if s.fellow_id == fellow_id]
+
+    def downstream(self, stage: int) -> StagePlacement | None:
+        return self.stages[stage + 1] if stage + 1 < len(self.stages) else None
+
+    def upstream(self, stage: int) -> StagePlacement | None:
+        return self.stages[stage - 1] if stage > 0 else None
+
+    def same_fellow(self, a: StagePlacement | None, b: StagePlacement | None) -> bool:
+        """Two stages in one fellow (another device slot): their link never leaves the
+        machine."""
+        return a is not None and b is not None and a.fellow_id == b.fellow_id
 
 
 @attrs.define
@@ -103,7 +138,8 @@ def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
                              f"the fellows offer {len(slots)}")
     ranges = split_layers(n_layers, weights)
     stages = [
-        StagePlacement(k, f.fellow_id, f.name, slot, device, ranges[k], f.addr(slot))
+        StagePlacement(k, f.fellow_id, f.name, slot, device, LayerRange(*ranges[k]),
+                       f.addr(slot))
         for k, (f, slot, device) in enumerate(slots[:num_stages])
     ]
     return Placement(num_stages, n_layers, stages)

@@ -1,0 +1,47 @@
+"""The job contract: what is submitted, what a stage is told, what comes back.
+
+Torch-free, so the leader (which runs on login nodes) plans and checks jobs with it; the
+fellow, the CLI, the console and the run artifacts all read the same classes.
+"""
+
+from swarm_core.contract.job import (
+    JobInfo,
+    JobKind,
+    JobList,
+    JobSubmit,
+    LinkChange,
+    Replacement,
+    Restart,
+    ShardReceipt,
+    SmokeTraining,
+    Topology,
+    link_changes_in_all,
+)
+from swarm_core.contract.metrics import (
+    CodecErrors,
+    JobMetrics,
+    JobStatusUpdate,
+    ProgressList,
+    ProgressRecord,
+    StageMetrics,
+    perplexity,
+    step_wait_share,
+)
+from swarm_core.contract.placement import (
+    FellowSlots,
+    LayerRange,
+    Placement,
+    PlacementError,
+    StagePlacement,
+    plan,
+    split_layers,
+)
+from swarm_core.contract.start import StageStart, chain_starts, stage_starts
+
+__all__ = [
+    "CodecErrors", "FellowSlots", "JobInfo", "JobKind", "JobList", "JobMetrics", "JobStatusUpdate",
+    "JobSubmit", "LayerRange", "LinkChange", "Placement", "PlacementError", "ProgressList",
+    "ProgressRecord", "Replacement", "Restart", "ShardReceipt", "SmokeTraining", "StageMetrics",
+    "StagePlacement", "StageStart", "Topology", "chain_starts", "link_changes_in_all",
+    "perplexity", "plan", "split_layers", "stage_starts", "step_wait_share"
+]

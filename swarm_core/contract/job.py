@@ -1,0 +1,253 @@
+"""A job as submitted and as the leader reports it.
+
+``model`` and ``training`` are typed by the job's ``kind``: a ``train`` job carries a
+:class:`ModelConfig` and a :class:`TrainingConfig`, a ``smoke`` job no model and a
+:class:`SmokeTraining`. They are structured once, where JSON comes in (the leader's submit
+route, the client's reply, a stored row), and passed as objects from there on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+from cattrs.errors import ClassValidationError
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.metrics import JobMetrics
+from swarm_core.contract.placement import Placement
+from swarm_core.protocol import LinkLimits
+from swarm_core.schema import (
+    FieldError,
+    converter,
+    lenient_converter,
+    make_dict_structure_fn,
+    override,
+)
+from swarm_core.validators import MAX_JSON_DEPTH, bounded, meta, name_field, nests_within
+
+JobKind = Literal["smoke", "train"]
+
+
+@attrs.define
+class Topology:
+    """What a job asks of the cluster: fellows, and how many of each one's device slots it
+    uses; one pipeline stage per slot, so fellows x slots_per_fellow stages."""
+
+    fellows: int = attrs.field(
+        default=1, validator=bounded(1, 1024), metadata=meta("", minimum=1, maximum=1024)
+    )
+    slots_per_fellow: int = attrs.field(
+        default=1, validator=bounded(1, 64), metadata=meta("", minimum=1, maximum=64))
+
+    @property
+    def num_stages(self) -> int:
+        return self.fellows * self.slots_per_fellow
+
+
+@attrs.define
+class SmokeTraining:
+    """A smoke job's only settings: its fellows walk ``steps`` RUNNING steps of
+    ``step_seconds`` each, then COMPLETE. The leader checks them at submit, the fellow again
+    at START (a leader of another version)."""
+
+    steps: int = attrs.field(default=5)
+    step_seconds: float = attrs.field(default=0.2)
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.steps <= 100_000:
+            raise FieldError(f"must be 1-100000, got {self.steps}", "steps")
+        if not 0 <= self.step_seconds <= 60:
+            raise FieldError(f"must be 0-60, got {self.step_seconds}", "step_seconds")
+
+
+AnyTraining = TrainingConfig | SmokeTraining
+
+
+def _kind_parts(kind: str, model: ModelConfig | None,
+                training: AnyTraining | None) -> tuple[ModelConfig | None, AnyTraining | None]:
+    """``model`` and ``training`` as a job of ``kind`` has them: the defaults where absent;
+    an error naming the field where they do not fit the kind."""
+    if kind == "smoke":
+        if model is not None:
+            raise FieldError("a smoke job takes no model", "model")
+        if training is not None and not isinstance(training, SmokeTraining):
+            raise FieldError("a smoke job's training is steps and step_seconds", "training")
+        return None, training or SmokeTraining()
+    if kind == "train":
+        if training is not None and not isinstance(training, TrainingConfig):
+            raise FieldError("a train job's training is a TrainingConfig", "training")
+        return model or ModelConfig(), training or TrainingConfig()
+    return model, training  # a job this client does not know: as it came
+
+
+@attrs.define
+class JobSubmit:
+    """Enqueue a job: the model and training config plus the requested topology (defaults for
+    what is left out)."""
+
+    name: str = attrs.field(default="job", validator=name_field, metadata=meta("", maxLength=128))
+    kind: JobKind = "train"
+    model: ModelConfig | None = attrs.field(default=None, metadata=meta(
+        "train jobs; null or {} for smoke jobs"))
+    training: TrainingConfig | SmokeTraining | None = attrs.field(default=None, metadata=meta(
+        "a TrainingConfig for train jobs, a SmokeTraining for smoke jobs"))
+    topology: Topology = attrs.field(factory=Topology)
+
+    def __attrs_post_init__(self) -> None:
+        self.model, self.training = _kind_parts(self.kind, self.model, self.training)
+
+    @property
+    def train(self) -> TrainingConfig | None:
+        """The training config of a train job; None for a smoke job."""
+        return self.training if isinstance(self.training, TrainingConfig) else None
+
+
+@attrs.define
+class Replacement:
+    """A stage handed to another fellow by a recovery."""
+
+    __renames__ = {"from_": "from"}
+
+    from_: int
+    to: int
+    lost: str
+
+
+@attrs.define
+class Restart:
+    at_step: int
+    resume_step: int
+    reason: str
+    replaced: dict[str, Replacement] = attrs.field(factory=dict)  # by stage index, as text
+    at: float = 0.0
+
+
+@attrs.define
+class LinkChange:
+    """A set-speed on one of a job's fellows while it ran: from which step its link changed."""
+
+    at_step: int
+    fellow_id: int
+    link: LinkLimits
+    at: float
+
+
+@attrs.define
+class ShardReceipt:
+    """The leader's note of a stage's newest pushed shard."""
+
+    stage: int
+    fellow_id: int
+    step: int
+    weights_sha256: str | None = None
+    weights_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    config_fingerprint: str | None = None
+    received_at: float | None = None
+
+
+@attrs.define
+class JobInfo:
+    job_id: str
+    name: str
+    kind: str
+    state: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    last_step: int
+    last_loss: float | None
+    fellows: list[int]
+    topology: Topology
+    reason: str
+    model: ModelConfig | None = None
+    training: TrainingConfig | SmokeTraining | None = None
+    waiting_for: str = ""
+    metrics: JobMetrics = attrs.field(factory=JobMetrics)
+    placement: Placement | None = None
+    loss_history: list[list[float]] = attrs.field(factory=list)  # GET /jobs/{id} only
+    latest_shard_pushes: dict[str, ShardReceipt] = attrs.field(factory=dict)
+    attempt: int = 0
+    restarts: list[Restart] = attrs.field(factory=list)
+    # Set-speeds while it ran: the first and the newest 199.
+    link_changes: list[LinkChange] = attrs.field(factory=list)
+    # How many set-speeds it saw in all: link_changes keeps the first and the newest 199.
+    link_changes_total: int = 0
+
+    @property
+    def train(self) -> TrainingConfig | None:
+        return self.training if isinstance(self.training, TrainingConfig) else None
+
+    @property
+    def shard_pushes(self) -> list[ShardReceipt]:
+        """The newest pushed shard of each stage, by stage."""
+        return [self.latest_shard_pushes[k] for k in sorted(self.latest_shard_pushes, key=int)]
+
+
+@attrs.define
+class JobList:
+    jobs: list[JobInfo]
+
+
+def link_changes_in_all(changes: list[Any], total: int | None) -> int:
+    """How many set-speeds a job saw: its count, or as many as its record holds where that is
+    more (a record from before the count was kept)."""
+    return max(total or 0, len(changes))
+
+
+# --- structuring by kind -------------------------------------------------------------------------
+
+_PART_TYPES: dict[str, dict[str, type]] = {
+    "train": {"model": ModelConfig, "training": TrainingConfig},
+    "smoke": {"model": type(None), "training": SmokeTraining},
+}
+
+
+def _as_is(value: Any, _t: Any) -> Any:
+    return value
+
+
+def register_kind_hooks(cls: type, conv: Any) -> None:
+    """Structure ``cls``'s ``model`` and ``training`` by its ``kind``, with errors that name
+    the field (``$.model.n_heads``)."""
+    base = make_dict_structure_fn(cls, conv, model=override(struct_hook=_as_is),
+                                  training=override(struct_hook=_as_is))
+
+    def hook(value: Any, _t: Any) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError("expected an object")
+        raw = {k: v for k, v in value.items() if k not in ("model", "training")}
+        obj = base(raw, cls)  # kind, topology and the rest checked first
+        types = _PART_TYPES.get(obj.kind, {})
+        parts: dict[str, Any] = {}
+        errors = []
+        # Depth first, over both: a body nested past what can be stored is refused as such.
+        deep = [p for p in ("model", "training") if not nests_within(value.get(p), MAX_JSON_DEPTH)]
+        for part in deep or ("model", "training"):
+            given = value.get(part)
+            try:
+                if part in deep:
+                    raise FieldError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+                if obj.kind == "smoke" and part == "model":
+                    if given not in (None, {}):
+                        raise FieldError("a smoke job takes no model")
+                    parts[part] = None
+                elif given is None or part not in types:
+                    parts[part] = None  # the kind's default (or a kind this client lacks)
+                else:
+                    parts[part] = conv.structure(given, types[part])
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []),
+                                 f"Structuring class {cls.__name__} @ attribute {part}"]
+                errors.append(exc)
+        if errors:
+            raise ClassValidationError(f"While structuring {cls.__name__}", errors, cls)
+        return attrs.evolve(obj, **parts)
+
+    conv.register_structure_hook(cls, hook)
+
+
+for _conv in (converter, lenient_converter):
+    register_kind_hooks(JobSubmit, _conv)
+    register_kind_hooks(JobInfo, _conv)

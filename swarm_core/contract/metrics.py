@@ -1,0 +1,208 @@
+"""What comes back from a running job: a stage's figures, the job's, one record per step.
+
+Every metric name exists here and nowhere else; fellows fill these classes, the leader merges
+them, the CLI, the console and the run artifacts read them. On the wire a figure a stage did
+not have is absent, not null (``sparse``), so the JSON reads as it always did.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import attrs
+
+from swarm_core.schema import FieldError, sparse
+from swarm_core.validators import meta, non_negative
+
+ReportedJobState = Literal["RUNNING", "COMPLETED", "FAILED"]
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) so a diverged run reads as huge rather than overflowing."""
+    return math.exp(min(loss, 50.0))
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+@sparse
+@attrs.define
+class CodecErrors:
+    """Relative L2 error the wire codec put on what a stage sent: activations downstream,
+    gradients upstream (0 on an fp32 wire; absent for a direction the stage does not send)."""
+
+    act: float | None = None
+    grad: float | None = None
+
+    def finite(self) -> CodecErrors | None:
+        """The finite figures only (a diverged step's NaN is no codec error), or None."""
+        kept = CodecErrors(_finite(self.act), _finite(self.grad))
+        return None if kept.act is None and kept.grad is None else kept
+
+
+@sparse
+@attrs.define
+class StageMetrics:
+    """Figures one stage reports: after a step, after an evaluation, and for the whole run when
+    it completes. The leader keeps the newest of each per stage (``JobMetrics.stages``)."""
+
+    # one step
+    wire_tx_bytes: int | None = None  # what this stage's links sent in the step
+    step_seconds: float | None = None
+    lr: float | None = None
+    # Peak bytes held for backward (the run's largest, once COMPLETED).
+    activation_peak_bytes: int | None = None
+    wait_seconds: float | None = None  # of step_seconds, the time blocked on its links
+    codec_error: CodecErrors | None = None
+    # an evaluation
+    eval_loss: float | None = None
+    perplexity: float | None = None
+    # the whole run (COMPLETED)
+    steps: int | None = None
+    wall_s: float | None = None
+    tokens_per_s: float | None = None
+    wire_tx_bytes_per_step: float | None = None
+    expected_wire_tx_bytes_per_step: int | None = None
+    wait_fraction: float | None = None
+    final_loss: float | None = None
+    best_loss: float | None = None
+    shard_dir: str | None = None
+    # added by the leader: who reported it
+    fellow_id: int | None = None
+
+    def merged(self, newer: StageMetrics) -> StageMetrics:
+        """These figures with ``newer``'s where it has them."""
+        return attrs.evolve(self, **{k: v for k, v in attrs.asdict(newer, recurse=False).items()
+                                     if v is not None})
+
+    @property
+    def wait_share(self) -> float | None:
+        """The share of the step it sat blocked on its links, in [0, 1]: the run's once it
+        completed, else the last step's; None without the figures."""
+        if self.wait_fraction is not None:
+            return self.wait_fraction
+        return step_wait_share(self.wait_seconds, self.step_seconds)
+
+
+def step_wait_share(wait: float | None, span: float | None) -> float | None:
+    """``wait`` seconds blocked on the links of a step of ``span`` seconds, as a share in
+    [0, 1]; None without both."""
+    if wait is None or span is None or span <= 0:
+        return None
+    return min(1.0, max(0.0, wait / span))
+
+
+# The last stage holds the loss: these of its figures are the job's.
+JOB_LEVEL = ("eval_loss", "perplexity", "final_loss", "best_loss", "tokens_per_s", "wall_s")
+
+
+@sparse
+@attrs.define
+class JobMetrics:
+    """A job's figures: each stage's newest (by stage index, as text: a JSON object), the last
+    stage's loss figures, and the bytes every stage put on the wire per step once all
+    completed."""
+
+    stages: dict[str, StageMetrics] | None = None
+    eval_loss: float | None = None
+    perplexity: float | None = None
+    final_loss: float | None = None
+    best_loss: float | None = None
+    tokens_per_s: float | None = None
+    wall_s: float | None = None
+    wire_bytes_per_step: float | None = None
+
+    def stage(self, index: int) -> StageMetrics:
+        return (self.stages or {}).get(str(index)) or StageMetrics()
+
+
+@sparse
+@attrs.define
+class ProgressRecord:
+    """One training step of a job, assembled from every stage's report: the last stage's loss,
+    tokens/s, step time and learning rate; every stage's wire bytes; per stage (keyed by its
+    index as text) its activation peak, link wait, own step time and codec error; eval loss
+    and perplexity when evaluated."""
+
+    step: int
+    wire_bytes: int = 0
+    stages_reported: list[int] = attrs.field(factory=list)
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    step_seconds: float | None = None
+    lr: float | None = None
+    activation_peak_bytes: dict[str, int] | None = None
+    wait_seconds: dict[str, float] | None = None
+    stage_seconds: dict[str, float] | None = None
+    codec_error: dict[str, CodecErrors] | None = None
+    eval_loss: float | None = None
+    perplexity: float | None = None
+    ts: float | None = None
+
+    def add_stage(self, stage: int, figures: StageMetrics) -> bool:
+        """Join one stage's step report; False if that stage was already joined."""
+        if stage in self.stages_reported:
+            return False
+        self.stages_reported.append(stage)
+        self.wire_bytes += figures.wire_tx_bytes or 0
+        key = str(stage)
+        if figures.activation_peak_bytes is not None:
+            # Per stage, since the schedule gives each stage its own share.
+            self.activation_peak_bytes = {**(self.activation_peak_bytes or {}),
+                                          key: figures.activation_peak_bytes}
+        # Each stage's own step time beside its wait: a stage's first step also waits for its
+        # neighbours to start, so the last stage's step_seconds is no denominator.
+        if _finite(figures.wait_seconds) is not None:
+            self.wait_seconds = {**(self.wait_seconds or {}), key: figures.wait_seconds}
+        if _finite(figures.step_seconds) is not None:
+            self.stage_seconds = {**(self.stage_seconds or {}), key: figures.step_seconds}
+        errors = figures.codec_error.finite() if figures.codec_error else None
+        if errors is not None:
+            self.codec_error = {**(self.codec_error or {}), key: errors}
+        return True
+
+    def add_eval(self, loss: float | None) -> None:
+        self.eval_loss = loss
+        if loss is not None:
+            self.perplexity = perplexity(loss)
+
+
+@attrs.define
+class ProgressList:
+    """One record per training step (see ProgressRecord)."""
+
+    records: list[ProgressRecord]
+
+
+@attrs.define
+class JobStatusUpdate:
+    """A fellow reports on the job it runs."""
+
+    fellow_id: int = attrs.field(validator=non_negative, metadata=meta("", minimum=0))
+    state: ReportedJobState
+    step: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
+    loss: float | None = None
+    tokens_per_s: float | None = attrs.field(default=None, validator=non_negative)
+    message: str = attrs.field(default="", metadata=meta("", maxLength=4096))
+    attempt: int = attrs.field(default=0, validator=non_negative,
+                               metadata=meta("the START's attempt; stale reports are ignored",
+                                              minimum=0))
+    stage: int | None = attrs.field(default=None, validator=non_negative,
+                                    metadata=meta("the reporting stage (a fellow may hold "
+                                                   "several)", minimum=0))
+    metrics: StageMetrics = attrs.field(
+        factory=StageMetrics,
+        metadata=meta("the stage's figures: of the step, of an evaluation, of the run"))
+    blames_stage: int | None = attrs.field(
+        default=None, validator=non_negative,
+        metadata=meta("on a FAILED report caused by the link to a neighbouring stage (it "
+                       "closed, broke or went quiet): that stage. Under resume_policy fail the "
+                       "leader then waits up to the stale timeout plus one heartbeat interval "
+                       "for a report or a fellow state that names the cause", minimum=0))
+
+    @message.validator
+    def _msg(self, _attr: attrs.Attribute, value: str) -> None:
+        if len(value) > 4096:
+            raise FieldError("must be at most 4096 characters", "message")

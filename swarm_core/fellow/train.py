@@ -1,0 +1,336 @@
+"""A train job's stage on this fellow: the stage thread and what it lends to the event loop.
+
+:class:`TrainJob` runs the stage (:func:`swarm_core.pipeline.stage.run_stage`) in a thread, so
+the fellow's loop keeps heartbeating while it computes. Its parts: a :class:`StepReporter` that
+turns the thread's step and eval callbacks into ordered reports to the leader, and a
+:class:`ShardCheckpointer` that copies the stage's state at each checkpoint, writes it to this
+fellow's disk and pushes it to the leader while training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from swarm_core.artifacts import shards
+from swarm_core.artifacts.layout import names_optimizer
+from swarm_core.artifacts.shards import ShardError
+from swarm_core.contract import JobStatusUpdate, StageMetrics, StageStart, perplexity
+from swarm_core.data import DataError, TokenData
+from swarm_core.fellow.corpus import shared_token_data
+from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
+from swarm_core.pipeline.devices import DeviceError, resolve_device
+from swarm_core.pipeline.optim import optimizer_arrays
+from swarm_core.pipeline.stage import (
+    ResumeError,
+    StageSpec,
+    StageStopped,
+    StepReport,
+    run_stage,
+)
+from swarm_core.schema import unstructure
+
+log = logging.getLogger(__name__)
+
+SNAPSHOTS_IN_FLIGHT = 2  # checkpoint copies a stage may have waiting for the shard writer
+
+
+class ShardWriteError(OSError):
+    """A checkpoint's shard could not be written to this fellow's disk."""
+
+
+class StepReporter:
+    """The stage thread's step and eval callbacks, sent to the leader one at a time and in
+    order, so it never sees step 5 after step 6."""
+
+    def __init__(self, start: StageStart, ctx: JobContext,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.start, self.ctx, self.loop = start, ctx, loop
+        self.updates: asyncio.Queue[JobStatusUpdate | None] = asyncio.Queue()
+
+    def _update(self, **kw: Any) -> JobStatusUpdate:
+        return JobStatusUpdate(fellow_id=self.ctx.fellow_id, attempt=self.start.attempt,
+                               stage=self.start.stage, **kw)
+
+    def on_step(self, rep: StepReport) -> None:  # the stage thread
+        progress = self.ctx.progress
+        progress.step = rep.step
+        if rep.loss is not None:
+            progress.loss = rep.loss
+        progress.tokens_per_s = rep.tokens_per_s
+        upd = self._update(state="RUNNING", step=rep.step, loss=rep.loss,
+                           tokens_per_s=rep.tokens_per_s, metrics=rep.figures())
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, upd)
+
+    def on_eval(self, step: int, loss: float) -> None:  # the stage thread
+        upd = self._update(state="RUNNING", step=step,
+                           metrics=StageMetrics(eval_loss=loss, perplexity=perplexity(loss)))
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, upd)
+
+    async def run(self) -> None:
+        while (upd := await self.updates.get()) is not None:
+            await self.ctx.report(upd)
+
+    def close(self) -> None:
+        self.updates.put_nowait(None)
+
+    async def completed(self, steps: int, metrics: StageMetrics) -> None:
+        await self.ctx.report(self._update(
+            state="COMPLETED", step=steps, loss=metrics.final_loss,
+            tokens_per_s=metrics.tokens_per_s, message=f"stage {self.start.stage} finished",
+            metrics=metrics))
+
+
+class ShardCheckpointer:
+    """A checkpoint costs the stage thread only a copy of its state; the writer serialises,
+    hashes and fsyncs it (seconds for a large stage) while training goes on, and the pusher
+    sends what was written. At most SNAPSHOTS_IN_FLIGHT copies wait for the writer: a stage
+    that checkpoints faster than it can write waits instead of piling them up."""
+
+    def __init__(self, start: StageStart, spec: StageSpec, ctx: JobContext, root: Path,
+                 loop: asyncio.AbstractEventLoop, stop: threading.Event) -> None:
+        self.start, self.spec, self.ctx, self.root = start, spec, ctx, root
+        self.loop, self.stop = loop, stop
+        self.data: TokenData | None = None  # set once the stage has loaded it
+        self.snapshots: asyncio.Queue[tuple[int, dict, dict] | None] = asyncio.Queue()
+        self.written: asyncio.Queue[Checkpoint | None] = asyncio.Queue()
+        self.in_flight = threading.BoundedSemaphore(SNAPSHOTS_IN_FLIGHT)
+        self.failed: list[str] = []  # why the first write failed, until one raises it
+        self.abandoned = threading.Event()  # the job ended without completing: drop the rest
+
+    def on_checkpoint(self, step: int, module: Any, opt: Any) -> None:  # the stage thread
+        while not self.in_flight.acquire(timeout=0.5):
+            if self.stop.is_set():
+                raise StageStopped()
+        if self.failed:  # a write the writer could not do fails the stage
+            self.in_flight.release()
+            raise ShardWriteError(self.failed.pop())
+        snapshot = (step, shards.state_arrays(module), optimizer_arrays(opt, module))
+        self.loop.call_soon_threadsafe(self.snapshots.put_nowait, snapshot)
+
+    def _write(self, step: int, arrays: dict, opt_arrays: dict) -> Checkpoint:  # a worker
+        try:
+            weights, optimizer = shards.npz_bytes(arrays), shards.npz_bytes(opt_arrays)
+            manifest = self._manifest(step, arrays, weights, optimizer)
+            shards.write_shard(self.root, manifest, weights, optimizer)
+            return manifest, weights, optimizer
+        except Exception as exc:
+            # Noted before the copy's slot is freed, so the stage's next checkpoint sees it.
+            # (A new exception is raised there: this one's traceback holds the writer's
+            # frames, which the stage's clean-up would clear.)
+            self.failed.append(f"cannot write the shard of step {step}: "
+                               f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.in_flight.release()
+
+    def _manifest(self, step: int, arrays: dict, weights: bytes,
+                  optimizer: bytes) -> dict[str, Any]:
+        start, spec, data = self.start, self.spec, self.data
+        assert data is not None and start.model is not None
+        mine = start.mine
+        return shards.build_manifest(
+            job_id=start.job_id, stage=start.stage, num_stages=start.num_stages,
+            fellow_id=self.ctx.fellow_id, fellow_name=self.ctx.fellow_name,
+            layers=spec.layers, step=step, model=unstructure(start.model),
+            seed=spec.training.seed, vocab_size=start.model.vocab_size or data.vocab_size,
+            tokenizer=data.tokenizer.spec(), arrays=arrays, weights=weights, slot=mine.slot,
+            device=spec.device, training=unstructure(start.training), optimizer=optimizer)
+
+    async def write_all(self) -> None:
+        while (snapshot := await self.snapshots.get()) is not None:
+            if self.failed or self.abandoned.is_set():
+                self.in_flight.release()  # dropped: the stage raises, or has ended
+                continue
+            try:
+                item = await asyncio.to_thread(self._write, *snapshot)
+            except Exception:
+                continue  # noted by _write: raised by the stage, or once it has ended
+            del snapshot
+            self.written.put_nowait(item)
+        self.written.put_nowait(None)
+
+    async def push_all(self) -> None:
+        push = self.ctx.push_shard
+        while (item := await self.written.get()) is not None:
+            if push is None or self.abandoned.is_set():
+                continue
+            try:
+                await push(self.start.job_id, self.start.stage, *item)
+            except Exception:
+                # The shard is on this fellow's disk either way: a push that fails in a way
+                # nobody foresaw must not fail a job that trained, nor stop the later pushes.
+                log.exception("%s: shard push of stage %d failed", self.start.job_id,
+                              self.start.stage)
+
+    def close(self, completed: bool) -> None:
+        if not completed:
+            self.abandoned.set()  # nobody wants the shards of a job that ended early
+        self.snapshots.put_nowait(None)
+
+    def raise_failure(self) -> None:
+        if self.failed:  # the final shard: the job did not deliver its export
+            raise ShardWriteError(self.failed.pop())
+
+
+async def run_train(start: StageStart, ctx: JobContext) -> None:
+    await TrainJob(start, ctx).run()
+
+
+class TrainJob:
+    """One stage of a train job on this fellow, from START to its COMPLETED report."""
+
+    def __init__(self, start: StageStart, ctx: JobContext) -> None:
+        self.start, self.ctx = start, ctx
+        self.spec = StageSpec.from_start(start, threads=ctx.threads)
+        self.training = self.spec.training
+        self.stop = threading.Event()
+        self.loop = asyncio.get_running_loop()
+        self.reporter = StepReporter(start, ctx, self.loop)
+        self.checkpointer = ShardCheckpointer(
+            start, self.spec, ctx, export_root(self.training.export_dir, start.job_id) / "shards",
+            self.loop, self.stop)
+        self.initial: Checkpoint | None = None
+
+    async def run(self) -> None:
+        await self._prepare()
+        self.ctx.progress.stage = self.start.stage
+        links = self.ctx.links or LinkOverrides(self.ctx.shaper)
+        if self.training.link is not None:
+            links.hold(self.training.link)
+        try:
+            result = await self._train()
+        finally:
+            if self.training.link is not None:
+                # Whatever happened, the fellow's own limits come back for the next job.
+                links.release()
+        metrics = result.metrics
+        metrics.shard_dir = str(self.checkpointer.root)
+        await self.reporter.completed(self.training.steps, metrics)
+
+    async def _prepare(self) -> None:
+        """The checks and fetches before any thread starts: the device, the checkpoint."""
+        start, spec = self.start, self.spec
+        if spec.model.tie_weights and spec.num_stages > 1 and spec.stage == 0:
+            log.warning("%s: tie_weights is off: the embedding and the LM head are on different "
+                        "stages (0 and %d)", spec.job_id, spec.num_stages - 1)
+        try:
+            # In a thread: a first touch of a GPU creates its context, which takes seconds.
+            await asyncio.to_thread(resolve_device, spec.device, spec.model.dtype)
+        except DeviceError as exc:
+            raise JobRefused(f"cannot run stage {spec.stage} on {exc}") from None
+        if start.resume_step:
+            if self.ctx.fetch_checkpoint is None:
+                raise JobRefused("cannot resume: no way to fetch checkpoints")
+            self.initial = await self.ctx.fetch_checkpoint(start.job_id, start.resume_step,
+                                                           start.stage)
+
+    async def _train(self) -> Any:
+        """The stage thread beside the reporter, writer and pusher; the final shard reaches the
+        leader before the stage says COMPLETED."""
+        side = [asyncio.create_task(self.reporter.run()),
+                asyncio.create_task(self.checkpointer.write_all()),
+                asyncio.create_task(self.checkpointer.push_all())]
+        fut = self.loop.run_in_executor(None, self._work)
+        completed = False
+        try:
+            result = await asyncio.shield(fut)
+            completed = True
+        except asyncio.CancelledError:
+            self.stop.set()
+            # Let the stage thread finish before this job counts as stopped: a thread still in
+            # accept() would otherwise take the next job's connection.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(fut), self.training.frame_timeout_s)
+            raise
+        except DataError as exc:
+            raise JobRefused(str(exc)) from None
+        finally:
+            outcomes = await self._wind_down(side, completed)
+            fut = None  # an exception from it holds this frame: no cycle back through fut
+        # Only a completed run raises its side tasks' errors: otherwise the stage's own error
+        # (a neighbour it blames, a cancellation) is what the job ends with.
+        for outcome in outcomes:
+            if isinstance(outcome, Exception):
+                raise outcome
+        self.checkpointer.raise_failure()
+        return result
+
+    async def _wind_down(self, side: list[asyncio.Task], completed: bool) -> list[Any]:
+        """Wait for the side tasks, even if one of them failed. A job that ended early waits
+        for a write under way only so long: a hung disk must not keep the fellow busy."""
+        self.checkpointer.close(completed)
+        self.reporter.close()
+        tasks = asyncio.gather(*side, return_exceptions=True)
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            return await (tasks if completed else
+                          asyncio.wait_for(tasks, self.training.frame_timeout_s))
+        return []
+
+    def _load(self) -> TokenData:
+        """In the stage's thread while its links are being opened (see run_stage)."""
+        model, training = self.spec.model, self.training
+        data = shared_token_data(training, model.seq_len, tokens=self.spec.reads_tokens)
+        self.checkpointer.data = data
+        if model.vocab_size is not None and model.vocab_size < data.vocab_size:
+            # Token ids beyond the embedding would fail the first forward with an IndexError
+            # (and the other stages with a closed link): say why instead, on every stage.
+            raise JobRefused(f"model vocab_size {model.vocab_size} is smaller than the "
+                             f"{training.tokenizer} tokenizer's {data.vocab_size} tokens")
+        return data
+
+    def _restored(self) -> tuple[Any, Any]:
+        """Weights and optimiser state of the checkpoint to resume from; (None, None) for a
+        fresh run."""
+        if self.initial is None:
+            return None, None
+        manifest, weights, optimizer = self.initial
+        step = self.start.resume_step
+        try:
+            state = shards.weights_from_checkpoint(manifest, weights)
+            # A checkpoint from before optimiser state was pushed, or a leader that kept none,
+            # resumes with fresh moments: the run continues, not exactly as it would.
+            if optimizer is None and names_optimizer(manifest):
+                log.warning("%s: no optimiser state at step %d from the leader; resuming with "
+                            "fresh moments", self.start.job_id, step)
+                return state, None
+            return state, shards.optimizer_from_checkpoint(manifest, optimizer)
+        except ShardError as exc:
+            raise JobRefused(f"cannot resume from step {step}: {exc}") from None
+
+    def _work(self) -> Any:  # the stage thread
+        state, opt_state = self._restored()
+        try:
+            return run_stage(self.spec, self._load, self.ctx.shaper, self.ctx.listener,
+                             self.stop, self.reporter.on_step, self.reporter.on_eval,
+                             connect_timeout=self.training.frame_timeout_s,
+                             on_checkpoint=self.checkpointer.on_checkpoint,
+                             start_step=self.start.resume_step, initial_state=state,
+                             initial_optimizer=opt_state)
+        except BaseException as exc:
+            # The traceback holds the stage's frames, and through them its model, optimiser
+            # and activations; the awaiting frame holds the exception: a cycle that only a
+            # full garbage collection frees, long after the next job wanted the memory.
+            traceback.clear_frames(exc.__traceback__)
+            state = opt_state = None  # this frame is still running: clear_frames skips it
+            if isinstance(exc, ResumeError):
+                raise JobRefused(f"cannot resume from step {self.start.resume_step}: "
+                                 f"{exc}") from None
+            raise
+
+
+def export_root(export_dir: str | None, job_id: str) -> Path:
+    """Where this fellow writes its shards: always under its own runs directory."""
+    from swarm_core.paths import swarm_home
+
+    runs = (swarm_home() / "runs").resolve()
+    root = (runs / (export_dir or ".") / job_id / "model_export").resolve()
+    # resolve() follows symlinks: a link planted inside runs/ cannot lead out of it.
+    if not root.is_relative_to(runs):
+        raise JobRefused(f"export_dir {export_dir!r} leads outside {runs}")
+    return root

@@ -1,0 +1,189 @@
+"""Whether the running job's fellows are still there, and what happens when one is not.
+
+A lost stage fails the job, or (``resume_policy: replace``) stops every fellow, waits out the
+heartbeat timeout to see which come back, hands the stages of those that did not to ready
+fellows outside the job and resumes from the newest checkpoint every stage pushed. A FAILED
+report that blames a neighbour's link is held (:class:`HeldFailure`) until the neighbour's
+own report or its going stale names the cause better.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from swarm_core.contract import Replacement, Restart
+from swarm_core.leader.records import HeldFailure, JobRecord, Recovering
+from swarm_core.leader.registry import FellowRecord, FellowRegistry
+from swarm_core.leader.uploads import complete_checkpoints
+from swarm_core.protocol import FellowStatus, JobState
+
+if TYPE_CHECKING:
+    from swarm_core.leader.queue import JobQueue
+
+# How a job's loss reads, by the status its fellow was found in.
+LOST_AS = {FellowStatus.STALE: "stopped heartbeating", FellowStatus.OFFLINE: "did not come back",
+           FellowStatus.RELEASED: "was released", FellowStatus.LEAVING: "left"}
+
+
+class Liveness:
+    def __init__(self, queue: JobQueue, registry: FellowRegistry,
+                 runs_dir: Path | None) -> None:
+        self.queue = queue
+        self.registry = registry
+        self.runs_dir = runs_dir
+
+    def hold_s(self) -> float:
+        # A fellow that died just now goes stale one heartbeat timeout after its last beat.
+        return self.registry.stale_after_s + self.registry.heartbeat_interval_s
+
+    def watch(self, job: JobRecord) -> None:
+        """Begin watching a running job: its fellows get a heartbeat timeout to show up (after
+        a dispatch, or a leader restart), and a held failure waits anew."""
+        job.watched_since = time.monotonic()
+        if job.held is not None:
+            job.held.until = job.watched_since + self.hold_s()
+
+    def check(self) -> None:
+        """React when a fellow of the running job stopped heartbeating or left."""
+        job = self.queue.running()
+        if job is None:
+            return
+        now = time.monotonic()
+        if job.recovering is not None:
+            if now - job.recovering.since >= self.registry.stale_after_s + 0.5:
+                self.resume(job)
+            return
+        if job.watched_since is None or now - job.watched_since >= self.registry.stale_after_s:
+            self._check_fellows(job, now)
+        # After the fellows: a fellow gone stale by now names the cause of a held failure.
+        if job.state is JobState.RUNNING and job.held is not None and now >= job.held.until:
+            self.lost(job, job.held.reason)
+
+    def _check_fellows(self, job: JobRecord, now: float) -> None:
+        for fid in dict.fromkeys(job.fellows):
+            if job.stages_done_by(fid):
+                continue
+            rec = self.registry.find(fid)
+            if rec is None:
+                self.lost(job, f"fellow {fid} vanished from the registry")
+                return
+            status = self.registry.status(rec, now)
+            if status in LOST_AS:
+                self.lost(job, f"fellow {fid} ({rec.name}) {LOST_AS[status]} at step "
+                               f"{rec.current_step}")
+                return
+
+    def blamed(self, job: JobRecord, reason: str, stage: int, blamed: int) -> None:
+        """Stage ``stage`` failed because the link to ``blamed`` closed, broke or went quiet:
+        that neighbour is the likelier cause. Its own report (a bad frame, an error) or its
+        going stale names the cause better than "closed the link", so wait for either until
+        the heartbeat timeout has passed; then the held reason stands. In a chain, the stage
+        a held report blames may itself report a link to the stage beyond: that one is nearer
+        the cause and replaces it (within the same deadline)."""
+        held = job.held
+        if held is None:
+            job.held = HeldFailure(reason, blamed, time.monotonic() + self.hold_s())
+        elif held.stage == stage:
+            job.held = HeldFailure(reason, blamed, held.until)
+        else:
+            return  # another survivor of the same failure: the first reason is kept
+        self.queue.save(job, quiet=True)
+
+    def fellow_replaced(self, rec: FellowRecord) -> None:
+        """A fellow process restarted under the same name: the job it ran lost its state."""
+        job = self.queue.find(rec.assigned_job)
+        if job is not None and job.state is JobState.RUNNING and job.recovering is None:
+            self.lost(job, f"fellow {rec.fellow_id} ({rec.name}) restarted at step "
+                           f"{rec.current_step}")
+
+    def lost(self, job: JobRecord, reason: str) -> None:
+        """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
+        train = job.spec.train
+        if train is None or job.resume_policy != "replace":
+            self.queue.finish(job, JobState.FAILED, reason)
+            return
+        if len(job.restarts) >= train.max_restarts:
+            self.queue.finish(job, JobState.FAILED,
+                              f"{reason} (after {train.max_restarts} restart(s))")
+            return
+        job.recovering = Recovering(time.monotonic(), reason)
+        self.queue.stop_fellows(job, reason)
+        job.reason = f"recovering: {reason}"
+        self.queue.save(job)
+        self.queue.event(job, "job.recovering")
+
+    def resume(self, job: JobRecord) -> None:
+        """After the heartbeat timeout: keep the fellows that are back to ready, replace the
+        others with ready fellows outside the job, restart from the latest complete
+        checkpoint."""
+        assert job.placement is not None and job.recovering is not None
+        first = job.recovering.reason
+        replaced, lost = self._replace_lost(job, first)
+        if replaced is None:
+            return
+        step = self.latest_checkpoint(job)
+        self._refresh_addresses(job)
+        reason = "; ".join(lost) if lost else "every fellow came back"
+        job.restarts.append(Restart(at_step=job.last_step, resume_step=step,
+                                    reason=f"{reason} (first report: {first})",
+                                    replaced=replaced, at=time.time()))
+        job.attempt += 1
+        job.recovering = None
+        job.done_stages = []
+        job.current = {}
+        job.last_step = step
+        job.reason = ""
+        self.queue.progress.store.delete_progress_after(job.job_id, step)
+        self.queue.files.placement(job)
+        self.queue.send_start(job, resume_step=step)
+        self.queue.save(job)
+        self.queue.event(job, "job.resumed")
+
+    def _replace_lost(self, job: JobRecord, first: str
+                      ) -> tuple[dict[str, Replacement] | None, list[str]]:
+        """Hand each stage whose fellow is not back to ready to a spare; (None, ...) when a
+        stage finds none, after failing the job."""
+        assert job.placement is not None
+        now = time.monotonic()
+        spare = [r for r in self.registry.ready() if r.fellow_id not in job.fellows]
+        replaced: dict[str, Replacement] = {}
+        lost: list[str] = []
+        for st in job.placement.stages:
+            rec = self.registry.find(st.fellow_id)
+            status = "gone" if rec is None else self.registry.status(rec, now)
+            if status is FellowStatus.READY and rec is not None and rec.assigned_job is None:
+                continue
+            what = f"fellow {st.fellow_id} ({st.name}) is {status}" + (
+                f" since step {rec.current_step}" if rec is not None else "")
+            lost.append(what)
+            if not spare:
+                job.recovering = None
+                self.queue.finish(job, JobState.FAILED,
+                                  f"{what}; no ready fellow can take stage {st.stage} "
+                                  f"(first report: {first})")
+                return None, lost
+            new = spare.pop(0)
+            replaced[str(st.stage)] = Replacement(from_=st.fellow_id, to=new.fellow_id,
+                                                  lost=what)
+            st.fellow_id, st.name, st.data_addr = new.fellow_id, new.name, new.data_addr
+            st.slot, st.device = 0, new.devices[0]
+        return replaced, lost
+
+    def _refresh_addresses(self, job: JobRecord) -> None:
+        """A fellow that re-registered may listen on new data addresses."""
+        assert job.placement is not None
+        for st in job.placement.stages:
+            rec = self.registry.find(st.fellow_id)
+            if rec is not None:
+                addrs = rec.data_addrs or [rec.data_addr]
+                st.data_addr = addrs[st.slot] if st.slot < len(addrs) else rec.data_addr
+
+    def latest_checkpoint(self, job: JobRecord) -> int:
+        """The newest step at which every stage has a pushed shard; 0 if none."""
+        if self.runs_dir is None:
+            return 0
+        steps = complete_checkpoints(self.runs_dir, job.job_id, job.num_stages)
+        return steps[0] if steps else 0
+

@@ -1,0 +1,117 @@
+"""A running job's figures: each stage's newest metrics, one record per step, the run files.
+
+Stages report independently; :class:`ProgressBook` joins their reports into the job's metrics and
+into one :class:`ProgressRecord` per step (stored in SQLite), and :class:`RunFiles` writes what
+the leader keeps of a run under its state directory (``runs/<job>/``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.contract import JobStatusUpdate, ProgressRecord, StageMetrics
+from swarm_core.contract.metrics import JOB_LEVEL
+from swarm_core.leader.records import JobRecord
+from swarm_core.leader.store import Store
+from swarm_core.paths import atomic_write
+from swarm_core.schema import lenient_converter, unstructure
+
+OPEN_STEPS = 8  # recent steps kept in memory while their stages' reports come in
+
+
+class ProgressBook:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def merge(self, job: JobRecord, stage: int, fellow_id: int, upd: JobStatusUpdate) -> None:
+        """Keep the newest of each figure the stage reports; the last stage's loss figures are
+        the job's; once a stage completes, the bytes every stage sends per step."""
+        figures = upd.metrics
+        if upd.tokens_per_s is not None:
+            figures = figures.merged(StageMetrics(tokens_per_s=upd.tokens_per_s))
+        if figures == StageMetrics():
+            return
+        m = job.metrics
+        stages = m.stages if m.stages is not None else {}
+        key = str(stage)
+        stages[key] = stages.get(key, StageMetrics(fellow_id=fellow_id)).merged(figures)
+        m.stages = stages
+        if stage == job.num_stages - 1:
+            for name in JOB_LEVEL:
+                value = getattr(upd.metrics, name)
+                if value is not None:
+                    setattr(m, name, value)
+        if upd.state == "COMPLETED" and upd.metrics.wire_tx_bytes_per_step is not None:
+            m.wire_bytes_per_step = sum(s.wire_tx_bytes_per_step or 0 for s in stages.values())
+
+    def record(self, job: JobRecord, stage: int, upd: JobStatusUpdate) -> None:
+        """Join a stage's step report into that step's record. A report for an older step (a
+        stage catching up after a leader restart) joins the stored record rather than
+        replacing it."""
+        rec = job.current.get(upd.step)
+        if rec is None:
+            stored = self.store.progress_record(job.job_id, upd.step)
+            rec = ProgressRecord(step=upd.step) if stored is None else _load(stored)
+            job.current[upd.step] = rec
+            for old in sorted(job.current)[:-OPEN_STEPS]:
+                del job.current[old]
+        figures = upd.metrics
+        if figures.eval_loss is not None:
+            rec.add_eval(figures.eval_loss)
+        if figures.wire_tx_bytes is not None:
+            if not rec.add_stage(stage, figures):
+                return
+            rec.ts = time.time()
+            if upd.loss is not None:
+                rec.loss = upd.loss
+            if stage == job.num_stages - 1:
+                rec.tokens_per_s = upd.tokens_per_s
+                rec.step_seconds = figures.step_seconds
+                rec.lr = figures.lr
+        self.store.put_progress(job.job_id, upd.step, unstructure(rec))
+
+    def records(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
+        return [_load(r) for r in self.store.progress(job_id, after)]
+
+    def loss_history(self, job: JobRecord) -> list[list[float]]:
+        return [[r["step"], r["loss"]] for r in self.store.progress(job.job_id)
+                if r.get("loss") is not None]
+
+
+def _load(row: dict[str, Any]) -> ProgressRecord:
+    return lenient_converter.structure(row, ProgressRecord)
+
+
+class RunFiles:
+    """What the leader writes of a run under ``runs/<job_id>/`` (atomically): the placement,
+    the final job record and the export's run manifest."""
+
+    def __init__(self, runs_dir: Path | None) -> None:
+        self.runs_dir = runs_dir
+
+    def write(self, job: JobRecord, name: str, data: Any) -> None:
+        if self.runs_dir is None:
+            return
+        atomic_write(self.runs_dir / job.job_id / name,
+                     jsonio.dumps(unstructure(data), pretty=True))
+
+    def placement(self, job: JobRecord) -> None:
+        self.write(job, "placement_plan.json", job.placement)
+
+    def run_manifest(self, job: JobRecord) -> dict[str, Any]:
+        pushes = [job.latest_shard_pushes[k] for k in sorted(job.latest_shard_pushes, key=int)]
+        steps = {p.step for p in pushes}
+        spec = unstructure(job.spec)
+        return {
+            "job_id": job.job_id, "name": job.spec.name, "state": job.state.value,
+            "num_stages": job.num_stages, "model": spec["model"], "training": spec["training"],
+            "placement": unstructure(job.placement),
+            "step": max(steps) if steps else None,
+            "complete": len(pushes) == job.num_stages and len(steps) == 1
+            and len({p.config_fingerprint for p in pushes}) == 1,
+            "shards": [{**unstructure(p), "dir": f"shards/stage-{p.stage}-fellow-{p.fellow_id}"}
+                       for p in pushes],
+        }

@@ -1,0 +1,326 @@
+"""The job queue and the dispatcher: one job runs at a time, oldest PENDING first.
+
+Liveness and recovery live in :mod:`swarm_core.leader.liveness`; per-step figures and the run
+files in :mod:`swarm_core.leader.progress`. This module owns a job's state changes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+from swarm_core.config.schemas import job_shape_error
+from swarm_core.contract import (
+    FellowSlots,
+    JobInfo,
+    JobStatusUpdate,
+    JobSubmit,
+    LinkChange,
+    PlacementError,
+    ProgressRecord,
+    ShardReceipt,
+    StageMetrics,
+    link_changes_in_all,
+    plan,
+    stage_starts,
+)
+from swarm_core.leader.errors import ApiError
+from swarm_core.leader.events import EventHub
+from swarm_core.leader.liveness import Liveness
+from swarm_core.leader.progress import ProgressBook, RunFiles
+from swarm_core.leader.records import JobRecord
+from swarm_core.leader.registry import FellowRecord, FellowRegistry
+from swarm_core.leader.store import Store
+from swarm_core.protocol import JobState, LinkLimits
+from swarm_core.schema import SchemaError, unstructure
+
+MAX_LINK_CHANGES = 200
+
+
+class JobQueue:
+    def __init__(self, store: Store, registry: FellowRegistry, hub: EventHub,
+                 runs_dir: Path | None = None) -> None:
+        self.store = store
+        self.registry = registry
+        self.hub = hub
+        self.progress = ProgressBook(store)
+        self.files = RunFiles(runs_dir)
+        self.liveness = Liveness(self, registry, runs_dir)
+        self._jobs: dict[str, JobRecord] = {}
+        for row in store.load_jobs():
+            job = JobRecord.from_row(row)
+            self._jobs[job.job_id] = job
+            if job.state is JobState.RUNNING:
+                # Its fellows get a heartbeat timeout to come back after a leader restart.
+                self.liveness.watch(job)
+                for fid in job.fellows:
+                    rec = self.registry.find(fid)
+                    if rec is not None:
+                        rec.assigned_job = job.job_id
+
+    # queries ----------------------------------------------------------------------------------
+    def all(self) -> list[JobRecord]:
+        return sorted(self._jobs.values(), key=lambda j: j.seq)
+
+    def get(self, job_id: str) -> JobRecord:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no job {job_id!r}", code="unknown_job")
+        return job
+
+    def find(self, job_id: str | None) -> JobRecord | None:
+        return self._jobs.get(job_id or "")
+
+    def count(self, state: JobState) -> int:
+        return sum(1 for j in self._jobs.values() if j.state is state)
+
+    def running(self) -> JobRecord | None:
+        return next((j for j in self.all() if j.state is JobState.RUNNING), None)
+
+    def info(self, job: JobRecord, with_history: bool = False) -> JobInfo:
+        spec = job.spec
+        return JobInfo(
+            job_id=job.job_id, name=spec.name, kind=spec.kind, state=job.state.value,
+            created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
+            last_step=job.last_step, last_loss=job.last_loss, fellows=job.fellows,
+            topology=spec.topology, reason=job.reason, model=spec.model,
+            training=spec.training, waiting_for=self.waiting_for(job), metrics=job.metrics,
+            placement=job.placement,
+            loss_history=self.progress.loss_history(job) if with_history else [],
+            latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
+            restarts=job.restarts, link_changes=job.link_changes,
+            link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
+        )
+
+    def waiting_for(self, job: JobRecord) -> str:
+        if job.state is not JobState.PENDING:
+            return ""
+        running = self.running()
+        if running is not None:
+            return f"job {running.job_id} is running"
+        ahead = [j for j in self.all() if j.state is JobState.PENDING and j.seq < job.seq]
+        if ahead:
+            return f"{len(ahead)} job(s) ahead in the queue"
+        ready = self.registry.ready()
+        topo = job.spec.topology
+        if topo.slots_per_fellow > 1:
+            able = sum(1 for f in ready if len(f.devices) >= topo.slots_per_fellow)
+            return (f"needs {topo.fellows} ready fellow(s) with {topo.slots_per_fellow} device "
+                    f"slots, {able} ready")
+        return f"needs {topo.fellows} ready fellow(s), {len(ready)} ready"
+
+    def records(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
+        self.get(job_id)
+        return self.progress.records(job_id, after)
+
+    def holds(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
+        """Whether this fellow runs this stage of the job (a fellow may run several)."""
+        return job.placement is not None and job.placement.holds(fellow_id, stage)
+
+    # mutations --------------------------------------------------------------------------------
+    def submit(self, spec: JobSubmit) -> JobRecord:
+        train = spec.train
+        if train is not None:
+            assert spec.model is not None
+            shape = job_shape_error(spec.model, train, spec.topology.num_stages)
+            if shape is not None:
+                raise SchemaError(shape[0], f"$.{shape[1]}")
+        seq = self.store.next_job_seq()
+        job = JobRecord(job_id=f"job-{seq:06d}", seq=seq, spec=spec, state=JobState.PENDING,
+                        created_at=time.time())
+        self.store.insert_job(seq, job.row())
+        self._jobs[job.job_id] = job
+        self.event(job, "job.submitted")
+        return job
+
+    def cancel(self, job_id: str) -> JobRecord:
+        job = self.get(job_id)
+        if job.state.terminal:
+            raise ApiError(409, f"job {job_id} is already {job.state.value}",
+                           code="job_finished")
+        self.finish(job, JobState.CANCELLED, "cancelled by request")
+        return job
+
+    def status_update(self, job_id: str, fellow: FellowRecord, upd: JobStatusUpdate) -> JobRecord:
+        job = self.get(job_id)
+        if upd.fellow_id not in job.fellows:
+            raise ApiError(409, f"fellow {upd.fellow_id} is not part of job {job_id}",
+                           code="not_in_job", field="$.fellow_id")
+        stage = job.fellows.index(upd.fellow_id) if upd.stage is None else upd.stage
+        if not self.holds(job, upd.fellow_id, stage):
+            raise ApiError(409, f"fellow {upd.fellow_id} does not hold stage {stage} of "
+                                f"{job_id}", code="not_in_job", field="$.stage")
+        if job.state is not JobState.RUNNING:
+            raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
+                           code="job_not_running")
+        if upd.attempt != job.attempt or job.recovering is not None:
+            return job  # from before a restart, or while recovering: nothing to learn
+        job.last_step = max(job.last_step, upd.step)
+        if upd.loss is not None:
+            job.last_loss = upd.loss
+        self.progress.merge(job, stage, fellow.fellow_id, upd)
+        if upd.state == "RUNNING" and upd.metrics != StageMetrics() \
+                and job.kind == "train":
+            self.progress.record(job, stage, upd)
+        self.hub.publish("metric", {
+            "job_id": job_id, "fellow_id": fellow.fellow_id, "stage": stage, "step": upd.step,
+            "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
+            "metrics": unstructure(upd.metrics),
+        })
+        if upd.state == "FAILED":
+            self._failed(job, stage, fellow, upd)
+        elif upd.state == "COMPLETED":
+            self._completed(job, stage, fellow, upd)
+        else:
+            self.save(job, quiet=True)
+        return job
+
+    def _failed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+                upd: JobStatusUpdate) -> None:
+        msg = f": {upd.message}" if upd.message else ""
+        reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
+        blamed = upd.blames_stage
+        # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway and
+        # names the fellows it lost from their status.
+        if blamed is not None and abs(blamed - stage) == 1 and blamed < job.num_stages \
+                and blamed not in job.done_stages and job.resume_policy == "fail":
+            self.liveness.blamed(job, reason, stage, blamed)
+        else:
+            self.liveness.lost(job, reason)
+
+    def _completed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+                   upd: JobStatusUpdate) -> None:
+        if stage not in job.done_stages:
+            job.done_stages.append(stage)
+        if job.stages_done_by(fellow.fellow_id):
+            fellow.assigned_job = None
+        if len(set(job.done_stages)) >= job.num_stages:
+            reason = upd.message if job.kind == "smoke" else \
+                f"all {job.num_stages} stage(s) finished at step {job.last_step}"
+            self.finish(job, JobState.COMPLETED, reason)
+        else:
+            self.save(job)
+
+    def dispatch(self) -> JobRecord | None:
+        """Start the oldest PENDING job if nothing runs and enough fellows are ready."""
+        if self.running() is not None:
+            return None
+        # Called on every fellow change: a linear scan, not a sort of the whole history.
+        pending = [j for j in self._jobs.values() if j.state is JobState.PENDING]
+        if not pending:
+            return None
+        job = min(pending, key=lambda j: j.seq)
+        topo = job.spec.topology
+        able = [f for f in self.registry.ready() if len(f.devices) >= topo.slots_per_fellow]
+        if len(able) < topo.fellows:
+            return None
+        stages = topo.num_stages
+        train = job.spec.train
+        try:
+            # Neighbouring stages share a fellow where they can: its slots fill first.
+            placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr,
+                                          list(f.data_addrs)) for f in able[:topo.fellows]],
+                             stages, job.spec.model.n_layers if job.spec.model else stages,
+                             train.stage_weights if train else None,
+                             slots_per_fellow=topo.slots_per_fellow)
+        except PlacementError as exc:
+            self.finish(job, JobState.FAILED, f"placement failed: {exc}")
+            return job
+        missing = [s.fellow_id for s in placement.stages if not s.data_addr]
+        if train is not None and missing:
+            self.finish(job, JobState.FAILED,
+                        f"fellow(s) {missing} registered without a data-plane address")
+            return job
+        job.state = JobState.RUNNING
+        job.started_at = time.time()
+        job.placement = placement
+        self.liveness.watch(job)
+        self.files.placement(job)
+        self.send_start(job, resume_step=0)
+        self.save(job)
+        self.event(job, "job.started")
+        return job
+
+    def check_liveness(self) -> None:
+        self.liveness.check()
+
+    def fellow_replaced(self, rec: FellowRecord) -> None:
+        self.liveness.fellow_replaced(rec)
+
+    def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+                     manifest: dict) -> ShardReceipt:
+        receipt = ShardReceipt(
+            stage=stage, fellow_id=fellow.fellow_id, step=manifest["step"],
+            weights_sha256=manifest.get("weights_sha256"),
+            weights_bytes=manifest.get("weights_bytes"),
+            optimizer_bytes=manifest.get("optimizer_bytes"),
+            config_fingerprint=manifest.get("config_fingerprint"),
+            received_at=manifest.get("received_at"))
+        job.latest_shard_pushes[str(stage)] = receipt
+        self.save(job, quiet=True)
+        self.hub.publish("job.shard", {"job_id": job.job_id, **unstructure(receipt)})
+        return receipt
+
+    def link_set(self, fellow: FellowRecord, link: LinkLimits) -> str | None:
+        """Note a set-speed in the running job of ``fellow``, if it runs one: the fellow applies
+        it at once, so the job's record says from which step its link changed. Returns that
+        job's id."""
+        job = self.find(fellow.assigned_job)
+        if job is None or job.state is not JobState.RUNNING:
+            return None
+        job.link_changes_total = link_changes_in_all(job.link_changes, job.link_changes_total) + 1
+        job.link_changes.append(LinkChange(at_step=job.last_step, fellow_id=fellow.fellow_id,
+                                           link=link, at=time.time()))
+        # A script setting speeds in a loop must not grow the record without end. The first
+        # change stays: it is the step from which the run left its network profile.
+        excess = len(job.link_changes) - MAX_LINK_CHANGES
+        if excess > 0:
+            del job.link_changes[1:1 + excess]
+        self.save(job, quiet=True)
+        return job.job_id
+
+    # what the liveness checks share -----------------------------------------------------------
+    def send_start(self, job: JobRecord, resume_step: int) -> None:
+        """One START per stage (a fellow with several slots gets one for each)."""
+        assert job.placement is not None
+        key = secrets.token_hex(16)  # the data plane admits only connections that present it
+        for start in stage_starts(job.job_id, job.spec, job.placement, key,
+                                  attempt=job.attempt, resume_step=resume_step):
+            fellow = self.registry.get(start.mine.fellow_id)
+            fellow.assigned_job = job.job_id
+            self.registry.send(fellow, "START", job.job_id, unstructure(start))
+
+    def stop_fellows(self, job: JobRecord, reason: str) -> None:
+        """Free the job's fellows and tell those still working on it to STOP."""
+        for fid in dict.fromkeys(job.fellows):
+            rec = self.registry.find(fid)
+            if rec is not None and rec.assigned_job == job.job_id:
+                rec.assigned_job = None
+                self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
+
+    def finish(self, job: JobRecord, state: JobState, reason: str) -> None:
+        was_running = job.state is JobState.RUNNING
+        job.state, job.reason, job.finished_at = state, reason, time.time()
+        job.held = None
+        if was_running:
+            self.stop_fellows(job, reason)
+        self.save(job)
+        if job.kind == "train" and was_running:
+            self.files.write(job, "job_final.json", self.info(job, with_history=True))
+            if job.latest_shard_pushes:
+                self.files.write(job, "model_export/run_manifest.json",
+                                 self.files.run_manifest(job))
+        self.event(job, f"job.{state.value.lower()}")
+
+    def save(self, job: JobRecord, quiet: bool = False) -> None:
+        self.store.save_job(job.row())
+        if not quiet:
+            self.event(job, "job.updated")
+
+    def event(self, job: JobRecord, kind: str) -> None:
+        self.hub.publish(kind, {
+            "job_id": job.job_id, "name": job.spec.name, "state": job.state.value,
+            "last_step": job.last_step, "last_loss": job.last_loss, "fellows": job.fellows,
+            "reason": job.reason,
+        })

@@ -1,0 +1,125 @@
+"""What the leader keeps of a job: the job as submitted, where it runs, how far it got.
+
+Stored as one JSON row per job in SQLite (``row``/``from_row``); the row keeps the submitted
+job's fields (name, kind, model, training, topology) at its top level, as rows always have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from swarm_core.contract import (
+    JobMetrics,
+    JobSubmit,
+    LinkChange,
+    Placement,
+    ProgressRecord,
+    Restart,
+    ShardReceipt,
+)
+from swarm_core.protocol import JobState
+from swarm_core.schema import lenient_converter, unstructure
+
+SPEC_FIELDS = ("name", "kind", "model", "training", "topology")
+
+
+@attrs.define
+class HeldFailure:
+    """A FAILED report that blames a neighbour's link, held until the cause shows (see
+    Liveness.blamed): the reason to use if none does, the stage it blames, and until when
+    (monotonic; a leader restart re-arms the wait, so it is not stored)."""
+
+    reason: str
+    stage: int
+    until: float = 0.0
+
+
+@attrs.define
+class Recovering:
+    """A job waiting out the heartbeat timeout to see which of its fellows are really gone."""
+
+    since: float  # monotonic
+    reason: str  # the first report of the loss
+
+
+@attrs.define(eq=False)
+class JobRecord:
+    job_id: str
+    seq: int
+    spec: JobSubmit
+    state: JobState
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    last_step: int = 0
+    last_loss: float | None = None
+    placement: Placement | None = None
+    done_stages: list[int] = attrs.field(factory=list)
+    reason: str = ""
+    metrics: JobMetrics = attrs.field(factory=JobMetrics)
+    latest_shard_pushes: dict[str, ShardReceipt] = attrs.field(factory=dict)
+    attempt: int = 0
+    restarts: list[Restart] = attrs.field(factory=list)
+    # Link limits set live on its fellows while it ran: the run's network, as it really was.
+    link_changes: list[LinkChange] = attrs.field(factory=list)
+    link_changes_total: int = 0  # all of them, also those the capped list let go
+    held: HeldFailure | None = None
+    # Leader-local, not stored: when this leader process began watching the run (restart
+    # grace), a recovery under way, and the steps being assembled from the stages' reports.
+    watched_since: float | None = None
+    recovering: Recovering | None = None
+    current: dict[int, ProgressRecord] = attrs.field(factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def resume_policy(self) -> str:
+        """What a lost stage leads to: "fail", or "replace" (recover on a spare fellow)."""
+        train = self.spec.train
+        return train.resume_policy if train is not None else "fail"
+
+    @property
+    def fellows(self) -> list[int]:
+        """The fellow of each stage once placed (a fellow with several slots repeats)."""
+        return self.placement.fellows if self.placement is not None else []
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages if self.placement is not None \
+            else self.spec.topology.num_stages
+
+    def stages_done_by(self, fellow_id: int) -> bool:
+        """Whether every stage this fellow holds has completed."""
+        return all(s in self.done_stages for s, f in enumerate(self.fellows) if f == fellow_id)
+
+    def row(self) -> dict[str, Any]:
+        out = {k: v for k, v in unstructure(self.spec).items() if k in SPEC_FIELDS}
+        for f in attrs.fields(JobRecord):
+            if f.name in _STORED:
+                out[f.name] = unstructure(getattr(self, f.name))
+        held = self.held
+        out["held_reason"], out["held_stage"] = (held.reason, held.stage) if held else ("", None)
+        return out
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> JobRecord:
+        """A stored row back as a record. Rows were checked when they came in, so their
+        validators do not run again: a rule added since must not stop a leader loading its
+        history (such rules go to ``job_shape_error``, which runs at submit only)."""
+        with attrs.validators.disabled():
+            spec = lenient_converter.structure(
+                {k: row[k] for k in SPEC_FIELDS if k in row}, JobSubmit)
+            fields = {name: lenient_converter.structure(row[name], _TYPES[name])
+                      for name in _STORED if name in row}
+        held = HeldFailure(row["held_reason"], row["held_stage"]) \
+            if row.get("held_reason") and row.get("held_stage") is not None else None
+        return cls(spec=spec, held=held, **fields)
+
+
+_TRANSIENT = ("spec", "held", "watched_since", "recovering", "current")
+_STORED = tuple(f.name for f in attrs.fields(JobRecord) if f.name not in _TRANSIENT)
+_TYPES = {f.name: f.type for f in attrs.fields(attrs.resolve_types(JobRecord))}

@@ -1,0 +1,79 @@
+"""attrs validators of API bodies and configs. Each carries the JSON Schema it enforces
+(``json_schema``), so the OpenAPI document states exactly what the leader accepts."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import attrs
+
+from swarm_core.schema import FieldError
+
+MAX_NAME = 128
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+DEVICE_SLOT = re.compile(r"cpu|cuda:[0-9]+")
+
+
+def name_field(_inst: Any, attr: attrs.Attribute, value: str) -> None:
+    if not value or len(value) > MAX_NAME or CONTROL.search(value):
+        raise FieldError(f"must be 1-{MAX_NAME} characters without control characters",
+                         attr.name)
+
+
+name_field.json_schema = {  # type: ignore[attr-defined]
+    "minLength": 1, "maxLength": MAX_NAME, "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$"}
+
+
+def non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
+    if value is not None and value < 0:
+        raise FieldError(f"must be >= 0, got {value}", attr.name)
+
+
+non_negative.json_schema = {"minimum": 0}  # type: ignore[attr-defined]
+
+
+# A link rate: 1 kbit/s (below, one 64 KiB frame outlasts any sensible timeout) to 1 Tbit/s
+# (above, no token bucket on a CPU would notice; 1e308 read back as unlimited).
+RATE_MBPS = (0.001, 1_000_000.0)
+
+
+def rate_or_none(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
+    """attrs validator of a link rate in Mbit/s (None: unlimited)."""
+    if value is not None and not RATE_MBPS[0] <= value <= RATE_MBPS[1]:
+        raise FieldError(f"must be {RATE_MBPS[0]:g}-{RATE_MBPS[1]:g} Mbit/s (or null for "
+                         f"unlimited), got {value}", attr.name)
+
+
+rate_or_none.json_schema = {  # type: ignore[attr-defined]
+    "minimum": RATE_MBPS[0], "maximum": RATE_MBPS[1]}
+
+
+def bounded(lo: float, hi: float):
+    def check(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
+        if value is not None and not lo <= value <= hi:
+            raise FieldError(f"must be between {lo:g} and {hi:g}, got {value}", attr.name)
+
+    check.json_schema = {"minimum": lo, "maximum": hi}  # type: ignore[attr-defined]
+    return check
+
+
+MAX_JSON_DEPTH = 64  # orjson writes at most 255 levels; stored jobs and signals nest a few more
+
+
+def nests_within(value: Any, depth: int) -> bool:
+    if isinstance(value, dict):
+        return depth > 0 and all(nests_within(v, depth - 1) for v in value.values())
+    if isinstance(value, list):
+        return depth > 0 and all(nests_within(v, depth - 1) for v in value)
+    return True
+
+
+def shallow(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not nests_within(value, MAX_JSON_DEPTH):
+        raise FieldError(f"nests deeper than {MAX_JSON_DEPTH} levels", attr.name)
+
+
+def meta(doc: str, **kw: Any) -> dict[str, Any]:
+    return {"doc": doc, **kw}
