@@ -1,10 +1,11 @@
 """Pipeline step time on a shaped link against the bandwidth bound (a benchmark, not a test).
 
 Two pipeline stages run in threads of this process, joined by real loopback TCP (DataListener on
-127.0.0.1, as in tests/test_pipeline_inprocess.py). Each stage's LinkShaper has its tx bucket at
-``--mbps`` (80 Mbit/s by default) and rx unlimited, so activations (stage 0 -> 1) and gradients
-(stage 1 -> 0) each get one shaped direction, like a symmetric link. Model: d_model 256, 2 layers
-(one per stage), seq 128, batch 16 in 4 micro-batches, 1f1b, one torch thread per stage.
+127.0.0.1, as in tests/unit/test_pipeline_inprocess.py). Each stage's LinkShaper has its tx
+bucket at ``--mbps`` (80 Mbit/s by default) and rx unlimited, so activations (stage 0 -> 1) and
+gradients (stage 1 -> 0) each get one shaped direction, like a symmetric link. Model: d_model
+256, 2 layers (one per stage), seq 128, batch 16 in 4 micro-batches, 1f1b, one torch thread per
+stage.
 
 * calibration: frames through one shaped PeerLink alone (no model): the rate the token bucket
   really lets through, and (full run) what its 64 KiB burst credit does on a 1 Mbit/s link;

@@ -24,6 +24,20 @@ def local_cluster_dir() -> Path:
     return swarm_home() / "local-cluster"
 
 
+def dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a directory (the nearest part of it that exists is not one, or
+    cannot be looked at); None if it is one or can be made."""
+    part = path
+    try:
+        while not part.exists() and part != part.parent:
+            part = part.parent
+        if part.exists() and not part.is_dir():
+            return f"{part} is not a directory"
+    except OSError as exc:  # (exists() raises on a directory we may not search)
+        return f"cannot look at {part}: {exc.strerror}"
+    return None
+
+
 def ensure_private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)

@@ -70,10 +70,5 @@ def nests_within(value: Any, depth: int) -> bool:
     return True
 
 
-def shallow(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
-    if not nests_within(value, MAX_JSON_DEPTH):
-        raise FieldError(f"nests deeper than {MAX_JSON_DEPTH} levels", attr.name)
-
-
 def meta(doc: str, **kw: Any) -> dict[str, Any]:
     return {"doc": doc, **kw}

@@ -7,34 +7,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import swarm_core
+from swarm_core.local_cluster import ClusterError
 from swarm_tui.commands.argtypes import local_fellow_count
-from swarm_tui.commands.base import CommandError, ExitCode, warn
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors are one line on stderr and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        warn(f"{self.prog}: {message} (see '{self.prog} --help')")
-        raise SystemExit(int(ExitCode.USAGE))
-
-
-def build_parser(prog: str = "swarm") -> argparse.ArgumentParser:
-    from swarm_tui.commands import MODULES
-
-    parser = _Parser(prog=prog, description="SilentSwarm: pipeline training over weak links.")
-    parser.add_argument("--version", action="version", version=swarm_core.__version__)
-    parser.add_argument("--leader-url", default=None,
-                        help="leader URL (default: SWARM_LEADER_URL, then the local cluster's)")
-    parser.add_argument("--token", default=None,
-                        help="bearer token (default: SWARM_TOKEN, then the local cluster's)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for module in MODULES:
-        module.register(sub)
-    return parser
+from swarm_tui.commands.base import CommandError, ExitCode, exit_code, warn
+from swarm_tui.commands.parser import Parser, build_parser
 
 
 def _global_flags_anywhere(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -67,9 +45,9 @@ def run(argv: Sequence[str], prog: str = "swarm") -> int:
         return int(ExitCode.USAGE)
     try:
         return int(args.func(args))
-    except CommandError as exc:
+    except (CommandError, ClusterError) as exc:
         warn(f"{prog}: {exc}")
-        return int(exc.code)
+        return int(exit_code(exc))
     except KeyboardInterrupt:
         warn(f"{prog}: interrupted")
         return int(ExitCode.INTERRUPTED)
@@ -102,7 +80,7 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
                 action, rest = arg.split("=", 1)[1], args[i + 1:]
             return run([*args[:i], action, *rest], "swarm-tui --cmd")
     # The interactive console. Textual is imported only here, so headless commands never load it.
-    parser = _Parser(prog="swarm-tui",
+    parser = Parser(prog="swarm-tui",
                      description="SilentSwarm console; 'swarm-tui --cmd ACTION …' runs a headless "
                                  "action instead (see 'swarm --help').")
     parser.add_argument("--version", action="version", version=swarm_core.__version__)
@@ -134,9 +112,9 @@ def main_tui(argv: Sequence[str] | None = None) -> int:
         from swarm_tui.app.main import run_console
 
         return run_console(ns)
-    except CommandError as exc:
+    except (CommandError, ClusterError) as exc:
         warn(f"swarm-tui: {exc}")
-        return int(exc.code)
+        return int(exit_code(exc))
     except KeyboardInterrupt:
         warn("swarm-tui: interrupted")
         return int(ExitCode.INTERRUPTED)

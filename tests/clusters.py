@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO, swarm_argv
+from tests.support import REPO, swarm_argv
 
 
 def run_cli(*args: str, env: dict[str, str], timeout: float = 60,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,10 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from swarm_core.leader import LeaderConfig, create_app
-
-TOKEN = "test-token-0123456789"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import AUTH, TOKEN
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +45,10 @@ def cli_env(swarm_home: Path) -> Iterator[dict[str, str]]:
     yield env
 
 
-def swarm_argv(*args: str) -> list[str]:
-    """Run the CLI as the installed entry point would, via the current interpreter."""
-    return [sys.executable, "-m", "swarm_tui.cli", *args]
+@pytest.fixture
+def auth() -> dict[str, str]:
+    """The headers that carry the test token."""
+    return dict(AUTH)
 
 
 @pytest.fixture

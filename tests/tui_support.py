@@ -22,7 +22,7 @@ from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
 from tests.clusters import free_port
-from tests.conftest import TOKEN
+from tests.support import TOKEN
 
 WAIT_S = 20.0  # generous: the CI machine may be a loaded 2-core box
 

@@ -92,9 +92,6 @@ class Placement:
         """Whether this fellow runs this stage (a fellow may run several)."""
         return 0 <= stage < len(self.stages) and self.stages[stage].fellow_id == fellow_id
 
-    def stages_of(self, fellow_id: int) -> list[int]:
-        return [s.stage for s in self.stages if s.fellow_id == fellow_id]
-
     def downstream(self, stage: int) -> StagePlacement | None:
         return self.stages[stage + 1] if stage + 1 < len(self.stages) else None
 

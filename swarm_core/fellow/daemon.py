@@ -324,64 +324,75 @@ class FellowDaemon:
                                    name=f"job-{sig.job_id}-stage-{stage}")
         self.stages[key] = (task, progress)
 
-    async def _run_job(self, start: StageStart | str, progress: Progress,
-                       attempt: int) -> None:
-        job_id = progress.job_id
-        assert job_id is not None and self.fellow_id is not None
-        stage = progress.stage
-        fellow_id = self.fellow_id
-
+    async def _report(self, job_id: str, upd: JobStatusUpdate) -> None:
+        """Report on a job. Reports wait out a leader restart (and the re-registration after
+        it), so the leader's step records have no holes; they stay in order because callers
+        await. A 409 (the job ended: cancelled, failed elsewhere) cancels the caller."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPORT_PATIENCE_S
+        backoff = 0.2
+        while True:
+            try:
+                await self.client.job_status(job_id, self.session, upd)
+                return
+            except ApiError as exc:
+                if exc.status == 409:
+                    raise asyncio.CancelledError() from None
+                if exc.status != 401 or loop.time() > deadline:
+                    log.warning("status report refused: %s", exc)
+                    return
+            except LeaderUnreachable as exc:
+                if loop.time() > deadline:
+                    log.warning("status report lost: %s", exc)
+                    return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes,
+                          optimizer: bytes | None) -> None:
+        try:
+            await self.client.push_shard(job, stage, self.session, manifest, weights, optimizer)
+        except ClientError as exc:
+            # The shard is on this fellow's disk either way; the leader's copy can lag.
+            log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+
+    async def _fetch_checkpoint(self, job: str, step: int,
+                                stage: int) -> tuple[dict, bytes, bytes | None]:
+        return await self.client.checkpoint(job, step, stage, self.session)
+
+    def _context(self, start: StageStart | str, progress: Progress) -> JobContext:
+        """What this fellow lends a stage: its id, reporting, the listener of its slot, its
+        link shaping and threads."""
+        assert progress.job_id is not None and self.fellow_id is not None
+        job_id = progress.job_id
+        slot = start.mine.slot if isinstance(start, StageStart) else 0
 
         async def report(upd: JobStatusUpdate) -> None:
-            # Reports wait out a leader restart (and the re-registration after it), so the
-            # leader's step records have no holes; they stay in order because callers await.
-            deadline = loop.time() + REPORT_PATIENCE_S
-            backoff = 0.2
-            while True:
-                try:
-                    await self.client.job_status(job_id, self.session, upd)
-                    return
-                except ApiError as exc:
-                    if exc.status == 409:  # the job ended (cancelled, failed elsewhere)
-                        raise asyncio.CancelledError() from None
-                    if exc.status != 401 or loop.time() > deadline:
-                        log.warning("status report refused: %s", exc)
-                        return
-                except LeaderUnreachable as exc:
-                    if loop.time() > deadline:
-                        log.warning("status report lost: %s", exc)
-                        return
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+            await self._report(job_id, upd)
 
-        async def push_shard(job: str, stage: int, manifest: dict, weights: bytes,
-                             optimizer: bytes | None) -> None:
-            try:
-                await self.client.push_shard(job, stage, self.session, manifest, weights,
-                                             optimizer)
-            except ClientError as exc:
-                # The shard is on this fellow's disk either way; the leader's copy can lag.
-                log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+        return JobContext(fellow_id=self.fellow_id, progress=progress, report=report,
+                          shaper=self.shaper,
+                          listener=self.listeners[slot] if slot < len(self.listeners) else None,
+                          threads=self.opts.threads, fellow_name=self.opts.name,
+                          push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
+                          links=self.links)
 
-        async def fetch_checkpoint(job: str, step: int,
-                                   stage: int) -> tuple[dict, bytes, bytes | None]:
-            return await self.client.checkpoint(job, step, stage, self.session)
+    async def _run_job(self, start: StageStart | str, progress: Progress,
+                       attempt: int) -> None:
+        ctx = self._context(start, progress)
+        job_id, stage = progress.job_id, progress.stage
 
-        slot = start.mine.slot if isinstance(start, StageStart) else 0
-        listener = self.listeners[slot] if slot < len(self.listeners) else None
-        ctx = JobContext(fellow_id=fellow_id, progress=progress, report=report,
-                         shaper=self.shaper, listener=listener, threads=self.opts.threads,
-                         fellow_name=self.opts.name, push_shard=push_shard,
-                         fetch_checkpoint=fetch_checkpoint, links=self.links)
+        def failed(message: str, blames: int | None = None) -> JobStatusUpdate:
+            return JobStatusUpdate(fellow_id=ctx.fellow_id, state="FAILED", step=progress.step,
+                                   message=message[:4000], attempt=attempt, stage=stage,
+                                   blames_stage=blames)
+
         try:
             if isinstance(start, str):
                 raise JobRefused(start)
             await run_job(start, ctx)
         except JobRefused as exc:
-            await report(JobStatusUpdate(fellow_id=fellow_id, state="FAILED",
-                                         step=progress.step, message=str(exc),
-                                         attempt=attempt, stage=stage))
+            await ctx.report(failed(str(exc)))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
@@ -393,12 +404,10 @@ class FellowDaemon:
             else:
                 log.exception("job %s crashed", job_id)
             with contextlib.suppress(ClientError, asyncio.CancelledError):
-                await report(JobStatusUpdate(
-                    fellow_id=fellow_id, state="FAILED", step=progress.step,
-                    message=f"{type(exc).__name__}: {exc}"[:4000], attempt=attempt,
-                    stage=stage, blames_stage=getattr(exc, "peer_stage", None)))
+                await ctx.report(failed(f"{type(exc).__name__}: {exc}",
+                                        getattr(exc, "peer_stage", None)))
         finally:
-            key = (job_id, stage or 0)
+            key = (job_id or "", stage or 0)
             if self.stages.get(key, (None,))[0] is asyncio.current_task():
                 del self.stages[key]
             if self.status is FellowStatus.BUSY and not self.stages:

@@ -38,6 +38,13 @@ def resolve_device(name: str, dtype: str = "float32") -> torch.device:
     return dev
 
 
+def check_slots(slots: list[str]) -> None:
+    """Every slot of a fellow-to-be, as :func:`resolve_device` sees it: refused now, not at a
+    job's START (and never trained on the CPU instead)."""
+    for d in slots:
+        resolve_device(d)
+
+
 def _cuda_bf16(dev: torch.device) -> bool:
     with torch.cuda.device(dev):
         try:

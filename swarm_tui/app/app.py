@@ -29,15 +29,16 @@ from textual.worker import Worker, WorkerState
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment
 from swarm_core.contract import JobSubmit
-from swarm_core.experiment import Experiment, ExperimentError
+from swarm_core.experiments.runner import Experiment, ExperimentError
 from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.commands import SwarmCommands
 from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
-from swarm_tui.app.model import LEFT, Change, ClusterModel, describe_link
+from swarm_tui.app.model import LEFT, Change, ClusterModel
 from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDialog
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.fmt import describe_link
 
 VIEWS = ("fellows", "jobs", "launch")
 BACKOFF_MIN_S = 0.5

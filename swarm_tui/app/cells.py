@@ -7,14 +7,21 @@ every second never make the table re-measure or jump.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
 from rich.text import Text
 
 from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
-from swarm_tui.commands.base import fmt_bytes as _fmt_bytes
+from swarm_tui.fmt import (
+    fmt_age,
+    fmt_bytes,
+    fmt_devices,
+    fmt_limit,
+    fmt_loss,
+    fmt_rate,
+    fmt_tps,
+)
 
 STATUS_STYLE = {
     "ready": "green",
@@ -80,7 +87,6 @@ FELLOW_COLUMNS: tuple[Column, ...] = (
     Column("node", "node", 10, help="host"),
     Column("dev", "slots", 8, help="device slots"),
 )
-FELLOW_COLUMN_KEYS = tuple(c.key for c in FELLOW_COLUMNS)
 SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
 
 JOB_COLUMNS: tuple[Column, ...] = (
@@ -94,61 +100,6 @@ JOB_COLUMNS: tuple[Column, ...] = (
     Column("age", "age", 5, "right", "since submitted"),
     Column("info", "why / reason", 40),
 )
-JOB_COLUMN_KEYS = tuple(c.key for c in JOB_COLUMNS)
-
-
-# --- number formats ------------------------------------------------------------------------------
-
-
-def fmt_age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 100:
-        return f"{s}s"
-    if s < 6000:
-        return f"{s // 60}m"
-    if s < 360000:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"
-
-
-def fmt_bytes(n: int | None) -> str:
-    return _fmt_bytes(n, compact=True)
-
-
-def fmt_mbps(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if v < 10:
-        return f"{v:.2f}"
-    if v < 1000:
-        return f"{v:.1f}"
-    return f"{v:.0f}"
-
-
-def fmt_limit(v: float | None) -> str:
-    return "∞" if v is None else f"{v:g}"
-
-
-def fmt_loss(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
-
-
-def fmt_tps(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.0f}" if v < 10_000 else f"{v / 1000:.0f}k"
-
-
-def fmt_devices(devices: list[str]) -> str:
-    if not devices:
-        return "-"
-    if all(d.startswith("cuda:") for d in devices):
-        return "cuda:" + ",".join(d[5:] for d in devices)
-    if len(set(devices)) == 1:
-        return devices[0] if len(devices) == 1 else f"{len(devices)}x{devices[0]}"
-    return ",".join(devices)
 
 
 def progress_bar(done: int, total: int | None, width: int = 8) -> str:
@@ -185,6 +136,7 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         return cell(text, value, justify="right")
 
     job = "-" if st.job_id is None else st.job_id + ("" if st.stage is None else f"/{st.stage}")
+    tx_bytes, rx_bytes = st.counters.get("data_tx"), st.counters.get("data_rx")
     tx_rate = st.tx_mbps if live else None
     rx_rate = st.rx_mbps if live else None
     return {
@@ -200,14 +152,14 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         "loss": num(fmt_loss(st.loss), st.loss),
         "tps": num(fmt_tps(st.tokens_per_s) if st.job_id else "-",
                    st.tokens_per_s if st.job_id else None),
-        "tx_rate": num(fmt_mbps(tx_rate), tx_rate),
-        "rx_rate": num(fmt_mbps(rx_rate), rx_rate),
+        "tx_rate": num(fmt_rate(tx_rate), tx_rate),
+        "rx_rate": num(fmt_rate(rx_rate), rx_rate),
         "tx_lim": num(fmt_limit(st.tx_limit), st.tx_limit if st.tx_limit is not None
                       else float("inf")),
         "rx_lim": num(fmt_limit(st.rx_limit), st.rx_limit if st.rx_limit is not None
                       else float("inf")),
-        "tx_bytes": num(fmt_bytes(st.counters.get("data_tx")), st.counters.get("data_tx")),
-        "rx_bytes": num(fmt_bytes(st.counters.get("data_rx")), st.counters.get("data_rx")),
+        "tx_bytes": num(fmt_bytes(tx_bytes, compact=True), tx_bytes),
+        "rx_bytes": num(fmt_bytes(rx_bytes, compact=True), rx_bytes),
         "node": cell(st.host or "-", st.host),
         "dev": Cell(fmt_devices(st.devices), len(st.devices), key=fid, style=row_style,
                     export=",".join(st.devices)),
@@ -262,9 +214,6 @@ def job_haystack(view: JobView) -> str:
     return " ".join([info.job_id, info.name, info.kind, info.state, info.reason])
 
 
-CellsFn = Callable[..., dict[str, Cell]]
-
-
 WATCH_COLUMNS: tuple[Column, ...] = (
     Column("id", "fellow", 6, "right"),
     Column("name", "name", 10),
@@ -316,9 +265,9 @@ def watch_cells(model: ClusterModel, view: JobView, stage: int) -> dict[str, Cel
         "step": cell("-" if step is None else str(step), step, justify="right"),
         "loss": cell(fmt_loss(loss), loss, justify="right"),
         "tps": cell(fmt_tps(tps), tps, justify="right"),
-        "act": cell(fmt_bytes(act), act, justify="right"),
+        "act": cell(fmt_bytes(act, compact=True), act, justify="right"),
         "wait": cell("-" if wait is None else f"{wait:.0%}", wait, justify="right"),
-        "tx_rate": cell(fmt_mbps(tx), tx, justify="right"),
-        "rx_rate": cell(fmt_mbps(rx), rx, justify="right"),
+        "tx_rate": cell(fmt_rate(tx), tx, justify="right"),
+        "rx_rate": cell(fmt_rate(rx), rx, justify="right"),
         "hb": cell(fmt_age(age), age, justify="right"),
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from swarm_core.protocol import SetSpeedRequest
-from swarm_core.schema import FieldError, clip, decimal_number
+from swarm_core.schema import FieldError
+from swarm_tui.typed import clip, decimal_number
 
 SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
 

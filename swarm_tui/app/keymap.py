@@ -31,7 +31,7 @@ from textual.keys import (  # Textual is pinned exactly (pyproject)
 )
 
 from swarm_core import jsonio
-from swarm_core.schema import clip
+from swarm_tui.typed import clip
 
 
 class KeymapError(ValueError):

@@ -6,7 +6,7 @@ source asks for, previews its plan and launches it; it knows nothing else about 
 
 * :class:`ExperimentSource`: an experiment config (``exp/configs/*.json``) expanded by
   ``load_experiment`` into its sweep's runs; launched through the same
-  :class:`~swarm_core.experiment.Experiment` runner as ``swarm sweep`` (preflight, run
+  :class:`~swarm_core.experiments.runner.Experiment` runner as ``swarm sweep`` (preflight, run
   artifacts under the profile's ``runs_dir``).
 * :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
   training profile (``exp/configs/training/*.json``) and a fellow count.
@@ -23,7 +23,8 @@ import attrs
 from swarm_core import jsonio
 from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
 from swarm_core.contract import JobSubmit
-from swarm_core.schema import SchemaError, clip, structure, whole_number
+from swarm_core.schema import SchemaError, structure
+from swarm_tui.typed import clip, whole_number
 
 
 @attrs.define

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 from swarm_core.client import SwarmClient
+from swarm_core.local_cluster import ClusterError
 from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader, warn
 
 
@@ -24,7 +25,7 @@ def run_console(args: argparse.Namespace) -> int:
     stop = None
     note = ""
     if args.local is not None:
-        from swarm_tui.commands.local_cluster import (
+        from swarm_core.local_cluster import (
             ClusterSpec,
             start_cluster,
             stop_cluster,
@@ -56,7 +57,7 @@ def run_console(args: argparse.Namespace) -> int:
             _say("swarm-tui: stopping the local cluster…")
             try:
                 stop()
-            except (OSError, CommandError) as exc:  # pragma: no cover - best effort
+            except (OSError, ClusterError) as exc:  # pragma: no cover - best effort
                 _say(f"swarm-tui: could not stop the local cluster: {exc}")
 
 

@@ -18,14 +18,13 @@ import attrs
 
 from swarm_core.contract import (
     JobInfo,
-    LinkChange,
     StageMetrics,
     Topology,
-    link_changes_in_all,
     step_wait_share,
 )
 from swarm_core.protocol import FellowInfo, FellowStatus
 from swarm_core.schema import SchemaError, structure
+from swarm_tui.fmt import describe_link
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
@@ -451,27 +450,6 @@ class ClusterModel:
         for view in self.jobs.values():
             out[view.info.state] = out.get(view.info.state, 0) + 1
         return out
-
-
-def describe_link_changes(changes: list[LinkChange], shown: int = 3, total: int = 0) -> str:
-    """A job's mid-run set-speeds, newest last: "link set mid-run: @12 fellow 1 tx 8 Mbit/s,
-    rx unlimited; …" (the run did not keep its network profile throughout). ``total``: how
-    many there were in all, where the record kept only some."""
-    parts = []
-    for c in changes[-shown:]:
-        parts.append(f"@{c.at_step} fellow {c.fellow_id} "
-                     + describe_link(c.link.tx_mbps, c.link.rx_mbps, c.link.latency_ms))
-    total = link_changes_in_all(changes, total)
-    earlier = f" (+{total - shown} earlier)" if total > shown else ""
-    return "link set mid-run: " + "; ".join(parts) + earlier
-
-
-def describe_link(tx: float | None, rx: float | None, latency_ms: float) -> str:
-    def rate(v: float | None) -> str:
-        return "unlimited" if v is None else f"{v:g} Mbit/s"
-
-    lat = f", +{latency_ms:g} ms" if latency_ms else ""
-    return f"tx {rate(tx)}, rx {rate(rx)}{lat}"
 
 
 def _figures(raw: Any) -> StageMetrics:

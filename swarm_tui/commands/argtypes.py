@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 
 from swarm_core.config.schemas import MAX_THREADS
-from swarm_core.schema import clip, decimal_number, whole_number
 from swarm_core.validators import RATE_MBPS
+from swarm_tui.typed import clip, decimal_number, whole_number
 
 
 def number(cast: type[int] | type[float], lo: float, hi: float, what: str,

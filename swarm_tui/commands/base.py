@@ -17,6 +17,8 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient, check_leader_url
+from swarm_core.local_cluster import ClusterError, read_record, token_for
+from swarm_core.paths import dir_problem
 from swarm_core.schema import unstructure
 
 
@@ -88,15 +90,13 @@ def warn(text: str) -> None:
 def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
     """URL: --leader-url, SWARM_LEADER_URL, the local cluster. Token: --token, SWARM_TOKEN, the
     local cluster's token file when the URL is the local cluster's."""
-    from swarm_tui.commands.local_cluster import read_record, token_for
-
     for flag in ("leader_url", "token"):  # given but empty: a script's unset variable
         if getattr(args, flag, None) == "":
             raise CommandError(f"--{flag.replace('_', '-')} is empty", ExitCode.USAGE)
     url = getattr(args, "leader_url", None) or os.environ.get("SWARM_LEADER_URL")
     try:
         record = read_record()
-    except CommandError:
+    except ClusterError:
         if not url:
             raise
         record = None  # (a leader named outright does not need it)
@@ -115,6 +115,14 @@ def resolve_leader(args: argparse.Namespace) -> tuple[str, str | None]:
     if not token and record is not None and record.leader_url.rstrip("/") == url.rstrip("/"):
         token = token_for(record)
     return url, token
+
+
+def exit_code(exc: CommandError | ClusterError) -> ExitCode:
+    """What a failed action exits with."""
+    if isinstance(exc, CommandError):
+        return exc.code
+    return ExitCode.USAGE if exc.usage else \
+        ExitCode.UNREACHABLE if exc.unreachable else ExitCode.FAILURE
 
 
 def run_with_client(args: argparse.Namespace,
@@ -138,42 +146,12 @@ def run_async(coro: Awaitable[int | None]) -> int:
     return int(ExitCode.OK if result is None else result)
 
 
-def fmt_bytes(n: int | None, compact: bool = False) -> str:
-    """``1.5 MiB``; ``compact`` (table cells): ``1.5M``, at most five characters."""
-    if n is None:
-        return "-"
-    value = float(n)
-    units = ("B", "K", "M", "G", "T") if compact else ("B", "KiB", "MiB", "GiB", "TiB")
-    # Compact cells switch unit at 1000 so "1023.5K" never needs six characters.
-    limit = 1000 if compact else 1024
-    sep = "" if compact else " "
-    for unit in units:
-        if value < limit or unit == units[-1]:
-            return f"{value:.0f}{sep}{unit}" if unit == "B" else f"{value:.1f}{sep}{unit}"
-        value /= 1024
-    return str(n)
-
-
-def fmt_mbps(v: float | None) -> str:
-    return "unlimited" if v is None else f"{v:g}"
-
-
-def fmt_loss(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4f}"
-
-
 def check_dir(path: Path, what: str) -> None:
     """``path`` must be a directory, or one that can be made: the nearest part of it that
     exists is a directory."""
-    part = path
-    try:
-        while not part.exists() and part != part.parent:
-            part = part.parent
-        if part.exists() and not part.is_dir():
-            raise CommandError(f"{what}: {part} is not a directory", ExitCode.USAGE)
-    except OSError as exc:  # (exists() raises on a directory we may not search)
-        raise CommandError(f"{what}: cannot look at {part}: {exc.strerror}", ExitCode.USAGE) \
-            from None
+    problem = dir_problem(path)
+    if problem:
+        raise CommandError(f"{what}: {problem}", ExitCode.USAGE)
 
 
 def check_state_dir(path: Path) -> None:
@@ -187,10 +165,9 @@ def check_gpu_slots(slots: Sequence[str]) -> None:
     gpus = [d for d in slots if d != "cpu"]
     if not gpus:
         return
-    from swarm_core.pipeline.devices import DeviceError, resolve_device
+    from swarm_core.pipeline.devices import DeviceError, check_slots
 
-    for d in gpus:
-        try:
-            resolve_device(d)
-        except DeviceError as exc:
-            raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    try:
+        check_slots(gpus)
+    except DeviceError as exc:
+        raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None

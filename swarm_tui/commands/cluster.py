@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from swarm_core.local_cluster import ClusterSpec, start_cluster, stop_cluster
 from swarm_tui.commands.argtypes import (
     device_slots,
     local_fellow_count,
@@ -13,7 +14,6 @@ from swarm_tui.commands.argtypes import (
     thread_count,
 )
 from swarm_tui.commands.base import add_format, emit_json, print_line
-from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster
 
 
 def cmd_restart(args: argparse.Namespace) -> int:

@@ -13,12 +13,10 @@ from swarm_tui.commands.base import (
     add_format,
     emit_json,
     emit_table,
-    fmt_bytes,
-    fmt_loss,
-    fmt_mbps,
     print_line,
     run_with_client,
 )
+from swarm_tui.fmt import describe_link, fmt_bytes, fmt_limit, fmt_loss
 
 
 def cmd_fellows(args: argparse.Namespace) -> int:
@@ -31,8 +29,8 @@ def cmd_fellows(args: argparse.Namespace) -> int:
                                "tx Mbit/s", "rx Mbit/s", "data tx", "data rx", "hb age",
                                "note"], [
             [f.fellow_id, f.name, f.status, ",".join(f.devices), f.current_job,
-             f.current_step, fmt_loss(f.last_loss), fmt_mbps(f.link.tx_mbps),
-             fmt_mbps(f.link.rx_mbps), fmt_bytes(f.counters.data_tx),
+             f.current_step, fmt_loss(f.last_loss), fmt_limit(f.link.tx_mbps),
+             fmt_limit(f.link.rx_mbps), fmt_bytes(f.counters.data_tx),
              fmt_bytes(f.counters.data_rx),
              "-" if f.heartbeat_age_s is None else f"{f.heartbeat_age_s:.1f}s", f.note or "-"]
             for f in fellows
@@ -83,8 +81,8 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
             emit_json(res)
         else:
             during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
-            print_line(f"fellow {args.fellow_id}: tx {fmt_mbps(req.tx_mbps)} Mbit/s, "
-                       f"rx {fmt_mbps(req.rx_mbps)} Mbit/s, latency {req.latency_ms:g} ms "
+            print_line(f"fellow {args.fellow_id}: "
+                       f"{describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
                        f"(signal {res['signal_seq']}{during})")
 
     return run_with_client(args, body)

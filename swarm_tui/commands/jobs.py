@@ -10,17 +10,18 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import (
     JobInfo,
     JobSubmit,
     LinkChange,
     StageMetrics,
+    Topology,
     link_changes_in_all,
     perplexity,
 )
 from swarm_core.protocol import JobState
 from swarm_core.schema import SchemaError, structure, unstructure
-from swarm_tui.app.model import describe_link
 from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
 from swarm_tui.commands.base import (
     CommandError,
@@ -28,21 +29,13 @@ from swarm_tui.commands.base import (
     add_format,
     emit_json,
     emit_table,
-    fmt_bytes,
-    fmt_loss,
     print_line,
     run_with_client,
     warn,
 )
+from swarm_tui.fmt import describe_link, fmt_age, fmt_bytes, fmt_loss
 
 TERMINAL = {s.value for s in JobState if s.terminal}
-
-
-def _age(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    s = max(0.0, time.time() - ts)
-    return f"{s:.0f}s" if s < 120 else (f"{s / 60:.0f}m" if s < 7200 else f"{s / 3600:.1f}h")
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -54,7 +47,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         emit_table("jobs", ["job", "name", "kind", "state", "step", "loss", "fellows", "age",
                             "note"], [
             [j.job_id, j.name, j.kind, j.state, j.last_step, fmt_loss(j.last_loss),
-             ",".join(map(str, j.fellows)) or "-", _age(j.created_at),
+             ",".join(map(str, j.fellows)) or "-", fmt_age(time.time() - j.created_at),
              j.waiting_for or j.reason or "-"]
             for j in jobs
         ])
@@ -143,11 +136,15 @@ def _validated_job(req_data: dict[str, Any]) -> JobSubmit:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
-def train_job(model: dict[str, Any], training: dict[str, Any], fellows: int,
+def train_job(model: ModelConfig, training: dict[str, Any], fellows: int,
               name: str) -> JobSubmit:
-    """A train job from profile dicts, checked here as the leader will check it."""
-    return _validated_job({"name": name, "kind": "train", "model": model,
-                           "training": training, "topology": {"fellows": fellows}})
+    """A train job of a model and a training profile's fields, checked here as the leader
+    will check it."""
+    try:
+        return JobSubmit(name=name, kind="train", model=model, topology=Topology(fellows=fellows),
+                         training=structure(training, TrainingConfig, "$.training"))
+    except SchemaError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
 def _load_json(path: str) -> Any:
@@ -177,12 +174,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
             load_job_training,
             load_model_profile,
         )
-        from swarm_core.schema import unstructure
-
         fellows = args.fellows
         try:
-            model = unstructure(load_model_profile(Path(args.model))) if args.model \
-                else dict(DEFAULT_MODEL)
+            model = load_model_profile(Path(args.model)) if args.model \
+                else structure(DEFAULT_MODEL, ModelConfig)
             if args.training:
                 training, profile_fellows = load_job_training(Path(args.training))
                 fellows = fellows or profile_fellows
@@ -192,7 +187,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
-        req = train_job(model, training, fellows or 1, args.name or f"{model.get('name', 'model')}")
+        req = train_job(model, training, fellows or 1, args.name or model.name)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import swarm_core
 from swarm_core.client import ClientError, SwarmClient
+from swarm_core.local_cluster import ClusterError, read_record
 from swarm_core.paths import swarm_home
 from swarm_tui.commands.base import (
     EXIT_CODE_MEANING,
@@ -22,14 +23,13 @@ from swarm_tui.commands.base import (
     resolve_leader,
     run_async,
 )
-from swarm_tui.commands.local_cluster import read_record
 
 
 def cmd_info(args: argparse.Namespace) -> int:
     unreadable = None
     try:
         record = read_record()
-    except CommandError as exc:  # (info says what it can, this too)
+    except ClusterError as exc:  # (info says what it can, this too)
         record, unreadable = None, str(exc)
     out: dict[str, object] = {
         "version": swarm_core.__version__,
@@ -44,7 +44,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     try:
         url, token = resolve_leader(args)
-    except CommandError:
+    except (CommandError, ClusterError):
         url, token = None, None
 
     async def probe() -> None:
@@ -136,7 +136,7 @@ def _options(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def cmd_llm_doc(args: argparse.Namespace) -> int:
-    from swarm_tui.cli import build_parser
+    from swarm_tui.commands.parser import build_parser
 
     text = render_llm_doc(build_parser())
     if args.output == "-":

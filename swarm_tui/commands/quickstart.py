@@ -11,12 +11,14 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
-from swarm_core.experiment import peaks_by_stage, wait_by_stage
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.experiments.runner import peaks_by_stage, wait_by_stage
+from swarm_core.local_cluster import ClusterSpec, start_cluster, stop_cluster, token_for
 from swarm_core.protocol import JobState
+from swarm_core.schema import structure
 from swarm_tui.commands.argtypes import local_fellow_count, positive_int
 from swarm_tui.commands.base import ExitCode, print_line, run_async
 from swarm_tui.commands.jobs import smoke_job, train_job, watch_job
-from swarm_tui.commands.local_cluster import ClusterSpec, start_cluster, stop_cluster, token_for
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
@@ -33,7 +35,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                 training = dict(DEFAULT_TRAINING)
                 if args.steps:
                     training["steps"] = args.steps
-                req = train_job(dict(DEFAULT_MODEL), training, args.fellows, "quickstart")
+                req = train_job(structure(DEFAULT_MODEL, ModelConfig), training, args.fellows,
+                                "quickstart")
             job = await c.submit(req)
             print_line(f"queued {job.job_id}")
             final = await watch_job(c, job.job_id)

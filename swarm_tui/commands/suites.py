@@ -7,10 +7,10 @@ import time
 from pathlib import Path
 
 from swarm_core import jsonio
-from swarm_core.benchmarks import as_experiment, load_suite, plan, summarize, write_json
 from swarm_core.client import ClientError, SwarmClient
 from swarm_core.config.profiles import ConfigError
-from swarm_core.experiment import Experiment, ExperimentError, git_commit
+from swarm_core.experiments.runner import Experiment, ExperimentError, git_commit
+from swarm_core.experiments.suites import as_experiment, load_suite, plan, summarize, write_json
 from swarm_core.schema import unstructure
 from swarm_tui.commands.base import (
     CommandError,
@@ -24,10 +24,7 @@ from swarm_tui.commands.base import (
     run_async,
     warn,
 )
-
-
-def _fmt(v: object, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+from swarm_tui.fmt import fmt_number
 
 
 def cmd_suite(args: argparse.Namespace) -> int:
@@ -141,11 +138,12 @@ def _print_summary(summary: dict, fmt: str) -> None:
     emit_table(f"{summary['suite']} (baseline {summary['baseline']})",
                ["scenario", "status", "stages", "tok/s", "step s", "final loss", "eval loss",
                 "wire B/step", "slow-down", "link bound s", "vs predicted"],
-               [[r["scenario"], r["status"], r["stages"], _fmt(r["tokens_per_s"], ".0f"),
-                 _fmt(r["step_time_s"], ".3f"), _fmt(r["final_loss"], ".4f"),
-                 _fmt(r["eval_loss"], ".4f"), _fmt(r["wire_bytes_per_step"], ",.0f"),
-                 _fmt(r.get("slowdown_vs_baseline"), ".2f"), _fmt(r.get("link_bound_s"), ".3f"),
-                 _fmt(r.get("measured_vs_predicted"), ".2f")] for r in summary["scenarios"]])
+               [[r["scenario"], r["status"], r["stages"], fmt_number(r["tokens_per_s"], ".0f"),
+                 fmt_number(r["step_time_s"], ".3f"), fmt_number(r["final_loss"], ".4f"),
+                 fmt_number(r["eval_loss"], ".4f"), fmt_number(r["wire_bytes_per_step"], ",.0f"),
+                 fmt_number(r.get("slowdown_vs_baseline"), ".2f"),
+                 fmt_number(r.get("link_bound_s"), ".3f"),
+                 fmt_number(r.get("measured_vs_predicted"), ".2f")] for r in summary["scenarios"]])
     for r in summary["scenarios"]:
         if r.get("damage"):
             warn(f"{r['scenario']}: {r['damage']}")

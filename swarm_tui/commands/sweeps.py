@@ -7,7 +7,14 @@ import asyncio
 import sys
 from pathlib import Path
 
-from swarm_core.artifacts.report import (
+from swarm_core.client import SwarmClient
+from swarm_core.config.profiles import (
+    ConfigError,
+    ResolvedExperiment,
+    dataset_files,
+    load_experiment,
+)
+from swarm_core.experiments.report import (
     HEADERS,
     OUTPUT_SUFFIXES,
     ReportError,
@@ -17,14 +24,7 @@ from swarm_core.artifacts.report import (
     summary_rows,
     write_report,
 )
-from swarm_core.client import SwarmClient
-from swarm_core.config.profiles import (
-    ConfigError,
-    ResolvedExperiment,
-    dataset_files,
-    load_experiment,
-)
-from swarm_core.experiment import TERMINAL, Experiment, ExperimentError
+from swarm_core.experiments.runner import TERMINAL, Experiment, ExperimentError
 from swarm_core.schema import unstructure
 from swarm_tui.commands.base import (
     CommandError,

@@ -15,18 +15,21 @@ from swarm_tui.app.cells import (
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+)
+from swarm_tui.app.model import Change, FellowState
+from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.live_table import LiveTable
+from swarm_tui.app.widgets.status import StatusBar
+from swarm_tui.fmt import (
+    describe_link,
     fmt_age,
     fmt_bytes,
     fmt_devices,
     fmt_limit,
     fmt_loss,
-    fmt_mbps,
+    fmt_rate,
     fmt_tps,
 )
-from swarm_tui.app.model import Change, FellowState, describe_link
-from swarm_tui.app.screens.base import FilterBar, SwarmScreen
-from swarm_tui.app.widgets.live_table import LiveTable
-from swarm_tui.app.widgets.status import StatusBar
 
 
 class FellowsScreen(SwarmScreen):
@@ -258,9 +261,10 @@ class FellowDetailScreen(SwarmScreen):
             text.append(f"note: {st.note}\n", style="bold yellow")
         text.append(f"{job}\n")
         text.append(f"link {describe_link(st.tx_limit, st.rx_limit, st.latency_ms)}\n")
-        text.append(f"bytes data tx {fmt_bytes(c.get('data_tx'))} rx {fmt_bytes(c.get('data_rx'))}"
-                    f"  control tx {fmt_bytes(c.get('control_tx'))}"
-                    f" rx {fmt_bytes(c.get('control_rx'))}")
+        text.append(f"bytes data tx {fmt_bytes(c.get('data_tx'), compact=True)} "
+                    f"rx {fmt_bytes(c.get('data_rx'), compact=True)}"
+                    f"  control tx {fmt_bytes(c.get('control_tx'), compact=True)}"
+                    f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
         summary.update(text)
         losses = [loss for _, loss in st.loss_hist]
         loss_text = "loss: no steps yet" if not losses else (
@@ -277,7 +281,7 @@ class FellowDetailScreen(SwarmScreen):
                                         ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
             self.query_one(f"#{side}-label", Label).update(
-                f"{side} {fmt_mbps(rate)} of {fmt_limit(limit)} Mbit/s{use}")
+                f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}")
             self.query_one(f"#{side}-spark", Sparkline).data = list(hist)
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]

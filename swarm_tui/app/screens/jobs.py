@@ -14,18 +14,17 @@ from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
     WATCH_COLUMNS,
-    fmt_age,
-    fmt_loss,
     job_age_cell,
     job_cells,
     job_haystack,
     progress_bar,
     watch_cells,
 )
-from swarm_tui.app.model import Change, JobView, describe_link_changes
+from swarm_tui.app.model import Change, JobView
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
+from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
 
 
 class JobsScreen(SwarmScreen):

@@ -10,7 +10,7 @@ frame at 160x48). With hundreds of fellows heartbeating every second that is all
 is. ``_write_cell`` stores the value like ``update_cell`` does and, before the next frame,
 drops only the cached renders of the rows it touched, and repaints only those lines that are
 on screen (Textual is pinned exactly, so these private caches are a known quantity;
-``tests/test_tui_table.py`` checks what is painted).
+``tests/unit/test_tui_table.py`` checks what is painted).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from textual.strip import Strip
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowDoesNotExist, RowKey
 
-from swarm_core.schema import clip
 from swarm_tui.app.cells import Cell, Column
 from swarm_tui.app.export import SKIP_COLUMNS, cell_value
+from swarm_tui.typed import clip
 
 CellsFor = Callable[[str], dict[str, Cell]]
 HaystackFor = Callable[[str], str]
@@ -251,11 +251,6 @@ class LiveTable(DataTable[Cell]):
     def render_lines(self, crop: Region) -> list[Strip]:
         self._drop_stale_renders()
         return super().render_lines(crop)
-
-    def forget(self, key: str) -> None:
-        if key in self._shown:
-            self.remove_row(key)
-            del self._shown[key]
 
 
 class _Desc:

@@ -1,0 +1,453 @@
+"""Running an experiment config against a leader: preflight, queue, monitor, write artifacts.
+
+Used by ``swarm sweep`` and ``exp/scripts/run_experiment.py``. Client side only: everything goes
+through :class:`swarm_core.client.SwarmClient`.
+
+Per run, ``<runs_dir>/<run_id>/``: ``manifest.json``, ``config_resolved.json``,
+``topology_snapshot.json``, ``train_progress.ndjson``, ``metrics_summary.json``; all written
+atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+import swarm_core
+from swarm_core import jsonio
+from swarm_core.client import ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.config.profiles import ResolvedExperiment, RunSpec
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import (
+    JobInfo,
+    Placement,
+    ProgressRecord,
+    Restart,
+    link_changes_in_all,
+)
+from swarm_core.paths import atomic_write
+from swarm_core.pipeline.wire_math import step_wire_bytes
+from swarm_core.protocol import FellowInfo, JobState
+from swarm_core.schema import structure, unstructure
+
+TERMINAL = {s.value for s in JobState if s.terminal}
+SCRIPTS = Path(__file__).resolve().parents[2] / "exp" / "scripts"
+
+
+class ExperimentError(Exception):
+    pass
+
+
+@attrs.define
+class RunState:
+    spec: RunSpec
+    run_id: str
+    run_dir: Path
+    job_id: str | None = None
+    state: str = "QUEUED"
+    last_step: int = 0
+    last_loss: float | None = None
+    note: str = ""
+    reported: tuple[str, int] = ("", -1)
+
+    def run_name_base(self) -> str:
+        """The run's name without a ``-rN`` repeat suffix."""
+        name = self.spec.run_name
+        head, _, tail = name.rpartition("-r")
+        return head if head and tail.isdigit() and self.spec.repeat == int(tail) else name
+
+
+def _write(path: Path, data: Any) -> None:
+    atomic_write(path, jsonio.dumps(data, pretty=True))
+
+
+def git_commit(start: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=start, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def active(fellows: list[FellowInfo]) -> list[FellowInfo]:
+    return [f for f in fellows if f.status.live]
+
+
+async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[FellowInfo]:
+    """The cluster_profile against the leader's active fellows; fails before anything runs."""
+    fellows = active(await client.fellows())
+    if not fellows:
+        raise ExperimentError(
+            f"the leader at {client.base_url} has no active fellow; start some (swarm fellow, "
+            "or swarm restart-cluster) - runs never execute standalone")
+    need = max(r.fellows for r in exp.runs)
+    if len(fellows) < need:
+        names = ", ".join(f"{f.fellow_id}:{f.name}" for f in fellows)
+        raise ExperimentError(
+            f"cluster_profile wants {need} fellow(s); the leader at {client.base_url} has "
+            f"{len(fellows)} active ({names})")
+    return fellows
+
+
+def run_ids(exp: ResolvedExperiment, stamp: str) -> list[str]:
+    return [f"{stamp}-{exp.config.name}-{r.index:02d}-{r.run_name}" for r in exp.runs]
+
+
+class Experiment:
+    def __init__(self, client: SwarmClient, exp: ResolvedExperiment, *,
+                 runs_dir: Path | None = None, on_line: Callable[[str], None] = print,
+                 skip_netem: bool = False, poll_s: float = 1.0,
+                 stamp: str | None = None, names: list[str] | None = None,
+                 stop_on_failure: bool = False) -> None:
+        self.client = client
+        self.exp = exp
+        self.runs_dir = runs_dir or exp.runs_dir
+        self.on_line = on_line
+        self.skip_netem = skip_netem
+        self.poll_s = poll_s
+        self.commit = git_commit(Path(exp.config_path).resolve().parent)
+        # Stamped ids are claimed (new folders) at start; given names reuse theirs.
+        self._stamp = None if names else (stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+        ids = names or run_ids(exp, self._stamp)
+        self.states = [RunState(spec, rid, self.runs_dir / rid)
+                       for spec, rid in zip(exp.runs, ids, strict=True)]
+        self.stop_on_failure = stop_on_failure
+        self.fellows_at_start: list[FellowInfo] = []
+
+    @property
+    def sequential(self) -> bool:
+        """Kernel shaping must wrap each run, so such sweeps queue one run at a time."""
+        return any(r.tc_profile for r in self.exp.runs) and not self.skip_netem
+
+    # phases ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Preflight, write each run's static artifacts, queue every run (unless sequential).
+        All or nothing: when the leader refuses a run, the runs queued before it are cancelled
+        and ExperimentError says which run and why."""
+        self.fellows_at_start = await preflight(self.client, self.exp)
+        try:
+            if self._stamp is not None:
+                self._claim_run_dirs(self._stamp)
+            for st in self.states:
+                self._write_static(st)
+        except OSError as exc:
+            raise ExperimentError(f"cannot write run artifacts under {self.runs_dir}: "
+                                  f"{exc.strerror or exc}") from None
+        if self.sequential:
+            return
+        for st in self.states:
+            try:
+                await self._submit(st)
+            except ClientError as exc:
+                cancelled: list[str] = []
+                with contextlib.suppress(ClientError):
+                    cancelled = await self.cancel_open()
+                for other in self.states:
+                    if other.job_id and other.job_id in cancelled:
+                        other.state = "CANCELLED"
+                    other.note = f"sweep not queued: run {st.spec.index + 1} was refused"
+                    with contextlib.suppress(OSError):
+                        self._write_manifest(other)
+                undone = f"; cancelled the {len(cancelled)} run(s) queued before it" \
+                    if cancelled else ""
+                raise ExperimentError(f"run {st.spec.index + 1}/{len(self.states)} "
+                                      f"{st.spec.run_name}: the leader refused it: {exc}{undone}"
+                                      ) from None
+
+    async def run(self) -> list[RunState]:
+        """Queue (or, with tc profiles, run one by one) and monitor until every run ends."""
+        if self.sequential:
+            for st in self.states:
+                tc = st.spec.tc_profile
+                log: dict[str, Any] = {"tc_profile": tc}
+                try:
+                    if tc:  # (a thread: the script may take a while; the loop keeps going)
+                        log["setup"] = await asyncio.to_thread(netem, "setup", tc)
+                    await self._submit(st)
+                    await self._monitor([st])
+                except ExperimentError as exc:
+                    st.state, st.note = "FAILED", str(exc)
+                    self._write_manifest(st)
+                    self.on_line(f"[{st.spec.index + 1}/{len(self.states)}] "
+                                 f"{st.spec.run_name} FAILED: {exc}")
+                finally:
+                    if tc:
+                        log["cleanup"] = await asyncio.to_thread(netem, "cleanup", tc, False)
+                        _write(st.run_dir / "netem.json", log)
+        else:
+            await self._monitor(self.states)
+        return self.states
+
+    async def cancel_open(self) -> list[str]:
+        cancelled = []
+        for st in self.states:
+            if st.job_id and st.state not in TERMINAL:
+                try:
+                    await self.client.cancel(st.job_id)
+                    cancelled.append(st.job_id)
+                except Exception:  # already finished in the meantime
+                    continue
+        return cancelled
+
+    # internals -------------------------------------------------------------------------------
+    async def _submit(self, st: RunState) -> None:
+        job = await self.client.submit(st.spec.job(st.run_id))
+        st.job_id, st.state, st.note = job.job_id, job.state, job.waiting_for
+        self._write_manifest(st)
+
+    async def _monitor(self, states: list[RunState]) -> None:
+        total = len(self.states)
+        lost = False
+        while True:
+            try:
+                jobs = {j.job_id: j for j in await self.client.jobs()}
+            except LeaderUnreachable as exc:
+                # The runs live on the leader; a restart or a network blip is waited out.
+                if not lost:
+                    self.on_line(f"leader unreachable ({exc}); still waiting for it")
+                lost = True
+                await _sleep(self.poll_s)
+                continue
+            if lost:
+                self.on_line("leader reachable again")
+                lost = False
+            open_runs = 0
+            for st in states:
+                job = jobs.get(st.job_id or "")
+                if job is None or st.state in TERMINAL:
+                    continue
+                st.state, st.last_step, st.last_loss = job.state, job.last_step, job.last_loss
+                st.note = job.waiting_for or job.reason
+                key = (st.state, st.last_step // 5)
+                if key != st.reported:
+                    st.reported = key
+                    loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
+                    why = f" ({st.note})" if st.note and st.state != "RUNNING" else ""
+                    self.on_line(f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
+                                 f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                if st.state in TERMINAL:
+                    await self._finalize(st)
+                    if st.state != "COMPLETED" and self.stop_on_failure:
+                        cancelled = await self.cancel_open()
+                        if cancelled:
+                            self.on_line(f"stopping after {st.spec.run_name} {st.state}: "
+                                         f"cancelled {' '.join(cancelled)}")
+                else:
+                    open_runs += 1
+            if not open_runs:
+                return
+            await _sleep(self.poll_s)
+
+    def _claim_run_dirs(self, stamp: str) -> None:
+        """New run folders for every run: a sweep started in the same second as another of the
+        same config (a second console, a double launch) takes ``<stamp>-2`` and so on, rather
+        than writing into the other's folders."""
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            ids = run_ids(self.exp, stamp if n == 1 else f"{stamp}-{n}")
+            made: list[Path] = []
+            try:
+                for rid in ids:
+                    (self.runs_dir / rid).mkdir()
+                    made.append(self.runs_dir / rid)
+            except FileExistsError:
+                for d in made:
+                    d.rmdir()
+                continue
+            for st, rid in zip(self.states, ids, strict=True):
+                st.run_id, st.run_dir = rid, self.runs_dir / rid
+            return
+        raise ExperimentError(f"no free run folder name under {self.runs_dir} for stamp {stamp}")
+
+    def _write_static(self, st: RunState) -> None:
+        d = st.run_dir
+        d.mkdir(parents=True, exist_ok=True)
+        _write(d / "config_resolved.json", {
+            "run_id": st.run_id, "experiment": self.exp.config.name,
+            "job": unstructure(st.spec.job(st.run_id)), "network_profile": st.spec.network,
+            "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
+            "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
+                        "training_profile": self.exp.training_path,
+                        "model_profile": st.spec.model_source},
+        })
+        _write(d / "topology_snapshot.json", self._topology(st, None))
+        self._write_manifest(st)
+
+    def _topology(self, st: RunState, placement: Placement | None) -> dict[str, Any]:
+        return {
+            "requested": {"fellows": st.spec.fellows, "stages": st.spec.fellows},
+            "active_fellows_at_start": [
+                {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
+                 "devices": f.devices, "status": f.status} for f in self.fellows_at_start],
+            "actual": unstructure(placement),
+        }
+
+    def _write_manifest(self, st: RunState) -> None:
+        _write(st.run_dir / "manifest.json", {
+            "run_id": st.run_id, "experiment": self.exp.config.name,
+            "description": self.exp.config.description, "status": st.state,
+            "job_id": st.job_id, "leader_url": self.client.base_url, "note": st.note,
+            "config_source": self.exp.config_path, "git_commit": self.commit,
+            "silentswarm_version": swarm_core.__version__, "written_at": time.time(),
+            "host": os.uname().nodename,
+        })
+
+    async def _finalize(self, st: RunState) -> None:
+        assert st.job_id is not None
+        job = await self.client.job(st.job_id)
+        records = await self.client.progress(st.job_id)
+        lines = b"".join(jsonio.dumps(progress_line(r)) + b"\n" for r in records)
+        atomic_write(st.run_dir / "train_progress.ndjson", lines)
+        _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
+        _write(st.run_dir / "metrics_summary.json", summarize(st, job, records))
+        st.note = job.reason
+        self._write_manifest(st)
+
+
+# The fields of a train_progress.ndjson line, in order (null where a step lacks one).
+PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "step_seconds", "eval_loss",
+                   "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
+                   "codec_error", "ts")
+
+
+def progress_line(rec: ProgressRecord) -> dict[str, Any]:
+    """One line of a run's ``train_progress.ndjson``."""
+    return {k: unstructure(getattr(rec, k)) for k in PROGRESS_FIELDS}
+
+
+def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict[str, Any]:
+    model = structure(st.spec.model, ModelConfig)
+    training = structure(st.spec.training, TrainingConfig)
+    losses = [r.loss for r in records if r.loss is not None]
+    wire = [r.wire_bytes for r in records if r.wire_bytes]
+    m = job.metrics
+    plain = structure({**st.spec.model, "compression": "none", "bottleneck_dim": None,
+                       "wire_dtype": "fp32"}, ModelConfig)
+    measured = sum(wire) / len(wire) if wire else None
+    uncompressed = step_wire_bytes(plain, training, st.spec.fellows)
+    final = losses[-1] if losses else None
+    wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
+    summary: dict[str, Any] = {
+        "run_id": st.run_id, "job_id": job.job_id, "status": job.state, "reason": job.reason,
+        "steps_expected": training.steps, "steps_recorded": len(records),
+        "final_loss": final, "best_loss": min(losses) if losses else None,
+        "eval_loss": m.eval_loss, "perplexity": m.perplexity,
+        "wall_time_s": wall, "tokens_per_s": m.tokens_per_s,
+        "wire_bytes_per_step": measured,
+        "expected_wire_bytes_per_step": step_wire_bytes(model, training, st.spec.fellows),
+        "uncompressed_wire_bytes_per_step": uncompressed,
+        "compression_ratio": (uncompressed / measured) if measured else None,
+        "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
+        "fellows": st.spec.fellows,
+        "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
+        "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
+                                                job.restarts),
+        "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
+        # Set-speeds while it ran: its network was not the profile's throughout.
+        "link_changes": unstructure(job.link_changes),
+        "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
+        "thresholds": {},
+    }
+    if training.max_final_loss is not None:
+        met = final is not None and math.isfinite(final) and final <= training.max_final_loss
+        summary["thresholds"]["max_final_loss"] = {
+            "limit": training.max_final_loss, "value": final, "met": met}
+    # None when the run set no threshold; a run that did not complete met none of its own.
+    summary["thresholds_met"] = None if not summary["thresholds"] else (
+        job.state == "COMPLETED" and all(t["met"] for t in summary["thresholds"].values()))
+    return summary
+
+
+def peaks_by_stage(records: list[ProgressRecord],
+                   num_stages: int) -> list[int | None] | None:
+    """The largest activation memory each stage held in any step, by stage index (None for a
+    stage that never reported it); None when no stage did."""
+    peaks: dict[int, int] = {}
+    for r in records:
+        for stage, n in (r.activation_peak_bytes or {}).items():
+            peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
+    return [peaks.get(s) for s in range(num_stages)] if peaks else None
+
+
+def wait_by_stage(records: list[ProgressRecord], num_stages: int,
+                  training: TrainingConfig | None = None,
+                  restarts: list[Restart] | None = None) -> list[float | None] | None:
+    """The share of its step time each stage spent blocked on its links, by stage index: its
+    wait_seconds over its own stage_seconds, summed over the steady steps, i.e. leaving out
+    the first step of the run and of each resume (``restarts``: the job's) and, given
+    ``training``, the step after each eval and shard push: those also wait for the neighbours
+    to start or to finish their pause (every step when no other is left). None for a stage
+    that never reported; None when no stage did."""
+    starts = {min((r.step for r in records), default=1) - 1,
+              *(r.resume_step for r in restarts or [])}
+    tc = training or TrainingConfig()
+
+    def paused(step: int) -> bool:
+        return any(tc.follows_a_pause(step, s) for s in starts)
+
+    steady = [r for r in records if not paused(r.step)] or records
+    waits: dict[int, float] = {}
+    spans: dict[int, float] = {}
+    for r in steady:
+        spent = r.stage_seconds or {}
+        for stage, w in (r.wait_seconds or {}).items():
+            span = spent.get(stage)
+            if isinstance(span, int | float) and span > 0:
+                waits[int(stage)] = waits.get(int(stage), 0.0) + float(w)
+                spans[int(stage)] = spans.get(int(stage), 0.0) + float(span)
+    if not waits:
+        return None
+    return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
+
+
+def codec_error_by_stage(records: list[ProgressRecord],
+                         num_stages: int) -> list[dict[str, float] | None] | None:
+    """Each stage's mean relative error of what its wire codec sent, over the steps:
+    ``{"act": ..., "grad": ...}`` (the directions it sends), by stage index; None for a stage
+    that never reported; None when no stage did (a run from before the field)."""
+    sums: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        for stage, errs in (r.codec_error or {}).items():
+            for k, v in unstructure(errs).items():
+                sums.setdefault(int(stage), {}).setdefault(k, []).append(float(v))
+    if not sums:
+        return None
+    return [{k: sum(v) / len(v) for k, v in sums[s].items()} if s in sums else None
+            for s in range(num_stages)]
+
+
+def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:
+    """Run exp/scripts/{setup,cleanup}_netem.sh for one tc profile; returns what it said."""
+    script = SCRIPTS / f"{action}_netem.sh"
+    argv = ["bash", str(script)]
+    if tc.get("netns"):
+        argv += ["--netns", tc["netns"]]
+    if tc.get("dev"):
+        argv += ["--dev", tc["dev"]]
+    if action == "setup":
+        argv += ["--rate-mbit", str(tc["rate_mbit"]), "--delay-ms", str(tc.get("delay_ms", 0)),
+                 "--loss-pct", str(tc.get("loss_pct", 0))]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ExperimentError(f"{script.name} did not finish in 60 s") from None
+    except OSError as exc:
+        raise ExperimentError(f"{script.name}: cannot run bash: {exc.strerror}") from None
+    if proc.returncode != 0 and check:
+        last = (proc.stderr or proc.stdout).strip().splitlines()
+        raise ExperimentError(f"{script.name} failed: {last[-1] if last else proc.returncode}")
+    return (proc.stdout + proc.stderr).strip()
+
+
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)

@@ -1,0 +1,308 @@
+"""Benchmark suites: the same model and training over different cluster shapes.
+
+A suite lists scenarios; each names its model, training and infra profile and its artifact
+directory. An infra profile describes nodes (groups of fellows), device slots per fellow and the
+link between nodes. On one machine a node is a group of fellows; the link between nodes is
+applied by the fellows' own link shapers. Every scenario records what was emulated and what was
+not (``infra_resolved.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from swarm_core import jsonio
+from swarm_core.config.profiles import (
+    ConfigError,
+    ExperimentConfig,
+    ResolvedExperiment,
+    RunSpec,
+    TrainingProfile,
+    _read_json,
+    _structure,
+    load_model_profile,
+    resolve_ref,
+)
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.experiments.report import ReportError, read_records, read_summary
+from swarm_core.paths import atomic_write
+from swarm_core.protocol import FellowInfo, LinkLimits
+from swarm_core.schema import FieldError, unstructure
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _name(_i: Any, a: attrs.Attribute, v: str) -> None:
+    if not _NAME.fullmatch(v):
+        raise FieldError(f"must be 1-64 of letters, digits, '_', '.', '-', got {v!r}", a.name)
+
+
+@attrs.define
+class NodeSpec:
+    name: str = attrs.field(validator=_name)
+    fellows: int = 1
+    slots_per_fellow: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.fellows <= 64:
+            raise FieldError(f"must be 1-64, got {self.fellows}", "fellows")
+        if not 1 <= self.slots_per_fellow <= 16:
+            raise FieldError(f"must be 1-16, got {self.slots_per_fellow}", "slots_per_fellow")
+
+
+@attrs.define
+class InfraProfile:
+    name: str = attrs.field(validator=_name)
+    nodes: list[NodeSpec]
+    description: str = ""
+    inter_node_link: LinkLimits | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.nodes:
+            raise FieldError("must list at least one node", "nodes")
+        names = [n.name for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise FieldError(f"node names must be unique, got {names}", "nodes")
+
+    @property
+    def stages(self) -> int:
+        return sum(n.fellows * n.slots_per_fellow for n in self.nodes)
+
+
+@attrs.define
+class ScenarioArtifacts:
+    dir: str = attrs.field(validator=_name)
+
+
+@attrs.define
+class ScenarioSpec:
+    name: str = attrs.field(validator=_name)
+    model: str
+    training: str
+    infra: str
+    artifacts: ScenarioArtifacts
+
+
+@attrs.define
+class SuiteSpec:
+    name: str = attrs.field(validator=_name)
+    scenarios: list[ScenarioSpec]
+    description: str = ""
+    repeats: int = 1
+    baseline: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not self.scenarios:
+            raise FieldError("must list at least one scenario", "scenarios")
+        names = [s.name for s in self.scenarios]
+        if len(set(names)) != len(names):
+            raise FieldError(f"scenario names must be unique, got {names}", "scenarios")
+        dirs = [s.artifacts.dir for s in self.scenarios]
+        if len(set(dirs)) != len(dirs):
+            raise FieldError(f"artifact dirs must be unique, got {dirs}", "scenarios")
+        if self.baseline is not None and self.baseline not in names:
+            raise FieldError(f"names no scenario ({self.baseline!r})", "baseline")
+        if not 1 <= self.repeats <= 20:
+            raise FieldError(f"must be 1-20, got {self.repeats}", "repeats")
+
+
+@attrs.define
+class ResolvedScenario:
+    spec: ScenarioSpec
+    model: ModelConfig
+    training: TrainingConfig
+    infra: InfraProfile
+    fellows: int  # fellow processes this scenario needs
+    stages: int
+    slots_per_fellow: int
+    emulated: list[str]
+    not_emulated: list[str]
+    sources: dict[str, str]
+
+
+@attrs.define
+class ResolvedSuite:
+    path: str
+    spec: SuiteSpec
+    scenarios: list[ResolvedScenario]
+
+    @property
+    def fellows_needed(self) -> int:
+        return max(s.fellows for s in self.scenarios)
+
+
+def _emulation(infra: InfraProfile) -> tuple[int, list[str], list[str]]:
+    emulated = [f"node {n.name}: a group of {n.fellows} fellow process(es) on this machine, "
+                f"{n.slots_per_fellow} device slot(s) each (stages in one fellow talk over "
+                "loopback TCP, outside its link shaping)" for n in infra.nodes]
+    missing = []
+    fellows = 0
+    for n in infra.nodes:
+        fellows += n.fellows
+        if n.slots_per_fellow > 1:
+            missing.append(f"node {n.name}: separate devices: the slots are CPU slots sharing "
+                           "this machine's cores")
+    if len(infra.nodes) > 1:
+        if infra.inter_node_link is not None:
+            lk = infra.inter_node_link
+            emulated.append(f"inter-node link: tx {lk.tx_mbps} / rx {lk.rx_mbps} Mbit/s, "
+                            f"{lk.latency_ms:g} ms added latency, by each fellow's link shaper "
+                            "(token buckets; latency per frame)")
+        else:
+            emulated.append("inter-node link: loopback TCP, unshaped")
+        missing.append("separate machines: all nodes share this machine's cores and memory, so "
+                       "compute contends where real nodes would not")
+        if any(n.fellows > 1 for n in infra.nodes) and infra.inter_node_link is not None:
+            missing.append("per-peer shaping: links between a node's fellow processes are "
+                           "shaped as inter-node ones (a fellow's own slots are not)")
+        missing.append("network namespaces per node: not created by the suite (loopback)")
+    return fellows, emulated, missing
+
+
+def load_suite(path: Path | str) -> ResolvedSuite:
+    path = Path(path)
+    spec: SuiteSpec = _structure(_read_json(path), SuiteSpec, path)
+    base = path.parent
+    scenarios = []
+    for i, sc in enumerate(spec.scenarios):
+        where = f"$.scenarios[{i}]"
+        mpath = resolve_ref(base, sc.model, path, f"{where}.model")
+        model = load_model_profile(mpath, (path, f"{where}.model"))
+        tpath = resolve_ref(base, sc.training, path, f"{where}.training")
+        raw = _read_json(tpath, (path, f"{where}.training"))
+        training = _structure(raw, TrainingConfig, tpath)
+        ipath = resolve_ref(base, sc.infra, path, f"{where}.infra")
+        infra = _structure(_read_json(ipath, (path, f"{where}.infra")), InfraProfile, ipath)
+        fellows, emulated, missing = _emulation(infra)
+        slots = {n.slots_per_fellow for n in infra.nodes}
+        if len(slots) > 1:
+            raise ConfigError(ipath, "all nodes must give their fellows the same number of "
+                              "slots (placement fills each fellow's slots evenly)", "$.nodes")
+        if infra.stages > model.n_layers + 2:
+            raise ConfigError(path, f"{infra.stages} stages for a {model.n_layers}-layer model",
+                              f"{where}.infra")
+        scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, infra.stages,
+                                          slots.pop(), emulated, missing,
+                                          {"model": str(mpath), "training": str(tpath),
+                                           "infra": str(ipath)}))
+    return ResolvedSuite(str(path), spec, scenarios)
+
+
+def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
+    """The suite as runs for :class:`swarm_core.experiments.runner.Experiment` (one per scenario and
+    repeat), so queuing, monitoring and run artifacts are shared with sweeps."""
+    runs = []
+    for sc in suite.scenarios:
+        for rep in range(suite.spec.repeats):
+            training = unstructure(sc.training)
+            link = sc.infra.inter_node_link if len(sc.infra.nodes) > 1 else None
+            training["link"] = None if link is None else unstructure(link)
+            name = sc.spec.artifacts.dir + (f"-r{rep}" if suite.spec.repeats > 1 else "")
+            runs.append(RunSpec(
+                index=len(runs), run_name=name, model=unstructure(sc.model), training=training,
+                fellows=sc.fellows, slots_per_fellow=sc.slots_per_fellow,
+                network={"name": sc.infra.name, **(unstructure(link) if link else {})},
+                tc_profile=None, seed=sc.training.seed, repeat=rep,
+                model_source=sc.sources["model"], compression=sc.model.compression))
+    cfg = ExperimentConfig(name=suite.spec.name, training_config="(per scenario)",
+                           model_configs=["(per scenario)"], description=suite.spec.description)
+    profile = TrainingProfile(TrainingConfig(), *_dummy_profiles())
+    digest = hashlib.sha256(Path(suite.path).read_bytes()).hexdigest()
+    return ResolvedExperiment(suite.path, cfg, "(per scenario)", profile, runs, out_dir,
+                              digest)
+
+
+def _dummy_profiles() -> tuple[Any, Any, Any]:
+    from swarm_core.config.profiles import ArtifactsProfile, ClusterProfile, NetworkProfile
+
+    return ClusterProfile(), NetworkProfile(), ArtifactsProfile()
+
+
+def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, Any]:
+    """``suite_plan.json``: every scenario resolved, and the topology check when a leader's
+    fellows are known."""
+    active = None if fellows is None else [f for f in fellows if f.status.live]
+    out: dict[str, Any] = {
+        "suite": suite.spec.name, "source": suite.path, "planned_at": time.time(),
+        "repeats": suite.spec.repeats, "baseline": suite.spec.baseline,
+        "fellows_needed": suite.fellows_needed,
+        "fellows_active": None if active is None else len(active),
+        "scenarios": [],
+    }
+    for sc in suite.scenarios:
+        able = None if active is None else \
+            [f for f in active if len(f.devices) >= sc.slots_per_fellow]
+        ok = able is None or len(able) >= sc.fellows
+        slots = f" with {sc.slots_per_fellow} device slots" if sc.slots_per_fellow > 1 else ""
+        out["scenarios"].append({
+            "name": sc.spec.name, "artifacts_dir": sc.spec.artifacts.dir,
+            "stages": sc.stages, "fellows_needed": sc.fellows,
+            "slots_per_fellow": sc.slots_per_fellow,
+            "model": unstructure(sc.model), "training": unstructure(sc.training),
+            "infra": unstructure(sc.infra), "emulated": sc.emulated,
+            "not_emulated": sc.not_emulated, "sources": sc.sources,
+            "topology_ok": ok,
+            "topology_note": "" if ok else
+            f"needs {sc.fellows} active fellow(s){slots}, the leader has {len(able or [])}",
+        })
+    return out
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, jsonio.dumps(data, pretty=True))
+
+
+def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) -> dict[str, Any]:
+    """``suite_summary.json``: per scenario tokens/s, step time, losses, bytes, slow-down."""
+    rows = []
+    for sc in suite.scenarios:
+        d = run_dirs.get(sc.spec.name)
+        summary: dict[str, Any] = {}
+        steps: list[float] = []
+        damage = None
+        if d is not None and (d / "metrics_summary.json").exists():
+            try:
+                summary = read_summary(d)
+                steps = [r["step_seconds"] for r in read_records(d) if r.get("step_seconds")]
+            except ReportError as exc:
+                summary, damage = {"status": "DAMAGED"}, str(exc)
+        steps_sorted = sorted(steps[1:] or steps)  # the first step pays for warm-up
+        median = steps_sorted[len(steps_sorted) // 2] if steps_sorted else None
+        rows.append({
+            "scenario": sc.spec.name, "status": summary.get("status", "NOT RUN"),
+            "stages": sc.stages, "tokens_per_s": summary.get("tokens_per_s"),
+            "step_time_s": median, "final_loss": summary.get("final_loss"),
+            "eval_loss": summary.get("eval_loss"),
+            "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
+            "link": unstructure(sc.infra.inter_node_link) if sc.infra.inter_node_link else None,
+            "run_dir": str(d) if d else None,
+            **({"damage": damage} if damage else {}),
+        })
+    base_name = suite.spec.baseline or suite.scenarios[0].spec.name
+    base = next(r for r in rows if r["scenario"] == base_name)
+    unconstrained = {r["scenario"]: r for r in rows if r["link"] is None and r["stages"] > 1}
+    micro = {sc.spec.name: sc.training.micro_batches for sc in suite.scenarios}
+    for r in rows:
+        if base["step_time_s"] and r["step_time_s"]:
+            r["slowdown_vs_baseline"] = r["step_time_s"] / base["step_time_s"]
+        if r["link"] and r["wire_bytes_per_step"] and r["link"].get("tx_mbps"):
+            # Each direction carries half the step's bytes; both run at once.
+            per_dir = r["wire_bytes_per_step"] / 2
+            r["link_bound_s"] = per_dir * 8 / (r["link"]["tx_mbps"] * 1e6)
+            # The first activation and the last gradient cannot overlap anything on a
+            # two-way pipe: with M micro-batches the link is busy (M+1)/M of the bound.
+            m = micro[r["scenario"]]
+            r["link_fill_s"] = r["link_bound_s"] * (m + 1) / m
+            peer = next(iter(unconstrained.values()), None)
+            if peer and peer["step_time_s"]:
+                r["predicted_step_time_s"] = max(peer["step_time_s"], r["link_fill_s"])
+                if r["step_time_s"]:
+                    r["measured_vs_predicted"] = r["step_time_s"] / r["predicted_step_time_s"]
+    return {"suite": suite.spec.name, "baseline": base_name, "out_dir": str(out_dir),
+            "scenarios": rows, "written_at": time.time()}

@@ -1,0 +1,64 @@
+"""Every benchmark runs (``--quick``) and prints its table. Speed targets are read from the
+full runs, not asserted here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO
+
+pytestmark = pytest.mark.slow
+
+BENCHES = {
+    "bench_codec.py": "int8",
+    "bench_links.py": "step/bound",
+    "bench_leader.py": "p99 ms",
+    "bench_pipeline.py": "tokens/s",
+    "bench_profiles.py": "vs small_none",
+    "bench_stage.py": "paired ratio to plain",
+    "bench_tui.py": "ms",
+    "check_device.py": "resume bfloat16 none",
+}
+
+
+@pytest.mark.parametrize("script, needle", sorted(BENCHES.items()))
+def test_benchmark_runs_quick(script, needle, cli_env):
+    res = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert needle in res.stdout, res.stdout[-2000:]
+
+
+def test_pipeline_benchmark_runs_rows_step_by_step(cli_env):
+    """--interleave: every row's workers at once, one row's step at a time; the verdicts
+    come from step-by-step ratios over the undisturbed steps."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--quick",
+                          "--interleave", "--only", "a,b", "--schedules", "gpipe",
+                          "--no-profile"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    assert "step by step (--interleave" in out, out[-2000:]
+    assert "(b) gpipe >= 1.70x (a):" in out.split("step by step", 1)[1], out[-2000:]
+    assert "split backward on over off" in out, out[-2000:]
+
+
+def test_a_failing_row_leaves_the_other_rows_of_an_interleaved_trial_measured(cli_env):
+    """One row's worker raising mid-trial marks that row FAILED (exit 1); the rows beside it
+    take their steps to the end and get their verdicts."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pipeline.py"), "--quick",
+                          "--interleave", "--only", "a,b", "--schedules", "gpipe",
+                          "--no-profile", "--fail-row", "b-gpipe-plain"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "failure injected by --fail-row" in res.stderr
+    table = res.stdout.split("targets:", 1)[0]
+    assert "split backward off" in table and "FAILED" in table.split("split backward off")[1]
+    verdicts = res.stdout.split("step by step", 1)[1]
+    # (Over the steps no other process disturbed: 1 or 2 of the 2 timed, on a busy machine.)
+    assert re.search(r"\(b\) gpipe >= 1\.70x \(a\): [0-9.]+x over [12] steps", verdicts), verdicts
+    assert "split backward on over off" not in verdicts

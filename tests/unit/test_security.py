@@ -1,0 +1,110 @@
+"""What the token guards, what paths may be written, and file modes of secrets."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+import pytest
+
+from swarm_core.fellow.jobs import JobRefused
+from swarm_core.fellow.train import export_root
+from swarm_core.leader.routes import ROUTES
+from tests.support import AUTH
+
+A = "/api/v1"
+
+
+async def test_every_route_but_healthz_needs_the_token(api):
+    for r in ROUTES:
+        path = re.sub(r"{(\w+)}", lambda m: "1" if m.group(1) != "job_id" else "job-000001",
+                      r.path)
+        resp = await api.request(r.method, path, headers={"Authorization": "Bearer wrong"})
+        if r.path == "/healthz":
+            assert resp.status == 200
+        else:
+            assert resp.status == 401, (r.method, r.path, resp.status)
+            assert (await resp.json())["error"]["code"] == "unauthorized"
+
+
+def test_state_dir_and_token_file_are_private(tmp_path):
+    from swarm_core.leader import LeaderConfig, create_app
+
+    state = tmp_path / "state"
+    create_app(LeaderConfig(state_dir=state))
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(state / "token").st_mode) == 0o600
+    assert len((state / "token").read_text().strip()) >= 32
+
+
+@pytest.mark.parametrize("export_dir", ["../up", "/etc", "a/../../b", "~/x", "C:\\x"])
+async def test_export_dirs_outside_the_runs_dir_are_refused(api, export_dir):
+    body = {"kind": "train", "training": {"export_dir": export_dir},
+            "topology": {"fellows": 1}}
+    resp = await api.post(f"{A}/jobs", json=body, headers=AUTH)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["field"] == "$.training.export_dir"
+
+
+def test_symlinks_out_of_the_runs_dir_are_refused(swarm_home, tmp_path):
+    runs = swarm_home / "runs"
+    runs.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (runs / "evil").symlink_to(outside)
+    with pytest.raises(JobRefused, match="leads outside"):
+        export_root("evil", "job-000001")
+    inside = export_root("mine/sub", "job-000001")
+    assert inside.is_relative_to(runs.resolve())
+    assert export_root(None, "job-000002") == (runs / "job-000002" / "model_export").resolve()
+
+
+async def test_job_ids_in_urls_never_become_paths(api, leader_config):
+    for job_id in ("..", "..%2F..%2Fetc", "job-000001%2F..", "%2E%2E"):
+        resp = await api.get(f"{A}/jobs/{job_id}/checkpoints/1/0/weights", headers=AUTH)
+        assert resp.status in (401, 404), job_id
+    runs = leader_config.state_dir / "runs"
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_data_plane_admits_only_the_jobs_session_key():
+    import socket
+    import threading
+
+    from swarm_core.pipeline.frames import Kind, job_tag, make_header
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.listener import DataListener
+    from swarm_core.pipeline.transport import PeerTimeout, _hello_payload, connect
+
+    listener = DataListener()
+    tag = job_tag("job-1")
+    host, port = listener.addr.rsplit(":", 1)
+    results: dict[str, object] = {}
+
+    def accept() -> None:
+        try:
+            results["link"] = listener.accept("right-key", 1, tag, LinkShaper(), timeout=5)
+        except PeerTimeout as exc:
+            results["error"] = exc
+
+    t = threading.Thread(target=accept)
+    t.start()
+    # An intruder with the wrong key, and one with garbage, are dropped without effect...
+    for payload in (_hello_payload("wrong-key", 0), b"not a frame at all"):
+        with socket.create_connection((host, int(port))) as s:
+            if payload.startswith(b"not"):
+                s.sendall(payload)
+                s.shutdown(socket.SHUT_WR)
+            else:
+                s.sendall(make_header(Kind.HELLO, tag, 0, 0, (len(payload),), 0,
+                                      payload).pack() + payload)
+            s.settimeout(2)
+            assert s.recv(1) == b"", "the listener closes a connection with a bad hello"
+    # ...and the upstream stage with the job's key gets in.
+    good = connect(listener.addr, "right-key", 0, tag, LinkShaper(), timeout=5)
+    t.join(10)
+    listener.close()
+    assert "link" in results, results
+    results["link"].close()  # type: ignore[union-attr]
+    good.close()

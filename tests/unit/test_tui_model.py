@@ -1,0 +1,456 @@
+"""The console's plain-Python parts: the cluster model, cells, forms, the launcher's sources, the
+`swarm-tui` flags, and which of these stay free of Textual."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm_core.contract import LinkChange
+from swarm_core.protocol import FellowInfo, LinkLimits
+from swarm_tui.app.cells import (
+    FELLOW_COLUMNS,
+    Cell,
+    fellow_cells,
+    progress_bar,
+    watch_cells,
+)
+from swarm_tui.app.forms import FormError, parse_speed
+from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource
+from swarm_tui.app.model import ClusterModel, RateMeter
+from swarm_tui.cli import main_tui
+from swarm_tui.fmt import fmt_age, fmt_bytes, fmt_rate
+from tests.support import REPO
+from tests.tui_support import T0, fixed_fellows, fixed_jobs, snapshot_configs
+
+
+def hb(fid: int, ts: float, seq: int, **data: object) -> dict[str, object]:
+    body = {"fellow_id": fid, "name": f"f{fid}", "status": "ready", "job_id": None, "step": 0,
+            "loss": None, "tokens_per_s": 0.0,
+            "link": {"tx_mbps": None, "rx_mbps": None, "latency_ms": 0.0},
+            "counters": {"control_tx": 0, "control_rx": 0, "data_tx": 0, "data_rx": 0}}
+    body.update(data)
+    return {"seq": seq, "ts": ts, "type": "fellow.heartbeat", "data": body}
+
+
+def test_rate_meter_windows_and_resets() -> None:
+    m = RateMeter()
+    assert not m.sample(1000, 10.0) and m.rate is None
+    assert not m.sample(1100, 10.2)  # too short a window: wait for a wider one
+    assert m.sample(3000, 11.0) and m.rate == pytest.approx(2000.0)
+    assert m.sample(500, 12.0) and m.rate is None  # went backwards: the fellow restarted
+    assert m.sample(1500, 13.0) and m.rate == pytest.approx(1000.0)
+
+
+def test_snapshot_then_events_update_in_place() -> None:
+    clock = [T0]
+    model = ClusterModel(lambda: clock[0])
+    change = model.apply_fellows(fixed_fellows())
+    assert change.fellow_rows and change.fellows == {0, 1, 2, 3, 4, 5}
+    assert model.fellows[3].stale and model.heartbeat_age(model.fellows[3]) == pytest.approx(9)
+    # An event for a known fellow changes that row only; rows neither come nor go.
+    change = model.apply_event(hb(2, T0, 1, counters={"data_tx": 1_000_000, "data_rx": 0,
+                                                       "control_tx": 0, "control_rx": 0}))
+    assert change.fellows == {2} and not change.fellow_rows
+    st = model.fellows[2]
+    assert st.counters["data_tx"] == 1_000_000 and st.tx.rate == pytest.approx(1_000_000)
+    assert st.tx_mbps == pytest.approx(8.0)
+    # A snapshot older than the newest event does not roll the counters back.
+    model.apply_fellows(fixed_fellows())
+    assert st.counters["data_tx"] == 1_000_000
+    # The leader's own judgement arrives without a heartbeat and keeps the age running.
+    clock[0] = T0 + 7
+    model.apply_event({"seq": 2, "ts": T0 + 7, "type": "fellow.status",
+                       "data": {"fellow_id": 2, "status": "stale"}})
+    assert st.stale and model.heartbeat_age(st) == pytest.approx(7)
+    assert any("ready -> stale" in text for _, text in st.events)
+    # A gap in sequence numbers asks for a snapshot.
+    assert not model.need_refresh
+    model.apply_event(hb(2, T0 + 8, 5))
+    assert model.need_refresh
+
+
+def test_a_set_speed_shows_in_the_fellows_log_with_the_job_that_records_it() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_event({"seq": 1, "ts": T0, "type": "fellow.set_speed", "data": {
+        "fellow_id": 2, "job_id": "job-000007", "tx_mbps": 8.0, "rx_mbps": None,
+        "latency_ms": 40.0}})
+    model.apply_event({"seq": 2, "ts": T0, "type": "fellow.set_speed", "data": {
+        "fellow_id": 2, "job_id": None, "tx_mbps": None, "rx_mbps": None, "latency_ms": 0.0}})
+    assert [text for _, text in model.fellows[2].events][-2:] == [
+        "set-speed requested: tx 8 Mbit/s, rx unlimited, +40 ms (recorded in job job-000007)",
+        "set-speed requested: tx unlimited, rx unlimited"]
+
+
+def test_unknown_fellow_and_job_events_ask_for_a_snapshot() -> None:
+    model = ClusterModel(lambda: T0)
+    change = model.apply_event(hb(9, T0, 1, name="new"))
+    assert change.fellow_rows and model.fellows[9].name == "new" and model.need_refresh
+    model.need_refresh = False
+    change = model.apply_event({"seq": 2, "ts": T0, "type": "job.submitted", "data": {
+        "job_id": "job-000007", "name": "x", "state": "PENDING", "last_step": 0,
+        "last_loss": None, "fellows": [], "reason": ""}})
+    assert change.job_rows and model.jobs["job-000007"].partial and model.need_refresh
+
+
+def test_metrics_extend_the_loss_curve_once_per_step() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    n = len(view.info.loss_history)
+    for fid in (0, 1):  # two fellows report the same step: one point
+        model.apply_event({"seq": 1 + fid, "ts": T0, "type": "metric", "data": {
+            "job_id": "job-000002", "fellow_id": fid, "step": 121, "loss": 2.4,
+            "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}})
+    assert len(view.info.loss_history) == n + 1 and view.info.last_step == 121
+    assert view.per_stage[1].step == 121 and view.per_stage[1].tokens_per_s == 1800.0
+
+
+def test_watch_row_shows_each_stages_memory_and_link_wait() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    event = {"job_id": "job-000002", "fellow_id": 1, "step": 121, "loss": 2.4,
+             "tokens_per_s": 1800.0, "state": "RUNNING",
+             "metrics": {"activation_peak_bytes": 9_700_000, "step_seconds": 0.5,
+                         "wait_seconds": 0.11}}
+    model.apply_event({"seq": 1, "ts": T0, "type": "metric", "data": event})
+    cells = watch_cells(model, view, 1)
+    assert cells["act"].plain == fmt_bytes(9_700_000, compact=True) and cells["wait"].plain == "22%"
+    assert cells["wait"].sort_key[1] == pytest.approx(0.22)
+    # A report without the timing (an eval) leaves the last step's share in place.
+    model.apply_event({"seq": 2, "ts": T0, "type": "metric",
+                       "data": {**event, "metrics": {"eval_loss": 2.5}}})
+    assert watch_cells(model, view, 1)["wait"].plain == "22%"
+    assert watch_cells(model, view, 0)["wait"].plain == "-"  # nothing reported yet
+
+
+def test_watch_rows_are_stages_so_a_two_slot_fellow_shows_both() -> None:
+    """A fellow with two device slots holds two stages of one job: each has its own row, with
+    its own memory and waits, however the reports interleave."""
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    view = model.jobs["job-000002"]
+    view.info.fellows = [0, 0, 1]
+    for seq, (stage, wait, peak) in enumerate(((0, 0.40, 50_000_000), (1, 0.02, 1_000_000))):
+        model.apply_event({"seq": seq + 1, "ts": T0, "type": "metric", "data": {
+            "job_id": "job-000002", "fellow_id": 0, "stage": stage, "step": 121, "loss": None,
+            "tokens_per_s": 1800.0, "state": "RUNNING",
+            "metrics": {"activation_peak_bytes": peak, "step_seconds": 1.0,
+                        "wait_seconds": wait}}})
+    rows = [watch_cells(model, view, s) for s in range(3)]
+    assert [(r["id"].plain, r["stage"].plain) for r in rows] == [("0", "0"), ("0", "1"),
+                                                                 ("1", "2")]
+    assert [r["wait"].plain for r in rows] == ["40%", "2%", "-"]
+    assert rows[0]["act"].plain == fmt_bytes(50_000_000, compact=True)
+    assert rows[1]["act"].plain == fmt_bytes(1_000_000, compact=True)
+
+
+def test_cells_sort_by_value_with_missing_values_last() -> None:
+    a, b, missing = Cell("10", 10.0, key=1), Cell("9", 9.0, key=2), Cell("-", None, key=0)
+    assert sorted([missing, a, b], key=lambda c: c.sort_key) == [b, a, missing]
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    cells = fellow_cells(model, model.fellows[3], marked=True)
+    assert set(cells) == {c.key for c in FELLOW_COLUMNS}
+    assert cells["sel"].plain == "●" and "red" in str(cells["name"].style)  # stale stands out
+    assert cells["tx_lim"].plain == "∞" and cells["hb"].plain == "9s"
+
+
+def test_number_formats() -> None:
+    assert [fmt_age(x) for x in (None, 3.9, 150, 7200)] == ["-", "3s", "2m", "2h"]
+    assert fmt_bytes(512, compact=True) == "512B" and \
+        fmt_bytes(3 * 1024 * 1024, compact=True) == "3.0M"
+    assert [fmt_rate(x) for x in (None, 1.234, 12.34, 1234.5)] == ["-", "1.23", "12.3", "1234"]
+    assert progress_bar(5, 10, 4) == "██░░ 5/10"
+
+
+@pytest.mark.parametrize(("tx", "rx", "lat", "error"), [
+    ("fast", "", "", "tx Mbit/s: 'fast' is not a number"),
+    ("-1", "", "", "tx Mbit/s: must be > 0"),
+    ("", "0", "", "rx Mbit/s: must be > 0"),
+    ("inf", "", "", "tx Mbit/s: 'inf' is not a number (leave it empty for unlimited)"),
+    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (leave it empty for unlimited)"),
+    ("-1e999", "", "", "tx Mbit/s: '-1e999' is out of range"),
+    ("1_000", "", "", "tx Mbit/s: '1_000' is not a number"),
+    ("\u0663", "", "", "tx Mbit/s: '\u0663' is not a number"),  # an Arabic-Indic 3
+    ("9" * 5000, "", "", "tx Mbit/s: '999999999999999999999999...' is out of range"),
+    ("x" * 5000, "", "", "tx Mbit/s: 'xxxxxxxxxxxxxxxxxxxxxxxx...' is not a number"),
+    ("", "", "-2", "latency ms: must be between 0 and 60000"),
+    ("", "", "1e9", "latency ms: must be between 0 and 60000"),
+    ("", "", "nan", "latency ms: 'nan' is not a number (leave it empty for 0 ms)"),
+    ("", "", "unlimited", "latency ms: 'unlimited' is not a number (leave it empty for 0 ms)"),
+])
+def test_set_speed_form_errors(tx: str, rx: str, lat: str, error: str) -> None:
+    with pytest.raises(FormError) as exc:
+        parse_speed(tx, rx, lat)
+    assert error in str(exc.value)
+
+
+def test_set_speed_form_values() -> None:
+    req = parse_speed(" 80 ", "", "")
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (80.0, None, 0.0)
+    req = parse_speed("unlimited", "12.5", "20")
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (None, 12.5, 20.0)
+    req = parse_speed("1e3", "+5", "-")  # ("none" and "-" mean nothing: no added latency)
+    assert (req.tx_mbps, req.rx_mbps, req.latency_ms) == (1000.0, 5.0, 0.0)
+    assert parse_speed(".5", "5.", "none").tx_mbps == 0.5
+
+
+def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
+    src = ProfileSource(snapshot_configs(tmp_path))
+    assert src.options("model") == ["model/small_fixed_int8.json", "model/small_none.json"]
+    assert src.options("training") == ["training/quickstart_shakespeare.json",
+                                       "training/tiny_sweep.json"]
+    assert src.options("fellows") == []
+    plan = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
+                                 fellows="3", steps="7"))
+    assert plan.ok and len(plan.runs) == 1
+    run = plan.runs[0]
+    assert (run.kind, run.name, run.topology.fellows) == ("train", "small_none", 3)
+    assert run.training.steps == 7 and run.model.compression == "none"
+    bad = src.plan(LaunchChoice("model/small_none.json", "training/quickstart_shakespeare.json",
+                                fellows="two"))
+    assert not bad.ok and bad.field == "$.topology.fellows" and "whole number" in bad.error
+    for typed in ("1_0", "\u0663", "9" * 5000):  # int() takes the first two, chokes on the last
+        bad = src.plan(LaunchChoice("model/small_none.json",
+                                    "training/quickstart_shakespeare.json", fellows=typed))
+        assert not bad.ok and "whole number" in bad.error and len(bad.error) < 80, bad.error
+    (tmp_path / "configs" / "model" / "broken.json").write_text('{"n_layers": "many"}')
+    bad = src.plan(LaunchChoice("model/broken.json", "training/quickstart_shakespeare.json"))
+    assert not bad.ok and bad.field is not None and bad.field.startswith("$.model")
+    (tmp_path / "configs" / "model" / "notjson.json").write_text("{")
+    bad = src.plan(LaunchChoice("model/notjson.json", "training/quickstart_shakespeare.json"))
+    assert "not valid JSON" in (bad.error or "")
+
+
+def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
+    configs = snapshot_configs(tmp_path)
+    src = ExperimentSource(configs)
+    assert src.fields == ("config",)
+    assert src.options("config") == ["exp_tiny_sweep_v1.json"]  # not the profiles below
+    plan = src.plan(LaunchChoice(config="exp_tiny_sweep_v1.json"))
+    assert plan.ok and plan.experiment is not None
+    assert [r.model.compression for r in plan.runs] == ["none", "fixed_int8"]
+    assert [r.name for r in plan.runs] == [r.run_name for r in plan.experiment.runs]
+    assert all(r.kind == "train" and r.topology.fellows == 2 and r.training.steps == 3
+               for r in plan.runs)
+    assert plan.experiment.runs_dir == (tmp_path / "runs").resolve()
+    assert any("2 runs" in note for note in plan.notes)
+    # Errors name the file and the field, as `swarm validate` does.
+    body = json.loads((configs / "exp_tiny_sweep_v1.json").read_text())
+    body["sweep"]["compressions"] = ["none", "int3"]
+    (configs / "exp_bad.json").write_text(json.dumps(body))
+    bad = src.plan(LaunchChoice(config="exp_bad.json"))
+    assert not bad.ok and bad.error is not None
+    assert bad.error.startswith("exp_bad.json: $.sweep.compressions[1]: ")
+    body = json.loads((configs / "exp_tiny_sweep_v1.json").read_text())
+    body["training_config"] = "training/missing.json"
+    (configs / "exp_missing.json").write_text(json.dumps(body))
+    bad = src.plan(LaunchChoice(config="exp_missing.json"))
+    assert bad.error is not None and "file not found" in bad.error \
+        and "$.training_config" in bad.error
+    assert src.plan(LaunchChoice()).error == "pick an experiment config"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--local", "x"], "--local: expected a whole number (local fellow count), got 'x'"),
+    # int() would take these two
+    (["--local", "1_0"], "--local: expected a whole number (local fellow count), got '1_0'"),
+    (["--local", "\u0663"], "expected a whole number"),  # an Arabic-Indic 3
+    (["--local", "0"], "--local: local fellow count must be >= 1 and <= 64, got 0"),
+    # What was parsed, cut short: one line whatever was typed.
+    (["--local", "0\n"], "local fellow count must be >= 1 and <= 64, got 0 (see"),
+    (["--local", "9" * 30], f"must be >= 1 and <= 64, got {'9' * 24}... (see"),
+    (["--local", "2", "--leader-url", "http://h:1"], "leave out --leader-url"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_console_flags_are_checked(argv: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main_tui(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('{"fellows.relase": "x"}', "unknown binding id 'fellows.relase' (did you mean "
+                                "'fellows.release'?)"),
+    ('{"fellows.release": "s"}', "key 's' would be both fellows.set_speed and fellows.release"),
+    ('{"fellows.release": 3}', "fellows.release: expected keys as a string"),
+    ('["x"]', "expected a JSON object of binding id -> keys"),
+    ("{", "not valid JSON"),
+    ('{"fellows.export": "/"}', "key 'slash' would be both fellows.filter and fellows.export"),
+    ('{"app.quit_now": "x"}', "app.quit_now works even while typing in a field"),
+    ('{"jobs.cancel": "enter"}', "'enter' belongs to the tables and fields"),
+    # A key nobody can press would leave the action with none.
+    ('{"fellows.release": "notakey"}', "fellows.release: 'notakey' is not a key"),
+    ('{"fellows.release": "ctrl+shift+alt+meta+zz"}', "'ctrl+shift+alt+meta+zz' is not a key"),
+    ('{"fellows.release": "F5"}', "'F5' is not a key"),
+    ('{"fellows.release": "' + "k" * 5000 + '"}', "'kkkkkkkkkkkkkkkkkkkkkkkk...' is not a key"),
+    # In a dialog only the app's priority keys stay live: those still clash.
+    ('{"confirm.yes": "ctrl+q,y"}', "key 'ctrl+q' would be both app.quit_now and "
+                                    "confirm.yes in the confirmation view"),
+])
+def test_a_bad_keymap_stops_the_console_before_anything_starts(
+        body: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm_core import local_cluster
+
+    def no_cluster(*_a: object, **_k: object) -> None:
+        raise AssertionError("a local cluster was started")
+
+    monkeypatch.setattr(local_cluster, "start_cluster", no_cluster)
+    keymap = tmp_path / "keymap.json"
+    keymap.write_text(body)
+    assert main_tui(["--keymap", str(keymap), "--local", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(keymap) in err and err.count("\n") == 1
+
+
+def test_keymap_takes_every_key_textual_sends_in_its_long_form() -> None:
+    from swarm_tui.app.keymap import check
+
+    keys = {"£": "pound_sign", "euro_sign": "euro_sign", "pause": "pause", "f35": "f35",
+            "ctrl+.": "ctrl+full_stop", "ctrl+/": "ctrl+slash", "ctrl+£": "ctrl+pound_sign",
+            "é": "é", "shift+f5": "shift+f5", "ctrl+shift+up": "ctrl+shift+up"}
+    for written, long_form in keys.items():
+        assert check({"fellows.release": written}, "k.json") == {"fellows.release": long_form}
+
+
+def test_keymap_checks_dialogs_against_the_keys_that_reach_them() -> None:
+    """A modal screen (dialog, help) cuts off the app's keys but the priority ones: an app key
+    may share a key with a dialog's, and the help screen's own keys are remappable."""
+    from swarm_tui.app import keymap
+
+    assert keymap.check({"app.help": "y"}, "k") == {"app.help": "y"}  # confirm.yes is y
+    assert keymap.check({"help.close_q": "x"}, "k") == {"help.close_q": "x"}
+    with pytest.raises(keymap.KeymapError, match="in the help view"):
+        keymap.check({"help.close_q": "ctrl+q"}, "k")  # quits everywhere (priority)
+
+
+def test_keymap_file_is_read_from_the_default_place(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from swarm_tui.app import keymap
+
+    monkeypatch.delenv("SWARM_KEYMAP", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert keymap.load() == {}  # none in the user config dir: the defaults
+    user_file = tmp_path / "config" / "silentswarm" / "keymap.json"
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text('{"jobs.cancel": " k , delete "}')
+    assert keymap.load() == {"jobs.cancel": "k,delete"}
+    # A file named explicitly (flag or SWARM_KEYMAP) must exist.
+    with pytest.raises(keymap.KeymapError, match="No such file"):
+        keymap.load(tmp_path / "missing.json")
+    monkeypatch.setenv("SWARM_KEYMAP", str(tmp_path / "missing.json"))
+    with pytest.raises(keymap.KeymapError, match="No such file"):
+        keymap.load()
+
+
+def test_export_renders_values_as_csv_and_json(tmp_path: Path) -> None:
+    from swarm_tui.app.cells import Cell
+    from swarm_tui.app.export import ExportError, cell_value, write_view
+
+    assert cell_value(Cell("1.2 MB/s", 1_200_000.0)) == 1_200_000.0
+    assert cell_value(Cell("-")) is None  # no value: empty, not the dash on screen
+    assert cell_value(Cell("∞", float("inf"))) is None  # an unlimited link
+    assert cell_value(Cell("job-7/1", ("job-7", 1))) == "job-7/1"  # a sort key: the text
+    assert cell_value(Cell("2 dev", 2, export="cpu,cuda:0")) == "cpu,cuda:0"
+    assert cell_value(None) is None
+    rows = [{"id": 1, "name": "a,b", "rate": 2.5}, {"id": 2, "name": "=cmd()", "rate": None}]
+    out = write_view(tmp_path / "v.csv", ["id", "name", "rate"], rows)
+    # Text a spreadsheet would run as a formula is quoted away.
+    assert out.read_text() == 'id,name,rate\n1,"a,b",2.5\n2,\'=cmd(),\n'
+    out = write_view(tmp_path / "v.json", ["id", "name", "rate"], rows)
+    assert json.loads(out.read_text()) == rows  # JSON keeps the text as it is
+    (tmp_path / "d.csv").mkdir()
+    for bad, says in [("", "give a file name ending in .csv or .json"),
+                      (str(tmp_path / "v.xlsx"), "v.xlsx: the name must end in .csv or .json"),
+                      (str(tmp_path / ".csv"), ".csv: give a name before the extension"),
+                      (str(tmp_path / "nope" / "v.csv"), f"{tmp_path / 'nope'}: no such "
+                                                         "directory"),
+                      (str(tmp_path / "d.csv"), f"{tmp_path / 'd.csv'}: is a directory"),
+                      (str(tmp_path / "v.csv"), "v.csv exists already: pick another name")]:
+        with pytest.raises(ExportError) as exc:
+            write_view(bad, ["id"], rows)
+        assert str(exc.value) == says  # (the path once: it was named twice)
+    # Paths the checks themselves choke on are refused in a line too, never a traceback.
+    (tmp_path / "dangling.csv").symlink_to(tmp_path / "gone.csv")
+    for bad, why in [(str(tmp_path / ("x" * 300 + ".csv")), "too long"),
+                     ("~no-such-user-swarm/v.csv", "home directory"),
+                     (str(tmp_path / "nul\x00.csv"), "null byte"),
+                     (str(tmp_path / "dangling.csv"), "exists already")]:
+        with pytest.raises(ExportError, match=why):
+            write_view(bad, ["id"], rows)
+    assert not (tmp_path / "gone.csv").exists()
+
+
+def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main_tui([]) == 3
+    err = capsys.readouterr().err
+    assert "no leader" in err and err.count("\n") == 1
+
+
+def test_plain_modules_and_headless_paths_import_no_textual() -> None:
+    code = ("import json, sys\n"
+            "import swarm_tui.cli, swarm_tui.app.model, swarm_tui.app.cells, "
+            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO)
+    assert not any(m == "textual" or m.startswith("textual.") for m in json.loads(out.stdout))
+
+
+def test_fixture_fellows_are_valid_infos() -> None:
+    assert all(isinstance(f, FellowInfo) for f in fixed_fellows())
+
+
+def test_every_binding_has_an_id_and_is_in_the_help() -> None:
+    from textual.binding import Binding
+
+    from swarm_tui.app.app import SwarmApp, help_sections
+    from swarm_tui.app.screens.dialogs import HelpScreen
+
+    classes = [SwarmApp, *SwarmApp.MODES.values()]
+    classes += [cls for _, cls in _screens()] + [HelpScreen]
+    ids: list[str] = []
+    for cls in classes:
+        for b in cls.BINDINGS:
+            assert isinstance(b, Binding) and b.id, f"{cls.__name__}: {b}"
+            ids.append(b.id)
+    in_help = {b.id for _, bindings in help_sections() for b in bindings}
+    assert set(ids) - {b.id for b in HelpScreen.BINDINGS} <= in_help
+    own = [b.id for cls in classes for b in cls.BINDINGS]
+    assert len(own) == len(set(own)), "binding ids are unique"
+
+
+def _screens() -> list[tuple[str, type]]:
+    from swarm_tui.app.screens.dialogs import ConfirmDialog, SetSpeedDialog
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+    from swarm_tui.app.screens.jobs import JobWatchScreen
+
+    return [("detail", FellowDetailScreen), ("watch", JobWatchScreen),
+            ("speed", SetSpeedDialog), ("confirm", ConfirmDialog)]
+
+
+def test_mid_run_set_speeds_are_described_newest_last_with_the_count_of_the_rest():
+    from swarm_tui.fmt import describe_link_changes
+
+    changes = [LinkChange(at_step=s, fellow_id=1, at=0.0, link=LinkLimits(tx_mbps=float(s)))
+               for s in (3, 7, 9, 12)]
+    assert describe_link_changes(changes[:1]) == (
+        "link set mid-run: @3 fellow 1 tx 3 Mbit/s, rx unlimited")
+    text = describe_link_changes(changes)
+    assert text.startswith("link set mid-run: @7 fellow 1 tx 7 Mbit/s") and "@12" in text
+    assert text.endswith("(+1 earlier)")
+    # The job's record kept 4 of 40: the count says so.
+    assert describe_link_changes(changes, total=40).endswith("(+37 earlier)")
