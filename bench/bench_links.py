@@ -58,19 +58,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig  # noqa: E402
-from swarm_core.contract.placement import split_layers  # noqa: E402
 from swarm_core.data import TokenData, load_token_data  # noqa: E402
 from swarm_core.pipeline import codecs, schedules  # noqa: E402
 from swarm_core.pipeline import stage as stage_mod  # noqa: E402
 from swarm_core.pipeline.frames import Kind, job_tag  # noqa: E402
 from swarm_core.pipeline.links import BURST, LinkShaper, TokenBucket  # noqa: E402
 from swarm_core.pipeline.listener import DataListener  # noqa: E402
+from swarm_core.pipeline.local import run_local_pipeline  # noqa: E402
 from swarm_core.pipeline.stage import (  # noqa: E402
     StageRunner,
-    StageSpec,
     StepReport,
     expected_wire_bytes,
-    run_stage,
 )
 from swarm_core.pipeline.transport import PeerLink, connect  # noqa: E402
 
@@ -152,44 +150,19 @@ class RunResult:
 def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data: TokenData,
                  mbps: float | None, burst: int = BURST) -> RunResult:
     n = 2
-    ranges = split_layers(mc.n_layers, [1] * n)
-    listeners = [DataListener("127.0.0.1") for _ in range(n)]
-    stop = threading.Event()
     reports: dict[int, list[tuple[float, StepReport]]] = {s: [] for s in range(n)}
-    results: dict[int, Any] = {}
     _spent.clear()
-
-    def go(s: int) -> None:
-        spec = StageSpec("bench-links", "k" * 32, s, n, ranges[s],
-                         listeners[s + 1].addr if s < n - 1 else None, mc, tc)
-        # rx stays unlimited: each direction is shaped once, at its sender.
-        shaper = LinkShaper(tx=TokenBucket(mbps, burst=burst))
-        try:
-            results[s] = run_stage(
-                spec, data, shaper, listeners[s], stop,
-                lambda r: reports[s].append((time.perf_counter(), r)), connect_timeout=10)
-        except Exception as exc:
-            results[s] = exc
-            stop.set()
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
-               for s in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    try:
+        # rx stays unlimited: each direction is shaped once, at its sender.
+        results = run_local_pipeline(
+            mc, tc, data, n, shapers=[LinkShaper(tx=TokenBucket(mbps, burst=burst))
+                                      for _ in range(n)],
+            on_step=lambda s, r: reports[s].append((time.perf_counter(), r)),
+            timeout=RUN_TIMEOUT_S)
+    except TimeoutError:
+        raise RuntimeError(f"pipeline did not finish within {RUN_TIMEOUT_S:g} s") from None
     wall = time.perf_counter() - t0
-    hung = any(t.is_alive() for t in threads)
-    if hung:
-        stop.set()
-        for t in threads:
-            t.join(5)
-    for ln in listeners:
-        ln.close()
-    if hung:
-        raise RuntimeError(f"pipeline did not finish within {RUN_TIMEOUT_S:g} s")
     for s in range(n):
         if isinstance(results.get(s), BaseException):
             raise RuntimeError(f"stage {s} failed: {results[s]!r}") from results[s]
@@ -204,7 +177,7 @@ def run_pipeline(mc: ModelConfig, tc: TrainingConfig, data: TokenData,
         spent=tuple({k: v / measured for k, v in _spent[f"stage-{s}"].items()}
                     for s in range(n)),
         wall_s=wall,
-        losses=list(results[n - 1].losses))
+        losses=list(results[n - 1].losses))  # type: ignore[union-attr]
 
 
 def bound_s(mc: ModelConfig, tc: TrainingConfig, mbps: float) -> float:

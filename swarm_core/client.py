@@ -385,7 +385,7 @@ def _reply(status: int, raw: bytes) -> Any:
 
 def _parse(payload: Any, cls: type[T]) -> T:
     try:
-        return structure(payload, cls, strict=False)
+        return structure(payload, cls, trust=True)
     except SchemaError as exc:
         raise ApiError(200, "bad_response", f"unexpected response from leader: {exc}") from None
 

@@ -54,14 +54,8 @@ class FellowStatus(enum.StrEnum):
         return self not in (FellowStatus.STALE, FellowStatus.OFFLINE)
 
 
-def _reported(_inst: Any, attr: attrs.Attribute, value: FellowStatus) -> None:
-    if not value.reported:
-        raise FieldError(f"{value.value!r} is the leader's judgement, not a fellow's report",
-                         attr.name)
-
-
-_reported.json_schema = {  # type: ignore[attr-defined]
-    "enum": [s.value for s in FellowStatus if s.reported]}
+# What a fellow may say of itself in a heartbeat (the leader judges stale and offline).
+ReportedStatus = Literal["ready", "busy", "released", "leaving"]
 
 
 class JobState(enum.Enum):
@@ -200,8 +194,7 @@ class RegisterResponse:
 class Heartbeat:
     """Sent every second by each fellow."""
 
-    status: FellowStatus = attrs.field(default=FellowStatus.READY, converter=FellowStatus,
-                                       validator=_reported)
+    status: ReportedStatus = "ready"
     current_job: str | None = None
     current_stage: int | None = None
     current_step: int = attrs.field(

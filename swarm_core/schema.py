@@ -7,9 +7,12 @@ everywhere: ``<path>: <what was expected>``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import attrs
@@ -164,10 +167,17 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
     return conv
 
 
+# {class name: {attribute: JSON key}}, so that errors name the key, not the attribute.
+_RENAMED: dict[str, dict[str, str]] = {}
+
+
 def _renames(cls: Any) -> dict[str, Any]:
     """A class's ``__renames__`` ({attribute: JSON key}, for keys that are Python keywords) as
     cattrs overrides."""
-    return {a: override(rename=k) for a, k in getattr(cls, "__renames__", {}).items()}
+    renames = getattr(cls, "__renames__", {})
+    if renames:
+        _RENAMED[cls.__name__] = dict(renames)
+    return {a: override(rename=k) for a, k in renames.items()}
 
 
 def _sparse_unstructure(inner: Any) -> Any:
@@ -201,7 +211,10 @@ def _first_error(exc: BaseException, path: str) -> tuple[str, str]:
             for note in notes:
                 note = str(note)
                 if note.startswith("Structuring class") and "@ attribute" in note:
-                    sub_path = f"{path}.{note.rsplit('@ attribute', 1)[1].strip()}"
+                    head, attr = note.rsplit("@ attribute", 1)
+                    owner = head.removeprefix("Structuring class").strip()
+                    attr = attr.strip()
+                    sub_path = f"{path}.{_RENAMED.get(owner, {}).get(attr, attr)}"
                 elif note.startswith("Structuring index"):
                     sub_path = f"{path}[{note.rsplit(' ', 1)[1]}]"
             return _first_error(sub, sub_path)
@@ -223,11 +236,47 @@ def _first_error(exc: BaseException, path: str) -> tuple[str, str]:
     return path, str(exc) or type(exc).__name__
 
 
-def structure(data: Any, cls: type[T], root: str = "$", *, strict: bool = True) -> T:
+_trust = threading.Lock()
+_trusting = 0
+
+
+@contextlib.contextmanager
+def trusted() -> Iterator[None]:
+    """Within: build objects from what this system wrote itself (its stored rows, the leader's
+    replies) without the range and consistency checks, which are for what comes in: a rule
+    added since must not make a stored job, or a list of jobs, unreadable. Types are still
+    checked. (attrs' switch is process-wide; the count keeps overlapping users from turning
+    the checks back on under each other.)"""
+    global _trusting
+    with _trust:
+        _trusting += 1
+        attrs.validators.set_disabled(True)
+    try:
+        yield
+    finally:
+        with _trust:
+            _trusting -= 1
+            if not _trusting:
+                attrs.validators.set_disabled(False)
+
+
+def checking() -> bool:
+    """Whether range and consistency checks run (not inside :func:`trusted`); for checks made
+    in ``__attrs_post_init__``, which attrs' switch does not cover."""
+    return not attrs.validators.get_disabled()
+
+
+def structure(data: Any, cls: type[T], root: str = "$", *, strict: bool = True,
+              trust: bool = False) -> T:
     """Structure ``data`` into ``cls`` or raise :class:`SchemaError` naming the field.
 
     ``strict`` refuses unknown keys (request bodies, configs); responses use ``strict=False``.
+    ``trust`` (what this system wrote itself) skips the range and consistency checks and
+    ignores unknown keys.
     """
+    if trust:
+        with trusted():
+            return structure(data, cls, root, strict=False)
     if attrs.has(cls) and not isinstance(data, dict):
         raise SchemaError(f"expected an object, got {_json_type(data)}", root)
     conv = converter if strict else lenient_converter
@@ -278,6 +327,8 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
     if origin is list:
         return {"type": "array", "items": json_schema(args[0] if args else Any, components)}
     if origin is dict or tp is dict:
+        if len(args) == 2 and args[1] is not Any:
+            return {"type": "object", "additionalProperties": json_schema(args[1], components)}
         return {"type": "object"}
     if tp is bool:
         return {"type": "boolean"}
@@ -306,6 +357,8 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
                     if extra and "$ref" not in props[key]:
                         props[key].update(extra)
                 if f.metadata.get("doc"):
+                    if "$ref" in props[key]:  # (OpenAPI 3.0 ignores a $ref's siblings)
+                        props[key] = {"allOf": [props[key]]}
                     props[key]["description"] = f.metadata["doc"]
                 if f.metadata.get("minimum") is not None:
                     props[key]["minimum"] = f.metadata["minimum"]
@@ -324,7 +377,7 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
                 comp["required"] = required
             comp.update(getattr(tp, "__json_schema__", {}))
             if tp.__doc__:
-                comp["description"] = tp.__doc__.strip().splitlines()[0]
+                comp["description"] = " ".join(tp.__doc__.strip().split("\n\n")[0].split())
             components[name] = comp
         return {"$ref": f"#/components/schemas/{name}"}
     raise TypeError(f"no JSON schema for {tp!r}")
@@ -333,12 +386,14 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
 def structure_persisted(row: dict[str, Any], cls: type[T]) -> T:
     """Rebuild a record from its stored fields; fields marked ``transient`` take defaults.
 
-    Stored rows were written by us, so unknown keys (from a newer leader) are ignored.
+    Stored rows were written by us, so unknown keys (from a newer leader) are ignored and the
+    range checks do not run again (see :func:`trusted`).
     """
     hints = typing.get_type_hints(cls)
-    kwargs = {
-        f.name: converter.structure(row[f.name], hints[f.name])
-        for f in attrs.fields(cls)
-        if not f.metadata.get("transient") and f.name in row
-    }
-    return cls(**kwargs)
+    with trusted():
+        kwargs = {
+            f.name: lenient_converter.structure(row[f.name], hints[f.name])
+            for f in attrs.fields(cls)
+            if not f.metadata.get("transient") and f.name in row
+        }
+        return cls(**kwargs)

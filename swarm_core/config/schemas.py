@@ -10,7 +10,7 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core.protocol import LinkLimits
-from swarm_core.schema import FieldError
+from swarm_core.schema import FieldError, checking
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b", "eager"]
@@ -106,6 +106,8 @@ class ModelConfig:
     mlp_ratio: int = attrs.field(default=4, validator=[_pos, _le(16)])
 
     def __attrs_post_init__(self) -> None:
+        if not checking():
+            return
         if self.d_model % self.n_heads:
             raise FieldError(f"d_model {self.d_model} is not divisible by n_heads "
                              f"{self.n_heads}", "n_heads")
@@ -173,6 +175,8 @@ class TrainingConfig:
                                                        self.shard_push_interval_steps))
 
     def __attrs_post_init__(self) -> None:
+        if not checking():
+            return
         if self.batch_size % self.micro_batches:
             raise FieldError(f"batch_size {self.batch_size} is not divisible by micro_batches "
                              f"{self.micro_batches}", "micro_batches")

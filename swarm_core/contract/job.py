@@ -19,6 +19,7 @@ from swarm_core.contract.placement import Placement
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import (
     FieldError,
+    checking,
     converter,
     lenient_converter,
     make_dict_structure_fn,
@@ -55,6 +56,8 @@ class SmokeTraining:
     step_seconds: float = attrs.field(default=0.2)
 
     def __attrs_post_init__(self) -> None:
+        if not checking():
+            return
         if not 1 <= self.steps <= 100_000:
             raise FieldError(f"must be 1-100000, got {self.steps}", "steps")
         if not 0 <= self.step_seconds <= 60:
@@ -64,7 +67,7 @@ class SmokeTraining:
 AnyTraining = TrainingConfig | SmokeTraining
 
 
-def _kind_parts(kind: str, model: ModelConfig | None,
+def kind_parts(kind: str, model: ModelConfig | None,
                 training: AnyTraining | None) -> tuple[ModelConfig | None, AnyTraining | None]:
     """``model`` and ``training`` as a job of ``kind`` has them: the defaults where absent;
     an error naming the field where they do not fit the kind."""
@@ -78,7 +81,7 @@ def _kind_parts(kind: str, model: ModelConfig | None,
         if training is not None and not isinstance(training, TrainingConfig):
             raise FieldError("a train job's training is a TrainingConfig", "training")
         return model or ModelConfig(), training or TrainingConfig()
-    return model, training  # a job this client does not know: as it came
+    return model, training  # a kind this client does not know: what it was given
 
 
 @attrs.define
@@ -95,7 +98,7 @@ class JobSubmit:
     topology: Topology = attrs.field(factory=Topology)
 
     def __attrs_post_init__(self) -> None:
-        self.model, self.training = _kind_parts(self.kind, self.model, self.training)
+        self.model, self.training = kind_parts(self.kind, self.model, self.training)
 
     @property
     def train(self) -> TrainingConfig | None:
@@ -182,12 +185,17 @@ class JobInfo:
     @property
     def shard_pushes(self) -> list[ShardReceipt]:
         """The newest pushed shard of each stage, by stage."""
-        return [self.latest_shard_pushes[k] for k in sorted(self.latest_shard_pushes, key=int)]
+        return in_stage_order(self.latest_shard_pushes)
 
 
 @attrs.define
 class JobList:
     jobs: list[JobInfo]
+
+
+def in_stage_order(pushes: dict[str, ShardReceipt]) -> list[ShardReceipt]:
+    """A job's newest shard receipts (keyed by stage index as text), by stage."""
+    return [pushes[k] for k in sorted(pushes, key=int)]
 
 
 def link_changes_in_all(changes: list[Any], total: int | None) -> int:
@@ -216,7 +224,7 @@ def register_kind_hooks(cls: type, conv: Any) -> None:
 
     def hook(value: Any, _t: Any) -> Any:
         if not isinstance(value, dict):
-            raise TypeError("expected an object")
+            raise TypeError(f"expected an object, got {type(value).__name__}")
         raw = {k: v for k, v in value.items() if k not in ("model", "training")}
         obj = base(raw, cls)  # kind, topology and the rest checked first
         types = _PART_TYPES.get(obj.kind, {})

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from swarm_core.schema import checking
+
 
 class PlacementError(ValueError):
     pass
@@ -50,7 +52,7 @@ class LayerRange:
     stop: int
 
     def __attrs_post_init__(self) -> None:
-        if not 0 <= self.start <= self.stop:
+        if checking() and not 0 <= self.start <= self.stop:
             raise PlacementError(f"layer range {self.start}-{self.stop} is not 0 <= start <= stop")
 
     def as_tuple(self) -> tuple[int, int]:
@@ -78,8 +80,8 @@ class Placement:
     stages: list[StagePlacement]
 
     def __attrs_post_init__(self) -> None:
-        if len(self.stages) != self.num_stages or any(
-                s.stage != k for k, s in enumerate(self.stages)):
+        if checking() and (len(self.stages) != self.num_stages or any(
+                s.stage != k for k, s in enumerate(self.stages))):
             raise PlacementError(f"a {self.num_stages}-stage placement must list stages "
                                  f"0..{self.num_stages - 1} in order")
 

@@ -17,12 +17,12 @@ from swarm_core.contract.job import (
     JobSubmit,
     SmokeTraining,
     Topology,
-    _kind_parts,
+    kind_parts,
     register_kind_hooks,
 )
 from swarm_core.contract.placement import FellowSlots, Placement, StagePlacement, plan
 from swarm_core.protocol import split_host_port
-from swarm_core.schema import FieldError, converter, lenient_converter
+from swarm_core.schema import FieldError, checking, converter, lenient_converter
 
 
 @attrs.define
@@ -42,7 +42,9 @@ class StageStart:
     resume_step: int = 0
 
     def __attrs_post_init__(self) -> None:
-        self.model, self.training = _kind_parts(self.kind, self.model, self.training)
+        self.model, self.training = kind_parts(self.kind, self.model, self.training)
+        if not checking():
+            return
         n = len(self.placement.stages)
         if not 0 <= self.stage < n:
             raise FieldError(f"stage {self.stage} of a {n}-stage placement", "stage")
@@ -95,14 +97,15 @@ def stage_starts(job_id: str, spec: JobSubmit, placement: Placement, key: str, *
 
 def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[str | None],
                  devices: Sequence[str] | None = None, *, job_id: str = "job-local",
-                 key: str = "k" * 32) -> list[StageStart]:
+                 key: str = "k" * 32, weights: Sequence[float] | None = None
+                 ) -> list[StageStart]:
     """The STARTs of a train job whose stage s runs on fellow s, listening at ``addrs[s]`` on
     ``devices[s]``: planned and built by the leader's own code (for a pipeline run without a
-    leader, and for tests)."""
+    leader, and for tests). Layers split equally unless ``weights`` say otherwise."""
     devs = list(devices or ["cpu"] * len(addrs))
     fellows = [FellowSlots(s, f"fellow-{s}", [dev], addr)
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
                      topology=Topology(fellows=len(addrs)))
-    placement = plan(fellows, len(addrs), model.n_layers, training.stage_weights)
+    placement = plan(fellows, len(addrs), model.n_layers, weights)
     return stage_starts(job_id, spec, placement, key)

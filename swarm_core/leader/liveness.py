@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swarm_core.contract import Replacement, Restart
+import attrs
+
+from swarm_core.contract import Placement, Replacement, Restart
 from swarm_core.leader.records import HeldFailure, JobRecord, Recovering
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.uploads import complete_checkpoints
@@ -117,68 +119,70 @@ class Liveness:
     def resume(self, job: JobRecord) -> None:
         """After the heartbeat timeout: keep the fellows that are back to ready, replace the
         others with ready fellows outside the job, restart from the latest complete
-        checkpoint."""
+        checkpoint. Nothing of the job changes until its new placement and STARTs are made:
+        a recovery that cannot go on fails the job, it never leaves it RUNNING."""
         assert job.placement is not None and job.recovering is not None
         first = job.recovering.reason
-        replaced, lost = self._replace_lost(job, first)
-        if replaced is None:
-            return
+        placement, replaced, lost = self._replacement(job)
         step = self.latest_checkpoint(job)
-        self._refresh_addresses(job)
+        try:
+            if isinstance(placement, str):
+                raise ValueError(placement)
+            starts = self.queue.starts(job, placement, attempt=job.attempt + 1,
+                                       resume_step=step)
+        except ValueError as exc:
+            job.recovering = None
+            self.queue.finish(job, JobState.FAILED, f"{exc} (first report: {first})")
+            return
         reason = "; ".join(lost) if lost else "every fellow came back"
         job.restarts.append(Restart(at_step=job.last_step, resume_step=step,
                                     reason=f"{reason} (first report: {first})",
                                     replaced=replaced, at=time.time()))
+        job.placement = placement
         job.attempt += 1
         job.recovering = None
         job.done_stages = []
         job.current = {}
         job.last_step = step
         job.reason = ""
-        self.queue.progress.store.delete_progress_after(job.job_id, step)
+        self.queue.store.delete_progress_after(job.job_id, step)
         self.queue.files.placement(job)
-        self.queue.send_start(job, resume_step=step)
+        self.queue.send(job, starts)
         self.queue.save(job)
         self.queue.event(job, "job.resumed")
 
-    def _replace_lost(self, job: JobRecord, first: str
-                      ) -> tuple[dict[str, Replacement] | None, list[str]]:
-        """Hand each stage whose fellow is not back to ready to a spare; (None, ...) when a
-        stage finds none, after failing the job."""
+    def _replacement(self, job: JobRecord
+                     ) -> tuple[Placement | str, dict[str, Replacement], list[str]]:
+        """The placement to resume on: each stage whose fellow is not back to ready goes to a
+        spare (for a train job, one with a data address), every fellow at the address it
+        registers now. A stage no spare can take: why, instead of a placement."""
         assert job.placement is not None
         now = time.monotonic()
-        spare = [r for r in self.registry.ready() if r.fellow_id not in job.fellows]
+        spare = [r for r in self.registry.ready() if r.fellow_id not in job.fellows
+                 and (r.data_addr or job.spec.train is None)]
         replaced: dict[str, Replacement] = {}
         lost: list[str] = []
+        stages = []
         for st in job.placement.stages:
             rec = self.registry.find(st.fellow_id)
             status = "gone" if rec is None else self.registry.status(rec, now)
-            if status is FellowStatus.READY and rec is not None and rec.assigned_job is None:
-                continue
-            what = f"fellow {st.fellow_id} ({st.name}) is {status}" + (
-                f" since step {rec.current_step}" if rec is not None else "")
-            lost.append(what)
-            if not spare:
-                job.recovering = None
-                self.queue.finish(job, JobState.FAILED,
-                                  f"{what}; no ready fellow can take stage {st.stage} "
-                                  f"(first report: {first})")
-                return None, lost
-            new = spare.pop(0)
-            replaced[str(st.stage)] = Replacement(from_=st.fellow_id, to=new.fellow_id,
-                                                  lost=what)
-            st.fellow_id, st.name, st.data_addr = new.fellow_id, new.name, new.data_addr
-            st.slot, st.device = 0, new.devices[0]
-        return replaced, lost
-
-    def _refresh_addresses(self, job: JobRecord) -> None:
-        """A fellow that re-registered may listen on new data addresses."""
-        assert job.placement is not None
-        for st in job.placement.stages:
-            rec = self.registry.find(st.fellow_id)
-            if rec is not None:
-                addrs = rec.data_addrs or [rec.data_addr]
-                st.data_addr = addrs[st.slot] if st.slot < len(addrs) else rec.data_addr
+            if not (status is FellowStatus.READY and rec is not None
+                    and rec.assigned_job is None):
+                what = f"fellow {st.fellow_id} ({st.name}) is {status}" + (
+                    f" since step {rec.current_step}" if rec is not None else "")
+                lost.append(what)
+                if not spare:
+                    return f"{what}; no ready fellow can take stage {st.stage}", replaced, lost
+                rec = spare.pop(0)
+                replaced[str(st.stage)] = Replacement(from_=st.fellow_id, to=rec.fellow_id,
+                                                      lost=what)
+                st = attrs.evolve(st, fellow_id=rec.fellow_id, name=rec.name, slot=0,
+                                  device=rec.devices[0])
+            # A fellow that re-registered may listen on new data addresses.
+            addrs = rec.data_addrs or [rec.data_addr]
+            stages.append(attrs.evolve(
+                st, data_addr=addrs[st.slot] if st.slot < len(addrs) else rec.data_addr))
+        return attrs.evolve(job.placement, stages=stages), replaced, lost
 
     def latest_checkpoint(self, job: JobRecord) -> int:
         """The newest step at which every stage has a pushed shard; 0 if none."""

@@ -13,11 +13,12 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.contract import JobStatusUpdate, ProgressRecord, StageMetrics
+from swarm_core.contract.job import in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store
 from swarm_core.paths import atomic_write
-from swarm_core.schema import lenient_converter, unstructure
+from swarm_core.schema import structure, unstructure
 
 OPEN_STEPS = 8  # recent steps kept in memory while their stages' reports come in
 
@@ -73,8 +74,10 @@ class ProgressBook:
                 rec.lr = figures.lr
         self.store.put_progress(job.job_id, upd.step, unstructure(rec))
 
-    def records(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
-        return [_load(r) for r in self.store.progress(job_id, after)]
+    def rows(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """The stored records as they were written (unstructured ProgressRecords): passed on
+        as they are, not rebuilt, since a long run holds a hundred thousand."""
+        return self.store.progress(job_id, after)
 
     def loss_history(self, job: JobRecord) -> list[list[float]]:
         return [[r["step"], r["loss"]] for r in self.store.progress(job.job_id)
@@ -82,7 +85,7 @@ class ProgressBook:
 
 
 def _load(row: dict[str, Any]) -> ProgressRecord:
-    return lenient_converter.structure(row, ProgressRecord)
+    return structure(row, ProgressRecord, trust=True)
 
 
 class RunFiles:
@@ -102,7 +105,7 @@ class RunFiles:
         self.write(job, "placement_plan.json", job.placement)
 
     def run_manifest(self, job: JobRecord) -> dict[str, Any]:
-        pushes = [job.latest_shard_pushes[k] for k in sorted(job.latest_shard_pushes, key=int)]
+        pushes = in_stage_order(job.latest_shard_pushes)
         steps = {p.step for p in pushes}
         spec = unstructure(job.spec)
         return {

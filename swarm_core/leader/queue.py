@@ -6,9 +6,11 @@ files in :mod:`swarm_core.leader.progress`. This module owns a job's state chang
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from swarm_core.config.schemas import job_shape_error
 from swarm_core.contract import (
@@ -17,10 +19,11 @@ from swarm_core.contract import (
     JobStatusUpdate,
     JobSubmit,
     LinkChange,
+    Placement,
     PlacementError,
-    ProgressRecord,
     ShardReceipt,
     StageMetrics,
+    StageStart,
     link_changes_in_all,
     plan,
     stage_starts,
@@ -34,6 +37,8 @@ from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
 from swarm_core.protocol import JobState, LinkLimits
 from swarm_core.schema import SchemaError, unstructure
+
+log = logging.getLogger("swarm.leader")
 
 MAX_LINK_CHANGES = 200
 
@@ -49,7 +54,14 @@ class JobQueue:
         self.liveness = Liveness(self, registry, runs_dir)
         self._jobs: dict[str, JobRecord] = {}
         for row in store.load_jobs():
-            job = JobRecord.from_row(row)
+            try:
+                job = JobRecord.from_row(row)
+            except Exception as exc:
+                # One row this leader cannot read must not keep it from starting: it stays in
+                # the database as it is, and is named once.
+                log.error("job %s left out: its stored record cannot be read: %s",
+                          row.get("job_id", "?"), exc)
+                continue
             self._jobs[job.job_id] = job
             if job.state is JobState.RUNNING:
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
@@ -110,9 +122,10 @@ class JobQueue:
                     f"slots, {able} ready")
         return f"needs {topo.fellows} ready fellow(s), {len(ready)} ready"
 
-    def records(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
+    def progress_rows(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+        """A job's per-step records (see ProgressBook.rows)."""
         self.get(job_id)
-        return self.progress.records(job_id, after)
+        return self.progress.rows(job_id, after)
 
     def holds(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
         """Whether this fellow runs this stage of the job (a fellow may run several)."""
@@ -232,12 +245,17 @@ class JobQueue:
             self.finish(job, JobState.FAILED,
                         f"fellow(s) {missing} registered without a data-plane address")
             return job
+        try:
+            starts = self.starts(job, placement, attempt=job.attempt, resume_step=0)
+        except ValueError as exc:
+            self.finish(job, JobState.FAILED, f"cannot start: {exc}")
+            return job
         job.state = JobState.RUNNING
         job.started_at = time.time()
         job.placement = placement
         self.liveness.watch(job)
         self.files.placement(job)
-        self.send_start(job, resume_step=0)
+        self.send(job, starts)
         self.save(job)
         self.event(job, "job.started")
         return job
@@ -281,12 +299,17 @@ class JobQueue:
         return job.job_id
 
     # what the liveness checks share -----------------------------------------------------------
-    def send_start(self, job: JobRecord, resume_step: int) -> None:
-        """One START per stage (a fellow with several slots gets one for each)."""
-        assert job.placement is not None
+    def starts(self, job: JobRecord, placement: Placement, *, attempt: int,
+               resume_step: int) -> list[StageStart]:
+        """The START of each stage of ``job`` on ``placement``; ValueError (a FieldError) if
+        one cannot be made (a stage whose neighbour has no data address)."""
         key = secrets.token_hex(16)  # the data plane admits only connections that present it
-        for start in stage_starts(job.job_id, job.spec, job.placement, key,
-                                  attempt=job.attempt, resume_step=resume_step):
+        return stage_starts(job.job_id, job.spec, placement, key, attempt=attempt,
+                            resume_step=resume_step)
+
+    def send(self, job: JobRecord, starts: list[StageStart]) -> None:
+        """One START per stage (a fellow with several slots gets one for each)."""
+        for start in starts:
             fellow = self.registry.get(start.mine.fellow_id)
             fellow.assigned_job = job.job_id
             self.registry.send(fellow, "START", job.job_id, unstructure(start))

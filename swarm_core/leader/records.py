@@ -20,7 +20,7 @@ from swarm_core.contract import (
     ShardReceipt,
 )
 from swarm_core.protocol import JobState
-from swarm_core.schema import lenient_converter, unstructure
+from swarm_core.schema import lenient_converter, trusted, unstructure
 
 SPEC_FIELDS = ("name", "kind", "model", "training", "topology")
 
@@ -71,6 +71,7 @@ class JobRecord:
     watched_since: float | None = None
     recovering: Recovering | None = None
     current: dict[int, ProgressRecord] = attrs.field(factory=dict)
+    spec_row: dict[str, Any] | None = attrs.field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -97,7 +98,12 @@ class JobRecord:
         return all(s in self.done_stages for s, f in enumerate(self.fellows) if f == fellow_id)
 
     def row(self) -> dict[str, Any]:
-        out = {k: v for k, v in unstructure(self.spec).items() if k in SPEC_FIELDS}
+        if self.spec_row is None:  # (the job as submitted never changes: written once)
+            self.spec_row = {k: v for k, v in unstructure(self.spec).items()
+                             if k in SPEC_FIELDS}
+            if self.spec_row.get("model") is None:
+                self.spec_row["model"] = {}  # as a smoke job's always read (older leaders too)
+        out = dict(self.spec_row)
         for f in attrs.fields(JobRecord):
             if f.name in _STORED:
                 out[f.name] = unstructure(getattr(self, f.name))
@@ -110,7 +116,7 @@ class JobRecord:
         """A stored row back as a record. Rows were checked when they came in, so their
         validators do not run again: a rule added since must not stop a leader loading its
         history (such rules go to ``job_shape_error``, which runs at submit only)."""
-        with attrs.validators.disabled():
+        with trusted():
             spec = lenient_converter.structure(
                 {k: row[k] for k in SPEC_FIELDS if k in row}, JobSubmit)
             fields = {name: lenient_converter.structure(row[name], _TYPES[name])
@@ -120,6 +126,7 @@ class JobRecord:
         return cls(spec=spec, held=held, **fields)
 
 
-_TRANSIENT = ("spec", "held", "watched_since", "recovering", "current")
-_STORED = tuple(f.name for f in attrs.fields(JobRecord) if f.name not in _TRANSIENT)
+# Stored otherwise (spec, held) or not at all (what one leader process keeps in memory).
+_NOT_AS_IS = ("spec", "held", "watched_since", "recovering", "current", "spec_row")
+_STORED = tuple(f.name for f in attrs.fields(JobRecord) if f.name not in _NOT_AS_IS)
 _TYPES = {f.name: f.type for f in attrs.fields(attrs.resolve_types(JobRecord))}

@@ -221,20 +221,20 @@ class FellowRegistry:
         before = self.status(rec, now_mono)
         rec_link_before = rec.link
         if hb.current_step != rec.current_step or rec.step_changed is None \
-                or hb.status is not FellowStatus.BUSY:
+                or hb.status != FellowStatus.BUSY:
             rec.step_changed = now_mono
-        rec.reported_status = hb.status
+        rec.reported_status = FellowStatus(hb.status)
         rec.current_job, rec.current_stage = hb.current_job, hb.current_stage
         rec.current_step, rec.last_loss = hb.current_step, hb.last_loss
         rec.tokens_per_s, rec.counters, rec.link = hb.tokens_per_s, hb.counters, hb.link
         rec.last_seen, rec.last_heartbeat = now_mono, time.time()
         # Signals up to the fellow's signal_seq are applied; forget them.
         rec.pending = [s for s in rec.pending if s.seq > hb.signal_seq]
-        if hb.status != before or hb.link != rec_link_before:
+        if rec.reported_status != before or hb.link != rec_link_before:
             self.dirty.add(rec.fellow_id)
         else:
             self.telemetry_dirty.add(rec.fellow_id)
-        if hb.status.left:
+        if rec.reported_status.left:
             self._by_session.pop(rec.session, None)
         return before
 

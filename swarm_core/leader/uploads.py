@@ -150,6 +150,16 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ApiError(400, "manifest step must be a non-negative integer",
                        field="manifest.step")
+    # What the job's record keeps of the push (its ShardReceipt): checked before anything is
+    # written, so a stored job never holds what it cannot read back.
+    if not isinstance(manifest.get("config_fingerprint"), str | None):
+        raise ApiError(400, "manifest config_fingerprint must be a string",
+                       field="manifest.config_fingerprint")
+    opt_bytes = manifest.get("optimizer_bytes")
+    if opt_bytes is not None and (isinstance(opt_bytes, bool) or not isinstance(opt_bytes, int)
+                                  or not 0 <= opt_bytes < 2**63):
+        raise ApiError(400, "manifest optimizer_bytes must be a byte count or null",
+                       field="manifest.optimizer_bytes")
     part = await reader.next()
     if part is None or getattr(part, "name", None) != "weights":
         raise ApiError(400, "second part must be 'weights'", field="weights")

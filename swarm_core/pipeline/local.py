@@ -14,7 +14,7 @@ from swarm_core.contract import chain_starts
 from swarm_core.data import TokenData
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.stage import StageSpec, StepReport, run_stage
+from swarm_core.pipeline.stage import StageResult, StageSpec, StepReport, run_stage
 
 __all__ = ["run_local_pipeline"]
 
@@ -28,9 +28,10 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        prepare: Mapping[int, Callable[[StageSpec], None]] | None = None,
                        stage_kwargs: Mapping[int, dict[str, Any]] | None = None,
                        on_step: Callable[[int, StepReport], None] | None = None,
-                       timeout: float = 60.0) -> dict[int, Any]:
-    """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s metrics
-    or the exception that ended it; the first failure sets ``stop`` for the others.
+                       timeout: float = 60.0) -> dict[int, StageResult | BaseException]:
+    """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s
+    :class:`StageResult` or the exception that ended it; the first failure sets ``stop`` for
+    the others.
     ``data`` may be a loader ``data(s)``, which stage s calls as a fellow loads its data:
     while its links are being opened.
     ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);

@@ -172,6 +172,8 @@ class PeerLink:
                     raise self._blame(PeerTimeout(f"sending to {self.peer}: nothing moved for "
                                                   f"{timeout:g}s"))
                 time.sleep(0.002)
+            if self._send_failed:
+                self._raise_if_failed()
         finally:
             self._owner_waiting = False
             self.waited += time.monotonic() - start
@@ -216,9 +218,19 @@ class PeerLink:
                             if self.abort.is_set():
                                 break
                             self._write(b[off:off + CHUNK])
+                except OSError as exc:
+                    # Failed before the frame counts as done: a flush never takes it for written.
+                    self._send_failed = True
+                    self._fail(self._blame(LinkClosed(
+                        f"link to {self.peer} broke while sending: {exc}")))
+                    return
+                except Exception as exc:
+                    self._send_failed = True
+                    self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
+                    return
                 finally:
                     self._out.task_done()
-        except OSError as exc:
+        except OSError as exc:  # (a pulse)
             self._send_failed = True
             self._fail(self._blame(LinkClosed(f"link to {self.peer} broke while sending: {exc}")))
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now

@@ -456,6 +456,6 @@ def _figures(raw: Any) -> StageMetrics:
     """A metric event's figures, as the contract reads them; none from a payload that is not
     one (a foreign leader's)."""
     try:
-        return structure(raw or {}, StageMetrics, strict=False)
+        return structure(raw or {}, StageMetrics, trust=True)
     except SchemaError:
         return StageMetrics()

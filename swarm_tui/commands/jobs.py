@@ -21,7 +21,7 @@ from swarm_core.contract import (
     perplexity,
 )
 from swarm_core.protocol import JobState
-from swarm_core.schema import SchemaError, structure, unstructure
+from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
 from swarm_tui.commands.base import (
     CommandError,
@@ -145,6 +145,8 @@ def train_job(model: ModelConfig, training: dict[str, Any], fellows: int,
                          training=structure(training, TrainingConfig, "$.training"))
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
+    except FieldError as exc:  # (the job's own fields: its name, its fellows)
+        raise CommandError(f"$.{exc.field}: {exc}", ExitCode.USAGE) from None
 
 
 def _load_json(path: str) -> Any:
