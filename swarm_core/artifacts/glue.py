@@ -23,7 +23,7 @@ from swarm_core.artifacts.manifests import ShardManifest, model_manifest, shard_
 from swarm_core.artifacts.shards import ShardError, load_shard, npz_arrays, npz_bytes, read_file
 from swarm_core.config.schemas import ModelConfig
 from swarm_core.paths import atomic_write
-from swarm_core.pipeline.model import ExperimentModel
+from swarm_core.pipeline.whole import ExperimentModel
 from swarm_core.schema import SchemaError
 
 FULL_MODEL = "full_model"

@@ -1,4 +1,6 @@
-"""``ExperimentModel``: a GPT-style decoder, and the stage slices of it that fellows train.
+"""A GPT-style decoder, as the stage slices of it that fellows train (the whole of it in one
+process: :mod:`swarm_core.pipeline.whole`). Plain torch modules: what a schedule needs of them
+(split backward's deferred weight passes) the stage swaps in, and the wire is the stage's.
 
 Every part (embedding, block i, head, bottleneck halves at boundary j) is initialised under its
 own seed derived from the run seed and the part's name, so a stage that builds only its layers
@@ -12,15 +14,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from swarm_core.config.schemas import Compression, ModelConfig
-from swarm_core.pipeline import codecs
-from swarm_core.pipeline.wgrad import SplitLinear
 
 
 def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
@@ -79,8 +79,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = SplitLinear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = SplitLinear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +102,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(SplitLinear(d, cfg.mlp_ratio * d), nn.GELU(),
-                                 SplitLinear(cfg.mlp_ratio * d, d))
+        self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(),
+                                 nn.Linear(cfg.mlp_ratio * d, d))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,8 +129,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab: int) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = SplitLinear(cfg.d_model, vocab, bias=False)
-        self.lm_head.deferrable = False  # see SplitLinear
+        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -141,7 +140,7 @@ class BottleneckDown(nn.Module):
 
     def __init__(self, d: int, k: int) -> None:
         super().__init__()
-        self.proj = SplitLinear(d, k)
+        self.proj = nn.Linear(d, k)
         self.norm = nn.LayerNorm(k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,26 +154,11 @@ class BottleneckUp(nn.Module):
 
     def __init__(self, k: int, d: int) -> None:
         super().__init__()
-        self.proj = SplitLinear(k, d)
+        self.proj = nn.Linear(k, d)
         self.norm = nn.LayerNorm(d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.proj(x).float())  # float32, as in BottleneckDown
-
-
-class _WireRoundTrip(torch.autograd.Function):
-    """What a boundary does to a tensor in one process: the codec forward and backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor,  # type: ignore[override]
-                codec: codecs.WireCodec) -> torch.Tensor:
-        ctx.codec = codec
-        return codec.roundtrip(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, None]:
-        return ctx.codec.roundtrip(grad), None
 
 
 class StageModule(nn.Module):
@@ -231,40 +215,6 @@ class StageModule(nn.Module):
         if self.head is not None:
             x = self.head(x)
         return x
-
-
-class ExperimentModel(nn.Module):
-    """The whole model in one process: the stages chained, each boundary simulated in-process
-    (the same codec forward and backward as the wire). Equal to the pipeline by construction."""
-
-    def __init__(self, cfg: ModelConfig, vocab: int, seed: int,
-                 ranges: Sequence[tuple[int, int]] | None = None) -> None:
-        super().__init__()
-        self.cfg = cfg
-        ranges = list(ranges or [(0, cfg.n_layers)])
-        self.stages = nn.ModuleList(
-            StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
-        )
-        self.codec = codecs.WireCodec.of(cfg)
-
-    def forward(self, idx: torch.Tensor, step: int | None = None,
-                micro_batch: int | None = None) -> torch.Tensor:
-        """With ``step`` and ``micro_batch`` (training), dropout draws as each stage of the
-        pipeline would (see :func:`dropout_rng`)."""
-        x = idx
-        for i, stage in enumerate(self.stages):
-            with dropout_rng(stage, step, micro_batch):
-                x = stage(x)
-            if i < len(self.stages) - 1 and not self.codec.exact:
-                x = _WireRoundTrip.apply(x, self.codec)
-        return x
-
-    def flat_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameter names without the ``stages.N.`` prefix: the glued-model layout."""
-        out = {}
-        for stage in self.stages:
-            out.update(stage.state_dict())
-        return out
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

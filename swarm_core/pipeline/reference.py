@@ -8,7 +8,7 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
-from swarm_core.pipeline.model import ExperimentModel, lm_loss
+from swarm_core.pipeline.model import lm_loss
 from swarm_core.pipeline.optim import (
     clip_scale,
     grad_sq_sum,
@@ -17,6 +17,7 @@ from swarm_core.pipeline.optim import (
     scale_grads,
     set_lr,
 )
+from swarm_core.pipeline.whole import ExperimentModel
 
 
 def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData,

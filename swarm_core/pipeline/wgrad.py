@@ -115,9 +115,8 @@ class SplitLinear(nn.Linear):
     model; the hook is one call per layer, in backward only. (So with a queue attached, any
     backward through the layer, ``torch.autograd.grad`` too, produces the weight gradient.)
 
-    ``deferrable = False`` keeps a layer out of the queue: the LM head, whose output gradient
-    (tokens x vocabulary) would be the largest thing a deferred pass holds, and which runs
-    last on the last stage, where nothing waits for its input gradient anyway."""
+    ``deferrable = False`` keeps a layer out of the queue (``attach`` leaves the layers
+    named in KEEP_FUSED plain to begin with)."""
 
     wgrad: WeightGradQueue | None = None
     deferrable: bool = True
@@ -168,11 +167,23 @@ class SplitLinear(nn.Linear):
             _accumulate(b, g2.sum(0).to(b.dtype))
 
 
+# Layers that keep autograd's fused backward: the LM head, whose output gradient (tokens x
+# vocabulary) would be the largest thing a deferred pass holds, and which runs last on the last
+# stage, where nothing waits for its input gradient anyway.
+KEEP_FUSED = frozenset({"lm_head"})
+
+
 def attach(module: nn.Module, queue: WeightGradQueue | None) -> int:
-    """Route the weight gradients of every deferrable SplitLinear in ``module`` to ``queue``
-    (None: back to plain Linears). Returns how many layers it touched."""
+    """Route the weight gradients of the Linear layers in ``module`` to ``queue`` (None: back
+    to plain Linears). A model is built of plain ``nn.Linear``; the stage that splits its
+    backward makes each a :class:`SplitLinear` here, in place (same parameters, same names),
+    except those named in KEEP_FUSED. Returns how many layers it touched."""
     n = 0
-    for sub in module.modules():
+    for name, sub in module.named_modules():
+        if not isinstance(sub, nn.Linear) or name.rpartition(".")[2] in KEEP_FUSED:
+            continue
+        if type(sub) is nn.Linear:
+            sub.__class__ = SplitLinear  # (a subclass that adds behaviour, not state)
         if isinstance(sub, SplitLinear) and sub.deferrable:
             sub.wgrad = queue
             n += 1

@@ -15,7 +15,8 @@ import torch
 from swarm_core.artifacts.glue import GlueError, glue, load_full_model
 from swarm_core.artifacts.shards import npz_bytes
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.pipeline.model import ExperimentModel, StageModule
+from swarm_core.pipeline.model import StageModule
+from swarm_core.pipeline.whole import ExperimentModel
 from tests.support import GLUE_MODEL, GLUE_RANGES, export
 
 MODEL, RANGES = GLUE_MODEL, GLUE_RANGES

@@ -26,13 +26,14 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.leader.uploads import OPTIMIZER_SLACK
-from swarm_core.pipeline.model import ExperimentModel, StageModule
+from swarm_core.pipeline.model import StageModule
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     load_optimizer_arrays,
     make_optimizer,
     optimizer_arrays,
 )
+from swarm_core.pipeline.whole import ExperimentModel
 from tests.support import AUTH, TOKEN
 
 A = "/api/v1"

@@ -180,3 +180,16 @@ def test_split_linear_keeps_what_autograd_guarantees() -> None:
                 queue.capture():
             out.sum().backward()
     queue.clear()
+
+
+def test_the_model_is_plain_linears_until_a_stage_splits_its_backward() -> None:
+    """The model knows nothing of schedules: its layers are plain Linears. A stage that
+    splits its backward swaps in SplitLinears (same parameters), all but the LM head."""
+    stage = StageModule(CFG, 64, 0, 2, 4, 1, 2)  # blocks 2-3 and the head
+    assert not any(isinstance(m, SplitLinear) for m in stage.modules())
+    weights = {n: p for n, p in stage.named_parameters()}
+    touched = attach(stage, WeightGradQueue())
+    split = [n for n, m in stage.named_modules() if isinstance(m, SplitLinear)]
+    assert touched == len(split) == 2 * 4  # qkv, proj and the MLP's two, in each block
+    assert type(stage.head.lm_head) is torch.nn.Linear
+    assert all(p is weights[n] for n, p in stage.named_parameters())

@@ -102,7 +102,7 @@ def test_the_shipped_model_profiles_load_and_grow_in_size():
     import torch
 
     from swarm_core.config.profiles import load_model_profile
-    from swarm_core.pipeline.model import ExperimentModel
+    from swarm_core.pipeline.whole import ExperimentModel
     from tests.support import REPO
 
     names = ["small_none", "small_fixed_int8", "large_fixed_int8", "xlarge_learned_bottleneck"]
