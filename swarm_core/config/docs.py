@@ -64,9 +64,15 @@ SECTIONS: list[tuple[str, type, str]] = [
      "and its perplexity. `validation_fraction` is the tail of the text held out; "
      "`wikitext103` uses the corpus's own validation split instead (read offline from the "
      "Hugging Face cache), so its perplexities compare with published ones."),
+    ("SyncConfig (`sync`)", schemas.SyncConfig,
+     "Only a job of several replicas has anything to synchronise (`topology.replicas`, "
+     "`cluster_profile.replicas`, `swarm submit --replicas`). Replica r of every stage takes "
+     "the r-th share of each step's windows, so `batch_size` stays the step's global batch "
+     "and must divide by replicas x `micro_batches`; with `compression: none` a job of R "
+     "replicas computes the losses of one replica (and of one process) to float rounding."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
-     "One pipeline stage per fellow; the runner checks this against the leader's active "
-     "fellows before anything runs."),
+     "One pipeline cell per fellow: `fellows / replicas` stages, `replicas` of each; the "
+     "runner checks this against the leader's active fellows before anything runs."),
     ("NetworkProfile (`network_profile`, `sweep.network_profiles[]`)", profiles.NetworkProfile,
      "Rates and latency are applied by every fellow's own link shaper for the run."),
     ("TcProfile (`tc_profile`)", profiles.TcProfile,

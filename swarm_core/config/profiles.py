@@ -98,13 +98,22 @@ class NetworkProfile:
 
 @attrs.define
 class ClusterProfile:
-    """What the run asks of the cluster: one pipeline stage per fellow."""
+    """What the run asks of the cluster: one pipeline stage per fellow, ``replicas`` (data
+    parallel) of each: fellows / replicas stages."""
 
     fellows: int = 2
+    replicas: int = 1
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.fellows <= 1024:
             raise FieldError(f"must be 1-1024, got {self.fellows}", "fellows")
+        if not 1 <= self.replicas <= self.fellows or self.fellows % self.replicas:
+            raise FieldError(f"must divide fellows ({self.fellows}), got {self.replicas}",
+                             "replicas")
+
+    @property
+    def stages(self) -> int:
+        return self.fellows // self.replicas
 
 
 @attrs.define
@@ -204,11 +213,13 @@ class RunSpec:
     model_source: str
     compression: str
     slots_per_fellow: int = 1  # one stage per slot
+    replicas: int = 1  # of every stage
 
     def job_body(self, run_id: str) -> dict[str, Any]:
         return {"name": run_id, "kind": "train", "model": self.model,
                 "training": self.training,
-                "topology": {"fellows": self.fellows, "slots_per_fellow": self.slots_per_fellow}}
+                "topology": {"fellows": self.fellows, "slots_per_fellow": self.slots_per_fellow,
+                             "replicas": self.replicas}}
 
     def job(self, run_id: str) -> JobSubmit:
         """The run as the leader gets it: a JobSubmit, checked as the leader checks it."""
@@ -313,6 +324,13 @@ def load_training_profile(path: Path, referenced_from: tuple[Path, str] | None =
     return TrainingProfile(training, cluster, network, artifacts)
 
 
+def load_job_cluster(path: Path) -> ClusterProfile | None:
+    """The cluster a training profile asks of a job run from it; None when it names none."""
+    if "cluster_profile" not in _read_json(path):
+        return None
+    return load_training_profile(path).cluster_profile
+
+
 def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
     """A training profile as one job runs it (``swarm submit --training``): its training
     fields, its artifacts' shard push interval and its network profile's link limits (not
@@ -390,6 +408,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                         runs.append(RunSpec(
                             index=len(runs), run_name=name, model=model_dict,
                             training=training, fellows=profile.cluster_profile.fellows,
+                            replicas=profile.cluster_profile.replicas,
                             network=unstructure(network),
                             tc_profile=None if network.tc_profile is None
                             else unstructure(network.tc_profile),
@@ -402,9 +421,9 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
 def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: TrainingProfile,
                  sweep_overrides: dict[str, Any], path: Path, tpath: Path, mpath: Path) -> None:
     """What the leader would refuse, refused here first, naming the file and field at fault."""
-    stages = profile.cluster_profile.fellows  # one stage per fellow, as RunSpec.job_body asks
+    cluster = profile.cluster_profile  # (one cell per fellow, as RunSpec.job_body asks)
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
-                            stages)
+                            cluster.stages, cluster.replicas)
     if shape is None:
         return
     message, where = shape

@@ -120,6 +120,41 @@ class ModelConfig:
         return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
 
 
+SYNC_CODECS = ("none", "fp16", "bf16", "int8", "int8_bB")
+_SYNC_INT8 = re.compile(r"int8(?:_b([0-9]{1,6}))?")
+
+
+@attrs.frozen
+class SyncConfig:
+    """How the replicas of a stage keep one set of weights (a job of one replica has none to
+    keep): ``dp`` all-reduces their gradients every step, around a ring over the same shaped
+    links as the pipeline. ``compression`` codes what crosses, as a boundary's codec does
+    (int8 sums in fp32 after decoding, as INTELLECT-1's ring does)."""
+
+    mode: Literal["dp"] = "dp"
+    compression: str = "none"
+
+    def __attrs_post_init__(self) -> None:
+        if not checking():
+            return
+        m = _SYNC_INT8.fullmatch(self.compression)
+        if self.compression not in ("none", "fp16", "bf16") and m is None:
+            raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
+                             f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
+        if m is not None and m.group(1) is not None \
+                and not 2 <= int(m.group(1)) <= MAX_INT8_BLOCK:
+            raise FieldError(f"int8 block {m.group(1)} must be 2..{MAX_INT8_BLOCK}",
+                             "compression")
+
+    @property
+    def codec(self) -> tuple[str, int]:
+        """The wire codec's name (fp32 for none) and int8 block (0: one scale per row)."""
+        m = _SYNC_INT8.fullmatch(self.compression)
+        if m is not None:
+            return "int8", int(m.group(1) or 0)
+        return ("fp32" if self.compression == "none" else self.compression), 0
+
+
 # torch threads per stage: more than any machine here gives one process.
 MAX_THREADS = 256
 
@@ -163,6 +198,8 @@ class TrainingConfig:
     # replacement (the fellows that are still alive keep their stages).
     resume_policy: Literal["fail", "replace"] = "fail"
     max_restarts: int = attrs.field(default=3, validator=[_nonneg, _le(1000)])
+    # How the replicas of each stage stay one model (topology.replicas above 1).
+    sync: SyncConfig = attrs.field(factory=SyncConfig)
 
     def follows_a_pause(self, step: int, start_step: int = 0) -> bool:
         """Whether 1-based ``step`` comes right after time out of training: the first step of
@@ -194,13 +231,17 @@ class TrainingConfig:
                                  "(no '..', no absolute path)", "export_dir")
 
 
-def job_shape_error(model: ModelConfig, training: TrainingConfig,
-                    stages: int) -> tuple[str, str] | None:
+def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
+                    replicas: int = 1) -> tuple[str, str] | None:
     """Why this model, training config and stage count cannot run together, with the field at
     fault (``training.stage_weights``, ``training.min_lr``, ``topology``,
     ``model.bottleneck_dim`` or ``model.vocab_size``); None if they can. (Checked where configs
     come in, not in the schemas: stored configs from before a rule still load.)
     The leader refuses such a job and ``swarm validate`` such a config, by this one rule."""
+    if replicas > 1 and training.batch_size % (replicas * training.micro_batches):
+        # (each replica takes its own share of the step's windows, in micro_batches)
+        return (f"batch_size {training.batch_size} is not divisible by {replicas} replicas x "
+                f"{training.micro_batches} micro_batches", "training.batch_size")
     if training.stage_weights is not None and len(training.stage_weights) != stages:
         return (f"{len(training.stage_weights)} weights for {stages} stages",
                 "training.stage_weights")

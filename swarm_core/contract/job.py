@@ -32,18 +32,58 @@ JobKind = Literal["smoke", "train"]
 
 @attrs.define
 class Topology:
-    """What a job asks of the cluster: fellows, and how many of each one's device slots it
-    uses; one pipeline stage per slot, so fellows x slots_per_fellow stages."""
+    """What a job asks of the cluster: a grid of ``stages`` pipeline stages by ``replicas``
+    replicas of each (data parallel), one cell per device slot, on ``fellows`` fellows using
+    ``slots_per_fellow`` slots each. Give the grid, or the fellows (then stages = fellows x
+    slots_per_fellow / replicas); the rest is worked out, and what is given must agree."""
 
-    fellows: int = attrs.field(
-        default=1, validator=bounded(1, 1024), metadata=meta("", minimum=1, maximum=1024)
-    )
+    fellows: int | None = attrs.field(
+        default=None, validator=bounded(1, 1024), metadata=meta(
+            "default: stages x replicas / slots_per_fellow", minimum=1, maximum=1024))
     slots_per_fellow: int = attrs.field(
         default=1, validator=bounded(1, 64), metadata=meta("", minimum=1, maximum=64))
+    stages: int | None = attrs.field(
+        default=None, validator=bounded(1, 1024), metadata=meta(
+            "pipeline stages; default: fellows x slots_per_fellow / replicas",
+            minimum=1, maximum=1024))
+    replicas: int = attrs.field(
+        default=1, validator=bounded(1, 256), metadata=meta(
+            "data-parallel replicas of every stage", minimum=1, maximum=256))
+
+    def __attrs_post_init__(self) -> None:
+        slots, replicas = self.slots_per_fellow, self.replicas
+        if self.stages is None:
+            self.fellows = self.fellows or 1
+            cells = self.fellows * slots
+            if cells % replicas and checking():
+                raise FieldError(f"{self.fellows} fellow(s) x {slots} slot(s) is not a whole "
+                                 f"number of stages for {replicas} replicas", "replicas")
+            self.stages = max(1, cells // replicas)
+            return
+        cells = self.stages * replicas
+        if self.fellows is None:
+            if cells % slots and checking():
+                raise FieldError(f"{self.stages} stage(s) x {replicas} replica(s) do not fill "
+                                 f"fellows of {slots} slot(s)", "slots_per_fellow")
+            self.fellows = max(1, cells // slots)
+        elif self.fellows * slots != cells and checking():
+            raise FieldError(f"{self.fellows} fellow(s) x {slots} slot(s) is not "
+                             f"{self.stages} stage(s) x {replicas} replica(s)", "fellows")
 
     @property
     def num_stages(self) -> int:
-        return self.fellows * self.slots_per_fellow
+        assert self.stages is not None
+        return self.stages
+
+    @property
+    def cells(self) -> int:
+        """Stage replicas in all: one device slot each."""
+        return self.num_stages * self.replicas
+
+    @property
+    def num_fellows(self) -> int:
+        assert self.fellows is not None
+        return self.fellows
 
 
 @attrs.define

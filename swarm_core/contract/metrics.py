@@ -56,6 +56,9 @@ class StageMetrics:
     activation_peak_bytes: int | None = None
     wait_seconds: float | None = None  # of step_seconds, the time blocked on its links
     codec_error: CodecErrors | None = None
+    # what the stage's group synchronisation sent in the step, and the time it took (replicas)
+    sync_tx_bytes: int | None = None
+    sync_seconds: float | None = None
     # an evaluation
     eval_loss: float | None = None
     perplexity: float | None = None
@@ -65,6 +68,8 @@ class StageMetrics:
     tokens_per_s: float | None = None
     wire_tx_bytes_per_step: float | None = None
     expected_wire_tx_bytes_per_step: int | None = None
+    sync_tx_bytes_per_step: float | None = None
+    expected_sync_tx_bytes_per_step: int | None = None
     wait_fraction: float | None = None
     final_loss: float | None = None
     best_loss: float | None = None
@@ -113,9 +118,12 @@ class JobMetrics:
     tokens_per_s: float | None = None
     wall_s: float | None = None
     wire_bytes_per_step: float | None = None
+    sync_bytes_per_step: float | None = None  # replicas: every stage group's, together
 
-    def stage(self, index: int) -> StageMetrics:
-        return (self.stages or {}).get(str(index)) or StageMetrics()
+    def stage(self, cell: int | str) -> StageMetrics:
+        """A cell's figures, by its label (``Placement.label``: the stage, for one
+        replica)."""
+        return (self.stages or {}).get(str(cell)) or StageMetrics()
 
 
 @sparse
@@ -128,8 +136,14 @@ class ProgressRecord:
 
     step: int
     wire_bytes: int = 0
+    # Cells that reported the step: stage indices for a job of one replica, else indices into
+    # the placement's cells.
     stages_reported: list[int] = attrs.field(factory=list)
     loss: float | None = None
+    # A job of several replicas: the bytes their stage groups' synchronisation sent, and each
+    # replica's loss by replica (as text), whose mean is the step's loss.
+    sync_bytes: int | None = None
+    replica_losses: dict[str, float] | None = None
     tokens_per_s: float | None = None
     step_seconds: float | None = None
     lr: float | None = None
@@ -141,13 +155,19 @@ class ProgressRecord:
     perplexity: float | None = None
     ts: float | None = None
 
-    def add_stage(self, stage: int, figures: StageMetrics) -> bool:
-        """Join one stage's step report; False if that stage was already joined."""
-        if stage in self.stages_reported:
+    def add_stage(self, stage: int, figures: StageMetrics, cell: int | None = None,
+                  key: str | None = None) -> bool:
+        """Join one cell's step report (``cell``: its index among the placement's cells,
+        ``key``: its label; the stage's, for a job of one replica); False if that cell was
+        already joined."""
+        cell = stage if cell is None else cell
+        if cell in self.stages_reported:
             return False
-        self.stages_reported.append(stage)
+        self.stages_reported.append(cell)
         self.wire_bytes += figures.wire_tx_bytes or 0
-        key = str(stage)
+        if figures.sync_tx_bytes is not None:
+            self.sync_bytes = (self.sync_bytes or 0) + figures.sync_tx_bytes
+        key = str(stage) if key is None else key
         if figures.activation_peak_bytes is not None:
             # Per stage, since the schedule gives each stage its own share.
             self.activation_peak_bytes = {**(self.activation_peak_bytes or {}),
@@ -162,6 +182,13 @@ class ProgressRecord:
         if errors is not None:
             self.codec_error = {**(self.codec_error or {}), key: errors}
         return True
+
+    def add_replica_loss(self, replica: int, loss: float) -> None:
+        """One replica's loss of the step; the step's is their mean (each replica's loss is
+        the mean over its equal share of the step's windows)."""
+        losses = {**(self.replica_losses or {}), str(replica): loss}
+        self.replica_losses = losses
+        self.loss = sum(losses.values()) / len(losses)
 
     def add_eval(self, loss: float | None) -> None:
         self.eval_loss = loss
@@ -192,6 +219,8 @@ class JobStatusUpdate:
     stage: int | None = attrs.field(default=None, validator=non_negative,
                                     metadata=meta("the reporting stage (a fellow may hold "
                                                    "several)", minimum=0))
+    replica: int = attrs.field(default=0, validator=non_negative,
+                               metadata=meta("the reporting stage's replica", minimum=0))
     metrics: StageMetrics = attrs.field(
         factory=StageMetrics,
         metadata=meta("the stage's figures: of the step, of an evaluation, of the run"))

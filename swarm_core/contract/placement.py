@@ -61,8 +61,8 @@ class LayerRange:
 
 @attrs.define
 class StagePlacement:
-    """One stage of a placed job: the fellow and device slot that run it, its layers, and the
-    address its upstream neighbour dials."""
+    """One cell of a placed job, (stage, replica): the fellow and device slot that run it, its
+    layers, and the address its neighbours dial."""
 
     stage: int
     fellow_id: int
@@ -71,37 +71,72 @@ class StagePlacement:
     device: str
     layers: LayerRange
     data_addr: str | None
+    replica: int = 0
+
+    @property
+    def label(self) -> str:
+        """How reports and records name the cell: "k" for a job of one replica, "k.r" else
+        (see Placement.label)."""
+        return f"{self.stage}.{self.replica}"
 
 
 @attrs.define
 class Placement:
+    """Every cell of a job's grid, ``num_stages`` stages by ``replicas`` replicas, in
+    ``stages`` (the name is the one-replica layout's): replica 0's stages in order, then
+    replica 1's. Replica r of stage k feeds replica r of stage k+1; the replicas of one stage
+    form its group."""
+
     num_stages: int
     n_layers: int
     stages: list[StagePlacement]
+    replicas: int = 1
 
     def __attrs_post_init__(self) -> None:
-        if checking() and (len(self.stages) != self.num_stages or any(
-                s.stage != k for k, s in enumerate(self.stages))):
-            raise PlacementError(f"a {self.num_stages}-stage placement must list stages "
-                                 f"0..{self.num_stages - 1} in order")
+        if checking() and (len(self.stages) != self.num_stages * self.replicas or any(
+                (s.stage, s.replica) != (i % self.num_stages, i // self.num_stages)
+                for i, s in enumerate(self.stages))):
+            raise PlacementError(f"a {self.num_stages}-stage, {self.replicas}-replica "
+                                 "placement must list each replica's stages 0.."
+                                 f"{self.num_stages - 1} in order, replica by replica")
+
+    def index(self, stage: int, replica: int = 0) -> int:
+        """Where the cell is in ``stages`` (the stage itself, for one replica)."""
+        return replica * self.num_stages + stage
+
+    def cell(self, stage: int, replica: int = 0) -> StagePlacement:
+        return self.stages[self.index(stage, replica)]
+
+    def label(self, stage: int, replica: int = 0) -> str:
+        return str(stage) if self.replicas == 1 else self.cell(stage, replica).label
 
     @property
     def fellows(self) -> list[int]:
-        """The fellow of each stage, by stage index (a fellow with several slots repeats)."""
+        """The fellow of each cell, in ``stages`` order (a fellow with several slots
+        repeats)."""
         return [s.fellow_id for s in self.stages]
 
-    def holds(self, fellow_id: int, stage: int) -> bool:
-        """Whether this fellow runs this stage (a fellow may run several)."""
-        return 0 <= stage < len(self.stages) and self.stages[stage].fellow_id == fellow_id
+    def holds(self, fellow_id: int, stage: int, replica: int = 0) -> bool:
+        """Whether this fellow runs this cell (a fellow may run several)."""
+        return 0 <= stage < self.num_stages and 0 <= replica < self.replicas \
+            and self.cell(stage, replica).fellow_id == fellow_id
 
-    def downstream(self, stage: int) -> StagePlacement | None:
-        return self.stages[stage + 1] if stage + 1 < len(self.stages) else None
+    def replicas_held(self, fellow_id: int, stage: int) -> list[int]:
+        """The replicas of ``stage`` this fellow runs."""
+        return [r for r in range(self.replicas) if self.holds(fellow_id, stage, r)]
 
-    def upstream(self, stage: int) -> StagePlacement | None:
-        return self.stages[stage - 1] if stage > 0 else None
+    def downstream(self, stage: int, replica: int = 0) -> StagePlacement | None:
+        return self.cell(stage + 1, replica) if stage + 1 < self.num_stages else None
+
+    def upstream(self, stage: int, replica: int = 0) -> StagePlacement | None:
+        return self.cell(stage - 1, replica) if stage > 0 else None
+
+    def group(self, stage: int) -> list[StagePlacement]:
+        """The replicas of one stage, by replica."""
+        return [self.cell(stage, r) for r in range(self.replicas)]
 
     def same_fellow(self, a: StagePlacement | None, b: StagePlacement | None) -> bool:
-        """Two stages in one fellow (another device slot): their link never leaves the
+        """Two cells in one fellow (another device slot): their link never leaves the
         machine."""
         return a is not None and b is not None and a.fellow_id == b.fellow_id
 
@@ -119,10 +154,12 @@ class FellowSlots:
 
 
 def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
-         weights: Sequence[float] | None = None, slots_per_fellow: int | None = None
-         ) -> Placement:
-    """Stage k goes to the k-th free slot, filling each fellow's slots before the next fellow's,
-    so neighbouring stages share a machine where they can."""
+         weights: Sequence[float] | None = None, slots_per_fellow: int | None = None,
+         replicas: int = 1) -> Placement:
+    """Cell (stage k, replica r) goes to the (r x num_stages + k)-th free slot, filling each
+    fellow's slots before the next fellow's, so a replica's neighbouring stages share a machine
+    where they can (the pipeline's links, every micro-batch, stay local; a stage group's
+    synchronisation, once a step or fewer, crosses)."""
     if num_stages < 1:
         raise PlacementError("need at least one stage")
     weights = list(weights) if weights is not None else [1.0] * num_stages
@@ -132,13 +169,16 @@ def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
     for f in fellows:
         usable = f.devices if slots_per_fellow is None else f.devices[:slots_per_fellow]
         slots += [(f, i, d) for i, d in enumerate(usable)]
-    if len(slots) < num_stages:
-        raise PlacementError(f"{num_stages} stages need {num_stages} device slots, "
-                             f"the fellows offer {len(slots)}")
+    cells = num_stages * replicas
+    if len(slots) < cells:
+        grid = f"{num_stages} stages" if replicas == 1 else \
+            f"{num_stages} stages x {replicas} replicas"
+        raise PlacementError(f"{grid} need {cells} device slots, the fellows offer "
+                             f"{len(slots)}")
     ranges = split_layers(n_layers, weights)
     stages = [
-        StagePlacement(k, f.fellow_id, f.name, slot, device, LayerRange(*ranges[k]),
-                       f.addr(slot))
-        for k, (f, slot, device) in enumerate(slots[:num_stages])
+        StagePlacement(i % num_stages, f.fellow_id, f.name, slot, device,
+                       LayerRange(*ranges[i % num_stages]), f.addr(slot), i // num_stages)
+        for i, (f, slot, device) in enumerate(slots[:cells])
     ]
-    return Placement(num_stages, n_layers, stages)
+    return Placement(num_stages, n_layers, stages, replicas)

@@ -27,7 +27,8 @@ from swarm_core.schema import FieldError, checking, converter, lenient_converter
 
 @attrs.define
 class StageStart:
-    """Run stage ``stage`` of job ``job_id`` (attempt ``attempt``, from ``resume_step``)."""
+    """Run replica ``replica`` of stage ``stage`` of job ``job_id`` (attempt ``attempt``, from
+    ``resume_step``)."""
 
     job_id: str
     kind: JobKind
@@ -40,41 +41,73 @@ class StageStart:
     training: TrainingConfig | SmokeTraining | None = None
     attempt: int = 0
     resume_step: int = 0
+    replica: int = 0
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)
         if not checking():
             return
-        n = len(self.placement.stages)
-        if not 0 <= self.stage < n:
-            raise FieldError(f"stage {self.stage} of a {n}-stage placement", "stage")
-        if self.num_stages != n:
-            raise FieldError(f"{self.num_stages} stages, the placement lists {n}", "num_stages")
-        down = self.placement.downstream(self.stage)
-        if self.kind == "train" and down is not None and (
-                down.data_addr is None or split_host_port(down.data_addr) is None):
-            raise FieldError(f"stage {down.stage} has no data address to dial: "
-                             f"{down.data_addr!r}", "placement")
+        p = self.placement
+        if not 0 <= self.stage < p.num_stages:
+            raise FieldError(f"stage {self.stage} of a {p.num_stages}-stage placement", "stage")
+        if not 0 <= self.replica < p.replicas:
+            raise FieldError(f"replica {self.replica} of a {p.replicas}-replica placement",
+                             "replica")
+        if self.num_stages != p.num_stages:
+            raise FieldError(f"{self.num_stages} stages, the placement lists {p.num_stages}",
+                             "num_stages")
+        if self.kind == "train":
+            peers = [self.placement.downstream(self.stage, self.replica)]
+            if p.replicas > 1:
+                peers.append(self.ring_next)
+            for peer in peers:
+                if peer is not None and (peer.data_addr is None
+                                         or split_host_port(peer.data_addr) is None):
+                    what = f"stage {peer.stage}" if p.replicas == 1 else \
+                        f"stage {peer.stage} replica {peer.replica}"
+                    raise FieldError(f"{what} has no data address to dial: "
+                                     f"{peer.data_addr!r}", "placement")
         if self.attempt < 0 or self.resume_step < 0:
             raise FieldError("attempt and resume_step must be >= 0", "attempt")
 
     @property
     def mine(self) -> StagePlacement:
-        return self.placement.stages[self.stage]
+        return self.placement.cell(self.stage, self.replica)
+
+    @property
+    def replicas(self) -> int:
+        return self.placement.replicas
 
     @property
     def downstream_addr(self) -> str | None:
-        down = self.placement.downstream(self.stage)
+        down = self.placement.downstream(self.stage, self.replica)
         return None if down is None else down.data_addr
 
     @property
     def local_up(self) -> bool:
         """The stage upstream runs in this same fellow (another device slot)."""
-        return self.placement.same_fellow(self.mine, self.placement.upstream(self.stage))
+        return self.placement.same_fellow(
+            self.mine, self.placement.upstream(self.stage, self.replica))
 
     @property
     def local_down(self) -> bool:
-        return self.placement.same_fellow(self.mine, self.placement.downstream(self.stage))
+        return self.placement.same_fellow(
+            self.mine, self.placement.downstream(self.stage, self.replica))
+
+    @property
+    def ring_next(self) -> StagePlacement | None:
+        """The replica of this stage that this one sends its share of the group's
+        synchronisation to (the next around the ring); None for a job of one replica."""
+        r = self.placement.replicas
+        return None if r == 1 else self.placement.cell(self.stage, (self.replica + 1) % r)
+
+    @property
+    def local_ring(self) -> bool:
+        """The ring's neighbours run in this same fellow: its links never leave it."""
+        r = self.placement.replicas
+        prev = None if r == 1 else self.placement.cell(self.stage, (self.replica - 1) % r)
+        return self.placement.same_fellow(self.mine, self.ring_next) \
+            and self.placement.same_fellow(self.mine, prev)
 
     @property
     def train(self) -> TrainingConfig | None:
@@ -87,25 +120,27 @@ for _conv in (converter, lenient_converter):
 
 def stage_starts(job_id: str, spec: JobSubmit, placement: Placement, key: str, *,
                  attempt: int = 0, resume_step: int = 0) -> list[StageStart]:
-    """The START of every stage of a placed job, by stage."""
+    """The START of every cell of a placed job, in the placement's order."""
     return [StageStart(job_id=job_id, kind=spec.kind, name=spec.name, stage=s.stage,
                        num_stages=placement.num_stages, placement=placement, key=key,
                        model=spec.model, training=spec.training, attempt=attempt,
-                       resume_step=resume_step)
+                       resume_step=resume_step, replica=s.replica)
             for s in placement.stages]
 
 
 def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[str | None],
                  devices: Sequence[str] | None = None, *, job_id: str = "job-local",
-                 key: str = "k" * 32, weights: Sequence[float] | None = None
-                 ) -> list[StageStart]:
-    """The STARTs of a train job whose stage s runs on fellow s, listening at ``addrs[s]`` on
-    ``devices[s]``: planned and built by the leader's own code (for a pipeline run without a
-    leader, and for tests). Layers split equally unless ``weights`` say otherwise."""
+                 key: str = "k" * 32, weights: Sequence[float] | None = None,
+                 replicas: int = 1) -> list[StageStart]:
+    """The STARTs of a train job whose i-th cell (replica i // stages of stage i % stages)
+    runs on fellow i, listening at ``addrs[i]`` on ``devices[i]``: planned and built by the
+    leader's own code (for a pipeline run without a leader, and for tests). Layers split
+    equally unless ``weights`` say otherwise."""
     devs = list(devices or ["cpu"] * len(addrs))
     fellows = [FellowSlots(s, f"fellow-{s}", [dev], addr)
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
+    stages = len(addrs) // replicas
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
-                     topology=Topology(fellows=len(addrs)))
-    placement = plan(fellows, len(addrs), model.n_layers, weights)
+                     topology=Topology(stages=stages, replicas=replicas))
+    placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas)
     return stage_starts(job_id, spec, placement, key)

@@ -113,7 +113,8 @@ class FellowDaemon:
         self.signal_seq = 0
         self.status = FellowStatus.READY
         # One running stage per device slot, keyed by (job, stage).
-        self.stages: dict[tuple[str, int], tuple[asyncio.Task[None], Progress]] = {}
+        # One running cell per device slot, keyed by (job, stage, replica).
+        self.stages: dict[tuple[str, int, int], tuple[asyncio.Task[None], Progress]] = {}
         self._stop = asyncio.Event()
         self._beat_now = asyncio.Event()
         self.exit_reason = ""
@@ -308,20 +309,22 @@ class FellowDaemon:
     async def _start_job(self, sig: Signal) -> None:
         try:
             start: StageStart | str = parse_start(sig.payload)
-            stage, attempt = start.stage, start.attempt
+            stage, replica, attempt = start.stage, start.replica, start.attempt
         except JobRefused as exc:
             # Refused by the job's task, which reports it; the fellow carries on.
             start = str(exc)
-            stage, attempt = _raw_int(sig.payload, "stage"), _raw_int(sig.payload, "attempt")
-        key = (sig.job_id or "", stage)
+            stage, replica, attempt = (_raw_int(sig.payload, k)
+                                       for k in ("stage", "replica", "attempt"))
+        key = (sig.job_id or "", stage, replica)
         running = self.stages.get(key)
         if running is not None and not running[0].done():
-            log.warning("START for %s stage %d while it runs; ignored", sig.job_id, stage)
+            log.warning("START for %s stage %d replica %d while it runs; ignored", sig.job_id,
+                        stage, replica)
             return
-        progress = Progress(job_id=sig.job_id, stage=stage)
+        progress = Progress(job_id=sig.job_id, stage=stage, replica=replica)
         self.status = FellowStatus.BUSY
         task = asyncio.create_task(self._run_job(start, progress, attempt),
-                                   name=f"job-{sig.job_id}-stage-{stage}")
+                                   name=f"job-{sig.job_id}-stage-{stage}-{replica}")
         self.stages[key] = (task, progress)
 
     async def _report(self, job_id: str, upd: JobStatusUpdate) -> None:
@@ -385,6 +388,7 @@ class FellowDaemon:
         def failed(message: str, blames: int | None = None) -> JobStatusUpdate:
             return JobStatusUpdate(fellow_id=ctx.fellow_id, state="FAILED", step=progress.step,
                                    message=message[:4000], attempt=attempt, stage=stage,
+                                   replica=progress.replica,
                                    blames_stage=blames)
 
         try:
@@ -407,7 +411,7 @@ class FellowDaemon:
                 await ctx.report(failed(f"{type(exc).__name__}: {exc}",
                                         getattr(exc, "peer_stage", None)))
         finally:
-            key = (job_id or "", stage or 0)
+            key = (job_id or "", stage or 0, progress.replica)
             if self.stages.get(key, (None,))[0] is asyncio.current_task():
                 del self.stages[key]
             if self.status is FellowStatus.BUSY and not self.stages:

@@ -29,6 +29,7 @@ class Progress:
     job_id: str | None = None
     stage: int | None = None
     step: int = 0
+    replica: int = 0
     loss: float | None = None
     tokens_per_s: float = 0.0
 
@@ -86,10 +87,12 @@ async def run_smoke(start: StageStart, ctx: JobContext) -> None:
         await asyncio.sleep(smoke.step_seconds)
         ctx.progress.step = step
         await ctx.report(JobStatusUpdate(fellow_id=ctx.fellow_id, state="RUNNING", step=step,
-                                         stage=start.stage, attempt=start.attempt))
+                                         stage=start.stage, replica=start.replica,
+                                         attempt=start.attempt))
     elapsed = time.monotonic() - t0
     await ctx.report(JobStatusUpdate(
         fellow_id=ctx.fellow_id, state="COMPLETED", step=smoke.steps, stage=start.stage,
+        replica=start.replica,
         attempt=start.attempt,
         message=f"smoke: {smoke.steps} control-plane round trips in {elapsed:.2f}s",
     ))

@@ -55,7 +55,7 @@ class StepReporter:
 
     def _update(self, **kw: Any) -> JobStatusUpdate:
         return JobStatusUpdate(fellow_id=self.ctx.fellow_id, attempt=self.start.attempt,
-                               stage=self.start.stage, **kw)
+                               stage=self.start.stage, replica=self.start.replica, **kw)
 
     def on_step(self, rep: StepReport) -> None:  # the stage thread
         progress = self.ctx.progress

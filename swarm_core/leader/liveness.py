@@ -174,8 +174,8 @@ class Liveness:
                 if not spare:
                     return f"{what}; no ready fellow can take stage {st.stage}", replaced, lost
                 rec = spare.pop(0)
-                replaced[str(st.stage)] = Replacement(from_=st.fellow_id, to=rec.fellow_id,
-                                                      lost=what)
+                replaced[job.placement.label(st.stage, st.replica)] = Replacement(
+                    from_=st.fellow_id, to=rec.fellow_id, lost=what)
                 st = attrs.evolve(st, fellow_id=rec.fellow_id, name=rec.name, slot=0,
                                   device=rec.devices[0])
             # A fellow that re-registered may listen on new data addresses.

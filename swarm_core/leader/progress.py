@@ -27,9 +27,13 @@ class ProgressBook:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def merge(self, job: JobRecord, stage: int, fellow_id: int, upd: JobStatusUpdate) -> None:
-        """Keep the newest of each figure the stage reports; the last stage's loss figures are
-        the job's; once a stage completes, the bytes every stage sends per step."""
+    def merge(self, job: JobRecord, stage: int, replica: int, fellow_id: int,
+              upd: JobStatusUpdate) -> None:
+        """Keep the newest of each figure a cell reports (by the cell's label: its stage, for
+        one replica); the last stage's loss figures are the job's (of several replicas: their
+        mean, their tokens/s summed; the first replica's evaluation); once a cell completes,
+        the bytes every cell sends per step."""
+        assert job.placement is not None
         figures = upd.metrics
         if upd.tokens_per_s is not None:
             figures = figures.merged(StageMetrics(tokens_per_s=upd.tokens_per_s))
@@ -37,21 +41,48 @@ class ProgressBook:
             return
         m = job.metrics
         stages = m.stages if m.stages is not None else {}
-        key = str(stage)
+        key = job.placement.label(stage, replica)
         stages[key] = stages.get(key, StageMetrics(fellow_id=fellow_id)).merged(figures)
         m.stages = stages
         if stage == job.num_stages - 1:
-            for name in JOB_LEVEL:
-                value = getattr(upd.metrics, name)
-                if value is not None:
-                    setattr(m, name, value)
+            self._job_level(job, upd.metrics, stages)
         if upd.state == "COMPLETED" and upd.metrics.wire_tx_bytes_per_step is not None:
             m.wire_bytes_per_step = sum(s.wire_tx_bytes_per_step or 0 for s in stages.values())
+            if any(s.sync_tx_bytes_per_step is not None for s in stages.values()):
+                m.sync_bytes_per_step = sum(s.sync_tx_bytes_per_step or 0
+                                            for s in stages.values())
 
-    def record(self, job: JobRecord, stage: int, upd: JobStatusUpdate) -> None:
-        """Join a stage's step report into that step's record. A report for an older step (a
+    def _job_level(self, job: JobRecord, figures: StageMetrics,
+                   stages: dict[str, StageMetrics]) -> None:
+        assert job.placement is not None
+        m, p = job.metrics, job.placement
+        if p.replicas == 1:
+            for name in JOB_LEVEL:
+                value = getattr(figures, name)
+                if value is not None:
+                    setattr(m, name, value)
+            return
+        last = [stages[k] for k in (p.label(p.num_stages - 1, r) for r in range(p.replicas))
+                if k in stages]
+        for name in JOB_LEVEL:
+            values = [getattr(s, name) for s in last if getattr(s, name) is not None]
+            if not values:
+                continue
+            if name == "tokens_per_s":
+                setattr(m, name, sum(values))
+            elif name == "wall_s":
+                setattr(m, name, max(values))
+            elif name in ("eval_loss", "perplexity"):
+                setattr(m, name, values[0])  # (the first replica evaluates for the group)
+            else:
+                setattr(m, name, sum(values) / len(values))
+
+    def record(self, job: JobRecord, stage: int, replica: int, upd: JobStatusUpdate) -> None:
+        """Join a cell's step report into that step's record. A report for an older step (a
         stage catching up after a leader restart) joins the stored record rather than
         replacing it."""
+        assert job.placement is not None
+        p = job.placement
         rec = job.current.get(upd.step)
         if rec is None:
             stored = self.store.progress_record(job.job_id, upd.step)
@@ -63,13 +94,21 @@ class ProgressBook:
         if figures.eval_loss is not None:
             rec.add_eval(figures.eval_loss)
         if figures.wire_tx_bytes is not None:
-            if not rec.add_stage(stage, figures):
+            if not rec.add_stage(stage, figures, p.index(stage, replica),
+                                 p.label(stage, replica)):
                 return
             rec.ts = time.time()
-            if upd.loss is not None:
-                rec.loss = upd.loss
+            if p.replicas == 1:
+                if upd.loss is not None:
+                    rec.loss = upd.loss
+                if stage == job.num_stages - 1:
+                    rec.tokens_per_s = upd.tokens_per_s
+            elif stage == job.num_stages - 1:
+                if upd.loss is not None:
+                    rec.add_replica_loss(replica, upd.loss)
+                    job.last_loss = rec.loss
+                rec.tokens_per_s = (rec.tokens_per_s or 0.0) + (upd.tokens_per_s or 0.0)
             if stage == job.num_stages - 1:
-                rec.tokens_per_s = upd.tokens_per_s
                 rec.step_seconds = figures.step_seconds
                 rec.lr = figures.lr
         self.store.put_progress(job.job_id, upd.step, unstructure(rec))

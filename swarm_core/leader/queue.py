@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from swarm_core.config.schemas import job_shape_error
 from swarm_core.contract import (
     FellowSlots,
@@ -127,16 +129,22 @@ class JobQueue:
         self.get(job_id)
         return self.progress.rows(job_id, after)
 
-    def holds(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
-        """Whether this fellow runs this stage of the job (a fellow may run several)."""
-        return job.placement is not None and job.placement.holds(fellow_id, stage)
+    def holds(self, job: JobRecord, fellow_id: int, stage: int, replica: int = 0) -> bool:
+        """Whether this fellow runs this cell of the job (a fellow may run several)."""
+        return job.placement is not None and job.placement.holds(fellow_id, stage, replica)
+
+    def holds_stage(self, job: JobRecord, fellow_id: int, stage: int) -> bool:
+        """Whether this fellow runs some replica of this stage (and so may fetch its
+        checkpoints)."""
+        return job.placement is not None and bool(job.placement.replicas_held(fellow_id, stage))
 
     # mutations --------------------------------------------------------------------------------
     def submit(self, spec: JobSubmit) -> JobRecord:
         train = spec.train
         if train is not None:
             assert spec.model is not None
-            shape = job_shape_error(spec.model, train, spec.topology.num_stages)
+            shape = job_shape_error(spec.model, train, spec.topology.num_stages,
+                                    spec.topology.replicas)
             if shape is not None:
                 raise SchemaError(shape[0], f"$.{shape[1]}")
         seq = self.store.next_job_seq()
@@ -160,57 +168,70 @@ class JobQueue:
         if upd.fellow_id not in job.fellows:
             raise ApiError(409, f"fellow {upd.fellow_id} is not part of job {job_id}",
                            code="not_in_job", field="$.fellow_id")
-        stage = job.fellows.index(upd.fellow_id) if upd.stage is None else upd.stage
-        if not self.holds(job, upd.fellow_id, stage):
-            raise ApiError(409, f"fellow {upd.fellow_id} does not hold stage {stage} of "
-                                f"{job_id}", code="not_in_job", field="$.stage")
+        assert job.placement is not None
+        if upd.stage is None:  # (a fellow of an older version: its first cell)
+            first = job.placement.stages[job.fellows.index(upd.fellow_id)]
+            upd = attrs.evolve(upd, stage=first.stage, replica=first.replica)
+        stage, replica = upd.stage, upd.replica
+        assert stage is not None
+        if not self.holds(job, upd.fellow_id, stage, replica):
+            what = f"stage {stage}" + (f" replica {replica}" if replica else "")
+            raise ApiError(409, f"fellow {upd.fellow_id} does not hold {what} of {job_id}",
+                           code="not_in_job", field="$.stage")
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
         if upd.attempt != job.attempt or job.recovering is not None:
             return job  # from before a restart, or while recovering: nothing to learn
         job.last_step = max(job.last_step, upd.step)
-        if upd.loss is not None:
-            job.last_loss = upd.loss
-        self.progress.merge(job, stage, fellow.fellow_id, upd)
+        if upd.loss is not None and job.placement.replicas == 1:
+            job.last_loss = upd.loss  # (of several replicas: their mean, once recorded)
+        self.progress.merge(job, stage, replica, fellow.fellow_id, upd)
         if upd.state == "RUNNING" and upd.metrics != StageMetrics() \
                 and job.kind == "train":
-            self.progress.record(job, stage, upd)
+            self.progress.record(job, stage, replica, upd)
         self.hub.publish("metric", {
             "job_id": job_id, "fellow_id": fellow.fellow_id, "stage": stage, "step": upd.step,
             "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
             "metrics": unstructure(upd.metrics),
+            **({"replica": replica} if job.placement.replicas > 1 else {}),
         })
         if upd.state == "FAILED":
-            self._failed(job, stage, fellow, upd)
+            self._failed(job, stage, replica, fellow, upd)
         elif upd.state == "COMPLETED":
-            self._completed(job, stage, fellow, upd)
+            self._completed(job, stage, replica, fellow, upd)
         else:
             self.save(job, quiet=True)
         return job
 
-    def _failed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+    def _failed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                 upd: JobStatusUpdate) -> None:
         msg = f": {upd.message}" if upd.message else ""
         reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
         blamed = upd.blames_stage
         # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway and
         # names the fellows it lost from their status.
+        assert job.placement is not None
         if blamed is not None and abs(blamed - stage) == 1 and blamed < job.num_stages \
-                and blamed not in job.done_stages and job.resume_policy == "fail":
+                and job.placement.index(blamed, replica) not in job.done_stages \
+                and job.resume_policy == "fail":
             self.liveness.blamed(job, reason, stage, blamed)
         else:
             self.liveness.lost(job, reason)
 
-    def _completed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+    def _completed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                    upd: JobStatusUpdate) -> None:
-        if stage not in job.done_stages:
-            job.done_stages.append(stage)
+        assert job.placement is not None
+        cell = job.placement.index(stage, replica)
+        if cell not in job.done_stages:
+            job.done_stages.append(cell)
         if job.stages_done_by(fellow.fellow_id):
             fellow.assigned_job = None
-        if len(set(job.done_stages)) >= job.num_stages:
+        if len(set(job.done_stages)) >= len(job.placement.stages):
+            grid = f"{job.num_stages} stage(s)" + (
+                f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
             reason = upd.message if job.kind == "smoke" else \
-                f"all {job.num_stages} stage(s) finished at step {job.last_step}"
+                f"all {grid} finished at step {job.last_step}"
             self.finish(job, JobState.COMPLETED, reason)
         else:
             self.save(job)
@@ -226,17 +247,17 @@ class JobQueue:
         job = min(pending, key=lambda j: j.seq)
         topo = job.spec.topology
         able = [f for f in self.registry.ready() if len(f.devices) >= topo.slots_per_fellow]
-        if len(able) < topo.fellows:
+        if len(able) < topo.num_fellows:
             return None
         stages = topo.num_stages
         train = job.spec.train
         try:
             # Neighbouring stages share a fellow where they can: its slots fill first.
             placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr,
-                                          list(f.data_addrs)) for f in able[:topo.fellows]],
+                                          list(f.data_addrs)) for f in able[:topo.num_fellows]],
                              stages, job.spec.model.n_layers if job.spec.model else stages,
                              train.stage_weights if train else None,
-                             slots_per_fellow=topo.slots_per_fellow)
+                             slots_per_fellow=topo.slots_per_fellow, replicas=topo.replicas)
         except PlacementError as exc:
             self.finish(job, JobState.FAILED, f"placement failed: {exc}")
             return job

@@ -318,7 +318,7 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     job = st.jobs.get(request.match_info["job_id"])
     step, stage = _int_param(request, "step"), _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if not st.jobs.holds(job, rec.fellow_id, stage):
+    if not st.jobs.holds_stage(job, rec.fellow_id, stage):  # (every replica resumes from it)
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
                             f"{job.job_id}", code="wrong_fellow")
     part = request.match_info["part"]

@@ -10,7 +10,8 @@ for the wrong job, step, micro-batch or kind is an error, never a guess.
 Both checks are the low 32 bits of XXH3-64 (since version 2; version 1 used zlib's CRC-32).
 Version 3 added PULSE, the empty frame a live stage sends on a link it has left idle; version 4
 the codec's argument (int8's scale block; 0 for one scale per row and for the other codecs) where
-version 3 had two bytes of padding. A checksum
+version 3 had two bytes of padding; version 5 SYNC, a share of a stage group's gradient
+all-reduce on the ring between its replicas. A checksum
 pass runs over every payload on both ends, so its speed bounds the frame path: CRC-32 ran at
 ~3.5 GB/s a core here, XXH3 at ~19 GB/s (and it releases the GIL, so the receiver thread's check
 overlaps the compute thread). Random corruption passes it with probability 2^-32, as with
@@ -29,7 +30,7 @@ import attrs
 import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 4
+VERSION = 5
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
@@ -50,6 +51,7 @@ class Kind(enum.IntEnum):
     NORM = 3  # squared gradient norms for global clipping
     HELLO = 4  # first frame of a connection: the job's session key
     PULSE = 5  # empty; "this stage is alive" on a link it has left idle (see transport)
+    SYNC = 6  # a chunk of a stage group's gradient all-reduce (see pipeline/sync.py)
 
 
 # What a link may carry once its HELLO is through (besides PULSE, which every link takes).

@@ -12,8 +12,10 @@ import hmac
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
+
+import attrs
 
 from swarm_core.pipeline.frames import (
     DATA_KINDS,
@@ -28,6 +30,29 @@ from swarm_core.pipeline.links import LinkShaper
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.transport import Liveness, PeerLink
+
+
+@attrs.frozen
+class Expected:
+    """A peer a stage waits to be dialled by: its role ("up", "ring"), the stage it is, and
+    for a ring peer its replica; the link it gets is shaped by ``shaper`` and carries
+    ``receives`` in frames of at most ``max_payload`` bytes."""
+
+    role: str
+    stage: int
+    replica: int | None
+    shaper: LinkShaper
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    receives: Collection[Kind] = DATA_KINDS
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage}" if self.replica is None else \
+            f"stage {self.stage} replica {self.replica}"
+
+
+def _who(waiting: dict[bytes, Expected]) -> str:
+    return " and ".join(e.name for e in waiting.values())
 
 
 class DataListener:
@@ -52,6 +77,16 @@ class DataListener:
                receives: Collection[Kind] = DATA_KINDS,
                pulse_s: float | None = None, liveness: Liveness | None = None) -> PeerLink:
         """Accept the upstream neighbour; connections without the job's key are dropped."""
+        return self.accept_many(key, job, [Expected("up", stage - 1, None, shaper, max_payload,
+                                                    receives)],
+                                timeout, abort, pulse_s, liveness)["up"]
+
+    def accept_many(self, key: str, job: int, expected: Sequence[Expected], timeout: float,
+                    abort: threading.Event | None = None, pulse_s: float | None = None,
+                    liveness: Liveness | None = None) -> dict[str, PeerLink]:
+        """Accept every peer in ``expected`` (the upstream stage, the previous replica on the
+        stage group's ring), each told apart by what its hello says; connections without the
+        job's key, or that nobody expects, are dropped. Returns the links by role."""
         from swarm_core.pipeline.transport import (
             LinkAborted,
             PeerLink,
@@ -62,36 +97,47 @@ class DataListener:
         )
 
         deadline = time.monotonic() + timeout
-        expected = _hello_payload(key, stage - 1)
-        while True:
-            if abort is not None and abort.is_set():
-                raise LinkAborted("stopped while waiting for the upstream stage")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise blaming(PeerTimeout(f"stage {stage - 1} did not connect within "
-                                          f"{timeout:g}s"), stage - 1)
-            self.sock.settimeout(min(remaining, 0.2))
-            try:
-                conn, peer = self.sock.accept()
-            except TimeoutError:
-                continue
-            # (A connection that says nothing holds the accept at most until the deadline.)
-            conn.settimeout(max(0.2, min(5.0, deadline - time.monotonic())))
-            try:
-                raw = _recv_exact(conn, HEADER_SIZE)
-                header = FrameHeader.unpack(raw, max_payload=4096)
-                payload = _recv_exact(conn, header.payload_len)
-                check_payload(header, payload)
-                if header.kind != Kind.HELLO or header.job != job or \
-                        not hmac.compare_digest(bytes(payload), expected):
-                    raise FrameError("bad hello (wrong job or session key)")
-            except (OSError, FrameError):
-                conn.close()
-                continue
-            conn.settimeout(None)
-            return PeerLink(conn, shaper, job, f"stage {stage - 1} ({peer[0]}:{peer[1]})",
-                            abort=abort, max_payload=max_payload, receives=receives,
-                            pulse_s=pulse_s, liveness=liveness, peer_stage=stage - 1)
+        waiting = {_hello_payload(key, e.stage, e.replica): e for e in expected}
+        links: dict[str, PeerLink] = {}
+        try:
+            while waiting:
+                if abort is not None and abort.is_set():
+                    raise LinkAborted(f"stopped while waiting for {_who(waiting)}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    first = next(iter(waiting.values()))
+                    raise blaming(PeerTimeout(f"{_who(waiting)} did not connect within "
+                                              f"{timeout:g}s"), first.stage)
+                self.sock.settimeout(min(remaining, 0.2))
+                try:
+                    conn, peer = self.sock.accept()
+                except TimeoutError:
+                    continue
+                # (A connection that says nothing holds the accept at most until the deadline.)
+                conn.settimeout(max(0.2, min(5.0, deadline - time.monotonic())))
+                try:
+                    raw = _recv_exact(conn, HEADER_SIZE)
+                    header = FrameHeader.unpack(raw, max_payload=4096)
+                    payload = _recv_exact(conn, header.payload_len)
+                    check_payload(header, payload)
+                    e = next((e for h, e in waiting.items()
+                              if hmac.compare_digest(bytes(payload), h)), None)
+                    if header.kind != Kind.HELLO or header.job != job or e is None:
+                        raise FrameError("bad hello (wrong job or session key)")
+                except (OSError, FrameError):
+                    conn.close()
+                    continue
+                conn.settimeout(None)
+                del waiting[_hello_payload(key, e.stage, e.replica)]
+                links[e.role] = PeerLink(
+                    conn, e.shaper, job, f"{e.name} ({peer[0]}:{peer[1]})", abort=abort,
+                    max_payload=e.max_payload, receives=e.receives, pulse_s=pulse_s,
+                    liveness=liveness, peer_stage=e.stage)
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
+        return links
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -28,10 +28,13 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        prepare: Mapping[int, Callable[[StageSpec], None]] | None = None,
                        stage_kwargs: Mapping[int, dict[str, Any]] | None = None,
                        on_step: Callable[[int, StepReport], None] | None = None,
-                       timeout: float = 60.0) -> dict[int, StageResult | BaseException]:
-    """Run ``num_stages`` equal stages to the end. Returns, by stage, ``run_stage``'s
-    :class:`StageResult` or the exception that ended it; the first failure sets ``stop`` for
-    the others.
+                       timeout: float = 60.0,
+                       replicas: int = 1) -> dict[int, StageResult | BaseException]:
+    """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
+    end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
+    for one replica), ``run_stage``'s :class:`StageResult` or the exception that ended it; the
+    first failure sets ``stop`` for the others. ``devices``, ``shapers``, ``prepare`` and
+    ``stage_kwargs`` are by cell too.
     ``data`` may be a loader ``data(s)``, which stage s calls as a fellow loads its data:
     while its links are being opened.
     ``prepare[s](spec)`` runs in stage s's thread before it starts (and may raise);
@@ -39,17 +42,19 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     fellow's set-speed would; unshaped by default). Raises TimeoutError if a stage is still
     running after ``timeout`` seconds.
 
-    Each stage is a fellow of its own, and its START is built as the leader builds one."""
-    devs = list(devices or ["cpu"] * num_stages)
-    if len(devs) != num_stages:
-        raise ValueError(f"{len(devs)} devices for {num_stages} stages")
-    shaping = list(shapers or [LinkShaper() for _ in range(num_stages)])
-    if len(shaping) != num_stages:
-        raise ValueError(f"{len(shaping)} shapers for {num_stages} stages")
-    listeners = [DataListener() for _ in range(num_stages)]
+    Each cell is a fellow of its own, and its START is built as the leader builds one."""
+    cells = num_stages * replicas
+    devs = list(devices or ["cpu"] * cells)
+    if len(devs) != cells:
+        raise ValueError(f"{len(devs)} devices for {cells} cells")
+    shaping = list(shapers or [LinkShaper() for _ in range(cells)])
+    if len(shaping) != cells:
+        raise ValueError(f"{len(shaping)} shapers for {cells} cells")
+    listeners = [DataListener() for _ in range(cells)]
     results: dict[int, Any] = {}
     stop = stop or threading.Event()
-    starts = chain_starts(model, training, [ln.addr for ln in listeners], devs)
+    starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
+                          replicas=replicas)
 
     def go(s: int) -> None:
         spec = StageSpec.from_start(starts[s])
@@ -66,7 +71,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
             stop.set()
 
     threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
-               for s in range(num_stages)]
+               for s in range(cells)]
     deadline = time.monotonic() + timeout
     try:
         for t in threads:

@@ -25,7 +25,7 @@ from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import FLAG_EVAL, Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
-from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
 from swarm_core.pipeline.optim import (
@@ -39,6 +39,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
+from swarm_core.pipeline.sync import GradientRing
 from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
@@ -83,6 +84,9 @@ class StepReport:
     # Relative L2 error the wire codec put on what this stage sent, micro-batch 0: "act"
     # (activations downstream) and "grad" (gradients upstream); 0 on an fp32 wire.
     codec_error: CodecErrors = attrs.field(factory=CodecErrors)
+    # With replicas: what the group's gradient average sent, and the seconds it took.
+    sync_tx_bytes: int | None = None
+    sync_seconds: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,7 +96,8 @@ class StepReport:
         """What the stage reports of this step."""
         return StageMetrics(wire_tx_bytes=self.wire_tx_bytes, step_seconds=self.seconds,
                             lr=self.lr, activation_peak_bytes=self.activation_peak_bytes,
-                            wait_seconds=self.wait_seconds, codec_error=self.codec_error)
+                            wait_seconds=self.wait_seconds, codec_error=self.codec_error,
+                            sync_tx_bytes=self.sync_tx_bytes, sync_seconds=self.sync_seconds)
 
     @property
     def wait_fraction(self) -> float:
@@ -118,11 +123,29 @@ class StageSpec:
     # link never leaves the machine, so the fellow's link shaping and counters leave it out.
     local_up: bool = False
     local_down: bool = False
+    # Data parallel: this stage is replica ``replica`` of ``replicas``; its group's ring
+    # sends to the next replica at ``ring_next_addr`` (``local_ring``: both ring neighbours
+    # in this fellow).
+    replica: int = 0
+    replicas: int = 1
+    ring_next_addr: str | None = None
+    local_ring: bool = False
 
     @property
     def reads_tokens(self) -> bool:
         """Inputs go to the first stage and targets to the last; those between read none."""
         return self.stage in (0, self.num_stages - 1)
+
+    @property
+    def local_batch(self) -> int:
+        """The windows of a step this replica trains on: its share of the batch."""
+        return self.training.batch_size // self.replicas
+
+    @property
+    def leads(self) -> bool:
+        """Replica 0: the one that evaluates and checkpoints for its group (whose replicas
+        hold the same weights)."""
+        return self.replica == 0
 
     @classmethod
     def from_start(cls, start: StageStart, threads: int | None = None) -> StageSpec:
@@ -133,52 +156,104 @@ class StageSpec:
         if threads is not None:
             training = attrs.evolve(training, threads=threads)
         mine = start.mine
+        ring_next = start.ring_next
         return cls(job_id=start.job_id, key=start.key, stage=start.stage,
                    num_stages=start.num_stages, layers=mine.layers.as_tuple(),
                    downstream_addr=start.downstream_addr, model=start.model, training=training,
-                   device=mine.device, local_up=start.local_up, local_down=start.local_down)
+                   device=mine.device, local_up=start.local_up, local_down=start.local_down,
+                   replica=start.replica, replicas=start.replicas,
+                   ring_next_addr=None if ring_next is None else ring_next.data_addr,
+                   local_ring=start.local_ring)
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
     """Every ACT and GRAD frame at a stage's boundaries: one micro-batch, boundary-wide."""
     t, m = spec.training, spec.model
+    return (spec.local_batch // t.micro_batches, m.seq_len, boundary_width(m))
+
+
+def eval_shape(spec: StageSpec) -> tuple[int, int, int]:
+    """An evaluation frame: a micro-batch of the whole batch, whatever the replicas."""
+    t, m = spec.training, spec.model
     return (t.batch_size // t.micro_batches, m.seq_len, boundary_width(m))
 
 
+def sync_codec(spec: StageSpec) -> codecs.WireCodec:
+    """How the stage group's gradients cross its ring."""
+    name, block = spec.training.sync.codec
+    return codecs.WireCodec(codecs.CODEC_NAMES[name], block)
+
+
+@attrs.define
+class StageLinks:
+    """A stage's links: its pipeline neighbours, and its group's ring (replicas)."""
+
+    up: PeerLink | None = None
+    down: PeerLink | None = None
+    ring_next: PeerLink | None = None
+    ring_prev: PeerLink | None = None
+
+    def all(self) -> list[PeerLink]:
+        return [x for x in (self.up, self.down, self.ring_next, self.ring_prev) if x is not None]
+
+    def close(self) -> None:
+        for link in self.all():
+            link.close()
+
+
 def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
-               stop: threading.Event, timeout: float, liveness: Liveness
-               ) -> tuple[PeerLink | None, PeerLink | None]:
-    """Dial the next stage and take the previous one's dial: (up, down). ``shaper`` shapes
-    and counts the links that leave the fellow; a link to a stage in the same fellow
-    (``spec.local_up``/``local_down``) gets an unshaped one of its own."""
+               stop: threading.Event, timeout: float, liveness: Liveness) -> StageLinks:
+    """Dial the next stage (and the next replica on the group's ring) and take the dials of
+    the previous ones. ``shaper`` shapes and counts the links that leave the fellow; a link to
+    a stage in the same fellow (``spec.local_up``, ``local_down``, ``local_ring``) gets an
+    unshaped one of its own. (The ring's frame limit is set once the stage knows its size.)"""
     m, t = spec.model, spec.training
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
-    limit = max(WireFormat.of(m).payload_size(frame_shape(spec)), NORM_PAYLOAD)
+    wire = WireFormat.of(m)
+    limit = max(wire.payload_size(frame_shape(spec)), wire.payload_size(eval_shape(spec)),
+                NORM_PAYLOAD)
     # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
     # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
     # compute thread that has shown no progress for STUCK_AFTER frame timeouts.
     pulse = t.frame_timeout_s / 4
     tag = job_tag(spec.job_id)
-    up = down = None
+    links = StageLinks()
+    ringed = spec.replicas > 1
+
+    def shaping(local: bool) -> LinkShaper:
+        return LinkShaper() if local else shaper
+
     try:
         if spec.stage < spec.num_stages - 1:
             assert spec.downstream_addr is not None
-            down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
-                           LinkShaper() if spec.local_down else shaper, timeout, abort=stop,
-                           max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
-                           pulse_s=pulse, liveness=liveness)
-        if spec.stage > 0:
-            assert listener is not None
-            up = listener.accept(spec.key, spec.stage, tag,
-                                 LinkShaper() if spec.local_up else shaper, timeout, abort=stop,
-                                 max_payload=limit, receives=(Kind.ACT, Kind.NORM),
+            links.down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
+                                 shaping(spec.local_down), timeout, abort=stop,
+                                 max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
                                  pulse_s=pulse, liveness=liveness)
+        if ringed:
+            assert spec.ring_next_addr is not None
+            nxt = (spec.replica + 1) % spec.replicas
+            links.ring_next = connect(spec.ring_next_addr, spec.key, spec.stage, tag,
+                                      shaping(spec.local_ring), timeout, abort=stop,
+                                      receives=(), pulse_s=pulse, liveness=liveness,
+                                      ring=(spec.replica, nxt))
+        expected = []
+        if spec.stage > 0:
+            expected.append(Expected("up", spec.stage - 1, None, shaping(spec.local_up), limit,
+                                     (Kind.ACT, Kind.NORM)))
+        if ringed:
+            expected.append(Expected("ring", spec.stage, (spec.replica - 1) % spec.replicas,
+                                     shaping(spec.local_ring), receives=(Kind.SYNC,)))
+        if expected:
+            assert listener is not None
+            got = listener.accept_many(spec.key, tag, expected, timeout, abort=stop,
+                                       pulse_s=pulse, liveness=liveness)
+            links.up, links.ring_prev = got.get("up"), got.get("ring")
     except BaseException:
-        if down is not None:
-            down.close()
+        links.close()
         raise
-    return up, down
+    return links
 
 
 class _LinkOpener:
@@ -189,7 +264,7 @@ class _LinkOpener:
 
     def __init__(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
                  stop: threading.Event, timeout: float, liveness: Liveness) -> None:
-        self._links: tuple[PeerLink | None, PeerLink | None] | None = None
+        self._links: StageLinks | None = None
         self._error: BaseException | None = None
         self._taken = threading.Event()
         self._thread = threading.Thread(
@@ -209,7 +284,7 @@ class _LinkOpener:
         while not self._taken.wait(min(1.0, frame_timeout / 8)) and time.monotonic() < until:
             liveness.touch()
 
-    def result(self) -> tuple[PeerLink | None, PeerLink | None]:
+    def result(self) -> StageLinks:
         self._taken.set()
         self._thread.join()
         if self._error is not None:
@@ -222,9 +297,23 @@ class _LinkOpener:
         stage's stop) and close whatever it opened."""
         self._taken.set()
         self._thread.join()
-        for link in self._links or ():
-            if link is not None:
-                link.close()
+        if self._links is not None:
+            self._links.close()
+
+
+@attrs.define
+class _Step:
+    """What one training step holds while its micro-batches run."""
+
+    step: int
+    xs: tuple[torch.Tensor, ...]
+    ys: tuple[torch.Tensor, ...]
+    metered: bool
+    inputs: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    outputs: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    held: dict[int, Any] = attrs.field(factory=dict)  # the meter's tokens, until backward
+    loss_sum: float = 0.0
+    errors: CodecErrors = attrs.field(factory=CodecErrors)
 
 
 class StageRunner:
@@ -264,7 +353,20 @@ class StageRunner:
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
+        self.ring: GradientRing | None = None
+        self.links = StageLinks()
         self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
+
+    def take_links(self, links: StageLinks) -> None:
+        """The stage's links, once open; with replicas, its group's ring over two of them."""
+        self.links = links
+        self.up, self.down = links.up, links.down
+        if links.ring_next is not None and links.ring_prev is not None:
+            spec = self.spec
+            self.ring = GradientRing(self.params, links.ring_next, links.ring_prev,
+                                     spec.replica, spec.replicas, sync_codec(spec),
+                                     self.device)
+            links.ring_prev.max_payload = max(NORM_PAYLOAD, self.ring.max_payload)
 
     # links -----------------------------------------------------------------------------------
 
@@ -277,9 +379,7 @@ class StageRunner:
         return sum(link.waited for link in (self.up, self.down) if link is not None)
 
     def close(self) -> None:
-        for link in (self.up, self.down):
-            if link is not None:
-                link.close()
+        self.links.close()
 
     # training --------------------------------------------------------------------------------
     def _check_stop(self) -> None:
@@ -288,108 +388,132 @@ class StageRunner:
             raise StageStopped()
 
     def train_step(self, step: int) -> StepReport:
-        """Global step ``step`` (0-based): all micro-batches, clip, one optimiser step."""
+        """Global step ``step`` (0-based): all micro-batches of this replica's share, the
+        group's gradient average, clipping, one optimiser step."""
         t = self.spec.training
-        m = t.micro_batches
-        timeout = t.frame_timeout_s
         tx0, wait0 = self.sent(), self.waited()
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
         self.module.train()
+        st = self._begin(step)
+        for op, i in self.ops:
+            self._check_stop()
+            if op == "F":
+                self._forward(st, i)
+            else:
+                self._backward(st, i)
+        sync_bytes, sync_s = self._finish(step)
+        seconds = time.perf_counter() - t0
+        return StepReport(step=step + 1, loss=st.loss_sum if self.last else None,
+                          seconds=seconds, tokens=self.spec.local_batch * self.spec.model.seq_len,
+                          wire_tx_bytes=self.sent() - tx0, lr=lr,
+                          activation_peak_bytes=self.meter.peak,
+                          wait_seconds=self.waited() - wait0, codec_error=st.errors,
+                          sync_tx_bytes=sync_bytes, sync_seconds=sync_s)
+
+    def _begin(self, step: int) -> _Step:
+        """A step's state: its share of the batch, the meter, nothing carried over from a step
+        that did not finish (no pending weight passes, no gradients half accumulated)."""
+        spec, t = self.spec, self.spec.training
+        m = t.micro_batches
         # Token ids go to the device of the stage that reads them: inputs first, targets last
-        # (the stages between read none, and may hold no tokens at all).
+        # (the stages between read none, and may hold no tokens at all). Replica r takes the
+        # r-th share of the step's windows, so the group together trains on the whole batch.
         xs: tuple[torch.Tensor, ...] = ()
         ys: tuple[torch.Tensor, ...] = ()
-        if self.spec.reads_tokens:
-            x, y = self.data.batch(step, t.batch_size, self.spec.model.seq_len, t.seed)
+        if spec.reads_tokens:
+            x, y = self.data.batch(step, t.batch_size, spec.model.seq_len, t.seed)
+            if spec.replicas > 1:
+                share = slice(spec.replica * spec.local_batch,
+                              (spec.replica + 1) * spec.local_batch)
+                x, y = x[share], y[share]
             xs = x.to(self.device).chunk(m) if self.first else ()
             ys = y.to(self.device).chunk(m) if self.last else ()
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        held: dict[int, Any] = {}  # the meter's tokens for outputs kept until their backward
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
         if metered:
             self.meter.start_step()
             self.metered_steps += 1
-        saving = self.meter.saving if metered else contextlib.nullcontext
-        loss_sum = 0.0
-        errors = CodecErrors()
-        wq = self.wgrad
-        # Nothing carries over from a step that did not finish: no pending weight passes, no
-        # gradients half accumulated.
         self.opt.zero_grad(set_to_none=True)
+        if self.wgrad is not None:
+            self.wgrad.clear()
+            self.wgrad.meter = self.meter if metered else None
+        return _Step(step, xs, ys, metered)
+
+    def _forward(self, st: _Step, i: int) -> None:
+        t, wq = self.spec.training, self.wgrad
+        if self.first:
+            inp = st.xs[i]
+        else:
+            assert self.up is not None
+            self._fill_wait(self.up, Kind.ACT)
+            _, inp = self.up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s, self.device,
+                                         self.frame_shape)
+            inp.requires_grad_(True)
+            st.inputs[i] = inp
         if wq is not None:
-            wq.clear()
-            wq.meter = self.meter if metered else None
-        for op, i in self.ops:
-            self._check_stop()
-            if op == "F":
-                if self.first:
-                    inp = xs[i]
-                else:
-                    assert self.up is not None
-                    self._fill_wait(self.up, Kind.ACT)
-                    _, inp = self.up.recv_tensor(Kind.ACT, step, i, timeout, self.device,
-                                                 self.frame_shape)
-                    inp.requires_grad_(True)
-                    inputs[i] = inp
-                if wq is not None:
-                    wq.splitting = i in self.hurried  # (the rest train as plain Linears)
-                with dropout_rng(self.module, step, i), saving():
-                    out = self.module(inp)
-                    if self.last:  # the loss's saved log-probabilities count too
-                        loss = lm_loss(out, ys[i]) / m
-                if self.last:
-                    loss_sum += float(loss.detach())
-                    outputs[i] = loss
-                else:
-                    assert self.down is not None
-                    self.down.send_tensor(Kind.ACT, step, i, out, self.codec)
-                    if i == 0:  # (once per step and direction: one more quantisation in m)
-                        errors.act = self.codec.relative_error(out)
-                    outputs[i] = out
-                    if metered:
-                        held[i] = self.meter.hold(out)
-            else:
-                grad = None
-                if not self.last:
-                    assert self.down is not None
-                    self._fill_wait(self.down, Kind.GRAD)
-                    _, grad = self.down.recv_tensor(Kind.GRAD, step, i, timeout, self.device,
-                                                    self.frame_shape)
-                hurry = wq is not None and i in self.hurried
-                if wq is not None and not hurry:
-                    # A fused backward (its forward ran plain): the pending W passes first,
-                    # so gradients still add up in micro-batch order.
-                    wq.drain()
-                with wq.capture() if hurry else contextlib.nullcontext():
-                    outputs.pop(i).backward(grad)
-                held.pop(i, None)
-                if not self.first:
-                    assert self.up is not None
-                    inp = inputs.pop(i)
-                    assert inp.grad is not None
-                    self.up.send_tensor(Kind.GRAD, step, i, inp.grad, self.codec)
-                    if i == 0:
-                        errors.grad = self.codec.relative_error(inp.grad)
-                if wq is not None and len(wq) > self.max_deferred:
-                    wq.run_batch()
-        if wq is not None:
+            wq.splitting = i in self.hurried  # (the rest train as plain Linears)
+        saving = self.meter.saving if st.metered else contextlib.nullcontext
+        with dropout_rng(self.module, st.step, i), saving():
+            out = self.module(inp)
+            if self.last:  # the loss's saved log-probabilities count too
+                loss = lm_loss(out, st.ys[i]) / t.micro_batches
+        if self.last:
+            st.loss_sum += float(loss.detach())
+            st.outputs[i] = loss
+            return
+        assert self.down is not None
+        self.down.send_tensor(Kind.ACT, st.step, i, out, self.codec)
+        if i == 0:  # (once per step and direction: one more quantisation in m)
+            st.errors.act = self.codec.relative_error(out)
+        st.outputs[i] = out
+        if st.metered:
+            st.held[i] = self.meter.hold(out)
+
+    def _backward(self, st: _Step, i: int) -> None:
+        t, wq = self.spec.training, self.wgrad
+        grad = None
+        if not self.last:
+            assert self.down is not None
+            self._fill_wait(self.down, Kind.GRAD)
+            _, grad = self.down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
+                                            self.device, self.frame_shape)
+        hurry = wq is not None and i in self.hurried
+        if wq is not None and not hurry:
+            # A fused backward (its forward ran plain): the pending W passes first, so
+            # gradients still add up in micro-batch order.
             wq.drain()
+        with wq.capture() if hurry else contextlib.nullcontext():
+            st.outputs.pop(i).backward(grad)
+        st.held.pop(i, None)
+        if not self.first:
+            assert self.up is not None
+            inp = st.inputs.pop(i)
+            assert inp.grad is not None
+            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.codec)
+            if i == 0:
+                st.errors.grad = self.codec.relative_error(inp.grad)
+        if wq is not None and len(wq) > self.max_deferred:
+            wq.run_batch()
+
+    def _finish(self, step: int) -> tuple[int | None, float | None]:
+        """The gradients complete, averaged over the group, clipped over every stage; one
+        optimiser step; the step's frames out. Returns what the group's sync sent and took
+        (None without replicas)."""
+        t = self.spec.training
+        if self.wgrad is not None:
+            self.wgrad.drain()
+        synced: tuple[int | None, float | None] = (None, None)
+        if self.ring is not None:
+            synced = self.ring.all_reduce_mean(step, t.frame_timeout_s)
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         for link in (self.up, self.down):
             if link is not None:
-                link.flush(timeout)
-        seconds = time.perf_counter() - t0
-        return StepReport(step=step + 1, loss=loss_sum if self.last else None, seconds=seconds,
-                          tokens=t.batch_size * self.spec.model.seq_len,
-                          wire_tx_bytes=self.sent() - tx0, lr=lr,
-                          activation_peak_bytes=self.meter.peak,
-                          wait_seconds=self.waited() - wait0, codec_error=errors)
+                link.flush(t.frame_timeout_s)
+        return synced
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -422,9 +546,11 @@ class StageRunner:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
-        """Validation loss on the fixed held-out batches (the last stage returns it)."""
+        """Validation loss on the fixed held-out batches (the last stage returns it). The
+        replicas of a stage hold the same weights: the first replica's chain evaluates for
+        all, on the micro-batches a job of one replica evaluates on."""
         t = self.spec.training
-        if t.eval_batches == 0:
+        if t.eval_batches == 0 or not self.spec.leads:
             return None
         self.module.eval()
         timeout = t.frame_timeout_s
@@ -440,7 +566,7 @@ class StageRunner:
             else:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
-                                             self.device, self.frame_shape, FLAG_EVAL)
+                                             self.device, eval_shape(self.spec), FLAG_EVAL)
             out = self.module(inp)
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))
@@ -497,7 +623,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         opener.discard()
         raise
     try:
-        runner.up, runner.down = opener.result()
+        runner.take_links(opener.result())
         return _train(runner, on_step, on_eval, on_checkpoint, start_step)
     finally:
         runner.close()
@@ -521,6 +647,9 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            start_step: int) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
+    # The replicas of a stage hold the same weights: the first one checkpoints for its group.
+    if not runner.spec.leads:
+        on_checkpoint = None
     t0 = time.perf_counter()
     for step in range(start_step, t.steps):
         rep = runner.train_step(step)
@@ -537,7 +666,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     wall = time.perf_counter() - t0
     if on_checkpoint is not None:
         on_checkpoint(t.steps, runner.module, runner.opt)
-    result = _summary(runner.spec, reports, wall, start_step)
+    result = _summary(runner, reports, wall, start_step)
     if eval_loss is not None:
         result.metrics.eval_loss, result.metrics.perplexity = eval_loss, perplexity(eval_loss)
         if on_eval is not None:
@@ -545,8 +674,9 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     return result
 
 
-def _summary(spec: StageSpec, reports: list[StepReport], wall: float,
+def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
              start_step: int) -> StageResult:
+    spec = runner.spec
     t = spec.training
     losses = [r.loss for r in reports if r.loss is not None]
     # Link waits of steps that follow a start, an eval or a shard push are partly the
@@ -563,13 +693,16 @@ def _summary(spec: StageSpec, reports: list[StepReport], wall: float,
         wire_tx_bytes_per_step=(sum(r.wire_tx_bytes for r in reports) / len(reports)
                                 if reports else 0.0),
         expected_wire_tx_bytes_per_step=expected_wire_bytes(
-            spec.model, t, spec.stage, spec.num_stages),
+            spec.model, t, spec.stage, spec.num_stages, spec.replicas),
         activation_peak_bytes=max((r.activation_peak_bytes for r in reports), default=0),
         wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
                              sum(r.seconds for r in steady)),
         codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")))
     if losses:
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
+    if runner.ring is not None and reports:
+        metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
+        metrics.expected_sync_tx_bytes_per_step = runner.ring.expected_bytes()
     return StageResult(metrics, losses)
 
 

@@ -418,16 +418,27 @@ class PeerLink:
 # --- connection setup -----------------------------------------------------------------------
 
 
-def _hello_payload(key: str, stage: int) -> bytes:
-    return stage.to_bytes(4, "little") + key.encode()
+_RING = 1 << 31  # marks the hello of a stage group's ring link (stage | _RING, then replica)
+
+
+def _hello_payload(key: str, stage: int, replica: int | None = None) -> bytes:
+    """Who dials and what for: the dialing stage (the upstream neighbour of the stage it
+    dials), or, with ``replica``, that replica of ``stage`` on its group's ring."""
+    if replica is None:
+        return stage.to_bytes(4, "little") + key.encode()
+    return (stage | _RING).to_bytes(4, "little") + replica.to_bytes(4, "little") + key.encode()
 
 
 def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             timeout: float, abort: threading.Event | None = None,
             max_payload: int = DEFAULT_MAX_PAYLOAD,
             receives: Collection[Kind] = DATA_KINDS,
-            pulse_s: float | None = None, liveness: Liveness | None = None) -> PeerLink:
-    """Dial the downstream neighbour at ``host:port`` and present the job's session key."""
+            pulse_s: float | None = None, liveness: Liveness | None = None,
+            ring: tuple[int, int] | None = None) -> PeerLink:
+    """Dial the downstream neighbour at ``host:port`` and present the job's session key; with
+    ``ring`` (this replica, the next one) the next replica of this stage on its group's ring."""
+    peer_stage = stage if ring else stage + 1
+    peer = f"stage {stage} replica {ring[1]}" if ring else f"stage {stage + 1}"
     host, _, port = addr.rpartition(":")
     deadline = time.monotonic() + timeout
     while True:
@@ -438,21 +449,21 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             if abort is not None and abort.is_set():
                 raise LinkAborted("stopped while connecting") from None
             if time.monotonic() > deadline:
-                raise blaming(PeerTimeout(f"cannot connect to stage {stage + 1} at {addr}: "
-                                          f"{exc}"), stage + 1) from None
+                raise blaming(PeerTimeout(f"cannot connect to {peer} at {addr}: {exc}"),
+                              peer_stage) from None
             time.sleep(0.1)
     try:
         sock.settimeout(None)
-        payload = _hello_payload(key, stage)
+        payload = _hello_payload(key, stage, ring[0] if ring else None)
         header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
         try:
             sock.sendall(header.pack() + payload)
         except OSError as exc:
-            raise blaming(LinkClosed(f"stage {stage + 1} at {addr} broke the link during the "
-                                     f"hello: {exc}"), stage + 1) from None
-        return PeerLink(sock, shaper, job, f"stage {stage + 1} ({addr})", abort=abort,
+            raise blaming(LinkClosed(f"{peer} at {addr} broke the link during the hello: "
+                                     f"{exc}"), peer_stage) from None
+        return PeerLink(sock, shaper, job, f"{peer} ({addr})", abort=abort,
                         max_payload=max_payload, receives=receives, pulse_s=pulse_s,
-                        liveness=liveness, peer_stage=stage + 1)
+                        liveness=liveness, peer_stage=peer_stage)
     except BaseException:
         sock.close()
         raise

@@ -70,9 +70,10 @@ def boundary_width(cfg: ModelConfig) -> int:
 
 
 def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
-                        num_stages: int) -> int:
-    """Bytes this stage sends in one training step (headers included)."""
-    mb = training.batch_size // training.micro_batches
+                        num_stages: int, replicas: int = 1) -> int:
+    """Bytes one replica of this stage sends its pipeline neighbours in one training step
+    (headers included; a stage group's synchronisation is counted apart)."""
+    mb = training.batch_size // replicas // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
     frame = HEADER_SIZE + WireFormat.of(model).payload_size(shape)
     sent = 0
@@ -85,6 +86,8 @@ def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int
     return sent
 
 
-def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int) -> int:
-    """Bytes all stages together put on the wire in one step."""
-    return sum(expected_wire_bytes(model, training, s, num_stages) for s in range(num_stages))
+def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
+                    replicas: int = 1) -> int:
+    """Bytes all stages (every replica's chain) put on the pipeline's links in one step."""
+    return replicas * sum(expected_wire_bytes(model, training, s, num_stages, replicas)
+                          for s in range(num_stages))

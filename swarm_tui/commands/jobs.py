@@ -69,16 +69,21 @@ def cmd_job(args: argparse.Namespace) -> int:
                 ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
-        for key in ("eval_loss", "perplexity", "tokens_per_s", "wire_bytes_per_step"):
+        for key in ("eval_loss", "perplexity", "tokens_per_s", "wire_bytes_per_step",
+                    "sync_bytes_per_step"):
             value = getattr(m, key)
             if value is not None:
                 rows.append([key.replace("_", " "), f"{value:.4g}"])
         if job.placement:
-            for st in job.placement.stages:
-                rows.append([f"stage {st.stage}", " · ".join([
+            p = job.placement
+            for st in p.stages:
+                label = p.label(st.stage, st.replica)
+                title = f"stage {st.stage}" if p.replicas == 1 else \
+                    f"stage {st.stage} replica {st.replica}"
+                rows.append([title, " · ".join([
                     f"fellow {st.fellow_id} ({st.name}) layers "
                     f"{st.layers.start}-{st.layers.stop}",
-                    *_stage_figures(m.stage(st.stage))])])
+                    *_stage_figures(m.stage(label))])])
         rows += link_change_rows(job.link_changes, job.link_changes_total)
         emit_table(None, ["what", "value"], rows)
 
@@ -110,6 +115,10 @@ def _stage_figures(reported: StageMetrics) -> list[str]:
         out.append(f"link wait {wait:.0%}")
     if reported.activation_peak_bytes is not None:
         out.append(f"act mem {fmt_bytes(reported.activation_peak_bytes)}")
+    sync = reported.sync_tx_bytes_per_step if reported.sync_tx_bytes_per_step is not None \
+        else reported.sync_tx_bytes
+    if sync is not None:
+        out.append(f"sync {fmt_bytes(int(sync))}/step")
     errors = unstructure(reported.codec_error) if reported.codec_error else {}
     if errors:
         out.append("codec error " + ", ".join(f"{k} {v:.2%}" for k, v in sorted(errors.items())))
@@ -136,12 +145,12 @@ def _validated_job(req_data: dict[str, Any]) -> JobSubmit:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
-def train_job(model: ModelConfig, training: dict[str, Any], fellows: int,
+def train_job(model: ModelConfig, training: dict[str, Any], topology: Topology,
               name: str) -> JobSubmit:
     """A train job of a model and a training profile's fields, checked here as the leader
     will check it."""
     try:
-        return JobSubmit(name=name, kind="train", model=model, topology=Topology(fellows=fellows),
+        return JobSubmit(name=name, kind="train", model=model, topology=topology,
                          training=structure(training, TrainingConfig, "$.training"))
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
@@ -158,12 +167,31 @@ def _load_json(path: str) -> Any:
         raise CommandError(f"{path}: not valid JSON: {exc}", ExitCode.USAGE) from None
 
 
+def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
+    """The grid a submit asks for: the training profile's cluster, then the flags."""
+    topo: dict[str, int] = {}
+    if cluster is not None:
+        topo = {"fellows": cluster.fellows, "replicas": cluster.replicas}
+    if args.stages is not None:
+        topo.pop("fellows", None)  # (the stages decide the fellows, unless --fellows says)
+        topo["stages"] = args.stages
+    for key in ("fellows", "replicas"):
+        if getattr(args, key) is not None:
+            topo[key] = getattr(args, key)
+    try:
+        return structure(topo, Topology, "$.topology")
+    except SchemaError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.name == "":
         raise CommandError("--name is empty", ExitCode.USAGE)
     if args.payload:
         given = [flag for flag, value in (("--model", args.model), ("--training", args.training),
                                           ("--name", args.name), ("--fellows", args.fellows),
+                                          ("--stages", args.stages),
+                                          ("--replicas", args.replicas),
                                           ("--steps", args.steps)) if value is not None]
         if given:
             raise CommandError(f"--payload is the whole job body; {', '.join(given)} would be "
@@ -173,23 +201,27 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
         from swarm_core.config.profiles import (
             ConfigError,
+            load_job_cluster,
             load_job_training,
             load_model_profile,
         )
-        fellows = args.fellows
+        cluster = None
         try:
             model = load_model_profile(Path(args.model)) if args.model \
                 else structure(DEFAULT_MODEL, ModelConfig)
             if args.training:
-                training, profile_fellows = load_job_training(Path(args.training))
-                fellows = fellows or profile_fellows
+                training, _ = load_job_training(Path(args.training))
+                cluster = load_job_cluster(Path(args.training))
             else:
                 training = dict(DEFAULT_TRAINING)
         except ConfigError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
-        req = train_job(model, training, fellows or 1, args.name or model.name)
+        req = train_job(model, training, _topology(args, cluster), args.name or model.name)
+    elif args.stages or args.replicas:
+        raise CommandError("--stages and --replicas are for train jobs (--model, --training)",
+                           ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -332,6 +364,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fellows", type=fellow_count, default=None,
                    help="fellows the job needs (default: the training profile's "
                         "cluster_profile, else 1)")
+    p.add_argument("--stages", type=fellow_count, default=None,
+                   help="pipeline stages of a train job (default: fellows / replicas)")
+    p.add_argument("--replicas", type=fellow_count, default=None,
+                   help="data-parallel replicas of every stage (default: the training "
+                        "profile's cluster_profile, else 1); batch_size stays the step's")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")

@@ -12,6 +12,7 @@ import argparse
 from swarm_core.client import SwarmClient
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
 from swarm_core.config.schemas import ModelConfig
+from swarm_core.contract import Topology
 from swarm_core.experiments.runner import peaks_by_stage, wait_by_stage
 from swarm_core.local_cluster import ClusterSpec, start_cluster, stop_cluster, token_for
 from swarm_core.protocol import JobState
@@ -35,8 +36,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                 training = dict(DEFAULT_TRAINING)
                 if args.steps:
                     training["steps"] = args.steps
-                req = train_job(structure(DEFAULT_MODEL, ModelConfig), training, args.fellows,
-                                "quickstart")
+                req = train_job(structure(DEFAULT_MODEL, ModelConfig), training,
+                                Topology(fellows=args.fellows), "quickstart")
             job = await c.submit(req)
             print_line(f"queued {job.job_id}")
             final = await watch_job(c, job.job_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.contract import LinkChange
+from swarm_core.contract import LinkChange, Topology
 from swarm_core.protocol import LinkLimits
 from swarm_tui.cli import build_parser, main_tui, run
 from swarm_tui.commands.base import ExitCode
@@ -331,7 +331,8 @@ def test_submit_runs_a_sweep_training_profile_as_its_job(tmp_path):
     training, fellows = load_job_training(tmp_path / "t.json")
     assert fellows == 3
     assert training["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 20.0}
-    job = train_job(ModelConfig(name="m"), training, fellows, "m")  # as the leader structures it
+    job = train_job(ModelConfig(name="m"), training, Topology(fellows),  # as the leader does
+                    "m")
     assert job.topology.fellows == 3 and job.training.link.tx_mbps == 8.0
     # A profile without those sections keeps the training fields it sets itself.
     plain = {"steps": 3, "shard_push_interval_steps": 2, "link": {"tx_mbps": 5}}

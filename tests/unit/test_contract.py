@@ -37,20 +37,36 @@ async def _starts(api: Any, fellow: dict[str, Any]) -> list[dict[str, Any]]:
     return [s["payload"] for s in (await resp.json())["signals"] if s["kind"] == "START"]
 
 
-@pytest.mark.parametrize("fellows, slots", [(1, 1), (2, 1), (3, 1), (1, 3), (2, 2)])
-async def test_the_leaders_start_is_what_each_stage_reads(api, auth, fellows, slots):
+@pytest.mark.parametrize("fellows, slots, replicas", [
+    (1, 1, 1), (2, 1, 1), (3, 1, 1), (1, 3, 1), (2, 2, 1), (4, 1, 2), (2, 2, 2), (3, 1, 3)])
+async def test_the_leaders_start_is_what_each_stage_reads(api, auth, fellows, slots, replicas):
     regs = [await _register(api, auth, i, slots) for i in range(fellows)]
     body = {"name": "contract", "kind": "train", "model": MODEL,
-            "topology": {"fellows": fellows, "slots_per_fellow": slots},
-            "training": {"steps": 2, "batch_size": 4, "micro_batches": 2}}
+            "topology": {"fellows": fellows, "slots_per_fellow": slots, "replicas": replicas},
+            "training": {"steps": 2, "batch_size": 12, "micro_batches": 2}}
     resp = await api.post(f"{A}/jobs", json=body, headers=auth)
     assert resp.status == 201, await resp.text()
     info = await resp.json()
     assert info["state"] == "RUNNING"
-    stages = fellows * slots
+    stages = fellows * slots // replicas
     starts: list[StageStart] = [parse_start(p) for r in regs for p in await _starts(api, r)]
-    assert sorted(s.stage for s in starts) == list(range(stages)), "one START per stage"
-    by_stage = {s.stage: s for s in starts}
+    assert sorted((s.stage, s.replica) for s in starts) == sorted(
+        (k, r) for k in range(stages) for r in range(replicas)), "one START per cell"
+    for r in range(1, replicas):
+        # Each replica is a chain of its own: what holds of replica 0 below holds of it too.
+        chain = {s.stage: s for s in starts if s.replica == r}
+        for k, start in chain.items():
+            down = chain.get(k + 1)
+            assert start.downstream_addr == (None if down is None else down.mine.data_addr)
+    if replicas > 1:
+        # The replicas of a stage form a ring: each sends to the next one's address.
+        for start in starts:
+            nxt = next(s for s in starts if s.stage == start.stage
+                       and s.replica == (start.replica + 1) % replicas)
+            assert start.ring_next.data_addr == nxt.mine.data_addr
+    else:
+        assert all(s.ring_next is None for s in starts)
+    by_stage = {s.stage: s for s in starts if s.replica == 0}
     # One job key; the placement each stage got is the job's, as the leader reports it.
     assert len({s.key for s in starts}) == 1 and len(starts[0].key) == 32
     assert all(unstructure(s.placement) == info["placement"] for s in starts)
@@ -70,8 +86,9 @@ async def test_the_leaders_start_is_what_each_stage_reads(api, auth, fellows, sl
         assert start.local_down == (down is not None and down.mine.fellow_id == mine.fellow_id)
         up = by_stage.get(k - 1)
         assert start.local_up == (up is not None and up.mine.fellow_id == mine.fellow_id)
-    # Each fellow's slots fill first: with several slots a fellow holds neighbouring stages.
-    assert [by_stage[k].mine.fellow_id for k in range(stages)] == \
+    # Each fellow's slots fill first: with several slots a fellow holds neighbouring stages
+    # (of one replica, the replicas one after the other).
+    assert [s.mine.fellow_id for s in sorted(starts, key=lambda s: (s.replica, s.stage))] == \
         [r["fellow_id"] for r in regs for _ in range(slots)]
 
 

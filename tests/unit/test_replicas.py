@@ -1,0 +1,121 @@
+"""Replicas of every stage (data parallel): the grid in threads of one process over real
+loopback TCP, against a single process at the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import FellowSlots, plan, split_layers
+from swarm_core.data import load_token_data
+from swarm_core.pipeline.frames import HEADER_SIZE
+from swarm_core.pipeline.local import run_local_pipeline
+from swarm_core.pipeline.model import StageModule
+from swarm_core.pipeline.reference import train_reference
+from swarm_core.pipeline.stage import StageResult, expected_wire_bytes
+from swarm_core.schema import SchemaError, structure
+
+MODEL = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_token_data(TrainingConfig(), MODEL["seq_len"])
+
+
+def _run(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
+         replicas: int) -> dict[int, StageResult]:
+    res = run_local_pipeline(mc, tc, data, stages, replicas=replicas, timeout=120)
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    return res  # type: ignore[return-value]
+
+
+def _step_losses(res: dict[int, StageResult], stages: int, replicas: int) -> list[float]:
+    """The step's loss: the mean of each replica's last stage's (each over its equal share)."""
+    per_replica = [res[r * stages + stages - 1].losses for r in range(replicas)]
+    return [sum(step) / replicas for step in zip(*per_replica, strict=True)]
+
+
+@pytest.mark.parametrize("stages, replicas", [(1, 2), (2, 2)])
+def test_replicas_train_what_one_process_trains_at_the_same_global_batch(data, stages,
+                                                                         replicas):
+    """With compression none, an fp32 wire and the same seed, S x R computes the losses of
+    one process over the same global batch (each replica its own share of the step's
+    windows), to 1e-5 over 20 steps; and the first replica's validation loss is the single
+    process's model's."""
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=20, batch_size=8, micro_batches=2, eval_batches=1, lr=3e-3)
+    ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * stages))
+    res = _run(mc, tc, data, stages, replicas)
+    got = _step_losses(res, stages, replicas)
+    assert len(got) == 20 and ref[-1] < ref[0]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    # Only the first replica's chain evaluates (the others hold the same weights).
+    assert res[stages - 1].metrics.eval_loss is not None
+    assert all(res[r * stages + stages - 1].metrics.eval_loss is None
+               for r in range(1, replicas))
+    with torch.no_grad():
+        x, y = data.eval_batches(1, tc.batch_size // tc.micro_batches, mc.seq_len)[0]
+        logits = model(x)
+        expected = float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    assert res[stages - 1].metrics.eval_loss == pytest.approx(expected, abs=1e-5)
+
+
+def _stage_params(mc: ModelConfig, stage: int, stages: int, vocab: int) -> int:
+    a, b = split_layers(mc.n_layers, [1] * stages)[stage]
+    return sum(p.numel() for p in StageModule(mc, vocab, 0, a, b, stage, stages).parameters())
+
+
+@pytest.mark.parametrize("compression, bytes_per_elem, tol", [
+    ("none", 4, 1e-5), ("fp16", 2, 5e-3), ("int8", 1, 5e-2)])
+def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes_per_elem,
+                                                        tol):
+    """A ring all-reduce moves 2(R-1)/R of the gradients from each member a step: with 3
+    replicas, 4/3 of every parameter's bytes in the group's codec (int8 adds a scale a chunk),
+    in 2(R-1) frames. The pipeline's own bytes are what one replica's share sends. A lossy
+    codec trains close to, not exactly as, one process."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 4, "batch_size": 12, "micro_batches": 2, "eval_batches": 0,
+                    "sync": {"compression": compression}}, TrainingConfig)
+    res = _run(mc, tc, data, 2, 3)
+    frames = 2 * (3 - 1)
+    scales = frames * 4 if compression == "int8" else 0  # one fp32 scale a chunk
+    for stage in range(2):
+        n = _stage_params(mc, stage, 2, data.vocab_size)
+        for r in range(3):
+            m = res[r * 2 + stage].metrics
+            assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step
+            elems = (m.sync_tx_bytes_per_step - frames * HEADER_SIZE - scales) / bytes_per_elem
+            # 2(R-1) chunks of n/R elements, the chunks a element apart where R does not divide
+            assert elems.is_integer() and frames * (n // 3) <= elems <= frames * -(-n // 3)
+            assert m.wire_tx_bytes_per_step == expected_wire_bytes(mc, tc, stage, 2, 3)
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    got = _step_losses(res, 2, 3)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= tol
+
+
+def test_the_placement_is_a_grid_each_replica_a_chain():
+    fellows = [FellowSlots(i, f"f{i}", ["cpu", "cpu"], None, [f"h:{i}0", f"h:{i}1"])
+               for i in range(2)]
+    p = plan(fellows, 2, 4, slots_per_fellow=2, replicas=2)
+    # Each fellow's two slots hold one replica's whole chain: its pipeline links stay local.
+    assert [(s.stage, s.replica, s.fellow_id, s.slot, s.layers.as_tuple()) for s in p.stages] \
+        == [(0, 0, 0, 0, (0, 2)), (1, 0, 0, 1, (2, 4)), (0, 1, 1, 0, (0, 2)),
+            (1, 1, 1, 1, (2, 4))]
+    assert [c.fellow_id for c in p.group(1)] == [0, 1]
+    assert p.downstream(0, 1).data_addr == "h:11" and p.label(1, 1) == "1.1"
+
+
+def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
+    from swarm_core.config.schemas import job_shape_error
+    from swarm_core.contract import JobSubmit
+
+    job = structure({"model": MODEL, "training": {"batch_size": 8, "micro_batches": 4},
+                     "topology": {"stages": 1, "replicas": 4}}, JobSubmit)
+    assert job_shape_error(job.model, job.train, 1, 4) == (
+        "batch_size 8 is not divisible by 4 replicas x 4 micro_batches", "training.batch_size")
+    with pytest.raises(SchemaError, match=r"^\$\.training\.sync\.compression: unknown sync"):
+        structure({"sync": {"compression": "int4"}}, TrainingConfig, "$.training")
