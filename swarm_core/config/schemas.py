@@ -87,6 +87,47 @@ def _le(hi: float):
     return check
 
 
+SYNC_CODECS = ("none", "fp16", "bf16", "int8", "int8_bB")
+_SYNC_INT8 = re.compile(r"int8(?:_b([0-9]{1,6}))?")
+
+
+@attrs.frozen
+class SyncConfig:
+    """How the replicas of a stage keep one set of weights (a job of one replica has none to
+    keep): ``dp`` all-reduces their gradients every step; ``diloco`` lets each replica take
+    ``inner_steps`` optimiser steps alone, then averages the change and applies it with an
+    outer SGD (Nesterov momentum; the DiLoCo paper's lr 0.7 and momentum 0.9). Both run
+    around a ring over the same shaped links as the pipeline. ``compression`` codes what
+    crosses, as a boundary's codec does (int8 sums in fp32 after decoding, as INTELLECT-1's
+    ring does)."""
+
+    mode: Literal["dp", "diloco"] = "dp"
+    compression: str = "none"
+    inner_steps: int = attrs.field(default=500, validator=[_pos, _le(1_000_000)])
+    outer_lr: float = attrs.field(default=0.7, validator=[_pos, _le(10.0)])
+    outer_momentum: float = attrs.field(default=0.9, validator=[_nonneg, _le(0.999)])
+
+    def __attrs_post_init__(self) -> None:
+        if not checking():
+            return
+        m = _SYNC_INT8.fullmatch(self.compression)
+        if self.compression not in ("none", "fp16", "bf16") and m is None:
+            raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
+                             f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
+        if m is not None and m.group(1) is not None \
+                and not 2 <= int(m.group(1)) <= MAX_INT8_BLOCK:
+            raise FieldError(f"int8 block {m.group(1)} must be 2..{MAX_INT8_BLOCK}",
+                             "compression")
+
+    @property
+    def codec(self) -> tuple[str, int]:
+        """The wire codec's name (fp32 for none) and int8 block (0: one scale per row)."""
+        m = _SYNC_INT8.fullmatch(self.compression)
+        if m is not None:
+            return "int8", int(m.group(1) or 0)
+        return ("fp32" if self.compression == "none" else self.compression), 0
+
+
 @attrs.frozen  # (so its parsed compression spec is worked out once)
 class ModelConfig:
     """A GPT-style decoder and what crosses its stage boundaries."""
@@ -118,41 +159,6 @@ class ModelConfig:
     @functools.cached_property
     def compression_spec(self) -> Compression:
         return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
-
-
-SYNC_CODECS = ("none", "fp16", "bf16", "int8", "int8_bB")
-_SYNC_INT8 = re.compile(r"int8(?:_b([0-9]{1,6}))?")
-
-
-@attrs.frozen
-class SyncConfig:
-    """How the replicas of a stage keep one set of weights (a job of one replica has none to
-    keep): ``dp`` all-reduces their gradients every step, around a ring over the same shaped
-    links as the pipeline. ``compression`` codes what crosses, as a boundary's codec does
-    (int8 sums in fp32 after decoding, as INTELLECT-1's ring does)."""
-
-    mode: Literal["dp"] = "dp"
-    compression: str = "none"
-
-    def __attrs_post_init__(self) -> None:
-        if not checking():
-            return
-        m = _SYNC_INT8.fullmatch(self.compression)
-        if self.compression not in ("none", "fp16", "bf16") and m is None:
-            raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
-                             f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
-        if m is not None and m.group(1) is not None \
-                and not 2 <= int(m.group(1)) <= MAX_INT8_BLOCK:
-            raise FieldError(f"int8 block {m.group(1)} must be 2..{MAX_INT8_BLOCK}",
-                             "compression")
-
-    @property
-    def codec(self) -> tuple[str, int]:
-        """The wire codec's name (fp32 for none) and int8 block (0: one scale per row)."""
-        m = _SYNC_INT8.fullmatch(self.compression)
-        if m is not None:
-            return "int8", int(m.group(1) or 0)
-        return ("fp32" if self.compression == "none" else self.compression), 0
 
 
 # torch threads per stage: more than any machine here gives one process.

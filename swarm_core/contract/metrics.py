@@ -69,7 +69,7 @@ class StageMetrics:
     wire_tx_bytes_per_step: float | None = None
     expected_wire_tx_bytes_per_step: int | None = None
     sync_tx_bytes_per_step: float | None = None
-    expected_sync_tx_bytes_per_step: int | None = None
+    expected_sync_tx_bytes_per_step: float | None = None
     wait_fraction: float | None = None
     final_loss: float | None = None
     best_loss: float | None = None

@@ -39,7 +39,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
-from swarm_core.pipeline.sync import GradientRing
+from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring
 from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
@@ -353,7 +353,8 @@ class StageRunner:
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
-        self.ring: GradientRing | None = None
+        self.ring: Ring | None = None
+        self.sync: GradientAverage | OuterStep | None = None
         self.links = StageLinks()
         self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
 
@@ -362,11 +363,15 @@ class StageRunner:
         self.links = links
         self.up, self.down = links.up, links.down
         if links.ring_next is not None and links.ring_prev is not None:
-            spec = self.spec
-            self.ring = GradientRing(self.params, links.ring_next, links.ring_prev,
-                                     spec.replica, spec.replicas, sync_codec(spec),
-                                     self.device)
+            spec, sync = self.spec, self.spec.training.sync
+            self.ring = Ring([p.numel() for p in self.params], links.ring_next,
+                             links.ring_prev, spec.replica, spec.replicas, sync_codec(spec),
+                             self.device)
             links.ring_prev.max_payload = max(NORM_PAYLOAD, self.ring.max_payload)
+            # (After any resume's weights are in: DiLoCo's outer step starts from them.)
+            self.sync = GradientAverage(self.params, self.ring) if sync.mode == "dp" else \
+                OuterStep(self.params, self.ring, sync.inner_steps, sync.outer_lr,
+                          sync.outer_momentum)
 
     # links -----------------------------------------------------------------------------------
 
@@ -503,17 +508,20 @@ class StageRunner:
         t = self.spec.training
         if self.wgrad is not None:
             self.wgrad.drain()
-        synced: tuple[int | None, float | None] = (None, None)
-        if self.ring is not None:
-            synced = self.ring.all_reduce_mean(step, t.frame_timeout_s)
+        synced = None
+        if self.sync is not None:
+            synced = self.sync.after_backward(step, t.frame_timeout_s)
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.sync is not None:
+            synced = self.sync.after_step(step, step + 1 == t.steps, t.frame_timeout_s) \
+                or synced
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
-        return synced
+        return synced if synced is not None else (None, None)
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -702,7 +710,11 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
     if runner.ring is not None and reports:
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
-        metrics.expected_sync_tx_bytes_per_step = runner.ring.expected_bytes()
+        sync = t.sync
+        syncs = len(reports) if sync.mode == "dp" else sum(
+            1 for r in reports if r.step % sync.inner_steps == 0 or r.step == t.steps)
+        metrics.expected_sync_tx_bytes_per_step = \
+            runner.ring.expected_bytes() * syncs / len(reports)
     return StageResult(metrics, losses)
 
 

@@ -49,18 +49,16 @@ def ring_payload_bytes(n: int, replicas: int, codec: WireCodec, rank: int = 0) -
     return len(sent), sum(codec.payload_size((chunks[c][1] - chunks[c][0],)) for c in sent)
 
 
-class GradientRing:
-    """The all-reduce (mean) of one replica's gradients with its group's."""
+class Ring:
+    """The all-reduce (mean) of tensors over a stage group, around its ring."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], send: PeerLink, recv: PeerLink,
-                 rank: int, replicas: int, codec: WireCodec, device: torch.device) -> None:
-        self.params = list(params)
+    def __init__(self, sizes: Sequence[int], send: PeerLink, recv: PeerLink, rank: int,
+                 replicas: int, codec: WireCodec, device: torch.device) -> None:
         self.send, self.recv = send, recv
         self.rank, self.replicas, self.codec = rank, replicas, codec
-        n = sum(p.numel() for p in self.params)
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
-        self.flat = torch.zeros(n, dtype=torch.float32, device=device)
-        self.chunks = chunk_bounds(n, replicas)
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.chunks = chunk_bounds(self.flat.numel(), replicas)
 
     @property
     def max_payload(self) -> int:
@@ -73,25 +71,32 @@ class GradientRing:
                                              self.rank)
         return frames * HEADER_SIZE + payload
 
-    def _chunk(self, i: int) -> torch.Tensor:
-        a, b = self.chunks[i % self.replicas]
-        return self.flat[a:b]
-
-    def all_reduce_mean(self, step: int, timeout: float) -> tuple[int, float]:
-        """Replace every parameter's gradient by the group's mean. Returns the bytes it sent
-        and the seconds it took (its wait for the group included)."""
+    def mean_(self, step: int, timeout: float,
+              tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """Replace each of ``tensors`` (in this order on every replica) by its mean over the
+        group. Returns the bytes this replica sent and the seconds it took (its wait for the
+        group included)."""
         t0 = time.perf_counter()
         sent0 = self.send.sent
-        self._gather()
+        off = 0
+        for t in tensors:
+            self.flat[off:off + t.numel()].copy_(t.reshape(-1))
+            off += t.numel()
         n = self.replicas
-        sends = ring_chunks_sent(self.rank, n)
-        for i, out in enumerate(sends):
+        for i, out in enumerate(ring_chunks_sent(self.rank, n)):
             # Round i receives the chunk the previous replica sends in it: reduce-scatter
             # sums those into ours, all-gather takes them as they are.
             self._exchange(step, i, out, (out - 1) % n, timeout, add=i < n - 1)
         self.flat.div_(n)
-        self._scatter()
+        off = 0
+        for t in tensors:
+            t.copy_(self.flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
         return self.send.sent - sent0, time.perf_counter() - t0
+
+    def _chunk(self, i: int) -> torch.Tensor:
+        a, b = self.chunks[i % self.replicas]
+        return self.flat[a:b]
 
     def _exchange(self, step: int, round_: int, out: int, into: int, timeout: float,
                   add: bool) -> None:
@@ -107,23 +112,53 @@ class GradientRing:
         else:
             target.copy_(got)
 
-    def _gather(self) -> None:
-        off = 0
-        for p in self.params:
-            k = p.numel()
-            if p.grad is None:
-                self.flat[off:off + k].zero_()
-            else:
-                self.flat[off:off + k].copy_(p.grad.reshape(-1))
-            off += k
 
-    def _scatter(self) -> None:
-        off = 0
+class GradientAverage:
+    """Data parallel (``sync.mode: dp``): every step, after the backward, each gradient
+    becomes the group's mean, before clipping and the optimiser step."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring) -> None:
+        self.params, self.ring = list(params), ring
+
+    def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
         for p in self.params:
-            k = p.numel()
-            mean = self.flat[off:off + k].view_as(p)
-            if p.grad is None:
-                p.grad = mean.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(mean)
-            off += k
+            if p.grad is None:  # (a part that got no gradient this step counts as zero)
+                p.grad = torch.zeros_like(p)
+        return self.ring.mean_(step, timeout, [p.grad for p in self.params])
+
+    def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
+        return None
+
+
+class OuterStep:
+    """DiLoCo (``sync.mode: diloco``, arXiv 2311.08105): each replica takes ``inner_steps``
+    optimiser steps alone; then the group averages the pseudo-gradient (the weights at the last
+    sync minus the weights now), an outer SGD with Nesterov momentum applies it to the weights
+    at the last sync, and every replica goes on from the result. The inner optimiser's state
+    stays each replica's own. The last step of a run syncs too, so the run ends on one set of
+    weights."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring, inner_steps: int,
+                 lr: float, momentum: float) -> None:
+        self.params, self.ring, self.inner_steps = list(params), ring, inner_steps
+        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+        self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
+
+    def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
+        return None
+
+    @torch.no_grad()
+    def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
+        """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
+        at the end."""
+        if (step + 1) % self.inner_steps and not last:
+            return None
+        deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
+                                                           strict=True)]
+        synced = self.ring.mean_(step, timeout, deltas)
+        for a, d in zip(self.anchor, deltas, strict=True):
+            a.grad = d
+        self.opt.step()
+        for p, a in zip(self.params, self.anchor, strict=True):
+            p.copy_(a)
+        return synced
