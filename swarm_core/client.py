@@ -231,22 +231,39 @@ class SwarmClient:
         for part in ("manifest", "weights", "optimizer"):
             if part == "optimizer" and not names_optimizer(manifest):
                 break
-            try:
-                async with self._http().get(f"{base}/{part}",
-                                            headers={SESSION_HEADER: session},
-                                            timeout=aiohttp.ClientTimeout(total=600)) as resp:
-                    raw = await resp.read()
-            except _NO_ANSWER as exc:
-                raise self._unreachable(exc) from None
-            self.bytes_received += len(raw) + 150
-            if part == "optimizer" and resp.status == 404:
+            status, raw = await self._download(f"{base}/{part}", {SESSION_HEADER: session})
+            if part == "optimizer" and status == 404:
                 break  # a leader from before optimiser state: resume with fresh moments
-            if resp.status >= 400:
-                _reply(resp.status, raw)  # raises the leader's error
+            if status >= 400:
+                _reply(status, raw)  # raises the leader's error
             out.append(raw)
             if part == "manifest":
-                manifest = _reply(resp.status, raw)
+                manifest = _reply(status, raw)
         return manifest, out[1], out[2] if len(out) > 2 else None
+
+    async def _download(self, url: str, headers: dict[str, str] | None = None
+                        ) -> tuple[int, bytes]:
+        """(status, body) of a GET whose body may be hundreds of MB (weights)."""
+        try:
+            async with self._http().get(url, headers=headers or {},
+                                        timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                raw = await resp.read()
+        except _NO_ANSWER as exc:
+            raise self._unreachable(exc) from None
+        self.bytes_received += len(raw) + 150
+        return resp.status, raw
+
+    async def export_manifest(self, job_id: str) -> dict[str, Any]:
+        """The job's run manifest as the leader holds it (its newest shard per stage)."""
+        return await self.request("GET", f"{API_PREFIX}/jobs/{_seg(job_id)}/export")
+
+    async def export_part(self, job_id: str, stage: int, part: str) -> bytes:
+        """One part (``manifest`` or ``weights``) of a stage's newest pushed shard."""
+        status, raw = await self._download(
+            f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/export/{stage}/{part}")
+        if status >= 400:
+            _reply(status, raw)  # raises the leader's error
+        return raw
 
     # jobs -------------------------------------------------------------------------------------
     async def submit(self, req: JobSubmit) -> JobInfo:

@@ -83,7 +83,12 @@ def _model(data: Any) -> ModelConfig:
         raise SchemaError("expected an object", "$")
     if "model" not in data:
         raise SchemaError("required field missing", "$.model")
-    cfg = structure(data["model"], ModelConfig, root="$.model")
+    model = data["model"]
+    if isinstance(model, dict) and "init" not in model:
+        # Written before the init was recorded: trained under PyTorch's defaults. (Glue and
+        # eval load the weights whatever the init; this keeps what the export says true.)
+        model = {**model, "init": "torch"}
+    cfg = structure(model, ModelConfig, root="$.model")
     vocab = data.get("vocab_size")
     if isinstance(vocab, int) and not isinstance(vocab, bool):
         try:  # ModelConfig holds the bound on a vocabulary

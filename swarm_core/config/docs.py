@@ -55,7 +55,12 @@ SECTIONS: list[tuple[str, type, str]] = [
      "boundary is float32 before the wire codec, which `compression` or `wire_dtype` picks. "
      "bfloat16 pays off on GPUs and on CPUs with native bfloat16; elsewhere it is slower. "
      "`tie_weights` shares the token embedding with the LM head where one stage holds both (a "
-     "one-stage job); split across stages they stay untied, and the fellows say so."),
+     "one-stage job); split across stages they stay untied, and the fellows say so. `init: gpt2` "
+     "is GPT-2's initialisation (every Linear N(0, 0.02), biases zero, the attention and MLP "
+     "output projections N(0, 0.02/sqrt(2 n_layers)), embeddings N(0, 0.02)), the recipe "
+     "published baselines use; `torch` keeps PyTorch's default Linear init (Kaiming-uniform), "
+     "what runs trained with before the field existed, and what a shard manifest without it "
+     "means."),
     ("TrainingConfig (`training/*.json`)", schemas.TrainingConfig,
      "`link` is normally filled by the sweep from the network profile. Evaluation scores "
      "`eval_batches` micro-batches of held-out windows (every `eval_every` steps, and at the "
@@ -108,7 +113,9 @@ def render() -> str:
         hints = typing.get_type_hints(cls)
         out.append(f"## {title}\n")
         if cls.__doc__:
-            out.append(cls.__doc__.strip().splitlines()[0] + "\n")
+            # The docstring's first paragraph, as one line (a first line may end mid-sentence).
+            first = cls.__doc__.strip().split("\n\n")[0]
+            out.append(" ".join(line.strip() for line in first.splitlines()) + "\n")
         if note:
             out.append(note + "\n")
         out.append("| field | type | default |\n| --- | --- | --- |")

@@ -120,6 +120,9 @@ class ClusterProfile:
 class ArtifactsProfile:
     runs_dir: str = "../runs"  # relative to the training profile: exp/runs
     shard_push_interval_steps: int = 0
+    # Copy each run's final shards from the leader into <run>/model_export/, so the run's own
+    # folder glues, evaluates and samples (a benchmark suite always does).
+    export: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.shard_push_interval_steps < 0:

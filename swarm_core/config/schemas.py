@@ -145,6 +145,10 @@ class ModelConfig:
     wire_dtype: WireDtype = "fp32"  # codec for uncompressed boundaries
     tie_weights: bool = False
     mlp_ratio: int = attrs.field(default=4, validator=[_pos, _le(16)])
+    # "gpt2": every Linear N(0, 0.02) with zero biases, the residual projections scaled by
+    # 1/sqrt(2 n_layers) (the field's baseline); "torch": PyTorch's defaults, what runs before
+    # this field trained with (a manifest without the field was trained so).
+    init: Literal["gpt2", "torch"] = "gpt2"
 
     def __attrs_post_init__(self) -> None:
         if not checking():

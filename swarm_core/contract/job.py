@@ -238,6 +238,14 @@ def in_stage_order(pushes: dict[str, ShardReceipt]) -> list[ShardReceipt]:
     return [pushes[k] for k in sorted(pushes, key=int)]
 
 
+def export_complete(shards: list[ShardReceipt], num_stages: int) -> bool:
+    """Whether a job's newest shards glue into one model: one per stage, all at one step, of
+    one configuration."""
+    return (len(shards) == num_stages and len({s.stage for s in shards}) == num_stages
+            and len({s.step for s in shards}) == 1
+            and len({s.config_fingerprint for s in shards}) == 1)
+
+
 def link_changes_in_all(changes: list[Any], total: int | None) -> int:
     """How many set-speeds a job saw: its count, or as many as its record holds where that is
     more (a record from before the count was kept)."""

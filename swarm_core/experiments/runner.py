@@ -24,6 +24,7 @@ import attrs
 
 import swarm_core
 from swarm_core import jsonio
+from swarm_core.artifacts.fetch import FetchError, fetch_export
 from swarm_core.client import ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
@@ -311,6 +312,14 @@ class Experiment:
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
         _write(st.run_dir / "metrics_summary.json", summarize(st, job, records))
         st.note = job.reason
+        if self.exp.profile.artifacts.export and job.latest_shard_pushes:
+            try:
+                await fetch_export(self.client, st.job_id, st.run_dir / "model_export")
+            except (FetchError, ClientError) as exc:
+                # The run stands; only its copy of the export is missing, and it says why.
+                st.note = "; ".join(n for n in (st.note, f"model export not copied: {exc}")
+                                    if n)
+                self.on_line(f"{st.run_id}: model export not copied: {exc}")
         self._write_manifest(st)
 
 

@@ -221,7 +221,8 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
 def _dummy_profiles() -> tuple[Any, Any, Any]:
     from swarm_core.config.profiles import ArtifactsProfile, ClusterProfile, NetworkProfile
 
-    return ClusterProfile(), NetworkProfile(), ArtifactsProfile()
+    # A scenario's folder holds its model export (the workflow glues it from there).
+    return ClusterProfile(), NetworkProfile(), ArtifactsProfile(export=True)
 
 
 def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, Any]:

@@ -5,9 +5,9 @@ outside this package uses only the names exported here; everything else goes thr
 :mod:`swarm_core.client`.
 """
 
-from swarm_core.leader.app import LeaderConfig, create_app, run_leader
+from swarm_core.leader.app import LeaderConfig, StateDirBusy, create_app, run_leader
 from swarm_core.leader.auth import TokenFileError, read_token
 from swarm_core.leader.store import StoreError
 
-__all__ = ["LeaderConfig", "StoreError", "TokenFileError", "create_app", "read_token",
-           "run_leader"]
+__all__ = ["LeaderConfig", "StateDirBusy", "StoreError", "TokenFileError", "create_app",
+           "read_token", "run_leader"]

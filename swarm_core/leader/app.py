@@ -138,6 +138,33 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
+LOCK_FILE = "leader.lock"
+
+
+class StateDirBusy(StoreError):
+    """Another leader serves this state directory."""
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold ``leader.lock`` in the state directory, with this pid in it; returns its fd (the
+    kernel lets go when the fd closes or the process exits, however it exits). Two leaders on
+    one directory would each write the fellow table and the job queue from their own memory."""
+    import fcntl
+
+    ensure_private_dir(state_dir)
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirBusy(f"{state_dir}: another leader (pid {holder}) serves this state "
+                           "directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def run_leader(config: LeaderConfig, host: str = "127.0.0.1", port: int = 8765) -> None:
     """Serve until SIGINT/SIGTERM. Prints the URL once listening (scripts wait for it).
 
@@ -146,21 +173,30 @@ def run_leader(config: LeaderConfig, host: str = "127.0.0.1", port: int = 8765) 
     socks = _listen(host, port)
     bound = socks[0].getsockname()[1]
     url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+    lock = None
     try:
+        lock = lock_state_dir(config.state_dir)  # held while this leader serves
         app = create_app(config)
     except OSError as exc:  # (named here: the caller reads an OSError as the port's)
         for sock in socks:
             sock.close()
+        if lock is not None:
+            os.close(lock)
         raise StoreError(f"{config.state_dir}: cannot set up the leader's state: "
                          f"{exc.strerror or exc}") from None
     except BaseException:
         for sock in socks:
             sock.close()
+        if lock is not None:
+            os.close(lock)
         raise
 
     async def announce(_app: web.Application) -> None:
         print(f"leader listening on {url} (state {config.state_dir})", flush=True)
 
     app.on_startup.append(announce)
-    web.run_app(app, sock=socks, print=None, access_log=None,
-                handle_signals=True, shutdown_timeout=3.0)
+    try:
+        web.run_app(app, sock=socks, print=None, access_log=None,
+                    handle_signals=True, shutdown_timeout=3.0)
+    finally:
+        os.close(lock)

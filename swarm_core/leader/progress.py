@@ -13,7 +13,7 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.contract import JobStatusUpdate, ProgressRecord, StageMetrics
-from swarm_core.contract.job import in_stage_order
+from swarm_core.contract.job import export_complete, in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store
@@ -152,8 +152,7 @@ class RunFiles:
             "num_stages": job.num_stages, "model": spec["model"], "training": spec["training"],
             "placement": unstructure(job.placement),
             "step": max(steps) if steps else None,
-            "complete": len(pushes) == job.num_stages and len(steps) == 1
-            and len({p.config_fingerprint for p in pushes}) == 1,
+            "complete": export_complete(pushes, job.num_stages),
             "shards": [{**unstructure(p), "dir": f"shards/stage-{p.stage}-fellow-{p.fellow_id}"}
                        for p in pushes],
         }

@@ -333,6 +333,37 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
                                            if part != "manifest" else "application/json"})
 
 
+async def get_export(request: web.Request) -> web.Response:
+    """A job's export as the leader holds it: its run manifest (the newest shard of each
+    stage, and whether they make one model)."""
+    st = _state(request)
+    job = st.jobs.get(request.match_info["job_id"])
+    return ok(st.jobs.files.run_manifest(job))
+
+
+async def get_export_part(request: web.Request) -> web.StreamResponse:
+    """The newest pushed shard of a stage, part by part, for whoever holds the token (a sweep
+    or suite runner copying the export next to its run, on this machine or another)."""
+    from swarm_core.artifacts.layout import MANIFEST, WEIGHTS
+    from swarm_core.leader.uploads import shard_dir
+
+    st = _state(request)
+    job = st.jobs.get(request.match_info["job_id"])
+    stage = _int_param(request, "stage")
+    part = request.match_info["part"]
+    name = {"manifest": MANIFEST, "weights": WEIGHTS}.get(part)
+    if name is None:
+        raise ApiError(404, f"no export part {part!r} (manifest or weights)")
+    receipt = job.latest_shard_pushes.get(str(stage))
+    path = None if receipt is None else \
+        shard_dir(st.state_dir / "runs", job.job_id, stage, receipt.fellow_id) / name
+    if path is None or not path.exists():
+        raise ApiError(404, f"{job.job_id} has no pushed shard of stage {stage}",
+                       code="no_shard")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"
+                                           if part != "manifest" else "application/json"})
+
+
 # --- events -------------------------------------------------------------------------------------
 
 # What ?types= filters on: the part of an event's type before the dot.
@@ -441,6 +472,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
           "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),
+    Route("GET", f"{A}/jobs/{{job_id}}/export", get_export,
+          "A job's export: the run manifest of its newest shard per stage", errors=(404,)),
+    Route("GET", f"{A}/jobs/{{job_id}}/export/{{stage}}/{{part}}", get_export_part,
+          "Download a stage's newest pushed shard (part: manifest or weights)",
+          errors=(400, 404)),
     Route("GET", f"{A}/events", events,
           "WebSocket stream of fellow, job and metric events (plain GET: the last 1000)",
           query=(("types", "string", "comma-separated: fellow,job,metric"),

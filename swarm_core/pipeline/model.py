@@ -75,6 +75,25 @@ def dropout_rng(module: StageModule, step: int | None,
         yield
 
 
+GPT2_STD = 0.02
+
+
+def gpt2_init(module: nn.Module, cfg: ModelConfig, residual: tuple[nn.Linear, ...] = ()) -> None:
+    """GPT-2's init on a freshly built part, under its seed: every Linear N(0, 0.02) with zero
+    biases, and the ``residual`` projections (those that write into the residual stream)
+    N(0, 0.02/sqrt(2 n_layers)), so the stream's variance does not grow with depth. Norms keep
+    (1, 0). Nothing under ``init: torch``."""
+    if cfg.init != "gpt2":
+        return
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=GPT2_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    for proj in residual:
+        nn.init.normal_(proj.weight, mean=0.0, std=GPT2_STD / (2 * cfg.n_layers) ** 0.5)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -105,6 +124,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * d, d))
         self.drop = nn.Dropout(cfg.dropout)
+        gpt2_init(self, cfg, residual=(self.attn.proj, self.mlp[2]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -130,6 +150,7 @@ class Head(nn.Module):
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        gpt2_init(self, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
@@ -138,10 +159,11 @@ class Head(nn.Module):
 class BottleneckDown(nn.Module):
     """Sender half of a learned bottleneck: Linear(d→k) → LayerNorm(k)."""
 
-    def __init__(self, d: int, k: int) -> None:
+    def __init__(self, cfg: ModelConfig, k: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(d, k)
+        self.proj = nn.Linear(cfg.d_model, k)
         self.norm = nn.LayerNorm(k)
+        gpt2_init(self, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # LayerNorm in float32 under autocast on every device (CUDA's autocast does this
@@ -152,10 +174,11 @@ class BottleneckDown(nn.Module):
 class BottleneckUp(nn.Module):
     """Receiver half: Linear(k→d) → LayerNorm(d)."""
 
-    def __init__(self, k: int, d: int) -> None:
+    def __init__(self, cfg: ModelConfig, k: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(k, d)
-        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(k, cfg.d_model)
+        self.norm = nn.LayerNorm(cfg.d_model)
+        gpt2_init(self, cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.proj(x).float())  # float32, as in BottleneckDown
@@ -176,13 +199,13 @@ class StageModule(nn.Module):
         self.embed = seeded(seed, "embed", lambda: Embedding(cfg, vocab)) if self.first else None
         # Keyed by boundary index, so names stay unique when stages are glued together.
         self.up = (nn.ModuleDict({str(stage - 1): seeded(
-            seed, f"up{stage - 1}", lambda: BottleneckUp(comp.bottleneck_dim, cfg.d_model))})
+            seed, f"up{stage - 1}", lambda: BottleneckUp(cfg, comp.bottleneck_dim))})
                    if comp.learned and not self.first else None)
         self.blocks = nn.ModuleDict({
             str(i): seeded(seed, f"block{i}", lambda: Block(cfg)) for i in range(start, stop)
         })
         self.down = (nn.ModuleDict({str(stage): seeded(
-            seed, f"down{stage}", lambda: BottleneckDown(cfg.d_model, comp.bottleneck_dim))})
+            seed, f"down{stage}", lambda: BottleneckDown(cfg, comp.bottleneck_dim))})
                      if comp.learned and not self.last else None)
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
         if self.tied:

@@ -33,7 +33,13 @@ def _logging(verbose: bool) -> None:
 
 
 def cmd_leader(args: argparse.Namespace) -> int:
-    from swarm_core.leader import LeaderConfig, StoreError, TokenFileError, run_leader
+    from swarm_core.leader import (
+        LeaderConfig,
+        StateDirBusy,
+        StoreError,
+        TokenFileError,
+        run_leader,
+    )
 
     _logging(args.verbose)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.allow_remote:
@@ -45,6 +51,8 @@ def cmd_leader(args: argparse.Namespace) -> int:
                        stale_after_s=args.stale_after)
     try:
         run_leader(cfg, host=args.host, port=args.port)
+    except StateDirBusy as exc:  # (a usage error: another --state-dir, or stop that leader)
+        raise CommandError(str(exc), ExitCode.USAGE) from None
     except (StoreError, TokenFileError) as exc:
         raise CommandError(str(exc)) from None
     except OSError as exc:

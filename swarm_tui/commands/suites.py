@@ -98,12 +98,6 @@ def cmd_suite(args: argparse.Namespace) -> int:
                     if job.placement:
                         write_json(st.run_dir / "placement_plan.json",
                                    unstructure(job.placement))
-                    write_json(st.run_dir / "model_export" / "run_manifest.json", {
-                        "job_id": job.job_id, "state": job.state,
-                        "placement": unstructure(job.placement),
-                        "shards": unstructure(job.shard_pushes),
-                        "note": "the shards themselves are in the leader's run directory "
-                                "(runs/<job>/model_export) and on each fellow"})
             summary = summarize(suite, out, run_dirs)
             write_json(out / "suite_summary.json", summary)
             write_json(out / "suite_manifest.json", {

@@ -23,6 +23,7 @@ BENCHES = {
     "bench_stage.py": "paired ratio to plain",
     "bench_tui.py": "ms",
     "check_device.py": "resume bfloat16 none",
+    "reference_gpt.py": "val/ref",
 }
 
 

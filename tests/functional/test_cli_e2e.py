@@ -126,7 +126,8 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
                 f"{queued['job_id']} CANCELLED at step 0: cancelled by request"]
 
         # A set-speed mid-run is recorded in the running job, and `swarm job` shows it.
-        long = cli_json("submit", "--fellows", "2", "--steps", "40", env=cli_env)
+        # (long enough that a loaded machine cannot finish it first; cancelled once checked)
+        long = cli_json("submit", "--fellows", "2", "--steps", "400", env=cli_env)
         wait_until(lambda: cli_json("job", long["job_id"], env=cli_env)["last_step"] >= 1,
                    15.0, "the job to take a step")
         res = run_cli("set-speed", "--fellow-id", "1", "--tx-mbps", "8", env=cli_env)
@@ -179,6 +180,17 @@ def test_a_leader_binds_before_it_creates_anything(cli_env, tmp_path):
         assert got != 0, line
         with socket.create_connection(("127.0.0.1", got), timeout=5):
             pass  # listening where it said
+        # A second leader on the same state directory would write the same fellow table and
+        # queue from its own memory: it is refused in one line naming the first, which serves on.
+        second = run_cli("leader", "--port", "0", "--state-dir", str(tmp_path / "z"),
+                         env=cli_env)
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.splitlines() == [
+            f"swarm: {tmp_path / 'z'}: another leader (pid {proc.pid}) serves this state "
+            "directory"], second.stderr
+        assert proc.poll() is None
+        with socket.create_connection(("127.0.0.1", got), timeout=5):
+            pass
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from swarm_core.config.profiles import ConfigError
 from swarm_core.experiments.suites import load_suite
-from tests.clusters import run_cli
+from tests.clusters import cli_json, run_cli
 from tests.support import REPO
 
 
@@ -111,6 +113,21 @@ def test_dry_run_checks_topology_and_a_small_suite_runs(cli_env, tmp_path):
     assert rows["shaped"]["link_bound_s"] > 0 and rows["shaped"]["slowdown_vs_baseline"] > 0
     # Same seed, same data: splitting into two stages does not change the losses.
     assert abs(rows["base"]["final_loss"] - rows["shaped"]["final_loss"]) < 1e-5
+    # The workflow: each scenario's folder holds its export whole (copied from the leader over
+    # HTTP), and glue on it, with the leader gone, gives the model the pipeline evaluated.
+    export = out / "shaped" / "model_export"
+    run_manifest = json.loads((export / "run_manifest.json").read_text())
+    assert run_manifest["complete"] is True and len(run_manifest["shards"]) == 2
+    assert [p.parent.name.split("-fellow-")[0] for p in
+            sorted(export.glob("shards/*/shard_manifest.json"))] == ["stage-0", "stage-1"]
+    glued = subprocess.run([sys.executable, str(REPO / "exp/scripts/glue_model_export.py"),
+                            "--export-dir", str(export)], capture_output=True, text=True,
+                           env=cli_env, timeout=120)
+    assert glued.returncode == 0, glued.stderr
+    assert (export / "full_model" / "inference_manifest.json").exists()
+    final = json.loads((out / "shaped" / "job_final.json").read_text())
+    ev = cli_json("eval", "--model", str(export / "full_model"), env=cli_env)
+    assert abs(ev["eval_loss"] - final["metrics"]["eval_loss"]) <= 1e-5
 
 
 def test_the_suite_summary_reads_runs_through_the_reports_checks(tmp_path):

@@ -27,7 +27,7 @@ def _layout(tmp_path, fellows: int = 2, steps: int = 4):
     (tmp_path / "training" / "t.json").write_text(json.dumps(
         {"steps": steps, "batch_size": 4, "micro_batches": 2, "eval_batches": 1,
          "max_final_loss": 10.0, "cluster_profile": {"fellows": fellows},
-         "artifacts": {"runs_dir": "../runs"}}))
+         "artifacts": {"runs_dir": "../runs", "export": True}}))
     cfg = tmp_path / "exp.json"
     cfg.write_text(json.dumps({
         "name": "sweep3", "training_config": "training/t.json",
@@ -57,6 +57,11 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
             assert (d / name).exists(), f"{d.name} lacks {name}"
         manifest = jsonio.loads((d / "manifest.json").read_bytes())
         assert manifest["status"] == "COMPLETED" and manifest["job_id"] == r["job_id"]
+        # artifacts.export: the run's own copy of its final shards, whole.
+        export = jsonio.loads((d / "model_export" / "run_manifest.json").read_bytes())
+        assert export["complete"] is True and export["step"] == 4
+        assert all((d / "model_export" / s["dir"] / "weights.npz").exists()
+                   for s in export["shards"])
         assert manifest["config_source"] == str(cfg) and manifest["leader_url"]
         resolved = jsonio.loads((d / "config_resolved.json").read_bytes())
         assert resolved["job"]["training"]["steps"] == 4

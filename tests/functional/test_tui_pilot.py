@@ -355,27 +355,33 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             assert isinstance(app.screen, LaunchScreen)
             launch.query_one("#fellows", Input).value = "5"  # valid, but only 3 fellows here
             launch.query_one("#name", Input).value = "queued-train"
-            # A second ctrl+s while the first launch is on its way queues nothing twice (the
-            # leader is made slow to answer, so the second press lands in between).
+            # A second ctrl+s while the first launch is on its way queues nothing twice. The
+            # leader's answer is held at a gate the test opens, so "in between" is not a race.
             submit = app.client.submit
+            gate = asyncio.Event()
 
-            async def slow_submit(req: JobSubmit) -> Any:
-                await asyncio.sleep(0.3)
+            async def held_submit(req: JobSubmit) -> Any:
+                await gate.wait()
                 return await submit(req)
 
-            app.client.submit = slow_submit  # type: ignore[method-assign]
+            app.client.submit = held_submit  # type: ignore[method-assign]
             # Who leaves the launcher before the answer is not pulled back to the queue.
             launch.query_one("#name", Input).value = "left-behind"
             await pilot.press("ctrl+s", "1")
+            assert isinstance(app.screen, FellowsScreen)
+            gate.set()
             await wait_for(pilot, lambda: any("submitted" in n.message
                                               for n in app._notifications), "the notice")
             assert isinstance(app.screen, FellowsScreen)
+            gate.clear()
             await pilot.press("3")
             await wait_for(pilot, lambda: app.screen is launch, "the launcher again")
             launch.query_one("#name", Input).value = "queued-train"
             await pilot.press("ctrl+s", "ctrl+s")
+            await wait_for(pilot, lambda: any("a launch is under way" in n.message
+                                              for n in app._notifications), "the refusal")
+            gate.set()
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
-            assert any("a launch is under way" in n.message for n in app._notifications)
             async with leader.client() as c:
                 names = [j.name for j in await c.jobs()]
                 assert names.count("queued-train") == 1 and names.count("left-behind") == 1

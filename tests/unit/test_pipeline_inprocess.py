@@ -386,7 +386,8 @@ def test_bfloat16_pipeline_matches_its_own_reference(data, compression, schedule
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     assert ref[-1] < ref[0], "the loss falls"
     fp32, _ = train_reference(attrs.evolve(mc, dtype="float32"), tc, data, ranges)
-    assert max(abs(a - b) for a, b in zip(fp32, got, strict=True)) > 1e-4, "bf16 was used"
+    # (3x the exactness bound; GPT-2's small init keeps bf16's early drift small: 8e-5 here)
+    assert max(abs(a - b) for a, b in zip(fp32, got, strict=True)) > 3e-5, "bf16 was used"
 
 
 def test_a_stage_on_a_device_this_machine_lacks_is_refused(data):

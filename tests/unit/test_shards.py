@@ -461,3 +461,81 @@ async def test_a_push_whose_step_is_pruned_meanwhile_is_a_conflict(leader, monke
     assert err["code"] == "checkpoint_pruned" and "step 4" in err["message"]
     view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert view["latest_shard_pushes"] == {}
+
+
+# --- the export download ---------------------------------------------------------------------
+
+
+async def _push_both(client, fellows, job) -> dict[int, bytes]:
+    weights_by_stage = {}
+    for stage in (0, 1):
+        f = _stage_fellow(job, fellows, stage)
+        manifest, weights, _ = _shard(stage=stage, fellow_id=f["fellow_id"],
+                                      job_id=job["job_id"])
+        resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/{stage}",
+                                 data=_form(manifest, weights), headers=f["headers"])
+        assert resp.status == 201, await resp.text()
+        weights_by_stage[stage] = weights
+    return weights_by_stage
+
+
+def _swarm_client(client):
+    from swarm_core.client import SwarmClient
+
+    return SwarmClient(str(client.server.make_url("")).rstrip("/"), TOKEN)
+
+
+async def test_the_export_downloads_next_to_the_run_and_glues(leader, tmp_path):
+    """What a sweep or suite runner copies: each stage's newest shard with the token, checked
+    against its sha256, into <run>/model_export, where glue finds a whole model."""
+    from swarm_core.artifacts.fetch import fetch_export
+    from swarm_core.artifacts.glue import glue, load_full_model
+
+    client, fellows, job, _cfg = leader
+    weights = await _push_both(client, fellows, job)
+    dest = tmp_path / "run" / "model_export"
+    async with _swarm_client(client) as c:
+        run = await fetch_export(c, job["job_id"], dest)
+    assert run["complete"] is True and run["step"] == 4 and run["num_stages"] == 2
+    for stage, entry in enumerate(run["shards"]):
+        d = dest / entry["dir"]
+        assert (d / "weights.npz").read_bytes() == weights[stage]
+        assert load_shard(d)[0]["stage"] == stage
+    assert (dest / "run_manifest.json").exists()
+    model, _manifest = load_full_model(glue(dest))
+    whole = ExperimentModel(ModelConfig(**MODEL), 32, 0, [(0, 1), (1, 2)])
+    x = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x), whole.eval()(x))
+    # Without the token, nothing comes.
+    async with aiohttp.ClientSession() as anon:
+        url = client.server.make_url(f"{A}/jobs/{job['job_id']}/export/0/weights")
+        async with anon.get(url) as resp:
+            assert resp.status == 401
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("corrupt", "the weights do not match their manifest's sha256"),
+    ("missing", "has no pushed shard of stage 1"),
+])
+async def test_a_bad_export_download_is_one_error_and_leaves_no_shard(leader, tmp_path, damage,
+                                                                       message):
+    from swarm_core.artifacts.fetch import FetchError, fetch_export
+    from swarm_core.client import ClientError
+
+    client, fellows, job, cfg = leader
+    await _push_both(client, fellows, job)
+    held = next((cfg.state_dir / "runs" / job["job_id"] / "model_export" / "shards").glob(
+        "stage-1-fellow-*"))
+    if damage == "corrupt":
+        raw = bytearray((held / "weights.npz").read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        (held / "weights.npz").write_bytes(bytes(raw))
+    else:
+        (held / "weights.npz").unlink()
+    dest = tmp_path / "run" / "model_export"
+    async with _swarm_client(client) as c:
+        with pytest.raises((FetchError, ClientError), match=message):
+            await fetch_export(c, job["job_id"], dest)
+    # Stage 0 downloaded fine, but nothing is written unless every stage is.
+    assert not dest.exists() or not any(dest.rglob("*"))

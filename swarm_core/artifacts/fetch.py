@@ -1,0 +1,93 @@
+"""A job's export copied from the leader next to a run: ``<dest>/shards/stage-K-fellow-F/``
+(each stage's newest pushed shard) and ``<dest>/run_manifest.json``, so glue, eval and generate
+work on the run's own directory, whether the leader is on this machine or another.
+
+Over HTTP with the token (``GET /jobs/{id}/export`` and ``/export/{stage}/{part}``). Nothing
+of a shard is written before both its parts are in and its weights match the manifest's
+sha256, and then weights first, manifest last: a shard directory with a manifest is complete,
+and a failed or refused download leaves none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.artifacts.layout import MANIFEST
+from swarm_core.artifacts.manifests import shard_manifest
+from swarm_core.artifacts.shards import shard_dir_name, write_shard
+from swarm_core.client import SwarmClient, shown_url
+from swarm_core.contract.job import ShardReceipt, export_complete
+from swarm_core.paths import atomic_write
+from swarm_core.schema import SchemaError, unstructure
+
+RUN_MANIFEST = "run_manifest.json"
+# A periodic push may land between a stage's manifest and its weights: fetch both again.
+ATTEMPTS = 3
+
+
+class FetchError(Exception):
+    """The export could not be copied; the line says which stage and why."""
+
+
+async def fetch_export(client: SwarmClient, job_id: str, dest: Path) -> dict[str, Any]:
+    """Copy the job's newest shard of every stage into ``dest`` and write its run manifest
+    there (returned). Raises FetchError (or ClientError when the leader cannot answer)."""
+    leader_view = await client.export_manifest(job_id)
+    # Every stage in memory before any is written: a stage that fails leaves the export as
+    # it was (one shard at a time would leave a mix of two pushes).
+    got: list[tuple[ShardReceipt, dict[str, Any], bytes]] = []
+    for entry in leader_view.get("shards", []):
+        got.append(await _fetch_stage(client, job_id, int(entry["stage"])))
+    root = dest / "shards"
+    for receipt, manifest, weights in got:
+        _put(root, receipt, manifest, weights)
+    receipts = [r for r, _m, _w in got]
+    steps = {r.step for r in receipts}
+    run = {**leader_view,
+           "step": max(steps) if steps else None,
+           "complete": export_complete(receipts, int(leader_view["num_stages"])),
+           "shards": [{**unstructure(r), "dir": f"shards/{shard_dir_name(r.stage, r.fellow_id)}"}
+                      for r in receipts],
+           "fetched_from": shown_url(client.base_url), "fetched_at": time.time()}
+    atomic_write(dest / RUN_MANIFEST, jsonio.dumps(run, pretty=True))
+    return run
+
+
+async def _fetch_stage(client: SwarmClient, job_id: str, stage: int
+                       ) -> tuple[ShardReceipt, dict[str, Any], bytes]:
+    where = f"{job_id} stage {stage}"
+    for _ in range(ATTEMPTS):
+        raw = await client.export_part(job_id, stage, "manifest")
+        weights = await client.export_part(job_id, stage, "weights")
+        try:
+            data = jsonio.loads(raw)
+            m, _cfg = shard_manifest(data)
+        except (jsonio.JSONDecodeError, SchemaError) as exc:
+            raise FetchError(f"{where}: the shard manifest is not one: {exc}") from None
+        if m.job_id != job_id or m.stage != stage:
+            raise FetchError(f"{where}: the leader sent the shard of {m.job_id} stage {m.stage}")
+        if hashlib.sha256(weights).hexdigest() == m.weights_sha256:
+            receipt = ShardReceipt(stage=m.stage, fellow_id=m.fellow_id, step=m.step,
+                                   weights_sha256=m.weights_sha256, weights_bytes=len(weights),
+                                   config_fingerprint=m.config_fingerprint)
+            return receipt, data, weights
+    raise FetchError(f"{where}: the weights do not match their manifest's sha256 "
+                     f"({ATTEMPTS} downloads)")
+
+
+def _put(root: Path, receipt: ShardReceipt, manifest: dict[str, Any], weights: bytes) -> None:
+    d = root / shard_dir_name(receipt.stage, receipt.fellow_id)
+    # One shard per stage (another fellow may have held it before a restart), and the old
+    # manifest out before new weights go in: no manifest ever names the wrong weights.
+    for old in root.glob(f"stage-{receipt.stage}-fellow-*"):
+        if old != d:
+            shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        (d / MANIFEST).unlink()
+    write_shard(root, manifest, weights)
