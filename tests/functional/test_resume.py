@@ -108,7 +108,9 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
     assert up.returncode == 0, up.stderr
     try:
         _slow_steps(cli_env)
-        job_id = _submit(tmp_path, cli_env, "fail")
+        # (long: on a loaded machine the CLI calls before the kill take seconds each, and a
+        # short job could finish first; it fails at the kill, so its length costs nothing)
+        job_id = _submit(tmp_path, cli_env, "fail", steps=200)
         wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 3, 60,
                    "the job to start stepping")
         record = _record(swarm_home)
