@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.artifacts.layout import MANIFEST
+from swarm_core.artifacts.layout import MANIFEST, RUN_MANIFEST
 from swarm_core.artifacts.manifests import shard_manifest
 from swarm_core.artifacts.shards import shard_dir_name, write_shard
 from swarm_core.client import SwarmClient, shown_url
@@ -26,7 +26,6 @@ from swarm_core.contract.job import ShardReceipt, export_complete
 from swarm_core.paths import atomic_write
 from swarm_core.schema import SchemaError, unstructure
 
-RUN_MANIFEST = "run_manifest.json"
 # A periodic push may land between a stage's manifest and its weights: fetch both again.
 ATTEMPTS = 3
 

@@ -8,6 +8,8 @@ from typing import Any
 MANIFEST = "shard_manifest.json"
 WEIGHTS = "weights.npz"
 OPTIMIZER = "optimizer.npz"
+# Beside an export's shards/: which shard each stage holds, and whether they make one model.
+RUN_MANIFEST = "run_manifest.json"
 
 
 def names_optimizer(manifest: dict[str, Any]) -> bool:

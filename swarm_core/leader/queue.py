@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from swarm_core.artifacts.layout import RUN_MANIFEST
 from swarm_core.config.schemas import job_shape_error
 from swarm_core.contract import (
     FellowSlots,
@@ -353,7 +354,7 @@ class JobQueue:
         if job.kind == "train" and was_running:
             self.files.write(job, "job_final.json", self.info(job, with_history=True))
             if job.latest_shard_pushes:
-                self.files.write(job, "model_export/run_manifest.json",
+                self.files.write(job, f"model_export/{RUN_MANIFEST}",
                                  self.files.run_manifest(job))
         self.event(job, f"job.{state.value.lower()}")
 
