@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -27,6 +28,29 @@ def run_cli(*args: str, env: dict[str, str], timeout: float = 60,
 def cli_json(*args: str, env: dict[str, str]) -> Any:
     proc = run_cli(*args, "--format", "json", env=env, check=True)
     return json.loads(proc.stdout)
+
+
+def leader_call(method: str, path: str, env: dict[str, str], body: Any = None) -> Any:
+    """One call to the local cluster's leader (``path`` under /api/v1) through the project's
+    client, in this process. For tests that poll or steer while a job runs and do not test the
+    CLI: each ``swarm`` process costs a second of imports, several on a loaded machine, and a
+    poll that slow lets the run it watches get ahead of the test."""
+    from swarm_core.client import SwarmClient
+    from swarm_core.leader import read_token
+
+    record = json.loads((Path(env["SWARM_HOME"]) / "local-cluster" / "cluster.json").read_text())
+    token = read_token(Path(record["state_dir"]))
+
+    async def call() -> Any:
+        async with SwarmClient(record["leader_url"], token) as client:
+            return await client.request(method, f"/api/v1{path}", body)
+
+    return asyncio.run(call())
+
+
+def job_view(job_id: str, env: dict[str, str]) -> dict[str, Any]:
+    """The job as ``swarm job --format json`` shows it (the leader's view), without a process."""
+    return leader_call("GET", f"/jobs/{job_id}", env)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,

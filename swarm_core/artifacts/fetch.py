@@ -10,17 +10,14 @@ and a failed or refused download leaves none.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.artifacts.layout import MANIFEST, RUN_MANIFEST
+from swarm_core.artifacts.layout import RUN_MANIFEST, replace_shard, shard_dir_name
 from swarm_core.artifacts.manifests import shard_manifest
-from swarm_core.artifacts.shards import shard_dir_name, write_shard
 from swarm_core.client import SwarmClient, shown_url
 from swarm_core.contract.job import ShardReceipt, export_complete
 from swarm_core.paths import atomic_write
@@ -44,8 +41,8 @@ async def fetch_export(client: SwarmClient, job_id: str, dest: Path) -> dict[str
     for entry in leader_view.get("shards", []):
         got.append(await _fetch_stage(client, job_id, int(entry["stage"])))
     root = dest / "shards"
-    for receipt, manifest, weights in got:
-        _put(root, receipt, manifest, weights)
+    for _receipt, manifest, weights in got:
+        replace_shard(root, manifest, weights)
     receipts = [r for r, _m, _w in got]
     steps = {r.step for r in receipts}
     run = {**leader_view,
@@ -78,15 +75,3 @@ async def _fetch_stage(client: SwarmClient, job_id: str, stage: int
             return receipt, data, weights
     raise FetchError(f"{where}: the weights do not match their manifest's sha256 "
                      f"({ATTEMPTS} downloads)")
-
-
-def _put(root: Path, receipt: ShardReceipt, manifest: dict[str, Any], weights: bytes) -> None:
-    d = root / shard_dir_name(receipt.stage, receipt.fellow_id)
-    # One shard per stage (another fellow may have held it before a restart), and the old
-    # manifest out before new weights go in: no manifest ever names the wrong weights.
-    for old in root.glob(f"stage-{receipt.stage}-fellow-*"):
-        if old != d:
-            shutil.rmtree(old, ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        (d / MANIFEST).unlink()
-    write_shard(root, manifest, weights)

@@ -1,9 +1,16 @@
-"""File names of a stage shard, and what a manifest says about them. Plain Python (no numpy,
-no torch): the leader checks pushes with it and stays light."""
+"""File names of a stage shard, where a shard lives, how one is written, and what a manifest
+says about them. Plain Python (no numpy, no torch): the leader checks pushes with it and the
+headless CLI fetches exports with it, and both stay light."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from pathlib import Path
 from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.paths import atomic_write
 
 MANIFEST = "shard_manifest.json"
 WEIGHTS = "weights.npz"
@@ -15,3 +22,38 @@ RUN_MANIFEST = "run_manifest.json"
 def names_optimizer(manifest: dict[str, Any]) -> bool:
     """Whether the shard carries optimiser state (a manifest from before it never does)."""
     return manifest.get("optimizer_sha256") is not None
+
+
+def shard_dir_name(stage: int, fellow_id: int) -> str:
+    # Built from integers only: no user text reaches a path.
+    return f"stage-{stage}-fellow-{fellow_id}"
+
+
+def drop_other_holders(root: Path, stage: int, keep: Path) -> None:
+    """One shard per stage under ``root``: another fellow may have held the stage before a
+    restart, and its directory goes (the one at ``keep`` stays)."""
+    for old in root.glob(f"stage-{stage}-fellow-*"):
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_shard(root: Path, manifest: dict[str, Any], weights: bytes,
+                optimizer: bytes | None = None) -> Path:
+    """Weights and optimiser state first, manifest last: a manifest on disk means the files it
+    names are complete."""
+    d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
+    atomic_write(d / WEIGHTS, weights)
+    if optimizer is not None:
+        atomic_write(d / OPTIMIZER, optimizer)
+    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True))
+    return d
+
+
+def replace_shard(root: Path, manifest: dict[str, Any], weights: bytes) -> Path:
+    """Make this the stage's one shard under ``root``: other holders go, and the old manifest
+    goes before new weights come in, so no manifest ever names the wrong weights."""
+    d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
+    drop_other_holders(root, manifest["stage"], d)
+    with contextlib.suppress(FileNotFoundError):
+        (d / MANIFEST).unlink()
+    return write_shard(root, manifest, weights)

@@ -24,14 +24,16 @@ import numpy as np
 import torch
 
 from swarm_core import jsonio
-from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS, names_optimizer
-from swarm_core.paths import atomic_write
+from swarm_core.artifacts.layout import (  # noqa: F401  (shard_dir_name, write_shard: re-exported)
+    MANIFEST,
+    OPTIMIZER,
+    WEIGHTS,
+    names_optimizer,
+    shard_dir_name,
+    write_shard,
+)
 
 FORMAT = "silentswarm-shard/1"
-
-
-def shard_dir_name(stage: int, fellow_id: int) -> str:
-    return f"stage-{stage}-fellow-{fellow_id}"
 
 
 def config_fingerprint(model: dict[str, Any], seed: int, vocab_size: int) -> str:
@@ -90,18 +92,6 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
         "optimizer_bytes": None if optimizer is None else len(optimizer),
         "created_at": time.time(),
     }
-
-
-def write_shard(root: Path, manifest: dict[str, Any], weights: bytes,
-                optimizer: bytes | None = None) -> Path:
-    """Weights and optimiser state first, manifest last: a manifest on disk means the files it
-    names are complete."""
-    d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
-    atomic_write(d / WEIGHTS, weights)
-    if optimizer is not None:
-        atomic_write(d / OPTIMIZER, optimizer)
-    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True))
-    return d
 
 
 class ShardError(ValueError):

@@ -92,7 +92,9 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def _close_websockets(app: web.Application) -> None:
+async def _release_clients(app: web.Application) -> None:
+    # Before the server waits for running handlers: long polls and event streams end now.
+    app[STATE_KEY].registry.release_polls()
     app[STATE_KEY].hub.close_all()
     for ws in list(app[WEBSOCKETS_KEY]):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"leader shutting down")
@@ -110,7 +112,7 @@ def create_app(config: LeaderConfig) -> web.Application:
     app[WEBSOCKETS_KEY] = weakref.WeakSet()
     app.cleanup_ctx.append(_state_ctx)
     app.cleanup_ctx.append(_background_ctx)
-    app.on_shutdown.append(_close_websockets)
+    app.on_shutdown.append(_release_clients)
     add_routes(app)
     return app
 

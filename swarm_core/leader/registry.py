@@ -95,6 +95,7 @@ class FellowRegistry:
         # Identity and status changes are written soon; telemetry (counters, step) rarely.
         self.dirty: set[int] = set()
         self.telemetry_dirty: set[int] = set()
+        self.closing = False
 
     # loading ----------------------------------------------------------------------------------
     def load(self, rows: list[dict[str, Any]]) -> None:
@@ -248,11 +249,18 @@ class FellowRegistry:
 
     async def wait_signals(self, rec: FellowRecord, after: int, timeout: float) -> list[Signal]:
         rec.pending = [s for s in rec.pending if s.seq > after]
-        if not rec.pending and timeout > 0:
+        if not rec.pending and timeout > 0 and not self.closing:
             rec.wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rec.wakeup.wait(), timeout)
         return [s for s in rec.pending if s.seq > after]
+
+    def release_polls(self) -> None:
+        """Answer every long poll now, and later ones at once: the leader is shutting down.
+        (A poll's handler outlives a fellow that went away, and the server waits for it.)"""
+        self.closing = True
+        for rec in self._by_id.values():
+            rec.wakeup.set()
 
     def take_dirty(self, telemetry: bool = False) -> list[dict[str, Any]]:
         """Records to write: changed ones, plus (``telemetry``) those with only new counters."""

@@ -20,7 +20,14 @@ from typing import Any
 from aiohttp import web
 
 from swarm_core import jsonio
-from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS, names_optimizer
+from swarm_core.artifacts.layout import (
+    MANIFEST,
+    OPTIMIZER,
+    WEIGHTS,
+    drop_other_holders,
+    names_optimizer,
+    shard_dir_name,
+)
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.paths import atomic_write
@@ -34,7 +41,7 @@ OPTIMIZER_SLACK = 1 << 20
 
 def shard_dir(runs_dir: Path, job_id: str, stage: int, fellow_id: int) -> Path:
     # Built from a job id the leader issued and integers: no user text reaches a path.
-    return runs_dir / job_id / SHARDS / f"stage-{stage}-fellow-{fellow_id}"
+    return runs_dir / job_id / SHARDS / shard_dir_name(stage, fellow_id)
 
 
 def checkpoint_dir(runs_dir: Path, job_id: str, step: int, stage: int) -> Path:
@@ -62,10 +69,7 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
     (keeping the newest complete ones)."""
     src = checkpoint_dir(runs_dir, job_id, step, stage)
     dest = shard_dir(runs_dir, job_id, stage, fellow_id)
-    # Another fellow may have held this stage before a restart: one shard per stage.
-    for old in dest.parent.glob(f"stage-{stage}-fellow-*"):
-        if old != dest:
-            shutil.rmtree(old, ignore_errors=True)
+    drop_other_holders(dest.parent, stage, dest)
     dest.mkdir(parents=True, exist_ok=True)
     files = {}
     for name in (WEIGHTS, OPTIMIZER, MANIFEST):

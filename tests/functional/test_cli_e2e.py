@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.clusters import cli_json, pid_alive, run_cli, wait_until
+from tests.clusters import cli_json, job_view, leader_call, pid_alive, run_cli, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_restart_cluster_then_steer_it(cli_env, swarm_home):
         released = cli_json("release", "--all", env=cli_env)["released"]
         assert sorted(released) == [0, 1]
         wait_until(lambda: all(f["status"] == "released"
-                               for f in cli_json("fellows", env=cli_env)["fellows"]),
+                               for f in leader_call("GET", "/fellows", cli_env)["fellows"]),
                    5.0, "both fellows to report released")
         # Released fellows leave: their daemons exit.
         wait_until(lambda: not any(pid_alive(f["pid"]) for f in record["fellows"]), 10.0,
@@ -128,7 +128,7 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         # A set-speed mid-run is recorded in the running job, and `swarm job` shows it.
         # (long enough that a loaded machine cannot finish it first; cancelled once checked)
         long = cli_json("submit", "--fellows", "2", "--steps", "400", env=cli_env)
-        wait_until(lambda: cli_json("job", long["job_id"], env=cli_env)["last_step"] >= 1,
+        wait_until(lambda: job_view(long["job_id"], cli_env)["last_step"] >= 1,
                    15.0, "the job to take a step")
         res = run_cli("set-speed", "--fellow-id", "1", "--tx-mbps", "8", env=cli_env)
         assert res.returncode == 0, res.stderr

@@ -15,8 +15,9 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.reference import train_reference
+from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import structure
-from tests.clusters import cli_json, run_cli, wait_until
+from tests.clusters import cli_json, job_view, leader_call, run_cli, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def _submit(tmp_path, env, policy: str, steps: int = 30) -> str:
 
 
 def _kill_stage(job_id: str, stage: int, env, record) -> tuple[int, str]:
-    job = cli_json("job", job_id, env=env)
+    job = job_view(job_id, env)
     fid = job["placement"]["stages"][stage]["fellow_id"]
     name = job["placement"]["stages"][stage]["name"]
     pid = next(f["pid"] for f in record["fellows"] if f["name"] == name)
@@ -49,17 +50,17 @@ def _record(swarm_home) -> dict:
 
 def _slow_steps(env):
     # Slow the data plane a little (30 ms per frame) so the kill lands mid-run.
-    for f in cli_json("fellows", env=env)["fellows"]:
-        run_cli("set-speed", "--fellow-id", str(f["fellow_id"]), "--latency-ms", "30",
-                env=env)
+    for f in leader_call("GET", "/fellows", env)["fellows"]:
+        leader_call("POST", f"/fellows/{f['fellow_id']}/speed", env,
+                    SetSpeedRequest(latency_ms=30))
 
 
 def _fast_steps(env, lost: int) -> None:
     # Once the kill has landed, the rest of the run need not be slow: the survivors' links
     # are unshaped again (the recovery and the exactness after it are what is tested).
-    for f in cli_json("fellows", env=env)["fellows"]:
+    for f in leader_call("GET", "/fellows", env)["fellows"]:
         if f["fellow_id"] != lost:
-            run_cli("set-speed", "--fellow-id", str(f["fellow_id"]), env=env)
+            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", env, SetSpeedRequest())
 
 
 def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swarm_home):
@@ -69,12 +70,12 @@ def test_killed_fellow_is_replaced_and_the_run_continues(cli_env, tmp_path, swar
     try:
         _slow_steps(cli_env)
         job_id = _submit(tmp_path, cli_env, "replace", steps=200)
-        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
+        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 9, 60,
                    "the job to pass step 9 (two shard pushes)")
         dead_id, dead_name = _kill_stage(job_id, 1, cli_env, _record(swarm_home))
         _fast_steps(cli_env, dead_id)
         job = wait_until(
-            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] in
+            lambda: (j := job_view(job_id, cli_env))["state"] in
             ("COMPLETED", "FAILED") and j, 180, "the job to finish after the kill")
     finally:
         run_cli("stop-cluster", env=cli_env)
@@ -111,17 +112,17 @@ def test_killed_fellow_fails_the_job_under_policy_fail(cli_env, tmp_path, swarm_
         # (long: on a loaded machine the CLI calls before the kill take seconds each, and a
         # short job could finish first; it fails at the kill, so its length costs nothing)
         job_id = _submit(tmp_path, cli_env, "fail", steps=200)
-        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 3, 60,
+        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 3, 60,
                    "the job to start stepping")
         record = _record(swarm_home)
         _dead_id, dead_name = _kill_stage(job_id, 0, cli_env, record)
         t0 = time.monotonic()
         job = wait_until(
-            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] == "FAILED" and j,
+            lambda: (j := job_view(job_id, cli_env))["state"] == "FAILED" and j,
             30, "the job to fail")
         # No hang: the survivor was stopped, and is ready for the next job.
         survivor = wait_until(
-            lambda: [f for f in cli_json("fellows", env=cli_env)["fellows"]
+            lambda: [f for f in leader_call("GET", "/fellows", cli_env)["fellows"]
                      if f["status"] == "ready"], 15, "the surviving fellows to be ready")
     finally:
         run_cli("stop-cluster", env=cli_env)
@@ -149,7 +150,7 @@ def test_leader_killed_mid_run_picks_the_run_up_again(cli_env, tmp_path, swarm_h
     try:
         _slow_steps(cli_env)
         job_id = _submit(tmp_path, cli_env, "fail", steps=40)
-        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 5, 60,
+        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 5, 60,
                    "the job to pass step 5")
         os.kill(record["leader"]["pid"], signal.SIGKILL)
         time.sleep(1.0)  # the fellows keep training without a leader
@@ -170,8 +171,12 @@ def test_leader_killed_mid_run_picks_the_run_up_again(cli_env, tmp_path, swarm_h
 
 
 def _job_or_none(job_id: str, env) -> dict | None:
-    res = run_cli("job", job_id, "--format", "json", env=env)
-    return json.loads(res.stdout) if res.returncode == 0 else None
+    from swarm_core.client import ClientError
+
+    try:
+        return job_view(job_id, env)
+    except ClientError:  # (the new leader is not up yet)
+        return None
 
 
 def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_home):
@@ -185,15 +190,15 @@ def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_hom
     try:
         _slow_steps(cli_env)
         job_id = _submit(tmp_path, cli_env, "replace", steps=200)
-        wait_until(lambda: cli_json("job", job_id, env=cli_env)["last_step"] >= 9, 60,
+        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 9, 60,
                    "the job to pass step 9")
-        job = cli_json("job", job_id, env=cli_env)
+        job = job_view(job_id, cli_env)
         name = job["placement"]["stages"][1]["name"]
         frozen = next(f["pid"] for f in _record(swarm_home)["fellows"] if f["name"] == name)
         os.kill(frozen, signal.SIGSTOP)
         _fast_steps(cli_env, job["placement"]["stages"][1]["fellow_id"])
         job = wait_until(
-            lambda: (j := cli_json("job", job_id, env=cli_env))["state"] in
+            lambda: (j := job_view(job_id, cli_env))["state"] in
             ("COMPLETED", "FAILED") and j, 180, "the job to finish without the frozen fellow")
     finally:
         if frozen is not None:

@@ -17,7 +17,7 @@ from swarm_core.data import load_token_data
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import expected_wire_bytes
 from swarm_core.schema import structure
-from tests.clusters import cli_json, run_cli
+from tests.clusters import cli_json, job_view, run_cli
 from tests.support import REPO
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ TRAINING = {"name": "exact", "dataset": "shakespeare", "steps": 20, "batch_size"
 def _wait_job(job_id: str, env: dict[str, str], timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        job = cli_json("job", job_id, env=env)
+        job = job_view(job_id, env)
         if job["state"] in ("COMPLETED", "FAILED", "CANCELLED"):
             return job
         time.sleep(0.3)

@@ -48,6 +48,14 @@ def test_commands_import_no_textual():
     assert "textual" not in _roots(mods)
 
 
+def test_headless_commands_import_no_torch_or_numpy():
+    """Every ``swarm`` call (scripts poll with it) pays its imports: torch alone is ~2.5 s.
+    The commands that train or read weights import it when they run, not at start."""
+    mods = loaded_modules("swarm_tui.cli", "swarm_tui.commands")
+    assert "swarm_core.artifacts.fetch" in mods
+    assert {"torch", "numpy"} & _roots(mods) == set()
+
+
 def test_nothing_outside_the_leader_reaches_into_it():
     """Outside swarm_core.leader only the package's exported names may be imported."""
     offenders = []
