@@ -20,6 +20,7 @@ from swarm_core.validators import (
     name_field,
     non_negative,
     rate_or_none,
+    text_field,
 )
 
 API_PREFIX = "/api/v1"
@@ -142,16 +143,19 @@ class RegisterRequest:
     instance_id: str = attrs.field(
         validator=name_field, metadata=meta("random per fellow process", maxLength=128)
     )
-    host: str = attrs.field(default="", metadata=meta("hostname", maxLength=255))
+    host: str = attrs.field(default="", validator=text_field(255),
+                            metadata=meta("hostname", maxLength=255))
     pid: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
     devices: list[str] = attrs.field(factory=lambda: ["cpu"], metadata=meta("device slots"))
     threads: int = attrs.field(
         default=1, validator=bounded(1, 1024), metadata=meta("", minimum=1, maximum=1024)
     )
-    data_addr: str | None = attrs.field(default=None, metadata=meta("host:port of data plane"))
+    data_addr: str | None = attrs.field(default=None, validator=text_field(255),
+                                        metadata=meta("host:port of data plane", maxLength=255))
     data_addrs: list[str] = attrs.field(
         factory=list, metadata=meta("host:port per device slot (data_addr is slot 0's)"))
-    version: str = ""
+    version: str = attrs.field(default="", validator=text_field(64),
+                               metadata=meta("the fellow's SilentSwarm version", maxLength=64))
 
     @data_addrs.validator
     def _addrs(self, _attr: attrs.Attribute, value: list[str]) -> None:
@@ -195,7 +199,8 @@ class Heartbeat:
     """Sent every second by each fellow."""
 
     status: ReportedStatus = "ready"
-    current_job: str | None = None
+    current_job: str | None = attrs.field(default=None, validator=text_field(128),
+                                          metadata=meta("", maxLength=128))
     current_stage: int | None = None
     current_step: int = attrs.field(
         default=0, validator=non_negative, metadata=meta("", minimum=0)

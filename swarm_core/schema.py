@@ -308,6 +308,20 @@ def _validators(v: Any) -> list[Any]:
     return [v]
 
 
+LIMITS = ("minimum", "maximum", "maxLength")
+
+
+def _check_documented_limits(cls: type, f: attrs.Attribute, schema: dict[str, Any]) -> None:
+    """A limit a field's metadata states must be one its validators enforce (and carry into
+    the document): a limit written only in the metadata would be a promise the leader does
+    not keep."""
+    for key in LIMITS:
+        stated = f.metadata.get(key)
+        if stated is not None and schema.get(key) != stated:
+            raise TypeError(f"{cls.__name__}.{f.name}: metadata states {key}={stated!r}, "
+                            f"its validators enforce {schema.get(key)!r}")
+
+
 def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
     """A JSON Schema for ``tp``; attrs classes go into ``components`` and are referenced."""
     if tp is Any or tp is typing.Any:
@@ -356,16 +370,11 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
                     extra = getattr(v, "json_schema", None)
                     if extra and "$ref" not in props[key]:
                         props[key].update(extra)
+                _check_documented_limits(tp, f, props[key])
                 if f.metadata.get("doc"):
                     if "$ref" in props[key]:  # (OpenAPI 3.0 ignores a $ref's siblings)
                         props[key] = {"allOf": [props[key]]}
                     props[key]["description"] = f.metadata["doc"]
-                if f.metadata.get("minimum") is not None:
-                    props[key]["minimum"] = f.metadata["minimum"]
-                if f.metadata.get("maximum") is not None:
-                    props[key]["maximum"] = f.metadata["maximum"]
-                if f.metadata.get("maxLength") is not None:
-                    props[key]["maxLength"] = f.metadata["maxLength"]
                 if f.default is attrs.NOTHING:
                     required.append(key)
             comp: dict[str, Any] = {

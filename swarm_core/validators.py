@@ -26,6 +26,29 @@ name_field.json_schema = {  # type: ignore[attr-defined]
     "minLength": 1, "maxLength": MAX_NAME, "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$"}
 
 
+NO_CONTROL = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+
+
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with every control character (ESC of a terminal sequence, NUL, BEL, C1) made a
+    space: what a fellow or a file says is shown, never obeyed by a terminal."""
+    if keep_newlines:
+        return "\n".join(CONTROL.sub(" ", line) for line in text.split("\n"))
+    return CONTROL.sub(" ", text)
+
+
+def text_field(max_len: int):
+    """attrs validator of a one-line text of at most ``max_len`` characters (None passes)."""
+
+    def check(_inst: Any, attr: attrs.Attribute, value: str | None) -> None:
+        if value is not None and (len(value) > max_len or CONTROL.search(value)):
+            raise FieldError(f"must be at most {max_len} characters without control "
+                             f"characters", attr.name)
+
+    check.json_schema = {"maxLength": max_len, "pattern": NO_CONTROL}  # type: ignore[attr-defined]
+    return check
+
+
 def non_negative(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
     if value is not None and value < 0:
         raise FieldError(f"must be >= 0, got {value}", attr.name)
@@ -50,10 +73,15 @@ rate_or_none.json_schema = {  # type: ignore[attr-defined]
     "minimum": RATE_MBPS[0], "maximum": RATE_MBPS[1]}
 
 
+def _shown(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
 def bounded(lo: float, hi: float):
     def check(_inst: Any, attr: attrs.Attribute, value: float | int | None) -> None:
         if value is not None and not lo <= value <= hi:
-            raise FieldError(f"must be between {lo:g} and {hi:g}, got {value}", attr.name)
+            raise FieldError(f"must be between {_shown(lo)} and {_shown(hi)}, got {value}",
+                             attr.name)
 
     check.json_schema = {"minimum": lo, "maximum": hi}  # type: ignore[attr-defined]
     return check

@@ -8,12 +8,12 @@ not have is absent, not null (``sparse``), so the JSON reads as it always did.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from swarm_core.schema import FieldError, sparse
-from swarm_core.validators import meta, non_negative
+from swarm_core.validators import bounded, meta, non_negative, text_field
 
 ReportedJobState = Literal["RUNNING", "COMPLETED", "FAILED"]
 
@@ -42,6 +42,21 @@ class CodecErrors:
         return None if kept.act is None and kept.grad is None else kept
 
 
+# A byte count one cell reports for a step or a run. 16 TiB is past any link this field
+# studies, and the sum over the largest grid (1024 fellows x 64 slots) stays inside the int64
+# that SQLite and orjson hold: a report can never make a job unstorable.
+MAX_BYTES = 2**44
+
+
+def _count(doc: str = "") -> Any:
+    return attrs.field(default=None, validator=bounded(0, MAX_BYTES), metadata=meta(doc))
+
+
+def _amount(doc: str = "") -> Any:
+    # (>= 0; NaN passes: a diverged step's figure is reported, and written as null)
+    return attrs.field(default=None, validator=non_negative, metadata=meta(doc))
+
+
 @sparse
 @attrs.define
 class StageMetrics:
@@ -49,33 +64,33 @@ class StageMetrics:
     it completes. The leader keeps the newest of each per stage (``JobMetrics.stages``)."""
 
     # one step
-    wire_tx_bytes: int | None = None  # what this stage's links sent in the step
-    step_seconds: float | None = None
-    lr: float | None = None
-    # Peak bytes held for backward (the run's largest, once COMPLETED).
-    activation_peak_bytes: int | None = None
-    wait_seconds: float | None = None  # of step_seconds, the time blocked on its links
+    wire_tx_bytes: int | None = _count("what this stage's links sent in the step")
+    step_seconds: float | None = _amount()
+    lr: float | None = _amount()
+    activation_peak_bytes: int | None = _count(
+        "peak bytes held for backward (the run's largest, once COMPLETED)")
+    wait_seconds: float | None = _amount("of step_seconds, the time blocked on its links")
     codec_error: CodecErrors | None = None
     # what the stage's group synchronisation sent in the step, and the time it took (replicas)
-    sync_tx_bytes: int | None = None
-    sync_seconds: float | None = None
+    sync_tx_bytes: int | None = _count()
+    sync_seconds: float | None = _amount()
     # an evaluation
     eval_loss: float | None = None
-    perplexity: float | None = None
+    perplexity: float | None = _amount()
     # the whole run (COMPLETED)
-    steps: int | None = None
-    wall_s: float | None = None
-    tokens_per_s: float | None = None
-    wire_tx_bytes_per_step: float | None = None
-    expected_wire_tx_bytes_per_step: int | None = None
-    sync_tx_bytes_per_step: float | None = None
-    expected_sync_tx_bytes_per_step: float | None = None
-    wait_fraction: float | None = None
+    steps: int | None = _amount()
+    wall_s: float | None = _amount()
+    tokens_per_s: float | None = _amount()
+    wire_tx_bytes_per_step: float | None = _amount()
+    expected_wire_tx_bytes_per_step: int | None = _count()
+    sync_tx_bytes_per_step: float | None = _amount()
+    expected_sync_tx_bytes_per_step: float | None = _amount()
+    wait_fraction: float | None = _amount()
     final_loss: float | None = None
     best_loss: float | None = None
-    shard_dir: str | None = None
+    shard_dir: str | None = attrs.field(default=None, validator=text_field(4096))
     # added by the leader: who reported it
-    fellow_id: int | None = None
+    fellow_id: int | None = _amount()
 
     def merged(self, newer: StageMetrics) -> StageMetrics:
         """These figures with ``newer``'s where it has them."""
@@ -235,3 +250,5 @@ class JobStatusUpdate:
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:
         if len(value) > 4096:
             raise FieldError("must be at most 4096 characters", "message")
+
+    _msg.json_schema = {"maxLength": 4096}  # type: ignore[attr-defined]

@@ -40,6 +40,7 @@ from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
 from swarm_core.protocol import JobState, LinkLimits
 from swarm_core.schema import SchemaError, unstructure
+from swarm_core.validators import printable
 
 log = logging.getLogger("swarm.leader")
 
@@ -207,7 +208,8 @@ class JobQueue:
 
     def _failed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                 upd: JobStatusUpdate) -> None:
-        msg = f": {upd.message}" if upd.message else ""
+        # A fellow's words reach terminals (swarm job, watch, the console): shown, not obeyed.
+        msg = f": {printable(upd.message)}" if upd.message else ""
         reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
         blamed = upd.blames_stage
         # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway and
@@ -231,7 +233,7 @@ class JobQueue:
         if len(set(job.done_stages)) >= len(job.placement.stages):
             grid = f"{job.num_stages} stage(s)" + (
                 f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
-            reason = upd.message if job.kind == "smoke" else \
+            reason = printable(upd.message) if job.kind == "smoke" else \
                 f"all {grid} finished at step {job.last_step}"
             self.finish(job, JobState.COMPLETED, reason)
         else:

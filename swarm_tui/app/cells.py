@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 from rich.text import Text
 
+from swarm_core.validators import printable
 from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
 from swarm_tui.fmt import (
     fmt_age,
@@ -186,7 +187,7 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
         return Cell(text, value, key=jid, style=style, justify=justify)
 
     total = view.total_steps
-    why = info.waiting_for if info.state == "PENDING" else info.reason
+    why = printable(info.waiting_for if info.state == "PENDING" else info.reason)
     return {
         "id": cell(jid, (group, created)),
         "name": cell(info.name, info.name),

@@ -20,6 +20,7 @@ from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient, check_le
 from swarm_core.local_cluster import ClusterError, read_record, token_for
 from swarm_core.paths import dir_problem
 from swarm_core.schema import unstructure
+from swarm_core.validators import printable
 
 
 class ExitCode(enum.IntEnum):
@@ -64,23 +65,27 @@ def emit_json(data: Any) -> None:
 def emit_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     width = shutil.get_terminal_size((160, 24)).columns if sys.stdout.isatty() else 200
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     for col in columns:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*("-" if v is None else str(v) for v in row))
+        # Text, not markup: a job name or a fellow's message with [brackets] shows as written.
+        table.add_row(*(Text("-" if v is None else printable(str(v))) for v in row))
     Console(width=width, soft_wrap=False).print(table)
 
 
+# What the leader relays (a fellow's failure, a host name) is shown, never obeyed: a control
+# character could move the cursor, retitle the terminal or hide the line before it.
 def print_line(text: str) -> None:
-    sys.stdout.write(text + "\n")
+    sys.stdout.write(printable(text, keep_newlines=True) + "\n")
     sys.stdout.flush()
 
 
 def warn(text: str) -> None:
-    sys.stderr.write(text + "\n")
+    sys.stderr.write(printable(text, keep_newlines=True) + "\n")
     sys.stderr.flush()
 
 

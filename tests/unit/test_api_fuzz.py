@@ -31,7 +31,10 @@ from swarm_core.contract import metrics as contract_metrics
 from swarm_core.contract import placement as contract_placement
 from swarm_core.contract import start as contract_start
 from swarm_core.leader import LeaderConfig, create_app
+from swarm_core.leader.keys import STATE_KEY
+from swarm_core.leader.records import JobRecord
 from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.leader.state import LeaderState
 from swarm_core.protocol import Heartbeat, RegisterRequest, ReleaseRequest, SetSpeedRequest
 from swarm_core.schema import SchemaError, structure
 from tests.support import AUTH, TOKEN
@@ -157,6 +160,9 @@ class Leader:
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
+
+    def state(self) -> LeaderState:
+        return self.client.server.app[STATE_KEY]
 
     def close(self) -> None:
         self.run(self.client.close())
@@ -337,6 +343,64 @@ def test_job_status_never_5xx(leader: Leader, data: st.DataObject) -> None:
             # Reports from another attempt are ignored; this attempt's advance last_step.
             assert view["last_step"] >= body.get("step", 0)
         await leader.flush_signals(w)
+
+    leader.run(go())
+
+
+# Figures as a hostile or broken fellow might send them: at and past every bound, typed wrong.
+_hostile_numbers = st.one_of(
+    st.sampled_from([0, 1, -1, 2**44, 2**44 + 1, 2**62, 2**63 - 1, 2**64 - 1, 1e300, -1e300,
+                     0.5, "x", None]),
+    st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False, allow_infinity=False))
+_extreme_counts = st.sampled_from([0, -1, 2**44, 2**44 + 1, 2**62, 2**63 - 1, 2**64 - 1])
+_hostile_metrics = st.dictionaries(
+    st.sampled_from([f.name for f in attrs.fields(contract_metrics.StageMetrics)]),
+    _hostile_numbers, max_size=6)
+
+
+@settings(FUZZ, max_examples=60)
+@given(data=st.data())
+def test_hostile_stage_figures_leave_every_job_storable(leader: Leader,
+                                                        data: st.DataObject) -> None:
+    """Three stages of a train job report figures drawn at and past every bound, step after
+    step: each report is taken or refused (400), and the job can always be listed, read and
+    stored (its row reloads as the leader holds it)."""
+    async def go() -> None:
+        ws = [await leader.worker(f"stage{i}") for i in range(3)]
+        s, running = await leader.call("GET", f"{A}/jobs", params={"state": "RUNNING"})
+        if running["jobs"]:
+            job = running["jobs"][0]
+        else:
+            s, job = await leader.call("POST", f"{A}/jobs", {
+                "kind": "train", "topology": {"fellows": 3}, "training": {"steps": 10**6},
+                "model": {"d_model": 16, "n_layers": 3, "n_heads": 2, "seq_len": 8}})
+            assert s == 201 and job["state"] == "RUNNING", job
+        by_id = {w["fellow_id"]: w for w in ws}
+        step = job["last_step"] + 1
+        # Mostly every stage sends the same figures, one summed count at an extreme: sums of
+        # the stages' figures are where bounds break.
+        summed = data.draw(st.sampled_from(["wire_tx_bytes", "sync_tx_bytes"]))
+        shared = {**data.draw(_hostile_metrics), summed: data.draw(_extreme_counts)}
+        for cell in job["placement"]["stages"]:
+            w = by_id[cell["fellow_id"]]
+            body = {"fellow_id": w["fellow_id"], "state": "RUNNING", "step": step,
+                    "stage": cell["stage"], "attempt": job["attempt"], "loss": 1.0,
+                    "metrics": data.draw(st.sampled_from([shared] * 3) | _hostile_metrics,
+                                         label=f"stage {cell['stage']}")}
+            status, _ = await leader.call("POST", f"{A}/jobs/{job['job_id']}/status", body,
+                                          w["headers"])
+            event(f"HTTP {status}")
+            assert status in (200, 400)
+        for path in ("/jobs", f"/jobs/{job['job_id']}", f"/jobs/{job['job_id']}/progress"):
+            status, _ = await leader.call("GET", f"{A}{path}")
+            assert status == 200
+        # The stored row is the job the leader holds: it reloads as it is served.
+        state = leader.state()
+        row = next(r for r in state.store.load_jobs() if r["job_id"] == job["job_id"])
+        held = state.jobs.get(job["job_id"])
+        assert JobRecord.from_row(row).row() == held.row()
+        for w in ws:
+            await leader.flush_signals(w)
 
     leader.run(go())
 

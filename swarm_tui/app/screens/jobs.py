@@ -10,6 +10,7 @@ from textual.css.query import NoMatches
 from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
 
 from swarm_core.contract import perplexity
+from swarm_core.validators import printable
 from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
@@ -239,7 +240,7 @@ class JobWatchScreen(SwarmScreen):
         ev = info.metrics.eval_loss
         if ev is not None:
             text.append(f"  eval {ev:.4f} (perplexity {perplexity(ev):.2f})")
-        why = info.waiting_for if info.state == "PENDING" else info.reason
+        why = printable(info.waiting_for if info.state == "PENDING" else info.reason)
         if why:
             text.append(f"\n{why}", style="italic")
         if info.link_changes:
