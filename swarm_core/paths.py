@@ -45,7 +45,8 @@ def ensure_private_dir(path: Path) -> Path:
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Write via a temp file in the same directory, fsync, rename: readers never see half."""
+    """Write via a temp file in the same directory, fsync, rename, fsync the directory:
+    readers never see half, and after a power loss the file is the old one or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -59,3 +60,18 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames in ``path`` durable: a new name is on disk only once the directory's own
+    blocks are (POSIX). Nothing where a directory cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):  # (some filesystems refuse fsync on a directory)
+            os.fsync(fd)
+    finally:
+        os.close(fd)

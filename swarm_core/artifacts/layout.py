@@ -42,10 +42,11 @@ def write_shard(root: Path, manifest: dict[str, Any], weights: bytes,
     """Weights and optimiser state first, manifest last: a manifest on disk means the files it
     names are complete."""
     d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
-    atomic_write(d / WEIGHTS, weights)
+    # Private, as the leader's copies are: weights are a job's work, not the machine's.
+    atomic_write(d / WEIGHTS, weights, mode=0o600)
     if optimizer is not None:
-        atomic_write(d / OPTIMIZER, optimizer)
-    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True))
+        atomic_write(d / OPTIMIZER, optimizer, mode=0o600)
+    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True), mode=0o600)
     return d
 
 

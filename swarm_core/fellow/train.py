@@ -326,9 +326,10 @@ class TrainJob:
 
 def export_root(export_dir: str | None, job_id: str) -> Path:
     """Where this fellow writes its shards: always under its own runs directory."""
-    from swarm_core.paths import swarm_home
+    from swarm_core.paths import ensure_private_dir, swarm_home
 
-    runs = (swarm_home() / "runs").resolve()
+    # 0700: what a fellow writes for its jobs is no other local user's to read.
+    runs = ensure_private_dir(swarm_home() / "runs").resolve()
     root = (runs / (export_dir or ".") / job_id / "model_export").resolve()
     # resolve() follows symlinks: a link planted inside runs/ cannot lead out of it.
     if not root.is_relative_to(runs):

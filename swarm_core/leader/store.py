@@ -1,7 +1,9 @@
 """SQLite state of the leader: fellow records and the job queue survive a restart.
 
-Writes are small and local, so they run inline on the event loop; WAL keeps readers unblocked
-and ``synchronous=NORMAL`` keeps a commit to one fsync of the WAL.
+Writes are small and local, so they run inline on the event loop; WAL keeps readers unblocked.
+``synchronous=FULL``: each commit (a job transition, a step's record) fsyncs the WAL before it
+returns, so what the leader has answered survives a power loss, not only a crash; under WAL
+that is one fsync per commit (``NORMAL`` would defer it to the next checkpoint).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Store:
             raise StoreError(f"{path}: cannot open the leader's state: {exc}") from None
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as exc:  # (not a database, locked, unwritable…)
             self._db.close()

@@ -30,7 +30,7 @@ from swarm_core.artifacts.layout import (
 )
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
-from swarm_core.paths import atomic_write
+from swarm_core.paths import atomic_write, fsync_dir
 
 MAX_MANIFEST = 4 << 20
 SHARDS = "model_export/shards"
@@ -84,6 +84,7 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
     manifest = files.pop(MANIFEST)
     _swap_in(dest, files)
     os.replace(manifest, dest / MANIFEST)
+    fsync_dir(dest)
     root = runs_dir / job_id / "checkpoints"
     complete = complete_checkpoints(runs_dir, job_id, num_stages)
     if len(complete) > KEEP_CHECKPOINTS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,50 @@ def test_state_dir_and_token_file_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(state / "token").st_mode) == 0o600
     assert len((state / "token").read_text().strip()) >= 32
+
+
+def test_a_fellows_runs_folder_and_shards_are_private(swarm_home):
+    """Written under the default umask, what a fellow keeps for its jobs is its own alone."""
+    from swarm_core.artifacts.layout import write_shard
+
+    old = os.umask(0o022)
+    try:
+        root = export_root(None, "job-000001")
+        d = write_shard(root / "shards", {"stage": 0, "fellow_id": 3}, b"weights", b"optim")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(swarm_home / "runs").st_mode) == 0o700
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in d.iterdir()} == {
+        "weights.npz": 0o600, "optimizer.npz": 0o600, "shard_manifest.json": 0o600}
+
+
+def test_an_atomic_write_syncs_the_file_then_its_directory(tmp_path, monkeypatch):
+    """A rename is durable only once the directory holding the new name is on disk."""
+    from swarm_core import paths
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(paths.os, "fsync", record)
+    paths.atomic_write(tmp_path / "d" / "state.json", b"{}")
+    assert len(synced) == 2
+    assert Path(synced[0]).parent == tmp_path / "d"  # the temp file, before its rename
+    assert synced[1] == str(tmp_path / "d")
+
+
+def test_the_leaders_commits_survive_a_power_loss(tmp_path):
+    from swarm_core.leader.store import Store
+
+    store = Store(tmp_path / "leader.db")
+    try:
+        assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("export_dir", ["../up", "/etc", "a/../../b", "~/x", "C:\\x"])
