@@ -183,6 +183,9 @@ class ClusterSpec:
     devices: str = "cpu"
     threads: int = 1
     timeout_s: float = 30.0
+    # Where the fellows' jobs may read files (--data-root): by default the directory the
+    # cluster was started from, where a researcher's corpus and configs are.
+    data_roots: tuple[str, ...] | None = None
 
 
 def check_spec(spec: ClusterSpec) -> None:
@@ -240,8 +243,10 @@ def start_cluster(spec: ClusterSpec) -> ClusterRecord:
         for i in range(spec.fellows):
             name = f"{FELLOW_PREFIX}{i}"
             log_path = logs / f"fellow-{i}.log"
+            roots = spec.data_roots if spec.data_roots is not None else (os.getcwd(),)
             proc = _spawn(["fellow", "--leader-url", url, "--name", name,
-                           "--devices", spec.devices, "--threads", str(spec.threads)],
+                           "--devices", spec.devices, "--threads", str(spec.threads),
+                           *(arg for root in roots for arg in ("--data-root", root))],
                           log_path, fenv)
             record.fellows.append(ProcessEntry(proc.pid, name, str(log_path)))
         _write(record)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -43,18 +46,42 @@ def shakespeare_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
 
 
-def textfiles_paths(patterns: list[str]) -> list[str]:
+def textfiles_paths(patterns: list[str], roots: Sequence[str] | None = None) -> list[str]:
     """The files ``patterns`` name (see ``dataset_files``); a pattern that names none is an
-    error."""
+    error. ``roots``: the directories a fellow's operator lets jobs read (``--data-root``;
+    resolved); None for the user's own commands, which may read what the user may."""
+    if roots is not None:
+        for pat in patterns:
+            # Judged before any glob, and a match that resolves (a symlink) outside is judged
+            # the same: the answer never tells whether a file outside the roots exists.
+            if _outside(_literal_dir(pat), roots) or \
+                    any(_outside(hit, roots) for hit in dataset_files([pat])[0]):
+                raise DataError(f"dataset_paths: {pat!r} is outside this fellow's data roots "
+                                "(its operator names them: swarm fellow --data-root DIR)")
     files, unmatched = dataset_files(patterns)
     if unmatched:
         raise DataError(f"dataset_paths: {unmatched[0]!r} matches no file")
     return files
 
 
-def textfiles_text(patterns: list[str]) -> str:
+def _literal_dir(pattern: str) -> str:
+    """The part of a glob pattern before its first wildcard: every match lies under it."""
+    parts = Path(os.path.expanduser(pattern)).parts
+    head = list(itertools.takewhile(lambda part: not _MAGIC.search(part), parts))
+    return os.path.join(*head) if head else "."
+
+
+_MAGIC = re.compile(r"[*?\[]")
+
+
+def _outside(path: str, roots: Sequence[str]) -> bool:
+    real = Path(os.path.realpath(os.path.abspath(path)))
+    return not any(real.is_relative_to(root) for root in roots)
+
+
+def textfiles_text(patterns: list[str], roots: Sequence[str] | None = None) -> str:
     return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace")
-                       for f in textfiles_paths(patterns))
+                       for f in textfiles_paths(patterns, roots))
 
 
 def wikitext103_text() -> tuple[str, str]:
@@ -78,12 +105,14 @@ def wikitext103_text() -> tuple[str, str]:
     return train, val
 
 
-def load_text(cfg: TrainingConfig) -> str | tuple[str, str]:
-    """The dataset's text, or its (train, validation) texts where it defines the split."""
+def load_text(cfg: TrainingConfig, roots: Sequence[str] | None = None
+              ) -> str | tuple[str, str]:
+    """The dataset's text, or its (train, validation) texts where it defines the split
+    (``roots``: see ``textfiles_paths``)."""
     if cfg.dataset == "shakespeare":
         return shakespeare_text()
     if cfg.dataset == "textfiles":
-        return textfiles_text(cfg.dataset_paths)
+        return textfiles_text(cfg.dataset_paths, roots)
     return wikitext103_text()
 
 
@@ -149,13 +178,15 @@ def _encode_cached(tok: ByteTokenizer | BpeTokenizer, text: str) -> np.ndarray:
     return ids
 
 
-def load_token_data(cfg: TrainingConfig, seq_len: int, tokens: bool = True) -> TokenData:
+def load_token_data(cfg: TrainingConfig, seq_len: int, tokens: bool = True,
+                    roots: Sequence[str] | None = None) -> TokenData:
     """The dataset, tokenized. ``tokens=False`` (a pipeline's middle stages, which read no
     tokens): only the tokenizer, with empty splits, so a corpus of hundreds of MB is not held
-    for its vocabulary size; the byte tokenizer needs no text at all."""
+    for its vocabulary size; the byte tokenizer needs no text at all. ``roots``: see
+    ``textfiles_paths``."""
     if not tokens and cfg.tokenizer == "byte":
         return TokenData(_NONE, _NONE, ByteTokenizer.vocab_size, ByteTokenizer())
-    text = load_text(cfg)
+    text = load_text(cfg, roots)
     if isinstance(text, tuple):
         train_text, val_text = text
     else:

@@ -16,7 +16,7 @@ _loads: dict[tuple, threading.Lock] = {}  # one per corpus: a second stage waits
 _lookup = threading.Lock()
 
 
-def _corpus_key(training: Any, seq_len: int) -> tuple:
+def _corpus_key(training: Any, seq_len: int, roots: tuple[str, ...] | None) -> tuple:
     """What the loaded data depends on, the files' sizes and times included: an edited or added
     file is a new corpus."""
     from swarm_core.data.datasets import DataError, textfiles_paths
@@ -25,21 +25,23 @@ def _corpus_key(training: Any, seq_len: int) -> tuple:
     if training.dataset == "textfiles":
         try:
             files = tuple((f, (st := os.stat(f)).st_mtime_ns, st.st_size)
-                          for f in textfiles_paths(training.dataset_paths))
+                          for f in textfiles_paths(training.dataset_paths, roots))
         except (DataError, OSError):
             files = ()  # the load says what is wrong
     return (training.dataset, tuple(training.dataset_paths), files, training.tokenizer,
             training.bpe_vocab_size, training.validation_fraction, training.real_min_tokens,
-            seq_len)
+            seq_len, roots)
 
 
-def shared_token_data(training: Any, seq_len: int, tokens: bool) -> Any:
+def shared_token_data(training: Any, seq_len: int, tokens: bool,
+                      roots: tuple[str, ...] | None = None) -> Any:
     """``load_token_data``, once per process for the stages that run in it at the same time
     (a fellow's device slots): they share one copy of the corpus, freed with the last of them.
-    A stage that reads no tokens takes a loaded copy if there is one."""
+    A stage that reads no tokens takes a loaded copy if there is one. ``roots``: the fellow's
+    data roots (see ``textfiles_paths``)."""
     from swarm_core.data import load_token_data
 
-    key = _corpus_key(training, seq_len)
+    key = _corpus_key(training, seq_len, roots)
 
     def cached() -> Any:
         for want in ((True, False) if not tokens else (True,)):
@@ -59,7 +61,7 @@ def shared_token_data(training: Any, seq_len: int, tokens: bool) -> Any:
         with _lookup:
             data = cached()
         if data is None:
-            data = load_token_data(training, seq_len, tokens=tokens)
+            data = load_token_data(training, seq_len, tokens=tokens, roots=roots)
             with _lookup:
                 for k in [k for k, r in _loaded.items() if r() is None]:
                     del _loaded[k]

@@ -59,6 +59,9 @@ class FellowOptions:
     # The host neighbours dial, when it is not data_host (a bind-all address, NAT). None with a
     # bind-all data_host: the address this machine reaches the leader from.
     data_advertise: str | None = None
+    # The directories jobs may read files from (``training.dataset_paths``), resolved; empty:
+    # none at all. A fellow's operator names them: a job is not trusted with the machine.
+    data_roots: tuple[str, ...] = ()
 
 
 def advertised_host(opts: FellowOptions) -> str:
@@ -378,7 +381,7 @@ class FellowDaemon:
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
-                          links=self.links)
+                          links=self.links, data_roots=self.opts.data_roots)
 
     async def _run_job(self, start: StageStart | str, progress: Progress,
                        attempt: int) -> None:

@@ -77,6 +77,9 @@ class JobContext:
     # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
     fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
     links: LinkOverrides | None = None  # the daemon's; None: this job's own view of the shaper
+    # Directories (resolved) whose files jobs may read; the daemon's always, None only for a
+    # job run in-process by its own user (tests, benchmarks).
+    data_roots: tuple[str, ...] | None = None
 
 
 async def run_smoke(start: StageStart, ctx: JobContext) -> None:

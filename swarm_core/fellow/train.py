@@ -275,7 +275,8 @@ class TrainJob:
     def _load(self) -> TokenData:
         """In the stage's thread while its links are being opened (see run_stage)."""
         model, training = self.spec.model, self.training
-        data = shared_token_data(training, model.seq_len, tokens=self.spec.reads_tokens)
+        data = shared_token_data(training, model.seq_len, tokens=self.spec.reads_tokens,
+                                 roots=self.ctx.data_roots)
         self.checkpointer.data = data
         if model.vocab_size is not None and model.vocab_size < data.vocab_size:
             # Token ids beyond the embedding would fail the first forward with an IndexError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from swarm_core.config.schemas import MAX_THREADS
 from swarm_core.validators import RATE_MBPS
@@ -106,3 +107,16 @@ def data_host(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a host name or address without a port, "
                                          f"got {clip(text)!r}")
     return host
+
+
+def data_root(text: str) -> str:
+    """A directory jobs may read files under, resolved (symlinks too: a root is where its
+    files really are)."""
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # ~user with no such user
+        raise argparse.ArgumentTypeError(f"{clip(text, 200)}: no such user's home directory") \
+            from None
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{clip(text, 200)} is not a directory")
+    return str(path.resolve())

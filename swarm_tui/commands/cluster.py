@@ -7,6 +7,7 @@ from pathlib import Path
 
 from swarm_core.local_cluster import ClusterSpec, start_cluster, stop_cluster
 from swarm_tui.commands.argtypes import (
+    data_root,
     device_slots,
     local_fellow_count,
     port,
@@ -22,6 +23,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir).expanduser() if args.state_dir else None,
         stale_after_s=args.stale_after, devices=args.devices, threads=args.threads,
         timeout_s=args.timeout,
+        data_roots=None if args.data_root is None else tuple(args.data_root),
     )
     record = start_cluster(spec)
     if args.format == "json":
@@ -61,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=device_slots, default="cpu",
                    help="device slots of each fellow (default cpu)")
     p.add_argument("--threads", type=thread_count, default=1, help="threads per fellow")
+    p.add_argument("--data-root", type=data_root, action="append", default=None, metavar="DIR",
+                   help="a directory whose files the fellows' jobs may train on (repeatable; "
+                        "default: the current directory)")
     p.add_argument("--timeout", type=positive_float, default=30.0,
                    help="seconds to wait for readiness (default 30)")
     add_format(p)

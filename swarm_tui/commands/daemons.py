@@ -13,6 +13,7 @@ from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import FieldError
 from swarm_tui.commands.argtypes import (
     data_host,
+    data_root,
     device_slots,
     port,
     positive_float,
@@ -82,7 +83,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
         leader_url=url, token=token,
         name=name, devices=devices or ["cpu"],
         threads=args.threads, data_host=args.data_host, data_port=args.data_port,
-        data_advertise=args.data_advertise,
+        data_advertise=args.data_advertise, data_roots=tuple(args.data_root),
     )
     daemon = FellowDaemon(opts)
     code = asyncio.run(daemon.run())
@@ -122,5 +123,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "reaches the leader from")
     p.add_argument("--data-port", type=port, default=0,
                    help="data-plane TCP port (default: any free one)")
+    p.add_argument("--data-root", type=data_root, action="append", default=[], metavar="DIR",
+                   help="a directory whose files jobs may train on (training.dataset_paths; "
+                        "repeatable). Without one, jobs read no file of this machine")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_fellow)

@@ -137,6 +137,18 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         line = next(ln for ln in shown.stdout.splitlines() if ln.startswith("link set @"))
         assert "fellow 1: tx 8 Mbit/s, rx unlimited" in line, shown.stdout
         cli_json("cancel", long["job_id"], env=cli_env)
+
+        # A job reads only files under the fellows' data roots (the local cluster's: the
+        # directory it was started from), not the token in a fellow's own environment.
+        nosy = leader_call("POST", "/jobs", cli_env, {
+            "kind": "train", "topology": {"fellows": 2},
+            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 2, "batch_size": 2, "micro_batches": 1, "dataset": "textfiles",
+                         "dataset_paths": ["/proc/self/environ"]}})
+        failed = wait_until(lambda: (j := job_view(nosy["job_id"], cli_env))["state"]
+                            in ("FAILED", "COMPLETED") and j, 60, "the job to end")
+        assert failed["state"] == "FAILED"
+        assert "'/proc/self/environ' is outside this fellow's data roots" in failed["reason"]
     finally:
         run_cli("stop-cluster", env=cli_env)
 

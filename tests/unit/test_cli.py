@@ -259,6 +259,18 @@ def test_fellow_refuses_an_advertised_host_neighbours_cannot_dial(flag, needle, 
     assert "--data-advertise" in err and needle in err
 
 
+@pytest.mark.parametrize("command", [["fellow"], ["restart-cluster"]])
+def test_a_data_root_must_be_a_directory(command, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    for bad in (str(tmp_path / "nope"), str(tmp_path / "file.txt")):
+        with pytest.raises(SystemExit) as exc:
+            run([*command, "--leader-url", f"http://127.0.0.1:{free_port()}", "--data-root", bad]
+                if command == ["fellow"] else [*command, "--data-root", bad])
+        assert exc.value.code == ExitCode.USAGE
+        err = _one_line(capsys.readouterr().err)
+        assert f"--data-root: {bad} is not a directory" in err
+
+
 def test_the_advertised_data_host_is_one_neighbours_can_dial():
     """What a fellow registers: --data-advertise when given, else --data-host, else (bind-all)
     the address this machine reaches the leader from; the listener reports it as its addr."""

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.data import DataError, load_token_data
-from swarm_core.data.datasets import load_text, shakespeare_text
+from swarm_core.data.datasets import load_text, shakespeare_text, textfiles_paths
 
 
 def test_shakespeare_is_real_text_and_splits_deterministically():
@@ -64,6 +66,59 @@ def test_textfiles_and_missing_paths(tmp_path):
     with pytest.raises(DataError, match="matches no file"):
         load_token_data(TrainingConfig(dataset="textfiles",
                                        dataset_paths=[str(tmp_path / "nope*.md")]), 16)
+
+
+@pytest.fixture
+def data_root(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("to be or not to be " * 100)
+    (root / "sub" / "b.txt").write_text("that is the question " * 100)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key.txt").write_text("SWARM_TOKEN=hunter2")
+    return root
+
+
+OUTSIDE = "is outside this fellow's data roots"
+
+
+@pytest.mark.parametrize("pattern", [
+    "/proc/self/environ", "/etc/pass*", "~/.bash*", "/**", "/etc/no-such-file-here",
+    "{root}/../secret/key.txt", "{root}/../secret/*", "{root}/../**/*.txt", "relative/*.txt",
+])
+def test_a_fellow_reads_nothing_outside_its_data_roots(data_root, pattern):
+    """Outside the roots is refused whether or not the file exists, with a message that names
+    only the pattern: it tells nothing about the files out there."""
+    pat = pattern.format(root=data_root)
+    with pytest.raises(DataError) as err:
+        textfiles_paths([pat], roots=(str(data_root.resolve()),))
+    assert str(err.value) == (f"dataset_paths: {pat!r} {OUTSIDE} (its operator names them: "
+                              "swarm fellow --data-root DIR)")
+
+
+def test_a_symlink_in_a_data_root_does_not_lead_out_of_it(data_root):
+    (data_root / "link.txt").symlink_to(data_root.parent / "secret" / "key.txt")
+    (data_root / "linked-dir").symlink_to(data_root.parent / "secret")
+    roots = (str(data_root.resolve()),)
+    for pat in (data_root / "link.txt", data_root / "*.txt", data_root / "**" / "*.txt",
+                data_root / "linked-dir" / "key.txt"):
+        with pytest.raises(DataError, match=OUTSIDE):
+            textfiles_paths([str(pat)], roots=roots)
+
+
+def test_files_under_a_data_root_are_read(data_root):
+    roots = (str(data_root.resolve()),)
+    got = textfiles_paths([str(data_root / "**" / "*.txt")], roots=roots)
+    assert sorted(Path(f).name for f in got) == ["a.txt", "b.txt"]
+    d = load_token_data(TrainingConfig(dataset="textfiles",
+                                       dataset_paths=[str(data_root / "a.txt")]), 16,
+                        roots=roots)
+    assert d.tokenizer.decode(d.train[:6].tolist()) == "to be "
+    with pytest.raises(DataError, match="matches no file"):
+        textfiles_paths([str(data_root / "nope*.md")], roots=roots)
+    with pytest.raises(DataError, match=OUTSIDE):  # no roots at all: nothing may be read
+        textfiles_paths([str(data_root / "a.txt")], roots=())
 
 
 def test_overlapping_patterns_read_each_file_once(tmp_path):
