@@ -273,6 +273,16 @@ class SwarmClient:
         params = {"state": state} if state else None
         return (await self._get(f"{API_PREFIX}/jobs", JobList, params=params)).jobs
 
+    async def job_page(self, state: str | None = None, *, limit: int,
+                       after: str | None = None) -> JobList:
+        """Up to ``limit`` jobs queued after job ``after``; ``next_after`` continues."""
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        if after:
+            params["after"] = after
+        return await self._get(f"{API_PREFIX}/jobs", JobList, params=params)
+
     async def job(self, job_id: str) -> JobInfo:
         return await self._get(f"{API_PREFIX}/jobs/{_seg(job_id)}", JobInfo)
 

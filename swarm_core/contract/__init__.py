@@ -5,6 +5,7 @@ fellow, the CLI, the console and the run artifacts all read the same classes.
 """
 
 from swarm_core.contract.job import (
+    MAX_JOB_PAGE,
     JobInfo,
     JobKind,
     JobList,
@@ -39,7 +40,8 @@ from swarm_core.contract.placement import (
 from swarm_core.contract.start import StageStart, chain_starts, stage_starts
 
 __all__ = [
-    "CodecErrors", "FellowSlots", "JobInfo", "JobKind", "JobList", "JobMetrics", "JobStatusUpdate",
+    "MAX_JOB_PAGE", "CodecErrors", "FellowSlots", "JobInfo", "JobKind", "JobList", "JobMetrics",
+    "JobStatusUpdate",
     "JobSubmit", "LayerRange", "LinkChange", "Placement", "PlacementError", "ProgressList",
     "ProgressRecord", "Replacement", "Restart", "ShardReceipt", "SmokeTraining", "StageMetrics",
     "StagePlacement", "StageStart", "Topology", "chain_starts", "link_changes_in_all",

@@ -228,9 +228,17 @@ class JobInfo:
         return in_stage_order(self.latest_shard_pushes)
 
 
+MAX_JOB_PAGE = 10_000  # jobs in one page of GET /jobs
+
+
 @attrs.define
 class JobList:
+    """Jobs in queue order (a page holds at most MAX_JOB_PAGE); with ``limit``,
+    ``next_after`` names the last one when more follow (pass it as ``after`` for the next
+    page)."""
+
     jobs: list[JobInfo]
+    next_after: str | None = None
 
 
 def in_stage_order(pushes: dict[str, ShardReceipt]) -> list[ShardReceipt]:

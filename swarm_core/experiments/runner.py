@@ -25,7 +25,7 @@ import attrs
 import swarm_core
 from swarm_core import jsonio
 from swarm_core.artifacts.fetch import FetchError, fetch_export
-from swarm_core.client import ClientError, LeaderUnreachable, SwarmClient
+from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import (
@@ -211,7 +211,7 @@ class Experiment:
         lost = False
         while True:
             try:
-                jobs = {j.job_id: j for j in await self.client.jobs()}
+                jobs = await self._our_jobs(states)
             except LeaderUnreachable as exc:
                 # The runs live on the leader; a restart or a network blip is waited out.
                 if not lost:
@@ -248,6 +248,21 @@ class Experiment:
             if not open_runs:
                 return
             await _sleep(self.poll_s)
+
+    async def _our_jobs(self, states: list[RunState]) -> dict[str, JobInfo]:
+        """The jobs of our open runs, without the leader's whole history (a leader may hold
+        thousands of finished jobs): the queue in two small listings (one job runs at a
+        time), and one request for each of ours that left it since the last poll."""
+        jobs = {j.job_id: j for state in ("RUNNING", "PENDING")
+                for j in await self.client.jobs(state)}
+        for st in states:
+            if st.job_id and st.job_id not in jobs and st.state not in TERMINAL:
+                try:
+                    jobs[st.job_id] = await self.client.job(st.job_id)
+                except ApiError as exc:
+                    if exc.status != 404:
+                        raise
+        return jobs
 
     def _claim_run_dirs(self, stamp: str) -> None:
         """New run folders for every run: a sweep started in the same second as another of the

@@ -47,6 +47,12 @@ log = logging.getLogger("swarm.leader")
 MAX_LINK_CHANGES = 200
 
 
+@attrs.define
+class QueueOrder:
+    running: JobRecord | None
+    ahead: dict[str, int]  # pending job id -> pending jobs queued before it
+
+
 class JobQueue:
     def __init__(self, store: Store, registry: FellowRegistry, hub: EventHub,
                  runs_dir: Path | None = None) -> None:
@@ -94,14 +100,27 @@ class JobQueue:
     def running(self) -> JobRecord | None:
         return next((j for j in self.all() if j.state is JobState.RUNNING), None)
 
-    def info(self, job: JobRecord, with_history: bool = False) -> JobInfo:
+    def order(self) -> QueueOrder:
+        """The running job and, per pending job, how many are ahead of it: one pass, for a
+        whole listing (asking per job made listing n jobs cost n^2)."""
+        running, ahead = None, {}
+        for job in self.all():
+            if job.state is JobState.RUNNING and running is None:
+                running = job
+            elif job.state is JobState.PENDING:
+                ahead[job.job_id] = len(ahead)
+        return QueueOrder(running, ahead)
+
+    def info(self, job: JobRecord, with_history: bool = False,
+             order: QueueOrder | None = None) -> JobInfo:
         spec = job.spec
         return JobInfo(
             job_id=job.job_id, name=spec.name, kind=spec.kind, state=job.state.value,
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
             last_step=job.last_step, last_loss=job.last_loss, fellows=job.fellows,
             topology=spec.topology, reason=job.reason, model=spec.model,
-            training=spec.training, waiting_for=self.waiting_for(job), metrics=job.metrics,
+            training=spec.training, waiting_for=self.waiting_for(job, order),
+            metrics=job.metrics,
             placement=job.placement,
             loss_history=self.progress.loss_history(job) if with_history else [],
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
@@ -109,15 +128,15 @@ class JobQueue:
             link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
         )
 
-    def waiting_for(self, job: JobRecord) -> str:
+    def waiting_for(self, job: JobRecord, order: QueueOrder | None = None) -> str:
         if job.state is not JobState.PENDING:
             return ""
-        running = self.running()
-        if running is not None:
-            return f"job {running.job_id} is running"
-        ahead = [j for j in self.all() if j.state is JobState.PENDING and j.seq < job.seq]
+        order = order or self.order()
+        if order.running is not None:
+            return f"job {order.running.job_id} is running"
+        ahead = order.ahead.get(job.job_id, 0)
         if ahead:
-            return f"{len(ahead)} job(s) ahead in the queue"
+            return f"{ahead} job(s) ahead in the queue"
         ready = self.registry.ready()
         topo = job.spec.topology
         if topo.slots_per_fellow > 1:

@@ -14,7 +14,14 @@ from aiohttp import WSCloseCode, web
 
 import swarm_core
 from swarm_core import jsonio
-from swarm_core.contract import JobInfo, JobList, JobStatusUpdate, JobSubmit, ProgressList
+from swarm_core.contract import (
+    MAX_JOB_PAGE,
+    JobInfo,
+    JobList,
+    JobStatusUpdate,
+    JobSubmit,
+    ProgressList,
+)
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
@@ -235,9 +242,18 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
+    """In queue order; ``state``, then a page: ``limit`` jobs ``after`` a job id (the last
+    page's ``next_after``). Linear in the jobs held: one pass orders the queue for all."""
     st = _state(request)
     state = request.query.get("state")
     jobs = st.jobs.all()
+    if "after" in request.query:
+        after = request.query["after"]
+        cursor = st.jobs.find(after)
+        if cursor is None:
+            raise ApiError(400, f"after: no job {after[:64]!r}", code="invalid_param",
+                           field="after")
+        jobs = [j for j in jobs if j.seq > cursor.seq]
     if state is not None:
         try:
             wanted = JobState(state.upper())
@@ -245,7 +261,17 @@ async def list_jobs(request: web.Request) -> web.Response:
             raise ApiError(400, f"state must be one of {', '.join(s.value for s in JobState)}",
                            code="invalid_param", field="state") from None
         jobs = [j for j in jobs if j.state is wanted]
-    return ok(JobList(jobs=[st.jobs.info(j) for j in jobs]))
+    next_after = None
+    if "limit" in request.query:
+        limit = _int_param(request, "limit")
+        if not 1 <= limit <= MAX_JOB_PAGE:
+            raise ApiError(400, f"limit must be between 1 and {MAX_JOB_PAGE}", code="invalid_param",
+                           field="limit")
+        if len(jobs) > limit:
+            jobs = jobs[:limit]
+            next_after = jobs[-1].job_id
+    order = st.jobs.order()
+    return ok(JobList(jobs=[st.jobs.info(j, order=order) for j in jobs], next_after=next_after))
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -452,10 +478,15 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/nodes", list_nodes, "Per-fellow byte counters", response=NodeList),
     Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
           errors=(400, 413)),
-    Route("GET", f"{A}/jobs", list_jobs, "All jobs, oldest first", response=JobList,
+    Route("GET", f"{A}/jobs", list_jobs, "Jobs in queue order, oldest first, a page at a time",
+          response=JobList,
           query=(("state", "string", "only jobs in this state",
                   {"enum": [s.value for s in JobState]
-                   + [s.value.lower() for s in JobState]}),), errors=(400,)),
+                   + [s.value.lower() for s in JobState]}),
+                 ("limit", "integer", "at most this many; next_after then names the last",
+                  {"minimum": 1, "maximum": MAX_JOB_PAGE}),
+                 ("after", "string", "only jobs queued after this job (a page's next_after)")),
+          errors=(400,)),
     Route("GET", f"{A}/jobs/{{job_id}}", get_job, "One job", response=JobInfo, errors=(404,)),
     Route("GET", f"{A}/jobs/{{job_id}}/progress", job_progress,
           "Per-step records of a train job: loss, tokens/s, wire bytes, eval loss",

@@ -12,7 +12,9 @@ from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import (
+    MAX_JOB_PAGE,
     JobInfo,
+    JobList,
     JobSubmit,
     LinkChange,
     StageMetrics,
@@ -22,7 +24,7 @@ from swarm_core.contract import (
 )
 from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
-from swarm_tui.commands.argtypes import fellow_count, job_id, positive_int
+from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -40,9 +42,13 @@ TERMINAL = {s.value for s in JobState if s.terminal}
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     async def body(c: SwarmClient) -> None:
-        jobs = await c.jobs(args.state)
+        if args.limit is None and args.after is None:
+            page = JobList(jobs=await c.jobs(args.state))
+        else:
+            page = await c.job_page(args.state, limit=args.limit or MAX_JOB_PAGE, after=args.after)
+        jobs = page.jobs
         if args.format == "json":
-            emit_json({"jobs": jobs})
+            emit_json(page)
             return
         emit_table("jobs", ["job", "name", "kind", "state", "step", "loss", "fellows", "age",
                             "note"], [
@@ -51,6 +57,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
              j.waiting_for or j.reason or "-"]
             for j in jobs
         ])
+        if page.next_after:
+            print_line(f"more: swarm jobs --after {page.next_after}")
 
     return run_with_client(args, body)
 
@@ -344,6 +352,10 @@ def _job_state(text: str) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", help="list jobs, oldest first")
     p.add_argument("--state", type=_job_state, default=None, help="only jobs in this state")
+    p.add_argument("--limit", type=number(int, 1, MAX_JOB_PAGE, "--limit"), default=None,
+                   help=f"at most this many (1-{MAX_JOB_PAGE}); the last line names the next page")
+    p.add_argument("--after", type=job_id, default=None, metavar="JOB",
+                   help="only jobs queued after this one (a page's next_after)")
     add_format(p)
     p.set_defaults(func=cmd_jobs)
 

@@ -115,6 +115,13 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         assert "needs 3 ready fellow(s), 2 ready" in queued["waiting_for"]
         cancelled = cli_json("cancel", queued["job_id"], env=cli_env)
         assert cancelled["state"] == "CANCELLED"
+        # A page at a time: the first job, and where the next page starts.
+        page = cli_json("jobs", "--limit", "1", env=cli_env)
+        assert [j["job_id"] for j in page["jobs"]] == [jobs[0]["job_id"]]
+        assert page["next_after"] == jobs[0]["job_id"]
+        rest = run_cli("jobs", "--after", page["next_after"], env=cli_env)
+        assert queued["job_id"] in rest.stdout and jobs[0]["job_id"] not in rest.stdout
+        assert "more:" not in rest.stdout
         watched = run_cli("watch", queued["job_id"], env=cli_env)
         assert watched.returncode == 1
         assert "CANCELLED" in watched.stdout

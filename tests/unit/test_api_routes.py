@@ -1236,6 +1236,51 @@ async def test_list_and_get_jobs(api):
     await expect_error(await api.get(f"{A}/jobs/{j1['job_id']}"), 401)
 
 
+async def test_jobs_come_a_page_at_a_time(api):
+    jobs = [(await submit(api, name=f"j{i}"))["job_id"] for i in range(5)]
+
+    async def page(**params: Any) -> tuple[list[str], str | None]:
+        body = await expect_ok(await api.get(f"{A}/jobs", params=params, headers=AUTH))
+        return [j["job_id"] for j in body["jobs"]], body["next_after"]
+
+    assert await page() == (jobs, None)
+    assert await page(limit="2") == (jobs[:2], jobs[1])
+    assert await page(limit="2", after=jobs[1]) == (jobs[2:4], jobs[3])
+    assert await page(limit="2", after=jobs[3]) == (jobs[4:], None)
+    assert await page(after=jobs[4]) == ([], None)
+    assert await page(limit="5") == (jobs, None)
+    # The queue's account of each pending job is the same on any page.
+    body = await expect_ok(await api.get(f"{A}/jobs", params={"after": jobs[2]}, headers=AUTH))
+    assert [j["waiting_for"] for j in body["jobs"]] == ["3 job(s) ahead in the queue",
+                                                        "4 job(s) ahead in the queue"]
+    for params, field in (({"limit": "0"}, "limit"), ({"limit": "10001"}, "limit"),
+                          ({"limit": "x"}, "limit"), ({"after": "job-424242"}, "after")):
+        await expect_error(await api.get(f"{A}/jobs", params=params, headers=AUTH), 400,
+                           "invalid_param", field)
+
+
+async def test_listing_jobs_orders_the_queue_once(api, monkeypatch):
+    """Each pending job's place in the queue came from a scan of every job, so listing n jobs
+    cost n^2 (10k pending jobs took minutes and stalled every heartbeat)."""
+    from swarm_core.leader.queue import JobQueue
+
+    for i in range(40):
+        await submit(api, name=f"j{i}")
+    scans = 0
+    real = JobQueue.all
+
+    def counted(self):
+        nonlocal scans
+        scans += 1
+        return real(self)
+
+    monkeypatch.setattr(JobQueue, "all", counted)
+    body = await expect_ok(await api.get(f"{A}/jobs", headers=AUTH))
+    assert len(body["jobs"]) == 40 and body["jobs"][39]["waiting_for"] == \
+        "39 job(s) ahead in the queue"
+    assert scans <= 2
+
+
 async def test_job_status_auth_errors(api):
     a = await register(api, "a")
     b = await register(api, "b")
