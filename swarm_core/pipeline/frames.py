@@ -30,7 +30,7 @@ import attrs
 import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 5
+VERSION = 6
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
@@ -49,7 +49,7 @@ class Kind(enum.IntEnum):
     ACT = 1  # activations, forward
     GRAD = 2  # gradients, backward
     NORM = 3  # squared gradient norms for global clipping
-    HELLO = 4  # first frame of a connection: the job's session key
+    HELLO = 4  # the handshake: both ends prove the job's session key (see handshake)
     PULSE = 5  # empty; "this stage is alive" on a link it has left idle (see transport)
     SYNC = 6  # a chunk of a stage group's gradient all-reduce (see pipeline/sync.py)
 

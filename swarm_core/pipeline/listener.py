@@ -1,14 +1,14 @@
 """A fellow's data-plane listening socket, opened at daemon start (torch-free).
 
 The address goes to the leader at registration and from there into every START's placement, so
-the upstream neighbour can dial it. Only a connection whose first frame presents the job's
-session key is accepted; anything else is dropped.
+the upstream neighbour can dial it. Only a connection that proves the job's session key in the
+handshake (``handshake``) is accepted; anything else is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
+import queue
 import socket
 import threading
 import time
@@ -17,15 +17,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from swarm_core.pipeline.frames import (
-    DATA_KINDS,
-    DEFAULT_MAX_PAYLOAD,
-    HEADER_SIZE,
-    FrameError,
-    FrameHeader,
-    Kind,
-    check_payload,
-)
+from swarm_core.pipeline import handshake
+from swarm_core.pipeline.frames import DATA_KINDS, DEFAULT_MAX_PAYLOAD, Kind
 from swarm_core.pipeline.links import LinkShaper
 
 if TYPE_CHECKING:
@@ -51,6 +44,12 @@ class Expected:
             f"stage {self.stage} replica {self.replica}"
 
 
+HANDSHAKE_S = 3.0  # a connection's whole handshake, however slowly its bytes come
+MAX_HANDSHAKES = 64  # at once; a connection beyond is closed (a real peer dials again)
+ACCEPT_POLL_S = 0.1  # how soon an abort is seen
+BACKLOG = 128
+
+
 def _who(waiting: dict[bytes, Expected]) -> str:
     return " and ".join(e.name for e in waiting.values())
 
@@ -63,7 +62,7 @@ class DataListener:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.sock.listen(16)
+        self.sock.listen(BACKLOG)
         self.host = advertise or host  # what neighbours dial (``addr``); bound to ``host``
         self.port = self.sock.getsockname()[1]
 
@@ -83,64 +82,83 @@ class DataListener:
 
     def accept_many(self, key: str, job: int, expected: Sequence[Expected], timeout: float,
                     abort: threading.Event | None = None, pulse_s: float | None = None,
-                    liveness: Liveness | None = None) -> dict[str, PeerLink]:
+                    liveness: Liveness | None = None,
+                    cancel: threading.Event | None = None) -> dict[str, PeerLink]:
         """Accept every peer in ``expected`` (the upstream stage, the previous replica on the
-        stage group's ring), each told apart by what its hello says; connections without the
-        job's key, or that nobody expects, are dropped. Returns the links by role."""
-        from swarm_core.pipeline.transport import (
-            LinkAborted,
-            PeerLink,
-            PeerTimeout,
-            _hello_payload,
-            _recv_exact,
-            blaming,
-        )
+        stage group's ring), each told apart by its hello, once it proved the job's key (see
+        ``handshake``). Handshakes run side by side, at most MAX_HANDSHAKES at once and each
+        within HANDSHAKE_S, so connections that say nothing, or trickle, cannot hold the
+        door; ``abort`` (the links' too) and ``cancel`` (this wait's only) are seen within
+        ACCEPT_POLL_S. Returns the links by role."""
+        from swarm_core.pipeline.transport import LinkAborted, PeerLink, PeerTimeout, blaming
 
         deadline = time.monotonic() + timeout
-        waiting = {_hello_payload(key, e.stage, e.replica): e for e in expected}
+        waiting = {handshake.who(e.stage, e.replica): e for e in expected}
+        wanted = frozenset(waiting)
         links: dict[str, PeerLink] = {}
+        done: queue.Queue[tuple[socket.socket, tuple, bytes | None]] = queue.Queue()
+        lock = threading.Lock()
+        state = {"open": 0, "ended": False}
+
+        def serve(conn: socket.socket, peer: tuple) -> None:
+            try:
+                caller: bytes | None = handshake.answer(
+                    conn, key, job, wanted, time.monotonic() + HANDSHAKE_S)
+            except (OSError, handshake.HandshakeError):
+                caller = None
+            with lock:
+                state["open"] -= 1
+                if state["ended"] or caller is None:
+                    conn.close()
+                else:
+                    done.put((conn, peer, caller))
+
         try:
             while waiting:
-                if abort is not None and abort.is_set():
+                while not done.empty():
+                    conn, peer, caller = done.get()
+                    e = waiting.pop(caller, None) if caller is not None else None
+                    if e is None:  # (a second dialer as the same peer)
+                        conn.close()
+                        continue
+                    conn.settimeout(None)
+                    links[e.role] = PeerLink(
+                        conn, e.shaper, job, f"{e.name} ({peer[0]}:{peer[1]})", abort=abort,
+                        max_payload=e.max_payload, receives=e.receives, pulse_s=pulse_s,
+                        liveness=liveness, peer_stage=e.stage)
+                if not waiting:
+                    break
+                if any(e is not None and e.is_set() for e in (abort, cancel)):
                     raise LinkAborted(f"stopped while waiting for {_who(waiting)}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if time.monotonic() >= deadline:
                     first = next(iter(waiting.values()))
                     raise blaming(PeerTimeout(f"{_who(waiting)} did not connect within "
                                               f"{timeout:g}s"), first.stage)
-                self.sock.settimeout(min(remaining, 0.2))
+                self.sock.settimeout(ACCEPT_POLL_S)
                 try:
                     conn, peer = self.sock.accept()
                 except TimeoutError:
                     continue
-                # (A connection that says nothing holds the accept at most until the deadline.)
-                conn.settimeout(max(0.2, min(5.0, deadline - time.monotonic())))
-                try:
-                    raw = _recv_exact(conn, HEADER_SIZE)
-                    header = FrameHeader.unpack(raw, max_payload=4096)
-                    payload = _recv_exact(conn, header.payload_len)
-                    check_payload(header, payload)
-                    e = next((e for h, e in waiting.items()
-                              if hmac.compare_digest(bytes(payload), h)), None)
-                    if header.kind != Kind.HELLO or header.job != job or e is None:
-                        raise FrameError("bad hello (wrong job or session key)")
-                except (OSError, FrameError):
+                with lock:
+                    busy = state["open"] >= MAX_HANDSHAKES
+                    if not busy:
+                        state["open"] += 1
+                if busy:  # (a real peer whose connection is dropped dials again)
                     conn.close()
                     continue
-                conn.settimeout(None)
-                del waiting[_hello_payload(key, e.stage, e.replica)]
-                links[e.role] = PeerLink(
-                    conn, e.shaper, job, f"{e.name} ({peer[0]}:{peer[1]})", abort=abort,
-                    max_payload=e.max_payload, receives=e.receives, pulse_s=pulse_s,
-                    liveness=liveness, peer_stage=e.stage)
+                threading.Thread(target=serve, args=(conn, peer), daemon=True,
+                                 name="data-handshake").start()
         except BaseException:
             for link in links.values():
                 link.close()
             raise
+        finally:
+            with lock:
+                state["ended"] = True
+            while not done.empty():
+                done.get()[0].close()
         return links
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-
-

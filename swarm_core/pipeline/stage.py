@@ -224,6 +224,30 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     def shaping(local: bool) -> LinkShaper:
         return LinkShaper() if local else shaper
 
+    expected = []
+    if spec.stage > 0:
+        expected.append(Expected("up", spec.stage - 1, None, shaping(spec.local_up), limit,
+                                 (Kind.ACT, Kind.NORM)))
+    if ringed:
+        expected.append(Expected("ring", spec.stage, (spec.replica - 1) % spec.replicas,
+                                 shaping(spec.local_ring), receives=(Kind.SYNC,)))
+    # The listener answers handshakes while this stage dials: both ends of a handshake prove
+    # the key, so a ring's replicas dialling each other would otherwise wait on each other.
+    accepted: dict[str, Any] = {}
+    cancel = threading.Event()
+
+    def take() -> None:
+        assert listener is not None
+        try:
+            accepted["links"] = listener.accept_many(spec.key, tag, expected, timeout,
+                                                     abort=stop, pulse_s=pulse,
+                                                     liveness=liveness, cancel=cancel)
+        except BaseException as exc:  # (re-raised in the stage's thread below)
+            accepted["error"] = exc
+
+    acceptor = threading.Thread(target=take, name="stage-accept", daemon=True)
+    if expected:
+        acceptor.start()
     try:
         if spec.stage < spec.num_stages - 1:
             assert spec.downstream_addr is not None
@@ -238,21 +262,18 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
                                       shaping(spec.local_ring), timeout, abort=stop,
                                       receives=(), pulse_s=pulse, liveness=liveness,
                                       ring=(spec.replica, nxt))
-        expected = []
-        if spec.stage > 0:
-            expected.append(Expected("up", spec.stage - 1, None, shaping(spec.local_up), limit,
-                                     (Kind.ACT, Kind.NORM)))
-        if ringed:
-            expected.append(Expected("ring", spec.stage, (spec.replica - 1) % spec.replicas,
-                                     shaping(spec.local_ring), receives=(Kind.SYNC,)))
-        if expected:
-            assert listener is not None
-            got = listener.accept_many(spec.key, tag, expected, timeout, abort=stop,
-                                       pulse_s=pulse, liveness=liveness)
-            links.up, links.ring_prev = got.get("up"), got.get("ring")
     except BaseException:
-        links.close()
+        cancel.set()
         raise
+    finally:
+        if expected:
+            acceptor.join()
+            got = accepted.get("links") or {}
+            links.up, links.ring_prev = got.get("up"), got.get("ring")
+            if "error" in accepted or cancel.is_set():
+                links.close()
+    if "error" in accepted:
+        raise accepted["error"]
     return links
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from swarm_core.pipeline import codecs
+from swarm_core.pipeline import codecs, handshake
 from swarm_core.pipeline.frames import (
     DATA_KINDS,
     DEFAULT_MAX_PAYLOAD,
@@ -418,64 +418,53 @@ class PeerLink:
 # --- connection setup -----------------------------------------------------------------------
 
 
-_RING = 1 << 31  # marks the hello of a stage group's ring link (stage | _RING, then replica)
-
-
-def _hello_payload(key: str, stage: int, replica: int | None = None) -> bytes:
-    """Who dials and what for: the dialing stage (the upstream neighbour of the stage it
-    dials), or, with ``replica``, that replica of ``stage`` on its group's ring."""
-    if replica is None:
-        return stage.to_bytes(4, "little") + key.encode()
-    return (stage | _RING).to_bytes(4, "little") + replica.to_bytes(4, "little") + key.encode()
-
-
 def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
             timeout: float, abort: threading.Event | None = None,
             max_payload: int = DEFAULT_MAX_PAYLOAD,
             receives: Collection[Kind] = DATA_KINDS,
             pulse_s: float | None = None, liveness: Liveness | None = None,
             ring: tuple[int, int] | None = None) -> PeerLink:
-    """Dial the downstream neighbour at ``host:port`` and present the job's session key; with
-    ``ring`` (this replica, the next one) the next replica of this stage on its group's ring."""
+    """Dial the downstream neighbour at ``host:port``, and prove the job's session key to it
+    as it proves it back (``handshake``); with ``ring`` (this replica, the next one) the next
+    replica of this stage on its group's ring. A connection the listener drops before the
+    handshake completes (it was busy, or not yet listening for this job) is dialled again
+    until ``timeout``; a listener that answers without the key is an impostor: refused."""
     peer_stage = stage if ring else stage + 1
     peer = f"stage {stage} replica {ring[1]}" if ring else f"stage {stage + 1}"
     host, _, port = addr.rpartition(":")
+    caller = handshake.who(stage, ring[0] if ring else None)
     deadline = time.monotonic() + timeout
+    last: Exception | None = None
     while True:
+        if abort is not None and abort.is_set():
+            raise LinkAborted("stopped while connecting")
+        if time.monotonic() > deadline:
+            raise blaming(PeerTimeout(f"cannot connect to {peer} at {addr}: {last}"),
+                          peer_stage)
         try:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
-            break
         except OSError as exc:
-            if abort is not None and abort.is_set():
-                raise LinkAborted("stopped while connecting") from None
-            if time.monotonic() > deadline:
-                raise blaming(PeerTimeout(f"cannot connect to {peer} at {addr}: {exc}"),
-                              peer_stage) from None
+            last = exc
             time.sleep(0.1)
-    try:
-        sock.settimeout(None)
-        payload = _hello_payload(key, stage, ring[0] if ring else None)
-        header = make_header(Kind.HELLO, job, 0, 0, (len(payload),), 0, payload)
+            continue
         try:
-            sock.sendall(header.pack() + payload)
-        except OSError as exc:
-            raise blaming(LinkClosed(f"{peer} at {addr} broke the link during the hello: "
-                                     f"{exc}"), peer_stage) from None
-        return PeerLink(sock, shaper, job, f"{peer} ({addr})", abort=abort,
-                        max_payload=max_payload, receives=receives, pulse_s=pulse_s,
-                        liveness=liveness, peer_stage=peer_stage)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        r = sock.recv_into(view[got:], n - got)
-        if r == 0:
-            raise LinkClosed("peer closed during hello")
-        got += r
-    return buf
+            handshake.dial(sock, key, job, caller, deadline, abort)
+        except handshake.HandshakeError as exc:
+            sock.close()
+            if exc.proof:
+                raise blaming(LinkClosed(f"{peer} at {addr} refused: {exc}"),
+                              peer_stage) from None
+            last = exc
+            time.sleep(0.1)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            sock.settimeout(None)
+            return PeerLink(sock, shaper, job, f"{peer} ({addr})", abort=abort,
+                            max_payload=max_payload, receives=receives, pulse_s=pulse_s,
+                            liveness=liveness, peer_stage=peer_stage)
+        except BaseException:
+            sock.close()
+            raise
