@@ -103,6 +103,11 @@ class SessionLost(Exception):
     """The leader no longer knows our session (it restarted): register again."""
 
 
+def reconnect_cap(max_backoff_s: float, stale_after_s: float) -> float:
+    """The longest a fellow waits between tries to reach its leader (see Liveness.watch_s)."""
+    return max(0.2, min(max_backoff_s, stale_after_s / 4))
+
+
 class FellowDaemon:
     def __init__(self, opts: FellowOptions) -> None:
         self.opts = opts
@@ -121,6 +126,10 @@ class FellowDaemon:
         self._stop = asyncio.Event()
         self._beat_now = asyncio.Event()
         self.exit_reason = ""
+        # Retries back off to this; once registered, to a quarter of the leader's heartbeat
+        # timeout, so a leader back from a restart hears from its fellows well inside the grace
+        # it gives their running job (a fixed 5 s cap outlasted a 2 s timeout).
+        self.backoff_cap = opts.max_backoff_s
 
     # lifecycle --------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -189,9 +198,10 @@ class FellowDaemon:
                     return False
                 log.warning("register failed (%s); retrying in %.1fs", exc, backoff)
                 await self._sleep(backoff)
-                backoff = min(backoff * 2, self.opts.max_backoff_s)
+                backoff = min(backoff * 2, self.backoff_cap)
                 continue
             self.fellow_id, self.session = res.fellow_id, res.session
+            self.backoff_cap = reconnect_cap(self.opts.max_backoff_s, res.stale_after_s)
             self.signal_seq = 0
             log.info("registered as fellow %d (%s)", res.fellow_id, self.opts.name)
             return True
@@ -260,7 +270,7 @@ class FellowDaemon:
                 wait = self.opts.heartbeat_s
             except LeaderUnreachable as exc:
                 log.warning("heartbeat failed (%s); retrying in %.1fs", exc, backoff)
-                wait, backoff = backoff, min(backoff * 2, self.opts.max_backoff_s)
+                wait, backoff = backoff, min(backoff * 2, self.backoff_cap)
             self._beat_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), wait)
@@ -282,7 +292,7 @@ class FellowDaemon:
                 continue
             except LeaderUnreachable:
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.opts.max_backoff_s)
+                backoff = min(backoff * 2, self.backoff_cap)
                 continue
             for sig in batch.signals:
                 if sig.seq <= self.signal_seq:

@@ -40,6 +40,14 @@ class Liveness:
         # A fellow that died just now goes stale one heartbeat timeout after its last beat.
         return self.registry.stale_after_s + self.registry.heartbeat_interval_s
 
+    def watch_s(self) -> float:
+        """How long a running job's fellows get to show up after a dispatch or a leader
+        restart: a heartbeat timeout, plus the longest a fellow backs off between tries to
+        reach the leader (a quarter of the timeout, see fellow.daemon.reconnect_cap), plus
+        one heartbeat."""
+        stale = self.registry.stale_after_s
+        return stale + stale / 4 + self.registry.heartbeat_interval_s
+
     def watch(self, job: JobRecord) -> None:
         """Begin watching a running job: its fellows get a heartbeat timeout to show up (after
         a dispatch, or a leader restart), and a held failure waits anew."""
@@ -57,7 +65,7 @@ class Liveness:
             if now - job.recovering.since >= self.registry.stale_after_s + 0.5:
                 self.resume(job)
             return
-        if job.watched_since is None or now - job.watched_since >= self.registry.stale_after_s:
+        if job.watched_since is None or now - job.watched_since >= self.watch_s():
             self._check_fellows(job, now)
         # After the fellows: a fellow gone stale by now names the cause of a held failure.
         if job.state is JobState.RUNNING and job.held is not None and now >= job.held.until:
