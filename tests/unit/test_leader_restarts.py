@@ -1,7 +1,8 @@
-"""A leader restarted under a running job waits for its fellows as long as their reconnect
-backoff can take: a healthy job is not failed because its fellows were between two tries.
-A real leader app on a loopback port, restarted on the same state and port; the real fellow
-daemon code in this process, with its default backoff."""
+"""A leader's stop and restart. Restarted under a running job, it waits for its fellows as
+long as their reconnect backoff can take: a healthy job is not failed because its fellows were
+between two tries. Stopping, it answers its open long polls at once instead of waiting out
+its shutdown grace. A real leader app on a loopback port, restarted on the same state and
+port; the real fellow daemon code in this process, with its default backoff."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 from swarm_core.contract import JobSubmit
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.fellow.daemon import reconnect_cap
+from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import structure
 from tests.support import TOKEN
 from tests.tui_support import LiveLeader, no_engine  # noqa: F401  (a fixture)
@@ -83,3 +85,22 @@ async def _past(c, job_id: str, step: int) -> bool:
 async def _finished(c, job_id: str):
     job = await c.job(job_id)
     return job if job.state in ("COMPLETED", "FAILED", "CANCELLED") else None
+
+
+async def test_a_stopping_leader_answers_its_long_polls_at_once(tmp_path):
+    """A poll's handler outlives the fellow that made it; the server waits for running
+    handlers when it stops, so a leader with fellows stopped only when their 15 s polls ran
+    out (or its shutdown grace did: `swarm stop-cluster` took 6 s)."""
+    leader = LiveLeader(tmp_path / "state")
+    await leader.start()
+    async with leader.client() as c:
+        reg = await c.register(RegisterRequest(name="f0", instance_id="f0-1"))
+        poll = asyncio.create_task(c.poll_signals(reg.fellow_id, reg.session, 0, 10.0))
+        await asyncio.sleep(0.3)  # (the poll is waiting in the leader)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await leader.stop()
+        stopped_in = loop.time() - t0
+        batch = await asyncio.wait_for(poll, 5)
+    assert batch.signals == []
+    assert stopped_in < 3.0, stopped_in
