@@ -64,11 +64,21 @@ def _closed_by_peer(s: socket.socket) -> bool:
     return True
 
 
-def _round_trip(dialer, accepted) -> None:
-    dialer.send_float(Kind.NORM, 1, 0, 2.5)
-    assert accepted.recv_float(Kind.NORM, 1, 0, timeout=10) == 2.5
-    accepted.send_float(Kind.NORM, 1, 1, 0.5)
-    assert dialer.recv_float(Kind.NORM, 1, 1, timeout=10) == 0.5
+def _dial_in_and_step(ln: DataListener, accepting: threading.Thread, out: dict,
+                      timeout: float) -> None:
+    """The upstream stage with the job's key dials; once accepted, a frame goes each way."""
+    dialer = connect(ln.addr, KEY, 0, TAG, LinkShaper(), timeout=timeout)
+    accepting.join(timeout + 5)
+    assert "link" in out, out
+    accepted = out["link"]
+    try:
+        dialer.send_float(Kind.NORM, 1, 0, 2.5)
+        assert accepted.recv_float(Kind.NORM, 1, 0, timeout=10) == 2.5
+        accepted.send_float(Kind.NORM, 1, 1, 0.5)
+        assert dialer.recv_float(Kind.NORM, 1, 1, timeout=10) == 0.5
+    finally:
+        dialer.close()
+        accepted.close()
 
 
 def test_only_a_dialer_with_the_key_gets_in_and_frames_flow(listener):
@@ -80,14 +90,7 @@ def test_only_a_dialer_with_the_key_gets_in_and_frames_flow(listener):
     with socket.create_connection(_host_port(listener)) as s:
         s.sendall(b"not a frame at all" * 4)
         assert _closed_by_peer(s)
-    good = connect(listener.addr, KEY, 0, TAG, LinkShaper(), timeout=10)
-    t.join(20)
-    assert "link" in out, out
-    try:
-        _round_trip(good, out["link"])
-    finally:
-        good.close()
-        out["link"].close()
+    _dial_in_and_step(listener, t, out, timeout=10)
 
 
 def test_whoever_holds_the_port_learns_nothing_of_the_key():
@@ -141,14 +144,7 @@ def test_silent_and_trickling_connections_do_not_keep_the_neighbour_out(listener
     drip = threading.Thread(target=trickle, daemon=True)
     drip.start()
     try:
-        good = connect(listener.addr, KEY, 0, TAG, LinkShaper(), timeout=25)
-        t.join(30)
-        assert "link" in out, out
-        try:
-            _round_trip(good, out["link"])
-        finally:
-            good.close()
-            out["link"].close()
+        _dial_in_and_step(listener, t, out, timeout=25)
         # A trickler's whole handshake had HANDSHAKE_S: the listener closed it long since.
         assert all(_closed_by_peer(s) for s in (tricklers[0], tricklers[-1], silent[0]))
     finally:
