@@ -10,13 +10,18 @@ measures, over a fixed window after a warm-up:
 * the leader's CPU (utime+stime from ``/proc/<pid>/stat``) as % of one core, and this
   process's own CPU, so a saturated client is visible (the machine may have only 2 cores);
 * with ``--consoles K``, K WebSocket subscribers on ``/api/v1/events`` counting the events they
-  receive against the events the leader published (``seq`` numbers), reporting gaps.
+  receive against the events the leader published (``seq`` numbers), reporting gaps;
+* with ``--history J``, a queue of J jobs held by the leader (half cancelled, half pending on a
+  grid no fleet here fills) and one client listing ``GET /jobs`` once a second through the
+  window, as a console refreshing its jobs table does: the listing's latency beside the
+  heartbeats'.
 
 Usage::
 
     .venv/bin/python bench/bench_leader.py                      # N = 100, 500, 1000
     .venv/bin/python bench/bench_leader.py --fellows 1000 --seconds 20 --consoles 4
     .venv/bin/python bench/bench_leader.py --quick              # smoke run, a few seconds
+    .venv/bin/python bench/bench_leader.py --fellows 100 --history 20000   # 10k + 10k jobs
 
 Only ever talks to 127.0.0.1. The leader gets SIGTERM at the end, also on Ctrl-C or error.
 """
@@ -95,6 +100,9 @@ class RunResult:
     consoles: list[ConsoleStats]
     published: int  # events the leader published while the consoles were subscribed
     job_steps: tuple[int, int] | None = None  # a real job's step at window start and end
+    history: int = 0  # jobs the leader held
+    listing_ms: list[float] = attrs.field(factory=list)  # GET /jobs, once a second
+    history_s: float = 0.0  # to queue (and cancel) them
 
     @property
     def hb_per_s(self) -> float:
@@ -426,6 +434,45 @@ async def submit_unsatisfiable_job(http: aiohttp.ClientSession, base: str,
             raise RuntimeError(f"submit pending job: HTTP {resp.status}: {raw[:200]!r}")
 
 
+async def queue_history(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
+                        jobs: int) -> None:
+    """``jobs`` jobs on a grid no fleet here fills (1024 fellows), every other one cancelled:
+    a leader's long history beside a long queue."""
+    body = orjson.dumps({"name": "bench-history", "kind": "smoke",
+                         "topology": {"fellows": 1024}})
+    headers = {**auth, "Content-Type": "application/json"}
+
+    async def one(i: int) -> None:
+        async with http.post(f"{base}{API_PREFIX}/jobs", data=body, headers=headers) as resp:
+            raw = await resp.read()
+            if resp.status != 201:
+                raise RuntimeError(f"queue job {i}: HTTP {resp.status}: {raw[:200]!r}")
+            job_id = orjson.loads(raw)["job_id"]
+        if i % 2 == 0:
+            async with http.post(f"{base}{API_PREFIX}/jobs/{job_id}/cancel",
+                                 headers=auth) as resp:
+                await resp.read()
+
+    for start in range(0, jobs, 64):
+        await asyncio.gather(*(one(i) for i in range(start, min(jobs, start + 64))))
+
+
+async def list_jobs_loop(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
+                         rec: Recorder, out: list[float]) -> None:
+    """A console refreshing its jobs table: the whole list, once a second, in the window."""
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
+    while loop.time() < rec.t_end:
+        t0 = time.perf_counter()
+        async with http.get(f"{base}{API_PREFIX}/jobs", headers=auth,
+                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET /jobs: HTTP {resp.status}")
+        out.append((time.perf_counter() - t0) * 1000)
+        await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
+
+
 async def start_running_job(http: aiohttp.ClientSession, leader: Leader,
                             auth: dict[str, str], token: str) -> tuple[list[Any], str]:
     """Two real fellow processes training a tiny model beside the simulated fleet, so the
@@ -476,7 +523,7 @@ async def job_step(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
 
 async def run_one(leader: Leader, n: int, seconds: float, warmup: float, consoles: int,
                   token: str, pending_job: bool = False,
-                  running_job: bool = False) -> RunResult:
+                  running_job: bool = False, history: int = 0) -> RunResult:
     await leader.wait_healthy()
     base = leader.url
     auth = {"Authorization": f"Bearer {token}"}
@@ -498,6 +545,10 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
             job_id = None
             if running_job:
                 real, job_id = await start_running_job(http, leader, auth, token)
+            t_hist = time.perf_counter()
+            if history:
+                await queue_history(http, base, auth, history)
+            history_s = time.perf_counter() - t_hist
             t_reg = time.perf_counter()
             fleet = await register_all(http, base, auth, n, secrets.token_hex(3))
             register_s = time.perf_counter() - t_reg
@@ -519,6 +570,11 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
                 for f in fleet
             ]
             tasks += hb_tasks
+            listing: list[float] = []
+            lister = asyncio.create_task(list_jobs_loop(http, base, auth, rec, listing)) \
+                if history else None
+            if lister is not None:
+                tasks.append(lister)
 
             await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
             cpu_h0, cpu_l0, cpu_c0 = host_busy_s(), proc_cpu_s(leader.pid), time.process_time()
@@ -537,6 +593,8 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
             await asyncio.gather(*pending, return_exceptions=True)
             lag_task.cancel()
             await asyncio.gather(lag_task, return_exceptions=True)
+            if lister is not None:
+                await asyncio.wait_for(lister, 70)  # (its last listing counts)
 
             published = 0
             if console_tasks:
@@ -583,6 +641,7 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
         client_lag_p99_ms=percentile(lag, 99), client_lag_max_ms=max(lag, default=math.nan),
         consoles=stats, published=published,
         job_steps=None if step0 is None or step1 is None else (step0, step1),
+        history=history, listing_ms=listing, history_s=history_s,
     )
 
 
@@ -596,14 +655,16 @@ def fmt(v: float | int | None, spec: str = ".1f") -> str:
 
 
 def print_table(results: list[RunResult], consoles: int) -> None:
+    listed = any(r.history for r in results)
     head = ["N", "hb/s", "p50 ms", "p99 ms", "max ms", "leader CPU%", "client CPU%",
-            "events/console", "dropped", "errors"]
+            "events/console", "dropped", "errors"] + ["jobs", "GET /jobs p99 ms"] * listed
     rows = [[
         str(r.fellows), fmt(r.hb_per_s), fmt(r.pct(50), ".2f"), fmt(r.pct(99), ".2f"),
         fmt(r.max_ms, ".2f"), fmt(r.leader_cpu_pct), fmt(r.client_cpu_pct),
         (f"{r.events_per_console}/{r.published}" if consoles else "-"),
         fmt(r.dropped, "d"), str(r.errors),
-    ] for r in results]
+    ] + [str(r.history), fmt(percentile(r.listing_ms, 99), ".0f")] * listed
+        for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True)))
     print("  ".join("-" * w for w in widths))
@@ -626,7 +687,11 @@ def print_details(results: list[RunResult]) -> None:
               f"p99 {fmt(r.client_lag_p99_ms, '.1f')} ms, max {fmt(r.client_lag_max_ms, '.1f')} "
               f"ms; {cons}"
               + (f"; running job: steps {r.job_steps[0]} -> {r.job_steps[1]} in the window"
-                 if r.job_steps else ""))
+                 if r.job_steps else "")
+              + (f"; {r.history} jobs held (queued in {r.history_s:.1f}s), GET /jobs x"
+                 f"{len(r.listing_ms)}: p50 {fmt(percentile(r.listing_ms, 50), '.0f')} ms, "
+                 f"max {fmt(max(r.listing_ms, default=math.nan), '.0f')} ms"
+                 if r.history else ""))
 
 
 def target_line(results: list[RunResult]) -> tuple[str, bool | None]:
@@ -661,6 +726,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pending-job", action="store_true",
                    help="keep one job PENDING that needs N+1 fellows (N < 1024), so every "
                         "heartbeat runs the dispatcher against the whole registry")
+    p.add_argument("--history", type=int, default=0, metavar="J",
+                   help="the leader holds J jobs (half cancelled, half pending), and a client "
+                        "lists them all once a second in the window")
     p.add_argument("--running-job", action="store_true",
                    help="also run a real 2-fellow training job beside the simulated fleet")
     p.add_argument("--profile", metavar="DIR",
@@ -678,8 +746,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--fellows: sizes must be >= 1")
     if args.pending_job and max(args.sizes) >= 1024:
         p.error("--pending-job needs every fleet size below 1024 (a job asks for <= 1024)")
-    if args.seconds <= 0 or args.warmup < 0 or args.consoles < 0:
-        p.error("--seconds must be > 0, --warmup and --consoles >= 0")
+    if args.seconds <= 0 or args.warmup < 0 or args.consoles < 0 or args.history < 0:
+        p.error("--seconds must be > 0, --warmup, --consoles and --history >= 0")
+    if args.history and max(args.sizes) >= 1024:
+        p.error("--history: its pending jobs need 1024 fellows, so N must be below 1024")
     return args
 
 
@@ -696,6 +766,7 @@ def result_json(r: RunResult) -> dict[str, Any]:
         "consoles": [{"received": c.received, "expected": c.expected, "gaps": c.gaps,
                       "out_of_order": c.out_of_order,
                       "close_code": c.close_code} for c in r.consoles],
+        "history": r.history, "history_s": r.history_s, "listing_ms": r.listing_ms,
     }
 
 
@@ -713,7 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     print(f"leader heartbeat benchmark: fellows {args.sizes}, window {args.seconds:g}s after "
           f"{args.warmup:g}s warm-up, {args.consoles} console(s)"
-          f"{', one unsatisfiable PENDING job' if args.pending_job else ''}, "
+          f"{', one unsatisfiable PENDING job' if args.pending_job else ''}"
+          f"{f', {args.history} jobs held and listed each second' if args.history else ''}, "
           f"{os.cpu_count()} CPU(s), "
           f"Python {sys.version.split()[0]}, aiohttp {aiohttp.__version__}", flush=True)
     try:
@@ -725,7 +797,8 @@ def main(argv: list[str] | None = None) -> int:
                 prof = Path(args.profile).resolve() / f"leader-{n}.prof"
             with leader_process(token, args.verbose, prof) as leader:
                 r = asyncio.run(run_one(leader, n, args.seconds, args.warmup, args.consoles,
-                                        token, args.pending_job, args.running_job))
+                                        token, args.pending_job, args.running_job,
+                                        args.history))
             results.append(r)
             print(f" {r.hb_per_s:.0f} hb/s, p99 {fmt(r.pct(99), '.2f')} ms", flush=True)
     except KeyboardInterrupt:

@@ -48,6 +48,7 @@ local_fellow_count = number(int, 1, 64, "local fellow count")
 positive_float = number(float, 0, math.inf, "value", lo_open=True)
 port = number(int, 0, 65535, "port")
 fellow_id = number(int, 0, 2**63 - 1, "fellow id")
+cell_index = number(int, 0, 1023, "stage or replica index")
 latency_ms = number(float, 0, 60_000, "latency in ms")
 temperature = number(float, 0, 10, "temperature", lo_open=True)
 # torch's thread pool: what a job's stage may use (a fellow with more would refuse every job).

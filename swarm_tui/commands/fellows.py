@@ -6,7 +6,7 @@ import argparse
 
 from swarm_core.client import SwarmClient
 from swarm_core.protocol import SetSpeedRequest
-from swarm_tui.commands.argtypes import fellow_id, latency_ms, link_mbps
+from swarm_tui.commands.argtypes import cell_index, fellow_id, latency_ms, link_mbps
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -72,20 +72,56 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_set_speed(args: argparse.Namespace) -> int:
+    by_cell = args.stage is not None or args.replica is not None
+    if (args.fellow_id is None) == (not by_cell):
+        raise CommandError("set-speed needs --fellow-id N, or --stage K and/or --replica J",
+                           ExitCode.USAGE)
     req = SetSpeedRequest(tx_mbps=args.tx_mbps, rx_mbps=args.rx_mbps,
                           latency_ms=args.latency_ms)
 
     async def body(c: SwarmClient) -> None:
-        res = await c.set_speed(args.fellow_id, req)
+        if not by_cell:
+            res = await c.set_speed(args.fellow_id, req)
+            if args.format == "json":
+                emit_json(res)
+            else:
+                _said(args.fellow_id, req, res)
+            return
+        job_id, fellows = await _cell_fellows(c, args.stage, args.replica)
+        done = [{"fellow_id": fid, **await c.set_speed(fid, req)} for fid in fellows]
         if args.format == "json":
-            emit_json(res)
+            emit_json({"job_id": job_id, "stage": args.stage, "replica": args.replica,
+                       "fellows": done})
         else:
-            during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
-            print_line(f"fellow {args.fellow_id}: "
-                       f"{describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
-                       f"(signal {res['signal_seq']}{during})")
+            for res in done:
+                _said(res["fellow_id"], req, res)
 
     return run_with_client(args, body)
+
+
+def _said(fid: int, req: SetSpeedRequest, res: dict) -> None:
+    during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
+    print_line(f"fellow {fid}: {describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
+               f"(signal {res['signal_seq']}{during})")
+
+
+async def _cell_fellows(c: SwarmClient, stage: int | None,
+                        replica: int | None) -> tuple[str, list[int]]:
+    """The running job and the fellows that hold its cells of ``stage`` / ``replica`` (each
+    fellow once: a fellow's link is shaped as one, whatever cells it holds)."""
+    running = await c.jobs("RUNNING")
+    if not running or running[0].placement is None:
+        raise CommandError("--stage/--replica name cells of the running job; none is running")
+    job = running[0]
+    p = job.placement
+    for flag, value, count in (("--stage", stage, p.num_stages), ("--replica", replica,
+                                                                  p.replicas)):
+        if value is not None and value >= count:
+            raise CommandError(f"{flag} {value}: the running job {job.job_id} has "
+                               f"{count} {flag[2:]}(s), 0-{count - 1}", ExitCode.USAGE)
+    cells = [st for st in p.stages if (stage is None or st.stage == stage)
+             and (replica is None or st.replica == replica)]
+    return job.job_id, list(dict.fromkeys(st.fellow_id for st in cells))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -105,8 +141,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_format(p)
     p.set_defaults(func=cmd_release)
 
-    p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live")
-    p.add_argument("--fellow-id", type=fellow_id, required=True, help="which fellow")
+    p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live",
+                       description="Shape one fellow's link, or those of the running job's "
+                                   "cells: a stage group (--stage K), a replica's chain "
+                                   "(--replica J), or one cell (both).")
+    p.add_argument("--fellow-id", type=fellow_id, default=None, help="which fellow")
+    p.add_argument("--stage", type=cell_index, default=None, metavar="K",
+                   help="the fellows of stage K of the running job (every replica)")
+    p.add_argument("--replica", type=cell_index, default=None, metavar="J",
+                   help="the fellows of replica J of the running job (every stage)")
     p.add_argument("--tx-mbps", type=link_mbps, default=None,
                    help="send limit in Mbit/s (omit: unlimited)")
     p.add_argument("--rx-mbps", type=link_mbps, default=None,

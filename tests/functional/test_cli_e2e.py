@@ -143,6 +143,18 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         shown = run_cli("job", long["job_id"], env=cli_env)
         line = next(ln for ln in shown.stdout.splitlines() if ln.startswith("link set @"))
         assert "fellow 1: tx 8 Mbit/s, rx unlimited" in line, shown.stdout
+        # By cell of the running job: a stage (every replica), a replica (every stage).
+        cells = {(c["stage"], c["replica"]): c["fellow_id"]
+                 for c in job_view(long["job_id"], cli_env)["placement"]["stages"]}
+        by_stage = cli_json("set-speed", "--stage", "1", "--tx-mbps", "9", env=cli_env)
+        assert by_stage["job_id"] == long["job_id"]
+        assert [f["fellow_id"] for f in by_stage["fellows"]] == [cells[(1, 0)]]
+        by_replica = cli_json("set-speed", "--replica", "0", "--latency-ms", "1", env=cli_env)
+        assert sorted(f["fellow_id"] for f in by_replica["fellows"]) == sorted(cells.values())
+        beyond = run_cli("set-speed", "--stage", "2", "--tx-mbps", "9", env=cli_env)
+        assert beyond.returncode == 2
+        assert f"--stage 2: the running job {long['job_id']} has 2 stage(s), 0-1" in \
+            beyond.stderr
         cli_json("cancel", long["job_id"], env=cli_env)
 
         # A job reads only files under the fellows' data roots (the local cluster's: the

@@ -40,6 +40,7 @@ def _one_line(text: str) -> str:
     (["submit", "--steps", "99999999999999999999"], "<= 9223372036854775807"),
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "1e300"], "rate in Mbit/s must be >= 0.001"),
     (["set-speed", "--fellow-id", "0", "--rx-mbps", "0.0001"], "--rx-mbps"),
+    (["set-speed", "--stage", "-1"], "stage or replica index must be >= 0"),
     # As the console's form reads them: ASCII decimal numbers only.
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "nan"], "expected a number"),
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "1_000"], "got '1_000'"),
@@ -75,6 +76,8 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     (["--leader-url", "http://127.0.0.1:9", "submit", "--name", ""], "--name is empty"),
     (["--leader-url", "http://127.0.0.1:9", "submit", "--payload", "p.json", "--steps", "3",
       "--fellows", "2"], "--payload is the whole job body; --fellows, --steps would be ignored"),
+    (["set-speed", "--tx-mbps", "8"], "set-speed needs --fellow-id N, or --stage K"),
+    (["set-speed", "--fellow-id", "1", "--stage", "0"], "set-speed needs --fellow-id N, or"),
 ])
 def test_bad_values_found_after_parsing_are_usage_errors_too(argv, needle, capsys):
     assert run(argv) == ExitCode.USAGE

@@ -43,8 +43,9 @@ class _Leader:
         self.queued.append(f"job-{len(self.queued) + 1:06d}")
         return SimpleNamespace(job_id=self.queued[-1], state="QUEUED", waiting_for="")
 
-    async def jobs(self) -> list[SimpleNamespace]:
-        return [await self.job(j) for j in self.queued]
+    async def jobs(self, state: str | None = None) -> list[JobInfo]:
+        jobs = [await self.job(j) for j in self.queued]
+        return [j for j in jobs if state is None or j.state == state]
 
     async def job(self, job_id: str) -> JobInfo:
         last = self.records[-1]
