@@ -65,7 +65,10 @@ class Liveness:
             if now - job.recovering.since >= self.registry.stale_after_s + 0.5:
                 self.resume(job)
             return
-        if job.watched_since is None or now - job.watched_since >= self.watch_s():
+        settled = job.watched_since is None or now - job.watched_since >= self.watch_s()
+        # A held failure due now looks for its cause even inside the window: the neighbour it
+        # blames has had a heartbeat timeout to be seen stale.
+        if settled or (job.held is not None and now >= job.held.until):
             self._check_fellows(job, now)
         # After the fellows: a fellow gone stale by now names the cause of a held failure.
         if job.state is JobState.RUNNING and job.held is not None and now >= job.held.until:

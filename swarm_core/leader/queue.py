@@ -62,7 +62,11 @@ class JobQueue:
         self.progress = ProgressBook(store)
         self.files = RunFiles(runs_dir)
         self.liveness = Liveness(self, registry, runs_dir)
+        # Both in queue order (rows load by seq, and a new job has the highest); ``_open`` holds
+        # the PENDING and RUNNING ones, so the dispatcher and the queue's order need not walk
+        # a history of thousands of finished jobs on every tick and request.
         self._jobs: dict[str, JobRecord] = {}
+        self._open: dict[str, JobRecord] = {}
         for row in store.load_jobs():
             try:
                 job = JobRecord.from_row(row)
@@ -73,6 +77,8 @@ class JobQueue:
                           row.get("job_id", "?"), exc)
                 continue
             self._jobs[job.job_id] = job
+            if not job.state.terminal:
+                self._open[job.job_id] = job
             if job.state is JobState.RUNNING:
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
                 self.liveness.watch(job)
@@ -83,7 +89,7 @@ class JobQueue:
 
     # queries ----------------------------------------------------------------------------------
     def all(self) -> list[JobRecord]:
-        return sorted(self._jobs.values(), key=lambda j: j.seq)
+        return list(self._jobs.values())
 
     def get(self, job_id: str) -> JobRecord:
         job = self._jobs.get(job_id)
@@ -95,16 +101,17 @@ class JobQueue:
         return self._jobs.get(job_id or "")
 
     def count(self, state: JobState) -> int:
-        return sum(1 for j in self._jobs.values() if j.state is state)
+        jobs = self._jobs if state.terminal else self._open
+        return sum(1 for j in jobs.values() if j.state is state)
 
     def running(self) -> JobRecord | None:
-        return next((j for j in self.all() if j.state is JobState.RUNNING), None)
+        return next((j for j in self._open.values() if j.state is JobState.RUNNING), None)
 
     def order(self) -> QueueOrder:
         """The running job and, per pending job, how many are ahead of it: one pass, for a
         whole listing (asking per job made listing n jobs cost n^2)."""
         running, ahead = None, {}
-        for job in self.all():
+        for job in self._open.values():
             if job.state is JobState.RUNNING and running is None:
                 running = job
             elif job.state is JobState.PENDING:
@@ -173,6 +180,7 @@ class JobQueue:
                         created_at=time.time())
         self.store.insert_job(seq, job.row())
         self._jobs[job.job_id] = job
+        self._open[job.job_id] = job
         self.event(job, "job.submitted")
         return job
 
@@ -262,11 +270,10 @@ class JobQueue:
         """Start the oldest PENDING job if nothing runs and enough fellows are ready."""
         if self.running() is not None:
             return None
-        # Called on every fellow change: a linear scan, not a sort of the whole history.
-        pending = [j for j in self._jobs.values() if j.state is JobState.PENDING]
-        if not pending:
+        # Called on every tick and fellow change: the first open job, not the whole history.
+        job = next((j for j in self._open.values() if j.state is JobState.PENDING), None)
+        if job is None:
             return None
-        job = min(pending, key=lambda j: j.seq)
         topo = job.spec.topology
         able = [f for f in self.registry.ready() if len(f.devices) >= topo.slots_per_fellow]
         if len(able) < topo.num_fellows:
@@ -368,6 +375,7 @@ class JobQueue:
     def finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
         job.state, job.reason, job.finished_at = state, reason, time.time()
+        self._open.pop(job.job_id, None)
         job.held = None
         if was_running:
             self.stop_fellows(job, reason)
