@@ -283,8 +283,10 @@ async def test_register_name_held_by_live_fellow_409(api):
     assert "alpha" in err["message"]
 
 
-async def test_register_reuses_id_after_stale(fast_api):
-    api = fast_api
+async def test_register_reuses_id_after_stale(make_api):
+    # (1 s, not fast_api's 0.3 s: on a loaded machine the new process went stale again
+    # between its registration and the read that checks it)
+    api = await make_api(stale_after_s=1.0, tick_s=0.05)
     old = await register(api, "alpha", instance_id="i1")
     await api.post(f"{A}/fellows/{old['fellow_id']}/speed", json={"tx_mbps": 5}, headers=AUTH)
     await wait_for(lambda: _status_is(api, old["fellow_id"], "stale"))
