@@ -13,6 +13,7 @@ import aiohttp
 from swarm_core import jsonio
 from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.contract import (
+    Heartbeat,
     JobInfo,
     JobList,
     JobStatusUpdate,
@@ -24,7 +25,6 @@ from swarm_core.protocol import (
     API_PREFIX,
     FellowInfo,
     FellowList,
-    Heartbeat,
     LeaderInfo,
     NodeList,
     RegisterRequest,

@@ -195,28 +195,6 @@ class RegisterResponse:
 
 
 @attrs.define
-class Heartbeat:
-    """Sent every second by each fellow."""
-
-    status: ReportedStatus = "ready"
-    current_job: str | None = attrs.field(default=None, validator=text_field(128),
-                                          metadata=meta("", maxLength=128))
-    current_stage: int | None = None
-    current_step: int = attrs.field(
-        default=0, validator=non_negative, metadata=meta("", minimum=0)
-    )
-    last_loss: float | None = None
-    tokens_per_s: float = attrs.field(
-        default=0.0, validator=non_negative, metadata=meta("", minimum=0)
-    )
-    counters: ByteCounters = attrs.field(factory=ByteCounters)
-    link: LinkLimits = attrs.field(factory=LinkLimits)
-    signal_seq: int = attrs.field(
-        default=0, validator=non_negative, metadata=meta("last signal applied", minimum=0)
-    )
-
-
-@attrs.define
 class Signal:
     seq: int
     kind: SignalKind
@@ -337,3 +315,4 @@ class LeaderInfo:
     fellows_ready: int
     jobs_pending: int
     jobs_running: int
+

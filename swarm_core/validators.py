@@ -100,3 +100,14 @@ def nests_within(value: Any, depth: int) -> bool:
 
 def meta(doc: str, **kw: Any) -> dict[str, Any]:
     return {"doc": doc, **kw}
+
+
+def max_items(n: int):
+    """attrs validator of a list of at most ``n`` items."""
+
+    def check(_inst: Any, attr: attrs.Attribute, value: list[Any]) -> None:
+        if len(value) > n:
+            raise FieldError(f"must list at most {n} items, got {len(value)}", attr.name)
+
+    check.json_schema = {"maxItems": n}  # type: ignore[attr-defined]
+    return check

@@ -4,6 +4,7 @@ Torch-free, so the leader (which runs on login nodes) plans and checks jobs with
 fellow, the CLI, the console and the run artifacts all read the same classes.
 """
 
+from swarm_core.contract.heartbeat import CellRef, Heartbeat, UnreportedFinal
 from swarm_core.contract.job import (
     MAX_JOB_PAGE,
     JobInfo,
@@ -40,10 +41,37 @@ from swarm_core.contract.placement import (
 from swarm_core.contract.start import StageStart, chain_starts, stage_starts
 
 __all__ = [
-    "MAX_JOB_PAGE", "CodecErrors", "FellowSlots", "JobInfo", "JobKind", "JobList", "JobMetrics",
+    "MAX_JOB_PAGE",
+    "CellRef",
+    "CodecErrors",
+    "FellowSlots",
+    "Heartbeat",
+    "JobInfo",
+    "JobKind",
+    "JobList",
+    "JobMetrics",
     "JobStatusUpdate",
-    "JobSubmit", "LayerRange", "LinkChange", "Placement", "PlacementError", "ProgressList",
-    "ProgressRecord", "Replacement", "Restart", "ShardReceipt", "SmokeTraining", "StageMetrics",
-    "StagePlacement", "StageStart", "Topology", "chain_starts", "link_changes_in_all",
-    "perplexity", "plan", "split_layers", "stage_starts", "step_wait_share"
+    "JobSubmit",
+    "LayerRange",
+    "LinkChange",
+    "Placement",
+    "PlacementError",
+    "ProgressList",
+    "ProgressRecord",
+    "Replacement",
+    "Restart",
+    "ShardReceipt",
+    "SmokeTraining",
+    "StageMetrics",
+    "StagePlacement",
+    "StageStart",
+    "Topology",
+    "UnreportedFinal",
+    "chain_starts",
+    "link_changes_in_all",
+    "perplexity",
+    "plan",
+    "split_layers",
+    "stage_starts",
+    "step_wait_share"
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -15,7 +16,8 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.contract import JobStatusUpdate, StageStart
+from swarm_core.contract import CellRef, Heartbeat, JobStatusUpdate, StageStart, UnreportedFinal
+from swarm_core.contract.heartbeat import MAX_UNREPORTED
 from swarm_core.fellow.jobs import (
     JobContext,
     JobRefused,
@@ -31,7 +33,6 @@ from swarm_core.pipeline.listener import DataListener
 from swarm_core.protocol import (
     ByteCounters,
     FellowStatus,
-    Heartbeat,
     LinkLimits,
     RegisterRequest,
     Signal,
@@ -120,9 +121,12 @@ class FellowDaemon:
         self.listeners: list[DataListener] = []  # one per device slot
         self.signal_seq = 0
         self.status = FellowStatus.READY
-        # One running stage per device slot, keyed by (job, stage).
         # One running cell per device slot, keyed by (job, stage, replica).
         self.stages: dict[tuple[str, int, int], tuple[asyncio.Task[None], Progress]] = {}
+        # Final reports the leader did not take in time, sent with the heartbeats until one is
+        # answered: a job whose last report was lost must not stay RUNNING on the leader.
+        self.unreported: collections.deque[UnreportedFinal] = collections.deque(
+            maxlen=MAX_UNREPORTED)
         self._stop = asyncio.Event()
         self._beat_now = asyncio.Event()
         self.exit_reason = ""
@@ -252,14 +256,19 @@ class FellowDaemon:
                 data_tx=self.shaper.tx_bytes, data_rx=self.shaper.rx_bytes,
             ),
             link=self.shaper.limits(), signal_seq=self.signal_seq,
+            running=[CellRef(job_id=k[0], stage=k[1], replica=k[2], attempt=p.attempt)
+                     for k, (t, p) in self.stages.items() if not t.done()],
+            unreported=list(self.unreported),
         )
 
     async def _heartbeat_loop(self) -> None:
         backoff = 0.2
         while True:
+            body = self.heartbeat_body()
             try:
                 assert self.fellow_id is not None
-                await self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body())
+                await self.client.heartbeat(self.fellow_id, self.session, body)
+                self._delivered(body.unreported)
                 backoff = 0.2
                 wait = self.opts.heartbeat_s
             except ApiError as exc:
@@ -267,6 +276,9 @@ class FellowDaemon:
                     log.warning("leader forgot this fellow (%s); registering again", exc)
                     raise SessionLost() from None
                 log.warning("heartbeat refused: %s", exc)
+                # Answered: what it carried was read (a report the leader refuses must not
+                # keep every later heartbeat from being taken).
+                self._delivered(body.unreported)
                 wait = self.opts.heartbeat_s
             except LeaderUnreachable as exc:
                 log.warning("heartbeat failed (%s); retrying in %.1fs", exc, backoff)
@@ -274,6 +286,11 @@ class FellowDaemon:
             self._beat_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), wait)
+
+    def _delivered(self, sent: list[UnreportedFinal]) -> None:
+        for final in sent:
+            with contextlib.suppress(ValueError):
+                self.unreported.remove(final)
 
     # signals ----------------------------------------------------------------------------------
     async def _signal_loop(self) -> None:
@@ -312,7 +329,8 @@ class FellowDaemon:
         elif sig.kind == "START":
             await self._start_job(sig)
         elif sig.kind == "STOP":
-            await self._stop_job(sig.job_id)
+            attempt = sig.payload.get("attempt")
+            await self._stop_job(sig.job_id, attempt if isinstance(attempt, int) else None)
         elif sig.kind == "RELEASE":
             await self._stop_job()
             self.status = FellowStatus.RELEASED
@@ -334,7 +352,7 @@ class FellowDaemon:
             log.warning("START for %s stage %d replica %d while it runs; ignored", sig.job_id,
                         stage, replica)
             return
-        progress = Progress(job_id=sig.job_id, stage=stage, replica=replica)
+        progress = Progress(job_id=sig.job_id, stage=stage, replica=replica, attempt=attempt)
         self.status = FellowStatus.BUSY
         task = asyncio.create_task(self._run_job(start, progress, attempt),
                                    name=f"job-{sig.job_id}-stage-{stage}-{replica}")
@@ -356,13 +374,22 @@ class FellowDaemon:
                     raise asyncio.CancelledError() from None
                 if exc.status != 401 or loop.time() > deadline:
                     log.warning("status report refused: %s", exc)
+                    if exc.status == 401:
+                        self._keep_final(job_id, upd)
                     return
             except LeaderUnreachable as exc:
                 if loop.time() > deadline:
                     log.warning("status report lost: %s", exc)
+                    self._keep_final(job_id, upd)
                     return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def _keep_final(self, job_id: str, upd: JobStatusUpdate) -> None:
+        """A cell's last word the leader did not take: the heartbeats carry it from now on
+        (a step's report may be lost; the end of a cell may not)."""
+        if upd.state != "RUNNING":
+            self.unreported.append(UnreportedFinal(job_id=job_id, report=upd))
 
     async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes,
                           optimizer: bytes | None) -> None:
@@ -431,10 +458,11 @@ class FellowDaemon:
                 self.status = FellowStatus.READY
             self._beat_now.set()
 
-    async def _stop_job(self, job_id: str | None = None) -> None:
-        """Stop every running stage (of ``job_id`` only, when given)."""
-        doomed = [(k, t) for k, (t, _p) in self.stages.items()
-                  if job_id is None or k[0] == job_id]
+    async def _stop_job(self, job_id: str | None = None, attempt: int | None = None) -> None:
+        """Stop every running cell (of ``job_id`` only, when given; of that attempt of it only,
+        when given: the leader stops an attempt it replaced, not the one it started since)."""
+        doomed = [(k, t) for k, (t, p) in self.stages.items()
+                  if job_id is None or (k[0] == job_id and attempt in (None, p.attempt))]
         for _k, task in doomed:
             task.cancel()
         for k, task in doomed:

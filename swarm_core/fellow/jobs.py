@@ -30,6 +30,7 @@ class Progress:
     stage: int | None = None
     step: int = 0
     replica: int = 0
+    attempt: int = 0
     loss: float | None = None
     tokens_per_s: float = 0.0
 

@@ -235,7 +235,7 @@ class TrainJob:
         leader before the stage says COMPLETED."""
         side = [asyncio.create_task(self.reporter.run()),
                 asyncio.create_task(self.checkpointer.write_all()),
-                asyncio.create_task(self.checkpointer.push_all())]
+                asyncio.create_task(self.checkpointer.push_all())]  # (the pusher last)
         fut = self.loop.run_in_executor(None, self._work)
         completed = False
         try:
@@ -266,6 +266,10 @@ class TrainJob:
         for a write under way only so long: a hung disk must not keep the fellow busy."""
         self.checkpointer.close(completed)
         self.reporter.close()
+        if not completed:
+            # A stopped job's shards stay on this disk; an upload under way must not keep the
+            # fellow busy (a recovery waits for every fellow it stopped to say it is free).
+            side[2].cancel()
         tasks = asyncio.gather(*side, return_exceptions=True)
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             return await (tasks if completed else

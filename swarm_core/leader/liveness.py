@@ -51,7 +51,7 @@ class Liveness:
     def watch(self, job: JobRecord) -> None:
         """Begin watching a running job: its fellows get a heartbeat timeout to show up (after
         a dispatch, or a leader restart), and a held failure waits anew."""
-        job.watched_since = time.monotonic()
+        job.watched_since = job.active_at = time.monotonic()
         if job.held is not None:
             job.held.until = job.watched_since + self.hold_s()
 
@@ -62,7 +62,8 @@ class Liveness:
             return
         now = time.monotonic()
         if job.recovering is not None:
-            if now - job.recovering.since >= self.registry.stale_after_s + 0.5:
+            if self._stopped(job, now) or \
+                    now - job.recovering.since >= self.registry.stale_after_s + 0.5:
                 self.resume(job)
             return
         settled = job.watched_since is None or now - job.watched_since >= self.watch_s()
@@ -73,6 +74,32 @@ class Liveness:
         # After the fellows: a fellow gone stale by now names the cause of a held failure.
         if job.state is JobState.RUNNING and job.held is not None and now >= job.held.until:
             self.lost(job, job.held.reason)
+        idle = now - (job.active_at or now)
+        if job.state is JobState.RUNNING and job.recovering is None and job.held is None \
+                and idle > self.idle_s():
+            # The last resort (see reconcile.py): whatever was lost, the queue goes on.
+            self.lost(job, f"none of its fellows has run attempt {job.attempt} of it for "
+                           f"{idle:.0f}s")
+
+    def idle_s(self) -> float:
+        """How long a running job may go without a fellow that runs it: two heartbeat
+        timeouts, and never less than a restarted leader's grace."""
+        return max(2 * self.registry.stale_after_s, self.watch_s())
+
+    def _stopped(self, job: JobRecord, now: float) -> bool:
+        """Whether every fellow a recovery stopped said so in a heartbeat since (runs no cell
+        of the job), or is gone: then it need not wait out the heartbeat timeout. A fellow
+        that is still stopping (its stage thread winding down) is waited for, not blamed."""
+        assert job.recovering is not None
+        since = job.recovering.since
+        for fid in dict.fromkeys(job.fellows):
+            rec = self.registry.find(fid)
+            if rec is None or not self.registry.status(rec, now).live:
+                continue
+            if rec.last_seen is None or rec.last_seen <= since \
+                    or any(c.job_id == job.job_id for c in rec.running):
+                return False
+        return True
 
     def _check_fellows(self, job: JobRecord, now: float) -> None:
         for fid in dict.fromkeys(job.fellows):
@@ -151,6 +178,7 @@ class Liveness:
                                     replaced=replaced, at=time.time()))
         job.placement = placement
         job.attempt += 1
+        job.data_key, job.resume_step = starts[0].key, step
         job.recovering = None
         job.done_stages = []
         job.current = {}
@@ -158,6 +186,7 @@ class Liveness:
         job.reason = ""
         self.queue.store.delete_progress_after(job.job_id, step)
         self.queue.files.placement(job)
+        self.watch(job)
         self.queue.send(job, starts)
         self.queue.save(job)
         self.queue.event(job, "job.resumed")

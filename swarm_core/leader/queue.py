@@ -35,6 +35,7 @@ from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.liveness import Liveness
 from swarm_core.leader.progress import ProgressBook, RunFiles
+from swarm_core.leader.reconcile import Reconciler
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
@@ -62,6 +63,7 @@ class JobQueue:
         self.progress = ProgressBook(store)
         self.files = RunFiles(runs_dir)
         self.liveness = Liveness(self, registry, runs_dir)
+        self.reconciler = Reconciler(self, registry)
         # Both in queue order (rows load by seq, and a new job has the highest); ``_open`` holds
         # the PENDING and RUNNING ones, so the dispatcher and the queue's order need not walk
         # a history of thousands of finished jobs on every tick and request.
@@ -82,9 +84,11 @@ class JobQueue:
             if job.state is JobState.RUNNING:
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
                 self.liveness.watch(job)
-                for fid in job.fellows:
+                if job.recovering is not None:
+                    continue  # (its fellows were told to stop: free for the resume to place)
+                for fid in dict.fromkeys(job.fellows):
                     rec = self.registry.find(fid)
-                    if rec is not None:
+                    if rec is not None and not job.stages_done_by(fid):
                         rec.assigned_job = job.job_id
 
     # queries ----------------------------------------------------------------------------------
@@ -212,6 +216,7 @@ class JobQueue:
                            code="job_not_running")
         if upd.attempt != job.attempt or job.recovering is not None:
             return job  # from before a restart, or while recovering: nothing to learn
+        job.active_at = time.monotonic()
         job.last_step = max(job.last_step, upd.step)
         if upd.loss is not None and job.placement.replicas == 1:
             job.last_loss = upd.loss  # (of several replicas: their mean, once recorded)
@@ -303,6 +308,7 @@ class JobQueue:
         job.state = JobState.RUNNING
         job.started_at = time.time()
         job.placement = placement
+        job.data_key, job.resume_step = starts[0].key, 0
         self.liveness.watch(job)
         self.files.placement(job)
         self.send(job, starts)
@@ -351,11 +357,18 @@ class JobQueue:
     # what the liveness checks share -----------------------------------------------------------
     def starts(self, job: JobRecord, placement: Placement, *, attempt: int,
                resume_step: int) -> list[StageStart]:
-        """The START of each stage of ``job`` on ``placement``; ValueError (a FieldError) if
-        one cannot be made (a stage whose neighbour has no data address)."""
+        """The START of each stage of ``job`` on ``placement``, under a new data-plane key;
+        ValueError (a FieldError) if one cannot be made (a stage whose neighbour has no data
+        address). The caller stores the key and resume step with the job it starts."""
         key = secrets.token_hex(16)  # the data plane admits only connections that present it
         return stage_starts(job.job_id, job.spec, placement, key, attempt=attempt,
                             resume_step=resume_step)
+
+    def start_of(self, job: JobRecord, cell: int) -> StageStart:
+        """The START that cell ``cell`` of the running job's current attempt was sent."""
+        assert job.placement is not None and job.data_key
+        return stage_starts(job.job_id, job.spec, job.placement, job.data_key,
+                            attempt=job.attempt, resume_step=job.resume_step)[cell]
 
     def send(self, job: JobRecord, starts: list[StageStart]) -> None:
         """One START per stage (a fellow with several slots gets one for each)."""

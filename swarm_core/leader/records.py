@@ -6,6 +6,7 @@ job's fields (name, kind, model, training, topology) at its top level, as rows a
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import attrs
@@ -38,7 +39,8 @@ class HeldFailure:
 
 @attrs.define
 class Recovering:
-    """A job waiting out the heartbeat timeout to see which of its fellows are really gone."""
+    """A job that stopped its fellows to resume elsewhere, waiting for them to say they
+    stopped or go stale. Stored as its reason; a leader restart starts the wait anew."""
 
     since: float  # monotonic
     reason: str  # the first report of the loss
@@ -65,11 +67,17 @@ class JobRecord:
     # Link limits set live on its fellows while it ran: the run's network, as it really was.
     link_changes: list[LinkChange] = attrs.field(factory=list)
     link_changes_total: int = 0  # all of them, also those the capped list let go
+    # What the current attempt's STARTs are made of besides the job and its placement, so a
+    # leader that restarted can send a START again that its fellow never took.
+    data_key: str = attrs.field(default="", repr=False)
+    resume_step: int = 0
     held: HeldFailure | None = None
-    # Leader-local, not stored: when this leader process began watching the run (restart
-    # grace), a recovery under way, and the steps being assembled from the stages' reports.
-    watched_since: float | None = None
     recovering: Recovering | None = None
+    # Leader-local, not stored: when this leader process began watching the run (restart
+    # grace), when a fellow last said it runs the attempt, and the steps being assembled from
+    # the stages' reports.
+    watched_since: float | None = None
+    active_at: float | None = None
     current: dict[int, ProgressRecord] = attrs.field(factory=dict)
     spec_row: dict[str, Any] | None = attrs.field(default=None, repr=False)
 
@@ -109,6 +117,7 @@ class JobRecord:
                 out[f.name] = unstructure(getattr(self, f.name))
         held = self.held
         out["held_reason"], out["held_stage"] = (held.reason, held.stage) if held else ("", None)
+        out["recovering_reason"] = self.recovering.reason if self.recovering else ""
         return out
 
     @classmethod
@@ -123,10 +132,13 @@ class JobRecord:
                       for name in _STORED if name in row}
         held = HeldFailure(row["held_reason"], row["held_stage"]) \
             if row.get("held_reason") and row.get("held_stage") is not None else None
-        return cls(spec=spec, held=held, **fields)
+        recovering = Recovering(time.monotonic(), row["recovering_reason"]) \
+            if row.get("recovering_reason") else None
+        return cls(spec=spec, held=held, recovering=recovering, **fields)
 
 
 # Stored otherwise (spec, held) or not at all (what one leader process keeps in memory).
-_NOT_AS_IS = ("spec", "held", "watched_since", "recovering", "current", "spec_row")
+_NOT_AS_IS = ("spec", "held", "recovering", "watched_since", "active_at", "current",
+             "spec_row")
 _STORED = tuple(f.name for f in attrs.fields(JobRecord) if f.name not in _NOT_AS_IS)
 _TYPES = {f.name: f.type for f in attrs.fields(attrs.resolve_types(JobRecord))}

@@ -10,12 +10,12 @@ from typing import Any
 
 import attrs
 
+from swarm_core.contract import CellRef, Heartbeat
 from swarm_core.leader.errors import ApiError
 from swarm_core.protocol import (
     ByteCounters,
     FellowInfo,
     FellowStatus,
-    Heartbeat,
     LinkLimits,
     NodeInfo,
     RegisterRequest,
@@ -56,6 +56,8 @@ class FellowRecord:
     step_changed: float | None = attrs.field(default=None, metadata={"transient": True})
     next_seq: int = attrs.field(default=1, metadata={"transient": True})
     pending: list[Signal] = attrs.field(factory=list, metadata={"transient": True})
+    # The cells its last heartbeat said it runs (what the leader reconciles its jobs with).
+    running: list[CellRef] = attrs.field(factory=list, metadata={"transient": True})
     wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, metadata={"transient": True})
 
     def status(self, now: float, stale_after: float) -> FellowStatus:
@@ -209,6 +211,7 @@ class FellowRegistry:
         rec.last_seen = now_mono
         rec.last_heartbeat = now
         if replaced:
+            rec.running = []
             rec.pending.clear()
             rec.next_seq = 1
             rec.link = LinkLimits()
@@ -229,6 +232,7 @@ class FellowRegistry:
         rec.current_step, rec.last_loss = hb.current_step, hb.last_loss
         rec.tokens_per_s, rec.counters, rec.link = hb.tokens_per_s, hb.counters, hb.link
         rec.last_seen, rec.last_heartbeat = now_mono, time.time()
+        rec.running = list(hb.running)
         # Signals up to the fellow's signal_seq are applied; forget them.
         rec.pending = [s for s in rec.pending if s.seq > hb.signal_seq]
         if rec.reported_status != before or hb.link != rec_link_before:
@@ -254,6 +258,14 @@ class FellowRegistry:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(rec.wakeup.wait(), timeout)
         return [s for s in rec.pending if s.seq > after]
+
+    def pending(self, rec: FellowRecord, kind: SignalKind, job_id: str,
+                **payload: Any) -> bool:
+        """Whether a signal of this kind for this job, whose payload has these values, waits
+        for the fellow to take it."""
+        return any(s.kind == kind and s.job_id == job_id
+                   and all(s.payload.get(k) == v for k, v in payload.items())
+                   for s in rec.pending)
 
     def release_polls(self) -> None:
         """Answer every long poll now, and later ones at once: the leader is shutting down.

@@ -16,6 +16,7 @@ import swarm_core
 from swarm_core import jsonio
 from swarm_core.contract import (
     MAX_JOB_PAGE,
+    Heartbeat,
     JobInfo,
     JobList,
     JobStatusUpdate,
@@ -30,7 +31,6 @@ from swarm_core.protocol import (
     API_PREFIX,
     FellowInfo,
     FellowList,
-    Heartbeat,
     JobState,
     LeaderInfo,
     LinkLimits,
@@ -168,6 +168,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     hb = await read_body(request, Heartbeat)
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER), fellow_id)
     before = st.registry.heartbeat(rec, hb)
+    st.jobs.reconciler.heartbeat(rec, hb)
     after = st.registry.status(rec)
     st.fellow_event("fellow.heartbeat" if before == after else "fellow.status", rec)
     if before != after:

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from swarm_core import protocol
-from swarm_core.contract import JobStatusUpdate, JobSubmit
+from swarm_core.contract import Heartbeat, JobStatusUpdate, JobSubmit
+from swarm_core.contract import heartbeat as contract_heartbeat
 from swarm_core.contract import job as contract_job
 from swarm_core.contract import metrics as contract_metrics
 from swarm_core.contract import placement as contract_placement
@@ -35,7 +36,7 @@ from swarm_core.leader.keys import STATE_KEY
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.leader.state import LeaderState
-from swarm_core.protocol import Heartbeat, RegisterRequest, ReleaseRequest, SetSpeedRequest
+from swarm_core.protocol import RegisterRequest, ReleaseRequest, SetSpeedRequest
 from swarm_core.schema import SchemaError, structure
 from tests.support import AUTH, TOKEN
 
@@ -429,7 +430,8 @@ def test_path_and_query_values_never_5xx(leader: Leader, segment: str, after: st
 # --- structure() directly -----------------------------------------------------------------------
 
 # Every API body and what they carry: the protocol's and the job contract's classes.
-CONTRACT_MODULES = (protocol, contract_job, contract_metrics, contract_placement, contract_start)
+CONTRACT_MODULES = (protocol, contract_heartbeat, contract_job, contract_metrics,
+                    contract_placement, contract_start)
 PROTOCOL_CLASSES = sorted(
     (obj for mod in CONTRACT_MODULES for obj in vars(mod).values()
      if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == mod.__name__),
@@ -441,7 +443,7 @@ def test_protocol_classes_found() -> None:
     names = {c.__name__ for c in PROTOCOL_CLASSES}
     assert {"RegisterRequest", "Heartbeat", "SetSpeedRequest", "ReleaseRequest", "JobSubmit",
             "JobStatusUpdate", "FellowInfo", "JobInfo", "SignalBatch", "StageStart",
-            "StageMetrics", "Placement"} <= names
+            "StageMetrics", "Placement", "CellRef", "UnreportedFinal"} <= names
 
 
 @settings(max_examples=300, deadline=None)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+from swarm_core.contract import Heartbeat
 from swarm_core.leader.registry import FellowRegistry
-from swarm_core.protocol import Heartbeat, LinkLimits, RegisterRequest
+from swarm_core.protocol import LinkLimits, RegisterRequest
 from tests.support import AUTH
 
 A = "/api/v1"
