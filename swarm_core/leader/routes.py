@@ -331,7 +331,11 @@ async def push_shard(request: web.Request) -> web.Response:
         cfg.max_upload_bytes,
         expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id},
         still_wanted=still_wanted)
-    publish(runs, job.job_id, manifest["step"], stage, rec.fellow_id, job.num_stages)
+    # One publish at a time (it prunes the checkpoints another would link from), in a worker
+    # thread: its fsyncs and copies would stall the event loop.
+    async with st.publishing:
+        await asyncio.to_thread(publish, runs, job.job_id, manifest["step"], stage,
+                                rec.fellow_id, job.num_stages)
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 

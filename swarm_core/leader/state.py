@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ class LeaderState:
     jobs: JobQueue
     hub: EventHub
     started_at: float = attrs.field(factory=time.time)
+    publishing: asyncio.Lock = attrs.field(factory=asyncio.Lock)  # (see routes.push_shard)
 
     def fellow_event(self, kind: str, rec: FellowRecord) -> None:
         self.hub.publish(kind, {

@@ -6,6 +6,7 @@ against the manifest's parameter names and sha256, then moved into place, manife
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -171,16 +172,19 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
     dest = dest_for(manifest)
     dest.mkdir(parents=True, exist_ok=True)
     tmps: dict[str, Path] = {}
+    # The disk work (fsyncs, reading the archive's listing, renames) runs in a worker thread:
+    # a large shard's fsync takes long enough to stall every heartbeat on the event loop.
     try:
         tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
-        _check_weights(tmps[WEIGHTS], manifest, digest, size)
+        await asyncio.to_thread(_check_weights, tmps[WEIGHTS], manifest, digest, size)
         part = await reader.next()
         if part is not None:
             if getattr(part, "name", None) != "optimizer":
                 raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
             tmps[OPTIMIZER], opt_size, digest = await _receive_part(
                 part, dest, 2 * limit + OPTIMIZER_SLACK)
-            _check_optimizer(tmps[OPTIMIZER], manifest, digest, opt_size)
+            await asyncio.to_thread(_check_optimizer, tmps[OPTIMIZER], manifest, digest,
+                                    opt_size)
         elif names_optimizer(manifest):
             raise ApiError(400, "the manifest names optimizer state but no 'optimizer' part came",
                            field="optimizer")
@@ -188,7 +192,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
             raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
                                 "optimizer", field="optimizer")
         still_wanted()
-        _swap_in(dest, tmps)
+        await asyncio.to_thread(_swap_in, dest, tmps)
     except FileNotFoundError:
         # publish() of a newer complete checkpoint pruned this older step while it arrived.
         _discard(dest, tmps)
@@ -198,7 +202,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         _discard(dest, tmps)
         raise
     manifest["received_at"] = time.time()
-    atomic_write(dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
+    await asyncio.to_thread(atomic_write, dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
     return manifest
 
 
@@ -226,13 +230,17 @@ async def _receive_part(part: Any, dest: Path, limit: int) -> tuple[Path, int, s
                                         f"{limit} bytes", code="body_too_large")
                 digest.update(chunk)
                 fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
+            await asyncio.to_thread(_flush, fh)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
     return Path(tmp), size, digest.hexdigest()
+
+
+def _flush(fh: Any) -> None:
+    fh.flush()
+    os.fsync(fh.fileno())
 
 
 def _npy_members(path: Path, field: str) -> set[str]:

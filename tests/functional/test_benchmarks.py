@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 BENCHES = {
     "bench_codec.py": "int8",
+    "chaos.py": "wedged jobs",
     "bench_dp.py": "vs (d)",
     "bench_links.py": "step/bound",
     "bench_leader.py": "p99 ms",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -461,6 +462,39 @@ async def test_a_push_whose_step_is_pruned_meanwhile_is_a_conflict(leader, monke
     assert err["code"] == "checkpoint_pruned" and "step 4" in err["message"]
     view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert view["latest_shard_pushes"] == {}
+
+
+async def test_a_shard_on_a_slow_disk_does_not_stall_the_leader(leader, monkeypatch):
+    """A large shard's fsync takes long; on the event loop it held every heartbeat and every
+    request of the leader for as long. Here each fsync takes 0.5 s: the push takes seconds,
+    and the leader answers in the meantime at once."""
+    import asyncio
+    import time
+
+    from swarm_core.leader import uploads
+
+    real_fsync = os.fsync
+
+    def slow_fsync(fd):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        real_fsync(fd)
+
+    monkeypatch.setattr(uploads.os, "fsync", slow_fsync)
+    client, fellows, job, _cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, optimizer = _checkpoint(0, f["fellow_id"], job["job_id"])
+    push = asyncio.create_task(client.post(f"{A}/jobs/{job['job_id']}/shards/0",
+                                           data=_form(manifest, weights, optimizer=optimizer),
+                                           headers=f["headers"]))
+    slowest = 0.0  # the longest a round of one request and a 50 ms sleep took
+    while not push.done():
+        t0 = time.monotonic()
+        resp = await client.get(f"{A}/info", headers=AUTH)
+        assert resp.status == 200
+        await asyncio.sleep(0.05)
+        slowest = max(slowest, time.monotonic() - t0)
+    assert (await push).status == 201
+    assert slowest < 0.4, f"the leader stood still {slowest:.2f}s for the upload's disk work"
 
 
 # --- the export download ---------------------------------------------------------------------
