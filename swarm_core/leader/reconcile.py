@@ -76,8 +76,10 @@ class Reconciler:
         """START again each cell of the running job this fellow should run and does not."""
         placement = job.placement
         if placement is None or job.recovering is not None or job.held is not None \
-                or not job.data_key:
-            return  # (a held failure ends the job soon; a row from an older leader has no key)
+                or not job.data_key or not self.registry.status(rec).live:
+            # (A held failure ends the job soon, a leaving fellow is lost to it, and a row
+            # from an older leader has no key.)
+            return
         ran = {(c.stage, c.replica) for c in running
                if c.job_id == job.job_id and c.attempt == job.attempt}
         for cell, st in enumerate(placement.stages):
