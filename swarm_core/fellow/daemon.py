@@ -393,11 +393,27 @@ class FellowDaemon:
 
     async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes,
                           optimizer: bytes | None) -> None:
-        try:
-            await self.client.push_shard(job, stage, self.session, manifest, weights, optimizer)
-        except ClientError as exc:
-            # The shard is on this fellow's disk either way; the leader's copy can lag.
-            log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+        # As patient as a report: a stage's last shard is its export, and the stage says
+        # COMPLETED only after it; a leader restarting meanwhile must not lose it.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPORT_PATIENCE_S
+        backoff = 0.2
+        while True:
+            try:
+                await self.client.push_shard(job, stage, self.session, manifest, weights,
+                                             optimizer)
+                return
+            except (LeaderUnreachable, ApiError) as exc:
+                retry = isinstance(exc, LeaderUnreachable) or exc.status == 401
+                if not retry or loop.time() > deadline:
+                    # The shard is on this fellow's disk either way.
+                    log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+                    return
+            except ClientError as exc:
+                log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     async def _fetch_checkpoint(self, job: str, step: int,
                                 stage: int) -> tuple[dict, bytes, bytes | None]:

@@ -278,3 +278,29 @@ async def test_a_stopped_stage_does_not_wait_for_its_shard_upload():
     await asyncio.wait_for(job._wind_down(side, completed=False), 10)
     assert loop.time() - t0 < 5, "the stage waited for its upload"
     assert cancelled == [0]
+
+
+async def test_a_shard_push_waits_out_a_leader_restart(monkeypatch):
+    """A push that met a leader restarting (refused, then a session it no longer knows) was
+    given up at once: a stage then said COMPLETED over an export the leader never got (seen
+    in bench/chaos.py). It is tried again, under the session registered since, as a report
+    is."""
+    from swarm_core.client import ApiError
+
+    d = fellow_daemon.FellowDaemon(fellow_daemon.FellowOptions(
+        leader_url="http://127.0.0.1:9", token="t"))
+    d.session = "old"
+    answers = [LeaderUnreachable("refused"), ApiError(401, "unknown_session", "register"),
+               None]
+    sessions = []
+
+    async def push(job_id, stage, session, manifest, weights, optimizer):
+        sessions.append(session)
+        d.session = "new"  # (the daemon registered again meanwhile)
+        if (answer := answers.pop(0)) is not None:
+            raise answer
+
+    monkeypatch.setattr(d.client, "push_shard", push)
+    await asyncio.wait_for(d._push_shard("job-1", 0, {"step": 5}, b"w", None), 10)
+    assert sessions == ["old", "new", "new"] and answers == []
+    await d.client.close()
