@@ -3,12 +3,27 @@ and a set of shards written as fellows write them."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REPO = Path(__file__).resolve().parents[1]
+
+
+async def wait_async(cond: Callable[[], Awaitable[Any]], what: str,
+                     timeout: float = 20.0) -> Any:
+    """Poll ``cond`` until it returns something true; that value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (value := await cond()):
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+    return value
 
 
 def swarm_argv(*args: str) -> list[str]:

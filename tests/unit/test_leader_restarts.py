@@ -16,19 +16,10 @@ from swarm_core.fellow.daemon import reconnect_cap
 from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import structure
 from tests.support import TOKEN
+from tests.support import wait_async as _wait
 from tests.tui_support import LiveLeader, no_engine  # noqa: F401  (a fixture)
 
 STALE_S = 1.0
-
-
-async def _wait(cond, what: str, timeout: float = 20.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := await cond()):
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-    return value
 
 
 def test_a_fellow_backs_off_at_most_a_quarter_of_the_heartbeat_timeout():

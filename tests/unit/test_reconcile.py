@@ -16,19 +16,10 @@ from swarm_core.contract import CellRef, Heartbeat, JobStatusUpdate, JobSubmit
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.protocol import RegisterRequest
 from swarm_core.schema import structure
+from tests.support import wait_async as _wait
 from tests.tui_support import Fellows, LiveLeader, no_engine  # noqa: F401  (a fixture)
 
 STALE_S = 1.0
-
-
-async def _wait(cond, what: str, timeout: float = 20.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not (value := await cond()):
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-    return value
 
 
 def _smoke(fellows: int = 2, steps: int = 3) -> JobSubmit:
@@ -106,6 +97,13 @@ class HandFellow:
         self.c, self.name = c, name
         self.fid, self.session, self.seq = 0, "", 0
 
+    @classmethod
+    async def registered(cls, c: SwarmClient, *names: str) -> list[HandFellow]:
+        fellows = [cls(c, name) for name in names]
+        for f in fellows:
+            await f.register()
+        return fellows
+
     async def register(self) -> None:
         reg = await self.c.register(RegisterRequest(
             name=self.name, instance_id=f"{self.name}-1", data_addr="127.0.0.1:9",
@@ -139,9 +137,7 @@ async def test_a_recovery_survives_a_restart_and_resumes_once_its_fellows_stoppe
     await leader.start()
     try:
         async with leader.client() as c:
-            f0, f1 = HandFellow(c, "f0"), HandFellow(c, "f1")
-            for f in (f0, f1):
-                await f.register()
+            f0, f1 = await HandFellow.registered(c, "f0", "f1")
             job = await c.submit(_train(resume_policy="replace", max_restarts=2))
             await _wait(_state(c, job.job_id, "RUNNING"), "the job to be dispatched")
             starts = [(await f.signals())[0] for f in (f0, f1)]
@@ -157,9 +153,7 @@ async def test_a_recovery_survives_a_restart_and_resumes_once_its_fellows_stoppe
         await leader.stop()
         await leader.start()
         async with leader.client() as c:
-            f0, f1 = HandFellow(c, "f0"), HandFellow(c, "f1")
-            for f in (f0, f1):
-                await f.register()
+            f0, f1 = await HandFellow.registered(c, "f0", "f1")
             t0 = asyncio.get_running_loop().time()
             await f0.beat()  # (its cell failed: it runs nothing)
             await f1.beat(cells[1], status="busy")  # still running the attempt that failed
@@ -191,9 +185,7 @@ async def test_a_job_no_fellow_runs_ends_and_the_queue_goes_on(tmp_path):
     await leader.start()
     try:
         async with leader.client() as c:
-            fellows = [HandFellow(c, f"f{i}") for i in range(2)]
-            for f in fellows:
-                await f.register()
+            fellows = await HandFellow.registered(c, "f0", "f1")
             first = await c.submit(_smoke())
             second = await c.submit(_smoke())
 
@@ -217,9 +209,7 @@ async def test_a_cell_of_a_finished_job_is_stopped(tmp_path):
     await leader.start()
     try:
         async with leader.client() as c:
-            f0, f1 = HandFellow(c, "f0"), HandFellow(c, "f1")
-            for f in (f0, f1):
-                await f.register()
+            await HandFellow.registered(c, "f0", "f1")
             job = await c.submit(_smoke())
             await _wait(_state(c, job.job_id, "RUNNING"), "the job to be dispatched")
             await c.cancel(job.job_id)
