@@ -419,7 +419,7 @@ class SwarmApp(App[int]):
     @work(group="cancel", exit_on_error=False, description="cancel")
     async def cancel(self, job_id: str) -> None:
         job = await self.client.cancel(job_id)
-        self.publish(self.model.apply_job(job), now=True)
+        self.publish(self.model.apply_job(job, with_history=False), now=True)
         self.notify(f"{job_id} {job.state.lower()}")
 
     def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
@@ -474,7 +474,7 @@ class SwarmApp(App[int]):
             for req in runs:
                 job = await self.client.submit(req)
                 submitted.append(job.job_id)
-                self.publish(self.model.apply_job(job), now=True)
+                self.publish(self.model.apply_job(job, with_history=False), now=True)
         except ClientError as exc:
             if origin is not None and hasattr(origin, "launch_failed"):
                 origin.launch_failed(exc, submitted)

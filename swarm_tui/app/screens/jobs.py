@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -196,8 +198,16 @@ class JobWatchScreen(SwarmScreen):
                             id="watch-table")
         yield Footer()
 
+    REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
+    _fetched_at: float | None = None
+
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
+        self._fetch()
+
+    def _fetch(self) -> None:
+        """The job with its whole loss history (the curve), loaded on open."""
+        self._fetched_at = time.monotonic()
         self.swarm.fetch_job(self.job_id)
 
     @property
@@ -247,9 +257,13 @@ class JobWatchScreen(SwarmScreen):
             text.append("\n" + describe_link_changes(info.link_changes,
                                                      total=info.link_changes_total), style="yellow")
         summary.update(text)
+        if not view.history_loaded and (self._fetched_at is None or
+                                        time.monotonic() - self._fetched_at > self.REFETCH_S):
+            self._fetch()  # (events were missed meanwhile, or the last fetch failed)
         losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
         self.query_one("#curve-label", Label).update(
-            "loss curve: no losses reported yet" if not losses else
+            "loss curve: loading the job's history…" if not view.history_loaded and not losses
+            else "loss curve: no losses reported yet" if not losses else
             f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
             f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
         self.query_one("#curve", Sparkline).data = losses

@@ -1,0 +1,74 @@
+"""The console's views against a fake leader, in process (cheap): what they show and what the
+keys do, for the points of the console's second round (issue 24)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from swarm_tui.app.app import SwarmApp
+from swarm_tui.app.screens.jobs import JobWatchScreen
+from tests.tui_support import T0, FakeClient, frozen_clock, screen_text, wait_for
+
+SIZE = (100, 30)
+
+
+def make_app(client: FakeClient, **kw: object) -> SwarmApp:
+    return SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0,
+                    **kw)  # type: ignore[arg-type]
+
+
+async def loaded(pilot: object, app: SwarmApp, client: FakeClient) -> None:
+    await wait_for(pilot, lambda: app.snapshots >= 1
+                   and app.model.events_seen >= client.expected_events, "the fixed data")
+
+
+def metric(seq: int, step: int, loss: float) -> dict[str, object]:
+    return {"seq": seq, "ts": T0, "type": "metric", "data": {
+        "job_id": "job-000002", "fellow_id": 1, "stage": 1, "step": step, "loss": loss,
+        "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}}
+
+
+async def test_the_loss_curve_is_the_jobs_whole_history_through_refreshes(tmp_path: Path
+                                                                           ) -> None:
+    client = FakeClient()
+    history = [[float(s), 5.0 - s / 100] for s in range(1, 207)]  # 206 points, as recorded
+    client._jobs = [attrs.evolve(j, loss_history=history, last_step=206)
+                    if j.job_id == "job-000002" else j for j in client._jobs]
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "the watch")
+        want = "loss curve: 206 points, first 4.990"
+        await wait_for(pilot, lambda: want in screen_text(app), "the whole history")
+        # Snapshots (the list route has no history) and live metrics: the curve stays whole.
+        for _ in range(2):
+            n = app.snapshots
+            app.refresh_now()
+            await wait_for(pilot, lambda n=n: app.snapshots > n, "a refresh")
+        await pilot.pause()
+        assert want in screen_text(app)
+        app.apply_event(metric((app.model.last_seq or 0) + 1, 207, 2.9))
+        await pilot.pause()
+        assert "loss curve: 207 points, first 4.990" in screen_text(app)
+
+
+async def test_a_finished_job_opened_in_a_fresh_console_shows_its_curve(tmp_path: Path
+                                                                         ) -> None:
+    client = FakeClient()
+    history = [[float(s), 4.0 - s / 100] for s in range(1, 6)]
+    client._jobs = [attrs.evolve(j, loss_history=history) if j.job_id == "job-000004" else j
+                    for j in client._jobs]
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000004")
+        await wait_for(pilot, lambda: "job-000004" in client.fetched, "the job fetched")
+        await wait_for(pilot, lambda: "loss curve: 5 points, first 3.990" in screen_text(app),
+                       "the finished job's curve")
+        app.refresh_now()
+        await pilot.pause(0.2)
+        assert "loss curve: 5 points" in screen_text(app)
+        assert "no losses reported yet" not in screen_text(app)
