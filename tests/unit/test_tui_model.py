@@ -403,7 +403,8 @@ def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) ->
 def test_plain_modules_and_headless_paths_import_no_textual() -> None:
     code = ("import json, sys\n"
             "import swarm_tui.cli, swarm_tui.app.model, swarm_tui.app.cells, "
-            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export\n"
+            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export, "
+            "swarm_tui.app.cluster\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO)
