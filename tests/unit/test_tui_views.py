@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+from textual import events
+from textual.widgets import Input
 
 from swarm_tui.app.app import SwarmApp
+from swarm_tui.app.screens.dialogs import SetSpeedDialog
 from swarm_tui.app.screens.jobs import JobWatchScreen
 from tests.tui_support import T0, FakeClient, frozen_clock, screen_text, wait_for
 
@@ -72,3 +75,33 @@ async def test_a_finished_job_opened_in_a_fresh_console_shows_its_curve(tmp_path
         await pilot.pause(0.2)
         assert "loss curve: 5 points" in screen_text(app)
         assert "no losses reported yet" not in screen_text(app)
+
+
+def burst(app: SwarmApp, *keys: str) -> None:
+    """Keys as a terminal delivers a burst or a fast typist over SSH: all queued at once,
+    none waiting for the one before it to be handled (Pilot.press waits between keys)."""
+    chars = {"tab": "\t", "enter": "\r", "shift+tab": None}
+    for key in keys:
+        event = events.Key(key, chars.get(key, key))
+        event.set_sender(app)
+        app._driver.send_message(event)  # type: ignore[union-attr]
+
+
+async def test_keys_typed_in_a_burst_reach_the_fields_they_were_typed_into() -> None:
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("down", "down", "s")  # fellow 2, no limits yet
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the set-speed dialog")
+        burst(app, "5", "tab", "6", "tab", "7")
+        await pilot.pause(0.2)
+        # (a field reached by tab has its text selected: the 7 replaces the latency's 0)
+        assert [dialog.query_one(f"#{f}", Input).value for f in ("tx", "rx", "latency")] == \
+            ["5", "6", "7"]
+        burst(app, "enter")
+        await wait_for(pilot, lambda: client.calls, "the request")
+        (what, (fid, req)), = client.calls
+        assert (what, fid, req.tx_mbps, req.rx_mbps, req.latency_ms) == \
+            ("set_speed", 2, 5.0, 6.0, 7.0)

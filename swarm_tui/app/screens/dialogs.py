@@ -21,6 +21,19 @@ from swarm_tui.app.forms import FormError, fmt_input, parse_speed
 T = TypeVar("T")
 
 
+def field_keys(view: str) -> list[Binding]:
+    """tab / shift+tab between a form's fields, as priority bindings: the app runs them as it
+    reads the key, so keys typed behind a tab (a burst over SSH, ``5 Tab 6``) reach the field
+    it moved to. (Textual's own tab binding runs only once the key has passed through the
+    focused field's queue, after the keys behind it were already handed to that field.)"""
+    return [
+        Binding("tab", "app.focus_next", "Next field", show=False, priority=True,
+                id=f"{view}.next_field"),
+        Binding("shift+tab", "app.focus_previous", "Previous field", show=False,
+                priority=True, id=f"{view}.previous_field"),
+    ]
+
+
 class FormDialog(ModalScreen[T]):
     """A dialog of a few inputs: enter or Apply runs ``action_apply``, which shows an error
     here (and does nothing) or dismisses with a result; escape or Cancel dismisses with None."""
@@ -60,6 +73,7 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel", id="dialog.cancel"),
         Binding("ctrl+s", "apply", "Apply", id="dialog.apply"),
+        *field_keys("dialog"),
     ]
 
     def __init__(self, targets: Sequence[tuple[int, str]], tx: float | None = None,
@@ -156,6 +170,7 @@ class ExportDialog(FormDialog[Path | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel", id="export.cancel"),
         Binding("ctrl+s", "apply", "Write", id="export.apply"),
+        *field_keys("export"),
     ]
 
     def __init__(self, view: str, columns: list[str], rows: list[dict[str, Any]]) -> None:

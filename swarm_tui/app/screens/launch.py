@@ -14,6 +14,7 @@ from swarm_core.client import ApiError
 from swarm_tui.app.launch import LaunchChoice, LaunchPlan, LaunchSource, run_body, run_summary
 from swarm_tui.app.model import Change
 from swarm_tui.app.screens.base import SwarmScreen
+from swarm_tui.app.screens.dialogs import field_keys
 from swarm_tui.app.widgets.status import StatusBar
 
 
@@ -21,6 +22,7 @@ class LaunchScreen(SwarmScreen):
     BINDINGS = [
         Binding("ctrl+s", "launch", "Launch", id="launch.submit"),
         Binding("escape", "back", "Fellows", id="launch.back"),
+        *field_keys("launch"),
     ]
 
     def __init__(self) -> None:
