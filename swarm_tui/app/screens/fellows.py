@@ -18,6 +18,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.graph import LinkGraph
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import (
@@ -229,7 +230,10 @@ class FellowDetailScreen(SwarmScreen):
                     for metric in row:
                         with Vertical(classes="pane"):
                             yield Label(id=f"{metric}-label", classes="pane-title")
-                            yield Sparkline([], id=f"{metric}-spark", classes="spark")
+                            if metric in ("tx", "rx"):  # on the limit's scale: 0 is empty
+                                yield LinkGraph(id=f"{metric}-spark", classes="spark")
+                            else:
+                                yield Sparkline([], id=f"{metric}-spark", classes="spark")
             yield Label("recent events", classes="pane-title")
             yield Static(id="events", classes="events")
         yield Footer()
@@ -282,7 +286,7 @@ class FellowDetailScreen(SwarmScreen):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
             self.query_one(f"#{side}-label", Label).update(
                 f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}")
-            self.query_one(f"#{side}-spark", Sparkline).data = list(hist)
+            self.query_one(f"#{side}-spark", LinkGraph).show(list(hist), limit)
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]
         self.query_one("#events", Static).update(Text("\n".join(reversed(lines)) or "none yet"))
