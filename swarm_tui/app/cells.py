@@ -179,7 +179,7 @@ JOB_STATE_ORDER = {"RUNNING": 0, "PENDING": 1, "FAILED": 2, "CANCELLED": 2, "COM
 def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     info = view.info
     jid = info.job_id
-    # Default order: running, then the queue oldest first, then the history newest first.
+    # By state: running, then the queue oldest first, then the history newest first.
     group = JOB_STATE_ORDER.get(info.state, 3)
     created = info.created_at if group < 2 else -info.created_at
 
@@ -189,10 +189,11 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     total = view.total_steps
     why = printable(info.waiting_for if info.state == "PENDING" else info.reason)
     return {
-        "id": cell(jid, (group, created)),
+        "id": cell(jid, jid),
         "name": cell(info.name, info.name),
         "kind": cell(info.kind or "-", info.kind),
-        "state": cell(info.state, (group, info.state), style=JOB_STATE_STYLE.get(info.state, "")),
+        # The default order is the state column's: running, the queue, the history.
+        "state": cell(info.state, (group, created), style=JOB_STATE_STYLE.get(info.state, "")),
         "progress": Cell(progress_bar(info.last_step, total),
                          info.last_step / total if total else info.last_step, key=jid,
                          export=f"{info.last_step}/{total}" if total else info.last_step),

@@ -12,6 +12,7 @@ from textual.widgets import Input
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.screens.dialogs import SetSpeedDialog
 from swarm_tui.app.screens.jobs import JobWatchScreen
+from swarm_tui.app.widgets.status import StatusBar
 from tests.tui_support import T0, FakeClient, frozen_clock, screen_text, wait_for
 
 SIZE = (100, 30)
@@ -146,3 +147,25 @@ def test_link_graphs_are_scaled_to_the_limit() -> None:
     assert bars([0.0, 0.0], 80.0, 4, 3) == ["    "] * 3
     assert bars([40.0, 80.0], 80.0, 2, 2) == [" █", "██"]
     assert bars([0.01], 80.0, 3, 1) == ["  ▁"]  # a trickle is not idle
+
+
+async def test_the_jobs_sort_says_what_orders_the_rows() -> None:
+    from swarm_tui.app.screens.jobs import JobsScreen
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("2")
+        table = await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
+                               and app.screen.query_one(LiveTable), "the jobs view")
+        await wait_for(pilot, lambda: table.row_count == 4, "four jobs")
+        # The default order (running, the queue, then the history newest first) is by state.
+        assert table.shown_keys == ["job-000002", "job-000003", "job-000001", "job-000004"]
+        assert "sort state▲" in screen_text(app)
+        table.set_sort("id", reverse=False)
+        app.screen.query_one(StatusBar).update_status()
+        await pilot.pause()
+        assert table.shown_keys == ["job-000001", "job-000002", "job-000003", "job-000004"]
+        assert "sort job▲" in screen_text(app)

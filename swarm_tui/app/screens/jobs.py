@@ -49,7 +49,7 @@ class JobsScreen(SwarmScreen):
     def compose(self) -> ComposeResult:
         yield StatusBar("jobs")
         yield FilterBar()
-        yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="id",
+        yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="state",
                         id="jobs-table")
         yield Footer()
 
