@@ -314,9 +314,8 @@ class SwarmApp(App[int]):
             return
         if self.current_mode != name:
             self.switch_mode(name)
-            return
-        # Already in that view, on a screen pushed over it (a fellow's detail, a job's watch):
-        # back to the view itself.
+        # To the view itself, not to a screen pushed over it (a fellow's detail, a job's
+        # watch), now or when that view was left.
         while len(self.screen_stack) > 1:
             self.pop_screen()
 

@@ -169,3 +169,27 @@ async def test_the_jobs_sort_says_what_orders_the_rows() -> None:
         await pilot.pause()
         assert table.shown_keys == ["job-000001", "job-000002", "job-000003", "job-000004"]
         assert "sort job▲" in screen_text(app)
+
+
+async def test_a_view_key_goes_to_the_view_not_to_a_screen_left_open_over_it() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
+    from swarm_tui.app.screens.jobs import JobsScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen), "a detail")
+        await pilot.press("2")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the jobs view")
+        await pilot.press("enter")  # a job's watch, left open too
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "a watch")
+        await pilot.press("1")
+        await wait_for(pilot, lambda: app.current_mode == "fellows", "the fellows mode")
+        await pilot.pause()
+        assert type(app.screen) is FellowsScreen
+        await pilot.press("2")
+        await wait_for(pilot, lambda: app.current_mode == "jobs", "the jobs mode")
+        await pilot.pause()
+        assert type(app.screen) is JobsScreen
