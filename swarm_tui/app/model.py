@@ -87,6 +87,9 @@ class FellowState:
     sample_ts: float | None = None  # leader clock of the newest counters sample
     tx: RateMeter = attrs.field(factory=RateMeter)
     rx: RateMeter = attrs.field(factory=RateMeter)
+    # The newest step it reported for its job (metric events): heartbeats lag behind them,
+    # and "left job at step N" should not name a step before its "completed at step M".
+    reported_step: int = 0
     loss_hist: deque[tuple[int, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
     tps_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
     tx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))  # Mbit/s
@@ -116,8 +119,9 @@ class FellowState:
                 where = "" if stage is None else f" as stage {stage}"
                 self.log(ts, f"joined {job_id}{where}")
             elif self.job_id is not None:
-                self.log(ts, f"left {self.job_id} at step {self.step}")
+                self.log(ts, f"left {self.job_id} at step {max(self.step, self.reported_step)}")
             self.loss_hist.clear()
+            self.reported_step = 0
             self.stage = stage
         elif stage is not None:
             self.stage = stage
@@ -420,6 +424,8 @@ class ClusterModel:
         state = data.get("state")
         fid = data.get("fellow_id")
         st = self.fellows.get(fid) if isinstance(fid, int) else None
+        if st is not None and st.job_id == jid:
+            st.reported_step = max(st.reported_step, int(data.get("step") or 0))
         if st is not None and state in ("COMPLETED", "FAILED"):
             st.log(self.leader_now(), f"{jid}: {state.lower()} at step {data.get('step')}")
         return Change(jobs={view.job_id})

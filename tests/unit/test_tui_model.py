@@ -455,3 +455,34 @@ def test_mid_run_set_speeds_are_described_newest_last_with_the_count_of_the_rest
     assert text.endswith("(+1 earlier)")
     # The job's record kept 4 of 40: the count says so.
     assert describe_link_changes(changes, total=40).endswith("(+37 earlier)")
+
+
+def test_a_fellows_events_agree_on_the_step_it_left_its_job_at() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    # Heartbeats lag behind the stage's reports: the last one said step 8.
+    model.apply_event(hb(1, T0, 1, status="busy", job_id="job-000002", step=8, loss=3.0))
+    model.apply_event({"seq": 2, "ts": T0, "type": "metric", "data": {
+        "job_id": "job-000002", "fellow_id": 1, "stage": 1, "step": 12, "loss": 2.9,
+        "tokens_per_s": 10.0, "state": "COMPLETED", "metrics": {}}})
+    model.apply_event(hb(1, T0 + 1, 3, status="ready"))
+    texts = [text for _, text in model.fellows[1].events]
+    assert "job-000002: completed at step 12" in texts
+    assert "left job-000002 at step 12" in texts
+
+
+def test_an_earlier_stages_loss_pane_says_the_last_stage_computes_it() -> None:
+    from swarm_tui.app.screens.fellows import loss_caption
+
+    model = ClusterModel(lambda: T0)
+    fellows = fixed_fellows()
+    fellows[0].last_loss = None  # stage 0 of job-000002's two: it computes no loss
+    model.apply_fellows(fellows)
+    model.apply_jobs(fixed_jobs())
+    model.fellows[0].step = 347
+    assert model.fellows[0].stage == 0
+    assert loss_caption(model, model.fellows[0]) == \
+        "loss: computed on the last stage (1), not here"
+    assert loss_caption(model, model.fellows[2]) == "loss: no job"
+    assert loss_caption(model, model.fellows[1]).startswith("loss 3.0312")

@@ -16,7 +16,7 @@ from swarm_tui.app.cells import (
     fellow_cells,
     fellow_haystack,
 )
-from swarm_tui.app.model import Change, FellowState
+from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
 from swarm_tui.app.widgets.graph import LinkGraph
 from swarm_tui.app.widgets.live_table import LiveTable
@@ -271,10 +271,7 @@ class FellowDetailScreen(SwarmScreen):
                     f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
         summary.update(text)
         losses = [loss for _, loss in st.loss_hist]
-        loss_text = "loss: no steps yet" if not losses else (
-            f"loss {fmt_loss(losses[-1])}  (min {fmt_loss(min(losses))}, "
-            f"{len(losses)} steps)")
-        self.query_one("#loss-label", Label).update(loss_text)
+        self.query_one("#loss-label", Label).update(loss_caption(model, st))
         self.query_one("#loss-spark", Sparkline).data = losses
         tps = list(st.tps_hist)
         self.query_one("#tps-label", Label).update(
@@ -306,3 +303,19 @@ class FellowDetailScreen(SwarmScreen):
             self.notify("this fellow has no job", severity="warning")
             return
         self.swarm.watch_job(st.job_id)
+
+
+def loss_caption(model: ClusterModel, st: FellowState) -> str:
+    """The loss pane's title. Only a job's last stage computes a loss: an earlier stage's
+    pane says so rather than "no steps yet" hundreds of steps in."""
+    losses = [loss for _, loss in st.loss_hist]
+    if losses:
+        return (f"loss {fmt_loss(losses[-1])}  (min {fmt_loss(min(losses))}, "
+                f"{len(losses)} steps)")
+    if st.job_id is None:
+        return "loss: no job"
+    view = model.jobs.get(st.job_id)
+    stages = view.info.topology.stages if view is not None else None
+    if st.stage is not None and stages and st.stage < stages - 1:
+        return f"loss: computed on the last stage ({stages - 1}), not here"
+    return "loss: no steps yet" if not st.step else "loss: none reported yet"
