@@ -432,8 +432,12 @@ class SwarmApp(App[int]):
     def ask_release_all(self) -> None:
         if self.refuse_if_read_only("release all"):
             return
-        n = len(self.model.fellows)
-        dialog = ConfirmDialog(f"Release ALL {n} fellows?",
+        # (released and leaving fellows have left already: they are not asked again)
+        n = sum(1 for st in self.model.fellows.values() if st.status not in LEFT)
+        if not n:
+            self.notify("no fellow to release: every one has left", severity="warning")
+            return
+        dialog = ConfirmDialog(f"Release ALL {n} fellow{'s' if n != 1 else ''}?",
                                "Every fellow stops its job and leaves the cluster.",
                                "Release all")
         self.push_screen(dialog, lambda ok: self.release([], everyone=True) if ok else None)
@@ -492,7 +496,8 @@ class SwarmApp(App[int]):
             self.launching = False
         name = exp.config.name
         queued = [st.job_id for st in runner.states if st.job_id]
-        self.notify(f"sweep {name}: {len(runner.states)} runs"
+        runs = len(runner.states)
+        self.notify(f"sweep {name}: {runs} run{'s' if runs != 1 else ''}"
                     + (f", queued {' '.join(queued)}" if queued else ", one at a time")
                     + f"; artifacts in {runner.runs_dir}", timeout=8)
         self.action_refresh()

@@ -31,6 +31,7 @@ STATUS_STYLE = {
     "offline": "red",
     "released": "dim",
     "leaving": "dim",
+    "left": "dim",
 }
 JOB_STATE_STYLE = {
     "PENDING": "yellow",
@@ -125,6 +126,19 @@ def fellow_age_cell(model: ClusterModel, st: FellowState) -> Cell:
     return Cell(fmt_age(age), age, key=st.fellow_id, style=style, justify="right")
 
 
+LEAVING_GONE_S = 10.0  # "leaving" and silent this long: it has left
+
+
+def shown_status(model: ClusterModel, st: FellowState) -> str:
+    """The status as shown: a fellow whose last word was "leaving" and that has been silent
+    since (one of a previous cluster, kept in the leader's records) has left."""
+    if st.status == "leaving":
+        age = model.heartbeat_age(st)
+        if age is not None and age > LEAVING_GONE_S:
+            return "left"
+    return st.status
+
+
 def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str, Cell]:
     fid = st.fellow_id
     row_style = _fellow_row_style(st)
@@ -144,7 +158,7 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         "sel": cell(MARK if marked else " ", int(marked), style="bold magenta"),
         "id": num(str(fid), fid),
         "name": cell(st.name, st.name),
-        "status": cell(st.status + ("!" if st.note else ""), st.status,
+        "status": cell(shown_status(model, st) + ("!" if st.note else ""), st.status,
                        style="yellow" if st.note and not st.stale else
                        STATUS_STYLE.get(st.status, "")),
         "hb": fellow_age_cell(model, st),

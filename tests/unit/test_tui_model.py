@@ -174,17 +174,22 @@ def test_number_formats() -> None:
 
 @pytest.mark.parametrize(("tx", "rx", "lat", "error"), [
     ("fast", "", "", "tx Mbit/s: 'fast' is not a number"),
-    ("-1", "", "", "tx Mbit/s: must be > 0"),
-    ("", "0", "", "rx Mbit/s: must be > 0"),
+    # One form for every out-of-range value: what was typed, the range, what empty means.
+    ("-1", "", "", "tx Mbit/s: '-1' is out of range (0.001 to 1e+06; leave it empty for "
+     "unlimited)"),
+    ("", "0", "", "rx Mbit/s: '0' is out of range (0.001 to 1e+06;"),
+    ("1e9", "", "", "tx Mbit/s: '1e9' is out of range (0.001 to 1e+06; leave it empty for "
+     "unlimited)"),
     ("inf", "", "", "tx Mbit/s: 'inf' is not a number (leave it empty for unlimited)"),
-    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (leave it empty for unlimited)"),
+    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (0.001 to 1e+06; leave it empty "
+     "for unlimited)"),
     ("-1e999", "", "", "tx Mbit/s: '-1e999' is out of range"),
     ("1_000", "", "", "tx Mbit/s: '1_000' is not a number"),
     ("\u0663", "", "", "tx Mbit/s: '\u0663' is not a number"),  # an Arabic-Indic 3
     ("9" * 5000, "", "", "tx Mbit/s: '999999999999999999999999...' is out of range"),
     ("x" * 5000, "", "", "tx Mbit/s: 'xxxxxxxxxxxxxxxxxxxxxxxx...' is not a number"),
-    ("", "", "-2", "latency ms: must be between 0 and 60000"),
-    ("", "", "1e9", "latency ms: must be between 0 and 60000"),
+    ("", "", "-2", "latency ms: '-2' is out of range (0 to 60000; leave it empty for 0 ms)"),
+    ("", "", "1e9", "latency ms: '1e9' is out of range (0 to 60000; leave it empty for 0 ms)"),
     ("", "", "nan", "latency ms: 'nan' is not a number (leave it empty for 0 ms)"),
     ("", "", "unlimited", "latency ms: 'unlimited' is not a number (leave it empty for 0 ms)"),
 ])

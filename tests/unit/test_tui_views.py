@@ -193,3 +193,28 @@ async def test_a_view_key_goes_to_the_view_not_to_a_screen_left_open_over_it() -
         await wait_for(pilot, lambda: app.current_mode == "jobs", "the jobs mode")
         await pilot.pause()
         assert type(app.screen) is JobsScreen
+
+
+async def test_release_all_counts_only_the_fellows_still_in_the_cluster() -> None:
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+
+    client = FakeClient()  # six fellows, one of them released
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("R")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                and app.screen, "the confirmation")
+        assert dialog.title_text == "Release ALL 5 fellows?"
+
+
+def test_a_fellow_long_silent_after_leaving_shows_as_left() -> None:
+    from swarm_tui.app.cells import fellow_cells
+    from swarm_tui.app.model import ClusterModel
+    from tests.tui_support import _fellow
+
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows([_fellow(7, "old", "leaving", age=600.0),
+                         _fellow(8, "going", "leaving", age=1.0)])
+    assert fellow_cells(model, model.fellows[7], False)["status"].plain == "left"
+    assert fellow_cells(model, model.fellows[8], False)["status"].plain == "leaving"

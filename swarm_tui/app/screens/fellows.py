@@ -15,6 +15,7 @@ from swarm_tui.app.cells import (
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+    shown_status,
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
@@ -258,7 +259,8 @@ class FellowDetailScreen(SwarmScreen):
         c = st.counters
         text = Text()
         text.append(f"{st.fellow_id} {st.name}", style="bold")
-        text.append(f"  {st.status}", style=STATUS_STYLE.get(st.status, ""))
+        status = shown_status(model, st)
+        text.append(f"  {status}", style=STATUS_STYLE.get(status, ""))
         text.append(f"  hb {fmt_age(model.heartbeat_age(st))}  node {st.host or '-'}"
                     f"  slots {fmt_devices(st.devices)}  threads {st.threads}\n")
         if st.note:
