@@ -218,3 +218,22 @@ def test_a_fellow_long_silent_after_leaving_shows_as_left() -> None:
                          _fellow(8, "going", "leaving", age=1.0)])
     assert fellow_cells(model, model.fellows[7], False)["status"].plain == "left"
     assert fellow_cells(model, model.fellows[8], False)["status"].plain == "leaving"
+
+
+async def test_the_top_bar_keeps_the_leader_and_its_state_at_80_columns() -> None:
+    from tests.unit.test_tui_cluster import DeadLeader
+
+    app = SwarmApp(DeadLeader(), leader_url="http://127.0.0.1:8765", clock=frozen_clock,
+                   refresh_s=None, tick_s=None, flush_s=0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.connection == "lost", "the leader lost")
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0].rstrip()
+        assert "✖ leader lost, retrying" in top and top.endswith("@ 127.0.0.1:8765"), top
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0].rstrip()
+        assert "● live  5 fellows" in top and top.endswith("@ leader.test:8765"), top

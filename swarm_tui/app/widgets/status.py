@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
@@ -9,7 +10,7 @@ from textual.widgets import Static
 
 from swarm_tui.app.model import LEFT
 
-TIERS = 5  # top-bar lines from the richest to the barest (see update_status)
+TIERS = 7  # top-bar lines from the richest to the barest (see update_status)
 
 if TYPE_CHECKING:
     from swarm_tui.app.app import SwarmApp
@@ -57,30 +58,35 @@ class StatusBar(Static):
         self.update(fits)
 
     def _line(self, tier: int) -> Text:
-        """``tier`` 0 is everything; each one after drops or shortens something."""
+        """``tier`` 0 is everything; each one after gives up one more thing: the view's hint,
+        the busy count (and "jobs"), the job counts, the connection's asides, its detail,
+        the fellow counts."""
         app = self.swarm
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f" {self.view} ", style="bold reverse")
         if app.read_only:
-            line.append(" READ-ONLY " if tier < 3 else " RO ", style="bold black on yellow")
+            line.append(" READ-ONLY " if tier < 4 else " RO ", style="bold black on yellow")
         line.append(" ")
         state, detail = app.connection, app.connection_detail
+        # The connection in full, without its asides (tier 4), or in a word (5 on).
+        full, brief = tier < 4, tier >= 5
         if state == "live":
             line.append("● live", style="bold green")
         elif state == "polling":
             line.append("◐ polling", style="yellow")
-            if tier < 2:
+            if full:
                 line.append(f" ({detail})", style="yellow")
         elif state == "lost":
-            text = f"✖ leader lost, retrying… {detail}" if tier < 2 else \
-                "✖ leader lost, retrying"
-            line.append(text, style="bold red")
+            when = detail.partition(": ")[0] if detail.startswith("next try") else ""
+            line.append("✖ leader lost, retrying" + (f"… {detail}" if full else
+                                                      f" ({when})" if when and not brief
+                                                      else ""), style="bold red")
         elif state == "refused":
-            line.append(f"✖ {detail} (retrying)" if tier < 2 else "✖ leader refused (retrying)",
-                        style="bold red")
+            line.append(f"✖ {detail} (retrying)" if full else "✖ leader refused (retrying)"
+                        if brief else f"✖ {_without_asides(detail)}", style="bold red")
         else:
             line.append("◌ connecting…", style="yellow")
-        if tier < 4:
+        if tier < 6:
             counts = app.model.counts()
             present = sum(n for status, n in counts.items() if status not in LEFT)
             line.append(f"  {present} fellow{'' if present == 1 else 's'}", style="bold")
@@ -100,3 +106,9 @@ class StatusBar(Static):
                 line.append("  " + extra, style="italic")
         line.append(f"  @ {app.leader_url.split('://', 1)[-1]}", style="dim")
         return line
+
+
+def _without_asides(text: str) -> str:
+    """``missing or wrong bearer token (see SWARM_TOKEN or --token)`` -> without the
+    parenthesis."""
+    return re.sub(r"\s*\([^()]*\)", "", text).strip()
