@@ -457,8 +457,9 @@ class SwarmApp(App[int]):
             self.notify(f"{job_id} is already {view.info.state}", severity="warning")
             return
         name = f" ({view.info.name})" if view is not None else ""
+        # ("Cancel job" beside "Cancel" read as two ways to cancel: the no is "Keep job")
         dialog = ConfirmDialog(f"Cancel {job_id}?", f"{job_id}{name} stops on every fellow.",
-                               "Cancel job")
+                               "Cancel job", "Keep job")
         self.push_screen(dialog, lambda ok: self.cancel(job_id) if ok else None)
 
     @work(group="cancel", exit_on_error=False, description="cancel")

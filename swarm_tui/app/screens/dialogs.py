@@ -17,6 +17,7 @@ from textual.widgets import Button, Input, Label, Static
 from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.export import ExportError, default_name, write_view
 from swarm_tui.app.forms import FormError, fmt_input, parse_speed
+from swarm_tui.app.widgets.footer import SwarmFooter
 
 T = TypeVar("T")
 
@@ -41,8 +42,8 @@ class FormDialog(ModalScreen[T]):
     def buttons(self, apply: str) -> ComposeResult:
         yield Label("", id="error", classes="dialog-error")
         with Horizontal(classes="buttons"):
-            yield Button(apply, variant="primary", compact=True, id="apply")
-            yield Button("Cancel", compact=True, id="cancel")
+            yield Button(f"{apply} (enter)", variant="primary", compact=True, id="apply")
+            yield Button("Cancel (esc)", compact=True, id="cancel")
 
     def show_error(self, message: str) -> None:
         error = self.query_one("#error", Label)
@@ -100,6 +101,7 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
                 yield Label("latency ms", classes="field-label")
                 yield Input(self.initial[2], placeholder="0", compact=True, id="latency")
             yield from self.buttons("Apply")
+        yield SwarmFooter()  # (the dialog's keys, not those of the view under it)
 
     def on_mount(self) -> None:
         self.query_one("#tx", Input).focus()
@@ -128,17 +130,21 @@ class ConfirmDialog(ModalScreen[bool]):
         Binding("escape", "cancel", "No", show=False, id="confirm.escape"),
     ]
 
-    def __init__(self, title: str, body: str, confirm_label: str = "Yes") -> None:
+    def __init__(self, title: str, body: str, confirm_label: str = "Yes",
+                 deny_label: str = "Cancel") -> None:
         super().__init__()
-        self.title_text, self.body, self.confirm_label = title, body, confirm_label
+        self.title_text, self.body = title, body
+        self.confirm_label, self.deny_label = confirm_label, deny_label
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
             yield Static(self.body, classes="dialog-body")
             with Horizontal(classes="buttons"):
-                yield Button(f"{self.confirm_label} [y]", variant="error", compact=True, id="yes")
-                yield Button("Cancel [n]", compact=True, id="no")
+                yield Button(f"{self.confirm_label} (y)", variant="error", compact=True,
+                             id="yes")
+                yield Button(f"{self.deny_label} (n/esc)", compact=True, id="no")
+        yield SwarmFooter()
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()
@@ -187,6 +193,7 @@ class ExportDialog(FormDialog[Path | None]):
                 yield Label("file", classes="field-label")
                 yield Input(default_name(self.view), compact=True, id="path")
             yield from self.buttons("Write")
+        yield SwarmFooter()
 
     def on_mount(self) -> None:
         self.query_one("#path", Input).focus()
@@ -234,6 +241,7 @@ class HelpScreen(ModalScreen[None]):
             yield Label(title, classes="dialog-title")
             with VerticalScroll():
                 yield Static(table, id="help-table")
+        yield SwarmFooter()
 
     def action_close(self) -> None:
         self.dismiss(None)
