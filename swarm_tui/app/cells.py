@@ -7,6 +7,7 @@ every second never make the table re-measure or jump.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -68,40 +69,60 @@ class Column:
     width: int
     justify: str = "left"
     help: str = ""
+    # Which columns a narrow terminal keeps: 0 always, then 1, 2… while they fit.
+    priority: int = 0
+    frozen: bool = False  # stays on the left when the table scrolls sideways
+    stretch: bool = False  # takes the width left over (``width`` is its least)
 
 
 FELLOW_COLUMNS: tuple[Column, ...] = (
-    Column("sel", " ", 1, help="marked (space)"),
-    Column("id", "id", 3, "right", "fellow id"),
-    Column("name", "name", 10),
+    Column("sel", " ", 1, help="marked (space)", frozen=True),
+    Column("id", "id", 3, "right", "fellow id", frozen=True),
+    Column("name", "name", 10, frozen=True),
     Column("status", "status", 8, help="! marks a note (see the detail view)"),
-    Column("hb", "hb", 4, "right", "seconds since the last heartbeat"),
-    Column("job", "job/stage", 12),
-    Column("step", "step", 6, "right"),
-    Column("loss", "loss", 6, "right", "last loss"),
-    Column("tps", "tok/s", 6, "right", "tokens per second"),
-    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate"),
-    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate"),
-    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s"),
-    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s"),
-    Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent"),
-    Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received"),
-    Column("node", "node", 10, help="host"),
-    Column("dev", "slots", 8, help="device slots"),
+    Column("hb", "hb", 4, "right", "seconds since the last heartbeat", priority=2),
+    Column("job", "job/stage", 12, priority=1),
+    Column("step", "step", 6, "right", priority=1),
+    Column("loss", "loss", 6, "right", "last loss", priority=2),
+    Column("tps", "tok/s", 6, "right", "tokens per second", priority=3),
+    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate", priority=1),
+    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate", priority=1),
+    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s", priority=3),
+    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s", priority=3),
+    Column("lat", "lat ms", 6, "right", "added one-way latency, ms", priority=3),
+    Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent", priority=4),
+    Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received", priority=4),
+    Column("node", "node", 10, help="host", priority=4),
+    Column("dev", "slots", 8, help="device slots", priority=5),
 )
 SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
 
 JOB_COLUMNS: tuple[Column, ...] = (
-    Column("id", "job", 10),
-    Column("name", "name", 14),
-    Column("kind", "kind", 5),
+    Column("id", "job", 10, frozen=True),
+    Column("name", "name", 20, help="the run (model, compression, network, seed), then its "
+           "sweep and time", frozen=True),
+    Column("kind", "kind", 5, priority=4),
     Column("state", "state", 9),
-    Column("progress", "progress", 18, help="steps done of the steps asked"),
-    Column("loss", "loss", 6, "right"),
-    Column("fellows", "fellows", 8),
-    Column("age", "age", 5, "right", "since submitted"),
-    Column("info", "why / reason", 40),
+    Column("progress", "progress", 18, help="steps done of the steps asked", priority=1),
+    Column("loss", "loss", 6, "right", priority=2),
+    Column("fellows", "fellows", 8, priority=3),
+    Column("age", "age", 5, "right", "since submitted", priority=2),
+    Column("info", "why / reason", 12, priority=1, stretch=True),
 )
+
+
+# A sweep run's job name: <stamp>-<experiment>-<NN>-<run> (swarm_core.experiments.runner)
+_RUN_NAME = re.compile(r"^(?P<stamp>\d{8}T\d{6})-(?P<exp>.+?)-(?P<index>\d{2,})-(?P<run>.+)$")
+
+
+def job_label(name: str) -> str:
+    """A job's name as the table shows it: a sweep run by its run (model, compression,
+    network, seed) before its sweep and timestamp, which at 80 columns were all that showed
+    (``20261201T2301…``); any other name as it is."""
+    m = _RUN_NAME.match(name)
+    if m is None:
+        return name
+    return f"{m['run']} · {m['exp']} #{int(m['index'])} {m['stamp']}"
 
 
 def progress_bar(done: int, total: int | None, width: int = 8) -> str:
@@ -173,6 +194,8 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
                       else float("inf")),
         "rx_lim": num(fmt_limit(st.rx_limit), st.rx_limit if st.rx_limit is not None
                       else float("inf")),
+        "lat": Cell(f"{st.latency_ms:g}" if st.latency_ms else "-", st.latency_ms, key=fid,
+                    style=row_style, justify="right", export=st.latency_ms),
         "tx_bytes": num(fmt_bytes(tx_bytes, compact=True), tx_bytes),
         "rx_bytes": num(fmt_bytes(rx_bytes, compact=True), rx_bytes),
         "node": cell(st.host or "-", st.host),
@@ -204,7 +227,7 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     why = printable(info.waiting_for if info.state == "PENDING" else info.reason)
     return {
         "id": cell(jid, jid),
-        "name": cell(info.name, info.name),
+        "name": Cell(job_label(info.name), job_label(info.name), key=jid, export=info.name),
         "kind": cell(info.kind or "-", info.kind),
         # The default order is the state column's: running, the queue, the history.
         "state": cell(info.state, (group, created), style=JOB_STATE_STYLE.get(info.state, "")),
@@ -231,8 +254,8 @@ def job_haystack(view: JobView) -> str:
 
 
 WATCH_COLUMNS: tuple[Column, ...] = (
-    Column("id", "fellow", 6, "right"),
-    Column("name", "name", 10),
+    Column("id", "fellow", 6, "right", frozen=True),
+    Column("name", "name", 10, frozen=True),
     Column("stage", "stage", 5, "right"),
     Column("status", "status", 8),
     Column("step", "step", 6, "right"),

@@ -237,3 +237,90 @@ async def test_the_top_bar_keeps_the_leader_and_its_state_at_80_columns() -> Non
         await pilot.pause()
         top = screen_text(app).splitlines()[0].rstrip()
         assert "● live  5 fellows" in top and top.endswith("@ leader.test:8765"), top
+
+
+async def test_the_essential_keys_stay_in_the_footer_at_60_columns() -> None:
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        footer = screen_text(app).splitlines()[-1]
+        assert "q Quit" in footer and "? Help" in footer, footer
+
+
+async def test_dialogs_name_their_keys_and_the_footer_shows_the_dialogs_keys() -> None:
+    from textual.widgets import Button
+
+    from swarm_tui.app.screens.dialogs import ConfirmDialog, ExportDialog
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("2", "c")  # cancel the running job
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                and app.screen, "the confirmation")
+        await pilot.pause()
+        labels = [str(b.label) for b in dialog.query(Button)]
+        assert labels == ["Cancel job (y)", "Keep job (n/esc)"]
+        footer = screen_text(app).splitlines()[-1]
+        assert "y Yes" in footer and "n No" in footer and "Cancel job" not in footer, footer
+        await pilot.press("n", "e")  # the export dialog: centred like the others
+        export = await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog)
+                                and app.screen, "the export dialog")
+        await pilot.pause()
+        box = export.query_one("#dialog").region
+        assert abs((box.x + box.width / 2) - 40) <= 1 and box.y > 2, box
+        assert [str(b.label) for b in export.query(Button)] == ["Write (enter)",
+                                                                "Cancel (esc)"]
+
+
+async def test_at_80_columns_the_tables_show_whole_columns_with_id_and_name_frozen() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        table = app.screen.query_one(LiveTable)
+        header = screen_text(app).splitlines()[1]
+        labels = {c.key: c.label for c in table.spec}
+        for key in table.visible:  # every column on screen is whole: no "tx Mb" cut off
+            assert labels[key].strip() in header or key == "sel", (key, header)
+        assert sum(table.col_widths.values()) + 2 * len(table.col_widths) <= 79
+        assert table.fixed_columns == 3  # mark, id, name
+        # Every column chosen: wider than the screen; scrolled right, id and name stay.
+        table.choose(tuple(c.key for c in table.spec))
+        await pilot.pause()
+        table.scroll_to(x=table.max_scroll_x, animate=False)
+        await pilot.pause()
+        row = next(line for line in screen_text(app).splitlines() if "gpu-a" in line)
+        assert row.split()[:2] == ["0", "gpu-a"] and "cuda:0,1" in row, row
+        # Export writes every column, shown or not.
+        table.choose(None)
+        await pilot.pause()
+        columns, rows = table.export_rows()
+        assert "dev" not in table.visible and "dev" in columns and rows[0]["lat"] == 20.0
+
+
+def test_sweep_runs_are_named_by_their_run_before_their_timestamp() -> None:
+    from swarm_tui.app.cells import job_label
+
+    name = "20261201T230112-exp_tiny_sweep_v1-03-small_none-fixed_int8-wan_80-s1-r0"
+    assert job_label(name) == \
+        "small_none-fixed_int8-wan_80-s1-r0 · exp_tiny_sweep_v1 #3 20261201T230112"
+    assert job_label("smoke") == "smoke"
+
+
+async def test_the_latency_a_fellow_was_set_to_is_shown_with_its_rates() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 30)) as pilot:
+        await loaded(pilot, app, client)
+        app.push_screen(FellowDetailScreen(0))  # gpu-a: 80 Mbit/s each way, +20 ms
+        await wait_for(pilot, lambda: "tx 16.0 of 80 Mbit/s (20%) +20 ms" in screen_text(app),
+                       "the latency beside the tx rate")

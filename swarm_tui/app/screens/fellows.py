@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Sparkline, Static
 
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
@@ -19,6 +19,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.graph import LinkGraph
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
@@ -60,7 +61,7 @@ class FellowsScreen(SwarmScreen):
         yield FilterBar()
         yield LiveTable(FELLOW_COLUMNS, self._cells, self._haystack, sort_column="id",
                         id="fellows-table")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def table(self) -> LiveTable:
@@ -237,7 +238,7 @@ class FellowDetailScreen(SwarmScreen):
                                 yield Sparkline([], id=f"{metric}-spark", classes="spark")
             yield Label("recent events", classes="pane-title")
             yield Static(id="events", classes="events")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def state(self) -> FellowState | None:
@@ -283,8 +284,10 @@ class FellowDetailScreen(SwarmScreen):
         for side, rate, limit, hist in (("tx", st.tx_mbps, st.tx_limit, st.tx_hist),
                                         ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
+            # The added latency delays what is sent: it belongs with the tx rate.
+            lat = f" +{st.latency_ms:g} ms" if side == "tx" and st.latency_ms else ""
             self.query_one(f"#{side}-label", Label).update(
-                f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}")
+                f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}{lat}")
             self.query_one(f"#{side}-spark", LinkGraph).show(list(hist), limit)
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Sparkline, Static
 
 from swarm_core.contract import perplexity
 from swarm_core.validators import printable
@@ -25,6 +25,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, JobView
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
@@ -51,7 +52,7 @@ class JobsScreen(SwarmScreen):
         yield FilterBar()
         yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="state",
                         id="jobs-table")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def table(self) -> LiveTable:
@@ -196,7 +197,7 @@ class JobWatchScreen(SwarmScreen):
             yield Sparkline([], id="curve", classes="curve")
             yield LiveTable(WATCH_COLUMNS, self._cells, lambda key: key, sort_column="stage",
                             id="watch-table")
-        yield Footer()
+        yield SwarmFooter()
 
     REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
     _fetched_at: float | None = None
