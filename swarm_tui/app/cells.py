@@ -73,6 +73,14 @@ class Column:
     priority: int = 0
     frozen: bool = False  # stays on the left when the table scrolls sideways
     stretch: bool = False  # takes the width left over (``width`` is its least)
+    # An export names the column with its unit (``tx_mbps``, not the screen's "tx Mb/s") and
+    # rounds its numbers to what the screen shows (an age of 81.00346779823303 s is 81.0).
+    export: str = ""
+    digits: int | None = None
+
+    @property
+    def export_name(self) -> str:
+        return self.export or self.key
 
 
 FELLOW_COLUMNS: tuple[Column, ...] = (
@@ -80,20 +88,27 @@ FELLOW_COLUMNS: tuple[Column, ...] = (
     Column("id", "id", 3, "right", "fellow id", frozen=True),
     Column("name", "name", 10, frozen=True),
     Column("status", "status", 8, help="! marks a note (see the detail view)"),
-    Column("hb", "hb", 4, "right", "seconds since the last heartbeat", priority=2),
+    Column("hb", "hb", 4, "right", "seconds since the last heartbeat",
+           priority=2, export="hb_age_s", digits=1),
     Column("job", "job/stage", 12, priority=1),
     Column("step", "step", 6, "right", priority=1),
-    Column("loss", "loss", 6, "right", "last loss", priority=2),
-    Column("tps", "tok/s", 6, "right", "tokens per second", priority=3),
-    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate", priority=1),
-    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate", priority=1),
-    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s", priority=3),
-    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s", priority=3),
-    Column("lat", "lat ms", 6, "right", "added one-way latency, ms", priority=3),
+    Column("loss", "loss", 6, "right", "last loss", priority=2, digits=4),
+    Column("tps", "tok/s", 6, "right", "tokens per second",
+           priority=3, export="tokens_per_s", digits=1),
+    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate",
+           priority=1, export="tx_mbps", digits=3),
+    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate",
+           priority=1, export="rx_mbps", digits=3),
+    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s",
+           priority=3, export="tx_limit_mbps"),
+    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s",
+           priority=3, export="rx_limit_mbps"),
+    Column("lat", "lat ms", 6, "right", "added one-way latency, ms",
+           priority=3, export="latency_ms"),
     Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent", priority=4),
     Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received", priority=4),
     Column("node", "node", 10, help="host", priority=4),
-    Column("dev", "slots", 8, help="device slots", priority=5),
+    Column("dev", "slots", 8, help="device slots", priority=5, export="slots"),
 )
 SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
 
@@ -104,9 +119,9 @@ JOB_COLUMNS: tuple[Column, ...] = (
     Column("kind", "kind", 5, priority=4),
     Column("state", "state", 9),
     Column("progress", "progress", 18, help="steps done of the steps asked", priority=1),
-    Column("loss", "loss", 6, "right", priority=2),
+    Column("loss", "loss", 6, "right", priority=2, digits=4),
     Column("fellows", "fellows", 8, priority=3),
-    Column("age", "age", 5, "right", "since submitted", priority=2),
+    Column("age", "age", 5, "right", "since submitted", priority=2, export="age_s", digits=0),
     Column("info", "why / reason", 12, priority=1, stretch=True),
 )
 
@@ -254,19 +269,21 @@ def job_haystack(view: JobView) -> str:
 
 
 WATCH_COLUMNS: tuple[Column, ...] = (
-    Column("id", "fellow", 6, "right", frozen=True),
+    Column("id", "fellow", 6, "right", frozen=True, export="fellow"),
     Column("name", "name", 10, frozen=True),
     Column("stage", "stage", 5, "right"),
     Column("status", "status", 8),
     Column("step", "step", 6, "right"),
-    Column("loss", "loss", 6, "right"),
-    Column("tps", "tok/s", 6, "right"),
-    Column("tx_rate", "tx Mb/s", 7, "right"),
-    Column("rx_rate", "rx Mb/s", 7, "right"),
-    Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step"),
+    Column("loss", "loss", 6, "right", digits=4),
+    Column("tps", "tok/s", 6, "right", export="tokens_per_s", digits=1),
+    Column("tx_rate", "tx Mb/s", 7, "right", export="tx_mbps", digits=3),
+    Column("rx_rate", "rx Mb/s", 7, "right", export="rx_mbps", digits=3),
+    Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step",
+           export="activation_bytes"),
     Column("wait", "wait", 5, "right",
-           "share of the last step spent blocked on links (neighbours, network, bubble)"),
-    Column("hb", "hb", 4, "right"),
+           "share of the last step spent blocked on links (neighbours, network, bubble)",
+           export="wait_fraction", digits=3),
+    Column("hb", "hb", 4, "right", export="hb_age_s", digits=1),
 )
 
 

@@ -324,3 +324,26 @@ async def test_the_latency_a_fellow_was_set_to_is_shown_with_its_rates() -> None
         app.push_screen(FellowDetailScreen(0))  # gpu-a: 80 Mbit/s each way, +20 ms
         await wait_for(pilot, lambda: "tx 16.0 of 80 Mbit/s (20%) +20 ms" in screen_text(app),
                        "the latency beside the tx rate")
+
+
+async def test_exports_name_columns_with_their_units_and_round_as_shown() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = SwarmApp(client, clock=lambda: T0 + 0.00346779823303, refresh_s=None, tick_s=None,
+                   flush_s=0)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await loaded(pilot, app, client)
+        columns, rows = app.screen.query_one(LiveTable).export_rows()
+        assert {"hb_age_s", "tx_mbps", "rx_mbps", "tx_limit_mbps", "latency_ms",
+                "tokens_per_s"} <= set(columns)
+        gpu_a = next(r for r in rows if r["name"] == "gpu-a")
+        assert gpu_a["hb_age_s"] == 0.0 and gpu_a["latency_ms"] == 20.0
+        assert gpu_a["tx_mbps"] == round(gpu_a["tx_mbps"], 3)
+        await pilot.press("2")
+        await wait_for(pilot, lambda: app.current_mode == "jobs", "the jobs view")
+        await pilot.pause()
+        columns, rows = app.screen.query_one(LiveTable).export_rows()
+        assert "age_s" in columns and "age" not in columns
+        # (the leader's clock is a fraction of a second on: 300.00346779823303 s, shown 5m)
+        assert next(r for r in rows if r["id"] == "job-000002")["age_s"] == 300.0

@@ -141,12 +141,13 @@ class LiveTable(DataTable[Cell]):
     def export_rows(self) -> tuple[list[str], list[dict[str, object]]]:
         """The view as data: column keys (every column, also those too wide for the screen),
         and one dict per shown row in display order."""
-        columns = [c.key for c in self.spec if c.key not in SKIP_COLUMNS]
+        spec = [c for c in self.spec if c.key not in SKIP_COLUMNS]
         rows = []
         for key in self.shown_keys:
             cells = self.cells_for(key)
-            rows.append({c: cell_value(cells.get(c)) for c in columns})
-        return columns, rows
+            rows.append({c.export_name: _rounded(cell_value(cells.get(c.key)), c.digits)
+                         for c in spec})
+        return [c.export_name for c in spec], rows
 
     def matches(self, key: str) -> bool:
         return self._filter is None or self._filter.search(self.haystack_for(key)) is not None
@@ -328,6 +329,12 @@ class LiveTable(DataTable[Cell]):
     def render_lines(self, crop: Region) -> list[Strip]:
         self._drop_stale_renders()
         return super().render_lines(crop)
+
+
+def _rounded(value: object, digits: int | None) -> object:
+    if digits is None or not isinstance(value, float):
+        return value
+    return round(value, digits)
 
 
 class _Desc:
