@@ -39,6 +39,7 @@ from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDia
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.fmt import describe_link
 
 VIEWS = ("fellows", "jobs", "launch")
@@ -557,7 +558,8 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
 
     navigation = [
         # The widgets' own keys: listed for help, without ids (they cannot be remapped).
-        Binding("up,down,pageup,pagedown,home,end", "", "move in a table"),
+        Binding("up,down,pageup,pagedown", "", "move in a table"),
+        Binding("left,right", "", "scroll a wide table sideways"),
         Binding("enter", "", "open (fellow detail / job watch)"),
         Binding("tab,shift+tab", "", "next / previous field"),
     ]
@@ -571,6 +573,7 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
         ("export dialog", of(Export)),
+        ("tables", of(LiveTable)),
         ("tables and forms", navigation),
     ]
 

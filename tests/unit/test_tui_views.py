@@ -347,3 +347,25 @@ async def test_exports_name_columns_with_their_units_and_round_as_shown() -> Non
         assert "age_s" in columns and "age" not in columns
         # (the leader's clock is a fraction of a second on: 300.00346779823303 s, shown 5m)
         assert next(r for r in rows if r["id"] == "job-000002")["age_s"] == 300.0
+
+
+async def test_vim_keys_and_home_end_move_the_cursor_as_help_says() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        table = app.screen.query_one(LiveTable)
+        await pilot.press("j", "j")
+        assert table.cursor_row == 2
+        await pilot.press("k")
+        assert table.cursor_row == 1
+        await pilot.press("G")
+        assert table.cursor_row == 5
+        await pilot.press("g")
+        assert table.cursor_row == 0
+        await pilot.press("end")
+        assert table.cursor_row == 5
+        await pilot.press("home")
+        assert table.cursor_row == 0

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 from rich.text import Text
+from textual.binding import Binding
 from textual.coordinate import Coordinate
 from textual.geometry import Region
 from textual.strip import Strip
@@ -37,6 +38,14 @@ class LiveTable(DataTable[Cell]):
     DEFAULT_CSS = """
     LiveTable { height: 1fr; }
     """
+    # vim's keys, and Home/End to the first and last row as help says (DataTable's own
+    # Home/End scroll sideways: the frozen columns make that the right/left arrows' job).
+    BINDINGS = [
+        Binding("j", "cursor_down", "Down", show=False, id="table.down"),
+        Binding("k", "cursor_up", "Up", show=False, id="table.up"),
+        Binding("home,g", "scroll_top", "First row", show=False, id="table.first"),
+        Binding("end,G", "scroll_bottom", "Last row", show=False, id="table.last"),
+    ]
 
     def __init__(self, columns: Sequence[Column], cells_for: CellsFor, haystack_for: HaystackFor,
                  *, sort_column: str, sort_reverse: bool = False, id: str | None = None,
