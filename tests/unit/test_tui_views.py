@@ -369,3 +369,33 @@ async def test_vim_keys_and_home_end_move_the_cursor_as_help_says() -> None:
         assert table.cursor_row == 5
         await pilot.press("home")
         assert table.cursor_row == 0
+
+
+async def test_the_palette_offers_every_views_actions_from_anywhere() -> None:
+    from textual.command import CommandList, CommandPalette
+
+    from swarm_tui.app.screens.dialogs import ExportDialog
+    from swarm_tui.app.screens.jobs import JobsScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        for start, command, opens in [("2", "fellows: set speed", SetSpeedDialog),
+                                      ("1", "jobs: export view", ExportDialog)]:
+            await pilot.press(start)
+            await pilot.pause()
+            await pilot.press("ctrl+p")
+            palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)
+                                     and app.screen, "the command palette")
+            palette.query_one(Input).value = command
+            await wait_for(pilot, lambda p=palette: p.query_one(CommandList).option_count,
+                           "hits")
+            await pilot.press("down", "enter")
+            dialog = await wait_for(pilot, lambda o=opens: isinstance(app.screen, o)
+                                    and app.screen, command)
+            if isinstance(dialog, SetSpeedDialog):
+                assert dialog.targets == [(0, "gpu-a")]  # the fellows table's cursor
+            await pilot.press("escape")
+            await pilot.pause()
+        assert isinstance(app.screen, JobsScreen)
