@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from aiohttp.test_utils import TestServer
 
@@ -190,6 +191,7 @@ class FakeClient(SwarmClient):
     def __init__(self) -> None:
         super().__init__("http://leader.test:8765", "t")
         self.calls: list[tuple[str, Any]] = []
+        self.fetched: list[str] = []  # job ids asked of GET /jobs/{id}
         self._fellows = fixed_fellows()
         self._jobs = fixed_jobs()
         self._snapshot_served = asyncio.Event()
@@ -199,10 +201,13 @@ class FakeClient(SwarmClient):
         return list(self._fellows)
 
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
-        return list(self._jobs)
+        # As the leader's list route: new objects each time, and no loss history.
+        return [attrs.evolve(j, loss_history=[]) for j in self._jobs]
 
     async def job(self, job_id: str) -> JobInfo:
-        return next(j for j in self._jobs if j.job_id == job_id)
+        self.fetched.append(job_id)
+        job = next(j for j in self._jobs if j.job_id == job_id)
+        return attrs.evolve(job, loss_history=[list(p) for p in job.loss_history])
 
     async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
         self.calls.append(("set_speed", (fellow_id, req)))

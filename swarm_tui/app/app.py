@@ -31,6 +31,7 @@ from swarm_core.config.profiles import ResolvedExperiment
 from swarm_core.contract import JobSubmit
 from swarm_core.experiments.runner import Experiment, ExperimentError
 from swarm_core.protocol import SetSpeedRequest
+from swarm_tui.app.cluster import LeaderAddress, OwnedCluster
 from swarm_tui.app.commands import SwarmCommands
 from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
 from swarm_tui.app.model import LEFT, Change, ClusterModel
@@ -38,6 +39,7 @@ from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDia
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.fmt import describe_link
 
 VIEWS = ("fellows", "jobs", "launch")
@@ -78,7 +80,10 @@ class SwarmApp(App[int]):
                  stream: bool = True, configs_dir: Path | None = None,
                  launch_sources: Sequence[LaunchSource] | None = None, note: str = "",
                  owns_client: bool = True, flush_s: float = 0.25,
-                 local_cluster: bool = False, keymap: dict[str, str] | None = None) -> None:
+                 cluster: OwnedCluster | None = None,
+                 follow: Callable[[], LeaderAddress | None] | None = None,
+                 connect: Callable[[str, str | None], SwarmClient] = SwarmClient,
+                 keymap: dict[str, str] | None = None) -> None:
         super().__init__()
         self.keymap = dict(keymap or {})  # binding id -> keys, checked by keymap.check
         if self.keymap:
@@ -95,7 +100,11 @@ class SwarmApp(App[int]):
         self.launch_sources: list[LaunchSource] = list(
             launch_sources or default_sources(configs_dir or default_configs_dir()))
         self.owns_client = owns_client
-        self.local_cluster = local_cluster  # quitting stops it: ask first
+        # The local cluster this console started (quitting stops it: ask first), and where
+        # the local cluster's leader is now (a restart-cluster moves it to a new port).
+        self.cluster = cluster
+        self.follow, self.connect = follow, connect
+        self.note = note
         # A launch until its runs are queued (or refused): a second would queue them twice.
         self.launching = False
         self.sub_title = self.leader_url + (f"  {note}" if note else "")
@@ -109,7 +118,7 @@ class SwarmApp(App[int]):
 
     # lifecycle --------------------------------------------------------------------------------
     def on_mount(self) -> None:
-        if self.local_cluster:
+        if self.cluster is not None:
             # An SSH session that drops (SIGHUP) or a kill (SIGTERM) still stops the cluster
             # this console started: exit cleanly, and the caller's `finally` stops it.
             loop = asyncio.get_running_loop()
@@ -167,10 +176,14 @@ class SwarmApp(App[int]):
         except ApiError as exc:  # it answers, but refuses (a wrong token): say so, keep trying
             self._api_ok, self._api_error = False, f"leader refused: {_one_line(exc)}"
             self._update_connection()
+            if await self._follow_local_cluster():
+                self.call_later(self.refresh_now)
             return
         except (LeaderUnreachable, aiohttp.ClientError, OSError, TimeoutError) as exc:
             self._api_ok, self._api_error = False, _one_line(exc)
             self._update_connection()
+            if await self._follow_local_cluster():
+                self.call_later(self.refresh_now)
             return
         if self._api_ok is False or not self._stream_ok:
             self._wake_stream.set()
@@ -180,6 +193,34 @@ class SwarmApp(App[int]):
         self.snapshots += 1
         self._update_connection()
         self.publish(change)
+
+    async def _follow_local_cluster(self) -> bool:
+        """The leader does not answer: has the local cluster record moved on to another one
+        (``swarm restart-cluster``)? Then talk to that one from now on."""
+        if self.follow is None:
+            return False
+        found = await asyncio.to_thread(self.follow)
+        if found is None or found[0].rstrip("/") == self.leader_url.rstrip("/"):
+            return False
+        url, token = found
+        old, owned = self.client, self.owns_client
+        self.client, self.owns_client = self.connect(url, token), True
+        self.leader_url = url
+        mine = self.cluster is not None and self.cluster.is_current()
+        self.sub_title = url + (f"  {self.note}" if self.note and mine else "")
+        self.model.last_seq = None  # a new leader numbers its events afresh
+        self._api_ok, self._api_error, self._retry_at = None, "", None
+        self._stream_ok = False
+        self.notify(f"the local cluster was restarted: following its leader at {url}",
+                    timeout=6)
+        if self.stream:
+            self.stream_events()  # (exclusive: replaces the one dialling the old port)
+        if owned:
+            with contextlib.suppress(Exception):
+                await old.close()
+        self._update_connection()
+        self.publish(Change(ages=True), now=True)  # the top bar names the new leader
+        return True
 
     @work(exclusive=True, group="events", exit_on_error=False, description="event stream")
     async def stream_events(self) -> None:
@@ -274,14 +315,15 @@ class SwarmApp(App[int]):
             return
         if self.current_mode != name:
             self.switch_mode(name)
-            return
-        # Already in that view, on a screen pushed over it (a fellow's detail, a job's watch):
-        # back to the view itself.
+        # To the view itself, not to a screen pushed over it (a fellow's detail, a job's
+        # watch), now or when that view was left.
         while len(self.screen_stack) > 1:
             self.pop_screen()
 
     def action_ask_quit(self) -> None:
-        if not self.local_cluster:
+        # Only a cluster this console started, and only while it runs: one that
+        # restart-cluster put in its place is not this console's to stop.
+        if self.cluster is None or not self.cluster.running():
             self.exit()
             return
         dialog = ConfirmDialog("Quit?", "This console started a local cluster; quitting stops "
@@ -391,8 +433,12 @@ class SwarmApp(App[int]):
     def ask_release_all(self) -> None:
         if self.refuse_if_read_only("release all"):
             return
-        n = len(self.model.fellows)
-        dialog = ConfirmDialog(f"Release ALL {n} fellows?",
+        # (released and leaving fellows have left already: they are not asked again)
+        n = sum(1 for st in self.model.fellows.values() if st.status not in LEFT)
+        if not n:
+            self.notify("no fellow to release: every one has left", severity="warning")
+            return
+        dialog = ConfirmDialog(f"Release ALL {n} fellow{'s' if n != 1 else ''}?",
                                "Every fellow stops its job and leaves the cluster.",
                                "Release all")
         self.push_screen(dialog, lambda ok: self.release([], everyone=True) if ok else None)
@@ -412,14 +458,15 @@ class SwarmApp(App[int]):
             self.notify(f"{job_id} is already {view.info.state}", severity="warning")
             return
         name = f" ({view.info.name})" if view is not None else ""
+        # ("Cancel job" beside "Cancel" read as two ways to cancel: the no is "Keep job")
         dialog = ConfirmDialog(f"Cancel {job_id}?", f"{job_id}{name} stops on every fellow.",
-                               "Cancel job")
+                               "Cancel job", "Keep job")
         self.push_screen(dialog, lambda ok: self.cancel(job_id) if ok else None)
 
     @work(group="cancel", exit_on_error=False, description="cancel")
     async def cancel(self, job_id: str) -> None:
         job = await self.client.cancel(job_id)
-        self.publish(self.model.apply_job(job), now=True)
+        self.publish(self.model.apply_job(job, with_history=False), now=True)
         self.notify(f"{job_id} {job.state.lower()}")
 
     def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
@@ -451,7 +498,8 @@ class SwarmApp(App[int]):
             self.launching = False
         name = exp.config.name
         queued = [st.job_id for st in runner.states if st.job_id]
-        self.notify(f"sweep {name}: {len(runner.states)} runs"
+        runs = len(runner.states)
+        self.notify(f"sweep {name}: {runs} run{'s' if runs != 1 else ''}"
                     + (f", queued {' '.join(queued)}" if queued else ", one at a time")
                     + f"; artifacts in {runner.runs_dir}", timeout=8)
         self.action_refresh()
@@ -474,7 +522,7 @@ class SwarmApp(App[int]):
             for req in runs:
                 job = await self.client.submit(req)
                 submitted.append(job.job_id)
-                self.publish(self.model.apply_job(job), now=True)
+                self.publish(self.model.apply_job(job, with_history=False), now=True)
         except ClientError as exc:
             if origin is not None and hasattr(origin, "launch_failed"):
                 origin.launch_failed(exc, submitted)
@@ -510,7 +558,8 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
 
     navigation = [
         # The widgets' own keys: listed for help, without ids (they cannot be remapped).
-        Binding("up,down,pageup,pagedown,home,end", "", "move in a table"),
+        Binding("up,down,pageup,pagedown", "", "move in a table"),
+        Binding("left,right", "", "scroll a wide table sideways"),
         Binding("enter", "", "open (fellow detail / job watch)"),
         Binding("tab,shift+tab", "", "next / previous field"),
     ]
@@ -524,6 +573,7 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
         ("export dialog", of(Export)),
+        ("tables", of(LiveTable)),
         ("tables and forms", navigation),
     ]
 

@@ -7,6 +7,7 @@ every second never make the table re-measure or jump.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
@@ -31,6 +32,7 @@ STATUS_STYLE = {
     "offline": "red",
     "released": "dim",
     "leaving": "dim",
+    "left": "dim",
 }
 JOB_STATE_STYLE = {
     "PENDING": "yellow",
@@ -67,40 +69,75 @@ class Column:
     width: int
     justify: str = "left"
     help: str = ""
+    # Which columns a narrow terminal keeps: 0 always, then 1, 2… while they fit.
+    priority: int = 0
+    frozen: bool = False  # stays on the left when the table scrolls sideways
+    stretch: bool = False  # takes the width left over (``width`` is its least)
+    # An export names the column with its unit (``tx_mbps``, not the screen's "tx Mb/s") and
+    # rounds its numbers to what the screen shows (an age of 81.00346779823303 s is 81.0).
+    export: str = ""
+    digits: int | None = None
+
+    @property
+    def export_name(self) -> str:
+        return self.export or self.key
 
 
 FELLOW_COLUMNS: tuple[Column, ...] = (
-    Column("sel", " ", 1, help="marked (space)"),
-    Column("id", "id", 3, "right", "fellow id"),
-    Column("name", "name", 10),
+    Column("sel", " ", 1, help="marked (space)", frozen=True),
+    Column("id", "id", 3, "right", "fellow id", frozen=True),
+    Column("name", "name", 10, frozen=True),
     Column("status", "status", 8, help="! marks a note (see the detail view)"),
-    Column("hb", "hb", 4, "right", "seconds since the last heartbeat"),
-    Column("job", "job/stage", 12),
-    Column("step", "step", 6, "right"),
-    Column("loss", "loss", 6, "right", "last loss"),
-    Column("tps", "tok/s", 6, "right", "tokens per second"),
-    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate"),
-    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate"),
-    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s"),
-    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s"),
-    Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent"),
-    Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received"),
-    Column("node", "node", 10, help="host"),
-    Column("dev", "slots", 8, help="device slots"),
+    Column("hb", "hb", 4, "right", "seconds since the last heartbeat",
+           priority=2, export="hb_age_s", digits=1),
+    Column("job", "job/stage", 12, priority=1),
+    Column("step", "step", 6, "right", priority=1),
+    Column("loss", "loss", 6, "right", "last loss", priority=2, digits=4),
+    Column("tps", "tok/s", 6, "right", "tokens per second",
+           priority=3, export="tokens_per_s", digits=1),
+    Column("tx_rate", "tx Mb/s", 7, "right", "data-plane send rate",
+           priority=1, export="tx_mbps", digits=3),
+    Column("rx_rate", "rx Mb/s", 7, "right", "data-plane receive rate",
+           priority=1, export="rx_mbps", digits=3),
+    Column("tx_lim", "tx lim", 6, "right", "send limit, Mbit/s",
+           priority=3, export="tx_limit_mbps"),
+    Column("rx_lim", "rx lim", 6, "right", "receive limit, Mbit/s",
+           priority=3, export="rx_limit_mbps"),
+    Column("lat", "lat ms", 6, "right", "added one-way latency, ms",
+           priority=3, export="latency_ms"),
+    Column("tx_bytes", "tx bytes", 8, "right", "data-plane bytes sent", priority=4),
+    Column("rx_bytes", "rx bytes", 8, "right", "data-plane bytes received", priority=4),
+    Column("node", "node", 10, help="host", priority=4),
+    Column("dev", "slots", 8, help="device slots", priority=5, export="slots"),
 )
 SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
 
 JOB_COLUMNS: tuple[Column, ...] = (
-    Column("id", "job", 10),
-    Column("name", "name", 14),
-    Column("kind", "kind", 5),
+    Column("id", "job", 10, frozen=True),
+    Column("name", "name", 20, help="the run (model, compression, network, seed), then its "
+           "sweep and time", frozen=True),
+    Column("kind", "kind", 5, priority=4),
     Column("state", "state", 9),
-    Column("progress", "progress", 18, help="steps done of the steps asked"),
-    Column("loss", "loss", 6, "right"),
-    Column("fellows", "fellows", 8),
-    Column("age", "age", 5, "right", "since submitted"),
-    Column("info", "why / reason", 40),
+    Column("progress", "progress", 18, help="steps done of the steps asked", priority=1),
+    Column("loss", "loss", 6, "right", priority=2, digits=4),
+    Column("fellows", "fellows", 8, priority=3),
+    Column("age", "age", 5, "right", "since submitted", priority=2, export="age_s", digits=0),
+    Column("info", "why / reason", 12, priority=1, stretch=True),
 )
+
+
+# A sweep run's job name: <stamp>-<experiment>-<NN>-<run> (swarm_core.experiments.runner)
+_RUN_NAME = re.compile(r"^(?P<stamp>\d{8}T\d{6})-(?P<exp>.+?)-(?P<index>\d{2,})-(?P<run>.+)$")
+
+
+def job_label(name: str) -> str:
+    """A job's name as the table shows it: a sweep run by its run (model, compression,
+    network, seed) before its sweep and timestamp, which at 80 columns were all that showed
+    (``20261201T2301…``); any other name as it is."""
+    m = _RUN_NAME.match(name)
+    if m is None:
+        return name
+    return f"{m['run']} · {m['exp']} #{int(m['index'])} {m['stamp']}"
 
 
 def progress_bar(done: int, total: int | None, width: int = 8) -> str:
@@ -125,6 +162,19 @@ def fellow_age_cell(model: ClusterModel, st: FellowState) -> Cell:
     return Cell(fmt_age(age), age, key=st.fellow_id, style=style, justify="right")
 
 
+LEAVING_GONE_S = 10.0  # "leaving" and silent this long: it has left
+
+
+def shown_status(model: ClusterModel, st: FellowState) -> str:
+    """The status as shown: a fellow whose last word was "leaving" and that has been silent
+    since (one of a previous cluster, kept in the leader's records) has left."""
+    if st.status == "leaving":
+        age = model.heartbeat_age(st)
+        if age is not None and age > LEAVING_GONE_S:
+            return "left"
+    return st.status
+
+
 def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str, Cell]:
     fid = st.fellow_id
     row_style = _fellow_row_style(st)
@@ -144,7 +194,7 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         "sel": cell(MARK if marked else " ", int(marked), style="bold magenta"),
         "id": num(str(fid), fid),
         "name": cell(st.name, st.name),
-        "status": cell(st.status + ("!" if st.note else ""), st.status,
+        "status": cell(shown_status(model, st) + ("!" if st.note else ""), st.status,
                        style="yellow" if st.note and not st.stale else
                        STATUS_STYLE.get(st.status, "")),
         "hb": fellow_age_cell(model, st),
@@ -159,6 +209,8 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
                       else float("inf")),
         "rx_lim": num(fmt_limit(st.rx_limit), st.rx_limit if st.rx_limit is not None
                       else float("inf")),
+        "lat": Cell(f"{st.latency_ms:g}" if st.latency_ms else "-", st.latency_ms, key=fid,
+                    style=row_style, justify="right", export=st.latency_ms),
         "tx_bytes": num(fmt_bytes(tx_bytes, compact=True), tx_bytes),
         "rx_bytes": num(fmt_bytes(rx_bytes, compact=True), rx_bytes),
         "node": cell(st.host or "-", st.host),
@@ -179,7 +231,7 @@ JOB_STATE_ORDER = {"RUNNING": 0, "PENDING": 1, "FAILED": 2, "CANCELLED": 2, "COM
 def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     info = view.info
     jid = info.job_id
-    # Default order: running, then the queue oldest first, then the history newest first.
+    # By state: running, then the queue oldest first, then the history newest first.
     group = JOB_STATE_ORDER.get(info.state, 3)
     created = info.created_at if group < 2 else -info.created_at
 
@@ -189,10 +241,11 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     total = view.total_steps
     why = printable(info.waiting_for if info.state == "PENDING" else info.reason)
     return {
-        "id": cell(jid, (group, created)),
-        "name": cell(info.name, info.name),
+        "id": cell(jid, jid),
+        "name": Cell(job_label(info.name), job_label(info.name), key=jid, export=info.name),
         "kind": cell(info.kind or "-", info.kind),
-        "state": cell(info.state, (group, info.state), style=JOB_STATE_STYLE.get(info.state, "")),
+        # The default order is the state column's: running, the queue, the history.
+        "state": cell(info.state, (group, created), style=JOB_STATE_STYLE.get(info.state, "")),
         "progress": Cell(progress_bar(info.last_step, total),
                          info.last_step / total if total else info.last_step, key=jid,
                          export=f"{info.last_step}/{total}" if total else info.last_step),
@@ -216,19 +269,21 @@ def job_haystack(view: JobView) -> str:
 
 
 WATCH_COLUMNS: tuple[Column, ...] = (
-    Column("id", "fellow", 6, "right"),
-    Column("name", "name", 10),
+    Column("id", "fellow", 6, "right", frozen=True, export="fellow"),
+    Column("name", "name", 10, frozen=True),
     Column("stage", "stage", 5, "right"),
     Column("status", "status", 8),
     Column("step", "step", 6, "right"),
-    Column("loss", "loss", 6, "right"),
-    Column("tps", "tok/s", 6, "right"),
-    Column("tx_rate", "tx Mb/s", 7, "right"),
-    Column("rx_rate", "rx Mb/s", 7, "right"),
-    Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step"),
+    Column("loss", "loss", 6, "right", digits=4),
+    Column("tps", "tok/s", 6, "right", export="tokens_per_s", digits=1),
+    Column("tx_rate", "tx Mb/s", 7, "right", export="tx_mbps", digits=3),
+    Column("rx_rate", "rx Mb/s", 7, "right", export="rx_mbps", digits=3),
+    Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step",
+           export="activation_bytes"),
     Column("wait", "wait", 5, "right",
-           "share of the last step spent blocked on links (neighbours, network, bubble)"),
-    Column("hb", "hb", 4, "right"),
+           "share of the last step spent blocked on links (neighbours, network, bubble)",
+           export="wait_fraction", digits=3),
+    Column("hb", "hb", 4, "right", export="hb_age_s", digits=1),
 )
 
 

@@ -21,12 +21,28 @@ class SwarmCommands(Provider):
     def swarm(self) -> SwarmApp:
         return self.app  # type: ignore[return-value]
 
+    def in_view(self, view: str, action: str, *args: object) -> Callable[[], None]:
+        """Run a view's action from anywhere: go to the view (itself, not a screen over it),
+        then run it there once it is up."""
+        app = self.swarm
+
+        def run() -> None:
+            app.switch_view(view)
+
+            def there() -> None:
+                getattr(app.screen, action)(*args)
+
+            app.call_after_refresh(there)
+
+        return run
+
     def commands(self) -> list[Command]:
-        from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
-        from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
+        from swarm_tui.app.screens.fellows import FellowDetailScreen
+        from swarm_tui.app.screens.jobs import JobWatchScreen
 
         app = self.swarm
         screen = self.screen
+        fellows, jobs = partial(self.in_view, "fellows"), partial(self.in_view, "jobs")
         out: list[Command] = [
             ("view: fellows", partial(app.switch_view, "fellows"), "the live fellow table"),
             ("view: jobs", partial(app.switch_view, "jobs"), "the queue and finished jobs"),
@@ -34,36 +50,31 @@ class SwarmCommands(Provider):
             ("app: help", app.action_help, "every key of every view"),
             ("app: refresh now", app.refresh_now, "fetch fellows and jobs from the leader"),
             ("app: quit", app.action_ask_quit, "leave the console"),
+            # Every view's actions, from anywhere (they go to their view first).
+            ("fellows: set speed", fellows("action_set_speed"),
+             "link limits of the marked fellows (or the one under the cursor)"),
+            ("fellows: release", fellows("action_release"),
+             "release the marked fellows (or the one under the cursor)"),
+            ("fellows: release all", fellows("action_release_all"), "release every fellow"),
+            ("fellows: filter", fellows("action_filter"), "filter rows by a regex"),
+            ("fellows: clear filter and marks", fellows("action_clear"), ""),
+            ("fellows: reverse sort", fellows("action_sort_reverse"), ""),
+            ("fellows: watch job", fellows("action_watch"), "the job of the selected fellow"),
+            ("fellows: export view", fellows("action_export"),
+             "the rows as shown to a .csv or .json file"),
+            *((f"fellows: sort by {c.label}", fellows("sort_by", c.key), c.help)
+              for c in SORTABLE_FELLOW_COLUMNS),
+            ("jobs: watch", jobs("action_watch"), "follow the selected job live"),
+            ("jobs: cancel", jobs("action_cancel_job"), "cancel the selected job"),
+            ("jobs: filter", jobs("action_filter"), ""),
+            ("jobs: export view", jobs("action_export"),
+             "the rows as shown to a .csv or .json file"),
         ]
-        if isinstance(screen, FellowsScreen):
-            out += [
-                ("fellows: set speed", screen.action_set_speed,
-                 "link limits of the marked fellows (or the one under the cursor)"),
-                ("fellows: release", screen.action_release,
-                 "release the marked fellows (or the one under the cursor)"),
-                ("fellows: release all", screen.action_release_all, "release every fellow"),
-                ("fellows: filter", screen.action_filter, "filter rows by a regex"),
-                ("fellows: clear filter and marks", screen.action_clear, ""),
-                ("fellows: reverse sort", screen.action_sort_reverse, ""),
-                ("fellows: watch job", screen.action_watch, "the job of the selected fellow"),
-                ("fellows: export view", screen.action_export,
-                 "the rows as shown to a .csv or .json file"),
-            ]
-            out += [(f"fellows: sort by {c.label}", partial(screen.sort_by, c.key), c.help)
-                    for c in SORTABLE_FELLOW_COLUMNS]
-        elif isinstance(screen, FellowDetailScreen):
+        if isinstance(screen, FellowDetailScreen):
             out += [
                 ("fellow: set speed", screen.action_set_speed, ""),
                 ("fellow: release", screen.action_release, ""),
                 ("fellow: watch job", screen.action_watch, ""),
-            ]
-        elif isinstance(screen, JobsScreen):
-            out += [
-                ("jobs: watch", screen.action_watch, "follow the selected job live"),
-                ("jobs: cancel", screen.action_cancel_job, "cancel the selected job"),
-                ("jobs: filter", screen.action_filter, ""),
-                ("jobs: export view", screen.action_export,
-                 "the rows as shown to a .csv or .json file"),
             ]
         elif isinstance(screen, JobWatchScreen):
             out += [("job: cancel", screen.action_cancel_job, ""),

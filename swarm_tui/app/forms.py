@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import attrs
+
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import FieldError
+from swarm_core.validators import RATE_MBPS
 from swarm_tui.typed import clip, decimal_number
 
 SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
@@ -17,9 +20,17 @@ class FormError(ValueError):
         self.field = field
 
 
+def _bounds() -> dict[str, tuple[float, float]]:
+    """The ranges the leader accepts (its validators'), so the dialog says them first."""
+    lat = attrs.fields(SetSpeedRequest).latency_ms.metadata
+    return {"tx_mbps": RATE_MBPS, "rx_mbps": RATE_MBPS,
+            "latency_ms": (float(lat["minimum"]), float(lat["maximum"]))}
+
+
 def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
-    """``text`` as a number; empty (or a word for nothing: for a rate, also "unlimited") is
-    ``empty``."""
+    """``text`` as a number within the field's range; empty (or a word for nothing: for a
+    rate, also "unlimited") is ``empty``. Every error has one form: ``label: 'text' is …
+    (…; leave it empty for …)``, quoting what was typed."""
     label = SPEED_LABELS.get(field, field)
     blank = "unlimited" if empty is None else f"{empty:g} ms"
     nothing = ("none", "-") if empty is not None else ("none", "-", "unlimited", "∞")
@@ -31,9 +42,10 @@ def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
     except ValueError:
         raise FormError(f"{label}: {clip(text)!r} is not a number (leave it empty for "
                         f"{blank})", field) from None
-    if not math.isfinite(value):
-        raise FormError(f"{label}: {clip(text)!r} is out of range (leave it empty for "
-                        f"{blank})", field)
+    lo, hi = _bounds().get(field, (-math.inf, math.inf))
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise FormError(f"{label}: {clip(text)!r} is out of range ({lo:g} to {hi:g}; leave "
+                        f"it empty for {blank})", field)
     return value
 
 
@@ -41,14 +53,10 @@ def parse_speed(tx: str, rx: str, latency: str) -> SetSpeedRequest:
     """Rates in Mbit/s (empty: unlimited), latency in ms (empty: 0)."""
     tx_v = parse_number(tx, "tx_mbps", empty=None)
     rx_v = parse_number(rx, "rx_mbps", empty=None)
-    for field, v in (("tx_mbps", tx_v), ("rx_mbps", rx_v)):
-        if v is not None and v <= 0:
-            raise FormError(f"{SPEED_LABELS[field]}: must be > 0 (leave it empty for "
-                            f"unlimited), got {v:g}", field)
     lat_v = parse_number(latency, "latency_ms", empty=0.0)
     try:
         return SetSpeedRequest(tx_mbps=tx_v, rx_mbps=rx_v, latency_ms=lat_v or 0.0)
-    except FieldError as exc:
+    except FieldError as exc:  # (a rule of the leader's beyond the ranges above)
         field = exc.field or ""
         raise FormError(f"{SPEED_LABELS.get(field, field)}: {exc}", field) from None
 

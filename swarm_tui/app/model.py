@@ -87,6 +87,9 @@ class FellowState:
     sample_ts: float | None = None  # leader clock of the newest counters sample
     tx: RateMeter = attrs.field(factory=RateMeter)
     rx: RateMeter = attrs.field(factory=RateMeter)
+    # The newest step it reported for its job (metric events): heartbeats lag behind them,
+    # and "left job at step N" should not name a step before its "completed at step M".
+    reported_step: int = 0
     loss_hist: deque[tuple[int, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
     tps_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
     tx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))  # Mbit/s
@@ -116,8 +119,9 @@ class FellowState:
                 where = "" if stage is None else f" as stage {stage}"
                 self.log(ts, f"joined {job_id}{where}")
             elif self.job_id is not None:
-                self.log(ts, f"left {self.job_id} at step {self.step}")
+                self.log(ts, f"left {self.job_id} at step {max(self.step, self.reported_step)}")
             self.loss_hist.clear()
+            self.reported_step = 0
             self.stage = stage
         elif stage is not None:
             self.stage = stage
@@ -216,6 +220,21 @@ class JobView:
     # its own memory and waits.
     per_stage: dict[int, FellowProgress] = attrs.field(factory=dict)
     partial: bool = False  # built from an event; the next snapshot fills it in
+    # The whole recorded loss history came with GET /jobs/{id} (the list route carries none):
+    # until then the curve holds only the points seen live.
+    history_loaded: bool = False
+
+    def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
+        """A newer record of the job. The list route has no loss history: the curve seen so
+        far stays; one fetched with it replaces the curve, keeping live points past its end."""
+        old = self.info.loss_history
+        if with_history:
+            last = ji.loss_history[-1][0] if ji.loss_history else -1
+            ji.loss_history = list(ji.loss_history) + [p for p in old if p[0] > last]
+            self.history_loaded = True
+        else:
+            ji.loss_history = old
+        self.info, self.partial = ji, False
 
     @property
     def job_id(self) -> str:
@@ -323,23 +342,27 @@ class ClusterModel:
             seen.add(ji.job_id)
             view = self.jobs.get(ji.job_id)
             if view is None:
+                ji.loss_history = []  # (the list route has none; a curve begins live)
                 self.jobs[ji.job_id] = JobView(ji)
                 change.job_rows = True
             else:
-                view.info, view.partial = ji, False
+                view.take_info(ji, with_history=False)
             change.jobs.add(ji.job_id)
         for jid in set(self.jobs) - seen:
             del self.jobs[jid]
             change.job_rows = True
         return change
 
-    def apply_job(self, ji: JobInfo) -> Change:
-        """One job fetched on its own (the watch view): keeps the other jobs."""
+    def apply_job(self, ji: JobInfo, *, with_history: bool = True) -> Change:
+        """One job on its own: fetched (the watch view), with its whole loss history, or as
+        an action's answer (``with_history=False``: submit, cancel). Keeps the other jobs."""
         view = self.jobs.get(ji.job_id)
         if view is None:
-            self.jobs[ji.job_id] = JobView(ji)
+            if not with_history:
+                ji.loss_history = []
+            self.jobs[ji.job_id] = JobView(ji, history_loaded=with_history)
             return Change(jobs={ji.job_id}, job_rows=True)
-        view.info, view.partial = ji, False
+        view.take_info(ji, with_history=with_history)
         return Change(jobs={ji.job_id})
 
     # events -----------------------------------------------------------------------------------
@@ -356,8 +379,11 @@ class ClusterModel:
         if isinstance(seq, int):
             if kind != "hello" and self.last_seq is not None and seq != self.last_seq + 1:
                 self.need_refresh = True
+                self._history_gap()
             self.last_seq = seq
         if kind == "hello":
+            if self.events_seen:
+                self._history_gap()  # a reconnect: whatever happened meanwhile is unseen
             return Change()
         self.events_seen += 1
         if kind.startswith("fellow."):
@@ -367,6 +393,11 @@ class ClusterModel:
         if kind.startswith("job."):
             return self._job_event(kind, data)
         return Change()
+
+    def _history_gap(self) -> None:
+        """Metrics were missed: a curve extended live has holes until fetched again."""
+        for view in self.jobs.values():
+            view.history_loaded = False
 
     def _fellow_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> Change:
         fid = data.get("fellow_id")
@@ -393,6 +424,8 @@ class ClusterModel:
         state = data.get("state")
         fid = data.get("fellow_id")
         st = self.fellows.get(fid) if isinstance(fid, int) else None
+        if st is not None and st.job_id == jid:
+            st.reported_step = max(st.reported_step, int(data.get("step") or 0))
         if st is not None and state in ("COMPLETED", "FAILED"):
             st.log(self.leader_now(), f"{jid}: {state.lower()} at step {data.get('step')}")
         return Change(jobs={view.job_id})

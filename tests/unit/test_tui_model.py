@@ -174,17 +174,22 @@ def test_number_formats() -> None:
 
 @pytest.mark.parametrize(("tx", "rx", "lat", "error"), [
     ("fast", "", "", "tx Mbit/s: 'fast' is not a number"),
-    ("-1", "", "", "tx Mbit/s: must be > 0"),
-    ("", "0", "", "rx Mbit/s: must be > 0"),
+    # One form for every out-of-range value: what was typed, the range, what empty means.
+    ("-1", "", "", "tx Mbit/s: '-1' is out of range (0.001 to 1e+06; leave it empty for "
+     "unlimited)"),
+    ("", "0", "", "rx Mbit/s: '0' is out of range (0.001 to 1e+06;"),
+    ("1e9", "", "", "tx Mbit/s: '1e9' is out of range (0.001 to 1e+06; leave it empty for "
+     "unlimited)"),
     ("inf", "", "", "tx Mbit/s: 'inf' is not a number (leave it empty for unlimited)"),
-    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (leave it empty for unlimited)"),
+    ("1e999", "", "", "tx Mbit/s: '1e999' is out of range (0.001 to 1e+06; leave it empty "
+     "for unlimited)"),
     ("-1e999", "", "", "tx Mbit/s: '-1e999' is out of range"),
     ("1_000", "", "", "tx Mbit/s: '1_000' is not a number"),
     ("\u0663", "", "", "tx Mbit/s: '\u0663' is not a number"),  # an Arabic-Indic 3
     ("9" * 5000, "", "", "tx Mbit/s: '999999999999999999999999...' is out of range"),
     ("x" * 5000, "", "", "tx Mbit/s: 'xxxxxxxxxxxxxxxxxxxxxxxx...' is not a number"),
-    ("", "", "-2", "latency ms: must be between 0 and 60000"),
-    ("", "", "1e9", "latency ms: must be between 0 and 60000"),
+    ("", "", "-2", "latency ms: '-2' is out of range (0 to 60000; leave it empty for 0 ms)"),
+    ("", "", "1e9", "latency ms: '1e9' is out of range (0 to 60000; leave it empty for 0 ms)"),
     ("", "", "nan", "latency ms: 'nan' is not a number (leave it empty for 0 ms)"),
     ("", "", "unlimited", "latency ms: 'unlimited' is not a number (leave it empty for 0 ms)"),
 ])
@@ -403,7 +408,8 @@ def test_console_without_a_leader_says_so(capsys: pytest.CaptureFixture[str]) ->
 def test_plain_modules_and_headless_paths_import_no_textual() -> None:
     code = ("import json, sys\n"
             "import swarm_tui.cli, swarm_tui.app.model, swarm_tui.app.cells, "
-            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export\n"
+            "swarm_tui.app.forms, swarm_tui.app.launch, swarm_tui.app.export, "
+            "swarm_tui.app.cluster\n"
             "print(json.dumps(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO)
@@ -454,3 +460,34 @@ def test_mid_run_set_speeds_are_described_newest_last_with_the_count_of_the_rest
     assert text.endswith("(+1 earlier)")
     # The job's record kept 4 of 40: the count says so.
     assert describe_link_changes(changes, total=40).endswith("(+37 earlier)")
+
+
+def test_a_fellows_events_agree_on_the_step_it_left_its_job_at() -> None:
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows(fixed_fellows())
+    model.apply_jobs(fixed_jobs())
+    # Heartbeats lag behind the stage's reports: the last one said step 8.
+    model.apply_event(hb(1, T0, 1, status="busy", job_id="job-000002", step=8, loss=3.0))
+    model.apply_event({"seq": 2, "ts": T0, "type": "metric", "data": {
+        "job_id": "job-000002", "fellow_id": 1, "stage": 1, "step": 12, "loss": 2.9,
+        "tokens_per_s": 10.0, "state": "COMPLETED", "metrics": {}}})
+    model.apply_event(hb(1, T0 + 1, 3, status="ready"))
+    texts = [text for _, text in model.fellows[1].events]
+    assert "job-000002: completed at step 12" in texts
+    assert "left job-000002 at step 12" in texts
+
+
+def test_an_earlier_stages_loss_pane_says_the_last_stage_computes_it() -> None:
+    from swarm_tui.app.screens.fellows import loss_caption
+
+    model = ClusterModel(lambda: T0)
+    fellows = fixed_fellows()
+    fellows[0].last_loss = None  # stage 0 of job-000002's two: it computes no loss
+    model.apply_fellows(fellows)
+    model.apply_jobs(fixed_jobs())
+    model.fellows[0].step = 347
+    assert model.fellows[0].stage == 0
+    assert loss_caption(model, model.fellows[0]) == \
+        "loss: computed on the last stage (1), not here"
+    assert loss_caption(model, model.fellows[2]) == "loss: no job"
+    assert loss_caption(model, model.fellows[1]).startswith("loss 3.0312")

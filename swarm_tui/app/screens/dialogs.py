@@ -17,8 +17,22 @@ from textual.widgets import Button, Input, Label, Static
 from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.export import ExportError, default_name, write_view
 from swarm_tui.app.forms import FormError, fmt_input, parse_speed
+from swarm_tui.app.widgets.footer import SwarmFooter
 
 T = TypeVar("T")
+
+
+def field_keys(view: str) -> list[Binding]:
+    """tab / shift+tab between a form's fields, as priority bindings: the app runs them as it
+    reads the key, so keys typed behind a tab (a burst over SSH, ``5 Tab 6``) reach the field
+    it moved to. (Textual's own tab binding runs only once the key has passed through the
+    focused field's queue, after the keys behind it were already handed to that field.)"""
+    return [
+        Binding("tab", "app.focus_next", "Next field", show=False, priority=True,
+                id=f"{view}.next_field"),
+        Binding("shift+tab", "app.focus_previous", "Previous field", show=False,
+                priority=True, id=f"{view}.previous_field"),
+    ]
 
 
 class FormDialog(ModalScreen[T]):
@@ -28,8 +42,8 @@ class FormDialog(ModalScreen[T]):
     def buttons(self, apply: str) -> ComposeResult:
         yield Label("", id="error", classes="dialog-error")
         with Horizontal(classes="buttons"):
-            yield Button(apply, variant="primary", compact=True, id="apply")
-            yield Button("Cancel", compact=True, id="cancel")
+            yield Button(f"{apply} (enter)", variant="primary", compact=True, id="apply")
+            yield Button("Cancel (esc)", compact=True, id="cancel")
 
     def show_error(self, message: str) -> None:
         error = self.query_one("#error", Label)
@@ -60,6 +74,7 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel", id="dialog.cancel"),
         Binding("ctrl+s", "apply", "Apply", id="dialog.apply"),
+        *field_keys("dialog"),
     ]
 
     def __init__(self, targets: Sequence[tuple[int, str]], tx: float | None = None,
@@ -86,6 +101,7 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
                 yield Label("latency ms", classes="field-label")
                 yield Input(self.initial[2], placeholder="0", compact=True, id="latency")
             yield from self.buttons("Apply")
+        yield SwarmFooter()  # (the dialog's keys, not those of the view under it)
 
     def on_mount(self) -> None:
         self.query_one("#tx", Input).focus()
@@ -114,17 +130,21 @@ class ConfirmDialog(ModalScreen[bool]):
         Binding("escape", "cancel", "No", show=False, id="confirm.escape"),
     ]
 
-    def __init__(self, title: str, body: str, confirm_label: str = "Yes") -> None:
+    def __init__(self, title: str, body: str, confirm_label: str = "Yes",
+                 deny_label: str = "Cancel") -> None:
         super().__init__()
-        self.title_text, self.body, self.confirm_label = title, body, confirm_label
+        self.title_text, self.body = title, body
+        self.confirm_label, self.deny_label = confirm_label, deny_label
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog", classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
             yield Static(self.body, classes="dialog-body")
             with Horizontal(classes="buttons"):
-                yield Button(f"{self.confirm_label} [y]", variant="error", compact=True, id="yes")
-                yield Button("Cancel [n]", compact=True, id="no")
+                yield Button(f"{self.confirm_label} (y)", variant="error", compact=True,
+                             id="yes")
+                yield Button(f"{self.deny_label} (n/esc)", compact=True, id="no")
+        yield SwarmFooter()
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()
@@ -156,6 +176,7 @@ class ExportDialog(FormDialog[Path | None]):
     BINDINGS = [
         Binding("escape", "cancel", "Cancel", id="export.cancel"),
         Binding("ctrl+s", "apply", "Write", id="export.apply"),
+        *field_keys("export"),
     ]
 
     def __init__(self, view: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
@@ -172,6 +193,7 @@ class ExportDialog(FormDialog[Path | None]):
                 yield Label("file", classes="field-label")
                 yield Input(default_name(self.view), compact=True, id="path")
             yield from self.buttons("Write")
+        yield SwarmFooter()
 
     def on_mount(self) -> None:
         self.query_one("#path", Input).focus()
@@ -219,6 +241,7 @@ class HelpScreen(ModalScreen[None]):
             yield Label(title, classes="dialog-title")
             with VerticalScroll():
                 yield Static(table, id="help-table")
+        yield SwarmFooter()
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -6,7 +6,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Sparkline, Static
 
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
@@ -15,9 +15,12 @@ from swarm_tui.app.cells import (
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+    shown_status,
 )
-from swarm_tui.app.model import Change, FellowState
+from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.footer import SwarmFooter
+from swarm_tui.app.widgets.graph import LinkGraph
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import (
@@ -58,7 +61,7 @@ class FellowsScreen(SwarmScreen):
         yield FilterBar()
         yield LiveTable(FELLOW_COLUMNS, self._cells, self._haystack, sort_column="id",
                         id="fellows-table")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def table(self) -> LiveTable:
@@ -229,10 +232,13 @@ class FellowDetailScreen(SwarmScreen):
                     for metric in row:
                         with Vertical(classes="pane"):
                             yield Label(id=f"{metric}-label", classes="pane-title")
-                            yield Sparkline([], id=f"{metric}-spark", classes="spark")
+                            if metric in ("tx", "rx"):  # on the limit's scale: 0 is empty
+                                yield LinkGraph(id=f"{metric}-spark", classes="spark")
+                            else:
+                                yield Sparkline([], id=f"{metric}-spark", classes="spark")
             yield Label("recent events", classes="pane-title")
             yield Static(id="events", classes="events")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def state(self) -> FellowState | None:
@@ -254,7 +260,8 @@ class FellowDetailScreen(SwarmScreen):
         c = st.counters
         text = Text()
         text.append(f"{st.fellow_id} {st.name}", style="bold")
-        text.append(f"  {st.status}", style=STATUS_STYLE.get(st.status, ""))
+        status = shown_status(model, st)
+        text.append(f"  {status}", style=STATUS_STYLE.get(status, ""))
         text.append(f"  hb {fmt_age(model.heartbeat_age(st))}  node {st.host or '-'}"
                     f"  slots {fmt_devices(st.devices)}  threads {st.threads}\n")
         if st.note:
@@ -267,10 +274,7 @@ class FellowDetailScreen(SwarmScreen):
                     f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
         summary.update(text)
         losses = [loss for _, loss in st.loss_hist]
-        loss_text = "loss: no steps yet" if not losses else (
-            f"loss {fmt_loss(losses[-1])}  (min {fmt_loss(min(losses))}, "
-            f"{len(losses)} steps)")
-        self.query_one("#loss-label", Label).update(loss_text)
+        self.query_one("#loss-label", Label).update(loss_caption(model, st))
         self.query_one("#loss-spark", Sparkline).data = losses
         tps = list(st.tps_hist)
         self.query_one("#tps-label", Label).update(
@@ -280,9 +284,11 @@ class FellowDetailScreen(SwarmScreen):
         for side, rate, limit, hist in (("tx", st.tx_mbps, st.tx_limit, st.tx_hist),
                                         ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
+            # The added latency delays what is sent: it belongs with the tx rate.
+            lat = f" +{st.latency_ms:g} ms" if side == "tx" and st.latency_ms else ""
             self.query_one(f"#{side}-label", Label).update(
-                f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}")
-            self.query_one(f"#{side}-spark", Sparkline).data = list(hist)
+                f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}{lat}")
+            self.query_one(f"#{side}-spark", LinkGraph).show(list(hist), limit)
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]
         self.query_one("#events", Static).update(Text("\n".join(reversed(lines)) or "none yet"))
@@ -302,3 +308,19 @@ class FellowDetailScreen(SwarmScreen):
             self.notify("this fellow has no job", severity="warning")
             return
         self.swarm.watch_job(st.job_id)
+
+
+def loss_caption(model: ClusterModel, st: FellowState) -> str:
+    """The loss pane's title. Only a job's last stage computes a loss: an earlier stage's
+    pane says so rather than "no steps yet" hundreds of steps in."""
+    losses = [loss for _, loss in st.loss_hist]
+    if losses:
+        return (f"loss {fmt_loss(losses[-1])}  (min {fmt_loss(min(losses))}, "
+                f"{len(losses)} steps)")
+    if st.job_id is None:
+        return "loss: no job"
+    view = model.jobs.get(st.job_id)
+    stages = view.info.topology.stages if view is not None else None
+    if st.stage is not None and stages and st.stage < stages - 1:
+        return f"loss: computed on the last stage ({stages - 1}), not here"
+    return "loss: no steps yet" if not st.step else "loss: none reported yet"

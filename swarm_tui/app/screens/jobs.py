@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Sparkline, Static
 
 from swarm_core.contract import perplexity
 from swarm_core.validators import printable
@@ -23,6 +25,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, JobView
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
@@ -47,9 +50,9 @@ class JobsScreen(SwarmScreen):
     def compose(self) -> ComposeResult:
         yield StatusBar("jobs")
         yield FilterBar()
-        yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="id",
+        yield LiveTable(JOB_COLUMNS, self._cells, self._haystack, sort_column="state",
                         id="jobs-table")
-        yield Footer()
+        yield SwarmFooter()
 
     @property
     def table(self) -> LiveTable:
@@ -194,10 +197,18 @@ class JobWatchScreen(SwarmScreen):
             yield Sparkline([], id="curve", classes="curve")
             yield LiveTable(WATCH_COLUMNS, self._cells, lambda key: key, sort_column="stage",
                             id="watch-table")
-        yield Footer()
+        yield SwarmFooter()
+
+    REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
+    _fetched_at: float | None = None
 
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
+        self._fetch()
+
+    def _fetch(self) -> None:
+        """The job with its whole loss history (the curve), loaded on open."""
+        self._fetched_at = time.monotonic()
         self.swarm.fetch_job(self.job_id)
 
     @property
@@ -247,9 +258,13 @@ class JobWatchScreen(SwarmScreen):
             text.append("\n" + describe_link_changes(info.link_changes,
                                                      total=info.link_changes_total), style="yellow")
         summary.update(text)
+        if not view.history_loaded and (self._fetched_at is None or
+                                        time.monotonic() - self._fetched_at > self.REFETCH_S):
+            self._fetch()  # (events were missed meanwhile, or the last fetch failed)
         losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
         self.query_one("#curve-label", Label).update(
-            "loss curve: no losses reported yet" if not losses else
+            "loss curve: loading the job's history…" if not view.history_loaded and not losses
+            else "loss curve: no losses reported yet" if not losses else
             f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
             f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
         self.query_one("#curve", Sparkline).data = losses

@@ -8,12 +8,14 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Button, Footer, Input, Label, Select, Static
+from textual.widgets import Button, Input, Label, Select, Static
 
 from swarm_core.client import ApiError
 from swarm_tui.app.launch import LaunchChoice, LaunchPlan, LaunchSource, run_body, run_summary
 from swarm_tui.app.model import Change
 from swarm_tui.app.screens.base import SwarmScreen
+from swarm_tui.app.screens.dialogs import field_keys
+from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.status import StatusBar
 
 
@@ -21,6 +23,7 @@ class LaunchScreen(SwarmScreen):
     BINDINGS = [
         Binding("ctrl+s", "launch", "Launch", id="launch.submit"),
         Binding("escape", "back", "Fellows", id="launch.back"),
+        *field_keys("launch"),
     ]
 
     def __init__(self) -> None:
@@ -66,7 +69,7 @@ class LaunchScreen(SwarmScreen):
             with VerticalScroll(id="launch-preview"):
                 yield Label("preview", id="preview-title", classes="pane-title")
                 yield Static("", id="preview")
-        yield Footer()
+        yield SwarmFooter()
 
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 from rich.text import Text
+from textual.binding import Binding
 from textual.coordinate import Coordinate
 from textual.geometry import Region
 from textual.strip import Strip
@@ -37,6 +38,14 @@ class LiveTable(DataTable[Cell]):
     DEFAULT_CSS = """
     LiveTable { height: 1fr; }
     """
+    # vim's keys, and Home/End to the first and last row as help says (DataTable's own
+    # Home/End scroll sideways: the frozen columns make that the right/left arrows' job).
+    BINDINGS = [
+        Binding("j", "cursor_down", "Down", show=False, id="table.down"),
+        Binding("k", "cursor_up", "Up", show=False, id="table.up"),
+        Binding("home,g", "scroll_top", "First row", show=False, id="table.first"),
+        Binding("end,G", "scroll_bottom", "Last row", show=False, id="table.last"),
+    ]
 
     def __init__(self, columns: Sequence[Column], cells_for: CellsFor, haystack_for: HaystackFor,
                  *, sort_column: str, sort_reverse: bool = False, id: str | None = None,
@@ -52,10 +61,76 @@ class LiveTable(DataTable[Cell]):
         self._shown: dict[str, dict[str, tuple[str, str]]] = {}  # row key -> column -> signature
         self._dirty_rows: set[str] = set()  # rows whose cached renders are out of date
         self.updates = 0  # cells written (tests and the benchmark read it)
+        # The columns on screen, with their widths: those that fit the table's width by
+        # priority (a narrow terminal keeps the essential ones), or those the user chose.
+        self.chosen: tuple[str, ...] | None = None
+        self.col_widths: dict[str, int] = {}
 
     def on_mount(self) -> None:
-        for col in self.spec:
-            self.add_column(self._label(col), width=col.width, key=col.key)
+        self._apply_layout(self.fit(self._width()))
+
+    def on_resize(self) -> None:
+        layout = self.fit(self._width())
+        if layout != self.col_widths:
+            self._apply_layout(layout)
+
+    def _width(self) -> int:
+        width = self.size.width or self.app.size.width
+        return max(0, width - 1)  # (the vertical scrollbar)
+
+    # columns ----------------------------------------------------------------------------------
+    @property
+    def visible(self) -> list[str]:
+        return list(self.col_widths)
+
+    def fit(self, width: int) -> dict[str, int]:
+        """Column key -> width, in the spec's order: the chosen columns, else every column of
+        priority 0 and then by priority while they fit (the sort column always); a stretching
+        column takes what is left."""
+        pad = 2 * self.cell_padding
+        if self.chosen is not None:
+            keep = [c for c in self.spec if c.key in self.chosen or c.key == self.sort_column]
+            return {c.key: c.width for c in keep}
+        order = sorted(range(len(self.spec)), key=lambda i: (
+            self.spec[i].priority if self.spec[i].key != self.sort_column else -1, i))
+        used, keep_ix = 0, set()
+        for i in order:
+            col = self.spec[i]
+            need = col.width + pad
+            if col.priority > 0 and col.key != self.sort_column and used + need > width:
+                continue
+            used += need
+            keep_ix.add(i)
+        out = {}
+        for i, col in enumerate(self.spec):
+            if i in keep_ix:
+                out[col.key] = col.width + (max(0, width - used) if col.stretch else 0)
+        return out
+
+    def choose(self, columns: tuple[str, ...] | None) -> None:
+        """Show these columns (None: by width again)."""
+        self.chosen = columns
+        self._apply_layout(self.fit(self._width()))
+
+    def _apply_layout(self, layout: dict[str, int]) -> None:
+        """Put these columns up; the rows are rebuilt in place (a resize or a choice is rare,
+        and every row's cells change)."""
+        keys = self.shown_keys
+        cursor = self.cursor_key
+        self.clear(columns=True)
+        self._shown.clear()
+        self.col_widths = dict(layout)
+        by_key = {c.key: c for c in self.spec}
+        for key, width in self.col_widths.items():
+            self.add_column(self._label(by_key[key]), width=width, key=key)
+        frozen = 0
+        for key in self.col_widths:
+            if not by_key[key].frozen:
+                break
+            frozen += 1
+        self.fixed_columns = frozen
+        if keys:
+            self.update_rows(keys, check_filter=False, cursor=cursor, force_sort=True)
 
     # queries ----------------------------------------------------------------------------------
     @property
@@ -73,11 +148,15 @@ class LiveTable(DataTable[Cell]):
             return None
 
     def export_rows(self) -> tuple[list[str], list[dict[str, object]]]:
-        """The view as data: column keys, and one dict per shown row in display order."""
-        columns = [c.key for c in self.spec if c.key not in SKIP_COLUMNS]
-        rows = [{c: cell_value(self.get_cell(key, c)) for c in columns}
-                for key in self.shown_keys]
-        return columns, rows
+        """The view as data: column keys (every column, also those too wide for the screen),
+        and one dict per shown row in display order."""
+        spec = [c for c in self.spec if c.key not in SKIP_COLUMNS]
+        rows = []
+        for key in self.shown_keys:
+            cells = self.cells_for(key)
+            rows.append({c.export_name: _rounded(cell_value(cells.get(c.key)), c.digits)
+                         for c in spec})
+        return [c.export_name for c in spec], rows
 
     def matches(self, key: str) -> bool:
         return self._filter is None or self._filter.search(self.haystack_for(key)) is not None
@@ -99,8 +178,11 @@ class LiveTable(DataTable[Cell]):
         if reverse is None:
             reverse = not self.sort_reverse if column == self.sort_column else False
         self.sort_column, self.sort_reverse = column, reverse
+        if column not in self.col_widths:  # (a column too wide for the screen: it shows now)
+            self._apply_layout(self.fit(self._width()))
         for col in self.spec:
-            self.columns[ColumnKey(col.key)].label = self._label(col)
+            if col.key in self.col_widths:
+                self.columns[ColumnKey(col.key)].label = self._label(col)
         self._resort()
 
     def _label(self, col: Column) -> Text:
@@ -160,13 +242,16 @@ class LiveTable(DataTable[Cell]):
                 continue
             cells = self.cells_for(key)
             shown = self._shown.get(key)
+            widths = self.col_widths
             if shown is None:
-                self.add_row(*(cells[c.key] for c in self.spec), key=key)
-                self._shown[key] = {c: cell.signature for c, cell in cells.items()}
-                self.updates += len(cells)
+                self.add_row(*(cells[c] for c in widths), key=key)
+                self._shown[key] = {c: cells[c].signature for c in widths}
+                self.updates += len(widths)
                 resort = True
                 continue
             for col, cell in cells.items():
+                if col not in widths:
+                    continue
                 sig = cell.signature
                 if shown.get(col) != sig:
                     if col == self.sort_column and not self._still_in_order(key, cell):
@@ -182,6 +267,8 @@ class LiveTable(DataTable[Cell]):
     def update_column(self, column: str, cell_for: Callable[[str], Cell],
                       skip: Iterable[str] = ()) -> None:
         """Recompute one column of every shown row (ages, once a second)."""
+        if column not in self.col_widths:
+            return
         skipped = set(skip)
         resort = False
         for key, shown in self._shown.items():
@@ -251,6 +338,12 @@ class LiveTable(DataTable[Cell]):
     def render_lines(self, crop: Region) -> list[Strip]:
         self._drop_stale_renders()
         return super().render_lines(crop)
+
+
+def _rounded(value: object, digits: int | None) -> object:
+    if digits is None or not isinstance(value, float):
+        return value
+    return round(value, digits)
 
 
 class _Desc:

@@ -1,0 +1,401 @@
+"""The console's views against a fake leader, in process (cheap): what they show and what the
+keys do, for the points of the console's second round (issue 24)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+from textual import events
+from textual.widgets import Input
+
+from swarm_tui.app.app import SwarmApp
+from swarm_tui.app.screens.dialogs import SetSpeedDialog
+from swarm_tui.app.screens.jobs import JobWatchScreen
+from swarm_tui.app.widgets.status import StatusBar
+from tests.tui_support import T0, FakeClient, frozen_clock, screen_text, wait_for
+
+SIZE = (100, 30)
+
+
+def make_app(client: FakeClient, **kw: object) -> SwarmApp:
+    return SwarmApp(client, clock=frozen_clock, refresh_s=None, tick_s=None, flush_s=0,
+                    **kw)  # type: ignore[arg-type]
+
+
+async def loaded(pilot: object, app: SwarmApp, client: FakeClient) -> None:
+    await wait_for(pilot, lambda: app.snapshots >= 1
+                   and app.model.events_seen >= client.expected_events, "the fixed data")
+
+
+def metric(seq: int, step: int, loss: float) -> dict[str, object]:
+    return {"seq": seq, "ts": T0, "type": "metric", "data": {
+        "job_id": "job-000002", "fellow_id": 1, "stage": 1, "step": step, "loss": loss,
+        "tokens_per_s": 1800.0, "state": "RUNNING", "metrics": {}}}
+
+
+async def test_the_loss_curve_is_the_jobs_whole_history_through_refreshes(tmp_path: Path
+                                                                           ) -> None:
+    client = FakeClient()
+    history = [[float(s), 5.0 - s / 100] for s in range(1, 207)]  # 206 points, as recorded
+    client._jobs = [attrs.evolve(j, loss_history=history, last_step=206)
+                    if j.job_id == "job-000002" else j for j in client._jobs]
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "the watch")
+        want = "loss curve: 206 points, first 4.990"
+        await wait_for(pilot, lambda: want in screen_text(app), "the whole history")
+        # Snapshots (the list route has no history) and live metrics: the curve stays whole.
+        for _ in range(2):
+            n = app.snapshots
+            app.refresh_now()
+            await wait_for(pilot, lambda n=n: app.snapshots > n, "a refresh")
+        await pilot.pause()
+        assert want in screen_text(app)
+        app.apply_event(metric((app.model.last_seq or 0) + 1, 207, 2.9))
+        await pilot.pause()
+        assert "loss curve: 207 points, first 4.990" in screen_text(app)
+
+
+async def test_a_finished_job_opened_in_a_fresh_console_shows_its_curve(tmp_path: Path
+                                                                         ) -> None:
+    client = FakeClient()
+    history = [[float(s), 4.0 - s / 100] for s in range(1, 6)]
+    client._jobs = [attrs.evolve(j, loss_history=history) if j.job_id == "job-000004" else j
+                    for j in client._jobs]
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000004")
+        await wait_for(pilot, lambda: "job-000004" in client.fetched, "the job fetched")
+        await wait_for(pilot, lambda: "loss curve: 5 points, first 3.990" in screen_text(app),
+                       "the finished job's curve")
+        app.refresh_now()
+        await pilot.pause(0.2)
+        assert "loss curve: 5 points" in screen_text(app)
+        assert "no losses reported yet" not in screen_text(app)
+
+
+def burst(app: SwarmApp, *keys: str) -> None:
+    """Keys as a terminal delivers a burst or a fast typist over SSH: all queued at once,
+    none waiting for the one before it to be handled (Pilot.press waits between keys)."""
+    chars = {"tab": "\t", "enter": "\r", "shift+tab": None}
+    for key in keys:
+        event = events.Key(key, chars.get(key, key))
+        event.set_sender(app)
+        app._driver.send_message(event)  # type: ignore[union-attr]
+
+
+async def test_keys_typed_in_a_burst_reach_the_fields_they_were_typed_into() -> None:
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("down", "down", "s")  # fellow 2, no limits yet
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the set-speed dialog")
+        burst(app, "5", "tab", "6", "tab", "7")
+        await pilot.pause(0.2)
+        # (a field reached by tab has its text selected: the 7 replaces the latency's 0)
+        assert [dialog.query_one(f"#{f}", Input).value for f in ("tx", "rx", "latency")] == \
+            ["5", "6", "7"]
+        burst(app, "enter")
+        await wait_for(pilot, lambda: client.calls, "the request")
+        (what, (fid, req)), = client.calls
+        assert (what, fid, req.tx_mbps, req.rx_mbps, req.latency_ms) == \
+            ("set_speed", 2, 5.0, 6.0, 7.0)
+
+
+def idle_heartbeat(seq: int, ts: float) -> dict[str, object]:
+    """Fellow 5 (tx limited to 10 Mbit/s) heartbeating with its counters standing still."""
+    return {"seq": seq, "ts": ts, "type": "fellow.heartbeat", "data": {
+        "fellow_id": 5, "name": "cpu-f", "status": "ready", "job_id": None, "step": 0,
+        "loss": None, "tokens_per_s": 0.0,
+        "link": {"tx_mbps": 10.0, "rx_mbps": None, "latency_ms": 0.0},
+        "counters": {"control_tx": 1, "control_rx": 1, "data_tx": 0, "data_rx": 0}}}
+
+
+async def test_an_idle_link_draws_as_empty_not_saturated() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 30)) as pilot:
+        await loaded(pilot, app, client)
+        seq = app.model.last_seq or 0
+        for i in range(1, 4):
+            app.apply_event(idle_heartbeat(seq + i, T0 + i))
+        assert app.model.fellows[5].tx_mbps == 0.0
+        app.push_screen(FellowDetailScreen(5))
+        await wait_for(pilot, lambda: "tx 0.00 of 10 Mbit/s (0%)" in screen_text(app),
+                       "the idle link's pane")
+        lines = screen_text(app).splitlines()
+        at = next(i for i, line in enumerate(lines) if "tx 0.00 of 10 Mbit/s" in line)
+        left, right = lines[at].index("tx 0.00"), lines[at].index("rx ")
+        graph = [line[left:right] for line in lines[at + 1:at + 4]]
+        assert not any(ch in "".join(graph) for ch in "▁▂▃▄▅▆▇█"), graph
+
+
+def test_link_graphs_are_scaled_to_the_limit() -> None:
+    from swarm_tui.app.widgets.graph import bars, graph_top
+
+    assert graph_top(80.0, [0.0, 12.0]) == 80.0
+    assert graph_top(None, [0.0]) == 1.0  # an unlimited idle link: the floor
+    assert graph_top(10.0, [14.0]) == 14.0  # a burst over the limit raises the top
+    assert bars([0.0, 0.0], 80.0, 4, 3) == ["    "] * 3
+    assert bars([40.0, 80.0], 80.0, 2, 2) == [" █", "██"]
+    assert bars([0.01], 80.0, 3, 1) == ["  ▁"]  # a trickle is not idle
+
+
+async def test_the_jobs_sort_says_what_orders_the_rows() -> None:
+    from swarm_tui.app.screens.jobs import JobsScreen
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("2")
+        table = await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen)
+                               and app.screen.query_one(LiveTable), "the jobs view")
+        await wait_for(pilot, lambda: table.row_count == 4, "four jobs")
+        # The default order (running, the queue, then the history newest first) is by state.
+        assert table.shown_keys == ["job-000002", "job-000003", "job-000001", "job-000004"]
+        assert "sort state▲" in screen_text(app)
+        table.set_sort("id", reverse=False)
+        app.screen.query_one(StatusBar).update_status()
+        await pilot.pause()
+        assert table.shown_keys == ["job-000001", "job-000002", "job-000003", "job-000004"]
+        assert "sort job▲" in screen_text(app)
+
+
+async def test_a_view_key_goes_to_the_view_not_to_a_screen_left_open_over_it() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
+    from swarm_tui.app.screens.jobs import JobsScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen), "a detail")
+        await pilot.press("2")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the jobs view")
+        await pilot.press("enter")  # a job's watch, left open too
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "a watch")
+        await pilot.press("1")
+        await wait_for(pilot, lambda: app.current_mode == "fellows", "the fellows mode")
+        await pilot.pause()
+        assert type(app.screen) is FellowsScreen
+        await pilot.press("2")
+        await wait_for(pilot, lambda: app.current_mode == "jobs", "the jobs mode")
+        await pilot.pause()
+        assert type(app.screen) is JobsScreen
+
+
+async def test_release_all_counts_only_the_fellows_still_in_the_cluster() -> None:
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+
+    client = FakeClient()  # six fellows, one of them released
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("R")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                and app.screen, "the confirmation")
+        assert dialog.title_text == "Release ALL 5 fellows?"
+
+
+def test_a_fellow_long_silent_after_leaving_shows_as_left() -> None:
+    from swarm_tui.app.cells import fellow_cells
+    from swarm_tui.app.model import ClusterModel
+    from tests.tui_support import _fellow
+
+    model = ClusterModel(lambda: T0)
+    model.apply_fellows([_fellow(7, "old", "leaving", age=600.0),
+                         _fellow(8, "going", "leaving", age=1.0)])
+    assert fellow_cells(model, model.fellows[7], False)["status"].plain == "left"
+    assert fellow_cells(model, model.fellows[8], False)["status"].plain == "leaving"
+
+
+async def test_the_top_bar_keeps_the_leader_and_its_state_at_80_columns() -> None:
+    from tests.unit.test_tui_cluster import DeadLeader
+
+    app = SwarmApp(DeadLeader(), leader_url="http://127.0.0.1:8765", clock=frozen_clock,
+                   refresh_s=None, tick_s=None, flush_s=0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.connection == "lost", "the leader lost")
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0].rstrip()
+        assert "✖ leader lost, retrying" in top and top.endswith("@ 127.0.0.1:8765"), top
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0].rstrip()
+        assert "● live  5 fellows" in top and top.endswith("@ leader.test:8765"), top
+
+
+async def test_the_essential_keys_stay_in_the_footer_at_60_columns() -> None:
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        footer = screen_text(app).splitlines()[-1]
+        assert "q Quit" in footer and "? Help" in footer, footer
+
+
+async def test_dialogs_name_their_keys_and_the_footer_shows_the_dialogs_keys() -> None:
+    from textual.widgets import Button
+
+    from swarm_tui.app.screens.dialogs import ConfirmDialog, ExportDialog
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("2", "c")  # cancel the running job
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                                and app.screen, "the confirmation")
+        await pilot.pause()
+        labels = [str(b.label) for b in dialog.query(Button)]
+        assert labels == ["Cancel job (y)", "Keep job (n/esc)"]
+        footer = screen_text(app).splitlines()[-1]
+        assert "y Yes" in footer and "n No" in footer and "Cancel job" not in footer, footer
+        await pilot.press("n", "e")  # the export dialog: centred like the others
+        export = await wait_for(pilot, lambda: isinstance(app.screen, ExportDialog)
+                                and app.screen, "the export dialog")
+        await pilot.pause()
+        box = export.query_one("#dialog").region
+        assert abs((box.x + box.width / 2) - 40) <= 1 and box.y > 2, box
+        assert [str(b.label) for b in export.query(Button)] == ["Write (enter)",
+                                                                "Cancel (esc)"]
+
+
+async def test_at_80_columns_the_tables_show_whole_columns_with_id_and_name_frozen() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.pause()
+        table = app.screen.query_one(LiveTable)
+        header = screen_text(app).splitlines()[1]
+        labels = {c.key: c.label for c in table.spec}
+        for key in table.visible:  # every column on screen is whole: no "tx Mb" cut off
+            assert labels[key].strip() in header or key == "sel", (key, header)
+        assert sum(table.col_widths.values()) + 2 * len(table.col_widths) <= 79
+        assert table.fixed_columns == 3  # mark, id, name
+        # Every column chosen: wider than the screen; scrolled right, id and name stay.
+        table.choose(tuple(c.key for c in table.spec))
+        await pilot.pause()
+        table.scroll_to(x=table.max_scroll_x, animate=False)
+        await pilot.pause()
+        row = next(line for line in screen_text(app).splitlines() if "gpu-a" in line)
+        assert row.split()[:2] == ["0", "gpu-a"] and "cuda:0,1" in row, row
+        # Export writes every column, shown or not.
+        table.choose(None)
+        await pilot.pause()
+        columns, rows = table.export_rows()
+        assert "dev" not in table.visible and "dev" in columns and rows[0]["lat"] == 20.0
+
+
+def test_sweep_runs_are_named_by_their_run_before_their_timestamp() -> None:
+    from swarm_tui.app.cells import job_label
+
+    name = "20261201T230112-exp_tiny_sweep_v1-03-small_none-fixed_int8-wan_80-s1-r0"
+    assert job_label(name) == \
+        "small_none-fixed_int8-wan_80-s1-r0 · exp_tiny_sweep_v1 #3 20261201T230112"
+    assert job_label("smoke") == "smoke"
+
+
+async def test_the_latency_a_fellow_was_set_to_is_shown_with_its_rates() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 30)) as pilot:
+        await loaded(pilot, app, client)
+        app.push_screen(FellowDetailScreen(0))  # gpu-a: 80 Mbit/s each way, +20 ms
+        await wait_for(pilot, lambda: "tx 16.0 of 80 Mbit/s (20%) +20 ms" in screen_text(app),
+                       "the latency beside the tx rate")
+
+
+async def test_exports_name_columns_with_their_units_and_round_as_shown() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = SwarmApp(client, clock=lambda: T0 + 0.00346779823303, refresh_s=None, tick_s=None,
+                   flush_s=0)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await loaded(pilot, app, client)
+        columns, rows = app.screen.query_one(LiveTable).export_rows()
+        assert {"hb_age_s", "tx_mbps", "rx_mbps", "tx_limit_mbps", "latency_ms",
+                "tokens_per_s"} <= set(columns)
+        gpu_a = next(r for r in rows if r["name"] == "gpu-a")
+        assert gpu_a["hb_age_s"] == 0.0 and gpu_a["latency_ms"] == 20.0
+        assert gpu_a["tx_mbps"] == round(gpu_a["tx_mbps"], 3)
+        await pilot.press("2")
+        await wait_for(pilot, lambda: app.current_mode == "jobs", "the jobs view")
+        await pilot.pause()
+        columns, rows = app.screen.query_one(LiveTable).export_rows()
+        assert "age_s" in columns and "age" not in columns
+        # (the leader's clock is a fraction of a second on: 300.00346779823303 s, shown 5m)
+        assert next(r for r in rows if r["id"] == "job-000002")["age_s"] == 300.0
+
+
+async def test_vim_keys_and_home_end_move_the_cursor_as_help_says() -> None:
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        table = app.screen.query_one(LiveTable)
+        await pilot.press("j", "j")
+        assert table.cursor_row == 2
+        await pilot.press("k")
+        assert table.cursor_row == 1
+        await pilot.press("G")
+        assert table.cursor_row == 5
+        await pilot.press("g")
+        assert table.cursor_row == 0
+        await pilot.press("end")
+        assert table.cursor_row == 5
+        await pilot.press("home")
+        assert table.cursor_row == 0
+
+
+async def test_the_palette_offers_every_views_actions_from_anywhere() -> None:
+    from textual.command import CommandList, CommandPalette
+
+    from swarm_tui.app.screens.dialogs import ExportDialog
+    from swarm_tui.app.screens.jobs import JobsScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        for start, command, opens in [("2", "fellows: set speed", SetSpeedDialog),
+                                      ("1", "jobs: export view", ExportDialog)]:
+            await pilot.press(start)
+            await pilot.pause()
+            await pilot.press("ctrl+p")
+            palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)
+                                     and app.screen, "the command palette")
+            palette.query_one(Input).value = command
+            await wait_for(pilot, lambda p=palette: p.query_one(CommandList).option_count,
+                           "hits")
+            await pilot.press("down", "enter")
+            dialog = await wait_for(pilot, lambda o=opens: isinstance(app.screen, o)
+                                    and app.screen, command)
+            if isinstance(dialog, SetSpeedDialog):
+                assert dialog.targets == [(0, "gpu-a")]  # the fellows table's cursor
+            await pilot.press("escape")
+            await pilot.pause()
+        assert isinstance(app.screen, JobsScreen)
