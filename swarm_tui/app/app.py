@@ -39,6 +39,7 @@ from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDia
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.fmt import describe_link
 
@@ -570,6 +571,8 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("jobs", of(JobsScreen)),
         ("job watch", of(JobWatchScreen)),
         ("launch", of(LaunchScreen)),
+        ("describe", of(DescribeScreen)),
+        ("fellow log", of(FellowLogScreen)),
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
         ("export dialog", of(Export)),

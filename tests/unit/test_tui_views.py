@@ -399,3 +399,40 @@ async def test_the_palette_offers_every_views_actions_from_anywhere() -> None:
             await pilot.press("escape")
             await pilot.pause()
         assert isinstance(app.screen, JobsScreen)
+
+
+async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
+        swarm_home: Path) -> None:
+    import json
+
+    from swarm_core import local_cluster
+    from swarm_core.local_cluster import ClusterRecord, ProcessEntry
+    from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
+
+    log = swarm_home / "gpu-a.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"line {i}\n" for i in range(500)))
+    local_cluster._write(ClusterRecord(
+        leader_url="http://127.0.0.1:1", state_dir="/nowhere",
+        leader=ProcessEntry(1, "leader", "l.log"),
+        fellows=[ProcessEntry(2, "gpu-a", str(log))], started_at=1.0))
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("d")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
+                                and app.screen.text and app.screen, "the fellow's record")
+        record = json.loads(screen.text)
+        assert record["fellow_id"] == 0 and record["link"]["latency_ms"] == 20.0
+        await pilot.press("escape", "l")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                                and app.screen.text and app.screen, "the fellow's log")
+        assert "joined job-000002" in screen.text
+        assert f"{log} (last 200 lines)" in screen.text and "line 499" in screen.text
+        assert "line 299\n" not in screen.text
+        await pilot.press("escape", "2", "d")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
+                                and app.screen.text and app.screen, "the job's record")
+        record = json.loads(screen.text)
+        assert record["job_id"] == "job-000002" and len(record["loss_history"]) == 31
