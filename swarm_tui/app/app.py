@@ -545,11 +545,13 @@ class SwarmApp(App[int]):
 
 
 # help_sections' titles of modal screens (and the help screen itself, see keymap.remappable).
-MODAL_VIEWS = frozenset({"set-speed dialog", "confirmation", "export dialog", "help"})
+MODAL_VIEWS = frozenset({"set-speed dialog", "confirmation", "export dialog", "columns dialog",
+                         "help"})
 
 
 def help_sections() -> list[tuple[str, list[Binding]]]:
     """Every binding of every view, for the help screen."""
+    from swarm_tui.app.screens.dialogs import ColumnsDialog as Columns
     from swarm_tui.app.screens.dialogs import ConfirmDialog as Confirm
     from swarm_tui.app.screens.dialogs import ExportDialog as Export
     from swarm_tui.app.screens.dialogs import SetSpeedDialog as Speed
@@ -576,6 +578,7 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
         ("export dialog", of(Export)),
+        ("columns dialog", of(Columns)),
         ("tables", of(LiveTable)),
         ("tables and forms", navigation),
     ]

@@ -436,3 +436,36 @@ async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
                                 and app.screen.text and app.screen, "the job's record")
         record = json.loads(screen.text)
         assert record["job_id"] == "job-000002" and len(record["loss_history"]) == 31
+
+
+async def test_the_column_chooser_picks_the_columns_and_a_goes_back_to_by_width() -> None:
+    from textual.widgets import SelectionList
+
+    from swarm_tui.app.screens.dialogs import ColumnsDialog
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        table = app.screen.query_one(LiveTable)
+        by_width = table.visible
+        assert "dev" not in by_width and "lat" not in by_width
+        await pilot.press("C")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ColumnsDialog)
+                                and app.screen, "the column chooser")
+        choice = dialog.query_one(SelectionList)
+        choice.deselect("step")
+        choice.select("lat")
+        choice.select("dev")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ColumnsDialog), "closed")
+        await pilot.pause()
+        assert "step" not in table.visible and {"lat", "dev"} <= set(table.visible)
+        assert table.fixed_columns == 3
+        assert "slots" in screen_text(app).splitlines()[1] or table.max_scroll_x > 0
+        await pilot.press("C")
+        await wait_for(pilot, lambda: isinstance(app.screen, ColumnsDialog), "the chooser")
+        await pilot.press("a")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ColumnsDialog), "closed")
+        assert table.visible == by_width and table.chosen is None

@@ -53,6 +53,7 @@ class FellowsScreen(SwarmScreen):
         Binding("e", "export", "Export view", show=False, id="fellows.export"),
         Binding("d", "describe", "Describe", show=False, id="fellows.describe"),
         Binding("l", "log", "Log", show=False, id="fellows.log"),
+        Binding("C", "columns", "Columns", show=False, id="fellows.columns"),
     ]
 
     def __init__(self) -> None:

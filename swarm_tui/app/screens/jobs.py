@@ -45,6 +45,7 @@ class JobsScreen(SwarmScreen):
         Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
         Binding("e", "export", "Export view", show=False, id="jobs.export"),
         Binding("d", "describe", "Describe", show=False, id="jobs.describe"),
+        Binding("C", "columns", "Columns", show=False, id="jobs.columns"),
     ]
 
     _select_later: str | None = None
