@@ -200,6 +200,9 @@ class FakeClient(SwarmClient):
         self._snapshot_served.set()
         return list(self._fellows)
 
+    async def fellow(self, fellow_id: int) -> FellowInfo:
+        return next(f for f in self._fellows if f.fellow_id == fellow_id)
+
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
         # As the leader's list route: new objects each time, and no loss history.
         return [attrs.evolve(j, loss_history=[]) for j in self._jobs]

@@ -39,6 +39,7 @@ from swarm_tui.app.screens.dialogs import ConfirmDialog, HelpScreen, SetSpeedDia
 from swarm_tui.app.screens.fellows import FellowDetailScreen, FellowsScreen
 from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
+from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.fmt import describe_link
 
@@ -544,11 +545,13 @@ class SwarmApp(App[int]):
 
 
 # help_sections' titles of modal screens (and the help screen itself, see keymap.remappable).
-MODAL_VIEWS = frozenset({"set-speed dialog", "confirmation", "export dialog", "help"})
+MODAL_VIEWS = frozenset({"set-speed dialog", "confirmation", "export dialog", "columns dialog",
+                         "help"})
 
 
 def help_sections() -> list[tuple[str, list[Binding]]]:
     """Every binding of every view, for the help screen."""
+    from swarm_tui.app.screens.dialogs import ColumnsDialog as Columns
     from swarm_tui.app.screens.dialogs import ConfirmDialog as Confirm
     from swarm_tui.app.screens.dialogs import ExportDialog as Export
     from swarm_tui.app.screens.dialogs import SetSpeedDialog as Speed
@@ -570,9 +573,12 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
         ("jobs", of(JobsScreen)),
         ("job watch", of(JobWatchScreen)),
         ("launch", of(LaunchScreen)),
+        ("describe", of(DescribeScreen)),
+        ("fellow log", of(FellowLogScreen)),
         ("set-speed dialog", of(Speed)),
         ("confirmation", of(Confirm)),
         ("export dialog", of(Export)),
+        ("columns dialog", of(Columns)),
         ("tables", of(LiveTable)),
         ("tables and forms", navigation),
     ]

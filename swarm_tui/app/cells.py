@@ -275,15 +275,15 @@ WATCH_COLUMNS: tuple[Column, ...] = (
     Column("status", "status", 8),
     Column("step", "step", 6, "right"),
     Column("loss", "loss", 6, "right", digits=4),
-    Column("tps", "tok/s", 6, "right", export="tokens_per_s", digits=1),
-    Column("tx_rate", "tx Mb/s", 7, "right", export="tx_mbps", digits=3),
-    Column("rx_rate", "rx Mb/s", 7, "right", export="rx_mbps", digits=3),
+    Column("tps", "tok/s", 6, "right", priority=2, export="tokens_per_s", digits=1),
+    Column("tx_rate", "tx Mb/s", 7, "right", priority=1, export="tx_mbps", digits=3),
+    Column("rx_rate", "rx Mb/s", 7, "right", priority=1, export="rx_mbps", digits=3),
     Column("act", "act mem", 7, "right", "activations held for backward, peak of the last step",
-           export="activation_bytes"),
+           priority=2, export="activation_bytes"),
     Column("wait", "wait", 5, "right",
            "share of the last step spent blocked on links (neighbours, network, bubble)",
-           export="wait_fraction", digits=3),
-    Column("hb", "hb", 4, "right", export="hb_age_s", digits=1),
+           priority=1, export="wait_fraction", digits=3),
+    Column("hb", "hb", 4, "right", priority=3, export="hb_age_s", digits=1),
 )
 
 

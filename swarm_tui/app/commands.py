@@ -62,11 +62,18 @@ class SwarmCommands(Provider):
             ("fellows: watch job", fellows("action_watch"), "the job of the selected fellow"),
             ("fellows: export view", fellows("action_export"),
              "the rows as shown to a .csv or .json file"),
+            ("fellows: describe", fellows("action_describe"),
+             "the selected fellow's whole record, as JSON"),
+            ("fellows: log", fellows("action_log"), "what the selected fellow did"),
+            ("fellows: choose columns", fellows("action_columns"), "which columns show"),
             *((f"fellows: sort by {c.label}", fellows("sort_by", c.key), c.help)
               for c in SORTABLE_FELLOW_COLUMNS),
             ("jobs: watch", jobs("action_watch"), "follow the selected job live"),
             ("jobs: cancel", jobs("action_cancel_job"), "cancel the selected job"),
             ("jobs: filter", jobs("action_filter"), ""),
+            ("jobs: choose columns", jobs("action_columns"), "which columns show"),
+            ("jobs: describe", jobs("action_describe"),
+             "the selected job's whole record, as JSON"),
             ("jobs: export view", jobs("action_export"),
              "the rows as shown to a .csv or .json file"),
         ]

@@ -117,8 +117,11 @@ async def test_set_speed_dialog_validates_then_reaches_the_fellow(tmp_path: Path
             # The fellow reports it back in its heartbeat; the table shows it.
             await wait_for(pilot, lambda: app.model.fellows[1].tx_limit == 80, "reported back")
             table = fellows_table(app)
+            # (at 100 columns the limits give way to the rates: the chooser shows them)
+            table.choose(("sel", "id", "name", "status", "tx_lim", "rx_lim", "lat"))
             await wait_for(pilot, lambda: table.get_cell("1", "tx_lim").plain == "80", "cell")
             assert table.get_cell("1", "rx_lim").plain == "40"
+            assert table.get_cell("1", "lat").plain == "5"
             assert fellows.daemons[0].shaper.limits().tx_mbps is None
 
 

@@ -302,7 +302,8 @@ async def test_at_80_columns_the_tables_show_whole_columns_with_id_and_name_froz
         table.choose(None)
         await pilot.pause()
         columns, rows = table.export_rows()
-        assert "dev" not in table.visible and "dev" in columns and rows[0]["lat"] == 20.0
+        assert "dev" not in table.visible and "slots" in columns
+        assert rows[0]["latency_ms"] == 20.0
 
 
 def test_sweep_runs_are_named_by_their_run_before_their_timestamp() -> None:
@@ -399,3 +400,73 @@ async def test_the_palette_offers_every_views_actions_from_anywhere() -> None:
             await pilot.press("escape")
             await pilot.pause()
         assert isinstance(app.screen, JobsScreen)
+
+
+async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
+        swarm_home: Path) -> None:
+    import json
+
+    from swarm_core import local_cluster
+    from swarm_core.local_cluster import ClusterRecord, ProcessEntry
+    from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
+
+    log = swarm_home / "gpu-a.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(f"line {i}\n" for i in range(500)))
+    local_cluster._write(ClusterRecord(
+        leader_url="http://127.0.0.1:1", state_dir="/nowhere",
+        leader=ProcessEntry(1, "leader", "l.log"),
+        fellows=[ProcessEntry(2, "gpu-a", str(log))], started_at=1.0))
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("d")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
+                                and app.screen.text and app.screen, "the fellow's record")
+        record = json.loads(screen.text)
+        assert record["fellow_id"] == 0 and record["link"]["latency_ms"] == 20.0
+        await pilot.press("escape", "l")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                                and app.screen.text and app.screen, "the fellow's log")
+        assert "joined job-000002" in screen.text
+        assert f"{log} (last 200 lines)" in screen.text and "line 499" in screen.text
+        assert "line 299\n" not in screen.text
+        await pilot.press("escape", "2", "d")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
+                                and app.screen.text and app.screen, "the job's record")
+        record = json.loads(screen.text)
+        assert record["job_id"] == "job-000002" and len(record["loss_history"]) == 31
+
+
+async def test_the_column_chooser_picks_the_columns_and_a_goes_back_to_by_width() -> None:
+    from textual.widgets import SelectionList
+
+    from swarm_tui.app.screens.dialogs import ColumnsDialog
+    from swarm_tui.app.widgets.live_table import LiveTable
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        table = app.screen.query_one(LiveTable)
+        by_width = table.visible
+        assert "dev" not in by_width and "lat" not in by_width
+        await pilot.press("C")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, ColumnsDialog)
+                                and app.screen, "the column chooser")
+        choice = dialog.query_one(SelectionList)
+        choice.deselect("step")
+        choice.select("lat")
+        choice.select("dev")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ColumnsDialog), "closed")
+        await pilot.pause()
+        assert "step" not in table.visible and {"lat", "dev"} <= set(table.visible)
+        assert table.fixed_columns == 3
+        assert "slots" in screen_text(app).splitlines()[1] or table.max_scroll_x > 0
+        await pilot.press("C")
+        await wait_for(pilot, lambda: isinstance(app.screen, ColumnsDialog), "the chooser")
+        await pilot.press("a")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ColumnsDialog), "closed")
+        assert table.visible == by_width and table.chosen is None

@@ -61,6 +61,26 @@ class SwarmScreen(Screen[None]):
     def export_label(self) -> str:
         return self.EXPORT_NAME
 
+    def action_columns(self) -> None:
+        """``C``: choose the table's columns (k9s's column chooser)."""
+        from swarm_tui.app.screens.dialogs import ColumnsDialog
+        from swarm_tui.app.widgets.live_table import LiveTable
+
+        table = self.query_one(LiveTable)
+
+        def done(keys: tuple[str, ...] | None) -> None:
+            if keys is None:
+                return
+            # (the mark column is no datum to choose: it stays wherever the table has one)
+            marks = ("sel",) if any(c.key == "sel" for c in table.spec) else ()
+            table.choose((*marks, *keys) if keys else None)
+            shown = "by the terminal's width" if not keys else ", ".join(keys)
+            self.notify(f"columns: {shown}", timeout=3)
+
+        self.app.push_screen(ColumnsDialog(self.export_label() or "the table",
+                                           [c for c in table.spec if c.key != "sel"],
+                                           table.visible, table.chosen is not None), done)
+
 
 class FilterBar(Horizontal):
     """``/`` opens it; what is typed filters the table live (a regex, case-insensitive)."""

@@ -12,7 +12,8 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static
+from textual.widgets import Button, Input, Label, SelectionList, Static
+from textual.widgets.selection_list import Selection
 
 from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.export import ExportError, default_name, write_view
@@ -244,4 +245,53 @@ class HelpScreen(ModalScreen[None]):
         yield SwarmFooter()
 
     def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class ColumnsDialog(ModalScreen[tuple[str, ...] | None]):
+    """Which columns a table shows, as k9s has it: ticked ones, in their order (space ticks;
+    the id and name stay frozen on the left). Nothing ticked, or ``a``: by the terminal's
+    width again. Dismisses with the keys (``()`` for by width), or None when cancelled."""
+
+    BINDINGS = [
+        Binding("ctrl+s", "apply", "Apply", id="columns.apply"),
+        Binding("a", "auto", "By width", id="columns.auto"),
+        Binding("escape", "cancel", "Cancel", id="columns.cancel"),
+    ]
+
+    def __init__(self, view: str, columns: Sequence[Any], shown: Sequence[str],
+                 chosen: bool) -> None:
+        super().__init__()
+        self.view, self.columns, self.shown, self.chosen = view, list(columns), shown, chosen
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog", classes="dialog"):
+            how = "chosen" if self.chosen else "by the terminal's width"
+            yield Label(f"Columns of {self.view} (now {how})", classes="dialog-title")
+            yield SelectionList[str](
+                *(Selection(f"{c.label.strip() or c.key}  {c.help}".rstrip(), c.key,
+                            c.key in self.shown) for c in self.columns),
+                id="columns", compact=True)
+            with Horizontal(classes="buttons"):
+                yield Button("Apply (ctrl+s)", variant="primary", compact=True, id="apply")
+                yield Button("By width (a)", compact=True, id="auto")
+                yield Button("Cancel (esc)", compact=True, id="cancel")
+        yield SwarmFooter()
+
+    def on_mount(self) -> None:
+        self.query_one(SelectionList).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        {"apply": self.action_apply, "auto": self.action_auto}.get(
+            event.button.id or "", self.action_cancel)()
+
+    def action_apply(self) -> None:
+        ticked = set(self.query_one(SelectionList).selected)
+        self.dismiss(tuple(c.key for c in self.columns if c.key in ticked))
+
+    def action_auto(self) -> None:
+        self.dismiss(())
+
+    def action_cancel(self) -> None:
         self.dismiss(None)

@@ -19,6 +19,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.graph import LinkGraph
 from swarm_tui.app.widgets.live_table import LiveTable
@@ -50,6 +51,9 @@ class FellowsScreen(SwarmScreen):
         Binding("w", "watch", "Watch job", show=False, id="fellows.watch"),
         Binding("escape", "clear", "Clear filter/marks", show=False, id="fellows.clear"),
         Binding("e", "export", "Export view", show=False, id="fellows.export"),
+        Binding("d", "describe", "Describe", show=False, id="fellows.describe"),
+        Binding("l", "log", "Log", show=False, id="fellows.log"),
+        Binding("C", "columns", "Columns", show=False, id="fellows.columns"),
     ]
 
     def __init__(self) -> None:
@@ -194,6 +198,16 @@ class FellowsScreen(SwarmScreen):
     def action_set_speed(self) -> None:
         self.swarm.ask_set_speed(self.selected_ids())
 
+    def action_describe(self) -> None:
+        key = self.table.cursor_key
+        if key is not None:
+            self.app.push_screen(DescribeScreen("fellow", int(key)))
+
+    def action_log(self) -> None:
+        key = self.table.cursor_key
+        if key is not None:
+            self.app.push_screen(FellowLogScreen(int(key)))
+
     def action_release(self) -> None:
         self.swarm.ask_release(self.selected_ids())
 
@@ -217,6 +231,8 @@ class FellowDetailScreen(SwarmScreen):
         Binding("s", "set_speed", "Speed", id="detail.set_speed"),
         Binding("r", "release", "Release", id="detail.release"),
         Binding("w", "watch", "Watch job", id="detail.watch"),
+        Binding("d", "describe", "Describe", show=False, id="detail.describe"),
+        Binding("l", "log", "Log", show=False, id="detail.log"),
     ]
 
     def __init__(self, fellow_id: int) -> None:
@@ -301,6 +317,12 @@ class FellowDetailScreen(SwarmScreen):
 
     def action_release(self) -> None:
         self.swarm.ask_release([self.fellow_id])
+
+    def action_describe(self) -> None:
+        self.app.push_screen(DescribeScreen("fellow", self.fellow_id))
+
+    def action_log(self) -> None:
+        self.app.push_screen(FellowLogScreen(self.fellow_id))
 
     def action_watch(self) -> None:
         st = self.state

@@ -25,6 +25,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.model import Change, JobView
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.screens.record import DescribeScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
@@ -43,6 +44,8 @@ class JobsScreen(SwarmScreen):
         Binding("O", "sort_reverse", "Reverse sort", show=False, id="jobs.sort_reverse"),
         Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
         Binding("e", "export", "Export view", show=False, id="jobs.export"),
+        Binding("d", "describe", "Describe", show=False, id="jobs.describe"),
+        Binding("C", "columns", "Columns", show=False, id="jobs.columns"),
     ]
 
     _select_later: str | None = None
@@ -127,6 +130,11 @@ class JobsScreen(SwarmScreen):
         if job is not None:
             self.swarm.watch_job(job)
 
+    def action_describe(self) -> None:
+        job = self.selected_job
+        if job is not None:
+            self.app.push_screen(DescribeScreen("job", job))
+
     def action_cancel_job(self) -> None:
         job = self.selected_job
         if job is None:
@@ -180,6 +188,7 @@ class JobWatchScreen(SwarmScreen):
         Binding("escape", "back", "Back", id="watch.back"),
         Binding("c", "cancel_job", "Cancel job", id="watch.cancel"),
         Binding("e", "export", "Export view", show=False, id="watch.export"),
+        Binding("d", "describe", "Describe", show=False, id="watch.describe"),
     ]
 
     def __init__(self, job_id: str) -> None:
@@ -272,6 +281,9 @@ class JobWatchScreen(SwarmScreen):
 
     def action_back(self) -> None:
         self.app.pop_screen()
+
+    def action_describe(self) -> None:
+        self.app.push_screen(DescribeScreen("job", self.job_id))
 
     def action_cancel_job(self) -> None:
         self.swarm.ask_cancel(self.job_id)
