@@ -103,7 +103,7 @@ def _ours(pid: int) -> bool:
     return b"swarm_tui.cli" in cmdline or b"swarm" in cmdline.split(b"\0")[0]
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -124,15 +124,15 @@ def _alive(pid: int) -> bool:
 
 def stop_processes(pids: list[int], timeout_s: float = 8.0) -> list[int]:
     """SIGTERM, wait, then SIGKILL what is left. Returns the pids that were signalled."""
-    targets = [p for p in pids if _alive(p) and _ours(p)]
+    targets = [p for p in pids if process_alive(p) and _ours(p)]
     for pid in targets:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(_alive(p) for p in targets):
+    while time.monotonic() < deadline and any(process_alive(p) for p in targets):
         time.sleep(0.05)
     for pid in targets:
-        if _alive(pid):
+        if process_alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     return targets
@@ -287,7 +287,7 @@ async def _wait_fellows(url: str, token: str, record: ClusterRecord, timeout_s: 
             if ready == names:
                 return
             for entry in record.fellows:
-                if not _alive(entry.pid):
+                if not process_alive(entry.pid):
                     raise ClusterError(f"fellow {entry.name} exited: {_tail(Path(entry.log))}")
             if time.monotonic() > deadline:
                 missing = ", ".join(sorted(names - ready))

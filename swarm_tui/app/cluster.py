@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from swarm_core.local_cluster import (
     ClusterError,
     ClusterRecord,
+    process_alive,
     read_record,
     record_path,
     stop_processes,
@@ -69,7 +69,7 @@ class OwnedCluster:
 
     def running(self) -> bool:
         """Is any of its processes still alive (something for quitting to stop)?"""
-        return any(_alive(pid) for pid in self.pids)
+        return any(process_alive(pid) for pid in self.pids)
 
     def stop_in_background(self) -> subprocess.Popen[bytes] | None:
         """Return at once; a detached helper stops its processes, kills what lingers and
@@ -113,16 +113,6 @@ def stop_own(leader: int, fellows: list[int], started_at: float) -> None:
         with contextlib.suppress(FileNotFoundError):
             record_path().unlink()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError, IndexError):  # a zombie is gone
-        return open(f"/proc/{pid}/stat").read().split(") ", 1)[1][0] != "Z"
     return True
 
 
