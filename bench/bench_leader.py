@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.protocol import API_PREFIX  # noqa: E402
+from swarm_tui.app.app import JOB_WINDOW  # noqa: E402
 
 HOST = "127.0.0.1"
 SESSION_HEADER = "X-Swarm-Fellow-Session"
@@ -457,18 +458,31 @@ async def queue_history(http: aiohttp.ClientSession, base: str, auth: dict[str, 
         await asyncio.gather(*(one(i) for i in range(start, min(jobs, start + 64))))
 
 
+# What a console asks each second (swarm_tui's refresh): the running job, the next pending ones
+# in line and the latest to finish; ``all`` is the whole list (``swarm jobs``, or the console
+# before it held a window).
+WINDOW_LISTING = [{"state": "RUNNING"}, {"state": "PENDING", "limit": str(JOB_WINDOW)},
+                  {"order": "finished", "limit": str(JOB_WINDOW)}]
+
+
 async def list_jobs_loop(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
-                         rec: Recorder, out: list[float]) -> None:
-    """A console refreshing its jobs table: the whole list, once a second, in the window."""
+                         rec: Recorder, out: list[float], listing: str) -> None:
+    """A console refreshing its jobs table once a second, in the window: one figure is the
+    time of one refresh (its requests sent together, as the console does)."""
     loop = asyncio.get_running_loop()
-    await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
-    while loop.time() < rec.t_end:
-        t0 = time.perf_counter()
-        async with http.get(f"{base}{API_PREFIX}/jobs", headers=auth,
+    queries = WINDOW_LISTING if listing == "window" else [{}]
+
+    async def one(params: dict[str, str]) -> None:
+        async with http.get(f"{base}{API_PREFIX}/jobs", headers=auth, params=params,
                             timeout=aiohttp.ClientTimeout(total=60)) as resp:
             await resp.read()
             if resp.status != 200:
                 raise RuntimeError(f"GET /jobs: HTTP {resp.status}")
+
+    await asyncio.sleep(max(0.0, rec.t_start - loop.time()))
+    while loop.time() < rec.t_end:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(q) for q in queries))
         out.append((time.perf_counter() - t0) * 1000)
         await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
 
@@ -523,7 +537,8 @@ async def job_step(http: aiohttp.ClientSession, base: str, auth: dict[str, str],
 
 async def run_one(leader: Leader, n: int, seconds: float, warmup: float, consoles: int,
                   token: str, pending_job: bool = False,
-                  running_job: bool = False, history: int = 0) -> RunResult:
+                  running_job: bool = False, history: int = 0,
+                  listing_kind: str = "window") -> RunResult:
     await leader.wait_healthy()
     base = leader.url
     auth = {"Authorization": f"Bearer {token}"}
@@ -571,7 +586,8 @@ async def run_one(leader: Leader, n: int, seconds: float, warmup: float, console
             ]
             tasks += hb_tasks
             listing: list[float] = []
-            lister = asyncio.create_task(list_jobs_loop(http, base, auth, rec, listing)) \
+            lister = asyncio.create_task(list_jobs_loop(http, base, auth, rec, listing,
+                                                         listing_kind)) \
                 if history else None
             if lister is not None:
                 tasks.append(lister)
@@ -728,7 +744,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "heartbeat runs the dispatcher against the whole registry")
     p.add_argument("--history", type=int, default=0, metavar="J",
                    help="the leader holds J jobs (half cancelled, half pending), and a client "
-                        "lists them all once a second in the window")
+                        "lists them once a second in the window, as --listing says")
+    p.add_argument("--listing", choices=("window", "all"), default="window",
+                   help=f"with --history: what the client lists, a console's window (the "
+                        f"running job, the next and the latest {JOB_WINDOW}) or every job "
+                        "(default: %(default)s)")
     p.add_argument("--running-job", action="store_true",
                    help="also run a real 2-fellow training job beside the simulated fleet")
     p.add_argument("--profile", metavar="DIR",
@@ -798,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             with leader_process(token, args.verbose, prof) as leader:
                 r = asyncio.run(run_one(leader, n, args.seconds, args.warmup, args.consoles,
                                         token, args.pending_job, args.running_job,
-                                        args.history))
+                                        args.history, args.listing))
             results.append(r)
             print(f" {r.hb_per_s:.0f} hb/s, p99 {fmt(r.pct(99), '.2f')} ms", flush=True)
     except KeyboardInterrupt:

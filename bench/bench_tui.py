@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 from swarm_core.client import SwarmClient  # noqa: E402
-from swarm_core.contract import JobInfo  # noqa: E402
+from swarm_core.contract import JobInfo, JobList  # noqa: E402
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits  # noqa: E402
 from swarm_tui.app.app import SwarmApp  # noqa: E402
 from swarm_tui.app.model import Change  # noqa: E402
@@ -75,6 +75,10 @@ class BenchClient(SwarmClient):
 
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
         return []
+
+    async def job_page(self, state: str | None = None, *, limit: int, after: str | None = None,
+                       order: str = "queue") -> JobList:
+        return JobList(jobs=[], total=0)
 
     async def events(self, **_: Any) -> AsyncIterator[dict[str, Any]]:  # type: ignore[override]
         if False:  # pragma: no cover - the bench feeds events itself

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -269,16 +269,17 @@ class SwarmClient:
     async def submit(self, req: JobSubmit) -> JobInfo:
         return _parse(await self.request("POST", f"{API_PREFIX}/jobs", req), JobInfo)
 
-    async def jobs(self, state: str | None = None) -> list[JobInfo]:
-        params = {"state": state} if state else None
-        return (await self._get(f"{API_PREFIX}/jobs", JobList, params=params)).jobs
+    async def jobs(self, state: str | Iterable[str] | None = None) -> list[JobInfo]:
+        """Every job (of ``state``: one or several), in queue order."""
+        return (await self._get(f"{API_PREFIX}/jobs", JobList,
+                                params=_job_params(state, "queue"))).jobs
 
-    async def job_page(self, state: str | None = None, *, limit: int,
-                       after: str | None = None) -> JobList:
-        """Up to ``limit`` jobs queued after job ``after``; ``next_after`` continues."""
-        params: dict[str, Any] = {"limit": limit}
-        if state:
-            params["state"] = state
+    async def job_page(self, state: str | Iterable[str] | None = None, *, limit: int,
+                       after: str | None = None, order: str = "queue") -> JobList:
+        """Up to ``limit`` jobs (of ``state``) in ``order`` after job ``after``;
+        ``next_after`` continues, ``total`` counts them on all pages."""
+        params = _job_params(state, order)
+        params["limit"] = limit
         if after:
             params["after"] = after
         return await self._get(f"{API_PREFIX}/jobs", JobList, params=params)
@@ -430,6 +431,13 @@ async def wait_for_leader(url: str, timeout_s: float) -> None:
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
+
+
+def _job_params(state: str | Iterable[str] | None, order: str) -> dict[str, Any]:
+    params: dict[str, Any] = {} if order == "queue" else {"order": order}
+    if state:
+        params["state"] = state if isinstance(state, str) else ",".join(state)
+    return params
 
 
 def _seg(value: object) -> str:

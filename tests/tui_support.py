@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.contract import JobInfo, SmokeTraining, Topology
+from swarm_core.contract import JobInfo, JobList, SmokeTraining, Topology
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
@@ -205,7 +205,17 @@ class FakeClient(SwarmClient):
 
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
         # As the leader's list route: new objects each time, and no loss history.
-        return [attrs.evolve(j, loss_history=[]) for j in self._jobs]
+        return [attrs.evolve(j, loss_history=[]) for j in self._jobs
+                if state is None or j.state in state.split(",")]
+
+    async def job_page(self, state: str | None = None, *, limit: int,
+                       after: str | None = None, order: str = "queue") -> JobList:
+        # (the fixed data is smaller than any page the console asks for: no paging here)
+        assert after is None and limit >= len(self._jobs)
+        jobs = await self.jobs(state)
+        if order == "finished":
+            jobs = [j for j in jobs if j.finished_at is not None][::-1]
+        return JobList(jobs=jobs, total=len(jobs))
 
     async def job(self, job_id: str) -> JobInfo:
         self.fetched.append(job_id)

@@ -6,6 +6,7 @@ fellow, the CLI, the console and the run artifacts all read the same classes.
 
 from swarm_core.contract.heartbeat import CellRef, Heartbeat, UnreportedFinal
 from swarm_core.contract.job import (
+    JOB_ORDERS,
     MAX_JOB_PAGE,
     JobInfo,
     JobKind,
@@ -41,6 +42,7 @@ from swarm_core.contract.placement import (
 from swarm_core.contract.start import StageStart, chain_starts, stage_starts
 
 __all__ = [
+    "JOB_ORDERS",
     "MAX_JOB_PAGE",
     "CellRef",
     "CodecErrors",

@@ -229,16 +229,22 @@ class JobInfo:
 
 
 MAX_JOB_PAGE = 10_000  # jobs in one page of GET /jobs
+# How GET /jobs orders its jobs: ``queue`` oldest submitted first (the order they run in),
+# ``newest`` newest submitted first, ``finished`` only finished jobs, the last to finish first
+# (a console's history: a pending job cancelled late is recent, whatever its age).
+JOB_ORDERS = ("queue", "newest", "finished")
 
 
 @attrs.define
 class JobList:
-    """Jobs in queue order (a page holds at most MAX_JOB_PAGE); with ``limit``,
+    """Jobs in the asked order (a page holds at most MAX_JOB_PAGE); with ``limit``,
     ``next_after`` names the last one when more follow (pass it as ``after`` for the next
-    page)."""
+    page). ``total`` counts the jobs of the asked states on all pages, so a client showing
+    one page can say how many it leaves out."""
 
     jobs: list[JobInfo]
     next_after: str | None = None
+    total: int | None = None
 
 
 def in_stage_order(pushes: dict[str, ShardReceipt]) -> list[ShardReceipt]:

@@ -6,6 +6,9 @@ files in :mod:`swarm_core.leader.progress`. This module owns a job's state chang
 
 from __future__ import annotations
 
+import collections
+import heapq
+import itertools
 import logging
 import secrets
 import time
@@ -49,6 +52,34 @@ MAX_LINK_CHANGES = 200
 
 
 @attrs.define
+class JobPage:
+    jobs: list[JobRecord]
+    next_after: str | None  # the last job listed, when more follow
+    total: int  # the jobs of the asked states, on every page
+
+
+def _seq(job: JobRecord) -> int:
+    return job.seq
+
+
+def _finish_key(job: JobRecord) -> tuple[float, int]:
+    return (job.finished_at or job.created_at, job.seq)
+
+
+def _past(pool: Any, order: str, cursor: JobRecord) -> Any:
+    """The jobs of ``pool`` that come after ``cursor`` in ``order``."""
+    if order == "finished":  # (by place: two jobs may finish within one clock tick)
+        rest = iter(pool)
+        for job in rest:
+            if job is cursor:
+                break
+        return rest
+    if order == "newest":
+        return (j for j in pool if j.seq < cursor.seq)
+    return (j for j in pool if j.seq > cursor.seq)
+
+
+@attrs.define
 class QueueOrder:
     running: JobRecord | None
     ahead: dict[str, int]  # pending job id -> pending jobs queued before it
@@ -64,11 +95,16 @@ class JobQueue:
         self.files = RunFiles(runs_dir)
         self.liveness = Liveness(self, registry, runs_dir)
         self.reconciler = Reconciler(self, registry)
-        # Both in queue order (rows load by seq, and a new job has the highest); ``_open`` holds
-        # the PENDING and RUNNING ones, so the dispatcher and the queue's order need not walk
-        # a history of thousands of finished jobs on every tick and request.
+        # Every job, and each open one by state, in queue order (rows load by seq, and a new
+        # job has the highest); the finished ones in the order they finished. The dispatcher,
+        # the queue's order and a console's listing of the running, the next pending and the
+        # latest finished jobs thus never walk a history of thousands on a tick or request.
         self._jobs: dict[str, JobRecord] = {}
-        self._open: dict[str, JobRecord] = {}
+        self._pending: dict[str, JobRecord] = {}
+        self._running: dict[str, JobRecord] = {}
+        self._finished: dict[str, JobRecord] = {}
+        self._finished_count: collections.Counter[JobState] = collections.Counter()
+        self._order: QueueOrder | None = None  # built on demand, dropped when the queue moves
         for row in store.load_jobs():
             try:
                 job = JobRecord.from_row(row)
@@ -79,9 +115,10 @@ class JobQueue:
                           row.get("job_id", "?"), exc)
                 continue
             self._jobs[job.job_id] = job
-            if not job.state.terminal:
-                self._open[job.job_id] = job
+            if job.state is JobState.PENDING:
+                self._pending[job.job_id] = job
             if job.state is JobState.RUNNING:
+                self._running[job.job_id] = job
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
                 self.liveness.watch(job)
                 if job.recovering is not None:
@@ -90,6 +127,9 @@ class JobQueue:
                     rec = self.registry.find(fid)
                     if rec is not None and not job.stages_done_by(fid):
                         rec.assigned_job = job.job_id
+        for job in sorted((j for j in self._jobs.values() if j.state.terminal), key=_finish_key):
+            self._finished[job.job_id] = job
+            self._finished_count[job.state] += 1
 
     # queries ----------------------------------------------------------------------------------
     def all(self) -> list[JobRecord]:
@@ -104,23 +144,55 @@ class JobQueue:
     def find(self, job_id: str | None) -> JobRecord | None:
         return self._jobs.get(job_id or "")
 
+    def page(self, states: frozenset[JobState] | None = None, order: str = "queue",
+             after: JobRecord | None = None, limit: int | None = None) -> JobPage:
+        """The jobs in ``states`` (None: all) in ``order`` (see JOB_ORDERS), from the one
+        after ``after``, at most ``limit``. It walks only the jobs it may list, and stops at
+        the page's end: nothing is built for the jobs it leaves out."""
+        newest = order == "newest"
+        wanted = states
+        if order == "finished":
+            pool: Any = reversed(self._finished.values())
+        elif states is not None and not any(s.terminal for s in states):
+            parts = [sorted(self._running.values(), key=_seq, reverse=newest)
+                     if s is JobState.RUNNING else
+                     reversed(self._pending.values()) if newest else self._pending.values()
+                     for s in states]
+            pool = heapq.merge(*parts, key=_seq, reverse=newest)
+            wanted = None  # (the pool holds just those)
+        else:
+            pool = reversed(self._jobs.values()) if newest else self._jobs.values()
+        if after is not None:
+            pool = _past(pool, order, after)
+        if wanted is not None:
+            pool = (j for j in pool if j.state in wanted)
+        out = list(itertools.islice(pool, limit + 1 if limit is not None else None))
+        more = limit is not None and len(out) > limit
+        if more:
+            del out[limit:]
+        if states is None:
+            total = len(self._finished if order == "finished" else self._jobs)
+        else:
+            total = sum(self.count(s) for s in states)
+        return JobPage(out, out[-1].job_id if more else None, total)
+
     def count(self, state: JobState) -> int:
-        jobs = self._jobs if state.terminal else self._open
-        return sum(1 for j in jobs.values() if j.state is state)
+        if state is JobState.PENDING:
+            return len(self._pending)
+        if state is JobState.RUNNING:
+            return len(self._running)
+        return self._finished_count[state]
 
     def running(self) -> JobRecord | None:
-        return next((j for j in self._open.values() if j.state is JobState.RUNNING), None)
+        return next(iter(self._running.values()), None)
 
     def order(self) -> QueueOrder:
-        """The running job and, per pending job, how many are ahead of it: one pass, for a
-        whole listing (asking per job made listing n jobs cost n^2)."""
-        running, ahead = None, {}
-        for job in self._open.values():
-            if job.state is JobState.RUNNING and running is None:
-                running = job
-            elif job.state is JobState.PENDING:
-                ahead[job.job_id] = len(ahead)
-        return QueueOrder(running, ahead)
+        """The running job and, per pending job, how many are ahead of it: built once per
+        change of the queue (asking per job made listing n jobs cost n^2)."""
+        if self._order is None:
+            self._order = QueueOrder(self.running(),
+                                     {jid: i for i, jid in enumerate(self._pending)})
+        return self._order
 
     def info(self, job: JobRecord, with_history: bool = False,
              order: QueueOrder | None = None) -> JobInfo:
@@ -184,7 +256,8 @@ class JobQueue:
                         created_at=time.time())
         self.store.insert_job(seq, job.row())
         self._jobs[job.job_id] = job
-        self._open[job.job_id] = job
+        self._pending[job.job_id] = job
+        self._order = None
         self.event(job, "job.submitted")
         return job
 
@@ -276,7 +349,7 @@ class JobQueue:
         if self.running() is not None:
             return None
         # Called on every tick and fellow change: the first open job, not the whole history.
-        job = next((j for j in self._open.values() if j.state is JobState.PENDING), None)
+        job = next(iter(self._pending.values()), None)
         if job is None:
             return None
         topo = job.spec.topology
@@ -306,6 +379,9 @@ class JobQueue:
             self.finish(job, JobState.FAILED, f"cannot start: {exc}")
             return job
         job.state = JobState.RUNNING
+        del self._pending[job.job_id]
+        self._running[job.job_id] = job
+        self._order = None
         job.started_at = time.time()
         job.placement = placement
         job.data_key, job.resume_step = starts[0].key, 0
@@ -387,8 +463,15 @@ class JobQueue:
 
     def finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         was_running = job.state is JobState.RUNNING
+        if job.state.terminal:  # (finished again: it moves to the end, counted once)
+            self._finished_count[job.state] -= 1
+            del self._finished[job.job_id]
         job.state, job.reason, job.finished_at = state, reason, time.time()
-        self._open.pop(job.job_id, None)
+        self._pending.pop(job.job_id, None)
+        self._running.pop(job.job_id, None)
+        self._finished[job.job_id] = job
+        self._finished_count[state] += 1
+        self._order = None
         job.held = None
         if was_running:
             self.stop_fellows(job, reason)

@@ -15,6 +15,7 @@ from aiohttp import WSCloseCode, web
 import swarm_core
 from swarm_core import jsonio
 from swarm_core.contract import (
+    JOB_ORDERS,
     MAX_JOB_PAGE,
     Heartbeat,
     JobInfo,
@@ -243,36 +244,49 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    """In queue order; ``state``, then a page: ``limit`` jobs ``after`` a job id (the last
-    page's ``next_after``). Linear in the jobs held: one pass orders the queue for all."""
+    """``state`` (one or several, comma-separated) in ``order`` (queue, newest or finished),
+    then a page: ``limit`` jobs ``after`` a job id (the last page's ``next_after``). Linear in
+    the jobs it may hold, and only the page is built: one pass orders the queue for all."""
     st = _state(request)
-    state = request.query.get("state")
-    jobs = st.jobs.all()
+    states = _job_states(request.query["state"]) if "state" in request.query else None
+    order = request.query.get("order", "queue")
+    if order not in JOB_ORDERS:
+        raise ApiError(400, f"order must be one of {', '.join(JOB_ORDERS)}, got {order[:32]!r}",
+                       code="invalid_param", field="order")
+    if order == "finished" and states is not None and not all(s.terminal for s in states):
+        raise ApiError(400, "state: order=finished lists only finished jobs (COMPLETED, FAILED, "
+                       "CANCELLED)", code="invalid_param", field="state")
+    cursor = None
     if "after" in request.query:
         after = request.query["after"]
         cursor = st.jobs.find(after)
-        if cursor is None:
-            raise ApiError(400, f"after: no job {after[:64]!r}", code="invalid_param",
+        if cursor is None or (order == "finished" and not cursor.state.terminal):
+            why = "no job" if cursor is None else "order=finished: not finished:"
+            raise ApiError(400, f"after: {why} {after[:64]!r}", code="invalid_param",
                            field="after")
-        jobs = [j for j in jobs if j.seq > cursor.seq]
-    if state is not None:
-        try:
-            wanted = JobState(state.upper())
-        except ValueError:
-            raise ApiError(400, f"state must be one of {', '.join(s.value for s in JobState)}",
-                           code="invalid_param", field="state") from None
-        jobs = [j for j in jobs if j.state is wanted]
-    next_after = None
+    limit = None
     if "limit" in request.query:
         limit = _int_param(request, "limit")
         if not 1 <= limit <= MAX_JOB_PAGE:
             raise ApiError(400, f"limit must be between 1 and {MAX_JOB_PAGE}", code="invalid_param",
                            field="limit")
-        if len(jobs) > limit:
-            jobs = jobs[:limit]
-            next_after = jobs[-1].job_id
-    order = st.jobs.order()
-    return ok(JobList(jobs=[st.jobs.info(j, order=order) for j in jobs], next_after=next_after))
+    page = st.jobs.page(states, order, cursor, limit)
+    queue = st.jobs.order()
+    return ok(JobList(jobs=[st.jobs.info(j, order=queue) for j in page.jobs],
+                      next_after=page.next_after, total=page.total))
+
+
+_ONE_STATE = "|".join(v for s in JobState for v in (s.value, s.value.lower()))
+_STATES_PATTERN = f"^({_ONE_STATE})(,({_ONE_STATE}))*$"
+
+
+def _job_states(raw: str) -> frozenset[JobState]:
+    try:
+        return frozenset(JobState(part.strip().upper()) for part in raw.split(","))
+    except ValueError:
+        raise ApiError(400, f"state must be one or more of {', '.join(s.value for s in JobState)}"
+                       f" (comma-separated), got {raw[:64]!r}", code="invalid_param",
+                       field="state") from None
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -483,14 +497,18 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/nodes", list_nodes, "Per-fellow byte counters", response=NodeList),
     Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
           errors=(400, 413)),
-    Route("GET", f"{A}/jobs", list_jobs, "Jobs in queue order, oldest first, a page at a time",
+    Route("GET", f"{A}/jobs", list_jobs,
+          "Jobs of `state` (one or several, comma-separated) in `order` (`queue`: oldest first, "
+          "`newest`, `finished`: the last to finish first), a page at a time (`limit`, `after`; "
+          "`total` counts all pages)",
           response=JobList,
-          query=(("state", "string", "only jobs in this state",
-                  {"enum": [s.value for s in JobState]
-                   + [s.value.lower() for s in JobState]}),
+          query=(("state", "string", "only jobs in this state, or these (comma-separated)",
+                  {"pattern": _STATES_PATTERN}),
+                 ("order", "string", "queue (default), newest, or finished (finished jobs only)",
+                  {"enum": list(JOB_ORDERS)}),
                  ("limit", "integer", "at most this many; next_after then names the last",
                   {"minimum": 1, "maximum": MAX_JOB_PAGE}),
-                 ("after", "string", "only jobs queued after this job (a page's next_after)")),
+                 ("after", "string", "only jobs listed after this job (a page's next_after)")),
           errors=(400,)),
     Route("GET", f"{A}/jobs/{{job_id}}", get_job, "One job", response=JobInfo, errors=(404,)),
     Route("GET", f"{A}/jobs/{{job_id}}/progress", job_progress,

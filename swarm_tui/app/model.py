@@ -309,6 +309,9 @@ class ClusterModel:
         self.clock = clock
         self.fellows: dict[int, FellowState] = {}
         self.jobs: dict[str, JobView] = {}
+        # Jobs of each state the leader holds beyond the console's window (the next pending
+        # ones in line, the finished ones before the newest): counted, not listed.
+        self.jobs_left_out: dict[str, int] = {}
         self.offset = 0.0  # leader clock minus local clock
         self.last_seq: int | None = None
         self.need_refresh = False  # an event was missed or named something unknown
@@ -335,9 +338,14 @@ class ClusterModel:
             change.fellow_rows = True
         return change
 
-    def apply_jobs(self, infos: Iterable[JobInfo]) -> Change:
+    def apply_jobs(self, infos: Iterable[JobInfo], *, keep: Iterable[str] = (),
+                   left_out: dict[str, int] | None = None) -> Change:
+        """The leader's listing: the jobs it names, updated or added; the others dropped but
+        for ``keep`` (a job on screen that fell out of the window)."""
         change = Change()
-        seen: set[str] = set()
+        seen: set[str] = set(keep)
+        if left_out is not None:
+            self.jobs_left_out = {k: n for k, n in left_out.items() if n > 0}
         for ji in infos:
             seen.add(ji.job_id)
             view = self.jobs.get(ji.job_id)
@@ -479,7 +487,8 @@ class ClusterModel:
         return out
 
     def job_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+        """Per state, the jobs the console holds and those the leader holds beyond them."""
+        out: dict[str, int] = dict(self.jobs_left_out)
         for view in self.jobs.values():
             out[view.info.state] = out.get(view.info.state, 0) + 1
         return out

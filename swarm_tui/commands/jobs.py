@@ -12,6 +12,7 @@ from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import (
+    JOB_ORDERS,
     MAX_JOB_PAGE,
     JobInfo,
     JobList,
@@ -42,10 +43,11 @@ TERMINAL = {s.value for s in JobState if s.terminal}
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     async def body(c: SwarmClient) -> None:
-        if args.limit is None and args.after is None:
+        if args.limit is None and args.after is None and args.order == "queue":
             page = JobList(jobs=await c.jobs(args.state))
         else:
-            page = await c.job_page(args.state, limit=args.limit or MAX_JOB_PAGE, after=args.after)
+            page = await c.job_page(args.state, limit=args.limit or MAX_JOB_PAGE,
+                                    after=args.after, order=args.order)
         jobs = page.jobs
         if args.format == "json":
             emit_json(page)
@@ -58,7 +60,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             for j in jobs
         ])
         if page.next_after:
-            print_line(f"more: swarm jobs --after {page.next_after}")
+            again = "" if args.order == "queue" else f" --order {args.order}"
+            print_line(f"more: swarm jobs{again} --after {page.next_after}")
 
     return run_with_client(args, body)
 
@@ -341,21 +344,27 @@ def _watched(final: JobInfo) -> int:
     return int(ExitCode.FAILURE)
 
 
-def _job_state(text: str) -> str:
-    value = text.upper()
-    if value not in {s.value for s in JobState}:
+def _job_states(text: str) -> str:
+    values = [part.strip().upper() for part in text.split(",")]
+    known = {s.value for s in JobState}
+    if not all(v in known for v in values):
         raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(s.value for s in JobState)}, got {text!r}")
-    return value
+            f"expected one or more of {', '.join(s.value for s in JobState)} (comma-separated), "
+            f"got {text!r}")
+    return ",".join(values)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", help="list jobs, oldest first")
-    p.add_argument("--state", type=_job_state, default=None, help="only jobs in this state")
+    p.add_argument("--state", type=_job_states, default=None,
+                   help="only jobs in this state (or these: comma-separated)")
+    p.add_argument("--order", choices=JOB_ORDERS, default="queue",
+                   help="queue: oldest submitted first; newest: newest first; finished: only "
+                        "finished jobs, the last to finish first (default: %(default)s)")
     p.add_argument("--limit", type=number(int, 1, MAX_JOB_PAGE, "--limit"), default=None,
                    help=f"at most this many (1-{MAX_JOB_PAGE}); the last line names the next page")
     p.add_argument("--after", type=job_id, default=None, metavar="JOB",
-                   help="only jobs queued after this one (a page's next_after)")
+                   help="only jobs listed after this one (a page's next_after)")
     add_format(p)
     p.set_defaults(func=cmd_jobs)
 

@@ -122,6 +122,13 @@ def test_smoke_job_runs_and_watch_exits_zero(cli_env):
         rest = run_cli("jobs", "--after", page["next_after"], env=cli_env)
         assert queued["job_id"] in rest.stdout and jobs[0]["job_id"] not in rest.stdout
         assert "more:" not in rest.stdout
+        # The latest to finish first (the cancelled one finished after the completed one).
+        latest = cli_json("jobs", "--order", "finished", "--limit", "1",
+                          "--state", "completed,cancelled", env=cli_env)
+        assert [j["job_id"] for j in latest["jobs"]] == [queued["job_id"]]
+        assert (latest["next_after"], latest["total"]) == (queued["job_id"], 2)
+        more = run_cli("jobs", "--order", "finished", "--limit", "1", env=cli_env)
+        assert f"more: swarm jobs --order finished --after {queued['job_id']}" in more.stdout
         watched = run_cli("watch", queued["job_id"], env=cli_env)
         assert watched.returncode == 1
         assert "CANCELLED" in watched.stdout

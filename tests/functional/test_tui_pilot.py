@@ -303,7 +303,9 @@ async def test_lost_leader_is_shown_retried_and_recovered(tmp_path: Path) -> Non
     async with live_cluster(tmp_path) as (leader, _fellows):
         app = SwarmApp(leader.client(), refresh_s=0.5)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_for(pilot, lambda: all_ready(app) and app.connection == "live", "live")
+            # (on screen, not only in the model: a redraw follows a change by flush_s)
+            await fellows_listed(pilot, app)
+            await wait_for(pilot, lambda: app.connection == "live", "live")
             await leader.stop()
             await wait_for(pilot, lambda: app.connection == "lost", "leader lost")
             await wait_for(pilot, lambda: "leader lost, retrying"
@@ -401,6 +403,42 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
                            == "CANCELLED", "cancelled")
         async with leader.client() as c:
             assert (await c.job(queued.job_id)).state == "CANCELLED"
+
+
+async def test_the_queue_view_holds_a_window_of_a_long_history(tmp_path: Path, monkeypatch
+                                                                 ) -> None:
+    """A leader holding thousands of jobs: the console lists the next pending ones in line
+    and the latest to finish (a window), counts the rest, and keeps a watched job that falls
+    out of the window."""
+    import swarm_tui.app.app as app_module
+
+    monkeypatch.setattr(app_module, "JOB_WINDOW", 2)
+    async with live_cluster(tmp_path, n=0) as (leader, _fellows):
+        async with leader.client() as c:
+            jobs = [(await c.submit(JobSubmit(name=f"s{i}", kind="smoke",
+                                              topology=Topology(1)))).job_id for i in range(8)]
+            for jid in (jobs[5], jobs[0], jobs[6], jobs[1], jobs[7]):
+                await c.cancel(jid)
+        app = SwarmApp(leader.client(), refresh_s=None)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: app.snapshots >= 1, "a snapshot")
+            # pending in line: 2, 3 (4 left out); finished last: 7, 1 (6, 0, 5 left out)
+            assert set(app.model.jobs) == {jobs[2], jobs[3], jobs[7], jobs[1]}
+            assert app.model.job_counts()["PENDING"] == 3
+            await pilot.press("2")
+            await wait_for(pilot, lambda: "+4 not shown" in screen_text(app), "the count")
+            assert "0 running · 3 queued" in screen_text(app)
+            app.watch_job(jobs[1])
+            await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "the watch")
+            async with leader.client() as c:
+                await c.cancel(jobs[2])
+                await c.cancel(jobs[3])  # jobs[1] is no longer among the latest two finished
+            n = app.snapshots
+            app.refresh_now()
+            await wait_for(pilot, lambda: app.snapshots > n, "a refresh")
+            assert set(app.model.jobs) == {jobs[4], jobs[3], jobs[2], jobs[1]}
+            await pilot.pause()
+            assert f"{jobs[1]}: not known" not in screen_text(app)
 
 
 async def test_fellow_detail_and_palette(tmp_path: Path) -> None:

@@ -49,6 +49,19 @@ async def test_a_stored_job_that_a_newer_rule_refuses_still_loads_and_lists(aioh
     assert [(j.job_id, j.train.threads) for j in listed.jobs] == [(job["job_id"], 9999)]
 
 
+async def test_the_latest_finished_come_first_after_a_restart(aiohttp_client, tmp_path: Path):
+    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05)
+    api = await aiohttp_client(create_app(cfg))
+    jobs = [(await _submit(api))["job_id"] for _ in range(3)]
+    for jid in (jobs[2], jobs[0]):  # the newest first, then the oldest
+        assert (await api.post(f"{A}/jobs/{jid}/cancel", headers=AUTH)).status == 200
+    await api.close()
+
+    api = await aiohttp_client(create_app(cfg))
+    resp = await api.get(f"{A}/jobs", params={"order": "finished"}, headers=AUTH)
+    assert [j["job_id"] for j in (await resp.json())["jobs"]] == [jobs[0], jobs[2]]
+
+
 async def test_a_stored_row_the_leader_cannot_read_is_left_out_not_fatal(aiohttp_client,
                                                                         tmp_path: Path, caplog):
     cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05)

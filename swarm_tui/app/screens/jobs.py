@@ -89,6 +89,9 @@ class JobsScreen(SwarmScreen):
         hint = f"sort {label}{'▼' if table.sort_reverse else '▲'}"
         if table.filter_text:
             hint += f"  /{table.filter_text}/"
+        left_out = sum(self.swarm.model.jobs_left_out.values())
+        if left_out:  # (a window of the queue and the latest finished: `swarm jobs` has all)
+            hint += f"  +{left_out} not shown"
         return hint
 
     def select_job(self, job_id: str) -> None:
