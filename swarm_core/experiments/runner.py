@@ -112,7 +112,8 @@ class Experiment:
                  runs_dir: Path | None = None, on_line: Callable[[str], None] = print,
                  skip_netem: bool = False, poll_s: float = 1.0,
                  stamp: str | None = None, names: list[str] | None = None,
-                 stop_on_failure: bool = False, tracking: Tracking | None = None) -> None:
+                 stop_on_failure: bool = False, tracking: Tracking | None = None,
+                 on_update: Callable[[RunState, str | None], None] | None = None) -> None:
         self.client = client
         self.exp = exp
         self.runs_dir = runs_dir or exp.runs_dir
@@ -128,6 +129,9 @@ class Experiment:
         self.stop_on_failure = stop_on_failure
         self.fellows_at_start: list[FellowInfo] = []
         self.tracking = tracking if tracking is not None else Tracking.default()
+        # Each open run after each poll, with its progress line when it would be printed
+        # (a progress bar per run uses it); by default, that line goes to on_line.
+        self.on_update = on_update
         self._logs: dict[str, RunLog] = {}  # the tracking of runs that are open
         self._untracked: set[str] = set()  # runs whose tracking failed (said once)
 
@@ -306,12 +310,17 @@ class Experiment:
                 st.state, st.last_step, st.last_loss = job.state, job.last_step, job.last_loss
                 st.note = job.waiting_for or job.reason
                 key = (st.state, st.last_step // 5)
+                line = None
                 if key != st.reported:
                     st.reported = key
                     loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
                     why = f" ({st.note})" if st.note and st.state != "RUNNING" else ""
-                    self.on_line(f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
-                                 f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                    line = (f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
+                            f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                if self.on_update is not None:
+                    self.on_update(st, line)
+                elif line is not None:
+                    self.on_line(line)
                 if st.state == "RUNNING" and self.tracking.enabled:
                     await self._track(st, job)
                 if st.state in TERMINAL:

@@ -24,6 +24,7 @@ from swarm_tui.commands.base import (
     run_async,
     warn,
 )
+from swarm_tui.commands.progress_bars import follow
 from swarm_tui.commands.tracking_flags import add_tracking_flags, tracking_from
 from swarm_tui.fmt import fmt_number
 
@@ -83,7 +84,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
             except ExperimentError as exc:
                 raise CommandError(str(exc)) from None
             say(f"{suite.spec.name}: {len(exp.runs)} run(s) queued, artifacts in {out}")
-            await runner.run()
+            await follow(runner, args.format)
             run_dirs = {}
             for st in runner.states:
                 sc = next(s for s in suite.scenarios

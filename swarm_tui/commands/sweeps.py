@@ -47,6 +47,7 @@ from swarm_tui.commands.base import (
     run_async,
     warn,
 )
+from swarm_tui.commands.progress_bars import follow
 from swarm_tui.commands.tracking_flags import (
     add_mlflow_flag,
     add_tracking_flags,
@@ -114,7 +115,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             if args.detach:
                 _report(runner, args.format)
                 return 0
-            await runner.run()
+            await follow(runner, args.format)
             _report(runner, args.format)
             ok = all(st.state == "COMPLETED" for st in runner.states)
             return 0 if ok else int(ExitCode.FAILURE)

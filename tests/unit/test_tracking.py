@@ -10,65 +10,26 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import load_experiment
 from swarm_core.experiments.runner import Experiment
-from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.tracking import Tracking, TrackingUnavailable
 from swarm_core.tracking.names import step_scalars
 from swarm_core.tracking.run_log import RunLog, open_sinks
 from swarm_tui import cli
-from tests.support import AUTH, TOKEN, wait_async
-from tests.tracking_support import expected_scalars, read_tb
-
-A = "/api/v1"
-
-
-def _config(tmp_path: Path, steps: int = 3) -> Path:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "training").mkdir()
-    (tmp_path / "model" / "tiny.json").write_text(json.dumps(
-        {"name": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16,
-         "compression": "fixed_int8"}))
-    (tmp_path / "training" / "t.json").write_text(json.dumps(
-        {"steps": steps, "batch_size": 4, "micro_batches": 2,
-         "cluster_profile": {"fellows": 2}, "artifacts": {"runs_dir": "../runs"}}))
-    cfg = tmp_path / "exp.json"
-    cfg.write_text(json.dumps({"name": "tracked", "training_config": "training/t.json",
-                               "model_configs": ["model/tiny.json"]}))
-    return cfg
-
-
-async def _register(api, n: int) -> list[dict[str, Any]]:
-    fellows = []
-    for i in range(n):
-        body = {"name": f"f{i}", "instance_id": f"i{i}", "data_addr": f"127.0.0.1:{9000 + i}"}
-        reg = await (await api.post(f"{A}/fellows/register", json=body, headers=AUTH)).json()
-        fellows.append({**reg, "headers": {**AUTH, SESSION_HEADER: reg["session"]}})
-    return fellows
-
-
-async def _report(api, job_id: str, fellow: dict[str, Any], step: int, **kw: Any) -> None:
-    body = {"fellow_id": fellow["fellow_id"], "state": "RUNNING", "step": step, **kw}
-    resp = await api.post(f"{A}/jobs/{job_id}/status", json=body, headers=fellow["headers"])
-    assert resp.status == 200, await resp.text()
-
-
-async def _step(api, job_id: str, stage: dict[int, dict[str, Any]], step: int) -> None:
-    """Both stages' reports of one step, with every figure a real stage sends."""
-    await _report(api, job_id, stage[0], step, metrics={
-        "wire_tx_bytes": 40_000_000 + step, "step_seconds": 0.3, "wait_seconds": 0.1 * step,
-        "activation_peak_bytes": 5000 + step, "codec_error": {"act": 0.001 * step}})
-    await _report(api, job_id, stage[1], step, loss=5.0 - 0.25 * step,
-                  tokens_per_s=1000.0 + step, metrics={
-                      "wire_tx_bytes": 20_000_000 + step, "step_seconds": 0.25, "lr": 1e-3,
-                      "wait_seconds": 0.05, "activation_peak_bytes": 7000,
-                      "codec_error": {"grad": 0.002 * step}})
+from tests.support import TOKEN, wait_async
+from tests.tracking_support import (
+    expected_scalars,
+    play_step,
+    read_tb,
+    register_stages,
+    report_step,
+    write_config,
+)
 
 
 async def test_a_sweep_writes_tensorboard_files_while_its_run_trains(api, tmp_path,
@@ -76,8 +37,8 @@ async def test_a_sweep_writes_tensorboard_files_while_its_run_trains(api, tmp_pa
     """A real leader, a real sweep runner; the two stages are played over HTTP, so the test
     can look at the files between steps."""
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # (the sink sets it)
-    stages = await _register(api, 2)
-    exp = load_experiment(_config(tmp_path))
+    stages = await register_stages(api, 2)
+    exp = load_experiment(write_config(tmp_path))
     url = f"http://127.0.0.1:{api.server.port}"
     async with SwarmClient(url, TOKEN) as client:
         runner = Experiment(client, exp, poll_s=0.05, tracking=Tracking(tensorboard=True))
@@ -88,19 +49,19 @@ async def test_a_sweep_writes_tensorboard_files_while_its_run_trains(api, tmp_pa
                     for s in job.placement.stages}
         running = asyncio.create_task(runner.run())
         tb = st.run_dir / "tb"
-        await _step(api, st.job_id, by_stage, 1)
-        await _step(api, st.job_id, by_stage, 2)
+        await play_step(api, st.job_id, by_stage, 1)
+        await play_step(api, st.job_id, by_stage, 2)
         # Step 1 is settled (step 2 followed it); step 2 may still gain its eval loss.
         await wait_async(lambda: _tb_steps(tb, "train/loss", [1]), "step 1 in the TB files")
         assert (await client.job(st.job_id)).state == "RUNNING"
         assert not (st.run_dir / "train_progress.ndjson").exists()
         await client.set_speed(by_stage[1]["fellow_id"],
                                SetSpeedRequest(tx_mbps=80.0, rx_mbps=None, latency_ms=20.0))
-        await _step(api, st.job_id, by_stage, 3)
-        await _report(api, st.job_id, by_stage[1], 3, metrics={"eval_loss": 4.1})
+        await play_step(api, st.job_id, by_stage, 3)
+        await report_step(api, st.job_id, by_stage[1], 3, metrics={"eval_loss": 4.1})
         await wait_async(lambda: _tb_steps(tb, "train/loss", [1, 2]), "step 2 in the TB files")
         for s in (0, 1):
-            await _report(api, st.job_id, by_stage[s], 3, state="COMPLETED",
+            await report_step(api, st.job_id, by_stage[s], 3, state="COMPLETED",
                           metrics={"wire_tx_bytes_per_step": 1.0})
         await asyncio.wait_for(running, 20)
     assert st.state == "COMPLETED"
@@ -191,7 +152,7 @@ def test_without_tensorboard_tracking_is_off_and_asking_for_it_is_one_line(
     assert Tracking.default() == Tracking(tensorboard=False)
     with pytest.raises(TrackingUnavailable, match=r"pip install 'silentswarm\[tracking\]'"):
         open_sinks(Tracking(tensorboard=True), tmp_path / "tb", "e", "r")
-    cfg = _config(tmp_path)
+    cfg = write_config(tmp_path)
     for argv in (["sweep", "--config", str(cfg), "--tensorboard"],
                  ["report", str(tmp_path), "--tensorboard", str(tmp_path / "tb")],
                  ["report", str(tmp_path), "--mlflow-uri", "file:./mlruns"]):
