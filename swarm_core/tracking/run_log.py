@@ -60,9 +60,15 @@ def open_sinks(tracking: Tracking, tb_dir: Path, experiment: str, run_id: str) -
 
 def settled(records: list[ProgressRecord], cells: int) -> list[ProgressRecord]:
     """The records of a running job that will not change: every cell has reported the step,
-    and a later step is complete too (a step's evaluation is reported after the step itself,
-    before the next one, so the newest complete step may still gain its eval loss)."""
-    done = [r for r in records if len(r.stages_reported) >= cells]
+    and so has every cell the next step (a step's evaluation is reported after the step
+    itself, before the next one, so the newest complete step may still gain its eval loss).
+    Only the complete run of steps from the first: a step still missing a cell holds back
+    the steps after it, since the sinks are given steps in order, once."""
+    done: list[ProgressRecord] = []
+    for r in records:
+        if len(r.stages_reported) < cells:
+            break
+        done.append(r)
     return done[:-1]
 
 
@@ -168,14 +174,20 @@ def convert_run(run_dir: Path, records: list[dict[str, Any]], summary: dict[str,
                        partial or run_dir / TB_DIR, experiment, run_id)
     log = RunLog(run_id, sinks)
     try:
-        first_ts = next((r["ts"] for r in records if isinstance(r.get("ts"), int | float)),
-                        None)
-        log.begin(resolved, first_ts or time.time())
-        log.restarts([r for r in summary.get("restarts") or [] if isinstance(r, dict)])
-        log.link_changes([c for c in summary.get("link_changes") or [] if isinstance(c, dict)])
-        log.progress(records)
-    finally:
-        log.close(status)
+        try:
+            first_ts = next((r["ts"] for r in records
+                             if isinstance(r.get("ts"), int | float)), None)
+            log.begin(resolved, first_ts or time.time())
+            log.restarts([r for r in summary.get("restarts") or [] if isinstance(r, dict)])
+            log.link_changes([c for c in summary.get("link_changes") or []
+                              if isinstance(c, dict)])
+            log.progress(records)
+        finally:
+            log.close(status)
+    except BaseException:
+        if partial is not None:  # (nothing half-written is left behind)
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
     if final is not None and partial is not None:
         if final.exists():
             shutil.rmtree(final)

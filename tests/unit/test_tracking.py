@@ -15,11 +15,12 @@ import pytest
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import load_experiment
+from swarm_core.contract import ProgressRecord
 from swarm_core.experiments.runner import Experiment
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.tracking import Tracking, TrackingUnavailable
 from swarm_core.tracking.names import step_scalars
-from swarm_core.tracking.run_log import RunLog, open_sinks
+from swarm_core.tracking.run_log import RunLog, open_sinks, settled
 from swarm_tui import cli
 from tests.support import TOKEN, wait_async
 from tests.tracking_support import (
@@ -132,6 +133,18 @@ def test_a_resumed_run_purges_the_steps_it_trains_again(tmp_path):
     assert got["text"]["events/membership"] == [
         (2, "membership: at step 4 resumed from step 2; stage 1: fellow 1 -> 2 "
             "(missed heartbeats); fellow 1 lost")]
+
+
+def test_only_the_complete_steps_from_the_first_are_settled():
+    """A step is given to the sinks once every cell reported it and the next step, too (its
+    eval loss comes after it); a step still missing a cell holds back the ones after it."""
+    def rec(step: int, cells: list[int]) -> ProgressRecord:
+        return ProgressRecord(step=step, stages_reported=cells)
+
+    records = [rec(1, [0, 1]), rec(2, [1, 0]), rec(3, [0]), rec(4, [0, 1]), rec(5, [0, 1])]
+    assert [r.step for r in settled(records, 2)] == [1]
+    assert [r.step for r in settled(records[:2], 2)] == [1]
+    assert settled(records[:1], 2) == [] and settled([], 2) == []
 
 
 def test_scalars_leave_out_what_is_not_a_number():
