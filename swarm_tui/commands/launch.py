@@ -43,6 +43,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         requests = [stop_request(e) for e in entries]
     else:
         url, token = resolve_leader(args)
+        if not token:  # (every fellow would be refused, and retry for ever)
+            raise CommandError("no token for the fellows: pass --token or set SWARM_TOKEN "
+                               "(the leader's state dir holds it in 'token')", ExitCode.USAGE)
         requests = [start_request(e, url, token, args.data_host) for e in entries]
     results = asyncio.run(run_all(entries, requests, ssh_config))
     failed = [r for r in results if not r.ok]

@@ -83,6 +83,14 @@ def test_the_ssh_command_carries_no_secret(tmp_path):
                                "args": ["--data-host", "0.0.0.0"]}]
 
 
+def test_a_launch_without_a_token_is_refused_before_any_ssh(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # (no ssh to be found: none may run)
+    (tmp_path / "hosts").write_text("h1\n")
+    assert run(["--leader-url", "http://127.0.0.1:9", "launch", "--hostfile",
+                str(tmp_path / "hosts")]) == 2
+    assert "no token for the fellows" in capsys.readouterr().err
+
+
 def test_a_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SWARM_TOKEN", "s3cret")
     (tmp_path / "hosts").write_text("h1 slots=2\nh2 devices=cuda:0\n")
