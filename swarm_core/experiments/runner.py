@@ -5,7 +5,8 @@ through :class:`swarm_core.client.SwarmClient`.
 
 Per run, ``<runs_dir>/<run_id>/``: ``manifest.json``, ``config_resolved.json``,
 ``topology_snapshot.json``, ``train_progress.ndjson``, ``metrics_summary.json``; all written
-atomically.
+atomically. With tracking (TensorBoard by default when installed), ``tb/`` too, written while
+the run trains.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
 from swarm_core.protocol import FellowInfo, JobState
 from swarm_core.schema import structure, unstructure
+from swarm_core.tracking import Tracking, TrackingError, TrackingUnavailable
+from swarm_core.tracking.run_log import TB_DIR, RunLog, open_sinks, settled
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 SCRIPTS = Path(__file__).resolve().parents[2] / "exp" / "scripts"
@@ -109,7 +112,8 @@ class Experiment:
                  runs_dir: Path | None = None, on_line: Callable[[str], None] = print,
                  skip_netem: bool = False, poll_s: float = 1.0,
                  stamp: str | None = None, names: list[str] | None = None,
-                 stop_on_failure: bool = False) -> None:
+                 stop_on_failure: bool = False, tracking: Tracking | None = None,
+                 on_update: Callable[[RunState, str | None], None] | None = None) -> None:
         self.client = client
         self.exp = exp
         self.runs_dir = runs_dir or exp.runs_dir
@@ -124,6 +128,12 @@ class Experiment:
                        for spec, rid in zip(exp.runs, ids, strict=True)]
         self.stop_on_failure = stop_on_failure
         self.fellows_at_start: list[FellowInfo] = []
+        self.tracking = tracking if tracking is not None else Tracking.default()
+        # Each open run after each poll, with its progress line when it would be printed
+        # (a progress bar per run uses it); by default, that line goes to on_line.
+        self.on_update = on_update
+        self._logs: dict[str, RunLog] = {}  # the tracking of runs that are open
+        self._untracked: set[str] = set()  # runs whose tracking failed (said once)
 
     @property
     def sequential(self) -> bool:
@@ -187,7 +197,16 @@ class Experiment:
                         _write(st.run_dir / "netem.json", log)
         else:
             await self._monitor(self.states)
+        self.close_tracking()
         return self.states
+
+    def close_tracking(self) -> None:
+        """Close what tracking is still open (a sweep that stops early, or is interrupted)."""
+        for st in self.states:
+            log = self._logs.pop(st.run_id, None)
+            if log is not None:
+                with contextlib.suppress(TrackingError):
+                    log.close(st.state)
 
     async def cancel_open(self) -> list[str]:
         cancelled = []
@@ -199,6 +218,67 @@ class Experiment:
                 except Exception:  # already finished in the meantime
                     continue
         return cancelled
+
+    # tracking --------------------------------------------------------------------------------
+    def _log(self, st: RunState, job: JobInfo) -> RunLog | None:
+        """The run's tracking, opened when first needed (so a sweep of a hundred queued runs
+        holds one or two event files open, not a hundred); None once it has failed."""
+        log = self._logs.get(st.run_id)
+        if log is not None or st.run_id in self._untracked:
+            return log
+        try:
+            log = RunLog(st.run_id, open_sinks(self.tracking, st.run_dir / TB_DIR,
+                                               self.exp.config.name, st.run_id))
+            log.begin(self._resolved(st), job.started_at)
+        except (TrackingUnavailable, TrackingError) as exc:
+            self._tracking_failed(st, exc)
+            return None
+        self._logs[st.run_id] = log
+        return log
+
+    def _tracking_failed(self, st: RunState, exc: Exception) -> None:
+        """Tracking is a copy of what the run directory holds: its failure is said once and
+        the run goes on."""
+        self._untracked.add(st.run_id)
+        log = self._logs.pop(st.run_id, None)
+        if log is not None:
+            with contextlib.suppress(TrackingError, OSError):
+                log.close("FAILED")
+        self.on_line(f"{st.run_id}: tracking stopped: {exc}")
+
+    def _feed(self, log: RunLog, job: JobInfo, lines: list[dict[str, Any]]) -> None:
+        log.restarts([unstructure(r) for r in job.restarts])
+        log.link_changes([unstructure(c) for c in job.link_changes])
+        log.progress(lines)
+
+    async def _track(self, st: RunState, job: JobInfo) -> None:
+        """Give the run's tracking the steps that settled since the last poll."""
+        log = self._log(st, job)
+        if log is None or st.job_id is None:
+            return
+        try:
+            log.restarts([unstructure(r) for r in job.restarts])  # (may move log.step back)
+            try:
+                records = await self.client.progress(st.job_id, after=log.step)
+            except ClientError:
+                return  # the next poll, or the run's end, fills it in
+            cells = len(job.placement.stages) if job.placement else len(job.fellows)
+            self._feed(log, job, [progress_line(r) for r in settled(records, cells)])
+            log.flush()
+        except (TrackingError, OSError) as exc:
+            self._tracking_failed(st, exc)
+
+    def _track_end(self, st: RunState, job: JobInfo, progress: list[dict[str, Any]]) -> None:
+        """The rest of the run, as its ``train_progress.ndjson`` holds it, then closed."""
+        log = self._log(st, job)
+        if log is None:
+            return
+        try:
+            self._feed(log, job, progress)
+            self._logs.pop(st.run_id, None)
+            log.close(job.state)
+        except (TrackingError, OSError) as exc:
+            self._tracking_failed(st, exc)
 
     # internals -------------------------------------------------------------------------------
     async def _submit(self, st: RunState) -> None:
@@ -230,12 +310,19 @@ class Experiment:
                 st.state, st.last_step, st.last_loss = job.state, job.last_step, job.last_loss
                 st.note = job.waiting_for or job.reason
                 key = (st.state, st.last_step // 5)
+                line = None
                 if key != st.reported:
                     st.reported = key
                     loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
                     why = f" ({st.note})" if st.note and st.state != "RUNNING" else ""
-                    self.on_line(f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
-                                 f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                    line = (f"[{st.spec.index + 1}/{total}] {st.spec.run_name} "
+                            f"{st.job_id} {st.state} step {st.last_step} loss {loss}{why}")
+                if self.on_update is not None:
+                    self.on_update(st, line)
+                elif line is not None:
+                    self.on_line(line)
+                if st.state == "RUNNING" and self.tracking.enabled:
+                    await self._track(st, job)
                 if st.state in TERMINAL:
                     await self._finalize(st)
                     if st.state != "COMPLETED" and self.stop_on_failure:
@@ -285,17 +372,21 @@ class Experiment:
             return
         raise ExperimentError(f"no free run folder name under {self.runs_dir} for stamp {stamp}")
 
-    def _write_static(self, st: RunState) -> None:
-        d = st.run_dir
-        d.mkdir(parents=True, exist_ok=True)
-        _write(d / "config_resolved.json", {
+    def _resolved(self, st: RunState) -> dict[str, Any]:
+        """The run's ``config_resolved.json``."""
+        return {
             "run_id": st.run_id, "experiment": self.exp.config.name,
             "job": unstructure(st.spec.job(st.run_id)), "network_profile": st.spec.network,
             "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
             "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
                         "training_profile": self.exp.training_path,
                         "model_profile": st.spec.model_source},
-        })
+        }
+
+    def _write_static(self, st: RunState) -> None:
+        d = st.run_dir
+        d.mkdir(parents=True, exist_ok=True)
+        _write(d / "config_resolved.json", self._resolved(st))
         _write(d / "topology_snapshot.json", self._topology(st, None))
         self._write_manifest(st)
 
@@ -322,8 +413,11 @@ class Experiment:
         assert st.job_id is not None
         job = await self.client.job(st.job_id)
         records = await self.client.progress(st.job_id)
-        lines = b"".join(jsonio.dumps(progress_line(r)) + b"\n" for r in records)
-        atomic_write(st.run_dir / "train_progress.ndjson", lines)
+        progress = [progress_line(r) for r in records]
+        atomic_write(st.run_dir / "train_progress.ndjson",
+                     b"".join(jsonio.dumps(line) + b"\n" for line in progress))
+        if self.tracking.enabled:
+            self._track_end(st, job, progress)
         _write(st.run_dir / "topology_snapshot.json", self._topology(st, job.placement))
         _write(st.run_dir / "metrics_summary.json", summarize(st, job, records))
         st.note = job.reason
@@ -340,7 +434,7 @@ class Experiment:
 
 # The fields of a train_progress.ndjson line, in order (null where a step lacks one).
 PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "step_seconds", "eval_loss",
-                   "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
+                   "perplexity", "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
                    "codec_error", "ts")
 
 
@@ -380,6 +474,8 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": unstructure(job.link_changes),
         "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
+        # Recoveries (a fellow lost, its stage handed on): the run's membership changes.
+        "restarts": unstructure(job.restarts),
         "thresholds": {},
     }
     if training.max_final_loss is not None:

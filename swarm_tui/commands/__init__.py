@@ -5,6 +5,7 @@ from swarm_tui.commands import (
     daemons,
     fellows,
     jobs,
+    launch,
     meta,
     models,
     quickstart,
@@ -12,6 +13,6 @@ from swarm_tui.commands import (
     sweeps,
 )
 
-MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, suites, models, quickstart)
+MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, suites, models, quickstart, launch)
 
 __all__ = ["MODULES"]

@@ -24,6 +24,8 @@ from swarm_tui.commands.base import (
     run_async,
     warn,
 )
+from swarm_tui.commands.progress_bars import follow
+from swarm_tui.commands.tracking_flags import add_tracking_flags, tracking_from
 from swarm_tui.fmt import fmt_number
 
 
@@ -35,6 +37,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     out = Path(args.out) if args.out else \
         Path(suite.path).resolve().parents[2] / "runs" / "suites" / f"{suite.spec.name}-{stamp}"
+    tracking = tracking_from(args)
     url, token = resolve_leader(args)
     check_dir(out, "--out")
     try:
@@ -74,13 +77,14 @@ def cmd_suite(args: argparse.Namespace) -> int:
                         or r.run_name in keep]
             runner = Experiment(client, exp, runs_dir=out, on_line=say,
                                 names=[r.run_name for r in exp.runs],
-                                stop_on_failure=not args.continue_on_fail)
+                                stop_on_failure=not args.continue_on_fail,
+                                tracking=tracking)
             try:
                 await runner.start()
             except ExperimentError as exc:
                 raise CommandError(str(exc)) from None
             say(f"{suite.spec.name}: {len(exp.runs)} run(s) queued, artifacts in {out}")
-            await runner.run()
+            await follow(runner, args.format)
             run_dirs = {}
             for st in runner.states:
                 sc = next(s for s in suite.scenarios
@@ -155,5 +159,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep going past a failed or unrunnable scenario and record why")
     p.add_argument("--out", default=None,
                    help="output directory (default: exp/runs/suites/<suite>-<time>)")
+    add_tracking_flags(p)
     add_format(p)
     p.set_defaults(func=cmd_suite)

@@ -20,12 +20,21 @@ from swarm_core.experiments.report import (
     ReportError,
     find_run_dirs,
     load_runs,
+    read_records,
     read_summary,
     summary_rows,
     write_report,
 )
 from swarm_core.experiments.runner import TERMINAL, Experiment, ExperimentError
 from swarm_core.schema import unstructure
+from swarm_core.tracking import (
+    TRACKING_EXTRA,
+    Tracking,
+    TrackingError,
+    TrackingUnavailable,
+    tensorboard_installed,
+)
+from swarm_core.tracking.run_log import convert_run
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -37,6 +46,13 @@ from swarm_tui.commands.base import (
     resolve_leader,
     run_async,
     warn,
+)
+from swarm_tui.commands.progress_bars import follow
+from swarm_tui.commands.tracking_flags import (
+    add_mlflow_flag,
+    add_tracking_flags,
+    check_mlflow,
+    tracking_from,
 )
 
 
@@ -78,6 +94,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     exp = load(args.config, ExitCode.USAGE)
+    tracking = tracking_from(args)
     url, token = resolve_leader(args)
     runs_dir = Path(args.runs_dir).resolve() if args.runs_dir else None
     holder: dict[str, Experiment] = {}
@@ -86,7 +103,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         async with SwarmClient(url, token) as client:
             runner = Experiment(client, exp, runs_dir=runs_dir, skip_netem=args.skip_netem,
                                 on_line=print_line if args.format == "table" else warn,
-                                poll_s=args.poll)
+                                poll_s=args.poll, tracking=tracking)
             holder["runner"] = runner
             try:
                 await runner.start()
@@ -98,7 +115,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             if args.detach:
                 _report(runner, args.format)
                 return 0
-            await runner.run()
+            await follow(runner, args.format)
             _report(runner, args.format)
             ok = all(st.state == "COMPLETED" for st in runner.states)
             return 0 if ok else int(ExitCode.FAILURE)
@@ -174,6 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip-netem", action="store_true",
                    help="do not apply network_profile.tc_profile with tc")
     p.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
+    add_tracking_flags(p)
     add_format(p)
     p.set_defaults(func=cmd_sweep)
     register_report(sub)
@@ -188,6 +206,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         if out.is_dir():
             raise CommandError(f"--output: {out} is a directory", ExitCode.USAGE)
         check_dir(out.parent, "--output")
+    tb_root = Path(args.tensorboard) if args.tensorboard else None
+    if tb_root is not None:
+        check_dir(tb_root, "--tensorboard")
+        if not tensorboard_installed():
+            raise CommandError("--tensorboard needs the tensorboard package, which is not "
+                               f"installed: {TRACKING_EXTRA}")
+    check_mlflow(args.mlflow_uri)
+    converted: list[str] = []
     try:
         runs, unreadable = load_runs(find_run_dirs([Path(raw) for raw in args.run_dirs]))
         if not runs and len(unreadable) == 1:
@@ -198,16 +224,33 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise ReportError(f"none of the {len(unreadable)} run directories could be read")
         if out is not None:
             write_report(runs, out)
+        if tb_root is not None or args.mlflow_uri:
+            tracking = Tracking(tensorboard=tb_root is not None, mlflow_uri=args.mlflow_uri)
+            for r in runs:
+                done = convert_run(r.run_dir, read_records(r.run_dir), r.summary, tracking,
+                                   tb_root)
+                converted.append(str(done) if done is not None else str(r.run_dir))
     except ReportError as exc:
         raise CommandError(str(exc)) from None
+    except (TrackingUnavailable, TrackingError) as exc:
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"--tensorboard: cannot write {exc.filename or tb_root}: "
+                           f"{exc.strerror or exc}") from None
     if args.format == "json":
         emit_json({"runs": [{"run_dir": str(r.run_dir), **r.summary} for r in runs],
                    "skipped": [{"run_dir": str(d), "error": why} for d, why in unreadable],
-                   "output": args.output})
+                   "output": args.output, "tensorboard": args.tensorboard,
+                   "converted": converted})
     else:
         emit_table("runs", HEADERS, summary_rows(runs))
         if out is not None:
             print_line(f"wrote {out}")
+        if tb_root is not None:
+            print_line(f"wrote TensorBoard files of {len(runs)} run(s) under {tb_root} "
+                       f"(tensorboard --logdir {tb_root})")
+        if args.mlflow_uri:
+            print_line(f"logged {len(runs)} run(s) to MLflow at {args.mlflow_uri}")
     # The report leaves out what it could not read; a script must not take it as complete.
     return int(ExitCode.FAILURE) if unreadable else 0
 
@@ -218,5 +261,9 @@ def register_report(sub: argparse._SubParsersAction) -> None:
                                       "be read is left out and named on stderr (exit 1)")
     p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
     p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write each run's TensorBoard files under DIR/<run> (for runs "
+                        "written without them; needs the [tracking] extra)")
+    add_mlflow_flag(p)
     add_format(p)
     p.set_defaults(func=cmd_report)

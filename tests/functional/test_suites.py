@@ -12,6 +12,7 @@ from swarm_core.config.profiles import ConfigError
 from swarm_core.experiments.suites import load_suite
 from tests.clusters import cli_json, run_cli
 from tests.support import REPO
+from tests.tracking_support import expected_scalars, read_tb
 
 
 def _suite(tmp_path, scenarios=None, **over):
@@ -106,6 +107,9 @@ def test_dry_run_checks_topology_and_a_small_suite_runs(cli_env, tmp_path):
                      "job_final.json", "placement_plan.json", "train_progress.ndjson",
                      "metrics_summary.json", "model_export/run_manifest.json"):
             assert (d / name).exists(), f"{scenario}/{name}"
+        # A suite's runs are tracked as a sweep's are (the [tracking] extra is installed).
+        records = [json.loads(x) for x in (d / "train_progress.ndjson").read_text().splitlines()]
+        assert read_tb(d / "tb")["scalars"] == expected_scalars(records)
     summary = json.loads((out / "suite_summary.json").read_text())
     rows = {r["scenario"]: r for r in summary["scenarios"]}
     assert rows["base"]["status"] == rows["shaped"]["status"] == "COMPLETED"

@@ -12,6 +12,7 @@ import pytest
 from swarm_core import jsonio
 from tests.clusters import run_cli
 from tests.support import REPO
+from tests.tracking_support import expected_scalars, read_tb
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,12 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
         # Every stage's activation memory, every step, from the fellows' reports.
         assert all(set(x["activation_peak_bytes"]) == {"0", "1"} and
                    min(x["activation_peak_bytes"].values()) > 0 for x in records)
+        # TensorBoard files beside the artifacts (the [tracking] extra is installed): the
+        # numbers of train_progress.ndjson, the run's config as hparams.
+        tb = read_tb(d / "tb")
+        assert tb["scalars"] == expected_scalars(records)
+        assert tb["hparams"]["compression"] == resolved["job"]["model"]["compression"]
+        assert tb["hparams"]["training.steps"] == 4
         summary = jsonio.loads((d / "metrics_summary.json").read_bytes())
         assert summary["steps_recorded"] == summary["steps_expected"] == 4
         assert summary["wire_bytes_per_step"] == summary["expected_wire_bytes_per_step"]

@@ -1,0 +1,143 @@
+"""What a run's figures are called in TensorBoard and MLflow, and how its events read.
+
+Input is what a run directory holds (``train_progress.ndjson`` lines, ``config_resolved.json``,
+the summary's link changes and restarts), as plain JSON values: the live runner and the
+converter of finished runs feed the same dicts, so both write the same tags. Values of the
+wrong type (a hand-edited file) are left out, never raised on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from swarm_core import jsonio
+from swarm_core.contract.metrics import perplexity
+
+# A progress line's figure -> its tag (one value per step).
+STEP_TAGS = {
+    "loss": "train/loss",
+    "tokens_per_s": "train/tokens_per_s",
+    "step_seconds": "train/step_seconds",
+    "lr": "train/lr",
+    "wire_bytes": "wire/bytes_per_step",
+    "eval_loss": "eval/loss",
+    "perplexity": "eval/perplexity",
+}
+# A progress line's per-stage figure -> its tag's folder (one value per stage and step); TB
+# groups by the folder, so one chart compares the stages.
+STAGE_TAGS = {
+    "wait_seconds": "link_wait_s",
+    "stage_seconds": "stage_seconds",
+    "activation_peak_bytes": "activation_peak_bytes",
+}
+CODEC_TAG = "codec_error"
+SET_SPEED_TAG = "events/set_speed"
+MEMBERSHIP_TAG = "events/membership"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def step_scalars(line: dict[str, Any]) -> list[tuple[str, float]]:
+    """A progress line's figures as (tag, value), in a fixed order."""
+    out: list[tuple[str, float]] = []
+    for field, tag in STEP_TAGS.items():
+        v = _number(line.get(field))
+        if field == "perplexity" and v is None:  # (lines written before the field)
+            loss = _number(line.get("eval_loss"))
+            v = perplexity(loss) if loss is not None and math.isfinite(loss) else None
+        if v is not None:
+            out.append((tag, v))
+    for field, folder in STAGE_TAGS.items():
+        by_stage = line.get(field)
+        if isinstance(by_stage, dict):
+            for stage in sorted(by_stage, key=_stage_order):
+                v = _number(by_stage[stage])
+                if v is not None:
+                    out.append((f"{folder}/stage_{stage}", v))
+    codec = line.get("codec_error")
+    if isinstance(codec, dict):
+        for stage in sorted(codec, key=_stage_order):
+            errs = codec[stage]
+            if isinstance(errs, dict):
+                for direction in sorted(errs):
+                    v = _number(errs[direction])
+                    if v is not None:
+                        out.append((f"{CODEC_TAG}/stage_{stage}_{direction}", v))
+    return out
+
+
+def _stage_order(label: str) -> tuple[int, ...]:
+    """Stage labels are "0", "1" (one replica) or "0.1"-like cells: numeric order."""
+    try:
+        return tuple(int(p) for p in str(label).replace("r", ".").split(".") if p)
+    except ValueError:
+        return (1 << 30,)
+
+
+def hparams(resolved: dict[str, Any]) -> dict[str, bool | int | float | str]:
+    """A run's resolved config (``config_resolved.json``) as flat hyperparameters for the
+    HParams view: ``model.d_model``, ``training.lr``, ``compression`` and so on. Lists become
+    JSON text; nulls are left out (a hparam of two types across runs splits TB's column)."""
+    job = resolved.get("job") if isinstance(resolved.get("job"), dict) else {}
+    network = resolved.get("network_profile")
+    top: dict[str, Any] = {
+        "experiment": resolved.get("experiment"),
+        "compression": (job.get("model") or {}).get("compression")
+        if isinstance(job.get("model"), dict) else None,
+        "network": network.get("name") if isinstance(network, dict) else None,
+        "seed": resolved.get("seed"), "repeat": resolved.get("repeat"),
+        "model": job.get("model"), "training": job.get("training"),
+        "topology": job.get("topology"),
+    }
+    out: dict[str, bool | int | float | str] = {}
+    _flatten("", top, out)
+    return out
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, bool | int | float | str]) -> None:
+    if value is None:
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(value, bool | int | float | str):
+        out[prefix] = value
+    else:
+        out[prefix] = jsonio.dumps(value).decode()
+
+
+def link_change_text(change: dict[str, Any]) -> str | None:
+    """A set-speed while the run trained, as one line; None for a malformed entry."""
+    link = change.get("link")
+    fellow = change.get("fellow_id")
+    if not isinstance(link, dict) or not isinstance(fellow, int):
+        return None
+
+    def rate(v: Any) -> str:
+        return "unlimited" if v is None else f"{v:g} Mbit/s"
+
+    latency = _number(link.get("latency_ms")) or 0.0
+    return (f"set-speed: fellow {fellow} tx {rate(link.get('tx_mbps'))}, "
+            f"rx {rate(link.get('rx_mbps'))}, latency {latency:g} ms "
+            f"(from step {change.get('at_step')})")
+
+
+def restart_text(restart: dict[str, Any]) -> str | None:
+    """A recovery (a fellow lost, its stage handed on, the run resumed) as one line."""
+    if not isinstance(restart.get("resume_step"), int):
+        return None
+    replaced = restart.get("replaced") if isinstance(restart.get("replaced"), dict) else {}
+    moves = [f"stage {stage}: fellow {r.get('from')} -> {r.get('to')} ({r.get('lost')})"
+             for stage, r in sorted(replaced.items()) if isinstance(r, dict)]
+    text = (f"membership: at step {restart.get('at_step')} resumed from step "
+            f"{restart['resume_step']}")
+    if moves:
+        text += "; " + "; ".join(moves)
+    if restart.get("reason"):
+        text += f"; {restart['reason']}"
+    return text
