@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.contract import JobInfo, SmokeTraining, Topology
+from swarm_core.contract import FellowLog, JobInfo, SmokeTraining, Topology
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
@@ -202,6 +202,19 @@ class FakeClient(SwarmClient):
 
     async def fellow(self, fellow_id: int) -> FellowInfo:
         return next(f for f in self._fellows if f.fellow_id == fellow_id)
+
+    async def fellow_log(self, fellow_id: int, lines: int | None = None) -> FellowLog:
+        """A remote fellow's own log as the leader relays it: gpu-b's three lines, 0.8 s old;
+        the others have sent none."""
+        name = next(f.name for f in self._fellows if f.fellow_id == fellow_id)
+        if fellow_id != 1:
+            return FellowLog(fellow_id=fellow_id, name=name, lines=[], seq=0, received_at=None,
+                             age_s=None, message=f"fellow {fellow_id} has sent no log yet",
+                             asked=True)
+        own = [f"2023-11-14 22:13:{s:02d},000 swarm.fellow INFO step {90 + s} done"
+               for s in range(3)]
+        return FellowLog(fellow_id=1, name=name, lines=own[-(lines or 200):], seq=3,
+                         received_at=T0 - 0.8, age_s=0.8, asked=True)
 
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
         # As the leader's list route: new objects each time, and no loss history.

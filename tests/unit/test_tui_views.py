@@ -414,7 +414,7 @@ async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("".join(f"line {i}\n" for i in range(500)))
     local_cluster._write(ClusterRecord(
-        leader_url="http://127.0.0.1:1", state_dir="/nowhere",
+        leader_url="http://leader.test:8765", state_dir="/nowhere",  # (the FakeClient's)
         leader=ProcessEntry(1, "leader", "l.log"),
         fellows=[ProcessEntry(2, "gpu-a", str(log))], started_at=1.0))
     client = FakeClient()
@@ -432,6 +432,16 @@ async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
         assert "joined job-000002" in screen.text
         assert f"{log} (last 200 lines)" in screen.text and "line 499" in screen.text
         assert "line 299\n" not in screen.text
+        # gpu-b is not of the local cluster: its own log comes through the leader.
+        await pilot.press("escape", "down", "l")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                                and "through the leader (" in app.screen.text and app.screen,
+                                "gpu-b's log through the leader")
+        assert "its own log, through the leader (last 3 lines, as of 0.8s ago)" in screen.text
+        assert "swarm.fellow INFO step 92 done" in screen.text and "line 499" not in screen.text
+        await pilot.press("escape", "down", "l")  # cpu-c: nothing sent yet, and it says so
+        await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                       and "fellow 2 has sent no log yet" in app.screen.text, "cpu-c's")
         await pilot.press("escape", "2", "d")
         screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
                                 and app.screen.text and app.screen, "the job's record")
