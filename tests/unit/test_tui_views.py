@@ -117,36 +117,13 @@ def idle_heartbeat(seq: int, ts: float) -> dict[str, object]:
         "counters": {"control_tx": 1, "control_rx": 1, "data_tx": 0, "data_rx": 0}}}
 
 
-async def test_an_idle_link_draws_as_empty_not_saturated() -> None:
-    from swarm_tui.app.screens.fellows import FellowDetailScreen
-
-    client = FakeClient()
-    app = make_app(client)
-    async with app.run_test(size=(80, 30)) as pilot:
-        await loaded(pilot, app, client)
-        seq = app.model.last_seq or 0
-        for i in range(1, 4):
-            app.apply_event(idle_heartbeat(seq + i, T0 + i))
-        assert app.model.fellows[5].tx_mbps == 0.0
-        app.push_screen(FellowDetailScreen(5))
-        await wait_for(pilot, lambda: "tx 0.00 of 10 Mbit/s (0%)" in screen_text(app),
-                       "the idle link's pane")
-        lines = screen_text(app).splitlines()
-        at = next(i for i, line in enumerate(lines) if "tx 0.00 of 10 Mbit/s" in line)
-        left, right = lines[at].index("tx 0.00"), lines[at].index("rx ")
-        graph = [line[left:right] for line in lines[at + 1:at + 4]]
-        assert not any(ch in "".join(graph) for ch in "▁▂▃▄▅▆▇█"), graph
-
-
-def test_link_graphs_are_scaled_to_the_limit() -> None:
-    from swarm_tui.app.widgets.graph import bars, graph_top
+def test_link_plots_are_scaled_to_the_limit() -> None:
+    from swarm_tui.app.widgets.graph import graph_top
 
     assert graph_top(80.0, [0.0, 12.0]) == 80.0
     assert graph_top(None, [0.0]) == 1.0  # an unlimited idle link: the floor
     assert graph_top(10.0, [14.0]) == 14.0  # a burst over the limit raises the top
-    assert bars([0.0, 0.0], 80.0, 4, 3) == ["    "] * 3
-    assert bars([40.0, 80.0], 80.0, 2, 2) == [" █", "██"]
-    assert bars([0.01], 80.0, 3, 1) == ["  ▁"]  # a trickle is not idle
+    # (an idle link drawn along the bottom: tests/unit/test_tui_plots.py)
 
 
 async def test_the_jobs_sort_says_what_orders_the_rows() -> None:
