@@ -211,6 +211,7 @@ class JobWatchScreen(SwarmScreen):
 
     REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
     _fetched_at: float | None = None
+    _plot_key: tuple[object, ...] | None = None
 
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
@@ -272,7 +273,14 @@ class JobWatchScreen(SwarmScreen):
                                         time.monotonic() - self._fetched_at > self.REFETCH_S):
             self._fetch()  # (events were missed meanwhile, or the last fetch failed)
         self.query_one("#curve-label", Label).update(curve_caption(view))
-        self.query_one("#curve", MetricPlot).show(loss_plot(view))
+        # (heartbeats of its fellows redraw this view too: a long run's curve is rebuilt
+        # only when it changed)
+        hist = info.loss_history
+        key = (len(hist), tuple(hist[-1]) if hist else None, len(info.eval_history),
+               len(info.link_changes), info.link_changes_total)
+        if key != self._plot_key:
+            self._plot_key = key
+            self.query_one("#curve", MetricPlot).show(loss_plot(view))
         table.rebuild(self._stage_keys(view))
 
     def action_back(self) -> None:
