@@ -101,6 +101,9 @@ async def test_post_log_own_session_only_then_continued_or_replaced(api):
                                       headers=a["headers"]), 400)
     await expect_error(await api.post(url, json={"seq": 2000, "lines": ["x"] * 1001},
                                       headers=a["headers"]), 400)
+    for bad in ({"seq": 1, "lines": [5]}, {"seq": -1, "lines": []}, {"lines": []},
+                {"seq": 1, "lines": [], "extra": 1}):
+        await expect_error(await api.post(url, json=bad, headers=a["headers"]), 400)
     assert (await expect_ok(await api.post(url, json=body, headers=a["headers"]))) == {"seq": 3}
     more = {"seq": 5, "lines": ["four", "five"], "replace": False}
     assert (await expect_ok(await api.post(url, json=more, headers=a["headers"])))["seq"] == 5
