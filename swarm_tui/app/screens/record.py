@@ -86,6 +86,7 @@ class FellowLogScreen(SwarmScreen):
         self.text = ""
         # The leader's answer (or why there is none), for a fellow not of the local cluster.
         self.remote: FellowLog | str | None = None
+        self._fetching = False
 
     def compose(self) -> ComposeResult:
         yield StatusBar(f"fellow {self.fellow_id} log")
@@ -100,16 +101,21 @@ class FellowLogScreen(SwarmScreen):
         self.set_interval(LOG_REFRESH_S, self._poll)
 
     def _poll(self) -> None:
-        if self.is_current and self._local_fellow() is None:
-            self.run_worker(self._fetch_remote(), exclusive=True, group="fellow-log",
-                            description="fellow log")
+        # (one fetch at a time: a slow leader's answer is waited for, not cancelled by the
+        # next refresh)
+        if self.is_current and not self._fetching and self._local_fellow() is None:
+            self._fetching = True
+            self.run_worker(self._fetch_remote(), group="fellow-log", description="fellow log")
 
     async def _fetch_remote(self) -> None:
         try:
             self.remote = await self.swarm.client.fellow_log(self.fellow_id, LOG_LINES)
         except ClientError as exc:  # (shown in place: a notice every refresh would pile up)
             self.remote = f"not reachable through the leader: {exc}"
-        self.sync(None)
+        finally:
+            self._fetching = False
+        if self.is_attached:
+            self.sync(None)
 
     def _local_fellow(self) -> tuple[str, str] | None:
         st = self.swarm.model.fellows.get(self.fellow_id)
