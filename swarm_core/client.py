@@ -13,6 +13,8 @@ import aiohttp
 from swarm_core import jsonio
 from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.contract import (
+    FellowLog,
+    FellowLogTail,
     Heartbeat,
     JobInfo,
     JobList,
@@ -160,6 +162,13 @@ class SwarmClient:
     async def fellow(self, fellow_id: int) -> FellowInfo:
         return await self._get(f"{API_PREFIX}/fellows/{fellow_id}", FellowInfo)
 
+    async def fellow_log(self, fellow_id: int, lines: int | None = None) -> FellowLog:
+        """The tail of a fellow's own log as the leader last received it (asking for it makes
+        the fellow send a fresh one within a heartbeat or two: poll to follow it)."""
+        params = None if lines is None else {"lines": lines}
+        return await self._get(f"{API_PREFIX}/fellows/{fellow_id}/log", FellowLog,
+                               params=params)
+
     async def nodes(self) -> NodeList:
         return await self._get(f"{API_PREFIX}/nodes", NodeList)
 
@@ -178,6 +187,11 @@ class SwarmClient:
 
     async def heartbeat(self, fellow_id: int, session: str, hb: Heartbeat) -> dict[str, Any]:
         return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/heartbeat", hb,
+                                  headers={SESSION_HEADER: session}, timeout_s=5.0)
+
+    async def post_log(self, fellow_id: int, session: str,
+                       tail: FellowLogTail) -> dict[str, Any]:
+        return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/log", tail,
                                   headers={SESSION_HEADER: session}, timeout_s=5.0)
 
     async def poll_signals(self, fellow_id: int, session: str, after: int,

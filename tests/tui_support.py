@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.contract import JobInfo, JobList, SmokeTraining, Topology
+from swarm_core.contract import FellowLog, JobInfo, JobList, LinkChange, SmokeTraining, Topology
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
@@ -157,7 +157,9 @@ def fixed_fellows() -> list[FellowInfo]:
 def _job(n: int, state: str, *, name: str, kind: str = "train", step: int = 0,
          loss: float | None = None, fellows: list[int] | None = None, steps: int = 400,
          created: float = 0.0, reason: str = "", waiting: str = "",
-         history: list[list[float]] | None = None) -> JobInfo:
+         history: list[list[float]] | None = None,
+         evals: list[list[float]] | None = None,
+         link_changes: list[LinkChange] | None = None) -> JobInfo:
     return JobInfo(
         job_id=f"job-{n:06d}", name=name, kind=kind, state=state, created_at=T0 - created,
         started_at=None if state == "PENDING" else T0 - created + 2,
@@ -167,7 +169,8 @@ def _job(n: int, state: str, *, name: str, kind: str = "train", step: int = 0,
         model=ModelConfig(name=name, compression="fixed_int8") if kind == "train" else None,
         training=TrainingConfig(steps=steps, dataset="shakespeare") if kind == "train"
         else SmokeTraining(steps=steps), waiting_for=waiting,
-        loss_history=history or [])
+        loss_history=history or [], eval_history=evals or [],
+        link_changes=link_changes or [], link_changes_total=len(link_changes or []))
 
 
 def fixed_jobs() -> list[JobInfo]:
@@ -176,7 +179,10 @@ def fixed_jobs() -> list[JobInfo]:
         _job(1, "COMPLETED", name="smoke", kind="smoke", step=5, fellows=[0, 1], steps=5,
              created=900, reason="smoke: 5 control-plane round trips in 1.02s"),
         _job(2, "RUNNING", name="small_fixed_int8", step=120, loss=2.4312, fellows=[0, 1],
-             created=300, history=curve),
+             created=300, history=curve, evals=[[40.0, 4.15], [80.0, 3.12], [120.0, 2.55]],
+             # gpu-a's link set to 80/80 +20 ms from step 100 (the plots mark it)
+             link_changes=[LinkChange(at_step=100, fellow_id=0, at=T0 - 20, link=LinkLimits(
+                 tx_mbps=80.0, rx_mbps=80.0, latency_ms=20.0))]),
         _job(3, "PENDING", name="large_fixed_int8", created=60,
              waiting="needs 4 ready fellows, 2 ready"),
         _job(4, "FAILED", name="xlarge", fellows=[2], steps=100, step=3, loss=7.1, created=1200,
@@ -203,9 +209,22 @@ class FakeClient(SwarmClient):
     async def fellow(self, fellow_id: int) -> FellowInfo:
         return next(f for f in self._fellows if f.fellow_id == fellow_id)
 
+    async def fellow_log(self, fellow_id: int, lines: int | None = None) -> FellowLog:
+        """A remote fellow's own log as the leader relays it: gpu-b's three lines, 0.8 s old;
+        the others have sent none."""
+        name = next(f.name for f in self._fellows if f.fellow_id == fellow_id)
+        if fellow_id != 1:
+            return FellowLog(fellow_id=fellow_id, name=name, lines=[], seq=0, received_at=None,
+                             age_s=None, message=f"fellow {fellow_id} has sent no log yet",
+                             asked=True)
+        own = [f"2023-11-14 22:13:{s:02d},000 swarm.fellow INFO step {90 + s} done"
+               for s in range(3)]
+        return FellowLog(fellow_id=1, name=name, lines=own[-(lines or 200):], seq=3,
+                         received_at=T0 - 0.8, age_s=0.8, asked=True)
+
     async def jobs(self, state: str | None = None) -> list[JobInfo]:
         # As the leader's list route: new objects each time, and no loss history.
-        return [attrs.evolve(j, loss_history=[]) for j in self._jobs
+        return [attrs.evolve(j, loss_history=[], eval_history=[]) for j in self._jobs
                 if state is None or j.state in state.split(",")]
 
     async def job_page(self, state: str | None = None, *, limit: int,
@@ -220,7 +239,8 @@ class FakeClient(SwarmClient):
     async def job(self, job_id: str) -> JobInfo:
         self.fetched.append(job_id)
         job = next(j for j in self._jobs if j.job_id == job_id)
-        return attrs.evolve(job, loss_history=[list(p) for p in job.loss_history])
+        return attrs.evolve(job, loss_history=[list(p) for p in job.loss_history],
+                            eval_history=[list(p) for p in job.eval_history])
 
     async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
         self.calls.append(("set_speed", (fellow_id, req)))
@@ -233,9 +253,10 @@ class FakeClient(SwarmClient):
 
     @property
     def expected_events(self) -> int:
-        """How many events (besides hello) the fake stream sends."""
+        """How many events (besides hello) the fake stream sends: heartbeats, a set-speed
+        and two metrics."""
         return sum(HISTORY_S if f.status == "busy" else 1 for f in self._fellows
-                   if f.status not in ("stale", "offline", "released")) + 2  # + 2 metrics
+                   if f.status not in ("stale", "offline", "released")) + 3
 
     async def events(self, *, types: list[str] | None = None, job_id: str | None = None
                      ) -> AsyncIterator[dict[str, Any]]:
@@ -267,6 +288,11 @@ class FakeClient(SwarmClient):
                              "latency_ms": fi.link.latency_ms},
                     "counters": {"control_tx": c.control_tx, "control_rx": c.control_rx,
                                  "data_tx": tx, "data_rx": rx}}}
+        # The set-speed that gave gpu-a its link 20 s ago (its detail's plots mark it).
+        seq += 1
+        yield {"seq": seq, "ts": T0 - 20, "type": "fellow.set_speed", "data": {
+            "fellow_id": 0, "job_id": "job-000002", "tx_mbps": 80.0, "rx_mbps": 80.0,
+            "latency_ms": 20.0}}
         # What the running job's two stages last reported (the watch view's columns).
         for fid, loss, peak, wait in ((0, None, 18_400_000, 0.092), (1, 2.4312, 9_700_000, 0.049)):
             seq += 1

@@ -4,6 +4,12 @@ Torch-free, so the leader (which runs on login nodes) plans and checks jobs with
 fellow, the CLI, the console and the run artifacts all read the same classes.
 """
 
+from swarm_core.contract.fellow_log import (
+    DEFAULT_LOG_LINES,
+    MAX_LOG_LINES,
+    FellowLog,
+    FellowLogTail,
+)
 from swarm_core.contract.heartbeat import CellRef, Heartbeat, UnreportedFinal
 from swarm_core.contract.job import (
     JOB_ORDERS,
@@ -42,10 +48,14 @@ from swarm_core.contract.placement import (
 from swarm_core.contract.start import StageStart, chain_starts, stage_starts
 
 __all__ = [
+    "DEFAULT_LOG_LINES",
     "JOB_ORDERS",
     "MAX_JOB_PAGE",
+    "MAX_LOG_LINES",
     "CellRef",
     "CodecErrors",
+    "FellowLog",
+    "FellowLogTail",
     "FellowSlots",
     "Heartbeat",
     "JobInfo",

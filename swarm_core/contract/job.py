@@ -210,6 +210,7 @@ class JobInfo:
     metrics: JobMetrics = attrs.field(factory=JobMetrics)
     placement: Placement | None = None
     loss_history: list[list[float]] = attrs.field(factory=list)  # GET /jobs/{id} only
+    eval_history: list[list[float]] = attrs.field(factory=list)  # [step, eval loss]; likewise
     latest_shard_pushes: dict[str, ShardReceipt] = attrs.field(factory=dict)
     attempt: int = 0
     restarts: list[Restart] = attrs.field(factory=list)

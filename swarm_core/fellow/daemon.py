@@ -16,7 +16,14 @@ import attrs
 
 import swarm_core
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.contract import CellRef, Heartbeat, JobStatusUpdate, StageStart, UnreportedFinal
+from swarm_core.contract import (
+    CellRef,
+    FellowLogTail,
+    Heartbeat,
+    JobStatusUpdate,
+    StageStart,
+    UnreportedFinal,
+)
 from swarm_core.contract.heartbeat import MAX_UNREPORTED
 from swarm_core.fellow.jobs import (
     JobContext,
@@ -26,6 +33,7 @@ from swarm_core.fellow.jobs import (
     import_engine,
     run_job,
 )
+from swarm_core.fellow.logring import LogRing, current_owner
 from swarm_core.pipeline.frames import FrameError
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
@@ -134,6 +142,11 @@ class FellowDaemon:
         # timeout, so a leader back from a restart hears from its fellows well inside the grace
         # it gives their running job (a fixed 5 s cap outlasted a 2 s timeout).
         self.backoff_cap = opts.max_backoff_s
+        # Its own log lines, for a console elsewhere (through the leader: ``send_log``), and
+        # the newest line the leader holds of them this session (None: send the whole tail).
+        self.log_ring = LogRing(self)
+        self._log_sent: int | None = None
+        self._log_post: asyncio.Task[None] | None = None
 
     # lifecycle --------------------------------------------------------------------------------
     def request_stop(self, reason: str = "signal") -> None:
@@ -144,6 +157,15 @@ class FellowDaemon:
         """Run until stopped or released. Returns the process exit code."""
         # Before any thread of ours exists: the stage threads must share the main heap.
         keep_large_blocks()
+        owner = current_owner.set(self)  # (this task's context, and every task it starts)
+        logging.getLogger().addHandler(self.log_ring)
+        try:
+            return await self._run()
+        finally:
+            logging.getLogger().removeHandler(self.log_ring)
+            current_owner.reset(owner)
+
+    async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -207,6 +229,7 @@ class FellowDaemon:
             self.fellow_id, self.session = res.fellow_id, res.session
             self.backoff_cap = reconnect_cap(self.opts.max_backoff_s, res.stale_after_s)
             self.signal_seq = 0
+            self._log_sent = None  # (a new session: the leader may hold none of it)
             log.info("registered as fellow %d (%s)", res.fellow_id, self.opts.name)
             return True
         return False
@@ -224,6 +247,8 @@ class FellowDaemon:
                 if exc is not None and not isinstance(exc, SessionLost):
                     raise exc
         finally:
+            if self._log_post is not None:
+                tasks.append(self._log_post)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -267,8 +292,13 @@ class FellowDaemon:
             body = self.heartbeat_body()
             try:
                 assert self.fellow_id is not None
-                await self.client.heartbeat(self.fellow_id, self.session, body)
+                answer = await self.client.heartbeat(self.fellow_id, self.session, body)
                 self._delivered(body.unreported)
+                if isinstance(answer, dict) and answer.get("send_log") and (
+                        self._log_post is None or self._log_post.done()):
+                    # Beside the heartbeats, not in their way: a slow link delays the log,
+                    # never the fellow's liveness.
+                    self._log_post = asyncio.create_task(self._send_log(), name="log-post")
                 backoff = 0.2
                 wait = self.opts.heartbeat_s
             except ApiError as exc:
@@ -286,6 +316,22 @@ class FellowDaemon:
             self._beat_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._beat_now.wait(), wait)
+
+    async def _send_log(self) -> None:
+        """Post the lines the leader does not hold yet (all of them, once a session): someone
+        reads this fellow's log. Even none new is posted: it tells the reader they are current.
+        Failures are not logged above debug: each would be a new line to send."""
+        assert self.fellow_id is not None
+        seq, lines, whole = self.log_ring.since(self._log_sent)
+        try:
+            await self.client.post_log(self.fellow_id, self.session,
+                                       FellowLogTail(seq=seq, lines=lines, replace=whole))
+            self._log_sent = seq
+        except ApiError as exc:
+            log.debug("log post refused: %s", exc)
+            self._log_sent = None  # (out of step, say after a leader restart: all next time)
+        except ClientError as exc:
+            log.debug("log post failed: %s", exc)
 
     def _delivered(self, sent: list[UnreportedFinal]) -> None:
         for final in sent:

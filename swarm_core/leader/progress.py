@@ -118,9 +118,17 @@ class ProgressBook:
         as they are, not rebuilt, since a long run holds a hundred thousand."""
         return self.store.progress(job_id, after)
 
-    def loss_history(self, job: JobRecord) -> list[list[float]]:
-        return [[r["step"], r["loss"]] for r in self.store.progress(job.job_id)
-                if r.get("loss") is not None]
+    def histories(self, job: JobRecord) -> tuple[list[list[float]], list[list[float]]]:
+        """[step, loss] of every step with a loss, and [step, eval_loss] of every evaluated
+        step: a job's curves, in one pass over its records."""
+        losses: list[list[float]] = []
+        evals: list[list[float]] = []
+        for r in self.store.progress(job.job_id):
+            if r.get("loss") is not None:
+                losses.append([r["step"], r["loss"]])
+            if r.get("eval_loss") is not None:
+                evals.append([r["step"], r["eval_loss"]])
+        return losses, evals
 
 
 def _load(row: dict[str, Any]) -> ProgressRecord:

@@ -197,6 +197,7 @@ class JobQueue:
     def info(self, job: JobRecord, with_history: bool = False,
              order: QueueOrder | None = None) -> JobInfo:
         spec = job.spec
+        losses, evals = self.progress.histories(job) if with_history else ([], [])
         return JobInfo(
             job_id=job.job_id, name=spec.name, kind=spec.kind, state=job.state.value,
             created_at=job.created_at, started_at=job.started_at, finished_at=job.finished_at,
@@ -205,7 +206,7 @@ class JobQueue:
             training=spec.training, waiting_for=self.waiting_for(job, order),
             metrics=job.metrics,
             placement=job.placement,
-            loss_history=self.progress.loss_history(job) if with_history else [],
+            loss_history=losses, eval_history=evals,
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
             restarts=job.restarts, link_changes=job.link_changes,
             link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),

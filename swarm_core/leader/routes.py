@@ -15,8 +15,12 @@ from aiohttp import WSCloseCode, web
 import swarm_core
 from swarm_core import jsonio
 from swarm_core.contract import (
+    DEFAULT_LOG_LINES,
     JOB_ORDERS,
     MAX_JOB_PAGE,
+    MAX_LOG_LINES,
+    FellowLog,
+    FellowLogTail,
     Heartbeat,
     JobInfo,
     JobList,
@@ -174,7 +178,9 @@ async def heartbeat(request: web.Request) -> web.Response:
     st.fellow_event("fellow.heartbeat" if before == after else "fellow.status", rec)
     if before != after:
         st.jobs.dispatch()  # the tick dispatches too: an unchanged heartbeat needs no scan
-    return ok({"pending_signals": len(rec.pending)})
+    # send_log: someone reads this fellow's log; it posts its new lines to .../log.
+    return ok({"pending_signals": len(rec.pending),
+               "send_log": st.logs.wanted(rec.fellow_id)})
 
 
 async def poll_signals(request: web.Request) -> web.Response:
@@ -225,6 +231,51 @@ async def release(request: web.Request) -> web.Response:
         st.registry.send(rec, "RELEASE", rec.assigned_job, {})
         st.hub.publish("fellow.release", {"fellow_id": rec.fellow_id, "name": rec.name})
     return ok(ReleaseResult(released=[r.fellow_id for r in targets]), status=202)
+
+
+async def fellow_log(request: web.Request) -> web.Response:
+    """The tail of a fellow's own log as it last posted it; asks the fellow for a fresh one
+    (its next heartbeat answer says so), so a reader polling every second or two follows it."""
+    st = _state(request)
+    rec = st.registry.get(_int_param(request, "fellow_id"))
+    n = DEFAULT_LOG_LINES
+    if "lines" in request.query:
+        raw = request.query["lines"]
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ApiError(400, f"lines must be an integer, got {raw[:32]!r}",
+                           code="invalid_param", field="lines") from None
+        if not 1 <= n <= MAX_LOG_LINES:
+            raise ApiError(400, f"lines must be between 1 and {MAX_LOG_LINES}, got {n}",
+                           code="invalid_param", field="lines")
+    status = st.registry.status(rec)
+    if status.live:  # (a stale or departed fellow would never answer)
+        st.logs.want(rec.fellow_id)
+    held = st.logs.held(rec.fellow_id)
+    if held is None:
+        message = f"fellow {rec.fellow_id} has sent no log yet" + (
+            "; asked it now, it sends with its next heartbeat" if status.live
+            else f" and is {status.value}")
+        return ok(FellowLog(fellow_id=rec.fellow_id, name=rec.name, lines=[], seq=0,
+                            received_at=None, age_s=None, message=message,
+                            asked=status.live))
+    age = round(time.monotonic() - held.received_mono, 3)
+    message = "" if status.live else \
+        f"fellow {rec.fellow_id} is {status.value}: its last log, {age:.0f}s old"
+    lines = list(held.lines)[-n:]
+    return ok(FellowLog(fellow_id=rec.fellow_id, name=rec.name, lines=lines, seq=held.seq,
+                        received_at=held.received_at, age_s=age, message=message,
+                        asked=status.live))
+
+
+async def post_fellow_log(request: web.Request) -> web.Response:
+    st = _state(request)
+    # A fellow posts only its own log: its session names its id (403 for another's).
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER),
+                                 _int_param(request, "fellow_id"))
+    tail = await read_body(request, FellowLogTail)
+    return ok({"seq": st.logs.post(rec.fellow_id, tail)})
 
 
 async def list_nodes(request: web.Request) -> web.Response:
@@ -494,6 +545,15 @@ ROUTES: tuple[Route, ...] = (
           errors=(400, 401, 403)),
     Route("POST", f"{A}/fellows/{{fellow_id}}/speed", set_speed, "Set link limits of a fellow",
           body=SetSpeedRequest, errors=(400, 404, 409)),
+    Route("GET", f"{A}/fellows/{{fellow_id}}/log", fellow_log,
+          "The tail of a fellow's own log, as it last sent it (reading asks it for more)",
+          response=FellowLog,
+          query=(("lines", "integer", f"at most this many of the newest lines "
+                  f"(default {DEFAULT_LOG_LINES})", {"minimum": 1, "maximum": MAX_LOG_LINES}),),
+          errors=(400, 404)),
+    Route("POST", f"{A}/fellows/{{fellow_id}}/log", post_fellow_log,
+          "A fellow posts the newest lines of its own log (when a heartbeat answer asks)",
+          body=FellowLogTail, fellow_session=True, errors=(400, 401, 403, 409, 413)),
     Route("GET", f"{A}/nodes", list_nodes, "Per-fellow byte counters", response=NodeList),
     Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
           errors=(400, 413)),

@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from swarm_core.leader.events import EventHub
+from swarm_core.leader.fellow_logs import FellowLogs
 from swarm_core.leader.queue import JobQueue
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store
@@ -23,6 +24,7 @@ class LeaderState:
     hub: EventHub
     started_at: float = attrs.field(factory=time.time)
     publishing: asyncio.Lock = attrs.field(factory=asyncio.Lock)  # (see routes.push_shard)
+    logs: FellowLogs = attrs.field(factory=FellowLogs)  # fellows' own log tails, in memory
 
     def fellow_event(self, kind: str, rec: FellowRecord) -> None:
         self.hub.publish(kind, {

@@ -91,9 +91,13 @@ class FellowState:
     # and "left job at step N" should not name a step before its "completed at step M".
     reported_step: int = 0
     loss_hist: deque[tuple[int, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
-    tps_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
-    tx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))  # Mbit/s
-    rx_hist: deque[float] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    # (leader time, value) samples: the detail view plots them against time.
+    tps_hist: deque[tuple[float, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    tx_hist: deque[tuple[float, float]] = attrs.field(
+        factory=lambda: deque(maxlen=HISTORY))  # Mbit/s
+    rx_hist: deque[tuple[float, float]] = attrs.field(factory=lambda: deque(maxlen=HISTORY))
+    # When a set-speed was sent to it (leader time): marks on those plots.
+    speed_marks: deque[float] = attrs.field(factory=lambda: deque(maxlen=EVENTS_KEPT))
     events: deque[tuple[float, str]] = attrs.field(factory=lambda: deque(maxlen=EVENTS_KEPT))
 
     @property
@@ -151,9 +155,9 @@ class FellowState:
             return
         self.sample_ts = ts
         if self.tx.sample(self.counters.get("data_tx", 0), ts) and self.tx.rate is not None:
-            self.tx_hist.append(self.tx.rate * 8 / 1e6)
+            self.tx_hist.append((ts, self.tx.rate * 8 / 1e6))
         if self.rx.sample(self.counters.get("data_rx", 0), ts) and self.rx.rate is not None:
-            self.rx_hist.append(self.rx.rate * 8 / 1e6)
+            self.rx_hist.append((ts, self.rx.rate * 8 / 1e6))
 
     def apply_info(self, fi: FellowInfo, now: float) -> None:
         self.name, self.host, self.pid = fi.name, fi.host, fi.pid
@@ -176,6 +180,7 @@ class FellowState:
     def apply_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> None:
         if kind == "fellow.set_speed":
             during = f" (recorded in job {data['job_id']})" if data.get("job_id") else ""
+            self.speed_marks.append(ts)
             self.log(ts, "set-speed requested: " + describe_link(
                 data.get("tx_mbps"), data.get("rx_mbps"), data.get("latency_ms") or 0.0)
                 + during)
@@ -195,7 +200,7 @@ class FellowState:
         self.hb_local = now
         self._progress(data.get("job_id"), None, int(data.get("step") or 0), data.get("loss"),
                        float(data.get("tokens_per_s") or 0.0), ts)
-        self.tps_hist.append(self.tokens_per_s)
+        self.tps_hist.append((ts, self.tokens_per_s))
         self._link(data.get("link"))
         self._counters(data.get("counters"), ts)
 
@@ -227,13 +232,15 @@ class JobView:
     def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
         """A newer record of the job. The list route has no loss history: the curve seen so
         far stays; one fetched with it replaces the curve, keeping live points past its end."""
-        old = self.info.loss_history
+        old, old_evals = self.info.loss_history, self.info.eval_history
         if with_history:
             last = ji.loss_history[-1][0] if ji.loss_history else -1
             ji.loss_history = list(ji.loss_history) + [p for p in old if p[0] > last]
+            last = ji.eval_history[-1][0] if ji.eval_history else -1
+            ji.eval_history = list(ji.eval_history) + [p for p in old_evals if p[0] > last]
             self.history_loaded = True
         else:
-            ji.loss_history = old
+            ji.loss_history, ji.eval_history = old, old_evals
         self.info, self.partial = ji, False
 
     @property
@@ -272,6 +279,9 @@ class JobView:
             wait_fraction = step_wait_share(figures.wait_seconds, figures.step_seconds)
             if wait_fraction is not None:
                 fp.wait_fraction = wait_fraction
+            evals = self.info.eval_history
+            if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
+                evals.append([step, figures.eval_loss])
         self.info.last_step = max(self.info.last_step, step)
         if loss is not None:
             self.info.last_loss = loss
@@ -350,7 +360,8 @@ class ClusterModel:
             seen.add(ji.job_id)
             view = self.jobs.get(ji.job_id)
             if view is None:
-                ji.loss_history = []  # (the list route has none; a curve begins live)
+                # (the list route has none; a curve begins live)
+                ji.loss_history, ji.eval_history = [], []
                 self.jobs[ji.job_id] = JobView(ji)
                 change.job_rows = True
             else:
@@ -367,7 +378,7 @@ class ClusterModel:
         view = self.jobs.get(ji.job_id)
         if view is None:
             if not with_history:
-                ji.loss_history = []
+                ji.loss_history, ji.eval_history = [], []
             self.jobs[ji.job_id] = JobView(ji, history_loaded=with_history)
             return Change(jobs={ji.job_id}, job_rows=True)
         view.take_info(ji, with_history=with_history)

@@ -1,12 +1,15 @@
-"""``swarm fellows``, ``nodes``, ``release``, ``set-speed``."""
+"""``swarm fellows``, ``fellow-log``, ``nodes``, ``release``, ``set-speed``."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import time
 
 from swarm_core.client import SwarmClient
+from swarm_core.contract import MAX_LOG_LINES, FellowLog
 from swarm_core.protocol import SetSpeedRequest
-from swarm_tui.commands.argtypes import cell_index, fellow_id, latency_ms, link_mbps
+from swarm_tui.commands.argtypes import cell_index, fellow_id, latency_ms, link_mbps, number
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -37,6 +40,49 @@ def cmd_fellows(args: argparse.Namespace) -> int:
         ])
 
     return run_with_client(args, body)
+
+
+# A tail this young is current (a fellow sends each second while asked); an older one was
+# kept from an earlier read, so wait up to LOG_WAIT_S for the fresh one the read asked for.
+LOG_FRESH_S = 2.5
+LOG_WAIT_S = 4.0
+
+
+def cmd_fellow_log(args: argparse.Namespace) -> int:
+    async def body(c: SwarmClient) -> None:
+        fid = await _fellow_by_id_or_name(c, args.fellow)
+        got = await c.fellow_log(fid, args.lines)
+        deadline = time.monotonic() + LOG_WAIT_S
+        while got.asked and not _fresh(got) and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            got = await c.fellow_log(fid, args.lines)
+        if args.format == "json":
+            emit_json(got)
+            return
+        if got.received_at is None:
+            print_line(got.message or f"fellow {fid} has sent no log yet")
+            return
+        print_line(f"fellow {got.fellow_id} ({got.name}): the last {len(got.lines)} line(s) of "
+                   f"its own log, as of {got.age_s:.1f}s ago"
+                   + (f"; {got.message}" if got.message else ""))
+        for line in got.lines:
+            print_line(line)
+
+    return run_with_client(args, body)
+
+
+def _fresh(got: FellowLog) -> bool:
+    return got.age_s is not None and got.age_s <= LOG_FRESH_S
+
+
+async def _fellow_by_id_or_name(c: SwarmClient, which: str) -> int:
+    if which.isdigit():
+        return int(which)
+    found = [f.fellow_id for f in await c.fellows() if f.name == which]
+    if not found:
+        raise CommandError(f"no fellow named {which[:64]!r} (give its id or name; "
+                           "see 'swarm fellows')")
+    return found[0]
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -128,6 +174,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fellows", help="list fellows with live status")
     add_format(p)
     p.set_defaults(func=cmd_fellows)
+
+    p = sub.add_parser("fellow-log", help="the tail of a fellow's own log, through the leader",
+                       description="The newest lines of a fellow's own log, as the fellow "
+                                   "sent them to the leader (it sends them while someone "
+                                   "reads; this waits a few seconds for a fresh tail).")
+    p.add_argument("fellow", metavar="FELLOW", help="the fellow's id or name")
+    p.add_argument("--lines", type=number(int, 1, MAX_LOG_LINES, "lines"), default=None,
+                   metavar="N", help=f"the newest N lines, 1-{MAX_LOG_LINES} (default: 200)")
+    add_format(p)
+    p.set_defaults(func=cmd_fellow_log)
 
     p = sub.add_parser("nodes", help="per-fellow control- and data-plane byte counters")
     add_format(p)

@@ -43,6 +43,17 @@ def test_restart_cluster_then_steer_it(cli_env, swarm_home):
         untouched = cli_json("fellows", env=cli_env)["fellows"][1 - target]
         assert untouched["link"]["tx_mbps"] is None
 
+        # The fellow process's own log, through the leader (the read asks the fellow, which
+        # posts its tail with its next heartbeat; the command waits for it).
+        shipped = cli_json("fellow-log", str(target), "--lines", "50", env=cli_env)
+        assert shipped["name"] == fellows[1]["name"] and shipped["age_s"] < 5, shipped
+        assert any("SET_SPEED" in ln for ln in shipped["lines"]), shipped["lines"]
+        shown = run_cli("fellow-log", fellows[1]["name"], "--lines", "1", env=cli_env)
+        assert shown.returncode == 0, shown.stderr
+        head, *tail = shown.stdout.splitlines()
+        assert head.startswith(f"fellow {target} ({fellows[1]['name']}): the last 1 line(s)")
+        assert len(tail) == 1
+
         nodes = cli_json("nodes", env=cli_env)["nodes"]
         assert all(n["control_tx"] > 0 and n["control_rx"] > 0 for n in nodes)
 

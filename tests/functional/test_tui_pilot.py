@@ -481,6 +481,37 @@ async def test_fellow_detail_and_palette(tmp_path: Path) -> None:
             assert table.sort_column == "name"
 
 
+async def test_the_log_view_tails_a_remote_fellows_own_log(tmp_path: Path) -> None:
+    """A fellow not of the local cluster: its own log lines come through the leader, and
+    new ones follow while the view is open."""
+    import logging
+
+    from swarm_tui.app.screens.record import FellowLogScreen
+
+    logging.getLogger("swarm.fellow").setLevel(logging.INFO)  # (the daemon's CLI sets it)
+    try:
+        async with live_cluster(tmp_path, n=2) as (leader, fellows):
+            app = SwarmApp(leader.client(), refresh_s=1.0)
+            async with app.run_test(size=SIZE) as pilot:
+                await wait_for(pilot, lambda: all_ready(app, 2), "two ready fellows")
+                await wait_for(pilot, lambda: fellows_table(app).row_count == 2, "rows")
+                await pilot.press("down", "l")
+                await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen),
+                               "the log view")
+                await wait_for(pilot, lambda: "registered as fellow 1 (sim-1)" in
+                               screen_text(app), "sim-1's own log line, through the leader")
+                text = app.screen.text
+                assert "its own log, through the leader (last " in text
+                assert "(sim-0)" not in text.split("its own log")[1]  # (sim-1's ring only)
+                # Tailed live: a line sim-1 logs now shows up within a refresh or two.
+                daemon = fellows.daemons[1]
+                daemon.log_ring.add("a fresh line from sim-1")
+                await wait_for(pilot, lambda: "a fresh line from sim-1" in screen_text(app),
+                               "the new line")
+    finally:
+        logging.getLogger("swarm.fellow").setLevel(logging.NOTSET)
+
+
 async def test_a_refusing_leader_is_shown(tmp_path: Path) -> None:
     async with live_cluster(tmp_path, n=1) as (leader, _fellows):
         app = SwarmApp(SwarmClient(leader.url, "not-the-token"), refresh_s=0.5)

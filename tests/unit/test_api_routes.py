@@ -529,7 +529,7 @@ async def test_heartbeat_updates_view(api):
                             counters={"control_tx": 10, "control_rx": 20, "data_tx": 30,
                                       "data_rx": 40},
                             link={"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 25})
-    assert reply == {"pending_signals": 0}
+    assert reply == {"pending_signals": 0, "send_log": False}
     view = await get_fellow(api, f["fellow_id"])
     assert view["status"] == "busy" and view["reported_status"] == "busy"
     assert view["current_job"] == "job-x" and view["current_stage"] == 1
@@ -549,9 +549,9 @@ async def test_heartbeat_acknowledges_signals(api):
     for mbps in (1, 2, 3):
         await api.post(f"{A}/fellows/{f['fellow_id']}/speed", json={"tx_mbps": mbps},
                        headers=AUTH)
-    assert (await heartbeat(api, f, signal_seq=2)) == {"pending_signals": 1}
+    assert (await heartbeat(api, f, signal_seq=2)) == {"pending_signals": 1, "send_log": False}
     assert [s["seq"] for s in await poll(api, f)] == [3]
-    assert (await heartbeat(api, f, signal_seq=3)) == {"pending_signals": 0}
+    assert (await heartbeat(api, f, signal_seq=3)) == {"pending_signals": 0, "send_log": False}
 
 
 @pytest.mark.parametrize(("body", "field"), [
@@ -1552,6 +1552,8 @@ def test_every_route_has_a_test():
         ("POST", f"{A}/fellows/{{fellow_id}}/heartbeat"),
         ("GET", f"{A}/fellows/{{fellow_id}}/signals"),
         ("POST", f"{A}/fellows/{{fellow_id}}/speed"), ("GET", f"{A}/nodes"),
+        ("GET", f"{A}/fellows/{{fellow_id}}/log"),  # tests/unit/test_fellow_log.py
+        ("POST", f"{A}/fellows/{{fellow_id}}/log"),  # tests/unit/test_fellow_log.py
         ("POST", f"{A}/jobs"), ("GET", f"{A}/jobs"), ("GET", f"{A}/jobs/{{job_id}}"),
         ("POST", f"{A}/jobs/{{job_id}}/cancel"), ("POST", f"{A}/jobs/{{job_id}}/status"),
         ("GET", f"{A}/events"),

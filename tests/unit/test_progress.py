@@ -75,8 +75,10 @@ async def test_records_join_stages_even_out_of_order(api, running):
     assert [r["step"] for r in (await after.json())["records"]] == [2]
     one = await (await api.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert one["loss_history"] == [[1, 4.0], [2, 3.5]]
+    assert one["eval_history"] == [[2, 3.6]]  # (the watch view marks it on the curve)
     listed = await (await api.get(f"{A}/jobs", headers=AUTH)).json()
     assert listed["jobs"][0]["loss_history"] == []  # the list stays small
+    assert listed["jobs"][0]["eval_history"] == []
 
 
 async def test_a_stage_catching_up_joins_the_stored_records(api, running):

@@ -117,36 +117,13 @@ def idle_heartbeat(seq: int, ts: float) -> dict[str, object]:
         "counters": {"control_tx": 1, "control_rx": 1, "data_tx": 0, "data_rx": 0}}}
 
 
-async def test_an_idle_link_draws_as_empty_not_saturated() -> None:
-    from swarm_tui.app.screens.fellows import FellowDetailScreen
-
-    client = FakeClient()
-    app = make_app(client)
-    async with app.run_test(size=(80, 30)) as pilot:
-        await loaded(pilot, app, client)
-        seq = app.model.last_seq or 0
-        for i in range(1, 4):
-            app.apply_event(idle_heartbeat(seq + i, T0 + i))
-        assert app.model.fellows[5].tx_mbps == 0.0
-        app.push_screen(FellowDetailScreen(5))
-        await wait_for(pilot, lambda: "tx 0.00 of 10 Mbit/s (0%)" in screen_text(app),
-                       "the idle link's pane")
-        lines = screen_text(app).splitlines()
-        at = next(i for i, line in enumerate(lines) if "tx 0.00 of 10 Mbit/s" in line)
-        left, right = lines[at].index("tx 0.00"), lines[at].index("rx ")
-        graph = [line[left:right] for line in lines[at + 1:at + 4]]
-        assert not any(ch in "".join(graph) for ch in "▁▂▃▄▅▆▇█"), graph
-
-
-def test_link_graphs_are_scaled_to_the_limit() -> None:
-    from swarm_tui.app.widgets.graph import bars, graph_top
+def test_link_plots_are_scaled_to_the_limit() -> None:
+    from swarm_tui.app.widgets.graph import graph_top
 
     assert graph_top(80.0, [0.0, 12.0]) == 80.0
     assert graph_top(None, [0.0]) == 1.0  # an unlimited idle link: the floor
     assert graph_top(10.0, [14.0]) == 14.0  # a burst over the limit raises the top
-    assert bars([0.0, 0.0], 80.0, 4, 3) == ["    "] * 3
-    assert bars([40.0, 80.0], 80.0, 2, 2) == [" █", "██"]
-    assert bars([0.01], 80.0, 3, 1) == ["  ▁"]  # a trickle is not idle
+    # (an idle link drawn along the bottom: tests/unit/test_tui_plots.py)
 
 
 async def test_the_jobs_sort_says_what_orders_the_rows() -> None:
@@ -414,7 +391,7 @@ async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("".join(f"line {i}\n" for i in range(500)))
     local_cluster._write(ClusterRecord(
-        leader_url="http://127.0.0.1:1", state_dir="/nowhere",
+        leader_url="http://leader.test:8765", state_dir="/nowhere",  # (the FakeClient's)
         leader=ProcessEntry(1, "leader", "l.log"),
         fellows=[ProcessEntry(2, "gpu-a", str(log))], started_at=1.0))
     client = FakeClient()
@@ -432,6 +409,16 @@ async def test_describe_shows_the_whole_record_and_log_what_the_fellow_did(
         assert "joined job-000002" in screen.text
         assert f"{log} (last 200 lines)" in screen.text and "line 499" in screen.text
         assert "line 299\n" not in screen.text
+        # gpu-b is not of the local cluster: its own log comes through the leader.
+        await pilot.press("escape", "down", "l")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                                and "through the leader (" in app.screen.text and app.screen,
+                                "gpu-b's log through the leader")
+        assert "its own log, through the leader (last 3 lines, as of 0.8s ago)" in screen.text
+        assert "swarm.fellow INFO step 92 done" in screen.text and "line 499" not in screen.text
+        await pilot.press("escape", "down", "l")  # cpu-c: nothing sent yet, and it says so
+        await wait_for(pilot, lambda: isinstance(app.screen, FellowLogScreen)
+                       and "fellow 2 has sent no log yet" in app.screen.text, "cpu-c's")
         await pilot.press("escape", "2", "d")
         screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
                                 and app.screen.text and app.screen, "the job's record")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import DataTable, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Static
 
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
@@ -21,8 +24,9 @@ from swarm_tui.app.model import Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
 from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
-from swarm_tui.app.widgets.graph import LinkGraph
+from swarm_tui.app.widgets.graph import graph_top
 from swarm_tui.app.widgets.live_table import LiveTable
+from swarm_tui.app.widgets.plot import MetricPlot, PlotSpec, nice_top
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import (
     describe_link,
@@ -248,10 +252,7 @@ class FellowDetailScreen(SwarmScreen):
                     for metric in row:
                         with Vertical(classes="pane"):
                             yield Label(id=f"{metric}-label", classes="pane-title")
-                            if metric in ("tx", "rx"):  # on the limit's scale: 0 is empty
-                                yield LinkGraph(id=f"{metric}-spark", classes="spark")
-                            else:
-                                yield Sparkline([], id=f"{metric}-spark", classes="spark")
+                            yield MetricPlot(id=f"{metric}-plot", classes="plot")
             yield Label("recent events", classes="pane-title")
             yield Static(id="events", classes="events")
         yield SwarmFooter()
@@ -289,14 +290,16 @@ class FellowDetailScreen(SwarmScreen):
                     f"  control tx {fmt_bytes(c.get('control_tx'), compact=True)}"
                     f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
         summary.update(text)
-        losses = [loss for _, loss in st.loss_hist]
+        now = model.leader_now()
         self.query_one("#loss-label", Label).update(loss_caption(model, st))
-        self.query_one("#loss-spark", Sparkline).data = losses
-        tps = list(st.tps_hist)
+        self.query_one("#loss-plot", MetricPlot).show(fellow_loss_plot(model, st))
+        tps = [v for _ts, v in st.tps_hist]
         self.query_one("#tps-label", Label).update(
             f"tokens/s {fmt_tps(st.tokens_per_s)}" + (f"  (max {fmt_tps(max(tps))})" if tps
                                                        else ""))
-        self.query_one("#tps-spark", Sparkline).data = tps
+        self.query_one("#tps-plot", MetricPlot).show(
+            timed_plot(st.tps_hist, now, st.speed_marks, unit="tok/s", y_min=0.0,
+                       y_max=nice_top(max(tps, default=0.0) * 1.05)))
         for side, rate, limit, hist in (("tx", st.tx_mbps, st.tx_limit, st.tx_hist),
                                         ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
@@ -304,7 +307,11 @@ class FellowDetailScreen(SwarmScreen):
             lat = f" +{st.latency_ms:g} ms" if side == "tx" and st.latency_ms else ""
             self.query_one(f"#{side}-label", Label).update(
                 f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}{lat}")
-            self.query_one(f"#{side}-spark", LinkGraph).show(list(hist), limit)
+            # On the limit's scale, from 0: an idle link is a line along the bottom.
+            top = graph_top(limit, [v for _ts, v in hist])
+            self.query_one(f"#{side}-plot", MetricPlot).show(
+                timed_plot(hist, now, st.speed_marks, unit="Mbit/s", y_min=0.0, y_max=top,
+                           limit=limit))
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]
         self.query_one("#events", Static).update(Text("\n".join(reversed(lines)) or "none yet"))
@@ -346,3 +353,33 @@ def loss_caption(model: ClusterModel, st: FellowState) -> str:
     if st.stage is not None and stages and st.stage < stages - 1:
         return f"loss: computed on the last stage ({stages - 1}), not here"
     return "loss: no steps yet" if not st.step else "loss: none reported yet"
+
+
+def fellow_loss_plot(model: ClusterModel, st: FellowState) -> PlotSpec:
+    """Its job's loss by step as this fellow saw it, marked where a set-speed changed its own
+    link during the job."""
+    view = model.jobs.get(st.job_id) if st.job_id is not None else None
+    marks: tuple[float, ...] = ()
+    evals: tuple[tuple[float, float], ...] = ()
+    if view is not None:
+        marks = tuple(sorted({float(c.at_step) for c in view.info.link_changes
+                              if c.fellow_id == st.fellow_id}))
+        # (the job's eval losses, on the stage that computes its loss)
+        first = st.loss_hist[0][0] if st.loss_hist else math.inf
+        evals = tuple((float(p[0]), float(p[1])) for p in view.info.eval_history
+                      if len(p) >= 2 and p[0] >= first)
+    return PlotSpec(xs=tuple(float(s) for s, _ in st.loss_hist),
+                    ys=tuple(v for _, v in st.loss_hist), x_label="step", unit="loss",
+                    empty="", marks=marks, points=evals, whole_x=True)
+
+
+def timed_plot(hist: Iterable[tuple[float, float]], now: float, marks: Iterable[float], *,
+               unit: str, y_min: float | None = None, y_max: float | None = None,
+               limit: float | None = None) -> PlotSpec:
+    """Samples against the seconds to ``now`` (leader time: 0 is now, the newest right, -30
+    half a minute ago), a vertical mark at each set-speed sent meanwhile."""
+    samples = list(hist)
+    return PlotSpec(xs=tuple(round(ts - now, 3) for ts, _ in samples),
+                    ys=tuple(v for _, v in samples), x_label="seconds", unit=unit,
+                    empty="no samples yet", y_min=y_min, y_max=y_max, limit=limit,
+                    marks=tuple(round(ts - now, 3) for ts in marks))

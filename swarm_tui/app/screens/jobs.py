@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.css.query import NoMatches
-from textual.widgets import DataTable, Input, Label, Sparkline, Static
+from textual.widgets import DataTable, Input, Label, Static
 
 from swarm_core.contract import perplexity
 from swarm_core.validators import printable
@@ -28,6 +28,7 @@ from swarm_tui.app.screens.base import FilterBar, SwarmScreen
 from swarm_tui.app.screens.record import DescribeScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.live_table import LiveTable
+from swarm_tui.app.widgets.plot import MetricPlot, PlotSpec
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
 
@@ -206,13 +207,14 @@ class JobWatchScreen(SwarmScreen):
         with Vertical(id="watch"):
             yield Static(id="job-summary", classes="summary")
             yield Label(id="curve-label", classes="pane-title")
-            yield Sparkline([], id="curve", classes="curve")
+            yield MetricPlot(id="curve", classes="curve")
             yield LiveTable(WATCH_COLUMNS, self._cells, lambda key: key, sort_column="stage",
                             id="watch-table")
         yield SwarmFooter()
 
     REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
     _fetched_at: float | None = None
+    _plot_key: tuple[object, ...] | None = None
 
     def on_mount(self) -> None:
         # (SwarmScreen.on_mount runs too: Textual calls the handler of every class in the MRO)
@@ -273,13 +275,15 @@ class JobWatchScreen(SwarmScreen):
         if not view.history_loaded and (self._fetched_at is None or
                                         time.monotonic() - self._fetched_at > self.REFETCH_S):
             self._fetch()  # (events were missed meanwhile, or the last fetch failed)
-        losses = [float(p[1]) for p in info.loss_history if len(p) >= 2]
-        self.query_one("#curve-label", Label).update(
-            "loss curve: loading the job's history…" if not view.history_loaded and not losses
-            else "loss curve: no losses reported yet" if not losses else
-            f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
-            f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
-        self.query_one("#curve", Sparkline).data = losses
+        self.query_one("#curve-label", Label).update(curve_caption(view))
+        # (heartbeats of its fellows redraw this view too: a long run's curve is rebuilt
+        # only when it changed)
+        hist = info.loss_history
+        key = (len(hist), tuple(hist[-1]) if hist else None, len(info.eval_history),
+               len(info.link_changes), info.link_changes_total)
+        if key != self._plot_key:
+            self._plot_key = key
+            self.query_one("#curve", MetricPlot).show(loss_plot(view))
         table.rebuild(self._stage_keys(view))
 
     def action_back(self) -> None:
@@ -290,3 +294,27 @@ class JobWatchScreen(SwarmScreen):
 
     def action_cancel_job(self) -> None:
         self.swarm.ask_cancel(self.job_id)
+
+
+def _points(rows: list[list[float]]) -> list[tuple[float, float]]:
+    return [(float(p[0]), float(p[1])) for p in rows if len(p) >= 2]
+
+
+def curve_caption(view: JobView) -> str:
+    """The loss plot's title: what it holds (the key to its marks is under it)."""
+    losses = [y for _x, y in _points(view.info.loss_history)]
+    if not losses:
+        return ("loss curve: loading the job's history…" if not view.history_loaded
+                else "loss curve: no losses reported yet")
+    return (f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
+            f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
+
+
+def loss_plot(view: JobView) -> PlotSpec:
+    """The job's loss by step, its eval losses marked, and a vertical mark at each step from
+    which a set-speed changed one of its links."""
+    pts = _points(view.info.loss_history)
+    return PlotSpec(xs=tuple(x for x, _ in pts), ys=tuple(y for _, y in pts), x_label="step",
+                    unit="loss", empty="", whole_x=True,
+                    points=tuple(_points(view.info.eval_history)),
+                    marks=tuple(sorted({float(c.at_step) for c in view.info.link_changes})))
