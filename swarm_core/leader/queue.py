@@ -491,7 +491,7 @@ class JobQueue:
 
     def event(self, job: JobRecord, kind: str) -> None:
         self.hub.publish(kind, {
-            "job_id": job.job_id, "name": job.spec.name, "state": job.state.value,
-            "last_step": job.last_step, "last_loss": job.last_loss, "fellows": job.fellows,
-            "reason": job.reason,
+            "job_id": job.job_id, "name": job.spec.name, "kind": job.spec.kind,
+            "state": job.state.value, "last_step": job.last_step, "last_loss": job.last_loss,
+            "fellows": job.fellows, "reason": job.reason,
         })

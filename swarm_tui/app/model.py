@@ -458,7 +458,9 @@ class ClusterModel:
         if view is None:
             if kind == "job.shard":
                 return Change()
-            info = JobInfo(job_id=jid, name=str(data.get("name") or jid), kind="",
+            # (a job first seen in an event has its kind at once: a launch's rows read "train")
+            info = JobInfo(job_id=jid, name=str(data.get("name") or jid),
+                           kind=str(data.get("kind") or ""),
                            state=str(data.get("state") or "PENDING"),
                            created_at=self.leader_now(), started_at=None, finished_at=None,
                            last_step=0, last_loss=None, fellows=[], topology=Topology(),

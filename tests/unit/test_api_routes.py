@@ -1464,7 +1464,8 @@ async def test_events_stream_fellow_job_and_metric(api):
         ev = await next_event(ws, "fellow.set_speed")
         assert ev["data"]["tx_mbps"] == 3.0
         jid = (await submit(api))["job_id"]
-        assert (await next_event(ws, "job.submitted"))["data"]["job_id"] == jid
+        submitted = (await next_event(ws, "job.submitted"))["data"]
+        assert (submitted["job_id"], submitted["kind"]) == (jid, "smoke")
         started = await next_event(ws, "job.started")
         assert started["data"]["fellows"] == [f["fellow_id"]]
         await report(api, jid, f, "RUNNING", step=3, loss=1.25)

@@ -93,9 +93,10 @@ def test_unknown_fellow_and_job_events_ask_for_a_snapshot() -> None:
     assert change.fellow_rows and model.fellows[9].name == "new" and model.need_refresh
     model.need_refresh = False
     change = model.apply_event({"seq": 2, "ts": T0, "type": "job.submitted", "data": {
-        "job_id": "job-000007", "name": "x", "state": "PENDING", "last_step": 0,
-        "last_loss": None, "fellows": [], "reason": ""}})
+        "job_id": "job-000007", "name": "x", "kind": "train", "state": "PENDING",
+        "last_step": 0, "last_loss": None, "fellows": [], "reason": ""}})
     assert change.job_rows and model.jobs["job-000007"].partial and model.need_refresh
+    assert model.jobs["job-000007"].info.kind == "train"  # (before the snapshot comes)
 
 
 def test_metrics_extend_the_loss_curve_once_per_step() -> None:
