@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import re
 import urllib.parse
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -39,6 +42,7 @@ from swarm_core.protocol import (
 from swarm_core.schema import SchemaError, structure, unstructure
 
 T = TypeVar("T")
+DOWNLOAD_CHUNK = 1 << 20  # bytes of a streamed download read at a time
 SESSION_HEADER = "X-Swarm-Fellow-Session"
 
 
@@ -267,6 +271,27 @@ class SwarmClient:
         self.bytes_received += len(raw) + 150
         return resp.status, raw
 
+    async def _download_to(self, url: str, dest: Path) -> tuple[str, int]:
+        """Stream a GET's body into ``dest`` (a new private file, fsynced): (sha256, size).
+        Nothing of it is held whole in memory; an error answer raises the leader's error."""
+        digest, size = hashlib.sha256(), 0
+        try:
+            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                if resp.status >= 400:
+                    _reply(resp.status, await resp.content.read(64 * 1024))
+                with open(dest, "xb") as fh:  # (x: never through a name someone else put here)
+                    os.chmod(dest, 0o600)
+                    async for chunk in resp.content.iter_chunked(DOWNLOAD_CHUNK):
+                        fh.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except (aiohttp.ClientError, TimeoutError) as exc:  # (OSError here is the disk's)
+            raise self._unreachable(exc) from None
+        self.bytes_received += size + 150
+        return digest.hexdigest(), size
+
     async def export_manifest(self, job_id: str) -> dict[str, Any]:
         """The job's run manifest as the leader holds it (its newest shard per stage)."""
         return await self.request("GET", f"{API_PREFIX}/jobs/{_seg(job_id)}/export")
@@ -278,6 +303,13 @@ class SwarmClient:
         if status >= 400:
             _reply(status, raw)  # raises the leader's error
         return raw
+
+    async def export_part_to(self, job_id: str, stage: int, part: str, dest: Path
+                             ) -> tuple[str, int]:
+        """One part of a stage's newest pushed shard, streamed into the new file ``dest``:
+        its (sha256, size)."""
+        return await self._download_to(
+            f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/export/{stage}/{part}", dest)
 
     # jobs -------------------------------------------------------------------------------------
     async def submit(self, req: JobSubmit) -> JobInfo:

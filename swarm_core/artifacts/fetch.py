@@ -2,21 +2,23 @@
 (each stage's newest pushed shard) and ``<dest>/run_manifest.json``, so glue, eval and generate
 work on the run's own directory, whether the leader is on this machine or another.
 
-Over HTTP with the token (``GET /jobs/{id}/export`` and ``/export/{stage}/{part}``). Nothing
-of a shard is written before both its parts are in and its weights match the manifest's
-sha256, and then weights first, manifest last: a shard directory with a manifest is complete,
-and a failed or refused download leaves none.
+Over HTTP with the token (``GET /jobs/{id}/export`` and ``/export/{stage}/{part}``), the
+weights streamed to a file beside the shards (a model's weights may not fit in memory twice).
+No shard is put in place before every stage's parts are in and its weights match the
+manifest's sha256, and then weights first, manifest last: a shard directory with a manifest
+is complete, and a failed or refused download leaves none.
 """
 
 from __future__ import annotations
 
-import hashlib
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.artifacts.layout import RUN_MANIFEST, replace_shard, shard_dir_name
+from swarm_core.artifacts.layout import RUN_MANIFEST, WEIGHTS, install_shard, shard_dir_name
 from swarm_core.artifacts.manifests import shard_manifest
 from swarm_core.client import SwarmClient, shown_url
 from swarm_core.contract.job import ShardReceipt, export_complete
@@ -35,14 +37,27 @@ async def fetch_export(client: SwarmClient, job_id: str, dest: Path) -> dict[str
     """Copy the job's newest shard of every stage into ``dest`` and write its run manifest
     there (returned). Raises FetchError (or ClientError when the leader cannot answer)."""
     leader_view = await client.export_manifest(job_id)
-    # Every stage in memory before any is written: a stage that fails leaves the export as
-    # it was (one shard at a time would leave a mix of two pushes).
-    got: list[tuple[ShardReceipt, dict[str, Any], bytes]] = []
-    for entry in leader_view.get("shards", []):
-        got.append(await _fetch_stage(client, job_id, int(entry["stage"])))
     root = dest / "shards"
-    for _receipt, manifest, weights in got:
-        replace_shard(root, manifest, weights)
+    # Every stage downloaded (streamed to disk beside the shards, never whole in memory)
+    # before any is put in place: a stage that fails leaves the export as it was (one shard
+    # at a time would leave a mix of two pushes).
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        incoming = Path(tempfile.mkdtemp(prefix=".incoming-", dir=root))
+    except OSError as exc:
+        raise FetchError(f"{job_id}: cannot write under {root}: {exc.strerror or exc}") from None
+    try:
+        got = [await _fetch_stage(client, job_id, int(entry["stage"]), incoming)
+               for entry in leader_view.get("shards", [])]
+        for _receipt, manifest, weights in got:
+            install_shard(root, manifest, weights)
+    except OSError as exc:
+        raise FetchError(f"{job_id}: cannot write the export under {root}: "
+                         f"{exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
+        if not any(root.iterdir()):
+            root.rmdir()  # (nothing came: no empty shards/ for glue to trip on)
     receipts = [r for r, _m, _w in got]
     steps = {r.step for r in receipts}
     run = {**leader_view,
@@ -55,12 +70,14 @@ async def fetch_export(client: SwarmClient, job_id: str, dest: Path) -> dict[str
     return run
 
 
-async def _fetch_stage(client: SwarmClient, job_id: str, stage: int
-                       ) -> tuple[ShardReceipt, dict[str, Any], bytes]:
+async def _fetch_stage(client: SwarmClient, job_id: str, stage: int, incoming: Path
+                       ) -> tuple[ShardReceipt, dict[str, Any], Path]:
     where = f"{job_id} stage {stage}"
+    weights = incoming / f"stage-{stage}.{WEIGHTS}"
     for _ in range(ATTEMPTS):
         raw = await client.export_part(job_id, stage, "manifest")
-        weights = await client.export_part(job_id, stage, "weights")
+        weights.unlink(missing_ok=True)
+        sha, size = await client.export_part_to(job_id, stage, "weights", weights)
         try:
             data = jsonio.loads(raw)
             m, _cfg = shard_manifest(data)
@@ -68,9 +85,9 @@ async def _fetch_stage(client: SwarmClient, job_id: str, stage: int
             raise FetchError(f"{where}: the shard manifest is not one: {exc}") from None
         if m.job_id != job_id or m.stage != stage:
             raise FetchError(f"{where}: the leader sent the shard of {m.job_id} stage {m.stage}")
-        if hashlib.sha256(weights).hexdigest() == m.weights_sha256:
+        if sha == m.weights_sha256:
             receipt = ShardReceipt(stage=m.stage, fellow_id=m.fellow_id, step=m.step,
-                                   weights_sha256=m.weights_sha256, weights_bytes=len(weights),
+                                   weights_sha256=m.weights_sha256, weights_bytes=size,
                                    config_fingerprint=m.config_fingerprint)
             return receipt, data, weights
     raise FetchError(f"{where}: the weights do not match their manifest's sha256 "

@@ -5,12 +5,13 @@ headless CLI fetches exports with it, and both stay light."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.paths import atomic_write
+from swarm_core.paths import atomic_write, fsync_dir
 
 MANIFEST = "shard_manifest.json"
 WEIGHTS = "weights.npz"
@@ -50,11 +51,16 @@ def write_shard(root: Path, manifest: dict[str, Any], weights: bytes,
     return d
 
 
-def replace_shard(root: Path, manifest: dict[str, Any], weights: bytes) -> Path:
-    """Make this the stage's one shard under ``root``: other holders go, and the old manifest
-    goes before new weights come in, so no manifest ever names the wrong weights."""
+def install_shard(root: Path, manifest: dict[str, Any], weights_file: Path) -> Path:
+    """Make this the stage's one shard under ``root``, its weights already on disk (downloaded
+    beside ``root``, fsynced) and moved in by a rename: other holders go, and the old manifest
+    goes before the new weights come in, so no manifest ever names the wrong weights."""
     d = root / shard_dir_name(manifest["stage"], manifest["fellow_id"])
     drop_other_holders(root, manifest["stage"], d)
     with contextlib.suppress(FileNotFoundError):
         (d / MANIFEST).unlink()
-    return write_shard(root, manifest, weights)
+    d.mkdir(parents=True, exist_ok=True)
+    os.replace(weights_file, d / WEIGHTS)
+    fsync_dir(d)
+    atomic_write(d / MANIFEST, jsonio.dumps(manifest, pretty=True), mode=0o600)
+    return d

@@ -529,8 +529,21 @@ async def test_the_export_downloads_next_to_the_run_and_glues(leader, tmp_path):
     weights = await _push_both(client, fellows, job)
     dest = tmp_path / "run" / "model_export"
     async with _swarm_client(client) as c:
+        whole: list[str] = []  # the downloads read whole into memory
+        read_whole = c._download
+
+        async def recorded(url, *args, **kwargs):
+            whole.append(url)
+            return await read_whole(url, *args, **kwargs)
+
+        c._download = recorded  # type: ignore[method-assign]
         run = await fetch_export(c, job["job_id"], dest)
     assert run["complete"] is True and run["step"] == 4 and run["num_stages"] == 2
+    # The weights streamed to disk (a model's weights may not fit in memory); only the
+    # manifests came whole, and nothing of the download is left beside the shards.
+    assert [u.rsplit("/", 2)[-1] for u in whole] == ["manifest", "manifest"]
+    assert sorted(p.name for p in (dest / "shards").iterdir()) == [
+        e["dir"].split("/")[-1] for e in run["shards"]]
     for stage, entry in enumerate(run["shards"]):
         d = dest / entry["dir"]
         assert (d / "weights.npz").read_bytes() == weights[stage]
