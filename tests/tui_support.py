@@ -16,7 +16,7 @@ import attrs
 import pytest
 from aiohttp.test_utils import TestServer
 
-from swarm_core.client import SwarmClient
+from swarm_core.client import ApiError, SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import FellowLog, JobInfo, JobList, LinkChange, SmokeTraining, Topology
 from swarm_core.fellow import daemon as fellow_daemon
@@ -238,7 +238,9 @@ class FakeClient(SwarmClient):
 
     async def job(self, job_id: str) -> JobInfo:
         self.fetched.append(job_id)
-        job = next(j for j in self._jobs if j.job_id == job_id)
+        job = next((j for j in self._jobs if j.job_id == job_id), None)
+        if job is None:  # (as the leader answers)
+            raise ApiError(404, "unknown_job", f"no job {job_id!r}")
         return attrs.evolve(job, loss_history=[list(p) for p in job.loss_history],
                             eval_history=[list(p) for p in job.eval_history])
 

@@ -348,12 +348,11 @@ class ClusterModel:
             change.fellow_rows = True
         return change
 
-    def apply_jobs(self, infos: Iterable[JobInfo], *, keep: Iterable[str] = (),
+    def apply_jobs(self, infos: Iterable[JobInfo], *,
                    left_out: dict[str, int] | None = None) -> Change:
-        """The leader's listing: the jobs it names, updated or added; the others dropped but
-        for ``keep`` (a job on screen that fell out of the window)."""
+        """The leader's listing: the jobs it names, updated or added; the others dropped."""
         change = Change()
-        seen: set[str] = set(keep)
+        seen: set[str] = set()
         if left_out is not None:
             self.jobs_left_out = {k: n for k, n in left_out.items() if n > 0}
         for ji in infos:
