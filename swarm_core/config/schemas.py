@@ -106,6 +106,9 @@ class SyncConfig:
     inner_steps: int = attrs.field(default=500, validator=[_pos, _le(1_000_000)])
     outer_lr: float = attrs.field(default=0.7, validator=[_pos, _le(10.0)])
     outer_momentum: float = attrs.field(default=0.9, validator=[_nonneg, _le(0.999)])
+    # dp's gradients go in buckets of this many MiB (DDP's bucket_cap_mb and default; the
+    # first at most 1 MiB), each all-reduced as soon as the backward has finished it.
+    bucket_mb: float = attrs.field(default=25.0, validator=[_pos, _le(1024.0)])
 
     def __attrs_post_init__(self) -> None:
         if not checking():

@@ -357,6 +357,7 @@ class StageRunner:
         self.last = spec.stage == spec.num_stages - 1
         t = spec.training
         self.ops = ops_for(t.schedule, spec.stage, spec.num_stages, t.micro_batches)
+        self.last_backward = max(n for n, (op, _i) in enumerate(self.ops) if op != "F")
         # Split backward only where it pays (see hurried_backwards): none on the first stage of
         # GPipe, whose Linears then stay plain.
         self.hurried = hurried_backwards(self.ops, self.first) \
@@ -374,7 +375,6 @@ class StageRunner:
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
-        self.ring: Ring | None = None
         self.sync: GradientAverage | OuterStep | None = None
         self.links = StageLinks()
         self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
@@ -385,14 +385,17 @@ class StageRunner:
         self.up, self.down = links.up, links.down
         if links.ring_next is not None and links.ring_prev is not None:
             spec, sync = self.spec, self.spec.training.sync
-            self.ring = Ring([p.numel() for p in self.params], links.ring_next,
-                             links.ring_prev, spec.replica, spec.replicas, sync_codec(spec),
-                             self.device)
-            links.ring_prev.max_payload = max(NORM_PAYLOAD, self.ring.max_payload)
-            # (After any resume's weights are in: DiLoCo's outer step starts from them.)
-            self.sync = GradientAverage(self.params, self.ring) if sync.mode == "dp" else \
-                OuterStep(self.params, self.ring, sync.inner_steps, sync.outer_lr,
-                          sync.outer_momentum)
+            if sync.mode == "dp":
+                self.sync = GradientAverage(
+                    self.params, links.ring_next, links.ring_prev, spec.replica, spec.replicas,
+                    sync_codec(spec), self.device, int(sync.bucket_mb * 2**20))
+            else:  # (after any resume's weights are in: DiLoCo's outer step starts from them)
+                ring = Ring([p.numel() for p in self.params], links.ring_next,
+                            links.ring_prev, spec.replica, spec.replicas, sync_codec(spec),
+                            self.device)
+                self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
+                                      sync.outer_momentum)
+            links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
 
     # links -----------------------------------------------------------------------------------
 
@@ -405,6 +408,8 @@ class StageRunner:
         return sum(link.waited for link in (self.up, self.down) if link is not None)
 
     def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
         self.links.close()
 
     # training --------------------------------------------------------------------------------
@@ -423,11 +428,14 @@ class StageRunner:
         set_lr(self.opt, lr)
         self.module.train()
         st = self._begin(step)
-        for op, i in self.ops:
+        for n, (op, i) in enumerate(self.ops):
             self._check_stop()
             if op == "F":
                 self._forward(st, i)
             else:
+                if n == self.last_backward and self.sync is not None and self.wgrad is None:
+                    # (deferred W passes would add to gradients the ring already took)
+                    self.sync.arm(step, t.frame_timeout_s)
                 self._backward(st, i)
         sync_bytes, sync_s = self._finish(step)
         seconds = time.perf_counter() - t0
@@ -729,13 +737,13 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")))
     if losses:
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
-    if runner.ring is not None and reports:
+    if runner.sync is not None and reports:
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
         sync = t.sync
         syncs = len(reports) if sync.mode == "dp" else sum(
             1 for r in reports if r.step % sync.inner_steps == 0 or r.step == t.steps)
         metrics.expected_sync_tx_bytes_per_step = \
-            runner.ring.expected_bytes() * syncs / len(reports)
+            runner.sync.expected_bytes() * syncs / len(reports)
     return StageResult(metrics, losses)
 
 

@@ -13,6 +13,9 @@ and what arrives is summed in float32 after decoding.
 
 from __future__ import annotations
 
+import functools
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -53,9 +56,10 @@ class Ring:
     """The all-reduce (mean) of tensors over a stage group, around its ring."""
 
     def __init__(self, sizes: Sequence[int], send: PeerLink, recv: PeerLink, rank: int,
-                 replicas: int, codec: WireCodec, device: torch.device) -> None:
+                 replicas: int, codec: WireCodec, device: torch.device, base: int = 0) -> None:
         self.send, self.recv = send, recv
         self.rank, self.replicas, self.codec = rank, replicas, codec
+        self.base = base  # its frames' first round number (a bucket's, after those before it)
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
         self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         self.chunks = chunk_bounds(self.flat.numel(), replicas)
@@ -86,7 +90,7 @@ class Ring:
         for i, out in enumerate(ring_chunks_sent(self.rank, n)):
             # Round i receives the chunk the previous replica sends in it: reduce-scatter
             # sums those into ours, all-gather takes them as they are.
-            self._exchange(step, i, out, (out - 1) % n, timeout, add=i < n - 1)
+            self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1)
         self.flat.div_(n)
         off = 0
         for t in tensors:
@@ -113,21 +117,116 @@ class Ring:
             target.copy_(got)
 
 
-class GradientAverage:
-    """Data parallel (``sync.mode: dp``): every step, after the backward, each gradient
-    becomes the group's mean, before clipping and the optimiser step."""
+FIRST_BUCKET_BYTES = 1 << 20  # as DDP: the last layers' gradients go out early
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring) -> None:
-        self.params, self.ring = list(params), ring
+
+def buckets_of(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of about ``bucket_bytes`` (fp32), from the last parameter
+    back (the order the backward finishes them in); the first bucket at most 1 MiB."""
+    out: list[list[int]] = [[]]
+    cap, filled = min(FIRST_BUCKET_BYTES, bucket_bytes), 0
+    for i in reversed(range(len(sizes))):
+        if out[-1] and filled + 4 * sizes[i] > cap:
+            out.append([])
+            cap, filled = bucket_bytes, 0
+        out[-1].append(i)
+        filled += 4 * sizes[i]
+    return out
+
+
+class GradientAverage:
+    """Data parallel (``sync.mode: dp``): every step each gradient becomes the group's mean,
+    before clipping and the optimiser step. The gradients go in buckets (``sync.bucket_mb``),
+    each its own all-reduce on a thread of its own: armed for a step's last backward, a bucket
+    goes out as soon as the backward has finished all its gradients, while the earlier layers'
+    are still being computed (DDP's overlap); the rest go after the backward, in the same
+    order on every replica (their frames are numbered by bucket and round)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], send: PeerLink, recv: PeerLink,
+                 rank: int, replicas: int, codec: WireCodec, device: torch.device,
+                 bucket_bytes: int) -> None:
+        self.params = list(params)
+        self.buckets = buckets_of([p.numel() for p in self.params], bucket_bytes)
+        rounds = 2 * (replicas - 1)
+        self.rings = [Ring([self.params[i].numel() for i in b], send, recv, rank, replicas,
+                           codec, device, base=k * rounds) for k, b in enumerate(self.buckets)]
+        self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        self._armed = False  # for this step's last backward
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # the next bucket to go out
+        self._step, self._timeout = 0, 0.0
+        self._jobs: queue.SimpleQueue[tuple[int, int, float] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[int, float] | BaseException] = queue.SimpleQueue()
+        self._worker = threading.Thread(target=self._serve, name="ring-all-reduce",
+                                        daemon=True)
+        self._worker.start()
+        self._hooks = [p.register_post_accumulate_grad_hook(
+            functools.partial(self._on_grad, i)) for i, p in enumerate(self.params)]
+
+    @property
+    def max_payload(self) -> int:
+        return max(r.max_payload for r in self.rings)
+
+    def expected_bytes(self) -> int:
+        return sum(r.expected_bytes() for r in self.rings)
+
+    def arm(self, step: int, timeout: float) -> None:
+        """The next backward is the step's last: send each bucket as it completes."""
+        self._armed, self._ready = True, [0] * len(self.buckets)
+        self._next, self._step, self._timeout = 0, step, timeout
+
+    def _on_grad(self, index: int, _param: torch.Tensor) -> None:
+        if not self._armed:
+            return  # (an earlier micro-batch's backward)
+        k = self._bucket_of[index]
+        self._ready[k] += 1
+        while self._next < len(self.buckets) and \
+                self._ready[self._next] == len(self.buckets[self._next]):
+            self._launch()
+
+    def _launch(self) -> None:
+        k = self._next
+        self._next += 1
+        self._jobs.put((k, self._step, self._timeout))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            k, step, timeout = job
+            try:
+                grads = [self.params[i].grad for i in self.buckets[k]]
+                self._done.put(self.rings[k].mean_(step, timeout, grads))  # type: ignore[arg-type]
+            except BaseException as exc:  # (handed to the stage's thread, raised there)
+                self._done.put(exc)
 
     def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
+        if not self._armed:  # (every bucket goes now)
+            self._next, self._step, self._timeout = 0, step, timeout
+        self._armed = False
         for p in self.params:
             if p.grad is None:  # (a part that got no gradient this step counts as zero)
                 p.grad = torch.zeros_like(p)
-        return self.ring.mean_(step, timeout, [p.grad for p in self.params])
+        t0 = time.perf_counter()
+        while self._next < len(self.buckets):
+            self._launch()
+        sent, error = 0, None
+        for _ in self.buckets:
+            got = self._done.get()
+            if isinstance(got, BaseException):
+                error = error or got
+            else:
+                sent += got[0]
+        if error is not None:
+            raise error
+        # What the step waited for the group: the time the buckets took after the backward.
+        return sent, time.perf_counter() - t0
 
     def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
         return None
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._jobs.put(None)
 
 
 class OuterStep:
@@ -143,6 +242,16 @@ class OuterStep:
         self.params, self.ring, self.inner_steps = list(params), ring, inner_steps
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
+
+    @property
+    def max_payload(self) -> int:
+        return self.ring.max_payload
+
+    def expected_bytes(self) -> int:
+        return self.ring.expected_bytes()
+
+    def arm(self, step: int, timeout: float) -> None:
+        pass  # (nothing crosses during a backward: the change is averaged every H steps)
 
     def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
         return None
@@ -162,3 +271,6 @@ class OuterStep:
         for p, a in zip(self.params, self.anchor, strict=True):
             p.copy_(a)
         return synced
+
+    def close(self) -> None:
+        pass

@@ -39,20 +39,26 @@ def _step_losses(res: dict[int, StageResult], stages: int, replicas: int) -> lis
     return [sum(step) / replicas for step in zip(*per_replica, strict=True)]
 
 
-@pytest.mark.parametrize("stages, replicas", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("stages, replicas, bucket_mb", [(1, 2, 25.0), (2, 2, 25.0),
+                                                        (1, 2, 0.02)])
 def test_replicas_train_what_one_process_trains_at_the_same_global_batch(data, stages,
-                                                                         replicas):
+                                                                         replicas, bucket_mb):
     """With compression none, an fp32 wire and the same seed, S x R computes the losses of
     one process over the same global batch (each replica its own share of the step's
     windows), to 1e-5 over 20 steps; and the first replica's validation loss is the single
-    process's model's."""
+    process's model's. Also with the gradients in many small buckets, each all-reduced while
+    the backward goes on."""
     mc = ModelConfig(**MODEL)
-    tc = TrainingConfig(steps=20, batch_size=8, micro_batches=2, eval_batches=1, lr=3e-3)
+    tc = structure({"steps": 20, "batch_size": 8, "micro_batches": 2, "eval_batches": 1,
+                    "lr": 3e-3, "sync": {"bucket_mb": bucket_mb}}, TrainingConfig)
     ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * stages))
     res = _run(mc, tc, data, stages, replicas)
     got = _step_losses(res, stages, replicas)
     assert len(got) == 20 and ref[-1] < ref[0]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    # Each bucket its own ring: what crosses is what the buckets' rings must send.
+    assert all(r.metrics.sync_tx_bytes_per_step == r.metrics.expected_sync_tx_bytes_per_step
+               for r in res.values())
     # Only the first replica's chain evaluates (the others hold the same weights).
     assert res[stages - 1].metrics.eval_loss is not None
     assert all(res[r * stages + stages - 1].metrics.eval_loss is None
@@ -96,6 +102,17 @@ def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     got = _step_losses(res, 2, 3)
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= tol
+
+
+def test_gradients_go_in_buckets_from_the_last_layer_back():
+    from swarm_core.pipeline.sync import buckets_of
+
+    mib = 1 << 20
+    # 1 MiB first (as DDP), then up to the cap; from the last parameter back; none split.
+    sizes = [mib // 4] * 6 + [mib // 8]  # 1 MiB each but the last, 0.5 MiB
+    assert buckets_of(sizes, 2 * mib) == [[6], [5, 4], [3, 2], [1, 0]]
+    assert buckets_of(sizes, 100 * mib) == [[6], [5, 4, 3, 2, 1, 0]]
+    assert buckets_of([10 * mib], 2 * mib) == [[0]]  # (one parameter larger than a bucket)
 
 
 def test_the_placement_is_a_grid_each_replica_a_chain():
