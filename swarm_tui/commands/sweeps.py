@@ -11,6 +11,7 @@ from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import (
     ConfigError,
     ResolvedExperiment,
+    RunSpec,
     dataset_files,
     load_experiment,
 )
@@ -86,10 +87,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
                    "runs": [unstructure(r) for r in exp.runs]})
         return 0
     emit_table(f"{exp.config.name}: {len(exp.runs)} run(s), valid",
-               ["#", "run", "fellows", "steps", "compression", "network"],
-               [[r.index, r.run_name, r.fellows, r.training["steps"], r.compression,
-                 r.network["name"]] for r in exp.runs])
+               ["#", "run", "fellows", "grid", "sync", "steps", "compression", "network"],
+               [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", _sync(r),
+                 r.training["steps"], r.compression, r.network["name"]] for r in exp.runs])
     return 0
+
+
+def _sync(run: RunSpec) -> str:
+    """A run's sync mode as the validate table shows it: ``none``, ``dp``, ``diloco H=10``."""
+    if run.sync_mode != "diloco":
+        return run.sync_mode
+    return f"diloco H={run.training['sync']['inner_steps']}"
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
