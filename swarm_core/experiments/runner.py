@@ -392,7 +392,8 @@ class Experiment:
 
     def _topology(self, st: RunState, placement: Placement | None) -> dict[str, Any]:
         return {
-            "requested": {"fellows": st.spec.fellows, "stages": st.spec.fellows},
+            "requested": {"fellows": st.spec.fellows, "stages": st.spec.stages,
+                          "replicas": st.spec.replicas},
             "active_fellows_at_start": [
                 {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
                  "devices": f.devices, "status": f.status} for f in self.fellows_at_start],
@@ -432,10 +433,13 @@ class Experiment:
         self._write_manifest(st)
 
 
-# The fields of a train_progress.ndjson line, in order (null where a step lacks one).
-PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "step_seconds", "eval_loss",
-                   "perplexity", "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
-                   "codec_error", "ts")
+# The fields of a train_progress.ndjson line, in order (null where a step lacks one): names of
+# ProgressRecord's, so a metric is named once. ``wire_bytes`` is the pipeline's links,
+# ``sync_bytes`` the stage groups' synchronisation (null for one replica, and for a DiLoCo step
+# that did not sync).
+PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
+                   "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
+                   "stage_seconds", "codec_error", "ts")
 
 
 def progress_line(rec: ProgressRecord) -> dict[str, Any]:
@@ -452,7 +456,9 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
     plain = structure({**st.spec.model, "compression": "none", "bottleneck_dim": None,
                        "wire_dtype": "fp32"}, ModelConfig)
     measured = sum(wire) / len(wire) if wire else None
-    uncompressed = step_wire_bytes(plain, training, st.spec.fellows)
+    # (every stage of every replica's chain: a fellow of several slots holds several stages)
+    stages, replicas = st.spec.stages, st.spec.replicas
+    uncompressed = step_wire_bytes(plain, training, stages, replicas)
     final = losses[-1] if losses else None
     wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
     summary: dict[str, Any] = {
@@ -462,11 +468,12 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "eval_loss": m.eval_loss, "perplexity": m.perplexity,
         "wall_time_s": wall, "tokens_per_s": m.tokens_per_s,
         "wire_bytes_per_step": measured,
-        "expected_wire_bytes_per_step": step_wire_bytes(model, training, st.spec.fellows),
+        "expected_wire_bytes_per_step": step_wire_bytes(model, training, stages, replicas),
         "uncompressed_wire_bytes_per_step": uncompressed,
         "compression_ratio": (uncompressed / measured) if measured else None,
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
+        **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
         "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
         "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
                                                 job.restarts),
@@ -486,6 +493,30 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
     summary["thresholds_met"] = None if not summary["thresholds"] else (
         job.state == "COMPLETED" and all(t["met"] for t in summary["thresholds"].values()))
     return summary
+
+
+def grid_summary(spec: RunSpec, training: TrainingConfig, records: list[ProgressRecord],
+                 reported: float | None) -> dict[str, Any]:
+    """The run's grid and synchronisation, for the summary: its shape, its sync mode (``none``
+    for one replica), DiLoCo's inner steps, and what the stage groups' sync sent: per step over
+    every step recorded (a DiLoCo step that did not sync sent nothing, so this is the per-inner-
+    step figure that compares with dp's), the fellows' own figure when no step recorded any,
+    and in all; with the pipeline's bytes, the run's total on the wire."""
+    mode = spec.sync_mode
+    synced = [r.sync_bytes for r in records if r.sync_bytes is not None]
+    per_step = sum(synced) / len(records) if synced and records else reported
+    if mode == "none":
+        per_step = None
+    wire_total = sum(r.wire_bytes for r in records)
+    sync_total = sum(synced) if mode != "none" else 0
+    return {
+        "stages": spec.stages, "replicas": spec.replicas, "sync_mode": mode,
+        "inner_steps": training.sync.inner_steps if mode == "diloco" else None,
+        "sync_compression": training.sync.compression if mode != "none" else None,
+        "sync_bytes_per_step": per_step,
+        "sync_bytes_total": sync_total if mode != "none" else None,
+        "total_bytes": wire_total + sync_total,
+    }
 
 
 def peaks_by_stage(records: list[ProgressRecord],
