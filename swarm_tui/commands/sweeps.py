@@ -164,7 +164,7 @@ def _report(runner: Experiment, fmt: str) -> None:
         rows.append({"run_id": st.run_id, "job_id": st.job_id, "state": st.state,
                      "run_dir": str(st.run_dir), **{k: summary.get(k) for k in (
                          "final_loss", "eval_loss", "tokens_per_s", "wire_bytes_per_step",
-                         "compression_ratio", "thresholds_met")}})
+                         "sync_bytes_per_step", "compression_ratio", "thresholds_met")}})
     if fmt == "json":
         emit_json({"runs": rows})
         return
@@ -173,11 +173,11 @@ def _report(runner: Experiment, fmt: str) -> None:
         return "-" if v is None else format(v, spec)
 
     emit_table("runs", ["run", "job", "state", "final loss", "eval loss", "tok/s",
-                        "wire B/step", "ratio", "thresholds"],
+                        "wire B/step", "sync B/step", "ratio", "thresholds"],
                [[r["run_id"].split("-", 2)[-1], r["job_id"], r["state"],
                  f(r["final_loss"], ".4f"), f(r["eval_loss"], ".4f"),
                  f(r["tokens_per_s"], ".0f"), f(r["wire_bytes_per_step"], ".0f"),
-                 f(r["compression_ratio"], ".1f"),
+                 f(r["sync_bytes_per_step"], ".0f"), f(r["compression_ratio"], ".1f"),
                  "-" if r["thresholds_met"] is None else ("met" if r["thresholds_met"]
                                                           else "MISSED")]
                 for r in rows])
