@@ -133,3 +133,16 @@ def test_bad_axes_say_exactly_why(exp, sweep, training, message, field):
 def test_a_grid_past_the_largest_cluster_is_refused():
     with pytest.raises(FieldError, match="8 stages x 256 replicas is more than 1024 fellows"):
         grid_cells(8, 1, "dp", 500, [1, 256], None, None)
+
+
+def test_the_shipped_replica_examples_load():
+    from swarm_core.experiments.suites import load_suite
+    from tests.support import REPO
+
+    r = load_experiment(REPO / "exp/configs/exp_sweep_replicas_sync_v1.json")
+    assert [(x.stages, x.replicas, x.sync_mode) for x in r.runs] == [
+        (1, 1, "none"), (1, 2, "dp"), (1, 2, "diloco"), (1, 2, "diloco")]
+    assert [x.training["sync"]["inner_steps"] for x in r.runs[2:]] == [10, 20]
+    suite = load_suite(REPO / "exp/configs/benchmarks/replicas_grid_v1.json")
+    assert [(s.stages, s.replicas, s.sync_mode) for s in suite.scenarios] == [
+        (2, 1, "none"), (1, 2, "dp"), (1, 2, "diloco")]
