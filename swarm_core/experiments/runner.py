@@ -35,6 +35,7 @@ from swarm_core.contract import (
     ProgressRecord,
     Restart,
     link_changes_in_all,
+    stage_of_label,
 )
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
@@ -474,10 +475,9 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
         **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
-        "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
-        "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
-                                                job.restarts),
-        "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
+        "activation_peak_bytes_by_stage": peaks_by_stage(records, stages),
+        "wait_fraction_by_stage": wait_by_stage(records, stages, training, job.restarts),
+        "codec_error_by_stage": codec_error_by_stage(records, stages),
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": unstructure(job.link_changes),
         "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
@@ -526,7 +526,8 @@ def peaks_by_stage(records: list[ProgressRecord],
     peaks: dict[int, int] = {}
     for r in records:
         for stage, n in (r.activation_peak_bytes or {}).items():
-            peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
+            k = stage_of_label(stage)  # (the largest of its replicas)
+            peaks[k] = max(peaks.get(k, 0), int(n))
     return [peaks.get(s) for s in range(num_stages)] if peaks else None
 
 
@@ -554,8 +555,9 @@ def wait_by_stage(records: list[ProgressRecord], num_stages: int,
         for stage, w in (r.wait_seconds or {}).items():
             span = spent.get(stage)
             if isinstance(span, int | float) and span > 0:
-                waits[int(stage)] = waits.get(int(stage), 0.0) + float(w)
-                spans[int(stage)] = spans.get(int(stage), 0.0) + float(span)
+                k = stage_of_label(stage)  # (its replicas' waits over their spans)
+                waits[k] = waits.get(k, 0.0) + float(w)
+                spans[k] = spans.get(k, 0.0) + float(span)
     if not waits:
         return None
     return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
@@ -570,7 +572,7 @@ def codec_error_by_stage(records: list[ProgressRecord],
     for r in records:
         for stage, errs in (r.codec_error or {}).items():
             for k, v in unstructure(errs).items():
-                sums.setdefault(int(stage), {}).setdefault(k, []).append(float(v))
+                sums.setdefault(stage_of_label(stage), {}).setdefault(k, []).append(float(v))
     if not sums:
         return None
     return [{k: sum(v) / len(v) for k, v in sums[s].items()} if s in sums else None

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from swarm_core.contract import JobInfo, ProgressRecord, Topology
+from swarm_core.contract import CodecErrors, JobInfo, ProgressRecord, Topology
 from swarm_core.experiments.report import (
     HEADERS,
     load_run,
@@ -130,8 +130,15 @@ def test_summary_of_a_diloco_run_names_its_grid_and_sync_bytes(tmp_path):
         "name": "e", "training_config": "training/t.json", "model_configs": ["model/m.json"],
         "sweep": {"replicas": [1, 2], "sync": ["diloco"], "inner_steps": [2]}}))
     one, two = load_experiment(tmp_path / "e.json").runs
+    # (cells of a job of replicas are "stage.replica": the summary gathers them by stage)
     records = [ProgressRecord(step=s, loss=3.0, wire_bytes=0,
-                              sync_bytes=500 if s % 2 == 0 else None) for s in range(1, 5)]
+                              sync_bytes=500 if s % 2 == 0 else None,
+                              activation_peak_bytes={"0.0": 5, "0.1": 7},
+                              wait_seconds={"0.0": 0.1, "0.1": 0.3},
+                              stage_seconds={"0.0": 1.0, "0.1": 1.0},
+                              codec_error={"0.0": CodecErrors(grad=0.1),
+                                           "0.1": CodecErrors(grad=0.3)})
+               for s in range(1, 5)]
     assert "sync_bytes" in PROGRESS_FIELDS and progress_line(records[1])["sync_bytes"] == 500
 
     def job(replicas: int) -> JobInfo:
@@ -151,6 +158,9 @@ def test_summary_of_a_diloco_run_names_its_grid_and_sync_bytes(tmp_path):
     # Per step over every step (a step that did not sync sent nothing): per inner step.
     assert s["sync_bytes_per_step"] == 250.0 and s["sync_bytes_total"] == 1000
     assert s["total_bytes"] == 1000 and s["sync_compression"] == "none"
+    assert s["activation_peak_bytes_by_stage"] == [7]
+    assert s["wait_fraction_by_stage"] == [pytest.approx(0.2)]
+    assert s["codec_error_by_stage"] == [{"grad": pytest.approx(0.2)}]
     st.spec = one  # type: ignore[attr-defined]
     s = summarize(st, job(1), [ProgressRecord(step=1, loss=3.0, wire_bytes=0)])  # type: ignore[arg-type]
     assert (s["replicas"], s["sync_mode"], s["inner_steps"], s["sync_bytes_per_step"]) == \
