@@ -265,8 +265,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="compare run directories: loss by step, wall time and "
-                                      "bytes, plus a summary (HTML or PNG); a run that cannot "
-                                      "be read is left out and named on stderr (exit 1)")
+                                      "bytes, eval loss by wall time and bytes (pipeline + "
+                                      "sync) in each sync mode's line style, plus a summary "
+                                      "(HTML or PNG); a run that cannot be read is left out "
+                                      "and named on stderr (exit 1)")
     p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
     p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
