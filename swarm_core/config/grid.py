@@ -97,8 +97,8 @@ def grid_cells(stages: int, profile_replicas: int, profile_mode: str, profile_in
             raise FieldError(f"replicas {several} need a mode to synchronise by (dp or diloco), "
                              f"got {modes}", "sync")
         if not several and set(modes) - {"none"}:
-            raise FieldError(f"{'/'.join(m for m in modes if m != 'none')} synchronise "
-                             "replicas, and every run has 1 (set sweep.replicas or "
+            raise FieldError(f"{'/'.join(m for m in modes if m != 'none')} keeps replicas in "
+                             "step, and every run has 1 replica (set sweep.replicas or "
                              "cluster_profile.replicas)", "sync")
     runs_diloco = bool(several) and ("diloco" in modes if modes is not None
                                      else profile_mode == "diloco")

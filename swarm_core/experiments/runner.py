@@ -95,11 +95,15 @@ async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[Fellow
         raise ExperimentError(
             f"the leader at {client.base_url} has no active fellow; start some (swarm fellow, "
             "or swarm restart-cluster) - runs never execute standalone")
-    need = max(r.fellows for r in exp.runs)
+    biggest = max(exp.runs, key=lambda r: r.fellows)
+    need = biggest.fellows
     if len(fellows) < need:
         names = ", ".join(f"{f.fellow_id}:{f.name}" for f in fellows)
+        # (a sweep's replicas axis, not the profile, may be what asks for more)
+        who = "cluster_profile" if biggest.replicas == exp.profile.cluster_profile.replicas \
+            else f"run {biggest.run_name} ({biggest.stages}x{biggest.replicas})"
         raise ExperimentError(
-            f"cluster_profile wants {need} fellow(s); the leader at {client.base_url} has "
+            f"{who} wants {need} fellow(s); the leader at {client.base_url} has "
             f"{len(fellows)} active ({names})")
     return fellows
 

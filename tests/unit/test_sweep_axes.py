@@ -104,7 +104,8 @@ BAD = [
      "'none' is the mode of a single replica", "$.sweep.sync"),
     ({"replicas": [1, 2], "sync": ["none"]}, None, "need a mode to synchronise by",
      "$.sweep.sync"),
-    ({"sync": ["dp"]}, None, "every run has 1", "$.sweep.sync"),
+    ({"sync": ["dp"]}, None, "dp keeps replicas in step, and every run has 1 replica",
+     "$.sweep.sync"),
     ({"replicas": [2], "sync": ["dp"], "inner_steps": [10]}, None,
      "inner_steps applies to diloco runs only", "$.sweep.inner_steps"),
     ({"inner_steps": [10]}, None, "inner_steps applies to diloco runs only",
@@ -146,3 +147,24 @@ def test_the_shipped_replica_examples_load():
     suite = load_suite(REPO / "exp/configs/benchmarks/replicas_grid_v1.json")
     assert [(s.stages, s.replicas, s.sync_mode) for s in suite.scenarios] == [
         (2, 1, "none"), (1, 2, "dp"), (1, 2, "diloco")]
+
+
+def test_preflight_names_the_run_whose_replicas_want_more_fellows(exp):
+    """The sweep's axis, not the profile, asks for 4 fellows: the error names that run."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm_core.experiments.runner import ExperimentError, preflight
+
+    resolved = load_experiment(exp({"replicas": [1, 2]}))
+
+    class Client:
+        base_url = "http://leader"
+
+        async def fellows(self) -> list[SimpleNamespace]:
+            return [SimpleNamespace(fellow_id=i, name=f"f{i}",
+                                    status=SimpleNamespace(live=True)) for i in range(2)]
+
+    with pytest.raises(ExperimentError, match=r"run m-none-unconstrained-2x2-dp-s0-r0 \(2x2\) "
+                       r"wants 4 fellow\(s\); the leader at http://leader has 2 active"):
+        asyncio.run(preflight(Client(), resolved))  # type: ignore[arg-type]
