@@ -52,7 +52,8 @@ def expected_scalars(lines: list[dict[str, Any]]) -> dict[str, list[tuple[int, f
         if line["loss"] is not None:
             out.setdefault("train/loss", []).append((line["step"], line["loss"]))
         for field, tag in (("tokens_per_s", "train/tokens_per_s"),
-                           ("wire_bytes", "wire/bytes_per_step"), ("eval_loss", "eval/loss"),
+                           ("wire_bytes", "wire/bytes_per_step"),
+                           ("sync_bytes", "sync/bytes_per_step"), ("eval_loss", "eval/loss"),
                            ("perplexity", "eval/perplexity"), ("lr", "train/lr"),
                            ("step_seconds", "train/step_seconds")):
             if line.get(field) is not None:

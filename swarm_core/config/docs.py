@@ -31,9 +31,24 @@ exp/runs/<run_id>/               what runs write (ignored by git)
 ```
 
 Paths inside a config resolve relative to the file that names them. The sweep expands to the grid
-models x compressions x network profiles x seeds x repeats, in that nesting order; each run is
-one train job on the leader, and `swarm sweep --config …` queues them all at once (one at a time
-when a network profile has a `tc_profile`, since kernel shaping must wrap each run).
+models x compressions x network profiles x (replicas x sync x inner_steps) x seeds x repeats, in
+that nesting order; each run is one train job on the leader, and `swarm sweep --config …` queues
+them all at once (one at a time when a network profile has a `tc_profile`, since kernel shaping
+must wrap each run).
+
+The job's shape and synchronisation are axes too. `replicas` sets the replicas of every stage:
+the training profile's stage count (`cluster_profile.fellows / replicas`) stays, so a run of R
+replicas asks for stages x R fellows. `sync` lists modes: `none` (a single replica: nothing to
+synchronise), `dp`, `diloco`; a run of one replica runs once, as `none`, whatever else is
+listed, and a run of several runs once per listed `dp`/`diloco`. `inner_steps` multiplies the
+diloco runs only: dp synchronises every step, so its runs are not repeated by it, and an
+`inner_steps` axis in a sweep with no diloco run is an error. So `replicas: [1, 2]`, `sync:
+[dp, diloco]`, `inner_steps: [10, 50]` is 4 runs: 1 replica, dp, diloco H=10, diloco H=50.
+Each of them left out keeps the training profile's value (`cluster_profile.replicas`,
+`sync.mode`, `sync.inner_steps`); other sync fields (`compression`, `outer_lr`, …) come from
+the profile or `overrides.sync`. A sweep with any of these axes, or of several replicas, names
+its runs by the grid too: `<model>-<spec>-<network>-<S>x<R>-<mode>-s<seed>-r<repeat>`, the mode
+`none`, `dp` or `diloco_h<H>` (a sweep of chains keeps the names it had).
 
 Compression specs: `none`, `fixed_int8`, `learned_bottleneck` (with `bottleneck_dim`),
 `learned_dimK`, `learned_dimK_int8` (K a positive integer up to `d_model`). The int8 specs scale
@@ -48,7 +63,9 @@ error.
 SECTIONS: list[tuple[str, type, str]] = [
     ("ExperimentConfig (top level)", profiles.ExperimentConfig, ""),
     ("SweepSpec (`sweep`)", profiles.SweepSpec,
-     "Fields left out keep the training profile's values."),
+     "Fields left out keep the training profile's values. `replicas` (each 1-256), `sync` "
+     "(`none`, `dp`, `diloco`) and `inner_steps` (each 1-1000000) list unique values; the "
+     "combinations they allow are in the introduction above."),
     ("ModelConfig (`model/*.json`)", schemas.ModelConfig,
      "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
      "gradients and optimiser state stay float32 (and are exported as such). What crosses a "

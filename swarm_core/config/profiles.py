@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import os
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.config.grid import GridCell, SyncAxis, check_axes, grid_cells, sync_mode
 from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
 from swarm_core.contract import JobSubmit
 from swarm_core.protocol import LinkLimits
@@ -145,7 +147,8 @@ class TrainingProfile:
 
 @attrs.define
 class SweepSpec:
-    """The grid: models x compressions x networks x seeds x repeats."""
+    """The grid: models x compressions x networks x (replicas x sync x inner_steps) x seeds x
+    repeats."""
 
     dataset: Literal["shakespeare", "textfiles", "wikitext103"] | None = None
     tokenizer: Literal["byte", "bpe"] | None = None
@@ -155,9 +158,21 @@ class SweepSpec:
     seeds: list[int] = attrs.field(factory=lambda: [0])
     compressions: list[str] | None = None
     network_profiles: list[NetworkProfile] | None = None
+    # The job's shape and synchronisation (swarm_core.config.grid): replicas of every stage
+    # (the training profile's stage count stays), sync modes, DiLoCo's inner steps.
+    replicas: list[int] | None = None
+    sync: list[SyncAxis] | None = None
+    inner_steps: list[int] | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
 
+    @property
+    def shapes_the_grid(self) -> bool:
+        """Whether it sweeps the job's shape or synchronisation (its runs' names then say
+        them)."""
+        return any(v is not None for v in (self.replicas, self.sync, self.inner_steps))
+
     def __attrs_post_init__(self) -> None:
+        check_axes(self.replicas, self.sync, self.inner_steps)
         if not 1 <= self.repeats <= 100:
             raise FieldError(f"must be 1-100, got {self.repeats}", "repeats")
         if not self.seeds:
@@ -185,6 +200,13 @@ class SweepSpec:
                                      "seed"}
         if bad:
             raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", "overrides")
+        sync = self.overrides.get("sync")
+        swept = {"mode": self.sync, "inner_steps": self.inner_steps}
+        clash = sorted(k for k, axis in swept.items()
+                       if axis is not None and isinstance(sync, dict) and k in sync)
+        if clash:  # (which would win is a guess either way)
+            raise FieldError(f"sync {clash} is swept: set it in the sweep's axes only",
+                             "overrides")
 
 
 @attrs.define
@@ -217,6 +239,15 @@ class RunSpec:
     compression: str
     slots_per_fellow: int = 1  # one stage per slot
     replicas: int = 1  # of every stage
+
+    @property
+    def stages(self) -> int:
+        return max(1, self.fellows * self.slots_per_fellow // self.replicas)
+
+    @property
+    def sync_mode(self) -> SyncAxis:
+        """``none`` (one replica), ``dp`` or ``diloco``."""
+        return sync_mode(self.replicas, self.training)
 
     def job_body(self, run_id: str) -> dict[str, Any]:
         return {"name": run_id, "kind": "train", "model": self.model,
@@ -372,8 +403,9 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
-    per_model = len(sweep.compressions or [None]) * len(networks) * len(sweep.seeds) \
-        * sweep.repeats
+    cells = _grid(profile, sweep, path)
+    per_model = len(sweep.compressions or [None]) * len(networks) * len(cells) \
+        * len(sweep.seeds) * sweep.repeats
     if per_model * len(models) > MAX_RUNS:
         raise ConfigError(path, f"the sweep has {per_model * len(models):,} runs, more than "
                           f"{MAX_RUNS:,}: split it into several experiments", "$.sweep")
@@ -394,60 +426,83 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                 except SchemaError as exc:
                     raise ConfigError(path, f"{exc.message} (with model {mpath.name})",
                                       f"$.sweep.compressions[{ci}]") from None
-            for network in networks:
-                for seed in sweep.seeds:
-                    for rep in range(sweep.repeats):
-                        training = _run_training(profile, sweep, seed, network, path)
-                        _check_shape(model_dict, training, profile, sweep.overrides, path,
-                                     tpath, mpath)
-                        name = _slug("-".join([model.name, comp, network.name, f"s{seed}",
-                                               f"r{rep}"]))
-                        if name in made_by:  # (a run directory each: names must differ)
-                            raise ConfigError(
-                                path, f"model profiles {made_by[name]} and {mi} both make a run "
-                                f"named {name!r}: give them different names",
-                                f"$.model_configs[{mi}]")
-                        made_by[name] = mi
-                        runs.append(RunSpec(
-                            index=len(runs), run_name=name, model=model_dict,
-                            training=training, fellows=profile.cluster_profile.fellows,
-                            replicas=profile.cluster_profile.replicas,
-                            network=unstructure(network),
-                            tc_profile=None if network.tc_profile is None
-                            else unstructure(network.tc_profile),
-                            seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
+            for network, cell, seed, rep in itertools.product(
+                    networks, cells, sweep.seeds, range(sweep.repeats)):
+                training = _run_training(profile, sweep, seed, network, path, cell)
+                _check_shape(model_dict, training, cell, sweep, path, tpath, mpath)
+                # Named by the grid too when it is swept or not a chain; a sweep of
+                # chains keeps the names (and run folders) it always had.
+                shape = [cell.label] if sweep.shapes_the_grid or cell.replicas > 1 \
+                    else []
+                name = _slug("-".join([model.name, comp, network.name, *shape,
+                                       f"s{seed}", f"r{rep}"]))
+                if name in made_by:  # (a run directory each: names must differ)
+                    raise ConfigError(
+                        path, f"model profiles {made_by[name]} and {mi} both make a run "
+                        f"named {name!r}: give them different names",
+                        f"$.model_configs[{mi}]")
+                made_by[name] = mi
+                runs.append(RunSpec(
+                    index=len(runs), run_name=name, model=model_dict,
+                    training=training, fellows=cell.fellows,
+                    replicas=cell.replicas,
+                    network=unstructure(network),
+                    tc_profile=None if network.tc_profile is None
+                    else unstructure(network.tc_profile),
+                    seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
 
 
-def _check_shape(model: dict[str, Any], training: dict[str, Any], profile: TrainingProfile,
-                 sweep_overrides: dict[str, Any], path: Path, tpath: Path, mpath: Path) -> None:
+def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path) -> list[GridCell]:
+    """The sweep's grid axes expanded against the training profile's cluster and sync."""
+    cluster, sync = profile.cluster_profile, profile.training.sync
+    try:
+        return grid_cells(cluster.stages, cluster.replicas, sync.mode, sync.inner_steps,
+                          sweep.replicas, sweep.sync, sweep.inner_steps)
+    except FieldError as exc:
+        raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
+
+
+def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell,
+                 sweep: SweepSpec, path: Path, tpath: Path, mpath: Path) -> None:
     """What the leader would refuse, refused here first, naming the file and field at fault."""
-    cluster = profile.cluster_profile  # (one cell per fellow, as RunSpec.job_body asks)
+    # (one cell per fellow, as RunSpec.job_body asks)
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
-                            cluster.stages, cluster.replicas)
+                            cell.stages, cell.replicas)
     if shape is None:
         return
     message, where = shape
+    if where == "training.batch_size" and sweep.replicas is not None \
+            and "batch_size" not in sweep.overrides:
+        # (the replica count that does not divide it is the sweep's)
+        at = sweep.replicas.index(cell.replicas)
+        raise ConfigError(path, message, f"$.sweep.replicas[{at}]")
     if where.startswith("model."):  # (a model field: the model profile's, by its own name)
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
     if where == "topology":
         raise ConfigError(tpath, message, "$.cluster_profile.fellows")
     field = where.removeprefix("training.")
-    if field in sweep_overrides:
+    if field in sweep.overrides:
         raise ConfigError(path, message, f"$.sweep(overrides).{field}")
     raise ConfigError(tpath, message, f"$.{field}")
 
 
 def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
-                  network: NetworkProfile, path: Path) -> dict[str, Any]:
+                  network: NetworkProfile, path: Path, cell: GridCell) -> dict[str, Any]:
     training = unstructure(profile.training)
     for key in ("dataset", "tokenizer", "real_min_tokens", "steps"):
         value = getattr(sweep, key)
         if value is not None:
             training[key] = value
+    sync = training["sync"]
     training.update(anchor_dataset_paths(sweep.overrides, path.parent))
+    if isinstance(training["sync"], dict):  # (overrides of sync fields keep the others)
+        training["sync"] = {**sync, **training["sync"]}
+    if cell.sync != "none":  # (one replica keeps the profile's sync: it never runs)
+        training["sync"] = {**training["sync"], "mode": cell.sync,
+                            **({"inner_steps": cell.inner_steps} if cell.inner_steps else {})}
     training["seed"] = seed
     _apply_profiles(training, profile.artifacts, network)
     try:

@@ -44,6 +44,7 @@ from swarm_core.contract.placement import (
     StagePlacement,
     plan,
     split_layers,
+    stage_of_label,
 )
 from swarm_core.contract.start import StageStart, chain_starts, stage_starts
 
@@ -84,6 +85,7 @@ __all__ = [
     "perplexity",
     "plan",
     "split_layers",
+    "stage_of_label",
     "stage_starts",
     "step_wait_share"
 ]

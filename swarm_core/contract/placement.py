@@ -80,6 +80,12 @@ class StagePlacement:
         return f"{self.stage}.{self.replica}"
 
 
+def stage_of_label(label: str) -> int:
+    """The stage of a cell's label ("k" or "k.r", as StagePlacement.label writes it): what a
+    per-stage figure of a job of replicas is gathered by."""
+    return int(str(label).partition(".")[0])
+
+
 @attrs.define
 class Placement:
     """Every cell of a job's grid, ``num_stages`` stages by ``replicas`` replicas, in

@@ -1,5 +1,7 @@
-"""Reports over run directories: loss by step, by wall time and by bytes sent, one line per run,
-plus a summary table. HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
+"""Reports over run directories: loss by step, by wall time and by bytes sent, and eval loss by
+wall time and by bytes sent (the pipeline's and the replicas' sync together), one line per run
+drawn in its sync mode's style, plus a summary table. HTML is self-contained (inline SVG, no
+scripts); PNG uses matplotlib."""
 
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ class ReportError(ValueError):
     pass
 
 
+SYNC_MODES = ("none", "dp", "diloco")
+# A line's dash by its run's sync mode (SVG stroke-dasharray, matplotlib linestyle): colour tells
+# runs apart, the dash tells modes apart, so dp and diloco compare on one chart.
+MODE_DASH = {"none": ("", "-"), "dp": ("7,3", "--"), "diloco": ("2,2", ":")}
+
+
 @attrs.define
 class RunData:
     run_dir: Path
@@ -34,7 +42,17 @@ class RunData:
     steps: list[float]
     losses: list[float]
     wall: list[float]
-    bytes_sent: list[float]
+    bytes_sent: list[float]  # by each loss: what the pipeline and the sync had sent so far
+    # the steps that evaluated: wall time and bytes sent (as above) at each
+    eval_losses: list[float] = attrs.field(factory=list)
+    eval_wall: list[float] = attrs.field(factory=list)
+    eval_bytes: list[float] = attrs.field(factory=list)
+
+    @property
+    def sync_mode(self) -> str:
+        """``none`` (one replica; a run from before replicas), ``dp`` or ``diloco``."""
+        mode = self.summary.get("sync_mode")
+        return mode if mode in SYNC_MODES else "none"
 
 
 def _number(v: Any) -> bool:
@@ -82,6 +100,13 @@ _SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "link_changes": (_list_of(_link_change), "a list of objects with an integer at_step"),
     "link_changes_total": (_integer, "an integer"),
     "thresholds_met": (_boolean, "true or false"),
+    "stages": (_integer, "an integer"),
+    "replicas": (_integer, "an integer"),
+    "sync_mode": (lambda v: v in SYNC_MODES, "one of none, dp, diloco"),
+    "sync_compression": (_string, "a string"),
+    "inner_steps": (_integer, "an integer"),
+    "sync_bytes_per_step": (_number, "a number"),
+    "total_bytes": (_number, "a number"),
 }
 
 # The leader keeps steps, times and byte counts as int64, and training computes losses in
@@ -105,7 +130,9 @@ _RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "loss": (_loss, "a number within float32's range"),
     "ts": (_counter, "a number from 0 to 2**63-1"),
     "wire_bytes": (_counter, "a number from 0 to 2**63-1"),
+    "sync_bytes": (_counter, "a number from 0 to 2**63-1"),
     "step_seconds": (_counter, "a number from 0 to 2**63-1"),
+    "eval_loss": (_loss, "a number within float32's range"),
 }
 
 
@@ -186,23 +213,28 @@ def load_run(d: Path) -> RunData:
     summary = read_summary(d)
     records = read_records(d)
     steps, losses, wall, sent = [], [], [], []
+    evals: tuple[list[float], list[float], list[float]] = ([], [], [])
     total = 0.0
     t0 = None
     for rec in records:
-        total += rec.get("wire_bytes") or 0
-        if rec.get("loss") is None:
-            continue
+        # (what the link carried: the pipeline's frames and the stage groups' sync alike)
+        total += (rec.get("wire_bytes") or 0) + (rec.get("sync_bytes") or 0)
         ts = rec.get("ts") or 0.0
-        t0 = ts if t0 is None else t0
-        steps.append(rec["step"])
-        losses.append(rec["loss"])
-        wall.append(ts - t0)
-        sent.append(total)
+        if rec.get("loss") is not None:
+            t0 = ts if t0 is None else t0
+            steps.append(rec["step"])
+            losses.append(rec["loss"])
+            wall.append(ts - t0)
+            sent.append(total)
+        if rec.get("eval_loss") is not None:
+            t0 = ts if t0 is None else t0
+            for series, v in zip(evals, (rec["eval_loss"], ts - t0, total), strict=True):
+                series.append(v)
     label = summary.get("run_id") or d.name or d.resolve().name
     parts = label.split("-")
     if len(parts) > 4:  # <stamp>-<experiment>-<index>-<run name>: keep what tells runs apart
         label = "-".join(parts[3:])
-    return RunData(d, label, summary, steps, losses, wall, sent)
+    return RunData(d, label, summary, steps, losses, wall, sent, *evals)
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -247,12 +279,26 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     rows = []
     for r in runs:
         s = r.summary
-        rows.append([r.label, str(s.get("status", "-")), _fmt(s.get("final_loss"), ".4f"),
+        rows.append([r.label, str(s.get("status", "-")), _grid(s), _sync(r),
+                     _fmt(s.get("inner_steps"), "d"), _fmt(s.get("final_loss"), ".4f"),
                      _fmt(s.get("eval_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ".0f"),
                      _fmt(s.get("wire_bytes_per_step"), ",.0f"),
+                     _fmt(s.get("sync_bytes_per_step"), ",.0f"),
                      _fmt(s.get("compression_ratio"), ".1f"), _codec_error(s),
                      _most_waiting(s), _link_set(s)])
     return rows
+
+
+def _grid(summary: dict[str, Any]) -> str:
+    """``stages x replicas`` ("2x2"); "-" for a run from before the summary said."""
+    stages, replicas = summary.get("stages"), summary.get("replicas")
+    return f"{stages}x{replicas}" if stages is not None and replicas is not None else "-"
+
+
+def _sync(run: RunData) -> str:
+    """The sync mode, with its codec where it codes ("dp int8")."""
+    codec = run.summary.get("sync_compression")
+    return run.sync_mode if codec in (None, "none") else f"{run.sync_mode} {codec}"
 
 
 def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
@@ -286,13 +332,29 @@ def _most_waiting(summary: dict[str, Any]) -> str:
     return f"{w:.0%} (s{k})"
 
 
-HEADERS = ["run", "status", "final loss", "eval loss", "tokens/s", "bytes/step",
-           "compression", "act error", "link wait", "link set"]
+HEADERS = ["run", "status", "grid", "sync", "inner steps", "final loss", "eval loss",
+           "tokens/s", "bytes/step", "sync bytes/step", "compression", "act error",
+           "link wait", "link set"]
+
+# (title, x label, x series, y series, y label) of each chart, in both renderings. The eval
+# charts answer the question replicas raise: which sync mode reaches a loss sooner, and with
+# fewer bytes on the link (a point per evaluation: with eval_every 0, one, at the end).
+CHARTS = [
+    ("loss by step", "step", "steps", "losses", "loss"),
+    ("loss by wall time", "seconds", "wall", "losses", "loss"),
+    ("loss by bytes sent", "bytes on the wire (pipeline + sync)", "bytes_sent", "losses",
+     "loss"),
+    ("eval loss by wall time", "seconds", "eval_wall", "eval_losses", "eval loss"),
+    ("eval loss by bytes sent", "bytes on the wire (pipeline + sync)", "eval_bytes",
+     "eval_losses", "eval loss"),
+]
 
 
-def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str) -> str:
+def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
+               ys_of: str = "losses", ylabel: str = "loss") -> str:
     w, h, ml, mr, mt, mb = 520, 300, 60, 15, 30, 45
-    series = [(getattr(r, xs_of), r.losses) for r in runs]
+    series = [(getattr(r, xs_of), getattr(r, ys_of)) for r in runs]
+    points = ys_of != "losses"  # (evaluations are few: each is marked)
     all_x = [x for xs, _ in series for x in xs]
     all_y = [y for _, ys in series for y in ys]
     if not all_x:
@@ -323,13 +385,28 @@ def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str) -> str:
                    f"{_short(xv)}</text>")
     out.append(f"<text x='{w / 2}' y='{h - 8}' text-anchor='middle'>{xlabel}</text>")
     out.append(f"<text x='14' y='{h / 2}' transform='rotate(-90 14 {h / 2})' "
-               "text-anchor='middle'>loss</text>")
-    for i, (xs, ys) in enumerate(series):
-        pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
-        out.append(f"<polyline fill='none' stroke='{PALETTE[i % len(PALETTE)]}' "
-                   f"stroke-width='1.5' points='{pts}'/>")
+               f"text-anchor='middle'>{ylabel}</text>")
+    for i, ((xs, ys), run) in enumerate(zip(series, runs, strict=True)):
+        color = PALETTE[i % len(PALETTE)]
+        dash = MODE_DASH[run.sync_mode][0]
+        if len(xs) > 1 or not points:
+            pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
+            out.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' "
+                       + (f"stroke-dasharray='{dash}' " if dash else "") + f"points='{pts}'/>")
+        if points:
+            out += [f"<circle cx='{px(x):.1f}' cy='{py(y):.1f}' r='3' fill='{color}'/>"
+                    for x, y in zip(xs, ys, strict=True)]
     out.append("</svg>")
     return "".join(out)
+
+
+def _legend_entry(i: int, run: RunData) -> str:
+    """A run's colour in its sync mode's dash, its name and its mode."""
+    dash = MODE_DASH[run.sync_mode][0]
+    sample = (f"<svg width='28' height='8'><line x1='0' y1='4' x2='28' y2='4' "
+              f"stroke='{PALETTE[i % len(PALETTE)]}' stroke-width='2'"
+              + (f" stroke-dasharray='{dash}'" if dash else "") + "/></svg>")
+    return f"<li>{sample} {html.escape(run.label)} ({run.sync_mode})</li>"
 
 
 def _short(v: float) -> str:
@@ -340,15 +417,11 @@ def _short(v: float) -> str:
 
 
 def render_html(runs: list[RunData]) -> str:
-    legend = "".join(
-        f"<li><span style='color:{PALETTE[i % len(PALETTE)]}'>&#9632;</span> "
-        f"{html.escape(r.label)}</li>" for i, r in enumerate(runs))
+    legend = "".join(_legend_entry(i, r) for i, r in enumerate(runs))
     table = "<tr>" + "".join(f"<th>{h}</th>" for h in HEADERS) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
         for row in summary_rows(runs))
-    charts = "".join(_svg_chart(t, xl, runs, attr) for t, xl, attr in (
-        ("loss by step", "step", "steps"), ("loss by wall time", "seconds", "wall"),
-        ("loss by bytes sent", "bytes on the wire", "bytes_sent")))
+    charts = "".join(_svg_chart(t, xl, runs, xs, ys, yl) for t, xl, xs, ys, yl in CHARTS)
     return ("<!doctype html><html><head><meta charset='utf-8'><title>SilentSwarm report"
             "</title><style>body{font-family:sans-serif;margin:2em}table{border-collapse:"
             "collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
@@ -375,19 +448,23 @@ def render_png(runs: list[RunData]) -> bytes:
                           "(or write .html)") from None
     finally:
         mpl_log.setLevel(level)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (title, xl, attr) in zip(axes, (
-            ("loss by step", "step", "steps"), ("loss by wall time", "seconds", "wall"),
-            ("loss by bytes sent", "bytes on the wire", "bytes_sent")), strict=True):
+    fig, grid = plt.subplots(2, 3, figsize=(15, 8.4))
+    axes = list(grid.flat)
+    for ax, (title, xl, xs, ys, yl) in zip(axes, CHARTS, strict=False):
         for i, r in enumerate(runs):
-            ax.plot(getattr(r, attr), r.losses, color=PALETTE[i % len(PALETTE)], linewidth=1.2)
+            ax.plot(getattr(r, xs), getattr(r, ys), color=PALETTE[i % len(PALETTE)],
+                    linewidth=1.2, linestyle=MODE_DASH[r.sync_mode][1],
+                    marker="o" if ys != "losses" else None, markersize=4)
         ax.set_title(title)
         ax.set_xlabel(xl)
-        ax.set_ylabel("loss")
+        ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
+    # The sixth panel holds the legend: every run, in its colour and its sync mode's dash.
     # Labels are run names, not markup: given to the legend (matplotlib hides a line's own
     # label that starts with "_"), and not read as mathtext ("$" in a name).
-    legend = axes[0].legend(axes[0].get_lines(), [r.label for r in runs], fontsize=7)
+    axes[-1].axis("off")
+    legend = axes[-1].legend(axes[0].get_lines(), [f"{r.label} ({r.sync_mode})" for r in runs],
+                             fontsize=7, loc="upper left")
     for text in legend.get_texts():
         text.set_parse_math(False)
     out = io.BytesIO()

@@ -35,6 +35,7 @@ from swarm_core.contract import (
     ProgressRecord,
     Restart,
     link_changes_in_all,
+    stage_of_label,
 )
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
@@ -94,11 +95,15 @@ async def preflight(client: SwarmClient, exp: ResolvedExperiment) -> list[Fellow
         raise ExperimentError(
             f"the leader at {client.base_url} has no active fellow; start some (swarm fellow, "
             "or swarm restart-cluster) - runs never execute standalone")
-    need = max(r.fellows for r in exp.runs)
+    biggest = max(exp.runs, key=lambda r: r.fellows)
+    need = biggest.fellows
     if len(fellows) < need:
         names = ", ".join(f"{f.fellow_id}:{f.name}" for f in fellows)
+        # (a sweep's replicas axis, not the profile, may be what asks for more)
+        who = "cluster_profile" if biggest.replicas == exp.profile.cluster_profile.replicas \
+            else f"run {biggest.run_name} ({biggest.stages}x{biggest.replicas})"
         raise ExperimentError(
-            f"cluster_profile wants {need} fellow(s); the leader at {client.base_url} has "
+            f"{who} wants {need} fellow(s); the leader at {client.base_url} has "
             f"{len(fellows)} active ({names})")
     return fellows
 
@@ -392,7 +397,8 @@ class Experiment:
 
     def _topology(self, st: RunState, placement: Placement | None) -> dict[str, Any]:
         return {
-            "requested": {"fellows": st.spec.fellows, "stages": st.spec.fellows},
+            "requested": {"fellows": st.spec.fellows, "stages": st.spec.stages,
+                          "replicas": st.spec.replicas},
             "active_fellows_at_start": [
                 {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
                  "devices": f.devices, "status": f.status} for f in self.fellows_at_start],
@@ -432,10 +438,13 @@ class Experiment:
         self._write_manifest(st)
 
 
-# The fields of a train_progress.ndjson line, in order (null where a step lacks one).
-PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "step_seconds", "eval_loss",
-                   "perplexity", "lr", "activation_peak_bytes", "wait_seconds", "stage_seconds",
-                   "codec_error", "ts")
+# The fields of a train_progress.ndjson line, in order (null where a step lacks one): names of
+# ProgressRecord's, so a metric is named once. ``wire_bytes`` is the pipeline's links,
+# ``sync_bytes`` the stage groups' synchronisation (null for one replica, and for a DiLoCo step
+# that did not sync).
+PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
+                   "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
+                   "stage_seconds", "codec_error", "ts")
 
 
 def progress_line(rec: ProgressRecord) -> dict[str, Any]:
@@ -452,7 +461,9 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
     plain = structure({**st.spec.model, "compression": "none", "bottleneck_dim": None,
                        "wire_dtype": "fp32"}, ModelConfig)
     measured = sum(wire) / len(wire) if wire else None
-    uncompressed = step_wire_bytes(plain, training, st.spec.fellows)
+    # (every stage of every replica's chain: a fellow of several slots holds several stages)
+    stages, replicas = st.spec.stages, st.spec.replicas
+    uncompressed = step_wire_bytes(plain, training, stages, replicas)
     final = losses[-1] if losses else None
     wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
     summary: dict[str, Any] = {
@@ -462,15 +473,15 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "eval_loss": m.eval_loss, "perplexity": m.perplexity,
         "wall_time_s": wall, "tokens_per_s": m.tokens_per_s,
         "wire_bytes_per_step": measured,
-        "expected_wire_bytes_per_step": step_wire_bytes(model, training, st.spec.fellows),
+        "expected_wire_bytes_per_step": step_wire_bytes(model, training, stages, replicas),
         "uncompressed_wire_bytes_per_step": uncompressed,
         "compression_ratio": (uncompressed / measured) if measured else None,
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
         "fellows": st.spec.fellows,
-        "activation_peak_bytes_by_stage": peaks_by_stage(records, len(job.fellows)),
-        "wait_fraction_by_stage": wait_by_stage(records, len(job.fellows), training,
-                                                job.restarts),
-        "codec_error_by_stage": codec_error_by_stage(records, len(job.fellows)),
+        **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
+        "activation_peak_bytes_by_stage": peaks_by_stage(records, stages),
+        "wait_fraction_by_stage": wait_by_stage(records, stages, training, job.restarts),
+        "codec_error_by_stage": codec_error_by_stage(records, stages),
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": unstructure(job.link_changes),
         "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
@@ -488,6 +499,30 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
     return summary
 
 
+def grid_summary(spec: RunSpec, training: TrainingConfig, records: list[ProgressRecord],
+                 reported: float | None) -> dict[str, Any]:
+    """The run's grid and synchronisation, for the summary: its shape, its sync mode (``none``
+    for one replica), DiLoCo's inner steps, and what the stage groups' sync sent: per step over
+    every step recorded (a DiLoCo step that did not sync sent nothing, so this is the per-inner-
+    step figure that compares with dp's), the fellows' own figure when no step recorded any,
+    and in all; with the pipeline's bytes, the run's total on the wire."""
+    mode = spec.sync_mode
+    synced = [r.sync_bytes for r in records if r.sync_bytes is not None]
+    per_step = sum(synced) / len(records) if synced and records else reported
+    if mode == "none":
+        per_step = None
+    wire_total = sum(r.wire_bytes for r in records)
+    sync_total = sum(synced) if mode != "none" else 0
+    return {
+        "stages": spec.stages, "replicas": spec.replicas, "sync_mode": mode,
+        "inner_steps": training.sync.inner_steps if mode == "diloco" else None,
+        "sync_compression": training.sync.compression if mode != "none" else None,
+        "sync_bytes_per_step": per_step,
+        "sync_bytes_total": sync_total if mode != "none" else None,
+        "total_bytes": wire_total + sync_total,
+    }
+
+
 def peaks_by_stage(records: list[ProgressRecord],
                    num_stages: int) -> list[int | None] | None:
     """The largest activation memory each stage held in any step, by stage index (None for a
@@ -495,7 +530,8 @@ def peaks_by_stage(records: list[ProgressRecord],
     peaks: dict[int, int] = {}
     for r in records:
         for stage, n in (r.activation_peak_bytes or {}).items():
-            peaks[int(stage)] = max(peaks.get(int(stage), 0), int(n))
+            k = stage_of_label(stage)  # (the largest of its replicas)
+            peaks[k] = max(peaks.get(k, 0), int(n))
     return [peaks.get(s) for s in range(num_stages)] if peaks else None
 
 
@@ -523,8 +559,9 @@ def wait_by_stage(records: list[ProgressRecord], num_stages: int,
         for stage, w in (r.wait_seconds or {}).items():
             span = spent.get(stage)
             if isinstance(span, int | float) and span > 0:
-                waits[int(stage)] = waits.get(int(stage), 0.0) + float(w)
-                spans[int(stage)] = spans.get(int(stage), 0.0) + float(span)
+                k = stage_of_label(stage)  # (its replicas' waits over their spans)
+                waits[k] = waits.get(k, 0.0) + float(w)
+                spans[k] = spans.get(k, 0.0) + float(span)
     if not waits:
         return None
     return [min(1.0, waits[s] / spans[s]) if s in waits else None for s in range(num_stages)]
@@ -539,7 +576,7 @@ def codec_error_by_stage(records: list[ProgressRecord],
     for r in records:
         for stage, errs in (r.codec_error or {}).items():
             for k, v in unstructure(errs).items():
-                sums.setdefault(int(stage), {}).setdefault(k, []).append(float(v))
+                sums.setdefault(stage_of_label(stage), {}).setdefault(k, []).append(float(v))
     if not sums:
         return None
     return [{k: sum(v) / len(v) for k, v in sums[s].items()} if s in sums else None

@@ -1,10 +1,11 @@
 """Benchmark suites: the same model and training over different cluster shapes.
 
 A suite lists scenarios; each names its model, training and infra profile and its artifact
-directory. An infra profile describes nodes (groups of fellows), device slots per fellow and the
-link between nodes. On one machine a node is a group of fellows; the link between nodes is
-applied by the fellows' own link shapers. Every scenario records what was emulated and what was
-not (``infra_resolved.json``).
+directory, and may name its grid shape (``grid: {stages, replicas}``; by default every cell of
+the infra is a pipeline stage, one replica). An infra profile describes nodes (groups of
+fellows), device slots per fellow and the link between nodes. On one machine a node is a group
+of fellows; the link between nodes is applied by the fellows' own link shapers. Every scenario
+records what was emulated and what was not (``infra_resolved.json``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.config.grid import MAX_REPLICAS
 from swarm_core.config.profiles import (
     ConfigError,
     ExperimentConfig,
@@ -29,7 +31,7 @@ from swarm_core.config.profiles import (
     load_model_profile,
     resolve_ref,
 )
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.paths import atomic_write
 from swarm_core.protocol import FellowInfo, LinkLimits
@@ -81,12 +83,28 @@ class ScenarioArtifacts:
 
 
 @attrs.define
+class GridShape:
+    """A scenario's job as a grid: ``stages`` pipeline stages x ``replicas`` of each; its cells
+    are the infra's device slots (fellows x slots_per_fellow), so the two must agree."""
+
+    stages: int
+    replicas: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= self.stages <= 1024:
+            raise FieldError(f"must be 1-1024, got {self.stages}", "stages")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise FieldError(f"must be 1-{MAX_REPLICAS}, got {self.replicas}", "replicas")
+
+
+@attrs.define
 class ScenarioSpec:
     name: str = attrs.field(validator=_name)
     model: str
     training: str
     infra: str
     artifacts: ScenarioArtifacts
+    grid: GridShape | None = None  # None: every cell a stage, one replica
 
 
 @attrs.define
@@ -124,6 +142,11 @@ class ResolvedScenario:
     emulated: list[str]
     not_emulated: list[str]
     sources: dict[str, str]
+    replicas: int = 1  # of every stage
+
+    @property
+    def sync_mode(self) -> str:
+        return "none" if self.replicas == 1 else self.training.sync.mode
 
 
 @attrs.define
@@ -184,14 +207,37 @@ def load_suite(path: Path | str) -> ResolvedSuite:
         if len(slots) > 1:
             raise ConfigError(ipath, "all nodes must give their fellows the same number of "
                               "slots (placement fills each fellow's slots evenly)", "$.nodes")
-        if infra.stages > model.n_layers + 2:
-            raise ConfigError(path, f"{infra.stages} stages for a {model.n_layers}-layer model",
-                              f"{where}.infra")
-        scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, infra.stages,
+        stages, replicas = _grid(sc, infra, model, training, path, where)
+        if replicas > 1:
+            emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "
+                            f"kept in step by {training.sync.mode} (sync compression "
+                            f"{training.sync.compression}) over the same shaped links")
+        scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, stages,
                                           slots.pop(), emulated, missing,
                                           {"model": str(mpath), "training": str(tpath),
-                                           "infra": str(ipath)}))
+                                           "infra": str(ipath)}, replicas))
     return ResolvedSuite(str(path), spec, scenarios)
+
+
+def _grid(sc: ScenarioSpec, infra: InfraProfile, model: ModelConfig, training: TrainingConfig,
+          path: Path, where: str) -> tuple[int, int]:
+    """The scenario's (stages, replicas): its ``grid``, checked against the infra's cells and
+    as the leader checks a job's shape; without one, every cell a stage."""
+    cells = infra.stages
+    if sc.grid is None:
+        if cells > model.n_layers + 2:
+            raise ConfigError(path, f"{cells} stages for a {model.n_layers}-layer model",
+                              f"{where}.infra")
+        return cells, 1
+    stages, replicas = sc.grid.stages, sc.grid.replicas
+    if stages * replicas != cells:
+        raise ConfigError(path, f"grid {stages}x{replicas} is {stages * replicas} cells; infra "
+                          f"{infra.name!r} has {cells} (fellows x slots_per_fellow)",
+                          f"{where}.grid")
+    shape = job_shape_error(model, training, stages, replicas)
+    if shape is not None:  # (a one-line error at the grid: the shape it names is at fault)
+        raise ConfigError(path, shape[0], f"{where}.grid")
+    return stages, replicas
 
 
 def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
@@ -209,7 +255,8 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
                 fellows=sc.fellows, slots_per_fellow=sc.slots_per_fellow,
                 network={"name": sc.infra.name, **(unstructure(link) if link else {})},
                 tc_profile=None, seed=sc.training.seed, repeat=rep,
-                model_source=sc.sources["model"], compression=sc.model.compression))
+                model_source=sc.sources["model"], compression=sc.model.compression,
+                replicas=sc.replicas))
     cfg = ExperimentConfig(name=suite.spec.name, training_config="(per scenario)",
                            model_configs=["(per scenario)"], description=suite.spec.description)
     profile = TrainingProfile(TrainingConfig(), *_dummy_profiles())
@@ -243,7 +290,8 @@ def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, An
         slots = f" with {sc.slots_per_fellow} device slots" if sc.slots_per_fellow > 1 else ""
         out["scenarios"].append({
             "name": sc.spec.name, "artifacts_dir": sc.spec.artifacts.dir,
-            "stages": sc.stages, "fellows_needed": sc.fellows,
+            "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
+            "fellows_needed": sc.fellows,
             "slots_per_fellow": sc.slots_per_fellow,
             "model": unstructure(sc.model), "training": unstructure(sc.training),
             "infra": unstructure(sc.infra), "emulated": sc.emulated,
@@ -277,10 +325,12 @@ def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) ->
         median = steps_sorted[len(steps_sorted) // 2] if steps_sorted else None
         rows.append({
             "scenario": sc.spec.name, "status": summary.get("status", "NOT RUN"),
-            "stages": sc.stages, "tokens_per_s": summary.get("tokens_per_s"),
+            "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
+            "tokens_per_s": summary.get("tokens_per_s"),
             "step_time_s": median, "final_loss": summary.get("final_loss"),
             "eval_loss": summary.get("eval_loss"),
             "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
+            "sync_bytes_per_step": summary.get("sync_bytes_per_step"),
             "link": unstructure(sc.infra.inter_node_link) if sc.infra.inter_node_link else None,
             "run_dir": str(d) if d else None,
             **({"damage": damage} if damage else {}),

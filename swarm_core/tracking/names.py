@@ -21,6 +21,7 @@ STEP_TAGS = {
     "step_seconds": "train/step_seconds",
     "lr": "train/lr",
     "wire_bytes": "wire/bytes_per_step",
+    "sync_bytes": "sync/bytes_per_step",  # (replicas: what the stage groups' sync sent)
     "eval_loss": "eval/loss",
     "perplexity": "eval/perplexity",
 }

@@ -93,7 +93,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
                 write_json(st.run_dir / "infra_resolved.json", {
                     "scenario": sc.spec.name, "infra": the_plan["scenarios"][
                         suite.scenarios.index(sc)]["infra"],
-                    "stages": sc.stages, "fellows": sc.fellows, "emulated": sc.emulated,
+                    "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
+                    "fellows": sc.fellows, "emulated": sc.emulated,
                     "not_emulated": sc.not_emulated})
                 if st.job_id:
                     job = await client.job(st.job_id)
@@ -120,12 +121,19 @@ def cmd_suite(args: argparse.Namespace) -> int:
     return run_async(main())
 
 
+def _grid(row: dict) -> str:
+    """A scenario's ``stages x replicas``, as its plan or summary row has them."""
+    return f"{row['stages']}x{row['replicas']}"
+
+
 def _print_plan(the_plan: dict, fmt: str) -> None:
     if fmt == "json":
         emit_json(the_plan)
         return
-    emit_table(f"{the_plan['suite']}: plan", ["scenario", "stages", "topology", "not emulated"],
-               [[s["name"], s["stages"], "ok" if s["topology_ok"] else s["topology_note"],
+    emit_table(f"{the_plan['suite']}: plan", ["scenario", "grid", "sync", "topology",
+                                               "not emulated"],
+               [[s["name"], _grid(s), s["sync_mode"],
+                 "ok" if s["topology_ok"] else s["topology_note"],
                  "; ".join(s["not_emulated"]) or "-"] for s in the_plan["scenarios"]])
 
 
@@ -134,11 +142,14 @@ def _print_summary(summary: dict, fmt: str) -> None:
         emit_json(summary)
         return
     emit_table(f"{summary['suite']} (baseline {summary['baseline']})",
-               ["scenario", "status", "stages", "tok/s", "step s", "final loss", "eval loss",
-                "wire B/step", "slow-down", "link bound s", "vs predicted"],
-               [[r["scenario"], r["status"], r["stages"], fmt_number(r["tokens_per_s"], ".0f"),
+               ["scenario", "status", "grid", "sync", "tok/s", "step s", "final loss",
+                "eval loss", "wire B/step", "sync B/step", "slow-down", "link bound s",
+                "vs predicted"],
+               [[r["scenario"], r["status"], _grid(r), r["sync_mode"],
+                 fmt_number(r["tokens_per_s"], ".0f"),
                  fmt_number(r["step_time_s"], ".3f"), fmt_number(r["final_loss"], ".4f"),
                  fmt_number(r["eval_loss"], ".4f"), fmt_number(r["wire_bytes_per_step"], ",.0f"),
+                 fmt_number(r["sync_bytes_per_step"], ",.0f"),
                  fmt_number(r.get("slowdown_vs_baseline"), ".2f"),
                  fmt_number(r.get("link_bound_s"), ".3f"),
                  fmt_number(r.get("measured_vs_predicted"), ".2f")] for r in summary["scenarios"]])

@@ -11,6 +11,7 @@ from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import (
     ConfigError,
     ResolvedExperiment,
+    RunSpec,
     dataset_files,
     load_experiment,
 )
@@ -86,10 +87,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
                    "runs": [unstructure(r) for r in exp.runs]})
         return 0
     emit_table(f"{exp.config.name}: {len(exp.runs)} run(s), valid",
-               ["#", "run", "fellows", "steps", "compression", "network"],
-               [[r.index, r.run_name, r.fellows, r.training["steps"], r.compression,
-                 r.network["name"]] for r in exp.runs])
+               ["#", "run", "fellows", "grid", "sync", "steps", "compression", "network"],
+               [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", _sync(r),
+                 r.training["steps"], r.compression, r.network["name"]] for r in exp.runs])
     return 0
+
+
+def _sync(run: RunSpec) -> str:
+    """A run's sync mode as the validate table shows it: ``none``, ``dp``, ``diloco H=10``."""
+    if run.sync_mode != "diloco":
+        return run.sync_mode
+    return f"diloco H={run.training['sync']['inner_steps']}"
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -156,7 +164,7 @@ def _report(runner: Experiment, fmt: str) -> None:
         rows.append({"run_id": st.run_id, "job_id": st.job_id, "state": st.state,
                      "run_dir": str(st.run_dir), **{k: summary.get(k) for k in (
                          "final_loss", "eval_loss", "tokens_per_s", "wire_bytes_per_step",
-                         "compression_ratio", "thresholds_met")}})
+                         "sync_bytes_per_step", "compression_ratio", "thresholds_met")}})
     if fmt == "json":
         emit_json({"runs": rows})
         return
@@ -165,11 +173,11 @@ def _report(runner: Experiment, fmt: str) -> None:
         return "-" if v is None else format(v, spec)
 
     emit_table("runs", ["run", "job", "state", "final loss", "eval loss", "tok/s",
-                        "wire B/step", "ratio", "thresholds"],
+                        "wire B/step", "sync B/step", "ratio", "thresholds"],
                [[r["run_id"].split("-", 2)[-1], r["job_id"], r["state"],
                  f(r["final_loss"], ".4f"), f(r["eval_loss"], ".4f"),
                  f(r["tokens_per_s"], ".0f"), f(r["wire_bytes_per_step"], ".0f"),
-                 f(r["compression_ratio"], ".1f"),
+                 f(r["sync_bytes_per_step"], ".0f"), f(r["compression_ratio"], ".1f"),
                  "-" if r["thresholds_met"] is None else ("met" if r["thresholds_met"]
                                                           else "MISSED")]
                 for r in rows])
@@ -257,8 +265,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="compare run directories: loss by step, wall time and "
-                                      "bytes, plus a summary (HTML or PNG); a run that cannot "
-                                      "be read is left out and named on stderr (exit 1)")
+                                      "bytes, eval loss by wall time and bytes (pipeline + "
+                                      "sync) in each sync mode's line style, plus a summary "
+                                      "(HTML or PNG); a run that cannot be read is left out "
+                                      "and named on stderr (exit 1)")
     p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
     p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
     p.add_argument("--tensorboard", default=None, metavar="DIR",

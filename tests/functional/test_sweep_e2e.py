@@ -1,5 +1,7 @@
-"""Experiments end to end: a 3-run sweep on a 2-fellow local cluster writes complete artifacts;
-the Python runner refuses standalone runs and topologies the cluster cannot satisfy."""
+"""Experiments end to end: a 3-run sweep on a 2-fellow local cluster writes complete artifacts,
+and on the same cluster a sweep of replicas (1 stage x 2, dp and DiLoCo) records and reports
+its sync; the Python runner refuses standalone runs and topologies the cluster cannot
+satisfy."""
 
 from __future__ import annotations
 
@@ -37,12 +39,30 @@ def _layout(tmp_path, fellows: int = 2, steps: int = 4):
     return cfg
 
 
+def _replicas_layout(tmp_path):
+    """One stage, two replicas: dp and DiLoCo (H=2), evaluated every 2 steps."""
+    (tmp_path / "training" / "r.json").write_text(json.dumps(
+        {"steps": 4, "batch_size": 4, "micro_batches": 2, "eval_batches": 1, "eval_every": 2,
+         "cluster_profile": {"fellows": 1}}))
+    cfg = tmp_path / "replicas.json"
+    cfg.write_text(json.dumps({
+        "name": "replicas", "training_config": "training/r.json",
+        "model_configs": ["model/tiny.json"],
+        "sweep": {"replicas": [2], "sync": ["dp", "diloco"], "inner_steps": [2]}}))
+    return cfg
+
+
 def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     cfg = _layout(tmp_path)
+    replicas_cfg = _replicas_layout(tmp_path)
     assert run_cli("restart-cluster", "--fellows", "2", env=cli_env, timeout=90).returncode == 0
     try:
         res = run_cli("sweep", "--config", str(cfg), "--format", "json", env=cli_env,
                       timeout=240)
+        # (the same cluster: no second one for the grid axes)
+        swarm = run_cli("sweep", "--config", str(replicas_cfg), "--runs-dir",
+                        str(tmp_path / "swarm_runs"), "--format", "json", env=cli_env,
+                        timeout=240)
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert res.returncode == 0, res.stderr
@@ -127,6 +147,45 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     # The table names each run's most blocked stage.
     assert "<th>link wait</th>" in html and all(f"<td>{c}</td>" in html for c in wait_cells)
     assert "<th>act error</th>" in html and all(f"<td>{c}</td>" in html for c in error_cells)
+    _check_replica_sweep(swarm, tmp_path, cli_env)
+
+
+def _check_replica_sweep(res, tmp_path, cli_env) -> None:
+    """The grid axes through a real leader: each run's job is 1 stage x 2 replicas in its
+    mode; dp's sync sends every step, DiLoCo's every second; the report plots and tables it."""
+    assert res.returncode == 0, res.stderr
+    runs = json.loads(res.stdout)["runs"]
+    assert [r["state"] for r in runs] == ["COMPLETED"] * 2
+    assert [r["run_id"].split("-", 3)[-1] for r in runs] == [
+        "tiny-none-unconstrained-1x2-dp-s0-r0", "tiny-none-unconstrained-1x2-diloco_h2-s0-r0"]
+    for r, mode in zip(runs, ("dp", "diloco"), strict=True):
+        d = tmp_path / "swarm_runs" / r["run_id"]
+        job = jsonio.loads((d / "config_resolved.json").read_bytes())["job"]
+        assert job["topology"]["replicas"] == 2 and job["topology"]["stages"] == 1
+        assert job["training"]["sync"]["mode"] == mode
+        records = [json.loads(line) for line in
+                   (d / "train_progress.ndjson").read_text().splitlines()]
+        synced = [x["sync_bytes"] or 0 for x in records]
+        if mode == "dp":
+            assert all(b > 0 for b in synced)
+        else:
+            assert synced[0] == synced[2] == 0 and synced[1] > 0 and synced[3] > 0
+        assert [x["step"] for x in records if x["eval_loss"] is not None] == [2, 4]
+        assert read_tb(d / "tb")["scalars"] == expected_scalars(records)
+        summary = jsonio.loads((d / "metrics_summary.json").read_bytes())
+        assert (summary["stages"], summary["replicas"], summary["sync_mode"]) == (1, 2, mode)
+        assert summary["inner_steps"] == (2 if mode == "diloco" else None)
+        assert summary["sync_bytes_per_step"] == pytest.approx(sum(synced) / 4)
+        assert summary["total_bytes"] == sum(synced) + sum(x["wire_bytes"] for x in records)
+    report = tmp_path / "swarm_report.html"
+    res = run_cli("report", str(tmp_path / "swarm_runs"), "--output", str(report),
+                  env=cli_env)
+    assert res.returncode == 0, res.stderr
+    html = report.read_text()
+    # Five charts, a line per run in each (two evaluations: the eval charts draw a line).
+    assert html.count("<polyline") == 10 and "eval loss by bytes sent" in html
+    assert "<th>sync bytes/step</th>" in html and "<td>1x2</td>" in html
+    assert "<td>diloco</td>" in html and "<td>dp</td>" in html
 
 
 def test_runner_refuses_standalone_and_unsatisfiable_topology(cli_env, tmp_path):

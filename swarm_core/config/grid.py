@@ -1,0 +1,118 @@
+"""A sweep's grid axes: ``replicas`` of every stage, ``sync`` mode and DiLoCo's ``inner_steps``.
+
+The sweep's other axes (models, compressions, networks, seeds) change what one chain trains;
+these change the shape of the job: how many replicas of each stage (the training profile's stage
+count stays, so a replicas axis adds fellows, never re-cuts the pipeline) and how those replicas
+keep one model. Expanded here, apart from the loader, so the rules of the combination live in
+one place: the loader (``profiles.load_experiment``) calls :func:`grid_cells` and raises what it
+raises with the file and the sweep's field path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from swarm_core.schema import FieldError
+
+# "none": a single replica, nothing to keep in step (a job of one replica has no sync); the other
+# two are SyncConfig.mode.
+SyncAxis = Literal["none", "dp", "diloco"]
+MAX_REPLICAS = 256  # Topology.replicas' bound
+MAX_INNER_STEPS = 1_000_000  # SyncConfig.inner_steps' bound
+MAX_FELLOWS = 1024  # ClusterProfile.fellows' bound
+
+
+@attrs.frozen
+class GridCell:
+    """One point of the grid axes: the job's shape and how its replicas synchronise."""
+
+    stages: int
+    replicas: int
+    sync: SyncAxis
+    inner_steps: int | None = None  # diloco only: the inner steps between two syncs
+
+    @property
+    def fellows(self) -> int:
+        return self.stages * self.replicas
+
+    @property
+    def label(self) -> str:
+        """What run names carry: ``2x1-none``, ``2x2-dp``, ``1x2-diloco_h10``."""
+        mode = f"diloco_h{self.inner_steps}" if self.sync == "diloco" else self.sync
+        return f"{self.stages}x{self.replicas}-{mode}"
+
+
+def sync_mode(replicas: int, training: dict[str, Any]) -> SyncAxis:
+    """The sync mode a job of ``replicas`` replicas and these training fields runs: ``none`` for
+    one replica, whatever its ``training.sync`` says (it has nothing to synchronise)."""
+    if replicas <= 1:
+        return "none"
+    mode = (training.get("sync") or {}).get("mode", "dp")
+    return "diloco" if mode == "diloco" else "dp"
+
+
+def check_axes(replicas: list[int] | None, sync: list[str] | None,
+               inner_steps: list[int] | None) -> None:
+    """Each axis alone: listed (or left out), no value twice (runs are named by them), in range.
+    FieldError names the axis."""
+    for name, values in (("replicas", replicas), ("sync", sync), ("inner_steps", inner_steps)):
+        if values is None:
+            continue
+        if not values:
+            raise FieldError("must list at least one value (or be omitted)", name)
+        if len(set(values)) != len(values):
+            raise FieldError(f"values must be unique, got {values}", name)
+    if replicas is not None and not all(1 <= r <= MAX_REPLICAS for r in replicas):
+        raise FieldError(f"each must be 1-{MAX_REPLICAS}, got {replicas}", "replicas")
+    if inner_steps is not None and not all(1 <= h <= MAX_INNER_STEPS for h in inner_steps):
+        raise FieldError(f"each must be 1-{MAX_INNER_STEPS:,}, got {inner_steps}", "inner_steps")
+
+
+def grid_cells(stages: int, profile_replicas: int, profile_mode: str, profile_inner: int,
+               replicas: list[int] | None, sync: list[str] | None,
+               inner_steps: list[int] | None) -> list[GridCell]:
+    """The grid axes expanded, replicas x sync x inner_steps in that nesting order, with the
+    training profile's values where an axis is left out.
+
+    One replica runs once, as ``none``, whatever modes are listed (nothing to synchronise);
+    several run once per listed mode other than ``none``; ``inner_steps`` multiplies the diloco
+    runs only (dp syncs every step: it has no inner steps, so its runs are not repeated).
+    A combination that would run nothing of what an axis lists is a FieldError naming it: a
+    typo, not a silently smaller grid."""
+    rs = replicas if replicas is not None else [profile_replicas]
+    modes = list(sync) if sync is not None else None
+    inners = inner_steps if inner_steps is not None else [profile_inner]
+    too_many = [r for r in rs if stages * r > MAX_FELLOWS]
+    if too_many:
+        raise FieldError(f"{stages} stages x {too_many[0]} replicas is more than "
+                         f"{MAX_FELLOWS} fellows", "replicas")
+    several = [r for r in rs if r > 1]
+    if modes is not None:
+        if "none" in modes and 1 not in rs:
+            raise FieldError(f"'none' is the mode of a single replica, and replicas {rs} has "
+                             "no 1", "sync")
+        if several and not set(modes) - {"none"}:
+            raise FieldError(f"replicas {several} need a mode to synchronise by (dp or diloco), "
+                             f"got {modes}", "sync")
+        if not several and set(modes) - {"none"}:
+            raise FieldError(f"{'/'.join(m for m in modes if m != 'none')} keeps replicas in "
+                             "step, and every run has 1 replica (set sweep.replicas or "
+                             "cluster_profile.replicas)", "sync")
+    runs_diloco = bool(several) and ("diloco" in modes if modes is not None
+                                     else profile_mode == "diloco")
+    if inner_steps is not None and not runs_diloco:
+        raise FieldError("inner_steps applies to diloco runs only, and this sweep has none "
+                         "(dp syncs every step)", "inner_steps")
+    cells: list[GridCell] = []
+    for r in rs:
+        if r == 1:
+            cells.append(GridCell(stages, 1, "none"))
+            continue
+        for mode in modes if modes is not None else [profile_mode]:
+            if mode == "dp":
+                cells.append(GridCell(stages, r, "dp"))
+            elif mode == "diloco":
+                cells += [GridCell(stages, r, "diloco", h) for h in inners]
+    return cells

@@ -1,0 +1,170 @@
+"""Sweep axes of the job's shape: replicas, sync modes and DiLoCo's inner steps expand into
+runs named by them, reach the job's topology and training.sync, and bad values say why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarm_core.config.grid import grid_cells
+from swarm_core.config.profiles import ConfigError, load_experiment
+from swarm_core.schema import FieldError, unstructure
+
+
+def _write(tmp: Path, name: str, data: Any) -> Path:
+    p = tmp / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data))
+    return p
+
+
+@pytest.fixture
+def exp(tmp_path):
+    _write(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+                                      "seq_len": 16})
+    _write(tmp_path, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
+                                         "cluster_profile": {"fellows": 2}})
+
+    def make(sweep: dict[str, Any], training: dict[str, Any] | None = None) -> Path:
+        if training is not None:
+            _write(tmp_path, "training/t.json", training)
+        return _write(tmp_path, "e.json", {"name": "e", "training_config": "training/t.json",
+                                           "model_configs": ["model/m.json"], "sweep": sweep})
+
+    return make
+
+
+def test_replicas_sync_and_inner_steps_expand_into_named_runs(exp):
+    r = load_experiment(exp({"replicas": [1, 2], "sync": ["dp", "diloco"],
+                             "inner_steps": [2, 5], "seeds": [0, 1]}))
+    # One replica runs once (nothing to sync); dp once; diloco once per H. Seeds nest inside.
+    assert [x.run_name for x in r.runs] == [
+        "m-none-unconstrained-2x1-none-s0-r0", "m-none-unconstrained-2x1-none-s1-r0",
+        "m-none-unconstrained-2x2-dp-s0-r0", "m-none-unconstrained-2x2-dp-s1-r0",
+        "m-none-unconstrained-2x2-diloco_h2-s0-r0", "m-none-unconstrained-2x2-diloco_h2-s1-r0",
+        "m-none-unconstrained-2x2-diloco_h5-s0-r0", "m-none-unconstrained-2x2-diloco_h5-s1-r0"]
+    # The profile's 2 stages stay; replicas add fellows.
+    assert [(x.stages, x.replicas, x.fellows, x.sync_mode) for x in r.runs[::2]] == [
+        (2, 1, 2, "none"), (2, 2, 4, "dp"), (2, 2, 4, "diloco"), (2, 2, 4, "diloco")]
+    job = r.runs[4].job("x")
+    assert (job.topology.stages, job.topology.replicas, job.topology.fellows) == (2, 2, 4)
+    assert (job.training.sync.mode, job.training.sync.inner_steps) == ("diloco", 2)
+    assert r.runs[6].job("x").training.sync.inner_steps == 5
+    assert r.runs[2].job("x").training.sync.mode == "dp"
+
+
+def test_axes_left_out_keep_the_profile(exp):
+    # No axis, one replica: the names of before (a sweep of chains keeps its run folders).
+    r = load_experiment(exp({}))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-s0-r0"]
+    assert r.runs[0].sync_mode == "none" and r.runs[0].replicas == 1
+    # A profile of replicas names its runs by the grid, and its sync mode holds.
+    r = load_experiment(exp({"inner_steps": [3, 4]}, {
+        "steps": 3, "batch_size": 8, "micro_batches": 2,
+        "cluster_profile": {"fellows": 2, "replicas": 2},
+        "sync": {"mode": "diloco", "compression": "int8", "outer_lr": 0.5}}))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-1x2-diloco_h3-s0-r0",
+                                            "m-none-unconstrained-1x2-diloco_h4-s0-r0"]
+    sync = r.runs[1].job("x").training.sync
+    assert (sync.mode, sync.inner_steps, sync.compression, sync.outer_lr) == \
+        ("diloco", 4, "int8", 0.5)
+    # A replicas axis alone: the profile's mode for several replicas.
+    r = load_experiment(exp({"replicas": [2, 1]}, {"steps": 3, "batch_size": 8,
+                                                   "micro_batches": 2,
+                                                   "cluster_profile": {"fellows": 2}}))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-2x2-dp-s0-r0",
+                                            "m-none-unconstrained-2x1-none-s0-r0"]
+
+
+def test_sync_overrides_merge_with_the_axes(exp):
+    r = load_experiment(exp({"replicas": [2], "sync": ["diloco"],
+                             "overrides": {"sync": {"compression": "fp16"}}}))
+    sync = unstructure(r.runs[0].job("x").training.sync)
+    assert sync == {"mode": "diloco", "compression": "fp16", "inner_steps": 500,
+                    "outer_lr": 0.7, "outer_momentum": 0.9}
+
+
+BAD = [
+    # (sweep, training profile or None, message fragment, field)
+    ({"replicas": []}, None, "must list at least one value", "$.sweep.replicas"),
+    ({"replicas": [0]}, None, "each must be 1-256, got [0]", "$.sweep.replicas"),
+    ({"replicas": [2, 2]}, None, "values must be unique, got [2, 2]", "$.sweep.replicas"),
+    ({"replicas": ["2"]}, None, "expected an integer, got a string", "$.sweep.replicas[0]"),
+    ({"replicas": [2], "sync": ["ring"]}, None, "expected one of 'none', 'dp', 'diloco'",
+     "$.sweep.sync[0]"),
+    ({"replicas": [1, 2], "sync": ["dp", "dp"]}, None, "values must be unique",
+     "$.sweep.sync"),
+    ({"replicas": [2], "sync": ["diloco"], "inner_steps": [0]}, None,
+     "each must be 1-1,000,000, got [0]", "$.sweep.inner_steps"),
+    # Combinations that would run nothing of what an axis lists.
+    ({"replicas": [2], "sync": ["none", "dp"]}, None,
+     "'none' is the mode of a single replica", "$.sweep.sync"),
+    ({"replicas": [1, 2], "sync": ["none"]}, None, "need a mode to synchronise by",
+     "$.sweep.sync"),
+    ({"sync": ["dp"]}, None, "dp keeps replicas in step, and every run has 1 replica",
+     "$.sweep.sync"),
+    ({"replicas": [2], "sync": ["dp"], "inner_steps": [10]}, None,
+     "inner_steps applies to diloco runs only", "$.sweep.inner_steps"),
+    ({"inner_steps": [10]}, None, "inner_steps applies to diloco runs only",
+     "$.sweep.inner_steps"),
+    ({"replicas": [1, 512]}, None, "each must be 1-256", "$.sweep.replicas"),
+    # The batch must split into replicas x micro_batches: the axis value at fault is named.
+    ({"replicas": [1, 3]}, None, "batch_size 8 is not divisible by 3 replicas x 2",
+     "$.sweep.replicas[1]"),
+    ({"replicas": [2], "sync": ["diloco"], "overrides": {"sync": {"mode": "dp"}}}, None,
+     "sync ['mode'] is swept", "$.sweep.overrides"),
+]
+
+
+@pytest.mark.parametrize("sweep, training, message, field", BAD,
+                         ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_axes_say_exactly_why(exp, sweep, training, message, field):
+    path = exp(sweep, training)
+    with pytest.raises(ConfigError) as info:
+        load_experiment(path)
+    err = info.value
+    assert err.path == str(path) and err.field == field
+    assert message in err.message
+    assert "\n" not in str(err)  # one line
+
+
+def test_a_grid_past_the_largest_cluster_is_refused():
+    with pytest.raises(FieldError, match="8 stages x 256 replicas is more than 1024 fellows"):
+        grid_cells(8, 1, "dp", 500, [1, 256], None, None)
+
+
+def test_the_shipped_replica_examples_load():
+    from swarm_core.experiments.suites import load_suite
+    from tests.support import REPO
+
+    r = load_experiment(REPO / "exp/configs/exp_sweep_replicas_sync_v1.json")
+    assert [(x.stages, x.replicas, x.sync_mode) for x in r.runs] == [
+        (1, 1, "none"), (1, 2, "dp"), (1, 2, "diloco"), (1, 2, "diloco")]
+    assert [x.training["sync"]["inner_steps"] for x in r.runs[2:]] == [10, 20]
+    suite = load_suite(REPO / "exp/configs/benchmarks/replicas_grid_v1.json")
+    assert [(s.stages, s.replicas, s.sync_mode) for s in suite.scenarios] == [
+        (2, 1, "none"), (1, 2, "dp"), (1, 2, "diloco")]
+
+
+def test_preflight_names_the_run_whose_replicas_want_more_fellows(exp):
+    """The sweep's axis, not the profile, asks for 4 fellows: the error names that run."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm_core.experiments.runner import ExperimentError, preflight
+
+    resolved = load_experiment(exp({"replicas": [1, 2]}))
+
+    class Client:
+        base_url = "http://leader"
+
+        async def fellows(self) -> list[SimpleNamespace]:
+            return [SimpleNamespace(fellow_id=i, name=f"f{i}",
+                                    status=SimpleNamespace(live=True)) for i in range(2)]
+
+    with pytest.raises(ExperimentError, match=r"run m-none-unconstrained-2x2-dp-s0-r0 \(2x2\) "
+                       r"wants 4 fellow\(s\); the leader at http://leader has 2 active"):
+        asyncio.run(preflight(Client(), resolved))  # type: ignore[arg-type]
