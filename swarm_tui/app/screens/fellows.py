@@ -13,11 +13,13 @@ from textual.widgets import DataTable, Input, Label, Static
 
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
+    FELLOW_GRID_COLUMNS,
     SORTABLE_FELLOW_COLUMNS,
     STATUS_STYLE,
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+    grid_running,
     shown_status,
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
@@ -88,6 +90,11 @@ class FellowsScreen(SwarmScreen):
     def sync(self, change: Change | None) -> None:
         table = self.table
         fellows = self.swarm.model.fellows
+        # (a wider job column while a job with replicas runs: a changed set lays out anew)
+        columns = FELLOW_GRID_COLUMNS if grid_running(self.swarm.model) else FELLOW_COLUMNS
+        if columns != table.spec:
+            table.set_columns(columns)
+            change = None
         if change is None or change.fellow_rows:
             self.marked &= set(fellows)
             table.rebuild(self._keys())
