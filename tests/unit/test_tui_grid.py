@@ -96,3 +96,15 @@ async def test_the_fellows_table_names_each_fellows_cell_at_80_columns() -> None
         for fid, cell in ((6, "s0/r0"), (7, "s1/r0"), (8, "s0/r1"), (9, "s1/r1")):
             assert _row(text, f"{fid} ")[3:5] == [GRID_JOB, cell], text
         assert all(len(line.rstrip()) <= 80 for line in text.splitlines())
+
+
+async def test_a_fellows_detail_names_its_cell() -> None:
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = GridFakeClient()
+    app = _app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await _loaded(pilot, app, client)
+        app.push_screen(FellowDetailScreen(8))
+        await wait_for(pilot, lambda: f"{GRID_JOB} s0/r1  step" in screen_text(app),
+                       "the detail's job line")

@@ -19,6 +19,7 @@ from swarm_tui.app.cells import (
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+    fellow_job,
     grid_running,
     shown_status,
 )
@@ -278,9 +279,13 @@ class FellowDetailScreen(SwarmScreen):
             summary.update(f"fellow {self.fellow_id} is no longer known to the leader")
             return
         model = self.swarm.model
+        view = model.jobs.get(st.job_id) if st.job_id is not None else None
+        # (of a job with replicas: its cell, as the table names it)
+        where = fellow_job(model, st)[0] if view is not None and view.replicas > 1 else (
+            f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}"))
         job = "no job" if st.job_id is None else (
-            f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}")
-            + f"  step {st.step}  loss {fmt_loss(st.loss)}  {fmt_tps(st.tokens_per_s)} tok/s")
+            where + f"  step {st.step}  loss {fmt_loss(st.loss)}  "
+            f"{fmt_tps(st.tokens_per_s)} tok/s")
         c = st.counters
         text = Text()
         text.append(f"{st.fellow_id} {st.name}", style="bold")
