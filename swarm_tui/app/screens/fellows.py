@@ -112,7 +112,7 @@ class FellowsScreen(SwarmScreen):
             table = self.table
         except Exception:
             return ""
-        label = next(c.label for c in FELLOW_COLUMNS if c.key == table.sort_column)
+        label = next(c.label for c in table.spec if c.key == table.sort_column)
         hint = f"sort {label}{'▼' if table.sort_reverse else '▲'}"
         if table.filter_text:
             hint += f"  /{table.filter_text}/ {table.row_count} shown"
