@@ -10,6 +10,11 @@ from collections.abc import Sequence
 from swarm_core.contract import LinkChange, link_changes_in_all
 
 
+def fmt_cell(stage: int, replica: int) -> str:
+    """A grid cell, (stage 1, replica 0), as every surface names it: ``s1/r0``."""
+    return f"s{stage}/r{replica}"
+
+
 def fmt_age(seconds: float | None) -> str:
     """A duration in at most four characters: 59s, 12m, 3h, 5d."""
     if seconds is None:

@@ -306,6 +306,58 @@ class FakeClient(SwarmClient):
         await asyncio.Event().wait()  # then quiet, forever
 
 
+GRID_JOB = "job-000005"
+
+
+def grid_job() -> tuple[list[FellowInfo], JobInfo]:
+    """A 2 stages x 2 replicas job running on fellows 6-9 (one cell each; replica r of stage k
+    on fellow 6 + 2r + k), with the leader's newest figures of each cell."""
+    from swarm_core.contract import (
+        JobMetrics,
+        LayerRange,
+        Placement,
+        StageMetrics,
+        StagePlacement,
+    )
+
+    fellows = [_fellow(6 + i, f"dp-{i}", "busy", host=f"node-{i}", job=GRID_JOB, stage=i % 2,
+                       step=40, loss=2.9 if i % 2 else None, tps=900 + 10 * i)
+               for i in range(4)]
+    cells = [StagePlacement(stage=i % 2, fellow_id=6 + i, name=f"dp-{i}", slot=0, device="cpu",
+                            layers=LayerRange(2 * (i % 2), 2 * (i % 2) + 2),
+                            data_addr=f"127.0.0.1:{9006 + i}", replica=i // 2)
+             for i in range(4)]
+    stages = {f"{i % 2}.{i // 2}": StageMetrics(
+        fellow_id=6 + i, step=40, tokens_per_s=900.0 + 10 * i, step_seconds=0.5,
+        wait_seconds=0.05 * (1 + i % 2), sync_tx_bytes=300_000 * (1 + i % 2),
+        sync_seconds=0.1 + 0.05 * (i // 2)) for i in range(4)}
+    job = _job(5, "RUNNING", name="dp_2x2", step=40, loss=2.9, fellows=[6, 7, 8, 9],
+               created=120)
+    job = attrs.evolve(job, topology=Topology(stages=2, replicas=2),
+                       placement=Placement(num_stages=2, n_layers=4, stages=cells, replicas=2),
+                       metrics=JobMetrics(stages=stages))
+    return fellows, job
+
+
+class GridFakeClient(FakeClient):
+    """The fixed data and a running 2 x 2 job (``grid_job``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fellows, job = grid_job()
+        self._fellows += fellows
+        self._jobs.append(job)
+
+
+def grid_metric(seq: int) -> dict[str, Any]:
+    """Replica 1 of stage 1 of the grid job reports step 41."""
+    return {"seq": seq, "ts": T0, "type": "metric", "data": {
+        "job_id": GRID_JOB, "fellow_id": 9, "stage": 1, "replica": 1, "step": 41,
+        "loss": 2.8, "tokens_per_s": 950.0, "state": "RUNNING",
+        "metrics": {"wire_tx_bytes": 1000, "step_seconds": 0.4, "wait_seconds": 0.1,
+                    "sync_tx_bytes": 2_500_000, "sync_seconds": 0.2}}}
+
+
 FIXED_CONFIGS: dict[str, dict[str, Any]] = {
     "model/small_fixed_int8.json": {
         "name": "small_fixed_int8", "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64,

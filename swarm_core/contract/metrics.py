@@ -86,11 +86,13 @@ class StageMetrics:
     sync_tx_bytes_per_step: float | None = _amount()
     expected_sync_tx_bytes_per_step: float | None = _amount()
     wait_fraction: float | None = _amount()
+    sync_fraction: float | None = _amount("of wall_s, the share its group's synchronisation took")
     final_loss: float | None = None
     best_loss: float | None = None
     shard_dir: str | None = attrs.field(default=None, validator=text_field(4096))
-    # added by the leader: who reported it
+    # added by the leader: who reported it, and the step of the cell's newest report
     fellow_id: int | None = _amount()
+    step: int | None = _amount()
 
     def merged(self, newer: StageMetrics) -> StageMetrics:
         """These figures with ``newer``'s where it has them."""
@@ -104,6 +106,22 @@ class StageMetrics:
         if self.wait_fraction is not None:
             return self.wait_fraction
         return step_wait_share(self.wait_seconds, self.step_seconds)
+
+    @property
+    def sync_share(self) -> float | None:
+        """The share of the step its stage group's synchronisation took, in [0, 1]: the
+        run's once it completed, else the last step's; None without replicas."""
+        if self.sync_fraction is not None:
+            return self.sync_fraction
+        return step_wait_share(self.sync_seconds, self.step_seconds)
+
+    @property
+    def sync_bytes(self) -> float | None:
+        """What its group's synchronisation sent a step: the run's mean once it completed,
+        else the last step's; None without replicas."""
+        if self.sync_tx_bytes_per_step is not None:
+            return self.sync_tx_bytes_per_step
+        return self.sync_tx_bytes
 
 
 def step_wait_share(wait: float | None, span: float | None) -> float | None:

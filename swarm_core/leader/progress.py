@@ -42,7 +42,10 @@ class ProgressBook:
         m = job.metrics
         stages = m.stages if m.stages is not None else {}
         key = job.placement.label(stage, replica)
-        stages[key] = stages.get(key, StageMetrics(fellow_id=fellow_id)).merged(figures)
+        cell = stages.get(key, StageMetrics(fellow_id=fellow_id)).merged(figures)
+        # (reports of one cell arrive in order, but a catching-up one may repeat a step)
+        cell.step = max(cell.step or 0, upd.step)
+        stages[key] = cell
         m.stages = stages
         if stage == job.num_stages - 1:
             self._job_level(job, upd.metrics, stages)

@@ -739,6 +739,8 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
     if runner.sync is not None and reports:
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
+        metrics.sync_fraction = _ratio(sum(r.sync_seconds or 0.0 for r in reports),
+                                       sum(r.seconds for r in reports))
         sync = t.sync
         syncs = len(reports) if sync.mode == "dp" else sum(
             1 for r in reports if r.step % sync.inner_steps == 0 or r.step == t.steps)

@@ -18,6 +18,7 @@ from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
 from swarm_tui.fmt import (
     fmt_age,
     fmt_bytes,
+    fmt_cell,
     fmt_devices,
     fmt_limit,
     fmt_loss,
@@ -111,6 +112,11 @@ FELLOW_COLUMNS: tuple[Column, ...] = (
     Column("dev", "slots", 8, help="device slots", priority=5, export="slots"),
 )
 SORTABLE_FELLOW_COLUMNS = tuple(c for c in FELLOW_COLUMNS if c.key != "sel")
+# While a job with replicas runs, its fellows' job column names their cell, "job-000003
+# s1/r0": four characters wider (at 80 columns the heartbeat age makes room for it).
+FELLOW_GRID_COLUMNS: tuple[Column, ...] = tuple(
+    attrs.evolve(c, label="job/cell", width=16, help="job, then stage/replica")
+    if c.key == "job" else c for c in FELLOW_COLUMNS)
 
 JOB_COLUMNS: tuple[Column, ...] = (
     Column("id", "job", 10, frozen=True),
@@ -186,7 +192,7 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
     def num(text: str, value: Any) -> Cell:
         return cell(text, value, justify="right")
 
-    job = "-" if st.job_id is None else st.job_id + ("" if st.stage is None else f"/{st.stage}")
+    job, job_key = fellow_job(model, st)
     tx_bytes, rx_bytes = st.counters.get("data_tx"), st.counters.get("data_rx")
     tx_rate = st.tx_mbps if live else None
     rx_rate = st.rx_mbps if live else None
@@ -198,7 +204,7 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
                        style="yellow" if st.note and not st.stale else
                        STATUS_STYLE.get(st.status, "")),
         "hb": fellow_age_cell(model, st),
-        "job": cell(job, None if st.job_id is None else (st.job_id, st.stage or 0)),
+        "job": cell(job, job_key),
         "step": num(str(st.step) if st.job_id else "-", st.step if st.job_id else None),
         "loss": num(fmt_loss(st.loss), st.loss),
         "tps": num(fmt_tps(st.tokens_per_s) if st.job_id else "-",
@@ -217,6 +223,29 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         "dev": Cell(fmt_devices(st.devices), len(st.devices), key=fid, style=row_style,
                     export=",".join(st.devices)),
     }
+
+
+def fellow_job(model: ClusterModel, st: FellowState) -> tuple[str, Any]:
+    """The job column of a fellow, and its sort value: ``job-000002/1`` (its stage) in a
+    chain, ``job-000003 s1/r0`` (its cell, from the job's placement; ``+1`` when it runs one
+    more) in a job with replicas, ``-`` in none."""
+    if st.job_id is None:
+        return "-", None
+    view = model.jobs.get(st.job_id)
+    p = view.info.placement if view is not None else None
+    if p is None or p.replicas == 1:
+        return st.job_id + ("" if st.stage is None else f"/{st.stage}"), \
+            (st.job_id, st.stage or 0, 0)
+    mine = sorted((c.stage, c.replica) for c in p.stages if c.fellow_id == st.fellow_id)
+    if not mine:
+        return st.job_id, (st.job_id, 0, 0)
+    more = f"+{len(mine) - 1}" if len(mine) > 1 else ""
+    return f"{st.job_id} {fmt_cell(*mine[0])}{more}", (st.job_id, *mine[0])
+
+
+def grid_running(model: ClusterModel) -> bool:
+    """Whether a job with replicas runs (the fellows table then names cells)."""
+    return any(v.info.state == "RUNNING" and v.replicas > 1 for v in model.jobs.values())
 
 
 def fellow_haystack(st: FellowState) -> str:
@@ -286,24 +315,68 @@ WATCH_COLUMNS: tuple[Column, ...] = (
     Column("hb", "hb", 4, "right", priority=3, export="hb_age_s", digits=1),
 )
 
+_SYNC_COLUMNS = (
+    Column("sync", "sync", 6, "right", "what the stage group's synchronisation sent in the "
+           "last step", priority=1, export="sync_bytes"),
+    Column("sync_wait", "swait", 5, "right", "share of the last step the stage group's "
+           "synchronisation took", priority=1, export="sync_fraction", digits=3),
+)
+_GRID_PRIORITY = {"status": 2, "loss": 2, "tps": 1, "tx_rate": 3, "rx_rate": 3, "act": 3}
 
-def watch_cells(model: ClusterModel, view: JobView, stage: int) -> dict[str, Cell]:
-    """One stage of a job: what it last reported (metric events), and what its fellow is
-    doing now."""
-    fp = view.per_stage.get(stage)
+
+def _grid_watch_columns() -> tuple[Column, ...]:
+    """A job with replicas: one row per cell, its replica beside its stage, and its group's
+    sync bytes and share beside its link wait. At 80 columns what it ran and how it waits
+    come first: the status and loss give way (a stale row is red all the same; the loss is
+    the last stage's)."""
+    out: list[Column] = []
+    for c in WATCH_COLUMNS:
+        out.append(attrs.evolve(c, priority=_GRID_PRIORITY.get(c.key, c.priority)))
+        if c.key == "stage":
+            out.append(Column("replica", "rep", 3, "right", "replica of its stage"))
+        if c.key == "wait":
+            out += _SYNC_COLUMNS
+    return tuple(out)
+
+
+GRID_WATCH_COLUMNS = _grid_watch_columns()
+
+
+def watch_columns(view: JobView | None) -> tuple[Column, ...]:
+    return GRID_WATCH_COLUMNS if view is not None and view.replicas > 1 else WATCH_COLUMNS
+
+
+def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cell]:
+    """One cell of a job (its index in the placement: the stage, for one replica): what it
+    last reported (metric events, else the leader's newest figures of it), and what its
+    fellow is doing now."""
+    fp = view.per_stage.get(index)
     fellows = view.info.fellows
-    fid = fellows[stage] if 0 <= stage < len(fellows) else (fp.fellow_id if fp else None)
+    stage, replica = view.cell_of(index)
+    grid = view.replicas > 1
+    fid = fellows[index] if 0 <= index < len(fellows) else (fp.fellow_id if fp else None)
     st = model.fellows.get(fid) if fid is not None else None
     in_job = st is not None and st.job_id == view.job_id
-    # A fellow's heartbeat speaks for one of its stages: only fall back on it for that one.
-    own = in_job and st is not None and (st.stage is None or st.stage == stage)
-    step = fp.step if fp is not None else (st.step if own and st is not None else None)
+    # A fellow's heartbeat speaks for one of its cells: only fall back on it for that one
+    # (a heartbeat names a stage, not a replica: in a grid, only a fellow of one cell).
+    own = in_job and st is not None and (
+        fellows.count(fid) == 1 if grid else (st.stage is None or st.stage == stage))
+    # The leader's figures of the cell: what a console opened mid-run has before any event.
+    label = str(stage) if not grid else f"{stage}.{replica}"
+    known = view.info.metrics.stage(label)
+    step = fp.step if fp is not None else (
+        known.step if known.step is not None else (st.step if own and st is not None else None))
     loss = fp.loss if fp is not None and fp.loss is not None else (
         st.loss if own and st is not None else None)
     tps = fp.tokens_per_s if fp is not None and fp.tokens_per_s is not None else (
-        st.tokens_per_s if own and st is not None else None)
+        known.tokens_per_s if known.tokens_per_s is not None else (
+            st.tokens_per_s if own and st is not None else None))
     act = fp.activation_bytes if fp is not None else None
-    wait = fp.wait_fraction if fp is not None else None
+    wait = fp.wait_fraction if fp is not None and fp.wait_fraction is not None else (
+        known.wait_share if grid else None)
+    sync = fp.sync_bytes if fp is not None and fp.sync_bytes is not None else known.sync_bytes
+    sync_wait = fp.sync_fraction if fp is not None and fp.sync_fraction is not None else \
+        known.sync_share
     status = st.status if st is not None else "gone"
     row_style = STALE_ROW_STYLE if st is None or st.stale else ""
     age = model.heartbeat_age(st) if st is not None else None
@@ -311,18 +384,27 @@ def watch_cells(model: ClusterModel, view: JobView, stage: int) -> dict[str, Cel
     rx = st.rx_mbps if st is not None and in_job else None
 
     def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
-        return Cell(text, value, key=stage, style=style or row_style, justify=justify)
+        return Cell(text, value, key=index, style=style or row_style, justify=justify)
+
+    def share(value: float | None) -> Cell:
+        return cell("-" if value is None else f"{value:.0%}", value, justify="right")
 
     return {
         "id": cell("-" if fid is None else str(fid), fid, justify="right"),
         "name": cell(st.name if st is not None else "?", st.name if st is not None else None),
-        "stage": cell("-" if stage is None else str(stage), stage, justify="right"),
+        # (by stage, then replica: the key is the cell's index, replica-major)
+        "stage": Cell(str(stage), stage, key=(replica, index), style=row_style,
+                      justify="right"),
+        "replica": cell(str(replica), replica, justify="right"),
         "status": cell(status, status, style=STATUS_STYLE.get(status, row_style)),
         "step": cell("-" if step is None else str(step), step, justify="right"),
         "loss": cell(fmt_loss(loss), loss, justify="right"),
         "tps": cell(fmt_tps(tps), tps, justify="right"),
         "act": cell(fmt_bytes(act, compact=True), act, justify="right"),
-        "wait": cell("-" if wait is None else f"{wait:.0%}", wait, justify="right"),
+        "wait": share(wait),
+        "sync": cell(fmt_bytes(None if sync is None else int(sync), compact=True), sync,
+                     justify="right"),
+        "sync_wait": share(sync_wait),
         "tx_rate": cell(fmt_rate(tx), tx, justify="right"),
         "rx_rate": cell(fmt_rate(rx), rx, justify="right"),
         "hb": cell(fmt_age(age), age, justify="right"),

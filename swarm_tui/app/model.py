@@ -216,13 +216,18 @@ class FellowProgress:
     state: str = ""
     activation_bytes: int | None = None  # peak held for backward in its last step
     wait_fraction: float | None = None  # of its last step, blocked on its links
+    # A job with replicas: what its stage group's synchronisation sent in its last step (the
+    # run's mean, once it completed), and the share of the step it took.
+    sync_bytes: float | None = None
+    sync_fraction: float | None = None
 
 
 @attrs.define(eq=False)
 class JobView:
     info: JobInfo
-    # By stage: a fellow with several device slots runs several stages of one job, each with
-    # its own memory and waits.
+    # By cell, its index in the placement (the stage, for one replica: replica r of stage k
+    # is r x stages + k): a fellow with several device slots runs several cells of one job,
+    # each with its own memory and waits.
     per_stage: dict[int, FellowProgress] = attrs.field(factory=dict)
     partial: bool = False  # built from an event; the next snapshot fills it in
     # The whole recorded loss history came with GET /jobs/{id} (the list route carries none):
@@ -256,11 +261,31 @@ class JobView:
     def terminal(self) -> bool:
         return self.info.state in TERMINAL_JOB_STATES
 
+    @property
+    def num_stages(self) -> int:
+        p = self.info.placement
+        return p.num_stages if p is not None else self.info.topology.num_stages
+
+    @property
+    def replicas(self) -> int:
+        p = self.info.placement
+        return p.replicas if p is not None else self.info.topology.replicas
+
+    def cell_of(self, index: int) -> tuple[int, int]:
+        """(stage, replica) of the cell at this index of the placement (of one replica, the
+        index is the stage)."""
+        if self.replicas == 1:
+            return index, 0
+        return index % self.num_stages, index // self.num_stages
+
     def apply_metric(self, data: dict[str, Any]) -> None:
         fid = data.get("fellow_id")
         step = int(data.get("step") or 0)
         loss = data.get("loss")
         stage = data.get("stage")
+        replica = data.get("replica", 0)
+        if isinstance(stage, int) and isinstance(replica, int) and replica > 0:
+            stage = replica * self.num_stages + stage  # (the cell's index)
         if not isinstance(stage, int) and isinstance(fid, int) and fid in self.info.fellows:
             stage = self.info.fellows.index(fid)  # a leader that does not name the stage
         if isinstance(fid, int) and isinstance(stage, int) and not isinstance(stage, bool):
@@ -279,6 +304,10 @@ class JobView:
             wait_fraction = step_wait_share(figures.wait_seconds, figures.step_seconds)
             if wait_fraction is not None:
                 fp.wait_fraction = wait_fraction
+            if figures.sync_bytes is not None:
+                fp.sync_bytes = figures.sync_bytes
+            if figures.sync_share is not None:
+                fp.sync_fraction = figures.sync_share
             evals = self.info.eval_history
             if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
                 evals.append([step, figures.eval_loss])

@@ -36,7 +36,8 @@ from swarm_tui.commands.base import (
     run_with_client,
     warn,
 )
-from swarm_tui.fmt import describe_link, fmt_age, fmt_bytes, fmt_loss
+from swarm_tui.fmt import describe_link, fmt_age, fmt_bytes, fmt_cell, fmt_loss
+from swarm_tui.grid import GRID_HEADERS, grid_rows, grid_title, is_grid
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 
@@ -85,6 +86,7 @@ def cmd_job(args: argparse.Namespace) -> int:
             value = getattr(m, key)
             if value is not None:
                 rows.append([key.replace("_", " "), f"{value:.4g}"])
+        grid = is_grid(job)
         if job.placement:
             p = job.placement
             for st in p.stages:
@@ -94,9 +96,11 @@ def cmd_job(args: argparse.Namespace) -> int:
                 rows.append([title, " · ".join([
                     f"fellow {st.fellow_id} ({st.name}) layers "
                     f"{st.layers.start}-{st.layers.stop}",
-                    *_stage_figures(m.stage(label))])])
+                    *_stage_figures(m.stage(label), grid=grid)])])
         rows += link_change_rows(job.link_changes, job.link_changes_total)
         emit_table(None, ["what", "value"], rows)
+        if grid:  # (a chain's stage rows above already say it all)
+            emit_grid(job)
 
     return run_with_client(args, body)
 
@@ -117,18 +121,22 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
     return rows
 
 
-def _stage_figures(reported: StageMetrics) -> list[str]:
+def emit_grid(job: JobInfo) -> None:
+    """The stages x replicas table of a job with replicas."""
+    emit_table(grid_title(job), GRID_HEADERS, grid_rows(job))
+
+
+def _stage_figures(reported: StageMetrics, grid: bool = False) -> list[str]:
     """What a stage last reported, for ``swarm job``: the run's figures once it COMPLETED,
-    the last step's while it runs."""
+    the last step's while it runs (``grid``: only those the grid table leaves out)."""
     out = []
     wait = reported.wait_share
-    if wait is not None:
+    if wait is not None and not grid:
         out.append(f"link wait {wait:.0%}")
     if reported.activation_peak_bytes is not None:
         out.append(f"act mem {fmt_bytes(reported.activation_peak_bytes)}")
-    sync = reported.sync_tx_bytes_per_step if reported.sync_tx_bytes_per_step is not None \
-        else reported.sync_tx_bytes
-    if sync is not None:
+    sync = reported.sync_bytes
+    if sync is not None and not grid:
         out.append(f"sync {fmt_bytes(int(sync))}/step")
     errors = unstructure(reported.codec_error) if reported.codec_error else {}
     if errors:
@@ -277,10 +285,15 @@ def _describe(event: dict[str, Any]) -> str | None:
         if d.get("loss") is None and d.get("state") == "RUNNING" and metrics:
             return None  # a training stage without the loss: the last stage speaks for all
         parts = [f"step {d.get('step')}", f"fellow {d.get('fellow_id')}"]
+        replica, stage = d.get("replica"), d.get("stage")
+        if isinstance(replica, int) and isinstance(stage, int):  # (a job with replicas)
+            parts.insert(1, fmt_cell(stage, replica))
         if d.get("loss") is not None:
             parts.append(f"loss {d['loss']:.4f}")
         if d.get("tokens_per_s"):
             parts.append(f"{d['tokens_per_s']:.0f} tok/s")
+        if isinstance(replica, int):
+            parts += _sync_figures(metrics)
         if d.get("state") != "RUNNING":
             parts.append(str(d.get("state")))
         return "  ".join(parts)
@@ -292,12 +305,29 @@ def _describe(event: dict[str, Any]) -> str | None:
     return None
 
 
+def _sync_figures(raw: dict[str, Any]) -> list[str]:
+    """A cell's group synchronisation in a watch line: bytes and share of the step."""
+    try:
+        figures = structure(raw, StageMetrics, trust=True)
+    except SchemaError:
+        return []
+    out = []
+    if figures.sync_bytes is not None:
+        out.append(f"sync {fmt_bytes(int(figures.sync_bytes))}")
+    share = figures.sync_share
+    if share is not None:
+        out.append(f"sync wait {share:.0%}")
+    return out
+
+
 async def watch_job(c: SwarmClient, job_id: str, *, json_lines: bool = False,
                     reconnect_s: float = 30.0) -> JobInfo:
     """Print the job's events until it is terminal; survives a leader restart for a while."""
     job = await c.job(job_id)
     if not json_lines:
         print_line(f"{job.job_id} {job.state} ({job.waiting_for or job.reason or job.name})")
+        if is_grid(job) and job.placement is not None and job.state not in TERMINAL:
+            emit_grid(job)  # (where each cell runs; its lines below name it)
     lost_since: float | None = None
     while job.state not in TERMINAL:
         try:
@@ -329,6 +359,8 @@ async def watch_job(c: SwarmClient, job_id: str, *, json_lines: bool = False,
                 raise
             await asyncio.sleep(1.0)
     if not json_lines:
+        if is_grid(job) and job.placement is not None:
+            emit_grid(job)  # each cell's final figures
         reason = f": {job.reason}" if job.reason else ""
         print_line(f"{job.job_id} {job.state} at step {job.last_step}{reason}")
     return job

@@ -17,6 +17,7 @@ from swarm_core.data import load_token_data
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import expected_wire_bytes
 from swarm_core.schema import structure
+from swarm_tui.fmt import fmt_bytes
 from tests.clusters import cli_json, job_view, run_cli
 from tests.support import REPO
 
@@ -220,4 +221,8 @@ def _check_replicas(job: dict, same_weights: dict, shown, data) -> None:
     assert sorted(job["latest_shard_pushes"]) == ["0"]
     assert shown.returncode == 0, shown.stderr
     assert "stage 0 replica 1" in shown.stdout and "sync " in shown.stdout
+    # The grid: a row per cell, with the run's sync bytes a step (what the figures say).
+    assert "grid: 1 stage(s) x 2 replicas" in shown.stdout
+    row = next(line for line in shown.stdout.splitlines() if line.startswith("s0/r1"))
+    assert fmt_bytes(int(figures["0.1"]["sync_tx_bytes_per_step"])) in row
 

@@ -95,6 +95,7 @@ def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes
         for r in range(3):
             m = res[r * 2 + stage].metrics
             assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step
+            assert m.sync_fraction is not None and 0 < m.sync_fraction < 1  # (its share)
             elems = (m.sync_tx_bytes_per_step - frames * HEADER_SIZE - scales) / bytes_per_elem
             # 2(R-1) chunks of n/R elements, the chunks a element apart where R does not divide
             assert elems.is_integer() and frames * (n // 3) <= elems <= frames * -(-n // 3)

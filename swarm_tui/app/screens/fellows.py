@@ -13,11 +13,14 @@ from textual.widgets import DataTable, Input, Label, Static
 
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
+    FELLOW_GRID_COLUMNS,
     SORTABLE_FELLOW_COLUMNS,
     STATUS_STYLE,
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
+    fellow_job,
+    grid_running,
     shown_status,
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
@@ -88,6 +91,11 @@ class FellowsScreen(SwarmScreen):
     def sync(self, change: Change | None) -> None:
         table = self.table
         fellows = self.swarm.model.fellows
+        # (a wider job column while a job with replicas runs: a changed set lays out anew)
+        columns = FELLOW_GRID_COLUMNS if grid_running(self.swarm.model) else FELLOW_COLUMNS
+        if columns != table.spec:
+            table.set_columns(columns)
+            change = None
         if change is None or change.fellow_rows:
             self.marked &= set(fellows)
             table.rebuild(self._keys())
@@ -104,7 +112,7 @@ class FellowsScreen(SwarmScreen):
             table = self.table
         except Exception:
             return ""
-        label = next(c.label for c in FELLOW_COLUMNS if c.key == table.sort_column)
+        label = next(c.label for c in table.spec if c.key == table.sort_column)
         hint = f"sort {label}{'▼' if table.sort_reverse else '▲'}"
         if table.filter_text:
             hint += f"  /{table.filter_text}/ {table.row_count} shown"
@@ -271,9 +279,13 @@ class FellowDetailScreen(SwarmScreen):
             summary.update(f"fellow {self.fellow_id} is no longer known to the leader")
             return
         model = self.swarm.model
+        view = model.jobs.get(st.job_id) if st.job_id is not None else None
+        # (of a job with replicas: its cell, as the table names it)
+        where = fellow_job(model, st)[0] if view is not None and view.replicas > 1 else (
+            f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}"))
         job = "no job" if st.job_id is None else (
-            f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}")
-            + f"  step {st.step}  loss {fmt_loss(st.loss)}  {fmt_tps(st.tokens_per_s)} tok/s")
+            where + f"  step {st.step}  loss {fmt_loss(st.loss)}  "
+            f"{fmt_tps(st.tokens_per_s)} tok/s")
         c = st.counters
         text = Text()
         text.append(f"{st.fellow_id} {st.name}", style="bold")

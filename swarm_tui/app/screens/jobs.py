@@ -16,12 +16,12 @@ from swarm_core.validators import printable
 from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
-    WATCH_COLUMNS,
     job_age_cell,
     job_cells,
     job_haystack,
     progress_bar,
     watch_cells,
+    watch_columns,
 )
 from swarm_tui.app.model import Change, JobView
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen
@@ -183,7 +183,8 @@ class JobsScreen(SwarmScreen):
 
 
 class JobWatchScreen(SwarmScreen):
-    """One job, live: its loss curve and, per fellow, step, loss and throughput."""
+    """One job, live: its loss curve and, per cell (stage, and replica when it has them),
+    its fellow, step, loss, throughput, waits and sync."""
 
     AUTO_FOCUS = "LiveTable"
 
@@ -208,8 +209,8 @@ class JobWatchScreen(SwarmScreen):
             yield Static(id="job-summary", classes="summary")
             yield Label(id="curve-label", classes="pane-title")
             yield MetricPlot(id="curve", classes="curve")
-            yield LiveTable(WATCH_COLUMNS, self._cells, lambda key: key, sort_column="stage",
-                            id="watch-table")
+            yield LiveTable(watch_columns(self.view), self._cells, lambda key: key,
+                            sort_column="stage", id="watch-table")
         yield SwarmFooter()
 
     REFETCH_S = 5.0  # a fetch that failed or was overtaken is tried again after this
@@ -235,9 +236,10 @@ class JobWatchScreen(SwarmScreen):
         return watch_cells(self.swarm.model, view, int(key))
 
     def _stage_keys(self, view: JobView) -> list[str]:
-        # One row per stage (a fellow with several slots holds several).
-        stages = range(len(view.info.fellows)) if view.info.fellows else sorted(view.per_stage)
-        return [str(s) for s in stages]
+        # One row per cell, by its index in the placement (a fellow with several slots holds
+        # several; with replicas, replica r of stage k is r x stages + k).
+        cells = range(len(view.info.fellows)) if view.info.fellows else sorted(view.per_stage)
+        return [str(s) for s in cells]
 
     def sync(self, change: Change | None) -> None:
         view = self.view
@@ -284,6 +286,7 @@ class JobWatchScreen(SwarmScreen):
         if key != self._plot_key:
             self._plot_key = key
             self.query_one("#curve", MetricPlot).show(loss_plot(view))
+        table.set_columns(watch_columns(view))  # (the job's record may come after the screen)
         table.rebuild(self._stage_keys(view))
 
     def action_back(self) -> None:

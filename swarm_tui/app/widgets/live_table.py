@@ -107,6 +107,18 @@ class LiveTable(DataTable[Cell]):
                 out[col.key] = col.width + (max(0, width - used) if col.stretch else 0)
         return out
 
+    def set_columns(self, columns: Sequence[Column]) -> None:
+        """Another set of columns (a job with replicas has more); laid out again only when
+        they differ. A choice of columns keeps those that still exist."""
+        spec = tuple(columns)
+        if spec == self.spec:
+            return
+        self.spec = spec
+        if self.chosen is not None:
+            self.chosen = tuple(k for k in self.chosen if any(c.key == k for c in spec))
+        if self.is_mounted:
+            self._apply_layout(self.fit(self._width()))
+
     def choose(self, columns: tuple[str, ...] | None) -> None:
         """Show these columns (None: by width again)."""
         self.chosen = columns
@@ -232,6 +244,10 @@ class LiveTable(DataTable[Cell]):
     def update_rows(self, keys: Iterable[str], *, check_filter: bool = True,
                     cursor: str | None = None, force_sort: bool = False) -> None:
         """Bring these rows up to date (adding or, when filtered out, removing them)."""
+        if not self.col_widths:
+            # Rows before the table's own mount (its screen's came first): columns first,
+            # or the rows would have no cells to sort by.
+            self._apply_layout(self.fit(self._width()))
         cursor = cursor if cursor is not None else self.cursor_key  # None: the table was empty
         resort = force_sort
         for key in keys:

@@ -1,0 +1,70 @@
+"""A job's stages x replicas grid as every surface shows it (``swarm job``, ``swarm watch``,
+the console): one :class:`GridCell` per (stage, replica), from the placement and what each
+cell last reported (``JobInfo.metrics.stages``). No Textual, no Rich: the figures only; their
+names live in ``swarm_core.contract.metrics``."""
+
+from __future__ import annotations
+
+import attrs
+
+from swarm_core.contract import JobInfo, StageMetrics
+from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_tps
+
+
+@attrs.frozen
+class GridCell:
+    stage: int
+    replica: int
+    fellow_id: int
+    name: str
+    layers: tuple[int, int]
+    figures: StageMetrics
+
+    @property
+    def label(self) -> str:
+        return fmt_cell(self.stage, self.replica)
+
+
+def is_grid(job: JobInfo) -> bool:
+    """Whether the job has replicas (a chain keeps its one-row-per-stage look)."""
+    p = job.placement
+    return (p.replicas if p is not None else job.topology.replicas) > 1
+
+
+def job_grid(job: JobInfo) -> list[GridCell]:
+    """Every cell of a placed job, by stage then replica; none before it is placed."""
+    p = job.placement
+    if p is None:
+        return []
+    cells = [GridCell(st.stage, st.replica, st.fellow_id, st.name, st.layers.as_tuple(),
+                      job.metrics.stage(p.label(st.stage, st.replica)))
+             for st in p.stages]
+    return sorted(cells, key=lambda c: (c.stage, c.replica))
+
+
+GRID_HEADERS = ["cell", "fellow", "layers", "step", "tok/s", "link wait", "sync/step",
+                "sync wait"]
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def grid_rows(job: JobInfo) -> list[list[str]]:
+    """``swarm job``'s and ``swarm watch``'s grid table, one row per cell (GRID_HEADERS)."""
+    rows = []
+    for c in job_grid(job):
+        m = c.figures
+        sync = m.sync_bytes
+        rows.append([c.label, f"{c.fellow_id} ({c.name})", f"{c.layers[0]}-{c.layers[1]}",
+                     "-" if m.step is None else str(m.step), fmt_tps(m.tokens_per_s),
+                     _share(m.wait_share), "-" if sync is None else fmt_bytes(int(sync)),
+                     _share(m.sync_share)])
+    return rows
+
+
+def grid_title(job: JobInfo) -> str:
+    p = job.placement
+    stages, replicas = (p.num_stages, p.replicas) if p is not None else (
+        job.topology.num_stages, job.topology.replicas)
+    return f"grid: {stages} stage(s) x {replicas} replicas"

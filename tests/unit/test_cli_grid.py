@@ -1,0 +1,140 @@
+"""``swarm job`` and ``swarm watch`` show a job's stages x replicas grid, against a real leader
+app on a loopback port (in process: fellows are registrations that report by HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import pytest
+
+from swarm_core.leader.routes import SESSION_HEADER
+from swarm_tui.cli import run
+from swarm_tui.commands.jobs import _describe
+from tests.support import TOKEN
+
+A = "/api/v1"
+MODEL = {"d_model": 16, "n_layers": 4, "n_heads": 2, "seq_len": 8}
+
+
+async def _register(api: Any, auth: dict[str, str], i: int) -> dict[str, Any]:
+    body = {"name": f"f{i}", "instance_id": f"i{i}", "devices": ["cpu"],
+            "data_addrs": [f"127.0.0.1:{9100 + i}"]}
+    resp = await api.post(f"{A}/fellows/register", json=body, headers=auth)
+    assert resp.status == 201, await resp.text()
+    reg = await resp.json()
+    return {**reg, "headers": {**auth, SESSION_HEADER: reg["session"]}}
+
+
+async def _job(api: Any, auth: dict[str, str], stages: int, replicas: int
+               ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    regs = {r["fellow_id"]: r for r in
+            [await _register(api, auth, i) for i in range(stages * replicas)]}
+    resp = await api.post(f"{A}/jobs", headers=auth, json={
+        "name": "grid", "kind": "train", "model": MODEL,
+        "topology": {"stages": stages, "replicas": replicas},
+        "training": {"steps": 5, "batch_size": 8, "micro_batches": 2}})
+    assert resp.status == 201, await resp.text()
+    job = await resp.json()
+    assert job["state"] == "RUNNING"
+    return job, regs
+
+
+async def _report(api: Any, job: dict[str, Any], regs: dict[int, dict[str, Any]],
+                  cell: dict[str, Any], step: int, state: str = "RUNNING") -> None:
+    k, r = cell["stage"], cell["replica"]
+    metrics: dict[str, Any] = {"wire_tx_bytes": 1000, "step_seconds": 0.5,
+                               "wait_seconds": 0.05 * (k + 1)}
+    if job["topology"]["replicas"] > 1:
+        metrics |= {"sync_tx_bytes": 2048 * (r + 1), "sync_seconds": 0.1}
+    if state == "COMPLETED":
+        metrics = {"steps": step, "wall_s": 2.0, "tokens_per_s": 100.0 + r,
+                   "wire_tx_bytes_per_step": 1000.0, "wait_fraction": 0.25,
+                   "sync_tx_bytes_per_step": 4096.0, "sync_fraction": 0.5}
+    reg = regs[cell["fellow_id"]]
+    resp = await api.post(f"{A}/jobs/{job['job_id']}/status", headers=reg["headers"], json={
+        "fellow_id": reg["fellow_id"], "state": state, "step": step, "stage": k, "replica": r,
+        "loss": 3.0 if k == job["topology"]["stages"] - 1 else None,
+        # (a fellow's COMPLETED report says the run's tokens/s in both places)
+        "tokens_per_s": metrics.get("tokens_per_s", 800.0 + 10 * k + r), "metrics": metrics})
+    assert resp.status == 200, await resp.text()
+
+
+def _cols(line: str) -> list[str]:
+    """A table row's cells (the CLI's tables rule their columns)."""
+    return [c.strip() for c in re.split("[│┃]", line)]
+
+
+def _cli(api: Any, *argv: str) -> int:
+    return run(["--leader-url", str(api.make_url("")).rstrip("/"), "--token", TOKEN, *argv])
+
+
+async def test_swarm_job_shows_each_cell_of_the_grid(api, auth, capsys):
+    job, regs = await _job(api, auth, 2, 2)
+    cells = job["placement"]["stages"]
+    for cell in cells:
+        await _report(api, job, regs, cell, step=3 if cell["replica"] == 0 else 2)
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 2 stage(s) x 2 replicas" in out
+    header = next(line for line in out.splitlines() if line.startswith("cell"))
+    assert _cols(header) == ["cell", "fellow", "layers", "step", "tok/s", "link wait",
+                             "sync/step", "sync wait"]
+    rows = {_cols(line)[0]: _cols(line) for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    assert sorted(rows) == ["s0/r0", "s0/r1", "s1/r0", "s1/r1"]
+    for cell in cells:
+        k, r = cell["stage"], cell["replica"]
+        row = rows[f"s{k}/r{r}"]
+        # fellow (name), layers, step, tok/s, link wait, sync/step, sync wait
+        assert row[1:] == [f"{cell['fellow_id']} (f{cell['fellow_id']})",
+                           f"{k * 2}-{k * 2 + 2}", "3" if r == 0 else "2",
+                           str(800 + 10 * k + r), f"{10 * (k + 1)}%",
+                           f"{2 * (r + 1)}.0 KiB", "20%"]
+    # The stage rows keep naming each cell; its figures are the grid's.
+    assert "stage 1 replica 1" in out and "link wait" not in out.split("grid:")[0]
+
+    # --format json: the same figures, typed, by the cell's label.
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"], "--format", "json") == 0
+    data = json.loads(capsys.readouterr().out)
+    figures = data["metrics"]["stages"]["1.1"]
+    assert (figures["step"], figures["sync_tx_bytes"], figures["sync_seconds"]) == \
+        (2, 4096, 0.1)
+
+
+async def test_a_chain_shows_no_grid(api, auth, capsys):
+    job, regs = await _job(api, auth, 2, 1)
+    for cell in job["placement"]["stages"]:
+        await _report(api, job, regs, cell, step=3)
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid:" not in out and "sync" not in out
+    assert "stage 0" in out and "link wait 10%" in out and "stage 0 replica" not in out
+
+
+async def test_swarm_watch_shows_the_grid_and_names_each_cell(api, auth, capsys):
+    job, regs = await _job(api, auth, 1, 2)
+    for cell in job["placement"]["stages"]:
+        await _report(api, job, regs, cell, step=5, state="COMPLETED")
+    assert await asyncio.to_thread(_cli, api, "watch", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 1 stage(s) x 2 replicas" in out
+    rows = [_cols(line) for line in out.splitlines() if line.startswith("s0/r")]
+    # The run's figures once completed: its tokens/s, wait share, sync bytes and share.
+    assert [r[0] for r in rows] == ["s0/r0", "s0/r1"]
+    assert rows[0][2:] == ["0-4", "5", "100", "25%", "4.0 KiB", "50%"]
+    assert out.strip().splitlines()[-1].startswith(f"{job['job_id']} COMPLETED at step 5")
+
+
+@pytest.mark.parametrize("data, line", [
+    ({"stage": 1, "replica": 0, "loss": 2.5, "tokens_per_s": 900.0,
+      "metrics": {"sync_tx_bytes": 2048, "sync_seconds": 0.1, "step_seconds": 0.5}},
+     "step 7  s1/r0  fellow 3  loss 2.5000  900 tok/s  sync 2.0 KiB  sync wait 20%"),
+    ({"stage": 1, "loss": 2.5, "tokens_per_s": 900.0, "metrics": {}},  # a chain: as before
+     "step 7  fellow 3  loss 2.5000  900 tok/s"),
+])
+def test_watch_lines_name_the_cell_of_a_grid(data, line):
+    assert _describe({"type": "metric", "data": {
+        "state": "RUNNING", "step": 7, "fellow_id": 3, **data}}) == line
