@@ -25,8 +25,16 @@ def load_or_create_token(state_dir: Path, explicit: str | None = None) -> str:
         token = _token_text(path)
         if token:
             return token
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     atomic_write(path, token.encode() + b"\n", mode=0o600)
+    return token
+
+
+def new_token() -> str:
+    """A random token that never starts with "-": one that did (1 in 32) would read as an
+    option in ``swarm --token TOKEN`` and every other command line that passes it."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
     return token
 
 

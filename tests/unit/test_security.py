@@ -39,6 +39,19 @@ def test_state_dir_and_token_file_are_private(tmp_path):
     assert len((state / "token").read_text().strip()) >= 32
 
 
+def test_a_made_token_never_reads_as_an_option(tmp_path, monkeypatch):
+    """One random token in 32 started with "-", and `swarm --token TOKEN ...` then failed
+    with "--token: expected one argument" (a CI run of the ssh launch test drew one)."""
+    import secrets
+
+    from swarm_core.leader.auth import load_or_create_token
+
+    draws = iter(["-starts-like-an-option" + "x" * 21, "A" * 43])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda _n: next(draws))
+    token = load_or_create_token(tmp_path / "state")
+    assert token == "A" * 43 == (tmp_path / "state" / "token").read_text().strip()
+
+
 def test_a_fellows_runs_folder_and_shards_are_private(swarm_home):
     """Written under the default umask, what a fellow keeps for its jobs is its own alone."""
     from swarm_core.artifacts.layout import write_shard

@@ -84,7 +84,7 @@ def test_sync_overrides_merge_with_the_axes(exp):
                              "overrides": {"sync": {"compression": "fp16"}}}))
     sync = unstructure(r.runs[0].job("x").training.sync)
     assert sync == {"mode": "diloco", "compression": "fp16", "inner_steps": 500,
-                    "outer_lr": 0.7, "outer_momentum": 0.9}
+                    "outer_lr": 0.7, "outer_momentum": 0.9, "bucket_mb": 25.0}
 
 
 BAD = [
