@@ -65,7 +65,7 @@ async def test_a_sweep_at_a_terminal_draws_a_bar_per_run(api, tmp_path, cli_env)
                 jobs = await client.jobs("RUNNING")
                 return jobs[0] if jobs and jobs[0].placement is not None else None
 
-            job = await wait_async(running, "the sweep's job to run", timeout=30)
+            job = await wait_async(running, "the sweep's job to run", timeout=90)  # (a loaded CI)
             by_stage = {s.stage: next(f for f in stages if f["fellow_id"] == s.fellow_id)
                         for s in job.placement.stages}
             for step in (1, 2):
@@ -74,7 +74,7 @@ async def test_a_sweep_at_a_terminal_draws_a_bar_per_run(api, tmp_path, cli_env)
             async def drawn():
                 return re.search(r"━.* 2/3 loss 4\.5000 RUNNING ETA", screen.text)
 
-            await wait_async(drawn, "a bar at step 2 of 3", timeout=20)
+            await wait_async(drawn, "a bar at step 2 of 3", timeout=60)
             assert re.search(r"tiny\S* +━", screen.text), screen.text  # the run's name
             await play_step(api, job.job_id, by_stage, 3)
             for s in (0, 1):
