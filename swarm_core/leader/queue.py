@@ -132,9 +132,6 @@ class JobQueue:
             self._finished_count[job.state] += 1
 
     # queries ----------------------------------------------------------------------------------
-    def all(self) -> list[JobRecord]:
-        return list(self._jobs.values())
-
     def get(self, job_id: str) -> JobRecord:
         job = self._jobs.get(job_id)
         if job is None:
