@@ -7,12 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from swarm_core.contract import LinkChange, link_changes_in_all
+from swarm_core.contract import CodecErrors, LinkChange, link_changes_in_all
 
 
 def fmt_cell(stage: int, replica: int) -> str:
     """A grid cell, (stage 1, replica 0), as every surface names it: ``s1/r0``."""
     return f"s{stage}/r{replica}"
+
+
+def fmt_codec_error(errors: CodecErrors | None) -> str | None:
+    """The relative error a stage's codec put on what it sent, ``act 0.12%, grad 0.30%``;
+    None where it reported none."""
+    if errors is None:
+        return None
+    parts = [f"{name} {v:.2%}" for name, v in (("act", errors.act), ("grad", errors.grad))
+             if v is not None]
+    return ", ".join(parts) or None
 
 
 def fmt_age(seconds: float | None) -> str:

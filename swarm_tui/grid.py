@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 
 from swarm_core.contract import JobInfo, StageMetrics
-from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_tps
+from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_codec_error, fmt_tps
 
 
 @attrs.frozen
@@ -50,17 +50,31 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def grid_rows(job: JobInfo) -> list[list[str]]:
-    """``swarm job``'s and ``swarm watch``'s grid table, one row per cell (GRID_HEADERS)."""
+def grid_table(job: JobInfo) -> tuple[list[str], list[list[str]]]:
+    """``swarm job``'s and ``swarm watch``'s grid table, one row per cell: GRID_HEADERS, then
+    ``act mem`` and ``codec error`` where any cell reported them."""
+    cells = job_grid(job)
+    headers = list(GRID_HEADERS)
     rows = []
-    for c in job_grid(job):
+    for c in cells:
         m = c.figures
         sync = m.sync_bytes
         rows.append([c.label, f"{c.fellow_id} ({c.name})", f"{c.layers[0]}-{c.layers[1]}",
                      "-" if m.step is None else str(m.step), fmt_tps(m.tokens_per_s),
                      _share(m.wait_share), "-" if sync is None else fmt_bytes(int(sync)),
                      _share(m.sync_share)])
-    return rows
+    # The grid is the one place a grid job's per-cell figures are shown, so these join it;
+    # only where reported, as a chain's stage rows name them only then (and 80 columns are
+    # already full without them).
+    peaks = [c.figures.activation_peak_bytes for c in cells]
+    errors = [fmt_codec_error(c.figures.codec_error) for c in cells]
+    for title, values in (("act mem", [None if p is None else fmt_bytes(p) for p in peaks]),
+                          ("codec error", errors)):
+        if any(v is not None for v in values):
+            headers.append(title)
+            for row, v in zip(rows, values, strict=True):
+                row.append("-" if v is None else v)
+    return headers, rows
 
 
 def grid_title(job: JobInfo) -> str:

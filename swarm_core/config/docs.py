@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from swarm_core.config import profiles, schemas
+from swarm_core.experiments import suites
 from swarm_core.protocol import LinkLimits
 
 INTRO = """# Experiment configs
@@ -26,7 +27,7 @@ exp/configs/<experiment>.json    ExperimentConfig: training_config, model_config
 exp/configs/model/*.json         ModelConfig (model and compression profile)
 exp/configs/training/*.json      TrainingConfig fields, plus cluster_profile, network_profile,
                                  artifacts
-exp/configs/benchmarks/          benchmark suites (later)
+exp/configs/benchmarks/*.json    SuiteSpec: scenarios, each a model, training and infra profile
 exp/runs/<run_id>/               what runs write (ignored by git)
 ```
 
@@ -103,6 +104,23 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("ArtifactsProfile (`artifacts`)", profiles.ArtifactsProfile,
      "`runs_dir` is relative to the training profile."),
     ("LinkLimits (`link`)", LinkLimits, ""),
+    ("SuiteSpec (`benchmarks/*.json`)", suites.SuiteSpec,
+     "A benchmark suite: the same model and training over different cluster shapes, each "
+     "scenario a run (`repeats` of it), compared with `baseline` (the first scenario when "
+     "left out). `swarm suite --suite FILE --dry-run` plans it without running."),
+    ("ScenarioSpec (`scenarios[]`)", suites.ScenarioSpec,
+     "`model`, `training` and `infra` name profiles, relative to the suite. `grid` names the "
+     "job's shape over the infra's cells (stages x replicas must equal its fellows x "
+     "`slots_per_fellow`; left out, every cell is a stage of one replica). `sync` sets any of "
+     "SyncConfig's fields over the training profile's `sync` (`{\"mode\": \"diloco\", "
+     "\"inner_steps\": 5}`), so one training profile serves a dp and a DiLoCo scenario; it is "
+     "checked as `sync` is, a bad value an error at `$.scenarios[i].sync.<field>`, and a "
+     "scenario of one replica with a `sync` is an error (it has nothing to keep in step). The "
+     "plan's and the summary's `sync_mode` is the mode the scenario's job runs."),
+    ("GridShape (`grid`)", suites.GridShape, ""),
+    ("ScenarioArtifacts (`artifacts`)", suites.ScenarioArtifacts,
+     "`dir` ends the names of the scenario's run folders under the suite's output folder "
+     "(`-r<repeat>` after it when the suite repeats); unique within the suite."),
 ]
 
 

@@ -438,13 +438,29 @@ class Experiment:
         self._write_manifest(st)
 
 
-# The fields of a train_progress.ndjson line, in order (null where a step lacks one): names of
-# ProgressRecord's, so a metric is named once. ``wire_bytes`` is the pipeline's links,
-# ``sync_bytes`` the stage groups' synchronisation (null for one replica, and for a DiLoCo step
-# that did not sync).
-PROGRESS_FIELDS = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
-                   "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
-                   "stage_seconds", "codec_error", "ts")
+# ProgressRecord's fields a train_progress.ndjson line leaves out, each with its reason:
+# ``stages_reported`` is the leader's note of which cells it has joined into the step while it
+# gathers it (a record with fewer than all is not settled), bookkeeping rather than a figure.
+PROGRESS_NOT_WRITTEN = frozenset({"stages_reported"})
+# The order the lines had before their fields came from the class, kept so a line reads as it
+# always did (step and loss first); readers go by name. A field not named here follows, in the
+# class's order.
+_LINE_ORDER = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
+               "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
+               "stage_seconds", "codec_error", "ts")
+
+
+def _progress_fields() -> tuple[str, ...]:
+    names = [f.name for f in attrs.fields(ProgressRecord) if f.name not in PROGRESS_NOT_WRITTEN]
+    return (*(n for n in _LINE_ORDER if n in names), *(n for n in names if n not in _LINE_ORDER))
+
+
+# The fields of a train_progress.ndjson line, in order (null where a step lacks one): every
+# field of ProgressRecord but those above, so a metric is named once and a new one is written
+# without being listed. ``wire_bytes`` is the pipeline's links, ``sync_bytes`` the stage groups'
+# synchronisation (null for one replica, and for a DiLoCo step that did not sync);
+# ``replica_losses`` each replica's loss, whose mean ``loss`` is (null for one replica).
+PROGRESS_FIELDS = _progress_fields()
 
 
 def progress_line(rec: ProgressRecord) -> dict[str, Any]:

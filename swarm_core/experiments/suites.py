@@ -2,10 +2,11 @@
 
 A suite lists scenarios; each names its model, training and infra profile and its artifact
 directory, and may name its grid shape (``grid: {stages, replicas}``; by default every cell of
-the infra is a pipeline stage, one replica). An infra profile describes nodes (groups of
-fellows), device slots per fellow and the link between nodes. On one machine a node is a group
-of fellows; the link between nodes is applied by the fellows' own link shapers. Every scenario
-records what was emulated and what was not (``infra_resolved.json``).
+the infra is a pipeline stage, one replica) and how its replicas keep in step (``sync``: any of
+``training.sync``'s fields, over the training profile's). An infra profile describes nodes
+(groups of fellows), device slots per fellow and the link between nodes. On one machine a node
+is a group of fellows; the link between nodes is applied by the fellows' own link shapers.
+Every scenario records what was emulated and what was not (``infra_resolved.json``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from swarm_core.config.profiles import (
     load_model_profile,
     resolve_ref,
 )
-from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
+from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.paths import atomic_write
 from swarm_core.protocol import FellowInfo, LinkLimits
@@ -105,6 +106,9 @@ class ScenarioSpec:
     infra: str
     artifacts: ScenarioArtifacts
     grid: GridShape | None = None  # None: every cell a stage, one replica
+    # Fields of SyncConfig over the training profile's ``sync``, so one training profile serves
+    # a dp and a DiLoCo scenario; checked against SyncConfig once the profile is read.
+    sync: dict[str, Any] | None = None
 
 
 @attrs.define
@@ -200,6 +204,8 @@ def load_suite(path: Path | str) -> ResolvedSuite:
         tpath = resolve_ref(base, sc.training, path, f"{where}.training")
         raw = _read_json(tpath, (path, f"{where}.training"))
         training = _structure(raw, TrainingConfig, tpath)
+        if sc.sync is not None:
+            training = _with_sync(training, sc.sync, path, f"{where}.sync")
         ipath = resolve_ref(base, sc.infra, path, f"{where}.infra")
         infra = _structure(_read_json(ipath, (path, f"{where}.infra")), InfraProfile, ipath)
         fellows, emulated, missing = _emulation(infra)
@@ -208,6 +214,11 @@ def load_suite(path: Path | str) -> ResolvedSuite:
             raise ConfigError(ipath, "all nodes must give their fellows the same number of "
                               "slots (placement fills each fellow's slots evenly)", "$.nodes")
         stages, replicas = _grid(sc, infra, model, training, path, where)
+        if sc.sync is not None and replicas == 1:
+            # (as a sweep's sync axis over single replicas is: it could only be a slip)
+            raise ConfigError(path, "sync keeps the replicas of a stage in step, and this "
+                              "scenario runs 1 replica of each (set grid.replicas, or leave "
+                              "sync out)", f"{where}.sync")
         if replicas > 1:
             emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "
                             f"kept in step by {training.sync.mode} (sync compression "
@@ -217,6 +228,15 @@ def load_suite(path: Path | str) -> ResolvedSuite:
                                           {"model": str(mpath), "training": str(tpath),
                                            "infra": str(ipath)}, replicas))
     return ResolvedSuite(str(path), spec, scenarios)
+
+
+def _with_sync(training: TrainingConfig, fields: dict[str, Any], path: Path,
+               where: str) -> TrainingConfig:
+    """``training`` with ``fields`` over its ``sync``, checked as ``training.sync`` is; a bad
+    value is a ConfigError at ``where`` in the suite, where it was written."""
+    merged = {**unstructure(training.sync), **fields}
+    sync: SyncConfig = _structure(merged, SyncConfig, path, where)
+    return attrs.evolve(training, sync=sync)
 
 
 def _grid(sc: ScenarioSpec, infra: InfraProfile, model: ModelConfig, training: TrainingConfig,

@@ -24,7 +24,7 @@ from swarm_core.contract import (
     perplexity,
 )
 from swarm_core.protocol import JobState
-from swarm_core.schema import FieldError, SchemaError, structure, unstructure
+from swarm_core.schema import FieldError, SchemaError, structure
 from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int
 from swarm_tui.commands.base import (
     CommandError,
@@ -36,8 +36,15 @@ from swarm_tui.commands.base import (
     run_with_client,
     warn,
 )
-from swarm_tui.fmt import describe_link, fmt_age, fmt_bytes, fmt_cell, fmt_loss
-from swarm_tui.grid import GRID_HEADERS, grid_rows, grid_title, is_grid
+from swarm_tui.fmt import (
+    describe_link,
+    fmt_age,
+    fmt_bytes,
+    fmt_cell,
+    fmt_codec_error,
+    fmt_loss,
+)
+from swarm_tui.grid import grid_table, grid_title, is_grid
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 
@@ -87,19 +94,16 @@ def cmd_job(args: argparse.Namespace) -> int:
             if value is not None:
                 rows.append([key.replace("_", " "), f"{value:.4g}"])
         grid = is_grid(job)
-        if job.placement:
+        if job.placement and not grid:
             p = job.placement
             for st in p.stages:
-                label = p.label(st.stage, st.replica)
-                title = f"stage {st.stage}" if p.replicas == 1 else \
-                    f"stage {st.stage} replica {st.replica}"
-                rows.append([title, " · ".join([
+                rows.append([f"stage {st.stage}", " · ".join([
                     f"fellow {st.fellow_id} ({st.name}) layers "
                     f"{st.layers.start}-{st.layers.stop}",
-                    *_stage_figures(m.stage(label), grid=grid)])])
+                    *_stage_figures(m.stage(p.label(st.stage, st.replica)))])])
         rows += link_change_rows(job.link_changes, job.link_changes_total)
         emit_table(None, ["what", "value"], rows)
-        if grid:  # (a chain's stage rows above already say it all)
+        if grid:  # (its per-cell figures are the grid's alone: stage rows would repeat them)
             emit_grid(job)
 
     return run_with_client(args, body)
@@ -123,24 +127,24 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
 
 def emit_grid(job: JobInfo) -> None:
     """The stages x replicas table of a job with replicas."""
-    emit_table(grid_title(job), GRID_HEADERS, grid_rows(job))
+    emit_table(grid_title(job), *grid_table(job))
 
 
-def _stage_figures(reported: StageMetrics, grid: bool = False) -> list[str]:
-    """What a stage last reported, for ``swarm job``: the run's figures once it COMPLETED,
-    the last step's while it runs (``grid``: only those the grid table leaves out)."""
+def _stage_figures(reported: StageMetrics) -> list[str]:
+    """What a chain's stage last reported, for ``swarm job``: the run's figures once it
+    COMPLETED, the last step's while it runs."""
     out = []
     wait = reported.wait_share
-    if wait is not None and not grid:
+    if wait is not None:
         out.append(f"link wait {wait:.0%}")
     if reported.activation_peak_bytes is not None:
         out.append(f"act mem {fmt_bytes(reported.activation_peak_bytes)}")
     sync = reported.sync_bytes
-    if sync is not None and not grid:
+    if sync is not None:
         out.append(f"sync {fmt_bytes(int(sync))}/step")
-    errors = unstructure(reported.codec_error) if reported.codec_error else {}
+    errors = fmt_codec_error(reported.codec_error)
     if errors:
-        out.append("codec error " + ", ".join(f"{k} {v:.2%}" for k, v in sorted(errors.items())))
+        out.append("codec error " + errors)
     return out
 
 

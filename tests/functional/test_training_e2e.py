@@ -220,7 +220,8 @@ def _check_replicas(job: dict, same_weights: dict, shown, data) -> None:
                                                         abs=1e-5)
     assert sorted(job["latest_shard_pushes"]) == ["0"]
     assert shown.returncode == 0, shown.stderr
-    assert "stage 0 replica 1" in shown.stdout and "sync " in shown.stdout
+    # The job's own lines, then the grid: no stage rows repeat its cells.
+    assert "stage 0 replica" not in shown.stdout and "sync " in shown.stdout
     # The grid: a row per cell, with the run's sync bytes a step (what the figures say).
     assert "grid: 1 stage(s) x 2 replicas" in shown.stdout
     row = next(line for line in shown.stdout.splitlines() if line.startswith("s0/r1"))

@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from swarm_core.contract import CodecErrors
 from swarm_core.leader.routes import SESSION_HEADER
 from swarm_tui.cli import run
 from swarm_tui.commands.jobs import _describe
+from swarm_tui.fmt import fmt_bytes, fmt_codec_error
 from tests.support import TOKEN
 
 A = "/api/v1"
@@ -43,10 +45,11 @@ async def _job(api: Any, auth: dict[str, str], stages: int, replicas: int
 
 
 async def _report(api: Any, job: dict[str, Any], regs: dict[int, dict[str, Any]],
-                  cell: dict[str, Any], step: int, state: str = "RUNNING") -> None:
+                  cell: dict[str, Any], step: int, state: str = "RUNNING",
+                  extra: dict[str, Any] | None = None) -> None:
     k, r = cell["stage"], cell["replica"]
     metrics: dict[str, Any] = {"wire_tx_bytes": 1000, "step_seconds": 0.5,
-                               "wait_seconds": 0.05 * (k + 1)}
+                               "wait_seconds": 0.05 * (k + 1), **(extra or {})}
     if job["topology"]["replicas"] > 1:
         metrics |= {"sync_tx_bytes": 2048 * (r + 1), "sync_seconds": 0.1}
     if state == "COMPLETED":
@@ -93,8 +96,13 @@ async def test_swarm_job_shows_each_cell_of_the_grid(api, auth, capsys):
                            f"{k * 2}-{k * 2 + 2}", "3" if r == 0 else "2",
                            str(800 + 10 * k + r), f"{10 * (k + 1)}%",
                            f"{2 * (r + 1)}.0 KiB", "20%"]
-    # The stage rows keep naming each cell; its figures are the grid's.
-    assert "stage 1 replica 1" in out and "link wait" not in out.split("grid:")[0]
+    # The job's own lines, then the grid: no stage row above it repeats a cell.
+    head = out.split("grid:")[0]
+    whats = [_cols(line)[0] for line in head.splitlines() if "│" in line]
+    assert {"job", "name", "state", "step", "loss", "fellows", "note"} <= set(whats)
+    assert not [w for w in whats if w.startswith("stage")]
+    for figure in ("layers", "link wait", "/step", "act mem", "(f0)"):
+        assert figure not in head
 
     # --format json: the same figures, typed, by the cell's label.
     assert await asyncio.to_thread(_cli, api, "job", job["job_id"], "--format", "json") == 0
@@ -104,14 +112,62 @@ async def test_swarm_job_shows_each_cell_of_the_grid(api, auth, capsys):
         (2, 4096, 0.1)
 
 
+def _cell_extras(k: int, r: int) -> dict[str, Any]:
+    """Figures of a cell that only some cells report: s0/r1's activation peak, s1's codec."""
+    extra: dict[str, Any] = {}
+    if (k, r) == (0, 1):
+        extra["activation_peak_bytes"] = 5 * 1024
+    if k == 1:
+        extra["codec_error"] = {"act": 0.01 * (r + 1), "grad": 0.02}
+    return extra
+
+
+async def test_the_grid_holds_the_figures_only_some_cells_report(api, auth, capsys):
+    job, regs = await _job(api, auth, 2, 2)
+    cells = job["placement"]["stages"]
+    for cell in cells:
+        await _report(api, job, regs, cell, step=3,
+                      extra=_cell_extras(cell["stage"], cell["replica"]))
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    head, grid = out.split("grid:")
+    header = next(line for line in grid.splitlines() if line.startswith("cell"))
+    assert _cols(header)[-2:] == ["act mem", "codec error"]
+    rows = {_cols(line)[0]: _cols(line) for line in grid.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    for cell in cells:
+        k, r = cell["stage"], cell["replica"]
+        extra = _cell_extras(k, r)
+        peak = extra.get("activation_peak_bytes")
+        codec = extra.get("codec_error")
+        assert rows[f"s{k}/r{r}"][-2:] == [
+            "-" if peak is None else fmt_bytes(peak),
+            "-" if codec is None else fmt_codec_error(CodecErrors(**codec))]
+    assert "act mem" not in head and "codec error" not in head
+
+
 async def test_a_chain_shows_no_grid(api, auth, capsys):
     job, regs = await _job(api, auth, 2, 1)
     for cell in job["placement"]["stages"]:
-        await _report(api, job, regs, cell, step=3)
+        await _report(api, job, regs, cell, step=3, extra=_cell_extras(cell["stage"], 1))
     assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
     out = capsys.readouterr().out
     assert "grid:" not in out and "sync" not in out
-    assert "stage 0" in out and "link wait 10%" in out and "stage 0 replica" not in out
+    assert "stage 0 replica" not in out
+    # A row per stage, as chains have always shown them: fellow, layers, then its figures.
+    rows = {_cols(line)[0]: _cols(line)[1] for line in out.splitlines()
+            if line.startswith("stage ")}
+    for cell in job["placement"]["stages"]:
+        k, fid = cell["stage"], cell["fellow_id"]
+        figures = [f"fellow {fid} (f{fid}) layers {2 * k}-{2 * k + 2}",
+                   f"link wait {10 * (k + 1)}%"]
+        extra = _cell_extras(k, 1)
+        if "activation_peak_bytes" in extra:
+            figures.append(f"act mem {fmt_bytes(extra['activation_peak_bytes'])}")
+        if "codec_error" in extra:
+            err = extra["codec_error"]
+            figures.append(f"codec error act {err['act']:.2%}, grad {err['grad']:.2%}")
+        assert rows[f"stage {k}"] == " · ".join(figures)
 
 
 async def test_swarm_watch_shows_the_grid_and_names_each_cell(api, auth, capsys):

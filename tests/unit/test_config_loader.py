@@ -274,11 +274,14 @@ def test_config_docs_cover_every_field():
     import attrs
 
     from swarm_core.config import profiles, schemas
+    from swarm_core.experiments import suites
 
     text = (REPO / "docs" / "configs.md").read_text()
     for cls in (schemas.ModelConfig, schemas.TrainingConfig, profiles.ExperimentConfig,
                 profiles.SweepSpec, profiles.NetworkProfile, profiles.TcProfile,
-                profiles.ClusterProfile, profiles.ArtifactsProfile):
+                profiles.ClusterProfile, profiles.ArtifactsProfile, schemas.SyncConfig,
+                suites.SuiteSpec, suites.ScenarioSpec, suites.GridShape,
+                suites.ScenarioArtifacts):
         for f in attrs.fields(cls):
             assert f"`{f.name}`" in text, f"docs/configs.md misses {cls.__name__}.{f.name}"
 

@@ -1,6 +1,7 @@
-"""A suite's scenario names its grid shape (stages x replicas over the infra's cells): it
-reaches the job's topology and the plan, and a shape the infra or the batch cannot hold is one
-line naming the scenario's grid."""
+"""A suite's scenario names its grid shape (stages x replicas over the infra's cells) and may set
+its sync over the training profile's: both reach the job and the plan, and a shape the infra or
+the batch cannot hold, or a sync value training.sync would refuse, is one line naming the
+scenario's field."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from typing import Any
 import pytest
 
 from swarm_core.config.profiles import ConfigError
-from swarm_core.experiments.suites import as_experiment, load_suite, plan
+from swarm_core.config.schemas import SyncConfig
+from swarm_core.experiments.suites import as_experiment, load_suite, plan, summarize
+from swarm_core.schema import SchemaError, structure, unstructure
 
 
 def _suite(tmp: Path, grid: dict[str, Any] | None, infra: str = "four",
-           training: dict[str, Any] | None = None) -> Path:
+           training: dict[str, Any] | None = None, sync: Any = None) -> Path:
     for d in ("model", "training", "infra"):
         (tmp / d).mkdir(parents=True, exist_ok=True)
     (tmp / "model" / "m.json").write_text(json.dumps(
@@ -29,7 +32,8 @@ def _suite(tmp: Path, grid: dict[str, Any] | None, infra: str = "four",
     (tmp / "infra" / "one.json").write_text(json.dumps({"name": "one", "nodes": [{"name": "a"}]}))
     scenario = {"name": "swarm", "model": "model/m.json", "training": "training/t.json",
                 "infra": f"infra/{infra}.json", "artifacts": {"dir": "swarm"},
-                **({"grid": grid} if grid is not None else {})}
+                **({"grid": grid} if grid is not None else {}),
+                **({"sync": sync} if sync is not None else {})}
     base = {"name": "base", "model": "model/m.json", "training": "training/t.json",
             "infra": "infra/one.json", "artifacts": {"dir": "base"}}
     path = tmp / "suite.json"
@@ -71,4 +75,69 @@ def test_a_grid_that_cannot_run_is_one_line_at_the_scenario(tmp_path, grid, trai
         load_suite(path)
     assert info.value.path == str(path)
     assert (info.value.field or "").startswith("$.scenarios[1].grid")
+    assert message in info.value.message and "\n" not in str(info.value)
+
+
+PROFILE_SYNC = {"mode": "diloco", "inner_steps": 2}  # _suite's training profile's
+
+
+@pytest.mark.parametrize("sync", [
+    {"mode": "dp"},
+    {"inner_steps": 7},
+    {"mode": "diloco", "outer_lr": 0.5, "outer_momentum": 0.5, "compression": "int8_b16",
+     "bucket_mb": 4.0},
+])
+def test_a_scenario_sync_is_merged_over_the_profile_and_reaches_the_job(tmp_path, sync):
+    suite = load_suite(_suite(tmp_path, {"stages": 2, "replicas": 2}, sync=sync))
+    base, sc = suite.scenarios
+    # The fields it names win; the rest are the training profile's, then SyncConfig's defaults.
+    want = structure({**PROFILE_SYNC, **sync}, SyncConfig)
+    assert sc.training.sync == want
+    assert base.training.sync == structure(PROFILE_SYNC, SyncConfig)  # (its own profile's)
+    assert sc.sync_mode == want.mode
+    assert any(f"kept in step by {want.mode} (sync compression {want.compression})" in e
+               for e in sc.emulated)
+    run = as_experiment(suite, tmp_path / "out").runs[1]
+    assert run.job("x").training.sync == want
+    assert run.sync_mode == want.mode
+    assert plan(suite, None)["scenarios"][1]["training"]["sync"] == unstructure(want)
+    assert plan(suite, None)["scenarios"][1]["sync_mode"] == want.mode
+    row = summarize(suite, tmp_path / "out", {})["scenarios"][1]
+    assert (row["scenario"], row["sync_mode"]) == ("swarm", want.mode)
+
+
+def _sync_refusal(value: dict[str, Any]) -> SchemaError:
+    """What training.sync's own converter says of ``value`` over the profile's sync."""
+    with pytest.raises(SchemaError) as info:
+        structure({**PROFILE_SYNC, **value}, SyncConfig, "$.scenarios[1].sync")
+    return info.value
+
+
+@pytest.mark.parametrize("value", [
+    {"inner_steps": 0}, {"outer_lr": -1.0}, {"outer_momentum": 1.5}, {"bucket_mb": 0},
+    {"mode": "ring"}, {"compression": "int4"}, {"compression": "int8_b1"},
+    {"inner_steps": "5"}, {"inner": 3},
+])
+def test_a_bad_scenario_sync_is_one_line_at_its_field(tmp_path, value):
+    path = _suite(tmp_path, {"stages": 2, "replicas": 2}, sync=value)
+    with pytest.raises(ConfigError) as info:
+        load_suite(path)
+    want = _sync_refusal(value)
+    assert info.value.path == str(path)
+    assert (info.value.field, info.value.message) == (want.field, want.message)
+    assert (info.value.field or "").startswith("$.scenarios[1].sync")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("sync, grid, message", [
+    ("dp", {"stages": 2, "replicas": 2}, "expected an object"),
+    ({"mode": "dp"}, {"stages": 4, "replicas": 1}, "this scenario runs 1 replica"),
+    ({"mode": "dp"}, None, "this scenario runs 1 replica"),
+])
+def test_a_scenario_sync_that_cannot_apply_is_refused(tmp_path, sync, grid, message):
+    path = _suite(tmp_path, grid, sync=sync, training={
+        "steps": 4, "batch_size": 8, "micro_batches": 2})
+    with pytest.raises(ConfigError) as info:
+        load_suite(path)
+    assert info.value.field == "$.scenarios[1].sync"
     assert message in info.value.message and "\n" not in str(info.value)

@@ -1,0 +1,65 @@
+"""``train_progress.ndjson`` writes every field of ProgressRecord but those it names as left out:
+a figure added to the record reaches the run's file without a second list to remember, and
+lines of the fields it always had read as they did."""
+
+from __future__ import annotations
+
+import attrs
+
+from swarm_core import jsonio
+from swarm_core.contract import CodecErrors, ProgressRecord
+from swarm_core.experiments import runner
+from swarm_core.experiments.runner import PROGRESS_FIELDS, PROGRESS_NOT_WRITTEN, progress_line
+from swarm_core.schema import unstructure
+
+# A line's keys before they were derived from the class: files already written have them so.
+WRITTEN_BEFORE = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
+                  "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
+                  "stage_seconds", "codec_error", "ts")
+
+
+def _full_record() -> ProgressRecord:
+    """A record with every field set (none left at its default)."""
+    return ProgressRecord(
+        step=7, wire_bytes=1234, stages_reported=[0, 1], loss=2.5, sync_bytes=500,
+        replica_losses={"0": 2.4, "1": 2.6}, tokens_per_s=900.0, step_seconds=0.5, lr=1e-3,
+        activation_peak_bytes={"0.0": 5}, wait_seconds={"0.0": 0.1},
+        stage_seconds={"0.0": 0.4}, codec_error={"0.0": CodecErrors(act=0.01, grad=0.02)},
+        eval_loss=2.7, perplexity=14.9, ts=1.5e9)
+
+
+def test_every_record_field_is_written_or_left_out_by_name():
+    fields = [f.name for f in attrs.fields(ProgressRecord)]
+    rec = _full_record()
+    assert all(getattr(rec, f.name) != f.default for f in attrs.fields(ProgressRecord)
+               if not isinstance(f.default, attrs.Factory))  # type: ignore[arg-type]
+    assert set(PROGRESS_FIELDS) | PROGRESS_NOT_WRITTEN == set(fields)
+    assert not set(PROGRESS_FIELDS) & PROGRESS_NOT_WRITTEN
+    assert len(set(PROGRESS_FIELDS)) == len(PROGRESS_FIELDS)
+    line = progress_line(rec)
+    assert list(line) == list(PROGRESS_FIELDS)
+    for name in PROGRESS_FIELDS:
+        assert line[name] == unstructure(getattr(rec, name))
+    jsonio.dumps(line)  # (a line is JSON as it stands)
+
+
+def test_the_fields_lines_always_had_keep_their_order_and_values():
+    rec = _full_record()
+    line = progress_line(rec)
+    assert PROGRESS_FIELDS[:len(WRITTEN_BEFORE)] == WRITTEN_BEFORE
+    assert {k: line[k] for k in WRITTEN_BEFORE} == \
+        {k: unstructure(getattr(rec, k)) for k in WRITTEN_BEFORE}
+    # A step a record lacks a figure of is null there, as before.
+    bare = progress_line(ProgressRecord(step=1))
+    assert bare["step"] == 1 and bare["loss"] is None and bare["replica_losses"] is None
+
+
+def test_a_field_added_to_the_record_is_written(monkeypatch):
+    @attrs.define
+    class Grown(ProgressRecord):
+        new_figure: float | None = None
+
+    monkeypatch.setattr(runner, "ProgressRecord", Grown)
+    fields = runner._progress_fields()
+    assert fields[-1] == "new_figure"
+    assert fields[:-1] == PROGRESS_FIELDS
