@@ -1,7 +1,9 @@
 """Reports over run directories: loss by step, by wall time and by bytes sent, and eval loss by
 wall time and by bytes sent (the pipeline's and the replicas' sync together), one line per run
-drawn in its sync mode's style, plus a summary table. HTML is self-contained (inline SVG, no
-scripts); PNG uses matplotlib."""
+drawn in its sync mode's style, plus a summary table; and the compression figure: final eval
+loss against wire bytes per step, one point per compression spec, and step time against link
+rate, one line per spec, the runs of each setting (seeds, repeats) pooled into a mean with
+min-max bars. HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
 
 from __future__ import annotations
 
@@ -47,12 +49,83 @@ class RunData:
     eval_losses: list[float] = attrs.field(factory=list)
     eval_wall: list[float] = attrs.field(factory=list)
     eval_bytes: list[float] = attrs.field(factory=list)
+    # (step, the last stage's seconds of it) of each step that reported them, in step order
+    step_times: list[tuple[int, float]] = attrs.field(factory=list)
+    # the steps among those that also evaluated (their time may hold the evaluation's pause)
+    eval_steps: set[int] = attrs.field(factory=set)
+    # config_resolved.json, for runs whose summary predates a field the figure reads ({} when
+    # it is missing or unreadable: it only fills gaps, and its damage hides no run)
+    resolved: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def sync_mode(self) -> str:
         """``none`` (one replica; a run from before replicas), ``dp`` or ``diloco``."""
         mode = self.summary.get("sync_mode")
         return mode if mode in SYNC_MODES else "none"
+
+    @property
+    def compression(self) -> str | None:
+        """The boundary spec it ran (None: neither its summary nor its config says)."""
+        spec = self.summary.get("compression")
+        if spec is None:
+            spec = _dig(self.resolved, "job", "model", "compression")
+        return spec if isinstance(spec, str) else None
+
+    @property
+    def model(self) -> str | None:
+        """Its model profile's name."""
+        name = self.summary.get("model")
+        if name is None:
+            name = _dig(self.resolved, "job", "model", "name")
+        return name if isinstance(name, str) else None
+
+    @property
+    def network(self) -> str | None:
+        """Its network profile's name."""
+        name = self.summary.get("network_profile")
+        if name is None:
+            name = _dig(self.resolved, "network_profile", "name")
+        return name if isinstance(name, str) else None
+
+    @property
+    def link_mbps(self) -> float | None:
+        """The rate its links were held to: a number of Mbit/s, ``math.inf`` unshaped, None
+        when unknown (a summary from before the field, with no readable config beside it)."""
+        if "link_mbps" in self.summary:
+            rate = self.summary["link_mbps"]
+        elif isinstance(self.resolved.get("network_profile"), dict):
+            rate = link_mbps(self.resolved["network_profile"])
+        else:
+            return None
+        return math.inf if rate is None else float(rate)
+
+    @property
+    def mean_step_seconds(self) -> float | None:
+        """Mean seconds a step took, leaving out the first (it waits for the neighbours to
+        start) and the steps that evaluated, unless nothing else is left."""
+        steps = [t for s, t in self.step_times[1:] if s not in self.eval_steps] \
+            or [t for _, t in self.step_times]
+        return sum(steps) / len(steps) if steps else None
+
+
+def _dig(obj: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
+def link_mbps(network: dict[str, Any]) -> float | None:
+    """A network profile's (as a sweep's config holds it) link rate in Mbit/s: the narrower of
+    its tx and rx limits, else its kernel shaping's rate; None when nothing holds it back."""
+    rates = [network.get(k) for k in ("tx_mbps", "rx_mbps")]
+    rates = [r for r in rates if _number(r) and r > 0]
+    if rates:
+        return float(min(rates))
+    tc = network.get("tc_profile")
+    rate = tc.get("rate_mbit") if isinstance(tc, dict) else None
+    return float(rate) if _number(rate) and rate > 0 else None
 
 
 def _number(v: Any) -> bool:
@@ -107,6 +180,13 @@ _SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "inner_steps": (_integer, "an integer"),
     "sync_bytes_per_step": (_number, "a number"),
     "total_bytes": (_number, "a number"),
+    "compression": (_string, "a string"),
+    "network_profile": (_string, "a string"),
+    "model": (_string, "a string"),
+    "seed": (_integer, "an integer"),
+    "repeat": (_integer, "an integer"),
+    "link_mbps": (lambda v: _number(v) and v > 0, "a number above 0"),
+    "latency_ms": (_number, "a number"),
 }
 
 # The leader keeps steps, times and byte counts as int64, and training computes losses in
@@ -214,6 +294,8 @@ def load_run(d: Path) -> RunData:
     records = read_records(d)
     steps, losses, wall, sent = [], [], [], []
     evals: tuple[list[float], list[float], list[float]] = ([], [], [])
+    times: list[tuple[int, float]] = []
+    eval_steps: set[int] = set()
     total = 0.0
     t0 = None
     for rec in records:
@@ -230,11 +312,34 @@ def load_run(d: Path) -> RunData:
             t0 = ts if t0 is None else t0
             for series, v in zip(evals, (rec["eval_loss"], ts - t0, total), strict=True):
                 series.append(v)
+            if rec.get("step") is not None:
+                eval_steps.add(rec["step"])
+        if rec.get("step_seconds") is not None and rec.get("step") is not None:
+            times.append((rec["step"], float(rec["step_seconds"])))
     label = summary.get("run_id") or d.name or d.resolve().name
     parts = label.split("-")
     if len(parts) > 4:  # <stamp>-<experiment>-<index>-<run name>: keep what tells runs apart
         label = "-".join(parts[3:])
-    return RunData(d, label, summary, steps, losses, wall, sent, *evals)
+    return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
+                   eval_steps=eval_steps, resolved=_read_resolved(d, summary))
+
+
+# What the compression figure reads of a run's setting; a summary lacking one is older than it
+_SETTING_FIELDS = ("compression", "network_profile", "model", "link_mbps")
+
+
+def _read_resolved(d: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The run's ``config_resolved.json`` where its summary lacks a field of the figure's, so
+    runs written before the summary held them still take their place on it; {} when it is not
+    needed, missing or damaged (it fills gaps only: such a run is left off the figure, and
+    stays in every other chart and the table)."""
+    if all(k in summary for k in _SETTING_FIELDS):
+        return {}
+    try:
+        resolved = jsonio.loads((d / "config_resolved.json").read_bytes())
+    except (OSError, jsonio.JSONDecodeError):
+        return {}
+    return resolved if isinstance(resolved, dict) else {}
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -350,6 +455,240 @@ CHARTS = [
 ]
 
 
+# --- the compression figure --------------------------------------------------------------------
+# (title, x label, y label) of its two charts, in both renderings.
+FIGURE_LOSS = ("eval loss by wire bytes per step", "bytes on the wire per step (pipeline + "
+               "sync), log scale", "final eval loss")
+FIGURE_STEP = ("step time by link rate", "link rate (Mbit/s), log scale", "seconds per step")
+UNSHAPED = "unshaped"
+
+
+@attrs.frozen
+class FigurePoint:
+    """One point of the figure: the runs of one setting pooled (seeds and repeats; for the
+    loss chart, network profiles too, which change how long a step takes but not what it
+    computes): their mean and the extremes of ``y``, as error bars."""
+
+    series: str  # the setting's label: its spec, and what else varies among the settings
+    x: float  # mean; for the step-time chart the link rate, math.inf unshaped
+    y: float  # mean
+    y_min: float
+    y_max: float
+    runs: int
+    network: str | None = None  # the step-time chart's points: the profile they ran on
+
+
+def _setting(run: RunData) -> tuple[str, str, str, str]:
+    """What a figure series stands for: model, spec, grid, sync; not seed, repeat or network."""
+    return (run.model or "-", run.compression or "-", _grid(run.summary), _sync(run))
+
+
+def _series_labels(settings: list[tuple[str, str, str, str]]) -> dict[tuple[str, ...], str]:
+    """Each setting named by its spec, then by whichever of model, grid and sync differ among
+    the settings: a plain compression sweep reads "fixed_int8", not "m fixed_int8 2x1 none"."""
+    varies = [len({s[i] for s in settings}) > 1 for i in range(4)]
+    order = (1, 0, 2, 3)
+    return {s: " ".join(s[i] for i in order if i == 1 or varies[i]) for s in settings}
+
+
+def _figure_runs(runs: list[RunData]) -> list[RunData]:
+    # A run that failed or was cancelled stopped short: its loss and times are not the spec's.
+    return [r for r in runs if r.compression is not None
+            and r.summary.get("status", "COMPLETED") == "COMPLETED"]
+
+
+def _final_eval(run: RunData) -> float | None:
+    v = run.summary.get("eval_loss")
+    if not _number(v) and run.eval_losses:
+        v = run.eval_losses[-1]
+    return float(v) if _number(v) and math.isfinite(v) else None
+
+
+def _bytes_per_step(run: RunData) -> float | None:
+    wire = run.summary.get("wire_bytes_per_step")
+    if not _number(wire):
+        return None
+    sync = run.summary.get("sync_bytes_per_step")
+    return float(wire) + (float(sync) if _number(sync) else 0.0)
+
+
+def _pooled(series: str, xs: list[float], ys: list[float], network: str | None = None
+            ) -> FigurePoint:
+    return FigurePoint(series, sum(xs) / len(xs), sum(ys) / len(ys), min(ys), max(ys),
+                       len(ys), network)
+
+
+def loss_by_bytes_points(runs: list[RunData]) -> list[FigurePoint]:
+    """The loss chart's points: one per setting (in the order its first run comes), x its
+    runs' mean wire bytes per step, y their final eval loss. Runs lacking either figure (or
+    sending nothing: one stage, which has no boundary to compress), or whose spec is unknown,
+    are left out."""
+    groups: dict[tuple[str, ...], tuple[list[float], list[float]]] = {}
+    labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
+    for r in _figure_runs(runs):
+        x, y = _bytes_per_step(r), _final_eval(r)
+        if x is None or y is None or x <= 0:
+            continue
+        xs, ys = groups.setdefault(_setting(r), ([], []))
+        xs.append(x)
+        ys.append(y)
+    return [_pooled(labels[k], xs, ys) for k, (xs, ys) in groups.items()]
+
+
+def step_by_link_points(runs: list[RunData]) -> list[FigurePoint]:
+    """The step-time chart's points: one per setting and network profile, x the profile's
+    link rate (math.inf unshaped), y its runs' mean seconds per step; each setting's points
+    in rate order, so they draw as its line. Runs whose rate or step times are unknown are
+    left out."""
+    groups: dict[tuple[tuple[str, ...], str], tuple[list[float], list[float]]] = {}
+    labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
+    for r in _figure_runs(runs):
+        rate, y = r.link_mbps, r.mean_step_seconds
+        if rate is None or y is None:
+            continue
+        xs, ys = groups.setdefault((_setting(r), r.network or "-"), ([], []))
+        xs.append(rate)
+        ys.append(y)
+    order = {k: i for i, k in enumerate(dict.fromkeys(k for k, _ in groups))}
+    points = [_pooled(labels[k], xs, ys, net) for (k, net), (xs, ys) in groups.items()]
+    series_of = {labels[k]: i for k, i in order.items()}
+    return sorted(points, key=lambda p: (series_of[p.series], p.x))
+
+
+def _series_colours(points: list[FigurePoint]) -> dict[str, str]:
+    """A colour per series, the same in both charts of the figure (the loss chart's order)."""
+    names = list(dict.fromkeys(p.series for p in points))
+    return {n: PALETTE[i % len(PALETTE)] for i, n in enumerate(names)}
+
+
+def _log_positions(points: list[FigurePoint]) -> tuple[dict[float, float], list[tuple[float,
+                                                                                        str]]]:
+    """log10 of each x, with unshaped a decade past the fastest rate (or at 0 alone); and the
+    ticks: every rate that has a point, then "unshaped"."""
+    rates = sorted({p.x for p in points if math.isfinite(p.x)})
+    pos = {r: math.log10(r) for r in rates}
+    if any(not math.isfinite(p.x) for p in points):
+        pos[math.inf] = (pos[rates[-1]] + 1) if rates else 0.0
+    ticks = [(pos[r], _short(r)) for r in rates]
+    if math.inf in pos:
+        ticks.append((pos[math.inf], UNSHAPED))
+    return pos, ticks
+
+
+def _svg_figure(title: str, xlabel: str, ylabel: str, points: list[FigurePoint],
+                colours: dict[str, str], connect: bool) -> str:
+    """A chart of pooled points on a log x axis, each with its min-max bar; ``connect`` joins
+    each series' points in order (the step-time chart's lines)."""
+    w, h, ml, mr, mt, mb = 520, 300, 60, 15, 30, 45
+    if not points:
+        return f"<svg width='{w}' height='{h}'><text x='10' y='20'>{title}: no data</text></svg>"
+    if connect:
+        pos, ticks = _log_positions(points)
+    else:
+        pos = {p.x: math.log10(p.x) for p in points}
+        lo, hi = min(pos.values()), max(pos.values())
+        span = hi - lo
+        ticks = [(lo + span * i / 4, _short(10 ** (lo + span * i / 4))) for i in range(5)] \
+            if span else [(lo, _short(10 ** lo))]
+    x0, x1 = min(pos.values()), max(pos.values())
+    pad_x = (x1 - x0) * 0.08 or 0.5
+    x0, x1 = x0 - pad_x, x1 + pad_x
+    y0, y1 = min(p.y_min for p in points), max(p.y_max for p in points)
+    pad_y = (y1 - y0) * 0.08 or max(abs(y0) * 0.05, 0.05)
+    y0, y1 = y0 - pad_y, y1 + pad_y
+
+    def px(x: float) -> float:
+        return ml + (pos[x] - x0) / (x1 - x0) * (w - ml - mr)
+
+    def tx(v: float) -> float:
+        return ml + (v - x0) / (x1 - x0) * (w - ml - mr)
+
+    def py(y: float) -> float:
+        return mt + (1 - (y - y0) / (y1 - y0)) * (h - mt - mb)
+
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' "
+           f"font-family='sans-serif' font-size='11'>",
+           f"<text x='{w / 2}' y='16' text-anchor='middle' font-size='13'>{title}</text>",
+           f"<rect x='{ml}' y='{mt}' width='{w - ml - mr}' height='{h - mt - mb}' "
+           "fill='none' stroke='#999'/>"]
+    for i in range(5):
+        yv = y0 + (y1 - y0) * i / 4
+        out.append(f"<text x='{ml - 5}' y='{py(yv) + 4:.1f}' text-anchor='end'>"
+                   f"{_tick(yv, y1 - y0)}</text>")
+    for v, text in ticks:
+        out.append(f"<text x='{tx(v):.1f}' y='{h - mb + 15}' text-anchor='middle'>"
+                   f"{html.escape(text)}</text>")
+    out.append(f"<text x='{w / 2}' y='{h - 8}' text-anchor='middle'>{xlabel}</text>")
+    out.append(f"<text x='14' y='{h / 2}' transform='rotate(-90 14 {h / 2})' "
+               f"text-anchor='middle'>{ylabel}</text>")
+    for name, colour in colours.items():
+        mine = [p for p in points if p.series == name]
+        if connect and len(mine) > 1:
+            pts = " ".join(f"{px(p.x):.1f},{py(p.y):.1f}" for p in mine)
+            out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' "
+                       f"points='{pts}'/>")
+        for p in mine:
+            x = px(p.x)
+            tip = html.escape(f"{p.series}{' on ' + p.network if p.network else ''}: "
+                              f"{p.y:.4g} (min {p.y_min:.4g}, max {p.y_max:.4g}, "
+                              f"{p.runs} run(s))")
+            out.append(f"<g class='bar'><title>{tip}</title>"
+                       f"<line x1='{x:.1f}' y1='{py(p.y_min):.1f}' x2='{x:.1f}' "
+                       f"y2='{py(p.y_max):.1f}' stroke='{colour}'/>"
+                       + "".join(f"<line x1='{x - 4:.1f}' y1='{py(e):.1f}' x2='{x + 4:.1f}' "
+                                 f"y2='{py(e):.1f}' stroke='{colour}'/>"
+                                 for e in (p.y_min, p.y_max))
+                       + f"<rect x='{x - 3:.1f}' y='{py(p.y) - 3:.1f}' width='6' height='6' "
+                       f"fill='{colour}'/></g>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _tick(v: float, span: float) -> str:
+    """A y tick with the digits its chart's span needs (losses of 2.38 and 2.39 apart)."""
+    digits = max(2, 1 - math.floor(math.log10(span))) if span > 0 else 2
+    return f"{v:.{min(digits, 6)}f}"
+
+
+def figure_rows(loss: list[FigurePoint], step: list[FigurePoint]) -> tuple[list[str],
+                                                                            list[list[str]]]:
+    """The figure as a table: a row per series (runs pooled, bytes per step, eval loss with
+    its min and max), and its mean seconds per step on each network profile."""
+    networks = list(dict.fromkeys(p.network or "-" for p in step))
+    headers = ["series", "runs", "bytes/step", "eval loss", "eval min", "eval max",
+               *(f"s/step {n}" for n in networks)]
+    names = list(dict.fromkeys([p.series for p in loss] + [p.series for p in step]))
+    rows = []
+    for name in names:
+        lp = next((p for p in loss if p.series == name), None)
+        times = {p.network or "-": p.y for p in step if p.series == name}
+        rows.append([name, str(lp.runs) if lp else "-",
+                     _fmt(lp.x if lp else None, ",.0f"), _fmt(lp.y if lp else None, ".4f"),
+                     _fmt(lp.y_min if lp else None, ".4f"), _fmt(lp.y_max if lp else None,
+                                                                 ".4f"),
+                     *(_fmt(times.get(n), ".3f") for n in networks)])
+    return headers, rows
+
+
+def _html_figure(runs: list[RunData]) -> str:
+    loss, step = loss_by_bytes_points(runs), step_by_link_points(runs)
+    colours = _series_colours(loss + step)
+    charts = _svg_figure(*FIGURE_LOSS, loss, colours, connect=False) + \
+        _svg_figure(*FIGURE_STEP, step, colours, connect=True)
+    legend = "".join(
+        f"<li><svg width='10' height='10'><rect width='10' height='10' fill='{c}'/></svg> "
+        f"{html.escape(n)}</li>" for n, c in colours.items())
+    headers, rows = figure_rows(loss, step)
+    table = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" + \
+        "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                for row in rows)
+    return ("<h2>Compression figure</h2><p>One point per setting: the mean of its runs "
+            "(seeds, repeats; the loss chart pools network profiles too), bars from the "
+            "lowest to the highest. Step time leaves out each run's first step and its "
+            "evaluations.</p>"
+            f"<div>{charts}</div><ul>{legend}</ul><table>{table}</table>")
+
+
 def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
                ys_of: str = "losses", ylabel: str = "loss") -> str:
     w, h, ml, mr, mt, mb = 520, 300, 60, 15, 30, 45
@@ -427,7 +766,7 @@ def render_html(runs: list[RunData]) -> str:
             "collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
             "td:first-child{text-align:left}ul{list-style:none;padding:0}</style></head><body>"
             f"<h1>SilentSwarm report: {len(runs)} run(s)</h1><div>{charts}</div>"
-            f"<ul>{legend}</ul><table>{table}</table>"
+            f"<ul>{legend}</ul><table>{table}</table>{_html_figure(runs)}"
             f"<p>Sources: {', '.join(html.escape(str(r.run_dir)) for r in runs)}</p>"
             "</body></html>\n")
 
@@ -448,7 +787,7 @@ def render_png(runs: list[RunData]) -> bytes:
                           "(or write .html)") from None
     finally:
         mpl_log.setLevel(level)
-    fig, grid = plt.subplots(2, 3, figsize=(15, 8.4))
+    fig, grid = plt.subplots(2, 4, figsize=PNG_SIZE)
     axes = list(grid.flat)
     for ax, (title, xl, xs, ys, yl) in zip(axes, CHARTS, strict=False):
         for i, r in enumerate(runs):
@@ -459,7 +798,8 @@ def render_png(runs: list[RunData]) -> bytes:
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
-    # The sixth panel holds the legend: every run, in its colour and its sync mode's dash.
+    _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs)
+    # The last panel holds the legend: every run, in its colour and its sync mode's dash.
     # Labels are run names, not markup: given to the legend (matplotlib hides a line's own
     # label that starts with "_"), and not read as mathtext ("$" in a name).
     axes[-1].axis("off")
@@ -473,11 +813,47 @@ def render_png(runs: list[RunData]) -> bytes:
         # warning about it is noise on a swarm command's stderr.
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         fig.tight_layout()
-        fig.savefig(out, format="png", dpi=120)
+        fig.savefig(out, format="png", dpi=PNG_DPI)
     plt.close(fig)
     return out.getvalue()
 
 
+def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData]) -> None:
+    """The compression figure's two panels, as the HTML draws them."""
+    loss, step = loss_by_bytes_points(runs), step_by_link_points(runs)
+    colours = _series_colours(loss + step)
+    for ax, (title, xl, yl), points, connect in ((loss_ax, FIGURE_LOSS, loss, False),
+                                                 (step_ax, FIGURE_STEP, step, True)):
+        ax.set_title(title)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+        if not points:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            continue
+        pos, ticks = _log_positions(points) if connect else (None, None)
+        ax.set_xscale("log")
+        for name, colour in colours.items():
+            mine = [p for p in points if p.series == name]
+            if not mine:
+                continue
+            # (unshaped has no rate: it sits a labelled decade past the fastest one)
+            ax.errorbar([10 ** pos[p.x] if pos else p.x for p in mine], [p.y for p in mine],
+                        yerr=[[p.y - p.y_min for p in mine], [p.y_max - p.y for p in mine]],
+                        color=colour, marker="s", markersize=4, capsize=3,
+                        linestyle="-" if connect else "none", linewidth=1.2, label=name)
+        if ticks is not None:
+            ax.set_xticks([10 ** v for v, _ in ticks], [t for _, t in ticks])
+            ax.set_xticks([], minor=True)
+        legend = ax.legend(fontsize=7)
+        for text in legend.get_texts():
+            text.set_parse_math(False)
+
+
+# The PNG's size in inches at PNG_DPI: two rows of four panels (the five run charts, the
+# figure's two, the legend).
+PNG_SIZE = (20.0, 8.4)
+PNG_DPI = 120
 OUTPUT_SUFFIXES = (".html", ".png")
 
 

@@ -37,6 +37,7 @@ from swarm_core.contract import (
     link_changes_in_all,
     stage_of_label,
 )
+from swarm_core.experiments.report import link_mbps
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
 from swarm_core.protocol import FellowInfo, JobState
@@ -493,6 +494,11 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "uncompressed_wire_bytes_per_step": uncompressed,
         "compression_ratio": (uncompressed / measured) if measured else None,
         "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
+        # What the compression figure places the run by: its links' rate (null: unshaped)
+        # and latency, and the model and seed it pools over.
+        "link_mbps": link_mbps(st.spec.network),
+        "latency_ms": st.spec.network.get("latency_ms") or 0.0,
+        "model": st.spec.model.get("name"), "seed": st.spec.seed, "repeat": st.spec.repeat,
         "fellows": st.spec.fellows,
         **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
         "activation_peak_bytes_by_stage": peaks_by_stage(records, stages),
