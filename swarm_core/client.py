@@ -25,6 +25,8 @@ from swarm_core.contract import (
     JobSubmit,
     ProgressList,
     ProgressRecord,
+    RegroupAnswer,
+    RegroupReport,
 )
 from swarm_core.protocol import (
     API_PREFIX,
@@ -211,6 +213,15 @@ class SwarmClient:
         res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/status", upd,
                                  headers={SESSION_HEADER: session})
         return _parse(res, JobInfo)
+
+    async def regroup(self, job_id: str, session: str, rep: RegroupReport,
+                      wait_s: float) -> RegroupAnswer:
+        """Report a broken ring; the order once the leader has decided (or a null order after
+        ``wait_s``: ask again)."""
+        res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/regroup", rep,
+                                 params={"wait": wait_s}, headers={SESSION_HEADER: session},
+                                 timeout_s=wait_s + 10.0)
+        return _parse(res, RegroupAnswer)
 
     async def push_shard(self, job_id: str, stage: int, session: str,
                          manifest: dict[str, Any], weights: bytes,

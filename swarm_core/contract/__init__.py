@@ -26,6 +26,14 @@ from swarm_core.contract.job import (
     Topology,
     link_changes_in_all,
 )
+from swarm_core.contract.membership import (
+    MembershipChange,
+    RegroupAnswer,
+    RegroupConflict,
+    RegroupOrder,
+    RegroupReport,
+    regroup_orders,
+)
 from swarm_core.contract.metrics import (
     CodecErrors,
     JobMetrics,
@@ -67,10 +75,15 @@ __all__ = [
     "JobSubmit",
     "LayerRange",
     "LinkChange",
+    "MembershipChange",
     "Placement",
     "PlacementError",
     "ProgressList",
     "ProgressRecord",
+    "RegroupAnswer",
+    "RegroupConflict",
+    "RegroupOrder",
+    "RegroupReport",
     "Replacement",
     "Restart",
     "ShardReceipt",
@@ -84,6 +97,7 @@ __all__ = [
     "link_changes_in_all",
     "perplexity",
     "plan",
+    "regroup_orders",
     "split_layers",
     "stage_of_label",
     "stage_starts",

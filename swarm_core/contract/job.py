@@ -14,6 +14,7 @@ import attrs
 from cattrs.errors import ClassValidationError
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import JobMetrics
 from swarm_core.contract.placement import Placement
 from swarm_core.protocol import LinkLimits
@@ -218,6 +219,9 @@ class JobInfo:
     link_changes: list[LinkChange] = attrs.field(factory=list)
     # How many set-speeds it saw in all: link_changes keeps the first and the newest 199.
     link_changes_total: int = 0
+    # Several replicas: those training now (None: all), and who left at which step.
+    members: list[int] | None = None
+    membership: list[MembershipChange] = attrs.field(factory=list)
 
     @property
     def train(self) -> TrainingConfig | None:

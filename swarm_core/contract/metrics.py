@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
+from swarm_core.contract.membership import MembershipChange
 from swarm_core.schema import FieldError, sparse
 from swarm_core.validators import bounded, meta, non_negative, text_field
 
@@ -187,6 +188,8 @@ class ProgressRecord:
     eval_loss: float | None = None
     perplexity: float | None = None
     ts: float | None = None
+    # Replicas that left (or joined) from this step on (see contract/membership.py).
+    membership: list[MembershipChange] | None = None
 
     def add_stage(self, stage: int, figures: StageMetrics, cell: int | None = None,
                   key: str | None = None) -> bool:

@@ -21,6 +21,8 @@ from swarm_core.contract import (
     FellowLogTail,
     Heartbeat,
     JobStatusUpdate,
+    RegroupAnswer,
+    RegroupReport,
     StageStart,
     UnreportedFinal,
 )
@@ -461,6 +463,11 @@ class FellowDaemon:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
+    async def _regroup(self, job: str, rep: RegroupReport, wait_s: float) -> RegroupAnswer:
+        assert self.fellow_id is not None
+        return await self.client.regroup(job, self.session,
+                                         attrs.evolve(rep, fellow_id=self.fellow_id), wait_s)
+
     async def _fetch_checkpoint(self, job: str, step: int,
                                 stage: int) -> tuple[dict, bytes, bytes | None]:
         return await self.client.checkpoint(job, step, stage, self.session)
@@ -480,7 +487,8 @@ class FellowDaemon:
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
-                          links=self.links, data_roots=self.opts.data_roots)
+                          links=self.links, data_roots=self.opts.data_roots,
+                          regroup=self._regroup)
 
     async def _run_job(self, start: StageStart | str, progress: Progress,
                        attempt: int) -> None:

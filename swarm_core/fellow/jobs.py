@@ -14,7 +14,13 @@ from typing import Any
 
 import attrs
 
-from swarm_core.contract import JobStatusUpdate, SmokeTraining, StageStart
+from swarm_core.contract import (
+    JobStatusUpdate,
+    RegroupAnswer,
+    RegroupReport,
+    SmokeTraining,
+    StageStart,
+)
 
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
 # (job_id, stage, manifest, weights.npz bytes, optimizer.npz bytes or None)
@@ -78,6 +84,8 @@ class JobContext:
     # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
     fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
     links: LinkOverrides | None = None  # the daemon's; None: this job's own view of the shaper
+    # (job_id, report, wait_s) -> the leader's answer, when a stage group's ring broke
+    regroup: Callable[[str, RegroupReport, float], Awaitable[RegroupAnswer]] | None = None
     # Directories (resolved) whose files jobs may read; the daemon's always, None only for a
     # job run in-process by its own user (tests, benchmarks).
     data_roots: tuple[str, ...] | None = None

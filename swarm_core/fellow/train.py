@@ -13,14 +13,24 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from swarm_core.artifacts import shards
 from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.artifacts.shards import ShardError
-from swarm_core.contract import JobStatusUpdate, StageMetrics, StageStart, perplexity
+from swarm_core.contract import (
+    JobStatusUpdate,
+    RegroupOrder,
+    RegroupReport,
+    StageMetrics,
+    StageStart,
+    perplexity,
+)
 from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
@@ -28,6 +38,7 @@ from swarm_core.pipeline.devices import DeviceError, resolve_device
 from swarm_core.pipeline.optim import optimizer_arrays
 from swarm_core.pipeline.stage import (
     ResumeError,
+    StageDropped,
     StageSpec,
     StageStopped,
     StepReport,
@@ -38,6 +49,7 @@ from swarm_core.schema import unstructure
 log = logging.getLogger(__name__)
 
 SNAPSHOTS_IN_FLIGHT = 2  # checkpoint copies a stage may have waiting for the shard writer
+REGROUP_POLL_S = 5.0  # one wait of a regroup's long poll; the report is sent again after it
 
 
 class ShardWriteError(OSError):
@@ -205,6 +217,11 @@ class TrainJob:
             links.hold(self.training.link)
         try:
             result = await self._train()
+        except StageDropped as exc:
+            # The leader took this replica out of the job: nothing to report, and the
+            # fellow is free for the next one.
+            log.info("%s: %s", self.start.job_id, exc)
+            return
         finally:
             if self.training.link is not None:
                 # Whatever happened, the fellow's own limits come back for the next job.
@@ -308,6 +325,34 @@ class TrainJob:
         except ShardError as exc:
             raise JobRefused(f"cannot resume from step {step}: {exc}") from None
 
+    def _coordinate(self, rep: RegroupReport) -> RegroupOrder:  # the stage thread
+        """Ask the leader what to do now that the group's ring broke, until it says (a
+        regroup takes at most the heartbeat timeout once every survivor has asked). The
+        stage's own links pulse meanwhile: it waits, it is not dead."""
+        regroup = self.ctx.regroup
+        if regroup is None:
+            raise StageStopped()
+        rep = attrs.evolve(rep, fellow_id=self.ctx.fellow_id, attempt=self.start.attempt)
+        deadline = time.monotonic() + 4 * self.training.frame_timeout_s
+        while True:
+            if self.stop.is_set():
+                raise StageStopped()
+            fut = asyncio.run_coroutine_threadsafe(
+                regroup(self.start.job_id, rep, REGROUP_POLL_S), self.loop)
+            try:
+                answer = fut.result(REGROUP_POLL_S + 15.0)
+            except Exception as exc:
+                if time.monotonic() > deadline or getattr(exc, "status", None) == 409:
+                    raise StageDropped(f"no regroup order for replica {rep.replica}: "
+                                       f"{exc}") from None
+                time.sleep(0.5)
+                continue
+            if answer.order is not None:
+                return answer.order
+            if time.monotonic() > deadline:
+                raise StageDropped(f"no regroup order for replica {rep.replica} within "
+                                   f"{4 * self.training.frame_timeout_s:g}s")
+
     def _work(self) -> Any:  # the stage thread
         state, opt_state = self._restored()
         try:
@@ -316,7 +361,8 @@ class TrainJob:
                              connect_timeout=self.training.frame_timeout_s,
                              on_checkpoint=self.checkpointer.on_checkpoint,
                              start_step=self.start.resume_step, initial_state=state,
-                             initial_optimizer=opt_state)
+                             initial_optimizer=opt_state,
+                             coordinator=self._coordinate if self.spec.replicas > 1 else None)
         except BaseException as exc:
             # The traceback holds the stage's frames, and through them its model, optimiser
             # and activations; the awaiting frame holds the exception: a cycle that only a

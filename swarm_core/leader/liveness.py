@@ -66,6 +66,9 @@ class Liveness:
                     now - job.recovering.since >= self.registry.stale_after_s + 0.5:
                 self.resume(job)
             return
+        self.queue.membership.check(job)
+        if job.state is not JobState.RUNNING or job.recovering is not None:
+            return
         settled = job.watched_since is None or now - job.watched_since >= self.watch_s()
         # A held failure due now looks for its cause even inside the window: the neighbour it
         # blames has had a heartbeat timeout to be seen stale.
@@ -111,8 +114,11 @@ class Liveness:
                 return
             status = self.registry.status(rec, now)
             if status in LOST_AS:
-                self.lost(job, f"fellow {fid} ({rec.name}) {LOST_AS[status]} at step "
-                               f"{rec.current_step}")
+                reason = f"fellow {fid} ({rec.name}) {LOST_AS[status]} at step " \
+                         f"{rec.current_step}"
+                if self.queue.membership.fellow_lost(job, fid, reason):
+                    continue  # (its replica leaves; the others train on)
+                self.lost(job, reason)
                 return
 
     def blamed(self, job: JobRecord, reason: str, stage: int, blamed: int) -> None:
@@ -135,8 +141,9 @@ class Liveness:
         """A fellow process restarted under the same name: the job it ran lost its state."""
         job = self.queue.find(rec.assigned_job)
         if job is not None and job.state is JobState.RUNNING and job.recovering is None:
-            self.lost(job, f"fellow {rec.fellow_id} ({rec.name}) restarted at step "
-                           f"{rec.current_step}")
+            reason = f"fellow {rec.fellow_id} ({rec.name}) restarted at step {rec.current_step}"
+            if not self.queue.membership.fellow_lost(job, rec.fellow_id, reason):
+                self.lost(job, reason)
 
     def lost(self, job: JobRecord, reason: str) -> None:
         """A stage is gone: fail, or (resume_policy replace) stop everyone and recover."""
@@ -148,6 +155,7 @@ class Liveness:
             self.queue.finish(job, JobState.FAILED,
                               f"{reason} (after {train.max_restarts} restart(s))")
             return
+        self.queue.membership.forget(job)
         job.recovering = Recovering(time.monotonic(), reason)
         self.queue.stop_fellows(job, reason)
         job.reason = f"recovering: {reason}"
@@ -178,6 +186,7 @@ class Liveness:
                                     replaced=replaced, at=time.time()))
         job.placement = placement
         job.attempt += 1
+        job.members, job.epoch = None, 0  # (the new attempt runs every replica again)
         job.data_key, job.resume_step = starts[0].key, step
         job.recovering = None
         job.done_stages = []

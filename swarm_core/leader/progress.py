@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.contract import JobStatusUpdate, ProgressRecord, StageMetrics
+from swarm_core.contract import JobStatusUpdate, MembershipChange, ProgressRecord, StageMetrics
 from swarm_core.contract.job import export_complete, in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL
 from swarm_core.leader.records import JobRecord
@@ -86,13 +86,7 @@ class ProgressBook:
         replacing it."""
         assert job.placement is not None
         p = job.placement
-        rec = job.current.get(upd.step)
-        if rec is None:
-            stored = self.store.progress_record(job.job_id, upd.step)
-            rec = ProgressRecord(step=upd.step) if stored is None else _load(stored)
-            job.current[upd.step] = rec
-            for old in sorted(job.current)[:-OPEN_STEPS]:
-                del job.current[old]
+        rec = self._open(job, upd.step)
         figures = upd.metrics
         if figures.eval_loss is not None:
             rec.add_eval(figures.eval_loss)
@@ -115,6 +109,23 @@ class ProgressBook:
                 rec.step_seconds = figures.step_seconds
                 rec.lr = figures.lr
         self.store.put_progress(job.job_id, upd.step, unstructure(rec))
+
+    def membership(self, job: JobRecord, change: MembershipChange) -> None:
+        """A replica left or joined: noted in the record of the first step it changes."""
+        rec = self._open(job, change.step)
+        rec.membership = [*(rec.membership or []), change]
+        self.store.put_progress(job.job_id, change.step, unstructure(rec))
+
+    def _open(self, job: JobRecord, step: int) -> ProgressRecord:
+        """The record of ``step`` being assembled: kept in memory with the newest few."""
+        rec = job.current.get(step)
+        if rec is None:
+            stored = self.store.progress_record(job.job_id, step)
+            rec = ProgressRecord(step=step) if stored is None else _load(stored)
+            job.current[step] = rec
+            for old in sorted(job.current)[:-OPEN_STEPS]:
+                del job.current[old]
+        return rec
 
     def rows(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
         """The stored records as they were written (unstructured ProgressRecords): passed on

@@ -37,6 +37,7 @@ from swarm_core.contract import (
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.liveness import Liveness
+from swarm_core.leader.membership import Membership
 from swarm_core.leader.progress import ProgressBook, RunFiles
 from swarm_core.leader.reconcile import Reconciler
 from swarm_core.leader.records import JobRecord
@@ -94,6 +95,7 @@ class JobQueue:
         self.progress = ProgressBook(store)
         self.files = RunFiles(runs_dir)
         self.liveness = Liveness(self, registry, runs_dir)
+        self.membership = Membership(self)
         self.reconciler = Reconciler(self, registry)
         # Every job, and each open one by state, in queue order (rows load by seq, and a new
         # job has the highest); the finished ones in the order they finished. The dispatcher,
@@ -207,6 +209,7 @@ class JobQueue:
             latest_shard_pushes=job.latest_shard_pushes, attempt=job.attempt,
             restarts=job.restarts, link_changes=job.link_changes,
             link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
+            members=job.members, membership=job.membership,
         )
 
     def waiting_for(self, job: JobRecord, order: QueueOrder | None = None) -> str:
@@ -314,6 +317,9 @@ class JobQueue:
         # A fellow's words reach terminals (swarm job, watch, the console): shown, not obeyed.
         msg = f": {printable(upd.message)}" if upd.message else ""
         reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
+        if self.membership.cell_lost(job, stage, replica, reason):
+            self.save(job, quiet=True)
+            return  # (its replica leaves; the others train on)
         blamed = upd.blames_stage
         # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway and
         # names the fellows it lost from their status.
@@ -336,6 +342,8 @@ class JobQueue:
         if len(set(job.done_stages)) >= len(job.placement.stages):
             grid = f"{job.num_stages} stage(s)" + (
                 f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
+            if job.members is not None and len(job.members) < job.placement.replicas:
+                grid += f" ({job.placement.replicas - len(job.members)} replica(s) left)"
             reason = printable(upd.message) if job.kind == "smoke" else \
                 f"all {grid} finished at step {job.last_step}"
             self.finish(job, JobState.COMPLETED, reason)
@@ -471,6 +479,7 @@ class JobQueue:
         self._finished_count[state] += 1
         self._order = None
         job.held = None
+        self.membership.forget(job)
         if was_running:
             self.stop_fellows(job, reason)
         self.save(job)

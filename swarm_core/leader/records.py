@@ -15,6 +15,7 @@ from swarm_core.contract import (
     JobMetrics,
     JobSubmit,
     LinkChange,
+    MembershipChange,
     Placement,
     ProgressRecord,
     Restart,
@@ -73,6 +74,11 @@ class JobRecord:
     resume_step: int = 0
     held: HeldFailure | None = None
     recovering: Recovering | None = None
+    # A job of several replicas: those training now (None: all of them), how many regroups
+    # this attempt has had, and who left or joined at which step.
+    members: list[int] | None = None
+    epoch: int = 0
+    membership: list[MembershipChange] = attrs.field(factory=list)
     # Leader-local, not stored: when this leader process began watching the run (restart
     # grace), when a fellow last said it runs the attempt, and the steps being assembled from
     # the stages' reports.

@@ -27,6 +27,8 @@ from swarm_core.contract import (
     JobStatusUpdate,
     JobSubmit,
     ProgressList,
+    RegroupAnswer,
+    RegroupReport,
 )
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
@@ -369,6 +371,19 @@ async def job_status(request: web.Request) -> web.Response:
     return ok(st.jobs.info(job))
 
 
+async def regroup(request: web.Request) -> web.Response:
+    st = _state(request)
+    rep = await read_body(request, RegroupReport)
+    st.registry.by_session(request.headers.get(SESSION_HEADER), rep.fellow_id)
+    wait = _float_query(request, "wait", 0.0, MAX_POLL_S)
+    job = st.jobs.get(request.match_info["job_id"])
+    order = st.jobs.membership.report(job, rep)
+    if order is None and wait > 0:
+        await st.jobs.membership.wait(job, wait)
+        order = st.jobs.membership.answer(job, rep)
+    return ok(RegroupAnswer(order=order))
+
+
 async def push_shard(request: web.Request) -> web.Response:
     from swarm_core.leader.uploads import checkpoint_dir, publish, receive_shard
 
@@ -579,6 +594,12 @@ ROUTES: tuple[Route, ...] = (
           response=JobInfo, errors=(404, 409)),
     Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",
           body=JobStatusUpdate, response=JobInfo, fellow_session=True,
+          errors=(400, 401, 403, 404, 409)),
+    Route("POST", f"{A}/jobs/{{job_id}}/regroup", regroup,
+          "A replica whose stage group's ring broke says where it stands; the answer, once "
+          "every cell is accounted for, is the replicas it trains with from now on",
+          body=RegroupReport, response=RegroupAnswer, fellow_session=True,
+          query=(("wait", "number", f"seconds to wait for the answer, at most {MAX_POLL_S:g}"),),
           errors=(400, 401, 403, 404, 409)),
     Route("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}", push_shard,
           "A fellow pushes its stage's latest weights (multipart: manifest, weights, optimizer)",

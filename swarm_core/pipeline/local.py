@@ -11,12 +11,87 @@ from typing import Any
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import chain_starts
+from swarm_core.contract.membership import (
+    MembershipChange,
+    RegroupConflict,
+    RegroupOrder,
+    RegroupReport,
+    regroup_orders,
+)
 from swarm_core.data import TokenData
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.stage import StageResult, StageSpec, StepReport, run_stage
+from swarm_core.pipeline.stage import (
+    StageDropped,
+    StageResult,
+    StageSpec,
+    StageStopped,
+    StepReport,
+    run_stage,
+)
 
-__all__ = ["run_local_pipeline"]
+__all__ = ["LocalCoordinator", "run_local_pipeline"]
+
+
+class LocalCoordinator:
+    """What the leader does for a job of several replicas when a member is lost, for the
+    cells of one process: it gathers the survivors' reports and, once every cell of the
+    current members has reported or ended, answers each with the one rule of
+    ``contract/membership.py``. ``changes`` records who left at which step."""
+
+    def __init__(self, stages: int, replicas: int, stop: threading.Event) -> None:
+        self.stages, self.stop = stages, stop
+        self.members = list(range(replicas))
+        self.epoch = 0
+        self.changes: list[MembershipChange] = []
+        self._cond = threading.Condition()
+        self._reports: dict[tuple[int, int], RegroupReport] = {}
+        self._ended: set[tuple[int, int]] = set()
+        self._orders: dict[tuple[int, int], RegroupOrder | Exception] = {}
+
+    def cell_ended(self, stage: int, replica: int) -> None:
+        """A cell's thread ended in an error: its chain is out."""
+        with self._cond:
+            self._ended.add((stage, replica))
+            self._decide()
+            self._cond.notify_all()
+
+    def __call__(self, report: RegroupReport) -> RegroupOrder:
+        cell = (report.stage, report.replica)
+        with self._cond:
+            self._reports[cell] = report
+            self._decide()
+            self._cond.notify_all()
+            while cell not in self._orders:
+                if self.stop.is_set():
+                    raise StageStopped()
+                self._cond.wait(0.1)
+            order = self._orders.pop(cell)
+        if isinstance(order, Exception):
+            raise order
+        return order
+
+    def _decide(self) -> None:
+        cells = {(s, r) for s in range(self.stages) for r in self.members}
+        if not self._reports or cells - self._reports.keys() - self._ended:
+            return
+        broken = {r for _s, r in self._ended}
+        try:
+            members, orders = regroup_orders(self._reports, self.stages, broken, self.epoch + 1)
+            if not members:
+                raise RegroupConflict("no replica is left")
+        except RegroupConflict as exc:
+            self._orders.update({c: exc for c in self._reports})
+            self._reports.clear()
+            return
+        # (1-based, as steps are counted in reports: the first step without those who left)
+        step = 1 + min(r.op_step for r in self._reports.values() if r.replica in members)
+        self.changes.append(MembershipChange(
+            step=step, epoch=self.epoch + 1, members=members,
+            left=[r for r in self.members if r not in members], at=time.time()))
+        self.epoch, self.members = self.epoch + 1, members
+        self._orders.update(orders)
+        self._reports.clear()
 
 
 def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
@@ -29,7 +104,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        stage_kwargs: Mapping[int, dict[str, Any]] | None = None,
                        on_step: Callable[[int, StepReport], None] | None = None,
                        timeout: float = 60.0,
-                       replicas: int = 1) -> dict[int, StageResult | BaseException]:
+                       replicas: int = 1,
+                       coordinator: LocalCoordinator | None = None
+                       ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
     end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
     for one replica), ``run_stage``'s :class:`StageResult` or the exception that ended it; the
@@ -42,7 +119,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     fellow's set-speed would; unshaped by default). Raises TimeoutError if a stage is still
     running after ``timeout`` seconds.
 
-    Each cell is a fellow of its own, and its START is built as the leader builds one."""
+    Each cell is a fellow of its own, and its START is built as the leader builds one.
+    With ``coordinator`` (replicas), a cell that fails does not stop the others: its replica
+    leaves, and the other replicas go on (a dropped cell's result is its StageDropped)."""
     cells = num_stages * replicas
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:
@@ -65,10 +144,14 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
             results[s] = run_stage(spec, mine, shaping[s], listeners[s], stop,
                                    (lambda r: on_step(s, r)) if on_step else (lambda r: None),
                                    connect_timeout=training.frame_timeout_s,
+                                   coordinator=coordinator,
                                    **(stage_kwargs or {}).get(s, {}))
         except Exception as exc:
             results[s] = exc
-            stop.set()
+            if coordinator is None:
+                stop.set()
+            elif not isinstance(exc, StageDropped):
+                coordinator.cell_ended(spec.stage, spec.replica)
 
     threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
                for s in range(cells)]

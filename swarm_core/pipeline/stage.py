@@ -19,6 +19,7 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
+from swarm_core.contract.membership import RegroupOrder, RegroupReport
 from swarm_core.data import TokenData
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.devices import resolve_device
@@ -39,7 +40,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
-from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring
+from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring, RingBroken
 from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
@@ -66,6 +67,15 @@ PREPARE_AFTER = 60
 
 class StageStopped(Exception):
     """The leader said STOP (or the job was cancelled)."""
+
+
+class StageDropped(Exception):
+    """This cell's replica left the job (its chain lost a stage): the others train on."""
+
+
+# A cell whose group's ring broke asks this for its order (blocking; see contract/membership):
+# the leader through its fellow, or run_local_pipeline's coordinator.
+Coordinator = Callable[[RegroupReport], RegroupOrder]
 
 
 @attrs.define
@@ -130,6 +140,10 @@ class StageSpec:
     replicas: int = 1
     ring_next_addr: str | None = None
     local_ring: bool = False
+    # Every replica of this stage (by replica): where it listens, and whether it runs in this
+    # fellow; a regroup rings the members that are left.
+    group_addrs: tuple[str | None, ...] = ()
+    group_local: tuple[bool, ...] = ()
 
     @property
     def reads_tokens(self) -> bool:
@@ -157,13 +171,16 @@ class StageSpec:
             training = attrs.evolve(training, threads=threads)
         mine = start.mine
         ring_next = start.ring_next
+        group = [start.placement.cell(start.stage, r) for r in range(start.replicas)]
         return cls(job_id=start.job_id, key=start.key, stage=start.stage,
                    num_stages=start.num_stages, layers=mine.layers.as_tuple(),
                    downstream_addr=start.downstream_addr, model=start.model, training=training,
                    device=mine.device, local_up=start.local_up, local_down=start.local_down,
                    replica=start.replica, replicas=start.replicas,
                    ring_next_addr=None if ring_next is None else ring_next.data_addr,
-                   local_ring=start.local_ring)
+                   local_ring=start.local_ring,
+                   group_addrs=tuple(c.data_addr for c in group),
+                   group_local=tuple(start.placement.same_fellow(mine, c) for c in group))
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
@@ -277,6 +294,64 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     return links
 
 
+def ring_tag(job_id: str, epoch: int) -> int:
+    """The handshake tag of a group's ring: the job's, and after a regroup one of the new
+    membership's own (a dial meant for an earlier ring cannot join this one)."""
+    return job_tag(job_id if epoch == 0 else f"{job_id}#membership-{epoch}")
+
+
+def open_ring(spec: StageSpec, members: list[int], epoch: int, shaper: LinkShaper,
+              listener: DataListener | None, stop: threading.Event, timeout: float,
+              liveness: Liveness, max_payload: int) -> tuple[PeerLink | None, PeerLink | None]:
+    """The links to the next and from the previous member of the group's ring after a regroup
+    (none when one member is left): dialled and accepted side by side, as ``open_links``
+    does, shaped like the pipeline's."""
+    n = len(members)
+    if n == 1:
+        return None, None
+    rank = members.index(spec.replica)
+    nxt, prev = members[(rank + 1) % n], members[(rank - 1) % n]
+    tag = ring_tag(spec.job_id, epoch)
+    pulse = spec.training.frame_timeout_s / 4
+
+    def shaping(replica: int) -> LinkShaper:
+        return LinkShaper() if spec.group_local[replica] else shaper
+
+    assert listener is not None
+    accepted: dict[str, Any] = {}
+    cancel = threading.Event()
+
+    def take() -> None:
+        try:
+            accepted.update(listener.accept_many(
+                spec.key, tag, [Expected("ring", spec.stage, prev, shaping(prev), max_payload,
+                                         receives=(Kind.SYNC,))],
+                timeout, abort=stop, pulse_s=pulse, liveness=liveness, cancel=cancel))
+        except BaseException as exc:  # (re-raised below)
+            accepted["error"] = exc
+
+    acceptor = threading.Thread(target=take, name="ring-accept", daemon=True)
+    acceptor.start()
+    send = None
+    try:
+        addr = spec.group_addrs[nxt]
+        assert addr is not None
+        send = connect(addr, spec.key, spec.stage, tag, shaping(nxt), timeout, abort=stop,
+                       receives=(), pulse_s=pulse, liveness=liveness, ring=(spec.replica, nxt))
+    except BaseException:
+        cancel.set()
+        raise
+    finally:
+        acceptor.join()
+        if send is None or "error" in accepted:
+            for link in (send, accepted.get("ring")):
+                if link is not None:
+                    link.close()
+    if "error" in accepted:
+        raise accepted["error"]
+    return send, accepted["ring"]
+
+
 class _LinkOpener:
     """``open_links`` in a thread of its own, begun before the stage loads its data and builds
     its model, so the neighbours are linked however long each stage takes to prepare, instead
@@ -378,6 +453,13 @@ class StageRunner:
         self.sync: GradientAverage | OuterStep | None = None
         self.links = StageLinks()
         self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
+        # The group's membership (see contract/membership.py): the replicas that train, the
+        # number of regroups so far, and the step of the last synchronisation committed.
+        self.members = list(range(spec.replicas))
+        self.epoch = 0
+        self.synced_step = -1
+        self.coordinator: Coordinator | None = None
+        self.listener: DataListener | None = None
 
     def take_links(self, links: StageLinks) -> None:
         """The stage's links, once open; with replicas, its group's ring over two of them."""
@@ -396,6 +478,59 @@ class StageRunner:
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
                                       sync.outer_momentum)
             links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
+
+    @property
+    def leads(self) -> bool:
+        """The first member left: it evaluates and checkpoints for its group (whose replicas
+        hold the same weights)."""
+        return self.spec.replica == self.members[0]
+
+    def _synchronised(self, step: int, op: Callable[[], tuple[int, float] | None]
+                      ) -> tuple[int, float] | None:
+        """Run the group's synchronisation ``op``; where its ring breaks, regroup and commit
+        or do it again over the new ring, as the order says."""
+        while True:
+            try:
+                out = op()
+            except RingBroken as exc:
+                if self.coordinator is None:
+                    raise exc.cause from None
+                if self._regroup(exc):
+                    assert self.sync is not None
+                    self.sync.commit()
+                    out = (0, 0.0)
+                else:
+                    continue
+            if out is not None:
+                self.synced_step = step
+            return out
+
+    def _regroup(self, exc: RingBroken) -> bool:
+        """Report where this cell stands, wait for its order, and ring the members left.
+        Returns whether to commit the broken operation's result (else: do it again)."""
+        assert self.coordinator is not None and self.sync is not None
+        spec = self.spec
+        self._close_ring()
+        order = self.coordinator(RegroupReport(
+            fellow_id=0, stage=spec.stage, replica=spec.replica, epoch=self.epoch,
+            op_step=exc.step, synced_step=self.synced_step, finished=exc.finished))
+        self._check_stop()
+        if order.drop or spec.replica not in order.members:
+            raise StageDropped(f"replica {spec.replica} left the job at step {exc.step}")
+        self.epoch, self.members = order.epoch, list(order.members)
+        rank, n = self.members.index(spec.replica), len(self.members)
+        self.sync.rewire(None, None, rank, n)  # (its chunks, hence its frames, grow)
+        send, recv = open_ring(spec, self.members, self.epoch, self.shaper, self.listener,
+                               self.stop, spec.training.frame_timeout_s, self.liveness,
+                               max(NORM_PAYLOAD, self.sync.max_payload))
+        self.links.ring_next, self.links.ring_prev = send, recv
+        self.sync.rewire(send, recv, rank, n)
+        return order.commit
+
+    def _close_ring(self) -> None:
+        for link in (self.links.ring_next, self.links.ring_prev):
+            if link is not None:
+                link.close()
 
     # links -----------------------------------------------------------------------------------
 
@@ -538,15 +673,18 @@ class StageRunner:
         if self.wgrad is not None:
             self.wgrad.drain()
         synced = None
-        if self.sync is not None:
-            synced = self.sync.after_backward(step, t.frame_timeout_s)
+        sync = self.sync
+        if sync is not None:
+            synced = self._synchronised(
+                step, lambda: sync.after_backward(step, t.frame_timeout_s))
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.sync is not None:
-            synced = self.sync.after_step(step, step + 1 == t.steps, t.frame_timeout_s) \
-                or synced
+        if sync is not None:
+            last = step + 1 == t.steps
+            synced = self._synchronised(
+                step, lambda: sync.after_step(step, last, t.frame_timeout_s)) or synced
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
@@ -587,7 +725,7 @@ class StageRunner:
         replicas of a stage hold the same weights: the first replica's chain evaluates for
         all, on the micro-batches a job of one replica evaluates on."""
         t = self.spec.training
-        if t.eval_batches == 0 or not self.spec.leads:
+        if t.eval_batches == 0 or not self.leads:
             return None
         self.module.eval()
         timeout = t.frame_timeout_s
@@ -635,7 +773,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               | None = None,
               start_step: int = 0,
               initial_state: dict[str, torch.Tensor] | None = None,
-              initial_optimizer: dict[str, np.ndarray] | None = None) -> StageResult:
+              initial_optimizer: dict[str, np.ndarray] | None = None,
+              coordinator: Coordinator | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
@@ -648,12 +787,16 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     ``data`` may be a loader, called in this thread once the links are being opened (a BPE
     tokenizer trained on a cold cache can take longer than the neighbours' dial timeout; the
     links pulse meanwhile, for up to PREPARE_AFTER frame timeouts).
-    A stage that fails before its links are up sets ``stop``, which ends their dial."""
+    A stage that fails before its links are up sets ``stop``, which ends their dial.
+
+    ``coordinator``: with replicas, where the cell asks what to do when its group's ring
+    breaks (a member died); without one, a broken ring fails the stage."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
     opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
+        runner.coordinator, runner.listener = coordinator, listener
         _restore(runner, initial_state, initial_optimizer)
     except BaseException:
         stop.set()
@@ -684,16 +827,16 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            start_step: int) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
-    # The replicas of a stage hold the same weights: the first one checkpoints for its group.
-    if not runner.spec.leads:
-        on_checkpoint = None
     t0 = time.perf_counter()
     for step in range(start_step, t.steps):
         rep = runner.train_step(step)
         reports.append(rep)
         on_step(rep)
         every = t.shard_push_interval_steps
-        if on_checkpoint is not None and every and rep.step % every == 0 and rep.step != t.steps:
+        # The replicas of a stage hold the same weights: the first member checkpoints for its
+        # group.
+        if on_checkpoint is not None and runner.leads and every and rep.step % every == 0 \
+                and rep.step != t.steps:
             on_checkpoint(rep.step, runner.module, runner.opt)
         if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
             ev = runner.evaluate(rep.step)
@@ -701,7 +844,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
                 on_eval(rep.step, ev)
     eval_loss = runner.evaluate(t.steps)
     wall = time.perf_counter() - t0
-    if on_checkpoint is not None:
+    if on_checkpoint is not None and runner.leads:
         on_checkpoint(t.steps, runner.module, runner.opt)
     result = _summary(runner, reports, wall, start_step)
     if eval_loss is not None:

@@ -9,6 +9,12 @@ into R chunks; R-1 rounds of reduce-scatter leave each replica the sum of one ch
 of all-gather hand every sum round, so each replica sends 2(R-1)/R of the buffer a step, the
 least a ring can. Each chunk crosses coded by the group's codec (``training.sync.compression``),
 and what arrives is summed in float32 after decoding.
+
+A result is applied only once every member has it: after the last round, R-1 rounds of a
+four-byte frame carry each member's "finished" around the ring (the confirmation). A member
+that dies mid-operation thus leaves the survivors either all unconfirmed, each still holding
+its own part, or some confirmed and every other finished (see ``contract/membership.py``);
+either way the group agrees on what the operation did once it regroups (:class:`RingBroken`).
 """
 
 from __future__ import annotations
@@ -21,9 +27,27 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm_core.pipeline.codecs import FP32_WIRE as FP32
 from swarm_core.pipeline.codecs import WireCodec
 from swarm_core.pipeline.frames import HEADER_SIZE, Kind
-from swarm_core.pipeline.transport import PeerLink
+from swarm_core.pipeline.transport import LinkClosed, PeerLink, PeerTimeout
+
+CONFIRM_ROUND = 1 << 30  # the confirmation's frames' first round number (after every bucket's)
+_LINK_FAULTS = (LinkClosed, PeerTimeout, OSError)
+
+
+class RingBroken(Exception):
+    """A synchronisation of the stage group broke on a member's link (it closed, broke or went
+    quiet). ``finished``: this member had the operation's whole result, unconfirmed."""
+
+    def __init__(self, step: int, finished: bool, cause: BaseException) -> None:
+        super().__init__(f"the group's ring broke at step {step}: {cause}")
+        self.step, self.finished, self.cause = step, finished, cause
+
+
+def confirm_bytes(replicas: int) -> int:
+    """What one member sends to confirm an operation: R-1 frames of one float32."""
+    return (replicas - 1) * (HEADER_SIZE + 4)
 
 
 def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -55,8 +79,9 @@ def ring_payload_bytes(n: int, replicas: int, codec: WireCodec, rank: int = 0) -
 class Ring:
     """The all-reduce (mean) of tensors over a stage group, around its ring."""
 
-    def __init__(self, sizes: Sequence[int], send: PeerLink, recv: PeerLink, rank: int,
-                 replicas: int, codec: WireCodec, device: torch.device, base: int = 0) -> None:
+    def __init__(self, sizes: Sequence[int], send: PeerLink | None, recv: PeerLink | None,
+                 rank: int, replicas: int, codec: WireCodec, device: torch.device,
+                 base: int = 0) -> None:
         self.send, self.recv = send, recv
         self.rank, self.replicas, self.codec = rank, replicas, codec
         self.base = base  # its frames' first round number (a bucket's, after those before it)
@@ -75,28 +100,63 @@ class Ring:
                                              self.rank)
         return frames * HEADER_SIZE + payload
 
-    def mean_(self, step: int, timeout: float,
-              tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
-        """Replace each of ``tensors`` (in this order on every replica) by its mean over the
-        group. Returns the bytes this replica sent and the seconds it took (its wait for the
-        group included)."""
+    def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
+               replicas: int) -> None:
+        """The group's new ring, after a regroup (one member: no links, nothing crosses)."""
+        self.send, self.recv, self.rank, self.replicas = send, recv, rank, replicas
+        self.chunks = chunk_bounds(self.flat.numel(), replicas)
+
+    def sent(self) -> int:
+        return self.send.sent if self.send is not None else 0
+
+    def reduce_(self, step: int, timeout: float,
+                tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """The group's mean of each of ``tensors`` (in this order on every replica), held in
+        this ring's buffer until :meth:`put_back`: the tensors keep this member's own part.
+        Returns the bytes this replica sent and the seconds it took (its wait for the group
+        included)."""
         t0 = time.perf_counter()
-        sent0 = self.send.sent
+        sent0 = self.sent()
         off = 0
         for t in tensors:
             self.flat[off:off + t.numel()].copy_(t.reshape(-1))
             off += t.numel()
         n = self.replicas
-        for i, out in enumerate(ring_chunks_sent(self.rank, n)):
+        for i, out in enumerate(ring_chunks_sent(self.rank, n) if n > 1 else []):
             # Round i receives the chunk the previous replica sends in it: reduce-scatter
             # sums those into ours, all-gather takes them as they are.
             self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1)
         self.flat.div_(n)
+        return self.sent() - sent0, time.perf_counter() - t0
+
+    def put_back(self, tensors: Sequence[torch.Tensor]) -> None:
         off = 0
         for t in tensors:
             t.copy_(self.flat[off:off + t.numel()].view_as(t))
             off += t.numel()
-        return self.send.sent - sent0, time.perf_counter() - t0
+
+    def mean_(self, step: int, timeout: float,
+              tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
+        """:meth:`reduce_`, the result written back at once (no confirmation)."""
+        out = self.reduce_(step, timeout, tensors)
+        self.put_back(tensors)
+        return out
+
+    def confirm(self, step: int, timeout: float) -> tuple[int, float]:
+        """Returns once every member has said it finished this step's operation: each sends
+        its own word in the first round and passes on the one it got in each later one, so
+        after R-1 rounds each has heard from all."""
+        t0 = time.perf_counter()
+        sent0 = self.sent()
+        word = torch.ones(1)
+        for i in range(self.replicas - 1):
+            assert self.send is not None and self.recv is not None
+            self.send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, word, FP32)
+            _, word = self.recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout,
+                                            None, (1,))
+        if self.send is not None:
+            self.send.flush(timeout)
+        return self.sent() - sent0, time.perf_counter() - t0
 
     def _chunk(self, i: int) -> torch.Tensor:
         a, b = self.chunks[i % self.replicas]
@@ -104,6 +164,7 @@ class Ring:
 
     def _exchange(self, step: int, round_: int, out: int, into: int, timeout: float,
                   add: bool) -> None:
+        assert self.send is not None and self.recv is not None
         self.send.send_tensor(Kind.SYNC, step, round_, self._chunk(out), self.codec)
         target = self._chunk(into)
         _, got = self.recv.recv_tensor(Kind.SYNC, step, round_, timeout, target.device,
@@ -142,9 +203,9 @@ class GradientAverage:
     are still being computed (DDP's overlap); the rest go after the backward, in the same
     order on every replica (their frames are numbered by bucket and round)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], send: PeerLink, recv: PeerLink,
-                 rank: int, replicas: int, codec: WireCodec, device: torch.device,
-                 bucket_bytes: int) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
+                 recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
+                 device: torch.device, bucket_bytes: int) -> None:
         self.params = list(params)
         self.buckets = buckets_of([p.numel() for p in self.params], bucket_bytes)
         rounds = 2 * (replicas - 1)
@@ -168,7 +229,14 @@ class GradientAverage:
         return max(r.max_payload for r in self.rings)
 
     def expected_bytes(self) -> int:
-        return sum(r.expected_bytes() for r in self.rings)
+        return sum(r.expected_bytes() for r in self.rings) + confirm_bytes(self.rings[0].replicas)
+
+    def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
+               replicas: int) -> None:
+        rounds = 2 * (replicas - 1)
+        for k, ring in enumerate(self.rings):
+            ring.rewire(send, recv, rank, replicas)
+            ring.base = k * rounds
 
     def arm(self, step: int, timeout: float) -> None:
         """The next backward is the step's last: send each bucket as it completes."""
@@ -189,16 +257,21 @@ class GradientAverage:
         self._next += 1
         self._jobs.put((k, self._step, self._timeout))
 
+    def _grads(self, k: int) -> list[torch.Tensor]:
+        return [self.params[i].grad for i in self.buckets[k]]  # type: ignore[misc]
+
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             k, step, timeout = job
             try:
-                grads = [self.params[i].grad for i in self.buckets[k]]
-                self._done.put(self.rings[k].mean_(step, timeout, grads))  # type: ignore[arg-type]
+                self._done.put(self.rings[k].reduce_(step, timeout, self._grads(k)))
             except BaseException as exc:  # (handed to the stage's thread, raised there)
                 self._done.put(exc)
 
     def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
+        """Every bucket's mean over the group, confirmed, into the gradients. On a broken ring
+        (RingBroken) the gradients still hold this member's own: the step can be done again
+        over a new ring, or :meth:`commit` what this member already holds."""
         if not self._armed:  # (every bucket goes now)
             self._next, self._step, self._timeout = 0, step, timeout
         self._armed = False
@@ -212,13 +285,33 @@ class GradientAverage:
         for _ in self.buckets:
             got = self._done.get()
             if isinstance(got, BaseException):
+                if error is None and isinstance(got, _LINK_FAULTS):
+                    self._close_ring()  # (the buckets still queued fail at once)
                 error = error or got
             else:
                 sent += got[0]
         if error is not None:
+            if isinstance(error, _LINK_FAULTS):
+                raise RingBroken(step, False, error)
             raise error
+        try:
+            sent += self.rings[0].confirm(step, timeout)[0]
+        except _LINK_FAULTS as exc:
+            raise RingBroken(step, True, exc) from None
+        self.commit()
         # What the step waited for the group: the time the buckets took after the backward.
         return sent, time.perf_counter() - t0
+
+    def commit(self) -> None:
+        """Apply the group's mean, which every bucket holds (this member finished)."""
+        for k, ring in enumerate(self.rings):
+            ring.put_back(self._grads(k))
+
+    def _close_ring(self) -> None:
+        ring = self.rings[0]
+        for link in (ring.send, ring.recv):
+            if link is not None:
+                link.close()
 
     def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
         return None
@@ -242,13 +335,18 @@ class OuterStep:
         self.params, self.ring, self.inner_steps = list(params), ring, inner_steps
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
+        self._deltas: list[torch.Tensor] = []
 
     @property
     def max_payload(self) -> int:
         return self.ring.max_payload
 
     def expected_bytes(self) -> int:
-        return self.ring.expected_bytes()
+        return self.ring.expected_bytes() + confirm_bytes(self.ring.replicas)
+
+    def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
+               replicas: int) -> None:
+        self.ring.rewire(send, recv, rank, replicas)
 
     def arm(self, step: int, timeout: float) -> None:
         pass  # (nothing crosses during a backward: the change is averaged every H steps)
@@ -256,21 +354,40 @@ class OuterStep:
     def after_backward(self, step: int, timeout: float) -> tuple[int, float] | None:
         return None
 
+    def syncs_at(self, step: int, last: bool) -> bool:
+        return not (step + 1) % self.inner_steps or last
+
     @torch.no_grad()
     def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
         """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
-        at the end."""
-        if (step + 1) % self.inner_steps and not last:
+        at the end. On a broken ring (RingBroken) nothing has changed: the weights and the
+        anchor are as before, so the outer step can be done again over a new ring, or
+        :meth:`commit` what this member already holds."""
+        if not self.syncs_at(step, last):
             return None
-        deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
-                                                           strict=True)]
-        synced = self.ring.mean_(step, timeout, deltas)
-        for a, d in zip(self.anchor, deltas, strict=True):
+        self._deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
+                                                                strict=True)]
+        try:
+            sent, seconds = self.ring.reduce_(step, timeout, self._deltas)
+        except _LINK_FAULTS as exc:
+            raise RingBroken(step, False, exc) from None
+        try:
+            more, wait = self.ring.confirm(step, timeout)
+        except _LINK_FAULTS as exc:
+            raise RingBroken(step, True, exc) from None
+        self.commit()
+        return sent + more, seconds + wait
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """The outer step from the group's mean change, which this member holds."""
+        self.ring.put_back(self._deltas)
+        for a, d in zip(self.anchor, self._deltas, strict=True):
             a.grad = d
         self.opt.step()
         for p, a in zip(self.params, self.anchor, strict=True):
             p.copy_(a)
-        return synced
+        self._deltas = []
 
     def close(self) -> None:
         pass

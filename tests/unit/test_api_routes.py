@@ -1565,5 +1565,61 @@ def test_every_route_has_a_test():
         ("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}"),  # test_resume
         ("GET", f"{A}/jobs/{{job_id}}/export"),  # tests/unit/test_shards.py
         ("GET", f"{A}/jobs/{{job_id}}/export/{{stage}}/{{part}}"),  # tests/unit/test_shards.py
+        ("POST", f"{A}/jobs/{{job_id}}/regroup"),
     }
     assert {(r.method, r.path) for r in ROUTES} == covered
+
+
+async def _regroup(api: TestClient, job_id: str, reg: dict[str, Any], replica: int,
+                   wait: float = 0.0, **extra: Any):
+    body = {"fellow_id": reg["fellow_id"], "stage": 0, "replica": replica, **extra}
+    return await api.post(f"{A}/jobs/{job_id}/regroup", json=body, params={"wait": str(wait)},
+                          headers=reg["headers"])
+
+
+async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
+    """Three replicas of one stage: replica 2's cell fails; the two survivors report their
+    broken ring at the same step, neither having committed it. The first is told to ask again
+    (the second is not in yet); the second's report decides the round: both go on as members
+    [0, 1] and do the step again. A survivor that asks again gets the same answer; the job
+    runs on, records the change, the step's record has it, and the fellow that left is free."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7000 + i}")
+               for i in range(3)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
+            "topology": {"stages": 1, "replicas": 3}}
+    job = await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201)
+    jid = job["job_id"]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING"
+    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                  for c in job["placement"]["stages"]}
+    # Not a member of the job, or a membership that is over: refused, nothing changes.
+    outsider = await register(api, "x", data_addr="127.0.0.1:7100")
+    assert (await _regroup(api, jid, outsider, 0)).status == 409
+    assert (await _regroup(api, jid, by_replica[0], 0, epoch=3)).status == 409
+    resp = await report(api, jid, by_replica[2], "FAILED", step=4, stage=0, replica=2,
+                        message="LinkClosed: link to stage 0 replica 1 closed")
+    assert resp.status == 200, await resp.text()
+    assert (await get_job(api, jid))["state"] == "RUNNING"  # (no recovery, no failure)
+    first = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=5,
+                                           synced_step=3))
+    assert first["order"] is None
+    second = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0, op_step=5,
+                                            synced_step=3, finished=True))
+    order = {"epoch": 1, "members": [0, 1], "commit": False, "drop": False}
+    assert second["order"] == order
+    again = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=5,
+                                           synced_step=3))
+    assert again["order"] == order
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING" and job["members"] == [0, 1]
+    [change] = job["membership"]
+    assert (change["step"], change["left"], change["members"]) == (6, [2], [0, 1])
+    assert "LinkClosed" in change["reason"]
+    records = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))
+    assert [r["membership"][0]["left"] for r in records["records"] if r.get("membership")] \
+        == [[2]]
+    # Its fellow is free again: a ready fellow for the next job (or to join this one).
+    assert (await get_fellow(api, by_replica[2]["fellow_id"]))["current_job"] is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.contract import CodecErrors, ProgressRecord
+from swarm_core.contract import CodecErrors, MembershipChange, ProgressRecord
 from swarm_core.experiments import runner
 from swarm_core.experiments.runner import PROGRESS_FIELDS, PROGRESS_NOT_WRITTEN, progress_line
 from swarm_core.schema import unstructure
@@ -25,7 +25,8 @@ def _full_record() -> ProgressRecord:
         replica_losses={"0": 2.4, "1": 2.6}, tokens_per_s=900.0, step_seconds=0.5, lr=1e-3,
         activation_peak_bytes={"0.0": 5}, wait_seconds={"0.0": 0.1},
         stage_seconds={"0.0": 0.4}, codec_error={"0.0": CodecErrors(act=0.01, grad=0.02)},
-        eval_loss=2.7, perplexity=14.9, ts=1.5e9)
+        eval_loss=2.7, perplexity=14.9, ts=1.5e9,
+        membership=[MembershipChange(step=7, epoch=1, members=[0, 2], left=[1])])
 
 
 def test_every_record_field_is_written_or_left_out_by_name():

@@ -90,13 +90,15 @@ def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes
     res = _run(mc, tc, data, 2, 3)
     frames = 2 * (3 - 1)
     scales = frames * 4 if compression == "int8" else 0  # one fp32 scale a chunk
+    confirm = (3 - 1) * (HEADER_SIZE + 4)  # each member's "finished", passed round the ring
     for stage in range(2):
         n = _stage_params(mc, stage, 2, data.vocab_size)
         for r in range(3):
             m = res[r * 2 + stage].metrics
             assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step
             assert m.sync_fraction is not None and 0 < m.sync_fraction < 1  # (its share)
-            elems = (m.sync_tx_bytes_per_step - frames * HEADER_SIZE - scales) / bytes_per_elem
+            elems = (m.sync_tx_bytes_per_step - frames * HEADER_SIZE - scales - confirm) \
+                / bytes_per_elem
             # 2(R-1) chunks of n/R elements, the chunks a element apart where R does not divide
             assert elems.is_integer() and frames * (n // 3) <= elems <= frames * -(-n // 3)
             assert m.wire_tx_bytes_per_step == expected_wire_bytes(mc, tc, stage, 2, 3)
@@ -141,12 +143,15 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 
 
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
-                      replicas: int) -> list[float]:
+                      replicas: int, leaves: dict[int, int] | None = None) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
     share of every step's windows, clipped by its own global norm; every H steps (and at the
     end) the mean of (weights at the last sync - weights now) goes to an outer SGD with
-    Nesterov momentum on the weights at the last sync, which every copy then takes."""
+    Nesterov momentum on the weights at the last sync, which every copy then takes.
+    ``leaves[r]``: the step from which replica r is gone (its change since the last sync
+    too); the outer steps average those left, and a step's loss is theirs."""
+    leaves = leaves or {}
     import math
 
     from swarm_core.pipeline.model import lm_loss
@@ -174,13 +179,16 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
         total = 0.0
+        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step]
         for r, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            if r not in here:
+                continue
             for g in opt.param_groups:
                 g["lr"] = lr(step)
             xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
             for xm, ym in zip(xs.chunk(m), ys.chunk(m), strict=True):
                 loss = lm_loss(model(xm), ym) / m
-                total += float(loss.detach()) / replicas
+                total += float(loss.detach()) / len(here)
                 loss.backward()
             norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params[r]))
             if norm + 1e-6 > tc.grad_clip:
@@ -192,7 +200,7 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
         if (step + 1) % sync.inner_steps == 0 or step + 1 == tc.steps:
             with torch.no_grad():
                 for i, a in enumerate(anchor):
-                    a.grad = sum(a - ps[i] for ps in params) / replicas
+                    a.grad = sum(a - params[r][i] for r in here) / len(here)
                 outer.step()
                 for ps in params:
                     for p, a in zip(ps, anchor, strict=True):
@@ -223,3 +231,128 @@ def test_diloco_trains_what_a_single_process_simulation_of_its_replicas_trains(d
         every_step[0].metrics.sync_tx_bytes_per_step / 3)
     dp_losses = _step_losses(every_step, stages, 2)
     assert max(abs(a - b) for a, b in zip(ref, dp_losses, strict=True)) > 1e-3
+
+
+class _Survivors:
+    """The step's windows a group trains on once ``left`` replicas left before step
+    ``from_step``: the shares of those that remain (each replica keeps its own share)."""
+
+    def __init__(self, data, replicas: int, left: set[int], from_step: int) -> None:
+        self.data, self.replicas, self.left, self.from_step = data, replicas, left, from_step
+        self.vocab_size = data.vocab_size
+
+    def batch(self, step: int, batch: int, seq: int, seed: int):
+        x, y = self.data.batch(step, batch, seq, seed)
+        if step < self.from_step:
+            return x, y
+        share = batch // self.replicas
+        keep = [r for r in range(self.replicas) if r not in self.left]
+        rows = torch.cat([torch.arange(r * share, (r + 1) * share) for r in keep])
+        return x[rows], y[rows]
+
+
+class _Crash:
+    """Each cell's step losses as reported, and one cell that dies after a step."""
+
+    def __init__(self, cell: int, step: int) -> None:
+        self.cell, self.step = cell, step
+        self.losses: dict[int, dict[int, float]] = {}
+
+    def __call__(self, cell: int, rep) -> None:
+        if rep.loss is not None:
+            self.losses.setdefault(rep.step - 1, {})[cell] = rep.loss
+        if cell == self.cell and rep.step == self.step:
+            raise RuntimeError(f"cell {cell} dies after step {self.step}")
+
+    def step_losses(self) -> list[float]:
+        """Each step's loss: the mean over the replicas that trained it."""
+        return [sum(v.values()) / len(v) for _k, v in sorted(self.losses.items())]
+
+
+@pytest.mark.parametrize("stages, lost", [(1, 0), (2, 2)])
+def test_a_replica_that_dies_leaves_and_the_others_train_on_the_smaller_batch(data, stages,
+                                                                              lost):
+    """Data parallel, three replicas; one cell dies after step 4. Its replica leaves (with
+    two stages, the whole chain: its other stage finds its link closed), the others regroup
+    at step 5 and train on to the end without stopping, each on its own share: the losses of
+    one process that trains on the full batch for 4 steps, then on the survivors' windows
+    (to 1e-5). The change is recorded; when replica 0 left, the next member evaluates."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 10, "batch_size": 12, "micro_batches": 2, "eval_batches": 1,
+                    "lr": 3e-3, "frame_timeout_s": 20}, TrainingConfig)
+    import threading
+
+    from swarm_core.pipeline.local import LocalCoordinator
+    from swarm_core.pipeline.stage import StageDropped
+    stop = threading.Event()
+    coord = LocalCoordinator(stages, 3, stop)
+    dead = lost * stages  # the first stage of replica ``lost``
+    crash = _Crash(dead, 4)
+    res = run_local_pipeline(mc, tc, data, stages, replicas=3, timeout=120, stop=stop,
+                             coordinator=coord, on_step=crash)
+    assert isinstance(res[dead], RuntimeError)
+    for s in range(1, stages):  # (the rest of its chain left)
+        assert isinstance(res[lost * stages + s], Exception)
+    survivors = [r for r in range(3) if r != lost]
+    for r in survivors:
+        for s in range(stages):
+            assert isinstance(res[r * stages + s], StageResult), res[r * stages + s]
+    assert [(c.step, c.members, c.left) for c in coord.changes] == [(5, survivors, [lost])]
+    ref, _ = train_reference(mc, tc, _Survivors(data, 3, {lost}, 4),
+                                 split_layers(mc.n_layers, [1] * stages))
+    got = crash.step_losses()
+    assert len(got) == 10
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    lead = res[survivors[0] * stages + stages - 1].metrics
+    assert lead.eval_loss is not None
+    assert not isinstance(res[dead], StageDropped)
+
+
+def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
+    """DiLoCo, three replicas, H = 3: replica 1 dies after inner step 4. The next outer step
+    (after step 6) breaks on the survivors' ring; they regroup and average their own
+    changes only, then train on: the one-process simulation in which replica 1 is gone from
+    step 4 (its change since the last outer step too), to 1e-5."""
+    import threading
+
+    from swarm_core.pipeline.local import LocalCoordinator
+
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 9, "batch_size": 12, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2, "frame_timeout_s": 20,
+                    "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
+    stop = threading.Event()
+    coord = LocalCoordinator(1, 3, stop)
+    crash = _Crash(1, 4)
+    res = run_local_pipeline(mc, tc, data, 1, replicas=3, timeout=120, stop=stop,
+                             coordinator=coord, on_step=crash)
+    assert isinstance(res[1], RuntimeError)
+    assert all(isinstance(res[r], StageResult) for r in (0, 2))
+    assert [(c.step, c.members, c.left) for c in coord.changes] == [(6, [0, 2], [1])]
+    ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: 4})
+    got = crash.step_losses()
+    assert len(got) == 9
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_the_regroup_rule_commits_what_a_survivor_committed_and_redoes_the_rest():
+    """A member that committed the operation of step 5 proves every member finished it: one
+    still waiting for the confirmation commits it too, and the next operation (step 7, which
+    the first was in) is done again by both. A member that committed what another had not
+    finished cannot be: the rule refuses it. A chain with a silent cell is out."""
+    from swarm_core.contract import RegroupConflict, RegroupReport, regroup_orders
+
+    def rep(r: int, op: int, synced: int, finished: bool = False) -> RegroupReport:
+        return RegroupReport(fellow_id=r, stage=0, replica=r, op_step=op, synced_step=synced,
+                             finished=finished)
+
+    members, orders = regroup_orders({(0, 0): rep(0, 7, 5), (0, 1): rep(1, 5, 3, True)},
+                                     1, broken={2}, epoch=1)
+    assert members == [0, 1]
+    assert (orders[(0, 0)].commit, orders[(0, 1)].commit) == (False, True)
+    with pytest.raises(RegroupConflict, match="replica 1 had not finished"):
+        regroup_orders({(0, 0): rep(0, 7, 5), (0, 1): rep(1, 5, 3, False)}, 1, {2}, 1)
+    # Two stages: replica 1's second stage never reported, so its first stage is dropped.
+    members, orders = regroup_orders({(0, 0): rep(0, 5, 3), (1, 0): rep(0, 5, 3),
+                                      (0, 1): rep(1, 5, 3)}, 2, broken=set(), epoch=2)
+    assert members == [0] and orders[(0, 1)].drop and not orders[(0, 0)].drop

@@ -1,0 +1,111 @@
+"""Who trains in a job of several replicas, and how its stage groups agree when one leaves.
+
+A replica is a chain: replica r of every stage. When a member of a stage group dies, every
+survivor's ring breaks at its next synchronisation (the dead member's links close, or go
+quiet). Each survivor then reports a :class:`RegroupReport` and waits; a cell of the dead
+member's chain finds its pipeline link broken and fails. Once every cell is accounted for, one
+rule (:func:`regroup_orders`, run by the leader, or by the in-process coordinator of
+``run_local_pipeline``) tells each survivor the replicas it trains with from now on and what
+to do with the synchronisation it was in:
+
+* A ring operation is committed on a member only after it heard that every member finished
+  it (the ring's confirmation round, see ``pipeline/sync.py``). So if any survivor committed
+  the operation at step s, every member had finished it, and those that had not yet heard so
+  commit it too (``commit``): they hold the same result.
+* An operation no survivor committed is done again by all of them over the new ring
+  (``redo``): each still holds its own part (gradients, or the weights' change since the last
+  outer step), since a result is only applied once committed.
+
+Torch-free: the leader decides with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import attrs
+
+from swarm_core.validators import meta, non_negative
+
+
+@attrs.define
+class RegroupReport:
+    """A cell whose stage group's ring broke: where it stands."""
+
+    fellow_id: int = attrs.field(validator=non_negative, metadata=meta("", minimum=0))
+    stage: int = attrs.field(validator=non_negative, metadata=meta("", minimum=0))
+    replica: int = attrs.field(validator=non_negative, metadata=meta("", minimum=0))
+    attempt: int = attrs.field(default=0, validator=non_negative,
+                               metadata=meta("the START's attempt", minimum=0))
+    epoch: int = attrs.field(default=0, validator=non_negative,
+                             metadata=meta("the membership the cell trained in", minimum=0))
+    op_step: int = attrs.field(default=0, validator=non_negative,
+                               metadata=meta("the step of the synchronisation that broke "
+                                             "(0-based)", minimum=0))
+    synced_step: int = attrs.field(default=-1, metadata=meta(
+        "the step of the last synchronisation the cell committed; -1: none this attempt"))
+    finished: bool = attrs.field(default=False, metadata=meta(
+        "whether the cell had its result of the broken synchronisation, unconfirmed"))
+
+
+@attrs.define
+class RegroupOrder:
+    """The leader's answer to a :class:`RegroupReport`."""
+
+    epoch: int  # the new membership's
+    members: list[int]  # the replicas that train from now on, in ring order
+    commit: bool = False  # apply the broken synchronisation's result (others did)
+    drop: bool = False  # this cell's chain is out: end it
+
+
+@attrs.define
+class RegroupAnswer:
+    """``POST /jobs/{id}/regroup``'s answer: the order, or null while the round is still
+    being gathered (ask again with the same report)."""
+
+    order: RegroupOrder | None = None
+
+
+@attrs.define
+class MembershipChange:
+    """A record of who left or joined a job of several replicas, and at which step: a loss
+    curve is read against these."""
+
+    step: int  # the first step trained without those who left (with those who joined)
+    epoch: int
+    members: list[int]  # the replicas training from ``step`` on
+    left: list[int] = attrs.field(factory=list)
+    joined: list[int] = attrs.field(factory=list)
+    reason: str = ""
+    at: float | None = None  # wall clock
+
+
+class RegroupConflict(ValueError):
+    """The survivors' reports do not fit together (a member committed what another had not
+    finished): the job recovers as without replicas."""
+
+
+def regroup_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int,
+                   broken: Collection[int], epoch: int
+                   ) -> tuple[list[int], dict[tuple[int, int], RegroupOrder]]:
+    """The replicas that go on (every cell reported, the chain not ``broken``) and the order
+    for each reporting cell, by (stage, replica). Raises RegroupConflict where no order keeps
+    the group's members equal; an empty list of members means none goes on."""
+    replicas = {r for _s, r in reports}
+    members = sorted(r for r in replicas if r not in broken
+                     and all((s, r) in reports for s in range(stages)))
+    orders: dict[tuple[int, int], RegroupOrder] = {}
+    for s in range(stages):
+        mine = [reports[(s, r)] for r in members]
+        committed = max((rep.synced_step for rep in mine), default=-1)
+        for rep in mine:
+            commit = rep.op_step <= committed
+            if commit and not rep.finished:
+                raise RegroupConflict(
+                    f"stage {s} replica {rep.replica} had not finished the synchronisation "
+                    f"of step {rep.op_step} that another replica committed")
+            orders[(s, rep.replica)] = RegroupOrder(epoch, members, commit=commit)
+    for (s, r) in reports:
+        if r not in members:
+            orders[(s, r)] = RegroupOrder(epoch, members, drop=True)
+    return members, orders

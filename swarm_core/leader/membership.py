@@ -1,0 +1,217 @@
+"""A job of several replicas loses one and trains on: the leader's half of a regroup.
+
+When a member of a stage group dies, the survivors' ring breaks; each survivor asks
+``POST /jobs/{id}/regroup`` with where it stands and waits for the answer, while the cells of
+the dead member's chain fail (their pipeline link broke) and its fellow goes stale. A round
+is decided once every cell of the current members has asked or is known lost (a FAILED
+report, a fellow gone stale or away), or when the heartbeat timeout has passed since the
+round began (a cell still silent by then is lost): :func:`regroup_orders` gives each asking
+cell its order, the lost replicas leave, and the change is recorded (the job's
+``membership``, the step's progress record, a ``job.membership`` event). Where no replica is
+left, or the reports do not fit together, the job recovers as a job of one replica does
+(:meth:`Liveness.lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import attrs
+
+from swarm_core.contract.membership import (
+    MembershipChange,
+    RegroupConflict,
+    RegroupOrder,
+    RegroupReport,
+    regroup_orders,
+)
+from swarm_core.leader.errors import ApiError
+from swarm_core.leader.records import JobRecord
+from swarm_core.protocol import JobState
+from swarm_core.schema import unstructure
+
+if TYPE_CHECKING:
+    from swarm_core.leader.queue import JobQueue
+
+Cell = tuple[int, int]  # (stage, replica)
+
+
+@attrs.define
+class RegroupRound:
+    """A regroup being gathered (leader-local: a restarted leader starts one anew as the
+    survivors ask again)."""
+
+    since: float  # monotonic
+    reports: dict[Cell, RegroupReport] = attrs.field(factory=dict)
+    lost: dict[int, str] = attrs.field(factory=dict)  # replica -> why it is out
+    decided: asyncio.Event = attrs.field(factory=asyncio.Event)
+
+
+@attrs.define
+class Answers:
+    """The orders of the last decided round, for cells that ask again (a lost answer)."""
+
+    epoch: int = 0
+    orders: dict[Cell, RegroupOrder] = attrs.field(factory=dict)
+
+
+class Membership:
+    def __init__(self, queue: JobQueue) -> None:
+        self.queue = queue
+        self.rounds: dict[str, RegroupRound] = {}
+        self.answers: dict[str, Answers] = {}
+
+    @staticmethod
+    def replicated(job: JobRecord) -> bool:
+        return job.kind == "train" and job.placement is not None and job.placement.replicas > 1
+
+    def members(self, job: JobRecord) -> list[int]:
+        assert job.placement is not None
+        return list(range(job.placement.replicas)) if job.members is None else job.members
+
+    # what cells say ----------------------------------------------------------------------------
+    def report(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
+        """Take a survivor's report; its order once the round is decided (None: not yet)."""
+        if job.state is not JobState.RUNNING or job.recovering is not None:
+            raise ApiError(409, f"job {job.job_id} is not running", code="job_not_running")
+        if not self.replicated(job) or not self.queue.holds(job, rep.fellow_id, rep.stage,
+                                                              rep.replica):
+            raise ApiError(409, f"fellow {rep.fellow_id} does not hold stage {rep.stage} "
+                                f"replica {rep.replica} of {job.job_id}", code="not_in_job")
+        if rep.attempt != job.attempt:
+            raise ApiError(409, f"attempt {rep.attempt} of {job.job_id} was replaced",
+                           code="job_not_running")
+        answers = self.answers.get(job.job_id)
+        if answers is not None and answers.epoch == rep.epoch + 1:
+            order = answers.orders.get((rep.stage, rep.replica))
+            if order is not None:
+                return order  # (it asked again: its answer was lost)
+        if rep.epoch != job.epoch:
+            raise ApiError(409, f"membership {rep.epoch} of {job.job_id} is over (now "
+                                f"{job.epoch})", code="job_not_running")
+        job.active_at = time.monotonic()
+        rnd = self._round(job)
+        rnd.reports[(rep.stage, rep.replica)] = rep
+        self._decide(job, final=False)
+        return self.answer(job, rep)
+
+    def answer(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
+        answers = self.answers.get(job.job_id)
+        if answers is None or answers.epoch != rep.epoch + 1:
+            return None
+        return answers.orders.get((rep.stage, rep.replica))
+
+    async def wait(self, job: JobRecord, timeout: float) -> None:
+        rnd = self.rounds.get(job.job_id)
+        if rnd is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rnd.decided.wait(), timeout)
+
+    # what the leader sees ---------------------------------------------------------------------
+    def cell_lost(self, job: JobRecord, stage: int, replica: int, reason: str) -> bool:
+        """A cell failed or its fellow is gone. Its replica leaves if another one is left to
+        train on: True. False: the caller recovers the job as it would without replicas."""
+        if not self.replicated(job):
+            return False
+        members = self.members(job)
+        if replica not in members:
+            return True  # (it left already: a late word from it)
+        rnd = self._round(job)
+        rnd.lost.setdefault(replica, reason)
+        if not [r for r in members if r not in rnd.lost]:
+            self.forget(job)
+            return False
+        self._decide(job, final=False)
+        return True
+
+    def fellow_lost(self, job: JobRecord, fellow_id: int, reason: str) -> bool:
+        """Every cell of a fellow that is gone (see cell_lost)."""
+        assert job.placement is not None
+        cells = [(s.stage, s.replica) for s in job.placement.stages if s.fellow_id == fellow_id
+                 and job.placement.index(s.stage, s.replica) not in job.done_stages]
+        return all(self.cell_lost(job, s, r, reason) for s, r in cells) if cells else True
+
+    def check(self, job: JobRecord) -> None:
+        """A round older than the heartbeat timeout is decided: a cell silent so long is
+        lost."""
+        rnd = self.rounds.get(job.job_id)
+        if rnd is not None and time.monotonic() - rnd.since >= self.queue.liveness.hold_s():
+            self._decide(job, final=True)
+
+    def forget(self, job: JobRecord) -> None:
+        """The job ended, or recovers: wake whoever waits (they are answered 409)."""
+        rnd = self.rounds.pop(job.job_id, None)
+        if rnd is not None:
+            rnd.decided.set()
+        self.answers.pop(job.job_id, None)
+
+    # the decision -----------------------------------------------------------------------------
+    def _round(self, job: JobRecord) -> RegroupRound:
+        rnd = self.rounds.get(job.job_id)
+        if rnd is None:
+            rnd = self.rounds[job.job_id] = RegroupRound(time.monotonic())
+        return rnd
+
+    def _decide(self, job: JobRecord, final: bool) -> None:
+        rnd = self.rounds[job.job_id]
+        stages = job.num_stages
+        members = self.members(job)
+        silent = [(s, r) for s in range(stages) for r in members
+                  if r not in rnd.lost and (s, r) not in rnd.reports]
+        if silent and not final:
+            return
+        for s, r in silent:
+            rnd.lost.setdefault(r, f"stage {s} replica {r} did not report within the "
+                                   f"heartbeat timeout")
+        reports = {c: rep for c, rep in rnd.reports.items() if c[1] in members}
+        try:
+            survivors, orders = regroup_orders(reports, stages, set(rnd.lost), job.epoch + 1)
+            if not survivors:
+                raise RegroupConflict("no replica is left")
+        except RegroupConflict:
+            self._fail_round(job)
+            return
+        left = [r for r in members if r not in survivors]
+        step = 1 + min((rep.op_step for c, rep in reports.items() if c[1] in survivors),
+                       default=job.last_step)
+        change = MembershipChange(step=step, epoch=job.epoch + 1, members=survivors, left=left,
+                                  reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
+                                  at=time.time())
+        job.epoch, job.members = change.epoch, survivors
+        job.membership.append(change)
+        self._leave(job, left)
+        self.answers[job.job_id] = Answers(change.epoch, orders)
+        del self.rounds[job.job_id]
+        rnd.decided.set()
+        self.queue.progress.membership(job, change)
+        self.queue.save(job)
+        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
+                                                  **unstructure(change)})
+
+    def _leave(self, job: JobRecord, left: list[int]) -> None:
+        """The cells of the replicas that left count as done; a fellow with nothing left of
+        the job is free (a live one is told to stop what it may still run of it)."""
+        assert job.placement is not None
+        for cell in job.placement.stages:
+            if cell.replica in left:
+                index = job.placement.index(cell.stage, cell.replica)
+                if index not in job.done_stages:
+                    job.done_stages.append(index)
+        for fid in dict.fromkeys(c.fellow_id for c in job.placement.stages
+                                 if c.replica in left):
+            rec = self.queue.registry.find(fid)
+            if rec is not None and job.stages_done_by(fid) and rec.assigned_job == job.job_id:
+                rec.assigned_job = None
+                self.queue.registry.send(rec, "STOP", job.job_id,
+                                         {"reason": "its replica left the job",
+                                          "attempt": job.attempt})
+
+    def _fail_round(self, job: JobRecord) -> None:
+        rnd = self.rounds.get(job.job_id)
+        reason = "; ".join(rnd.lost.values()) if rnd is not None and rnd.lost else \
+            "the replicas' reports do not fit together"
+        self.forget(job)
+        self.queue.liveness.lost(job, f"no replica left to train on: {reason}")
