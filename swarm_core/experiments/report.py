@@ -397,7 +397,14 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
 def _grid(summary: dict[str, Any]) -> str:
     """``stages x replicas`` ("2x2"); "-" for a run from before the summary said."""
     stages, replicas = summary.get("stages"), summary.get("replicas")
-    return f"{stages}x{replicas}" if stages is not None and replicas is not None else "-"
+    if stages is None or replicas is None:
+        return "-"
+    changes = [c for c in summary.get("membership") or [] if isinstance(c, dict)]
+    moved = [f"r{','.join(map(str, c.get('left') or []))} left @{c.get('step')}"
+             for c in changes if c.get("left")]
+    moved += [f"r{','.join(map(str, c.get('joined') or []))} joined @{c.get('step')}"
+              for c in changes if c.get("joined")]
+    return f"{stages}x{replicas}" + (f" ({'; '.join(moved)})" if moved else "")
 
 
 def _sync(run: RunData) -> str:

@@ -509,6 +509,8 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
         # Recoveries (a fellow lost, its stage handed on): the run's membership changes.
         "restarts": unstructure(job.restarts),
+        # (who left a job of replicas, or joined it, and from which step)
+        "membership": unstructure(job.membership),
         "thresholds": {},
     }
     if training.max_final_loss is not None:

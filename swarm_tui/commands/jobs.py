@@ -25,6 +25,7 @@ from swarm_core.contract import (
 )
 from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure
+from swarm_core.validators import printable
 from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int
 from swarm_tui.commands.base import (
     CommandError,
@@ -102,6 +103,7 @@ def cmd_job(args: argparse.Namespace) -> int:
                     f"{st.layers.start}-{st.layers.stop}",
                     *_stage_figures(m.stage(p.label(st.stage, st.replica)))])])
         rows += link_change_rows(job.link_changes, job.link_changes_total)
+        rows += membership_rows(job)
         emit_table(None, ["what", "value"], rows)
         if grid:  # (its per-cell figures are the grid's alone: stage rows would repeat them)
             emit_grid(job)
@@ -122,6 +124,20 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
         lk = ch.link
         rows.append([f"link set @{ch.at_step}", f"fellow {ch.fellow_id}: "
                      + describe_link(lk.tx_mbps, lk.rx_mbps, lk.latency_ms)])
+    return rows
+
+
+def membership_rows(job: JobInfo) -> list[list[str]]:
+    """``swarm job``'s rows for the replicas that left a job or joined it, and when: a loss
+    curve is read against them."""
+    rows = []
+    for ch in job.membership:
+        what = "; ".join(part for part in (
+            f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
+            f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
+        rows.append([f"replicas @{ch.step}", f"{what}; training: "
+                     f"{','.join(map(str, ch.members))}" + (f" ({printable(ch.reason)})"
+                                                            if ch.reason else "")])
     return rows
 
 

@@ -56,6 +56,7 @@ def test_a_diloco_replica_whose_fellow_dies_leaves_and_the_others_train_on(
         job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
                          ("COMPLETED", "FAILED") and j, 120, "the job to finish")
         progress = leader_call("GET", f"/jobs/{job_id}/progress", cli_env)["records"]
+        shown = run_cli("job", job_id, env=cli_env)
         events = leader_call("GET", f"/events?job_id={job_id}", cli_env)
     finally:
         run_cli("stop-cluster", env=cli_env)
@@ -69,6 +70,8 @@ def test_a_diloco_replica_whose_fellow_dies_leaves_and_the_others_train_on(
     # Every step is there, and the change is in the record of its step and in the events.
     steps = [s for s, _ in job["loss_history"]]
     assert steps == list(range(1, 121))
+    assert shown.returncode == 0 and f"replicas @{change['step']}" in shown.stdout
+    assert "replica(s) 1 left; training: 0,2" in shown.stdout
     [marked] = [r for r in progress if r.get("membership")]
     assert marked["step"] == change["step"] and marked["membership"][0]["left"] == [1]
     assert any(e["type"] == "job.membership" and e["data"]["left"] == [1]

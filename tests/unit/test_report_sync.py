@@ -165,3 +165,13 @@ def test_summary_of_a_diloco_run_names_its_grid_and_sync_bytes(tmp_path):
     s = summarize(st, job(1), [ProgressRecord(step=1, loss=3.0, wire_bytes=0)])  # type: ignore[arg-type]
     assert (s["replicas"], s["sync_mode"], s["inner_steps"], s["sync_bytes_per_step"]) == \
         (1, "none", None, None)
+
+
+def test_the_report_says_which_replicas_left_at_which_step():
+    from swarm_core.experiments.report import _grid
+
+    summary = {"stages": 1, "replicas": 3,
+               "membership": [{"step": 8, "epoch": 1, "members": [0, 2], "left": [1],
+                               "joined": [], "reason": "fellow 1 stopped heartbeating"}]}
+    assert _grid(summary) == "1x3 (r1 left @8)"
+    assert _grid({"stages": 2, "replicas": 1}) == "2x1"  # (a summary without the field)
