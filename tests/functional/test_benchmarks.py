@@ -22,6 +22,7 @@ BENCHES = {
     "bench_pipeline.py": "tokens/s",
     "bench_profiles.py": "vs small_none",
     "bench_stage.py": "paired ratio to plain",
+    "bench_sync_modes.py": "sync B/step",
     "bench_tui.py": "ms",
     "check_device.py": "resume bfloat16 none",
     "reference_gpt.py": "val/ref",

@@ -1,0 +1,236 @@
+"""Data parallel against DiLoCo on shaped links: S=1 x R=2, the quickstart's model (a
+benchmark, not a test).
+
+The issue's targets ("The second dimension", Benchmarks): at 80 Mbit/s per fellow, one stage
+and two replicas, the model of the quickstart, ``dp`` against ``diloco`` with H = 10 and 50:
+
+* sync bytes per inner step >= H x smaller than ``dp``'s;
+* DiLoCo's step time within 10 % of the unshaped step;
+* eval loss after the same tokens within 3 % of ``dp``'s.
+
+Each row is one stage of the quickstart's model (``swarm_core.config.defaults``: d_model 128,
+4 layers, seq 64) and its training (batch 16 in 4 micro-batches, lr 3e-3 cosine to 3e-4,
+byte-level Shakespeare, seed 0), two replicas (``run_stage``) in two spawned processes with one
+torch thread each, their ring over loopback TCP. Every fellow's ``LinkShaper`` has tx and rx at
+``--mbps`` (80 Mbit/s); each row runs again unshaped for its reference step. All rows train on
+the same windows from the same seed for the same steps (so the same tokens); only the
+synchronisation differs. DiLoCo uses the codebase's defaults (outer lr 0.7, Nesterov momentum
+0.9) and every row the default sync compression (``none``: fp32), unless told otherwise.
+
+Columns: sync B/step, what replica 0's ring sent, measured, averaged over every step (DiLoCo's
+outer steps, and the run's last step, which syncs too, spread over the inner steps); dp/this,
+dp's bytes over this row's; step shaped and unshaped, the mean over the timed steps (the
+first ``--warmup`` left out) of the slower replica's time, the outer steps' syncs included;
+the final eval loss (``--eval-batches`` held-out batches, replica 0 after the last sync) and
+its ratio to dp's. A line per target says met or NOT met; nothing is tuned to meet them.
+
+Usage::
+
+    .venv/bin/python bench/bench_sync_modes.py                  # 500 steps, H = 10 and 50 (~7 min)
+    .venv/bin/python bench/bench_sync_modes.py --steps 400 --inner-steps 10,50,100
+    .venv/bin/python bench/bench_sync_modes.py --quick          # a tiny model, a few seconds
+
+Only ever talks to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
+
+HOST = "127.0.0.1"
+FULL = {"model": None, "steps": 500, "warmup": 2, "inner_steps": "10,50", "eval_batches": 16}
+QUICK = {"model": dict(d_model=32, n_layers=1, n_heads=2, seq_len=16),
+         "training": dict(batch_size=4, micro_batches=2, warmup_steps=1),
+         "steps": 6, "warmup": 1, "inner_steps": "2,3", "eval_batches": 1}
+
+
+def _configs(cfg: dict[str, Any], mode: str, inner: int) -> tuple[Any, Any]:
+    import attrs
+
+    from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
+    from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
+    from swarm_core.schema import structure
+
+    model = {**DEFAULT_MODEL, **(cfg["model"] or {})}
+    training = {**DEFAULT_TRAINING, **cfg.get("training", {})}
+    mc = structure(model, ModelConfig)
+    tc = structure(training, TrainingConfig)
+    sync = SyncConfig(mode=mode, inner_steps=inner, compression=cfg["compression"])
+    # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
+    # the ring, and count in the step times.
+    tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
+                      threads=1, shard_push_interval_steps=0, sync=sync)
+    return mc, tc
+
+
+def _stage(cfg: dict[str, Any], row: tuple[str, int, float | None], rank: int, out: Any,
+           side: Any) -> None:
+    """Replica ``rank`` of the one-stage job, its links shaped at ``mbps`` (None: unshaped)."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    import threading
+
+    from swarm_core.contract import chain_starts
+    from swarm_core.data import load_token_data
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.listener import DataListener
+    from swarm_core.pipeline.stage import StageSpec, run_stage
+    from swarm_core.protocol import LinkLimits
+
+    mode, inner, mbps = row
+    mc, tc = _configs(cfg, mode, inner)
+    data = load_token_data(tc, mc.seq_len)
+    shaper = LinkShaper()
+    if mbps is not None:
+        shaper.apply(LinkLimits(tx_mbps=mbps, rx_mbps=mbps))
+    listener = DataListener(HOST)
+    side["addrs"].put((rank, listener.addr))
+    addrs = side[f"to{rank}"].get(timeout=120)
+    spec = StageSpec.from_start(chain_starts(mc, tc, addrs, replicas=2)[rank], threads=1)
+    marks: list[float] = []
+    try:
+        res = run_stage(spec, data, shaper, listener, threading.Event(),
+                        lambda _r: marks.append(time.perf_counter()), connect_timeout=120)
+    finally:
+        listener.close()
+    m = res.metrics
+    out.put((rank, marks, {"sync_bytes": m.sync_tx_bytes_per_step,
+                           "expected_sync_bytes": m.expected_sync_tx_bytes_per_step,
+                           "sync_fraction": m.sync_fraction, "eval_loss": m.eval_loss,
+                           "losses": res.losses}))
+
+
+def _context() -> Any:
+    # As bench_dp: a fork server that imported torch and the stage once, so each row's
+    # processes start in milliseconds, clean of this process's threads.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", "torch", "swarm_core.pipeline.stage",
+                                "swarm_core.data"])
+    return ctx
+
+
+def _run(cfg: dict[str, Any], row: tuple[str, int, float | None]) -> list[tuple[int, list, dict]]:
+    ctx = _context()
+    out = ctx.Queue()
+    side: dict[str, Any] = {"addrs": ctx.Queue(), **{f"to{r}": ctx.Queue() for r in range(2)}}
+    procs = [ctx.Process(target=_stage, args=(cfg, row, r, out, side)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(side["addrs"].get(timeout=300) for _ in range(2))
+    for r in range(2):
+        side[f"to{r}"].put([got[0], got[1]])
+    results = [out.get(timeout=3600) for _ in range(2)]
+    for p in procs:
+        p.join(60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"replica worker of {row} exited with {p.exitcode}")
+    return sorted(results, key=lambda r: r[0])
+
+
+def _step_s(results: list[tuple[int, list, dict]], warmup: int) -> float:
+    """The mean step over the timed ones, of the slower replica (the outer steps included)."""
+    return max((marks[-1] - marks[warmup - 1]) / (len(marks) - warmup)
+               for _r, marks, _m in results)
+
+
+def _check(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, a few steps (smoke)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps of every row (default 500; best a multiple of each H)")
+    ap.add_argument("--inner-steps", default=None,
+                    help="DiLoCo's H values, comma-separated (default 10,50)")
+    ap.add_argument("--mbps", type=float, default=80.0,
+                    help="tx and rx limit of each fellow, Mbit/s (default %(default)s)")
+    ap.add_argument("--compression", default="none",
+                    help="training.sync.compression of every row (default: the codebase's, "
+                         "%(default)s)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="first steps left out of the step times (default 2)")
+    ap.add_argument("--eval-batches", type=int, default=None,
+                    help="held-out batches of the final eval (default 16)")
+    args = ap.parse_args(argv)
+    cfg = dict(QUICK if args.quick else FULL)
+    for key in ("steps", "warmup", "inner_steps", "eval_batches"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    cfg["compression"] = args.compression
+    hs = [int(h) for h in str(cfg["inner_steps"]).split(",")]
+    if not 1 <= cfg["warmup"] < cfg["steps"]:
+        ap.error("--warmup must be at least 1 and fewer than --steps")
+    mc, tc = _configs(cfg, "dp", 1)
+    tokens = tc.steps * tc.batch_size * mc.seq_len
+    print(f"bench_sync_modes: d_model {mc.d_model}, {mc.n_layers} layers, seq {mc.seq_len}; "
+          f"S=1 x R=2, batch {tc.batch_size} ({tc.batch_size // 2} a replica), {tc.steps} steps "
+          f"= {tokens:,} tokens a row, {cfg['warmup']} untimed; links {args.mbps:g} Mbit/s tx/rx "
+          f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr "
+          f"{tc.sync.outer_lr:g}, momentum {tc.sync.outer_momentum:g}; {os.cpu_count()} CPUs, "
+          "1 thread a process", flush=True)
+    modes = [("dp", 1)] + [("diloco", h) for h in hs]
+    rows: list[dict[str, Any]] = []
+    for mode, h in modes:
+        row: dict[str, Any] = {"mode": mode, "H": h}
+        for shaped in (True, False):
+            t0 = time.monotonic()
+            res = _run(cfg, (mode, h, args.mbps if shaped else None))
+            lead = res[0][2]
+            key = "shaped" if shaped else "unshaped"
+            row[key] = _step_s(res, cfg["warmup"])
+            row[f"{key}_eval"] = lead["eval_loss"]
+            row[f"{key}_losses"] = [statistics.fmean(s) for s in
+                                    zip(*(r[2]["losses"] for r in res), strict=True)]
+            if shaped:
+                row["bytes"], row["expected"] = lead["sync_bytes"], lead["expected_sync_bytes"]
+                row["sync_fraction"] = lead["sync_fraction"]
+            name = "dp" if mode == "dp" else f"diloco H={h}"
+            print(f"  {name} {key}: {row[key] * 1000:.1f} ms/step, eval loss "
+                  f"{row[f'{key}_eval']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+        rows.append(row)
+    dp = rows[0]
+    print(f"\n{'mode':<8} {'H':>4} {'sync B/step':>12} {'dp/this':>8} {'shaped ms':>10} "
+          f"{'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} {'eval/dp':>8}")
+    print("-" * 88)
+    for r in rows:
+        h = "-" if r["mode"] == "dp" else str(r["H"])
+        print(f"{r['mode']:<8} {h:>4} {r['bytes']:>12,.0f} {dp['bytes'] / r['bytes']:>7.1f}x "
+              f"{r['shaped'] * 1000:>10.1f} {r['unshaped'] * 1000:>12.1f} "
+              f"{r['shaped'] / r['unshaped']:>8.3f} {r['shaped_eval']:>10.4f} "
+              f"{r['shaped_eval'] / dp['shaped_eval']:>8.4f}")
+    print("-" * 88)
+    for r in rows[1:]:
+        h = r["H"]
+        ratio = dp["bytes"] / r["bytes"]
+        slow = r["shaped"] / r["unshaped"]
+        ev = r["shaped_eval"] / dp["shaped_eval"]
+        print(f"targets, diloco H={h}: sync bytes/step >= {h}x smaller than dp: {ratio:.1f}x -> "
+              f"{_check(ratio >= h)}; step within 10 % of unshaped: {slow:.3f} -> "
+              f"{_check(slow <= 1.10)}; eval loss within 3 % of dp: {ev:.4f} -> "
+              f"{_check(abs(ev - 1) <= 0.03)}")
+    print(f"(dp itself: shaped/unshaped {dp['shaped'] / dp['unshaped']:.3f}, sync "
+          f"{dp['sync_fraction']:.0%} of its shaped step)")
+    worst_bytes = max(abs(r["bytes"] - r["expected"]) / r["expected"] for r in rows)
+    same = max(max(abs(p - q) for p, q in zip(r["shaped_losses"], r["unshaped_losses"],
+                                              strict=True)) for r in rows)
+    print(f"same training: shaped against unshaped, max |loss diff| over {tc.steps} steps = "
+          f"{same:.1e}; measured sync bytes against expected, worst {worst_bytes:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
