@@ -25,7 +25,7 @@ from swarm_core.validators import (
 
 API_PREFIX = "/api/v1"
 
-SignalKind = Literal["START", "STOP", "RELEASE", "SET_SPEED"]
+SignalKind = Literal["START", "STOP", "RELEASE", "SET_SPEED", "MEMBERS"]
 
 
 class FellowStatus(enum.StrEnum):

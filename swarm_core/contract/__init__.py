@@ -28,6 +28,7 @@ from swarm_core.contract.job import (
 )
 from swarm_core.contract.membership import (
     MembershipChange,
+    MembersSignal,
     RegroupAnswer,
     RegroupConflict,
     RegroupOrder,
@@ -75,6 +76,7 @@ __all__ = [
     "JobSubmit",
     "LayerRange",
     "LinkChange",
+    "MembersSignal",
     "MembershipChange",
     "Placement",
     "PlacementError",

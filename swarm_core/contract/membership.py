@@ -25,6 +25,7 @@ from collections.abc import Collection, Mapping
 
 import attrs
 
+from swarm_core.contract.placement import Placement
 from swarm_core.validators import meta, non_negative
 
 
@@ -56,6 +57,22 @@ class RegroupOrder:
     members: list[int]  # the replicas that train from now on, in ring order
     commit: bool = False  # apply the broken synchronisation's result (others did)
     drop: bool = False  # this cell's chain is out: end it
+    # A replica joins: the member that hands it the stage's state (weights, optimiser and
+    # outer state) around the new ring.
+    donor: int | None = None
+
+
+@attrs.define
+class MembersSignal:
+    """The leader's MEMBERS signal to a cell of a running job of replicas: a replica joins;
+    move to ``order``'s membership at the group's next synchronisation (``placement`` says
+    where the new member listens)."""
+
+    stage: int
+    replica: int
+    attempt: int
+    order: RegroupOrder
+    placement: Placement
 
 
 @attrs.define

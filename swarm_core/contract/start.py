@@ -20,6 +20,7 @@ from swarm_core.contract.job import (
     kind_parts,
     register_kind_hooks,
 )
+from swarm_core.contract.membership import RegroupOrder
 from swarm_core.contract.placement import FellowSlots, Placement, StagePlacement, plan
 from swarm_core.protocol import split_host_port
 from swarm_core.schema import FieldError, checking, converter, lenient_converter
@@ -42,6 +43,9 @@ class StageStart:
     attempt: int = 0
     resume_step: int = 0
     replica: int = 0
+    # A replica that joins a running job: the membership it joins (it takes its state from
+    # the order's donor, at the group's next operation boundary).
+    join: RegroupOrder | None = None
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)
@@ -58,7 +62,7 @@ class StageStart:
                              "num_stages")
         if self.kind == "train":
             peers = [self.placement.downstream(self.stage, self.replica)]
-            if p.replicas > 1:
+            if p.replicas > 1 and self.join is None:
                 peers.append(self.ring_next)
             for peer in peers:
                 if peer is not None and (peer.data_addr is None

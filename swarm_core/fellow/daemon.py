@@ -21,6 +21,7 @@ from swarm_core.contract import (
     FellowLogTail,
     Heartbeat,
     JobStatusUpdate,
+    MembersSignal,
     RegroupAnswer,
     RegroupReport,
     StageStart,
@@ -379,6 +380,8 @@ class FellowDaemon:
         elif sig.kind == "STOP":
             attempt = sig.payload.get("attempt")
             await self._stop_job(sig.job_id, attempt if isinstance(attempt, int) else None)
+        elif sig.kind == "MEMBERS":
+            self._told(sig)
         elif sig.kind == "RELEASE":
             await self._stop_job()
             self.status = FellowStatus.RELEASED
@@ -405,6 +408,23 @@ class FellowDaemon:
         task = asyncio.create_task(self._run_job(start, progress, attempt),
                                    name=f"job-{sig.job_id}-stage-{stage}-{replica}")
         self.stages[key] = (task, progress)
+
+    def _told(self, sig: Signal) -> None:
+        """A replica joins the job a cell of this fellow runs: the membership to move to, for
+        the stage thread to take at its group's next synchronisation."""
+        try:
+            told = structure(sig.payload, MembersSignal)
+        except SchemaError as exc:
+            log.error("ignoring bad MEMBERS payload: %s", exc)
+            return
+        running = self.stages.get((sig.job_id or "", told.stage, told.replica))
+        if running is None or running[1].attempt != told.attempt:
+            return  # (that cell ended, or is of another attempt)
+        p = told.placement
+        mine = p.cell(told.stage, told.replica)
+        group = [p.cell(told.stage, r) for r in range(p.replicas)]
+        running[1].told.append((told.order, (tuple(c.data_addr for c in group),
+                                             tuple(p.same_fellow(mine, c) for c in group))))
 
     async def _report(self, job_id: str, upd: JobStatusUpdate) -> None:
         """Report on a job. Reports wait out a leader restart (and the re-registration after

@@ -39,6 +39,10 @@ class Progress:
     attempt: int = 0
     loss: float | None = None
     tokens_per_s: float = 0.0
+    # Memberships the leader told this cell of (a replica joins): (order, (the group's data
+    # addresses, which of them are this fellow's)); the stage thread takes them at its next
+    # synchronisation.
+    told: list[Any] = attrs.field(factory=list)
 
 
 class JobRefused(Exception):

@@ -362,7 +362,8 @@ class TrainJob:
                              on_checkpoint=self.checkpointer.on_checkpoint,
                              start_step=self.start.resume_step, initial_state=state,
                              initial_optimizer=opt_state,
-                             coordinator=self._coordinate if self.spec.replicas > 1 else None)
+                             coordinator=self._coordinate if self.spec.replicas > 1 else None,
+                             inbox=self.ctx.progress.told)
         except BaseException as exc:
             # The traceback holds the stage's frames, and through them its model, optimiser
             # and activations; the awaiting frame holds the exception: a cycle that only a

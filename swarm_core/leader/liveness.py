@@ -69,6 +69,7 @@ class Liveness:
         self.queue.membership.check(job)
         if job.state is not JobState.RUNNING or job.recovering is not None:
             return
+        self.queue.membership.maybe_join(job)
         settled = job.watched_since is None or now - job.watched_since >= self.watch_s()
         # A held failure due now looks for its cause even inside the window: the neighbour it
         # blames has had a heartbeat timeout to be seen stale.
@@ -139,6 +140,9 @@ class Liveness:
 
     def fellow_replaced(self, rec: FellowRecord) -> None:
         """A fellow process restarted under the same name: the job it ran lost its state."""
+        running = self.queue.running()
+        if running is not None:
+            self.queue.membership.fellow_restarted(running, rec.fellow_id)
         job = self.queue.find(rec.assigned_job)
         if job is not None and job.state is JobState.RUNNING and job.recovering is None:
             reason = f"fellow {rec.fellow_id} ({rec.name}) restarted at step {rec.current_step}"

@@ -23,6 +23,7 @@ import attrs
 
 from swarm_core.contract.membership import (
     MembershipChange,
+    MembersSignal,
     RegroupConflict,
     RegroupOrder,
     RegroupReport,
@@ -51,6 +52,16 @@ class RegroupRound:
 
 
 @attrs.define
+class Joining:
+    """A spare fellow told to join as ``replica``, the survivors told to take it in at their
+    next synchronisation (leader-local: a restarted leader sees the joiner fail, or report)."""
+
+    replica: int
+    fellow_id: int
+    order: RegroupOrder
+
+
+@attrs.define
 class Answers:
     """The orders of the last decided round, for cells that ask again (a lost answer)."""
 
@@ -63,6 +74,10 @@ class Membership:
         self.queue = queue
         self.rounds: dict[str, RegroupRound] = {}
         self.answers: dict[str, Answers] = {}
+        self.joining: dict[str, Joining] = {}
+        # Fellows whose cell of the job failed while they stayed up: not taken back into it
+        # (what failed may fail again), unless they restart.
+        self.failed: dict[str, set[int]] = {}
 
     @staticmethod
     def replicated(job: JobRecord) -> bool:
@@ -89,6 +104,9 @@ class Membership:
             order = answers.orders.get((rep.stage, rep.replica))
             if order is not None:
                 return order  # (it asked again: its answer was lost)
+        joining = self.joining.get(job.job_id)
+        if joining is not None and rep.epoch == joining.order.epoch:
+            self.joined(job, rep.op_step)  # (the group took it in; its first report is late)
         if rep.epoch != job.epoch:
             raise ApiError(409, f"membership {rep.epoch} of {job.job_id} is over (now "
                                 f"{job.epoch})", code="job_not_running")
@@ -111,14 +129,23 @@ class Membership:
                 await asyncio.wait_for(rnd.decided.wait(), timeout)
 
     # what the leader sees ---------------------------------------------------------------------
-    def cell_lost(self, job: JobRecord, stage: int, replica: int, reason: str) -> bool:
-        """A cell failed or its fellow is gone. Its replica leaves if another one is left to
-        train on: True. False: the caller recovers the job as it would without replicas."""
+    def cell_lost(self, job: JobRecord, stage: int, replica: int, reason: str,
+                  failed_fellow: int | None = None) -> bool:
+        """A cell failed (on ``failed_fellow``, which is up) or its fellow is gone. Its replica
+        leaves if another one is left to train on: True. False: the caller recovers the job
+        as it would without replicas."""
         if not self.replicated(job):
             return False
+        if failed_fellow is not None:
+            self.failed.setdefault(job.job_id, set()).add(failed_fellow)
+        joining = self.joining.get(job.job_id)
+        if joining is not None and joining.replica == replica:
+            self._abort_join(job)  # (the joiner failed before the group took it in)
+            return True
         members = self.members(job)
         if replica not in members:
-            return True  # (it left already: a late word from it)
+            self._leave(job, [replica])  # (it left already: a late word from it)
+            return True
         rnd = self._round(job)
         rnd.lost.setdefault(replica, reason)
         if not [r for r in members if r not in rnd.lost]:
@@ -126,6 +153,10 @@ class Membership:
             return False
         self._decide(job, final=False)
         return True
+
+    def fellow_restarted(self, job: JobRecord, fellow_id: int) -> None:
+        """A new process under the fellow's name: it may be taken back into the job."""
+        self.failed.get(job.job_id, set()).discard(fellow_id)
 
     def fellow_lost(self, job: JobRecord, fellow_id: int, reason: str) -> bool:
         """Every cell of a fellow that is gone (see cell_lost)."""
@@ -147,13 +178,85 @@ class Membership:
         if rnd is not None:
             rnd.decided.set()
         self.answers.pop(job.job_id, None)
+        self.joining.pop(job.job_id, None)
+        self.failed.pop(job.job_id, None)
 
     # the decision -----------------------------------------------------------------------------
     def _round(self, job: JobRecord) -> RegroupRound:
         rnd = self.rounds.get(job.job_id)
         if rnd is None:
+            self._abort_join(job)  # (the survivors regroup first; a spare may join after)
             rnd = self.rounds[job.job_id] = RegroupRound(time.monotonic())
         return rnd
+
+    # a spare joins ----------------------------------------------------------------------------
+    def maybe_join(self, job: JobRecord) -> None:
+        """A replica left and a ready fellow is free: it joins as that replica, taking the
+        state from the first member at the group's next synchronisation. (One stage only:
+        with several, each stage group would take its joiner at its own boundary.)"""
+        if not self.replicated(job) or job.members is None or job.num_stages != 1 \
+                or job.job_id in self.rounds or job.job_id in self.joining \
+                or job.state is not JobState.RUNNING or job.recovering is not None \
+                or job.spec.train is None:
+            return
+        train = job.spec.train
+        # (no synchronisation is left to take it in at)
+        if job.last_step >= train.steps - (train.sync.inner_steps if train.sync.mode ==
+                                           "diloco" else 1):
+            return
+        assert job.placement is not None
+        left = [r for r in range(job.placement.replicas) if r not in job.members]
+        failed = self.failed.get(job.job_id, set())
+        spare = next((f for f in self.queue.registry.ready()
+                      if f.data_addr and f.assigned_job is None and f.fellow_id not in failed),
+                     None)
+        if not left or spare is None:
+            return
+        r = left[0]
+        old = job.placement.cell(0, r)
+        cell = attrs.evolve(old, fellow_id=spare.fellow_id, name=spare.name, slot=0,
+                            device=spare.devices[0], data_addr=spare.data_addr)
+        job.placement = attrs.evolve(job.placement, stages=[
+            cell if c is old else c for c in job.placement.stages])
+        index = job.placement.index(0, r)
+        if index in job.done_stages:
+            job.done_stages.remove(index)
+        order = RegroupOrder(job.epoch + 1, sorted([*job.members, r]), donor=job.members[0])
+        self.joining[job.job_id] = Joining(r, spare.fellow_id, order)
+        start = self.queue.start_of(job, index)
+        spare.assigned_job = job.job_id
+        self.queue.registry.send(spare, "START", job.job_id, unstructure(start))
+        for c in job.placement.stages:
+            if c.replica in job.members:
+                rec = self.queue.registry.find(c.fellow_id)
+                if rec is not None:
+                    self.queue.registry.send(rec, "MEMBERS", job.job_id, unstructure(
+                        MembersSignal(c.stage, c.replica, job.attempt, order, job.placement)))
+        self.queue.files.placement(job)
+        self.queue.save(job)
+
+    def joined(self, job: JobRecord, step: int) -> None:
+        """The group took the joiner in: from ``step`` on it trains with it."""
+        joining = self.joining.pop(job.job_id, None)
+        if joining is None:
+            return
+        order = joining.order
+        change = MembershipChange(step=step, epoch=order.epoch, members=order.members,
+                                  joined=[joining.replica],
+                                  reason=f"fellow {joining.fellow_id} joined as replica "
+                                         f"{joining.replica}", at=time.time())
+        job.epoch, job.members = order.epoch, order.members
+        job.membership.append(change)
+        self.queue.progress.membership(job, change)
+        self.queue.save(job)
+        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
+                                                  **unstructure(change)})
+
+    def _abort_join(self, job: JobRecord) -> None:
+        joining = self.joining.pop(job.job_id, None)
+        if joining is None:
+            return
+        self._leave(job, [joining.replica])
 
     def _decide(self, job: JobRecord, final: bool) -> None:
         rnd = self.rounds[job.job_id]

@@ -291,6 +291,9 @@ class JobQueue:
         if upd.attempt != job.attempt or job.recovering is not None:
             return job  # from before a restart, or while recovering: nothing to learn
         job.active_at = time.monotonic()
+        joining = self.membership.joining.get(job_id)
+        if joining is not None and replica == joining.replica and upd.step > 0:
+            self.membership.joined(job, upd.step)  # (its first step with the group)
         job.last_step = max(job.last_step, upd.step)
         if upd.loss is not None and job.placement.replicas == 1:
             job.last_loss = upd.loss  # (of several replicas: their mean, once recorded)
@@ -317,7 +320,7 @@ class JobQueue:
         # A fellow's words reach terminals (swarm job, watch, the console): shown, not obeyed.
         msg = f": {printable(upd.message)}" if upd.message else ""
         reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
-        if self.membership.cell_lost(job, stage, replica, reason):
+        if self.membership.cell_lost(job, stage, replica, reason, fellow.fellow_id):
             self.save(job, quiet=True)
             return  # (its replica leaves; the others train on)
         blamed = upd.blames_stage
@@ -449,8 +452,12 @@ class JobQueue:
     def start_of(self, job: JobRecord, cell: int) -> StageStart:
         """The START that cell ``cell`` of the running job's current attempt was sent."""
         assert job.placement is not None and job.data_key
-        return stage_starts(job.job_id, job.spec, job.placement, job.data_key,
-                            attempt=job.attempt, resume_step=job.resume_step)[cell]
+        start = stage_starts(job.job_id, job.spec, job.placement, job.data_key,
+                             attempt=job.attempt, resume_step=job.resume_step)[cell]
+        joining = self.membership.joining.get(job.job_id)
+        if joining is not None and joining.replica == start.replica:
+            start = attrs.evolve(start, join=joining.order)  # (it joins a running group)
+        return start
 
     def send(self, job: JobRecord, starts: list[StageStart]) -> None:
         """One START per stage (a fellow with several slots gets one for each)."""

@@ -36,12 +36,13 @@ from swarm_core.pipeline.optim import (
     load_optimizer_arrays,
     lr_at,
     make_optimizer,
+    optimizer_arrays,
     scale_grads,
     set_lr,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring, RingBroken
-from swarm_core.pipeline.transport import Liveness, PeerLink, connect
+from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
     NORM_PAYLOAD,
@@ -144,6 +145,7 @@ class StageSpec:
     # fellow; a regroup rings the members that are left.
     group_addrs: tuple[str | None, ...] = ()
     group_local: tuple[bool, ...] = ()
+    join: RegroupOrder | None = None  # it joins a running group (see StageStart.join)
 
     @property
     def reads_tokens(self) -> bool:
@@ -180,7 +182,8 @@ class StageSpec:
                    ring_next_addr=None if ring_next is None else ring_next.data_addr,
                    local_ring=start.local_ring,
                    group_addrs=tuple(c.data_addr for c in group),
-                   group_local=tuple(start.placement.same_fellow(mine, c) for c in group))
+                   group_local=tuple(start.placement.same_fellow(mine, c) for c in group),
+                   join=start.join)
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
@@ -236,7 +239,7 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     pulse = t.frame_timeout_s / 4
     tag = job_tag(spec.job_id)
     links = StageLinks()
-    ringed = spec.replicas > 1
+    ringed = spec.replicas > 1 and spec.join is None  # (a joiner rings the members later)
 
     def shaping(local: bool) -> LinkShaper:
         return LinkShaper() if local else shaper
@@ -460,12 +463,17 @@ class StageRunner:
         self.synced_step = -1
         self.coordinator: Coordinator | None = None
         self.listener: DataListener | None = None
+        # What the leader told this cell of replicas joining (appended by the fellow):
+        # (order, (the group's addresses, which of them are in this fellow)).
+        self.inbox: list[tuple[RegroupOrder, Any]] | None = None
+        self._admit_after = 0  # the membership the group agreed to take on after this step
 
     def take_links(self, links: StageLinks) -> None:
         """The stage's links, once open; with replicas, its group's ring over two of them."""
         self.links = links
         self.up, self.down = links.up, links.down
-        if links.ring_next is not None and links.ring_prev is not None:
+        joins = self.spec.join is not None and self.spec.replicas > 1
+        if joins or (links.ring_next is not None and links.ring_prev is not None):
             spec, sync = self.spec, self.spec.training.sync
             if sync.mode == "dp":
                 self.sync = GradientAverage(
@@ -477,7 +485,8 @@ class StageRunner:
                             self.device)
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
                                       sync.outer_momentum)
-            links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
+            if links.ring_prev is not None:
+                links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
 
     @property
     def leads(self) -> bool:
@@ -489,6 +498,8 @@ class StageRunner:
                       ) -> tuple[int, float] | None:
         """Run the group's synchronisation ``op``; where its ring breaks, regroup and commit
         or do it again over the new ring, as the order says."""
+        assert self.sync is not None
+        self.sync.word = float(max([self.epoch] + [o.epoch for o, _ in self._told()]))
         while True:
             try:
                 out = op()
@@ -503,7 +514,14 @@ class StageRunner:
                     continue
             if out is not None:
                 self.synced_step = step
+                if self.sync.heard > self.epoch:  # (someone was told of a replica joining)
+                    self._admit_after = int(self.sync.heard)
             return out
+
+    def _told(self) -> list[tuple[RegroupOrder, Any]]:
+        """The memberships the leader told this cell of (a replica joins), newer than its
+        own: (order, the job's placement now)."""
+        return [m for m in (self.inbox or []) if m[0].epoch > self.epoch]
 
     def _regroup(self, exc: RingBroken) -> bool:
         """Report where this cell stands, wait for its order, and ring the members left.
@@ -518,14 +536,129 @@ class StageRunner:
         if order.drop or spec.replica not in order.members:
             raise StageDropped(f"replica {spec.replica} left the job at step {exc.step}")
         self.epoch, self.members = order.epoch, list(order.members)
+        self._admit_after = 0
+        if self.inbox is not None:  # (a join it was told of is off: this order replaces it)
+            self.inbox[:] = [m for m in self.inbox if m[0].epoch > self.epoch]
+        self._ring(spec.training.frame_timeout_s)
+        return order.commit
+
+    def _ring(self, timeout: float, state_bytes: int = 0) -> None:
+        """Ring the current members (after a regroup, or to take a replica in)."""
+        assert self.sync is not None
+        spec = self.spec
         rank, n = self.members.index(spec.replica), len(self.members)
-        self.sync.rewire(None, None, rank, n)  # (its chunks, hence its frames, grow)
+        self.sync.rewire(None, None, rank, n)  # (its chunks, hence its frames, change)
         send, recv = open_ring(spec, self.members, self.epoch, self.shaper, self.listener,
-                               self.stop, spec.training.frame_timeout_s, self.liveness,
-                               max(NORM_PAYLOAD, self.sync.max_payload))
+                               self.stop, timeout, self.liveness,
+                               max(NORM_PAYLOAD, self.sync.max_payload, state_bytes))
         self.links.ring_next, self.links.ring_prev = send, recv
         self.sync.rewire(send, recv, rank, n)
-        return order.commit
+
+    # a replica joins ---------------------------------------------------------------------------
+    def state_bound(self) -> int:
+        """The most bytes the stage's state takes as a frame (weights, AdamW's two moments,
+        DiLoCo's anchor and momentum, and the archive's own)."""
+        return 4 * 6 * sum(p.numel() for p in self.params) + (1 << 20)
+
+    def _state_blob(self, step: int) -> bytes:
+        import io
+
+        arrays = {f"w.{k}": v.detach().cpu().float().numpy()
+                  for k, v in self.module.state_dict().items()}
+        arrays.update({f"o.{k}": v for k, v in optimizer_arrays(self.opt, self.module).items()})
+        if isinstance(self.sync, OuterStep):
+            for i, a in enumerate(self.sync.anchor):
+                arrays[f"a.{i}"] = a.detach().cpu().numpy()
+                buf = self.sync.opt.state.get(a, {}).get("momentum_buffer")
+                if buf is not None:
+                    arrays[f"m.{i}"] = buf.detach().cpu().numpy()
+        arrays["step"] = np.array([step], dtype=np.int64)
+        out = io.BytesIO()
+        np.savez(out, **arrays)
+        return out.getvalue()
+
+    @torch.no_grad()
+    def _load_state(self, blob: bytes) -> int:
+        """Take a donor's state; returns the step it had finished."""
+        import io
+
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        own = self.module.state_dict()
+        weights = {k[2:]: torch.from_numpy(v).to(own[k[2:]].dtype)
+                   for k, v in arrays.items() if k.startswith("w.")}
+        self.module.load_state_dict(weights, strict=True)
+        load_optimizer_arrays(self.opt, self.module,
+                              {k[2:]: v for k, v in arrays.items() if k.startswith("o.")})
+        if isinstance(self.sync, OuterStep):
+            for i, a in enumerate(self.sync.anchor):
+                a.copy_(torch.from_numpy(arrays[f"a.{i}"]))
+                if f"m.{i}" in arrays:
+                    self.sync.opt.state[a]["momentum_buffer"] = \
+                        torch.from_numpy(arrays[f"m.{i}"]).clone().to(a.device)
+        return int(arrays["step"][0])
+
+    def _pass_state(self, donor: int, blob: bytes | None) -> bytes:
+        """The donor's state around the ring, from the donor to the member before it. (Its
+        frames are step 0's: the ring is new, and the step is in the state.)"""
+        step = 0
+        from swarm_core.pipeline.sync import STATE_ROUND
+
+        t = self.spec.training
+        me = self.spec.replica
+        if me != donor:
+            assert self.links.ring_prev is not None
+            _, raw = self.links.ring_prev.recv(Kind.SYNC, step, STATE_ROUND,
+                                               STUCK_AFTER * t.frame_timeout_s)
+            blob = bytes(raw)
+        assert blob is not None
+        n = len(self.members)
+        after = self.members[(self.members.index(me) + 1) % n]
+        if after != donor and self.links.ring_next is not None:
+            self.links.ring_next.send_raw(Kind.SYNC, step, STATE_ROUND, blob)
+            self.links.ring_next.flush(STUCK_AFTER * t.frame_timeout_s)
+        return blob
+
+    def _admit(self, step: int) -> None:
+        """After step ``step``'s operation, where the group agreed a replica joins: ring the
+        new members and hand the joiner the state, from the order's donor."""
+        epoch, self._admit_after = self._admit_after, 0
+        t = self.spec.training
+        deadline = time.monotonic() + 2 * t.frame_timeout_s
+        while not (told := [m for m in self._told() if m[0].epoch == epoch]):
+            # (another member heard of it first: the leader's word to this one is on its way)
+            if time.monotonic() > deadline:
+                raise StageStopped()
+            self._check_stop()
+            time.sleep(0.05)
+        order, addrs = told[-1]
+        self.spec.group_addrs, self.spec.group_local = addrs
+        self.epoch, self.members = order.epoch, list(order.members)
+        assert order.donor is not None
+        self._ring(t.frame_timeout_s, self.state_bound())
+        self._pass_state(order.donor,
+                         self._state_blob(step) if self.spec.replica == order.donor else None)
+
+    def join_group(self) -> int:
+        """A joiner: ring the members it joins (they ring it at their next operation
+        boundary, however far off) and take the donor's state. Returns the step to go on
+        from."""
+        order = self.spec.join
+        assert order is not None and order.donor is not None
+        self.epoch, self.members = order.epoch, list(order.members)
+        t = self.spec.training
+        deadline = time.monotonic() + STUCK_AFTER * t.frame_timeout_s
+        while True:
+            try:
+                self._ring(t.frame_timeout_s, self.state_bound())
+                break
+            except (PeerTimeout, LinkClosed, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                self._check_stop()
+        step = self._load_state(self._pass_state(order.donor, None))
+        self.synced_step = step
+        return step + 1
 
     def _close_ring(self) -> None:
         for link in (self.links.ring_next, self.links.ring_prev):
@@ -688,7 +821,21 @@ class StageRunner:
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
+        if self._admit_after:
+            self._admit_safely(step)
         return synced if synced is not None else (None, None)
+
+    def _admit_safely(self, step: int) -> None:
+        """Take the joiner in; if its ring cannot be made (it died meanwhile), regroup as for
+        any broken ring, before the group's next operation."""
+        try:
+            self._admit(step)
+        except (LinkClosed, PeerTimeout, OSError) as exc:
+            assert self.sync is not None
+            nxt = self.sync.next_op(step, step + 1 == self.spec.training.steps)
+            if self.coordinator is None:
+                raise
+            self._regroup(RingBroken(nxt, False, exc))
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -774,7 +921,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               start_step: int = 0,
               initial_state: dict[str, torch.Tensor] | None = None,
               initial_optimizer: dict[str, np.ndarray] | None = None,
-              coordinator: Coordinator | None = None) -> StageResult:
+              coordinator: Coordinator | None = None,
+              inbox: list[tuple[RegroupOrder, Any]] | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
@@ -796,7 +944,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
-        runner.coordinator, runner.listener = coordinator, listener
+        runner.coordinator, runner.listener, runner.inbox = coordinator, listener, inbox
         _restore(runner, initial_state, initial_optimizer)
     except BaseException:
         stop.set()
@@ -804,6 +952,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         raise
     try:
         runner.take_links(opener.result())
+        if spec.join is not None and spec.replicas > 1:
+            start_step = runner.join_group()
         return _train(runner, on_step, on_eval, on_checkpoint, start_step)
     finally:
         runner.close()

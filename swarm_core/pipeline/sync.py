@@ -33,6 +33,7 @@ from swarm_core.pipeline.frames import HEADER_SIZE, Kind
 from swarm_core.pipeline.transport import LinkClosed, PeerLink, PeerTimeout
 
 CONFIRM_ROUND = 1 << 30  # the confirmation's frames' first round number (after every bucket's)
+STATE_ROUND = (1 << 31) - 1  # the frame that hands a joining replica its state
 _LINK_FAULTS = (LinkClosed, PeerTimeout, OSError)
 
 
@@ -142,21 +143,25 @@ class Ring:
         self.put_back(tensors)
         return out
 
-    def confirm(self, step: int, timeout: float) -> tuple[int, float]:
+    def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         """Returns once every member has said it finished this step's operation: each sends
         its own word in the first round and passes on the one it got in each later one, so
-        after R-1 rounds each has heard from all."""
+        after R-1 rounds each has heard from all. The word is the membership the member has
+        been told to move to (its epoch): the largest heard, the same on every member, is
+        where the whole group goes after this operation. Returns the bytes sent, the seconds
+        it took and that word."""
         t0 = time.perf_counter()
         sent0 = self.sent()
-        word = torch.ones(1)
+        out, heard = torch.tensor([float(word)]), float(word)
         for i in range(self.replicas - 1):
             assert self.send is not None and self.recv is not None
-            self.send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, word, FP32)
-            _, word = self.recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout,
-                                            None, (1,))
+            self.send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
+            _, out = self.recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout,
+                                           None, (1,))
+            heard = max(heard, float(out[0]))
         if self.send is not None:
             self.send.flush(timeout)
-        return self.sent() - sent0, time.perf_counter() - t0
+        return self.sent() - sent0, time.perf_counter() - t0, heard
 
     def _chunk(self, i: int) -> torch.Tensor:
         a, b = self.chunks[i % self.replicas]
@@ -223,10 +228,15 @@ class GradientAverage:
         self._worker.start()
         self._hooks = [p.register_post_accumulate_grad_hook(
             functools.partial(self._on_grad, i)) for i, p in enumerate(self.params)]
+        self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
 
     @property
     def max_payload(self) -> int:
         return max(r.max_payload for r in self.rings)
+
+    def next_op(self, step: int, last: bool) -> int:
+        """The step of the group's next operation after step ``step``'s."""
+        return step + 1
 
     def expected_bytes(self) -> int:
         return sum(r.expected_bytes() for r in self.rings) + confirm_bytes(self.rings[0].replicas)
@@ -295,7 +305,8 @@ class GradientAverage:
                 raise RingBroken(step, False, error)
             raise error
         try:
-            sent += self.rings[0].confirm(step, timeout)[0]
+            more, _wait, self.heard = self.rings[0].confirm(step, timeout, self.word)
+            sent += more
         except _LINK_FAULTS as exc:
             raise RingBroken(step, True, exc) from None
         self.commit()
@@ -336,6 +347,7 @@ class OuterStep:
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
         self._deltas: list[torch.Tensor] = []
+        self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
 
     @property
     def max_payload(self) -> int:
@@ -357,6 +369,9 @@ class OuterStep:
     def syncs_at(self, step: int, last: bool) -> bool:
         return not (step + 1) % self.inner_steps or last
 
+    def next_op(self, step: int, last: bool) -> int:
+        return step + self.inner_steps - (step + 1) % self.inner_steps
+
     @torch.no_grad()
     def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
         """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
@@ -372,7 +387,7 @@ class OuterStep:
         except _LINK_FAULTS as exc:
             raise RingBroken(step, False, exc) from None
         try:
-            more, wait = self.ring.confirm(step, timeout)
+            more, wait, self.heard = self.ring.confirm(step, timeout, self.word)
         except _LINK_FAULTS as exc:
             raise RingBroken(step, True, exc) from None
         self.commit()

@@ -1,6 +1,7 @@
-"""A replica's fellow dies mid-run: the others train on without a restart. Real processes
-(a local leader and three fellows), the fellow killed by pid; the losses after the change
-checked against a one-process simulation of the replicas that are left."""
+"""A replica's fellow dies mid-run: the others train on without a restart, and a spare fellow
+joins in its place. Real processes (a local leader and four fellows, one of them spare), the
+fellow killed by pid; the losses checked against a one-process simulation of the replicas
+that are left, then of the one that joined."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import load_token_data
+from swarm_core.pipeline.reference import train_reference
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import structure
 from tests.clusters import cli_json, job_view, leader_call, run_cli, wait_until
@@ -24,9 +27,29 @@ MODEL = {"name": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 
 H = 2
 
 
-def test_a_diloco_replica_whose_fellow_dies_leaves_and_the_others_train_on(
-        cli_env, tmp_path: Path, swarm_home: Path):
-    up = run_cli("restart-cluster", "--fellows", "3", "--stale-after", "2", env=cli_env,
+class _Shares:
+    """The windows of each step that the replicas training it hold (each its own share):
+    every replica's, but ``left``'s in steps ``[start, stop)``."""
+
+    def __init__(self, data, replicas: int, left: int, start: int, stop: int) -> None:
+        self.data, self.replicas, self.left = data, replicas, left
+        self.start, self.stop = start, stop
+        self.vocab_size = data.vocab_size
+
+    def batch(self, step: int, batch: int, seq: int, seed: int):
+        x, y = self.data.batch(step, batch, seq, seed)
+        if not self.start <= step < self.stop:
+            return x, y
+        share = batch // self.replicas
+        rows = torch.cat([torch.arange(r * share, (r + 1) * share)
+                          for r in range(self.replicas) if r != self.left])
+        return x[rows], y[rows]
+
+
+@pytest.mark.parametrize("mode", ["diloco", "dp"])
+def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_joins(
+        cli_env, tmp_path: Path, swarm_home: Path, mode: str):
+    up = run_cli("restart-cluster", "--fellows", "4", "--stale-after", "2", env=cli_env,
                  timeout=90)
     assert up.returncode == 0, up.stderr
     try:
@@ -37,7 +60,7 @@ def test_a_diloco_replica_whose_fellow_dies_leaves_and_the_others_train_on(
         body = {"name": "replica-dies", "kind": "train", "model": MODEL,
                 "training": {"steps": 120, "batch_size": 6, "micro_batches": 1,
                              "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                             "sync": {"mode": "diloco", "inner_steps": H}},
+                             "sync": {"mode": mode, "inner_steps": H}},
                 "topology": {"stages": 1, "replicas": 3}}
         path = tmp_path / "job.json"
         path.write_text(json.dumps(body))
@@ -61,33 +84,48 @@ def test_a_diloco_replica_whose_fellow_dies_leaves_and_the_others_train_on(
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
-    assert "1 replica(s) left" in job["reason"]
     assert job["restarts"] == [] and job["attempt"] == 0  # (no stop, no resume)
-    assert job["members"] == [0, 2]
-    [change] = job["membership"]
+    change, back = job["membership"]
     assert change["left"] == [1] and change["members"] == [0, 2]
     assert f"fellow {cell['fellow_id']}" in change["reason"]
+    # The spare took replica 1 at an outer step after the change: all three train again.
+    assert back["joined"] == [1] and back["members"] == [0, 1, 2] == job["members"]
+    assert back["step"] > change["step"]
+    assert mode == "dp" or (back["step"] - 1) % H == 0  # (DiLoCo: at an outer step)
+    spare = next(c for c in job["placement"]["stages"] if c["replica"] == 1)["fellow_id"]
+    assert spare != cell["fellow_id"] and f"fellow {spare} joined" in back["reason"]
     # Every step is there, and the change is in the record of its step and in the events.
     steps = [s for s, _ in job["loss_history"]]
     assert steps == list(range(1, 121))
     assert shown.returncode == 0 and f"replicas @{change['step']}" in shown.stdout
     assert "replica(s) 1 left; training: 0,2" in shown.stdout
-    [marked] = [r for r in progress if r.get("membership")]
-    assert marked["step"] == change["step"] and marked["membership"][0]["left"] == [1]
-    assert any(e["type"] == "job.membership" and e["data"]["left"] == [1]
-               for e in events["events"])
-    # The outer step that broke (after 1-based step change.step - 1) averaged the survivors'
-    # changes only; replica 1's work since the outer step before it is lost. From then on the
-    # losses are those of the one-process simulation without it.
+    assert "replica(s) 1 joined; training: 0,1,2" in shown.stdout
+    marked = [r for r in progress if r.get("membership")]
+    assert [(r["step"], r["membership"][0]["left"], r["membership"][0]["joined"])
+            for r in marked] == [(change["step"], [1], []), (back["step"], [], [1])]
+    assert [e["data"]["left"] or e["data"]["joined"] for e in events["events"]
+            if e["type"] == "job.membership"] == [[1], [1]]
+    # After the change the losses are the reference's without replica 1 (DiLoCo: the outer
+    # step that broke averaged the survivors' changes only, and replica 1's work since the
+    # outer step before is lost); after the join, with it again (it starts from replica 0's
+    # weights and optimiser state, DiLoCo's outer state too).
     mc = structure(MODEL, ModelConfig)
     tc = structure(job["training"], TrainingConfig)
-    broken = change["step"] - 1  # (0-based index of the step the broken outer step followed)
-    ref = _diloco_reference(mc, tc, load_token_data(tc, mc.seq_len), 1, 3,
-                            leaves={1: broken - H + 1})
+    data = load_token_data(tc, mc.seq_len)
+    broken = change["step"] - 1  # (0-based index of the step the broken operation followed)
+    if mode == "diloco":
+        ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - H + 1},
+                                joins={1: (back["step"] - 1, 0)})
+    else:  # (data parallel: one process on the windows of the replicas that trained)
+        ref, _ = train_reference(mc, tc, _Shares(data, 3, 1, broken, back["step"] - 1),
+                                 [(0, mc.n_layers)])
     losses = [loss for _, loss in job["loss_history"]]
-    # (twelve steps: the ring sums the three changes in another order than the simulation,
-    # a rounding that training amplifies past 1e-5 some twenty steps on)
-    after = slice(change["step"], change["step"] + 12)
-    assert len(ref[after]) >= 4, f"the kill landed too late to compare (step {change['step']})"
-    diff = max(abs(a - b) for a, b in zip(ref[after], losses[after], strict=True))
-    assert diff <= 1e-5, f"after the change at step {change['step']}: {diff}"
+    # (ten steps each, to 5e-5: the ring sums the replicas' parts in another order than the
+    # reference, a rounding that training amplifies from the first step, to about 1e-5 by
+    # step 30; a replica's share counted where it should not be, or a state not handed over,
+    # is 1e-2 and more. The exactness to 1e-5 is tests/unit/test_replicas.py's, in-process.)
+    windows = [slice(change["step"], min(change["step"] + 10, back["step"] - 1)),
+               slice(back["step"], back["step"] + 10)]
+    for window in windows:
+        diff = max(abs(a - b) for a, b in zip(ref[window], losses[window], strict=True))
+        assert diff <= 5e-5, f"steps {window.start + 1}-{window.stop}: {diff}"

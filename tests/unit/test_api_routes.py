@@ -1608,7 +1608,7 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     assert first["order"] is None
     second = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0, op_step=5,
                                             synced_step=3, finished=True))
-    order = {"epoch": 1, "members": [0, 1], "commit": False, "drop": False}
+    order = {"epoch": 1, "members": [0, 1], "commit": False, "drop": False, "donor": None}
     assert second["order"] == order
     again = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=5,
                                            synced_step=3))
@@ -1621,5 +1621,57 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     records = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))
     assert [r["membership"][0]["left"] for r in records["records"] if r.get("membership")] \
         == [[2]]
-    # Its fellow is free again: a ready fellow for the next job (or to join this one).
     assert (await get_fellow(api, by_replica[2]["fellow_id"]))["current_job"] is None
+
+
+async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
+    """After replica 1 of three left, a fellow that registers joins as replica 1 (not the
+    one whose cell failed: it is up, but what failed may fail again): its START names the
+    membership it joins and the donor (the first member); each member is told the new
+    membership and where the joiner listens; its first step's report records the join."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7200 + i}")
+               for i in range(3)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1,
+                         "sync": {"mode": "diloco", "inner_steps": 5}},
+            "topology": {"stages": 1, "replicas": 3}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                  for c in job["placement"]["stages"]}
+    for f in fellows:
+        await poll(api, f)  # (their STARTs)
+    assert (await report(api, jid, by_replica[1], "FAILED", step=4, stage=0,
+                         replica=1, message="killed")).status == 200
+    for r in (0, 2):
+        assert (await _regroup(api, jid, by_replica[r], r, op_step=4, synced_step=-1)).status \
+            == 200
+    assert (await get_job(api, jid))["members"] == [0, 2]
+    await asyncio.sleep(0.3)  # (ticks go by: the fellow that failed is not taken back)
+    assert [s for s in await poll(api, by_replica[1], after=1) if s["kind"] == "START"] == []
+    spare = await register(api, "spare", data_addr="127.0.0.1:7300")
+    async def join_start():
+        return [s for s in await poll(api, spare) if s["kind"] == "START"]
+
+    [start] = await wait_for(join_start)
+    assert start["kind"] == "START" and start["payload"]["replica"] == 1
+    assert start["payload"]["join"] == {"epoch": 2, "members": [0, 1, 2], "commit": False,
+                                        "drop": False, "donor": 0}
+    for r in (0, 2):
+        signals = await poll(api, by_replica[r], after=1)
+        [told] = [s for s in signals if s["kind"] == "MEMBERS"]
+        assert told["payload"]["order"] == start["payload"]["join"]
+        assert (told["payload"]["stage"], told["payload"]["replica"]) == (0, r)
+        cell = next(c for c in told["payload"]["placement"]["stages"] if c["replica"] == 1)
+        assert (cell["fellow_id"], cell["data_addr"]) == (spare["fellow_id"], "127.0.0.1:7300")
+    job = await get_job(api, jid)
+    assert job["members"] == [0, 2]  # (until the group has taken it in)
+    assert (await report(api, jid, spare, "RUNNING", step=11, stage=0, replica=1,
+                         loss=2.0)).status == 200
+    job = await get_job(api, jid)
+    assert job["members"] == [0, 1, 2]
+    left, joined = job["membership"]
+    assert left["left"] == [1]
+    assert (joined["step"], joined["joined"], joined["members"]) == (11, [1], [0, 1, 2])
+    assert f"fellow {spare['fellow_id']} joined" in joined["reason"]

@@ -143,15 +143,20 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 
 
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
-                      replicas: int, leaves: dict[int, int] | None = None) -> list[float]:
+                      replicas: int, leaves: dict[int, int] | None = None,
+                      joins: dict[int, tuple[int, int]] | None = None) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
     share of every step's windows, clipped by its own global norm; every H steps (and at the
     end) the mean of (weights at the last sync - weights now) goes to an outer SGD with
     Nesterov momentum on the weights at the last sync, which every copy then takes.
     ``leaves[r]``: the step from which replica r is gone (its change since the last sync
-    too); the outer steps average those left, and a step's loss is theirs."""
-    leaves = leaves or {}
+    too); the outer steps average those left, and a step's loss is theirs. ``joins[r] =
+    (step, donor)``: replica r is back from that step (after an outer step), a copy of the
+    donor's weights and inner optimiser state."""
+    import copy
+
+    leaves, joins = leaves or {}, joins or {}
     import math
 
     from swarm_core.pipeline.model import lm_loss
@@ -179,7 +184,12 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
         total = 0.0
-        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step]
+        for r, (at, donor) in joins.items():
+            if at == step:
+                models[r].load_state_dict(models[donor].state_dict())
+                opts[r].load_state_dict(copy.deepcopy(opts[donor].state_dict()))
+        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step
+                or (r in joins and joins[r][0] <= step)]
         for r, (model, opt) in enumerate(zip(models, opts, strict=True)):
             if r not in here:
                 continue
