@@ -47,6 +47,9 @@ class RegroupReport:
         "the step of the last synchronisation the cell committed; -1: none this attempt"))
     finished: bool = attrs.field(default=False, metadata=meta(
         "whether the cell had its result of the broken synchronisation, unconfirmed"))
+    closed_by: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(
+        "the replica before it on the ring, when that one closed the link (it likely died)",
+        minimum=0))
 
 
 @attrs.define

@@ -167,10 +167,15 @@ class Membership:
 
     def check(self, job: JobRecord) -> None:
         """A round older than the heartbeat timeout is decided: a cell silent so long is
-        lost."""
+        lost. One whose ring neighbour saw it close the link is lost after a heartbeat."""
         rnd = self.rounds.get(job.job_id)
-        if rnd is not None and time.monotonic() - rnd.since >= self.queue.liveness.hold_s():
+        if rnd is None:
+            return
+        age = time.monotonic() - rnd.since
+        if age >= self.queue.liveness.hold_s():
             self._decide(job, final=True)
+        elif age >= self.queue.registry.heartbeat_interval_s:
+            self._decide(job, final=False)
 
     def forget(self, job: JobRecord) -> None:
         """The job ended, or recovers: wake whoever waits (they are answered 409)."""
@@ -264,6 +269,17 @@ class Membership:
         members = self.members(job)
         silent = [(s, r) for s in range(stages) for r in members
                   if r not in rnd.lost and (s, r) not in rnd.reports]
+        # A silent member its ring neighbour saw close the link has died (a process that
+        # ends closes its sockets), once a heartbeat has gone by for its own report: no need
+        # to wait out the heartbeat timeout.
+        closed = {rep.closed_by for rep in rnd.reports.values() if rep.closed_by is not None}
+        if time.monotonic() - rnd.since >= self.queue.registry.heartbeat_interval_s:
+            for s, r in silent:
+                if r in closed:
+                    fid = job.placement.cell(s, r).fellow_id  # type: ignore[union-attr]
+                    rnd.lost.setdefault(r, f"fellow {fid} (stage {s} replica {r}) closed its "
+                                           f"ring link and did not report")
+            silent = [(s, r) for s, r in silent if r not in rnd.lost]
         if silent and not final:
             return
         for s, r in silent:

@@ -528,10 +528,15 @@ class StageRunner:
         Returns whether to commit the broken operation's result (else: do it again)."""
         assert self.coordinator is not None and self.sync is not None
         spec = self.spec
+        prev = self.links.ring_prev
+        n = len(self.members)
+        closed_by = self.members[(self.members.index(spec.replica) - 1) % n] \
+            if prev is not None and prev.peer_closed and n > 1 else None
         self._close_ring()
         order = self.coordinator(RegroupReport(
             fellow_id=0, stage=spec.stage, replica=spec.replica, epoch=self.epoch,
-            op_step=exc.step, synced_step=self.synced_step, finished=exc.finished))
+            op_step=exc.step, synced_step=self.synced_step, finished=exc.finished,
+            closed_by=closed_by))
         self._check_stop()
         if order.drop or spec.replica not in order.members:
             raise StageDropped(f"replica {spec.replica} left the job at step {exc.step}")

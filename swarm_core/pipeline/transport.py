@@ -113,6 +113,7 @@ class PeerLink:
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
         self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
+        self.peer_closed = False  # the far end closed it (its process ended, or it let go)
         self.pulse_bytes = 0  # and its pulses' (not data: kept out of the per-step wire bytes)
         # Seconds the owner spent blocked in recv and flush: time it could have computed had
         # the network and the neighbour been instant (the stage reports it per step).
@@ -279,6 +280,8 @@ class PeerLink:
             want = min(CHUNK, n - got)
             r = self.sock.recv_into(view[got:got + want], want)
             if r == 0:
+                if not self._stop.is_set():  # (not our own close)
+                    self.peer_closed = True
                 raise LinkClosed(f"{self.peer} closed the link")
             got += r
             self.last_progress = time.monotonic()
