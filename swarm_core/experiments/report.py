@@ -63,29 +63,28 @@ class RunData:
         mode = self.summary.get("sync_mode")
         return mode if mode in SYNC_MODES else "none"
 
+    def _setting(self, key: str, *resolved_path: str) -> str | None:
+        """A text of its setting: from its summary, else (a summary older than the field)
+        from its resolved config; None where neither says."""
+        value = self.summary.get(key)
+        if value is None:
+            value = _dig(self.resolved, *resolved_path)
+        return value if isinstance(value, str) else None
+
     @property
     def compression(self) -> str | None:
-        """The boundary spec it ran (None: neither its summary nor its config says)."""
-        spec = self.summary.get("compression")
-        if spec is None:
-            spec = _dig(self.resolved, "job", "model", "compression")
-        return spec if isinstance(spec, str) else None
+        """The boundary spec it ran."""
+        return self._setting("compression", "job", "model", "compression")
 
     @property
     def model(self) -> str | None:
         """Its model profile's name."""
-        name = self.summary.get("model")
-        if name is None:
-            name = _dig(self.resolved, "job", "model", "name")
-        return name if isinstance(name, str) else None
+        return self._setting("model", "job", "model", "name")
 
     @property
     def network(self) -> str | None:
         """Its network profile's name."""
-        name = self.summary.get("network_profile")
-        if name is None:
-            name = _dig(self.resolved, "network_profile", "name")
-        return name if isinstance(name, str) else None
+        return self._setting("network_profile", "network_profile", "name")
 
     @property
     def link_mbps(self) -> float | None:

@@ -1570,6 +1570,23 @@ def test_every_route_has_a_test():
     assert {(r.method, r.path) for r in ROUTES} == covered
 
 
+async def _replicated_job(api: TestClient, port: int, **training: Any
+                         ) -> tuple[str, dict[int, dict[str, Any]]]:
+    """A running job of one stage and three replicas on three fellows registered for it (data
+    addresses from ``port`` on): its id, and the fellow of each replica."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
+               for i in range(3)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1, **training},
+            "topology": {"stages": 1, "replicas": 3}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING"
+    return jid, {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                 for c in job["placement"]["stages"]}
+
+
 async def _regroup(api: TestClient, job_id: str, reg: dict[str, Any], replica: int,
                    wait: float = 0.0, **extra: Any):
     body = {"fellow_id": reg["fellow_id"], "stage": 0, "replica": replica, **extra}
@@ -1583,18 +1600,7 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     (the second is not in yet); the second's report decides the round: both go on as members
     [0, 1] and do the step again. A survivor that asks again gets the same answer; the job
     runs on, records the change, the step's record has it, and the fellow that left is free."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7000 + i}")
-               for i in range(3)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
-            "topology": {"stages": 1, "replicas": 3}}
-    job = await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201)
-    jid = job["job_id"]
-    job = await get_job(api, jid)
-    assert job["state"] == "RUNNING"
-    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
-                  for c in job["placement"]["stages"]}
+    jid, by_replica = await _replicated_job(api, 7000)
     # Not a member of the job, or a membership that is over: refused, nothing changes.
     outsider = await register(api, "x", data_addr="127.0.0.1:7100")
     assert (await _regroup(api, jid, outsider, 0)).status == 409
@@ -1629,18 +1635,9 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     one whose cell failed: it is up, but what failed may fail again): its START names the
     membership it joins and the donor (the first member); each member is told the new
     membership and where the joiner listens; its first step's report records the join."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7200 + i}")
-               for i in range(3)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1,
-                         "sync": {"mode": "diloco", "inner_steps": 5}},
-            "topology": {"stages": 1, "replicas": 3}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
-                  for c in job["placement"]["stages"]}
-    for f in fellows:
+    jid, by_replica = await _replicated_job(api, 7200,
+                                            sync={"mode": "diloco", "inner_steps": 5})
+    for f in by_replica.values():
         await poll(api, f)  # (their STARTs)
     assert (await report(api, jid, by_replica[1], "FAILED", step=4, stage=0,
                          replica=1, message="killed")).status == 200
@@ -1675,3 +1672,21 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     assert left["left"] == [1]
     assert (joined["step"], joined["joined"], joined["members"]) == (11, [1], [0, 1, 2])
     assert f"fellow {spare['fellow_id']} joined" in joined["reason"]
+
+
+async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api, leader_config):
+    """Replica 1 of three died (a process that ends closes its sockets): replica 2 saw the
+    link from it close. With both survivors in, the round does not wait out the heartbeat
+    timeout for replica 1's silence: a heartbeat interval later it is decided without it."""
+    jid, by_replica = await _replicated_job(api, 7400)
+    t0 = time.monotonic()
+    assert (await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=3,
+                                           synced_step=2)))["order"] is None
+    answer = await expect_ok(await _regroup(api, jid, by_replica[2], 2, wait=4.0, op_step=3,
+                                            synced_step=2, closed_by=1))
+    assert answer["order"]["members"] == [0, 2]
+    assert time.monotonic() - t0 < leader_config.stale_after_s  # (not the timeout's wait)
+    [change] = (await get_job(api, jid))["membership"]
+    assert change["left"] == [1]
+    assert f"fellow {by_replica[1]['fellow_id']} (stage 0 replica 1) closed its ring link" \
+        in change["reason"]
