@@ -19,6 +19,7 @@ class GridCell:
     name: str
     layers: tuple[int, int]
     figures: StageMetrics
+    left: bool = False  # its replica left the job (see JobInfo.membership)
 
     @property
     def label(self) -> str:
@@ -36,8 +37,10 @@ def job_grid(job: JobInfo) -> list[GridCell]:
     p = job.placement
     if p is None:
         return []
+    members = job.members
     cells = [GridCell(st.stage, st.replica, st.fellow_id, st.name, st.layers.as_tuple(),
-                      job.metrics.stage(p.label(st.stage, st.replica)))
+                      job.metrics.stage(p.label(st.stage, st.replica)),
+                      left=members is not None and st.replica not in members)
              for st in p.stages]
     return sorted(cells, key=lambda c: (c.stage, c.replica))
 
@@ -59,7 +62,9 @@ def grid_table(job: JobInfo) -> tuple[list[str], list[list[str]]]:
     for c in cells:
         m = c.figures
         sync = m.sync_bytes
-        rows.append([c.label, f"{c.fellow_id} ({c.name})", f"{c.layers[0]}-{c.layers[1]}",
+        # (a replica that left keeps its last figures, marked: its fellow trains no more)
+        rows.append([c.label, f"{c.fellow_id} ({c.name})" + (" left" if c.left else ""),
+                     f"{c.layers[0]}-{c.layers[1]}",
                      "-" if m.step is None else str(m.step), fmt_tps(m.tokens_per_s),
                      _share(m.wait_share), "-" if sync is None else fmt_bytes(int(sync)),
                      _share(m.sync_share)])

@@ -377,8 +377,11 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     sync = fp.sync_bytes if fp is not None and fp.sync_bytes is not None else known.sync_bytes
     sync_wait = fp.sync_fraction if fp is not None and fp.sync_fraction is not None else \
         known.sync_share
-    status = st.status if st is not None else "gone"
-    row_style = STALE_ROW_STYLE if st is None or st.stale else ""
+    members = view.info.members
+    left = grid and members is not None and replica not in members
+    # (a replica that left keeps its row and last figures; its fellow is another job's now)
+    status = "left" if left else st.status if st is not None else "gone"
+    row_style = STALE_ROW_STYLE if left or st is None or st.stale else ""
     age = model.heartbeat_age(st) if st is not None else None
     tx = st.tx_mbps if st is not None and in_job else None
     rx = st.rx_mbps if st is not None and in_job else None

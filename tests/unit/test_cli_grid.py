@@ -122,6 +122,30 @@ def _cell_extras(k: int, r: int) -> dict[str, Any]:
     return extra
 
 
+async def test_the_grid_marks_the_cells_of_a_replica_that_left(api, auth, capsys):
+    """Replica 1 of a 1 x 2 job failed and left: its row stays, with its last figures, its
+    fellow marked as left; the other replica's is as it was; the change is a row above."""
+    job, regs = await _job(api, auth, 1, 2)
+    cells = {c["replica"]: c for c in job["placement"]["stages"]}
+    for cell in cells.values():
+        await _report(api, job, regs, cell, step=2)
+    await _report(api, job, regs, cells[1], step=2, state="FAILED")
+    reg = regs[cells[0]["fellow_id"]]
+    resp = await api.post(f"{A}/jobs/{job['job_id']}/regroup", headers=reg["headers"],
+                          params={"wait": "2"},
+                          json={"fellow_id": reg["fellow_id"], "stage": 0, "replica": 0,
+                                "op_step": 2, "synced_step": 1})
+    assert (await resp.json())["order"]["members"] == [0], await resp.text()
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    rows = {_cols(line)[0]: _cols(line) for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    f0, f1 = cells[0]["fellow_id"], cells[1]["fellow_id"]
+    assert rows["s0/r1"][1:4] == [f"{f1} (f{f1}) left", "0-4", "2"]
+    assert rows["s0/r0"][1] == f"{f0} (f{f0})"
+    assert "replicas @3" in out and "replica(s) 1 left; training: 0" in out
+
+
 async def test_the_grid_holds_the_figures_only_some_cells_report(api, auth, capsys):
     job, regs = await _job(api, auth, 2, 2)
     cells = job["placement"]["stages"]

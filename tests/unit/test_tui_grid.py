@@ -108,3 +108,27 @@ async def test_a_fellows_detail_names_its_cell() -> None:
         app.push_screen(FellowDetailScreen(8))
         await wait_for(pilot, lambda: f"{GRID_JOB} s0/r1  step" in screen_text(app),
                        "the detail's job line")
+
+
+async def test_the_watch_marks_a_replica_that_left_and_says_when() -> None:
+    """Replica 1 of the 2 x 2 job left at step 31: at 120 columns its two rows say "left"
+    where the others say their fellow's status, and the job's summary names the change."""
+    import attrs
+
+    from swarm_core.contract import MembershipChange
+
+    client = GridFakeClient()
+    client._jobs[-1] = attrs.evolve(
+        client._jobs[-1], members=[0],
+        membership=[MembershipChange(step=31, epoch=1, members=[0], left=[1])])
+    app = _app(client)
+    async with app.run_test(size=(120, 24)) as pilot:
+        await _loaded(pilot, app, client)
+        app.watch_job(GRID_JOB)
+        table = await _watch_table(pilot, app)
+        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "@31: replica(s) 1 left" in text
+        status = {row[0]: row[4] for row in (_row(text, f"{f} ") for f in (6, 7, 8, 9))}
+        assert status == {"6": "busy", "7": "busy", "8": "left", "9": "left"}

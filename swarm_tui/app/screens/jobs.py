@@ -273,6 +273,13 @@ class JobWatchScreen(SwarmScreen):
         if info.link_changes:
             text.append("\n" + describe_link_changes(info.link_changes,
                                                      total=info.link_changes_total), style="yellow")
+        for ch in info.membership[-3:]:  # (the newest: a loss curve is read against them)
+            moved = []
+            if ch.left:
+                moved.append(f"replica(s) {','.join(map(str, ch.left))} left")
+            if ch.joined:
+                moved.append(f"replica(s) {','.join(map(str, ch.joined))} joined")
+            text.append(f"\n@{ch.step}: {', '.join(moved)}", style="yellow")
         summary.update(text)
         if not view.history_loaded and (self._fetched_at is None or
                                         time.monotonic() - self._fetched_at > self.REFETCH_S):
