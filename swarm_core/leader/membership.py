@@ -5,7 +5,8 @@ When a member of a stage group dies, the survivors' ring breaks; each survivor a
 the dead member's chain fail (their pipeline link broke) and its fellow goes stale. A round
 is decided once every cell of the current members has asked or is known lost (a FAILED
 report, a fellow gone stale or away), or when the heartbeat timeout has passed since the
-round began (a cell still silent by then is lost): :func:`regroup_orders` gives each asking
+round began (a cell still silent by then is lost, unless its fellow says it runs it: a
+DiLoCo replica may train many inner steps before its next synchronisation): :func:`regroup_orders` gives each asking
 cell its order, the lost replicas leave, and the change is recorded (the job's
 ``membership``, the step's progress record, a ``job.membership`` event). Where no replica is
 left, or the reports do not fit together, the job recovers as a job of one replica does
@@ -187,6 +188,14 @@ class Membership:
         self.failed.pop(job.job_id, None)
 
     # the decision -----------------------------------------------------------------------------
+    def _at_work(self, job: JobRecord, stage: int, replica: int) -> bool:
+        """Whether the cell's fellow is up and says it runs the cell (this attempt)."""
+        assert job.placement is not None
+        rec = self.queue.registry.find(job.placement.cell(stage, replica).fellow_id)
+        return rec is not None and self.queue.registry.status(rec).live and any(
+            c.job_id == job.job_id and c.stage == stage and c.replica == replica
+            and c.attempt == job.attempt for c in rec.running)
+
     def _round(self, job: JobRecord) -> RegroupRound:
         rnd = self.rounds.get(job.job_id)
         if rnd is None:
@@ -280,11 +289,16 @@ class Membership:
                     rnd.lost.setdefault(r, f"fellow {fid} (stage {s} replica {r}) closed its "
                                            f"ring link and did not report")
             silent = [(s, r) for s, r in silent if r not in rnd.lost]
-        if silent and not final:
+        if final:
+            # A member still at work is not lost for being silent: DiLoCo's replicas may
+            # train many inner steps before their next synchronisation shows them the break.
+            for s, r in silent:
+                if not self._at_work(job, s, r):
+                    rnd.lost.setdefault(r, f"stage {s} replica {r} did not report within "
+                                           f"the heartbeat timeout")
+            silent = [(s, r) for s, r in silent if r not in rnd.lost]
+        if silent:
             return
-        for s, r in silent:
-            rnd.lost.setdefault(r, f"stage {s} replica {r} did not report within the "
-                                   f"heartbeat timeout")
         reports = {c: rep for c, rep in rnd.reports.items() if c[1] in members}
         try:
             survivors, orders = regroup_orders(reports, stages, set(rnd.lost), job.epoch + 1)

@@ -1690,3 +1690,58 @@ async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api,
     assert change["left"] == [1]
     assert f"fellow {by_replica[1]['fellow_id']} (stage 0 replica 1) closed its ring link" \
         in change["reason"]
+
+
+async def test_a_job_left_with_no_replica_ends_as_a_chain_would(api):
+    """Every replica's cell fails: there is no one to train on, so the job ends as a job of
+    one replica does under its resume policy (here: fail), naming the last failure."""
+    jid, by_replica = await _replicated_job(api, 7500)
+    for r in (2, 1):
+        assert (await report(api, jid, by_replica[r], "FAILED", step=4, stage=0, replica=r,
+                             message=f"boom {r}")).status == 200
+        assert (await get_job(api, jid))["state"] == "RUNNING"  # (replica 0 trains on)
+    assert (await report(api, jid, by_replica[0], "FAILED", step=4, stage=0, replica=0,
+                         message="boom 0")).status == 200
+    job = await get_job(api, jid)
+    assert job["state"] == "FAILED" and "boom 0" in job["reason"]
+    assert job["restarts"] == []
+
+
+async def test_a_silent_member_still_at_work_is_waited_for_past_the_timeout(api, monkeypatch):
+    """DiLoCo: replica 2 failed, replica 0 reported its broken ring, replica 1 is training
+    inner steps and has not reached its next outer step. Its fellow heartbeats and says it
+    runs the cell, so the heartbeat timeout passing does not make it lost: the round waits,
+    and is decided with it once it reports."""
+    import swarm_core.leader.membership as membership
+
+    jid, by_replica = await _replicated_job(api, 7600,
+                                            sync={"mode": "diloco", "inner_steps": 50})
+    job = await get_job(api, jid)
+    for r, f in by_replica.items():
+        await heartbeat(api, f, status="busy", running=[
+            {"job_id": jid, "stage": 0, "replica": r, "attempt": job["attempt"]}])
+    assert (await report(api, jid, by_replica[2], "FAILED", step=7, stage=0, replica=2,
+                         message="boom")).status == 200
+    first = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=49,
+                                           synced_step=-1))
+    assert first["order"] is None
+    real = time.monotonic
+
+    class Later:  # the membership's clock, a minute on: past the heartbeat timeout
+        @staticmethod
+        def monotonic() -> float:
+            return real() + 60.0
+
+        time = staticmethod(time.time)
+
+    monkeypatch.setattr(membership, "time", Later)
+    await heartbeat(api, by_replica[1], status="busy", running=[
+        {"job_id": jid, "stage": 0, "replica": 1, "attempt": job["attempt"]}])
+    await asyncio.sleep(0.3)  # (ticks go by)
+    assert (await get_job(api, jid))["members"] is None  # (undecided: replica 1 is at work)
+    again = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=49,
+                                           synced_step=-1))
+    assert again["order"] is None
+    late = await expect_ok(await _regroup(api, jid, by_replica[1], 1, op_step=49,
+                                          synced_step=-1))
+    assert late["order"]["members"] == [0, 1]
