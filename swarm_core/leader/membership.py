@@ -6,11 +6,11 @@ the dead member's chain fail (their pipeline link broke) and its fellow goes sta
 is decided once every cell of the current members has asked or is known lost (a FAILED
 report, a fellow gone stale or away), or when the heartbeat timeout has passed since the
 round began (a cell still silent by then is lost, unless its fellow says it runs it: a
-DiLoCo replica may train many inner steps before its next synchronisation): :func:`regroup_orders` gives each asking
-cell its order, the lost replicas leave, and the change is recorded (the job's
-``membership``, the step's progress record, a ``job.membership`` event). Where no replica is
-left, or the reports do not fit together, the job recovers as a job of one replica does
-(:meth:`Liveness.lost`).
+DiLoCo replica may train many inner steps before its next synchronisation).
+:func:`regroup_orders` gives each asking cell its order, the lost replicas leave, and the
+change is recorded (the job's ``membership``, the step's progress record, a
+``job.membership`` event). Where no replica is left, or the reports do not fit together, the
+job recovers as a job of one replica does (:meth:`Liveness.lost`).
 """
 
 from __future__ import annotations
