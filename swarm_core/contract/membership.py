@@ -129,3 +129,14 @@ def regroup_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int
         if r not in members:
             orders[(s, r)] = RegroupOrder(epoch, members, drop=True)
     return members, orders
+
+
+def departure(reports: Mapping[tuple[int, int], RegroupReport], before: list[int],
+              survivors: list[int], epoch: int, reason: str = "",
+              at: float | None = None) -> MembershipChange:
+    """The record of a decided round: who left, and the first step trained without them (1-
+    based, as steps are counted in reports: the survivors' step of the broken operation)."""
+    step = 1 + min(rep.op_step for (_s, r), rep in reports.items() if r in survivors)
+    return MembershipChange(step=step, epoch=epoch, members=survivors,
+                            left=[r for r in before if r not in survivors], reason=reason,
+                            at=at)

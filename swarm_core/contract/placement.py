@@ -146,6 +146,15 @@ class Placement:
         machine."""
         return a is not None and b is not None and a.fellow_id == b.fellow_id
 
+    def group_of(self, stage: int, replica: int
+                 ) -> tuple[tuple[str | None, ...], tuple[bool, ...]]:
+        """What the cell (stage, replica) needs to ring its stage group: where each replica
+        of the stage listens, and which of them run in the cell's own fellow."""
+        mine = self.cell(stage, replica)
+        group = [self.cell(stage, r) for r in range(self.replicas)]
+        return (tuple(c.data_addr for c in group),
+                tuple(self.same_fellow(mine, c) for c in group))
+
 
 @attrs.define
 class FellowSlots:

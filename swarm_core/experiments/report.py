@@ -585,7 +585,7 @@ def _svg_figure(title: str, xlabel: str, ylabel: str, points: list[FigurePoint],
                 colours: dict[str, str], connect: bool) -> str:
     """A chart of pooled points on a log x axis, each with its min-max bar; ``connect`` joins
     each series' points in order (the step-time chart's lines)."""
-    w, h, ml, mr, mt, mb = 520, 300, 60, 15, 30, 45
+    w, h, ml, mr, mt, mb = SVG_BOX
     if not points:
         return f"<svg width='{w}' height='{h}'><text x='10' y='20'>{title}: no data</text></svg>"
     if connect:
@@ -612,11 +612,7 @@ def _svg_figure(title: str, xlabel: str, ylabel: str, points: list[FigurePoint],
     def py(y: float) -> float:
         return mt + (1 - (y - y0) / (y1 - y0)) * (h - mt - mb)
 
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' "
-           f"font-family='sans-serif' font-size='11'>",
-           f"<text x='{w / 2}' y='16' text-anchor='middle' font-size='13'>{title}</text>",
-           f"<rect x='{ml}' y='{mt}' width='{w - ml - mr}' height='{h - mt - mb}' "
-           "fill='none' stroke='#999'/>"]
+    out = _svg_frame(title, w, h, ml, mr, mt, mb)
     for i in range(5):
         yv = y0 + (y1 - y0) * i / 4
         out.append(f"<text x='{ml - 5}' y='{py(yv) + 4:.1f}' text-anchor='end'>"
@@ -695,9 +691,23 @@ def _html_figure(runs: list[RunData]) -> str:
             f"<div>{charts}</div><ul>{legend}</ul><table>{table}</table>")
 
 
+# Every SVG chart's size and margins (left, right, top, bottom), in pixels.
+SVG_BOX = (520, 300, 60, 15, 30, 45)
+
+
+def _svg_frame(title: str, w: int, h: int, ml: int, mr: int, mt: int, mb: int) -> list[str]:
+    """An SVG chart's opening: the canvas, its title, the plot area's frame (margins left,
+    right, top, bottom)."""
+    return [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' "
+            f"font-family='sans-serif' font-size='11'>",
+            f"<text x='{w / 2}' y='16' text-anchor='middle' font-size='13'>{title}</text>",
+            f"<rect x='{ml}' y='{mt}' width='{w - ml - mr}' height='{h - mt - mb}' "
+            "fill='none' stroke='#999'/>"]
+
+
 def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
                ys_of: str = "losses", ylabel: str = "loss") -> str:
-    w, h, ml, mr, mt, mb = 520, 300, 60, 15, 30, 45
+    w, h, ml, mr, mt, mb = SVG_BOX
     series = [(getattr(r, xs_of), getattr(r, ys_of)) for r in runs]
     points = ys_of != "losses"  # (evaluations are few: each is marked)
     all_x = [x for xs, _ in series for x in xs]
@@ -717,11 +727,7 @@ def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
     def py(y: float) -> float:
         return mt + (1 - (y - y0) / (y1 - y0)) * (h - mt - mb)
 
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' "
-           f"font-family='sans-serif' font-size='11'>",
-           f"<text x='{w / 2}' y='16' text-anchor='middle' font-size='13'>{title}</text>",
-           f"<rect x='{ml}' y='{mt}' width='{w - ml - mr}' height='{h - mt - mb}' "
-           "fill='none' stroke='#999'/>"]
+    out = _svg_frame(title, w, h, ml, mr, mt, mb)
     for i in range(5):
         yv = y0 + (y1 - y0) * i / 4
         xv = x0 + (x1 - x0) * i / 4

@@ -420,11 +420,7 @@ class FellowDaemon:
         running = self.stages.get((sig.job_id or "", told.stage, told.replica))
         if running is None or running[1].attempt != told.attempt:
             return  # (that cell ended, or is of another attempt)
-        p = told.placement
-        mine = p.cell(told.stage, told.replica)
-        group = [p.cell(told.stage, r) for r in range(p.replicas)]
-        running[1].told.append((told.order, (tuple(c.data_addr for c in group),
-                                             tuple(p.same_fellow(mine, c) for c in group))))
+        running[1].told.append((told.order, told.placement.group_of(told.stage, told.replica)))
 
     async def _report(self, job_id: str, upd: JobStatusUpdate) -> None:
         """Report on a job. Reports wait out a leader restart (and the re-registration after

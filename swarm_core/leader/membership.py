@@ -28,6 +28,7 @@ from swarm_core.contract.membership import (
     RegroupConflict,
     RegroupOrder,
     RegroupReport,
+    departure,
     regroup_orders,
 )
 from swarm_core.leader.errors import ApiError
@@ -100,11 +101,9 @@ class Membership:
         if rep.attempt != job.attempt:
             raise ApiError(409, f"attempt {rep.attempt} of {job.job_id} was replaced",
                            code="job_not_running")
-        answers = self.answers.get(job.job_id)
-        if answers is not None and answers.epoch == rep.epoch + 1:
-            order = answers.orders.get((rep.stage, rep.replica))
-            if order is not None:
-                return order  # (it asked again: its answer was lost)
+        order = self.answer(job, rep)
+        if order is not None:
+            return order  # (it asked again: its answer was lost)
         joining = self.joining.get(job.job_id)
         if joining is not None and rep.epoch == joining.order.epoch:
             self.joined(job, rep.op_step)  # (the group took it in; its first report is late)
@@ -308,11 +307,9 @@ class Membership:
             self._fail_round(job)
             return
         left = [r for r in members if r not in survivors]
-        step = 1 + min((rep.op_step for c, rep in reports.items() if c[1] in survivors),
-                       default=job.last_step)
-        change = MembershipChange(step=step, epoch=job.epoch + 1, members=survivors, left=left,
-                                  reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
-                                  at=time.time())
+        change = departure(reports, members, survivors, job.epoch + 1,
+                           reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
+                           at=time.time())
         job.epoch, job.members = change.epoch, survivors
         job.membership.append(change)
         self._leave(job, left)

@@ -16,6 +16,7 @@ from swarm_core.contract.membership import (
     RegroupConflict,
     RegroupOrder,
     RegroupReport,
+    departure,
     regroup_orders,
 )
 from swarm_core.data import TokenData
@@ -84,11 +85,8 @@ class LocalCoordinator:
             self._orders.update({c: exc for c in self._reports})
             self._reports.clear()
             return
-        # (1-based, as steps are counted in reports: the first step without those who left)
-        step = 1 + min(r.op_step for r in self._reports.values() if r.replica in members)
-        self.changes.append(MembershipChange(
-            step=step, epoch=self.epoch + 1, members=members,
-            left=[r for r in self.members if r not in members], at=time.time()))
+        self.changes.append(departure(self._reports, self.members, members, self.epoch + 1,
+                                      at=time.time()))
         self.epoch, self.members = self.epoch + 1, members
         self._orders.update(orders)
         self._reports.clear()

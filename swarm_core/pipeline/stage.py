@@ -173,7 +173,7 @@ class StageSpec:
             training = attrs.evolve(training, threads=threads)
         mine = start.mine
         ring_next = start.ring_next
-        group = [start.placement.cell(start.stage, r) for r in range(start.replicas)]
+        group_addrs, group_local = start.placement.group_of(start.stage, start.replica)
         return cls(job_id=start.job_id, key=start.key, stage=start.stage,
                    num_stages=start.num_stages, layers=mine.layers.as_tuple(),
                    downstream_addr=start.downstream_addr, model=start.model, training=training,
@@ -181,8 +181,7 @@ class StageSpec:
                    replica=start.replica, replicas=start.replicas,
                    ring_next_addr=None if ring_next is None else ring_next.data_addr,
                    local_ring=start.local_ring,
-                   group_addrs=tuple(c.data_addr for c in group),
-                   group_local=tuple(start.placement.same_fellow(mine, c) for c in group),
+                   group_addrs=group_addrs, group_local=group_local,
                    join=start.join)
 
 

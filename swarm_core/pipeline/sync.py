@@ -136,13 +136,6 @@ class Ring:
             t.copy_(self.flat[off:off + t.numel()].view_as(t))
             off += t.numel()
 
-    def mean_(self, step: int, timeout: float,
-              tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
-        """:meth:`reduce_`, the result written back at once (no confirmation)."""
-        out = self.reduce_(step, timeout, tensors)
-        self.put_back(tensors)
-        return out
-
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         """Returns once every member has said it finished this step's operation: each sends
         its own word in the first round and passes on the one it got in each later one, so
@@ -314,9 +307,20 @@ class GradientAverage:
         return sent, time.perf_counter() - t0
 
     def commit(self) -> None:
-        """Apply the group's mean, which every bucket holds (this member finished)."""
+        """Apply the group's mean, which every bucket holds (this member finished). Each
+        float32 gradient becomes a view of its bucket's buffer rather than a copy of it: no
+        pass over the gradients after the backward (the optimiser step reads the views, and
+        zero_grad lets them go before the next step refills the buffer)."""
         for k, ring in enumerate(self.rings):
-            ring.put_back(self._grads(k))
+            off = 0
+            for i in self.buckets[k]:
+                p = self.params[i]
+                view = ring.flat[off:off + p.numel()].view_as(p)
+                off += p.numel()
+                if p.dtype == view.dtype:
+                    p.grad = view
+                else:  # (a lower-precision model: its gradients keep their own dtype)
+                    p.grad.copy_(view)  # type: ignore[union-attr]
 
     def _close_ring(self) -> None:
         ring = self.rings[0]
