@@ -353,9 +353,14 @@ class PeerLink:
                 if self.abort.is_set():
                     raise LinkAborted("stopped while waiting for the peer")
                 if self._quiet_for(start) > timeout:
-                    raise self._blame(PeerTimeout(
+                    exc = self._blame(PeerTimeout(
                         f"no {kind.name} step {step} micro-batch {micro_batch} from "
                         f"{self.peer}: nothing moved for {timeout:g}s"))
+                    # Given up on, the link must stop pulsing (set while the owner still counts
+                    # as waiting, so no pulse slips in): else the peer, waiting on us in turn,
+                    # would be kept alive by a side that has already failed.
+                    self._fail(exc)
+                    raise exc
                 try:
                     item = self._in[kind].get(timeout=0.1)
                     break

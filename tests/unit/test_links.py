@@ -267,6 +267,38 @@ def test_two_stages_waiting_on_each_other_both_time_out():
         right.close()
 
 
+def test_a_link_whose_wait_timed_out_stops_pulsing():
+    """A timed-out wait is a side that has given up: its link must not keep the peer alive.
+    (The peer starts waiting only after A gave up, so without this A's pulses would hold it.)"""
+    from swarm_core.pipeline.transport import PeerTimeout
+
+    a, b = _sockets(tcp=True)
+    left = PeerLink(a, LinkShaper(), 7, "b", pulse_s=0.1)
+    right = PeerLink(b, LinkShaper(), 7, "a")  # never pulses: A times out on its own
+    try:
+        with pytest.raises(PeerTimeout):
+            left.recv(Kind.GRAD, 0, 0, timeout=0.3)
+        with pytest.raises(PeerTimeout):  # again, not a wait held open by pulses
+            left.recv(Kind.GRAD, 0, 0, timeout=0.3)
+        sent = left.pulse_bytes
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                right.recv(Kind.ACT, 0, 0, timeout=0.6)
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(3.0)
+        assert len(errors) == 1 and isinstance(errors[0], PeerTimeout), errors
+        assert left.pulse_bytes == sent, "the side that gave up went on pulsing"
+    finally:
+        left.close()
+        right.close()
+
+
 def test_a_link_that_failed_stops_pulsing():
     """B's link fails on a frame it never takes while B's stage is busy elsewhere: B does not
     keep the dead link alive with pulses, so A's wait times out. (B's stage raises the real
