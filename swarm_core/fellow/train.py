@@ -288,7 +288,9 @@ class TrainJob:
             # fellow busy (a recovery waits for every fellow it stopped to say it is free).
             side[2].cancel()
         tasks = asyncio.gather(*side, return_exceptions=True)
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        # Only our own time limit is swallowed: a cancellation from outside (the fellow
+        # stopping) must reach whoever cancelled, not end the job as if it had completed.
+        with contextlib.suppress(TimeoutError):
             return await (tasks if completed else
                           asyncio.wait_for(tasks, self.training.frame_timeout_s))
         return []

@@ -25,8 +25,27 @@ BENCHES = {
     "bench_sync_modes.py": "sync B/step",
     "bench_tui.py": "ms",
     "check_device.py": "resume bfloat16 none",
+    "reference_diloco.py": "average H=",
     "reference_gpt.py": "val/ref",
 }
+
+
+@pytest.mark.parametrize("script", ["reference_gpt.py", "reference_diloco.py"])
+def test_the_independent_references_import_nothing_of_the_code_under_test(script):
+    """The references take the data from the project, never its model, optimiser or sync
+    (their own imports, and the bench modules they import, checked)."""
+    import ast
+
+    seen, todo = set(), [script]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        tree = ast.parse((REPO / "bench" / name).read_text())
+        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m and m.startswith("swarm_core.pipeline") for m in mods), (name, mods)
+        todo += [f"{m}.py" for m in mods if m and (REPO / "bench" / f"{m}.py").exists()
+                 and f"{m}.py" not in seen]
 
 
 @pytest.mark.parametrize("script, needle", sorted(BENCHES.items()))

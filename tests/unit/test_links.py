@@ -664,3 +664,37 @@ async def test_a_job_cancelled_while_a_shard_write_hangs_ends_without_it(tmp_pat
     await asyncio.sleep(0.5)  # the write that was under way finishes; nothing else follows
     assert written == [1] and pushed == []
 
+
+
+async def test_a_job_cancelled_while_its_final_shard_is_pushed_ends_cancelled(tmp_path,
+                                                                             monkeypatch,
+                                                                             make_start):
+    """The run trained every step; the fellow is stopped while the final shard is still on
+    its way to the leader. The job ends cancelled, not COMPLETED: the cancellation reaches
+    whoever cancelled it instead of being taken for the pusher's own time limit."""
+    from swarm_core.fellow.jobs import JobContext, Progress
+    from swarm_core.fellow.train import run_train
+
+    monkeypatch.setenv("SWARM_HOME", str(tmp_path))
+    reports: list[Any] = []
+    final_push = asyncio.Event()
+
+    async def report(update: Any) -> None:
+        reports.append(update)
+
+    async def push_shard(job: str, stage: int, manifest: dict, *_: Any) -> None:
+        if manifest["step"] == 3:
+            final_push.set()
+            await asyncio.Event().wait()  # the leader, never answering
+
+    start = make_start(dict(d_model=32, n_layers=2, n_heads=2, seq_len=16),
+                       {"steps": 3, "batch_size": 4, "micro_batches": 2, "eval_batches": 0,
+                        "shard_push_interval_steps": 0})
+    job = asyncio.create_task(run_train(start, JobContext(
+        fellow_id=0, progress=Progress(), report=report, shaper=LinkShaper(),
+        push_shard=push_shard)))
+    await asyncio.wait_for(final_push.wait(), 60)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(job, 10)
+    assert not [r for r in reports if r.state == "COMPLETED"]
