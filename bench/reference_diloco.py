@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from reference_gpt import GPT, lr_schedule  # noqa: E402
+from reference_gpt import GPT, adamw, evaluate, lr_schedule  # noqa: E402
 
 # bench_sync_modes' setting: the quickstart's model and training (swarm_core.config.defaults),
 # 500 steps, 16 held-out batches.
@@ -61,14 +61,6 @@ QUICK_TRAINING = {"steps": 6, "batch_size": 4, "micro_batches": 2, "warmup_steps
 def _model(vocab: int, m: dict, seed: int) -> GPT:
     torch.manual_seed(m.get("init_seed", seed))
     return GPT(vocab, m["d_model"], m["n_layers"], m["n_heads"], m["seq_len"], m["mlp_ratio"])
-
-
-def _adamw(model: GPT, t: dict) -> torch.optim.AdamW:
-    ps = list(model.parameters())
-    return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2],
-                               "weight_decay": t["weight_decay"]},
-                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=t["lr"], betas=tuple(t["betas"]), eps=1e-8)
 
 
 def _inner_step(model: GPT, opt: torch.optim.AdamW, x: torch.Tensor, y: torch.Tensor,
@@ -89,7 +81,7 @@ def train(data, m: dict, t: dict, replicas: int, inner_steps: int | None, outer_
     """The final eval loss of R replicas syncing every ``inner_steps`` steps (None: never;
     with R=1, one model on the whole batch of each step)."""
     models = [_model(data.vocab_size, m, t["seed"]) for _ in range(replicas)]
-    opts = [_adamw(model, t) for model in models]
+    opts = [adamw(model, t) for model in models]
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
     outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum,
                             nesterov=outer_momentum > 0)
@@ -109,12 +101,7 @@ def train(data, m: dict, t: dict, replicas: int, inner_steps: int | None, outer_
                 for ps in params:
                     for p, a in zip(ps, anchor, strict=True):
                         p.copy_(a)
-    model = models[0].eval()
-    micro = t["batch_size"] // t["micro_batches"]
-    with torch.no_grad():
-        evals = [float(F.cross_entropy(model(x).reshape(-1, data.vocab_size), y.reshape(-1)))
-                 for x, y in data.eval_batches(t["eval_batches"], micro, m["seq_len"])]
-    return sum(evals) / len(evals)
+    return evaluate(models[0], data, m, t)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from swarm_core.schema import structure
 
     torch.set_num_threads(args.threads)
-    data = load_token_data(structure({k: v for k, v in t.items()}, TrainingConfig),
-                           m["seq_len"])
+    data = load_token_data(structure(t, TrainingConfig), m["seq_len"])
     r, lr, mom = args.replicas, args.outer_lr, args.outer_momentum
     print(f"d={m['d_model']} layers={m['n_layers']} seq={m['seq_len']} batch={t['batch_size']} "
           f"steps={t['steps']} replicas={r} outer lr {lr} momentum {mom} (Nesterov), init seed "

@@ -122,11 +122,7 @@ def train_reference_gpt(model_cfg: dict, training: dict, data, seed: int) -> tup
     m, t = model_cfg, training
     gpt = GPT(data.vocab_size, m["d_model"], m["n_layers"], m["n_heads"], m["seq_len"],
               m["mlp_ratio"])
-    matrices = [p for p in gpt.parameters() if p.dim() >= 2]
-    vectors = [p for p in gpt.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": t["weight_decay"]},
-                             {"params": vectors, "weight_decay": 0.0}],
-                            lr=t["lr"], betas=tuple(t["betas"]), eps=1e-8)
+    opt = adamw(gpt, t)
     losses = []
     for step in range(t["steps"]):
         for group in opt.param_groups:
@@ -139,13 +135,27 @@ def train_reference_gpt(model_cfg: dict, training: dict, data, seed: int) -> tup
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), t["grad_clip"])
         opt.step()
         losses.append(float(loss.detach()))
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail), evaluate(gpt, data, m, t)
+
+
+def adamw(gpt: nn.Module, t: dict) -> torch.optim.AdamW:
+    """AdamW as nanoGPT sets it: weight decay on the matrices only."""
+    ps = list(gpt.parameters())
+    return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2],
+                               "weight_decay": t["weight_decay"]},
+                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=t["lr"], betas=tuple(t["betas"]), eps=1e-8)
+
+
+def evaluate(gpt: nn.Module, data, m: dict, t: dict) -> float:
+    """The mean loss over the held-out windows the project evaluates on."""
     gpt.eval()
     micro = t["batch_size"] // t["micro_batches"]  # the project evaluates per micro-batch
     with torch.no_grad():
         evals = [float(F.cross_entropy(gpt(x).reshape(-1, data.vocab_size), y.reshape(-1)))
                  for x, y in data.eval_batches(t["eval_batches"], micro, m["seq_len"])]
-    tail = losses[-max(1, len(losses) // 10):]
-    return sum(tail) / len(tail), sum(evals) / len(evals)
+    return sum(evals) / len(evals)
 
 
 # --- the project: a 2-stage pipeline through a real local leader -----------------------------
