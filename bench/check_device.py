@@ -45,7 +45,6 @@ from swarm_core.contract.placement import split_layers  # noqa: E402
 from swarm_core.data import load_token_data  # noqa: E402
 from swarm_core.pipeline.devices import DeviceError, resolve_device  # noqa: E402
 from swarm_core.pipeline.local import run_local_pipeline  # noqa: E402
-from swarm_core.pipeline.optim import optimizer_arrays  # noqa: E402
 from swarm_core.pipeline.reference import train_reference  # noqa: E402
 from swarm_core.pipeline.stage import StageResult  # noqa: E402
 
@@ -73,10 +72,10 @@ def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
     saved: dict[int, dict[int, tuple[bytes, bytes]]] = {s: {} for s in range(STAGES)}
 
     def hook(s: int) -> Any:
-        def on_checkpoint(step: int, module: Any, opt: Any) -> None:
-            where[s] = str(next(module.parameters()).device)
-            saved[s][step] = (npz_bytes(state_arrays(module)),
-                              npz_bytes(optimizer_arrays(opt, module)))
+        def on_checkpoint(ck: Any) -> None:
+            where[s] = str(next(ck.module.parameters()).device)
+            saved[s][ck.step] = (npz_bytes(state_arrays(ck.module)),
+                                 npz_bytes(ck.optimizer_arrays()))
         return on_checkpoint
 
     t0 = time.perf_counter()

@@ -224,20 +224,23 @@ class SwarmClient:
         return _parse(res, RegroupAnswer)
 
     async def push_shard(self, job_id: str, stage: int, session: str,
-                         manifest: dict[str, Any], weights: bytes,
+                         manifest: dict[str, Any], weights: bytes | None,
                          optimizer: bytes | None = None) -> dict[str, Any]:
         """Upload one stage shard (multipart: manifest JSON, the weights.npz bytes, then the
-        optimizer.npz bytes when the manifest names them)."""
+        optimizer.npz bytes when the manifest names them); ``weights`` None for a replica's
+        own optimiser state (DiLoCo), which goes beside its stage's checkpoint."""
         with aiohttp.MultipartWriter("form-data") as mp:
             part = mp.append(jsonio.dumps(manifest), {"Content-Type": "application/json"})
             part.set_content_disposition("form-data", name="manifest")
-            part = mp.append(weights, {"Content-Type": "application/octet-stream"})
-            part.set_content_disposition("form-data", name="weights", filename="weights.npz")
+            if weights is not None:
+                part = mp.append(weights, {"Content-Type": "application/octet-stream"})
+                part.set_content_disposition("form-data", name="weights",
+                                             filename="weights.npz")
             if optimizer is not None:
                 part = mp.append(optimizer, {"Content-Type": "application/octet-stream"})
                 part.set_content_disposition("form-data", name="optimizer",
                                              filename="optimizer.npz")
-        size = len(weights) + len(optimizer or b"")
+        size = len(weights or b"") + len(optimizer or b"")
         url = f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/shards/{stage}"
         timeout = aiohttp.ClientTimeout(total=max(60.0, size / 5e6))
         try:
@@ -269,6 +272,24 @@ class SwarmClient:
             if part == "manifest":
                 manifest = _reply(status, raw)
         return manifest, out[1], out[2] if len(out) > 2 else None
+
+    async def replica_state(self, job_id: str, step: int, stage: int, replica: int,
+                            session: str) -> tuple[dict[str, Any], bytes] | None:
+        """(manifest, optimizer.npz bytes) of one replica's own state at a stage checkpoint
+        (DiLoCo); None where the leader holds none."""
+        base = (f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/checkpoints/{step}/{stage}"
+                f"/replicas/{replica}")
+        status, raw = await self._download(f"{base}/manifest", {SESSION_HEADER: session})
+        if status == 404:
+            return None
+        manifest = _reply(status, raw)
+        status, optimizer = await self._download(f"{base}/optimizer",
+                                                 {SESSION_HEADER: session})
+        if status == 404:
+            return None
+        if status >= 400:
+            _reply(status, optimizer)
+        return manifest, optimizer
 
     async def _download(self, url: str, headers: dict[str, str] | None = None
                         ) -> tuple[int, bytes]:

@@ -65,7 +65,10 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
                    arrays: dict[str, np.ndarray], weights: bytes,
                    slot: int = 0, device: str = "cpu",
                    training: dict[str, Any] | None = None,
-                   optimizer: bytes | None = None) -> dict[str, Any]:
+                   optimizer: bytes | None = None, replica: int = 0,
+                   replica_states: tuple[int, ...] = ()) -> dict[str, Any]:
+    """A stage shard's manifest. ``replica``: the member that wrote it; ``replica_states``:
+    the other replicas whose own optimiser states (DiLoCo) belong with this checkpoint."""
     return {
         "format": FORMAT,
         "job_id": job_id,
@@ -90,6 +93,38 @@ def build_manifest(*, job_id: str, stage: int, num_stages: int, fellow_id: int,
         "weights_bytes": len(weights),
         "optimizer_sha256": None if optimizer is None else hashlib.sha256(optimizer).hexdigest(),
         "optimizer_bytes": None if optimizer is None else len(optimizer),
+        "replica": replica,
+        "replica_states": list(replica_states),
+        "created_at": time.time(),
+    }
+
+
+def param_shapes(module: torch.nn.Module) -> dict[str, Any]:
+    """A manifest's ``params`` of a module, without copying its weights."""
+    return {k: {"shape": list(v.shape),
+                "dtype": "float32" if v.dtype == torch.bfloat16
+                else str(v.dtype).removeprefix("torch.")}
+            for k, v in module.state_dict().items()}
+
+
+def replica_state_manifest(*, job_id: str, stage: int, fellow_id: int, replica: int,
+                           step: int, model: dict[str, Any], seed: int, vocab_size: int,
+                           params: dict[str, Any], optimizer: bytes) -> dict[str, Any]:
+    """The manifest of one replica's own optimiser state at a checkpoint (DiLoCo): no weights
+    (they are the stage shard's), the optimiser archive by its sha256."""
+    return {
+        "format": FORMAT,
+        "job_id": job_id,
+        "stage": stage,
+        "fellow_id": fellow_id,
+        "replica": replica,
+        "step": step,
+        "config_fingerprint": config_fingerprint(model, seed, vocab_size),
+        "params": params,
+        "weights_sha256": None,
+        "weights_bytes": None,
+        "optimizer_sha256": hashlib.sha256(optimizer).hexdigest(),
+        "optimizer_bytes": len(optimizer),
         "created_at": time.time(),
     }
 

@@ -204,6 +204,8 @@ class TrainingConfig:
     threads: int = attrs.field(default=1, validator=[_pos, _le(MAX_THREADS)])
     max_final_loss: float | None = None
     export_dir: str | None = None
+    # Steps between checkpoints pushed to the leader (0: only the last). Under DiLoCo each
+    # falls right after the next outer step, where every replica's state can be restored.
     shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
     # Link limits every fellow of the job applies for its duration (a sweep's network profile).
     link: LinkLimits | None = None

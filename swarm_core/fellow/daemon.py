@@ -455,7 +455,7 @@ class FellowDaemon:
         if upd.state != "RUNNING":
             self.unreported.append(UnreportedFinal(job_id=job_id, report=upd))
 
-    async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes,
+    async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes | None,
                           optimizer: bytes | None) -> None:
         # As patient as a report: a stage's last shard is its export, and the stage says
         # COMPLETED only after it; a leader restarting meanwhile must not lose it.
@@ -488,6 +488,10 @@ class FellowDaemon:
                                 stage: int) -> tuple[dict, bytes, bytes | None]:
         return await self.client.checkpoint(job, step, stage, self.session)
 
+    async def _fetch_replica_state(self, job: str, step: int, stage: int,
+                                   replica: int) -> tuple[dict, bytes] | None:
+        return await self.client.replica_state(job, step, stage, replica, self.session)
+
     def _context(self, start: StageStart | str, progress: Progress) -> JobContext:
         """What this fellow lends a stage: its id, reporting, the listener of its slot, its
         link shaping and threads."""
@@ -503,6 +507,7 @@ class FellowDaemon:
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
+                          fetch_replica_state=self._fetch_replica_state,
                           links=self.links, data_roots=self.opts.data_roots,
                           regroup=self._regroup)
 

@@ -24,8 +24,9 @@ from swarm_core.contract import (
 
 Report = Callable[[JobStatusUpdate], Awaitable[None]]
 # (job_id, stage, manifest, weights.npz bytes, optimizer.npz bytes or None)
-PushShard = Callable[[str, int, dict[str, Any], bytes, bytes | None], Awaitable[None]]
-Checkpoint = tuple[dict[str, Any], bytes, bytes | None]
+# (job_id, stage, manifest, weights.npz or None for a replica's own state, optimizer.npz)
+PushShard = Callable[[str, int, dict[str, Any], bytes | None, bytes | None], Awaitable[None]]
+Checkpoint = tuple[dict[str, Any], bytes | None, bytes | None]
 
 
 @attrs.define
@@ -87,6 +88,10 @@ class JobContext:
     push_shard: PushShard | None = None
     # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
     fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
+    # (job_id, step, stage, replica) -> (manifest, optimizer.npz) of a replica's own state
+    # (DiLoCo), or None where the leader holds none
+    fetch_replica_state: Callable[[str, int, int, int],
+                                  Awaitable[tuple[dict[str, Any], bytes] | None]] | None = None
     links: LinkOverrides | None = None  # the daemon's; None: this job's own view of the shaper
     # (job_id, report, wait_s) -> the leader's answer, when a stage group's ring broke
     regroup: Callable[[str, RegroupReport, float], Awaitable[RegroupAnswer]] | None = None

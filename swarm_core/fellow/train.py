@@ -35,9 +35,9 @@ from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
 from swarm_core.pipeline.devices import DeviceError, resolve_device
-from swarm_core.pipeline.optim import optimizer_arrays
 from swarm_core.pipeline.stage import (
     ResumeError,
+    StageCheckpoint,
     StageDropped,
     StageSpec,
     StageStopped,
@@ -98,6 +98,19 @@ class StepReporter:
             metrics=metrics))
 
 
+@attrs.frozen
+class _Snapshot:
+    """A checkpoint's copy, taken in the stage thread: ``weights`` None for a member's own
+    optimiser state alone."""
+
+    step: int
+    weights: dict[str, Any] | None
+    params: dict[str, Any]
+    optimizer: dict[str, Any]
+    replica: int
+    replica_states: tuple[int, ...]
+
+
 class ShardCheckpointer:
     """A checkpoint costs the stage thread only a copy of its state; the writer serialises,
     hashes and fsyncs it (seconds for a large stage) while training goes on, and the pusher
@@ -109,50 +122,71 @@ class ShardCheckpointer:
         self.start, self.spec, self.ctx, self.root = start, spec, ctx, root
         self.loop, self.stop = loop, stop
         self.data: TokenData | None = None  # set once the stage has loaded it
-        self.snapshots: asyncio.Queue[tuple[int, dict, dict] | None] = asyncio.Queue()
+        self.snapshots: asyncio.Queue[_Snapshot | None] = asyncio.Queue()
         self.written: asyncio.Queue[Checkpoint | None] = asyncio.Queue()
         self.in_flight = threading.BoundedSemaphore(SNAPSHOTS_IN_FLIGHT)
         self.failed: list[str] = []  # why the first write failed, until one raises it
         self.abandoned = threading.Event()  # the job ended without completing: drop the rest
 
-    def on_checkpoint(self, step: int, module: Any, opt: Any) -> None:  # the stage thread
+    def on_checkpoint(self, ck: StageCheckpoint) -> None:  # the stage thread
         while not self.in_flight.acquire(timeout=0.5):
             if self.stop.is_set():
                 raise StageStopped()
         if self.failed:  # a write the writer could not do fails the stage
             self.in_flight.release()
             raise ShardWriteError(self.failed.pop())
-        snapshot = (step, shards.state_arrays(module), optimizer_arrays(opt, module))
+        # A member that does not lead hands over only its own optimiser state (DiLoCo): the
+        # weights are the first member's, which writes the stage's shard.
+        snapshot = _Snapshot(ck.step, shards.state_arrays(ck.module) if ck.leads else None,
+                             shards.param_shapes(ck.module), ck.optimizer_arrays(),
+                             ck.replica, ck.replica_states)
         self.loop.call_soon_threadsafe(self.snapshots.put_nowait, snapshot)
 
-    def _write(self, step: int, arrays: dict, opt_arrays: dict) -> Checkpoint:  # a worker
+    def _write(self, snap: _Snapshot) -> Checkpoint:  # a worker
         try:
-            weights, optimizer = shards.npz_bytes(arrays), shards.npz_bytes(opt_arrays)
-            manifest = self._manifest(step, arrays, weights, optimizer)
+            optimizer = shards.npz_bytes(snap.optimizer)
+            if snap.weights is None:
+                # Not this fellow's export (the stage's is the leading member's): only pushed.
+                return self._replica_manifest(snap, optimizer), None, optimizer
+            weights = shards.npz_bytes(snap.weights)
+            manifest = self._manifest(snap, weights, optimizer)
             shards.write_shard(self.root, manifest, weights, optimizer)
             return manifest, weights, optimizer
         except Exception as exc:
             # Noted before the copy's slot is freed, so the stage's next checkpoint sees it.
             # (A new exception is raised there: this one's traceback holds the writer's
             # frames, which the stage's clean-up would clear.)
-            self.failed.append(f"cannot write the shard of step {step}: "
+            self.failed.append(f"cannot write the shard of step {snap.step}: "
                                f"{type(exc).__name__}: {exc}")
             raise
         finally:
             self.in_flight.release()
 
-    def _manifest(self, step: int, arrays: dict, weights: bytes,
-                  optimizer: bytes) -> dict[str, Any]:
+    def _manifest(self, snap: _Snapshot, weights: bytes, optimizer: bytes) -> dict[str, Any]:
         start, spec, data = self.start, self.spec, self.data
-        assert data is not None and start.model is not None
+        assert data is not None and start.model is not None and snap.weights is not None
         mine = start.mine
         return shards.build_manifest(
             job_id=start.job_id, stage=start.stage, num_stages=start.num_stages,
             fellow_id=self.ctx.fellow_id, fellow_name=self.ctx.fellow_name,
-            layers=spec.layers, step=step, model=unstructure(start.model),
-            seed=spec.training.seed, vocab_size=start.model.vocab_size or data.vocab_size,
-            tokenizer=data.tokenizer.spec(), arrays=arrays, weights=weights, slot=mine.slot,
-            device=spec.device, training=unstructure(start.training), optimizer=optimizer)
+            layers=spec.layers, step=snap.step, model=unstructure(start.model),
+            seed=spec.training.seed, vocab_size=self._vocab_size(),
+            tokenizer=data.tokenizer.spec(), arrays=snap.weights, weights=weights,
+            slot=mine.slot, device=spec.device, training=unstructure(start.training),
+            optimizer=optimizer, replica=snap.replica, replica_states=snap.replica_states)
+
+    def _replica_manifest(self, snap: _Snapshot, optimizer: bytes) -> dict[str, Any]:
+        start = self.start
+        assert start.model is not None
+        return shards.replica_state_manifest(
+            job_id=start.job_id, stage=start.stage, fellow_id=self.ctx.fellow_id,
+            replica=snap.replica, step=snap.step, model=unstructure(start.model),
+            seed=self.spec.training.seed, vocab_size=self._vocab_size(), params=snap.params,
+            optimizer=optimizer)
+
+    def _vocab_size(self) -> int:
+        assert self.data is not None and self.start.model is not None
+        return self.start.model.vocab_size or self.data.vocab_size
 
     async def write_all(self) -> None:
         while (snapshot := await self.snapshots.get()) is not None:
@@ -160,7 +194,7 @@ class ShardCheckpointer:
                 self.in_flight.release()  # dropped: the stage raises, or has ended
                 continue
             try:
-                item = await asyncio.to_thread(self._write, *snapshot)
+                item = await asyncio.to_thread(self._write, snapshot)
             except Exception:
                 continue  # noted by _write: raised by the stage, or once it has ended
             del snapshot
@@ -208,6 +242,7 @@ class TrainJob:
             start, self.spec, ctx, export_root(self.training.export_dir, start.job_id) / "shards",
             self.loop, self.stop)
         self.initial: Checkpoint | None = None
+        self.own_state: tuple[dict[str, Any], bytes] | None = None  # (see _prepare)
 
     async def run(self) -> None:
         await self._prepare()
@@ -246,6 +281,11 @@ class TrainJob:
                 raise JobRefused("cannot resume: no way to fetch checkpoints")
             self.initial = await self.ctx.fetch_checkpoint(start.job_id, start.resume_step,
                                                            start.stage)
+            own = self.initial[0].get("replica_states") or []
+            if start.replica in own and self.ctx.fetch_replica_state is not None:
+                # DiLoCo: this replica's AdamW moments are its own, pushed beside the shard.
+                self.own_state = await self.ctx.fetch_replica_state(
+                    start.job_id, start.resume_step, start.stage, start.replica)
 
     async def _train(self) -> Any:
         """The stage thread beside the reporter, writer and pusher; the final shard reaches the
@@ -315,8 +355,16 @@ class TrainJob:
             return None, None
         manifest, weights, optimizer = self.initial
         step = self.start.resume_step
+        assert weights is not None
         try:
             state = shards.weights_from_checkpoint(manifest, weights)
+            if self.own_state is not None:
+                return state, shards.optimizer_from_checkpoint(*self.own_state)
+            if self.start.replica in (manifest.get("replica_states") or []):
+                # Pushed, but the leader no longer has it: the first member's moments, as a
+                # replica that joins takes its donor's.
+                log.warning("%s: no optimiser state of replica %d at step %d; resuming with "
+                            "the first member's", self.start.job_id, self.start.replica, step)
             # A checkpoint from before optimiser state was pushed, or a leader that kept none,
             # resumes with fresh moments: the run continues, not exactly as it would.
             if optimizer is None and names_optimizer(manifest):

@@ -34,6 +34,10 @@ _STATUS_TEXT = {
 }
 
 
+# Path parameters that are whole numbers (the router matches them as digits only).
+INT_PATH_PARAMS = ("fellow_id", "stage", "step", "replica")
+
+
 def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
     components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
     paths: dict[str, Any] = {}
@@ -45,7 +49,7 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
         }
         params = []
         for name in re.findall(r"{(\w+)}", r.path):
-            kind = "integer" if name in ("fellow_id", "stage", "step") else "string"
+            kind = "integer" if name in INT_PATH_PARAMS else "string"
             schema: dict[str, Any] = {"type": kind}
             if kind == "integer":
                 schema["minimum"] = 0
@@ -67,10 +71,15 @@ def build_openapi(routes: Iterable[Any]) -> dict[str, Any]:
             op["parameters"] = params
         if r.upload:
             op["requestBody"] = {"required": True, "content": {"multipart/form-data": {
-                "schema": {"type": "object", "required": ["manifest", "weights"],
+                "schema": {"type": "object", "required": ["manifest"],
+                           "description": "manifest, weights, then optimizer when the "
+                                          "manifest names it; a replica's own optimiser "
+                                          "state (no weights_sha256): manifest, optimizer",
                            "properties": {"manifest": {"type": "string",
                                                        "description": "shard manifest JSON"},
-                                          "weights": {"type": "string", "format": "binary"}}},
+                                          "weights": {"type": "string", "format": "binary"},
+                                          "optimizer": {"type": "string",
+                                                        "format": "binary"}}},
             }}}
         if r.body is not None:
             has_required = any(f.default is attrs.NOTHING for f in attrs.fields(r.body)) \

@@ -407,15 +407,19 @@ class JobQueue:
     def fellow_replaced(self, rec: FellowRecord) -> None:
         self.liveness.fellow_replaced(rec)
 
-    def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
-                     manifest: dict) -> ShardReceipt:
-        receipt = ShardReceipt(
+    @staticmethod
+    def shard_receipt(stage: int, fellow: FellowRecord, manifest: dict) -> ShardReceipt:
+        return ShardReceipt(
             stage=stage, fellow_id=fellow.fellow_id, step=manifest["step"],
             weights_sha256=manifest.get("weights_sha256"),
             weights_bytes=manifest.get("weights_bytes"),
             optimizer_bytes=manifest.get("optimizer_bytes"),
             config_fingerprint=manifest.get("config_fingerprint"),
             received_at=manifest.get("received_at"))
+
+    def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
+                     manifest: dict) -> ShardReceipt:
+        receipt = self.shard_receipt(stage, fellow, manifest)
         job.latest_shard_pushes[str(stage)] = receipt
         self.save(job, quiet=True)
         self.hub.publish("job.shard", {"job_id": job.job_id, **unstructure(receipt)})

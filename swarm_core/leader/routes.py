@@ -33,6 +33,7 @@ from swarm_core.contract import (
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
+from swarm_core.leader.openapi import INT_PATH_PARAMS
 from swarm_core.leader.state import LeaderState
 from swarm_core.protocol import (
     API_PREFIX,
@@ -385,32 +386,49 @@ async def regroup(request: web.Request) -> web.Response:
 
 
 async def push_shard(request: web.Request) -> web.Response:
-    from swarm_core.leader.uploads import checkpoint_dir, publish, receive_shard
+    """A stage's shard from the member that leads its group, or (DiLoCo) another member's own
+    optimiser state at that checkpoint, kept beside it and never published."""
+    from swarm_core.leader.uploads import (
+        checkpoint_dir,
+        is_replica_state,
+        publish,
+        receive_shard,
+        replica_state_dir,
+    )
 
     st = _state(request)
     job = st.jobs.get(request.match_info["job_id"])
     stage = _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
 
-    def still_wanted() -> None:
+    def still_wanted(manifest: dict[str, Any] | None = None) -> None:
         # Checked again once the upload is in: an ended job's record and export stay as they
         # ended, and a stage handed to a replacement fellow meanwhile is not overwritten by
         # the push of the one it replaced.
-        if not st.jobs.holds(job, rec.fellow_id, stage):
+        replica = _manifest_replica(job, manifest)
+        if not (st.jobs.holds(job, rec.fellow_id, stage, replica) if manifest is not None
+                else st.jobs.holds_stage(job, rec.fellow_id, stage)):
             raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
-                                f"{job.job_id}", code="wrong_fellow")
+                                f"{job.job_id}" + (f" (replica {replica})" if replica else ""),
+                           code="wrong_fellow")
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
+
+    def dest_for(m: dict[str, Any]) -> Any:
+        if is_replica_state(m):
+            return replica_state_dir(runs, job.job_id, m["step"], stage, m["replica"])
+        return checkpoint_dir(runs, job.job_id, m["step"], stage)
 
     still_wanted()
     cfg = request.app[CONFIG_KEY]
     runs = st.state_dir / "runs"
     manifest = await receive_shard(
-        request, lambda m: checkpoint_dir(runs, job.job_id, m["step"], stage),
-        cfg.max_upload_bytes,
+        request, dest_for, cfg.max_upload_bytes,
         expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id},
         still_wanted=still_wanted)
+    if is_replica_state(manifest):
+        return ok(st.jobs.shard_receipt(stage, rec, manifest), status=201)
     # One publish at a time (it prunes the checkpoints another would link from), in a worker
     # thread: its fsyncs and copies would stall the event loop.
     async with st.publishing:
@@ -419,29 +437,75 @@ async def push_shard(request: web.Request) -> web.Response:
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 
+def _manifest_replica(job: Any, manifest: dict[str, Any] | None) -> int:
+    """The replica a pushed manifest speaks for (0 where it names none), and the replicas
+    whose states it says go with it, checked against the job's grid."""
+    if manifest is None:
+        return 0
+    replicas = job.spec.topology.replicas
+    replica = manifest.get("replica", 0)
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+        raise ApiError(400, f"manifest replica must be an integer from 0 to {replicas - 1}",
+                       field="manifest.replica")
+    others = manifest.get("replica_states", [])
+    if not isinstance(others, list) or any(
+            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < replicas
+            or r == replica for r in others) or len(set(others)) != len(others):
+        raise ApiError(400, "manifest replica_states must list other replicas of the job, "
+                            "each once", field="manifest.replica_states")
+    return replica
+
+
 async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     """A fellow resuming a job fetches its stage's manifest, weights and optimiser state at a
     step."""
     from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS
     from swarm_core.leader.uploads import checkpoint_dir
 
-    st = _state(request)
-    job = st.jobs.get(request.match_info["job_id"])
-    step, stage = _int_param(request, "step"), _int_param(request, "stage")
-    rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if not st.jobs.holds_stage(job, rec.fellow_id, stage):  # (every replica resumes from it)
-        raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
-                            f"{job.job_id}", code="wrong_fellow")
+    step, stage, job = _checkpoint_request(request)
     part = request.match_info["part"]
     name = {"weights": WEIGHTS, "manifest": MANIFEST, "optimizer": OPTIMIZER}.get(part)
     if name is None:
         raise ApiError(404, f"no checkpoint part {part!r} (manifest, weights or optimizer)")
-    path = checkpoint_dir(st.state_dir / "runs", job.job_id, step, stage) / name
+    path = checkpoint_dir(_state(request).state_dir / "runs", job.job_id, step, stage) / name
     if not path.exists():
         raise ApiError(404, f"no checkpoint of stage {stage} at step {step}",
                        code="no_checkpoint")
     return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"
                                            if part != "manifest" else "application/json"})
+
+
+async def get_replica_state(request: web.Request) -> web.StreamResponse:
+    """A replica resuming a DiLoCo job fetches its own optimiser state at a checkpoint."""
+    from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER
+    from swarm_core.leader.uploads import replica_state_dir
+
+    step, stage, job = _checkpoint_request(request)
+    replica = _int_param(request, "replica")
+    part = request.match_info["part"]
+    name = {"manifest": MANIFEST, "optimizer": OPTIMIZER}.get(part)
+    if name is None:
+        raise ApiError(404, f"no replica state part {part!r} (manifest or optimizer)")
+    path = replica_state_dir(_state(request).state_dir / "runs", job.job_id, step, stage,
+                             replica) / name
+    if not path.exists():
+        raise ApiError(404, f"no state of replica {replica} of stage {stage} at step {step}",
+                       code="no_checkpoint")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"
+                                           if part != "manifest" else "application/json"})
+
+
+def _checkpoint_request(request: web.Request) -> tuple[int, int, Any]:
+    """(step, stage, job) of a checkpoint fetch, from a fellow that runs some replica
+    of that stage (every replica resumes from the stage's checkpoint)."""
+    st = _state(request)
+    job = st.jobs.get(request.match_info["job_id"])
+    step, stage = _int_param(request, "step"), _int_param(request, "stage")
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
+    if not st.jobs.holds_stage(job, rec.fellow_id, stage):
+        raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
+                            f"{job.job_id}", code="wrong_fellow")
+    return step, stage, job
 
 
 async def get_export(request: web.Request) -> web.Response:
@@ -607,6 +671,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
           "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),
+    Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/replicas/{{replica}}/"
+          "{part}", get_replica_state,
+          "A replica fetches its own optimiser state at a stage checkpoint (DiLoCo; part: "
+          "manifest or optimizer)",
+          fellow_session=True, errors=(400, 401, 403, 404, 409)),
     Route("GET", f"{A}/jobs/{{job_id}}/export", get_export,
           "A job's export: the run manifest of its newest shard per stage", errors=(404,)),
     Route("GET", f"{A}/jobs/{{job_id}}/export/{{stage}}/{{part}}", get_export_part,
@@ -624,5 +693,5 @@ ROUTES: tuple[Route, ...] = (
 def add_routes(app: web.Application) -> None:
     for r in ROUTES:
         # Integer ids only match digits, so /fellows/register is never "fellow 'register'".
-        path = re.sub(r"{(fellow_id|stage|step)}", r"{\1:\\d+}", r.path)
+        path = re.sub(r"{(" + "|".join(INT_PATH_PARAMS) + r")}", r"{\1:\\d+}", r.path)
         app.router.add_route(r.method, path, r.handler)

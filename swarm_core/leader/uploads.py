@@ -49,19 +49,34 @@ def checkpoint_dir(runs_dir: Path, job_id: str, step: int, stage: int) -> Path:
     return runs_dir / job_id / "checkpoints" / f"step-{step}" / f"stage-{stage}"
 
 
+def replica_state_dir(runs_dir: Path, job_id: str, step: int, stage: int,
+                      replica: int) -> Path:
+    """Where one replica's own optimiser state (DiLoCo) lies beside its stage's checkpoint."""
+    return checkpoint_dir(runs_dir, job_id, step, stage) / f"replica-{replica}"
+
+
 KEEP_CHECKPOINTS = 2
 
 
 def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[int]:
-    """Steps at which every stage's checkpoint is in place (its manifest written), newest
-    first."""
+    """Steps at which every stage's checkpoint is in place (its manifest written, and the
+    replica states it names), newest first."""
     steps = []
     for d in (runs_dir / job_id / "checkpoints").glob("step-*"):
         step = _step_of(d)
-        if step is not None and all((d / f"stage-{k}" / MANIFEST).exists()
+        if step is not None and all(_stage_complete(d / f"stage-{k}")
                                     for k in range(num_stages)):
             steps.append(step)
     return sorted(steps, reverse=True)
+
+
+def _stage_complete(d: Path) -> bool:
+    try:
+        manifest = jsonio.loads((d / MANIFEST).read_bytes())
+    except (OSError, jsonio.JSONDecodeError):
+        return False
+    others = manifest.get("replica_states") if isinstance(manifest, dict) else None
+    return all((d / f"replica-{r}" / MANIFEST).exists() for r in others or ())
 
 
 def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
@@ -114,16 +129,24 @@ def _step_of(d: Path) -> int | None:
     return int(rest) if rest != d.name and rest.isdigit() else None
 
 
+def is_replica_state(manifest: dict[str, Any]) -> bool:
+    """A push of one replica's own optimiser state (no weights: they are its stage's)."""
+    return manifest.get("weights_sha256") is None
+
+
 async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
                         limit: int, expect: dict[str, Any],
-                        still_wanted: Callable[[], None] = lambda: None) -> dict[str, Any]:
+                        still_wanted: Callable[[dict[str, Any]], None] = lambda m: None
+                        ) -> dict[str, Any]:
     """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
     manifest once all are in place. ``limit`` bounds the weights, and twice it (plus a little)
-    the optimiser state.
+    the optimiser state. A manifest with no ``weights_sha256`` is a replica's own state: its
+    parts are ``manifest`` and ``optimizer``.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
-    ``still_wanted``: called once every part has arrived, just before the files are swapped in;
-    an ApiError it raises discards the push (the world may have changed while it arrived).
+    ``still_wanted(manifest)``: called once the manifest is read and again once every part
+    has arrived, just before the files are swapped in; an ApiError it raises discards the push
+    (the world may have changed while it arrived).
     """
     if not request.content_type.startswith("multipart/"):
         raise ApiError(415, "a shard push is multipart/form-data: manifest, weights, and "
@@ -166,18 +189,25 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
                                   or not 0 <= opt_bytes < 2**63):
         raise ApiError(400, "manifest optimizer_bytes must be a byte count or null",
                        field="manifest.optimizer_bytes")
+    still_wanted(manifest)
+    own_state = is_replica_state(manifest)
+    if own_state and not names_optimizer(manifest):
+        raise ApiError(400, "a push without weights is a replica's optimiser state: the "
+                            "manifest must name it", field="manifest.optimizer_sha256")
     part = await reader.next()
-    if part is None or getattr(part, "name", None) != "weights":
-        raise ApiError(400, "second part must be 'weights'", field="weights")
+    want = "optimizer" if own_state else "weights"
+    if part is None or getattr(part, "name", None) != want:
+        raise ApiError(400, f"second part must be '{want}'", field=want)
     dest = dest_for(manifest)
     dest.mkdir(parents=True, exist_ok=True)
     tmps: dict[str, Path] = {}
     # The disk work (fsyncs, reading the archive's listing, renames) runs in a worker thread:
     # a large shard's fsync takes long enough to stall every heartbeat on the event loop.
     try:
-        tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
-        await asyncio.to_thread(_check_weights, tmps[WEIGHTS], manifest, digest, size)
-        part = await reader.next()
+        if not own_state:
+            tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
+            await asyncio.to_thread(_check_weights, tmps[WEIGHTS], manifest, digest, size)
+            part = await reader.next()
         if part is not None:
             if getattr(part, "name", None) != "optimizer":
                 raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
@@ -191,7 +221,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
         if await reader.next() is not None:
             raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
                                 "optimizer", field="optimizer")
-        still_wanted()
+        still_wanted(manifest)
         await asyncio.to_thread(_swap_in, dest, tmps)
     except FileNotFoundError:
         # publish() of a newer complete checkpoint pruned this older step while it arrived.

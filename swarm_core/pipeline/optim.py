@@ -69,8 +69,26 @@ def scale_grads(params: Iterable[nn.Parameter], scale: float) -> None:
 STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+# DiLoCo's outer SGD keeps one momentum buffer per parameter; it travels in the same archive
+# as "<parameter>.outer_momentum", beside AdamW's (inner) fields.
+OUTER_FIELD = "outer_momentum"
+
+
 class OptimizerStateError(ValueError):
     """A checkpoint's optimiser state does not fit this stage's parameters."""
+
+
+def split_outer(arrays: dict[str, np.ndarray]
+                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A checkpoint's optimiser arrays as (AdamW's, the outer momentum's by parameter name)."""
+    inner, outer = {}, {}
+    for key, arr in arrays.items():
+        name, _, field = key.rpartition(".")
+        if field == OUTER_FIELD:
+            outer[name] = arr
+        else:
+            inner[key] = arr
+    return inner, outer
 
 
 def optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module) -> dict[str, np.ndarray]:

@@ -30,6 +30,7 @@ from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
 from swarm_core.pipeline.optim import (
+    OUTER_FIELD,
     OptimizerStateError,
     clip_scale,
     grad_sq_sum,
@@ -39,6 +40,7 @@ from swarm_core.pipeline.optim import (
     optimizer_arrays,
     scale_grads,
     set_lr,
+    split_outer,
 )
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring, RingBroken
@@ -119,6 +121,39 @@ class ResumeError(ValueError):
     """The checkpoint a stage was asked to resume from does not fit it."""
 
 
+@attrs.frozen
+class StageCheckpoint:
+    """What a cell hands its checkpointer between two optimiser steps. The group's first
+    member (``leads``) writes its stage's shard; under DiLoCo every other member hands over
+    its own optimiser state too, since each replica's AdamW moments are its own (data
+    parallel's are the same in every replica, the weights at an outer step too)."""
+
+    step: int
+    module: StageModule
+    opt: torch.optim.Optimizer
+    replica: int = 0
+    leads: bool = True
+    members: tuple[int, ...] = (0,)
+    outer: OuterStep | None = None
+
+    @property
+    def replica_states(self) -> tuple[int, ...]:
+        """The other replicas whose own optimiser states belong with the stage's shard."""
+        if self.outer is None:
+            return ()
+        return tuple(m for m in self.members if m != self.replica)
+
+    def optimizer_arrays(self) -> dict[str, np.ndarray]:
+        """AdamW's state and, under DiLoCo, the outer momentum, keyed by parameter name."""
+        arrays = optimizer_arrays(self.opt, self.module)
+        if self.outer is not None:
+            names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+            for name, buf in zip(names, self.outer.momentum(), strict=True):
+                if buf is not None:
+                    arrays[f"{name}.{OUTER_FIELD}"] = buf.detach().cpu().float().numpy().copy()
+        return arrays
+
+
 @attrs.define
 class StageSpec:
     job_id: str
@@ -156,6 +191,25 @@ class StageSpec:
     def local_batch(self) -> int:
         """The windows of a step this replica trains on: its share of the batch."""
         return self.training.batch_size // self.replicas
+
+    def checkpoint(self, step: int) -> StageCheckpoint:
+        return StageCheckpoint(step, self.module, self.opt, self.spec.replica, self.leads,
+                               tuple(self.members),
+                               self.sync if isinstance(self.sync, OuterStep) else None)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is taken after global step ``step`` (1-based), short of the
+        last. Under DiLoCo only where the replicas hold one set of weights (after an outer
+        step): the first such step at or past each multiple of the interval, so a resume
+        takes up every replica's state exactly."""
+        t = self.spec.training
+        every = t.shard_push_interval_steps
+        if not every or step >= t.steps:
+            return False
+        if isinstance(self.sync, OuterStep):
+            h = self.sync.inner_steps
+            return step % h == 0 and step // every != (step - h) // every
+        return step % every == 0
 
     @property
     def leads(self) -> bool:
@@ -466,6 +520,9 @@ class StageRunner:
         # (order, (the group's addresses, which of them are in this fellow)).
         self.inbox: list[tuple[RegroupOrder, Any]] | None = None
         self._admit_after = 0  # the membership the group agreed to take on after this step
+        # DiLoCo's outer momentum from a checkpoint, by parameter name: installed once the
+        # outer step exists (with the links).
+        self.outer_resume: dict[str, np.ndarray] | None = None
 
     def take_links(self, links: StageLinks) -> None:
         """The stage's links, once open; with replicas, its group's ring over two of them."""
@@ -484,8 +541,32 @@ class StageRunner:
                             self.device)
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
                                       sync.outer_momentum)
+                if self.outer_resume:
+                    names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+                    self.sync.set_momentum([
+                        torch.from_numpy(np.array(self.outer_resume[n]))
+                        if n in self.outer_resume else None for n in names])
             if links.ring_prev is not None:
                 links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
+
+    def checkpoint(self, step: int) -> StageCheckpoint:
+        return StageCheckpoint(step, self.module, self.opt, self.spec.replica, self.leads,
+                               tuple(self.members),
+                               self.sync if isinstance(self.sync, OuterStep) else None)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is taken after global step ``step`` (1-based), short of the
+        last. Under DiLoCo only where the replicas hold one set of weights (after an outer
+        step): the first such step at or past each multiple of the interval, so a resume
+        takes up every replica's state exactly."""
+        t = self.spec.training
+        every = t.shard_push_interval_steps
+        if not every or step >= t.steps:
+            return False
+        if isinstance(self.sync, OuterStep):
+            h = self.sync.inner_steps
+            return step % h == 0 and step // every != (step - h) // every
+        return step % every == 0
 
     @property
     def leads(self) -> bool:
@@ -571,9 +652,9 @@ class StageRunner:
                   for k, v in self.module.state_dict().items()}
         arrays.update({f"o.{k}": v for k, v in optimizer_arrays(self.opt, self.module).items()})
         if isinstance(self.sync, OuterStep):
-            for i, a in enumerate(self.sync.anchor):
+            for i, (a, buf) in enumerate(zip(self.sync.anchor, self.sync.momentum(),
+                                             strict=True)):
                 arrays[f"a.{i}"] = a.detach().cpu().numpy()
-                buf = self.sync.opt.state.get(a, {}).get("momentum_buffer")
                 if buf is not None:
                     arrays[f"m.{i}"] = buf.detach().cpu().numpy()
         arrays["step"] = np.array([step], dtype=np.int64)
@@ -597,9 +678,8 @@ class StageRunner:
         if isinstance(self.sync, OuterStep):
             for i, a in enumerate(self.sync.anchor):
                 a.copy_(torch.from_numpy(arrays[f"a.{i}"]))
-                if f"m.{i}" in arrays:
-                    self.sync.opt.state[a]["momentum_buffer"] = \
-                        torch.from_numpy(arrays[f"m.{i}"]).clone().to(a.device)
+            self.sync.set_momentum([torch.from_numpy(arrays[f"m.{i}"]) if f"m.{i}" in arrays
+                                    else None for i in range(len(self.sync.anchor))])
         return int(arrays["step"][0])
 
     def _pass_state(self, donor: int, blob: bytes | None) -> bytes:
@@ -920,8 +1000,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               on_step: Callable[[StepReport], None],
               on_eval: Callable[[int, float], None] | None = None,
               connect_timeout: float = 60.0,
-              on_checkpoint: Callable[[int, StageModule, torch.optim.Optimizer], None]
-              | None = None,
+              on_checkpoint: Callable[[StageCheckpoint], None] | None = None,
               start_step: int = 0,
               initial_state: dict[str, torch.Tensor] | None = None,
               initial_optimizer: dict[str, np.ndarray] | None = None,
@@ -929,8 +1008,9 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               inbox: list[tuple[RegroupOrder, Any]] | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
-    ``on_checkpoint(step, module, optimizer)`` runs every ``shard_push_interval_steps`` and
-    after the last step, between optimiser steps, so it sees consistent weights and state.
+    ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
+    at the next outer step) and after the last step, between optimiser steps, so it sees
+    consistent weights and state.
     ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
     run: with both, the steps after it are bit for bit those of the uninterrupted run (dropout
     masks depend on the seed, stage, step and micro-batch alone). A checkpoint that does not fit
@@ -969,7 +1049,14 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
         if state is not None:
             runner.module.load_state_dict(state, strict=True)
         if optimizer is not None:
-            load_optimizer_arrays(runner.opt, runner.module, optimizer)
+            inner, outer = split_outer(optimizer)
+            load_optimizer_arrays(runner.opt, runner.module, inner)
+            params = dict(runner.module.named_parameters())
+            for name, arr in outer.items():
+                if name not in params or tuple(arr.shape) != tuple(params[name].shape):
+                    raise OptimizerStateError(f"outer momentum {name!r} does not fit this "
+                                              "stage's parameters")
+            runner.outer_resume = outer or None
     except (RuntimeError, OptimizerStateError) as exc:
         # load_state_dict lists every missing and unexpected key: the first line says enough.
         raise ResumeError(str(exc).strip().splitlines()[0]) from None
@@ -977,7 +1064,7 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
 
 def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            on_eval: Callable[[int, float], None] | None,
-           on_checkpoint: Callable[[int, StageModule, torch.optim.Optimizer], None] | None,
+           on_checkpoint: Callable[[StageCheckpoint], None] | None,
            start_step: int) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
@@ -986,12 +1073,12 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         rep = runner.train_step(step)
         reports.append(rep)
         on_step(rep)
-        every = t.shard_push_interval_steps
         # The replicas of a stage hold the same weights: the first member checkpoints for its
-        # group.
-        if on_checkpoint is not None and runner.leads and every and rep.step % every == 0 \
-                and rep.step != t.steps:
-            on_checkpoint(rep.step, runner.module, runner.opt)
+        # group (and under DiLoCo each member its own optimiser state).
+        if on_checkpoint is not None and runner.checkpoint_due(rep.step):
+            ck = runner.checkpoint(rep.step)
+            if ck.leads or ck.outer is not None:
+                on_checkpoint(ck)
         if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
             ev = runner.evaluate(rep.step)
             if ev is not None and on_eval is not None:
@@ -999,7 +1086,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     eval_loss = runner.evaluate(t.steps)
     wall = time.perf_counter() - t0
     if on_checkpoint is not None and runner.leads:
-        on_checkpoint(t.steps, runner.module, runner.opt)
+        on_checkpoint(runner.checkpoint(t.steps))
     result = _summary(runner, reports, wall, start_step)
     if eval_loss is not None:
         result.metrics.eval_loss, result.metrics.perplexity = eval_loss, perplexity(eval_loss)

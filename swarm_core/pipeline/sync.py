@@ -397,6 +397,19 @@ class OuterStep:
         self.commit()
         return sent + more, seconds + wait
 
+    def momentum(self) -> list[torch.Tensor | None]:
+        """The outer SGD's momentum buffer of each parameter (None before its first step)."""
+        return [self.opt.state.get(a, {}).get("momentum_buffer") for a in self.anchor]
+
+    @torch.no_grad()
+    def set_momentum(self, buffers: Sequence[torch.Tensor | None]) -> None:
+        """Install momentum buffers (a joiner's from its donor, a resume's from its
+        checkpoint); the anchor stays the weights the stage holds."""
+        for a, buf in zip(self.anchor, buffers, strict=True):
+            if buf is not None:
+                self.opt.state[a]["momentum_buffer"] = buf.detach().clone().to(a.device,
+                                                                               a.dtype)
+
     @torch.no_grad()
     def commit(self) -> None:
         """The outer step from the group's mean change, which this member holds."""

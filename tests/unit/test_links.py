@@ -229,6 +229,9 @@ def test_a_live_peer_busy_elsewhere_pulses_and_is_waited_for():
         assert torch.equal(g, torch.ones(4)) and waited > 1.4
         # About one a pulse_s while idle, and none of them counted as data.
         assert 5 <= seen["pulses"] <= waited / 0.1 + 1, (seen, waited)
+        # The sender counts a frame once its last write returns, which may be after the
+        # receiver already has it: the flush waits for that.
+        busy.flush(timeout=5.0)
         assert busy.sent == HEADER_SIZE + 16
         assert seen["waiter"] == 0, "no pulses from the side that was waiting on the link"
     finally:

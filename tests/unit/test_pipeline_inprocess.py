@@ -235,14 +235,13 @@ def _checkpoint_bytes(n: int) -> tuple[dict[int, dict[str, Any]], dict[int, dict
     """on_checkpoint hooks for n stages, and where they keep what they wrote, by stage and step:
     the npz bytes a fellow pushes (weights, optimiser state)."""
     from swarm_core.artifacts.shards import npz_bytes, state_arrays
-    from swarm_core.pipeline.optim import optimizer_arrays
 
     saved: dict[int, dict[int, Any]] = {s: {} for s in range(n)}
 
     def hook(s: int):  # type: ignore[no-untyped-def]
-        def on_checkpoint(step, module, opt):  # type: ignore[no-untyped-def]
-            saved[s][step] = (npz_bytes(state_arrays(module)),
-                              npz_bytes(optimizer_arrays(opt, module)))
+        def on_checkpoint(ck):  # type: ignore[no-untyped-def]
+            saved[s][ck.step] = (npz_bytes(state_arrays(ck.module)),
+                                 npz_bytes(ck.optimizer_arrays()))
         return on_checkpoint
 
     return {s: {"on_checkpoint": hook(s)} for s in range(n)}, saved
@@ -563,10 +562,10 @@ def test_a_neighbour_busy_past_the_frame_timeout_is_waited_for(data):
                         frame_timeout_s=1.0, shard_push_interval_steps=1)
     slept: list[int] = []
 
-    def slow_checkpoint(step: int, module: Any, opt: Any) -> None:
-        if step == 1:
+    def slow_checkpoint(ck: Any) -> None:
+        if ck.step == 1:
             time.sleep(2.5)
-            slept.append(step)
+            slept.append(ck.step)
 
     res = run_pipeline(mc, tc, data, 3, stage_kwargs={2: {"on_checkpoint": slow_checkpoint}})
     assert slept == [1]
@@ -691,7 +690,7 @@ def test_a_neighbour_stuck_without_progress_is_timed_out(data, monkeypatch):
                         frame_timeout_s=0.5, shard_push_interval_steps=1)
     stop = threading.Event()  # set by the first failure: only then does the "disk" answer
 
-    def hung_checkpoint(step: int, module: Any, opt: Any) -> None:
+    def hung_checkpoint(ck: Any) -> None:
         stop.wait(30)
 
     t0 = time.monotonic()

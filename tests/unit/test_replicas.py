@@ -3,7 +3,10 @@ loopback TCP, against a single process at the same global batch."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -343,6 +346,77 @@ def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
     got = crash.step_losses()
     assert len(got) == 9
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+class _Checkpoints:
+    """on_checkpoint hooks by cell, keeping what each cell handed over by step: the weights,
+    its optimiser arrays (AdamW's and the outer momentum), and who it said it was."""
+
+    def __init__(self, cells: int) -> None:
+        self.saved: dict[int, dict[int, Any]] = {c: {} for c in range(cells)}
+
+    def kwargs(self, cells: int) -> dict[int, dict[str, Any]]:
+        def hook(c: int):  # type: ignore[no-untyped-def]
+            def on_checkpoint(ck) -> None:  # type: ignore[no-untyped-def]
+                self.saved[c][ck.step] = (
+                    {k: v.detach().clone() for k, v in ck.module.state_dict().items()},
+                    ck.optimizer_arrays(), ck.leads, ck.replica_states)
+            return on_checkpoint
+        return {c: {"on_checkpoint": hook(c)} for c in range(cells)}
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_diloco_run_resumed_from_its_checkpoint_trains_on_exactly(data, stages):
+    """DiLoCo, two replicas, H = 3, a checkpoint asked for every 4 steps: it is taken at the
+    next outer step (6, where the replicas hold one set of weights), every replica hands over
+    its own AdamW state and the outer momentum. A second run resumed from it at step 6 (the
+    first member's weights, each replica its own optimiser state) computes steps 7-9 of the
+    one-process simulation of the uninterrupted run, to 1e-5; resumed the old way (every
+    replica from the first member's moments, no outer momentum) it does not."""
+    from swarm_core.pipeline.optim import OUTER_FIELD
+
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 9, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2, "shard_push_interval_steps": 4,
+                    "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
+    cells = 2 * stages
+    ref = _diloco_reference(mc, tc, data, stages, 2)
+    ckpt = _Checkpoints(cells)
+    res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120,
+                             stage_kwargs=ckpt.kwargs(cells))
+    assert all(isinstance(r, StageResult) for r in res.values()), res
+    for c in range(cells):
+        lead = c < stages  # (replica 0's cells)
+        assert sorted(ckpt.saved[c]) == ([6, 9] if lead else [6])
+        _w, opt, leads, others = ckpt.saved[c][6]
+        assert (leads, others) == ((True, (1,)) if lead else (False, (0,)))
+        assert any(k.endswith(f".{OUTER_FIELD}") for k in opt)
+    # The replicas' weights agree at the outer step; their inner moments do not.
+    for s in range(stages):
+        w0, o0 = ckpt.saved[s][6][:2]
+        w1, o1 = ckpt.saved[stages + s][6][:2]
+        assert all(torch.equal(w0[k], w1[k]) for k in w0)
+        assert any(not np.array_equal(o0[k], o1[k]) for k in o0 if "exp_avg" in k)
+
+    def resumed(own_state: bool) -> list[float]:
+        kwargs = {}
+        for c in range(cells):
+            s = c % stages
+            weights = ckpt.saved[s][6][0]
+            opt = ckpt.saved[c if own_state else s][6][1]
+            if not own_state:
+                opt = {k: v for k, v in opt.items() if not k.endswith(f".{OUTER_FIELD}")}
+            kwargs[c] = {"start_step": 6, "initial_state": weights, "initial_optimizer": opt}
+        again = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120,
+                                   stage_kwargs=kwargs)
+        assert all(isinstance(r, StageResult) for r in again.values()), again
+        return _step_losses(again, stages, 2)
+
+    got = resumed(own_state=True)
+    assert len(got) == 3
+    assert max(abs(a - b) for a, b in zip(ref[6:], got, strict=True)) <= 1e-5
+    old_way = resumed(own_state=False)
+    assert max(abs(a - b) for a, b in zip(ref[6:], old_way, strict=True)) > 1e-4
 
 
 def test_the_regroup_rule_commits_what_a_survivor_committed_and_redoes_the_rest():

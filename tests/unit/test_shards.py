@@ -586,3 +586,102 @@ async def test_a_bad_export_download_is_one_error_and_leaves_no_shard(leader, tm
             await fetch_export(c, job["job_id"], dest)
     # Stage 0 downloaded fine, but nothing is written unless every stage is.
     assert not dest.exists() or not any(dest.rglob("*"))
+
+
+# --- a replica's own state (DiLoCo) --------------------------------------------------------------
+
+
+async def _diloco_job(aiohttp_client, tmp_path: Path):
+    """A leader running a DiLoCo job of one stage and two replicas on two fellows: (client,
+    the fellows by replica, the job, the config)."""
+    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05,
+                       max_upload_bytes=200_000)
+    client = await aiohttp_client(create_app(cfg))
+    fellows = []
+    for i in range(2):
+        body = {"name": f"f{i}", "instance_id": f"i{i}", "data_addr": f"127.0.0.1:{9000 + i}"}
+        reg = await (await client.post(f"{A}/fellows/register", json=body,
+                                       headers=AUTH)).json()
+        fellows.append({**reg, "headers": {**AUTH, SESSION_HEADER: reg["session"]}})
+    job = {"name": "d", "kind": "train", "model": MODEL,
+           "training": {"steps": 8, "batch_size": 8, "micro_batches": 2,
+                        "sync": {"mode": "diloco", "inner_steps": 2}},
+           "topology": {"stages": 1, "replicas": 2}}
+    job = await (await client.post(f"{A}/jobs", json=job, headers=AUTH)).json()
+    assert job["state"] == "RUNNING", job
+    by_replica = {}
+    for cell in job["placement"]["stages"]:
+        by_replica[cell["replica"]] = next(f for f in fellows
+                                           if f["fellow_id"] == cell["fellow_id"])
+    return client, by_replica, job, cfg
+
+
+async def test_a_replicas_own_state_goes_beside_its_stage_checkpoint(aiohttp_client, tmp_path):
+    """Under DiLoCo the leading member's shard names the other replicas whose optimiser
+    states go with it; each pushes its own (manifest and optimizer, no weights) through the
+    client. The checkpoint is complete, for a resume, only once they are all in; the state
+    is never published as an export shard, and each replica fetches back exactly its own."""
+    from swarm_core.artifacts.shards import param_shapes, replica_state_manifest
+    from swarm_core.client import SwarmClient
+    from swarm_core.leader.uploads import complete_checkpoints
+
+    client, fellows, job, cfg = await _diloco_job(aiohttp_client, tmp_path)
+    job_id = job["job_id"]
+    swarm = SwarmClient(str(client.server.make_url("")).rstrip("/"), TOKEN)
+    runs = cfg.state_dir / "runs"
+    lead, other = fellows[0], fellows[1]
+    module, opt = _trained(0)
+    arrays = state_arrays(module)
+    weights = npz_bytes(arrays)
+    lead_opt = npz_bytes(optimizer_arrays(opt, module))
+    manifest = build_manifest(job_id=job_id, stage=0, num_stages=1,
+                              fellow_id=lead["fellow_id"], fellow_name="f", layers=(0, 2),
+                              step=4, model=MODEL, seed=0, vocab_size=32,
+                              tokenizer={"name": "byte"}, arrays=arrays, weights=weights,
+                              optimizer=lead_opt, replica=0, replica_states=(1,))
+    # The other replica's moments differ from the first's (its own share of the windows).
+    module(torch.randint(0, 32, (2, 8))).float().pow(3).mean().backward()
+    opt.step()
+    own = npz_bytes(optimizer_arrays(opt, module))
+    own_manifest = replica_state_manifest(
+        job_id=job_id, stage=0, fellow_id=other["fellow_id"], replica=1, step=4, model=MODEL,
+        seed=0, vocab_size=32, params=param_shapes(module), optimizer=own)
+    try:
+        await swarm.push_shard(job_id, 0, lead["session"], manifest, weights, lead_opt)
+        assert complete_checkpoints(runs, job_id, 1) == [], "replica 1's state is missing"
+        # Pushed by the fellow of replica 0 it is refused (403), with a replica the job does
+        # not have too (400); neither leaves anything.
+        for session, replica, status in ((lead["session"], 1, 403),
+                                         (other["session"], 2, 400)):
+            bad = {**own_manifest, "replica": replica,
+                   "fellow_id": lead["fellow_id"] if status == 403 else other["fellow_id"]}
+            with pytest.raises(Exception) as err:
+                await swarm.push_shard(job_id, 0, session, bad, None, own)
+            assert getattr(err.value, "status", None) == status, err.value
+        assert not (runs / job_id / "checkpoints" / "step-4" / "stage-0" / "replica-1").exists()
+        await swarm.push_shard(job_id, 0, other["session"], own_manifest, None, own)
+        assert complete_checkpoints(runs, job_id, 1) == [4]
+        got = await swarm.replica_state(job_id, 4, 0, 1, other["session"])
+        assert got is not None
+        back_manifest, back = got
+        assert back == own and back_manifest["replica"] == 1
+        assert optimizer_from_checkpoint(back_manifest, back) is not None
+        assert await swarm.replica_state(job_id, 4, 0, 0, other["session"]) is None
+        ck_manifest, ck_weights, ck_opt = await swarm.checkpoint(job_id, 4, 0, lead["session"])
+        assert (ck_weights, ck_opt, ck_manifest["replica_states"]) == (weights, lead_opt, [1])
+        shards = runs / job_id / "model_export" / "shards"
+        assert [p.name for p in shards.iterdir()] == [f"stage-0-fellow-{lead['fellow_id']}"]
+        assert (shards / f"stage-0-fellow-{lead['fellow_id']}" / "optimizer.npz").read_bytes() \
+            == lead_opt
+        # Once replica 0 has left, replica 1 leads: its fellow's shard of the stage is taken
+        # (the push is checked against the cell it names) and becomes the export.
+        led = build_manifest(job_id=job_id, stage=0, num_stages=1,
+                             fellow_id=other["fellow_id"], fellow_name="g", layers=(0, 2),
+                             step=6, model=MODEL, seed=0, vocab_size=32,
+                             tokenizer={"name": "byte"}, arrays=arrays, weights=weights,
+                             optimizer=own, replica=1)
+        await swarm.push_shard(job_id, 0, other["session"], led, weights, own)
+        assert complete_checkpoints(runs, job_id, 1) == [6, 4]
+        assert [p.name for p in shards.iterdir()] == [f"stage-0-fellow-{other['fellow_id']}"]
+    finally:
+        await swarm.close()
