@@ -1563,6 +1563,9 @@ def test_every_route_has_a_test():
         ("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}"),  # tests/unit/test_shards.py
         ("GET", f"{A}/jobs/{{job_id}}/progress"),  # tests/unit/test_progress.py
         ("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}"),  # test_resume
+        # tests/unit/test_shards.py
+        ("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/replicas/{{replica}}/"
+                "{part}"),
         ("GET", f"{A}/jobs/{{job_id}}/export"),  # tests/unit/test_shards.py
         ("GET", f"{A}/jobs/{{job_id}}/export/{{stage}}/{{part}}"),  # tests/unit/test_shards.py
         ("POST", f"{A}/jobs/{{job_id}}/regroup"),

@@ -667,6 +667,13 @@ async def test_a_replicas_own_state_goes_beside_its_stage_checkpoint(aiohttp_cli
         assert back == own and back_manifest["replica"] == 1
         assert optimizer_from_checkpoint(back_manifest, back) is not None
         assert await swarm.replica_state(job_id, 4, 0, 0, other["session"]) is None
+        base = f"{A}/jobs/{job_id}/checkpoints/4/0/replicas/1"
+        for url, headers, status in ((f"{base}/weights", other["headers"], 404),
+                                     (f"{base}/optimizer", AUTH, 401),
+                                     (f"{A}/jobs/{job_id}/checkpoints/4/0/replicas/x/optimizer",
+                                      other["headers"], 404)):
+            resp = await client.get(url, headers=headers)
+            assert resp.status == status and "error" in await resp.json(), url
         ck_manifest, ck_weights, ck_opt = await swarm.checkpoint(job_id, 4, 0, lead["session"])
         assert (ck_weights, ck_opt, ck_manifest["replica_states"]) == (weights, lead_opt, [1])
         shards = runs / job_id / "model_export" / "shards"
