@@ -98,6 +98,10 @@ class MembershipChange:
     joined: list[int] = attrs.field(factory=list)
     reason: str = ""
     at: float | None = None  # wall clock
+    # Of a departure, by stage: the first step that stage's group trained without those who
+    # left. With several stages they may differ by one: a group whose members had all
+    # finished the broken step's synchronisation keeps it (``step`` is the earliest).
+    stage_steps: list[int] = attrs.field(factory=list)
 
 
 class RegroupConflict(ValueError):
@@ -116,27 +120,38 @@ def regroup_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int
                      and all((s, r) in reports for s in range(stages)))
     orders: dict[tuple[int, int], RegroupOrder] = {}
     for s in range(stages):
-        mine = [reports[(s, r)] for r in members]
-        committed = max((rep.synced_step for rep in mine), default=-1)
-        for rep in mine:
-            commit = rep.op_step <= committed
-            if commit and not rep.finished:
-                raise RegroupConflict(
-                    f"stage {s} replica {rep.replica} had not finished the synchronisation "
-                    f"of step {rep.op_step} that another replica committed")
-            orders[(s, rep.replica)] = RegroupOrder(epoch, members, commit=commit)
+        orders.update(group_orders({r: reports[(s, r)] for r in members}, s, members, epoch))
     for (s, r) in reports:
         if r not in members:
             orders[(s, r)] = RegroupOrder(epoch, members, drop=True)
     return members, orders
 
 
-def departure(reports: Mapping[tuple[int, int], RegroupReport], before: list[int],
+def group_orders(reports: Mapping[int, RegroupReport], stage: int, members: list[int],
+                 epoch: int) -> dict[tuple[int, int], RegroupOrder]:
+    """The orders of one stage group's members (``reports`` by replica, one from each): the
+    operation a member committed is committed by all; one nobody committed is done again."""
+    committed = max((rep.synced_step for rep in reports.values()), default=-1)
+    orders = {}
+    for r, rep in reports.items():
+        commit = rep.op_step <= committed
+        if commit and not rep.finished:
+            raise RegroupConflict(
+                f"stage {stage} replica {r} had not finished the synchronisation of step "
+                f"{rep.op_step} that another replica committed")
+        orders[(stage, r)] = RegroupOrder(epoch, members, commit=commit)
+    return orders
+
+
+def departure(reports: Mapping[tuple[int, int], RegroupReport],
+              orders: Mapping[tuple[int, int], RegroupOrder], stages: int, before: list[int],
               survivors: list[int], epoch: int, reason: str = "",
               at: float | None = None) -> MembershipChange:
-    """The record of a decided round: who left, and the first step trained without them (1-
-    based, as steps are counted in reports: the survivors' step of the broken operation)."""
-    step = 1 + min(rep.op_step for (_s, r), rep in reports.items() if r in survivors)
-    return MembershipChange(step=step, epoch=epoch, members=survivors,
+    """The record of a decided round: who left, and by stage the first step trained without
+    them (1-based, as steps are counted in reports: the step of the broken operation, or the
+    one after it where the group committed it)."""
+    steps = [1 + min(rep.op_step + orders[(s, r)].commit for (k, r), rep in reports.items()
+                     if k == s and r in survivors) for s in range(stages)]
+    return MembershipChange(step=min(steps), epoch=epoch, members=survivors,
                             left=[r for r in before if r not in survivors], reason=reason,
-                            at=at)
+                            at=at, stage_steps=steps)

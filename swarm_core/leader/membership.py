@@ -29,7 +29,7 @@ from swarm_core.contract.membership import (
     RegroupOrder,
     RegroupReport,
     departure,
-    regroup_orders,
+    group_orders,
 )
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.records import JobRecord
@@ -50,17 +50,29 @@ class RegroupRound:
     since: float  # monotonic
     reports: dict[Cell, RegroupReport] = attrs.field(factory=dict)
     lost: dict[int, str] = attrs.field(factory=dict)  # replica -> why it is out
-    decided: asyncio.Event = attrs.field(factory=asyncio.Event)
+    decided: asyncio.Event = attrs.field(factory=asyncio.Event)  # (a new one each wave)
+    # Once the replicas that go on are decided: they, the new epoch, and the stage groups
+    # whose orders are given (a group whose cells were all held up behind their chains'
+    # regroups reports later, at its own next synchronisation).
+    members: list[int] | None = None
+    epoch: int = 0
+    ordered: set[int] = attrs.field(factory=set)
+    before: list[int] = attrs.field(factory=list)  # the members the round began with
 
 
 @attrs.define
 class Joining:
-    """A spare fellow told to join as ``replica``, the survivors told to take it in at their
-    next synchronisation (leader-local: a restarted leader sees the joiner fail, or report)."""
+    """Spare fellows told to join as ``replica`` (one a stage: the replica's chain), the
+    survivors told to take it in at their next synchronisation (leader-local: a restarted
+    leader sees the joiners fail, or report)."""
 
     replica: int
-    fellow_id: int
+    fellow_ids: tuple[int, ...]
     order: RegroupOrder
+
+    def who(self) -> str:
+        ids = ", ".join(str(f) for f in self.fellow_ids)
+        return f"fellow{'s' if len(self.fellow_ids) > 1 else ''} {ids}"
 
 
 @attrs.define
@@ -107,7 +119,10 @@ class Membership:
         joining = self.joining.get(job.job_id)
         if joining is not None and rep.epoch == joining.order.epoch:
             self.joined(job, rep.op_step)  # (the group took it in; its first report is late)
-        if rep.epoch != job.epoch:
+        rnd = self.rounds.get(job.job_id)
+        late = rnd is not None and rnd.members is not None and rep.epoch + 1 == rnd.epoch \
+            and rep.replica in rnd.members and rep.stage not in rnd.ordered
+        if rep.epoch != job.epoch and not late:
             raise ApiError(409, f"membership {rep.epoch} of {job.job_id} is over (now "
                                 f"{job.epoch})", code="job_not_running")
         job.active_at = time.monotonic()
@@ -153,6 +168,16 @@ class Membership:
             return False
         self._decide(job, final=False)
         return True
+
+    def out(self, job: JobRecord, replica: int) -> bool:
+        """Whether the replica has left the job or is being dropped from it (its cells are
+        not to be started again)."""
+        rnd = self.rounds.get(job.job_id)
+        joining = self.joining.get(job.job_id)
+        if joining is not None and joining.replica == replica:
+            return False
+        return (job.members is not None and replica not in job.members) \
+            or (rnd is not None and replica in rnd.lost)
 
     def fellow_restarted(self, job: JobRecord, fellow_id: int) -> None:
         """A new process under the fellow's name: it may be taken back into the job."""
@@ -204,10 +229,12 @@ class Membership:
 
     # a spare joins ----------------------------------------------------------------------------
     def maybe_join(self, job: JobRecord) -> None:
-        """A replica left and a ready fellow is free: it joins as that replica, taking the
-        state from the first member at the group's next synchronisation. (One stage only:
-        with several, each stage group would take its joiner at its own boundary.)"""
-        if not self.replicated(job) or job.members is None or job.num_stages != 1 \
+        """A replica left and as many ready fellows as the job has stages are free: they
+        join as that replica's chain, each cell taking its state from the first member of its
+        stage group. Every group takes it in after the same step: its chains carry the word
+        that a cell was told of it in their frames (FLAG_HEARD), so all groups hear of it at
+        the same synchronisation."""
+        if not self.replicated(job) or job.members is None \
                 or job.job_id in self.rounds or job.job_id in self.joining \
                 or job.state is not JobState.RUNNING or job.recovering is not None \
                 or job.spec.train is None:
@@ -220,25 +247,26 @@ class Membership:
         assert job.placement is not None
         left = [r for r in range(job.placement.replicas) if r not in job.members]
         failed = self.failed.get(job.job_id, set())
-        spare = next((f for f in self.queue.registry.ready()
-                      if f.data_addr and f.assigned_job is None and f.fellow_id not in failed),
-                     None)
-        if not left or spare is None:
+        spares = [f for f in self.queue.registry.ready()
+                  if f.data_addr and f.assigned_job is None and f.fellow_id not in failed]
+        stages = job.num_stages
+        if not left or len(spares) < stages:
             return
-        r = left[0]
-        old = job.placement.cell(0, r)
-        cell = attrs.evolve(old, fellow_id=spare.fellow_id, name=spare.name, slot=0,
-                            device=spare.devices[0], data_addr=spare.data_addr)
+        r, spares = left[0], spares[:stages]
+        new = {id(job.placement.cell(k, r)): attrs.evolve(
+            job.placement.cell(k, r), fellow_id=spare.fellow_id, name=spare.name, slot=0,
+            device=spare.devices[0], data_addr=spare.data_addr)
+            for k, spare in enumerate(spares)}
         job.placement = attrs.evolve(job.placement, stages=[
-            cell if c is old else c for c in job.placement.stages])
-        index = job.placement.index(0, r)
-        if index in job.done_stages:
-            job.done_stages.remove(index)
+            new.get(id(c), c) for c in job.placement.stages])
+        cells = [job.placement.index(k, r) for k in range(stages)]
+        job.done_stages = [i for i in job.done_stages if i not in cells]
         order = RegroupOrder(job.epoch + 1, sorted([*job.members, r]), donor=job.members[0])
-        self.joining[job.job_id] = Joining(r, spare.fellow_id, order)
-        start = self.queue.start_of(job, index)
-        spare.assigned_job = job.job_id
-        self.queue.registry.send(spare, "START", job.job_id, unstructure(start))
+        self.joining[job.job_id] = Joining(r, tuple(f.fellow_id for f in spares), order)
+        for index, spare in zip(cells, spares, strict=True):
+            spare.assigned_job = job.job_id
+            self.queue.registry.send(spare, "START", job.job_id,
+                                     unstructure(self.queue.start_of(job, index)))
         for c in job.placement.stages:
             if c.replica in job.members:
                 rec = self.queue.registry.find(c.fellow_id)
@@ -256,7 +284,7 @@ class Membership:
         order = joining.order
         change = MembershipChange(step=step, epoch=order.epoch, members=order.members,
                                   joined=[joining.replica],
-                                  reason=f"fellow {joining.fellow_id} joined as replica "
+                                  reason=f"{joining.who()} joined as replica "
                                          f"{joining.replica}", at=time.time())
         job.epoch, job.members = order.epoch, order.members
         job.membership.append(change)
@@ -272,11 +300,66 @@ class Membership:
         self._leave(job, [joining.replica])
 
     def _decide(self, job: JobRecord, final: bool) -> None:
+        """First the replicas that go on (once each member's chain has reported or is lost),
+        then each stage group's orders (once every cell of its survivors has reported)."""
         rnd = self.rounds[job.job_id]
+        if rnd.members is None and not self._decide_members(job, rnd, final):
+            return
+        assert rnd.members is not None
+        if final:  # (a group still to report whose cell is not at work will not)
+            for s in range(job.num_stages):
+                for r in rnd.members:
+                    if s not in rnd.ordered and (s, r) not in rnd.reports \
+                            and not self._at_work(job, s, r):
+                        rnd.lost.setdefault(r, f"stage {s} replica {r} did not report "
+                                               "within the heartbeat timeout")
+        if any(r in rnd.lost for r in rnd.members):
+            # A survivor lost before its group had its orders: the change being made no
+            # longer holds; the job recovers as a chain does.
+            self._fail_round(job)
+            return
+        for s in range(job.num_stages):
+            if s in rnd.ordered or any((s, r) not in rnd.reports for r in rnd.members):
+                continue
+            try:
+                orders = group_orders({r: rnd.reports[(s, r)] for r in rnd.members}, s,
+                                      rnd.members, rnd.epoch)
+            except RegroupConflict:
+                self._fail_round(job)
+                return
+            rnd.ordered.add(s)
+            self.answers[job.job_id].orders.update(orders)
+        rnd.decided.set()
+        rnd.decided = asyncio.Event()
+        if len(rnd.ordered) == job.num_stages:
+            del self.rounds[job.job_id]
+            self._record_departure(job, rnd)
+
+    def _record_departure(self, job: JobRecord, rnd: RegroupRound) -> None:
+        """Every group has its orders: the change, with the step each stage took it at."""
+        assert rnd.members is not None
+        left = [r for r in rnd.before if r not in rnd.members]
+        change = departure({c: rep for c, rep in rnd.reports.items() if c[1] in rnd.members},
+                           self.answers[job.job_id].orders, job.num_stages, rnd.before,
+                           rnd.members, rnd.epoch,
+                           reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
+                           at=time.time())
+        job.membership.append(change)
+        self.queue.progress.membership(job, change)
+        self.queue.save(job)
+        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
+                                                  **unstructure(change)})
+
+    def _decide_members(self, job: JobRecord, rnd: RegroupRound, final: bool) -> bool:
+        """Who goes on: every member not lost. A silent cell whose chain has reported is
+        held up behind it (its pipeline neighbour waits for its order) and is not waited
+        for: its group reports at its own next synchronisation."""
+        assert job.placement is not None
         stages = job.num_stages
         members = self.members(job)
+        told = {r for _s, r in rnd.reports}
         silent = [(s, r) for s in range(stages) for r in members
-                  if r not in rnd.lost and (s, r) not in rnd.reports]
+                  if r not in rnd.lost and r not in told]
         # A silent member its ring neighbour saw close the link has died (a process that
         # ends closes its sockets), once a heartbeat has gone by for its own report: no need
         # to wait out the heartbeat timeout.
@@ -284,7 +367,7 @@ class Membership:
         if time.monotonic() - rnd.since >= self.queue.registry.heartbeat_interval_s:
             for s, r in silent:
                 if r in closed:
-                    fid = job.placement.cell(s, r).fellow_id  # type: ignore[union-attr]
+                    fid = job.placement.cell(s, r).fellow_id
                     rnd.lost.setdefault(r, f"fellow {fid} (stage {s} replica {r}) closed its "
                                            f"ring link and did not report")
             silent = [(s, r) for s, r in silent if r not in rnd.lost]
@@ -297,29 +380,20 @@ class Membership:
                                            f"the heartbeat timeout")
             silent = [(s, r) for s, r in silent if r not in rnd.lost]
         if silent:
-            return
-        reports = {c: rep for c, rep in rnd.reports.items() if c[1] in members}
-        try:
-            survivors, orders = regroup_orders(reports, stages, set(rnd.lost), job.epoch + 1)
-            if not survivors:
-                raise RegroupConflict("no replica is left")
-        except RegroupConflict:
+            return False
+        survivors = [r for r in members if r not in rnd.lost]
+        reports = {c: rep for c, rep in rnd.reports.items() if c[1] in survivors}
+        if not survivors or not reports:
             self._fail_round(job)
-            return
-        left = [r for r in members if r not in survivors]
-        change = departure(reports, members, survivors, job.epoch + 1,
-                           reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
-                           at=time.time())
-        job.epoch, job.members = change.epoch, survivors
-        job.membership.append(change)
-        self._leave(job, left)
-        self.answers[job.job_id] = Answers(change.epoch, orders)
-        del self.rounds[job.job_id]
-        rnd.decided.set()
-        self.queue.progress.membership(job, change)
+            return False
+        rnd.before, rnd.members, rnd.epoch = members, survivors, job.epoch + 1
+        job.epoch, job.members = rnd.epoch, survivors
+        self._leave(job, [r for r in members if r not in survivors])
+        self.answers[job.job_id] = Answers(rnd.epoch, {
+            c: RegroupOrder(rnd.epoch, survivors, drop=True)
+            for c in rnd.reports if c[1] not in survivors})
         self.queue.save(job)
-        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
-                                                  **unstructure(change)})
+        return True
 
     def _leave(self, job: JobRecord, left: list[int]) -> None:
         """The cells of the replicas that left count as done; a fellow with nothing left of

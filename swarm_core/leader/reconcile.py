@@ -84,7 +84,8 @@ class Reconciler:
                if c.job_id == job.job_id and c.attempt == job.attempt}
         for cell, st in enumerate(placement.stages):
             if st.fellow_id != rec.fellow_id or cell in job.done_stages \
-                    or (st.stage, st.replica) in ran:
+                    or (st.stage, st.replica) in ran or self.queue.membership.out(job,
+                                                                                st.replica):
                 continue
             if self.registry.pending(rec, "START", job.job_id, stage=st.stage,
                                      replica=st.replica, attempt=job.attempt):

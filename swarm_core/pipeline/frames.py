@@ -11,7 +11,8 @@ Both checks are the low 32 bits of XXH3-64 (since version 2; version 1 used zlib
 Version 3 added PULSE, the empty frame a live stage sends on a link it has left idle; version 4
 the codec's argument (int8's scale block; 0 for one scale per row and for the other codecs) where
 version 3 had two bytes of padding; version 5 SYNC, a share of a stage group's gradient
-all-reduce on the ring between its replicas. A checksum
+all-reduce on the ring between its replicas; version 7 the flag HEARD on a training step's
+activations and gradients (its chain was told of a replica joining; see stage.py). A checksum
 pass runs over every payload on both ends, so its speed bounds the frame path: CRC-32 ran at
 ~3.5 GB/s a core here, XXH3 at ~19 GB/s (and it releases the GIL, so the receiver thread's check
 overlaps the compute thread). Random corruption passes it with probability 2^-32, as with
@@ -30,7 +31,7 @@ import attrs
 import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 6
+VERSION = 7
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
@@ -63,6 +64,11 @@ class FrameError(ValueError):
 
 
 FLAG_EVAL = 1  # forward-only evaluation pass; no gradient will come back
+# On a training step's ACT and GRAD frames: a cell of the sender's chain had been told of a
+# membership change (a replica joining) when the step began. Every stage group of the job
+# learns of it at the same step through its chains, so all take the joiner in together.
+FLAG_HEARD = 2
+FLAGS = FLAG_EVAL | FLAG_HEARD
 DTYPE = 1  # the header's dtype field: the codec says how the payload is coded
 
 
@@ -118,8 +124,10 @@ class FrameHeader:
         # means something this fellow would not do.
         if dtype != DTYPE:
             raise FrameError(f"unknown frame dtype {dtype} (version {VERSION} writes {DTYPE})")
-        if flags & ~FLAG_EVAL:
+        if flags & ~FLAGS:
             raise FrameError(f"unknown frame flags {flags:#x}")
+        if flags & FLAG_HEARD and kind_e not in (Kind.ACT, Kind.GRAD):
+            raise FrameError(f"{kind_e.name} frame with the flag HEARD")
         if codec_arg and kind_e not in (Kind.ACT, Kind.GRAD):
             raise FrameError(f"{kind_e.name} frame with a codec argument ({codec_arg})")
         if any((d0, d1, d2, d3)[ndim:]):
@@ -161,14 +169,14 @@ def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) 
 def expect(header: FrameHeader, kind: Kind, job: int, step: int, micro_batch: int,
            flags: int = 0) -> None:
     """Raise unless this is exactly the frame the schedule waits for (``flags``: FLAG_EVAL for
-    an evaluation pass's activations, else none)."""
+    an evaluation pass's activations, else none; HEARD is the stage's to read)."""
     if header.job != job:
         raise FrameError(f"frame for another job (tag {header.job:#x}, expected {job:#x})")
     if header.kind != kind or header.step != step or header.micro_batch != micro_batch:
         raise FrameError(
             f"expected {kind.name} step {step} micro-batch {micro_batch}, got "
             f"{header.kind.name} step {header.step} micro-batch {header.micro_batch}")
-    if header.flags != flags:
+    if header.flags & FLAG_EVAL != flags & FLAG_EVAL:
         def what(f: int) -> str:
             return "an evaluation" if f & FLAG_EVAL else "a training"
         raise FrameError(f"expected {what(flags)} {kind.name} step {step} micro-batch "

@@ -85,8 +85,8 @@ class LocalCoordinator:
             self._orders.update({c: exc for c in self._reports})
             self._reports.clear()
             return
-        self.changes.append(departure(self._reports, self.members, members, self.epoch + 1,
-                                      at=time.time()))
+        self.changes.append(departure(self._reports, orders, self.stages, self.members,
+                                      members, self.epoch + 1, at=time.time()))
         self.epoch, self.members = self.epoch + 1, members
         self._orders.update(orders)
         self._reports.clear()

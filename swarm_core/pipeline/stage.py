@@ -23,7 +23,7 @@ from swarm_core.contract.membership import RegroupOrder, RegroupReport
 from swarm_core.data import TokenData
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.devices import resolve_device
-from swarm_core.pipeline.frames import FLAG_EVAL, Kind, job_tag
+from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
@@ -466,6 +466,11 @@ class _Step:
     held: dict[int, Any] = attrs.field(factory=dict)  # the meter's tokens, until backward
     loss_sum: float = 0.0
     errors: CodecErrors = attrs.field(factory=CodecErrors)
+    # Whether this cell, or one upstream in its chain, had been told of a replica joining when
+    # the step began (its ACT frames say so), and whether any cell of the chain had (the GRAD
+    # frames from downstream say so): see StageRunner.heard.
+    heard: bool = False
+    chain_heard: bool = False
 
 
 class StageRunner:
@@ -574,12 +579,19 @@ class StageRunner:
         hold the same weights)."""
         return self.spec.replica == self.members[0]
 
-    def _synchronised(self, step: int, op: Callable[[], tuple[int, float] | None]
-                      ) -> tuple[int, float] | None:
+    def _synchronised(self, step: int, op: Callable[[], tuple[int, float] | None],
+                      heard: bool) -> tuple[int, float] | None:
         """Run the group's synchronisation ``op``; where its ring breaks, regroup and commit
-        or do it again over the new ring, as the order says."""
+        or do it again over the new ring, as the order says. ``heard``: whether a cell of this
+        cell's chain had been told of a replica joining when the step began."""
         assert self.sync is not None
-        self.sync.word = float(max([self.epoch] + [o.epoch for o, _ in self._told()]))
+        # The membership this member proposes at the confirmation: the newest it was told of,
+        # but only where its chain had heard of it when the step began. Every chain learns it
+        # at the same step, and every stage group holds one cell of each chain, so every
+        # group agrees on the same step to take a joining chain in (each cell of it then
+        # starts at the same step).
+        told = max([self.epoch + 1] + [o.epoch for o, _ in self._told()])
+        self.sync.word = float(told if heard else self.epoch)
         while True:
             try:
                 out = op()
@@ -789,7 +801,7 @@ class StageRunner:
                     # (deferred W passes would add to gradients the ring already took)
                     self.sync.arm(step, t.frame_timeout_s)
                 self._backward(st, i)
-        sync_bytes, sync_s = self._finish(step)
+        sync_bytes, sync_s = self._finish(step, self._chain_heard(st))
         seconds = time.perf_counter() - t0
         return StepReport(step=step + 1, loss=st.loss_sum if self.last else None,
                           seconds=seconds, tokens=self.spec.local_batch * self.spec.model.seq_len,
@@ -824,7 +836,7 @@ class StageRunner:
         if self.wgrad is not None:
             self.wgrad.clear()
             self.wgrad.meter = self.meter if metered else None
-        return _Step(step, xs, ys, metered)
+        return _Step(step, xs, ys, metered, heard=bool(self._told()))
 
     def _forward(self, st: _Step, i: int) -> None:
         t, wq = self.spec.training, self.wgrad
@@ -833,8 +845,9 @@ class StageRunner:
         else:
             assert self.up is not None
             self._fill_wait(self.up, Kind.ACT)
-            _, inp = self.up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s, self.device,
-                                         self.frame_shape)
+            head, inp = self.up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s,
+                                            self.device, self.frame_shape)
+            st.heard |= bool(head.flags & FLAG_HEARD)
             inp.requires_grad_(True)
             st.inputs[i] = inp
         if wq is not None:
@@ -849,7 +862,8 @@ class StageRunner:
             st.outputs[i] = loss
             return
         assert self.down is not None
-        self.down.send_tensor(Kind.ACT, st.step, i, out, self.codec)
+        self.down.send_tensor(Kind.ACT, st.step, i, out, self.codec,
+                              flags=FLAG_HEARD if st.heard else 0)
         if i == 0:  # (once per step and direction: one more quantisation in m)
             st.errors.act = self.codec.relative_error(out)
         st.outputs[i] = out
@@ -862,8 +876,9 @@ class StageRunner:
         if not self.last:
             assert self.down is not None
             self._fill_wait(self.down, Kind.GRAD)
-            _, grad = self.down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
-                                            self.device, self.frame_shape)
+            head, grad = self.down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
+                                               self.device, self.frame_shape)
+            st.chain_heard |= bool(head.flags & FLAG_HEARD)
         hurry = wq is not None and i in self.hurried
         if wq is not None and not hurry:
             # A fused backward (its forward ran plain): the pending W passes first, so
@@ -876,13 +891,20 @@ class StageRunner:
             assert self.up is not None
             inp = st.inputs.pop(i)
             assert inp.grad is not None
-            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.codec)
+            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.codec,
+                                flags=FLAG_HEARD if self._chain_heard(st) else 0)
             if i == 0:
                 st.errors.grad = self.codec.relative_error(inp.grad)
         if wq is not None and len(wq) > self.max_deferred:
             wq.run_batch()
 
-    def _finish(self, step: int) -> tuple[int | None, float | None]:
+    def _chain_heard(self, st: _Step) -> bool:
+        """Whether a cell of this chain had been told of a replica joining when the step
+        began: the last stage knows from its own and its ACT frames, the others from the GRAD
+        frames it sends back."""
+        return st.heard if self.last else st.chain_heard
+
+    def _finish(self, step: int, heard: bool = False) -> tuple[int | None, float | None]:
         """The gradients complete, averaged over the group, clipped over every stage; one
         optimiser step; the step's frames out. Returns what the group's sync sent and took
         (None without replicas)."""
@@ -893,7 +915,7 @@ class StageRunner:
         sync = self.sync
         if sync is not None:
             synced = self._synchronised(
-                step, lambda: sync.after_backward(step, t.frame_timeout_s))
+                step, lambda: sync.after_backward(step, t.frame_timeout_s), heard)
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
@@ -901,7 +923,7 @@ class StageRunner:
         if sync is not None:
             last = step + 1 == t.steps
             synced = self._synchronised(
-                step, lambda: sync.after_step(step, last, t.frame_timeout_s)) or synced
+                step, lambda: sync.after_step(step, last, t.frame_timeout_s), heard) or synced
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)

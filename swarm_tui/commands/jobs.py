@@ -135,6 +135,9 @@ def membership_rows(job: JobInfo) -> list[list[str]]:
         what = "; ".join(part for part in (
             f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
             f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
+        if len(set(ch.stage_steps)) > 1:  # (a group that had finished the step kept it)
+            what += " (by stage from step " + ", ".join(
+                f"s{k} @{at}" for k, at in enumerate(ch.stage_steps)) + ")"
         rows.append([f"replicas @{ch.step}", f"{what}; training: "
                      f"{','.join(map(str, ch.members))}" + (f" ({printable(ch.reason)})"
                                                             if ch.reason else "")])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract import split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.protocol import SetSpeedRequest
@@ -44,6 +45,60 @@ class _Shares:
         rows = torch.cat([torch.arange(r * share, (r + 1) * share)
                           for r in range(self.replicas) if r != self.left])
         return x[rows], y[rows]
+
+
+def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
+                  back: int) -> list[float]:
+    """Data parallel over two replicas in one process (the whole model, AdamW per stage as
+    the pipeline's): stage s's gradients are the whole batch's before step ``gone[s]``
+    (0-based) and from step ``back`` on, replica 0's share's in between. Where the stages'
+    steps differ, the step between is mixed, as a group that had finished the broken step's
+    all-reduce keeps it: each stage takes its own gradients."""
+    import math
+
+    from swarm_core.pipeline.model import lm_loss
+    from swarm_core.pipeline.optim import lr_at, make_optimizer, set_lr
+    from swarm_core.pipeline.whole import ExperimentModel
+
+    model = ExperimentModel(mc, data.vocab_size, tc.seed,
+                            split_layers(mc.n_layers, [1] * len(gone)))
+    opts = [make_optimizer(stage, tc) for stage in model.stages]
+    assert tc.micro_batches == 1
+    share = tc.batch_size // 2
+    losses = []
+    for step in range(tc.steps):
+        for opt in opts:
+            set_lr(opt, lr_at(step, tc))
+        x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
+        rows = {s: (slice(0, share) if g <= step < back else slice(None))
+                for s, g in enumerate(gone)}
+        grads: dict[int, list[torch.Tensor]] = {}
+        loss_of: dict[tuple, float] = {}
+        for which in {(r.start, r.stop) for r in rows.values()}:
+            part = slice(*which)
+            loss = lm_loss(model(x[part], step, 0), y[part])
+            loss_of[which] = float(loss.detach())
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            for s, stage in enumerate(model.stages):
+                if (rows[s].start, rows[s].stop) == which:
+                    grads[s] = [p.grad.clone() for p in stage.parameters()]
+        last = rows[len(gone) - 1]
+        losses.append(loss_of[(last.start, last.stop)])
+        for s, stage in enumerate(model.stages):
+            for p, g in zip(stage.parameters(), grads[s], strict=True):
+                p.grad = g
+        acc = 0.0  # (the pipeline's global norm: per stage, summed from the last)
+        for stage in reversed(model.stages):
+            acc = sum(float(p.grad.double().pow(2).sum()) for p in stage.parameters()) + acc
+        norm = math.sqrt(acc)
+        if norm + 1e-6 > tc.grad_clip:
+            for p in model.parameters():
+                p.grad.mul_(tc.grad_clip / (norm + 1e-6))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses
 
 
 @pytest.mark.parametrize("mode", ["diloco", "dp"])
@@ -186,3 +241,72 @@ def test_a_diloco_job_that_loses_every_replica_resumes_each_from_its_own_state(
     window = slice(resume, resume + 10)
     diff = max(abs(a - b) for a, b in zip(ref[window], losses[window], strict=True))
     assert diff <= 5e-5, f"steps {resume + 1}-{resume + 10} after the resume: {diff}"
+
+
+@pytest.mark.parametrize("mode", ["dp", "diloco"])
+def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
+        cli_env, tmp_path: Path, swarm_home: Path, mode: str):
+    """Two stages, two replicas, two spares. Replica 1's second stage dies: its chain leaves,
+    and the two spares join as replica 1's chain, each stage group taking its cell in after
+    the same step (the chains tell every group at once through their frames), each cell
+    with its group's first member's state. Then both replicas train again: the losses after
+    the join are the one-process reference's with replica 1 back."""
+    up = run_cli("restart-cluster", "--fellows", "6", "--stale-after", "2", env=cli_env,
+                 timeout=120)
+    assert up.returncode == 0, up.stderr
+    try:
+        fellows = leader_call("GET", "/fellows", cli_env)["fellows"]
+        for f in fellows:
+            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
+                        SetSpeedRequest(latency_ms=20))
+        body = {"name": "chain-joins", "kind": "train", "model": MODEL,
+                "training": {"steps": 120, "batch_size": 4, "micro_batches": 1,
+                             "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                             "sync": {"mode": mode, "inner_steps": H}},
+                "topology": {"stages": 2, "replicas": 2}}
+        path = tmp_path / "job.json"
+        path.write_text(json.dumps(body))
+        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 6, 60,
+                   "the job to pass step 6")
+        placed = job_view(job_id, cli_env)["placement"]["stages"]
+        cell = next(c for c in placed if (c["stage"], c["replica"]) == (1, 1))
+        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
+        os.kill(next(f["pid"] for f in record["fellows"] if f["name"] == cell["name"]),
+                signal.SIGKILL)
+        for f in fellows:
+            if f["fellow_id"] != cell["fellow_id"]:
+                leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
+                            SetSpeedRequest())
+        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
+                         ("COMPLETED", "FAILED") and j, 150, "the job to finish")
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert job["restarts"] == [] and job["attempt"] == 0
+    change, back = job["membership"]
+    assert change["left"] == [1] and change["members"] == [0]
+    assert back["joined"] == [1] and back["members"] == [0, 1] == job["members"]
+    assert mode == "dp" or (back["step"] - 1) % H == 0
+    old = {c["fellow_id"] for c in placed if c["replica"] == 1}
+    joined = [c for c in job["placement"]["stages"] if c["replica"] == 1]
+    assert len(joined) == 2 and not old & {c["fellow_id"] for c in joined}
+    assert "fellows" in back["reason"] and "joined as replica 1" in back["reason"]
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 121))
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    data = load_token_data(tc, mc.seq_len)
+    # By stage, the first step (0-based) trained without replica 1: a group that had
+    # finished the broken step's synchronisation kept it (DiLoCo: its whole inner phase).
+    gone = [at - 1 for at in change["stage_steps"]]
+    assert len(gone) == 2 and min(gone) == change["step"] - 1
+    assert max(gone) - min(gone) <= (1 if mode == "dp" else H)  # (the next synchronisation)
+    if mode == "diloco":
+        ref = _diloco_reference(mc, tc, data, 2, 2, leaves={1: [g - g % H for g in gone]},
+                                joins={1: (back["step"] - 1, 0)})
+    else:
+        ref = _dp_reference(mc, tc, data, gone, back["step"] - 1)
+    losses = [loss for _, loss in job["loss_history"]]
+    window = slice(back["step"], back["step"] + 10)  # (both replicas again, as one process)
+    diff = max(abs(a - b) for a, b in zip(ref[window], losses[window], strict=True))
+    assert diff <= 5e-5, f"steps {window.start + 1}-{window.stop} after the join: {diff}"

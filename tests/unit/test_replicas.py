@@ -146,7 +146,7 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 
 
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
-                      replicas: int, leaves: dict[int, int] | None = None,
+                      replicas: int, leaves: dict[int, int | list[int]] | None = None,
                       joins: dict[int, tuple[int, int]] | None = None) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
@@ -154,7 +154,9 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     end) the mean of (weights at the last sync - weights now) goes to an outer SGD with
     Nesterov momentum on the weights at the last sync, which every copy then takes.
     ``leaves[r]``: the step from which replica r is gone (its change since the last sync
-    too); the outer steps average those left, and a step's loss is theirs. ``joins[r] =
+    too); the outer steps average those left, and a step's loss is theirs. A list gives that
+    step by stage (a stage group that had finished the broken outer step kept the replica's
+    change in it; the replica trained until the last of them). ``joins[r] =
     (step, donor)``: replica r is back from that step (after an outer step), a copy of the
     donor's weights and inner optimiser state."""
     import copy
@@ -174,6 +176,10 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
          {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
         lr=tc.lr, betas=tuple(tc.betas), eps=1e-8) for ps in params]
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
+    stage_of = [s for s, st in enumerate(models[0].stages) for _ in st.parameters()]
+    assert len(stage_of) == len(anchor)
+    by_stage = {r: v if isinstance(v, list) else [v] * stages for r, v in leaves.items()}
+    gone = {r: max(v) for r, v in by_stage.items()}  # (it trains until the last stage's)
     outer = torch.optim.SGD(anchor, lr=sync.outer_lr, momentum=sync.outer_momentum,
                             nesterov=True)
 
@@ -191,7 +197,7 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
             if at == step:
                 models[r].load_state_dict(models[donor].state_dict())
                 opts[r].load_state_dict(copy.deepcopy(opts[donor].state_dict()))
-        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step
+        here = [r for r in range(replicas) if gone.get(r, tc.steps + 1) > step
                 or (r in joins and joins[r][0] <= step)]
         for r, (model, opt) in enumerate(zip(models, opts, strict=True)):
             if r not in here:
@@ -213,7 +219,9 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
         if (step + 1) % sync.inner_steps == 0 or step + 1 == tc.steps:
             with torch.no_grad():
                 for i, a in enumerate(anchor):
-                    a.grad = sum(a - params[r][i] for r in here) / len(here)
+                    mine = [r for r in here if r not in by_stage or (r in joins and joins[
+                        r][0] <= step) or by_stage[r][stage_of[i]] > step]
+                    a.grad = sum(a - params[r][i] for r in mine) / len(mine)
                 outer.step()
                 for ps in params:
                     for p, a in zip(ps, anchor, strict=True):

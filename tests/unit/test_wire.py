@@ -276,7 +276,9 @@ def test_unused_header_fields_must_be_as_written():
     for bad, message in [(attrs.evolve(h, dtype=2), "unknown frame dtype 2"),
                          (attrs.evolve(h, flags=4), "unknown frame flags 0x4"),
                          (attrs.evolve(norm, codec_arg=64),
-                          r"NORM frame with a codec argument \(64\)")]:
+                          r"NORM frame with a codec argument \(64\)"),
+                         (attrs.evolve(norm, flags=frames.FLAG_HEARD),
+                          "NORM frame with the flag HEARD")]:
         with pytest.raises(FrameError, match=message):
             FrameHeader.unpack(bad.pack())
     fields = [frames.MAGIC, frames.VERSION, int(h.kind), h.codec, h.dtype, 2, 0, 0, h.job,
@@ -289,6 +291,8 @@ def test_unused_header_fields_must_be_as_written():
         with pytest.raises(FrameError, match=message):
             FrameHeader.unpack(raw)
     assert FrameHeader.unpack(h.pack()) == h
+    heard = attrs.evolve(h, flags=frames.FLAG_HEARD)  # (a training step's ACT or GRAD may)
+    assert FrameHeader.unpack(heard.pack()) == heard
 
 
 @pytest.mark.parametrize("codec, codec_arg, shape, message", [
