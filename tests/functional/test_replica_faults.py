@@ -169,7 +169,7 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     data = load_token_data(tc, mc.seq_len)
     broken = change["step"] - 1  # (0-based index of the step the broken operation followed)
     if mode == "diloco":
-        ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - H + 1},
+        ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % H},
                                 joins={1: (back["step"] - 1, 0)})
     else:  # (data parallel: one process on the windows of the replicas that trained)
         ref, _ = train_reference(mc, tc, _Shares(data, 3, 1, broken, back["step"] - 1),
