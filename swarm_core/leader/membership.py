@@ -98,7 +98,11 @@ class Membership:
         return job.kind == "train" and job.placement is not None and job.placement.replicas > 1
 
     def members(self, job: JobRecord) -> list[int]:
+        """The replicas that train (once a round has decided who goes on, those)."""
         assert job.placement is not None
+        rnd = self.rounds.get(job.job_id)
+        if rnd is not None and rnd.members is not None:
+            return rnd.members
         return list(range(job.placement.replicas)) if job.members is None else job.members
 
     # what cells say ----------------------------------------------------------------------------
@@ -120,9 +124,11 @@ class Membership:
         if joining is not None and rep.epoch == joining.order.epoch:
             self.joined(job, rep.op_step)  # (the group took it in; its first report is late)
         rnd = self.rounds.get(job.job_id)
-        late = rnd is not None and rnd.members is not None and rep.epoch + 1 == rnd.epoch \
-            and rep.replica in rnd.members and rep.stage not in rnd.ordered
-        if rep.epoch != job.epoch and not late:
+        if rnd is not None and rnd.members is not None and rep.epoch == rnd.epoch:
+            # A break under the membership this round made, before every group has its
+            # orders: the next round's, once this one closes (the cell asks again).
+            return None
+        if rep.epoch != job.epoch:
             raise ApiError(409, f"membership {rep.epoch} of {job.job_id} is over (now "
                                 f"{job.epoch})", code="job_not_running")
         job.active_at = time.monotonic()
@@ -176,8 +182,7 @@ class Membership:
         joining = self.joining.get(job.job_id)
         if joining is not None and joining.replica == replica:
             return False
-        return (job.members is not None and replica not in job.members) \
-            or (rnd is not None and replica in rnd.lost)
+        return replica not in self.members(job) or (rnd is not None and replica in rnd.lost)
 
     def fellow_restarted(self, job: JobRecord, fellow_id: int) -> None:
         """A new process under the fellow's name: it may be taken back into the job."""
@@ -219,6 +224,15 @@ class Membership:
         return rec is not None and self.queue.registry.status(rec).live and any(
             c.job_id == job.job_id and c.stage == stage and c.replica == replica
             and c.attempt == job.attempt for c in rec.running)
+
+    def _held_up(self, job: JobRecord, rnd: RegroupRound, stage: int, replica: int) -> bool:
+        """A silent cell of a chain that has asked: held up behind it (its pipeline neighbour
+        waits for the order), if its fellow runs it and has heartbeated since the round
+        began (a cell that died at the same moment has not)."""
+        assert job.placement is not None
+        rec = self.queue.registry.find(job.placement.cell(stage, replica).fellow_id)
+        return rec is not None and rec.last_seen is not None and rec.last_seen > rnd.since \
+            and self._at_work(job, stage, replica)
 
     def _round(self, job: JobRecord) -> RegroupRound:
         rnd = self.rounds.get(job.job_id)
@@ -331,7 +345,11 @@ class Membership:
             self.answers[job.job_id].orders.update(orders)
         rnd.decided.set()
         rnd.decided = asyncio.Event()
-        if len(rnd.ordered) == job.num_stages:
+        # Where a replica left, every group finds its ring broken and asks; where none did
+        # (a ring timed out), the groups that broke are all there is to order.
+        needed = set(range(job.num_stages)) if rnd.members != rnd.before else \
+            {s for s, _r in rnd.reports}
+        if rnd.ordered >= needed:
             del self.rounds[job.job_id]
             self._record_departure(job, rnd)
 
@@ -344,6 +362,7 @@ class Membership:
                            rnd.members, rnd.epoch,
                            reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
                            at=time.time())
+        job.epoch, job.members = rnd.epoch, rnd.members
         job.membership.append(change)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
@@ -358,8 +377,9 @@ class Membership:
         stages = job.num_stages
         members = self.members(job)
         told = {r for _s, r in rnd.reports}
-        silent = [(s, r) for s in range(stages) for r in members
-                  if r not in rnd.lost and r not in told]
+        silent = [(s, r) for s in range(stages) for r in members if r not in rnd.lost
+                  and (s, r) not in rnd.reports
+                  and not (r in told and self._held_up(job, rnd, s, r))]
         # A silent member its ring neighbour saw close the link has died (a process that
         # ends closes its sockets), once a heartbeat has gone by for its own report: no need
         # to wait out the heartbeat timeout.
@@ -387,7 +407,6 @@ class Membership:
             self._fail_round(job)
             return False
         rnd.before, rnd.members, rnd.epoch = members, survivors, job.epoch + 1
-        job.epoch, job.members = rnd.epoch, survivors
         self._leave(job, [r for r in members if r not in survivors])
         self.answers[job.job_id] = Answers(rnd.epoch, {
             c: RegroupOrder(rnd.epoch, survivors, drop=True)

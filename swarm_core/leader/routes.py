@@ -442,7 +442,12 @@ def _manifest_replica(job: Any, manifest: dict[str, Any] | None) -> int:
     whose states it says go with it, checked against the job's grid."""
     if manifest is None:
         return 0
+    from swarm_core.leader.uploads import is_replica_state
+
     replicas = job.spec.topology.replicas
+    if is_replica_state(manifest) and "replica" not in manifest:
+        raise ApiError(400, "a replica's optimiser state (no weights_sha256) must name its "
+                            "replica", field="manifest.replica")
     replica = manifest.get("replica", 0)
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
         raise ApiError(400, f"manifest replica must be an integer from 0 to {replicas - 1}",

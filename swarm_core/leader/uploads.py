@@ -35,9 +35,11 @@ from swarm_core.paths import atomic_write, fsync_dir
 
 MAX_MANIFEST = 4 << 20
 SHARDS = "model_export/shards"
-# The optimiser state is two moments per parameter, so twice the weights, plus its own
+# The optimiser state is two moments per parameter and, under DiLoCo, the outer momentum:
+# up to OPTIMIZER_TIMES the weights, plus its own
 # per-member overhead.
 OPTIMIZER_SLACK = 1 << 20
+OPTIMIZER_TIMES = 3
 
 
 def shard_dir(runs_dir: Path, job_id: str, stage: int, fellow_id: int) -> Path:
@@ -139,9 +141,9 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
                         still_wanted: Callable[[dict[str, Any]], None] = lambda m: None
                         ) -> dict[str, Any]:
     """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
-    manifest once all are in place. ``limit`` bounds the weights, and twice it (plus a little)
-    the optimiser state. A manifest with no ``weights_sha256`` is a replica's own state: its
-    parts are ``manifest`` and ``optimizer``.
+    manifest once all are in place. ``limit`` bounds the weights, and OPTIMIZER_TIMES it (plus
+    a little) the optimiser state. A manifest with no ``weights_sha256`` is a replica's own
+    state: its parts are ``manifest`` and ``optimizer``.
 
     ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
     ``still_wanted(manifest)``: called once the manifest is read and again once every part
@@ -154,7 +156,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
     if content_coding.named(request) != "identity":
         raise ApiError(415, "a shard push is sent without a Content-Encoding (weights do not "
                             "compress)")
-    most = 3 * limit + OPTIMIZER_SLACK + MAX_MANIFEST
+    most = (1 + OPTIMIZER_TIMES) * limit + OPTIMIZER_SLACK + MAX_MANIFEST
     if request.content_length is not None and request.content_length > most:
         raise ApiError(413, f"shard of {request.content_length} bytes exceeds the upload limit "
                             f"of {limit} bytes", code="body_too_large")
@@ -212,7 +214,7 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
             if getattr(part, "name", None) != "optimizer":
                 raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
             tmps[OPTIMIZER], opt_size, digest = await _receive_part(
-                part, dest, 2 * limit + OPTIMIZER_SLACK)
+                part, dest, OPTIMIZER_TIMES * limit + OPTIMIZER_SLACK)
             await asyncio.to_thread(_check_optimizer, tmps[OPTIMIZER], manifest, digest,
                                     opt_size)
         elif names_optimizer(manifest):

@@ -7,6 +7,7 @@ heartbeating while the stage computes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import threading
 import time
@@ -52,6 +53,8 @@ from swarm_core.pipeline.wire_math import (
     boundary_width,
     expected_wire_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 # The activation meter hooks every tensor autograd saves, in Python: ~2 ms a micro-batch on the
 # bench model (1-2 % of a step; a quarter of a tiny model's). What a step holds is set by the
@@ -191,25 +194,6 @@ class StageSpec:
     def local_batch(self) -> int:
         """The windows of a step this replica trains on: its share of the batch."""
         return self.training.batch_size // self.replicas
-
-    def checkpoint(self, step: int) -> StageCheckpoint:
-        return StageCheckpoint(step, self.module, self.opt, self.spec.replica, self.leads,
-                               tuple(self.members),
-                               self.sync if isinstance(self.sync, OuterStep) else None)
-
-    def checkpoint_due(self, step: int) -> bool:
-        """Whether a checkpoint is taken after global step ``step`` (1-based), short of the
-        last. Under DiLoCo only where the replicas hold one set of weights (after an outer
-        step): the first such step at or past each multiple of the interval, so a resume
-        takes up every replica's state exactly."""
-        t = self.spec.training
-        every = t.shard_push_interval_steps
-        if not every or step >= t.steps:
-            return False
-        if isinstance(self.sync, OuterStep):
-            h = self.sync.inner_steps
-            return step % h == 0 and step // every != (step - h) // every
-        return step % every == 0
 
     @property
     def leads(self) -> bool:
@@ -554,9 +538,11 @@ class StageRunner:
             if links.ring_prev is not None:
                 links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
 
-    def checkpoint(self, step: int) -> StageCheckpoint:
+    def checkpoint(self, step: int, final: bool = False) -> StageCheckpoint:
+        """The cell's state after step ``step`` for its checkpointer. The last step's is the
+        export alone: no run resumes from it, so no other replica's state goes with it."""
         return StageCheckpoint(step, self.module, self.opt, self.spec.replica, self.leads,
-                               tuple(self.members),
+                               (self.spec.replica,) if final else tuple(self.members),
                                self.sync if isinstance(self.sync, OuterStep) else None)
 
     def checkpoint_due(self, step: int) -> bool:
@@ -724,7 +710,12 @@ class StageRunner:
         while not (told := [m for m in self._told() if m[0].epoch == epoch]):
             # (another member heard of it first: the leader's word to this one is on its way)
             if time.monotonic() > deadline:
-                raise StageStopped()
+                # No word came: what the chains carried was a join the leader called off (a
+                # replica left meanwhile; a group yet to regroup still held its order). Every
+                # member of the group waited for the same word, and none takes anyone in.
+                log.warning("%s stage %d: no word of membership %d; going on as %d",
+                            self.spec.job_id, self.spec.stage, epoch, self.epoch)
+                return
             self._check_stop()
             time.sleep(0.05)
         order, addrs = told[-1]
@@ -1091,6 +1082,11 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     t = runner.spec.training
     reports: list[StepReport] = []
     t0 = time.perf_counter()
+    if runner.spec.join is not None and on_checkpoint is not None \
+            and runner.checkpoint_due(start_step):
+        # A joiner taken in at a checkpoint's step: its members name it in that checkpoint
+        # (it may even lead now), so it hands over the state it took from its donor.
+        _checkpoint(runner, on_checkpoint, start_step)
     for step in range(start_step, t.steps):
         rep = runner.train_step(step)
         reports.append(rep)
@@ -1098,9 +1094,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         # The replicas of a stage hold the same weights: the first member checkpoints for its
         # group (and under DiLoCo each member its own optimiser state).
         if on_checkpoint is not None and runner.checkpoint_due(rep.step):
-            ck = runner.checkpoint(rep.step)
-            if ck.leads or ck.outer is not None:
-                on_checkpoint(ck)
+            _checkpoint(runner, on_checkpoint, rep.step)
         if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
             ev = runner.evaluate(rep.step)
             if ev is not None and on_eval is not None:
@@ -1108,13 +1102,20 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     eval_loss = runner.evaluate(t.steps)
     wall = time.perf_counter() - t0
     if on_checkpoint is not None and runner.leads:
-        on_checkpoint(runner.checkpoint(t.steps))
+        on_checkpoint(runner.checkpoint(t.steps, final=True))
     result = _summary(runner, reports, wall, start_step)
     if eval_loss is not None:
         result.metrics.eval_loss, result.metrics.perplexity = eval_loss, perplexity(eval_loss)
         if on_eval is not None:
             on_eval(t.steps, eval_loss)
     return result
+
+
+def _checkpoint(runner: StageRunner, on_checkpoint: Callable[[StageCheckpoint], None],
+                step: int) -> None:
+    ck = runner.checkpoint(step)
+    if ck.leads or ck.outer is not None:  # (under DiLoCo each member its own state)
+        on_checkpoint(ck)
 
 
 def _summary(runner: StageRunner, reports: list[StepReport], wall: float,

@@ -1748,3 +1748,46 @@ async def test_a_silent_member_still_at_work_is_waited_for_past_the_timeout(api,
     late = await expect_ok(await _regroup(api, jid, by_replica[1], 1, op_step=49,
                                           synced_step=-1))
     assert late["order"]["members"] == [0, 1]
+
+
+async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
+    """Two stages, two replicas; replica 1's stage-1 cell fails. Replica 0's stage-1 cell
+    asks at once; its stage-0 cell is held up behind it (its group had finished the step's
+    all-reduce; it waits for the global norm) and only asks at its next synchronisation.
+    Who goes on is decided without it, stage 1's group gets its order; the held-up cell
+    then asks under the old membership and gets stage 0's. The change records by stage the
+    first step each group trained without replica 1 (stage 0 kept the step it had
+    finished)."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7700 + i}")
+               for i in range(4)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
+            "topology": {"stages": 2, "replicas": 2}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    cell = {(c["stage"], c["replica"]): next(f for f in fellows
+                                             if f["fellow_id"] == c["fellow_id"])
+            for c in job["placement"]["stages"]}
+    assert (await report(api, jid, cell[(1, 1)], "FAILED", step=6, stage=1, replica=1,
+                         message="killed")).status == 200
+    await heartbeat(api, cell[(0, 0)], status="busy", running=[
+        {"job_id": jid, "stage": 0, "replica": 0, "attempt": job["attempt"]}])
+
+    async def ask(stage: int, op_step: int, synced_step: int, wait: float = 0.0):
+        body = {"fellow_id": cell[(stage, 0)]["fellow_id"], "stage": stage, "replica": 0,
+                "op_step": op_step, "synced_step": synced_step}
+        return await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                              params={"wait": str(wait)},
+                                              headers=cell[(stage, 0)]["headers"]))
+
+    first = await ask(1, op_step=6, synced_step=5, wait=3.0)
+    assert first["order"] == {"epoch": 1, "members": [0], "commit": False, "drop": False,
+                              "donor": None}
+    assert (await get_job(api, jid))["membership"] == []  # (stage 0's group is yet to ask)
+    held = await ask(0, op_step=7, synced_step=6)
+    assert held["order"] == first["order"]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING" and job["members"] == [0]
+    [change] = job["membership"]
+    assert (change["step"], change["stage_steps"], change["left"]) == (7, [8, 7], [1])

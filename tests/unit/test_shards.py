@@ -26,7 +26,7 @@ from swarm_core.artifacts.shards import (
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.routes import SESSION_HEADER
-from swarm_core.leader.uploads import OPTIMIZER_SLACK
+from swarm_core.leader.uploads import OPTIMIZER_SLACK, OPTIMIZER_TIMES
 from swarm_core.pipeline.model import StageModule
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
@@ -415,8 +415,8 @@ async def test_bad_optimizer_part_is_refused_and_changes_nothing(leader, case):
     elif case == "four_parts":
         data = _form(manifest, weights, optimizer=optimizer,
                      order=("manifest", "weights", "optimizer", "weights"))
-    elif case == "too_big":  # the state may be twice the weights' limit, and a little more
-        big = b"\0" * (2 * cfg.max_upload_bytes + OPTIMIZER_SLACK + 1)
+    elif case == "too_big":  # (AdamW's two moments and DiLoCo's outer momentum, a little more)
+        big = b"\0" * (OPTIMIZER_TIMES * cfg.max_upload_bytes + OPTIMIZER_SLACK + 1)
         data = _form({**manifest, "optimizer_sha256": hashlib.sha256(big).hexdigest(),
                       "optimizer_bytes": len(big)}, weights, optimizer=big)
     elif case == "not_a_zip":
