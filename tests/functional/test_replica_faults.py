@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -45,6 +48,56 @@ class _Shares:
         rows = torch.cat([torch.arange(r * share, (r + 1) * share)
                           for r in range(self.replicas) if r != self.left])
         return x[rows], y[rows]
+
+
+@attrs.frozen
+class _Killed:
+    """What a job that lost fellows mid-run ended as: the job, the placement before the kill,
+    the cells killed, and what ``after`` read while the cluster was still up."""
+
+    job: dict[str, Any]
+    placed: list[dict[str, Any]]
+    killed: list[dict[str, Any]]
+    extra: Any = None
+
+
+def _kill_mid_run(env, tmp_path: Path, swarm_home: Path, fellows: int, body: dict[str, Any],
+                  past_step: int, doomed: Callable[[dict[str, Any]], bool], latency_ms: int,
+                  timeout: float, after: Callable[[str], Any] | None = None) -> _Killed:
+    """A local cluster of ``fellows`` whose links are slowed by ``latency_ms`` (so the kill
+    lands mid-run); ``body`` submitted; once it has passed ``past_step``, the fellows of the
+    cells ``doomed`` picks are SIGKILLed, the others' links unshaped (the recovery and what
+    follows are what is tested), and the job is waited for until it ends."""
+    up = run_cli("restart-cluster", "--fellows", str(fellows), "--stale-after", "2", env=env,
+                 timeout=120)
+    assert up.returncode == 0, up.stderr
+    try:
+        registered = leader_call("GET", "/fellows", env)["fellows"]
+        for f in registered:
+            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", env,
+                        SetSpeedRequest(latency_ms=latency_ms))
+        path = tmp_path / "job.json"
+        path.write_text(json.dumps(body))
+        job_id = cli_json("submit", "--payload", str(path), env=env)["job_id"]
+        wait_until(lambda: job_view(job_id, env)["last_step"] >= past_step, 60,
+                   f"the job to pass step {past_step}")
+        placed = job_view(job_id, env)["placement"]["stages"]
+        killed = [c for c in placed if doomed(c)]
+        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
+        for cell in killed:
+            os.kill(next(f["pid"] for f in record["fellows"] if f["name"] == cell["name"]),
+                    signal.SIGKILL)
+        lost = {c["fellow_id"] for c in killed}
+        for f in registered:
+            if f["fellow_id"] not in lost:
+                leader_call("POST", f"/fellows/{f['fellow_id']}/speed", env,
+                            SetSpeedRequest())
+        job = wait_until(lambda: (j := job_view(job_id, env))["state"] in
+                         ("COMPLETED", "FAILED") and j, timeout, "the job to finish")
+        extra = after(job_id) if after is not None else None
+    finally:
+        run_cli("stop-cluster", env=env)
+    return _Killed(job, placed, killed, extra)
 
 
 def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
@@ -104,40 +157,21 @@ def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
 @pytest.mark.parametrize("mode", ["diloco", "dp"])
 def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_joins(
         cli_env, tmp_path: Path, swarm_home: Path, mode: str):
-    up = run_cli("restart-cluster", "--fellows", "4", "--stale-after", "2", env=cli_env,
-                 timeout=90)
-    assert up.returncode == 0, up.stderr
-    try:
-        fellows = leader_call("GET", "/fellows", cli_env)["fellows"]
-        for f in fellows:  # (each outer step a few round trips long: the kill lands mid-run)
-            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                        SetSpeedRequest(latency_ms=20))
-        body = {"name": "replica-dies", "kind": "train", "model": MODEL,
-                "training": {"steps": 120, "batch_size": 6, "micro_batches": 1,
-                             "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                             "sync": {"mode": mode, "inner_steps": H}},
-                "topology": {"stages": 1, "replicas": 3}}
-        path = tmp_path / "job.json"
-        path.write_text(json.dumps(body))
-        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 6, 60,
-                   "the job to pass step 6")
-        cell = next(c for c in job_view(job_id, cli_env)["placement"]["stages"]
-                    if c["replica"] == 1)
-        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
-        os.kill(next(f["pid"] for f in record["fellows"] if f["name"] == cell["name"]),
-                signal.SIGKILL)
-        for f in fellows:
-            if f["fellow_id"] != cell["fellow_id"]:
-                leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                            SetSpeedRequest())
-        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
-                         ("COMPLETED", "FAILED") and j, 120, "the job to finish")
-        progress = leader_call("GET", f"/jobs/{job_id}/progress", cli_env)["records"]
-        shown = run_cli("job", job_id, env=cli_env)
-        events = leader_call("GET", f"/events?job_id={job_id}", cli_env)
-    finally:
-        run_cli("stop-cluster", env=cli_env)
+    body = {"name": "replica-dies", "kind": "train", "model": MODEL,
+            "training": {"steps": 120, "batch_size": 6, "micro_batches": 1,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "sync": {"mode": mode, "inner_steps": H}},
+            "topology": {"stages": 1, "replicas": 3}}
+
+    def after(job_id: str) -> tuple[Any, Any, Any]:
+        return (leader_call("GET", f"/jobs/{job_id}/progress", cli_env)["records"],
+                run_cli("job", job_id, env=cli_env),
+                leader_call("GET", f"/events?job_id={job_id}", cli_env))
+
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 4, body, 6,
+                        lambda c: c["replica"] == 1, latency_ms=20, timeout=120, after=after)
+    job, [cell] = run.job, run.killed
+    progress, shown, events = run.extra
     assert job["state"] == "COMPLETED", job["reason"]
     assert job["restarts"] == [] and job["attempt"] == 0  # (no stop, no resume)
     change, back = job["membership"]
@@ -194,39 +228,16 @@ def test_a_diloco_job_that_loses_every_replica_resumes_each_from_its_own_state(
     momentum, pushed by each) on the spares, and the steps after the resume are the
     one-process simulation's of the uninterrupted run (resumed from the first replica's
     moments, as before, they are off by 1e-2 and more)."""
-    up = run_cli("restart-cluster", "--fellows", "4", "--stale-after", "2", env=cli_env,
-                 timeout=90)
-    assert up.returncode == 0, up.stderr
-    try:
-        fellows = leader_call("GET", "/fellows", cli_env)["fellows"]
-        for f in fellows:  # (each outer step a few round trips long: the kill lands mid-run)
-            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                        SetSpeedRequest(latency_ms=30))
-        body = {"name": "diloco-resume", "kind": "train", "model": MODEL,
-                "training": {"steps": 200, "batch_size": 4, "micro_batches": 1,
-                             "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                             "shard_push_interval_steps": 3, "resume_policy": "replace",
-                             "sync": {"mode": "diloco", "inner_steps": H}},
-                "topology": {"stages": 1, "replicas": 2}}
-        path = tmp_path / "job.json"
-        path.write_text(json.dumps(body))
-        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 8, 60,
-                   "the job to pass step 8 (two checkpoints)")
-        cells = job_view(job_id, cli_env)["placement"]["stages"]
-        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
-        for cell in cells:
-            os.kill(next(f["pid"] for f in record["fellows"] if f["name"] == cell["name"]),
-                    signal.SIGKILL)
-        lost = {c["fellow_id"] for c in cells}
-        for f in fellows:
-            if f["fellow_id"] not in lost:
-                leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                            SetSpeedRequest())
-        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
-                         ("COMPLETED", "FAILED") and j, 180, "the job to finish")
-    finally:
-        run_cli("stop-cluster", env=cli_env)
+    body = {"name": "diloco-resume", "kind": "train", "model": MODEL,
+            "training": {"steps": 200, "batch_size": 4, "micro_batches": 1,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "shard_push_interval_steps": 3, "resume_policy": "replace",
+                         "sync": {"mode": "diloco", "inner_steps": H}},
+            "topology": {"stages": 1, "replicas": 2}}
+    # (past step 8: two checkpoints)
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 4, body, 8, lambda c: True,
+                        latency_ms=30, timeout=180)
+    job, lost = run.job, {c["fellow_id"] for c in run.killed}
     assert job["state"] == "COMPLETED", job["reason"]
     assert len(job["restarts"]) == 1 and job["attempt"] == 1
     resume = job["restarts"][0]["resume_step"]
@@ -251,37 +262,15 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
     the same step (the chains tell every group at once through their frames), each cell
     with its group's first member's state. Then both replicas train again: the losses after
     the join are the one-process reference's with replica 1 back."""
-    up = run_cli("restart-cluster", "--fellows", "6", "--stale-after", "2", env=cli_env,
-                 timeout=120)
-    assert up.returncode == 0, up.stderr
-    try:
-        fellows = leader_call("GET", "/fellows", cli_env)["fellows"]
-        for f in fellows:
-            leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                        SetSpeedRequest(latency_ms=20))
-        body = {"name": "chain-joins", "kind": "train", "model": MODEL,
-                "training": {"steps": 120, "batch_size": 4, "micro_batches": 1,
-                             "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                             "sync": {"mode": mode, "inner_steps": H}},
-                "topology": {"stages": 2, "replicas": 2}}
-        path = tmp_path / "job.json"
-        path.write_text(json.dumps(body))
-        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        wait_until(lambda: job_view(job_id, cli_env)["last_step"] >= 6, 60,
-                   "the job to pass step 6")
-        placed = job_view(job_id, cli_env)["placement"]["stages"]
-        cell = next(c for c in placed if (c["stage"], c["replica"]) == (1, 1))
-        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
-        os.kill(next(f["pid"] for f in record["fellows"] if f["name"] == cell["name"]),
-                signal.SIGKILL)
-        for f in fellows:
-            if f["fellow_id"] != cell["fellow_id"]:
-                leader_call("POST", f"/fellows/{f['fellow_id']}/speed", cli_env,
-                            SetSpeedRequest())
-        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
-                         ("COMPLETED", "FAILED") and j, 150, "the job to finish")
-    finally:
-        run_cli("stop-cluster", env=cli_env)
+    body = {"name": "chain-joins", "kind": "train", "model": MODEL,
+            "training": {"steps": 120, "batch_size": 4, "micro_batches": 1,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "sync": {"mode": mode, "inner_steps": H}},
+            "topology": {"stages": 2, "replicas": 2}}
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 6, body, 6,
+                        lambda c: (c["stage"], c["replica"]) == (1, 1), latency_ms=20,
+                        timeout=150)
+    job, placed = run.job, run.placed
     assert job["state"] == "COMPLETED", job["reason"]
     assert job["restarts"] == [] and job["attempt"] == 0
     change, back = job["membership"]

@@ -186,8 +186,9 @@ def test_tampered_weights_are_refused(tmp_path):
 # --- the push route --------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def leader(aiohttp_client, tmp_path: Path):
+async def _leader_and_two_fellows(aiohttp_client, tmp_path: Path):
+    """A leader (uploads up to 200 kB) and two fellows registered with it: (client, fellows
+    with their session headers, config)."""
     cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05,
                        max_upload_bytes=200_000)
     client = await aiohttp_client(create_app(cfg))
@@ -197,6 +198,12 @@ async def leader(aiohttp_client, tmp_path: Path):
         resp = await client.post(f"{A}/fellows/register", json=body, headers=AUTH)
         reg = await resp.json()
         fellows.append({**reg, "headers": {**AUTH, SESSION_HEADER: reg["session"]}})
+    return client, fellows, cfg
+
+
+@pytest.fixture
+async def leader(aiohttp_client, tmp_path: Path):
+    client, fellows, cfg = await _leader_and_two_fellows(aiohttp_client, tmp_path)
     job = {"name": "t", "kind": "train", "model": MODEL, "training": {"steps": 4},
            "topology": {"fellows": 2}}
     resp = await client.post(f"{A}/jobs", json=job, headers=AUTH)
@@ -594,15 +601,7 @@ async def test_a_bad_export_download_is_one_error_and_leaves_no_shard(leader, tm
 async def _diloco_job(aiohttp_client, tmp_path: Path):
     """A leader running a DiLoCo job of one stage and two replicas on two fellows: (client,
     the fellows by replica, the job, the config)."""
-    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05,
-                       max_upload_bytes=200_000)
-    client = await aiohttp_client(create_app(cfg))
-    fellows = []
-    for i in range(2):
-        body = {"name": f"f{i}", "instance_id": f"i{i}", "data_addr": f"127.0.0.1:{9000 + i}"}
-        reg = await (await client.post(f"{A}/fellows/register", json=body,
-                                       headers=AUTH)).json()
-        fellows.append({**reg, "headers": {**AUTH, SESSION_HEADER: reg["session"]}})
+    client, fellows, cfg = await _leader_and_two_fellows(aiohttp_client, tmp_path)
     job = {"name": "d", "kind": "train", "model": MODEL,
            "training": {"steps": 8, "batch_size": 8, "micro_batches": 2,
                         "sync": {"mode": "diloco", "inner_steps": 2}},
