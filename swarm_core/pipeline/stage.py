@@ -124,6 +124,12 @@ class ResumeError(ValueError):
     """The checkpoint a stage was asked to resume from does not fit it."""
 
 
+def trained_names(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters a stage trains, in the order of its ``params`` (and of
+    DiLoCo's outer step)."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
+
+
 @attrs.frozen
 class StageCheckpoint:
     """What a cell hands its checkpointer between two optimiser steps. The group's first
@@ -150,8 +156,8 @@ class StageCheckpoint:
         """AdamW's state and, under DiLoCo, the outer momentum, keyed by parameter name."""
         arrays = optimizer_arrays(self.opt, self.module)
         if self.outer is not None:
-            names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-            for name, buf in zip(names, self.outer.momentum(), strict=True):
+            for name, buf in zip(trained_names(self.module), self.outer.momentum(),
+                                 strict=True):
                 if buf is not None:
                     arrays[f"{name}.{OUTER_FIELD}"] = buf.detach().cpu().float().numpy().copy()
         return arrays
@@ -452,7 +458,7 @@ class _Step:
     errors: CodecErrors = attrs.field(factory=CodecErrors)
     # Whether this cell, or one upstream in its chain, had been told of a replica joining when
     # the step began (its ACT frames say so), and whether any cell of the chain had (the GRAD
-    # frames from downstream say so): see StageRunner.heard.
+    # frames from downstream say so): see StageRunner._chain_heard.
     heard: bool = False
     chain_heard: bool = False
 
@@ -531,10 +537,10 @@ class StageRunner:
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
                                       sync.outer_momentum)
                 if self.outer_resume:
-                    names = [n for n, p in self.module.named_parameters() if p.requires_grad]
                     self.sync.set_momentum([
                         torch.from_numpy(np.array(self.outer_resume[n]))
-                        if n in self.outer_resume else None for n in names])
+                        if n in self.outer_resume else None
+                        for n in trained_names(self.module)])
             if links.ring_prev is not None:
                 links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
 
