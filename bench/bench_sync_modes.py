@@ -16,6 +16,9 @@ torch thread each, their ring over loopback TCP. Every fellow's ``LinkShaper`` h
 the same windows from the same seed for the same steps (so the same tokens); only the
 synchronisation differs. DiLoCo uses the codebase's defaults (outer lr 0.7, Nesterov momentum
 0.9) and every row the default sync compression (``none``: fp32), unless told otherwise.
+Each H runs once per ``--overlap`` fraction: ``sync.overlap_steps`` d = that share of H (at
+most H - 1; 0, the default of the codebase and the paper, waits for the outer step's
+average; d > 0 lets it cross while the replicas train d more steps).
 
 Columns: sync B/step, what replica 0's ring sent, measured, averaged over every step (DiLoCo's
 outer steps, and the run's last step, which syncs too, spread over the inner steps); dp/this,
@@ -26,7 +29,7 @@ its ratio to dp's. A line per target says met or NOT met; nothing is tuned to me
 
 Usage::
 
-    .venv/bin/python bench/bench_sync_modes.py                  # 500 steps, H = 10 and 50 (~7 min)
+    .venv/bin/python bench/bench_sync_modes.py                  # 500 steps, H = 10 and 50 (~14 min)
     .venv/bin/python bench/bench_sync_modes.py --steps 400 --inner-steps 10,50,100
     .venv/bin/python bench/bench_sync_modes.py --quick          # a tiny model, a few seconds
 
@@ -54,7 +57,7 @@ QUICK = {"model": dict(d_model=32, n_layers=1, n_heads=2, seq_len=16),
          "steps": 6, "warmup": 1, "inner_steps": "2,3", "eval_batches": 1}
 
 
-def _configs(cfg: dict[str, Any], mode: str, inner: int) -> tuple[Any, Any]:
+def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0) -> tuple[Any, Any]:
     import attrs
 
     from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
@@ -65,7 +68,8 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int) -> tuple[Any, Any]:
     training = {**DEFAULT_TRAINING, **cfg.get("training", {})}
     mc = structure(model, ModelConfig)
     tc = structure(training, TrainingConfig)
-    sync = SyncConfig(mode=mode, inner_steps=inner, compression=cfg["compression"])
+    sync = SyncConfig(mode=mode, inner_steps=inner, compression=cfg["compression"],
+                      overlap_steps=overlap)
     # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
@@ -73,7 +77,7 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int) -> tuple[Any, Any]:
     return mc, tc
 
 
-def _stage(cfg: dict[str, Any], row: tuple[str, int, float | None], rank: int, out: Any,
+def _stage(cfg: dict[str, Any], row: tuple[str, int, int, float | None], rank: int, out: Any,
            side: Any) -> None:
     """Replica ``rank`` of the one-stage job, its links shaped at ``mbps`` (None: unshaped)."""
     import torch
@@ -89,8 +93,8 @@ def _stage(cfg: dict[str, Any], row: tuple[str, int, float | None], rank: int, o
     from swarm_core.pipeline.stage import StageSpec, run_stage
     from swarm_core.protocol import LinkLimits
 
-    mode, inner, mbps = row
-    mc, tc = _configs(cfg, mode, inner)
+    mode, inner, overlap, mbps = row
+    mc, tc = _configs(cfg, mode, inner, overlap)
     data = load_token_data(tc, mc.seq_len)
     shaper = LinkShaper()
     if mbps is not None:
@@ -121,7 +125,8 @@ def _context() -> Any:
     return ctx
 
 
-def _run(cfg: dict[str, Any], row: tuple[str, int, float | None]) -> list[tuple[int, list, dict]]:
+def _run(cfg: dict[str, Any],
+         row: tuple[str, int, int, float | None]) -> list[tuple[int, list, dict]]:
     ctx = _context()
     out = ctx.Queue()
     side: dict[str, Any] = {"addrs": ctx.Queue(), **{f"to{r}": ctx.Queue() for r in range(2)}}
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="training steps of every row (default 500; best a multiple of each H)")
     ap.add_argument("--inner-steps", default=None,
                     help="DiLoCo's H values, comma-separated (default 10,50)")
+    ap.add_argument("--overlap", default="0,0.5,0.9",
+                    help="DiLoCo rows per H: sync.overlap_steps as fractions of H, "
+                         "comma-separated (0: the outer step blocks; default %(default)s)")
     ap.add_argument("--mbps", type=float, default=80.0,
                     help="tx and rx limit of each fellow, Mbit/s (default %(default)s)")
     ap.add_argument("--compression", default="none",
@@ -182,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
           f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr "
           f"{tc.sync.outer_lr:g}, momentum {tc.sync.outer_momentum:g}; {os.cpu_count()} CPUs, "
           "1 thread a process", flush=True)
-    modes = [("dp", 1)] + [("diloco", h) for h in hs]
+    fractions = [float(f) for f in args.overlap.split(",")]
+    modes = [("dp", 1, 0)] + [("diloco", h, d) for h in hs
+                              for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions)]
     rows: list[dict[str, Any]] = []
-    for mode, h in modes:
-        row: dict[str, Any] = {"mode": mode, "H": h}
+    for mode, h, d in modes:
+        row: dict[str, Any] = {"mode": mode, "H": h, "d": d}
         for shaped in (True, False):
             t0 = time.monotonic()
-            res = _run(cfg, (mode, h, args.mbps if shaped else None))
+            res = _run(cfg, (mode, h, d, args.mbps if shaped else None))
             lead = res[0][2]
             key = "shaped" if shaped else "unshaped"
             row[key] = _step_s(res, cfg["warmup"])
@@ -198,27 +208,29 @@ def main(argv: list[str] | None = None) -> int:
             if shaped:
                 row["bytes"], row["expected"] = lead["sync_bytes"], lead["expected_sync_bytes"]
                 row["sync_fraction"] = lead["sync_fraction"]
-            name = "dp" if mode == "dp" else f"diloco H={h}"
+            name = "dp" if mode == "dp" else f"diloco H={h} d={d}"
             print(f"  {name} {key}: {row[key] * 1000:.1f} ms/step, eval loss "
                   f"{row[f'{key}_eval']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         rows.append(row)
     dp = rows[0]
-    print(f"\n{'mode':<8} {'H':>4} {'sync B/step':>12} {'dp/this':>8} {'shaped ms':>10} "
+    print(f"\n{'mode':<8} {'H':>4} {'d':>4} {'sync B/step':>12} {'dp/this':>8} {'shaped ms':>10} "
           f"{'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} {'eval/dp':>8}")
-    print("-" * 88)
+    print("-" * 93)
     for r in rows:
-        h = "-" if r["mode"] == "dp" else str(r["H"])
-        print(f"{r['mode']:<8} {h:>4} {r['bytes']:>12,.0f} {dp['bytes'] / r['bytes']:>7.1f}x "
+        h, d = ("-", "-") if r["mode"] == "dp" else (str(r["H"]), str(r["d"]))
+        print(f"{r['mode']:<8} {h:>4} {d:>4} {r['bytes']:>12,.0f} "
+              f"{dp['bytes'] / r['bytes']:>7.1f}x "
               f"{r['shaped'] * 1000:>10.1f} {r['unshaped'] * 1000:>12.1f} "
               f"{r['shaped'] / r['unshaped']:>8.3f} {r['shaped_eval']:>10.4f} "
               f"{r['shaped_eval'] / dp['shaped_eval']:>8.4f}")
-    print("-" * 88)
+    print("-" * 93)
     for r in rows[1:]:
         h = r["H"]
         ratio = dp["bytes"] / r["bytes"]
         slow = r["shaped"] / r["unshaped"]
         ev = r["shaped_eval"] / dp["shaped_eval"]
-        print(f"targets, diloco H={h}: sync bytes/step >= {h}x smaller than dp: {ratio:.1f}x -> "
+        print(f"targets, diloco H={h} d={r['d']}: sync bytes/step >= {h}x smaller than dp: "
+              f"{ratio:.1f}x -> "
               f"{_check(ratio >= h)}; step within 10 % of unshaped: {slow:.3f} -> "
               f"{_check(slow <= 1.10)}; eval loss within 3 % of dp: {ev:.4f} -> "
               f"{_check(abs(ev - 1) <= 0.03)}")

@@ -99,7 +99,9 @@ class SyncConfig:
     outer SGD (Nesterov momentum; the DiLoCo paper's lr 0.7 and momentum 0.9). Both run
     around a ring over the same shaped links as the pipeline. ``compression`` codes what
     crosses, as a boundary's codec does (int8 sums in fp32 after decoding, as INTELLECT-1's
-    ring does)."""
+    ring does). ``overlap_steps`` (diloco): the outer step's average crosses while each
+    replica trains this many more inner steps, which it keeps (Streaming DiLoCo's overlap; 0:
+    the replicas wait for it, as in the paper)."""
 
     mode: Literal["dp", "diloco"] = "dp"
     compression: str = "none"
@@ -109,10 +111,15 @@ class SyncConfig:
     # dp's gradients go in buckets of this many MiB (DDP's bucket_cap_mb and default; the
     # first at most 1 MiB), each all-reduced as soon as the backward has finished it.
     bucket_mb: float = attrs.field(default=25.0, validator=[_pos, _le(1024.0)])
+    overlap_steps: int = attrs.field(default=0, validator=[_nonneg, _le(1_000_000)])
 
     def __attrs_post_init__(self) -> None:
         if not checking():
             return
+        if self.mode == "diloco" and self.overlap_steps >= self.inner_steps:
+            raise FieldError(f"must be below inner_steps ({self.inner_steps}): the outer step's "
+                             f"average has to land before the next one, got "
+                             f"{self.overlap_steps}", "overlap_steps")
         m = _SYNC_INT8.fullmatch(self.compression)
         if self.compression not in ("none", "fp16", "bf16") and m is None:
             raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
@@ -216,15 +223,30 @@ class TrainingConfig:
     # How the replicas of each stage stay one model (topology.replicas above 1).
     sync: SyncConfig = attrs.field(factory=SyncConfig)
 
-    def follows_a_pause(self, step: int, start_step: int = 0) -> bool:
+    def checkpoint_after(self, step: int, outer_steps: bool = False) -> bool:
+        """Whether a checkpoint is taken after 1-based step ``step``, short of the last:
+        every ``shard_push_interval_steps``. With ``outer_steps`` (replicas under DiLoCo)
+        only where the replicas hold one set of weights, after an outer step: the first such
+        step at or past each multiple of the interval, so a resume takes up every replica's
+        state exactly."""
+        every = self.shard_push_interval_steps
+        if not every or step >= self.steps:
+            return False
+        if outer_steps:
+            h = self.sync.inner_steps
+            return step % h == 0 and step // every != (step - h) // every
+        return step % every == 0
+
+    def follows_a_pause(self, step: int, start_step: int = 0,
+                        outer_steps: bool = False) -> bool:
         """Whether 1-based ``step`` comes right after time out of training: the first step of
         a run (or of a resume from ``start_step``), which waits for the neighbours to start,
-        or the one after an evaluation or a shard push, which waits for them to finish it.
-        Link waits measured in such a step are not the network's."""
+        or the one after an evaluation or a shard push (``outer_steps``: as
+        :meth:`checkpoint_after`), which waits for them to finish it. Link waits measured in
+        such a step are not the network's."""
         done = step - 1
-        return done == start_step or any(
-            every and done % every == 0 for every in (self.eval_every,
-                                                       self.shard_push_interval_steps))
+        return done == start_step or bool(self.eval_every and done % self.eval_every == 0) \
+            or self.checkpoint_after(done, outer_steps)
 
     def __attrs_post_init__(self) -> None:
         if not checking():

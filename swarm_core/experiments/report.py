@@ -177,6 +177,7 @@ _SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sync_mode": (lambda v: v in SYNC_MODES, "one of none, dp, diloco"),
     "sync_compression": (_string, "a string"),
     "inner_steps": (_integer, "an integer"),
+    "overlap_steps": (_integer, "an integer"),
     "sync_bytes_per_step": (_number, "a number"),
     "total_bytes": (_number, "a number"),
     "compression": (_string, "a string"),
@@ -407,9 +408,11 @@ def _grid(summary: dict[str, Any]) -> str:
 
 
 def _sync(run: RunData) -> str:
-    """The sync mode, with its codec where it codes ("dp int8")."""
-    codec = run.summary.get("sync_compression")
-    return run.sync_mode if codec in (None, "none") else f"{run.sync_mode} {codec}"
+    """The sync mode, with its codec where it codes ("dp int8") and DiLoCo's overlap where
+    it overlaps ("diloco overlap 5")."""
+    codec, overlap = run.summary.get("sync_compression"), run.summary.get("overlap_steps")
+    label = run.sync_mode if codec in (None, "none") else f"{run.sync_mode} {codec}"
+    return f"{label} overlap {overlap}" if overlap else label
 
 
 def _link_set(summary: dict[str, Any], shown: int = 3) -> str:

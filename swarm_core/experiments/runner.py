@@ -502,7 +502,8 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
         "fellows": st.spec.fellows,
         **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
         "activation_peak_bytes_by_stage": peaks_by_stage(records, stages),
-        "wait_fraction_by_stage": wait_by_stage(records, stages, training, job.restarts),
+        "wait_fraction_by_stage": wait_by_stage(records, stages, training, job.restarts,
+                                                replicas),
         "codec_error_by_stage": codec_error_by_stage(records, stages),
         # Set-speeds while it ran: its network was not the profile's throughout.
         "link_changes": unstructure(job.link_changes),
@@ -540,6 +541,7 @@ def grid_summary(spec: RunSpec, training: TrainingConfig, records: list[Progress
     return {
         "stages": spec.stages, "replicas": spec.replicas, "sync_mode": mode,
         "inner_steps": training.sync.inner_steps if mode == "diloco" else None,
+        "overlap_steps": training.sync.overlap_steps if mode == "diloco" else None,
         "sync_compression": training.sync.compression if mode != "none" else None,
         "sync_bytes_per_step": per_step,
         "sync_bytes_total": sync_total if mode != "none" else None,
@@ -561,19 +563,22 @@ def peaks_by_stage(records: list[ProgressRecord],
 
 def wait_by_stage(records: list[ProgressRecord], num_stages: int,
                   training: TrainingConfig | None = None,
-                  restarts: list[Restart] | None = None) -> list[float | None] | None:
+                  restarts: list[Restart] | None = None,
+                  replicas: int = 1) -> list[float | None] | None:
     """The share of its step time each stage spent blocked on its links, by stage index: its
     wait_seconds over its own stage_seconds, summed over the steady steps, i.e. leaving out
     the first step of the run and of each resume (``restarts``: the job's) and, given
     ``training``, the step after each eval and shard push: those also wait for the neighbours
-    to start or to finish their pause (every step when no other is left). None for a stage
+    to start or to finish their pause (every step when no other is left; ``replicas`` under
+    DiLoCo push at outer steps). None for a stage
     that never reported; None when no stage did."""
     starts = {min((r.step for r in records), default=1) - 1,
               *(r.resume_step for r in restarts or [])}
     tc = training or TrainingConfig()
+    outer = replicas > 1 and tc.sync.mode == "diloco"
 
     def paused(step: int) -> bool:
-        return any(tc.follows_a_pause(step, s) for s in starts)
+        return any(tc.follows_a_pause(step, s, outer) for s in starts)
 
     steady = [r for r in records if not paused(r.step)] or records
     waits: dict[int, float] = {}

@@ -254,9 +254,11 @@ class Membership:
                 or job.spec.train is None:
             return
         train = job.spec.train
-        # (no synchronisation is left to take it in at)
-        if job.last_step >= train.steps - (train.sync.inner_steps if train.sync.mode ==
-                                           "diloco" else 1):
+        # (no synchronisation is left to take it in at; an overlapped outer step's result,
+        # where a joiner comes in, lands overlap_steps after it)
+        sync = train.sync
+        if job.last_step >= train.steps - (sync.inner_steps + sync.overlap_steps
+                                           if sync.mode == "diloco" else 1):
             return
         assert job.placement is not None
         left = [r for r in range(job.placement.replicas) if r not in job.members]

@@ -535,7 +535,7 @@ class StageRunner:
                             links.ring_prev, spec.replica, spec.replicas, sync_codec(spec),
                             self.device)
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
-                                      sync.outer_momentum)
+                                      sync.outer_momentum, sync.overlap_steps)
                 if self.outer_resume:
                     self.sync.set_momentum([
                         torch.from_numpy(np.array(self.outer_resume[n]))
@@ -556,14 +556,7 @@ class StageRunner:
         last. Under DiLoCo only where the replicas hold one set of weights (after an outer
         step): the first such step at or past each multiple of the interval, so a resume
         takes up every replica's state exactly."""
-        t = self.spec.training
-        every = t.shard_push_interval_steps
-        if not every or step >= t.steps:
-            return False
-        if isinstance(self.sync, OuterStep):
-            h = self.sync.inner_steps
-            return step % h == 0 and step // every != (step - h) // every
-        return step % every == 0
+        return self.spec.training.checkpoint_after(step, isinstance(self.sync, OuterStep))
 
     @property
     def leads(self) -> bool:
@@ -572,10 +565,11 @@ class StageRunner:
         return self.spec.replica == self.members[0]
 
     def _synchronised(self, step: int, op: Callable[[], tuple[int, float] | None],
-                      heard: bool) -> tuple[int, float] | None:
+                      heard: bool, op_step: int | None = None) -> tuple[int, float] | None:
         """Run the group's synchronisation ``op``; where its ring breaks, regroup and commit
         or do it again over the new ring, as the order says. ``heard``: whether a cell of this
-        cell's chain had been told of a replica joining when the step began."""
+        cell's chain had been told of a replica joining when the step began. ``op_step``: the
+        step the operation began at, where earlier than this one (an overlapped outer step's)."""
         assert self.sync is not None
         # The membership this member proposes at the confirmation: the newest it was told of,
         # but only where its chain had heard of it when the step began. Every chain learns it
@@ -597,7 +591,7 @@ class StageRunner:
                 else:
                     continue
             if out is not None:
-                self.synced_step = step
+                self.synced_step = step if op_step is None else op_step
                 if self.sync.heard > self.epoch:  # (someone was told of a replica joining)
                     self._admit_after = int(self.sync.heard)
             return out
@@ -919,8 +913,15 @@ class StageRunner:
         self.opt.zero_grad(set_to_none=True)
         if sync is not None:
             last = step + 1 == t.steps
-            synced = self._synchronised(
-                step, lambda: sync.after_step(step, last, t.frame_timeout_s), heard) or synced
+            if isinstance(sync, OuterStep) and sync.collect_due(step, last):
+                synced = _plus(synced, self._synchronised(
+                    step, lambda: sync.collect(step, last, t.frame_timeout_s), heard,
+                    op_step=sync.pending))
+            # Where a checkpoint follows, the replicas must hold one set of weights: an outer
+            # step there does not overlap the steps after it.
+            hold = self.checkpoint_due(step + 1)
+            synced = _plus(synced, self._synchronised(
+                step, lambda: sync.after_step(step, last, t.frame_timeout_s, hold), heard))
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
@@ -1131,7 +1132,9 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
     losses = [r.loss for r in reports if r.loss is not None]
     # Link waits of steps that follow a start, an eval or a shard push are partly the
     # neighbours' own pause; the run's share leaves them out (all of them: a short run).
-    steady = [r for r in reports if not t.follows_a_pause(r.step, start_step)] or reports
+    outer = isinstance(runner.sync, OuterStep)
+    steady = [r for r in reports if not t.follows_a_pause(r.step, start_step, outer)] \
+        or reports
 
     def mean_error(direction: str) -> float | None:
         values = [getattr(r.codec_error, direction) for r in reports]
@@ -1160,6 +1163,13 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         metrics.expected_sync_tx_bytes_per_step = \
             runner.sync.expected_bytes() * syncs / len(reports)
     return StageResult(metrics, losses)
+
+
+def _plus(a: tuple[int, float] | None, b: tuple[int, float] | None) -> tuple[int, float] | None:
+    """Two synchronisations' bytes and seconds in one step (either may be None: none ran)."""
+    if a is None or b is None:
+        return a or b
+    return a[0] + b[0], a[1] + b[1]
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -328,7 +328,8 @@ class GradientAverage:
             if link is not None:
                 link.close()
 
-    def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
+    def after_step(self, step: int, last: bool, timeout: float,
+                   hold: bool = False) -> tuple[int, float] | None:
         return None
 
     def close(self) -> None:
@@ -343,15 +344,33 @@ class OuterStep:
     sync minus the weights now), an outer SGD with Nesterov momentum applies it to the weights
     at the last sync, and every replica goes on from the result. The inner optimiser's state
     stays each replica's own. The last step of a run syncs too, so the run ends on one set of
-    weights."""
+    weights.
+
+    With ``overlap_steps`` d > 0 the average crosses while the replicas train on (as Streaming
+    DiLoCo overlaps its outer step, arXiv 2501.18512): the ring runs on a thread of its own
+    from the outer step's step s, and after step s + d each replica takes the outer step's
+    result plus what it has trained since s (its drift), so no inner step is lost and the
+    next pseudo-gradient, taken from the new anchor, holds that drift. An outer step where
+    the run must hold one set of weights (``hold``: the last step, a checkpoint's) blocks as
+    with d = 0."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring, inner_steps: int,
-                 lr: float, momentum: float) -> None:
+                 lr: float, momentum: float, overlap_steps: int = 0) -> None:
         self.params, self.ring, self.inner_steps = list(params), ring, inner_steps
+        self.overlap_steps = overlap_steps
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
-        self._deltas: list[torch.Tensor] = []
+        self._deltas: list[torch.Tensor] = []  # this member's own change, until committed
         self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
+        # The overlapped outer step in flight: its step, and whether its result is still to
+        # be taken from the ring's thread (False once that broke: it is done again inline).
+        self.pending: int | None = None
+        self._on_thread = False
+        self._drift = False  # whether the operation to commit keeps the drift since it began
+        self._jobs: queue.SimpleQueue[tuple[int, float, float] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[int, float, float] | BaseException] = \
+            queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
 
     @property
     def max_payload(self) -> int:
@@ -376,26 +395,77 @@ class OuterStep:
     def next_op(self, step: int, last: bool) -> int:
         return step + self.inner_steps - (step + 1) % self.inner_steps
 
+    def collect_due(self, step: int, last: bool) -> bool:
+        """Whether the overlapped outer step in flight is taken after step ``step``."""
+        return self.pending is not None and (step >= self.pending + self.overlap_steps or last)
+
     @torch.no_grad()
-    def after_step(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
+    def collect(self, step: int, last: bool, timeout: float) -> tuple[int, float] | None:
+        """After step ``step``: the overlapped outer step in flight, once ``overlap_steps``
+        steps have passed since it began (or at the run's last step), waited for and
+        applied. On a broken ring (RingBroken, of the outer step's own step) nothing has
+        changed: it can be done again over a new ring, or :meth:`commit` what this member
+        holds."""
+        if not self.collect_due(step, last):
+            return None
+        assert self.pending is not None
+        self._drift = True
+        t0 = time.perf_counter()
+        if self._on_thread:
+            self._on_thread = False
+            got = self._done.get()
+            if isinstance(got, BaseException):
+                raise got
+        else:  # (the ring broke and the group chose to do it again: here, over the new ring)
+            got = self._reduce_confirm(self.pending, timeout, self.word)
+        sent, _seconds, self.heard = got
+        self.commit()
+        return sent, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def after_step(self, step: int, last: bool, timeout: float,
+                   hold: bool = False) -> tuple[int, float] | None:
         """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
-        at the end. On a broken ring (RingBroken) nothing has changed: the weights and the
-        anchor are as before, so the outer step can be done again over a new ring, or
-        :meth:`commit` what this member already holds."""
+        at the end; overlapped with the steps after it unless ``hold`` or the last. On a
+        broken ring (RingBroken) nothing has changed: the weights and the anchor are as
+        before, so the outer step can be done again over a new ring, or :meth:`commit` what
+        this member already holds."""
         if not self.syncs_at(step, last):
             return None
+        assert self.pending is None, "an outer step began with the last still in flight"
         self._deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
                                                                 strict=True)]
+        if self.overlap_steps and not (hold or last) and self.ring.replicas > 1:
+            self.pending, self._on_thread = step, True
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="outer-all-reduce",
+                                                daemon=True)
+                self._worker.start()
+            self._jobs.put((step, timeout, self.word))
+            return None
+        self._drift = False
+        sent, seconds, self.heard = self._reduce_confirm(step, timeout, self.word)
+        self.commit()
+        return sent, seconds
+
+    def _reduce_confirm(self, step: int, timeout: float,
+                        word: float) -> tuple[int, float, float]:
         try:
             sent, seconds = self.ring.reduce_(step, timeout, self._deltas)
         except _LINK_FAULTS as exc:
             raise RingBroken(step, False, exc) from None
         try:
-            more, wait, self.heard = self.ring.confirm(step, timeout, self.word)
+            more, wait, heard = self.ring.confirm(step, timeout, word)
         except _LINK_FAULTS as exc:
             raise RingBroken(step, True, exc) from None
-        self.commit()
-        return sent + more, seconds + wait
+        return sent + more, seconds + wait, heard
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._done.put(self._reduce_confirm(*job))
+            except BaseException as exc:  # (handed to the stage's thread, raised there)
+                self._done.put(exc)
 
     def momentum(self) -> list[torch.Tensor | None]:
         """The outer SGD's momentum buffer of each parameter (None before its first step)."""
@@ -412,14 +482,23 @@ class OuterStep:
 
     @torch.no_grad()
     def commit(self) -> None:
-        """The outer step from the group's mean change, which this member holds."""
+        """The outer step from the group's mean change, which this member holds. An
+        overlapped one keeps what the replica trained since it began: the weights become the
+        new anchor plus (the weights now - the weights the change was taken from)."""
+        if self._drift:
+            for p, a, d in zip(self.params, self.anchor, self._deltas, strict=True):
+                p.sub_(a).add_(d)  # (the weights then were the anchor less the own change)
         self.ring.put_back(self._deltas)
         for a, d in zip(self.anchor, self._deltas, strict=True):
             a.grad = d
         self.opt.step()
         for p, a in zip(self.params, self.anchor, strict=True):
-            p.copy_(a)
-        self._deltas = []
+            if self._drift:
+                p.add_(a)
+            else:
+                p.copy_(a)
+        self._deltas, self.pending, self._drift = [], None, False
 
     def close(self) -> None:
-        pass
+        if self._worker is not None:
+            self._jobs.put(None)

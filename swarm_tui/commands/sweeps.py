@@ -94,10 +94,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _sync(run: RunSpec) -> str:
-    """A run's sync mode as the validate table shows it: ``none``, ``dp``, ``diloco H=10``."""
+    """A run's sync mode as the validate table shows it: ``none``, ``dp``, ``diloco H=10``
+    (``diloco H=10 overlap 5`` where its outer steps overlap the inner ones)."""
     if run.sync_mode != "diloco":
         return run.sync_mode
-    return f"diloco H={run.training['sync']['inner_steps']}"
+    sync = run.training["sync"]
+    overlap = sync.get("overlap_steps")
+    return f"diloco H={sync['inner_steps']}" + (f" overlap {overlap}" if overlap else "")
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -160,6 +160,20 @@ def test_the_runs_link_wait_leaves_out_steps_that_follow_a_pause():
     assert wait_by_stage([], 2) is None
 
 
+def test_under_diloco_the_pause_of_a_push_follows_the_outer_step_it_waited_for():
+    """With replicas under DiLoCo a shard push waits for the next outer step (H = 3, every 4
+    steps: pushes after 6 and 9 of 12, not after 4 and 8), and so does the pause after it."""
+    from swarm_core.config.schemas import TrainingConfig
+    from swarm_core.schema import structure
+
+    tc = structure({"steps": 12, "shard_push_interval_steps": 4,
+                    "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
+    assert [s for s in range(1, 13) if tc.checkpoint_after(s, outer_steps=True)] == [6, 9]
+    assert [s for s in range(1, 13) if tc.checkpoint_after(s)] == [4, 8]
+    assert {s for s in range(1, 13) if tc.follows_a_pause(s, outer_steps=True)} == {1, 7, 10}
+    assert {s for s in range(1, 13) if tc.follows_a_pause(s)} == {1, 5, 9}
+
+
 @pytest.mark.parametrize("state, limit, met", [
     ("COMPLETED", 5.0, True), ("COMPLETED", 1.0, False), ("FAILED", 5.0, False),
     ("FAILED", None, None), ("COMPLETED", None, None),

@@ -147,7 +147,8 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                       replicas: int, leaves: dict[int, int | list[int]] | None = None,
-                      joins: dict[int, tuple[int, int]] | None = None) -> list[float]:
+                      joins: dict[int, tuple[int, int]] | None = None, overlap: int = 0,
+                      holds: frozenset[int] = frozenset()) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
     share of every step's windows, clipped by its own global norm; every H steps (and at the
@@ -158,7 +159,13 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     step by stage (a stage group that had finished the broken outer step kept the replica's
     change in it; the replica trained until the last of them). ``joins[r] =
     (step, donor)``: replica r is back from that step (after an outer step), a copy of the
-    donor's weights and inner optimiser state."""
+    donor's weights and inner optimiser state (overlapped: a step after the result of an
+    outer step was taken, so ``step`` need not follow one).
+
+    ``overlap`` d (Streaming DiLoCo's overlap, arXiv 2501.18512): an outer step's mean
+    change, taken after step s, is applied after step s + d (or the last step): the anchor
+    takes the outer step, and each copy becomes the new anchor plus what it trained since s.
+    The outer steps after the steps in ``holds`` (0-based), and the last, apply at once."""
     import copy
 
     leaves, joins = leaves or {}, joins or {}
@@ -189,6 +196,7 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
         progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
         return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
+    pending: tuple[int, list[torch.Tensor], dict[int, list[torch.Tensor]]] | None = None
     share, m, losses = tc.batch_size // replicas, tc.micro_batches, []
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
@@ -216,12 +224,30 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(total)
-        if (step + 1) % sync.inner_steps == 0 or step + 1 == tc.steps:
+        last = step + 1 == tc.steps
+        if pending is not None and (step >= pending[0] + overlap or last):
             with torch.no_grad():
+                _s0, mean, then = pending
+                for a, g in zip(anchor, mean, strict=True):
+                    a.grad = g
+                outer.step()
+                for r in here:
+                    for p, a, p0 in zip(params[r], anchor, then[r], strict=True):
+                        p.copy_(a + (p - p0))
+            pending = None
+        if (step + 1) % sync.inner_steps == 0 or last:
+            with torch.no_grad():
+                mean = []
                 for i, a in enumerate(anchor):
                     mine = [r for r in here if r not in by_stage or (r in joins and joins[
                         r][0] <= step) or by_stage[r][stage_of[i]] > step]
-                    a.grad = sum(a - params[r][i] for r in mine) / len(mine)
+                    mean.append(sum(a - params[r][i] for r in mine) / len(mine))
+                if overlap and not last and step not in holds:
+                    pending = (step, mean,
+                               {r: [p.detach().clone() for p in params[r]] for r in here})
+                    continue
+                for a, g in zip(anchor, mean, strict=True):
+                    a.grad = g
                 outer.step()
                 for ps in params:
                     for p, a in zip(ps, anchor, strict=True):
@@ -252,6 +278,40 @@ def test_diloco_trains_what_a_single_process_simulation_of_its_replicas_trains(d
         every_step[0].metrics.sync_tx_bytes_per_step / 3)
     dp_losses = _step_losses(every_step, stages, 2)
     assert max(abs(a - b) for a, b in zip(ref, dp_losses, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_overlapped_diloco_trains_what_a_simulation_of_the_delayed_outer_step_trains(data,
+                                                                                    stages):
+    """overlap_steps 2, H = 4, 10 steps: the outer step after step 4 crosses while steps 5-6
+    train and applies after step 6, each replica keeping what it trained meanwhile; the one
+    after step 8 lands at the last step, whose own outer step then blocks. The losses of the
+    one-process simulation (to 1e-5), a ring's bytes per outer step as without overlap, and
+    not the losses of DiLoCo that waits for its average."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 10, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2,
+                    "sync": {"mode": "diloco", "inner_steps": 4, "overlap_steps": 2}},
+                   TrainingConfig)
+    ref = _diloco_reference(mc, tc, data, stages, 2, overlap=2)
+    res = _run(mc, tc, data, stages, 2)
+    got = _step_losses(res, stages, 2)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    for cell in range(2 * stages):
+        m = res[cell].metrics
+        assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step > 0
+    waiting = _diloco_reference(mc, tc, data, stages, 2)
+    assert max(abs(a - b) for a, b in zip(waiting, got, strict=True)) > 1e-4
+
+
+def test_an_overlap_as_long_as_the_outer_period_is_refused_by_name():
+    with pytest.raises(SchemaError, match=r"^\$\.training\.sync\.overlap_steps: must be below "
+                                          r"inner_steps \(3\)"):
+        structure({"sync": {"mode": "diloco", "inner_steps": 3, "overlap_steps": 3}},
+                  TrainingConfig, "$.training")
+    dp = structure({"sync": {"mode": "dp", "inner_steps": 3, "overlap_steps": 3}},
+                   TrainingConfig)  # (dp syncs every step: it has nothing to overlap)
+    assert dp.sync.overlap_steps == 3
 
 
 class _Survivors:
@@ -329,11 +389,14 @@ def test_a_replica_that_dies_leaves_and_the_others_train_on_the_smaller_batch(da
     assert not isinstance(res[dead], StageDropped)
 
 
-def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data, overlap):
     """DiLoCo, three replicas, H = 3: replica 1 dies after inner step 4. The next outer step
     (after step 6) breaks on the survivors' ring; they regroup and average their own
     changes only, then train on: the one-process simulation in which replica 1 is gone from
-    step 4 (its change since the last outer step too), to 1e-5."""
+    step 4 (its change since the last outer step too), to 1e-5. Overlapped by a step, the
+    break shows when the survivors take that outer step's result (after step 7): they do it
+    again over the new ring and keep what they trained meanwhile."""
     import threading
 
     from swarm_core.pipeline.local import LocalCoordinator
@@ -341,7 +404,8 @@ def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 9, "batch_size": 12, "micro_batches": 2, "eval_batches": 0,
                     "lr": 3e-3, "warmup_steps": 2, "frame_timeout_s": 20,
-                    "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
+                    "sync": {"mode": "diloco", "inner_steps": 3, "overlap_steps": overlap}},
+                   TrainingConfig)
     stop = threading.Event()
     coord = LocalCoordinator(1, 3, stop)
     crash = _Crash(1, 4)
@@ -350,7 +414,7 @@ def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
     assert isinstance(res[1], RuntimeError)
     assert all(isinstance(res[r], StageResult) for r in (0, 2))
     assert [(c.step, c.members, c.left) for c in coord.changes] == [(6, [0, 2], [1])]
-    ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: 4})
+    ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: 4}, overlap=overlap)
     got = crash.step_losses()
     assert len(got) == 9
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
@@ -373,22 +437,25 @@ class _Checkpoints:
         return {c: {"on_checkpoint": hook(c)} for c in range(cells)}
 
 
-@pytest.mark.parametrize("stages", [1, 2])
-def test_a_diloco_run_resumed_from_its_checkpoint_trains_on_exactly(data, stages):
+@pytest.mark.parametrize("stages, overlap", [(1, 0), (2, 0), (2, 1)])
+def test_a_diloco_run_resumed_from_its_checkpoint_trains_on_exactly(data, stages, overlap):
     """DiLoCo, two replicas, H = 3, a checkpoint asked for every 4 steps: it is taken at the
     next outer step (6, where the replicas hold one set of weights), every replica hands over
     its own AdamW state and the outer momentum. A second run resumed from it at step 6 (the
     first member's weights, each replica its own optimiser state) computes steps 7-9 of the
     one-process simulation of the uninterrupted run, to 1e-5; resumed the old way (every
-    replica from the first member's moments, no outer momentum) it does not."""
+    replica from the first member's moments, no outer momentum) it does not. With the outer
+    steps overlapped, the one before the checkpoint blocks, so the checkpoint still holds
+    one set of weights."""
     from swarm_core.pipeline.optim import OUTER_FIELD
 
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 9, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
                     "lr": 3e-3, "warmup_steps": 2, "shard_push_interval_steps": 4,
-                    "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
+                    "sync": {"mode": "diloco", "inner_steps": 3, "overlap_steps": overlap}},
+                   TrainingConfig)
     cells = 2 * stages
-    ref = _diloco_reference(mc, tc, data, stages, 2)
+    ref = _diloco_reference(mc, tc, data, stages, 2, overlap=overlap, holds=frozenset({5}))
     ckpt = _Checkpoints(cells)
     res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120,
                              stage_kwargs=ckpt.kwargs(cells))

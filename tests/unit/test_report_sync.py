@@ -28,7 +28,8 @@ RUNS = [
     ("m-1x2-dp", {"stages": 1, "replicas": 2, "sync_mode": "dp", "sync_compression": "int8",
                   "sync_bytes_per_step": 1000.0}, lambda s: 1000),
     ("m-1x2-diloco_h2", {"stages": 1, "replicas": 2, "sync_mode": "diloco", "inner_steps": 2,
-                         "sync_compression": "none", "sync_bytes_per_step": 1000.0},
+                         "overlap_steps": 1, "sync_compression": "none",
+                         "sync_bytes_per_step": 1000.0},
      lambda s: 2000 if s % 2 == 0 else None),
 ]
 
@@ -75,7 +76,7 @@ def test_table_shows_grid_sync_mode_inner_steps_and_sync_bytes(runs):
     assert [tuple(rows[n][c] for c in cols) for n in ("m-2x1-none", "m-1x2-dp",
                                                        "m-1x2-diloco_h2")] == [
         ("2x1", "none", "-", "-"), ("1x2", "dp int8", "-", "1,000"),
-        ("1x2", "diloco", "2", "1,000")]
+        ("1x2", "diloco overlap 1", "2", "1,000")]
 
 
 def test_html_draws_eval_charts_in_each_mode_style(runs):
@@ -153,8 +154,8 @@ def test_summary_of_a_diloco_run_names_its_grid_and_sync_bytes(tmp_path):
     st = St()
     st.spec = two  # type: ignore[attr-defined]
     s = summarize(st, job(2), records)  # type: ignore[arg-type]
-    assert (s["stages"], s["replicas"], s["sync_mode"], s["inner_steps"]) == \
-        (1, 2, "diloco", 2)
+    assert (s["stages"], s["replicas"], s["sync_mode"], s["inner_steps"],
+            s["overlap_steps"]) == (1, 2, "diloco", 2, 0)
     # Per step over every step (a step that did not sync sent nothing): per inner step.
     assert s["sync_bytes_per_step"] == 250.0 and s["sync_bytes_total"] == 1000
     assert s["total_bytes"] == 1000 and s["sync_compression"] == "none"

@@ -84,7 +84,21 @@ def test_sync_overrides_merge_with_the_axes(exp):
                              "overrides": {"sync": {"compression": "fp16"}}}))
     sync = unstructure(r.runs[0].job("x").training.sync)
     assert sync == {"mode": "diloco", "compression": "fp16", "inner_steps": 500,
-                    "outer_lr": 0.7, "outer_momentum": 0.9, "bucket_mb": 25.0}
+                    "outer_lr": 0.7, "outer_momentum": 0.9, "bucket_mb": 25.0,
+                    "overlap_steps": 0}
+
+
+def test_an_overlap_reaches_every_diloco_run_and_the_validate_table_shows_it(exp, capsys):
+    from swarm_tui.cli import run
+
+    path = exp({"replicas": [2], "sync": ["dp", "diloco"], "inner_steps": [4, 10],
+                "overrides": {"sync": {"overlap_steps": 3}}})
+    runs = load_experiment(path).runs
+    assert [(r.sync_mode, r.job("x").training.sync.overlap_steps) for r in runs] == \
+        [("dp", 3), ("diloco", 3), ("diloco", 3)]  # (dp has nothing to overlap)
+    assert run(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "diloco H=4 overlap 3" in out and "diloco H=10 overlap 3" in out
 
 
 BAD = [
@@ -116,6 +130,10 @@ BAD = [
      "$.sweep.replicas[1]"),
     ({"replicas": [2], "sync": ["diloco"], "overrides": {"sync": {"mode": "dp"}}}, None,
      "sync ['mode'] is swept", "$.sweep.overrides"),
+    # An overlap must end before the next outer step of every H swept.
+    ({"replicas": [2], "sync": ["diloco"], "inner_steps": [10, 2],
+      "overrides": {"sync": {"overlap_steps": 3}}}, None,
+     "must be below inner_steps (2)", "$.sweep(overrides).sync.overlap_steps"),
 ]
 
 
