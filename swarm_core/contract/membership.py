@@ -149,9 +149,12 @@ def departure(reports: Mapping[tuple[int, int], RegroupReport],
               at: float | None = None) -> MembershipChange:
     """The record of a decided round: who left, and by stage the first step trained without
     them (1-based, as steps are counted in reports: the step of the broken operation, or the
-    one after it where the group committed it)."""
-    steps = [1 + min(rep.op_step + orders[(s, r)].commit for (k, r), rep in reports.items()
-                     if k == s and r in survivors) for s in range(stages)]
-    return MembershipChange(step=min(steps), epoch=epoch, members=survivors,
+    one after it where the group committed it). Where nobody left, a group whose ring held
+    reported nothing: it takes the change's step."""
+    by_stage = [[1 + rep.op_step + orders[(s, r)].commit for (k, r), rep in reports.items()
+                 if k == s and r in survivors] for s in range(stages)]
+    first = min(min(v) for v in by_stage if v)
+    steps = [min(v) if v else first for v in by_stage]
+    return MembershipChange(step=first, epoch=epoch, members=survivors,
                             left=[r for r in before if r not in survivors], reason=reason,
                             at=at, stage_steps=steps)

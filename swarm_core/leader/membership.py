@@ -128,6 +128,10 @@ class Membership:
             # A break under the membership this round made, before every group has its
             # orders: the next round's, once this one closes (the cell asks again).
             return None
+        if rep.epoch < job.epoch and self._same_members_since(job, rep.epoch):
+            # A group that trained on through a regroup in which nobody left (its own ring
+            # held): it still trains with the members there are.
+            rep = attrs.evolve(rep, epoch=job.epoch)
         if rep.epoch != job.epoch:
             raise ApiError(409, f"membership {rep.epoch} of {job.job_id} is over (now "
                                 f"{job.epoch})", code="job_not_running")
@@ -136,6 +140,12 @@ class Membership:
         rnd.reports[(rep.stage, rep.replica)] = rep
         self._decide(job, final=False)
         return self.answer(job, rep)
+
+    @staticmethod
+    def _same_members_since(job: JobRecord, epoch: int) -> bool:
+        """Whether every membership after ``epoch`` came of a regroup in which nobody left
+        (a ring that timed out): only the groups that broke moved to it."""
+        return all(not c.left and not c.joined for c in job.membership if c.epoch > epoch)
 
     def answer(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
         answers = self.answers.get(job.job_id)

@@ -1791,3 +1791,54 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
     assert job["state"] == "RUNNING" and job["members"] == [0]
     [change] = job["membership"]
     assert (change["step"], change["stage_steps"], change["left"]) == (7, [8, 7], [1])
+
+
+async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup_later(api):
+    """Two stages, two replicas, every cell alive. Stage 1's ring times out: both its cells
+    ask, stage 0's are held up behind them; nobody left, so only stage 1's group moves to
+    membership 1. Later stage 0's ring breaks; its cells ask under membership 0, which had
+    the members there are now: they are heard (not refused as over) and ordered into
+    membership 2."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7710 + i}")
+               for i in range(4)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
+            "topology": {"stages": 2, "replicas": 2}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    cell = {(c["stage"], c["replica"]): next(f for f in fellows
+                                             if f["fellow_id"] == c["fellow_id"])
+            for c in job["placement"]["stages"]}
+
+    async def at_work(stage: int) -> None:
+        for r in (0, 1):
+            await heartbeat(api, cell[(stage, r)], status="busy", running=[
+                {"job_id": jid, "stage": stage, "replica": r, "attempt": job["attempt"]}])
+
+    async def ask(stage: int, replica: int, epoch: int, op_step: int):
+        body = {"fellow_id": cell[(stage, replica)]["fellow_id"], "stage": stage,
+                "replica": replica, "epoch": epoch, "op_step": op_step,
+                "synced_step": op_step - 1}
+        return await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                              headers=cell[(stage, replica)]["headers"]))
+
+    for r in (0, 1):
+        assert (await ask(1, r, 0, 6))["order"] is None  # (stage 0's cells not yet heard of)
+    await at_work(0)
+    order = (await ask(1, 0, 0, 6))["order"]
+    assert order == {"epoch": 1, "members": [0, 1], "commit": False, "drop": False,
+                     "donor": None}
+    job = await get_job(api, jid)
+    assert job["members"] == [0, 1]
+    assert [(c["epoch"], c["left"], c["joined"], c["stage_steps"])
+            for c in job["membership"]] == [(1, [], [], [7, 7])]
+    for r in (0, 1):
+        assert (await ask(0, r, 0, 12))["order"] is None
+    await at_work(1)
+    order = (await ask(0, 0, 0, 12))["order"]
+    assert order == {"epoch": 2, "members": [0, 1], "commit": False, "drop": False,
+                     "donor": None}
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING" and job["members"] == [0, 1]
+    assert [c["epoch"] for c in job["membership"]] == [1, 2]
