@@ -1750,6 +1750,23 @@ async def test_a_silent_member_still_at_work_is_waited_for_past_the_timeout(api,
     assert late["order"]["members"] == [0, 1]
 
 
+async def _grid_job(api: TestClient, port: int
+                    ) -> tuple[str, dict[str, Any], dict[tuple[int, int], dict[str, Any]]]:
+    """A running job of two stages and two replicas on four fellows registered for it (data
+    addresses from ``port`` on): its id, the job, and the fellow of each (stage, replica)."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
+               for i in range(4)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
+            "topology": {"stages": 2, "replicas": 2}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    return jid, job, {(c["stage"], c["replica"]): next(f for f in fellows
+                                                       if f["fellow_id"] == c["fellow_id"])
+                      for c in job["placement"]["stages"]}
+
+
 async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
     """Two stages, two replicas; replica 1's stage-1 cell fails. Replica 0's stage-1 cell
     asks at once; its stage-0 cell is held up behind it (its group had finished the step's
@@ -1758,17 +1775,7 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
     then asks under the old membership and gets stage 0's. The change records by stage the
     first step each group trained without replica 1 (stage 0 kept the step it had
     finished)."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7700 + i}")
-               for i in range(4)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
-            "topology": {"stages": 2, "replicas": 2}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    cell = {(c["stage"], c["replica"]): next(f for f in fellows
-                                             if f["fellow_id"] == c["fellow_id"])
-            for c in job["placement"]["stages"]}
+    jid, job, cell = await _grid_job(api, 7700)
     assert (await report(api, jid, cell[(1, 1)], "FAILED", step=6, stage=1, replica=1,
                          message="killed")).status == 200
     await heartbeat(api, cell[(0, 0)], status="busy", running=[
@@ -1799,17 +1806,7 @@ async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup
     membership 1. Later stage 0's ring breaks; its cells ask under membership 0, which had
     the members there are now: they are heard (not refused as over) and ordered into
     membership 2."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7710 + i}")
-               for i in range(4)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
-            "topology": {"stages": 2, "replicas": 2}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    cell = {(c["stage"], c["replica"]): next(f for f in fellows
-                                             if f["fellow_id"] == c["fellow_id"])
-            for c in job["placement"]["stages"]}
+    jid, job, cell = await _grid_job(api, 7710)
 
     async def at_work(stage: int) -> None:
         for r in (0, 1):

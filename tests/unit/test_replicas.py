@@ -255,6 +255,18 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     return losses
 
 
+def _trains_the_reference(res: dict[int, StageResult], ref: list[float],
+                          stages: int) -> list[float]:
+    """Two replicas' step losses are the reference's (to 1e-5), and every cell sent what its
+    ring must: returns the losses."""
+    got = _step_losses(res, stages, 2)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    for cell in range(2 * stages):
+        m = res[cell].metrics
+        assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step > 0
+    return got
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_diloco_trains_what_a_single_process_simulation_of_its_replicas_trains(data, stages):
     """Two replicas, 3 inner steps, over 3 outer steps: the losses of the one-process
@@ -265,11 +277,7 @@ def test_diloco_trains_what_a_single_process_simulation_of_its_replicas_trains(d
                     "sync": {"mode": "diloco", "inner_steps": 3}}, TrainingConfig)
     ref = _diloco_reference(mc, tc, data, stages, 2)
     res = _run(mc, tc, data, stages, 2)
-    got = _step_losses(res, stages, 2)
-    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
-    for cell in range(2 * stages):
-        m = res[cell].metrics
-        assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step > 0
+    _trains_the_reference(res, ref, stages)
     dp = attrs.evolve(tc, sync=attrs.evolve(tc.sync, mode="dp"))
     every_step = _run(mc, dp, data, stages, 2)
     # Three syncs in nine steps: a third of data parallel's traffic; and DiLoCo is not data
@@ -294,12 +302,7 @@ def test_overlapped_diloco_trains_what_a_simulation_of_the_delayed_outer_step_tr
                     "sync": {"mode": "diloco", "inner_steps": 4, "overlap_steps": 2}},
                    TrainingConfig)
     ref = _diloco_reference(mc, tc, data, stages, 2, overlap=2)
-    res = _run(mc, tc, data, stages, 2)
-    got = _step_losses(res, stages, 2)
-    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
-    for cell in range(2 * stages):
-        m = res[cell].metrics
-        assert m.sync_tx_bytes_per_step == m.expected_sync_tx_bytes_per_step > 0
+    got = _trains_the_reference(_run(mc, tc, data, stages, 2), ref, stages)
     waiting = _diloco_reference(mc, tc, data, stages, 2)
     assert max(abs(a - b) for a, b in zip(waiting, got, strict=True)) > 1e-4
 
