@@ -16,9 +16,11 @@ torch thread each, their ring over loopback TCP. Every fellow's ``LinkShaper`` h
 the same windows from the same seed for the same steps (so the same tokens); only the
 synchronisation differs. DiLoCo uses the codebase's defaults (outer lr 0.7, Nesterov momentum
 0.9) and every row the default sync compression (``none``: fp32), unless told otherwise.
-Each H runs once per ``--overlap`` fraction: ``sync.overlap_steps`` d = that share of H (at
-most H - 1; 0, the default of the codebase and the paper, waits for the outer step's
-average; d > 0 lets it cross while the replicas train d more steps).
+``--warm-start W`` first trains the model by dp for W steps (unshaped, a schedule of its own,
+on the windows of another seed) and starts every row from it, as the DiLoCo paper's runs start
+from a pretrained model. Each H runs once per ``--overlap`` fraction: ``sync.overlap_steps``
+d = that share of H (at most H - 1; 0, the default of the codebase and the paper, waits for
+the outer step's average; d > 0 lets it cross while the replicas train d more steps).
 
 Columns: sync B/step, what replica 0's ring sent, measured, averaged over every step (DiLoCo's
 outer steps, and the run's last step, which syncs too, spread over the inner steps); dp/this,
@@ -74,12 +76,15 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0) -> tu
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
                       threads=1, shard_push_interval_steps=0, sync=sync)
+    if cfg.get("warming"):  # (a run of its own, on other windows than the rows train on)
+        tc = attrs.evolve(tc, steps=cfg["warm_start"], seed=tc.seed + 1)
     return mc, tc
 
 
 def _stage(cfg: dict[str, Any], row: tuple[str, int, int, float | None], rank: int, out: Any,
            side: Any) -> None:
     """Replica ``rank`` of the one-stage job, its links shaped at ``mbps`` (None: unshaped)."""
+    import numpy as np
     import torch
 
     torch.set_num_threads(1)
@@ -104,9 +109,18 @@ def _stage(cfg: dict[str, Any], row: tuple[str, int, int, float | None], rank: i
     addrs = side[f"to{rank}"].get(timeout=120)
     spec = StageSpec.from_start(chain_starts(mc, tc, addrs, replicas=2)[rank], threads=1)
     marks: list[float] = []
+    kwargs: dict[str, Any] = {}
+    if cfg.get("warming"):
+        if rank == 0:  # (its final checkpoint: the replicas' one set of weights)
+            kwargs["on_checkpoint"] = lambda ck: np.savez(cfg["warm_file"], **{
+                k: v.detach().cpu().numpy() for k, v in ck.module.state_dict().items()})
+    elif cfg.get("warm_file"):
+        with np.load(cfg["warm_file"], allow_pickle=False) as z:
+            kwargs["initial_state"] = {k: torch.from_numpy(z[k]) for k in z.files}
     try:
         res = run_stage(spec, data, shaper, listener, threading.Event(),
-                        lambda _r: marks.append(time.perf_counter()), connect_timeout=120)
+                        lambda _r: marks.append(time.perf_counter()), connect_timeout=120,
+                        **kwargs)
     finally:
         listener.close()
     m = res.metrics
@@ -171,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                          "%(default)s)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="first steps left out of the step times (default 2)")
+    ap.add_argument("--warm-start", type=int, default=0,
+                    help="first train the model by dp (unshaped, its own schedule, on other "
+                         "windows) for this many steps; every row starts from it, as the "
+                         "DiLoCo paper's runs start from a pretrained model (default: none)")
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="held-out batches of the final eval (default 16)")
     args = ap.parse_args(argv)
@@ -190,6 +208,16 @@ def main(argv: list[str] | None = None) -> int:
           f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr "
           f"{tc.sync.outer_lr:g}, momentum {tc.sync.outer_momentum:g}; {os.cpu_count()} CPUs, "
           "1 thread a process", flush=True)
+    if args.warm_start > 0:
+        import tempfile
+
+        cfg["warm_start"] = args.warm_start
+        cfg["warm_file"] = str(Path(tempfile.mkdtemp(prefix="bench-sync-")) / "warm.npz")
+        t0 = time.monotonic()
+        res = _run({**cfg, "warming": True}, ("dp", 1, 0, None))
+        print(f"  warm start: dp, {args.warm_start} steps on other windows, eval loss "
+              f"{res[0][2]['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s); every row "
+              "starts from it", flush=True)
     fractions = [float(f) for f in args.overlap.split(",")]
     modes = [("dp", 1, 0)] + [("diloco", h, d) for h in hs
                               for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions)]
