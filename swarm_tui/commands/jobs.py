@@ -26,7 +26,7 @@ from swarm_core.contract import (
 from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure
 from swarm_core.validators import printable
-from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int
+from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int, step_count
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -226,6 +226,17 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
+SYNC_FLAGS = (("--sync", "sync", "mode"), ("--inner-steps", "inner_steps", "inner_steps"),
+              ("--overlap-steps", "overlap_steps", "overlap_steps"),
+              ("--sync-compression", "sync_compression", "compression"))
+
+
+def _sync_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``training.sync`` fields the flags set (over the training profile's)."""
+    return {field: getattr(args, dest) for _flag, dest, field in SYNC_FLAGS
+            if getattr(args, dest) is not None}
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.name == "":
         raise CommandError("--name is empty", ExitCode.USAGE)
@@ -234,7 +245,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--name", args.name), ("--fellows", args.fellows),
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
-                                          ("--steps", args.steps)) if value is not None]
+                                          ("--steps", args.steps),
+                                          *((flag, getattr(args, dest))
+                                            for flag, dest, _f in SYNC_FLAGS))
+                 if value is not None]
         if given:
             raise CommandError(f"--payload is the whole job body; {', '.join(given)} would be "
                                "ignored: set them in the payload", ExitCode.USAGE)
@@ -260,10 +274,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
+        if sync := _sync_flags(args):
+            base = training.get("sync")
+            training["sync"] = {**(base if isinstance(base, dict) else {}), **sync}
         req = train_job(model, training, _topology(args, cluster), args.name or model.name)
-    elif args.stages or args.replicas:
-        raise CommandError("--stages and --replicas are for train jobs (--model, --training)",
-                           ExitCode.USAGE)
+    elif args.stages or args.replicas or _sync_flags(args):
+        raise CommandError("--stages, --replicas and the sync flags are for train jobs "
+                           "(--model, --training)", ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -447,6 +464,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "profile's cluster_profile, else 1); batch_size stays the step's")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
+    p.add_argument("--sync", choices=("dp", "diloco"), default=None,
+                   help="how the replicas keep one set of weights (training.sync.mode; default: "
+                        "the training profile's, else dp)")
+    p.add_argument("--inner-steps", type=step_count, default=None,
+                   help="DiLoCo: inner steps between two outer steps (training.sync.inner_steps)")
+    p.add_argument("--overlap-steps", type=step_count, default=None,
+                   help="DiLoCo: inner steps the outer step's average crosses during "
+                        "(training.sync.overlap_steps; 0 waits for it)")
+    p.add_argument("--sync-compression", default=None,
+                   help="what the replicas' ring sends: none, fp16, bf16, int8[_bB] "
+                        "(training.sync.compression)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
     add_format(p)
     p.set_defaults(func=cmd_submit)

@@ -218,3 +218,29 @@ async def test_swarm_watch_shows_the_grid_and_names_each_cell(api, auth, capsys)
 def test_watch_lines_name_the_cell_of_a_grid(data, line):
     assert _describe({"type": "metric", "data": {
         "state": "RUNNING", "step": 7, "fellow_id": 3, **data}}) == line
+
+
+async def test_submit_asks_for_a_swarm_and_its_sync_by_flags(api, auth, tmp_path, capsys):
+    """``swarm submit --stages 1 --replicas 2 --sync diloco --inner-steps 4 --overlap-steps 2
+    --sync-compression int8``: the job's training.sync is those flags over the profile's; a
+    bad combination is one usage line naming the field, and nothing is submitted."""
+    for i in range(2):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    base = ["submit", "--model", str(model), "--stages", "1", "--replicas", "2",
+            "--steps", "8", "--sync", "diloco", "--inner-steps", "4"]
+    assert await asyncio.to_thread(_cli, api, *base, "--overlap-steps", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$.training.sync.overlap_steps: must be below inner_steps (4)" \
+        in err[0]
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--overlap-steps", "2",
+                                   "--sync-compression", "int8", "--format", "json") == 0
+    job = json.loads(capsys.readouterr().out)
+    sync = job["training"]["sync"]
+    assert (sync["mode"], sync["inner_steps"], sync["overlap_steps"], sync["compression"]) == \
+        ("diloco", 4, 2, "int8")
+    assert job["topology"]["replicas"] == 2 and job["training"]["steps"] == 8
+    assert await asyncio.to_thread(_cli, api, "submit", "--sync", "dp") == 2
+    assert "the sync flags are for train jobs" in capsys.readouterr().err
