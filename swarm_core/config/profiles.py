@@ -365,6 +365,23 @@ def load_job_cluster(path: Path) -> ClusterProfile | None:
     return load_training_profile(path).cluster_profile
 
 
+def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
+                 stages: int | None = None, replicas: int | None = None) -> dict[str, int]:
+    """The grid a job run from a training profile asks for (a ``Topology``'s fields): its
+    cluster profile's fellows and replicas, then what the person set. Stages set alone decide
+    the fellows (stages x replicas)."""
+    topo: dict[str, int] = {}
+    if cluster is not None:
+        topo = {"fellows": cluster.fellows, "replicas": cluster.replicas}
+    if stages is not None:
+        topo.pop("fellows", None)
+        topo["stages"] = stages
+    for key, value in (("fellows", fellows), ("replicas", replicas)):
+        if value is not None:
+            topo[key] = value
+    return topo
+
+
 def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
     """A training profile as one job runs it (``swarm submit --training``): its training
     fields, its artifacts' shard push interval and its network profile's link limits (not

@@ -9,7 +9,8 @@ source asks for, previews its plan and launches it; it knows nothing else about 
   :class:`~swarm_core.experiments.runner.Experiment` runner as ``swarm sweep`` (preflight, run
   artifacts under the profile's ``runs_dir``).
 * :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
-  training profile (``exp/configs/training/*.json``) and a fellow count.
+  training profile (``exp/configs/training/*.json``, read as ``swarm submit --training`` reads
+  it: its cluster, network and artifacts sections too) and the grid: fellows and replicas.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from typing import Any, Protocol
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.profiles import ConfigError, ResolvedExperiment, load_experiment
+from swarm_core.config.profiles import (
+    ConfigError,
+    ResolvedExperiment,
+    job_topology,
+    load_experiment,
+    load_job_cluster,
+    load_job_training,
+)
 from swarm_core.contract import JobSubmit
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.typed import clip, whole_number
@@ -34,7 +42,8 @@ class LaunchChoice:
     model: str | None = None  # a path relative to the configs directory
     training: str | None = None
     config: str | None = None  # an experiment config, relative to the configs directory
-    fellows: str = "2"
+    fellows: str = ""  # empty: as the training profile's cluster says, else 2
+    replicas: str = ""  # empty: as the training profile's cluster says, else 1
     steps: str = ""  # empty: as the profile says
     name: str = ""  # empty: the model profile's name
 
@@ -131,11 +140,12 @@ def _display(path: Path, configs_dir: Path) -> str:
 
 
 class ProfileSource:
-    """One train job from a model profile, a training profile and a fellow count."""
+    """One train job from a model profile, a training profile and its grid (fellows, and the
+    replicas of every stage among them)."""
 
     key = "profiles"
     label = "model + training profile"
-    fields = ("model", "training", "fellows", "steps", "name")
+    fields = ("model", "training", "fellows", "replicas", "steps", "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
@@ -158,15 +168,31 @@ class ProfileSource:
             raise SchemaError(f"{rel}: expected a JSON object")
         return data
 
+    def _training(self, rel: str | None) -> tuple[dict[str, Any], Any]:
+        """The training profile's job fields and its cluster (None where it names none)."""
+        self._load(rel, "training")  # (a missing or unreadable file, named plainly)
+        assert rel is not None
+        path = self.configs_dir / rel
+        try:
+            return load_job_training(path)[0], load_job_cluster(path)
+        except ConfigError as exc:
+            field = f"{exc.field}: " if exc.field else ""
+            raise SchemaError(f"{rel}: {field}{exc.message}") from None
+
     def plan(self, choice: LaunchChoice) -> LaunchPlan:
         try:
             model = self._load(choice.model, "model")
-            training = self._load(choice.training, "training")
-            fellows = _int(choice.fellows, "fellows", "$.topology.fellows")
+            training, cluster = self._training(choice.training)
+            fellows = _int(choice.fellows, "fellows", "$.topology.fellows") \
+                if choice.fellows.strip() else None
+            replicas = _int(choice.replicas, "replicas", "$.topology.replicas") \
+                if choice.replicas.strip() else None
+            topology = job_topology(cluster, fellows, None, replicas)
+            topology.setdefault("fellows", 2)
             if choice.steps.strip():
                 training["steps"] = _int(choice.steps, "steps", "$.training.steps")
             name = choice.name.strip() or str(model.get("name") or "job")
-            body = {"name": name, "kind": "train", "topology": {"fellows": fellows},
+            body = {"name": name, "kind": "train", "topology": topology,
                     "model": model, "training": training}
             # What the leader checks too; catching it here makes the preview say so at once.
             req = structure(body, JobSubmit)
@@ -185,8 +211,11 @@ def _int(text: str, label: str, field: str) -> int:
 
 
 def run_summary(req: JobSubmit) -> tuple[str, str]:
-    """The run's name, and "fellows · steps · compression · dataset · schedule"."""
-    parts = [f"{req.topology.fellows} fellows"]
+    """The run's name, and "fellows · grid · steps · compression · dataset · schedule"."""
+    topo = req.topology
+    parts = [f"{topo.fellows} fellows"]
+    if topo.replicas > 1:
+        parts.append(f"{topo.stages}x{topo.replicas}")
     if req.training is not None:
         parts.append(f"{req.training.steps} steps")
     if req.model is not None:

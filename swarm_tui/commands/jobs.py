@@ -211,17 +211,11 @@ def _load_json(path: str) -> Any:
 
 def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
     """The grid a submit asks for: the training profile's cluster, then the flags."""
-    topo: dict[str, int] = {}
-    if cluster is not None:
-        topo = {"fellows": cluster.fellows, "replicas": cluster.replicas}
-    if args.stages is not None:
-        topo.pop("fellows", None)  # (the stages decide the fellows, unless --fellows says)
-        topo["stages"] = args.stages
-    for key in ("fellows", "replicas"):
-        if getattr(args, key) is not None:
-            topo[key] = getattr(args, key)
+    from swarm_core.config.profiles import job_topology
+
     try:
-        return structure(topo, Topology, "$.topology")
+        return structure(job_topology(cluster, args.fellows, args.stages, args.replicas),
+                         Topology, "$.topology")
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 

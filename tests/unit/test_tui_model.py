@@ -20,7 +20,7 @@ from swarm_tui.app.cells import (
     watch_cells,
 )
 from swarm_tui.app.forms import FormError, parse_speed
-from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource
+from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource, run_summary
 from swarm_tui.app.model import ClusterModel, RateMeter
 from swarm_tui.cli import main_tui
 from swarm_tui.fmt import fmt_age, fmt_bytes, fmt_rate
@@ -229,6 +229,25 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
         bad = src.plan(LaunchChoice("model/small_none.json",
                                     "training/quickstart_shakespeare.json", fellows=typed))
         assert not bad.ok and "whole number" in bad.error and len(bad.error) < 80, bad.error
+    # A sweep's training profile (its cluster, network and artifacts sections) runs as one
+    # job as `swarm submit --training` runs it: the cluster's fellows unless typed; replicas
+    # split them into stages x replicas.
+    plan = src.plan(LaunchChoice("model/small_none.json", "training/tiny_sweep.json"))
+    assert plan.ok, plan.error
+    topo = plan.runs[0].topology
+    assert (topo.fellows, topo.stages, topo.replicas) == (2, 2, 1)
+    assert plan.runs[0].training.shard_push_interval_steps == 0
+    plan = src.plan(LaunchChoice("model/small_none.json", "training/tiny_sweep.json",
+                                 fellows="4", replicas="2"))
+    topo = plan.runs[0].topology
+    assert (topo.fellows, topo.stages, topo.replicas) == (4, 2, 2)
+    assert run_summary(plan.runs[0])[1].startswith("4 fellows · 2x2 · 3 steps")
+    bad = src.plan(LaunchChoice("model/small_none.json", "training/tiny_sweep.json",
+                                fellows="3", replicas="2"))
+    assert not bad.ok and bad.field == "$.topology.replicas" and "stages" in (bad.error or "")
+    (tmp_path / "configs" / "training" / "bad.json").write_text('{"steps": -1}')
+    bad = src.plan(LaunchChoice("model/small_none.json", "training/bad.json"))
+    assert not bad.ok and (bad.error or "").startswith("training/bad.json: $.steps:")
     (tmp_path / "configs" / "model" / "broken.json").write_text('{"n_layers": "many"}')
     bad = src.plan(LaunchChoice("model/broken.json", "training/quickstart_shakespeare.json"))
     assert not bad.ok and bad.field is not None and bad.field.startswith("$.model")

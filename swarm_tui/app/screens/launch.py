@@ -94,6 +94,7 @@ class LaunchScreen(SwarmScreen):
 
         return LaunchChoice(model=sel("model"), training=sel("training"), config=sel("config"),
                             fellows=self.query_one("#fellows", Input).value,
+                            replicas=self.query_one("#replicas", Input).value,
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
 
@@ -169,7 +170,8 @@ class LaunchScreen(SwarmScreen):
 # Pick-one fields (their options come from the sources) with the option to preselect, and
 # free-text fields with their initial value and placeholder.
 PICK_FIELDS = {"config": "smoke", "model": "small", "training": ""}
-TEXT_FIELDS = {"fellows": ("2", ""), "steps": ("", "as the profile says"),
+TEXT_FIELDS = {"fellows": ("", "the profile's, else 2"),
+               "replicas": ("", "the profile's, else 1"), "steps": ("", "as the profile says"),
                "name": ("", "the model's name")}
 
 
