@@ -361,6 +361,7 @@ class OuterStep:
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
         self._deltas: list[torch.Tensor] = []  # this member's own change, until committed
+        self._sent: list[torch.Tensor] = []  # overlapped: the weights the change was taken at
         self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
         # The overlapped outer step in flight: its step, and whether its result is still to
         # be taken from the ring's thread (False once that broke: it is done again inline).
@@ -435,8 +436,13 @@ class OuterStep:
         assert self.pending is None, "an outer step began with the last still in flight"
         self._deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
                                                                 strict=True)]
-        if self.overlap_steps and not (hold or last) and self.ring.replicas > 1:
+        # (a group left with one member overlaps too: its outer step lands where the
+        # group's would, so the algorithm does not change with the members left)
+        if self.overlap_steps and not (hold or last):
             self.pending, self._on_thread = step, True
+            # (kept, not rebuilt as anchor - change at the end: the drift is then exactly
+            # what the replica trained meanwhile, with no rounding of the weights it left)
+            self._sent = [p.detach().clone() for p in self.params]
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="outer-all-reduce",
                                                 daemon=True)
@@ -486,8 +492,8 @@ class OuterStep:
         overlapped one keeps what the replica trained since it began: the weights become the
         new anchor plus (the weights now - the weights the change was taken from)."""
         if self._drift:
-            for p, a, d in zip(self.params, self.anchor, self._deltas, strict=True):
-                p.sub_(a).add_(d)  # (the weights then were the anchor less the own change)
+            for p, then in zip(self.params, self._sent, strict=True):
+                p.sub_(then)
         self.ring.put_back(self._deltas)
         for a, d in zip(self.anchor, self._deltas, strict=True):
             a.grad = d
@@ -497,7 +503,7 @@ class OuterStep:
                 p.add_(a)
             else:
                 p.copy_(a)
-        self._deltas, self.pending, self._drift = [], None, False
+        self._deltas, self._sent, self.pending, self._drift = [], [], None, False
 
     def close(self) -> None:
         if self._worker is not None:

@@ -259,18 +259,21 @@ def test_a_diloco_job_that_loses_every_replica_resumes_each_from_its_own_state(
     assert diff <= 5e-5, f"steps {resume + 1}-{resume + 10} after the resume: {diff}"
 
 
-@pytest.mark.parametrize("mode", ["dp", "diloco"])
+@pytest.mark.parametrize("mode, overlap", [("dp", 0), ("diloco", 0), ("diloco", 1)])
 def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
-        cli_env, tmp_path: Path, swarm_home: Path, mode: str):
+        cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int):
     """Two stages, two replicas, two spares. Replica 1's second stage dies: its chain leaves,
     and the two spares join as replica 1's chain, each stage group taking its cell in after
     the same step (the chains tell every group at once through their frames), each cell
     with its group's first member's state. Then both replicas train again: the losses after
-    the join are the one-process reference's with replica 1 back."""
+    the join are the one-process reference's with replica 1 back. (Overlapped, every group
+    takes the chain in where it takes the outer step's result, a step after the outer step.)"""
+    # (lr 1e-3: at the default 3e-3 this tiny model's loss spikes now and then, and a spike
+    # amplifies the float rounding in which the ring and the reference differ past 5e-5)
     body = {"name": "chain-joins", "kind": "train", "model": MODEL,
-            "training": {"steps": 120, "batch_size": 4, "micro_batches": 1,
+            "training": {"steps": 120, "batch_size": 4, "micro_batches": 1, "lr": 1e-3,
                          "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                         "sync": {"mode": mode, "inner_steps": H}},
+                         "sync": {"mode": mode, "inner_steps": H, "overlap_steps": overlap}},
             "topology": {"stages": 2, "replicas": 2}}
     run = _kill_mid_run(cli_env, tmp_path, swarm_home, 6, body, 6,
                         lambda c: (c["stage"], c["replica"]) == (1, 1), latency_ms=20,
@@ -281,7 +284,7 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
     change, back = job["membership"]
     assert change["left"] == [1] and change["members"] == [0]
     assert back["joined"] == [1] and back["members"] == [0, 1] == job["members"]
-    assert mode == "dp" or (back["step"] - 1) % H == 0
+    assert mode == "dp" or (back["step"] - 1) % H == overlap
     old = {c["fellow_id"] for c in placed if c["replica"] == 1}
     joined = [c for c in job["placement"]["stages"] if c["replica"] == 1]
     assert len(joined) == 2 and not old & {c["fellow_id"] for c in joined}
@@ -297,7 +300,7 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
     assert max(gone) - min(gone) <= (1 if mode == "dp" else H)  # (the next synchronisation)
     if mode == "diloco":
         ref = _diloco_reference(mc, tc, data, 2, 2, leaves={1: [g - g % H for g in gone]},
-                                joins={1: (back["step"] - 1, 0)})
+                                joins={1: (back["step"] - 1, 0)}, overlap=overlap)
     else:
         ref = _dp_reference(mc, tc, data, gone, back["step"] - 1)
     losses = [loss for _, loss in job["loss_history"]]
