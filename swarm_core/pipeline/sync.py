@@ -367,7 +367,6 @@ class OuterStep:
         # be taken from the ring's thread (False once that broke: it is done again inline).
         self.pending: int | None = None
         self._on_thread = False
-        self._drift = False  # whether the operation to commit keeps the drift since it began
         self._jobs: queue.SimpleQueue[tuple[int, float, float] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[int, float, float] | BaseException] = \
             queue.SimpleQueue()
@@ -410,7 +409,6 @@ class OuterStep:
         if not self.collect_due(step, last):
             return None
         assert self.pending is not None
-        self._drift = True
         t0 = time.perf_counter()
         if self._on_thread:
             self._on_thread = False
@@ -449,7 +447,6 @@ class OuterStep:
                 self._worker.start()
             self._jobs.put((step, timeout, self.word))
             return None
-        self._drift = False
         sent, seconds, self.heard = self._reduce_confirm(step, timeout, self.word)
         self.commit()
         return sent, seconds
@@ -491,7 +488,8 @@ class OuterStep:
         """The outer step from the group's mean change, which this member holds. An
         overlapped one keeps what the replica trained since it began: the weights become the
         new anchor plus (the weights now - the weights the change was taken from)."""
-        if self._drift:
+        drift = self.pending is not None  # (an overlapped one, its result taken late)
+        if drift:
             for p, then in zip(self.params, self._sent, strict=True):
                 p.sub_(then)
         self.ring.put_back(self._deltas)
@@ -499,11 +497,11 @@ class OuterStep:
             a.grad = d
         self.opt.step()
         for p, a in zip(self.params, self.anchor, strict=True):
-            if self._drift:
+            if drift:
                 p.add_(a)
             else:
                 p.copy_(a)
-        self._deltas, self._sent, self.pending, self._drift = [], [], None, False
+        self._deltas, self._sent, self.pending = [], [], None
 
     def close(self) -> None:
         if self._worker is not None:

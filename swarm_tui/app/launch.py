@@ -170,8 +170,8 @@ class ProfileSource:
 
     def _training(self, rel: str | None) -> tuple[dict[str, Any], Any]:
         """The training profile's job fields and its cluster (None where it names none)."""
-        self._load(rel, "training")  # (a missing or unreadable file, named plainly)
-        assert rel is not None
+        if not rel:
+            raise SchemaError("pick a training profile")
         path = self.configs_dir / rel
         try:
             return load_job_training(path)[0], load_job_cluster(path)
