@@ -382,6 +382,14 @@ def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
     return topo
 
 
+def with_sync(training: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Set ``training.sync`` fields over the profile's, keeping the fields not set (what
+    ``swarm submit``'s sync flags and the console launcher's sync fields do)."""
+    if fields:
+        base = training.get("sync")
+        training["sync"] = {**(base if isinstance(base, dict) else {}), **fields}
+
+
 def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
     """A training profile as one job runs it (``swarm submit --training``): its training
     fields, its artifacts' shard push interval and its network profile's link limits (not

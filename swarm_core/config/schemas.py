@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import PurePosixPath
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -14,6 +14,8 @@ from swarm_core.schema import FieldError, checking
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b", "eager"]
+SyncMode = Literal["dp", "diloco"]
+SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 
 COMPRESSION_FORMS = ("none", "fixed_int8", "fixed_int8_bB", "learned_bottleneck",
                      "learned_dimK", "learned_dimK_int8", "learned_dimK_int8_bB")
@@ -103,7 +105,7 @@ class SyncConfig:
     replica trains this many more inner steps, which it keeps (Streaming DiLoCo's overlap; 0:
     the replicas wait for it, as in the paper)."""
 
-    mode: Literal["dp", "diloco"] = "dp"
+    mode: SyncMode = "dp"
     compression: str = "none"
     inner_steps: int = attrs.field(default=500, validator=[_pos, _le(1_000_000)])
     outer_lr: float = attrs.field(default=0.7, validator=[_pos, _le(10.0)])
@@ -128,6 +130,17 @@ class SyncConfig:
                 and not 2 <= int(m.group(1)) <= MAX_INT8_BLOCK:
             raise FieldError(f"int8 block {m.group(1)} must be 2..{MAX_INT8_BLOCK}",
                              "compression")
+
+    @property
+    def label(self) -> str:
+        """As tables show it: ``dp``, ``dp int8``, ``diloco H=10``, ``diloco H=10 overlap 5``
+        (a mode's own fields only: dp has no period)."""
+        label = f"diloco H={self.inner_steps}" if self.mode == "diloco" else self.mode
+        if self.compression != "none":
+            label += f" {self.compression}"
+        if self.mode == "diloco" and self.overlap_steps:
+            label += f" overlap {self.overlap_steps}"
+        return label
 
     @property
     def codec(self) -> tuple[str, int]:

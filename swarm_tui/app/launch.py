@@ -10,7 +10,8 @@ source asks for, previews its plan and launches it; it knows nothing else about 
   artifacts under the profile's ``runs_dir``).
 * :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
   training profile (``exp/configs/training/*.json``, read as ``swarm submit --training`` reads
-  it: its cluster, network and artifacts sections too) and the grid: fellows and replicas.
+  it: its cluster, network and artifacts sections too), the grid (fellows and replicas) and
+  the replicas' sync over the profile's (as ``swarm submit``'s sync flags set it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from swarm_core.config.profiles import (
     load_experiment,
     load_job_cluster,
     load_job_training,
+    with_sync,
 )
+from swarm_core.config.schemas import SYNC_MODES
 from swarm_core.contract import JobSubmit
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.typed import clip, whole_number
@@ -46,6 +49,11 @@ class LaunchChoice:
     replicas: str = ""  # empty: as the training profile's cluster says, else 1
     steps: str = ""  # empty: as the profile says
     name: str = ""  # empty: the model profile's name
+    # The sync of the replicas, each empty for the profile's: a mode (dp, diloco), DiLoCo's
+    # inner steps H and the steps its outer step overlaps.
+    sync: str | None = None
+    inner_steps: str = ""
+    overlap_steps: str = ""
 
 
 @attrs.define
@@ -145,12 +153,15 @@ class ProfileSource:
 
     key = "profiles"
     label = "model + training profile"
-    fields = ("model", "training", "fellows", "replicas", "steps", "name")
+    fields = ("model", "training", "fellows", "replicas", "sync", "inner_steps",
+              "overlap_steps", "steps", "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
 
     def options(self, field: str) -> list[str]:
+        if field == "sync":
+            return list(SYNC_MODES)
         sub = {"model": "model", "training": "training"}.get(field)
         return _json_files(self.configs_dir, sub) if sub else []
 
@@ -191,6 +202,7 @@ class ProfileSource:
             topology.setdefault("fellows", 2)
             if choice.steps.strip():
                 training["steps"] = _int(choice.steps, "steps", "$.training.steps")
+            with_sync(training, _sync_fields(choice))
             name = choice.name.strip() or str(model.get("name") or "job")
             body = {"name": name, "kind": "train", "topology": topology,
                     "model": model, "training": training}
@@ -200,6 +212,15 @@ class ProfileSource:
             return LaunchPlan(error=exc.message, field=exc.field)
         return LaunchPlan(runs=[req], bodies=[body],
                           notes=["checked locally; the leader checks again"])
+
+
+def _sync_fields(choice: LaunchChoice) -> dict[str, Any]:
+    """The ``training.sync`` fields the person set (the blank ones stay the profile's)."""
+    fields: dict[str, Any] = {"mode": choice.sync} if choice.sync else {}
+    for key in ("inner_steps", "overlap_steps"):
+        if text := getattr(choice, key).strip():
+            fields[key] = _int(text, key, f"$.training.sync.{key}")
+    return fields
 
 
 def _int(text: str, label: str, field: str) -> int:
@@ -216,6 +237,8 @@ def run_summary(req: JobSubmit) -> tuple[str, str]:
     parts = [f"{topo.fellows} fellows"]
     if topo.replicas > 1:
         parts.append(f"{topo.stages}x{topo.replicas}")
+        if req.training is not None:
+            parts.append(req.training.sync.label)
     if req.training is not None:
         parts.append(f"{req.training.steps} steps")
     if req.model is not None:

@@ -254,6 +254,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             load_job_cluster,
             load_job_training,
             load_model_profile,
+            with_sync,
         )
         cluster = None
         try:
@@ -268,9 +269,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
-        if sync := _sync_flags(args):
-            base = training.get("sync")
-            training["sync"] = {**(base if isinstance(base, dict) else {}), **sync}
+        with_sync(training, _sync_flags(args))
         req = train_job(model, training, _topology(args, cluster), args.name or model.name)
     elif args.stages or args.replicas or _sync_flags(args):
         raise CommandError("--stages, --replicas and the sync flags are for train jobs "

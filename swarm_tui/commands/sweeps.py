@@ -15,6 +15,7 @@ from swarm_core.config.profiles import (
     dataset_files,
     load_experiment,
 )
+from swarm_core.config.schemas import SyncConfig
 from swarm_core.experiments.report import (
     HEADERS,
     OUTPUT_SUFFIXES,
@@ -27,7 +28,7 @@ from swarm_core.experiments.report import (
     write_report,
 )
 from swarm_core.experiments.runner import TERMINAL, Experiment, ExperimentError
-from swarm_core.schema import unstructure
+from swarm_core.schema import structure, unstructure
 from swarm_core.tracking import (
     TRACKING_EXTRA,
     Tracking,
@@ -94,13 +95,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _sync(run: RunSpec) -> str:
-    """A run's sync mode as the validate table shows it: ``none``, ``dp``, ``diloco H=10``
-    (``diloco H=10 overlap 5`` where its outer steps overlap the inner ones)."""
-    if run.sync_mode != "diloco":
-        return run.sync_mode
-    sync = run.training["sync"]
-    overlap = sync.get("overlap_steps")
-    return f"diloco H={sync['inner_steps']}" + (f" overlap {overlap}" if overlap else "")
+    """A run's sync as the validate table shows it: ``none`` (one replica), ``dp``,
+    ``diloco H=10`` (``diloco H=10 overlap 5``, ``dp int8``: as ``SyncConfig.label``)."""
+    if run.sync_mode == "none":
+        return "none"
+    return structure(run.training["sync"], SyncConfig).label
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

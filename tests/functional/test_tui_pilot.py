@@ -383,6 +383,14 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             await pilot.press("3")
             await wait_for(pilot, lambda: app.screen is launch, "the launcher again")
             launch.query_one("#name", Input).value = "queued-train"
+            # A swarm of 2 x 2 under DiLoCo, over the profile's sync.
+            launch.query_one("#fellows", Input).value = "4"
+            launch.query_one("#replicas", Input).value = "2"
+            launch.query_one("#sync", Select).value = "diloco"
+            launch.query_one("#inner_steps", Input).value = "3"
+            await pilot.pause(0.1)
+            assert launch.plan.ok and launch.plan.bodies[0]["training"]["sync"]["mode"] \
+                == "diloco"
             await pilot.press("ctrl+s", "ctrl+s")
             await wait_for(pilot, lambda: any("a launch is under way" in n.message
                                               for n in app._notifications), "the refusal")
@@ -394,6 +402,9 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             jobs = app.screen
             queued = next(v for v in app.model.jobs.values() if v.info.name == "queued-train")
             assert queued.info.state == "PENDING" and queued.info.kind == "train"
+            assert (queued.info.topology.stages, queued.info.topology.replicas) == (2, 2)
+            sync = queued.info.training.sync
+            assert (sync.mode, sync.inner_steps) == ("diloco", 3)
             await wait_for(pilot, lambda: jobs.selected_job == queued.job_id, "cursor on it")
             # c cancels it after a confirmation.
             await pilot.press("c")

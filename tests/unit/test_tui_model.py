@@ -241,7 +241,7 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
                                  fellows="4", replicas="2"))
     topo = plan.runs[0].topology
     assert (topo.fellows, topo.stages, topo.replicas) == (4, 2, 2)
-    assert run_summary(plan.runs[0])[1].startswith("4 fellows · 2x2 · 3 steps")
+    assert run_summary(plan.runs[0])[1].startswith("4 fellows · 2x2 · dp · 3 steps")
     bad = src.plan(LaunchChoice("model/small_none.json", "training/tiny_sweep.json",
                                 fellows="3", replicas="2"))
     assert not bad.ok and bad.field == "$.topology.replicas" and "stages" in (bad.error or "")
@@ -254,6 +254,36 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     (tmp_path / "configs" / "model" / "notjson.json").write_text("{")
     bad = src.plan(LaunchChoice("model/notjson.json", "training/quickstart_shakespeare.json"))
     assert "not valid JSON" in (bad.error or "")
+
+
+def test_profile_source_sets_the_replicas_sync_over_the_profiles(tmp_path: Path) -> None:
+    src = ProfileSource(snapshot_configs(tmp_path))
+    assert src.options("sync") == ["dp", "diloco"]
+    profile = "training/tiny_sweep.json"
+    base = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2"))
+    assert base.ok and base.runs[0].training.sync.mode == "dp"  # blank: the profile's
+    plan = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2",
+                                 sync="diloco", inner_steps="4", overlap_steps=" 1 "))
+    assert plan.ok, plan.error
+    sync = plan.runs[0].training.sync
+    assert (sync.mode, sync.inner_steps, sync.overlap_steps) == ("diloco", 4, 1)
+    # The fields not typed stay the profile's.
+    assert sync.outer_lr == base.runs[0].training.sync.outer_lr
+    assert plan.bodies[0]["training"]["sync"]["mode"] == "diloco"  # (what the preview shows)
+    assert "2x2 · diloco H=4 overlap 1 ·" in run_summary(plan.runs[0])[1]
+    # H alone changes the profile's sync and keeps its mode.
+    plan = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2",
+                                 inner_steps="7"))
+    assert (plan.runs[0].training.sync.mode, plan.runs[0].training.sync.inner_steps) \
+        == ("dp", 7)
+    bad = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2",
+                                sync="diloco", inner_steps="4", overlap_steps="4"))
+    assert not bad.ok and bad.field == "$.training.sync.overlap_steps" \
+        and "below inner_steps (4)" in (bad.error or "")
+    bad = src.plan(LaunchChoice("model/small_none.json", profile, sync="diloco",
+                                inner_steps="ten"))
+    assert not bad.ok and bad.field == "$.training.sync.inner_steps" \
+        and "whole number" in (bad.error or "")
 
 
 def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static
 
 from swarm_core.client import ApiError
@@ -43,26 +43,30 @@ class LaunchScreen(SwarmScreen):
         sources = self.sources
         yield StatusBar("launch")
         with Horizontal(id="launch"):
-            with Vertical(id="launch-form"):
+            # (it scrolls on a short terminal: the button stays reachable)
+            with VerticalScroll(id="launch-form"):
                 yield Label("launch", classes="pane-title")
                 with Horizontal(classes="form-row"):
                     yield Label("source", classes="form-label")
                     yield Select([(src.label, src.key) for src in sources], compact=True,
                                  value=sources[0].key, allow_blank=False, id="source")
-                for field, hint in PICK_FIELDS.items():
-                    options = next((src.options(field) for src in sources
-                                    if field in src.fields), [])
-                    default = next((o for o in options if hint in o),
-                                   options[0] if options else None)
+                for field in FIELD_ORDER:
                     with Horizontal(classes="form-row", id=f"row-{field}"):
-                        yield Label(field, classes="form-label")
+                        yield Label(LABELS.get(field, field), classes="form-label")
+                        if field in TEXT_FIELDS:
+                            value, placeholder = TEXT_FIELDS[field]
+                            yield Input(value, placeholder=placeholder, compact=True, id=field)
+                            continue
+                        options = next((src.options(field) for src in sources
+                                        if field in src.fields), [])
+                        blank = BLANK_PICKS.get(field)
+                        default = None if blank else next(
+                            (o for o in options if PICK_FIELDS[field] in o),
+                            options[0] if options else None)
                         yield Select([(_short(o), o) for o in options], compact=True,
                                      value=default if default is not None else Select.NULL,
-                                     allow_blank=default is None, id=field)
-                for field, (value, placeholder) in TEXT_FIELDS.items():
-                    with Horizontal(classes="form-row", id=f"row-{field}"):
-                        yield Label(field, classes="form-label")
-                        yield Input(value, placeholder=placeholder, compact=True, id=field)
+                                     allow_blank=default is None, prompt=blank or "Select",
+                                     id=field)
                 yield Button("Launch (ctrl+s)", variant="primary", id="launch-button",
                              compact=True, disabled=self.swarm.read_only)
                 yield Static("", id="launch-error")
@@ -78,7 +82,7 @@ class LaunchScreen(SwarmScreen):
 
     def show_fields(self) -> None:
         wanted = self.source.fields
-        for field in (*PICK_FIELDS, *TEXT_FIELDS):
+        for field in FIELD_ORDER:
             self.query_one(f"#row-{field}").display = field in wanted
 
     def sync(self, change: Change | None) -> None:
@@ -95,6 +99,9 @@ class LaunchScreen(SwarmScreen):
         return LaunchChoice(model=sel("model"), training=sel("training"), config=sel("config"),
                             fellows=self.query_one("#fellows", Input).value,
                             replicas=self.query_one("#replicas", Input).value,
+                            sync=sel("sync"),
+                            inner_steps=self.query_one("#inner_steps", Input).value,
+                            overlap_steps=self.query_one("#overlap_steps", Input).value,
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
 
@@ -167,12 +174,20 @@ class LaunchScreen(SwarmScreen):
         self.swarm.switch_view("fellows")
 
 
-# Pick-one fields (their options come from the sources) with the option to preselect, and
-# free-text fields with their initial value and placeholder.
-PICK_FIELDS = {"config": "smoke", "model": "small", "training": ""}
+# Pick-one fields (their options come from the sources) with the option to preselect; those
+# that start blank, with what blank means; free-text fields with their initial value and
+# placeholder.
+PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": ""}
+BLANK_PICKS = {"sync": "the profile's"}
 TEXT_FIELDS = {"fellows": ("", "the profile's, else 2"),
-               "replicas": ("", "the profile's, else 1"), "steps": ("", "as the profile says"),
-               "name": ("", "the model's name")}
+               "replicas": ("", "the profile's, else 1"),
+               "inner_steps": ("", "diloco's H: the profile's"),
+               "overlap_steps": ("", "diloco: the profile's"),
+               "steps": ("", "as the profile says"), "name": ("", "the model's name")}
+# Labels that fit the form's label column (the field names the JSON uses are longer).
+LABELS = {"inner_steps": "inner H", "overlap_steps": "overlap"}
+FIELD_ORDER = ("config", "model", "training", "fellows", "replicas", "sync", "inner_steps",
+               "overlap_steps", "steps", "name")
 
 
 def _short(rel: str) -> str:
