@@ -15,13 +15,16 @@ Rows, each run in fresh spawned processes with one intra-op and one inter-op thr
 
 Tokens/s count every rank's tokens; the medians of the timed steps. Rows (x), (d) and (r) do
 the same work per process; (r)/(x) and (r)/(d) are the figures (the issue's targets: >= 0.97
-and >= 1.0). (d) and (r) train the same model on the same shares of the same windows, so
-their losses agree to float rounding: a check that the numbers compare like for like.
+and >= 1.0). Rows (x) to (r1) run ``--rounds`` times in turn (3 by default): a small machine's
+speed drifts by a few per cent over minutes, which moves a round's rows together, so each
+ratio is taken within a round and the median of the rounds' is the figure. (d) and (r)
+train the same model on the same shares of the same windows, so their losses agree to float
+rounding: a check that the numbers compare like for like.
 
 Usage::
 
     .venv/bin/python bench/bench_dp.py                 # d_model 256, 8 layers, seq 128, B 16
-    .venv/bin/python bench/bench_dp.py --steps 6      # quicker, noisier
+    .venv/bin/python bench/bench_dp.py --steps 6 --rounds 1   # quicker, noisier
     .venv/bin/python bench/bench_dp.py --quick         # a tiny model, a few seconds
 
 Only ever talks to 127.0.0.1.
@@ -184,6 +187,13 @@ def _step_s(results: list[tuple[int, list[float], list]], warmup: int) -> float:
     return statistics.median(steps)
 
 
+ROWS = (("(a) 1 process, plain loop", _plain, 1),
+        ("(x) 2 processes, no comms (ceiling)", _plain, 2),
+        ("(d) torch DDP, gloo, 2 ranks", _ddp, 2),
+        ("(r) SilentSwarm 1 stage x 2 replicas", _swarm, 2),
+        ("(r1) the same, one bucket (no overlap)", _swarm, 2))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, a few steps (smoke)")
@@ -193,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=4.0,
                     help="(r)'s gradient buckets in MiB (default %(default)s; the model's "
                          "gradients are 25 MiB, DDP's default bucket)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="run rows (x) to (r1) this many times in turn, ratios taken within "
+                         "a round and their median reported (default 3; --quick: 1)")
     args = ap.parse_args(argv)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if args.rounds < 1 or (args.steps is not None and args.steps < 1):
+        print("bench_dp: --rounds and --steps must be at least 1", file=sys.stderr)
+        return 2
     cfg = dict(QUICK if args.quick else FULL)
     cfg["bucket_mb"] = args.bucket_mb / 64 if args.quick else args.bucket_mb
     if args.steps:
@@ -203,33 +220,48 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_dp: d_model {m['d_model']}, {m['n_layers']} layers, seq {seq}, batch {b} a "
           f"rank; {cfg['warmup']} warm-up + {cfg['steps']} timed steps; {os.cpu_count()} CPUs, "
           "1 thread a process", flush=True)
-    rows: list[tuple[str, int, float, list[float]]] = []
-    for label, kind, n in (("(a) 1 process, plain loop", _plain, 1),
-                           ("(x) 2 processes, no comms (ceiling)", _plain, 2),
-                           ("(d) torch DDP, gloo, 2 ranks", _ddp, 2),
-                           ("(r) SilentSwarm 1 stage x 2 replicas", _swarm, 2),
-                           ("(r1) the same, one bucket (no overlap)", _swarm, 2)):
-        t0 = time.monotonic()
-        res = _run(kind, n, cfg if not label.startswith("(r1)") else {**cfg, "bucket_mb": 1024})
-        step = _step_s(res, cfg["warmup"])
-        # (each replica reports its own share's loss; the step's is their mean)
-        losses = [statistics.fmean(s) for s in zip(*(r[2] for r in res), strict=True)] \
-            if kind is _swarm else res[0][2]
-        rows.append((label, n, n * b * seq / step, losses))
-        print(f"  {label}: {step * 1000:.0f} ms/step ({time.monotonic() - t0:.0f} s)",
-              flush=True)
-    a, x, d, r, r1 = (row[2] for row in rows)
+    rows = {label: (kind, n) for label, kind, n in ROWS}
+    tps: dict[str, list[float]] = {label: [] for label in rows}
+    losses: dict[str, list[float]] = {}
+    for rnd in range(args.rounds):
+        # Each round runs every row once, (a) only in the first: a machine that drifts
+        # moves a round's rows together, and the ratios are taken within a round.
+        for label, (kind, n) in rows.items():
+            if rnd and label.startswith("(a)"):
+                continue
+            t0 = time.monotonic()
+            res = _run(kind, n, cfg if not label.startswith("(r1)")
+                       else {**cfg, "bucket_mb": 1024})
+            step = _step_s(res, cfg["warmup"])
+            # (each replica reports its own share's loss; the step's is their mean)
+            losses[label] = [statistics.fmean(s) for s in zip(*(r[2] for r in res),
+                                                                strict=True)] \
+                if kind is _swarm else res[0][2]
+            tps[label].append(n * b * seq / step)
+            print(f"  round {rnd + 1}: {label}: {step * 1000:.0f} ms/step "
+                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+    _a, x, d, r, r1 = (tps[label] for label in rows)
     print(f"\n{'row':<40} {'procs':>5} {'tokens/s':>10} {'vs (a)':>7} {'vs (x)':>7} "
           f"{'vs (d)':>7}")
     print("-" * 80)
-    for label, n, tps, _ in rows:
-        print(f"{label:<40} {n:>5} {tps:>10,.0f} {tps / a:>6.2f}x {tps / x:>6.2f}x "
-              f"{tps / d:>6.2f}x")
+    med = {label: statistics.median(v) for label, v in tps.items()}
+    for label, (_kind, n) in rows.items():
+        v = med[label]
+        print(f"{label:<40} {n:>5} {v:>10,.0f} {v / med[ROWS[0][0]]:>6.2f}x "
+              f"{v / med[ROWS[1][0]]:>6.2f}x {v / med[ROWS[2][0]]:>6.2f}x")
     print("-" * 80)
-    print(f"targets: (r) >= 0.97 (x): {r / x:.3f} -> {'met' if r / x >= 0.97 else 'NOT met'}; "
-          f"(r) >= 1.0 (d): {r / d:.3f} -> {'met' if r / d >= 1.0 else 'NOT met'}; "
-          f"overlap: (r) / (r1) = {r / r1:.3f}")
-    ddp_losses, swarm_losses = rows[2][3], rows[3][3]
+    rx = [ri / xi for ri, xi in zip(r, x, strict=True)]
+    rd = [ri / di for ri, di in zip(r, d, strict=True)]
+    rr1 = [ri / r1i for ri, r1i in zip(r, r1, strict=True)]
+    if args.rounds > 1:
+        print("per round (the figures are their medians):")
+        for name, vals in (("(r) / (x)", rx), ("(r) / (d)", rd), ("(r) / (r1)", rr1)):
+            print(f"  {name:<11}" + "".join(f"{v:>7.3f}" for v in vals))
+    mrx, mrd = statistics.median(rx), statistics.median(rd)
+    print(f"targets: (r) >= 0.97 (x): {mrx:.3f} -> {'met' if mrx >= 0.97 else 'NOT met'}; "
+          f"(r) >= 1.0 (d): {mrd:.3f} -> {'met' if mrd >= 1.0 else 'NOT met'}; "
+          f"overlap: (r) / (r1) = {statistics.median(rr1):.3f}")
+    ddp_losses, swarm_losses = losses[ROWS[2][0]], losses[ROWS[3][0]]
     diff = max(abs(p - q) for p, q in zip(ddp_losses, swarm_losses, strict=True))
     print(f"same training: max |loss (r) - loss (d)| over {len(ddp_losses)} steps = {diff:.1e}")
     return 0
