@@ -200,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps (default 20: the medians of fewer move by 3 %% from run "
                          "to run on a small machine)")
-    ap.add_argument("--bucket-mb", type=float, default=4.0,
-                    help="(r)'s gradient buckets in MiB (default %(default)s; the model's "
-                         "gradients are 25 MiB, DDP's default bucket)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="(r)'s gradient buckets in MiB (default %(default)s: the product's "
+                         "default and DDP's, which (d) runs with; the model's gradients are "
+                         "about 25 MiB)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="run rows (x) to (r1) this many times in turn, ratios taken within "
                          "a round and their median reported (default 3; --quick: 1)")
