@@ -26,6 +26,7 @@ Usage::
     .venv/bin/python bench/reference_diloco.py                 # 500 steps, H = 10 and 50
     .venv/bin/python bench/reference_diloco.py --steps 2000 --inner-steps 50
     .venv/bin/python bench/reference_diloco.py --inner-steps 10 --init-seed 1  # seed noise
+    .venv/bin/python bench/reference_diloco.py --warm-start 2000 --steps 1000 --inner-steps 10
     .venv/bin/python bench/reference_diloco.py --quick         # a tiny model, seconds
 
 Exits 0 when every row ran, 2 on bad arguments.
@@ -77,10 +78,14 @@ def _inner_step(model: GPT, opt: torch.optim.AdamW, x: torch.Tensor, y: torch.Te
 
 
 def train(data, m: dict, t: dict, replicas: int, inner_steps: int | None, outer_lr: float,
-          outer_momentum: float) -> float:
+          outer_momentum: float, start: dict | None = None) -> float:
     """The final eval loss of R replicas syncing every ``inner_steps`` steps (None: never;
-    with R=1, one model on the whole batch of each step)."""
+    with R=1, one model on the whole batch of each step), from ``start`` (a state dict)
+    where given."""
     models = [_model(data.vocab_size, m, t["seed"]) for _ in range(replicas)]
+    if start is not None:
+        for model in models:
+            model.load_state_dict(start)
     opts = [adamw(model, t) for model in models]
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in models[0].parameters()]
     outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum,
@@ -104,6 +109,19 @@ def train(data, m: dict, t: dict, replicas: int, inner_steps: int | None, outer_
     return evaluate(models[0], data, m, t)
 
 
+def warm_start(data, m: dict, t: dict, steps: int) -> dict:
+    """One model trained on the whole batch for ``steps`` steps, a schedule of its own, on
+    other windows than the rows train on (the data's seed + 1): what every row starts from,
+    as the paper's runs start from a pretrained model (bench_sync_modes' ``--warm-start``)."""
+    tw = {**t, "steps": steps, "seed": t["seed"] + 1}
+    model = _model(data.vocab_size, m, t["seed"])
+    opt = adamw(model, tw)
+    for step in range(steps):
+        x, y = data.batch(step, tw["batch_size"], m["seq_len"], tw["seed"])
+        _inner_step(model, opt, x, y, step, tw)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None, help="default 500 (--quick: 6)")
@@ -113,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--init-seed", type=int, default=None,
                     help="the init's seed alone (default: the data's, 0): seed noise")
+    ap.add_argument("--warm-start", type=int, default=0,
+                    help="every row starts from one model trained first for this many steps")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a tiny model, a few steps")
     args = ap.parse_args(argv)
@@ -131,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reference_diloco: --inner-steps must be integers separated by commas: "
               f"{args.inner_steps!r}", file=sys.stderr)
         return 2
-    if t["steps"] < 1 or min(hs) < 1 or args.replicas < 1 \
+    if t["steps"] < 1 or min(hs) < 1 or args.replicas < 1 or args.warm_start < 0 \
             or t["batch_size"] % (args.replicas * t["micro_batches"]):
-        print(f"reference_diloco: need steps >= 1, H >= 1 and replicas >= 1 dividing the batch "
-              f"of {t['batch_size']} into {t['micro_batches']} micro-batches each",
+        print(f"reference_diloco: need steps >= 1, H >= 1, --warm-start >= 0 and replicas >= 1 "
+              f"dividing the batch of {t['batch_size']} into {t['micro_batches']} micro-batches "
+              "each",
               file=sys.stderr)
         return 2
 
@@ -152,12 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for h in hs:
         rows += [(f"diloco H={h}", r, h, lr, mom), (f"average H={h}", r, h, 1.0, 0.0)]
     rows.append(("alone", 1, None, 1.0, 0.0))
+    start = None
+    if args.warm_start:
+        t0 = time.perf_counter()
+        start = warm_start(data, m, t, args.warm_start)
+        print(f"warm start: {args.warm_start} steps of one model on the whole batch "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{'row':<16}{'eval':>9}{'/dp':>8}{'s':>6}")
     dp = None
     for name, replicas, h, row_lr, row_mom in rows:
         t0 = time.perf_counter()
         tt = t if name != "alone" else {**t, "batch_size": t["batch_size"] // r}
-        loss = train(data, m, tt, replicas, h, row_lr, row_mom)
+        loss = train(data, m, tt, replicas, h, row_lr, row_mom, start)
         dp = loss if dp is None else dp
         print(f"{name:<16}{loss:>9.4f}{loss / dp:>8.3f}{time.perf_counter() - t0:>6.0f}",
               flush=True)

@@ -122,6 +122,14 @@ class Placement:
         repeats)."""
         return [s.fellow_id for s in self.stages]
 
+    def fellows_of(self, stage: int | None = None, replica: int | None = None) -> list[int]:
+        """The fellows that hold the cells of ``stage`` (a stage group) and/or ``replica`` (a
+        replica's chain), each once (a fellow's link is shaped as one, whatever cells it
+        holds); neither: every fellow of the job."""
+        return list(dict.fromkeys(c.fellow_id for c in self.stages
+                                  if (stage is None or c.stage == stage)
+                                  and (replica is None or c.replica == replica)))
+
     def holds(self, fellow_id: int, stage: int, replica: int = 0) -> bool:
         """Whether this fellow runs this cell (a fellow may run several)."""
         return 0 <= stage < self.num_stages and 0 <= replica < self.replicas \

@@ -32,7 +32,7 @@ from swarm_core.contract.membership import (
     group_orders,
 )
 from swarm_core.leader.errors import ApiError
-from swarm_core.leader.records import JobRecord
+from swarm_core.leader.records import CellOrder, DecidedRegroup, JobRecord
 from swarm_core.protocol import JobState
 from swarm_core.schema import unstructure
 
@@ -44,8 +44,9 @@ Cell = tuple[int, int]  # (stage, replica)
 
 @attrs.define
 class RegroupRound:
-    """A regroup being gathered (leader-local: a restarted leader starts one anew as the
-    survivors ask again)."""
+    """A regroup being gathered. Leader-local until its survivors are decided (a restarted
+    leader starts one anew as the survivors ask again); from then on stored with the job
+    (``JobRecord.regroup``) until every group has its orders."""
 
     since: float  # monotonic
     reports: dict[Cell, RegroupReport] = attrs.field(factory=dict)
@@ -58,6 +59,7 @@ class RegroupRound:
     epoch: int = 0
     ordered: set[int] = attrs.field(factory=set)
     before: list[int] = attrs.field(factory=list)  # the members the round began with
+    reason: str = ""  # why the replicas that leave are out (once decided)
 
 
 @attrs.define
@@ -219,6 +221,7 @@ class Membership:
 
     def forget(self, job: JobRecord) -> None:
         """The job ended, or recovers: wake whoever waits (they are answered 409)."""
+        job.regroup = None
         rnd = self.rounds.pop(job.job_id, None)
         if rnd is not None:
             rnd.decided.set()
@@ -243,6 +246,29 @@ class Membership:
         rec = self.queue.registry.find(job.placement.cell(stage, replica).fellow_id)
         return rec is not None and rec.last_seen is not None and rec.last_seen > rnd.since \
             and self._at_work(job, stage, replica)
+
+    def restore(self, job: JobRecord) -> None:
+        """A leader that restarted under a decided round: the groups still to ask get the
+        orders the round gives, and the change is recorded once all have them."""
+        stored = job.regroup
+        if stored is None or not self.replicated(job):
+            return
+        self.rounds[job.job_id] = RegroupRound(
+            time.monotonic(), reports={(r.stage, r.replica): r for r in stored.reports},
+            members=list(stored.members), epoch=stored.epoch, ordered=set(stored.ordered),
+            before=list(stored.before), reason=stored.reason)
+        self.answers[job.job_id] = Answers(stored.epoch, {
+            (o.stage, o.replica): o.order for o in stored.orders})
+
+    def _store(self, job: JobRecord, rnd: RegroupRound) -> None:
+        """The decided round as it stands, with the job (see ``DecidedRegroup``)."""
+        assert rnd.members is not None
+        answers = self.answers[job.job_id]
+        job.regroup = DecidedRegroup(
+            rnd.epoch, list(rnd.members), list(rnd.before), rnd.reason, sorted(rnd.ordered),
+            list(rnd.reports.values()),
+            [CellOrder(s, r, order) for (s, r), order in answers.orders.items()])
+        self.queue.save(job)
 
     def _round(self, job: JobRecord) -> RegroupRound:
         rnd = self.rounds.get(job.job_id)
@@ -344,6 +370,7 @@ class Membership:
             # longer holds; the job recovers as a chain does.
             self._fail_round(job)
             return
+        ordered = len(rnd.ordered)
         for s in range(job.num_stages):
             if s in rnd.ordered or any((s, r) not in rnd.reports for r in rnd.members):
                 continue
@@ -364,17 +391,16 @@ class Membership:
         if rnd.ordered >= needed:
             del self.rounds[job.job_id]
             self._record_departure(job, rnd)
+        elif len(rnd.ordered) > ordered:
+            self._store(job, rnd)  # (orders given: a restarted leader must give the same)
 
     def _record_departure(self, job: JobRecord, rnd: RegroupRound) -> None:
         """Every group has its orders: the change, with the step each stage took it at."""
         assert rnd.members is not None
-        left = [r for r in rnd.before if r not in rnd.members]
         change = departure({c: rep for c, rep in rnd.reports.items() if c[1] in rnd.members},
                            self.answers[job.job_id].orders, job.num_stages, rnd.before,
-                           rnd.members, rnd.epoch,
-                           reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
-                           at=time.time())
-        job.epoch, job.members = rnd.epoch, rnd.members
+                           rnd.members, rnd.epoch, reason=rnd.reason, at=time.time())
+        job.epoch, job.members, job.regroup = rnd.epoch, rnd.members, None
         job.membership.append(change)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
@@ -418,12 +444,14 @@ class Membership:
         if not survivors or not reports:
             self._fail_round(job)
             return False
+        left = [r for r in members if r not in survivors]
         rnd.before, rnd.members, rnd.epoch = members, survivors, job.epoch + 1
-        self._leave(job, [r for r in members if r not in survivors])
+        rnd.reason = "; ".join(rnd.lost[r] for r in left if r in rnd.lost)
+        self._leave(job, left)
         self.answers[job.job_id] = Answers(rnd.epoch, {
             c: RegroupOrder(rnd.epoch, survivors, drop=True)
             for c in rnd.reports if c[1] not in survivors})
-        self.queue.save(job)
+        self._store(job, rnd)
         return True
 
     def _leave(self, job: JobRecord, left: list[int]) -> None:

@@ -123,6 +123,7 @@ class JobQueue:
                 self._running[job.job_id] = job
                 # Its fellows get a heartbeat timeout to come back after a leader restart.
                 self.liveness.watch(job)
+                self.membership.restore(job)
                 if job.recovering is not None:
                     continue  # (its fellows were told to stop: free for the resume to place)
                 for fid in dict.fromkeys(job.fellows):

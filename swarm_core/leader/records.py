@@ -18,6 +18,8 @@ from swarm_core.contract import (
     MembershipChange,
     Placement,
     ProgressRecord,
+    RegroupOrder,
+    RegroupReport,
     Restart,
     ShardReceipt,
 )
@@ -45,6 +47,30 @@ class Recovering:
 
     since: float  # monotonic
     reason: str  # the first report of the loss
+
+
+@attrs.define
+class CellOrder:
+    stage: int
+    replica: int
+    order: RegroupOrder
+
+
+@attrs.define
+class DecidedRegroup:
+    """A regroup whose survivors are decided while some stage group has no orders yet (its
+    cells were held up behind their chains' regroups and ask at their own next
+    synchronisation). Stored, so that a leader restarted in between still gives those groups
+    the same orders and records the change, instead of opening a round that the groups
+    already ordered, training on under the new membership, never join."""
+
+    epoch: int  # the new membership's
+    members: list[int]  # the replicas that go on
+    before: list[int]  # the members the round began with
+    reason: str = ""  # why the replicas that left are out
+    ordered: list[int] = attrs.field(factory=list)  # the stage groups given their orders
+    reports: list[RegroupReport] = attrs.field(factory=list)  # the round's reports so far
+    orders: list[CellOrder] = attrs.field(factory=list)  # the answers given
 
 
 @attrs.define(eq=False)
@@ -79,6 +105,7 @@ class JobRecord:
     members: list[int] | None = None
     epoch: int = 0
     membership: list[MembershipChange] = attrs.field(factory=list)
+    regroup: DecidedRegroup | None = None  # a decided regroup, not yet every group's
     # Leader-local, not stored: when this leader process began watching the run (restart
     # grace), when a fellow last said it runs the attempt, and the steps being assembled from
     # the stages' reports.

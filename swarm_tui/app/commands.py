@@ -85,6 +85,12 @@ class SwarmCommands(Provider):
             ]
         elif isinstance(screen, JobWatchScreen):
             out += [("job: cancel", screen.action_cancel_job, ""),
+                    ("job: set speed", screen.action_set_speed,
+                     "link limits of the fellow of the cell under the cursor"),
+                    ("job: set stage group speed", screen.action_set_speed_group,
+                     "link limits of every replica of the cursor's stage"),
+                    ("job: set replica chain speed", screen.action_set_speed_chain,
+                     "link limits of every stage of the cursor's replica"),
                     ("job: export view", screen.action_export,
                      "per-fellow rows to a .csv or .json file")]
         return out

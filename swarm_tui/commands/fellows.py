@@ -165,9 +165,7 @@ async def _cell_fellows(c: SwarmClient, stage: int | None,
         if value is not None and value >= count:
             raise CommandError(f"{flag} {value}: the running job {job.job_id} has "
                                f"{count} {flag[2:]}(s), 0-{count - 1}", ExitCode.USAGE)
-    cells = [st for st in p.stages if (stage is None or st.stage == stage)
-             and (replica is None or st.replica == replica)]
-    return job.job_id, list(dict.fromkeys(st.fellow_id for st in cells))
+    return job.job_id, p.fellows_of(stage, replica)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

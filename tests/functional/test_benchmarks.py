@@ -56,6 +56,22 @@ def test_benchmark_runs_quick(script, needle, cli_env):
     assert needle in res.stdout, res.stdout[-2000:]
 
 
+@pytest.mark.parametrize("script, args, needle", [
+    # Rows in rounds: the ratios of each round, their median the figure.
+    ("bench_dp.py", ["--rounds", "2"], "per round (the figures are their medians)"),
+    # Every row from one model trained first.
+    ("reference_diloco.py", ["--warm-start", "2"], "warm start: 2 steps"),
+])
+def test_benchmark_options_run(script, args, needle, cli_env):
+    res = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", *args],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert needle in res.stdout, res.stdout[-2000:]
+    if script == "bench_dp.py":  # (two ratios a figure, one a round)
+        per_round = res.stdout.split(needle, 1)[1].splitlines()[1]
+        assert per_round.split()[:2] == ["(r)", "/"] and len(per_round.split()) == 5, per_round
+
+
 def test_pipeline_benchmark_runs_rows_step_by_step(cli_env):
     """--interleave: every row's workers at once, one row's step at a time; the verdicts
     come from step-by-step ratios over the undisturbed steps."""

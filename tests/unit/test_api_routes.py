@@ -56,6 +56,7 @@ async def register(api: TestClient, name: str = "f0", instance_id: str | None = 
     body = {"name": name, "instance_id": instance_id or f"{name}-inst", **extra}
     reg = await expect_ok(await api.post(f"{A}/fellows/register", json=body, headers=AUTH), 201)
     reg["headers"] = {**AUTH, SESSION_HEADER: reg["session"]}
+    reg["body"] = body  # (to register again, as the same process, with a restarted leader)
     return reg
 
 
@@ -1767,14 +1768,19 @@ async def _grid_job(api: TestClient, port: int
                       for c in job["placement"]["stages"]}
 
 
-async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
+@pytest.mark.parametrize("restart", [False, True], ids=["leader-up", "leader-restarted"])
+async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(
+        aiohttp_client, leader_config, restart):
     """Two stages, two replicas; replica 1's stage-1 cell fails. Replica 0's stage-1 cell
     asks at once; its stage-0 cell is held up behind it (its group had finished the step's
     all-reduce; it waits for the global norm) and only asks at its next synchronisation.
     Who goes on is decided without it, stage 1's group gets its order; the held-up cell
     then asks under the old membership and gets stage 0's. The change records by stage the
     first step each group trained without replica 1 (stage 0 kept the step it had
-    finished)."""
+    finished). With the leader restarted between the two, the decided round is kept with
+    the job: stage 0 gets the same order (not a new round that stage 1, training on under
+    membership 1, would never join) and the change is recorded once."""
+    api = await aiohttp_client(create_app(leader_config))
     jid, job, cell = await _grid_job(api, 7700)
     assert (await report(api, jid, cell[(1, 1)], "FAILED", step=6, stage=1, replica=1,
                          message="killed")).status == 200
@@ -1792,12 +1798,23 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(api):
     assert first["order"] == {"epoch": 1, "members": [0], "commit": False, "drop": False,
                               "donor": None}
     assert (await get_job(api, jid))["membership"] == []  # (stage 0's group is yet to ask)
+    if restart:
+        await api.close()
+        api = await aiohttp_client(create_app(leader_config))
+        for (s, r), reg in list(cell.items()):  # (the same processes: sessions are per leader)
+            cell[(s, r)] = await register(api, **reg["body"])
     held = await ask(0, op_step=7, synced_step=6)
     assert held["order"] == first["order"]
     job = await get_job(api, jid)
     assert job["state"] == "RUNNING" and job["members"] == [0]
     [change] = job["membership"]
     assert (change["step"], change["stage_steps"], change["left"]) == (7, [8, 7], [1])
+    assert "killed" in change["reason"]
+    if restart:  # (and the round is done: nothing of it is kept)
+        await api.close()
+        api = await aiohttp_client(create_app(leader_config))
+        job = await get_job(api, jid)
+        assert job["members"] == [0] and len(job["membership"]) == 1
 
 
 async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup_later(api):

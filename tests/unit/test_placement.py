@@ -50,6 +50,20 @@ def test_plan_fills_a_fellows_slots_first():
     assert doc["stages"][2]["data_addr"] == "h:2"
 
 
+def test_the_fellows_of_a_stage_group_or_a_replica_each_once():
+    """A 2 x 2 grid on three fellows, the first with two slots (replica 0's chain): a stage
+    group, a replica's chain, a cell, or the whole job, each fellow named once."""
+    fellows = [FellowSlots(5, "a", ["cpu", "cpu"], "h:1"), FellowSlots(6, "b", ["cpu"], "h:2"),
+               FellowSlots(7, "c", ["cpu"], "h:3")]
+    p = plan(fellows, 2, 4, replicas=2)
+    assert [(s.stage, s.replica, s.fellow_id) for s in p.stages] == [
+        (0, 0, 5), (1, 0, 5), (0, 1, 6), (1, 1, 7)]
+    assert p.fellows_of(stage=1) == [5, 7]
+    assert p.fellows_of(replica=0) == [5]  # (one fellow holds the chain: named once)
+    assert p.fellows_of(1, 1) == [7]
+    assert p.fellows_of() == [5, 6, 7]
+
+
 def test_plan_needs_enough_slots():
     with pytest.raises(PlacementError, match="3 stages need 3 device slots, the fellows offer 2"):
         plan([FellowSlots(0, "a", ["cpu"]), FellowSlots(1, "b", ["cpu"])], 3, 6)

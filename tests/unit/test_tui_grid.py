@@ -132,3 +132,46 @@ async def test_the_watch_marks_a_replica_that_left_and_says_when() -> None:
         assert "@31: replica(s) 1 left" in text
         status = {row[0]: row[4] for row in (_row(text, f"{f} ") for f in (6, 7, 8, 9))}
         assert status == {"6": "busy", "7": "busy", "8": "left", "9": "left"}
+
+
+async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica() -> None:
+    """From the cell under the cursor (stage 1, replica 1: fellow 9), `s` shapes its
+    fellow's link, `S` every replica of its stage, `P` every stage of its replica, as
+    `swarm set-speed --stage/--replica` does; on a job that is not running it refuses."""
+    import attrs
+    from textual.widgets import Input
+
+    from swarm_tui.app.screens.dialogs import SetSpeedDialog
+
+    client = GridFakeClient()
+    app = _app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await _loaded(pilot, app, client)
+        app.watch_job(GRID_JOB)
+        table = await _watch_table(pilot, app)
+        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        await pilot.press("G")
+        await wait_for(pilot, lambda: table.cursor_key == "3", "the cursor on cell 1.1")
+        for key, targets in (("S", [(7, "dp-1"), (9, "dp-3")]),
+                             ("P", [(8, "dp-2"), (9, "dp-3")]), ("s", [(9, "dp-3")])):
+            await pilot.press(key)
+            dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                    and app.screen, f"the dialog of {key}")
+            assert dialog.targets == targets, key
+            if key != "s":
+                await pilot.press("escape")
+                await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen),
+                               "the watch again")
+        dialog.query_one("#tx", Input).value = "50"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any(c[0] == "set_speed" for c in client.calls),
+                       "the set-speed sent")
+        [(fid, req)] = [args for name, args in client.calls if name == "set_speed"]
+        assert (fid, req.tx_mbps) == (9, 50.0)
+        # A job that is over has no links to shape: refused with a notice.
+        view = app.model.jobs[GRID_JOB]
+        view.info = attrs.evolve(view.info, state="COMPLETED")
+        await pilot.press("S")
+        await pilot.pause()
+        assert isinstance(app.screen, JobWatchScreen)
+        assert any("is COMPLETED" in n.message for n in app._notifications)

@@ -192,6 +192,13 @@ class JobWatchScreen(SwarmScreen):
     BINDINGS = [
         Binding("escape", "back", "Back", id="watch.back"),
         Binding("c", "cancel_job", "Cancel job", id="watch.cancel"),
+        # Shape the links of the running job's cells, as `swarm set-speed --stage/--replica`:
+        # the cell under the cursor, its stage group (every replica), its replica's chain.
+        Binding("s", "set_speed", "Set speed", id="watch.set_speed"),
+        Binding("S", "set_speed_group", "Stage group speed", show=False,
+                id="watch.set_speed_group"),
+        Binding("P", "set_speed_chain", "Replica chain speed", show=False,
+                id="watch.set_speed_chain"),
         Binding("e", "export", "Export view", show=False, id="watch.export"),
         Binding("d", "describe", "Describe", show=False, id="watch.describe"),
     ]
@@ -304,6 +311,31 @@ class JobWatchScreen(SwarmScreen):
 
     def action_cancel_job(self) -> None:
         self.swarm.ask_cancel(self.job_id)
+
+    def action_set_speed(self) -> None:
+        self._set_speed(group=False, chain=False)
+
+    def action_set_speed_group(self) -> None:
+        self._set_speed(group=True, chain=False)
+
+    def action_set_speed_chain(self) -> None:
+        self._set_speed(group=False, chain=True)
+
+    def _set_speed(self, *, group: bool, chain: bool) -> None:
+        """Ask for link limits for the fellows of the cursor's cell, of its stage group
+        (``group``) or of its replica's chain (``chain``)."""
+        view, key = self.view, self.query_one(LiveTable).cursor_key
+        if view is None or key is None:
+            self.notify("no cell selected", severity="warning")
+            return
+        placement = view.info.placement
+        if view.info.state != "RUNNING" or placement is None:
+            self.notify(f"set-speed here shapes the cells of a running job; {self.job_id} is "
+                        f"{view.info.state}", severity="warning")
+            return
+        stage, replica = view.cell_of(int(key))
+        self.swarm.ask_set_speed(placement.fellows_of(None if chain else stage,
+                                                      None if group else replica))
 
 
 def _points(rows: list[list[float]]) -> list[tuple[float, float]]:
