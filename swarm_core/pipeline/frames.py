@@ -128,7 +128,7 @@ class FrameHeader:
             raise FrameError(f"unknown frame flags {flags:#x}")
         if flags & FLAG_HEARD and kind_e not in (Kind.ACT, Kind.GRAD):
             raise FrameError(f"{kind_e.name} frame with the flag HEARD")
-        if codec_arg and kind_e not in (Kind.ACT, Kind.GRAD):
+        if codec_arg and kind_e not in (Kind.ACT, Kind.GRAD, Kind.SYNC):
             raise FrameError(f"{kind_e.name} frame with a codec argument ({codec_arg})")
         if any((d0, d1, d2, d3)[ndim:]):
             raise FrameError(f"shape {[d0, d1, d2, d3]} has sizes past its {ndim} dimensions")

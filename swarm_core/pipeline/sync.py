@@ -51,13 +51,14 @@ def confirm_bytes(replicas: int) -> int:
     return (replicas - 1) * (HEADER_SIZE + 4)
 
 
-def chunk_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of ``parts`` contiguous chunks of ``n`` elements, the first ones a
-    element longer where ``n`` does not divide."""
-    size, extra = divmod(n, parts)
+def chunk_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``parts`` contiguous chunks of ``n`` elements (a multiple of
+    ``align``), each a whole number of ``align``-element blocks (an int8 codec's scale
+    blocks), the first ones a block longer where they do not divide."""
+    size, extra = divmod(n // align, parts)
     bounds, start = [], 0
     for i in range(parts):
-        stop = start + size + (i < extra)
+        stop = start + (size + (i < extra)) * align
         bounds.append((start, stop))
         start = stop
     return bounds
@@ -71,10 +72,16 @@ def ring_chunks_sent(rank: int, replicas: int) -> list[int]:
 
 
 def ring_payload_bytes(n: int, replicas: int, codec: WireCodec, rank: int = 0) -> tuple[int, int]:
-    """(frames, payload bytes) replica ``rank`` sends in one all-reduce of ``n`` elements."""
-    chunks = chunk_bounds(n, replicas)
+    """(frames, payload bytes) replica ``rank`` sends in one all-reduce of ``n`` elements
+    (a multiple of the codec's block: see :class:`Ring`)."""
+    chunks = chunk_bounds(n, replicas, codec.block or 1)
     sent = ring_chunks_sent(rank, replicas) if replicas > 1 else []
-    return len(sent), sum(codec.payload_size((chunks[c][1] - chunks[c][0],)) for c in sent)
+    return len(sent), sum(_payload(codec, chunks[c][1] - chunks[c][0]) for c in sent)
+
+
+def _payload(codec: WireCodec, n: int) -> int:
+    """A chunk's payload: an empty one (fewer blocks than members) crosses as fp32, 0 bytes."""
+    return codec.payload_size((n,)) if n else 0
 
 
 class Ring:
@@ -86,14 +93,18 @@ class Ring:
         self.send, self.recv = send, recv
         self.rank, self.replicas, self.codec = rank, replicas, codec
         self.base = base  # its frames' first round number (a bucket's, after those before it)
+        # Chunks are whole int8 scale blocks, so the buffer is padded with zeros to a whole
+        # number of them (less than a block: every member pads alike, and zeros sum to zero).
+        self.align = codec.block or 1
+        n = -(-sum(sizes) // self.align) * self.align
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
-        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        self.chunks = chunk_bounds(self.flat.numel(), replicas)
+        self.flat = torch.zeros(n, dtype=torch.float32, device=device)
+        self.chunks = chunk_bounds(n, replicas, self.align)
 
     @property
     def max_payload(self) -> int:
         """The largest frame payload the ring carries: one chunk, coded."""
-        return max(self.codec.payload_size((b - a,)) for a, b in self.chunks)
+        return max(_payload(self.codec, b - a) for a, b in self.chunks)
 
     def expected_bytes(self) -> int:
         """What one all-reduce sends from this replica, frame headers included."""
@@ -105,7 +116,7 @@ class Ring:
                replicas: int) -> None:
         """The group's new ring, after a regroup (one member: no links, nothing crosses)."""
         self.send, self.recv, self.rank, self.replicas = send, recv, rank, replicas
-        self.chunks = chunk_bounds(self.flat.numel(), replicas)
+        self.chunks = chunk_bounds(self.flat.numel(), replicas, self.align)
 
     def sent(self) -> int:
         return self.send.sent if self.send is not None else 0
@@ -125,10 +136,25 @@ class Ring:
         n = self.replicas
         for i, out in enumerate(ring_chunks_sent(self.rank, n) if n > 1 else []):
             # Round i receives the chunk the previous replica sends in it: reduce-scatter
-            # sums those into ours, all-gather takes them as they are.
-            self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1)
-        self.flat.div_(n)
+            # sums those into ours, all-gather takes them as they are. The all-gather's first
+            # round sends the chunk this member summed: first its mean, as sent.
+            coded = self._settle(out) if i == n - 1 else None
+            self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1,
+                           coded=coded)
         return self.sent() - sent0, time.perf_counter() - t0
+
+    def _settle(self, i: int) -> list[memoryview] | None:
+        """The chunk this member summed becomes the group's mean (one division, by the
+        member that summed it, as one process divides the sum); under a lossy codec, the mean
+        as the others will decode it (coded here once, and sent as coded), so every member
+        holds the same bytes: data parallel's replicas stay one model."""
+        chunk = self._chunk(i)
+        chunk.div_(self.replicas)
+        if self.codec.exact or chunk.numel() == 0:
+            return None
+        bufs = self.codec.encode(chunk)
+        chunk.copy_(self.codec.decode(bytearray().join(bufs), tuple(chunk.shape), chunk.device))
+        return bufs
 
     def put_back(self, tensors: Sequence[torch.Tensor]) -> None:
         off = 0
@@ -161,9 +187,15 @@ class Ring:
         return self.flat[a:b]
 
     def _exchange(self, step: int, round_: int, out: int, into: int, timeout: float,
-                  add: bool) -> None:
+                  add: bool, coded: list[memoryview] | None = None) -> None:
         assert self.send is not None and self.recv is not None
-        self.send.send_tensor(Kind.SYNC, step, round_, self._chunk(out), self.codec)
+        chunk = self._chunk(out)
+        if coded is not None:
+            self.send.send_coded(Kind.SYNC, step, round_, tuple(chunk.shape), self.codec, coded,
+                                 coded)
+        else:  # (an empty chunk, fewer blocks than members, crosses as fp32: no rows to scale)
+            self.send.send_tensor(Kind.SYNC, step, round_, chunk,
+                                  self.codec if chunk.numel() else FP32)
         target = self._chunk(into)
         _, got = self.recv.recv_tensor(Kind.SYNC, step, round_, timeout, target.device,
                                        tuple(target.shape))

@@ -144,10 +144,18 @@ class PeerLink:
                     codec: codecs.WireCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
         """Queue a tensor; returns the bytes it will put on the wire (header included). The
         codec's int8 scale block goes in the header, for the receiver's decode."""
-        bufs = codec.encode(x)
-        header = make_header(kind, self.job, step, micro_batch, tuple(x.shape),
-                             int(codec.codec), bufs, flags=flags, codec_arg=codec.block)
-        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, x))
+        return self.send_coded(kind, step, micro_batch, tuple(x.shape), codec,
+                               codec.encode(x), x, flags)
+
+    def send_coded(self, kind: Kind, step: int, micro_batch: int, shape: tuple[int, ...],
+                   codec: codecs.WireCodec, bufs: list[memoryview], keep: object,
+                   flags: int = 0) -> int:
+        """Queue a tensor of ``shape`` already coded (``bufs``, as ``codec.encode`` gives
+        them: a sender that keeps what the receiver will decode codes it once); ``keep``
+        holds the memory ``bufs`` view until they are written."""
+        header = make_header(kind, self.job, step, micro_batch, shape, int(codec.codec), bufs,
+                             flags=flags, codec_arg=codec.block)
+        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, keep))
         return HEADER_SIZE + header.payload_len
 
     def send_raw(self, kind: Kind, step: int, micro_batch: int, payload: bytes) -> None:

@@ -80,19 +80,21 @@ def _stage_params(mc: ModelConfig, stage: int, stages: int, vocab: int) -> int:
 
 
 @pytest.mark.parametrize("compression, bytes_per_elem, tol", [
-    ("none", 4, 1e-5), ("fp16", 2, 5e-3), ("int8", 1, 5e-2)])
+    ("none", 4, 1e-5), ("fp16", 2, 5e-3), ("int8", 1, 5e-2), ("int8_b64", 1 + 4 / 64, 5e-2)])
 def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes_per_elem,
                                                         tol):
     """A ring all-reduce moves 2(R-1)/R of the gradients from each member a step: with 3
     replicas, 4/3 of every parameter's bytes in the group's codec (int8 adds a scale a chunk),
     in 2(R-1) frames. The pipeline's own bytes are what one replica's share sends. A lossy
-    codec trains close to, not exactly as, one process."""
+    codec trains close to, not exactly as, one process. (int8 with a block: a scale every
+    64 elements, the chunks whole blocks, the buffer padded to them.)"""
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 4, "batch_size": 12, "micro_batches": 2, "eval_batches": 0,
                     "sync": {"compression": compression}}, TrainingConfig)
     res = _run(mc, tc, data, 2, 3)
     frames = 2 * (3 - 1)
     scales = frames * 4 if compression == "int8" else 0  # one fp32 scale a chunk
+    block = 64 if compression == "int8_b64" else 1
     confirm = (3 - 1) * (HEADER_SIZE + 4)  # each member's "finished", passed round the ring
     for stage in range(2):
         n = _stage_params(mc, stage, 2, data.vocab_size)
@@ -102,8 +104,10 @@ def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes
             assert m.sync_fraction is not None and 0 < m.sync_fraction < 1  # (its share)
             elems = (m.sync_tx_bytes_per_step - frames * HEADER_SIZE - scales - confirm) \
                 / bytes_per_elem
-            # 2(R-1) chunks of n/R elements, the chunks a element apart where R does not divide
-            assert elems.is_integer() and frames * (n // 3) <= elems <= frames * -(-n // 3)
+            # 2(R-1) chunks of n/R elements, the chunks a element (block) apart where R does
+            # not divide
+            assert elems.is_integer() and frames * (n // 3 - block) <= elems \
+                <= frames * (-(-n // 3) + block)
             assert m.wire_tx_bytes_per_step == expected_wire_bytes(mc, tc, stage, 2, 3)
     ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     got = _step_losses(res, 2, 3)
