@@ -6,7 +6,7 @@ entry from the START it receives. ``placement_plan.json`` is a :class:`Placement
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -122,13 +122,16 @@ class Placement:
         repeats)."""
         return [s.fellow_id for s in self.stages]
 
-    def fellows_of(self, stage: int | None = None, replica: int | None = None) -> list[int]:
+    def fellows_of(self, stage: int | None = None, replica: int | None = None,
+                   members: Collection[int] | None = None) -> list[int]:
         """The fellows that hold the cells of ``stage`` (a stage group) and/or ``replica`` (a
         replica's chain), each once (a fellow's link is shaped as one, whatever cells it
-        holds); neither: every fellow of the job."""
+        holds); neither: every fellow of the job. With ``members`` (the replicas that train
+        now), only theirs: a replica that left holds nothing of the job any more."""
         return list(dict.fromkeys(c.fellow_id for c in self.stages
                                   if (stage is None or c.stage == stage)
-                                  and (replica is None or c.replica == replica)))
+                                  and (replica is None or c.replica == replica)
+                                  and (members is None or c.replica in members)))
 
     def holds(self, fellow_id: int, stage: int, replica: int = 0) -> bool:
         """Whether this fellow runs this cell (a fellow may run several)."""

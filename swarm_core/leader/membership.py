@@ -221,7 +221,9 @@ class Membership:
 
     def forget(self, job: JobRecord) -> None:
         """The job ended, or recovers: wake whoever waits (they are answered 409)."""
-        job.regroup = None
+        if job.regroup is not None:  # (a restarted leader must not take the round up again)
+            job.regroup = None
+            self.queue.save(job)
         rnd = self.rounds.pop(job.job_id, None)
         if rnd is not None:
             rnd.decided.set()

@@ -55,6 +55,8 @@ def chunk_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``[start, stop)`` of ``parts`` contiguous chunks of ``n`` elements (a multiple of
     ``align``), each a whole number of ``align``-element blocks (an int8 codec's scale
     blocks), the first ones a block longer where they do not divide."""
+    if n % align:
+        raise ValueError(f"{n} elements are not whole blocks of {align}")
     size, extra = divmod(n // align, parts)
     bounds, start = [], 0
     for i in range(parts):

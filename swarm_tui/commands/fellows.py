@@ -165,7 +165,10 @@ async def _cell_fellows(c: SwarmClient, stage: int | None,
         if value is not None and value >= count:
             raise CommandError(f"{flag} {value}: the running job {job.job_id} has "
                                f"{count} {flag[2:]}(s), 0-{count - 1}", ExitCode.USAGE)
-    return job.job_id, p.fellows_of(stage, replica)
+    if replica is not None and job.members is not None and replica not in job.members:
+        raise CommandError(f"--replica {replica}: replica {replica} of {job.job_id} has left "
+                           f"(training: {', '.join(map(str, job.members))})", ExitCode.USAGE)
+    return job.job_id, p.fellows_of(stage, replica, job.members)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -62,6 +62,9 @@ def test_the_fellows_of_a_stage_group_or_a_replica_each_once():
     assert p.fellows_of(replica=0) == [5]  # (one fellow holds the chain: named once)
     assert p.fellows_of(1, 1) == [7]
     assert p.fellows_of() == [5, 6, 7]
+    # Replica 1 left: the stage group is replica 0's fellow alone.
+    assert p.fellows_of(stage=1, members=[0]) == [5]
+    assert p.fellows_of(replica=1, members=[0]) == []
 
 
 def test_plan_needs_enough_slots():

@@ -137,7 +137,8 @@ async def test_the_watch_marks_a_replica_that_left_and_says_when() -> None:
 async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica() -> None:
     """From the cell under the cursor (stage 1, replica 1: fellow 9), `s` shapes its
     fellow's link, `S` every replica of its stage, `P` every stage of its replica, as
-    `swarm set-speed --stage/--replica` does; on a job that is not running it refuses."""
+    `swarm set-speed --stage/--replica` does; a replica that left is not shaped; on a job
+    that is not running it refuses."""
     import attrs
     from textual.widgets import Input
 
@@ -168,8 +169,20 @@ async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica
                        "the set-speed sent")
         [(fid, req)] = [args for name, args in client.calls if name == "set_speed"]
         assert (fid, req.tx_mbps) == (9, 50.0)
-        # A job that is over has no links to shape: refused with a notice.
+        # Replica 1 left: its cell is refused, its stage group is replica 0's fellow alone.
         view = app.model.jobs[GRID_JOB]
+        view.info = attrs.evolve(view.info, members=[0])
+        await pilot.press("s")
+        await pilot.pause()
+        assert isinstance(app.screen, JobWatchScreen)
+        assert any("replica 1 has left" in n.message for n in app._notifications)
+        await pilot.press("S")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the stage group's dialog")
+        assert dialog.targets == [(7, "dp-1")]
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "the watch")
+        # A job that is over has no links to shape: refused with a notice.
         view.info = attrs.evolve(view.info, state="COMPLETED")
         await pilot.press("S")
         await pilot.pause()

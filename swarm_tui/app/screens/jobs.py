@@ -334,8 +334,13 @@ class JobWatchScreen(SwarmScreen):
                         f"{view.info.state}", severity="warning")
             return
         stage, replica = view.cell_of(int(key))
+        members = view.info.members
+        if not group and members is not None and replica not in members:
+            self.notify(f"replica {replica} has left {self.job_id}", severity="warning")
+            return
+        # (a replica that left holds nothing of the job: its fellow is not shaped)
         self.swarm.ask_set_speed(placement.fellows_of(None if chain else stage,
-                                                      None if group else replica))
+                                                      None if group else replica, members))
 
 
 def _points(rows: list[list[float]]) -> list[tuple[float, float]]:
