@@ -34,6 +34,15 @@ async def _watch_table(pilot: object, app: SwarmApp) -> LiveTable:
     return app.screen.query_one(LiveTable)
 
 
+async def _grid_watch(pilot: object, app: SwarmApp, client: GridFakeClient) -> LiveTable:
+    """The grid job's watch, its four cells listed."""
+    await _loaded(pilot, app, client)
+    app.watch_job(GRID_JOB)
+    table = await _watch_table(pilot, app)
+    await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+    return table
+
+
 def _row(text: str, start: str) -> list[str]:
     return next(line.split() for line in text.splitlines() if line.lstrip().startswith(start))
 
@@ -42,10 +51,7 @@ async def test_the_watch_view_has_a_row_per_cell_with_its_sync_at_80_columns() -
     client = GridFakeClient()
     app = _app(client)
     async with app.run_test(size=SIZE) as pilot:
-        await _loaded(pilot, app, client)
-        app.watch_job(GRID_JOB)
-        table = await _watch_table(pilot, app)
-        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        table = await _grid_watch(pilot, app, client)
         await pilot.pause()
         # By stage, then replica; what it ran and how it waits fit 80 columns (the status
         # and the loss, the last stage's, give way).
@@ -123,10 +129,7 @@ async def test_the_watch_marks_a_replica_that_left_and_says_when() -> None:
         membership=[MembershipChange(step=31, epoch=1, members=[0], left=[1])])
     app = _app(client)
     async with app.run_test(size=(120, 24)) as pilot:
-        await _loaded(pilot, app, client)
-        app.watch_job(GRID_JOB)
-        table = await _watch_table(pilot, app)
-        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        await _grid_watch(pilot, app, client)
         await pilot.pause()
         text = screen_text(app)
         assert "@31: replica(s) 1 left" in text
@@ -147,10 +150,7 @@ async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica
     client = GridFakeClient()
     app = _app(client)
     async with app.run_test(size=SIZE) as pilot:
-        await _loaded(pilot, app, client)
-        app.watch_job(GRID_JOB)
-        table = await _watch_table(pilot, app)
-        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        table = await _grid_watch(pilot, app, client)
         await pilot.press("G")
         await wait_for(pilot, lambda: table.cursor_key == "3", "the cursor on cell 1.1")
         for key, targets in (("S", [(7, "dp-1"), (9, "dp-3")]),
