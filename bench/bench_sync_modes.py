@@ -15,7 +15,9 @@ torch thread each, their ring over loopback TCP. Every fellow's ``LinkShaper`` h
 ``--mbps`` (80 Mbit/s); each row runs again unshaped for its reference step. All rows train on
 the same windows from the same seed for the same steps (so the same tokens); only the
 synchronisation differs. DiLoCo uses the codebase's defaults (outer lr 0.7, Nesterov momentum
-0.9) and every row the default sync compression (``none``: fp32), unless told otherwise.
+0.9; ``--outer-lr``/``--outer-momentum`` add rows per outer optimiser) and every row the
+default sync compression (``none``: fp32), unless told otherwise. ``--loss-only`` runs each
+row once, unshaped (bytes and eval loss; no step times).
 ``--warm-start W`` first trains the model by dp for W steps (unshaped, a schedule of its own,
 on the windows of another seed) and starts every row from it, as the DiLoCo paper's runs start
 from a pretrained model. Each H runs once per ``--overlap`` fraction: ``sync.overlap_steps``
@@ -33,6 +35,8 @@ Usage::
 
     .venv/bin/python bench/bench_sync_modes.py                  # 500 steps, H = 10 and 50 (~14 min)
     .venv/bin/python bench/bench_sync_modes.py --steps 400 --inner-steps 10,50,100
+    .venv/bin/python bench/bench_sync_modes.py --warm-start 2000 --steps 1000 --overlap 0 \
+        --outer-lr 0.7,0.2,1 --outer-momentum 0.9,0.9,0 --loss-only   # outer optimisers
     .venv/bin/python bench/bench_sync_modes.py --quick          # a tiny model, a few seconds
 
 Only ever talks to 127.0.0.1.
@@ -59,7 +63,8 @@ QUICK = {"model": dict(d_model=32, n_layers=1, n_heads=2, seq_len=16),
          "steps": 6, "warmup": 1, "inner_steps": "2,3", "eval_batches": 1}
 
 
-def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0) -> tuple[Any, Any]:
+def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
+             outer: tuple[float, float] = (0.7, 0.9)) -> tuple[Any, Any]:
     import attrs
 
     from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
@@ -71,7 +76,7 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0) -> tu
     mc = structure(model, ModelConfig)
     tc = structure(training, TrainingConfig)
     sync = SyncConfig(mode=mode, inner_steps=inner, compression=cfg["compression"],
-                      overlap_steps=overlap)
+                      overlap_steps=overlap, outer_lr=outer[0], outer_momentum=outer[1])
     # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
@@ -81,8 +86,10 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0) -> tu
     return mc, tc
 
 
-def _stage(cfg: dict[str, Any], row: tuple[str, int, int, float | None], rank: int, out: Any,
-           side: Any) -> None:
+Row = tuple[str, int, int, float | None, tuple[float, float]]  # mode, H, d, Mbit/s, outer
+
+
+def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> None:
     """Replica ``rank`` of the one-stage job, its links shaped at ``mbps`` (None: unshaped)."""
     import numpy as np
     import torch
@@ -98,8 +105,8 @@ def _stage(cfg: dict[str, Any], row: tuple[str, int, int, float | None], rank: i
     from swarm_core.pipeline.stage import StageSpec, run_stage
     from swarm_core.protocol import LinkLimits
 
-    mode, inner, overlap, mbps = row
-    mc, tc = _configs(cfg, mode, inner, overlap)
+    mode, inner, overlap, mbps, outer = row
+    mc, tc = _configs(cfg, mode, inner, overlap, outer)
     data = load_token_data(tc, mc.seq_len)
     shaper = LinkShaper()
     if mbps is not None:
@@ -139,8 +146,7 @@ def _context() -> Any:
     return ctx
 
 
-def _run(cfg: dict[str, Any],
-         row: tuple[str, int, int, float | None]) -> list[tuple[int, list, dict]]:
+def _run(cfg: dict[str, Any], row: Row) -> list[tuple[int, list, dict]]:
     ctx = _context()
     out = ctx.Queue()
     side: dict[str, Any] = {"addrs": ctx.Queue(), **{f"to{r}": ctx.Queue() for r in range(2)}}
@@ -191,7 +197,25 @@ def main(argv: list[str] | None = None) -> int:
                          "DiLoCo paper's runs start from a pretrained model (default: none)")
     ap.add_argument("--eval-batches", type=int, default=None,
                     help="held-out batches of the final eval (default 16)")
+    ap.add_argument("--outer-lr", default="0.7",
+                    help="DiLoCo rows per outer lr, comma-separated (default: the codebase's "
+                         "and the paper's, %(default)s)")
+    ap.add_argument("--outer-momentum", default="0.9",
+                    help="the outer Nesterov momentum of each --outer-lr, comma-separated, or "
+                         "one for all (default %(default)s; 0 with lr 1: plain averaging)")
+    ap.add_argument("--loss-only", action="store_true",
+                    help="each row once, unshaped: the bytes and eval loss, no step times")
     args = ap.parse_args(argv)
+    try:
+        lrs = [float(v) for v in args.outer_lr.split(",")]
+        moms = [float(v) for v in args.outer_momentum.split(",")]
+    except ValueError:
+        ap.error("--outer-lr and --outer-momentum take numbers separated by commas")
+    if len(moms) == 1:
+        moms *= len(lrs)
+    if len(moms) != len(lrs):
+        ap.error("--outer-momentum takes one value, or one per --outer-lr")
+    outers = list(zip(lrs, moms, strict=True))
     cfg = dict(QUICK if args.quick else FULL)
     for key in ("steps", "warmup", "inner_steps", "eval_batches"):
         if getattr(args, key) is not None:
@@ -205,66 +229,73 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_sync_modes: d_model {mc.d_model}, {mc.n_layers} layers, seq {mc.seq_len}; "
           f"S=1 x R=2, batch {tc.batch_size} ({tc.batch_size // 2} a replica), {tc.steps} steps "
           f"= {tokens:,} tokens a row, {cfg['warmup']} untimed; links {args.mbps:g} Mbit/s tx/rx "
-          f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr "
-          f"{tc.sync.outer_lr:g}, momentum {tc.sync.outer_momentum:g}; {os.cpu_count()} CPUs, "
-          "1 thread a process", flush=True)
+          f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr/momentum "
+          f"{', '.join(f'{lr:g}/{m:g}' for lr, m in outers)} (Nesterov); {os.cpu_count()} "
+          "CPUs, 1 thread a process", flush=True)
     if args.warm_start > 0:
         import tempfile
 
         cfg["warm_start"] = args.warm_start
         cfg["warm_file"] = str(Path(tempfile.mkdtemp(prefix="bench-sync-")) / "warm.npz")
         t0 = time.monotonic()
-        res = _run({**cfg, "warming": True}, ("dp", 1, 0, None))
+        res = _run({**cfg, "warming": True}, ("dp", 1, 0, None, outers[0]))
         print(f"  warm start: dp, {args.warm_start} steps on other windows, eval loss "
               f"{res[0][2]['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s); every row "
               "starts from it", flush=True)
     fractions = [float(f) for f in args.overlap.split(",")]
-    modes = [("dp", 1, 0)] + [("diloco", h, d) for h in hs
-                              for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions)]
+    modes = [("dp", 1, 0, outers[0])] + [
+        ("diloco", h, d, outer) for h in hs
+        for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions) for outer in outers]
+    runs = (False,) if args.loss_only else (True, False)
     rows: list[dict[str, Any]] = []
-    for mode, h, d in modes:
-        row: dict[str, Any] = {"mode": mode, "H": h, "d": d}
-        for shaped in (True, False):
+    for mode, h, d, outer in modes:
+        row: dict[str, Any] = {"mode": mode, "H": h, "d": d, "outer": outer}
+        for shaped in runs:
             t0 = time.monotonic()
-            res = _run(cfg, (mode, h, d, args.mbps if shaped else None))
+            res = _run(cfg, (mode, h, d, args.mbps if shaped else None, outer))
             lead = res[0][2]
             key = "shaped" if shaped else "unshaped"
             row[key] = _step_s(res, cfg["warmup"])
-            row[f"{key}_eval"] = lead["eval_loss"]
             row[f"{key}_losses"] = [statistics.fmean(s) for s in
                                     zip(*(r[2]["losses"] for r in res), strict=True)]
-            if shaped:
+            if shaped == runs[0]:  # (the bytes and the losses do not depend on the shaping)
+                row["eval"] = lead["eval_loss"]
                 row["bytes"], row["expected"] = lead["sync_bytes"], lead["expected_sync_bytes"]
                 row["sync_fraction"] = lead["sync_fraction"]
-            name = "dp" if mode == "dp" else f"diloco H={h} d={d}"
+            name = "dp" if mode == "dp" else f"diloco H={h} d={d} outer {outer[0]:g}/{outer[1]:g}"
             print(f"  {name} {key}: {row[key] * 1000:.1f} ms/step, eval loss "
-                  f"{row[f'{key}_eval']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
+                  f"{lead['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         rows.append(row)
     dp = rows[0]
-    print(f"\n{'mode':<8} {'H':>4} {'d':>4} {'sync B/step':>12} {'dp/this':>8} {'shaped ms':>10} "
-          f"{'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} {'eval/dp':>8}")
-    print("-" * 93)
+    print(f"\n{'mode':<8} {'H':>4} {'d':>4} {'outer':>8} {'sync B/step':>12} {'dp/this':>8} "
+          f"{'shaped ms':>10} {'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} "
+          f"{'eval/dp':>8}")
+    print("-" * 102)
     for r in rows:
-        h, d = ("-", "-") if r["mode"] == "dp" else (str(r["H"]), str(r["d"]))
-        print(f"{r['mode']:<8} {h:>4} {d:>4} {r['bytes']:>12,.0f} "
-              f"{dp['bytes'] / r['bytes']:>7.1f}x "
-              f"{r['shaped'] * 1000:>10.1f} {r['unshaped'] * 1000:>12.1f} "
-              f"{r['shaped'] / r['unshaped']:>8.3f} {r['shaped_eval']:>10.4f} "
-              f"{r['shaped_eval'] / dp['shaped_eval']:>8.4f}")
-    print("-" * 93)
+        h, d, o = ("-", "-", "-") if r["mode"] == "dp" else \
+            (str(r["H"]), str(r["d"]), f"{r['outer'][0]:g}/{r['outer'][1]:g}")
+        shaped = "-" if args.loss_only else f"{r['shaped'] * 1000:.1f}"
+        slow = "-" if args.loss_only else f"{r['shaped'] / r['unshaped']:.3f}"
+        print(f"{r['mode']:<8} {h:>4} {d:>4} {o:>8} {r['bytes']:>12,.0f} "
+              f"{dp['bytes'] / r['bytes']:>7.1f}x {shaped:>10} {r['unshaped'] * 1000:>12.1f} "
+              f"{slow:>8} {r['eval']:>10.4f} {r['eval'] / dp['eval']:>8.4f}")
+    print("-" * 102)
     for r in rows[1:]:
         h = r["H"]
         ratio = dp["bytes"] / r["bytes"]
-        slow = r["shaped"] / r["unshaped"]
-        ev = r["shaped_eval"] / dp["shaped_eval"]
-        print(f"targets, diloco H={h} d={r['d']}: sync bytes/step >= {h}x smaller than dp: "
-              f"{ratio:.1f}x -> "
-              f"{_check(ratio >= h)}; step within 10 % of unshaped: {slow:.3f} -> "
-              f"{_check(slow <= 1.10)}; eval loss within 3 % of dp: {ev:.4f} -> "
-              f"{_check(abs(ev - 1) <= 0.03)}")
+        ev = r["eval"] / dp["eval"]
+        step = "not measured (--loss-only)" if args.loss_only else \
+            f"{r['shaped'] / r['unshaped']:.3f} -> {_check(r['shaped'] / r['unshaped'] <= 1.10)}"
+        print(f"targets, diloco H={h} d={r['d']} outer {r['outer'][0]:g}/{r['outer'][1]:g}: "
+              f"sync bytes/step >= {h}x smaller than dp: {ratio:.1f}x -> {_check(ratio >= h)}; "
+              f"step within 10 % of unshaped: {step}; eval loss within 3 % of dp: {ev:.4f} "
+              f"-> {_check(abs(ev - 1) <= 0.03)}")
+    worst_bytes = max(abs(r["bytes"] - r["expected"]) / r["expected"] for r in rows)
+    if args.loss_only:
+        print(f"measured sync bytes against expected, worst {worst_bytes:.1%}")
+        return 0
     print(f"(dp itself: shaped/unshaped {dp['shaped'] / dp['unshaped']:.3f}, sync "
           f"{dp['sync_fraction']:.0%} of its shaped step)")
-    worst_bytes = max(abs(r["bytes"] - r["expected"]) / r["expected"] for r in rows)
     same = max(max(abs(p - q) for p, q in zip(r["shaped_losses"], r["unshaped_losses"],
                                               strict=True)) for r in rows)
     print(f"same training: shaped against unshaped, max |loss diff| over {tc.steps} steps = "

@@ -393,7 +393,9 @@ class OuterStep:
         self.params, self.ring, self.inner_steps = list(params), ring, inner_steps
         self.overlap_steps = overlap_steps
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
-        self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum, nesterov=True)
+        # (momentum 0 is plain SGD on the mean change: with lr 1, weight averaging)
+        self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum,
+                                   nesterov=momentum > 0)
         self._deltas: list[torch.Tensor] = []  # this member's own change, until committed
         self._sent: list[torch.Tensor] = []  # overlapped: the weights the change was taken at
         self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation

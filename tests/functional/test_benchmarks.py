@@ -61,6 +61,10 @@ def test_benchmark_runs_quick(script, needle, cli_env):
     ("bench_dp.py", ["--rounds", "2"], "per round (the figures are their medians)"),
     # Every row from one model trained first.
     ("reference_diloco.py", ["--warm-start", "2"], "warm start: 2 steps"),
+    # Rows per outer optimiser (momentum 0: plain SGD, no Nesterov), once each, unshaped.
+    ("bench_sync_modes.py", ["--loss-only", "--overlap", "0", "--inner-steps", "2",
+                             "--outer-lr", "0.7,1", "--outer-momentum", "0.9,0"],
+     "diloco H=2 d=0 outer 1/0: sync bytes/step"),
 ])
 def test_benchmark_options_run(script, args, needle, cli_env):
     res = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", *args],

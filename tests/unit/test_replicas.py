@@ -152,7 +152,8 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                       replicas: int, leaves: dict[int, int | list[int]] | None = None,
                       joins: dict[int, tuple[int, int]] | None = None, overlap: int = 0,
-                      holds: frozenset[int] = frozenset()) -> list[float]:
+                      holds: frozenset[int] = frozenset(), average: bool = False
+                      ) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
     share of every step's windows, clipped by its own global norm; every H steps (and at the
@@ -169,7 +170,9 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     ``overlap`` d (Streaming DiLoCo's overlap, arXiv 2501.18512): an outer step's mean
     change, taken after step s, is applied after step s + d (or the last step): the anchor
     takes the outer step, and each copy becomes the new anchor plus what it trained since s.
-    The outer steps after the steps in ``holds`` (0-based), and the last, apply at once."""
+    The outer steps after the steps in ``holds`` (0-based), and the last, apply at once.
+    ``average``: no outer optimiser at all, each copy takes the mean of the copies' weights
+    (what outer lr 1 without momentum must come to)."""
     import copy
 
     leaves, joins = leaves or {}, joins or {}
@@ -192,7 +195,7 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     by_stage = {r: v if isinstance(v, list) else [v] * stages for r, v in leaves.items()}
     gone = {r: max(v) for r, v in by_stage.items()}  # (it trains until the last stage's)
     outer = torch.optim.SGD(anchor, lr=sync.outer_lr, momentum=sync.outer_momentum,
-                            nesterov=True)
+                            nesterov=sync.outer_momentum > 0)
 
     def lr(step: int) -> float:  # linear warm-up, then cosine to min_lr
         if step < tc.warmup_steps:
@@ -250,9 +253,14 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                     pending = (step, mean,
                                {r: [p.detach().clone() for p in params[r]] for r in here})
                     continue
-                for a, g in zip(anchor, mean, strict=True):
-                    a.grad = g
-                outer.step()
+                if average:
+                    assert not leaves and not joins and not overlap
+                    for i, a in enumerate(anchor):
+                        a.copy_(sum(ps[i] for ps in params) / replicas)
+                else:
+                    for a, g in zip(anchor, mean, strict=True):
+                        a.grad = g
+                    outer.step()
                 for ps in params:
                     for p, a in zip(ps, anchor, strict=True):
                         p.copy_(a)
@@ -290,6 +298,20 @@ def test_diloco_trains_what_a_single_process_simulation_of_its_replicas_trains(d
         every_step[0].metrics.sync_tx_bytes_per_step / 3)
     dp_losses = _step_losses(every_step, stages, 2)
     assert max(abs(a - b) for a, b in zip(ref, dp_losses, strict=True)) > 1e-3
+
+
+def test_diloco_with_outer_lr_1_and_no_momentum_averages_the_replicas_weights(data):
+    """outer_lr 1, outer_momentum 0: the outer step is plain SGD (no Nesterov without a
+    momentum), so every H steps each replica takes the mean of the replicas' weights (local
+    SGD / FedAvg): the losses of a simulation that averages the copies' weights and nothing
+    else (no optimiser), to 1e-5."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 6, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2,
+                    "sync": {"mode": "diloco", "inner_steps": 3, "outer_lr": 1.0,
+                             "outer_momentum": 0.0}}, TrainingConfig)
+    _trains_the_reference(_run(mc, tc, data, 1, 2),
+                          _diloco_reference(mc, tc, data, 1, 2, average=True), 1)
 
 
 @pytest.mark.parametrize("stages", [1, 2])
