@@ -16,6 +16,10 @@ import attrs
 from swarm_core.protocol import LinkLimits
 
 CHUNK = 64 * 1024
+# An unshaped link moves a frame in larger pieces: each piece costs the sending and the
+# receiving thread a round of Python (the bucket, the counters, a system call), which on a
+# frame of megabytes is CPU taken from training; shaping needs the small ones to pace.
+UNSHAPED_CHUNK = 1 << 20
 BURST = 64 * 1024  # tbf needs at least this on loopback too (see anchors)
 
 
@@ -43,6 +47,10 @@ class TokenBucket:
             self._tokens = min(float(self._burst),
                                self._tokens + (now - self._last) * self._rate)
         self._last = now
+
+    def chunk(self) -> int:
+        """The piece a link moves at a time through this bucket: small while it paces."""
+        return CHUNK if self._rate is not None else UNSHAPED_CHUNK
 
     def consume(self, n: int, stop: Callable[[], bool] | None = None) -> None:
         """Block until ``n`` bytes may pass, or ``stop()`` says to give up. Rate changes apply

@@ -41,7 +41,7 @@ from swarm_core.pipeline.frames import (
     make_header,
     pulse_header,
 )
-from swarm_core.pipeline.links import CHUNK, LinkShaper
+from swarm_core.pipeline.links import LinkShaper
 
 
 class LinkClosed(ConnectionError):
@@ -180,7 +180,12 @@ class PeerLink:
                 if self._quiet_for(start) > timeout:
                     raise self._blame(PeerTimeout(f"sending to {self.peer}: nothing moved for "
                                                   f"{timeout:g}s"))
-                time.sleep(0.002)
+                # Woken as the sender marks the last frame written (not a poll: a flush
+                # between the rounds of a ring returns as soon as its chunk has left); the
+                # checks above run again every 10 ms meanwhile.
+                with self._out.all_tasks_done:
+                    if self._out.unfinished_tasks:
+                        self._out.all_tasks_done.wait(0.01)
             if self._send_failed:
                 self._raise_if_failed()
         finally:
@@ -223,10 +228,11 @@ class PeerLink:
                         continue
                     self._write(memoryview(head))
                     for b in bufs:
-                        for off in range(0, len(b), CHUNK):
-                            if self.abort.is_set():
-                                break
-                            self._write(b[off:off + CHUNK])
+                        off = 0
+                        while off < len(b) and not self.abort.is_set():
+                            step = self.shaper.tx.chunk()  # (a set-speed applies mid-frame)
+                            self._write(b[off:off + step])
+                            off += step
                 except OSError as exc:
                     # Failed before the frame counts as done: a flush never takes it for written.
                     self._send_failed = True
@@ -285,7 +291,7 @@ class PeerLink:
         view = memoryview(buf)
         got = 0
         while got < n:
-            want = min(CHUNK, n - got)
+            want = min(self.shaper.rx.chunk(), n - got)
             r = self.sock.recv_into(view[got:got + want], want)
             if r == 0:
                 if not self._stop.is_set():  # (not our own close)
