@@ -47,8 +47,7 @@ def _ring(rank: int, sock: socket.socket, n: int, reps: int, compression: str,
     from swarm_core.pipeline.sync import Ring
     from swarm_core.pipeline.transport import PeerLink
 
-    name, block = SyncConfig(compression=compression).codec
-    codec = codecs.WireCodec(codecs.CODEC_NAMES[name], block)
+    codec = codecs.WireCodec.of_sync(SyncConfig(compression=compression))
     link = PeerLink(sock, LinkShaper(), 0, "peer", max_payload=8 * n + (1 << 20),
                     receives={Kind.SYNC})
     ring = Ring([n], link, link, rank, 2, codec, torch.device("cpu"))

@@ -241,12 +241,6 @@ def eval_shape(spec: StageSpec) -> tuple[int, int, int]:
     return (t.batch_size // t.micro_batches, m.seq_len, boundary_width(m))
 
 
-def sync_codec(spec: StageSpec) -> codecs.WireCodec:
-    """How the stage group's gradients cross its ring."""
-    name, block = spec.training.sync.codec
-    return codecs.WireCodec(codecs.CODEC_NAMES[name], block)
-
-
 @attrs.define
 class StageLinks:
     """A stage's links: its pipeline neighbours, and its group's ring (replicas)."""
@@ -526,14 +520,14 @@ class StageRunner:
         joins = self.spec.join is not None and self.spec.replicas > 1
         if joins or (links.ring_next is not None and links.ring_prev is not None):
             spec, sync = self.spec, self.spec.training.sync
+            codec = codecs.WireCodec.of_sync(sync)  # (how the group's ring codes its average)
             if sync.mode == "dp":
                 self.sync = GradientAverage(
                     self.params, links.ring_next, links.ring_prev, spec.replica, spec.replicas,
-                    sync_codec(spec), self.device, int(sync.bucket_mb * 2**20))
+                    codec, self.device, int(sync.bucket_mb * 2**20))
             else:  # (after any resume's weights are in: DiLoCo's outer step starts from them)
                 ring = Ring([p.numel() for p in self.params], links.ring_next,
-                            links.ring_prev, spec.replica, spec.replicas, sync_codec(spec),
-                            self.device)
+                            links.ring_prev, spec.replica, spec.replicas, codec, self.device)
                 self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
                                       sync.outer_momentum, sync.overlap_steps)
                 if self.outer_resume:

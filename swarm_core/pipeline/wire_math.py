@@ -10,7 +10,7 @@ import enum
 
 import attrs
 
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.pipeline.frames import HEADER_SIZE
 
 NORM_PAYLOAD = 8  # one float64 per NORM frame
@@ -54,6 +54,12 @@ class WireFormat:
         """What a model's compression spec and wire dtype put on its boundaries."""
         comp = cfg.compression_spec
         return cls(Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype], comp.int8_block)
+
+    @classmethod
+    def of_sync(cls, sync: SyncConfig) -> WireFormat:
+        """How a stage group's ring codes what it averages (``sync.compression``)."""
+        name, block = sync.codec
+        return cls(CODEC_NAMES[name], block)
 
     @property
     def exact(self) -> bool:

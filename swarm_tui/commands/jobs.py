@@ -10,7 +10,7 @@ from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import SYNC_MODES, ModelConfig, TrainingConfig
 from swarm_core.contract import (
     JOB_ORDERS,
     MAX_JOB_PAGE,
@@ -457,7 +457,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "profile's cluster_profile, else 1); batch_size stays the step's")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
-    p.add_argument("--sync", choices=("dp", "diloco"), default=None,
+    p.add_argument("--sync", choices=SYNC_MODES, default=None,
                    help="how the replicas keep one set of weights (training.sync.mode; default: "
                         "the training profile's, else dp)")
     p.add_argument("--inner-steps", type=step_count, default=None,

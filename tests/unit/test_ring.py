@@ -20,8 +20,7 @@ from swarm_core.pipeline.transport import PeerLink
 def _all_reduce(tensors: list[list[torch.Tensor]], compression: str) -> list[list[torch.Tensor]]:
     """Each member's tensors after one all-reduce around a ring of len(tensors) members."""
     n = len(tensors)
-    name, block = SyncConfig(compression=compression).codec
-    codec = codecs.WireCodec(codecs.CODEC_NAMES[name], block)
+    codec = codecs.WireCodec.of_sync(SyncConfig(compression=compression))
     pairs = [socket.socketpair() for _ in range(n)]  # pair r: member r -> member r+1
     links = [PeerLink(s, LinkShaper(), 0, f"end {i}", receives={Kind.SYNC})
              for i, s in enumerate(s for pair in pairs for s in pair)]
