@@ -25,7 +25,8 @@ class CodecError(ValueError):
     pass
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes (a contiguous one's own memory: writing them writes it)."""
     t = t.contiguous()
     # bf16 has no numpy dtype; view as raw bytes through uint8.
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
@@ -86,9 +87,9 @@ def encode(x: torch.Tensor, codec: Codec, block: int = 0) -> list[memoryview]:
             # Blocks of a row are rows of a narrower view: the same quantiser serves both.
             x = x.reshape(-1, _check_block(tuple(x.shape), codec, block))
         codes, scale = quantize_rows(x)
-        return [_as_bytes(scale.cpu()), _as_bytes(codes.cpu())]
+        return [as_bytes(scale.cpu()), as_bytes(codes.cpu())]
     _check_block(tuple(x.shape), codec, block)
-    return [_as_bytes(x.to(_CAST[codec]).cpu())]
+    return [as_bytes(x.to(_CAST[codec]).cpu())]
 
 
 def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

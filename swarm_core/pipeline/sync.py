@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm_core.pipeline import codecs
 from swarm_core.pipeline.codecs import FP32_WIRE as FP32
 from swarm_core.pipeline.codecs import WireCodec
 from swarm_core.pipeline.frames import HEADER_SIZE, Kind
@@ -102,6 +103,12 @@ class Ring:
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
         self.flat = torch.zeros(n, dtype=torch.float32, device=device)
         self.chunks = chunk_bounds(n, replicas, self.align)
+        # Exact (fp32) on the CPU, the all-gather's chunks land in the buffer itself (see
+        # expect), and float32 tensors are read as given (see reduce_).
+        self.in_place = codec.exact and self.flat.device.type == "cpu"
+        self._pad = torch.zeros(n - sum(sizes), dtype=torch.float32, device=device)
+        self._staged: list[torch.Tensor] = []  # rounds not landed in place land here, in turn
+        self._landed = -1  # the step whose frames have their landings set
 
     @property
     def max_payload(self) -> int:
@@ -119,9 +126,45 @@ class Ring:
         """The group's new ring, after a regroup (one member: no links, nothing crosses)."""
         self.send, self.recv, self.rank, self.replicas = send, recv, rank, replicas
         self.chunks = chunk_bounds(self.flat.numel(), replicas, self.align)
+        self._staged, self._landed = [], -1
 
     def sent(self) -> int:
         return self.send.sent if self.send is not None else 0
+
+    def expect(self, step: int) -> None:
+        """Have the frames of step ``step``'s all-reduce read straight into where they go,
+        before they arrive (see :meth:`PeerLink.land`): the all-gather's into the buffer
+        (when exact), the others into one of R buffers kept for the run, in turn. Set ahead
+        of a frame, a landing is written only by that frame, and its memory is free by then.
+        Round j's frame needs every member's round before, so it can come once this member
+        has sent round j-R+1 (the previous member's j-1 needs the one before it's j-2, ...,
+        R-1 members back this one's j-R+1), and this member sends a round once done with
+        the one before: the buffer of round j-R is free. An all-gather chunk comes only once
+        every member's part of that chunk is summed, this member's (read from that part of
+        the buffer, or from the tensors) included: that part of the buffer is free."""
+        n = self.replicas
+        if n < 2 or self.recv is None or self.flat.device.type != "cpu" or \
+                self._landed == step:
+            return
+        self._landed = step
+        for i, out in enumerate(ring_chunks_sent(self.rank, n)):
+            a, b = self.chunks[(out - 1) % n]
+            size = _payload(self.codec, b - a)
+            if not size:
+                continue
+            if i >= n - 1 and self.in_place:
+                into = codecs.as_bytes(self.flat[a:b])
+            else:
+                into = codecs.as_bytes(self._stage(i % n, size))[:size]
+            self.recv.land(Kind.SYNC, step, self.base + i, into)
+
+    def _stage(self, k: int, size: int) -> torch.Tensor:
+        while len(self._staged) <= k:
+            self._staged.append(torch.empty(0, dtype=torch.uint8))
+        if self._staged[k].numel() < size:
+            self._staged[k] = torch.empty(max(_payload(self.codec, b - a)
+                                              for a, b in self.chunks), dtype=torch.uint8)
+        return self._staged[k]
 
     def reduce_(self, step: int, timeout: float,
                 tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
@@ -131,19 +174,39 @@ class Ring:
         included)."""
         t0 = time.perf_counter()
         sent0 = self.sent()
-        off = 0
-        for t in tensors:
-            self.flat[off:off + t.numel()].copy_(t.reshape(-1))
-            off += t.numel()
         n = self.replicas
+        own = [t.reshape(-1) for t in tensors] + [self._pad]
+        # Exact, the tensors need no copy in: the first round sends this member's part from
+        # them and each chunk it receives is summed with its part into the buffer. The
+        # tensors are never written, so they keep this member's part (for a redo).
+        if not (self.in_place and n > 1 and all(t.dtype == torch.float32 for t in own)):
+            off = 0
+            for t in own:
+                self.flat[off:off + t.numel()].copy_(t)
+                off += t.numel()
+            own = []
+        self.expect(step)
         for i, out in enumerate(ring_chunks_sent(self.rank, n) if n > 1 else []):
             # Round i receives the chunk the previous replica sends in it: reduce-scatter
             # sums those into ours, all-gather takes them as they are. The all-gather's first
             # round sends the chunk this member summed: first its mean, as sent.
             coded = self._settle(out) if i == n - 1 else None
             self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1,
-                           coded=coded)
+                           coded=coded, own=own if i < n - 1 else None)
         return self.sent() - sent0, time.perf_counter() - t0
+
+    def _own(self, own: list[torch.Tensor], i: int) -> list[tuple[int, torch.Tensor]]:
+        """The pieces of the tensors that chunk ``i`` covers, with their offsets in it."""
+        a, b = self.chunks[i % self.replicas]
+        pieces, off = [], 0
+        for t in own:
+            lo, hi = max(a, off), min(b, off + t.numel())
+            if lo < hi:
+                pieces.append((lo - a, t[lo - off:hi - off]))
+            off += t.numel()
+            if off >= b:
+                break
+        return pieces
 
     def _settle(self, i: int) -> list[memoryview] | None:
         """The chunk this member summed becomes the group's mean (one division, by the
@@ -189,12 +252,21 @@ class Ring:
         return self.flat[a:b]
 
     def _exchange(self, step: int, round_: int, out: int, into: int, timeout: float,
-                  add: bool, coded: list[memoryview] | None = None) -> None:
+                  add: bool, coded: list[memoryview] | None = None,
+                  own: list[torch.Tensor] | None = None) -> None:
+        """One round: send chunk ``out``, receive chunk ``into`` and add it to this member's
+        (``add``) or take it. With ``own`` (an exact reduce-scatter) this member's
+        part is read from the tensors, not the buffer: the first round sends it from them,
+        and each chunk received is summed with it into the buffer."""
         assert self.send is not None and self.recv is not None
         chunk = self._chunk(out)
         if coded is not None:
             self.send.send_coded(Kind.SYNC, step, round_, tuple(chunk.shape), self.codec, coded,
                                  coded)
+        elif own and round_ == self.base:
+            pieces = [p for _, p in self._own(own, out)]
+            self.send.send_coded(Kind.SYNC, step, round_, tuple(chunk.shape), FP32,
+                                 [codecs.as_bytes(p) for p in pieces], pieces)
         else:  # (an empty chunk, fewer blocks than members, crosses as fp32: no rows to scale)
             self.send.send_tensor(Kind.SYNC, step, round_, chunk,
                                   self.codec if chunk.numel() else FP32)
@@ -204,9 +276,13 @@ class Ring:
         # The chunk sent may still be going out from the buffer itself (an fp32 frame is
         # written from the tensor's memory): let it leave before the buffer changes.
         self.send.flush(timeout)
-        if add:
+        if own:
+            for at, piece in self._own(own, into):
+                torch.add(piece, got[at:at + piece.numel()],
+                          out=target[at:at + piece.numel()])
+        elif add:
             target.add_(got)
-        else:
+        elif got.numel() and got.data_ptr() != target.data_ptr():  # (not landed in place)
             target.copy_(got)
 
 
@@ -279,6 +355,8 @@ class GradientAverage:
         """The next backward is the step's last: send each bucket as it completes."""
         self._armed, self._ready = True, [0] * len(self.buckets)
         self._next, self._step, self._timeout = 0, step, timeout
+        for ring in self.rings:  # (the frames land in place from the first one)
+            ring.expect(step)
 
     def _on_grad(self, index: int, _param: torch.Tensor) -> None:
         if not self._armed:

@@ -112,6 +112,9 @@ class PeerLink:
         self.receives = frozenset(receives)
         self._out: queue.Queue[Any] = queue.Queue()
         self._in: dict[Kind, queue.Queue[Any]] = {k: queue.Queue() for k in Kind}
+        # Where a frame's payload is to be read straight into (see land), by (kind, step,
+        # micro-batch): written by the owner, taken by the receiver thread.
+        self._landing: dict[tuple[Kind, int, int], memoryview] = {}
         self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
         self.peer_closed = False  # the far end closed it (its process ended, or it let go)
         self.pulse_bytes = 0  # and its pulses' (not data: kept out of the per-step wire bytes)
@@ -286,9 +289,23 @@ class PeerLink:
             self.last_progress = self._last_write
 
     # receiving -------------------------------------------------------------------------------
+    def land(self, kind: Kind, step: int, micro_batch: int, into: memoryview) -> None:
+        """Read that frame's payload straight into ``into``, if it has exactly that length
+        and has not begun to arrive: ``recv`` then returns ``into`` as the payload. Saves a
+        buffer allocated, faulted in and copied out of for each frame of megabytes (a ring's
+        chunk). ``into`` must not be in use from when the frame may arrive; a landing whose
+        frame came before it was set (or is never sent) is dropped with the next step's."""
+        for key in [k for k in self._landing if k[1] < step]:
+            self._landing.pop(key, None)
+        self._landing[(kind, step, micro_batch)] = into
+
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
-        view = memoryview(buf)
+        self._read_into(memoryview(buf))
+        return buf
+
+    def _read_into(self, view: memoryview) -> None:
+        n = len(view)
         got = 0
         while got < n:
             want = min(self.shaper.rx.chunk(), n - got)
@@ -303,7 +320,6 @@ class PeerLink:
             # Charged for what arrived (TCP often returns less than asked), after the fact:
             # the bucket's debt then holds the next read back.
             self.shaper.rx.consume(r, self._halted)
-        return buf
 
     def _recv_loop(self) -> None:
         try:
@@ -321,7 +337,13 @@ class PeerLink:
                     carried = "/".join(k.name for k in sorted(self.receives))
                     raise FrameError(f"unexpected {header.kind.name} frame from {self.peer} "
                                      f"(this link carries {carried})")
-                payload = self._read_exact(header.payload_len)
+                into = self._landing.pop((header.kind, header.step, header.micro_batch), None)
+                payload: bytearray | memoryview
+                if into is not None and len(into) == header.payload_len:
+                    self._read_into(into)
+                    payload = into
+                else:
+                    payload = self._read_exact(header.payload_len)
                 check_payload(header, payload)
                 self._in[header.kind].put((header, payload))
         except (FrameError, LinkClosed, OSError) as exc:
@@ -355,7 +377,7 @@ class PeerLink:
         return not self._in[kind].empty()
 
     def recv(self, kind: Kind, step: int, micro_batch: int, timeout: float,
-             flags: int = 0) -> tuple[FrameHeader, bytearray]:
+             flags: int = 0) -> tuple[FrameHeader, bytearray | memoryview]:
         """The next frame of ``kind``, which must be for ``step`` and ``micro_batch``.
         ``timeout``: seconds with no byte moving on the link either way."""
         start = time.monotonic()

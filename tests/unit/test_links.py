@@ -164,6 +164,34 @@ def test_a_send_returns_before_its_bytes_have_left():
     assert queued < on_wire / 4, (queued, on_wire)
 
 
+def test_a_frame_lands_where_its_owner_said_or_in_a_buffer_of_its_own():
+    """A landing set before a frame arrives gets its payload read straight into it (the
+    ring's chunks: no buffer of megabytes per frame); one of another length, or for a frame
+    that already came, is left alone and the frame arrives in a buffer of its own. A landing
+    left from an earlier step is dropped when a later one is set."""
+    left, right, _, _ = _pair(None, tcp=True)
+    x = torch.randn(300, 1024)
+    into = torch.zeros(300, 1024)
+    wrong = torch.zeros(10)
+    try:
+        right.land(Kind.ACT, 1, 0, memoryview(into.numpy()).cast("B"))
+        right.land(Kind.ACT, 1, 1, memoryview(wrong.numpy()).cast("B"))
+        right.land(Kind.ACT, 1, 5, memoryview(wrong.numpy()).cast("B"))  # (never sent)
+        for i in range(2):
+            left.send_tensor(Kind.ACT, 1, i, x, FP32_WIRE)
+        _, landed = right.recv_tensor(Kind.ACT, 1, 0, timeout=10)
+        _, own = right.recv_tensor(Kind.ACT, 1, 1, timeout=10)
+        right.land(Kind.ACT, 2, 0, memoryview(wrong.numpy()).cast("B"))
+        left.flush(5)
+    finally:
+        left.close()
+        right.close()
+    assert torch.equal(into, x) and landed.data_ptr() == into.data_ptr()
+    assert torch.equal(own, x) and own.data_ptr() != into.data_ptr()
+    assert torch.equal(wrong, torch.zeros(10))
+    assert list(right._landing) == [(Kind.ACT, 2, 0)]  # (step 1's unused one dropped)
+
+
 def test_latency_delays_without_cutting_throughput():
     left, right, shaper, _ = _pair(None)
     shaper.latency_s = 0.05
