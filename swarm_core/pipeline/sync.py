@@ -77,9 +77,24 @@ def ring_chunks_sent(rank: int, replicas: int) -> list[int]:
 def ring_payload_bytes(n: int, replicas: int, codec: WireCodec, rank: int = 0) -> tuple[int, int]:
     """(frames, payload bytes) replica ``rank`` sends in one all-reduce of ``n`` elements
     (a multiple of the codec's block: see :class:`Ring`)."""
-    chunks = chunk_bounds(n, replicas, codec.block or 1)
+    align = codec.block or 1
+    chunks = chunk_bounds(n, replicas, align)
+    lanes = lane_count(chunks, align)
     sent = ring_chunks_sent(rank, replicas) if replicas > 1 else []
-    return len(sent), sum(_payload(codec, chunks[c][1] - chunks[c][0]) for c in sent)
+    return len(sent) * lanes, sum(_payload(codec, b - a) for c in sent
+                                  for a, b in chunk_bounds(chunks[c][1] - chunks[c][0], lanes,
+                                                           align))
+
+
+LANE_BYTES = 4 << 20
+
+
+def lane_count(chunks: Sequence[tuple[int, int]], align: int) -> int:
+    """The frames each chunk crosses in (its lanes, of about LANE_BYTES of float32 each,
+    whole blocks): the ring passes a lane on as soon as it has summed it, while the next
+    arrive, rather than a whole chunk after the whole chunk (see :meth:`Ring.reduce_`)."""
+    size = max(b - a for a, b in chunks)
+    return max(1, min(size // align, -(-size * 4 // LANE_BYTES)))
 
 
 def _payload(codec: WireCodec, n: int) -> int:
@@ -93,27 +108,29 @@ class Ring:
     def __init__(self, sizes: Sequence[int], send: PeerLink | None, recv: PeerLink | None,
                  rank: int, replicas: int, codec: WireCodec, device: torch.device,
                  base: int = 0) -> None:
-        self.send, self.recv = send, recv
-        self.rank, self.replicas, self.codec = rank, replicas, codec
-        self.base = base  # its frames' first round number (a bucket's, after those before it)
+        self.codec = codec
+        self.base = base  # its frames' first number (a bucket's, after those before it)
         # Chunks are whole int8 scale blocks, so the buffer is padded with zeros to a whole
         # number of them (less than a block: every member pads alike, and zeros sum to zero).
         self.align = codec.block or 1
         n = -(-sum(sizes) // self.align) * self.align
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
         self.flat = torch.zeros(n, dtype=torch.float32, device=device)
-        self.chunks = chunk_bounds(n, replicas, self.align)
-        # Exact (fp32) on the CPU, the all-gather's chunks land in the buffer itself (see
+        self._pad = torch.zeros(n - sum(sizes), dtype=torch.float32, device=device)
+        # Exact (fp32) on the CPU, the all-gather's lanes land in the buffer itself (see
         # expect), and float32 tensors are read as given (see reduce_).
         self.in_place = codec.exact and self.flat.device.type == "cpu"
-        self._pad = torch.zeros(n - sum(sizes), dtype=torch.float32, device=device)
-        self._staged: list[torch.Tensor] = []  # rounds not landed in place land here, in turn
-        self._landed = -1  # the step whose frames have their landings set
+        self.rewire(send, recv, rank, replicas)
+
+    @property
+    def frames(self) -> int:
+        """The frames one all-reduce numbers (each round's lanes)."""
+        return 2 * (self.replicas - 1) * self.lanes
 
     @property
     def max_payload(self) -> int:
-        """The largest frame payload the ring carries: one chunk, coded."""
-        return max(_payload(self.codec, b - a) for a, b in self.chunks)
+        """The largest frame payload the ring carries: one lane, coded."""
+        return max(_payload(self.codec, b - a) for lanes in self._lanes for a, b in lanes)
 
     def expected_bytes(self) -> int:
         """What one all-reduce sends from this replica, frame headers included."""
@@ -123,47 +140,60 @@ class Ring:
 
     def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
                replicas: int) -> None:
-        """The group's new ring, after a regroup (one member: no links, nothing crosses)."""
+        """The group's ring, at the start and after a regroup (one member: no links,
+        nothing crosses)."""
         self.send, self.recv, self.rank, self.replicas = send, recv, rank, replicas
-        self.chunks = chunk_bounds(self.flat.numel(), replicas, self.align)
-        self._staged, self._landed = [], -1
+        chunks = chunk_bounds(self.flat.numel(), replicas, self.align)
+        self.lanes = lane_count(chunks, self.align)
+        self._lanes = [[(a + x, a + y) for x, y in chunk_bounds(b - a, self.lanes, self.align)]
+                       for a, b in chunks]
+        self._staged: list[torch.Tensor] = []  # lanes not landed in place land here, in turn
+        self._landed = -1  # the step whose frames have their landings set
 
     def sent(self) -> int:
         return self.send.sent if self.send is not None else 0
 
+    def _frame(self, i: int, j: int) -> int:
+        return self.base + i * self.lanes + j
+
+    def _lane(self, c: int, j: int) -> torch.Tensor:
+        a, b = self._lanes[c % self.replicas][j]
+        return self.flat[a:b]
+
     def expect(self, step: int) -> None:
         """Have the frames of step ``step``'s all-reduce read straight into where they go,
         before they arrive (see :meth:`PeerLink.land`): the all-gather's into the buffer
-        (when exact), the others into one of R buffers kept for the run, in turn. Set ahead
-        of a frame, a landing is written only by that frame, and its memory is free by then.
-        Round j's frame needs every member's round before, so it can come once this member
-        has sent round j-R+1 (the previous member's j-1 needs the one before it's j-2, ...,
-        R-1 members back this one's j-R+1), and this member sends a round once done with
-        the one before: the buffer of round j-R is free. An all-gather chunk comes only once
-        every member's part of that chunk is summed, this member's (read from that part of
-        the buffer, or from the tensors) included: that part of the buffer is free."""
+        (when exact), the others into one of R x lanes buffers kept for the run, in turn.
+        Set ahead of a frame, a landing is written only by that frame, and its memory is
+        free by then. Each member passes lane j of round i on once it is done with lane j
+        of round i-1, so the previous member's (i, j) needs this member's (i-R+1, j) sent,
+        which it sent once done with (i-R, j) and every frame before: that one's buffer is
+        free. An all-gather lane comes only once every member's part of it is summed, this
+        member's (read from that part of the buffer, or from the tensors) included: that
+        part of the buffer is free."""
         n = self.replicas
         if n < 2 or self.recv is None or self.flat.device.type != "cpu" or \
                 self._landed == step:
             return
         self._landed = step
         for i, out in enumerate(ring_chunks_sent(self.rank, n)):
-            a, b = self.chunks[(out - 1) % n]
-            size = _payload(self.codec, b - a)
-            if not size:
-                continue
-            if i >= n - 1 and self.in_place:
-                into = codecs.as_bytes(self.flat[a:b])
-            else:
-                into = codecs.as_bytes(self._stage(i % n, size))[:size]
-            self.recv.land(Kind.SYNC, step, self.base + i, into)
+            for j in range(self.lanes):
+                lane = self._lane(out - 1, j)
+                size = _payload(self.codec, lane.numel())
+                if not size:
+                    continue
+                if i >= n - 1 and self.in_place:
+                    into = codecs.as_bytes(lane)
+                else:
+                    k = (i * self.lanes + j) % (n * self.lanes)
+                    into = codecs.as_bytes(self._stage(k))[:size]
+                self.recv.land(Kind.SYNC, step, self._frame(i, j), into)
 
-    def _stage(self, k: int, size: int) -> torch.Tensor:
+    def _stage(self, k: int) -> torch.Tensor:
         while len(self._staged) <= k:
             self._staged.append(torch.empty(0, dtype=torch.uint8))
-        if self._staged[k].numel() < size:
-            self._staged[k] = torch.empty(max(_payload(self.codec, b - a)
-                                              for a, b in self.chunks), dtype=torch.uint8)
+        if not self._staged[k].numel():
+            self._staged[k] = torch.empty(self.max_payload, dtype=torch.uint8)
         return self._staged[k]
 
     def reduce_(self, step: int, timeout: float,
@@ -171,13 +201,17 @@ class Ring:
         """The group's mean of each of ``tensors`` (in this order on every replica), held in
         this ring's buffer until :meth:`put_back`: the tensors keep this member's own part.
         Returns the bytes this replica sent and the seconds it took (its wait for the group
-        included)."""
+        included).
+
+        Each chunk crosses in lanes, and each lane goes on as soon as it has come and been
+        summed (or taken), so the rounds overlap: a member sums lane j while lane j+1
+        arrives and lane j-1 leaves, instead of waiting for a whole chunk each round."""
         t0 = time.perf_counter()
         sent0 = self.sent()
         n = self.replicas
         own = [t.reshape(-1) for t in tensors] + [self._pad]
         # Exact, the tensors need no copy in: the first round sends this member's part from
-        # them and each chunk it receives is summed with its part into the buffer. The
+        # them and each lane it receives is summed with its part into the buffer. The
         # tensors are never written, so they keep this member's part (for a redo).
         if not (self.in_place and n > 1 and all(t.dtype == torch.float32 for t in own)):
             off = 0
@@ -185,19 +219,58 @@ class Ring:
                 self.flat[off:off + t.numel()].copy_(t)
                 off += t.numel()
             own = []
+        if n < 2:
+            return 0, time.perf_counter() - t0
+        assert self.send is not None and self.recv is not None
         self.expect(step)
-        for i, out in enumerate(ring_chunks_sent(self.rank, n) if n > 1 else []):
-            # Round i receives the chunk the previous replica sends in it: reduce-scatter
-            # sums those into ours, all-gather takes them as they are. The all-gather's first
-            # round sends the chunk this member summed: first its mean, as sent.
-            coded = self._settle(out) if i == n - 1 else None
-            self._exchange(step, self.base + i, out, (out - 1) % n, timeout, add=i < n - 1,
-                           coded=coded, own=own if i < n - 1 else None)
+        sent = ring_chunks_sent(self.rank, n)
+        for j in range(self.lanes):
+            self._send(step, 0, sent[0], j, own)
+        for i, out in enumerate(sent):
+            into = (out - 1) % n  # (round i receives the chunk the previous replica sends)
+            for j in range(self.lanes):
+                lane = self._lane(into, j)
+                _, got = self.recv.recv_tensor(Kind.SYNC, step, self._frame(i, j), timeout,
+                                               lane.device, tuple(lane.shape))
+                coded = None
+                if i < n - 1:  # reduce-scatter: sum it into ours
+                    if own:
+                        for at, piece in self._own(own, into, j):
+                            torch.add(piece, got[at:at + piece.numel()],
+                                      out=lane[at:at + piece.numel()])
+                    else:
+                        lane.add_(got)
+                    if i == n - 2:  # (ours to hand round: first its mean, as sent)
+                        coded = self._settle(lane)
+                elif got.numel() and got.data_ptr() != lane.data_ptr():  # (not landed)
+                    lane.copy_(got)  # all-gather: take it
+                if i + 1 < len(sent):  # (what came in round i goes out in round i+1)
+                    self._send(step, i + 1, into, j, None, coded)
+        # Nothing may still be leaving from the buffer or the tensors once this returns.
+        self.send.flush(timeout)
         return self.sent() - sent0, time.perf_counter() - t0
 
-    def _own(self, own: list[torch.Tensor], i: int) -> list[tuple[int, torch.Tensor]]:
-        """The pieces of the tensors that chunk ``i`` covers, with their offsets in it."""
-        a, b = self.chunks[i % self.replicas]
+    def _send(self, step: int, i: int, c: int, j: int, own: list[torch.Tensor] | None,
+              coded: list[memoryview] | None = None) -> None:
+        """Lane ``j`` of chunk ``c`` as round ``i``'s frame: ``coded`` as given, the first
+        round's from the tensors (``own``), else from the buffer."""
+        assert self.send is not None
+        lane, frame = self._lane(c, j), self._frame(i, j)
+        if coded is not None:
+            self.send.send_coded(Kind.SYNC, step, frame, tuple(lane.shape), self.codec, coded,
+                                 coded)
+        elif own:
+            pieces = [p for _, p in self._own(own, c, j)]
+            self.send.send_coded(Kind.SYNC, step, frame, tuple(lane.shape), FP32,
+                                 [codecs.as_bytes(p) for p in pieces], pieces)
+        else:  # (an empty lane, fewer blocks than lanes, crosses as fp32: no rows to scale)
+            self.send.send_tensor(Kind.SYNC, step, frame, lane,
+                                  self.codec if lane.numel() else FP32)
+
+    def _own(self, own: list[torch.Tensor], c: int, j: int) -> list[tuple[int, torch.Tensor]]:
+        """The pieces of the tensors that lane ``j`` of chunk ``c`` covers, with their
+        offsets in it."""
+        a, b = self._lanes[c % self.replicas][j]
         pieces, off = [], 0
         for t in own:
             lo, hi = max(a, off), min(b, off + t.numel())
@@ -208,17 +281,16 @@ class Ring:
                 break
         return pieces
 
-    def _settle(self, i: int) -> list[memoryview] | None:
-        """The chunk this member summed becomes the group's mean (one division, by the
-        member that summed it, as one process divides the sum); under a lossy codec, the mean
-        as the others will decode it (coded here once, and sent as coded), so every member
+    def _settle(self, lane: torch.Tensor) -> list[memoryview] | None:
+        """A lane this member summed becomes the group's mean (one division, by the member
+        that summed it, as one process divides the sum); under a lossy codec, the mean as
+        the others will decode it (coded here once, and sent as coded), so every member
         holds the same bytes: data parallel's replicas stay one model."""
-        chunk = self._chunk(i)
-        chunk.div_(self.replicas)
-        if self.codec.exact or chunk.numel() == 0:
+        lane.div_(self.replicas)
+        if self.codec.exact or lane.numel() == 0:
             return None
-        bufs = self.codec.encode(chunk)
-        chunk.copy_(self.codec.decode(bytearray().join(bufs), tuple(chunk.shape), chunk.device))
+        bufs = self.codec.encode(lane)
+        lane.copy_(self.codec.decode(bytearray().join(bufs), tuple(lane.shape), lane.device))
         return bufs
 
     def put_back(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -246,44 +318,6 @@ class Ring:
         if self.send is not None:
             self.send.flush(timeout)
         return self.sent() - sent0, time.perf_counter() - t0, heard
-
-    def _chunk(self, i: int) -> torch.Tensor:
-        a, b = self.chunks[i % self.replicas]
-        return self.flat[a:b]
-
-    def _exchange(self, step: int, round_: int, out: int, into: int, timeout: float,
-                  add: bool, coded: list[memoryview] | None = None,
-                  own: list[torch.Tensor] | None = None) -> None:
-        """One round: send chunk ``out``, receive chunk ``into`` and add it to this member's
-        (``add``) or take it. With ``own`` (an exact reduce-scatter) this member's
-        part is read from the tensors, not the buffer: the first round sends it from them,
-        and each chunk received is summed with it into the buffer."""
-        assert self.send is not None and self.recv is not None
-        chunk = self._chunk(out)
-        if coded is not None:
-            self.send.send_coded(Kind.SYNC, step, round_, tuple(chunk.shape), self.codec, coded,
-                                 coded)
-        elif own and round_ == self.base:
-            pieces = [p for _, p in self._own(own, out)]
-            self.send.send_coded(Kind.SYNC, step, round_, tuple(chunk.shape), FP32,
-                                 [codecs.as_bytes(p) for p in pieces], pieces)
-        else:  # (an empty chunk, fewer blocks than members, crosses as fp32: no rows to scale)
-            self.send.send_tensor(Kind.SYNC, step, round_, chunk,
-                                  self.codec if chunk.numel() else FP32)
-        target = self._chunk(into)
-        _, got = self.recv.recv_tensor(Kind.SYNC, step, round_, timeout, target.device,
-                                       tuple(target.shape))
-        # The chunk sent may still be going out from the buffer itself (an fp32 frame is
-        # written from the tensor's memory): let it leave before the buffer changes.
-        self.send.flush(timeout)
-        if own:
-            for at, piece in self._own(own, into):
-                torch.add(piece, got[at:at + piece.numel()],
-                          out=target[at:at + piece.numel()])
-        elif add:
-            target.add_(got)
-        elif got.numel() and got.data_ptr() != target.data_ptr():  # (not landed in place)
-            target.copy_(got)
 
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: the last layers' gradients go out early
@@ -316,9 +350,9 @@ class GradientAverage:
                  device: torch.device, bucket_bytes: int) -> None:
         self.params = list(params)
         self.buckets = buckets_of([p.numel() for p in self.params], bucket_bytes)
-        rounds = 2 * (replicas - 1)
         self.rings = [Ring([self.params[i].numel() for i in b], send, recv, rank, replicas,
-                           codec, device, base=k * rounds) for k, b in enumerate(self.buckets)]
+                           codec, device) for b in self.buckets]
+        self._number()
         self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         self._armed = False  # for this step's last backward
         self._ready = [0] * len(self.buckets)
@@ -346,10 +380,16 @@ class GradientAverage:
 
     def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
                replicas: int) -> None:
-        rounds = 2 * (replicas - 1)
-        for k, ring in enumerate(self.rings):
+        for ring in self.rings:
             ring.rewire(send, recv, rank, replicas)
-            ring.base = k * rounds
+        self._number()
+
+    def _number(self) -> None:
+        """Each bucket's frames numbered after those of the buckets before it."""
+        base = 0
+        for ring in self.rings:
+            ring.base = base
+            base += ring.frames
 
     def arm(self, step: int, timeout: float) -> None:
         """The next backward is the step's last: send each bucket as it completes."""

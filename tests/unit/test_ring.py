@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm_core.config.schemas import SyncConfig
-from swarm_core.pipeline import codecs
+from swarm_core.pipeline import codecs, sync
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.sync import Ring
@@ -47,7 +47,8 @@ def _all_reduce(tensors: list[list[torch.Tensor]], compression: str, steps: int 
             ring = Ring([t.numel() for t in mine], links[2 * r], links[2 * ((r - 1) % n) + 1],
                         r, n, codec, torch.device("cpu"))
             for step in range(steps):
-                ring.reduce_(step, 10.0, mine)
+                sent, _ = ring.reduce_(step, 10.0, mine)
+                assert sent == ring.expected_bytes(), "it sent what the spec expects"
                 ring.confirm(step, 10.0)
                 # (what it was given is left as it was: a broken ring redoes from it)
                 for t, orig in zip(mine, tensors[r], strict=True):
@@ -97,14 +98,32 @@ def test_every_member_ends_with_the_same_mean(replicas, compression, tol):
             assert torch.equal(t, (tensors[0][i] + tensors[1][i]) / 2)
 
 
-@pytest.mark.parametrize("compression, tol", [("none", 1e-6), ("int8_b64", 2e-2)])
-def test_a_member_that_lags_gets_every_chunk_intact(compression, tol):
+@pytest.mark.parametrize("lane_bytes", [None, 256])
+@pytest.mark.parametrize("compression, tol", [("none", 1e-6), ("int8", 2e-2),
+                                              ("int8_b64", 2e-2)])
+def test_a_member_that_lags_gets_every_chunk_intact(monkeypatch, compression, tol,
+                                                    lane_bytes):
     """Frames are read straight into where they go (the buffer, or buffers kept for the
-    run), set before they arrive. A member that dawdles over each chunk lets the others run
-    rounds ahead of it; what they send meanwhile must not land over a chunk it has yet to
-    use, in any round of a ring of four, step after step."""
+    run), set before they arrive, and each lane of a chunk goes on as soon as it is summed.
+    A member that dawdles over each frame lets the others run rounds ahead of it; what they
+    send meanwhile must not land over a lane it has yet to use, in any round of a ring of
+    four, step after step, a chunk in one frame or in several lanes."""
+    if lane_bytes:
+        monkeypatch.setattr(sync, "LANE_BYTES", lane_bytes)
     gen = torch.Generator().manual_seed(1)
     tensors = [[torch.randn(64, 9, generator=gen), torch.randn(500, generator=gen)]
                for _ in range(4)]
-    got = _all_reduce(tensors, compression, steps=3, slow=0.03)
+    got = _all_reduce(tensors, compression, steps=3, slow=0.01)
     _check_means(tensors, got, compression, tol)
+
+
+def test_lanes_sum_to_the_bit_what_one_frame_does(monkeypatch):
+    """A chunk in lanes is the same sum, divided once, as in one frame: to the bit."""
+    gen = torch.Generator().manual_seed(2)
+    tensors = [[torch.randn(257, generator=gen), torch.randn(40, 3, generator=gen)]
+               for _ in range(2)]
+    monkeypatch.setattr(sync, "LANE_BYTES", 100)
+    assert sync.lane_count(sync.chunk_bounds(257 + 120, 2), 1) > 1
+    got = _all_reduce(tensors, "none")
+    for i, t in enumerate(got[0]):
+        assert torch.equal(t, (tensors[0][i] + tensors[1][i]) / 2)
