@@ -8,7 +8,8 @@ replica r sends to r+1 and receives from r-1. The gradients, flattened into one 
 into R chunks; R-1 rounds of reduce-scatter leave each replica the sum of one chunk, R-1 rounds
 of all-gather hand every sum round, so each replica sends 2(R-1)/R of the buffer a step, the
 least a ring can. Each chunk crosses coded by the group's codec (``training.sync.compression``),
-and what arrives is summed in float32 after decoding.
+in lanes of a few MiB that each go on as soon as they are summed, and what arrives is summed
+in float32 after decoding.
 
 A result is applied only once every member has it: after the last round, R-1 rounds of a
 four-byte frame carry each member's "finished" around the ring (the confirmation). A member
