@@ -118,8 +118,8 @@ class Ring:
         # One buffer for the run: a fresh one each step costs page faults (see heap.py).
         self.flat = torch.zeros(n, dtype=torch.float32, device=device)
         self._pad = torch.zeros(n - sum(sizes), dtype=torch.float32, device=device)
-        # Exact (fp32) on the CPU, the all-gather's lanes land in the buffer itself (see
-        # expect), and float32 tensors are read as given (see reduce_).
+        # Exact (fp32) on the CPU, every frame lands in its place in the buffer (see
+        # expect), and the tensors are read as given, never copied in (see reduce_).
         self.in_place = codec.exact and self.flat.device.type == "cpu"
         self.rewire(send, recv, rank, replicas)
 
@@ -148,7 +148,6 @@ class Ring:
         self.lanes = lane_count(chunks, self.align)
         self._lanes = [[(a + x, a + y) for x, y in chunk_bounds(b - a, self.lanes, self.align)]
                        for a, b in chunks]
-        self._staged: list[torch.Tensor] = []  # lanes not landed in place land here, in turn
         self._landed = -1  # the step whose frames have their landings set
 
     def sent(self) -> int:
@@ -162,40 +161,25 @@ class Ring:
         return self.flat[a:b]
 
     def expect(self, step: int) -> None:
-        """Have the frames of step ``step``'s all-reduce read straight into where they go,
-        before they arrive (see :meth:`PeerLink.land`): the all-gather's into the buffer
-        (when exact), the others into one of R x lanes buffers kept for the run, in turn.
-        Set ahead of a frame, a landing is written only by that frame, and its memory is
-        free by then. Each member passes lane j of round i on once it is done with lane j
-        of round i-1, so the previous member's (i, j) needs this member's (i-R+1, j) sent,
-        which it sent once done with (i-R, j) and every frame before: that one's buffer is
-        free. An all-gather lane comes only once every member's part of it is summed, this
-        member's (read from that part of the buffer, or from the tensors) included: that
-        part of the buffer is free."""
+        """An exact ring on the CPU: have step ``step``'s frames read straight into their
+        lanes of the buffer (see :meth:`PeerLink.land`), set before they can come (a data
+        parallel step's when its last backward is armed, once the step before has let go of
+        the buffer). A lane's memory is free when its frame comes: a reduce-scatter lane is
+        this member's to sum into only once it has come (this member's part is read from the
+        tensors, never from the buffer); an all-gather lane comes only once every member's
+        part of it is summed, this member's included (sent from that part of the buffer, or
+        from the tensors, before any later round's frame can be under way to it)."""
         n = self.replicas
-        if n < 2 or self.recv is None or self.flat.device.type != "cpu" or \
-                self._landed == step:
+        if n < 2 or self.recv is None or not self.in_place or self._landed == step:
             return
         self._landed = step
+        into = {}
         for i, out in enumerate(ring_chunks_sent(self.rank, n)):
             for j in range(self.lanes):
                 lane = self._lane(out - 1, j)
-                size = _payload(self.codec, lane.numel())
-                if not size:
-                    continue
-                if i >= n - 1 and self.in_place:
-                    into = codecs.as_bytes(lane)
-                else:
-                    k = (i * self.lanes + j) % (n * self.lanes)
-                    into = codecs.as_bytes(self._stage(k))[:size]
-                self.recv.land(Kind.SYNC, step, self._frame(i, j), into)
-
-    def _stage(self, k: int) -> torch.Tensor:
-        while len(self._staged) <= k:
-            self._staged.append(torch.empty(0, dtype=torch.uint8))
-        if not self._staged[k].numel():
-            self._staged[k] = torch.empty(self.max_payload, dtype=torch.uint8)
-        return self._staged[k]
+                if lane.numel():
+                    into[self._frame(i, j)] = codecs.as_bytes(lane)
+        self.recv.land(Kind.SYNC, step, into)
 
     def reduce_(self, step: int, timeout: float,
                 tensors: Sequence[torch.Tensor]) -> tuple[int, float]:
@@ -210,11 +194,19 @@ class Ring:
         t0 = time.perf_counter()
         sent0 = self.sent()
         n = self.replicas
-        own = [t.reshape(-1) for t in tensors] + [self._pad]
         # Exact, the tensors need no copy in: the first round sends this member's part from
         # them and each lane it receives is summed with its part into the buffer. The
         # tensors are never written, so they keep this member's part (for a redo).
-        if not (self.in_place and n > 1 and all(t.dtype == torch.float32 for t in own)):
+        direct = self.in_place and n > 1
+        own = [t.reshape(-1) for t in tensors]
+        if direct:
+            own = [t if t.dtype == torch.float32 else t.float() for t in own]
+            lo = self.flat.data_ptr()
+            hi = lo + 4 * self.flat.numel()
+            if any(lo <= t.data_ptr() < hi for t in own):  # (frames land in the buffer)
+                raise RuntimeError("the ring's tensors are views of its own buffer")
+        own.append(self._pad)
+        if not direct:
             off = 0
             for t in own:
                 self.flat[off:off + t.numel()].copy_(t)
@@ -234,16 +226,20 @@ class Ring:
                 _, got = self.recv.recv_tensor(Kind.SYNC, step, self._frame(i, j), timeout,
                                                lane.device, tuple(lane.shape))
                 coded = None
+                landed = got.numel() and got.data_ptr() == lane.data_ptr()
                 if i < n - 1:  # reduce-scatter: sum it into ours
                     if own:
                         for at, piece in self._own(own, into, j):
-                            torch.add(piece, got[at:at + piece.numel()],
-                                      out=lane[at:at + piece.numel()])
+                            part = lane[at:at + piece.numel()]
+                            if landed:  # (got + own: the same sum, to the bit)
+                                part.add_(piece)
+                            else:
+                                torch.add(piece, got[at:at + piece.numel()], out=part)
                     else:
                         lane.add_(got)
                     if i == n - 2:  # (ours to hand round: first its mean, as sent)
                         coded = self._settle(lane)
-                elif got.numel() and got.data_ptr() != lane.data_ptr():  # (not landed)
+                elif not landed:
                     lane.copy_(got)  # all-gather: take it
                 if i + 1 < len(sent):  # (what came in round i goes out in round i+1)
                     self._send(step, i + 1, into, j, None, coded)

@@ -115,6 +115,7 @@ class PeerLink:
         # Where a frame's payload is to be read straight into (see land), by (kind, step,
         # micro-batch): written by the owner, taken by the receiver thread.
         self._landing: dict[tuple[Kind, int, int], memoryview] = {}
+        self.landed = 0  # frames read into a landing
         self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
         self.peer_closed = False  # the far end closed it (its process ended, or it let go)
         self.pulse_bytes = 0  # and its pulses' (not data: kept out of the per-step wire bytes)
@@ -289,15 +290,17 @@ class PeerLink:
             self.last_progress = self._last_write
 
     # receiving -------------------------------------------------------------------------------
-    def land(self, kind: Kind, step: int, micro_batch: int, into: memoryview) -> None:
-        """Read that frame's payload straight into ``into``, if it has exactly that length
-        and has not begun to arrive: ``recv`` then returns ``into`` as the payload. Saves a
-        buffer allocated, faulted in and copied out of for each frame of megabytes (a ring's
-        chunk). ``into`` must not be in use from when the frame may arrive; a landing whose
-        frame came before it was set (or is never sent) is dropped with the next step's."""
-        for key in [k for k in self._landing if k[1] < step]:
+    def land(self, kind: Kind, step: int, into: dict[int, memoryview]) -> None:
+        """Read the payloads of step ``step``'s frames of ``kind`` straight into ``into``
+        (by micro-batch), each if it has exactly that length and has not begun to arrive:
+        ``recv`` then returns that memoryview as the payload. Saves a buffer allocated,
+        faulted in and copied out of for each frame of megabytes (a ring's chunks). Each
+        must not be in use from when its frame may arrive. The landings of earlier steps
+        still set (a frame that came before its landing, or never came) are dropped."""
+        # (a snapshot: the receiver thread takes landings meanwhile)
+        for key in [k for k in list(self._landing) if k[1] < step]:
             self._landing.pop(key, None)
-        self._landing[(kind, step, micro_batch)] = into
+        self._landing.update({(kind, step, mb): view for mb, view in into.items()})
 
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -342,6 +345,7 @@ class PeerLink:
                 if into is not None and len(into) == header.payload_len:
                     self._read_into(into)
                     payload = into
+                    self.landed += 1
                 else:
                     payload = self._read_exact(header.payload_len)
                 check_payload(header, payload)

@@ -166,30 +166,42 @@ def test_a_send_returns_before_its_bytes_have_left():
 
 def test_a_frame_lands_where_its_owner_said_or_in_a_buffer_of_its_own():
     """A landing set before a frame arrives gets its payload read straight into it (the
-    ring's chunks: no buffer of megabytes per frame); one of another length, or for a frame
-    that already came, is left alone and the frame arrives in a buffer of its own. A landing
-    left from an earlier step is dropped when a later one is set."""
+    ring's chunks: no buffer of megabytes per frame); one of another length, or set for a
+    frame that already came, is left alone and the frame arrives in a buffer of its own.
+    Landings left from an earlier step are dropped when a later step's are set."""
     left, right, _, _ = _pair(None, tcp=True)
     x = torch.randn(300, 1024)
-    into = torch.zeros(300, 1024)
+    into, late = torch.zeros(300, 1024), torch.zeros(300, 1024)
     wrong = torch.zeros(10)
+
+    def view(t: torch.Tensor) -> memoryview:
+        return memoryview(t.numpy()).cast("B")
+
     try:
-        right.land(Kind.ACT, 1, 0, memoryview(into.numpy()).cast("B"))
-        right.land(Kind.ACT, 1, 1, memoryview(wrong.numpy()).cast("B"))
-        right.land(Kind.ACT, 1, 5, memoryview(wrong.numpy()).cast("B"))  # (never sent)
+        left.send_tensor(Kind.ACT, 1, 2, x, FP32_WIRE)  # (before its landing is set)
+        deadline = time.monotonic() + 10
+        while not right.ready(Kind.ACT) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        right.land(Kind.ACT, 1, {0: view(into), 1: view(wrong), 2: view(late),
+                                 5: view(wrong)})  # (5: never sent)
         for i in range(2):
             left.send_tensor(Kind.ACT, 1, i, x, FP32_WIRE)
+        _, early = right.recv_tensor(Kind.ACT, 1, 2, timeout=10)
         _, landed = right.recv_tensor(Kind.ACT, 1, 0, timeout=10)
         _, own = right.recv_tensor(Kind.ACT, 1, 1, timeout=10)
-        right.land(Kind.ACT, 2, 0, memoryview(wrong.numpy()).cast("B"))
+        assert sorted(k[2] for k in right._landing) == [2, 5]  # (2 came first; 5 never)
+        right.land(Kind.ACT, 2, {0: view(wrong)})
         left.flush(5)
     finally:
         left.close()
         right.close()
     assert torch.equal(into, x) and landed.data_ptr() == into.data_ptr()
-    assert torch.equal(own, x) and own.data_ptr() != into.data_ptr()
-    assert torch.equal(wrong, torch.zeros(10))
-    assert list(right._landing) == [(Kind.ACT, 2, 0)]  # (step 1's unused one dropped)
+    assert right.landed == 1
+    for got in (early, own):
+        assert torch.equal(got, x) and got.data_ptr() not in (into.data_ptr(),
+                                                              late.data_ptr())
+    assert torch.equal(wrong, torch.zeros(10)) and torch.equal(late, torch.zeros(300, 1024))
+    assert list(right._landing) == [(Kind.ACT, 2, 0)]  # (step 1's left ones dropped)
 
 
 def test_latency_delays_without_cutting_throughput():

@@ -3,6 +3,7 @@ socket pairs (the frames, codecs and checks a fellow's ring uses)."""
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ from swarm_core.config.schemas import SyncConfig
 from swarm_core.pipeline import codecs, sync
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.links import LinkShaper
-from swarm_core.pipeline.sync import Ring
+from swarm_core.pipeline.sync import GradientAverage, Ring
 from swarm_core.pipeline.transport import PeerLink
 
 
@@ -127,3 +128,63 @@ def test_lanes_sum_to_the_bit_what_one_frame_does(monkeypatch):
     got = _all_reduce(tensors, "none")
     for i, t in enumerate(got[0]):
         assert torch.equal(t, (tensors[0][i] + tensors[1][i]) / 2)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("compression", ["none", "int8_b64"])
+def test_data_parallel_buckets_land_in_place_and_agree(monkeypatch, replicas, compression):
+    """Data parallel as a stage runs it: several buckets over the same two links, their
+    landings set when the last backward is armed, members a little out of step with each
+    other. Every member commits the same mean into its gradients, step after step; an exact
+    ring reads its frames straight into its buffer (those that come after their landing is
+    set), a lossy one each into a buffer of its own (its frames are coded)."""
+    monkeypatch.setattr(sync, "LANE_BYTES", 64)
+    codec = codecs.WireCodec.of_sync(SyncConfig(compression=compression))
+    n, steps, sizes = replicas, 3, [50, 30, 70, 20, 90, 10]
+    gen = torch.Generator().manual_seed(3)
+    inputs = [[[torch.randn(k, generator=gen) for k in sizes] for _ in range(steps)]
+              for _ in range(n)]
+    pairs = [socket.socketpair() for _ in range(n)]
+    links = [PeerLink(s, LinkShaper(), 0, f"end {i}", receives={Kind.SYNC})
+             for i, s in enumerate(s for pair in pairs for s in pair)]
+    got: list[list[list[torch.Tensor]]] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def member(r: int) -> None:
+        try:
+            skew = random.Random(r)
+            params = [torch.nn.Parameter(torch.zeros(k)) for k in sizes]
+            avg = GradientAverage(params, links[2 * r], links[2 * ((r - 1) % n) + 1], r, n,
+                                  codec, torch.device("cpu"), 256)
+            assert len(avg.buckets) > 2
+            for step in range(steps):
+                for p in params:
+                    p.grad = None
+                time.sleep(skew.random() * 0.02)
+                avg.arm(step, 10.0)
+                sum((p * x).sum() for p, x in zip(params, inputs[r][step], strict=True)) \
+                    .backward()
+                time.sleep(skew.random() * 0.02)
+                avg.after_backward(step, 10.0)
+                got[r].append([p.grad.clone() for p in params])
+            avg.close()
+        except BaseException as exc:  # (raised in the test's thread below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for link in links:
+        link.close()
+    assert not errors, errors
+    tol = 1e-6 if compression == "none" else 2e-2
+    for step in range(steps):
+        _check_means([inputs[r][step] for r in range(n)], [got[r][step] for r in range(n)],
+                     compression, tol)
+    landed = sum(link.landed for link in links)
+    if compression == "none":
+        assert landed > 0
+    else:
+        assert landed == 0
