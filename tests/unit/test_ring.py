@@ -7,6 +7,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +20,34 @@ from swarm_core.pipeline.sync import GradientAverage, Ring
 from swarm_core.pipeline.transport import PeerLink
 
 
+def _links(n: int) -> list[PeerLink]:
+    """A ring of n members' links: 2r is member r's to r+1, 2r+1 member r+1's from r."""
+    pairs = [socket.socketpair() for _ in range(n)]
+    return [PeerLink(s, LinkShaper(), 0, f"end {i}", receives={Kind.SYNC})
+            for i, s in enumerate(s for pair in pairs for s in pair)]
+
+
+def _run_members(member: Callable[[int], None], links: list[PeerLink]) -> None:
+    """``member(r)`` for each member, each on a thread of its own; then the links closed,
+    and what any member raised raised here."""
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            member(r)
+        except BaseException as exc:  # (raised in the test's thread below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(links) // 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for link in links:
+        link.close()
+    assert not errors, errors
+
+
 def _all_reduce(tensors: list[list[torch.Tensor]], compression: str, steps: int = 1,
                 slow: float = 0.0) -> list[list[torch.Tensor]]:
     """Each member's tensors after ``steps`` all-reduces around a ring of len(tensors)
@@ -26,9 +55,7 @@ def _all_reduce(tensors: list[list[torch.Tensor]], compression: str, steps: int 
     after each frame it receives, before it uses it, so the others run ahead of it."""
     n = len(tensors)
     codec = codecs.WireCodec.of_sync(SyncConfig(compression=compression))
-    pairs = [socket.socketpair() for _ in range(n)]  # pair r: member r -> member r+1
-    links = [PeerLink(s, LinkShaper(), 0, f"end {i}", receives={Kind.SYNC})
-             for i, s in enumerate(s for pair in pairs for s in pair)]
+    links = _links(n)
     if slow:
         link = links[2 * (n - 1) + 1]  # (member 0's from the last)
         plain = link.recv_tensor
@@ -40,34 +67,23 @@ def _all_reduce(tensors: list[list[torch.Tensor]], compression: str, steps: int 
 
         link.recv_tensor = dawdling  # type: ignore[method-assign]
     out: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    errors: list[BaseException] = []
 
     def member(r: int) -> None:
-        try:
-            mine = [t.clone() for t in tensors[r]]
-            ring = Ring([t.numel() for t in mine], links[2 * r], links[2 * ((r - 1) % n) + 1],
-                        r, n, codec, torch.device("cpu"))
-            for step in range(steps):
-                sent, _ = ring.reduce_(step, 10.0, mine)
-                assert sent == ring.expected_bytes(), "it sent what the spec expects"
-                ring.confirm(step, 10.0)
-                # (what it was given is left as it was: a broken ring redoes from it)
-                for t, orig in zip(mine, tensors[r], strict=True):
-                    assert torch.equal(t, orig), "the ring wrote into its member's tensors"
-            got = [torch.empty_like(t) for t in mine]
-            ring.put_back(got)
-            out[r] = got
-        except BaseException as exc:  # (raised in the test's thread below)
-            errors.append(exc)
+        mine = [t.clone() for t in tensors[r]]
+        ring = Ring([t.numel() for t in mine], links[2 * r], links[2 * ((r - 1) % n) + 1],
+                    r, n, codec, torch.device("cpu"))
+        for step in range(steps):
+            sent, _ = ring.reduce_(step, 10.0, mine)
+            assert sent == ring.expected_bytes(), "it sent what the spec expects"
+            ring.confirm(step, 10.0)
+            # (what it was given is left as it was: a broken ring redoes from it)
+            for t, orig in zip(mine, tensors[r], strict=True):
+                assert torch.equal(t, orig), "the ring wrote into its member's tensors"
+        got = [torch.empty_like(t) for t in mine]
+        ring.put_back(got)
+        out[r] = got
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for link in links:
-        link.close()
-    assert not errors, errors
+    _run_members(member, links)
     return out
 
 
@@ -144,41 +160,27 @@ def test_data_parallel_buckets_land_in_place_and_agree(monkeypatch, replicas, co
     gen = torch.Generator().manual_seed(3)
     inputs = [[[torch.randn(k, generator=gen) for k in sizes] for _ in range(steps)]
               for _ in range(n)]
-    pairs = [socket.socketpair() for _ in range(n)]
-    links = [PeerLink(s, LinkShaper(), 0, f"end {i}", receives={Kind.SYNC})
-             for i, s in enumerate(s for pair in pairs for s in pair)]
+    links = _links(n)
     got: list[list[list[torch.Tensor]]] = [[] for _ in range(n)]
-    errors: list[BaseException] = []
 
     def member(r: int) -> None:
-        try:
-            skew = random.Random(r)
-            params = [torch.nn.Parameter(torch.zeros(k)) for k in sizes]
-            avg = GradientAverage(params, links[2 * r], links[2 * ((r - 1) % n) + 1], r, n,
-                                  codec, torch.device("cpu"), 256)
-            assert len(avg.buckets) > 2
-            for step in range(steps):
-                for p in params:
-                    p.grad = None
-                time.sleep(skew.random() * 0.02)
-                avg.arm(step, 10.0)
-                sum((p * x).sum() for p, x in zip(params, inputs[r][step], strict=True)) \
-                    .backward()
-                time.sleep(skew.random() * 0.02)
-                avg.after_backward(step, 10.0)
-                got[r].append([p.grad.clone() for p in params])
-            avg.close()
-        except BaseException as exc:  # (raised in the test's thread below)
-            errors.append(exc)
+        skew = random.Random(r)
+        params = [torch.nn.Parameter(torch.zeros(k)) for k in sizes]
+        avg = GradientAverage(params, links[2 * r], links[2 * ((r - 1) % n) + 1], r, n,
+                              codec, torch.device("cpu"), 256)
+        assert len(avg.buckets) > 2
+        for step in range(steps):
+            for p in params:
+                p.grad = None
+            time.sleep(skew.random() * 0.02)
+            avg.arm(step, 10.0)
+            sum((p * x).sum() for p, x in zip(params, inputs[r][step], strict=True)).backward()
+            time.sleep(skew.random() * 0.02)
+            avg.after_backward(step, 10.0)
+            got[r].append([p.grad.clone() for p in params])
+        avg.close()
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for link in links:
-        link.close()
-    assert not errors, errors
+    _run_members(member, links)
     tol = 1e-6 if compression == "none" else 2e-2
     for step in range(steps):
         _check_means([inputs[r][step] for r in range(n)], [got[r][step] for r in range(n)],
