@@ -92,15 +92,22 @@ class Liveness:
 
     def _stopped(self, job: JobRecord, now: float) -> bool:
         """Whether every fellow a recovery stopped said so in a heartbeat since (runs no cell
-        of the job), or is gone: then it need not wait out the heartbeat timeout. A fellow
-        that is still stopping (its stage thread winding down) is waited for, not blamed."""
+        of the job), or is gone (removed, stale, or left): then it need not wait out the
+        heartbeat timeout. A fellow that is still stopping (its stage thread winding down) is
+        waited for, not blamed. So is one a restarted leader has yet to hear from (offline),
+        or has heard only register: what it runs comes with its heartbeat, and a resume
+        before it would start the new attempt on a fellow still running the old one."""
         assert job.recovering is not None
         since = job.recovering.since
         for fid in dict.fromkeys(job.fellows):
             rec = self.registry.find(fid)
-            if rec is None or not self.registry.status(rec, now).live:
+            if rec is None:
                 continue
-            if rec.last_seen is None or rec.last_seen <= since \
+            status = self.registry.status(rec, now)
+            if status is FellowStatus.STALE or status.left:
+                continue
+            if status is FellowStatus.OFFLINE or rec.last_beat is None \
+                    or rec.last_beat <= since \
                     or any(c.job_id == job.job_id for c in rec.running):
                 return False
         return True

@@ -53,6 +53,8 @@ class FellowRecord:
     session: str = attrs.field(default="", metadata={"transient": True})
     assigned_job: str | None = attrs.field(default=None, metadata={"transient": True})
     last_seen: float | None = attrs.field(default=None, metadata={"transient": True})
+    # Its last heartbeat's (not its registration's): only a heartbeat says what it runs.
+    last_beat: float | None = attrs.field(default=None, metadata={"transient": True})
     step_changed: float | None = attrs.field(default=None, metadata={"transient": True})
     next_seq: int = attrs.field(default=1, metadata={"transient": True})
     pending: list[Signal] = attrs.field(factory=list, metadata={"transient": True})
@@ -232,6 +234,7 @@ class FellowRegistry:
         rec.current_step, rec.last_loss = hb.current_step, hb.last_loss
         rec.tokens_per_s, rec.counters, rec.link = hb.tokens_per_s, hb.counters, hb.link
         rec.last_seen, rec.last_heartbeat = now_mono, time.time()
+        rec.last_beat = now_mono
         rec.running = list(hb.running)
         # Signals up to the fellow's signal_seq are applied; forget them.
         rec.pending = [s for s in rec.pending if s.seq > hb.signal_seq]
