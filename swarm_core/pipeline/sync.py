@@ -78,13 +78,10 @@ def ring_chunks_sent(rank: int, replicas: int) -> list[int]:
 def ring_payload_bytes(n: int, replicas: int, codec: WireCodec, rank: int = 0) -> tuple[int, int]:
     """(frames, payload bytes) replica ``rank`` sends in one all-reduce of ``n`` elements
     (a multiple of the codec's block: see :class:`Ring`)."""
-    align = codec.block or 1
-    chunks = chunk_bounds(n, replicas, align)
-    lanes = lane_count(chunks, align)
+    lanes = lane_bounds(n, replicas, codec.block or 1)
     sent = ring_chunks_sent(rank, replicas) if replicas > 1 else []
-    return len(sent) * lanes, sum(_payload(codec, b - a) for c in sent
-                                  for a, b in chunk_bounds(chunks[c][1] - chunks[c][0], lanes,
-                                                           align))
+    return len(sent) * len(lanes[0]), sum(_payload(codec, b - a) for c in sent
+                                          for a, b in lanes[c])
 
 
 LANE_BYTES = 4 << 20
@@ -96,6 +93,14 @@ def lane_count(chunks: Sequence[tuple[int, int]], align: int) -> int:
     arrive, rather than a whole chunk after the whole chunk (see :meth:`Ring.reduce_`)."""
     size = max(b - a for a, b in chunks)
     return max(1, min(size // align, -(-size * 4 // LANE_BYTES)))
+
+
+def lane_bounds(n: int, replicas: int, align: int) -> list[list[tuple[int, int]]]:
+    """``[start, stop)`` in the buffer of each chunk's lanes (the same count for every
+    chunk, whole blocks of ``align``)."""
+    chunks = chunk_bounds(n, replicas, align)
+    lanes = lane_count(chunks, align)
+    return [[(a + x, a + y) for x, y in chunk_bounds(b - a, lanes, align)] for a, b in chunks]
 
 
 def _payload(codec: WireCodec, n: int) -> int:
@@ -144,10 +149,8 @@ class Ring:
         """The group's ring, at the start and after a regroup (one member: no links,
         nothing crosses)."""
         self.send, self.recv, self.rank, self.replicas = send, recv, rank, replicas
-        chunks = chunk_bounds(self.flat.numel(), replicas, self.align)
-        self.lanes = lane_count(chunks, self.align)
-        self._lanes = [[(a + x, a + y) for x, y in chunk_bounds(b - a, self.lanes, self.align)]
-                       for a, b in chunks]
+        self._lanes = lane_bounds(self.flat.numel(), replicas, self.align)
+        self.lanes = len(self._lanes[0])
         self._landed = -1  # the step whose frames have their landings set
 
     def sent(self) -> int:
