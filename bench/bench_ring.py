@@ -44,7 +44,7 @@ def _ring(rank: int, sock: socket.socket, n: int, reps: int, compression: str,
     from swarm_core.pipeline import codecs
     from swarm_core.pipeline.frames import Kind
     from swarm_core.pipeline.links import LinkShaper
-    from swarm_core.pipeline.sync import Ring
+    from swarm_core.pipeline.ring import Ring
     from swarm_core.pipeline.transport import PeerLink
 
     codec = codecs.WireCodec.of_sync(SyncConfig(compression=compression))

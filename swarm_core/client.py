@@ -28,6 +28,7 @@ from swarm_core.contract import (
     RegroupAnswer,
     RegroupReport,
 )
+from swarm_core.contract.events import Event, Unknown, read_event
 from swarm_core.protocol import (
     API_PREFIX,
     FellowInfo,
@@ -375,9 +376,24 @@ class SwarmClient:
         return _parse(res, JobInfo)
 
     # events -----------------------------------------------------------------------------------
+    async def event_stream(self, *, types: list[str] | None = None,
+                           job_id: str | None = None) -> AsyncIterator[Event]:
+        """The leader's events as their classes, each frame read once, until the stream
+        closes. A kind this client does not know comes as ``Unknown`` (callers skip it; its
+        ``seq`` still counts); one whose data does not read ends the stream as an ApiError
+        naming the field, as a frame that is no event does."""
+        async for frame in self.events(types=types, job_id=job_id):
+            event = read_event(frame)
+            if isinstance(event.data, Unknown) and event.data.problem:
+                raise ApiError(200, "bad_response",
+                               f"leader sent a {event.type} event that does not read: "
+                               f"{event.data.problem}")
+            yield event
+
     async def events(self, *, types: list[str] | None = None,
                      job_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """Yield events from the leader's WebSocket until it closes."""
+        """Yield the frames of the leader's WebSocket as JSON objects until it closes (the
+        envelope checked; ``event_stream`` reads them as classes)."""
         params: dict[str, str] = {}
         if types:
             params["types"] = ",".join(types)

@@ -27,6 +27,7 @@ from swarm_core.paths import (
     default_state_dir,
     dir_problem,
     local_cluster_dir,
+    private_dir_problem,
     swarm_home,
 )
 from swarm_core.protocol import FellowStatus
@@ -191,9 +192,10 @@ class ClusterSpec:
 def check_spec(spec: ClusterSpec) -> None:
     """What would make the new cluster fail to start, found before the running one is
     stopped: a refused restart leaves the cluster that was there."""
-    for path, what in ((swarm_home(), "SWARM_HOME"),
-                       (spec.state_dir or default_state_dir(), "--state-dir")):
-        problem = dir_problem(path)
+    for path, what, check in ((swarm_home(), "SWARM_HOME", dir_problem),
+                              (spec.state_dir or default_state_dir(), "--state-dir",
+                               private_dir_problem)):
+        problem = check(path)
         if problem:
             raise ClusterError(f"{what}: {problem}", usage=True)
     running = read_record()

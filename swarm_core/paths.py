@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -38,9 +39,45 @@ def dir_problem(path: Path) -> str | None:
     return None
 
 
+class UnsafeDir(OSError):
+    """A directory that others may write, offered to hold what must be private."""
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot hold private state (a token, a database, shards): what
+    :func:`dir_problem` finds, or an existing directory that its group or others can write
+    (they could replace what is in it). None if it is fit or can be made."""
+    problem = dir_problem(path)
+    if problem:
+        return problem
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror}"
+    if mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002))
+                           if mode & bit)
+        return (f"{path} is writable by {who} (mode {mode:04o}); give a directory only its "
+                "owner can write, or a new one (made 0700)")
+    return None
+
+
 def ensure_private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """``path``, made 0700 when it is new. An existing directory keeps its mode: it may be
+    /tmp or a home, which a chmod would break for everyone else (as root, silently); one that
+    others can write is refused (UnsafeDir), not fixed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        problem = private_dir_problem(path) or (
+            None if path.is_dir() else f"{path} is not a directory")  # (a dangling link)
+        if problem:
+            raise UnsafeDir(problem) from None
+        return path
+    os.chmod(path, 0o700)  # (ours, just made: a umask can only have narrowed it, even to 0)
     return path
 
 

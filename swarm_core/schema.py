@@ -21,6 +21,8 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 T = TypeVar("T")
+# Persisted rows are only ever attrs records, which is what lets attrs.fields() inspect them.
+A = TypeVar("A", bound=attrs.AttrsInstance)
 
 
 class SchemaError(ValueError):
@@ -161,7 +163,7 @@ def _make_converter(forbid_extra_keys: bool) -> cattrs.Converter:
 
     conv.register_structure_hook_factory(attrs.has, _attrs_hook_factory)
     conv.register_unstructure_hook_factory(
-        lambda t: attrs.has(t) and (_renames(t) or getattr(t, "__sparse__", False)),
+        lambda t: attrs.has(t) and bool(_renames(t) or getattr(t, "__sparse__", False)),
         lambda t: _sparse_unstructure(make_dict_unstructure_fn(t, conv, **_renames(t)))
         if getattr(t, "__sparse__", False) else make_dict_unstructure_fn(t, conv, **_renames(t)))
     return conv
@@ -190,6 +192,7 @@ def _sparse_unstructure(inner: Any) -> Any:
 def sparse(cls: type[T]) -> type[T]:
     """Class decorator: unstructure without the fields that are None, so a figure a reporter
     did not have is absent from the JSON rather than null."""
+    # A marker the converter's getattr reads; no class declares it, so mypy cannot know it.
     cls.__sparse__ = True  # type: ignore[attr-defined]
     return cls
 
@@ -217,6 +220,8 @@ def _first_error(exc: BaseException, path: str) -> tuple[str, str]:
                     sub_path = f"{path}.{_RENAMED.get(owner, {}).get(attr, attr)}"
                 elif note.startswith("Structuring index"):
                     sub_path = f"{path}[{note.rsplit(' ', 1)[1]}]"
+                elif note.startswith("Structuring mapping"):  # (a value, or its key)
+                    sub_path = f"{path}.{note.split('@ key', 1)[1].strip()[1:-1]}"
             return _first_error(sub, sub_path)
         return path, str(exc)
     if isinstance(exc, KeyError):
@@ -392,7 +397,7 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
     raise TypeError(f"no JSON schema for {tp!r}")
 
 
-def structure_persisted(row: dict[str, Any], cls: type[T]) -> T:
+def structure_persisted(row: dict[str, Any], cls: type[A]) -> A:
     """Rebuild a record from its stored fields; fields marked ``transient`` take defaults.
 
     Stored rows were written by us, so unknown keys (from a newer leader) are ignored and the

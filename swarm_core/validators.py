@@ -37,6 +37,15 @@ def printable(text: str, *, keep_newlines: bool = False) -> str:
     return CONTROL.sub(" ", text)
 
 
+def log_line(text: str, max_chars: int) -> str:
+    """``text`` as one line of a log someone reads on a terminal: tabs expanded (as a terminal
+    would have shown them), every other control character (a newline too: a line stays one
+    line) made a space, and cut to ``max_chars`` with an ellipsis. A fellow's ring and the
+    leader taking a fellow's post both use it, so a line reads the same either way."""
+    line = printable(text.expandtabs())
+    return line if len(line) <= max_chars else line[:max_chars - 1] + "…"
+
+
 def text_field(max_len: int):
     """attrs validator of a one-line text of at most ``max_len`` characters (None passes)."""
 

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.schema import FieldError, SchemaError, structure
+from swarm_core.schema import FieldError, SchemaError, checking, structure
 
 
 def _at_least(lo: int) -> Callable[[Any, attrs.Attribute, int], None]:
@@ -34,9 +34,17 @@ class LayerRange:
             raise FieldError(f"{self.stop} is before start {self.start}", "stop")
 
 
+def _byte_count(_inst: Any, attr: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 0:
+        raise FieldError(f"must be a byte count (>= 0) or null, got {value}", attr.name)
+
+
 @attrs.define
 class ShardManifest:
-    """The fields of ``shard_manifest.json`` that glue uses (others are passed over)."""
+    """A stage shard's ``shard_manifest.json`` (``artifacts.shards.build_manifest`` writes it):
+    what the leader checks a push against and glue builds the model from. Structured leniently
+    (a key this version does not know is passed over, and stays in the file); a field a
+    manifest from an older fellow lacks takes its default."""
 
     job_id: str
     stage: int = attrs.field(validator=_at_least(0))
@@ -51,10 +59,80 @@ class ShardManifest:
     weights_sha256: str
     tokenizer: dict[str, Any] | None = None
     training: dict[str, Any] | None = None
+    format: str | None = None
+    fellow_name: str | None = None
+    slot: int = 0
+    device: str | None = None
+    has_embedding: bool | None = None
+    has_head: bool | None = None
+    # {parameter name: {shape, dtype}}: the members the weights archive must hold
+    params: dict[str, Any] = attrs.field(factory=dict)
+    weights_bytes: int | None = attrs.field(default=None, validator=_byte_count)
+    # The optimiser state pushed with the weights (a manifest from before it names none).
+    optimizer_sha256: str | None = None
+    optimizer_bytes: int | None = attrs.field(default=None, validator=_byte_count)
+    # The replica that wrote it, and (DiLoCo) the other replicas whose own optimiser states
+    # belong with this checkpoint.
+    replica: int = attrs.field(default=0, validator=_at_least(0))
+    replica_states: list[int] = attrs.field(factory=list)
+    created_at: float | None = None
+    received_at: float | None = None  # the leader's, once the push is in
 
     def __attrs_post_init__(self) -> None:
+        if not checking():  # (what the leader wrote itself, checked as it came in)
+            return
         if self.stage >= self.num_stages:
             raise FieldError(f"{self.stage} is not below num_stages {self.num_stages}", "stage")
+        if any(r < 0 for r in self.replica_states) or \
+                len(set(self.replica_states)) != len(self.replica_states) or \
+                self.replica in self.replica_states:
+            raise FieldError("must list other replicas, each once", "replica_states")
+
+    @property
+    def names_optimizer(self) -> bool:
+        return self.optimizer_sha256 is not None
+
+
+@attrs.define
+class ReplicaStateManifest:
+    """One replica's own optimiser state at a checkpoint (DiLoCo; ``artifacts.shards.
+    replica_state_manifest`` writes it): no weights, which are its stage shard's, so its
+    ``weights_sha256`` is null. Structured leniently, as ShardManifest is."""
+
+    job_id: str
+    stage: int = attrs.field(validator=_at_least(0))
+    fellow_id: int
+    replica: int = attrs.field(validator=_at_least(0))
+    step: int = attrs.field(validator=_at_least(0))
+    optimizer_sha256: str
+    optimizer_bytes: int | None = attrs.field(default=None, validator=_byte_count)
+    config_fingerprint: str | None = None
+    params: dict[str, Any] = attrs.field(factory=dict)
+    format: str | None = None
+    created_at: float | None = None
+    received_at: float | None = None  # the leader's, once the push is in
+
+    @property
+    def names_optimizer(self) -> bool:
+        return True
+
+
+PushedManifest = ShardManifest | ReplicaStateManifest
+
+
+def pushed_manifest(data: Any, root: str = "$") -> PushedManifest:
+    """A manifest as a fellow pushes it: a stage shard's, or (no ``weights_sha256``) one
+    replica's own optimiser state; a SchemaError names the field at fault under ``root``."""
+    if not isinstance(data, dict):
+        raise SchemaError("expected an object", root)
+    if data.get("weights_sha256") is None:
+        try:
+            return structure(data, ReplicaStateManifest, root, strict=False)
+        except SchemaError as exc:
+            # (else a stage shard's manifest that lost its weights_sha256 reads as a riddle)
+            raise SchemaError(f"{exc.message} (no weights_sha256: read as a replica's own "
+                              "optimiser state)", exc.field) from None
+    return structure(data, ShardManifest, root, strict=False)
 
 
 @attrs.define

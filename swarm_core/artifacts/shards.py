@@ -18,7 +18,7 @@ import math
 import time
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -55,7 +55,9 @@ def state_arrays(module: torch.nn.Module) -> dict[str, np.ndarray]:
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    # (Any: numpy's stubs read **arrays as maybe holding its allow_pickle flag, which numpy
+    # 1.26, still supported, does not take and would store as an array)
+    np.savez(buf, **cast(dict[str, Any], arrays))
     return buf.getvalue()
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from swarm_core.config import profiles, schemas
+from swarm_core.config import methods, profiles, schemas
 from swarm_core.experiments import suites
 from swarm_core.protocol import LinkLimits
 
@@ -38,28 +38,41 @@ them all at once (one at a time when a network profile has a `tc_profile`, since
 must wrap each run).
 
 The job's shape and synchronisation are axes too. `replicas` sets the replicas of every stage:
-the training profile's stage count (`cluster_profile.fellows / replicas`) stays, so a run of R
-replicas asks for stages x R fellows. `sync` lists modes: `none` (a single replica: nothing to
-synchronise), `dp`, `diloco`; a run of one replica runs once, as `none`, whatever else is
-listed, and a run of several runs once per listed `dp`/`diloco`. `inner_steps` multiplies the
-diloco runs only: dp synchronises every step, so its runs are not repeated by it, and an
-`inner_steps` axis in a sweep with no diloco run is an error. So `replicas: [1, 2]`, `sync:
-[dp, diloco]`, `inner_steps: [10, 50]` is 4 runs: 1 replica, dp, diloco H=10, diloco H=50.
+the training profile's stage count (`cluster_profile.stages`, or its `fellows / replicas`)
+stays, so a run of R replicas asks for stages x R fellows. `sync` lists modes: `none` (a single
+replica: nothing to synchronise), `dp`, `diloco`; a run of one replica runs once, as `none`,
+whatever else is listed, and a run of several runs once per listed `dp`/`diloco`.
+`inner_steps` multiplies the diloco runs only: dp synchronises every step, so its runs are not
+repeated by it, and an `inner_steps` axis in a sweep with no diloco run is an error. So
+`replicas: [1, 2]`, `sync: [dp, diloco]`, `inner_steps: [10, 50]` is 4 runs: 1 replica, dp,
+diloco H=10, diloco H=50.
 Each of them left out keeps the training profile's value (`cluster_profile.replicas`,
 `sync.mode`, `sync.inner_steps`); other sync fields (`compression`, `outer_lr`, …) come from
 the profile or `overrides.sync`. A sweep with any of these axes, or of several replicas, names
 its runs by the grid too: `<model>-<spec>-<network>-<S>x<R>-<mode>-s<seed>-r<repeat>`, the mode
 `none`, `dp` or `diloco_h<H>` (a sweep of chains keeps the names it had).
 
-Compression specs: `none`, `fixed_int8`, `learned_bottleneck` (with `bottleneck_dim`),
-`learned_dimK`, `learned_dimK_int8` (K a positive integer up to `d_model`). The int8 specs scale
-each row of a boundary tensor by its absmax; `fixed_int8_bB` and `learned_dimK_int8_bB` scale
-each B consecutive elements of a row apart (B from 2 and dividing the boundary's width: `d_model`,
-or K), so an outlier costs its block's precision rather than its row's, for 4/B bytes more per
-element. `bottleneck_dim` is the width of `learned_bottleneck`; a sweep's `compressions` that
-names another spec leaves it out, and `learned_dimK` with a different `bottleneck_dim` is an
-error.
+Compression specs (the table below is generated from `swarm_core/config/methods.py`, where
+each is registered): K is a positive integer up to `d_model`; B, a scale block, is 2..65535 and
+divides the boundary's width (`d_model`, or K), so an outlier costs its block's precision rather
+than its row's, for 4/B bytes more per element. `bottleneck_dim` is the width of
+`learned_bottleneck`; a sweep's `compressions` that names another spec leaves it out, and
+`learned_dimK` with a different `bottleneck_dim` is an error.
 """
+
+
+def methods_tables() -> str:
+    """The registered boundary specs, sync compressions and sync modes."""
+    out = ["| spec | what crosses a boundary |", "| --- | --- |"]
+    out += [f"| `{f.grammar}` | {f.summary} |" for f in methods.BOUNDARY_FORMS]
+    out += ["", "Number formats (a boundary's scaled codes, `sync.compression`, a frame's codec):",
+            "", "| name | bits | scaled | what it does |", "| --- | --- | --- | --- |"]
+    out += [f"| `{e.name}` | {e.bits} | {'yes' if e.scaled else 'no'} | {e.summary} |"
+            for e in methods.ELEMENTS.values()]
+    out += ["", "`sync.compression`: " + ", ".join(f"`{c}`" for c in methods.sync_compressions())
+            + " (`none` is fp32).", "", "| `sync.mode` | what it does |", "| --- | --- |"]
+    out += [f"| `{m.name}` | {m.summary} |" for m in methods.SYNC_METHODS.values()]
+    return "\n".join(out) + "\n"
 
 SECTIONS: list[tuple[str, type, str]] = [
     ("ExperimentConfig (top level)", profiles.ExperimentConfig, ""),
@@ -94,8 +107,12 @@ SECTIONS: list[tuple[str, type, str]] = [
      "and must divide by replicas x `micro_batches`; with `compression: none` a job of R "
      "replicas computes the losses of one replica (and of one process) to float rounding."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
-     "One pipeline cell per fellow: `fellows / replicas` stages, `replicas` of each; the "
-     "runner checks this against the leader's active fellows before anything runs."),
+     "`{\"fellows\": 4, \"replicas\": 2}` and `{\"stages\": 2, \"replicas\": 2}` ask for the "
+     "same 4 fellows: 2 stages of 2 replicas each. Both `fellows` and `stages` may be "
+     "given only where they agree (fellows = stages x replicas). A sweep's `replicas` axis and "
+     "`swarm submit --replicas` keep the profile's stages where it names them, else its "
+     "fellows. The runner checks this against the leader's active fellows before anything "
+     "runs."),
     ("NetworkProfile (`network_profile`, `sweep.network_profiles[]`)", profiles.NetworkProfile,
      "Rates and latency are applied by every fellow's own link shaper for the run."),
     ("TcProfile (`tc_profile`)", profiles.TcProfile,
@@ -143,7 +160,7 @@ def _default(f: attrs.Attribute) -> str:
 
 
 def render() -> str:
-    out = [INTRO]
+    out = [INTRO, methods_tables()]
     for title, cls, note in SECTIONS:
         hints = typing.get_type_hints(cls)
         out.append(f"## {title}\n")

@@ -10,6 +10,7 @@ raises with the file and the sweep's field path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -21,7 +22,7 @@ from swarm_core.schema import FieldError
 SyncAxis = Literal["none", "dp", "diloco"]
 MAX_REPLICAS = 256  # Topology.replicas' bound
 MAX_INNER_STEPS = 1_000_000  # SyncConfig.inner_steps' bound
-MAX_FELLOWS = 1024  # ClusterProfile.fellows' bound
+MAX_FELLOWS = 1024  # ClusterProfile's fellows (and stages x replicas) bound
 
 
 @attrs.frozen
@@ -53,7 +54,7 @@ def sync_mode(replicas: int, training: dict[str, Any]) -> SyncAxis:
     return "diloco" if mode == "diloco" else "dp"
 
 
-def check_axes(replicas: list[int] | None, sync: list[str] | None,
+def check_axes(replicas: list[int] | None, sync: Sequence[str] | None,
                inner_steps: list[int] | None) -> None:
     """Each axis alone: listed (or left out), no value twice (runs are named by them), in range.
     FieldError names the axis."""
@@ -71,7 +72,7 @@ def check_axes(replicas: list[int] | None, sync: list[str] | None,
 
 
 def grid_cells(stages: int, profile_replicas: int, profile_mode: str, profile_inner: int,
-               replicas: list[int] | None, sync: list[str] | None,
+               replicas: list[int] | None, sync: Sequence[str] | None,
                inner_steps: list[int] | None) -> list[GridCell]:
     """The grid axes expanded, replicas x sync x inner_steps in that nesting order, with the
     training profile's values where an axis is left out.

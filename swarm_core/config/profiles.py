@@ -23,8 +23,16 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.grid import GridCell, SyncAxis, check_axes, grid_cells, sync_mode
-from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
+from swarm_core.config.grid import (
+    MAX_FELLOWS,
+    MAX_REPLICAS,
+    GridCell,
+    SyncAxis,
+    check_axes,
+    grid_cells,
+    sync_mode,
+)
+from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
 from swarm_core.contract import JobSubmit
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
@@ -100,22 +108,56 @@ class NetworkProfile:
 
 @attrs.define
 class ClusterProfile:
-    """What the run asks of the cluster: one pipeline stage per fellow, ``replicas`` (data
-    parallel) of each: fellows / replicas stages."""
+    """What the run asks of the cluster, one pipeline cell per fellow: ``fellows`` (then
+    fellows / replicas stages), or the grid ``stages`` x ``replicas`` as a job's topology and a
+    suite's grid say it (then stages x replicas fellows). Neither: 2 fellows."""
 
-    fellows: int = 2
+    # Kept as given (None where left out), so a job run from the profile keeps the form the
+    # person wrote: the stages of a profile that names them stay when --replicas changes.
+    fellows: int | None = None
     replicas: int = 1
+    stages: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        if not 1 <= self.fellows <= 1024:
-            raise FieldError(f"must be 1-1024, got {self.fellows}", "fellows")
-        if not 1 <= self.replicas <= self.fellows or self.fellows % self.replicas:
-            raise FieldError(f"must divide fellows ({self.fellows}), got {self.replicas}",
-                             "replicas")
+        for name in ("fellows", "stages"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= MAX_FELLOWS:
+                raise FieldError(f"must be 1-{MAX_FELLOWS}, got {value}", name)
+        if self.stages is None:
+            fellows = self.num_fellows
+            if not 1 <= self.replicas <= fellows or fellows % self.replicas:
+                raise FieldError(f"must divide fellows ({fellows}), got {self.replicas}",
+                                 "replicas")
+            return
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise FieldError(f"must be 1-{MAX_REPLICAS}, got {self.replicas}", "replicas")
+        cells = self.stages * self.replicas
+        if self.fellows is not None and self.fellows != cells:
+            # (which one the person meant is a guess either way)
+            raise FieldError(f"fellows {self.fellows} contradicts stages {self.stages} x "
+                             f"replicas {self.replicas} ({cells} fellows): give fellows or "
+                             "stages, not both", "stages")
+        if cells > MAX_FELLOWS:
+            raise FieldError(f"stages {self.stages} x replicas {self.replicas} is {cells} "
+                             f"fellows, more than {MAX_FELLOWS}", "replicas")
 
     @property
-    def stages(self) -> int:
-        return self.fellows // self.replicas
+    def num_fellows(self) -> int:
+        if self.stages is not None:
+            return self.stages * self.replicas
+        return 2 if self.fellows is None else self.fellows
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_fellows // self.replicas
+
+    def topology(self) -> dict[str, int]:
+        """A ``Topology``'s fields for a job of this profile: its fellows and replicas, and
+        its stages where it names them."""
+        topo = {"fellows": self.num_fellows, "replicas": self.replicas}
+        if self.stages is not None:
+            topo["stages"] = self.stages
+        return topo
 
 
 @attrs.define
@@ -368,26 +410,37 @@ def load_job_cluster(path: Path) -> ClusterProfile | None:
 def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
                  stages: int | None = None, replicas: int | None = None) -> dict[str, int]:
     """The grid a job run from a training profile asks for (a ``Topology``'s fields): its
-    cluster profile's fellows and replicas, then what the person set. Stages set alone decide
-    the fellows (stages x replicas)."""
-    topo: dict[str, int] = {}
-    if cluster is not None:
-        topo = {"fellows": cluster.fellows, "replicas": cluster.replicas}
+    cluster profile's fellows and replicas (and stages, where it names them), then what the
+    person set. Stages set alone decide the fellows (stages x replicas); fellows set alone
+    override the profile's stages; replicas set alone keep the profile's stages where it names
+    them (as a sweep's replicas axis does), else its fellows."""
+    topo: dict[str, int] = {} if cluster is None else cluster.topology()
     if stages is not None:
         topo.pop("fellows", None)
         topo["stages"] = stages
-    for key, value in (("fellows", fellows), ("replicas", replicas)):
-        if value is not None:
-            topo[key] = value
+    if fellows is not None:
+        if stages is None:
+            topo.pop("stages", None)
+        topo["fellows"] = fellows
+    if replicas is not None:
+        topo["replicas"] = replicas
+        if fellows is None and stages is None and "stages" in topo:
+            # (one cell per fellow; a caller that fills in default fellows must find them set)
+            topo["fellows"] = topo["stages"] * replicas
     return topo
 
 
-def with_sync(training: dict[str, Any], fields: dict[str, Any]) -> None:
-    """Set ``training.sync`` fields over the profile's, keeping the fields not set (what
-    ``swarm submit``'s sync flags and the console launcher's sync fields do)."""
-    if fields:
-        base = training.get("sync")
-        training["sync"] = {**(base if isinstance(base, dict) else {}), **fields}
+SYNC_ROOT = "$.training.sync"
+
+
+def sync_over(training: dict[str, Any], fields: dict[str, Any]) -> SyncConfig:
+    """A training profile's ``training.sync`` (``training`` as JSON) with ``fields`` set
+    over it, the fields not set kept: what ``swarm submit``'s sync flags and the console
+    launcher's sync fields ask for, structured once into the class. SchemaError naming the
+    field under ``$.training.sync`` for a bad value or combination."""
+    base = training.get("sync")
+    return structure({**(base if isinstance(base, dict) else {}), **fields}, SyncConfig,
+                     SYNC_ROOT)
 
 
 def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
@@ -401,7 +454,8 @@ def load_job_training(path: Path) -> tuple[dict[str, Any], int | None]:
     # A profile section it does not name leaves the training fields as the file sets them.
     _apply_profiles(training, profile.artifacts if "artifacts" in named else None,
                     profile.network_profile if "network_profile" in named else None)
-    return training, profile.cluster_profile.fellows if "cluster_profile" in named else None
+    return training, profile.cluster_profile.num_fellows if "cluster_profile" in named \
+        else None
 
 
 def _apply_profiles(training: dict[str, Any], artifacts: ArtifactsProfile | None,
@@ -454,7 +508,8 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
             for network, cell, seed, rep in itertools.product(
                     networks, cells, sweep.seeds, range(sweep.repeats)):
                 training = _run_training(profile, sweep, seed, network, path, cell)
-                _check_shape(model_dict, training, cell, sweep, path, tpath, mpath)
+                _check_shape(model_dict, training, cell, sweep, path, tpath, mpath,
+                             profile.cluster_profile)
                 # Named by the grid too when it is swept or not a chain; a sweep of
                 # chains keeps the names (and run folders) it always had.
                 shape = [cell.label] if sweep.shapes_the_grid or cell.replicas > 1 \
@@ -484,14 +539,15 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path) -> list[GridCe
     """The sweep's grid axes expanded against the training profile's cluster and sync."""
     cluster, sync = profile.cluster_profile, profile.training.sync
     try:
-        return grid_cells(cluster.stages, cluster.replicas, sync.mode, sync.inner_steps,
+        return grid_cells(cluster.num_stages, cluster.replicas, sync.mode, sync.inner_steps,
                           sweep.replicas, sweep.sync, sweep.inner_steps)
     except FieldError as exc:
         raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
 
 
 def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell,
-                 sweep: SweepSpec, path: Path, tpath: Path, mpath: Path) -> None:
+                 sweep: SweepSpec, path: Path, tpath: Path, mpath: Path,
+                 cluster: ClusterProfile) -> None:
     """What the leader would refuse, refused here first, naming the file and field at fault."""
     # (one cell per fellow, as RunSpec.job_body asks)
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
@@ -506,8 +562,9 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
         raise ConfigError(path, message, f"$.sweep.replicas[{at}]")
     if where.startswith("model."):  # (a model field: the model profile's, by its own name)
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
-    if where == "topology":
-        raise ConfigError(tpath, message, "$.cluster_profile.fellows")
+    if where == "topology":  # (the field the profile gave)
+        named = "fellows" if cluster.stages is None else "stages"
+        raise ConfigError(tpath, message, f"$.cluster_profile.{named}")
     field = where.removeprefix("training.")
     if field in sweep.overrides:
         raise ConfigError(path, message, f"$.sweep(overrides).{field}")

@@ -9,6 +9,14 @@ from typing import Any, Literal, get_args
 
 import attrs
 
+from swarm_core.config import methods
+from swarm_core.config.methods import (
+    BOUNDARY_PATTERN,
+    MAX_BLOCK,
+    SYNC_METHODS,
+    SYNC_PATTERN,
+    sync_compressions,
+)
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, checking
 
@@ -17,11 +25,6 @@ Schedule = Literal["gpipe", "1f1b", "eager"]
 SyncMode = Literal["dp", "diloco"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 
-COMPRESSION_FORMS = ("none", "fixed_int8", "fixed_int8_bB", "learned_bottleneck",
-                     "learned_dimK", "learned_dimK_int8", "learned_dimK_int8_bB")
-_FIXED = re.compile(r"fixed_int8(?:_b([0-9]{1,6}))?")
-_LEARNED = re.compile(r"learned_dim([0-9]{1,6})(_int8(?:_b([0-9]{1,6}))?)?")
-MAX_INT8_BLOCK = 65535  # the frame header's codec_arg is a u16
 
 
 @attrs.frozen
@@ -30,45 +33,62 @@ class Compression:
 
     spec: str
     bottleneck_dim: int | None  # None: the full hidden width crosses
-    int8: bool  # int8 codes (absmax scales) forward and backward, straight-through
-    # int8 scales: 0 = one per row (the boundary's width); B = one per B consecutive elements
+    # The scaled code (``int8``, ``fp8``) forward and backward, straight-through; None: the
+    # model's wire_dtype.
+    element: str | None = None
+    # Its scales: 0 = one per row (the boundary's width); B = one per B consecutive elements
     # of a row, so one outlier spoils B codes, not a row, for 4/B bytes per element.
-    int8_block: int = 0
+    block: int = 0
+    form: str = "none"  # the grammar it matched (methods.BOUNDARY_FORMS), e.g. fixed_int8_bB
 
     @property
     def learned(self) -> bool:
         return self.bottleneck_dim is not None
 
+    @property
+    def int8(self) -> bool:
+        return self.element == "int8"
+
+    @property
+    def int8_block(self) -> int:
+        return self.block if self.int8 else 0
+
 
 def parse_compression(spec: str, bottleneck_dim: int | None = None,
                       d_model: int | None = None) -> Compression:
-    """``none``, ``fixed_int8`` (``_bB``: one scale per B elements), ``learned_bottleneck``
-    (+bottleneck_dim), ``learned_dimK``, ``learned_dimK_int8`` (``_bB`` likewise). Anything
+    """A spec by the grammars of ``methods.BOUNDARY_FORMS``: ``none``, ``fixed_E`` (E a
+    scaled code: int8, fp8; ``_bB``: one scale per B elements), ``learned_bottleneck``
+    (+bottleneck_dim), ``learned_dimK``, ``learned_dimK_E`` (``_bB`` likewise). Anything
     else is an error naming the valid forms."""
-    if spec == "none":
-        return Compression(spec, None, False)
-    block: str | None = None
-    if m := _FIXED.fullmatch(spec):
-        dim, int8, block = None, True, m.group(1)
-    elif spec == "learned_bottleneck":
+    if spec == "learned_bottleneck":
         if bottleneck_dim is None:
             raise FieldError("learned_bottleneck needs bottleneck_dim", "bottleneck_dim")
-        dim, int8 = bottleneck_dim, False
-    elif m := _LEARNED.fullmatch(spec):
-        dim, int8, block = int(m.group(1)), m.group(2) is not None, m.group(3)
-    else:
+        return _checked(spec, spec, bottleneck_dim, None, None, d_model)
+    forms = [f.grammar for f in methods.BOUNDARY_FORMS]
+    m = BOUNDARY_PATTERN.fullmatch(spec)
+    if m is None or (spec.startswith("fixed") and m.group(2) is None):
+        if spec in forms and not re.search(r"dimK|_bB", spec):  # (a plain name: none, …)
+            return Compression(spec, None, form=spec)
         raise FieldError(
-            f"unknown compression {spec!r}; valid forms: {', '.join(COMPRESSION_FORMS)} "
+            f"unknown compression {spec!r}; valid forms: {', '.join(forms)} "
             "(K and B positive integers, B dividing the boundary's width)", "compression")
+    dim = int(m.group(1)) if m.group(1) is not None else None
+    form = ("fixed" if dim is None else "learned_dimK") \
+        + (f"_{m.group(2)}" if m.group(2) else "") + ("_bB" if m.group(3) else "")
+    return _checked(spec, form, dim, m.group(2), m.group(3), d_model)
+
+
+def _checked(spec: str, form: str, dim: int | None, element: str | None, block: str | None,
+             d_model: int | None) -> Compression:
     if dim is not None and (dim < 1 or (d_model is not None and dim > d_model)):
         raise FieldError(f"bottleneck width {dim} must be 1..d_model ({d_model})", "compression")
     b = int(block) if block is not None else 0
     if block is not None:
         width = dim if dim is not None else d_model
-        if not 2 <= b <= MAX_INT8_BLOCK or (width is not None and width % b):
-            raise FieldError(f"int8 block {b} in {spec!r} must be 2..{MAX_INT8_BLOCK} and "
+        if not 2 <= b <= MAX_BLOCK or (width is not None and width % b):
+            raise FieldError(f"{element} block {b} in {spec!r} must be 2..{MAX_BLOCK} and "
                              f"divide the boundary's width ({width})", "compression")
-    return Compression(spec, dim, int8, b)
+    return Compression(spec, dim, element, b, form)
 
 
 def _pos(_i: Any, a: attrs.Attribute, v: int | float) -> None:
@@ -89,8 +109,7 @@ def _le(hi: float):
     return check
 
 
-SYNC_CODECS = ("none", "fp16", "bf16", "int8", "int8_bB")
-_SYNC_INT8 = re.compile(r"int8(?:_b([0-9]{1,6}))?")
+SYNC_CODECS = sync_compressions()
 
 
 @attrs.frozen
@@ -118,36 +137,67 @@ class SyncConfig:
     def __attrs_post_init__(self) -> None:
         if not checking():
             return
-        if self.mode == "diloco" and self.overlap_steps >= self.inner_steps:
+        if self.periodic and self.overlap_steps >= self.inner_steps:
             raise FieldError(f"must be below inner_steps ({self.inner_steps}): the outer step's "
                              f"average has to land before the next one, got "
                              f"{self.overlap_steps}", "overlap_steps")
-        m = _SYNC_INT8.fullmatch(self.compression)
-        if self.compression not in ("none", "fp16", "bf16") and m is None:
+        m = SYNC_PATTERN.fullmatch(self.compression)
+        if self.compression not in SYNC_CODECS and m is None:
             raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
                              f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
-        if m is not None and m.group(1) is not None \
-                and not 2 <= int(m.group(1)) <= MAX_INT8_BLOCK:
-            raise FieldError(f"int8 block {m.group(1)} must be 2..{MAX_INT8_BLOCK}",
+        if m is not None and m.group(2) is not None \
+                and not 2 <= int(m.group(2)) <= MAX_BLOCK:
+            raise FieldError(f"{m.group(1)} block {m.group(2)} must be 2..{MAX_BLOCK}",
                              "compression")
+
+    # The cadence: one rule for the stage, the leader's membership and the checkpoints.
+    @property
+    def periodic(self) -> bool:
+        """The replicas train apart between syncs (DiLoCo's outer steps), so they hold one
+        set of weights only right after one."""
+        return SYNC_METHODS[self.mode].periodic
+
+    @property
+    def period(self) -> int:
+        """Steps from one sync to the next: ``inner_steps`` for a periodic method, else 1."""
+        return self.inner_steps if self.periodic else 1
+
+    @property
+    def lag(self) -> int:
+        """Steps from a sync's start until its result lands (an overlapped outer step's)."""
+        return self.overlap_steps if self.periodic else 0
+
+    def syncs_after(self, step: int, steps: int) -> bool:
+        """Whether the group syncs after 1-based step ``step`` of a ``steps``-step run: every
+        ``period`` steps, and after the last so the run ends on one set of weights."""
+        return step % self.period == 0 or step == steps
+
+    def next_sync(self, step: int) -> int:
+        """The 0-based step of the first sync after 0-based step ``step`` (the run's last
+        step aside)."""
+        return step + self.period - (step + 1) % self.period
+
+    def drifts(self, replicas: int) -> bool:
+        """Whether ``replicas`` replicas hold different weights between syncs."""
+        return replicas > 1 and self.periodic
 
     @property
     def label(self) -> str:
         """As tables show it: ``dp``, ``dp int8``, ``diloco H=10``, ``diloco H=10 overlap 5``
         (a mode's own fields only: dp has no period)."""
-        label = f"diloco H={self.inner_steps}" if self.mode == "diloco" else self.mode
+        label = f"{self.mode} H={self.inner_steps}" if self.periodic else self.mode
         if self.compression != "none":
             label += f" {self.compression}"
-        if self.mode == "diloco" and self.overlap_steps:
+        if self.periodic and self.overlap_steps:
             label += f" overlap {self.overlap_steps}"
         return label
 
     @property
     def codec(self) -> tuple[str, int]:
-        """The wire codec's name (fp32 for none) and int8 block (0: one scale per row)."""
-        m = _SYNC_INT8.fullmatch(self.compression)
+        """The wire codec's name (fp32 for none) and its scale block (0: one per row)."""
+        m = SYNC_PATTERN.fullmatch(self.compression)
         if m is not None:
-            return "int8", int(m.group(1) or 0)
+            return m.group(1), int(m.group(2) or 0)
         return ("fp32" if self.compression == "none" else self.compression), 0
 
 
@@ -246,8 +296,9 @@ class TrainingConfig:
         if not every or step >= self.steps:
             return False
         if outer_steps:
-            h = self.sync.inner_steps
-            return step % h == 0 and step // every != (step - h) // every
+            h = self.sync.period
+            return self.sync.syncs_after(step, self.steps) \
+                and step // every != (step - h) // every
         return step % every == 0
 
     def follows_a_pause(self, step: int, start_step: int = 0,

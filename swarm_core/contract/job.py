@@ -8,6 +8,7 @@ route, the client's reply, a stored row), and passed as objects from there on.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -286,8 +287,8 @@ def _as_is(value: Any, _t: Any) -> Any:
 def register_kind_hooks(cls: type, conv: Any) -> None:
     """Structure ``cls``'s ``model`` and ``training`` by its ``kind``, with errors that name
     the field (``$.model.n_heads``)."""
-    base = make_dict_structure_fn(cls, conv, model=override(struct_hook=_as_is),
-                                  training=override(struct_hook=_as_is))
+    base: Callable[[Mapping[str, Any], Any], Any] = make_dict_structure_fn(
+        cls, conv, model=override(struct_hook=_as_is), training=override(struct_hook=_as_is))
 
     def hook(value: Any, _t: Any) -> Any:
         if not isinstance(value, dict):

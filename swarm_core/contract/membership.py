@@ -9,7 +9,7 @@ rule (:func:`regroup_orders`, run by the leader, or by the in-process coordinato
 to do with the synchronisation it was in:
 
 * A ring operation is committed on a member only after it heard that every member finished
-  it (the ring's confirmation round, see ``pipeline/sync.py``). So if any survivor committed
+  it (the ring's confirmation round, see ``pipeline/ring.py``). So if any survivor committed
   the operation at step s, every member had finished it, and those that had not yet heard so
   commit it too (``commit``): they hold the same result.
 * An operation no survivor committed is done again by all of them over the new ring

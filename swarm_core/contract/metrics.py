@@ -133,10 +133,6 @@ def step_wait_share(wait: float | None, span: float | None) -> float | None:
     return min(1.0, max(0.0, wait / span))
 
 
-# The last stage holds the loss: these of its figures are the job's.
-JOB_LEVEL = ("eval_loss", "perplexity", "final_loss", "best_loss", "tokens_per_s", "wall_s")
-
-
 @sparse
 @attrs.define
 class JobMetrics:
@@ -158,6 +154,18 @@ class JobMetrics:
         """A cell's figures, by its label (``Placement.label``: the stage, for one
         replica)."""
         return (self.stages or {}).get(str(cell)) or StageMetrics()
+
+
+_JOB = attrs.fields(JobMetrics)
+# The last stage holds the loss: these of its figures are the job's.
+JOB_LEVEL = tuple(f.name for f in (_JOB.eval_loss, _JOB.perplexity, _JOB.final_loss,
+                                   _JOB.best_loss, _JOB.tokens_per_s, _JOB.wall_s))
+# How the last stages of several replicas make one job-level figure (their mean where not
+# named): their throughputs add up, the run lasts as long as its slowest, and the first
+# replica evaluates for the group.
+REPLICA_COMBINE: dict[str, Literal["sum", "max", "first"]] = {
+    _JOB.tokens_per_s.name: "sum", _JOB.wall_s.name: "max",
+    _JOB.eval_loss.name: "first", _JOB.perplexity.name: "first"}
 
 
 @sparse
@@ -210,10 +218,10 @@ class ProgressRecord:
                                           key: figures.activation_peak_bytes}
         # Each stage's own step time beside its wait: a stage's first step also waits for its
         # neighbours to start, so the last stage's step_seconds is no denominator.
-        if _finite(figures.wait_seconds) is not None:
-            self.wait_seconds = {**(self.wait_seconds or {}), key: figures.wait_seconds}
-        if _finite(figures.step_seconds) is not None:
-            self.stage_seconds = {**(self.stage_seconds or {}), key: figures.step_seconds}
+        if (wait := _finite(figures.wait_seconds)) is not None:
+            self.wait_seconds = {**(self.wait_seconds or {}), key: wait}
+        if (spent := _finite(figures.step_seconds)) is not None:
+            self.stage_seconds = {**(self.stage_seconds or {}), key: spent}
         errors = figures.codec_error.finite() if figures.codec_error else None
         if errors is not None:
             self.codec_error = {**(self.codec_error or {}), key: errors}
@@ -230,6 +238,34 @@ class ProgressRecord:
         self.eval_loss = loss
         if loss is not None:
             self.perplexity = perplexity(loss)
+
+
+_RECORD = attrs.fields(ProgressRecord)
+
+
+class MetricName:
+    """Each figure of a step's record by the name its JSON gives it: a ``train_progress.ndjson``
+    line, the leader's stored records, the trackers' keys. Read off ProgressRecord's fields, so
+    the class stays their one spelling: a renamed field fails here at import (and in mypy), not
+    in a reader that silently finds nothing."""
+
+    STEP = _RECORD.step.name
+    WIRE_BYTES = _RECORD.wire_bytes.name
+    STAGES_REPORTED = _RECORD.stages_reported.name
+    LOSS = _RECORD.loss.name
+    SYNC_BYTES = _RECORD.sync_bytes.name
+    REPLICA_LOSSES = _RECORD.replica_losses.name
+    TOKENS_PER_S = _RECORD.tokens_per_s.name
+    STEP_SECONDS = _RECORD.step_seconds.name
+    LR = _RECORD.lr.name
+    ACTIVATION_PEAK_BYTES = _RECORD.activation_peak_bytes.name
+    WAIT_SECONDS = _RECORD.wait_seconds.name
+    STAGE_SECONDS = _RECORD.stage_seconds.name
+    CODEC_ERROR = _RECORD.codec_error.name
+    EVAL_LOSS = _RECORD.eval_loss.name
+    PERPLEXITY = _RECORD.perplexity.name
+    TS = _RECORD.ts.name
+    MEMBERSHIP = _RECORD.membership.name
 
 
 @attrs.define

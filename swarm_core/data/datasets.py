@@ -126,7 +126,7 @@ class TokenData:
     train: torch.Tensor
     val: torch.Tensor
     vocab_size: int
-    tokenizer: object
+    tokenizer: ByteTokenizer | BpeTokenizer
 
     def batch(self, step: int, batch_size: int, seq_len: int,
               seed: int) -> tuple[torch.Tensor, torch.Tensor]:

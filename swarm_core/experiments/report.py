@@ -12,14 +12,21 @@ import io
 import logging
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
 from swarm_core import jsonio
 from swarm_core.contract import link_changes_in_all
+from swarm_core.experiments.summary import (
+    FIELDS,
+    MetricsSummary,
+    as_summary,
+    parse_summary,
+)
+from swarm_core.experiments.summary import shown as _shown
 from swarm_core.paths import atomic_write
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
@@ -30,7 +37,6 @@ class ReportError(ValueError):
     pass
 
 
-SYNC_MODES = ("none", "dp", "diloco")
 # A line's dash by its run's sync mode (SVG stroke-dasharray, matplotlib linestyle): colour tells
 # runs apart, the dash tells modes apart, so dp and diloco compare on one chart.
 MODE_DASH = {"none": ("", "-"), "dp": ("7,3", "--"), "diloco": ("2,2", ":")}
@@ -40,7 +46,7 @@ MODE_DASH = {"none": ("", "-"), "dp": ("7,3", "--"), "diloco": ("2,2", ":")}
 class RunData:
     run_dir: Path
     label: str
-    summary: dict[str, Any]
+    summary: MetricsSummary = attrs.field(converter=as_summary)
     steps: list[float]
     losses: list[float]
     wall: list[float]
@@ -56,42 +62,43 @@ class RunData:
     # config_resolved.json, for runs whose summary predates a field the figure reads ({} when
     # it is missing or unreadable: it only fills gaps, and its damage hides no run)
     resolved: dict[str, Any] = attrs.field(factory=dict)
+    # The fields its summary file did not hold (a run from before them)
+    summary_absent: frozenset[str] = frozenset()
 
     @property
     def sync_mode(self) -> str:
         """``none`` (one replica; a run from before replicas), ``dp`` or ``diloco``."""
-        mode = self.summary.get("sync_mode")
-        return mode if mode in SYNC_MODES else "none"
+        return self.summary.sync_mode or "none"
 
-    def _setting(self, key: str, *resolved_path: str) -> str | None:
+    def _setting(self, value: str | None, *resolved_path: str) -> str | None:
         """A text of its setting: from its summary, else (a summary older than the field)
         from its resolved config; None where neither says."""
-        value = self.summary.get(key)
         if value is None:
-            value = _dig(self.resolved, *resolved_path)
-        return value if isinstance(value, str) else None
+            found = _dig(self.resolved, *resolved_path)
+            value = found if isinstance(found, str) else None
+        return value
 
     @property
     def compression(self) -> str | None:
         """The boundary spec it ran."""
-        return self._setting("compression", "job", "model", "compression")
+        return self._setting(self.summary.compression, "job", "model", "compression")
 
     @property
     def model(self) -> str | None:
         """Its model profile's name."""
-        return self._setting("model", "job", "model", "name")
+        return self._setting(self.summary.model, "job", "model", "name")
 
     @property
     def network(self) -> str | None:
         """Its network profile's name."""
-        return self._setting("network_profile", "network_profile", "name")
+        return self._setting(self.summary.network_profile, "network_profile", "name")
 
     @property
     def link_mbps(self) -> float | None:
         """The rate its links were held to: a number of Mbit/s, ``math.inf`` unshaped, None
         when unknown (a summary from before the field, with no readable config beside it)."""
-        if "link_mbps" in self.summary:
-            rate = self.summary["link_mbps"]
+        if FIELDS.link_mbps.name not in self.summary_absent:
+            rate = self.summary.link_mbps
         elif isinstance(self.resolved.get("network_profile"), dict):
             rate = link_mbps(self.resolved["network_profile"])
         else:
@@ -118,8 +125,8 @@ def _dig(obj: Any, *keys: str) -> Any:
 def link_mbps(network: dict[str, Any]) -> float | None:
     """A network profile's (as a sweep's config holds it) link rate in Mbit/s: the narrower of
     its tx and rx limits, else its kernel shaping's rate; None when nothing holds it back."""
-    rates = [network.get(k) for k in ("tx_mbps", "rx_mbps")]
-    rates = [r for r in rates if _number(r) and r > 0]
+    given = [network.get(k) for k in ("tx_mbps", "rx_mbps")]
+    rates = [r for r in given if _number(r) and r > 0]
     if rates:
         return float(min(rates))
     tc = network.get("tc_profile")
@@ -127,67 +134,9 @@ def link_mbps(network: dict[str, Any]) -> float | None:
     return float(rate) if _number(rate) and rate > 0 else None
 
 
-def _number(v: Any) -> bool:
+def _number(v: Any) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _boolean(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _string(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _list_of(item: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    # A list by stage holds null for a stage that never reported; null is no damage in any.
-    return lambda v: isinstance(v, list) and all(e is None or item(e) for e in v)
-
-
-def _codec_errors(v: Any) -> bool:
-    # null: a diverged run's error (NaN, which JSON cannot hold) is a finding, not damage.
-    return isinstance(v, dict) and all(e is None or _number(e) for e in v.values())
-
-
-def _link_change(v: Any) -> bool:
-    return isinstance(v, dict) and _integer(v.get("at_step"))
-
-
-# What the report reads from metrics_summary.json, and what each must be where it is not null
-# (null, or absent as in runs from older versions, shows as "-").
-_SUMMARY_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "run_id": (_string, "a string"),
-    "status": (_string, "a string"),
-    "final_loss": (_number, "a number"),
-    "eval_loss": (_number, "a number"),
-    "tokens_per_s": (_number, "a number"),
-    "wire_bytes_per_step": (_number, "a number"),
-    "compression_ratio": (_number, "a number"),
-    "codec_error_by_stage": (_list_of(_codec_errors), "a list of {act, grad} numbers by stage"),
-    "wait_fraction_by_stage": (_list_of(_number), "a list of numbers by stage"),
-    "link_changes": (_list_of(_link_change), "a list of objects with an integer at_step"),
-    "link_changes_total": (_integer, "an integer"),
-    "thresholds_met": (_boolean, "true or false"),
-    "stages": (_integer, "an integer"),
-    "replicas": (_integer, "an integer"),
-    "sync_mode": (lambda v: v in SYNC_MODES, "one of none, dp, diloco"),
-    "sync_compression": (_string, "a string"),
-    "inner_steps": (_integer, "an integer"),
-    "overlap_steps": (_integer, "an integer"),
-    "sync_bytes_per_step": (_number, "a number"),
-    "total_bytes": (_number, "a number"),
-    "compression": (_string, "a string"),
-    "network_profile": (_string, "a string"),
-    "model": (_string, "a string"),
-    "seed": (_integer, "an integer"),
-    "repeat": (_integer, "an integer"),
-    "link_mbps": (lambda v: _number(v) and v > 0, "a number above 0"),
-    "latency_ms": (_number, "a number"),
-}
 
 # The leader keeps steps, times and byte counts as int64, and training computes losses in
 # float32 at the widest: a number beyond these came from no run (and near the float limit it
@@ -216,11 +165,6 @@ _RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _shown(v: Any) -> str:
-    text = jsonio.dumps(v).decode()
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _wrong_field(obj: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bool], str]]
                  ) -> str | None:
     """The first field of ``obj`` that is not what ``fields`` says, as "x is 1, not a y"."""
@@ -231,11 +175,16 @@ def _wrong_field(obj: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bo
     return None
 
 
-def read_summary(d: Path) -> dict[str, Any]:
-    """A run directory's ``metrics_summary.json``, each field the report reads checked: its
-    files are input (half-written, hand-edited, from an older version), so ReportError names
-    the file and what is wrong in it, and no damage reaches a renderer or a table as an
-    exception of theirs. The sweep's and the suite's closing tables read it here too."""
+def read_summary(d: Path) -> MetricsSummary:
+    """A run directory's ``metrics_summary.json``, read into its class: its files are input
+    (half-written, hand-edited, from an older version), so ReportError names the file and what
+    is wrong in it, and no damage reaches a renderer or a table as an exception of theirs.
+    The sweep's and the suite's closing tables read it here too."""
+    return _read_summary(d)[0]
+
+
+def _read_summary(d: Path) -> tuple[MetricsSummary, frozenset[str]]:
+    """As read_summary, with the fields the file did not hold."""
     try:
         raw = (d / "metrics_summary.json").read_bytes()
     except FileNotFoundError:
@@ -253,10 +202,10 @@ def read_summary(d: Path) -> dict[str, Any]:
     if not isinstance(summary, dict):
         raise ReportError(f"{d}/metrics_summary.json holds {_shown(summary)}, not a JSON "
                           "object")
-    wrong = _wrong_field(summary, _SUMMARY_FIELDS)
-    if wrong:
-        raise ReportError(f"{d}/metrics_summary.json: {wrong}")
-    return summary
+    try:
+        return parse_summary(summary)
+    except ValueError as exc:
+        raise ReportError(f"{d}/metrics_summary.json: {exc}") from None
 
 
 def read_records(d: Path) -> list[dict[str, Any]]:
@@ -290,7 +239,7 @@ def read_records(d: Path) -> list[dict[str, Any]]:
 
 def load_run(d: Path) -> RunData:
     """One run directory's summary and loss curves (ReportError for damage, as above)."""
-    summary = read_summary(d)
+    summary, absent = _read_summary(d)
     records = read_records(d)
     steps, losses, wall, sent = [], [], [], []
     evals: tuple[list[float], list[float], list[float]] = ([], [], [])
@@ -316,24 +265,26 @@ def load_run(d: Path) -> RunData:
                 eval_steps.add(rec["step"])
         if rec.get("step_seconds") is not None and rec.get("step") is not None:
             times.append((rec["step"], float(rec["step_seconds"])))
-    label = summary.get("run_id") or d.name or d.resolve().name
+    label = summary.run_id or d.name or d.resolve().name
     parts = label.split("-")
     if len(parts) > 4:  # <stamp>-<experiment>-<index>-<run name>: keep what tells runs apart
         label = "-".join(parts[3:])
     return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
-                   eval_steps=eval_steps, resolved=_read_resolved(d, summary))
+                   eval_steps=eval_steps, resolved=_read_resolved(d, absent),
+                   summary_absent=absent)
 
 
 # What the compression figure reads of a run's setting; a summary lacking one is older than it
-_SETTING_FIELDS = ("compression", "network_profile", "model", "link_mbps")
+_SETTING_FIELDS = frozenset(f.name for f in (FIELDS.compression, FIELDS.network_profile,
+                                             FIELDS.model, FIELDS.link_mbps))
 
 
-def _read_resolved(d: Path, summary: dict[str, Any]) -> dict[str, Any]:
+def _read_resolved(d: Path, absent: frozenset[str]) -> dict[str, Any]:
     """The run's ``config_resolved.json`` where its summary lacks a field of the figure's, so
     runs written before the summary held them still take their place on it; {} when it is not
     needed, missing or damaged (it fills gaps only: such a run is left off the figure, and
     stays in every other chart and the table)."""
-    if all(k in summary for k in _SETTING_FIELDS):
+    if not _SETTING_FIELDS & absent:
         return {}
     try:
         resolved = jsonio.loads((d / "config_resolved.json").read_bytes())
@@ -384,62 +335,59 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     rows = []
     for r in runs:
         s = r.summary
-        rows.append([r.label, str(s.get("status", "-")), _grid(s), _sync(r),
-                     _fmt(s.get("inner_steps"), "d"), _fmt(s.get("final_loss"), ".4f"),
-                     _fmt(s.get("eval_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ".0f"),
-                     _fmt(s.get("wire_bytes_per_step"), ",.0f"),
-                     _fmt(s.get("sync_bytes_per_step"), ",.0f"),
-                     _fmt(s.get("compression_ratio"), ".1f"), _codec_error(s),
-                     _most_waiting(s), _link_set(s)])
+        rows.append([r.label, s.status or "-", _grid(s), _sync(r),
+                     _fmt(s.inner_steps, "d"), _fmt(s.final_loss, ".4f"),
+                     _fmt(s.eval_loss, ".4f"), _fmt(s.tokens_per_s, ".0f"),
+                     _fmt(s.wire_bytes_per_step, ",.0f"), _fmt(s.sync_bytes_per_step, ",.0f"),
+                     _fmt(s.compression_ratio, ".1f"), _codec_error(s), _most_waiting(s),
+                     _link_set(s)])
     return rows
 
 
-def _grid(summary: dict[str, Any]) -> str:
+def _grid(summary: MetricsSummary | Mapping[str, Any]) -> str:
     """``stages x replicas`` ("2x2"); "-" for a run from before the summary said."""
-    stages, replicas = summary.get("stages"), summary.get("replicas")
-    if stages is None or replicas is None:
+    s = as_summary(summary)
+    if s.stages is None or s.replicas is None:
         return "-"
-    changes = [c for c in summary.get("membership") or [] if isinstance(c, dict)]
-    moved = [f"r{','.join(map(str, c.get('left') or []))} left @{c.get('step')}"
-             for c in changes if c.get("left")]
-    moved += [f"r{','.join(map(str, c.get('joined') or []))} joined @{c.get('step')}"
-              for c in changes if c.get("joined")]
-    return f"{stages}x{replicas}" + (f" ({'; '.join(moved)})" if moved else "")
+    changes = s.membership or []
+    moved = [f"r{','.join(map(str, c.left))} left @{c.step}" for c in changes if c.left]
+    moved += [f"r{','.join(map(str, c.joined))} joined @{c.step}" for c in changes if c.joined]
+    return f"{s.stages}x{s.replicas}" + (f" ({'; '.join(moved)})" if moved else "")
 
 
 def _sync(run: RunData) -> str:
     """The sync mode, with its codec where it codes ("dp int8") and DiLoCo's overlap where
     it overlaps ("diloco overlap 5")."""
-    codec, overlap = run.summary.get("sync_compression"), run.summary.get("overlap_steps")
+    codec, overlap = run.summary.sync_compression, run.summary.overlap_steps
     label = run.sync_mode if codec in (None, "none") else f"{run.sync_mode} {codec}"
     return f"{label} overlap {overlap}" if overlap else label
 
 
-def _link_set(summary: dict[str, Any], shown: int = 3) -> str:
+def _link_set(summary: MetricsSummary, shown: int = 3) -> str:
     """The steps at which a set-speed changed a fellow's link mid-run ("@12 @30"; past
     ``shown``, the first and the last of them and how many: "@12 … @95 (40 in all)"): such a
     run did not run on its network profile throughout. (The record keeps the first and the
     newest, so only those two ends are sure to be there.)"""
-    steps = [c.get("at_step") for c in summary.get("link_changes") or [] if isinstance(c, dict)]
+    steps = [c.at_step for c in summary.link_changes or []]
     if not steps:
         return "-"
-    total = link_changes_in_all(steps, summary.get("link_changes_total"))
+    total = link_changes_in_all(steps, summary.link_changes_total)
     if total <= shown:
         return " ".join(f"@{s}" for s in steps)
     return f"@{steps[0]} … @{steps[-1]} ({total} in all)"
 
 
-def _codec_error(summary: dict[str, Any]) -> str:
+def _codec_error(summary: MetricsSummary) -> str:
     """The largest mean relative error a stage's wire codec put on the activations it sent."""
-    errors = [e["act"] for e in summary.get("codec_error_by_stage") or []
-              if isinstance(e, dict) and isinstance(e.get("act"), int | float)]
+    errors = [e.act for e in summary.codec_error_by_stage or []
+              if e is not None and e.act is not None]
     return f"{max(errors):.2%}" if errors else "-"
 
 
-def _most_waiting(summary: dict[str, Any]) -> str:
+def _most_waiting(summary: MetricsSummary) -> str:
     """The stage that sat blocked on its links the longest: "38% (s1)"."""
-    shares = [(w, k) for k, w in enumerate(summary.get("wait_fraction_by_stage") or [])
-              if isinstance(w, int | float)]
+    shares = [(w, k) for k, w in enumerate(summary.wait_fraction_by_stage or [])
+              if w is not None]
     if not shares:
         return "-"
     w, k = max(shares)
@@ -503,22 +451,22 @@ def _series_labels(settings: list[tuple[str, str, str, str]]) -> dict[tuple[str,
 def _figure_runs(runs: list[RunData]) -> list[RunData]:
     # A run that failed or was cancelled stopped short: its loss and times are not the spec's.
     return [r for r in runs if r.compression is not None
-            and r.summary.get("status", "COMPLETED") == "COMPLETED"]
+            and r.summary.status in (None, "COMPLETED")]
 
 
 def _final_eval(run: RunData) -> float | None:
-    v = run.summary.get("eval_loss")
-    if not _number(v) and run.eval_losses:
+    v = run.summary.eval_loss
+    if v is None and run.eval_losses:
         v = run.eval_losses[-1]
-    return float(v) if _number(v) and math.isfinite(v) else None
+    return float(v) if v is not None and math.isfinite(v) else None
 
 
 def _bytes_per_step(run: RunData) -> float | None:
-    wire = run.summary.get("wire_bytes_per_step")
-    if not _number(wire):
-        return None
-    sync = run.summary.get("sync_bytes_per_step")
-    return float(wire) + (float(sync) if _number(sync) else 0.0)
+    wire = run.summary.wire_bytes_per_step
+    if wire is not None:
+        sync = run.summary.sync_bytes_per_step
+        return float(wire) + (float(sync) if sync is not None else 0.0)
+    return None
 
 
 def _pooled(series: str, xs: list[float], ys: list[float], network: str | None = None

@@ -30,6 +30,7 @@ from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmCli
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import (
+    CodecErrors,
     JobInfo,
     Placement,
     ProgressRecord,
@@ -37,7 +38,9 @@ from swarm_core.contract import (
     link_changes_in_all,
     stage_of_label,
 )
+from swarm_core.contract.metrics import MetricName
 from swarm_core.experiments.report import link_mbps
+from swarm_core.experiments.summary import MetricsSummary, Threshold, summary_json
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import step_wire_bytes
 from swarm_core.protocol import FellowInfo, JobState
@@ -128,8 +131,9 @@ class Experiment:
         self.poll_s = poll_s
         self.commit = git_commit(Path(exp.config_path).resolve().parent)
         # Stamped ids are claimed (new folders) at start; given names reuse theirs.
-        self._stamp = None if names else (stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
-        ids = names or run_ids(exp, self._stamp)
+        stamp = stamp or time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        self._stamp = None if names else stamp
+        ids = names or run_ids(exp, stamp)
         self.states = [RunState(spec, rid, self.runs_dir / rid)
                        for spec, rid in zip(exp.runs, ids, strict=True)]
         self.stop_on_failure = stop_on_failure
@@ -442,13 +446,15 @@ class Experiment:
 # ProgressRecord's fields a train_progress.ndjson line leaves out, each with its reason:
 # ``stages_reported`` is the leader's note of which cells it has joined into the step while it
 # gathers it (a record with fewer than all is not settled), bookkeeping rather than a figure.
-PROGRESS_NOT_WRITTEN = frozenset({"stages_reported"})
+PROGRESS_NOT_WRITTEN = frozenset({MetricName.STAGES_REPORTED})
 # The order the lines had before their fields came from the class, kept so a line reads as it
 # always did (step and loss first); readers go by name. A field not named here follows, in the
 # class's order.
-_LINE_ORDER = ("step", "loss", "tokens_per_s", "wire_bytes", "sync_bytes", "step_seconds",
-               "eval_loss", "perplexity", "lr", "activation_peak_bytes", "wait_seconds",
-               "stage_seconds", "codec_error", "ts")
+_LINE_ORDER = (MetricName.STEP, MetricName.LOSS, MetricName.TOKENS_PER_S, MetricName.WIRE_BYTES,
+               MetricName.SYNC_BYTES, MetricName.STEP_SECONDS, MetricName.EVAL_LOSS,
+               MetricName.PERPLEXITY, MetricName.LR, MetricName.ACTIVATION_PEAK_BYTES,
+               MetricName.WAIT_SECONDS, MetricName.STAGE_SECONDS, MetricName.CODEC_ERROR,
+               MetricName.TS)
 
 
 def _progress_fields() -> tuple[str, ...]:
@@ -470,6 +476,12 @@ def progress_line(rec: ProgressRecord) -> dict[str, Any]:
 
 
 def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict[str, Any]:
+    """The run's ``metrics_summary.json``, as JSON."""
+    return summary_json(build_summary(st, job, records))
+
+
+def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> MetricsSummary:
+    """What the run came to, from the job's record and its steps'."""
     model = structure(st.spec.model, ModelConfig)
     training = structure(st.spec.training, TrainingConfig)
     losses = [r.loss for r in records if r.loss is not None]
@@ -483,70 +495,60 @@ def summarize(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> dict
     uncompressed = step_wire_bytes(plain, training, stages, replicas)
     final = losses[-1] if losses else None
     wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
-    summary: dict[str, Any] = {
-        "run_id": st.run_id, "job_id": job.job_id, "status": job.state, "reason": job.reason,
-        "steps_expected": training.steps, "steps_recorded": len(records),
-        "final_loss": final, "best_loss": min(losses) if losses else None,
-        "eval_loss": m.eval_loss, "perplexity": m.perplexity,
-        "wall_time_s": wall, "tokens_per_s": m.tokens_per_s,
-        "wire_bytes_per_step": measured,
-        "expected_wire_bytes_per_step": step_wire_bytes(model, training, stages, replicas),
-        "uncompressed_wire_bytes_per_step": uncompressed,
-        "compression_ratio": (uncompressed / measured) if measured else None,
-        "compression": st.spec.compression, "network_profile": st.spec.network.get("name"),
-        # What the compression figure places the run by: its links' rate (null: unshaped)
-        # and latency, and the model and seed it pools over.
-        "link_mbps": link_mbps(st.spec.network),
-        "latency_ms": st.spec.network.get("latency_ms") or 0.0,
-        "model": st.spec.model.get("name"), "seed": st.spec.seed, "repeat": st.spec.repeat,
-        "fellows": st.spec.fellows,
-        **grid_summary(st.spec, training, records, m.sync_bytes_per_step),
-        "activation_peak_bytes_by_stage": peaks_by_stage(records, stages),
-        "wait_fraction_by_stage": wait_by_stage(records, stages, training, job.restarts,
-                                                replicas),
-        "codec_error_by_stage": codec_error_by_stage(records, stages),
-        # Set-speeds while it ran: its network was not the profile's throughout.
-        "link_changes": unstructure(job.link_changes),
-        "link_changes_total": link_changes_in_all(job.link_changes, job.link_changes_total),
-        # Recoveries (a fellow lost, its stage handed on): the run's membership changes.
-        "restarts": unstructure(job.restarts),
-        # (who left a job of replicas, or joined it, and from which step)
-        "membership": unstructure(job.membership),
-        "thresholds": {},
-    }
+    summary = MetricsSummary(
+        run_id=st.run_id, job_id=job.job_id, status=job.state, reason=job.reason,
+        steps_expected=training.steps, steps_recorded=len(records),
+        final_loss=final, best_loss=min(losses) if losses else None,
+        eval_loss=m.eval_loss, perplexity=m.perplexity,
+        wall_time_s=wall, tokens_per_s=m.tokens_per_s,
+        wire_bytes_per_step=measured,
+        expected_wire_bytes_per_step=step_wire_bytes(model, training, stages, replicas),
+        uncompressed_wire_bytes_per_step=uncompressed,
+        compression_ratio=(uncompressed / measured) if measured else None,
+        compression=st.spec.compression, network_profile=st.spec.network.get("name"),
+        link_mbps=link_mbps(st.spec.network),
+        latency_ms=st.spec.network.get("latency_ms") or 0.0,
+        model=st.spec.model.get("name"), seed=st.spec.seed, repeat=st.spec.repeat,
+        fellows=st.spec.fellows,
+        activation_peak_bytes_by_stage=peaks_by_stage(records, stages),
+        wait_fraction_by_stage=wait_by_stage(records, stages, training, job.restarts,
+                                             replicas),
+        codec_error_by_stage=codec_error_by_stage(records, stages),
+        link_changes=list(job.link_changes),
+        link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
+        restarts=list(job.restarts), membership=list(job.membership), thresholds={})
+    summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss
-        summary["thresholds"]["max_final_loss"] = {
-            "limit": training.max_final_loss, "value": final, "met": met}
-    # None when the run set no threshold; a run that did not complete met none of its own.
-    summary["thresholds_met"] = None if not summary["thresholds"] else (
-        job.state == "COMPLETED" and all(t["met"] for t in summary["thresholds"].values()))
+        summary.thresholds = {"max_final_loss": Threshold(
+            limit=training.max_final_loss, value=final, met=met)}
+    if summary.thresholds:
+        summary.thresholds_met = job.state == "COMPLETED" and all(
+            t.met for t in summary.thresholds.values())
     return summary
 
 
-def grid_summary(spec: RunSpec, training: TrainingConfig, records: list[ProgressRecord],
-                 reported: float | None) -> dict[str, Any]:
-    """The run's grid and synchronisation, for the summary: its shape, its sync mode (``none``
-    for one replica), DiLoCo's inner steps, and what the stage groups' sync sent: per step over
-    every step recorded (a DiLoCo step that did not sync sent nothing, so this is the per-inner-
-    step figure that compares with dp's), the fellows' own figure when no step recorded any,
-    and in all; with the pipeline's bytes, the run's total on the wire."""
+def summarize_grid(summary: MetricsSummary, spec: RunSpec, training: TrainingConfig,
+                   records: list[ProgressRecord], reported: float | None) -> None:
+    """The run's grid and synchronisation, into its summary: its shape, its sync mode
+    (``none`` for one replica), DiLoCo's inner steps, and what the stage groups' sync sent:
+    per step over every step recorded (a DiLoCo step that did not sync sent nothing, so this
+    is the per-inner-step figure that compares with dp's), the fellows' own figure when no
+    step recorded any, and in all; with the pipeline's bytes, the run's total on the wire."""
     mode = spec.sync_mode
+    periodic = mode != "none" and training.sync.periodic
     synced = [r.sync_bytes for r in records if r.sync_bytes is not None]
     per_step = sum(synced) / len(records) if synced and records else reported
-    if mode == "none":
-        per_step = None
     wire_total = sum(r.wire_bytes for r in records)
     sync_total = sum(synced) if mode != "none" else 0
-    return {
-        "stages": spec.stages, "replicas": spec.replicas, "sync_mode": mode,
-        "inner_steps": training.sync.inner_steps if mode == "diloco" else None,
-        "overlap_steps": training.sync.overlap_steps if mode == "diloco" else None,
-        "sync_compression": training.sync.compression if mode != "none" else None,
-        "sync_bytes_per_step": per_step,
-        "sync_bytes_total": sync_total if mode != "none" else None,
-        "total_bytes": wire_total + sync_total,
-    }
+    summary.stages, summary.replicas, summary.sync_mode = spec.stages, spec.replicas, mode
+    if periodic:
+        summary.inner_steps = training.sync.inner_steps
+        summary.overlap_steps = training.sync.overlap_steps
+    if mode != "none":
+        summary.sync_compression = training.sync.compression
+        summary.sync_bytes_per_step, summary.sync_bytes_total = per_step, sync_total
+    summary.total_bytes = wire_total + sync_total
 
 
 def peaks_by_stage(records: list[ProgressRecord],
@@ -575,7 +577,7 @@ def wait_by_stage(records: list[ProgressRecord], num_stages: int,
     starts = {min((r.step for r in records), default=1) - 1,
               *(r.resume_step for r in restarts or [])}
     tc = training or TrainingConfig()
-    outer = replicas > 1 and tc.sync.mode == "diloco"
+    outer = tc.sync.drifts(replicas)
 
     def paused(step: int) -> bool:
         return any(tc.follows_a_pause(step, s, outer) for s in starts)
@@ -597,10 +599,10 @@ def wait_by_stage(records: list[ProgressRecord], num_stages: int,
 
 
 def codec_error_by_stage(records: list[ProgressRecord],
-                         num_stages: int) -> list[dict[str, float] | None] | None:
-    """Each stage's mean relative error of what its wire codec sent, over the steps:
-    ``{"act": ..., "grad": ...}`` (the directions it sends), by stage index; None for a stage
-    that never reported; None when no stage did (a run from before the field)."""
+                         num_stages: int) -> list[CodecErrors | None] | None:
+    """Each stage's mean relative error of what its wire codec sent, over the steps, in the
+    directions it sends, by stage index; None for a stage that never reported; None when no
+    stage did (a run from before the field)."""
     sums: dict[int, dict[str, list[float]]] = {}
     for r in records:
         for stage, errs in (r.codec_error or {}).items():
@@ -608,8 +610,8 @@ def codec_error_by_stage(records: list[ProgressRecord],
                 sums.setdefault(stage_of_label(stage), {}).setdefault(k, []).append(float(v))
     if not sums:
         return None
-    return [{k: sum(v) / len(v) for k, v in sums[s].items()} if s in sums else None
-            for s in range(num_stages)]
+    return [CodecErrors(**{k: sum(v) / len(v) for k, v in sums[s].items()}) if s in sums
+            else None for s in range(num_stages)]
 
 
 def netem(action: str, tc: dict[str, Any], check: bool = True) -> str:

@@ -34,6 +34,7 @@ from swarm_core.config.profiles import (
 )
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
 from swarm_core.experiments.report import ReportError, read_records, read_summary
+from swarm_core.experiments.summary import MetricsSummary
 from swarm_core.paths import atomic_write
 from swarm_core.protocol import FellowInfo, LinkLimits
 from swarm_core.schema import FieldError, unstructure
@@ -263,7 +264,7 @@ def _grid(sc: ScenarioSpec, infra: InfraProfile, model: ModelConfig, training: T
 def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
     """The suite as runs for :class:`swarm_core.experiments.runner.Experiment` (one per scenario and
     repeat), so queuing, monitoring and run artifacts are shared with sweeps."""
-    runs = []
+    runs: list[RunSpec] = []
     for sc in suite.scenarios:
         for rep in range(suite.spec.repeats):
             training = unstructure(sc.training)
@@ -329,28 +330,29 @@ def write_json(path: Path, data: Any) -> None:
 
 def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) -> dict[str, Any]:
     """``suite_summary.json``: per scenario tokens/s, step time, losses, bytes, slow-down."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for sc in suite.scenarios:
         d = run_dirs.get(sc.spec.name)
-        summary: dict[str, Any] = {}
+        summary, status = MetricsSummary(), "NOT RUN"
         steps: list[float] = []
         damage = None
         if d is not None and (d / "metrics_summary.json").exists():
             try:
                 summary = read_summary(d)
+                status = summary.status or status
                 steps = [r["step_seconds"] for r in read_records(d) if r.get("step_seconds")]
             except ReportError as exc:
-                summary, damage = {"status": "DAMAGED"}, str(exc)
+                summary, status, damage = MetricsSummary(), "DAMAGED", str(exc)
         steps_sorted = sorted(steps[1:] or steps)  # the first step pays for warm-up
         median = steps_sorted[len(steps_sorted) // 2] if steps_sorted else None
         rows.append({
-            "scenario": sc.spec.name, "status": summary.get("status", "NOT RUN"),
+            "scenario": sc.spec.name, "status": status,
             "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
-            "tokens_per_s": summary.get("tokens_per_s"),
-            "step_time_s": median, "final_loss": summary.get("final_loss"),
-            "eval_loss": summary.get("eval_loss"),
-            "wire_bytes_per_step": summary.get("wire_bytes_per_step"),
-            "sync_bytes_per_step": summary.get("sync_bytes_per_step"),
+            "tokens_per_s": summary.tokens_per_s,
+            "step_time_s": median, "final_loss": summary.final_loss,
+            "eval_loss": summary.eval_loss,
+            "wire_bytes_per_step": summary.wire_bytes_per_step,
+            "sync_bytes_per_step": summary.sync_bytes_per_step,
             "link": unstructure(sc.infra.inter_node_link) if sc.infra.inter_node_link else None,
             "run_dir": str(d) if d else None,
             **({"damage": damage} if damage else {}),

@@ -46,6 +46,7 @@ from swarm_core.protocol import (
     FellowStatus,
     LinkLimits,
     RegisterRequest,
+    ReportedStatus,
     Signal,
     is_bind_all,
 )
@@ -54,6 +55,16 @@ from swarm_core.schema import SchemaError, structure
 log = logging.getLogger("swarm.fellow")
 
 REPORT_PATIENCE_S = 120.0
+# How long a fellow told to stop (SIGTERM, SIGINT) lets its running stages wind down: their
+# stage threads stop between ops, and what they still had to report waits for no leader.
+STOP_GRACE_S = 3.0
+GOODBYE_S = 2.0  # the last heartbeat of a stopping fellow, to a leader that may be gone
+
+# The fellow only ever takes the statuses it may report of itself (stale and offline are the
+# leader's judgement), and a heartbeat carries them as their plain names.
+_REPORTED: dict[FellowStatus, ReportedStatus] = {
+    FellowStatus.READY: "ready", FellowStatus.BUSY: "busy",
+    FellowStatus.RELEASED: "released", FellowStatus.LEAVING: "leaving"}
 
 
 @attrs.define
@@ -139,6 +150,7 @@ class FellowDaemon:
         self.unreported: collections.deque[UnreportedFinal] = collections.deque(
             maxlen=MAX_UNREPORTED)
         self._stop = asyncio.Event()
+        self._reports_dropped = False  # stopping, the leader unreachable: report no more
         self._beat_now = asyncio.Event()
         self.exit_reason = ""
         # Retries back off to this; once registered, to a quarter of the leader's heartbeat
@@ -200,7 +212,7 @@ class FellowDaemon:
                     break
                 await self._serve_session()
         finally:
-            await self._stop_job()
+            await self._stop_job(grace_s=STOP_GRACE_S)
             await self._say_goodbye()
             await self.client.close()
             for ln in self.listeners:
@@ -277,7 +289,7 @@ class FellowDaemon:
     def heartbeat_body(self) -> Heartbeat:
         p = self.progress
         return Heartbeat(
-            status=self.status, current_job=p.job_id, current_stage=p.stage,
+            status=_REPORTED[self.status], current_job=p.job_id, current_stage=p.stage,
             current_step=p.step, last_loss=p.loss, tokens_per_s=p.tokens_per_s,
             counters=ByteCounters(
                 control_tx=self.client.bytes_sent, control_rx=self.client.bytes_received,
@@ -389,8 +401,9 @@ class FellowDaemon:
 
     # jobs -------------------------------------------------------------------------------------
     async def _start_job(self, sig: Signal) -> None:
+        start: StageStart | str
         try:
-            start: StageStart | str = parse_start(sig.payload)
+            start = parse_start(sig.payload)
             stage, replica, attempt = start.stage, start.replica, start.attempt
         except JobRefused as exc:
             # Refused by the job's task, which reports it; the fellow carries on.
@@ -430,18 +443,30 @@ class FellowDaemon:
         deadline = loop.time() + REPORT_PATIENCE_S
         backoff = 0.2
         while True:
+            if self._stop.is_set() and self._reports_dropped:
+                self._keep_final(job_id, upd)
+                return
             try:
                 await self.client.job_status(job_id, self.session, upd)
                 return
             except ApiError as exc:
                 if exc.status == 409:
                     raise asyncio.CancelledError() from None
-                if exc.status != 401 or loop.time() > deadline:
+                if exc.status != 401 or loop.time() > deadline or self._stop.is_set():
                     log.warning("status report refused: %s", exc)
                     if exc.status == 401:
                         self._keep_final(job_id, upd)
                     return
             except LeaderUnreachable as exc:
+                if self._stop.is_set():
+                    # Leaving: no leader restart is waited out (it learns of this fellow's
+                    # cells from its absence), and once one report is lost the rest are
+                    # dropped unsent: a stage may have queued thousands while it was gone.
+                    log.warning("status report lost: %s; the fellow is stopping: its later "
+                                "reports are dropped", exc)
+                    self._reports_dropped = True
+                    self._keep_final(job_id, upd)
+                    return
                 if loop.time() > deadline:
                     log.warning("status report lost: %s", exc)
                     self._keep_final(job_id, upd)
@@ -469,7 +494,7 @@ class FellowDaemon:
                 return
             except (LeaderUnreachable, ApiError) as exc:
                 retry = isinstance(exc, LeaderUnreachable) or exc.status == 401
-                if not retry or loop.time() > deadline:
+                if not retry or loop.time() > deadline or self._stop.is_set():
                     # The shard is on this fellow's disk either way.
                     log.warning("shard push for %s stage %d failed: %s", job, stage, exc)
                     return
@@ -549,16 +574,21 @@ class FellowDaemon:
                 self.status = FellowStatus.READY
             self._beat_now.set()
 
-    async def _stop_job(self, job_id: str | None = None, attempt: int | None = None) -> None:
+    async def _stop_job(self, job_id: str | None = None, attempt: int | None = None,
+                        grace_s: float | None = None) -> None:
         """Stop every running cell (of ``job_id`` only, when given; of that attempt of it only,
-        when given: the leader stops an attempt it replaced, not the one it started since)."""
+        when given: the leader stops an attempt it replaced, not the one it started since).
+        With ``grace_s`` (the fellow is leaving), the cells get that long to wind down."""
         doomed = [(k, t) for k, (t, p) in self.stages.items()
                   if job_id is None or (k[0] == job_id and attempt in (None, p.attempt))]
         for _k, task in doomed:
             task.cancel()
+        if grace_s is not None:
+            await _cancel_within([t for _k, t in doomed], grace_s)
         for k, task in doomed:
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                if grace_s is None or task.done():
+                    await task
             self.stages.pop(k, None)
         if not self.stages and self.status is FellowStatus.BUSY:
             self.status = FellowStatus.READY
@@ -569,5 +599,26 @@ class FellowDaemon:
             return
         if self.status is not FellowStatus.RELEASED:
             self.status = FellowStatus.LEAVING
-        with contextlib.suppress(ClientError):
-            await self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body())
+        with contextlib.suppress(ClientError, TimeoutError):
+            await asyncio.wait_for(
+                self.client.heartbeat(self.fellow_id, self.session, self.heartbeat_body()),
+                GOODBYE_S)
+
+
+async def _cancel_within(tasks: list[asyncio.Task[None]], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for cancelled tasks to end, cancelling them again after half of
+    it and then every tenth: a stage's clean-up after a cancel waits for its thread and for its
+    reporter (each up to the job's frame timeout, a minute by default), and each new cancel
+    cuts the wait it is in. Whatever is left at the end is left (and logged)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    pending = {t for t in tasks if not t.done()}
+    wait = grace_s / 2  # (first the cells' own wind-down; then a new cancel every so often)
+    while pending and (left := deadline - loop.time()) > 0:
+        _done, pending = await asyncio.wait(pending, timeout=min(left, wait))
+        for task in pending:
+            task.cancel()
+        wait = grace_s / 10
+    for task in pending:
+        log.warning("%s did not stop within %gs of the fellow stopping; left behind",
+                    task.get_name(), grace_s)

@@ -10,7 +10,7 @@ import logging
 import threading
 
 from swarm_core.contract.fellow_log import MAX_LINE_CHARS, MAX_LOG_LINES
-from swarm_core.validators import printable
+from swarm_core.validators import log_line
 
 RING_BYTES = 256 * 1024  # what one fellow's ring holds at most (UTF-8 of its lines)
 
@@ -54,9 +54,7 @@ class LogRing(logging.Handler):
 
     def add(self, line: str) -> None:
         # Shown on someone's terminal later: no control characters, and no line without end.
-        line = printable(line)
-        if len(line) > MAX_LINE_CHARS:
-            line = line[:MAX_LINE_CHARS - 1] + "…"
+        line = log_line(line, MAX_LINE_CHARS)
         size = len(line.encode()) + 1
         with self._ring_lock:
             self._lines.append((line, size))

@@ -15,8 +15,9 @@ import logging
 import threading
 import time
 import traceback
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -50,6 +51,13 @@ log = logging.getLogger(__name__)
 
 SNAPSHOTS_IN_FLIGHT = 2  # checkpoint copies a stage may have waiting for the shard writer
 REGROUP_POLL_S = 5.0  # one wait of a regroup's long poll; the report is sent again after it
+
+_T = TypeVar("_T")
+
+
+async def _awaited(aw: Awaitable[_T]) -> _T:
+    # run_coroutine_threadsafe takes only a coroutine; the regroup hook may be any awaitable.
+    return await aw
 
 
 class ShardWriteError(OSError):
@@ -309,7 +317,7 @@ class TrainJob:
             raise JobRefused(str(exc)) from None
         finally:
             outcomes = await self._wind_down(side, completed)
-            fut = None  # an exception from it holds this frame: no cycle back through fut
+            del fut  # an exception from it holds this frame: no cycle back through fut
         # Only a completed run raises its side tasks' errors: otherwise the stage's own error
         # (a neighbour it blames, a cancellation) is what the job ends with.
         for outcome in outcomes:
@@ -388,7 +396,7 @@ class TrainJob:
             if self.stop.is_set():
                 raise StageStopped()
             fut = asyncio.run_coroutine_threadsafe(
-                regroup(self.start.job_id, rep, REGROUP_POLL_S), self.loop)
+                _awaited(regroup(self.start.job_id, rep, REGROUP_POLL_S)), self.loop)
             try:
                 answer = fut.result(REGROUP_POLL_S + 15.0)
             except Exception as exc:

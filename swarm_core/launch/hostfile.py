@@ -59,6 +59,7 @@ class HostEntry:
 
     def fellows(self) -> list[FellowPlan]:
         """The fellows this host runs, each with its share of the device slots."""
+        shares: list[tuple[str, ...]]
         if self.devices == ("cpu",):
             shares = [("cpu",)] * self.slots
         else:

@@ -96,7 +96,7 @@ async def _release_clients(app: web.Application) -> None:
     # Before the server waits for running handlers: long polls and event streams end now.
     app[STATE_KEY].registry.release_polls()
     app[STATE_KEY].hub.close_all()
-    for ws in list(app[WEBSOCKETS_KEY]):
+    for ws in [*app[WEBSOCKETS_KEY]]:  # a copy: each handler drops its socket as it closes
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"leader shutting down")
 
 

@@ -7,6 +7,7 @@ import secrets
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from swarm_core.leader.errors import Handler, error_response
 from swarm_core.paths import atomic_write, ensure_private_dir
@@ -63,7 +64,7 @@ def _token_text(path: Path) -> str:
     return token
 
 
-def auth_middleware(token: str) -> Handler:
+def auth_middleware(token: str) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware

@@ -6,28 +6,45 @@ import asyncio
 import collections
 import contextlib
 import time
-from typing import Any
 
 import attrs
 
 from swarm_core import jsonio
+from swarm_core.contract.events import Event, EventData, event_json
 
 # A console that falls this far behind is cut off (and reconnects) rather than letting the
 # leader's memory grow without bound.
 SUBSCRIBER_BACKLOG = 20_000
 
 
+class Published:
+    """An event as published; its frame is encoded when a WebSocket first sends it, and once
+    however many subscribers send it."""
+
+    __slots__ = ("_frame", "event")
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self._frame: bytes | None = None
+
+    def frame(self) -> bytes:
+        if self._frame is None:
+            self._frame = jsonio.dumps(event_json(self.event))
+        return self._frame
+
+
 @attrs.define(eq=False)
 class Subscriber:
-    queue: asyncio.Queue[bytes | None]
+    queue: asyncio.Queue[Published | None]
     types: frozenset[str] | None = None
     job_id: str | None = None
     overflowed: bool = False
 
-    def wants(self, kind: str, data: dict[str, Any]) -> bool:
-        if self.types is not None and kind.split(".", 1)[0] not in self.types:
+    def wants(self, event: Event) -> bool:
+        if self.types is not None and event.type.split(".", 1)[0] not in self.types:
             return False
-        return self.job_id is None or data.get("job_id") == self.job_id
+        # (a fellow's events name the job it runs: they reach that job's subscribers too)
+        return self.job_id is None or getattr(event.data, "job_id", None) == self.job_id
 
 
 RECENT = 1000  # kept for plain GET /events (polling without a WebSocket)
@@ -37,13 +54,12 @@ class EventHub:
     def __init__(self) -> None:
         self._subs: set[Subscriber] = set()
         self.seq = 0
-        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT)
+        self._recent: collections.deque[Event] = collections.deque(maxlen=RECENT)
 
     def recent(self, after: int = 0, types: frozenset[str] | None = None,
-               job_id: str | None = None) -> list[dict[str, Any]]:
+               job_id: str | None = None) -> list[Event]:
         probe = Subscriber(asyncio.Queue(1), types, job_id)
-        return [e for e in self._recent
-                if e["seq"] > after and probe.wants(e["type"], e["data"])]
+        return [e for e in self._recent if (e.seq or 0) > after and probe.wants(e)]
 
     def subscribe(self, types: frozenset[str] | None = None,
                   job_id: str | None = None) -> Subscriber:
@@ -58,21 +74,18 @@ class EventHub:
     def subscriber_count(self) -> int:
         return len(self._subs)
 
-    def publish(self, kind: str, data: dict[str, Any]) -> None:
+    def publish(self, data: EventData) -> None:
         self.seq += 1
-        self._recent.append({"seq": self.seq, "ts": time.time(), "type": kind, "data": data})
+        event = Event(data, self.seq, time.time())
+        self._recent.append(event)
         if not self._subs:
             return
-        frame: bytes | None = None
+        published = Published(event)
         for sub in list(self._subs):
-            if sub.overflowed or not sub.wants(kind, data):
+            if sub.overflowed or not sub.wants(event):
                 continue
-            if frame is None:
-                frame = jsonio.dumps(
-                    {"seq": self.seq, "ts": time.time(), "type": kind, "data": data}
-                )
             try:
-                sub.queue.put_nowait(frame)
+                sub.queue.put_nowait(published)
             except asyncio.QueueFull:
                 sub.overflowed = True
                 self._subs.discard(sub)

@@ -8,8 +8,9 @@ import time
 
 import attrs
 
-from swarm_core.contract.fellow_log import MAX_LOG_LINES, FellowLogTail
+from swarm_core.contract.fellow_log import MAX_LINE_CHARS, MAX_LOG_LINES, FellowLogTail
 from swarm_core.leader.errors import ApiError
+from swarm_core.validators import log_line
 
 HELD_BYTES = 256 * 1024  # per fellow
 # How long after a read the fellow keeps sending: a console refreshing every 1-2 s keeps it
@@ -63,6 +64,10 @@ class FellowLogs:
                                 f"the post continues line {tail.seq - len(tail.lines)}; send "
                                 "the whole tail", code="log_out_of_step")
         for line in tail.lines:
+            # Relayed to consoles and `swarm fellow-log`: a fellow's line is shown, never
+            # obeyed (an OSC 2 in it retitled the reader's terminal). Cleaned as the fellow's
+            # own ring cleans it, whatever the poster ran.
+            line = log_line(line, MAX_LINE_CHARS)
             held.lines.append(line)
             held.bytes += len(line.encode()) + 1
         while held.lines and (len(held.lines) > MAX_LOG_LINES or held.bytes > self.held_bytes):

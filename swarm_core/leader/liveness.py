@@ -10,6 +10,7 @@ own report or its going stale names the cause better.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -239,7 +240,7 @@ class Liveness:
                 st = attrs.evolve(st, fellow_id=rec.fellow_id, name=rec.name, slot=0,
                                   device=rec.devices[0])
             # A fellow that re-registered may listen on new data addresses.
-            addrs = rec.data_addrs or [rec.data_addr]
+            addrs: Sequence[str | None] = rec.data_addrs or [rec.data_addr]
             stages.append(attrs.evolve(
                 st, data_addr=addrs[st.slot] if st.slot < len(addrs) else rec.data_addr))
         return attrs.evolve(job.placement, stages=stages), replaced, lost

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from swarm_core.contract.events import JobMembership
 from swarm_core.contract.membership import (
     MembershipChange,
     MembersSignal,
@@ -295,8 +296,7 @@ class Membership:
         # (no synchronisation is left to take it in at; an overlapped outer step's result,
         # where a joiner comes in, lands overlap_steps after it)
         sync = train.sync
-        if job.last_step >= train.steps - (sync.inner_steps + sync.overlap_steps
-                                           if sync.mode == "diloco" else 1):
+        if job.last_step >= train.steps - (sync.period + sync.lag):
             return
         assert job.placement is not None
         left = [r for r in range(job.placement.replicas) if r not in job.members]
@@ -344,8 +344,7 @@ class Membership:
         job.membership.append(change)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
-        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
-                                                  **unstructure(change)})
+        self.queue.hub.publish(JobMembership(job.job_id, change))
 
     def _abort_join(self, job: JobRecord) -> None:
         joining = self.joining.pop(job.job_id, None)
@@ -406,8 +405,7 @@ class Membership:
         job.membership.append(change)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
-        self.queue.hub.publish("job.membership", {"job_id": job.job_id,
-                                                  **unstructure(change)})
+        self.queue.hub.publish(JobMembership(job.job_id, change))
 
     def _decide_members(self, job: JobRecord, rnd: RegroupRound, final: bool) -> bool:
         """Who goes on: every member not lost. A silent cell whose chain has reported is

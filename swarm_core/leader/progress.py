@@ -14,7 +14,7 @@ from typing import Any
 from swarm_core import jsonio
 from swarm_core.contract import JobStatusUpdate, MembershipChange, ProgressRecord, StageMetrics
 from swarm_core.contract.job import export_complete, in_stage_order
-from swarm_core.contract.metrics import JOB_LEVEL
+from swarm_core.contract.metrics import JOB_LEVEL, REPLICA_COMBINE, MetricName
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store
 from swarm_core.paths import atomic_write
@@ -71,12 +71,13 @@ class ProgressBook:
             values = [getattr(s, name) for s in last if getattr(s, name) is not None]
             if not values:
                 continue
-            if name == "tokens_per_s":
+            how = REPLICA_COMBINE.get(name)
+            if how == "sum":
                 setattr(m, name, sum(values))
-            elif name == "wall_s":
+            elif how == "max":
                 setattr(m, name, max(values))
-            elif name in ("eval_loss", "perplexity"):
-                setattr(m, name, values[0])  # (the first replica evaluates for the group)
+            elif how == "first":
+                setattr(m, name, values[0])
             else:
                 setattr(m, name, sum(values) / len(values))
 
@@ -137,11 +138,12 @@ class ProgressBook:
         step: a job's curves, in one pass over its records."""
         losses: list[list[float]] = []
         evals: list[list[float]] = []
+        step, loss, eval_loss = MetricName.STEP, MetricName.LOSS, MetricName.EVAL_LOSS
         for r in self.store.progress(job.job_id):
-            if r.get("loss") is not None:
-                losses.append([r["step"], r["loss"]])
-            if r.get("eval_loss") is not None:
-                evals.append([r["step"], r["eval_loss"]])
+            if r.get(loss) is not None:
+                losses.append([r[step], r[loss]])
+            if r.get(eval_loss) is not None:
+                evals.append([r[step], r[eval_loss]])
         return losses, evals
 
 

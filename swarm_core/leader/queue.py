@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from swarm_core.artifacts.layout import RUN_MANIFEST
+from swarm_core.artifacts.manifests import PushedManifest, ShardManifest
 from swarm_core.config.schemas import job_shape_error
 from swarm_core.contract import (
     FellowSlots,
@@ -33,6 +34,12 @@ from swarm_core.contract import (
     link_changes_in_all,
     plan,
     stage_starts,
+)
+from swarm_core.contract.events import (
+    JobShard,
+    JobUpdate,
+    JobUpdateType,
+    MetricReport,
 )
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
@@ -50,6 +57,10 @@ from swarm_core.validators import printable
 log = logging.getLogger("swarm.leader")
 
 MAX_LINK_CHANGES = 200
+# The event a job's end publishes, by the state it ended in.
+FINISHED_EVENTS: dict[JobState, JobUpdateType] = {
+    JobState.COMPLETED: "job.completed", JobState.FAILED: "job.failed",
+    JobState.CANCELLED: "job.cancelled"}
 
 
 @attrs.define
@@ -302,12 +313,10 @@ class JobQueue:
         if upd.state == "RUNNING" and upd.metrics != StageMetrics() \
                 and job.kind == "train":
             self.progress.record(job, stage, replica, upd)
-        self.hub.publish("metric", {
-            "job_id": job_id, "fellow_id": fellow.fellow_id, "stage": stage, "step": upd.step,
-            "loss": upd.loss, "tokens_per_s": upd.tokens_per_s, "state": upd.state,
-            "metrics": unstructure(upd.metrics),
-            **({"replica": replica} if job.placement.replicas > 1 else {}),
-        })
+        self.hub.publish(MetricReport(
+            job_id=job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,
+            loss=upd.loss, tokens_per_s=upd.tokens_per_s, state=upd.state, metrics=upd.metrics,
+            replica=replica if job.placement.replicas > 1 else None))
         if upd.state == "FAILED":
             self._failed(job, stage, replica, fellow, upd)
         elif upd.state == "COMPLETED":
@@ -409,21 +418,24 @@ class JobQueue:
         self.liveness.fellow_replaced(rec)
 
     @staticmethod
-    def shard_receipt(stage: int, fellow: FellowRecord, manifest: dict) -> ShardReceipt:
+    def shard_receipt(stage: int, fellow: FellowRecord, manifest: PushedManifest
+                      ) -> ShardReceipt:
+        # (a replica's own optimiser state carries no weights)
+        weights = manifest if isinstance(manifest, ShardManifest) else None
         return ShardReceipt(
-            stage=stage, fellow_id=fellow.fellow_id, step=manifest["step"],
-            weights_sha256=manifest.get("weights_sha256"),
-            weights_bytes=manifest.get("weights_bytes"),
-            optimizer_bytes=manifest.get("optimizer_bytes"),
-            config_fingerprint=manifest.get("config_fingerprint"),
-            received_at=manifest.get("received_at"))
+            stage=stage, fellow_id=fellow.fellow_id, step=manifest.step,
+            weights_sha256=weights.weights_sha256 if weights else None,
+            weights_bytes=weights.weights_bytes if weights else None,
+            optimizer_bytes=manifest.optimizer_bytes,
+            config_fingerprint=manifest.config_fingerprint,
+            received_at=manifest.received_at)
 
     def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
-                     manifest: dict) -> ShardReceipt:
+                     manifest: ShardManifest) -> ShardReceipt:
         receipt = self.shard_receipt(stage, fellow, manifest)
         job.latest_shard_pushes[str(stage)] = receipt
         self.save(job, quiet=True)
-        self.hub.publish("job.shard", {"job_id": job.job_id, **unstructure(receipt)})
+        self.hub.publish(JobShard(job.job_id, receipt))
         return receipt
 
     def link_set(self, fellow: FellowRecord, link: LinkLimits) -> str | None:
@@ -500,16 +512,16 @@ class JobQueue:
             if job.latest_shard_pushes:
                 self.files.write(job, f"model_export/{RUN_MANIFEST}",
                                  self.files.run_manifest(job))
-        self.event(job, f"job.{state.value.lower()}")
+        self.event(job, FINISHED_EVENTS[state])
 
     def save(self, job: JobRecord, quiet: bool = False) -> None:
         self.store.save_job(job.row())
         if not quiet:
             self.event(job, "job.updated")
 
-    def event(self, job: JobRecord, kind: str) -> None:
-        self.hub.publish(kind, {
-            "job_id": job.job_id, "name": job.spec.name, "kind": job.spec.kind,
-            "state": job.state.value, "last_step": job.last_step, "last_loss": job.last_loss,
-            "fellows": job.fellows, "reason": job.reason,
-        })
+    def event(self, job: JobRecord, event_type: JobUpdateType) -> None:
+        # (a copy of the fellows: the event is encoded later, the job's list may change)
+        self.hub.publish(JobUpdate(
+            event_type, job.job_id, name=job.spec.name, kind=job.spec.kind, state=job.state.value,
+            last_step=job.last_step, last_loss=job.last_loss, fellows=list(job.fellows),
+            reason=job.reason))

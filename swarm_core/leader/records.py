@@ -174,4 +174,7 @@ class JobRecord:
 _NOT_AS_IS = ("spec", "held", "recovering", "watched_since", "active_at", "current",
              "spec_row")
 _STORED = tuple(f.name for f in attrs.fields(JobRecord) if f.name not in _NOT_AS_IS)
-_TYPES = {f.name: f.type for f in attrs.fields(attrs.resolve_types(JobRecord))}
+# Every JobRecord attribute is annotated, so resolve_types leaves none untyped.
+_TYPES: dict[str, type[Any]] = {f.name: f.type
+                                for f in attrs.fields(attrs.resolve_types(JobRecord))
+                                if f.type is not None}

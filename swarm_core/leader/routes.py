@@ -7,6 +7,7 @@ import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -14,6 +15,7 @@ from aiohttp import WSCloseCode, web
 
 import swarm_core
 from swarm_core import jsonio
+from swarm_core.artifacts.manifests import PushedManifest, ReplicaStateManifest, ShardManifest
 from swarm_core.contract import (
     DEFAULT_LOG_LINES,
     JOB_ORDERS,
@@ -30,6 +32,7 @@ from swarm_core.contract import (
     RegroupAnswer,
     RegroupReport,
 )
+from swarm_core.contract.events import Event, FellowReleased, Hello, SpeedSet, event_json
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
@@ -217,7 +220,7 @@ async def set_speed(request: web.Request) -> web.Response:
     link = unstructure(limits)
     sig = st.registry.send(rec, "SET_SPEED", None, link)
     job_id = st.jobs.link_set(rec, limits)
-    st.hub.publish("fellow.set_speed", {"fellow_id": rec.fellow_id, "job_id": job_id, **link})
+    st.hub.publish(SpeedSet(rec.fellow_id, job_id, limits))
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
                "job_id": job_id}, status=202)
 
@@ -232,7 +235,7 @@ async def release(request: web.Request) -> web.Response:
         targets = [st.registry.get(fid) for fid in dict.fromkeys(req.fellow_ids)]
     for rec in targets:
         st.registry.send(rec, "RELEASE", rec.assigned_job, {})
-        st.hub.publish("fellow.release", {"fellow_id": rec.fellow_id, "name": rec.name})
+        st.hub.publish(FellowReleased(rec.fellow_id, rec.name))
     return ok(ReleaseResult(released=[r.fellow_id for r in targets]), status=202)
 
 
@@ -389,8 +392,8 @@ async def push_shard(request: web.Request) -> web.Response:
     """A stage's shard from the member that leads its group, or (DiLoCo) another member's own
     optimiser state at that checkpoint, kept beside it and never published."""
     from swarm_core.leader.uploads import (
+        PushTarget,
         checkpoint_dir,
-        is_replica_state,
         publish,
         receive_shard,
         replica_state_dir,
@@ -401,7 +404,7 @@ async def push_shard(request: web.Request) -> web.Response:
     stage = _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
 
-    def still_wanted(manifest: dict[str, Any] | None = None) -> None:
+    def still_wanted(manifest: PushedManifest | None = None) -> None:
         # Checked again once the upload is in: an ended job's record and export stay as they
         # ended, and a stage handed to a replacement fellow meanwhile is not overwritten by
         # the push of the one it replaced.
@@ -415,50 +418,41 @@ async def push_shard(request: web.Request) -> web.Response:
             raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
 
-    def dest_for(m: dict[str, Any]) -> Any:
-        if is_replica_state(m):
-            return replica_state_dir(runs, job.job_id, m["step"], stage, m["replica"])
-        return checkpoint_dir(runs, job.job_id, m["step"], stage)
+    def dest_for(m: PushedManifest) -> Path:
+        if isinstance(m, ReplicaStateManifest):
+            return replica_state_dir(runs, job.job_id, m.step, stage, m.replica)
+        return checkpoint_dir(runs, job.job_id, m.step, stage)
 
     still_wanted()
     cfg = request.app[CONFIG_KEY]
     runs = st.state_dir / "runs"
-    manifest = await receive_shard(
-        request, dest_for, cfg.max_upload_bytes,
-        expect={"job_id": job.job_id, "stage": stage, "fellow_id": rec.fellow_id},
-        still_wanted=still_wanted)
-    if is_replica_state(manifest):
+    manifest = await receive_shard(request, dest_for, cfg.max_upload_bytes,
+                                   PushTarget(job.job_id, stage, rec.fellow_id), still_wanted)
+    if isinstance(manifest, ReplicaStateManifest):
         return ok(st.jobs.shard_receipt(stage, rec, manifest), status=201)
     # One publish at a time (it prunes the checkpoints another would link from), in a worker
     # thread: its fsyncs and copies would stall the event loop.
     async with st.publishing:
-        await asyncio.to_thread(publish, runs, job.job_id, manifest["step"], stage,
+        await asyncio.to_thread(publish, runs, job.job_id, manifest.step, stage,
                                 rec.fellow_id, job.num_stages)
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 
-def _manifest_replica(job: Any, manifest: dict[str, Any] | None) -> int:
+def _manifest_replica(job: Any, manifest: PushedManifest | None) -> int:
     """The replica a pushed manifest speaks for (0 where it names none), and the replicas
-    whose states it says go with it, checked against the job's grid."""
+    whose states it says go with it, checked against the job's grid (the manifest's class
+    checked the rest as it came in)."""
     if manifest is None:
         return 0
-    from swarm_core.leader.uploads import is_replica_state
-
     replicas = job.spec.topology.replicas
-    if is_replica_state(manifest) and "replica" not in manifest:
-        raise ApiError(400, "a replica's optimiser state (no weights_sha256) must name its "
-                            "replica", field="manifest.replica")
-    replica = manifest.get("replica", 0)
-    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+    if not manifest.replica < replicas:
         raise ApiError(400, f"manifest replica must be an integer from 0 to {replicas - 1}",
                        field="manifest.replica")
-    others = manifest.get("replica_states", [])
-    if not isinstance(others, list) or any(
-            isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < replicas
-            or r == replica for r in others) or len(set(others)) != len(others):
+    if isinstance(manifest, ShardManifest) and any(r >= replicas
+                                                   for r in manifest.replica_states):
         raise ApiError(400, "manifest replica_states must list other replicas of the job, "
                             "each once", field="manifest.replica_states")
-    return replica
+    return manifest.replica
 
 
 async def get_checkpoint(request: web.Request) -> web.StreamResponse:
@@ -564,7 +558,8 @@ async def events(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Upgrade", "").lower() != "websocket":
         # Without a WebSocket: the recent events, for polling scripts.
         after = _int_param(request, "after") if "after" in request.query else 0
-        return ok({"seq": st.hub.seq, "events": st.hub.recent(after, types, job_id)})
+        return ok({"seq": st.hub.seq, "events": [event_json(e) for e in
+                                                  st.hub.recent(after, types, job_id)]})
     ws = web.WebSocketResponse(heartbeat=20.0)
     await ws.prepare(request)
     sub = st.hub.subscribe(types, job_id)
@@ -573,8 +568,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     # at once and ends this handler instead of lingering until the next event.
     reader = asyncio.create_task(_until_closed(ws))
     try:
-        await ws.send_bytes(jsonio.dumps({"seq": st.hub.seq, "ts": time.time(),
-                                          "type": "hello", "data": {}}))
+        await ws.send_bytes(jsonio.dumps(event_json(Event(Hello(), st.hub.seq, time.time()))))
         while not reader.done():
             if sub.queue.empty():
                 getter = asyncio.ensure_future(sub.queue.get())
@@ -582,15 +576,15 @@ async def events(request: web.Request) -> web.StreamResponse:
                 if not getter.done():
                     getter.cancel()
                     break
-                frame = getter.result()
+                published = getter.result()
             else:
-                frame = sub.queue.get_nowait()
-            if frame is None:
+                published = sub.queue.get_nowait()
+            if published is None:
                 if sub.overflowed:
                     await ws.close(code=WSCloseCode.TRY_AGAIN_LATER,
                                    message=b"event backlog overflowed; reconnect")
                 break
-            await ws.send_bytes(frame)
+            await ws.send_bytes(published.frame())
     except (ConnectionResetError, RuntimeError):
         pass
     finally:

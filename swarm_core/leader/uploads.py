@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 from aiohttp import web
 
 from swarm_core import jsonio
@@ -26,12 +27,18 @@ from swarm_core.artifacts.layout import (
     OPTIMIZER,
     WEIGHTS,
     drop_other_holders,
-    names_optimizer,
     shard_dir_name,
+)
+from swarm_core.artifacts.manifests import (
+    PushedManifest,
+    ReplicaStateManifest,
+    ShardManifest,
+    pushed_manifest,
 )
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.paths import atomic_write, fsync_dir
+from swarm_core.schema import SchemaError, structure
 
 MAX_MANIFEST = 4 << 20
 SHARDS = "model_export/shards"
@@ -74,11 +81,12 @@ def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[i
 
 def _stage_complete(d: Path) -> bool:
     try:
-        manifest = jsonio.loads((d / MANIFEST).read_bytes())
-    except (OSError, jsonio.JSONDecodeError):
+        # (written by this leader, checked as it came in)
+        manifest = structure(jsonio.loads((d / MANIFEST).read_bytes()), ShardManifest,
+                             trust=True)
+    except (OSError, jsonio.JSONDecodeError, SchemaError):
         return False
-    others = manifest.get("replica_states") if isinstance(manifest, dict) else None
-    return all((d / f"replica-{r}" / MANIFEST).exists() for r in others or ())
+    return all((d / f"replica-{r}" / MANIFEST).exists() for r in manifest.replica_states)
 
 
 def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
@@ -108,8 +116,8 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
     if len(complete) > KEEP_CHECKPOINTS:
         cutoff = complete[KEEP_CHECKPOINTS - 1]
         for d in root.glob("step-*"):
-            step = _step_of(d)
-            if step is not None and step < cutoff:
+            older = _step_of(d)
+            if older is not None and older < cutoff:
                 shutil.rmtree(d, ignore_errors=True)
 
 
@@ -131,25 +139,61 @@ def _step_of(d: Path) -> int | None:
     return int(rest) if rest != d.name and rest.isdigit() else None
 
 
-def is_replica_state(manifest: dict[str, Any]) -> bool:
-    """A push of one replica's own optimiser state (no weights: they are its stage's)."""
-    return manifest.get("weights_sha256") is None
+@attrs.frozen
+class PushTarget:
+    """Whose push a route takes: its manifest must name this job, stage and fellow before
+    anything is written."""
+
+    job_id: str
+    stage: int
+    fellow_id: int
 
 
-async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]], Path],
-                        limit: int, expect: dict[str, Any],
-                        still_wanted: Callable[[dict[str, Any]], None] = lambda m: None
-                        ) -> dict[str, Any]:
+async def receive_shard(request: web.Request, dest_for: Callable[[PushedManifest], Path],
+                        limit: int, expect: PushTarget,
+                        still_wanted: Callable[[PushedManifest], None] = lambda m: None
+                        ) -> PushedManifest:
     """Read the ``manifest``, ``weights`` and (optional) ``optimizer`` parts; returns the
     manifest once all are in place. ``limit`` bounds the weights, and OPTIMIZER_TIMES it (plus
     a little) the optimiser state. A manifest with no ``weights_sha256`` is a replica's own
-    state: its parts are ``manifest`` and ``optimizer``.
+    state (ReplicaStateManifest): its parts are ``manifest`` and ``optimizer``.
 
-    ``expect``: manifest fields that must hold (job, stage, fellow) before anything is written.
     ``still_wanted(manifest)``: called once the manifest is read and again once every part
     has arrived, just before the files are swapped in; an ApiError it raises discards the push
     (the world may have changed while it arrived).
     """
+    _check_push_request(request, limit)
+    reader = await request.multipart()
+    sent, manifest = await _read_manifest(reader, expect)
+    still_wanted(manifest)
+    part = await reader.next()
+    want = "optimizer" if isinstance(manifest, ReplicaStateManifest) else "weights"
+    if part is None or getattr(part, "name", None) != want:
+        raise ApiError(400, f"second part must be '{want}'", field=want)
+    dest = dest_for(manifest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tmps: dict[str, Path] = {}
+    try:
+        await _receive_files(reader, part, dest, manifest, limit, tmps)
+        still_wanted(manifest)
+        await asyncio.to_thread(_swap_in, dest, tmps)
+    except FileNotFoundError:
+        # publish() of a newer complete checkpoint pruned this older step while it arrived.
+        _discard(dest, tmps)
+        raise ApiError(409, f"checkpoint step {manifest.step} was pruned while it arrived: a "
+                            "newer complete checkpoint exists", code="checkpoint_pruned") from None
+    except BaseException:
+        _discard(dest, tmps)
+        raise
+    manifest.received_at = sent["received_at"] = time.time()
+    # The file is the manifest as it came, keys this leader does not know included: it reads
+    # back as the fellow wrote it, but for the leader's received_at.
+    await asyncio.to_thread(atomic_write, dest / MANIFEST, jsonio.dumps(sent, pretty=True))
+    return manifest
+
+
+def _check_push_request(request: web.Request, limit: int) -> None:
+    """What the request's headers already refuse, before any part is read."""
     if not request.content_type.startswith("multipart/"):
         raise ApiError(415, "a shard push is multipart/form-data: manifest, weights, and "
                             "optionally optimizer")
@@ -160,82 +204,58 @@ async def receive_shard(request: web.Request, dest_for: Callable[[dict[str, Any]
     if request.content_length is not None and request.content_length > most:
         raise ApiError(413, f"shard of {request.content_length} bytes exceeds the upload limit "
                             f"of {limit} bytes", code="body_too_large")
-    reader = await request.multipart()
+
+
+async def _read_manifest(reader: Any, expect: PushTarget
+                         ) -> tuple[dict[str, Any], PushedManifest]:
+    """The first part: the manifest as it came (what goes to disk) and structured, once, into
+    its class, which everything after reads; it must be ``expect``'s."""
     part = await reader.next()
     if part is None or getattr(part, "name", None) != "manifest":
         raise ApiError(400, "first part must be 'manifest'", field="manifest")
-    raw = await part.read(decode=False)  # type: ignore[union-attr]
+    raw = await part.read(decode=False)
     if len(raw) > MAX_MANIFEST:
         raise ApiError(413, "shard manifest too large", code="body_too_large")
     try:
-        manifest = jsonio.loads(raw)
+        data = jsonio.loads(raw)
     except jsonio.JSONDecodeError:
         raise ApiError(400, "manifest is not valid JSON", field="manifest") from None
-    if not isinstance(manifest, dict):
-        raise ApiError(400, "manifest must be an object", field="manifest")
-    for key, want in expect.items():
-        if manifest.get(key) != want:
-            raise ApiError(400, f"manifest {key} is {manifest.get(key)!r}, expected {want!r}",
-                           field=f"manifest.{key}")
-    step = manifest.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ApiError(400, "manifest step must be a non-negative integer",
-                       field="manifest.step")
-    # What the job's record keeps of the push (its ShardReceipt): checked before anything is
-    # written, so a stored job never holds what it cannot read back.
-    if not isinstance(manifest.get("config_fingerprint"), str | None):
-        raise ApiError(400, "manifest config_fingerprint must be a string",
-                       field="manifest.config_fingerprint")
-    opt_bytes = manifest.get("optimizer_bytes")
-    if opt_bytes is not None and (isinstance(opt_bytes, bool) or not isinstance(opt_bytes, int)
-                                  or not 0 <= opt_bytes < 2**63):
-        raise ApiError(400, "manifest optimizer_bytes must be a byte count or null",
-                       field="manifest.optimizer_bytes")
-    still_wanted(manifest)
-    own_state = is_replica_state(manifest)
-    if own_state and not names_optimizer(manifest):
-        raise ApiError(400, "a push without weights is a replica's optimiser state: the "
-                            "manifest must name it", field="manifest.optimizer_sha256")
-    part = await reader.next()
-    want = "optimizer" if own_state else "weights"
-    if part is None or getattr(part, "name", None) != want:
-        raise ApiError(400, f"second part must be '{want}'", field=want)
-    dest = dest_for(manifest)
-    dest.mkdir(parents=True, exist_ok=True)
-    tmps: dict[str, Path] = {}
+    try:
+        manifest = pushed_manifest(data, "manifest")
+    except SchemaError as exc:
+        raise ApiError(400, exc.message, field=exc.field) from None
+    for name, got, want in (("job_id", manifest.job_id, expect.job_id),
+                            ("stage", manifest.stage, expect.stage),
+                            ("fellow_id", manifest.fellow_id, expect.fellow_id)):
+        if got != want:
+            raise ApiError(400, f"manifest {name} is {got!r}, expected {want!r}",
+                           field=f"manifest.{name}")
+    return data, manifest
+
+
+async def _receive_files(reader: Any, part: Any, dest: Path, manifest: PushedManifest,
+                         limit: int, tmps: dict[str, Path]) -> None:
+    """The weights (a stage shard's) from ``part`` on, then the optimiser state, each into a
+    temp file in ``dest`` (in ``tmps`` by its final name, for the caller to swap in or
+    discard) and checked against the manifest."""
     # The disk work (fsyncs, reading the archive's listing, renames) runs in a worker thread:
     # a large shard's fsync takes long enough to stall every heartbeat on the event loop.
-    try:
-        if not own_state:
-            tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
-            await asyncio.to_thread(_check_weights, tmps[WEIGHTS], manifest, digest, size)
-            part = await reader.next()
-        if part is not None:
-            if getattr(part, "name", None) != "optimizer":
-                raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
-            tmps[OPTIMIZER], opt_size, digest = await _receive_part(
-                part, dest, OPTIMIZER_TIMES * limit + OPTIMIZER_SLACK)
-            await asyncio.to_thread(_check_optimizer, tmps[OPTIMIZER], manifest, digest,
-                                    opt_size)
-        elif names_optimizer(manifest):
-            raise ApiError(400, "the manifest names optimizer state but no 'optimizer' part came",
-                           field="optimizer")
-        if await reader.next() is not None:
-            raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
-                                "optimizer", field="optimizer")
-        still_wanted(manifest)
-        await asyncio.to_thread(_swap_in, dest, tmps)
-    except FileNotFoundError:
-        # publish() of a newer complete checkpoint pruned this older step while it arrived.
-        _discard(dest, tmps)
-        raise ApiError(409, f"checkpoint step {step} was pruned while it arrived: a newer "
-                            "complete checkpoint exists", code="checkpoint_pruned") from None
-    except BaseException:
-        _discard(dest, tmps)
-        raise
-    manifest["received_at"] = time.time()
-    await asyncio.to_thread(atomic_write, dest / MANIFEST, jsonio.dumps(manifest, pretty=True))
-    return manifest
+    if isinstance(manifest, ShardManifest):
+        tmps[WEIGHTS], size, digest = await _receive_part(part, dest, limit)
+        await asyncio.to_thread(_check_weights, tmps[WEIGHTS], manifest, digest, size)
+        part = await reader.next()
+    if part is not None:
+        if getattr(part, "name", None) != "optimizer":
+            raise ApiError(400, "third part, if any, must be 'optimizer'", field="optimizer")
+        tmps[OPTIMIZER], opt_size, digest = await _receive_part(
+            part, dest, OPTIMIZER_TIMES * limit + OPTIMIZER_SLACK)
+        await asyncio.to_thread(_check_optimizer, tmps[OPTIMIZER], manifest, digest, opt_size)
+    elif manifest.names_optimizer:
+        raise ApiError(400, "the manifest names optimizer state but no 'optimizer' part came",
+                       field="optimizer")
+    if await reader.next() is not None:
+        raise ApiError(400, "a shard push has at most three parts: manifest, weights, "
+                            "optimizer", field="optimizer")
 
 
 def _discard(dest: Path, tmps: dict[str, Path]) -> None:
@@ -288,32 +308,31 @@ def _npy_members(path: Path, field: str) -> set[str]:
     return {n.removesuffix(".npy") for n in members}
 
 
-def _check_digest(part: str, manifest: dict[str, Any], sha256: str, size: int) -> None:
-    """The part's bytes are the ones the manifest names (``<part>_sha256``, ``<part>_bytes``)."""
-    if manifest.get(f"{part}_sha256") != sha256:
+def _check_digest(part: str, sha256: str, size: int, named_sha256: str | None,
+                  named_bytes: int | None) -> None:
+    """The part's bytes are the ones the manifest names (its ``<part>_sha256`` and
+    ``<part>_bytes``)."""
+    if named_sha256 != sha256:
         raise ApiError(400, f"the {part} part does not match the manifest's {part}_sha256",
                        field=part)
-    if manifest.get(f"{part}_bytes") not in (None, size):
+    if named_bytes not in (None, size):
         raise ApiError(400, f"the {part} part is {size} bytes, the manifest says "
-                            f"{manifest.get(f'{part}_bytes')}", field=part)
+                            f"{named_bytes}", field=part)
 
 
-def _check_optimizer(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
-    _check_digest("optimizer", manifest, sha256, size)
-    params = manifest.get("params")
-    params = params if isinstance(params, dict) else {}
+def _check_optimizer(path: Path, manifest: PushedManifest, sha256: str, size: int) -> None:
+    _check_digest("optimizer", sha256, size, manifest.optimizer_sha256,
+                  manifest.optimizer_bytes)
     # "<parameter>.<field>": the fields are the optimiser's business, the parameters the shard's.
     stray = sorted(n for n in _npy_members(path, "optimizer")
-                   if n.rpartition(".")[0] not in params)
+                   if n.rpartition(".")[0] not in manifest.params)
     if stray:
         raise ApiError(400, f"optimizer state for parameters the shard does not hold: "
                             f"{stray[:3]}", field="optimizer")
 
 
-def _check_weights(path: Path, manifest: dict[str, Any], sha256: str, size: int) -> None:
-    _check_digest("weights", manifest, sha256, size)
-    names = _npy_members(path, "weights")
-    params = manifest.get("params")
-    if not isinstance(params, dict) or set(params) != names:
+def _check_weights(path: Path, manifest: ShardManifest, sha256: str, size: int) -> None:
+    _check_digest("weights", sha256, size, manifest.weights_sha256, manifest.weights_bytes)
+    if set(manifest.params) != _npy_members(path, "weights"):
         raise ApiError(400, "weights and manifest list different parameters",
                        field="manifest.params")

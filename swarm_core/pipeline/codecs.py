@@ -1,5 +1,7 @@
-"""Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, int8 (absmax scales per
-row, or per block of B consecutive elements of a row).
+"""Stateless tensor codecs for the stage boundary: fp32, fp16, bf16, and the scaled codes
+(int8 here, fp8 in its own file; absmax scales per row, or per block of B consecutive
+elements of a row). ``methods.ELEMENTS`` lists them; a scaled code other than int8 is the
+object its entry names, with ``quantize_rows`` and ``dequantize_rows``.
 
 ``encode`` returns the payload as a list of buffers (written back to back, no copy into one
 blob); ``decode`` rebuilds a float32 tensor from one contiguous payload. On an accelerator both do
@@ -8,11 +10,14 @@ the codec's work there, so only the coded bytes cross to and from the host.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import attrs
 import torch
 
+from swarm_core.config.methods import load
 from swarm_core.pipeline.wire_math import CODEC_NAMES, Codec, WireFormat, payload_size
 
 __all__ = ["CODEC_NAMES", "Codec", "CodecError", "WireCodec", "decode", "encode",
@@ -29,7 +34,7 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes (a contiguous one's own memory: writing them writes it)."""
     t = t.contiguous()
     # bf16 has no numpy dtype; view as raw bytes through uint8.
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 # Work on blocks of about 1 MiB: the quotient and the widened codes stay in cache, and no
@@ -64,29 +69,43 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size)
     return out.reshape(shape)
 
 
+class _Int8:
+    quantize_rows = staticmethod(quantize_rows)
+    dequantize_rows = staticmethod(dequantize_rows)
+    code_dtype = torch.int8
+
+
+@functools.cache
+def _scaled(codec: Codec) -> Any:
+    """A scaled code's quantiser (``quantize_rows``, ``dequantize_rows``, ``code_dtype``)."""
+    return _Int8 if codec is Codec.INT8 else load(codec.element.impl)
+
+
 def _check_block(shape: tuple[int, ...], codec: Codec, block: int) -> int:
-    """The width each int8 scale covers: ``block``, or the row's width when it is 0."""
-    if codec is not Codec.INT8:
+    """The width each scale covers: ``block``, or the row's width when it is 0."""
+    if not codec.scaled:
         if block:
             raise CodecError(f"{codec.name} takes no block (got {block})")
         return 0
     if not shape or shape[-1] == 0:
-        raise CodecError(f"INT8 payload of shape {list(shape)}: rows need a last dimension")
+        raise CodecError(f"{codec.name} payload of shape {list(shape)}: rows need a last "
+                         "dimension")
     if block and shape[-1] % block:
-        raise CodecError(f"INT8 block {block} does not divide the width {shape[-1]}")
+        raise CodecError(f"{codec.name} block {block} does not divide the width {shape[-1]}")
     return block or shape[-1]
 
 
 def encode(x: torch.Tensor, codec: Codec, block: int = 0) -> list[memoryview]:
-    """``x`` coded, as buffers to write back to back. ``block``: int8's scale block (0: one
-    scale per row)."""
+    """``x`` coded, as buffers to write back to back. ``block``: a scaled code's scale block
+    (0: one scale per row)."""
     x = x.detach()
-    if codec is Codec.INT8:
+    if codec.scaled:
         x = x.to(torch.float32)
         if block:
             # Blocks of a row are rows of a narrower view: the same quantiser serves both.
             x = x.reshape(-1, _check_block(tuple(x.shape), codec, block))
-        codes, scale = quantize_rows(x)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+        codes, scale = _scaled(codec).quantize_rows(rows)
         return [as_bytes(scale.cpu()), as_bytes(codes.cpu())]
     _check_block(tuple(x.shape), codec, block)
     return [as_bytes(x.to(_CAST[codec]).cpu())]
@@ -106,11 +125,12 @@ def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
     buf = torch.frombuffer(payload, dtype=torch.uint8)
     if device is not None and device.type != "cpu":
         buf = buf.to(device)  # the coded bytes cross; the codec's work happens there
-    if codec is Codec.INT8:
+    if codec.scaled:
+        impl = _scaled(codec)
         scales = expected - _numel(shape)
         scale = buf[:scales].view(torch.float32)
-        codes = buf[scales:].view(torch.int8).reshape(-1, width)
-        return dequantize_rows(codes, scale, torch.Size(shape))
+        codes = buf[scales:].view(impl.code_dtype).reshape(-1, width)
+        return impl.dequantize_rows(codes, scale, torch.Size(shape))
     t = buf.view(_CAST[codec]).reshape(shape)
     return t if codec is Codec.FP32 else t.to(torch.float32)
 
@@ -124,13 +144,18 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @attrs.frozen
 class WireCodec(WireFormat):
-    """A boundary's codec as one object: encode, decode, wire size, round-trip error."""
+    """A stateless codec as one object: encode, decode, wire size, round-trip error. It is a
+    ``BoundaryCodec`` (pipeline/boundary.py) for every side and slot at once."""
 
-    def encode(self, x: torch.Tensor) -> list[memoryview]:
+    @property
+    def wire(self) -> WireCodec:
+        return self
+
+    def encode(self, x: torch.Tensor, slot: int = 0) -> list[memoryview]:
         return encode(x, self.codec, self.block)
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
-               device: torch.device | None = None) -> torch.Tensor:
+               device: torch.device | None = None, slot: int = 0) -> torch.Tensor:
         return decode(payload, shape, self.codec, device, self.block)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,8 +181,9 @@ def roundtrip(x: torch.Tensor, codec: Codec, block: int = 0) -> torch.Tensor:
     """What the far side sees: encode then decode (for single-process simulation)."""
     if codec is Codec.FP32:
         return x
-    if codec is Codec.INT8:
+    if codec.scaled:
+        impl = _scaled(codec)
         width = _check_block(tuple(x.shape), codec, block)
-        codes, scale = quantize_rows(x.detach().to(torch.float32).reshape(-1, width))
-        return dequantize_rows(codes, scale, x.shape)
+        codes, scale = impl.quantize_rows(x.detach().to(torch.float32).reshape(-1, width))
+        return impl.dequantize_rows(codes, scale, x.shape)
     return x.to(_CAST[codec]).to(torch.float32)

@@ -52,7 +52,7 @@ class Kind(enum.IntEnum):
     NORM = 3  # squared gradient norms for global clipping
     HELLO = 4  # the handshake: both ends prove the job's session key (see handshake)
     PULSE = 5  # empty; "this stage is alive" on a link it has left idle (see transport)
-    SYNC = 6  # a chunk of a stage group's gradient all-reduce (see pipeline/sync.py)
+    SYNC = 6  # a chunk of a stage group's gradient all-reduce (see pipeline/ring.py)
 
 
 # What a link may carry once its HELLO is through (besides PULSE, which every link takes).

@@ -15,12 +15,14 @@ import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm_core.config.schemas import Compression, ModelConfig
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.pipeline.boundary import make_boundary
 
 
 def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
@@ -41,7 +43,10 @@ def part_seed(seed: int, name: str) -> int:
 _RNG_LOCK = threading.Lock()
 
 
-def seeded(seed: int, name: str, build: Callable[[], nn.Module]) -> nn.Module:
+M = TypeVar("M", bound=nn.Module | None)
+
+
+def seeded(seed: int, name: str, build: Callable[[], M]) -> M:
     # Only the CPU generator (modules are built on the CPU): torch.manual_seed would also reseed
     # every GPU's generator, under a stage already training there.
     with _RNG_LOCK, torch.random.fork_rng(devices=[]):
@@ -124,7 +129,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, cfg.mlp_ratio * d), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * d, d))
         self.drop = nn.Dropout(cfg.dropout)
-        gpt2_init(self, cfg, residual=(self.attn.proj, self.mlp[2]))
+        gpt2_init(self, cfg, residual=(self.attn.proj, cast(nn.Linear, self.mlp[2])))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -194,19 +199,20 @@ class StageModule(nn.Module):
         super().__init__()
         self.cfg, self.stage, self.num_stages, self.seed = cfg, stage, num_stages, seed
         self.start, self.stop = start, stop
-        comp: Compression = cfg.compression_spec
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.embed = seeded(seed, "embed", lambda: Embedding(cfg, vocab)) if self.first else None
-        # Keyed by boundary index, so names stay unique when stages are glued together.
-        self.up = (nn.ModuleDict({str(stage - 1): seeded(
-            seed, f"up{stage - 1}", lambda: BottleneckUp(cfg, comp.bottleneck_dim))})
-                   if comp.learned and not self.first else None)
+        # What the spec puts either side of a boundary (a learned bottleneck's halves), built
+        # under the part seeds as every other part, and keyed by boundary index, so names stay
+        # unique when stages are glued together.
+        boundary = make_boundary(cfg)
+        up = seeded(seed, f"up{stage - 1}", boundary.receiver_module) if not self.first \
+            else None
+        self.up = nn.ModuleDict({str(stage - 1): up}) if up is not None else None
         self.blocks = nn.ModuleDict({
             str(i): seeded(seed, f"block{i}", lambda: Block(cfg)) for i in range(start, stop)
         })
-        self.down = (nn.ModuleDict({str(stage): seeded(
-            seed, f"down{stage}", lambda: BottleneckDown(cfg, comp.bottleneck_dim))})
-                     if comp.learned and not self.last else None)
+        down = seeded(seed, f"down{stage}", boundary.sender_module) if not self.last else None
+        self.down = nn.ModuleDict({str(stage): down}) if down is not None else None
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
         if self.tied:
             self.head.lm_head.weight = self.embed.tok.weight  # type: ignore[union-attr]

@@ -14,7 +14,8 @@ from swarm_core.config.schemas import TrainingConfig
 
 def make_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     """AdamW; matrices decay, vectors (biases, norms) do not."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _name, p in module.named_parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
@@ -22,7 +23,8 @@ def make_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
               {"params": no_decay, "weight_decay": 0.0}]
     # foreach left to torch: its multi-tensor kernels on a GPU, the per-parameter loop on the
     # CPU (the single-process reference's, so CPU stages stay bit for bit equal to it).
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]),
+                             eps=1e-8)
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:

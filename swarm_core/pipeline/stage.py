@@ -7,6 +7,7 @@ heartbeating while the stage computes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import threading
@@ -20,9 +21,9 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
-from swarm_core.contract.membership import RegroupOrder, RegroupReport
+from swarm_core.contract.membership import RegroupOrder
 from swarm_core.data import TokenData
-from swarm_core.pipeline import codecs
+from swarm_core.pipeline.boundary import make_boundary
 from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
@@ -31,7 +32,6 @@ from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
 from swarm_core.pipeline.optim import (
-    OUTER_FIELD,
     OptimizerStateError,
     clip_scale,
     grad_sq_sum,
@@ -43,9 +43,16 @@ from swarm_core.pipeline.optim import (
     set_lr,
     split_outer,
 )
+from swarm_core.pipeline.replica_group import (
+    STUCK_AFTER,
+    Coordinator,
+    ReplicaGroup,
+    plus,
+)
+from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
-from swarm_core.pipeline.sync import GradientAverage, OuterStep, Ring, RingBroken
-from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
+from swarm_core.pipeline.syncs import GroupSync
+from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
     NORM_PAYLOAD,
@@ -62,10 +69,6 @@ log = logging.getLogger(__name__)
 # runs on a runner's first step and every METER_EVERY-th; the steps between repeat its peak.
 METER_EVERY = 10
 
-# A stage whose compute thread shows no progress (an op begun, a wait polled) for this many frame
-# timeouts stops pulsing its links, so its neighbours time out: long enough for any checkpoint
-# (a shard write is seconds), short of for ever for a call hung on a disk or a device.
-STUCK_AFTER = 10
 # How long a stage may take to load its data and build its model once its links are up, in
 # frame timeouts (an hour by default): a cold BPE tokenizer on a large corpus takes minutes.
 PREPARE_AFTER = 60
@@ -75,13 +78,11 @@ class StageStopped(Exception):
     """The leader said STOP (or the job was cancelled)."""
 
 
-class StageDropped(Exception):
-    """This cell's replica left the job (its chain lost a stage): the others train on."""
-
-
-# A cell whose group's ring broke asks this for its order (blocking; see contract/membership):
-# the leader through its fellow, or run_local_pipeline's coordinator.
-Coordinator = Callable[[RegroupReport], RegroupOrder]
+def check_stop(liveness: Liveness, stop: threading.Event) -> None:
+    """Before every op: the compute thread is moving; raises StageStopped once told to."""
+    liveness.touch()
+    if stop.is_set():
+        raise StageStopped()
 
 
 @attrs.define
@@ -143,23 +144,21 @@ class StageCheckpoint:
     replica: int = 0
     leads: bool = True
     members: tuple[int, ...] = (0,)
-    outer: OuterStep | None = None
+    sync: GroupSync | None = None
 
     @property
     def replica_states(self) -> tuple[int, ...]:
         """The other replicas whose own optimiser states belong with the stage's shard."""
-        if self.outer is None:
+        if self.sync is None or not self.sync.own_state:
             return ()
         return tuple(m for m in self.members if m != self.replica)
 
     def optimizer_arrays(self) -> dict[str, np.ndarray]:
-        """AdamW's state and, under DiLoCo, the outer momentum, keyed by parameter name."""
+        """AdamW's state and the sync algorithm's (DiLoCo's outer momentum), keyed by
+        parameter name."""
         arrays = optimizer_arrays(self.opt, self.module)
-        if self.outer is not None:
-            for name, buf in zip(trained_names(self.module), self.outer.momentum(),
-                                 strict=True):
-                if buf is not None:
-                    arrays[f"{name}.{OUTER_FIELD}"] = buf.detach().cpu().float().numpy().copy()
+        if self.sync is not None:
+            arrays.update(self.sync.checkpoint_state(trained_names(self.module)))
         return arrays
 
 
@@ -334,64 +333,6 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     return links
 
 
-def ring_tag(job_id: str, epoch: int) -> int:
-    """The handshake tag of a group's ring: the job's, and after a regroup one of the new
-    membership's own (a dial meant for an earlier ring cannot join this one)."""
-    return job_tag(job_id if epoch == 0 else f"{job_id}#membership-{epoch}")
-
-
-def open_ring(spec: StageSpec, members: list[int], epoch: int, shaper: LinkShaper,
-              listener: DataListener | None, stop: threading.Event, timeout: float,
-              liveness: Liveness, max_payload: int) -> tuple[PeerLink | None, PeerLink | None]:
-    """The links to the next and from the previous member of the group's ring after a regroup
-    (none when one member is left): dialled and accepted side by side, as ``open_links``
-    does, shaped like the pipeline's."""
-    n = len(members)
-    if n == 1:
-        return None, None
-    rank = members.index(spec.replica)
-    nxt, prev = members[(rank + 1) % n], members[(rank - 1) % n]
-    tag = ring_tag(spec.job_id, epoch)
-    pulse = spec.training.frame_timeout_s / 4
-
-    def shaping(replica: int) -> LinkShaper:
-        return LinkShaper() if spec.group_local[replica] else shaper
-
-    assert listener is not None
-    accepted: dict[str, Any] = {}
-    cancel = threading.Event()
-
-    def take() -> None:
-        try:
-            accepted.update(listener.accept_many(
-                spec.key, tag, [Expected("ring", spec.stage, prev, shaping(prev), max_payload,
-                                         receives=(Kind.SYNC,))],
-                timeout, abort=stop, pulse_s=pulse, liveness=liveness, cancel=cancel))
-        except BaseException as exc:  # (re-raised below)
-            accepted["error"] = exc
-
-    acceptor = threading.Thread(target=take, name="ring-accept", daemon=True)
-    acceptor.start()
-    send = None
-    try:
-        addr = spec.group_addrs[nxt]
-        assert addr is not None
-        send = connect(addr, spec.key, spec.stage, tag, shaping(nxt), timeout, abort=stop,
-                       receives=(), pulse_s=pulse, liveness=liveness, ring=(spec.replica, nxt))
-    except BaseException:
-        cancel.set()
-        raise
-    finally:
-        acceptor.join()
-        if send is None or "error" in accepted:
-            for link in (send, accepted.get("ring")):
-                if link is not None:
-                    link.close()
-    if "error" in accepted:
-        raise accepted["error"]
-    return send, accepted["ring"]
-
-
 class _LinkOpener:
     """``open_links`` in a thread of its own, begun before the stage loads its data and builds
     its model, so the neighbours are linked however long each stage takes to prepare, instead
@@ -490,263 +431,49 @@ class StageRunner:
         # this many the stage runs one at once (memory stays in 1F1B's class).
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training)
-        self.codec = codecs.WireCodec.of(m)
+        # Each side of each direction of its boundaries: a stateful codec keeps its own state.
+        boundary = make_boundary(m)
+        self.act_in, self.act_out = boundary.codec(Kind.ACT, False), boundary.codec(Kind.ACT, True)
+        self.grad_in = boundary.codec(Kind.GRAD, False)
+        self.grad_out = boundary.codec(Kind.GRAD, True)
         self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
         self.down: PeerLink | None = None
-        self.sync: GradientAverage | OuterStep | None = None
         self.links = StageLinks()
         self.liveness = liveness or Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
-        # The group's membership (see contract/membership.py): the replicas that train, the
-        # number of regroups so far, and the step of the last synchronisation committed.
-        self.members = list(range(spec.replicas))
-        self.epoch = 0
-        self.synced_step = -1
-        self.coordinator: Coordinator | None = None
-        self.listener: DataListener | None = None
-        # What the leader told this cell of replicas joining (appended by the fellow):
-        # (order, (the group's addresses, which of them are in this fellow)).
-        self.inbox: list[tuple[RegroupOrder, Any]] | None = None
-        self._admit_after = 0  # the membership the group agreed to take on after this step
-        # DiLoCo's outer momentum from a checkpoint, by parameter name: installed once the
-        # outer step exists (with the links).
-        self.outer_resume: dict[str, np.ndarray] | None = None
+        # (its stop check holds no reference to the runner: a stage that ends early frees
+        # its model at once, without waiting for the garbage collector)
+        self.group = ReplicaGroup(spec, self.module, self.opt, shaper, stop, self.liveness,
+                                  functools.partial(check_stop, self.liveness, stop))
+
+    @property
+    def sync(self) -> GroupSync | None:
+        """The group's sync algorithm (None: a job of one replica)."""
+        return self.group.sync
 
     def take_links(self, links: StageLinks) -> None:
         """The stage's links, once open; with replicas, its group's ring over two of them."""
         self.links = links
         self.up, self.down = links.up, links.down
-        joins = self.spec.join is not None and self.spec.replicas > 1
-        if joins or (links.ring_next is not None and links.ring_prev is not None):
-            spec, sync = self.spec, self.spec.training.sync
-            codec = codecs.WireCodec.of_sync(sync)  # (how the group's ring codes its average)
-            if sync.mode == "dp":
-                self.sync = GradientAverage(
-                    self.params, links.ring_next, links.ring_prev, spec.replica, spec.replicas,
-                    codec, self.device, int(sync.bucket_mb * 2**20))
-            else:  # (after any resume's weights are in: DiLoCo's outer step starts from them)
-                ring = Ring([p.numel() for p in self.params], links.ring_next,
-                            links.ring_prev, spec.replica, spec.replicas, codec, self.device)
-                self.sync = OuterStep(self.params, ring, sync.inner_steps, sync.outer_lr,
-                                      sync.outer_momentum, sync.overlap_steps)
-                if self.outer_resume:
-                    self.sync.set_momentum([
-                        torch.from_numpy(np.array(self.outer_resume[n]))
-                        if n in self.outer_resume else None
-                        for n in trained_names(self.module)])
-            if links.ring_prev is not None:
-                links.ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
+        self.group.start(self.params, self.device, links.ring_next, links.ring_prev)
 
     def checkpoint(self, step: int, final: bool = False) -> StageCheckpoint:
         """The cell's state after step ``step`` for its checkpointer. The last step's is the
         export alone: no run resumes from it, so no other replica's state goes with it."""
         return StageCheckpoint(step, self.module, self.opt, self.spec.replica, self.leads,
-                               (self.spec.replica,) if final else tuple(self.members),
-                               self.sync if isinstance(self.sync, OuterStep) else None)
+                               (self.spec.replica,) if final else tuple(self.group.members),
+                               self.sync)
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether a checkpoint is taken after global step ``step`` (1-based), short of the
-        last. Under DiLoCo only where the replicas hold one set of weights (after an outer
-        step): the first such step at or past each multiple of the interval, so a resume
-        takes up every replica's state exactly."""
-        return self.spec.training.checkpoint_after(step, isinstance(self.sync, OuterStep))
+        last: where the replicas hold one set of weights (see TrainingConfig.checkpoint_after)."""
+        t = self.spec.training
+        return t.checkpoint_after(step, self.sync is not None and t.sync.periodic)
 
     @property
     def leads(self) -> bool:
-        """The first member left: it evaluates and checkpoints for its group (whose replicas
-        hold the same weights)."""
-        return self.spec.replica == self.members[0]
-
-    def _synchronised(self, step: int, op: Callable[[], tuple[int, float] | None],
-                      heard: bool, op_step: int | None = None) -> tuple[int, float] | None:
-        """Run the group's synchronisation ``op``; where its ring breaks, regroup and commit
-        or do it again over the new ring, as the order says. ``heard``: whether a cell of this
-        cell's chain had been told of a replica joining when the step began. ``op_step``: the
-        step the operation began at, where earlier than this one (an overlapped outer step's)."""
-        assert self.sync is not None
-        # The membership this member proposes at the confirmation: the newest it was told of,
-        # but only where its chain had heard of it when the step began. Every chain learns it
-        # at the same step, and every stage group holds one cell of each chain, so every
-        # group agrees on the same step to take a joining chain in (each cell of it then
-        # starts at the same step).
-        told = max([self.epoch + 1] + [o.epoch for o, _ in self._told()])
-        self.sync.word = float(told if heard else self.epoch)
-        while True:
-            try:
-                out = op()
-            except RingBroken as exc:
-                if self.coordinator is None:
-                    raise exc.cause from None
-                if self._regroup(exc):
-                    assert self.sync is not None
-                    self.sync.commit()
-                    out = (0, 0.0)
-                else:
-                    continue
-            if out is not None:
-                self.synced_step = step if op_step is None else op_step
-                if self.sync.heard > self.epoch:  # (someone was told of a replica joining)
-                    self._admit_after = int(self.sync.heard)
-            return out
-
-    def _told(self) -> list[tuple[RegroupOrder, Any]]:
-        """The memberships the leader told this cell of (a replica joins), newer than its
-        own: (order, the job's placement now)."""
-        return [m for m in (self.inbox or []) if m[0].epoch > self.epoch]
-
-    def _regroup(self, exc: RingBroken) -> bool:
-        """Report where this cell stands, wait for its order, and ring the members left.
-        Returns whether to commit the broken operation's result (else: do it again)."""
-        assert self.coordinator is not None and self.sync is not None
-        spec = self.spec
-        prev = self.links.ring_prev
-        n = len(self.members)
-        closed_by = self.members[(self.members.index(spec.replica) - 1) % n] \
-            if prev is not None and prev.peer_closed and n > 1 else None
-        self._close_ring()
-        order = self.coordinator(RegroupReport(
-            fellow_id=0, stage=spec.stage, replica=spec.replica, epoch=self.epoch,
-            op_step=exc.step, synced_step=self.synced_step, finished=exc.finished,
-            closed_by=closed_by))
-        self._check_stop()
-        if order.drop or spec.replica not in order.members:
-            raise StageDropped(f"replica {spec.replica} left the job at step {exc.step}")
-        self.epoch, self.members = order.epoch, list(order.members)
-        self._admit_after = 0
-        if self.inbox is not None:  # (a join it was told of is off: this order replaces it)
-            self.inbox[:] = [m for m in self.inbox if m[0].epoch > self.epoch]
-        self._ring(spec.training.frame_timeout_s)
-        return order.commit
-
-    def _ring(self, timeout: float, state_bytes: int = 0) -> None:
-        """Ring the current members (after a regroup, or to take a replica in)."""
-        assert self.sync is not None
-        spec = self.spec
-        rank, n = self.members.index(spec.replica), len(self.members)
-        self.sync.rewire(None, None, rank, n)  # (its chunks, hence its frames, change)
-        send, recv = open_ring(spec, self.members, self.epoch, self.shaper, self.listener,
-                               self.stop, timeout, self.liveness,
-                               max(NORM_PAYLOAD, self.sync.max_payload, state_bytes))
-        self.links.ring_next, self.links.ring_prev = send, recv
-        self.sync.rewire(send, recv, rank, n)
-
-    # a replica joins ---------------------------------------------------------------------------
-    def state_bound(self) -> int:
-        """The most bytes the stage's state takes as a frame (weights, AdamW's two moments,
-        DiLoCo's anchor and momentum, and the archive's own)."""
-        return 4 * 6 * sum(p.numel() for p in self.params) + (1 << 20)
-
-    def _state_blob(self, step: int) -> bytes:
-        import io
-
-        arrays = {f"w.{k}": v.detach().cpu().float().numpy()
-                  for k, v in self.module.state_dict().items()}
-        arrays.update({f"o.{k}": v for k, v in optimizer_arrays(self.opt, self.module).items()})
-        if isinstance(self.sync, OuterStep):
-            for i, (a, buf) in enumerate(zip(self.sync.anchor, self.sync.momentum(),
-                                             strict=True)):
-                arrays[f"a.{i}"] = a.detach().cpu().numpy()
-                if buf is not None:
-                    arrays[f"m.{i}"] = buf.detach().cpu().numpy()
-        arrays["step"] = np.array([step], dtype=np.int64)
-        out = io.BytesIO()
-        np.savez(out, **arrays)
-        return out.getvalue()
-
-    @torch.no_grad()
-    def _load_state(self, blob: bytes) -> int:
-        """Take a donor's state; returns the step it had finished."""
-        import io
-
-        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-        own = self.module.state_dict()
-        weights = {k[2:]: torch.from_numpy(v).to(own[k[2:]].dtype)
-                   for k, v in arrays.items() if k.startswith("w.")}
-        self.module.load_state_dict(weights, strict=True)
-        load_optimizer_arrays(self.opt, self.module,
-                              {k[2:]: v for k, v in arrays.items() if k.startswith("o.")})
-        if isinstance(self.sync, OuterStep):
-            for i, a in enumerate(self.sync.anchor):
-                a.copy_(torch.from_numpy(arrays[f"a.{i}"]))
-            self.sync.set_momentum([torch.from_numpy(arrays[f"m.{i}"]) if f"m.{i}" in arrays
-                                    else None for i in range(len(self.sync.anchor))])
-        return int(arrays["step"][0])
-
-    def _pass_state(self, donor: int, blob: bytes | None) -> bytes:
-        """The donor's state around the ring, from the donor to the member before it. (Its
-        frames are step 0's: the ring is new, and the step is in the state.)"""
-        step = 0
-        from swarm_core.pipeline.sync import STATE_ROUND
-
-        t = self.spec.training
-        me = self.spec.replica
-        if me != donor:
-            assert self.links.ring_prev is not None
-            _, raw = self.links.ring_prev.recv(Kind.SYNC, step, STATE_ROUND,
-                                               STUCK_AFTER * t.frame_timeout_s)
-            blob = bytes(raw)
-        assert blob is not None
-        n = len(self.members)
-        after = self.members[(self.members.index(me) + 1) % n]
-        if after != donor and self.links.ring_next is not None:
-            self.links.ring_next.send_raw(Kind.SYNC, step, STATE_ROUND, blob)
-            self.links.ring_next.flush(STUCK_AFTER * t.frame_timeout_s)
-        return blob
-
-    def _admit(self, step: int) -> None:
-        """After step ``step``'s operation, where the group agreed a replica joins: ring the
-        new members and hand the joiner the state, from the order's donor."""
-        epoch, self._admit_after = self._admit_after, 0
-        t = self.spec.training
-        deadline = time.monotonic() + 2 * t.frame_timeout_s
-        while not (told := [m for m in self._told() if m[0].epoch == epoch]):
-            # (another member heard of it first: the leader's word to this one is on its way)
-            if time.monotonic() > deadline:
-                # No word came: what the chains carried was a join the leader called off (a
-                # replica left meanwhile; a group yet to regroup still held its order). Every
-                # member of the group waited for the same word, and none takes anyone in.
-                log.warning("%s stage %d: no word of membership %d; going on as %d",
-                            self.spec.job_id, self.spec.stage, epoch, self.epoch)
-                return
-            self._check_stop()
-            time.sleep(0.05)
-        order, addrs = told[-1]
-        self.spec.group_addrs, self.spec.group_local = addrs
-        self.epoch, self.members = order.epoch, list(order.members)
-        assert order.donor is not None
-        self._ring(t.frame_timeout_s, self.state_bound())
-        self._pass_state(order.donor,
-                         self._state_blob(step) if self.spec.replica == order.donor else None)
-
-    def join_group(self) -> int:
-        """A joiner: ring the members it joins (they ring it at their next operation
-        boundary, however far off) and take the donor's state. Returns the step to go on
-        from."""
-        order = self.spec.join
-        assert order is not None and order.donor is not None
-        self.epoch, self.members = order.epoch, list(order.members)
-        t = self.spec.training
-        deadline = time.monotonic() + STUCK_AFTER * t.frame_timeout_s
-        while True:
-            try:
-                self._ring(t.frame_timeout_s, self.state_bound())
-                break
-            except (PeerTimeout, LinkClosed, OSError):
-                if time.monotonic() > deadline:
-                    raise
-                self._check_stop()
-        step = self._load_state(self._pass_state(order.donor, None))
-        self.synced_step = step
-        return step + 1
-
-    def _close_ring(self) -> None:
-        for link in (self.links.ring_next, self.links.ring_prev):
-            if link is not None:
-                link.close()
-
-    # links -----------------------------------------------------------------------------------
+        return self.group.leads
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
@@ -757,15 +484,12 @@ class StageRunner:
         return sum(link.waited for link in (self.up, self.down) if link is not None)
 
     def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
+        self.group.shut()
         self.links.close()
 
     # training --------------------------------------------------------------------------------
     def _check_stop(self) -> None:
-        self.liveness.touch()  # before every op: the compute thread is moving
-        if self.stop.is_set():
-            raise StageStopped()
+        check_stop(self.liveness, self.stop)
 
     def train_step(self, step: int) -> StepReport:
         """Global step ``step`` (0-based): all micro-batches of this replica's share, the
@@ -821,7 +545,7 @@ class StageRunner:
         if self.wgrad is not None:
             self.wgrad.clear()
             self.wgrad.meter = self.meter if metered else None
-        return _Step(step, xs, ys, metered, heard=bool(self._told()))
+        return _Step(step, xs, ys, metered, heard=bool(self.group.told()))
 
     def _forward(self, st: _Step, i: int) -> None:
         t, wq = self.spec.training, self.wgrad
@@ -831,7 +555,7 @@ class StageRunner:
             assert self.up is not None
             self._fill_wait(self.up, Kind.ACT)
             head, inp = self.up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s,
-                                            self.device, self.frame_shape)
+                                            self.device, self.frame_shape, codec=self.act_in)
             st.heard |= bool(head.flags & FLAG_HEARD)
             inp.requires_grad_(True)
             st.inputs[i] = inp
@@ -847,10 +571,10 @@ class StageRunner:
             st.outputs[i] = loss
             return
         assert self.down is not None
-        self.down.send_tensor(Kind.ACT, st.step, i, out, self.codec,
+        self.down.send_tensor(Kind.ACT, st.step, i, out, self.act_out,
                               flags=FLAG_HEARD if st.heard else 0)
         if i == 0:  # (once per step and direction: one more quantisation in m)
-            st.errors.act = self.codec.relative_error(out)
+            st.errors.act = self.act_out.wire.relative_error(out)
         st.outputs[i] = out
         if st.metered:
             st.held[i] = self.meter.hold(out)
@@ -862,24 +586,25 @@ class StageRunner:
             assert self.down is not None
             self._fill_wait(self.down, Kind.GRAD)
             head, grad = self.down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
-                                               self.device, self.frame_shape)
+                                               self.device, self.frame_shape,
+                                               codec=self.grad_in)
             st.chain_heard |= bool(head.flags & FLAG_HEARD)
         hurry = wq is not None and i in self.hurried
         if wq is not None and not hurry:
             # A fused backward (its forward ran plain): the pending W passes first, so
             # gradients still add up in micro-batch order.
             wq.drain()
-        with wq.capture() if hurry else contextlib.nullcontext():
+        with wq.capture() if wq is not None and hurry else contextlib.nullcontext():
             st.outputs.pop(i).backward(grad)
         st.held.pop(i, None)
         if not self.first:
             assert self.up is not None
             inp = st.inputs.pop(i)
             assert inp.grad is not None
-            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.codec,
+            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.grad_out,
                                 flags=FLAG_HEARD if self._chain_heard(st) else 0)
             if i == 0:
-                st.errors.grad = self.codec.relative_error(inp.grad)
+                st.errors.grad = self.grad_out.wire.relative_error(inp.grad)
         if wq is not None and len(wq) > self.max_deferred:
             wq.run_batch()
 
@@ -893,47 +618,24 @@ class StageRunner:
         """The gradients complete, averaged over the group, clipped over every stage; one
         optimiser step; the step's frames out. Returns what the group's sync sent and took
         (None without replicas)."""
-        t = self.spec.training
+        t, group = self.spec.training, self.group
         if self.wgrad is not None:
             self.wgrad.drain()
-        synced = None
-        sync = self.sync
-        if sync is not None:
-            synced = self._synchronised(
-                step, lambda: sync.after_backward(step, t.frame_timeout_s), heard)
+        synced = group.before_step(step, heard)
         if t.grad_clip > 0:
             scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if sync is not None:
-            last = step + 1 == t.steps
-            if isinstance(sync, OuterStep) and sync.collect_due(step, last):
-                synced = _plus(synced, self._synchronised(
-                    step, lambda: sync.collect(step, last, t.frame_timeout_s), heard,
-                    op_step=sync.pending))
+        if group.sync is not None:
             # Where a checkpoint follows, the replicas must hold one set of weights: an outer
             # step there does not overlap the steps after it.
-            hold = self.checkpoint_due(step + 1)
-            synced = _plus(synced, self._synchronised(
-                step, lambda: sync.after_step(step, last, t.frame_timeout_s, hold), heard))
+            synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
-        if self._admit_after:
-            self._admit_safely(step)
+        if group.admit_after:
+            group.admit_safely(step)
         return synced if synced is not None else (None, None)
-
-    def _admit_safely(self, step: int) -> None:
-        """Take the joiner in; if its ring cannot be made (it died meanwhile), regroup as for
-        any broken ring, before the group's next operation."""
-        try:
-            self._admit(step)
-        except (LinkClosed, PeerTimeout, OSError) as exc:
-            assert self.sync is not None
-            nxt = self.sync.next_op(step, step + 1 == self.spec.training.steps)
-            if self.coordinator is None:
-                raise
-            self._regroup(RingBroken(nxt, False, exc))
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -986,13 +688,14 @@ class StageRunner:
             else:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
-                                             self.device, eval_shape(self.spec), FLAG_EVAL)
+                                             self.device, eval_shape(self.spec), FLAG_EVAL,
+                                             self.act_in)
             out = self.module(inp)
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))
             else:
                 assert self.down is not None
-                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.codec,
+                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.act_out,
                                       flags=FLAG_EVAL)
         for link in (self.up, self.down):
             if link is not None:
@@ -1042,7 +745,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
-        runner.coordinator, runner.listener, runner.inbox = coordinator, listener, inbox
+        group = runner.group
+        group.coordinator, group.listener, group.inbox = coordinator, listener, inbox
         _restore(runner, initial_state, initial_optimizer)
     except BaseException:
         stop.set()
@@ -1051,7 +755,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     try:
         runner.take_links(opener.result())
         if spec.join is not None and spec.replicas > 1:
-            start_step = runner.join_group()
+            start_step = runner.group.join()
         return _train(runner, on_step, on_eval, on_checkpoint, start_step)
     finally:
         runner.close()
@@ -1070,7 +774,7 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
                 if name not in params or tuple(arr.shape) != tuple(params[name].shape):
                     raise OptimizerStateError(f"outer momentum {name!r} does not fit this "
                                               "stage's parameters")
-            runner.outer_resume = outer or None
+            runner.group.resume = outer or None
     except (RuntimeError, OptimizerStateError) as exc:
         # load_state_dict lists every missing and unexpected key: the first line says enough.
         raise ResumeError(str(exc).strip().splitlines()[0]) from None
@@ -1115,7 +819,8 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
 def _checkpoint(runner: StageRunner, on_checkpoint: Callable[[StageCheckpoint], None],
                 step: int) -> None:
     ck = runner.checkpoint(step)
-    if ck.leads or ck.outer is not None:  # (under DiLoCo each member its own state)
+    if ck.leads or (ck.sync is not None and ck.sync.own_state):
+        # (where each replica's state is its own, every member hands over its part)
         on_checkpoint(ck)
 
 
@@ -1126,7 +831,7 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
     losses = [r.loss for r in reports if r.loss is not None]
     # Link waits of steps that follow a start, an eval or a shard push are partly the
     # neighbours' own pause; the run's share leaves them out (all of them: a short run).
-    outer = isinstance(runner.sync, OuterStep)
+    outer = runner.sync is not None and t.sync.periodic
     steady = [r for r in reports if not t.follows_a_pause(r.step, start_step, outer)] \
         or reports
 
@@ -1151,19 +856,10 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
         metrics.sync_fraction = _ratio(sum(r.sync_seconds or 0.0 for r in reports),
                                        sum(r.seconds for r in reports))
-        sync = t.sync
-        syncs = len(reports) if sync.mode == "dp" else sum(
-            1 for r in reports if r.step % sync.inner_steps == 0 or r.step == t.steps)
+        syncs = sum(1 for r in reports if t.sync.syncs_after(r.step, t.steps))
         metrics.expected_sync_tx_bytes_per_step = \
             runner.sync.expected_bytes() * syncs / len(reports)
     return StageResult(metrics, losses)
-
-
-def _plus(a: tuple[int, float] | None, b: tuple[int, float] | None) -> tuple[int, float] | None:
-    """Two synchronisations' bytes and seconds in one step (either may be None: none ran)."""
-    if a is None or b is None:
-        return a or b
-    return a[0] + b[0], a[1] + b[1]
 
 
 def _ratio(part: float, whole: float) -> float:

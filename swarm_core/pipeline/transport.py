@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from swarm_core.pipeline.frames import (
     pulse_header,
 )
 from swarm_core.pipeline.links import LinkShaper
+
+if TYPE_CHECKING:
+    from swarm_core.pipeline.boundary import BoundaryCodec
 
 
 class LinkClosed(ConnectionError):
@@ -145,11 +148,12 @@ class PeerLink:
 
     # sending ---------------------------------------------------------------------------------
     def send_tensor(self, kind: Kind, step: int, micro_batch: int, x: torch.Tensor,
-                    codec: codecs.WireCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
+                    codec: BoundaryCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
         """Queue a tensor; returns the bytes it will put on the wire (header included). The
-        codec's int8 scale block goes in the header, for the receiver's decode."""
-        return self.send_coded(kind, step, micro_batch, tuple(x.shape), codec,
-                               codec.encode(x), x, flags)
+        codec's scale block goes in the header, for the receiver's decode; a stateful codec
+        codes by the micro-batch's slot."""
+        return self.send_coded(kind, step, micro_batch, tuple(x.shape), codec.wire,
+                               codec.encode(x, micro_batch), x, flags)
 
     def send_coded(self, kind: Kind, step: int, micro_batch: int, shape: tuple[int, ...],
                    codec: codecs.WireCodec, bufs: list[memoryview], keep: object,
@@ -420,20 +424,27 @@ class PeerLink:
     def recv_tensor(self, kind: Kind, step: int, micro_batch: int, timeout: float,
                     device: torch.device | None = None,
                     shape: tuple[int, ...] | None = None,
-                    flags: int = 0) -> tuple[FrameHeader, torch.Tensor]:
+                    flags: int = 0, codec: BoundaryCodec | None = None,
+                    ) -> tuple[FrameHeader, torch.Tensor]:
         """The next frame's tensor, decoded onto ``device`` (the CPU by default); with
-        ``shape``, a frame of any other shape is an error, not a tensor to train on."""
+        ``shape``, a frame of any other shape is an error, not a tensor to train on. With
+        ``codec`` (a stage's side of a boundary) it decodes, by the micro-batch's slot, and a
+        frame coded otherwise is an error; without, the header says how."""
         header, payload = self.recv(kind, step, micro_batch, timeout, flags)
         if shape is not None and tuple(header.shape) != tuple(shape):
             raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
                              f"{self.peer} has shape {list(header.shape)}, expected "
                              f"{list(shape)}")
         try:
-            codec = codecs.WireCodec(codecs.Codec(header.codec), header.codec_arg)
+            said = codecs.WireCodec(codecs.Codec(header.codec), header.codec_arg)
         except ValueError:
             raise FrameError(f"unknown codec {header.codec}") from None
+        if codec is not None and said != codec.wire:
+            raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
+                             f"{self.peer} is coded {said.codec.name} block {said.block}, "
+                             f"expected {codec.wire.codec.name} block {codec.wire.block}")
         try:
-            return header, codec.decode(payload, header.shape, device)
+            return header, (codec or said).decode(payload, header.shape, device, micro_batch)
         except codecs.CodecError as exc:
             raise FrameError(f"{kind.name} step {step} micro-batch {micro_batch} from "
                              f"{self.peer}: {exc}") from None

@@ -6,28 +6,31 @@ from the stages' shards, and it equals the pipeline by construction.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.pipeline import codecs
+from swarm_core.pipeline.boundary import BoundarySimulator, make_boundary
+from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.model import StageModule, dropout_rng
 
 
 class _WireRoundTrip(torch.autograd.Function):
-    """What a boundary does to a tensor in one process: the codec forward and backward."""
+    """What a boundary does to a tensor in one process: its codec forward (activations) and
+    backward (their gradient), by the micro-batch's slot."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor,  # type: ignore[override]
-                codec: codecs.WireCodec) -> torch.Tensor:
-        ctx.codec = codec
-        return codec.roundtrip(x)
+                wire: BoundarySimulator, slot: int) -> torch.Tensor:
+        ctx.wire, ctx.slot = wire, slot
+        return wire.roundtrip(Kind.ACT, x, slot)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, None]:
-        return ctx.codec.roundtrip(grad), None
+                 ) -> tuple[torch.Tensor, None, None]:
+        return ctx.wire.roundtrip(Kind.GRAD, grad, ctx.slot), None, None
 
 
 class ExperimentModel(nn.Module):
@@ -42,18 +45,20 @@ class ExperimentModel(nn.Module):
         self.stages = nn.ModuleList(
             StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
         )
-        self.codec = codecs.WireCodec.of(cfg)
+        self.boundary = make_boundary(cfg)
+        # One per boundary, for the run: a stateful codec's state lives as long as its link's.
+        self.wires = [self.boundary.simulator() for _ in range(len(ranges) - 1)]
 
     def forward(self, idx: torch.Tensor, step: int | None = None,
                 micro_batch: int | None = None) -> torch.Tensor:
         """With ``step`` and ``micro_batch`` (training), dropout draws as each stage of the
         pipeline would (see :func:`dropout_rng`)."""
         x = idx
-        for i, stage in enumerate(self.stages):
+        for i, stage in enumerate(cast(Sequence[StageModule], self.stages)):
             with dropout_rng(stage, step, micro_batch):
                 x = stage(x)
-            if i < len(self.stages) - 1 and not self.codec.exact:
-                x = _WireRoundTrip.apply(x, self.codec)
+            if i < len(self.stages) - 1 and not self.boundary.exact:
+                x = _WireRoundTrip.apply(x, self.wires[i], micro_batch or 0)
         return x
 
     def flat_state_dict(self) -> dict[str, torch.Tensor]:

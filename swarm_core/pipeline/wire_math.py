@@ -7,9 +7,11 @@ The stage runner, the leader-side planner and the experiment runner (compression
 from __future__ import annotations
 
 import enum
+from typing import Self
 
 import attrs
 
+from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, Element
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.pipeline.frames import HEADER_SIZE
 
@@ -17,46 +19,52 @@ NORM_PAYLOAD = 8  # one float64 per NORM frame
 
 
 class Codec(enum.IntEnum):
+    """A frame header's codec byte: ``methods.ELEMENTS``' wire ids, by name."""
+
     FP32 = 1
     FP16 = 2
     BF16 = 3
-    # Symmetric absmax: the fp32 scales, then the int8 codes. One scale per row (the last
+    # Symmetric absmax: the fp32 scales, then the codes. One scale per row (the last
     # dimension), or with a block B (the frame's codec_arg) one per B consecutive elements.
     INT8 = 4
+    FP8 = 5  # float8 e4m3, scaled as INT8
+
+    @property
+    def element(self) -> Element:
+        return BY_WIRE_ID[int(self)]
+
+    @property
+    def scaled(self) -> bool:
+        """Codes with float32 scales, per row or per block (the frame's codec_arg)."""
+        return self.element.scaled
 
 
-CODEC_NAMES = {"fp32": Codec.FP32, "fp16": Codec.FP16, "bf16": Codec.BF16, "int8": Codec.INT8}
+CODEC_NAMES = {e.name: Codec(e.wire_id) for e in ELEMENTS.values()}
 
 
 def payload_size(shape: tuple[int, ...], codec: Codec, block: int = 0) -> int:
-    """Bytes of a ``shape`` tensor's payload under ``codec`` (``block``: int8's scale block,
-    0 for one scale per row)."""
-    n = 1
-    for d in shape:
-        n *= d
-    if codec is Codec.INT8:
-        groups = n // (block or shape[-1]) if shape and shape[-1] else 1
-        return groups * 4 + n
-    return n * {Codec.FP32: 4, Codec.FP16: 2, Codec.BF16: 2}[codec]
+    """Bytes of a ``shape`` tensor's payload under ``codec`` (``block``: a scaled codec's
+    scale block, 0 for one scale per row)."""
+    return codec.element.payload_size(shape, block)
 
 
 @attrs.frozen
 class WireFormat:
-    """How tensors cross a stage boundary: the codec, and int8's scale block (0: one scale per
-    row; carried in each frame's header as its codec_arg). Built once from the model's spec;
+    """How tensors cross a stage boundary: the codec, and a scaled codec's block (0: one scale
+    per row; carried in each frame's header as its codec_arg). Built once from the model's spec;
     :class:`swarm_core.pipeline.codecs.WireCodec` adds the coding itself."""
 
     codec: Codec = Codec.FP32
     block: int = 0
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> WireFormat:
+    def of(cls, cfg: ModelConfig) -> Self:
         """What a model's compression spec and wire dtype put on its boundaries."""
         comp = cfg.compression_spec
-        return cls(Codec.INT8 if comp.int8 else CODEC_NAMES[cfg.wire_dtype], comp.int8_block)
+        return cls(CODEC_NAMES[comp.element or cfg.wire_dtype], comp.block)
 
     @classmethod
-    def of_sync(cls, sync: SyncConfig) -> WireFormat:
+    def of_sync(cls, sync: SyncConfig) -> Self:
         """How a stage group's ring codes what it averages (``sync.compression``)."""
         name, block = sync.codec
         return cls(CODEC_NAMES[name], block)
@@ -72,7 +80,7 @@ class WireFormat:
 
 def boundary_width(cfg: ModelConfig) -> int:
     comp = cfg.compression_spec
-    return comp.bottleneck_dim if comp.learned else cfg.d_model
+    return comp.bottleneck_dim if comp.bottleneck_dim is not None else cfg.d_model
 
 
 def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,

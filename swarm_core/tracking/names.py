@@ -12,27 +12,29 @@ import math
 from typing import Any
 
 from swarm_core import jsonio
-from swarm_core.contract.metrics import perplexity
+from swarm_core.contract.metrics import MetricName, perplexity
 
 # A progress line's figure -> its tag (one value per step).
 STEP_TAGS = {
-    "loss": "train/loss",
-    "tokens_per_s": "train/tokens_per_s",
-    "step_seconds": "train/step_seconds",
-    "lr": "train/lr",
-    "wire_bytes": "wire/bytes_per_step",
-    "sync_bytes": "sync/bytes_per_step",  # (replicas: what the stage groups' sync sent)
-    "eval_loss": "eval/loss",
-    "perplexity": "eval/perplexity",
+    MetricName.LOSS: "train/loss",
+    MetricName.TOKENS_PER_S: "train/tokens_per_s",
+    MetricName.STEP_SECONDS: "train/step_seconds",
+    MetricName.LR: "train/lr",
+    MetricName.WIRE_BYTES: "wire/bytes_per_step",
+    # (replicas: what the stage groups' sync sent)
+    MetricName.SYNC_BYTES: "sync/bytes_per_step",
+    MetricName.EVAL_LOSS: "eval/loss",
+    MetricName.PERPLEXITY: "eval/perplexity",
 }
 # A progress line's per-stage figure -> its tag's folder (one value per stage and step); TB
-# groups by the folder, so one chart compares the stages.
+# groups by the folder, so one chart compares the stages. A folder is the figure's own name but
+# for the link wait's (test_tracking pins them: logs already written carry these tags).
 STAGE_TAGS = {
-    "wait_seconds": "link_wait_s",
-    "stage_seconds": "stage_seconds",
-    "activation_peak_bytes": "activation_peak_bytes",
+    MetricName.WAIT_SECONDS: "link_wait_s",
+    MetricName.STAGE_SECONDS: MetricName.STAGE_SECONDS,
+    MetricName.ACTIVATION_PEAK_BYTES: MetricName.ACTIVATION_PEAK_BYTES,
 }
-CODEC_TAG = "codec_error"
+CODEC_TAG = MetricName.CODEC_ERROR
 SET_SPEED_TAG = "events/set_speed"
 MEMBERSHIP_TAG = "events/membership"
 
@@ -48,8 +50,8 @@ def step_scalars(line: dict[str, Any]) -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     for field, tag in STEP_TAGS.items():
         v = _number(line.get(field))
-        if field == "perplexity" and v is None:  # (lines written before the field)
-            loss = _number(line.get("eval_loss"))
+        if field == MetricName.PERPLEXITY and v is None:  # (lines written before the field)
+            loss = _number(line.get(MetricName.EVAL_LOSS))
             v = perplexity(loss) if loss is not None and math.isfinite(loss) else None
         if v is not None:
             out.append((tag, v))
@@ -60,7 +62,7 @@ def step_scalars(line: dict[str, Any]) -> list[tuple[str, float]]:
                 v = _number(by_stage[stage])
                 if v is not None:
                     out.append((f"{folder}/stage_{stage}", v))
-    codec = line.get("codec_error")
+    codec = line.get(MetricName.CODEC_ERROR)
     if isinstance(codec, dict):
         for stage in sorted(codec, key=_stage_order):
             errs = codec[stage]
@@ -84,7 +86,7 @@ def hparams(resolved: dict[str, Any]) -> dict[str, bool | int | float | str]:
     """A run's resolved config (``config_resolved.json``) as flat hyperparameters for the
     HParams view: ``model.d_model``, ``training.lr``, ``compression`` and so on. Lists become
     JSON text; nulls are left out (a hparam of two types across runs splits TB's column)."""
-    job = resolved.get("job") if isinstance(resolved.get("job"), dict) else {}
+    job: dict[str, Any] = resolved["job"] if isinstance(resolved.get("job"), dict) else {}
     network = resolved.get("network_profile")
     top: dict[str, Any] = {
         "experiment": resolved.get("experiment"),
@@ -132,7 +134,8 @@ def restart_text(restart: dict[str, Any]) -> str | None:
     """A recovery (a fellow lost, its stage handed on, the run resumed) as one line."""
     if not isinstance(restart.get("resume_step"), int):
         return None
-    replaced = restart.get("replaced") if isinstance(restart.get("replaced"), dict) else {}
+    replaced: dict[str, Any] = restart["replaced"] \
+        if isinstance(restart.get("replaced"), dict) else {}
     moves = [f"stage {stage}: fellow {r.get('from')} -> {r.get('to')} ({r.get('lost')})"
              for stage, r in sorted(replaced.items()) if isinstance(r, dict)]
     text = (f"membership: at step {restart.get('at_step')} resumed from step "

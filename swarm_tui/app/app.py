@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,6 +21,7 @@ import aiohttp
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
+from textual.dom import DOMNode
 from textual.reactive import reactive
 from textual.signal import Signal
 from textual.timer import Timer
@@ -29,6 +30,7 @@ from textual.worker import Worker, WorkerState
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment
 from swarm_core.contract import JobInfo, JobSubmit
+from swarm_core.contract.events import Event, Hello
 from swarm_core.experiments.runner import Experiment, ExperimentError
 from swarm_core.protocol import JobState, SetSpeedRequest
 from swarm_tui.app.cluster import LeaderAddress, OwnedCluster
@@ -260,8 +262,8 @@ class SwarmApp(App[int]):
         backoff = BACKOFF_MIN_S
         while True:
             try:
-                async for ev in self.client.events():
-                    if ev.get("type") == "hello":
+                async for ev in self.client.event_stream():
+                    if isinstance(ev.data, Hello):
                         self._stream_ok, self._stream_error = True, ""
                         backoff = BACKOFF_MIN_S
                         self._update_connection()
@@ -278,7 +280,7 @@ class SwarmApp(App[int]):
                 await asyncio.wait_for(self._wake_stream.wait(), backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    def apply_event(self, ev: dict[str, Any]) -> Change:
+    def apply_event(self, ev: Event | Mapping[str, Any]) -> Change:
         change = self.model.apply_event(ev)
         self.publish(change)
         if self.model.need_refresh:
@@ -444,7 +446,12 @@ class SwarmApp(App[int]):
         dialog = ConfirmDialog(f"Release {len(ids)} fellow{'s' if len(ids) > 1 else ''}?",
                                f"{names}\n\nThey stop their job and leave the cluster.",
                                "Release")
-        self.push_screen(dialog, lambda ok: self.release(list(ids)) if ok else None)
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.release(list(ids))
+
+        self.push_screen(dialog, done)
 
     def _refuse_gone(self, ids: Sequence[int], what: str, *, left_too: bool = False) -> bool:
         """A fellow the leader no longer knows (a detail view left open) takes no action, and
@@ -474,7 +481,12 @@ class SwarmApp(App[int]):
         dialog = ConfirmDialog(f"Release ALL {n} fellow{'s' if n != 1 else ''}?",
                                "Every fellow stops its job and leaves the cluster.",
                                "Release all")
-        self.push_screen(dialog, lambda ok: self.release([], everyone=True) if ok else None)
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.release([], everyone=True)
+
+        self.push_screen(dialog, done)
 
     @work(group="release", exit_on_error=False, description="release")
     async def release(self, ids: list[int], everyone: bool = False) -> None:
@@ -494,7 +506,12 @@ class SwarmApp(App[int]):
         # ("Cancel job" beside "Cancel" read as two ways to cancel: the no is "Keep job")
         dialog = ConfirmDialog(f"Cancel {job_id}?", f"{job_id}{name} stops on every fellow.",
                                "Cancel job", "Keep job")
-        self.push_screen(dialog, lambda ok: self.cancel(job_id) if ok else None)
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.cancel(job_id)
+
+        self.push_screen(dialog, done)
 
     @work(group="cancel", exit_on_error=False, description="cancel")
     async def cancel(self, job_id: str) -> None:
@@ -588,7 +605,7 @@ def help_sections() -> list[tuple[str, list[Binding]]]:
     from swarm_tui.app.screens.dialogs import ExportDialog as Export
     from swarm_tui.app.screens.dialogs import SetSpeedDialog as Speed
 
-    def of(cls: type) -> list[Binding]:
+    def of(cls: type[DOMNode]) -> list[Binding]:
         return [b for b in cls.BINDINGS if isinstance(b, Binding)]
 
     navigation = [

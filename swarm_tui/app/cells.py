@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import attrs
+from rich.console import JustifyMethod
 from rich.text import Text
 
 from swarm_core.validators import printable
@@ -50,8 +51,8 @@ class Cell(Text):
     """Text that sorts by ``sort_key`` (a tuple; a missing value sorts after every value)."""
 
     def __init__(self, text: str, value: Any = None, *, key: Any = 0, style: str = "",
-                 justify: str = "left", export: Any = NotImplemented) -> None:
-        super().__init__(text, style=style, justify=justify, no_wrap=True,  # type: ignore[arg-type]
+                 justify: JustifyMethod = "left", export: Any = NotImplemented) -> None:
+        super().__init__(text, style=style, justify=justify, no_wrap=True,
                          overflow="ellipsis", end="")
         self.sort_key = (1, 0, key) if value is None else (0, value, key)
         # What an export writes when the sort value is not the datum (NotImplemented: derive
@@ -68,7 +69,7 @@ class Column:
     key: str
     label: str
     width: int
-    justify: str = "left"
+    justify: JustifyMethod = "left"
     help: str = ""
     # Which columns a narrow terminal keeps: 0 always, then 1, 2… while they fit.
     priority: int = 0
@@ -186,7 +187,8 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
     row_style = _fellow_row_style(st)
     live = not st.stale  # rates of a silent fellow are history, not news
 
-    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+    def cell(text: str, value: Any = None, style: str = "",
+             justify: JustifyMethod = "left") -> Cell:
         return Cell(text, value, key=fid, style=style or row_style, justify=justify)
 
     def num(text: str, value: Any) -> Cell:
@@ -264,7 +266,8 @@ def job_cells(model: ClusterModel, view: JobView) -> dict[str, Cell]:
     group = JOB_STATE_ORDER.get(info.state, 3)
     created = info.created_at if group < 2 else -info.created_at
 
-    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+    def cell(text: str, value: Any = None, style: str = "",
+             justify: JustifyMethod = "left") -> Cell:
         return Cell(text, value, key=jid, style=style, justify=justify)
 
     total = view.total_steps
@@ -359,7 +362,7 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     in_job = st is not None and st.job_id == view.job_id
     # A fellow's heartbeat speaks for one of its cells: only fall back on it for that one
     # (a heartbeat names a stage, not a replica: in a grid, only a fellow of one cell).
-    own = in_job and st is not None and (
+    own = in_job and st is not None and fid is not None and (
         fellows.count(fid) == 1 if grid else (st.stage is None or st.stage == stage))
     # The leader's figures of the cell: what a console opened mid-run has before any event.
     label = str(stage) if not grid else f"{stage}.{replica}"
@@ -386,7 +389,8 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     tx = st.tx_mbps if st is not None and in_job else None
     rx = st.rx_mbps if st is not None and in_job else None
 
-    def cell(text: str, value: Any = None, style: str = "", justify: str = "left") -> Cell:
+    def cell(text: str, value: Any = None, style: str = "",
+             justify: JustifyMethod = "left") -> Cell:
         return Cell(text, value, key=index, style=style or row_style, justify=justify)
 
     def share(value: float | None) -> Cell:

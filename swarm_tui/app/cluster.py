@@ -113,8 +113,6 @@ def stop_own(leader: int, fellows: list[int], started_at: float) -> None:
         with contextlib.suppress(FileNotFoundError):
             record_path().unlink()
 
-    return True
-
 
 def main(argv: list[str]) -> int:
     """``python -m swarm_tui.app.cluster SPEC``: the background stop of a console's cluster."""

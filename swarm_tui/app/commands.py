@@ -19,6 +19,7 @@ Command = tuple[str, Callable[[], object], str]
 class SwarmCommands(Provider):
     @property
     def swarm(self) -> SwarmApp:
+        # textual types .app as the base App; this console only ever runs in a SwarmApp.
         return self.app  # type: ignore[return-value]
 
     def in_view(self, view: str, action: str, *args: object) -> Callable[[], None]:

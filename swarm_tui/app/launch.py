@@ -30,11 +30,11 @@ from swarm_core.config.profiles import (
     load_experiment,
     load_job_cluster,
     load_job_training,
-    with_sync,
+    sync_over,
 )
 from swarm_core.config.schemas import SYNC_MODES
 from swarm_core.contract import JobSubmit
-from swarm_core.schema import SchemaError, structure
+from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.typed import clip, whole_number
 
 
@@ -104,7 +104,7 @@ class ExperimentSource:
 
     key = "experiment"
     label = "experiment config (sweep)"
-    fields = ("config",)
+    fields: tuple[str, ...] = ("config",)
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
@@ -153,8 +153,8 @@ class ProfileSource:
 
     key = "profiles"
     label = "model + training profile"
-    fields = ("model", "training", "fellows", "replicas", "sync", "inner_steps",
-              "overlap_steps", "steps", "name")
+    fields: tuple[str, ...] = ("model", "training", "fellows", "replicas", "sync",
+                               "inner_steps", "overlap_steps", "steps", "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
@@ -202,7 +202,9 @@ class ProfileSource:
             topology.setdefault("fellows", 2)
             if choice.steps.strip():
                 training["steps"] = _int(choice.steps, "steps", "$.training.steps")
-            with_sync(training, _sync_fields(choice))
+            fields = _sync_fields(choice)
+            if fields:  # (checked at once, as one SyncConfig; the body carries it whole)
+                training["sync"] = unstructure(sync_over(training, fields))
             name = choice.name.strip() or str(model.get("name") or "job")
             body = {"name": name, "kind": "train", "topology": topology,
                     "model": model, "training": training}
@@ -237,8 +239,8 @@ def run_summary(req: JobSubmit) -> tuple[str, str]:
     parts = [f"{topo.fellows} fellows"]
     if topo.replicas > 1:
         parts.append(f"{topo.stages}x{topo.replicas}")
-        if req.training is not None:
-            parts.append(req.training.sync.label)
+        if req.train is not None:  # (a smoke job has no sync to name)
+            parts.append(req.train.sync.label)
     if req.training is not None:
         parts.append(f"{req.training.steps} steps")
     if req.model is not None:

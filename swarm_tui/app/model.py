@@ -11,19 +11,30 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from swarm_core.contract import (
     JobInfo,
-    StageMetrics,
     Topology,
     step_wait_share,
 )
-from swarm_core.protocol import FellowInfo, FellowStatus
-from swarm_core.schema import SchemaError, structure
+from swarm_core.contract.events import (
+    Event,
+    FellowReleased,
+    FellowUpdate,
+    Hello,
+    JobMembership,
+    JobShard,
+    JobUpdate,
+    MetricReport,
+    SpeedSet,
+    Unknown,
+    read_event,
+)
+from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits
 from swarm_tui.fmt import describe_link
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
@@ -34,6 +45,7 @@ SAME_SAMPLE_S = 0.05  # a snapshot's last_heartbeat and that heartbeat's event t
 NOT_HEARTBEATS = frozenset(s for s in FellowStatus if not s.reported)
 LEFT = frozenset(s for s in FellowStatus if s.left)  # the leader refuses them a set-speed
 TERMINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED")
+FellowEvent = FellowUpdate | SpeedSet | FellowReleased
 
 
 @attrs.define(eq=False)
@@ -139,18 +151,17 @@ class FellowState:
             self.log(ts, f"status {self.status} -> {status}")
         self.status = status
 
-    def _link(self, link: dict[str, Any] | None) -> None:
-        if link:
-            self.tx_limit = link.get("tx_mbps")
-            self.rx_limit = link.get("rx_mbps")
-            self.latency_ms = link.get("latency_ms") or 0.0
+    def _link(self, link: LinkLimits | None) -> None:
+        if link is not None:
+            self.tx_limit, self.rx_limit = link.tx_mbps, link.rx_mbps
+            self.latency_ms = link.latency_ms
 
-    def _counters(self, counters: dict[str, Any] | None, ts: float | None) -> None:
-        if not counters:
+    def _counters(self, counters: ByteCounters | None, ts: float | None) -> None:
+        if counters is None:
             return
         if ts is not None and self.sample_ts is not None and ts <= self.sample_ts:
             return
-        self.counters = {k: int(v) for k, v in counters.items() if isinstance(v, int | float)}
+        self.counters = attrs.asdict(counters)
         if ts is None:
             return
         self.sample_ts = ts
@@ -173,36 +184,32 @@ class FellowState:
             return  # an event already brought a newer heartbeat than this snapshot holds
         self._progress(fi.current_job, fi.current_stage, fi.current_step, fi.last_loss,
                        fi.tokens_per_s, ts)
-        self._link({"tx_mbps": fi.link.tx_mbps, "rx_mbps": fi.link.rx_mbps,
-                    "latency_ms": fi.link.latency_ms})
-        self._counters(attrs.asdict(fi.counters), fi.last_heartbeat)
+        self._link(fi.link)
+        self._counters(fi.counters, fi.last_heartbeat)
 
-    def apply_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> None:
-        if kind == "fellow.set_speed":
-            during = f" (recorded in job {data['job_id']})" if data.get("job_id") else ""
+    def apply_event(self, ev: FellowEvent, ts: float, now: float) -> None:
+        if isinstance(ev, SpeedSet):
+            during = f" (recorded in job {ev.job_id})" if ev.job_id else ""
             self.speed_marks.append(ts)
             self.log(ts, "set-speed requested: " + describe_link(
-                data.get("tx_mbps"), data.get("rx_mbps"), data.get("latency_ms") or 0.0)
-                + during)
+                ev.link.tx_mbps, ev.link.rx_mbps, ev.link.latency_ms) + during)
             return
-        if kind == "fellow.release":
+        if isinstance(ev, FellowReleased):
             self.log(ts, "release requested")
             return
-        if data.get("name"):
-            self.name = data["name"]
-        status = data.get("status")
-        if kind == "fellow.registered":
+        if ev.name:
+            self.name = ev.name
+        if ev.type == "fellow.registered":
             self.log(ts, "registered")
-        if isinstance(status, str):
-            self._status(status, ts)
-        if status in NOT_HEARTBEATS:
+        if ev.status:
+            self._status(ev.status, ts)
+        if ev.status in NOT_HEARTBEATS:
             return  # the leader's judgement, not news from the fellow
         self.hb_local = now
-        self._progress(data.get("job_id"), None, int(data.get("step") or 0), data.get("loss"),
-                       float(data.get("tokens_per_s") or 0.0), ts)
+        self._progress(ev.job_id, None, ev.step, ev.loss, ev.tokens_per_s, ts)
         self.tps_hist.append((ts, self.tokens_per_s))
-        self._link(data.get("link"))
-        self._counters(data.get("counters"), ts)
+        self._link(ev.link)
+        self._counters(ev.counters, ts)
 
 
 @attrs.define(eq=False)
@@ -278,25 +285,21 @@ class JobView:
             return index, 0
         return index % self.num_stages, index // self.num_stages
 
-    def apply_metric(self, data: dict[str, Any]) -> None:
-        fid = data.get("fellow_id")
-        step = int(data.get("step") or 0)
-        loss = data.get("loss")
-        stage = data.get("stage")
-        replica = data.get("replica", 0)
-        if isinstance(stage, int) and isinstance(replica, int) and replica > 0:
-            stage = replica * self.num_stages + stage  # (the cell's index)
-        if not isinstance(stage, int) and isinstance(fid, int) and fid in self.info.fellows:
+    def apply_metric(self, report: MetricReport) -> None:
+        fid, step, loss, stage = report.fellow_id, report.step, report.loss, report.stage
+        if stage is not None and report.replica:
+            stage = report.replica * self.num_stages + stage  # (the cell's index)
+        if stage is None and fid is not None and fid in self.info.fellows:
             stage = self.info.fellows.index(fid)  # a leader that does not name the stage
-        if isinstance(fid, int) and isinstance(stage, int) and not isinstance(stage, bool):
+        if fid is not None and stage is not None:
             fp = self.per_stage.setdefault(stage, FellowProgress())
             fp.fellow_id = fid
-            fp.step, fp.state = step, str(data.get("state") or "")
+            fp.step, fp.state = step, report.state
             if loss is not None:
                 fp.loss = loss
-            if data.get("tokens_per_s") is not None:
-                fp.tokens_per_s = data["tokens_per_s"]
-            figures = _figures(data.get("metrics"))
+            if report.tokens_per_s is not None:
+                fp.tokens_per_s = report.tokens_per_s
+            figures = report.metrics
             peak = figures.activation_peak_bytes
             # (a COMPLETED report carries the whole run's peak under the same name)
             if peak is not None and fp.state == "RUNNING":
@@ -413,32 +416,38 @@ class ClusterModel:
         return Change(jobs={ji.job_id})
 
     # events -----------------------------------------------------------------------------------
-    def apply_event(self, ev: dict[str, Any]) -> Change:
-        kind = str(ev.get("type", ""))
-        data = ev.get("data") or {}
-        seq = ev.get("seq")
-        ts = ev.get("ts")
+    def apply_event(self, ev: Event | Mapping[str, Any]) -> Change:
+        """One event of the leader's stream (a frame not yet read is read here, once)."""
+        event = ev if isinstance(ev, Event) else read_event(ev)
+        data = event.data
         now = self.clock()
-        if isinstance(ts, int | float):
+        if event.ts is not None:
+            ts = event.ts
             self.offset = ts - now
         else:
             ts = now + self.offset
-        if isinstance(seq, int):
-            if kind != "hello" and self.last_seq is not None and seq != self.last_seq + 1:
+        hello = isinstance(data, Hello)
+        if event.seq is not None:
+            if not hello and self.last_seq is not None and event.seq != self.last_seq + 1:
                 self.need_refresh = True
                 self._history_gap()
-            self.last_seq = seq
-        if kind == "hello":
+            self.last_seq = event.seq
+        if hello:
             if self.events_seen:
                 self._history_gap()  # a reconnect: whatever happened meanwhile is unseen
             return Change()
         self.events_seen += 1
-        if kind.startswith("fellow."):
-            return self._fellow_event(kind, data, ts, now)
-        if kind == "metric":
-            return self._metric(data)
-        if kind.startswith("job."):
-            return self._job_event(kind, data)
+        match data:
+            case FellowUpdate() | SpeedSet() | FellowReleased():
+                return self._fellow_event(data, ts, now)
+            case MetricReport():
+                return self._metric(data)
+            case JobUpdate():
+                return self._job_update(data)
+            case JobShard() | JobMembership():
+                return self._job_record(data)
+            case Unknown(problem=problem) if problem:
+                self.need_refresh = True  # what it said comes with the next snapshot
         return Change()
 
     def _history_gap(self) -> None:
@@ -446,68 +455,55 @@ class ClusterModel:
         for view in self.jobs.values():
             view.history_loaded = False
 
-    def _fellow_event(self, kind: str, data: dict[str, Any], ts: float, now: float) -> Change:
-        fid = data.get("fellow_id")
-        if not isinstance(fid, int):
-            return Change()
+    def _fellow_event(self, ev: FellowEvent, ts: float, now: float) -> Change:
+        fid = ev.fellow_id
         change = Change(fellows={fid})
         st = self.fellows.get(fid)
         if st is None:
-            if kind in ("fellow.set_speed", "fellow.release"):
+            if not isinstance(ev, FellowUpdate):
                 return Change()
             st = self.fellows[fid] = FellowState(fid)
             change.fellow_rows = True
             self.need_refresh = True  # host, devices and the rest come with the snapshot
-        st.apply_event(kind, data, ts, now)
+        st.apply_event(ev, ts, now)
         return change
 
-    def _metric(self, data: dict[str, Any]) -> Change:
-        jid = data.get("job_id")
-        view = self.jobs.get(jid) if isinstance(jid, str) else None
+    def _metric(self, report: MetricReport) -> Change:
+        jid = report.job_id
+        view = self.jobs.get(jid) if jid is not None else None
         if view is None:
             self.need_refresh = True
             return Change()
-        view.apply_metric(data)
-        state = data.get("state")
-        fid = data.get("fellow_id")
-        st = self.fellows.get(fid) if isinstance(fid, int) else None
+        view.apply_metric(report)
+        fid = report.fellow_id
+        st = self.fellows.get(fid) if fid is not None else None
         if st is not None and st.job_id == jid:
-            st.reported_step = max(st.reported_step, int(data.get("step") or 0))
-        if st is not None and state in ("COMPLETED", "FAILED"):
-            st.log(self.leader_now(), f"{jid}: {state.lower()} at step {data.get('step')}")
+            st.reported_step = max(st.reported_step, report.step)
+        if st is not None and report.state in ("COMPLETED", "FAILED"):
+            st.log(self.leader_now(), f"{jid}: {report.state.lower()} at step {report.step}")
         return Change(jobs={view.job_id})
 
-    def _job_event(self, kind: str, data: dict[str, Any]) -> Change:
-        jid = data.get("job_id")
-        if not isinstance(jid, str):
-            return Change()
+    def _job_update(self, ev: JobUpdate) -> Change:
+        jid = ev.job_id
         view = self.jobs.get(jid)
         change = Change(jobs={jid})
         if view is None:
-            if kind == "job.shard":
-                return Change()
             # (a job first seen in an event has its kind at once: a launch's rows read "train")
-            info = JobInfo(job_id=jid, name=str(data.get("name") or jid),
-                           kind=str(data.get("kind") or ""),
-                           state=str(data.get("state") or "PENDING"),
+            info = JobInfo(job_id=jid, name=ev.name or jid, kind=ev.kind,
+                           state=ev.state or "PENDING",
                            created_at=self.leader_now(), started_at=None, finished_at=None,
                            last_step=0, last_loss=None, fellows=[], topology=Topology(),
                            reason="")
             view = self.jobs[jid] = JobView(info, partial=True)
             change.job_rows = True
             self.need_refresh = True
-        if kind == "job.shard":
-            return change
         info = view.info
-        for key in ("name", "state", "reason"):
-            if isinstance(data.get(key), str):
-                setattr(info, key, data[key])
-        if isinstance(data.get("last_step"), int):
-            info.last_step = data["last_step"]
-        if "last_loss" in data:
-            info.last_loss = data["last_loss"]
-        if isinstance(data.get("fellows"), list):
-            info.fellows = [f for f in data["fellows"] if isinstance(f, int)]
+        if ev.name:
+            info.name = ev.name
+        if ev.state:
+            info.state = ev.state
+        info.reason, info.last_step, info.last_loss = ev.reason, ev.last_step, ev.last_loss
+        info.fellows = list(ev.fellows)
         if info.state == "RUNNING" and info.started_at is None:
             info.started_at = self.leader_now()
         if info.state in TERMINAL_JOB_STATES and info.finished_at is None:
@@ -516,6 +512,17 @@ class ClusterModel:
         if info.state != "PENDING":
             info.waiting_for = ""
         return change
+
+    def _job_record(self, ev: JobShard | JobMembership) -> Change:
+        """A shard reached the leader, or replicas left or joined: of a job shown, the row
+        may change; of another, nothing to show."""
+        view = self.jobs.get(ev.job_id)
+        if view is None:
+            return Change()
+        if isinstance(ev, JobMembership) and ev.change not in view.info.membership:
+            view.info.membership.append(ev.change)  # (the snapshot's record says the same)
+            view.info.members = list(ev.change.members)
+        return Change(jobs={ev.job_id})
 
     # queries ----------------------------------------------------------------------------------
     def heartbeat_age(self, st: FellowState) -> float | None:
@@ -534,11 +541,3 @@ class ClusterModel:
             out[view.info.state] = out.get(view.info.state, 0) + 1
         return out
 
-
-def _figures(raw: Any) -> StageMetrics:
-    """A metric event's figures, as the contract reads them; none from a payload that is not
-    one (a foreign leader's)."""
-    try:
-        return structure(raw or {}, StageMetrics, trust=True)
-    except SchemaError:
-        return StageMetrics()

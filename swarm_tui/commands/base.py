@@ -11,14 +11,14 @@ import enum
 import os
 import shutil
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 from swarm_core import jsonio
 from swarm_core.client import ApiError, LeaderUnreachable, SwarmClient, check_leader_url
 from swarm_core.local_cluster import ClusterError, read_record, token_for
-from swarm_core.paths import dir_problem
+from swarm_core.paths import dir_problem, private_dir_problem
 from swarm_core.schema import unstructure
 from swarm_core.validators import printable
 
@@ -141,9 +141,9 @@ def run_with_client(args: argparse.Namespace,
     return run_async(main())
 
 
-def run_async(coro: Awaitable[int | None]) -> int:
+def run_async(coro: Coroutine[Any, Any, int | None]) -> int:
     try:
-        result = asyncio.run(coro)  # type: ignore[arg-type]
+        result = asyncio.run(coro)
     except LeaderUnreachable as exc:
         raise CommandError(str(exc), ExitCode.UNREACHABLE) from None
     except ApiError as exc:
@@ -160,8 +160,11 @@ def check_dir(path: Path, what: str) -> None:
 
 
 def check_state_dir(path: Path) -> None:
-    """A leader's state dir must be a directory, or not exist yet."""
-    check_dir(path, "--state-dir")
+    """A leader's state dir must not exist yet, or be a directory that only its owner can
+    write (it holds the token and the database; an existing one is never chmodded)."""
+    problem = private_dir_problem(path)
+    if problem:
+        raise CommandError(f"--state-dir: {problem}", ExitCode.USAGE)
 
 
 def check_gpu_slots(slots: Sequence[str]) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
+import sys
+import threading
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
@@ -26,6 +29,27 @@ from swarm_tui.commands.base import (
     check_state_dir,
     resolve_leader,
 )
+
+# Once a fellow has stopped, what can still hold its process is a stage thread inside one
+# op that checks no stop event (a native call, a device that hangs): the process leaves
+# without it this long after, as a fellow told to stop must.
+EXIT_GRACE_S = 3.0
+
+
+def exit_within(seconds: float, code: int) -> threading.Timer:
+    """Make the process exit with ``code`` in ``seconds`` if it has not by then (the
+    interpreter waits for every thread of the stages' executor before it exits)."""
+
+    def leave() -> None:
+        sys.stderr.write(f"swarm fellow: a stage thread still ran {seconds:g}s after the "
+                         "fellow stopped; exiting without it\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
+    timer.daemon = True  # (a process that ends by itself does not wait for the timer)
+    timer.start()
+    return timer
 
 
 def _logging(verbose: bool) -> None:
@@ -86,7 +110,16 @@ def cmd_fellow(args: argparse.Namespace) -> int:
         data_advertise=args.data_advertise, data_roots=tuple(args.data_root),
     )
     daemon = FellowDaemon(opts)
-    code = asyncio.run(daemon.run())
+
+    async def serve() -> int:
+        code = 1
+        try:
+            code = await daemon.run()
+            return code
+        finally:  # (asyncio.run then waits for the executor's threads: bounded from here)
+            exit_within(EXIT_GRACE_S, code)
+
+    code = asyncio.run(serve())
     if daemon.exit_reason.startswith("registration refused"):
         raise CommandError(daemon.exit_reason)
     return code

@@ -156,10 +156,10 @@ async def _cell_fellows(c: SwarmClient, stage: int | None,
     """The running job and the fellows that hold its cells of ``stage`` / ``replica`` (each
     fellow once: a fellow's link is shaped as one, whatever cells it holds)."""
     running = await c.jobs("RUNNING")
-    if not running or running[0].placement is None:
+    job = running[0] if running else None
+    p = job.placement if job is not None else None
+    if job is None or p is None:
         raise CommandError("--stage/--replica name cells of the running job; none is running")
-    job = running[0]
-    p = job.placement
     for flag, value, count in (("--stage", stage, p.num_stages), ("--replica", replica,
                                                                   p.replicas)):
         if value is not None and value >= count:

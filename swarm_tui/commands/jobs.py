@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
-from swarm_core.config.schemas import SYNC_MODES, ModelConfig, TrainingConfig
+from swarm_core.config.schemas import SYNC_MODES, ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.contract import (
     JOB_ORDERS,
     MAX_JOB_PAGE,
@@ -18,10 +21,22 @@ from swarm_core.contract import (
     JobList,
     JobSubmit,
     LinkChange,
+    MembershipChange,
     StageMetrics,
     Topology,
     link_changes_in_all,
     perplexity,
+)
+from swarm_core.contract.events import (
+    Event,
+    Hello,
+    JobMembership,
+    JobShard,
+    JobUpdate,
+    MetricReport,
+    Unknown,
+    event_json,
+    read_event,
 )
 from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure
@@ -85,7 +100,7 @@ def cmd_job(args: argparse.Namespace) -> int:
             emit_json(job)
             return
         m = job.metrics
-        rows = [["job", job.job_id], ["name", job.name], ["kind", job.kind],
+        rows: list[list[Any]] = [["job", job.job_id], ["name", job.name], ["kind", job.kind],
                 ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
@@ -130,18 +145,18 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
 def membership_rows(job: JobInfo) -> list[list[str]]:
     """``swarm job``'s rows for the replicas that left a job or joined it, and when: a loss
     curve is read against them."""
-    rows = []
-    for ch in job.membership:
-        what = "; ".join(part for part in (
-            f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
-            f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
-        if len(set(ch.stage_steps)) > 1:  # (a group that had finished the step kept it)
-            what += " (by stage from step " + ", ".join(
-                f"s{k} @{at}" for k, at in enumerate(ch.stage_steps)) + ")"
-        rows.append([f"replicas @{ch.step}", f"{what}; training: "
-                     f"{','.join(map(str, ch.members))}" + (f" ({printable(ch.reason)})"
-                                                            if ch.reason else "")])
-    return rows
+    return [[f"replicas @{ch.step}", _membership_change(ch)] for ch in job.membership]
+
+
+def _membership_change(ch: MembershipChange) -> str:
+    what = "; ".join(part for part in (
+        f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
+        f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
+    if len(set(ch.stage_steps)) > 1:  # (a group that had finished the step kept it)
+        what += " (by stage from step " + ", ".join(
+            f"s{k} @{at}" for k, at in enumerate(ch.stage_steps)) + ")"
+    return f"{what}; training: {','.join(map(str, ch.members))}" + (
+        f" ({printable(ch.reason)})" if ch.reason else "")
 
 
 def emit_grid(job: JobInfo) -> None:
@@ -188,12 +203,15 @@ def _validated_job(req_data: dict[str, Any]) -> JobSubmit:
 
 
 def train_job(model: ModelConfig, training: dict[str, Any], topology: Topology,
-              name: str) -> JobSubmit:
-    """A train job of a model and a training profile's fields, checked here as the leader
-    will check it."""
+              name: str, sync: SyncConfig | None = None) -> JobSubmit:
+    """A train job of a model and a training profile's fields (``sync``, where given, in
+    place of theirs), checked here as the leader will check it."""
     try:
+        config = structure(training, TrainingConfig, "$.training")
+        if sync is not None:
+            config = attrs.evolve(config, sync=sync)
         return JobSubmit(name=name, kind="train", model=model, topology=topology,
-                         training=structure(training, TrainingConfig, "$.training"))
+                         training=config)
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
     except FieldError as exc:  # (the job's own fields: its name, its fellows)
@@ -220,15 +238,37 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
 
-SYNC_FLAGS = (("--sync", "sync", "mode"), ("--inner-steps", "inner_steps", "inner_steps"),
-              ("--overlap-steps", "overlap_steps", "overlap_steps"),
-              ("--sync-compression", "sync_compression", "compression"))
+# Each sync flag, by the SyncConfig field it sets (argparse's dest is the flag's own name).
+SYNC_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps",
+              "overlap_steps": "--overlap-steps", "compression": "--sync-compression"}
 
 
-def _sync_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """``training.sync`` fields the flags set (over the training profile's)."""
-    return {field: getattr(args, dest) for _flag, dest, field in SYNC_FLAGS
-            if getattr(args, dest) is not None}
+def _given_sync_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The SyncConfig fields the sync flags set, by field."""
+    given = {field: getattr(args, flag.removeprefix("--").replace("-", "_"))
+             for field, flag in SYNC_FLAGS.items()}
+    return {field: value for field, value in given.items() if value is not None}
+
+
+def _sync_config(args: argparse.Namespace, training: dict[str, Any]) -> SyncConfig | None:
+    """The training profile's sync with the flags over it, as one SyncConfig; None where no
+    flag is given (the profile's stays). A bad value or combination is a usage error that
+    names the flag it comes from (the flags given, where the field is the profile's)."""
+    from swarm_core.config.profiles import sync_over
+
+    given = _given_sync_flags(args)
+    if not given:
+        return None
+    try:
+        return sync_over(training, given)
+    except SchemaError as exc:
+        field = (exc.field or "").rsplit(".", 1)[-1]
+        if field in given:
+            said = f"{SYNC_FLAGS[field]} {given[field]}"
+        else:  # (a field of the profile's that the flags no longer fit)
+            said = " ".join(f"{SYNC_FLAGS[f]} {v}" for f, v in given.items()) \
+                + " over the training profile's sync"
+        raise CommandError(f"{said}: {exc}", ExitCode.USAGE) from None
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -240,8 +280,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
                                           ("--steps", args.steps),
-                                          *((flag, getattr(args, dest))
-                                            for flag, dest, _f in SYNC_FLAGS))
+                                          *((SYNC_FLAGS[f], v)
+                                            for f, v in _given_sync_flags(args).items()))
                  if value is not None]
         if given:
             raise CommandError(f"--payload is the whole job body; {', '.join(given)} would be "
@@ -254,7 +294,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
             load_job_cluster,
             load_job_training,
             load_model_profile,
-            with_sync,
         )
         cluster = None
         try:
@@ -269,9 +308,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
-        with_sync(training, _sync_flags(args))
-        req = train_job(model, training, _topology(args, cluster), args.name or model.name)
-    elif args.stages or args.replicas or _sync_flags(args):
+        sync = _sync_config(args, training)
+        req = train_job(model, training, _topology(args, cluster), args.name or model.name,
+                        sync)
+    elif args.stages or args.replicas or _given_sync_flags(args):
         raise CommandError("--stages, --replicas and the sync flags are for train jobs "
                            "(--model, --training)", ExitCode.USAGE)
     else:
@@ -308,42 +348,48 @@ def cmd_watch(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
-def _describe(event: dict[str, Any]) -> str | None:
-    kind, d = event.get("type", ""), event.get("data", {})
-    if kind == "metric":
-        metrics = d.get("metrics") or {}
-        if metrics.get("eval_loss") is not None and d.get("state") == "RUNNING":
-            loss = metrics["eval_loss"]
-            return f"step {d.get('step')}  eval loss {loss:.4f}  perplexity {perplexity(loss):.2f}"
-        if d.get("loss") is None and d.get("state") == "RUNNING" and metrics:
-            return None  # a training stage without the loss: the last stage speaks for all
-        parts = [f"step {d.get('step')}", f"fellow {d.get('fellow_id')}"]
-        replica, stage = d.get("replica"), d.get("stage")
-        if isinstance(replica, int) and isinstance(stage, int):  # (a job with replicas)
-            parts.insert(1, fmt_cell(stage, replica))
-        if d.get("loss") is not None:
-            parts.append(f"loss {d['loss']:.4f}")
-        if d.get("tokens_per_s"):
-            parts.append(f"{d['tokens_per_s']:.0f} tok/s")
-        if isinstance(replica, int):
-            parts += _sync_figures(metrics)
-        if d.get("state") != "RUNNING":
-            parts.append(str(d.get("state")))
-        return "  ".join(parts)
-    if kind == "job.shard":
-        return f"stage {d.get('stage')} shard at step {d.get('step')} reached the leader"
-    if kind.startswith("job.") and kind != "job.updated":
-        reason = f": {d['reason']}" if d.get("reason") else ""
-        return f"{d.get('job_id')} {d.get('state')}{reason}"
+def _describe(event: Event | Mapping[str, Any]) -> str | None:
+    """A watch line for an event (a frame not yet read is read here), or None for one that
+    says nothing worth a line."""
+    data = (event if isinstance(event, Event) else read_event(event)).data
+    match data:
+        case MetricReport():
+            return _describe_metric(data)
+        case JobShard():
+            return f"stage {data.receipt.stage} shard at step {data.receipt.step} reached " \
+                "the leader"
+        case JobMembership():
+            return f"{data.job_id} replicas @{data.change.step}: " \
+                + _membership_change(data.change)
+        case JobUpdate() if data.type != "job.updated":
+            reason = f": {data.reason}" if data.reason else ""
+            return f"{data.job_id} {data.state}{reason}"
     return None
 
 
-def _sync_figures(raw: dict[str, Any]) -> list[str]:
+def _describe_metric(m: MetricReport) -> str | None:
+    figures = m.metrics
+    if figures.eval_loss is not None and m.state == "RUNNING":
+        loss = figures.eval_loss
+        return f"step {m.step}  eval loss {loss:.4f}  perplexity {perplexity(loss):.2f}"
+    if m.loss is None and m.state == "RUNNING" and figures != StageMetrics():
+        return None  # a training stage without the loss: the last stage speaks for all
+    parts = [f"step {m.step}", f"fellow {m.fellow_id}"]
+    if m.replica is not None and m.stage is not None:  # (a job with replicas)
+        parts.insert(1, fmt_cell(m.stage, m.replica))
+    if m.loss is not None:
+        parts.append(f"loss {m.loss:.4f}")
+    if m.tokens_per_s:
+        parts.append(f"{m.tokens_per_s:.0f} tok/s")
+    if m.replica is not None:
+        parts += _sync_figures(figures)
+    if m.state != "RUNNING":
+        parts.append(m.state)
+    return "  ".join(parts)
+
+
+def _sync_figures(figures: StageMetrics) -> list[str]:
     """A cell's group synchronisation in a watch line: bytes and share of the step."""
-    try:
-        figures = structure(raw, StageMetrics, trust=True)
-    except SchemaError:
-        return []
     out = []
     if figures.sync_bytes is not None:
         out.append(f"sync {fmt_bytes(int(figures.sync_bytes))}")
@@ -364,23 +410,24 @@ async def watch_job(c: SwarmClient, job_id: str, *, json_lines: bool = False,
     lost_since: float | None = None
     while job.state not in TERMINAL:
         try:
-            stream = c.events(types=["job", "metric"], job_id=job_id)
+            stream = c.event_stream(types=["job", "metric"], job_id=job_id)
             async for event in stream:
                 lost_since = None
-                if event.get("type") == "hello":
+                if isinstance(event.data, Hello):
                     # Subscribed: re-read so nothing between GET and subscribe is missed.
                     job = await c.job(job_id)
                     if job.state in TERMINAL:
                         break
                     continue
+                if isinstance(event.data, Unknown):
+                    continue  # (a newer leader's kind of event)
                 if json_lines:
-                    print_line(jsonio.dumps(event).decode())
+                    print_line(jsonio.dumps(event_json(event)).decode())
                 else:
                     line = _describe(event)
                     if line:
                         print_line(line)
-                if event.get("type", "").startswith("job.") and \
-                        event["data"].get("state") in TERMINAL:
+                if isinstance(event.data, JobUpdate) and event.data.state in TERMINAL:
                     job = await c.job(job_id)
                     break
             else:

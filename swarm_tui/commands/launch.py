@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import shlex
 from pathlib import Path
+from typing import Any
 
 from swarm_core.launch.hostfile import HostEntry, HostfileError, read_hostfile
 from swarm_core.launch.launcher import (
@@ -63,7 +64,7 @@ def _print(results: list[HostResult], entries: list[HostEntry],
                               "fellows": r.fellows} for r in results],
                    "failed": sum(not r.ok for r in results)})
         return
-    rows = []
+    rows: list[list[str | None]] = []
     for r, e in zip(results, entries, strict=True):
         if not r.fellows:
             rows.append([r.host, "-", "-", "FAILED" if not r.ok else "-"])
@@ -89,9 +90,10 @@ def _result(f: dict, stopping: bool) -> str:
 def _dry_run(entries: list[HostEntry], ssh_config: Path | None,
              args: argparse.Namespace) -> int:
     what = "stop" if args.stop else "start"
-    hosts = [{"host": e.host, "command": ssh_argv(e, ssh_config),
-              "fellows": [{"name": f.name, "devices": list(f.devices)} for f in e.fellows()]}
-             for e in entries]
+    hosts: list[dict[str, Any]] = [
+        {"host": e.host, "command": ssh_argv(e, ssh_config),
+         "fellows": [{"name": f.name, "devices": list(f.devices)} for f in e.fellows()]}
+        for e in entries]
     if args.format == "json":
         emit_json({"action": what, "dry_run": True, "hosts": hosts})
         return 0

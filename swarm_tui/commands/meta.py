@@ -12,6 +12,7 @@ import swarm_core
 from swarm_core.client import ClientError, SwarmClient
 from swarm_core.local_cluster import ClusterError, read_record
 from swarm_core.paths import swarm_home
+from swarm_core.protocol import LeaderInfo
 from swarm_tui.commands.base import (
     EXIT_CODE_MEANING,
     FORMATS,
@@ -68,12 +69,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     if unreadable:
         rows.append(["local cluster", unreadable])
     leader = out["leader"]
-    if leader is not None:
-        rows += [["leader version", leader.version],  # type: ignore[attr-defined]
-                 ["fellows ready/total",
-                  f"{leader.fellows_ready}/{leader.fellows_total}"],  # type: ignore[attr-defined]
-                 ["jobs pending/running",
-                  f"{leader.jobs_pending}/{leader.jobs_running}"]]  # type: ignore[attr-defined]
+    if isinstance(leader, LeaderInfo):  # (else None: no leader answered)
+        rows += [["leader version", leader.version],
+                 ["fellows ready/total", f"{leader.fellows_ready}/{leader.fellows_total}"],
+                 ["jobs pending/running", f"{leader.jobs_pending}/{leader.jobs_running}"]]
     elif url:
         rows.append(["leader", f"unreachable: {out.get('leader_error', '')}"])
     emit_table(None, ["what", "value"], rows)

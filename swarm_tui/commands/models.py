@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from swarm_core.contract import perplexity
 from swarm_tui.commands.argtypes import (
@@ -22,6 +23,12 @@ from swarm_tui.commands.base import (
     print_line,
 )
 
+if TYPE_CHECKING:  # (imported where used: torch and the data stack are slow to load)
+    from swarm_core.config.schemas import TrainingConfig
+    from swarm_core.data import TokenData
+    from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer
+    from swarm_core.pipeline.whole import ExperimentModel
+
 
 def cmd_glue(args: argparse.Namespace) -> int:
     from swarm_core.artifacts.glue import GlueError, glue
@@ -37,7 +44,7 @@ def cmd_glue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model_dir: str):  # type: ignore[no-untyped-def]
+def _load(model_dir: str) -> tuple[ExperimentModel, dict[str, Any]]:
     from swarm_core.artifacts.glue import GlueError, load_full_model
 
     try:
@@ -51,7 +58,7 @@ def _same_tokenizer(recorded: dict, now: dict) -> bool:
     return all(recorded.get(k) == now.get(k) for k in keys if k in recorded)
 
 
-def _data(manifest: dict, seq_len: int):  # type: ignore[no-untyped-def]
+def _data(manifest: dict, seq_len: int) -> tuple[TrainingConfig, TokenData]:
     """The run's training config and its dataset, tokenized as the model learned it."""
     from swarm_core.config.schemas import TrainingConfig
     from swarm_core.data import DataError, load_token_data
@@ -73,7 +80,7 @@ def _data(manifest: dict, seq_len: int):  # type: ignore[no-untyped-def]
     return training, data
 
 
-def _tokenizer(manifest: dict, seq_len: int):  # type: ignore[no-untyped-def]
+def _tokenizer(manifest: dict, seq_len: int) -> ByteTokenizer | BpeTokenizer:
     """The tokenizer the model was trained with: bytes need no corpus; a BPE tokenizer is read
     from the file the run recorded, else rebuilt from the dataset if that gives the same one."""
     from swarm_core.data.tokenizers import BpeTokenizer, ByteTokenizer, TokenizerError
@@ -141,8 +148,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, manifest = _load(args.model)
     tok = _tokenizer(manifest, model.cfg.seq_len)
-    _check_vocab(tok.vocab_size, manifest, args.model)  # type: ignore[attr-defined]
-    ids = [int(i) for i in tok.encode(args.prompt)]  # type: ignore[attr-defined]
+    _check_vocab(tok.vocab_size, manifest, args.model)
+    ids = [int(i) for i in tok.encode(args.prompt)]
     if not ids:
         raise CommandError("--prompt must not be empty", ExitCode.USAGE)
     seq_len = model.cfg.seq_len
@@ -158,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 kth = torch.topk(logits, min(args.top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
-    text = tok.decode(out)  # type: ignore[attr-defined]
+    text = tok.decode(out)
     if args.format == "json":
         emit_json({"prompt": args.prompt, "text": text, "tokens": len(out) - len(ids)})
     else:

@@ -58,7 +58,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                     f"stage {k} " + ("-" if n is None else f"{n / 1e6:.2f} MB")
                     for k, n in enumerate(peaks)))
             waits = None if args.smoke else wait_by_stage(
-                records, final.topology.stages, final.train, final.restarts,
+                records, final.topology.num_stages, final.train, final.restarts,
                 final.topology.replicas)
             if waits:
                 print_line("time blocked on links (neighbours, network, bubble): " + ", ".join(

@@ -85,7 +85,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
                 raise CommandError(str(exc)) from None
             say(f"{suite.spec.name}: {len(exp.runs)} run(s) queued, artifacts in {out}")
             await follow(runner, args.format)
-            run_dirs = {}
+            run_dirs: dict[str, Path] = {}
             for st in runner.states:
                 sc = next(s for s in suite.scenarios
                           if st.run_name_base() == s.spec.artifacts.dir)

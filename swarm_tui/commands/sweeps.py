@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 from swarm_core.client import SwarmClient
 from swarm_core.config.profiles import (
@@ -28,6 +29,7 @@ from swarm_core.experiments.report import (
     write_report,
 )
 from swarm_core.experiments.runner import TERMINAL, Experiment, ExperimentError
+from swarm_core.experiments.summary import MetricsSummary, summary_json
 from swarm_core.schema import structure, unstructure
 from swarm_core.tracking import (
     TRACKING_EXTRA,
@@ -136,7 +138,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         runner = holder.get("runner")
         open_jobs = [st.job_id for st in runner.states
                      if st.job_id and st.state not in TERMINAL] if runner else []
-        if open_jobs and sys.stdin.isatty():
+        if open_jobs and runner is not None and sys.stdin.isatty():
             answer = input(f"\ncancel the {len(open_jobs)} run(s) this sweep queued? [y/N] ")
             if answer.strip().lower() in ("y", "yes"):
                 cancelled = asyncio.run(_cancel(url, token, runner))
@@ -155,18 +157,21 @@ async def _cancel(url: str, token: str | None, runner: Experiment) -> list[str]:
 
 
 def _report(runner: Experiment, fmt: str) -> None:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for st in runner.states:
-        summary = {}
+        s = MetricsSummary()
         if (st.run_dir / "metrics_summary.json").exists():  # (not yet, for a queued run)
             try:
-                summary = read_summary(st.run_dir)
+                s = read_summary(st.run_dir)
             except ReportError as exc:
                 warn(str(exc))
         rows.append({"run_id": st.run_id, "job_id": st.job_id, "state": st.state,
-                     "run_dir": str(st.run_dir), **{k: summary.get(k) for k in (
-                         "final_loss", "eval_loss", "tokens_per_s", "wire_bytes_per_step",
-                         "sync_bytes_per_step", "compression_ratio", "thresholds_met")}})
+                     "run_dir": str(st.run_dir), "final_loss": s.final_loss,
+                     "eval_loss": s.eval_loss, "tokens_per_s": s.tokens_per_s,
+                     "wire_bytes_per_step": s.wire_bytes_per_step,
+                     "sync_bytes_per_step": s.sync_bytes_per_step,
+                     "compression_ratio": s.compression_ratio,
+                     "thresholds_met": s.thresholds_met})
     if fmt == "json":
         emit_json({"runs": rows})
         return
@@ -237,8 +242,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         if tb_root is not None or args.mlflow_uri:
             tracking = Tracking(tensorboard=tb_root is not None, mlflow_uri=args.mlflow_uri)
             for r in runs:
-                done = convert_run(r.run_dir, read_records(r.run_dir), r.summary, tracking,
-                                   tb_root)
+                done = convert_run(r.run_dir, read_records(r.run_dir),
+                                   summary_json(r.summary), tracking, tb_root)
                 converted.append(str(done) if done is not None else str(r.run_dir))
     except ReportError as exc:
         raise CommandError(str(exc)) from None
@@ -248,7 +253,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise CommandError(f"--tensorboard: cannot write {exc.filename or tb_root}: "
                            f"{exc.strerror or exc}") from None
     if args.format == "json":
-        emit_json({"runs": [{"run_dir": str(r.run_dir), **r.summary} for r in runs],
+        emit_json({"runs": [{"run_dir": str(r.run_dir), **summary_json(r.summary)}
+                            for r in runs],
                    "skipped": [{"run_dir": str(d), "error": why} for d, why in unreadable],
                    "output": args.output, "tensorboard": args.tensorboard,
                    "converted": converted})

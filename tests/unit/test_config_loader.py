@@ -291,3 +291,76 @@ def test_config_docs_are_current():
 
     assert (REPO / "docs" / "configs.md").read_text() == render(), \
         "docs/configs.md is stale: run 'python -m swarm_core.config.docs'"
+
+
+def _cluster(layout: Any, cluster: dict[str, Any]) -> Any:
+    tmp, exp = layout
+    _write(tmp, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
+                                    "cluster_profile": cluster})
+    return load_experiment(exp(sweep={"replicas": [1, 2]}))
+
+
+def test_cluster_profile_takes_the_grid_as_topology_and_suites_say_it(layout):
+    """``{stages, replicas}`` (a job's topology, a suite's grid) is the ``{fellows, replicas}``
+    it multiplies out to: the same runs, named alike, asking for the same jobs."""
+    def shape(r: Any) -> list[Any]:
+        return [(x.run_name, x.stages, x.replicas, x.fellows, x.job("x").topology)
+                for x in r.runs]
+
+    grid = shape(_cluster(layout, {"stages": 2, "replicas": 2}))
+    assert grid == shape(_cluster(layout, {"fellows": 4, "replicas": 2}))
+    assert grid == shape(_cluster(layout, {"fellows": 4, "stages": 2, "replicas": 2}))
+    assert [g[1:4] for g in grid] == [(2, 1, 2), (2, 2, 4)]
+    # (stages alone: one replica of each)
+    assert shape(_cluster(layout, {"stages": 2})) == shape(_cluster(layout, {"fellows": 2}))
+    # The forms of before keep their meaning, the default included.
+    assert [x.fellows for x in _cluster(layout, {"fellows": 2}).runs] == [2, 4]
+    assert [x.fellows for x in _cluster(layout, {"fellows": 4, "replicas": 2}).runs] == [2, 4]
+    assert [x.fellows for x in _cluster(layout, {}).runs] == [2, 4]
+
+
+def test_a_job_from_a_profile_of_stages_keeps_them(tmp_path):
+    """``swarm submit --training`` and the console launcher: the profile's grid reaches the
+    job, and --replicas alone keeps the stages a profile names (its fellows, where it names
+    those, as before)."""
+    from swarm_core.config.profiles import job_topology, load_job_cluster, load_job_training
+    from swarm_core.contract import Topology
+    from swarm_core.schema import structure
+
+    def topology(cluster: dict[str, Any], **flags: Any) -> tuple[int, int, int]:
+        path = _write(tmp_path, "t.json", {"steps": 3, "cluster_profile": cluster})
+        assert load_job_training(path)[1] == load_job_cluster(path).num_fellows
+        topo = structure(job_topology(load_job_cluster(path), **flags), Topology)
+        return topo.num_stages, topo.replicas, topo.num_fellows
+
+    assert topology({"stages": 2, "replicas": 2}) == topology({"fellows": 4, "replicas": 2}) \
+        == (2, 2, 4)
+    assert topology({"stages": 2, "replicas": 2}, replicas=3) == (2, 3, 6)
+    assert topology({"fellows": 4, "replicas": 2}, replicas=4) == (1, 4, 4)
+    assert topology({"stages": 2, "replicas": 2}, fellows=6) == (3, 2, 6)
+    assert topology({"stages": 2, "replicas": 2}, stages=3) == (3, 2, 6)
+    assert topology({"fellows": 4}, stages=2, replicas=2) == (2, 2, 4)
+
+
+@pytest.mark.parametrize("cluster, message, field", [
+    ({"fellows": 3, "stages": 2, "replicas": 2},
+     "fellows 3 contradicts stages 2 x replicas 2 (4 fellows): give fellows or stages, not both",
+     "$.cluster_profile.stages"),
+    ({"fellows": 2, "stages": 1}, "fellows 2 contradicts stages 1 x replicas 1 (1 fellows)",
+     "$.cluster_profile.stages"),
+    ({"stages": 0}, "must be 1-1024, got 0", "$.cluster_profile.stages"),
+    ({"stages": 2, "replicas": 512}, "must be 1-256, got 512", "$.cluster_profile.replicas"),
+    ({"stages": 600, "replicas": 2}, "stages 600 x replicas 2 is 1200 fellows, more than 1024",
+     "$.cluster_profile.replicas"),
+    ({"stages": "2"}, "expected an integer, got a string", "$.cluster_profile.stages"),
+    # What the leader would refuse is named at the field the profile gave.
+    ({"stages": 5}, "5 stages for 2 layers", "$.cluster_profile.stages"),
+])
+def test_a_bad_cluster_grid_is_one_line_naming_its_fields(layout, cluster, message, field):
+    tmp, exp = layout
+    _write(tmp, "training/t.json", {"cluster_profile": cluster})
+    with pytest.raises(ConfigError) as exc:
+        load_experiment(exp())
+    err = exc.value
+    assert message in err.message and err.field == field
+    assert "\n" not in str(err) and str(err).startswith(str(tmp / "training" / "t.json"))

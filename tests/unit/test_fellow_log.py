@@ -127,6 +127,41 @@ async def test_post_log_own_session_only_then_continued_or_replaced(api):
     assert got["lines"] == ["anew"] and got["message"].startswith("fellow 0 is leaving: its last")
 
 
+async def test_the_leader_takes_a_posted_log_as_plain_lines_that_cannot_drive_a_terminal(api):
+    """Whatever a poster runs (not our ring: its own client), the leader holds and relays
+    printable lines only: an OSC 2 posted must not retitle the reader's terminal, a CSI not
+    clear it, and a line stays one line."""
+    a = await register(api, "a")
+    url = f"{A}/fellows/{a['fellow_id']}/log"
+    osc, csi, c1 = "\x1b]2;owned\x07", "\x1b[2J", "\x9b31m"
+    body = {"seq": 3, "lines": [f"{osc}title", f"{csi}clear{c1}red", "two\nlines\r\x00"]}
+    await expect_ok(await api.post(url, json=body, headers=a["headers"]))
+    more = {"seq": 5, "replace": False,
+            "lines": ["a\tb\x7f", "\t" + "x" * 511]}  # (512 characters: as long as allowed)
+    await expect_ok(await api.post(url, json=more, headers=a["headers"]))
+    got = await expect_ok(await api.get(url, headers=AUTH))
+    assert got["lines"] == [" ]2;owned title", " [2Jclear 31mred", "two lines  ",
+                            "a       b ", " " * 8 + "x" * (MAX_LINE_CHARS - 9) + "…"]
+    assert got["seq"] == 5
+
+
+def test_the_console_shows_a_local_fellows_log_file_as_plain_lines(swarm_home):
+    """The log view's other source, a local-cluster fellow's own log file, holds whatever
+    its process wrote: cleaned as a posted line is."""
+    from swarm_core import local_cluster
+    from swarm_core.local_cluster import ClusterRecord, ProcessEntry
+    from swarm_tui.app.screens.record import local_log
+
+    log = swarm_home / "f0.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_bytes(b"\x1b]2;owned\x07title\r\nstep\t1\x1b[2J\n")
+    local_cluster._write(ClusterRecord(
+        leader_url="http://127.0.0.1:9", state_dir="/nowhere",
+        leader=ProcessEntry(1, "leader", "l.log"), fellows=[ProcessEntry(2, "f0", str(log))],
+        started_at=1.0))
+    assert local_log("f0", "http://127.0.0.1:9") == (str(log), " ]2;owned title\nstep    1 [2J")
+
+
 @pytest.mark.usefixtures("no_engine")
 async def test_a_fellow_daemon_ships_its_log_when_asked(tmp_path, caplog):
     from tests.tui_support import Fellows

@@ -64,3 +64,24 @@ def test_a_field_added_to_the_record_is_written(monkeypatch):
     fields = runner._progress_fields()
     assert fields[-1] == "new_figure"
     assert fields[:-1] == PROGRESS_FIELDS
+
+
+def test_metric_names_are_the_record_fields_and_spelled_nowhere_else():
+    """One spelling of a step's figures (``MetricName``, read off ProgressRecord): the run
+    log, the trackers and the leader's series take the names from it, so a module that reads
+    a line by name cannot drift from the record that writes it."""
+    import re
+
+    from swarm_core.contract.metrics import MetricName
+    from tests.support import REPO
+
+    names = {k: v for k, v in vars(MetricName).items() if k.isupper()}
+    assert sorted(names.values()) == sorted(f.name for f in attrs.fields(ProgressRecord))
+    assert all(k == v.upper() for k, v in names.items())
+    # The figures a step's line keys by stage were written as text in two modules before.
+    by_stage = ("activation_peak_bytes", "codec_error", "wait_seconds", "stage_seconds")
+    for rel in ("swarm_core/experiments/runner.py", "swarm_core/tracking/names.py",
+                "swarm_core/leader/progress.py"):
+        text = (REPO / rel).read_text()
+        spelled = [n for n in by_stage if re.search(rf"[\"']{n}[\"']", text)]
+        assert not spelled, f"{rel} spells {spelled}: use MetricName"

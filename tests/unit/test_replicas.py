@@ -115,7 +115,7 @@ def test_each_replica_sends_what_a_ring_all_reduce_must(data, compression, bytes
 
 
 def test_gradients_go_in_buckets_from_the_last_layer_back():
-    from swarm_core.pipeline.sync import buckets_of
+    from swarm_core.pipeline.syncs.dp import buckets_of
 
     mib = 1 << 20
     # 1 MiB first (as DDP), then up to the cap; from the last parameter back; none split.

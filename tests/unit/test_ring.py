@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from swarm_core.config.schemas import SyncConfig
-from swarm_core.pipeline import codecs, sync
+from swarm_core.pipeline import codecs
+from swarm_core.pipeline import ring as sync
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.links import LinkShaper
-from swarm_core.pipeline.sync import GradientAverage, Ring
+from swarm_core.pipeline.ring import Ring
+from swarm_core.pipeline.syncs.dp import GradientAverage
 from swarm_core.pipeline.transport import PeerLink
 
 

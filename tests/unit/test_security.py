@@ -39,6 +39,28 @@ def test_state_dir_and_token_file_are_private(tmp_path):
     assert len((state / "token").read_text().strip()) >= 32
 
 
+def test_an_existing_state_dir_keeps_its_mode_and_one_others_can_write_is_refused(tmp_path):
+    """A leader made in-process (tests, the console's own) checks as the CLI does: an
+    existing directory is never chmodded (as root, /tmp once became 0700)."""
+    from swarm_core.leader import LeaderConfig, create_app
+    from swarm_core.paths import UnsafeDir
+
+    mine, shared = tmp_path / "mine", tmp_path / "shared"
+    mine.mkdir(mode=0o750)
+    shared.mkdir()
+    os.chmod(mine, 0o750)
+    os.chmod(shared, 0o1777)
+    create_app(LeaderConfig(state_dir=mine))
+    assert stat.S_IMODE(os.stat(mine).st_mode) == 0o750 and (mine / "token").is_file()
+    with pytest.raises(UnsafeDir, match=r"shared is writable by its group and others "
+                                        r"\(mode 1777\)"):
+        create_app(LeaderConfig(state_dir=shared))
+    assert stat.S_IMODE(os.stat(shared).st_mode) == 0o1777 and not any(shared.iterdir())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UnsafeDir, match="file is not a directory"):
+        create_app(LeaderConfig(state_dir=tmp_path / "file"))
+
+
 def test_a_made_token_never_reads_as_an_option(tmp_path, monkeypatch):
     """One random token in 32 started with "-", and `swarm --token TOKEN ...` then failed
     with "--token: expected one argument" (a CI run of the ssh launch test drew one)."""

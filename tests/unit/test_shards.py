@@ -691,3 +691,78 @@ async def test_a_replicas_own_state_goes_beside_its_stage_checkpoint(aiohttp_cli
         assert [p.name for p in shards.iterdir()] == [f"stage-0-fellow-{other['fellow_id']}"]
     finally:
         await swarm.close()
+
+
+# --- the manifest, typed as it comes in ----------------------------------------------------------
+
+
+async def test_a_pushed_manifest_is_kept_as_it_came_and_read_as_its_class(leader):
+    """The leader structures a push's manifest once (ShardManifest) and reads that; the file it
+    keeps is the manifest as the fellow wrote it, byte for byte, keys it does not know
+    included, with only its own received_at added."""
+    from swarm_core import jsonio
+
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, _ = _shard(stage=0, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    manifest = {**manifest, "from_a_newer_fellow": {"kept": [1, 2.5, None]}}
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0", data=_form(manifest, weights),
+                             headers=f["headers"])
+    assert resp.status == 201, await resp.text()
+    receipt = await resp.json()
+    d = cfg.state_dir / "runs" / job["job_id"] / "model_export" / "shards" / \
+        f"stage-0-fellow-{f['fellow_id']}"
+    for kept in (d, cfg.state_dir / "runs" / job["job_id"] / "checkpoints" / "step-4" /
+                 "stage-0"):
+        raw = (kept / "shard_manifest.json").read_bytes()
+        stored = jsonio.loads(raw)
+        assert raw == jsonio.dumps({**manifest, "received_at": stored["received_at"]},
+                                   pretty=True)
+    assert receipt["received_at"] == stored["received_at"] and receipt["weights_bytes"] == \
+        len(weights) and receipt["config_fingerprint"] == manifest["config_fingerprint"]
+
+
+async def test_a_manifest_from_before_its_newer_fields_is_taken(leader):
+    """A fellow of an older version wrote no optimiser, replica or placement fields: they
+    take their defaults."""
+    client, fellows, job, _cfg = leader
+    f = _stage_fellow(job, fellows, 1)
+    manifest, weights, _ = _shard(stage=1, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    for key in ("format", "fellow_name", "slot", "device", "has_embedding", "has_head",
+                "training", "weights_bytes", "optimizer_sha256", "optimizer_bytes", "replica",
+                "replica_states", "created_at"):
+        del manifest[key]
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/1", data=_form(manifest, weights),
+                             headers=f["headers"])
+    assert resp.status == 201, await resp.text()
+    assert (await resp.json())["optimizer_bytes"] is None
+
+
+@pytest.mark.parametrize("change, field, message", [
+    ({"job_id": None}, "manifest.job_id", "expected a string, got null"),
+    ({"step": -1}, "manifest.step", "must be >= 0, got -1"),
+    ({"step": "4"}, "manifest.step", "expected an integer, got a string"),
+    ({"layers": {"start": 1, "stop": 0}}, "manifest.layers.stop", "0 is before start 1"),
+    ({"params": ["w"]}, "manifest.params", "expected an object, got a list"),
+    ({"optimizer_bytes": -5}, "manifest.optimizer_bytes", "must be a byte count"),
+    ({"replica_states": [0]}, "manifest.replica_states", "must list other replicas"),
+    ({"replica": 1}, "manifest.replica", "must be an integer from 0 to 0"),
+    ({"weights_sha256": None}, "manifest.optimizer_sha256",
+     "expected a string, got null (no weights_sha256: read as a replica's own optimiser "
+     "state)"),
+    ({"fellow_id": 99}, "manifest.fellow_id", "manifest fellow_id is 99, expected"),
+])
+async def test_a_bad_manifest_is_a_400_naming_its_field(leader, change, field, message):
+    client, fellows, job, cfg = leader
+    f = _stage_fellow(job, fellows, 0)
+    manifest, weights, _ = _shard(stage=0, fellow_id=f["fellow_id"], job_id=job["job_id"])
+    resp = await client.post(f"{A}/jobs/{job['job_id']}/shards/0",
+                             data=_form({**manifest, **change}, weights), headers=f["headers"])
+    assert resp.status == 400, await resp.text()
+    err = (await resp.json())["error"]
+    assert err["field"] == field and message in err["message"], err
+    assert "\n" not in err["message"]
+    runs = cfg.state_dir / "runs" / job["job_id"]
+    assert not list(runs.rglob("shard_manifest.json")) and not list(runs.rglob("*.npz"))
+    view = await (await client.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+    assert view["latest_shard_pushes"] == {}

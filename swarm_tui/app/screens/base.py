@@ -23,6 +23,7 @@ class SwarmScreen(Screen[None]):
 
     @property
     def swarm(self) -> SwarmApp:
+        # textual types .app as the base App; this console only ever runs in a SwarmApp.
         return self.app  # type: ignore[return-value]
 
     def on_mount(self) -> None:

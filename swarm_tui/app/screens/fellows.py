@@ -16,6 +16,7 @@ from swarm_tui.app.cells import (
     FELLOW_GRID_COLUMNS,
     SORTABLE_FELLOW_COLUMNS,
     STATUS_STYLE,
+    Cell,
     fellow_age_cell,
     fellow_cells,
     fellow_haystack,
@@ -78,7 +79,7 @@ class FellowsScreen(SwarmScreen):
     def table(self) -> LiveTable:
         return self.query_one(LiveTable)
 
-    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+    def _cells(self, key: str) -> dict[str, Cell]:
         st = self.swarm.model.fellows[int(key)]
         return fellow_cells(self.swarm.model, st, st.fellow_id in self.marked)
 

@@ -16,6 +16,7 @@ from swarm_core.validators import printable
 from swarm_tui.app.cells import (
     JOB_COLUMNS,
     JOB_STATE_STYLE,
+    Cell,
     job_age_cell,
     job_cells,
     job_haystack,
@@ -62,7 +63,7 @@ class JobsScreen(SwarmScreen):
     def table(self) -> LiveTable:
         return self.query_one(LiveTable)
 
-    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+    def _cells(self, key: str) -> dict[str, Cell]:
         return job_cells(self.swarm.model, self.swarm.model.jobs[key])
 
     def _haystack(self, key: str) -> str:
@@ -237,7 +238,7 @@ class JobWatchScreen(SwarmScreen):
     def view(self) -> JobView | None:
         return self.swarm.model.jobs.get(self.job_id)
 
-    def _cells(self, key: str):  # type: ignore[no-untyped-def]
+    def _cells(self, key: str) -> dict[str, Cell]:
         view = self.view
         assert view is not None
         return watch_cells(self.swarm.model, view, int(key))

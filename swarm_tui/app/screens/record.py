@@ -15,7 +15,9 @@ from textual.widgets import Static
 from swarm_core import jsonio
 from swarm_core.client import ClientError
 from swarm_core.contract import FellowLog
+from swarm_core.contract.fellow_log import MAX_LINE_CHARS
 from swarm_core.schema import unstructure
+from swarm_core.validators import log_line
 from swarm_tui.app.model import Change
 from swarm_tui.app.screens.base import SwarmScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
@@ -185,5 +187,6 @@ def local_log(name: str, leader_url: str) -> tuple[str, str] | None:
             data = f.read()
     except OSError:
         return None
-    lines = data.decode(errors="replace").splitlines()
+    # (the file holds whatever the fellow's process wrote: shown, never obeyed by the terminal)
+    lines = [log_line(ln, MAX_LINE_CHARS) for ln in data.decode(errors="replace").splitlines()]
     return entry.log, "\n".join(lines[-LOG_LINES:])

@@ -1,0 +1,124 @@
+"""The field's methods by public name: the number formats a wire codes tensors in, the
+compression specs of a stage boundary, and the algorithms that keep a stage group's replicas
+one model.
+
+Torch-free: the leader validates specs and plans bytes with these tables on a login node. Each
+entry names its torch implementation by ``module:attribute``, imported only where a stage runs
+(see ``load``). Adding a method is its one implementation file, one entry here and its tests;
+``docs/architecture.md`` walks through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import attrs
+
+MAX_BLOCK = 65535  # a frame header's codec_arg (a block size) is a u16
+
+
+@attrs.frozen
+class Element:
+    """How numbers cross a wire: a cast (fp16), or codes with one float32 scale per row or per
+    block of B consecutive elements of a row (int8, fp8). ``wire_id`` is the frame header's
+    codec byte: public, never reused."""
+
+    name: str
+    wire_id: int
+    bits: int  # per element, scales apart
+    scaled: bool  # float32 scales before the codes: one per row, or per ``_bB`` block
+    summary: str
+    impl: str = ""  # "module:attribute" of an ElementCodec (the built-in casts have none)
+
+    def payload_size(self, shape: tuple[int, ...], block: int = 0) -> int:
+        """Bytes of a ``shape`` tensor's payload (``block``: the scale block, 0 a row)."""
+        n = 1
+        for d in shape:
+            n *= d
+        if not self.scaled:
+            return n * self.bits // 8
+        groups = n // (block or shape[-1]) if shape and shape[-1] else 1
+        return groups * 4 + n * self.bits // 8
+
+
+ELEMENTS: dict[str, Element] = {e.name: e for e in (
+    Element("fp32", 1, 32, False, "float32, exact"),
+    Element("fp16", 2, 16, False, "float16 cast"),
+    Element("bf16", 3, 16, False, "bfloat16 cast"),
+    Element("int8", 4, 8, True, "symmetric absmax int8: codes = round(127 x / max abs x)"),
+    Element("fp8", 5, 8, True, "float8 e4m3 (torch.float8_e4m3fn), absmax-scaled to its "
+            "largest finite value 448", "swarm_core.pipeline.codec_fp8:Fp8"),
+)}
+SCALED = tuple(e.name for e in ELEMENTS.values() if e.scaled)
+BY_WIRE_ID: dict[int, Element] = {e.wire_id: e for e in ELEMENTS.values()}
+
+
+@attrs.frozen
+class BoundaryForm:
+    """One grammar of a boundary's compression spec, as the docs table shows it."""
+
+    grammar: str
+    summary: str
+    # "module:attribute" of its Boundary (pipeline/boundary.py: the modules either side, a
+    # codec per side and direction, stateful or not); empty: the default, stateless one.
+    impl: str = ""
+
+
+_SCALED_NAMES = "|".join(SCALED)
+# K and B are at most six digits: no int() of a thousand-digit string from an API body.
+BOUNDARY_PATTERN = re.compile(
+    rf"(?:fixed|learned_dim([0-9]{{1,6}}))(?:_({_SCALED_NAMES})(?:_b([0-9]{{1,6}}))?)?")
+BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
+    BoundaryForm("none", "the hidden state crosses in the model's `wire_dtype`"),
+    *(f for name in SCALED for f in (
+        BoundaryForm(f"fixed_{name}", f"{name} codes, one scale per row of the hidden state; "
+                     "straight-through backward, the gradient coded alike"),
+        BoundaryForm(f"fixed_{name}_bB", f"{name} codes, one scale per B consecutive elements "
+                     "of a row (B from 2, dividing `d_model`): an outlier costs its block"))),
+    BoundaryForm("learned_bottleneck", "a trained Linear+LayerNorm down to `bottleneck_dim` "
+                 "before the boundary and back up after it; the narrow code crosses"),
+    BoundaryForm("learned_dimK", "`learned_bottleneck` of width K (1..`d_model`)"),
+    *(f for name in SCALED for f in (
+        BoundaryForm(f"learned_dimK_{name}", f"the width-K code in {name}, one scale per row"),
+        BoundaryForm(f"learned_dimK_{name}_bB", f"the width-K code in {name}, one scale per "
+                     "B elements (B dividing K)"))),
+)
+
+
+def sync_compressions() -> tuple[str, ...]:
+    """``sync.compression``'s forms: ``none`` (fp32), a cast, or a scaled code (``_bB``)."""
+    return ("none", *(e.name for e in ELEMENTS.values() if not e.scaled and e.name != "fp32"),
+            *(f for name in SCALED for f in (name, f"{name}_bB")))
+
+
+SYNC_PATTERN = re.compile(rf"({_SCALED_NAMES})(?:_b([0-9]{{1,6}}))?")
+
+
+@attrs.frozen
+class SyncMethod:
+    """An algorithm that keeps a stage group's replicas one model (``sync.mode``)."""
+
+    name: str
+    # The replicas train apart between syncs (an outer step every ``inner_steps``): they
+    # hold one set of weights, and so can checkpoint, only right after one.
+    periodic: bool
+    impl: str  # "module:attribute" of its GroupSync factory (see pipeline/syncs)
+    summary: str
+
+
+SYNC_METHODS: dict[str, SyncMethod] = {m.name: m for m in (
+    SyncMethod("dp", False, "swarm_core.pipeline.syncs.dp:build",
+               "data parallel: every step the gradients' mean over the group, in buckets "
+               "that go out while the backward runs (DDP's overlap)"),
+    SyncMethod("diloco", True, "swarm_core.pipeline.syncs.diloco:build",
+               "DiLoCo (arXiv 2311.08105): `inner_steps` steps alone, then the mean change "
+               "through an outer Nesterov SGD; `overlap_steps` overlaps it (Streaming DiLoCo)"),
+)}
+
+
+def load(impl: str) -> Any:
+    """The implementation an entry names (``module:attribute``), imported now."""
+    module, _, attr = impl.partition(":")
+    return getattr(importlib.import_module(module), attr)

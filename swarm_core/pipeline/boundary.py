@@ -1,0 +1,106 @@
+"""What a compression spec puts at each stage boundary, as objects: the trainable modules on
+either side (a learned bottleneck's halves) and a codec for each side of each direction.
+
+A :class:`BoundaryCodec` codes what one stage sends on one direction of one link, or decodes
+what it receives there, and may keep state per micro-batch slot (the frame's micro-batch
+number): a fixed basis, error feedback, a per-sample reference. The sender's and the
+receiver's state then move in lockstep, since every slot's frames cross in order. The
+stateless codecs (``WireCodec``: casts, int8, fp8) are one object for every side and slot.
+
+A spec's :class:`Boundary` is found through ``config.methods.BOUNDARY_FORMS`` (its ``impl``;
+the default is this module's :class:`Boundary`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from swarm_core.config import methods
+from swarm_core.config.schemas import ModelConfig
+from swarm_core.pipeline.codecs import WireCodec
+from swarm_core.pipeline.frames import Kind
+
+
+class BoundaryCodec(Protocol):
+    """One side of one direction of a boundary (see the module's docstring)."""
+
+    @property
+    def wire(self) -> WireCodec:
+        """What its frames' headers say (codec byte and block), and the format's bytes."""
+        ...
+
+    def encode(self, x: torch.Tensor, slot: int = 0) -> list[memoryview]:
+        """``x`` as the buffers of a frame for micro-batch ``slot``."""
+        ...
+
+    def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
+               device: torch.device | None = None, slot: int = 0) -> torch.Tensor:
+        """A float32 tensor of ``shape`` from a frame for micro-batch ``slot``."""
+        ...
+
+
+class Boundary:
+    """The default: a learned bottleneck's halves where the spec names a width, and the
+    model's stateless wire codec both ways."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.width = cfg.compression_spec.bottleneck_dim
+        self.format = WireCodec.of(cfg)
+
+    def sender_module(self) -> nn.Module | None:
+        """What the stage before the boundary runs last (trained with it)."""
+        from swarm_core.pipeline.model import BottleneckDown
+
+        return None if self.width is None else BottleneckDown(self.cfg, self.width)
+
+    def receiver_module(self) -> nn.Module | None:
+        """What the stage after the boundary runs first (trained with it)."""
+        from swarm_core.pipeline.model import BottleneckUp
+
+        return None if self.width is None else BottleneckUp(self.cfg, self.width)
+
+    def codec(self, kind: Kind, sending: bool) -> BoundaryCodec:
+        """The codec of one side (``sending`` or receiving) of ``kind``'s direction (ACT
+        forward, GRAD backward). Each call of a stateful boundary's gives an object of its
+        own."""
+        return self.format
+
+    @property
+    def exact(self) -> bool:
+        """What crosses is what was sent (the single-process model then skips the codec)."""
+        return self.format.exact
+
+    def simulator(self) -> BoundarySimulator:
+        """The boundary in one process (the reference model), forward and backward."""
+        return BoundarySimulator(self)
+
+
+class BoundarySimulator:
+    """One boundary's wire in one process: each direction's sending and receiving sides,
+    coded and decoded in turn, as the pipeline's two stages do."""
+
+    def __init__(self, boundary: Boundary) -> None:
+        self.sides = {kind: (boundary.codec(kind, True), boundary.codec(kind, False))
+                      for kind in (Kind.ACT, Kind.GRAD)}
+
+    def roundtrip(self, kind: Kind, x: torch.Tensor, slot: int) -> torch.Tensor:
+        send, recv = self.sides[kind]
+        if send is recv and isinstance(send, WireCodec):  # (stateless: no bytes needed)
+            return send.roundtrip(x)
+        payload = bytearray().join(send.encode(x.detach(), slot))
+        return recv.decode(payload, tuple(x.shape), x.device, slot)
+
+
+def make_boundary(cfg: ModelConfig) -> Boundary:
+    """The boundary a model's compression spec names (its registered ``impl``, else the
+    default)."""
+    grammar = cfg.compression_spec.form
+    impl = next((f.impl for f in methods.BOUNDARY_FORMS if f.grammar == grammar and f.impl), "")
+    if not impl:
+        return Boundary(cfg)
+    made: Boundary = methods.load(impl)(cfg)
+    return made

@@ -1,0 +1,218 @@
+"""``sync.mode: diloco``: DiLoCo's outer step (arXiv 2311.08105), optionally overlapped with
+the inner steps after it (Streaming DiLoCo, arXiv 2501.18512).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from swarm_core.config.schemas import SyncConfig, TrainingConfig
+from swarm_core.pipeline.codecs import WireCodec
+from swarm_core.pipeline.optim import OUTER_FIELD
+from swarm_core.pipeline.ring import LINK_FAULTS, Ring, RingBroken, confirm_bytes
+from swarm_core.pipeline.syncs.base import GroupSync, Synced
+from swarm_core.pipeline.transport import PeerLink
+
+
+class OuterStep(GroupSync):
+    """DiLoCo (``sync.mode: diloco``, arXiv 2311.08105): each replica takes ``inner_steps``
+    optimiser steps alone; then the group averages the pseudo-gradient (the weights at the last
+    sync minus the weights now), an outer SGD with Nesterov momentum applies it to the weights
+    at the last sync, and every replica goes on from the result. The inner optimiser's state
+    stays each replica's own. The last step of a run syncs too, so the run ends on one set of
+    weights.
+
+    With ``overlap_steps`` d > 0 the average crosses while the replicas train on (as Streaming
+    DiLoCo overlaps its outer step, arXiv 2501.18512): the ring runs on a thread of its own
+    from the outer step's step s, and after step s + d each replica takes the outer step's
+    result plus what it has trained since s (its drift), so no inner step is lost and the
+    next pseudo-gradient, taken from the new anchor, holds that drift. An outer step where
+    the run must hold one set of weights (``hold``: the last step, a checkpoint's) blocks as
+    with d = 0."""
+
+    own_state = True  # (each replica's AdamW moments are its own)
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring, cfg: SyncConfig,
+                 steps: int) -> None:
+        self.params, self.ring, self.cfg, self.steps = list(params), ring, cfg, steps
+        self.overlap_steps = cfg.overlap_steps
+        lr, momentum = cfg.outer_lr, cfg.outer_momentum
+        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+        # (momentum 0 is plain SGD on the mean change: with lr 1, weight averaging)
+        self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum,
+                                   nesterov=momentum > 0)
+        self._deltas: list[torch.Tensor] = []  # this member's own change, until committed
+        self._sent: list[torch.Tensor] = []  # overlapped: the weights the change was taken at
+        self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
+        # The overlapped outer step in flight: its step, and whether its result is still to
+        # be taken from the ring's thread (False once that broke: it is done again inline).
+        self.pending: int | None = None
+        self._on_thread = False
+        self._jobs: queue.SimpleQueue[tuple[int, float, float] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[int, float, float] | BaseException] = \
+            queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+
+    @property
+    def max_payload(self) -> int:
+        return self.ring.max_payload
+
+    def expected_bytes(self) -> int:
+        return self.ring.expected_bytes() + confirm_bytes(self.ring.replicas)
+
+    def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
+               replicas: int) -> None:
+        self.ring.rewire(send, recv, rank, replicas)
+
+    @property
+    def in_flight(self) -> int | None:
+        return self.pending
+
+    def collect_due(self, step: int, last: bool) -> bool:
+        """Whether the overlapped outer step in flight is taken after step ``step``."""
+        return self.pending is not None and (step >= self.pending + self.overlap_steps or last)
+
+    @torch.no_grad()
+    def collect(self, step: int, last: bool, timeout: float) -> Synced:
+        """After step ``step``: the overlapped outer step in flight, once ``overlap_steps``
+        steps have passed since it began (or at the run's last step), waited for and
+        applied. On a broken ring (RingBroken, of the outer step's own step) nothing has
+        changed: it can be done again over a new ring, or :meth:`commit` what this member
+        holds."""
+        if not self.collect_due(step, last):
+            return None
+        assert self.pending is not None
+        t0 = time.perf_counter()
+        if self._on_thread:
+            self._on_thread = False
+            got = self._done.get()
+            if isinstance(got, BaseException):
+                raise got
+        else:  # (the ring broke and the group chose to do it again: here, over the new ring)
+            got = self._reduce_confirm(self.pending, timeout, self.word)
+        sent, _seconds, self.heard = got
+        self.commit()
+        return sent, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def after_step(self, step: int, last: bool, timeout: float, hold: bool = False) -> Synced:
+        """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
+        at the end; overlapped with the steps after it unless ``hold`` or the last. On a
+        broken ring (RingBroken) nothing has changed: the weights and the anchor are as
+        before, so the outer step can be done again over a new ring, or :meth:`commit` what
+        this member already holds."""
+        if not (last or self.cfg.syncs_after(step + 1, self.steps)):
+            return None
+        assert self.pending is None, "an outer step began with the last still in flight"
+        self._deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
+                                                                strict=True)]
+        # (a group left with one member overlaps too: its outer step lands where the
+        # group's would, so the algorithm does not change with the members left)
+        if self.overlap_steps and not (hold or last):
+            self.pending, self._on_thread = step, True
+            # (kept, not rebuilt as anchor - change at the end: the drift is then exactly
+            # what the replica trained meanwhile, with no rounding of the weights it left)
+            self._sent = [p.detach().clone() for p in self.params]
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="outer-all-reduce",
+                                                daemon=True)
+                self._worker.start()
+            self._jobs.put((step, timeout, self.word))
+            return None
+        sent, seconds, self.heard = self._reduce_confirm(step, timeout, self.word)
+        self.commit()
+        return sent, seconds
+
+    def _reduce_confirm(self, step: int, timeout: float,
+                        word: float) -> tuple[int, float, float]:
+        try:
+            sent, seconds = self.ring.reduce_(step, timeout, self._deltas)
+        except LINK_FAULTS as exc:
+            raise RingBroken(step, False, exc) from None
+        try:
+            more, wait, heard = self.ring.confirm(step, timeout, word)
+        except LINK_FAULTS as exc:
+            raise RingBroken(step, True, exc) from None
+        return sent + more, seconds + wait, heard
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._done.put(self._reduce_confirm(*job))
+            except BaseException as exc:  # (handed to the stage's thread, raised there)
+                self._done.put(exc)
+
+    def momentum(self) -> list[torch.Tensor | None]:
+        """The outer SGD's momentum buffer of each parameter (None before its first step)."""
+        return [self.opt.state.get(a, {}).get("momentum_buffer") for a in self.anchor]
+
+    @torch.no_grad()
+    def set_momentum(self, buffers: Sequence[torch.Tensor | None]) -> None:
+        """Install momentum buffers (a joiner's from its donor, a resume's from its
+        checkpoint); the anchor stays the weights the stage holds."""
+        for a, buf in zip(self.anchor, buffers, strict=True):
+            if buf is not None:
+                self.opt.state[a]["momentum_buffer"] = buf.detach().clone().to(a.device,
+                                                                               a.dtype)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """The outer step from the group's mean change, which this member holds. An
+        overlapped one keeps what the replica trained since it began: the weights become the
+        new anchor plus (the weights now - the weights the change was taken from)."""
+        drift = self.pending is not None  # (an overlapped one, its result taken late)
+        if drift:
+            for p, then in zip(self.params, self._sent, strict=True):
+                p.sub_(then)
+        self.ring.put_back(self._deltas)
+        for a, d in zip(self.anchor, self._deltas, strict=True):
+            a.grad = d
+        self.opt.step()
+        for p, a in zip(self.params, self.anchor, strict=True):
+            if drift:
+                p.add_(a)
+            else:
+                p.copy_(a)
+        self._deltas, self._sent, self.pending = [], [], None
+
+    def checkpoint_state(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """The outer momentum, as ``<parameter>.outer_momentum``."""
+        return {f"{name}.{OUTER_FIELD}": buf.detach().cpu().float().numpy().copy()
+                for name, buf in zip(names, self.momentum(), strict=True) if buf is not None}
+
+    def restore_state(self, names: Sequence[str], arrays: dict[str, np.ndarray]) -> None:
+        self.set_momentum([torch.from_numpy(np.array(arrays[n])) if n in arrays else None
+                           for n in names])
+
+    def handoff(self) -> dict[str, np.ndarray]:
+        """The anchor (the weights at the last outer step) and the outer momentum."""
+        out = {}
+        for i, (a, buf) in enumerate(zip(self.anchor, self.momentum(), strict=True)):
+            out[f"a.{i}"] = a.detach().cpu().numpy()
+            if buf is not None:
+                out[f"m.{i}"] = buf.detach().cpu().numpy()
+        return out
+
+    @torch.no_grad()
+    def take_handoff(self, arrays: dict[str, np.ndarray]) -> None:
+        for i, a in enumerate(self.anchor):
+            a.copy_(torch.from_numpy(arrays[f"a.{i}"]))
+        self.set_momentum([torch.from_numpy(arrays[f"m.{i}"]) if f"m.{i}" in arrays
+                           else None for i in range(len(self.anchor))])
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._jobs.put(None)
+
+
+def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
+          recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
+          device: torch.device) -> OuterStep:
+    ring = Ring([p.numel() for p in params], send, recv, rank, replicas, codec, device)
+    return OuterStep(params, ring, training.sync, training.steps)

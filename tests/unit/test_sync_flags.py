@@ -1,0 +1,67 @@
+"""``swarm submit``'s sync flags (--sync, --inner-steps, --overlap-steps, --sync-compression):
+structured once, over the training profile's sync, into a SyncConfig; a bad value is one usage
+line that names the flag it came from. (Submitting them to a leader: test_cli_grid.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from swarm_core.config.schemas import SyncConfig
+from swarm_tui.cli import run
+from swarm_tui.commands.base import CommandError, ExitCode
+from swarm_tui.commands.jobs import _sync_config
+
+MODEL = {"name": "m", "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
+
+
+def _flags(**given: object) -> argparse.Namespace:
+    values = {"sync": None, "inner_steps": None, "overlap_steps": None,
+              "sync_compression": None}
+    return argparse.Namespace(**{**values, **given})
+
+
+def test_the_flags_are_one_sync_config_over_the_profiles() -> None:
+    profile = {"steps": 8, "sync": {"mode": "diloco", "inner_steps": 10, "outer_lr": 0.3}}
+    sync = _sync_config(_flags(inner_steps=4, overlap_steps=2, sync_compression="int8"),
+                        profile)
+    assert sync == SyncConfig(mode="diloco", inner_steps=4, overlap_steps=2,
+                              compression="int8", outer_lr=0.3)  # (its outer_lr kept)
+    assert _sync_config(_flags(), profile) is None  # no flag: the profile's, untouched
+    assert _sync_config(_flags(sync="dp"), {}) == SyncConfig(mode="dp")
+
+
+@pytest.mark.parametrize(("given", "profile", "says"), [
+    ({"sync_compression": "int4"}, {},
+     "--sync-compression int4: $.training.sync.compression: unknown sync compression 'int4'"),
+    ({"inner_steps": 0}, {}, "--inner-steps 0: $.training.sync.inner_steps: "),
+    ({"sync": "diloco", "inner_steps": 4, "overlap_steps": 4}, {},
+     "--overlap-steps 4: $.training.sync.overlap_steps: must be below inner_steps (4)"),
+    # A field of the profile's that the flags no longer fit: the flags given are named.
+    ({"inner_steps": 3}, {"sync": {"mode": "diloco", "inner_steps": 10, "overlap_steps": 5}},
+     "--inner-steps 3 over the training profile's sync: $.training.sync.overlap_steps: must "
+     "be below inner_steps (3)"),
+])
+def test_a_bad_flag_is_a_usage_error_naming_it(given: dict[str, object],
+                                                profile: dict[str, object], says: str) -> None:
+    with pytest.raises(CommandError) as info:
+        _sync_config(_flags(**given), profile)
+    assert str(info.value).startswith(says) and "\n" not in str(info.value)
+    assert info.value.code == ExitCode.USAGE
+
+
+def test_swarm_submit_says_which_flag_is_wrong_in_one_line_and_submits_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps(MODEL))
+    # (no leader at this address: the flags are refused before any is asked)
+    code = run(["--leader-url", "http://127.0.0.1:9", "submit", "--model", str(model),
+                "--replicas", "2", "--sync", "diloco", "--sync-compression", "int4"])
+    assert code == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "swarm: --sync-compression int4: $.training.sync.compression: unknown sync "
+        "compression 'int4'")
