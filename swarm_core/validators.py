@@ -96,6 +96,20 @@ def bounded(lo: float, hi: float):
     return check
 
 
+# The most steps a job trains (TrainingConfig.steps' bound; a smoke job's is lower): a step a
+# fellow names is within it, so what the leader works out from one (the step after it, the
+# step a regroup takes effect) stays an int64 it can store and read back. A regroup's steps
+# and a pushed shard's the leader also holds to the job's own.
+MAX_STEPS = 10_000_000
+step_number = bounded(0, MAX_STEPS)
+
+# A byte count one cell reports for a step or a run, or one file of a shard. 16 TiB is past
+# any link this field studies and any shard it pushes, and the sum over the largest grid
+# (1024 fellows x 64 slots) stays inside the int64 that SQLite and orjson hold: a report can
+# never make a job unstorable.
+MAX_BYTES = 2**44
+
+
 MAX_JSON_DEPTH = 64  # orjson writes at most 255 levels; stored jobs and signals nest a few more
 
 

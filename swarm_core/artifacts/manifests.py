@@ -14,6 +14,7 @@ import attrs
 
 from swarm_core.config.schemas import ModelConfig
 from swarm_core.schema import FieldError, SchemaError, checking, structure
+from swarm_core.validators import MAX_BYTES, MAX_STEPS
 
 
 def _at_least(lo: int) -> Callable[[Any, attrs.Attribute, int], None]:
@@ -35,8 +36,15 @@ class LayerRange:
 
 
 def _byte_count(_inst: Any, attr: attrs.Attribute, value: int | None) -> None:
-    if value is not None and value < 0:
-        raise FieldError(f"must be a byte count (>= 0) or null, got {value}", attr.name)
+    if value is not None and not 0 <= value <= MAX_BYTES:
+        raise FieldError(f"must be a byte count (0 to 2**44) or null, got {value}", attr.name)
+
+
+def _no_later_than_any_job(_inst: Any, attr: attrs.Attribute, value: int) -> None:
+    # (the leader then holds a pushed one to its job's own steps)
+    if value > MAX_STEPS:
+        raise FieldError(f"must be at most {MAX_STEPS} (no job trains longer), got {value}",
+                         attr.name)
 
 
 @attrs.define
@@ -50,7 +58,7 @@ class ShardManifest:
     stage: int = attrs.field(validator=_at_least(0))
     num_stages: int = attrs.field(validator=_at_least(1))
     fellow_id: int
-    step: int = attrs.field(validator=_at_least(0))
+    step: int = attrs.field(validator=[_at_least(0), _no_later_than_any_job])
     config_fingerprint: str
     layers: LayerRange
     model: dict[str, Any]
@@ -103,7 +111,7 @@ class ReplicaStateManifest:
     stage: int = attrs.field(validator=_at_least(0))
     fellow_id: int
     replica: int = attrs.field(validator=_at_least(0))
-    step: int = attrs.field(validator=_at_least(0))
+    step: int = attrs.field(validator=[_at_least(0), _no_later_than_any_job])
     optimizer_sha256: str
     optimizer_bytes: int | None = attrs.field(default=None, validator=_byte_count)
     config_fingerprint: str | None = None

@@ -31,6 +31,12 @@ class Element:
     scaled: bool  # float32 scales before the codes: one per row, or per ``_bB`` block
     summary: str
     impl: str = ""  # "module:attribute" of an ElementCodec (the built-in casts have none)
+    # A boundary's codes too, or the replicas' sync alone: 4 bits without error feedback or a
+    # rotation lose too much of an activation (the rotated low-bit boundary is its own method).
+    boundary: bool = True
+    # Only with a block (``_bB``): one scale for a whole row (a ring's lane is one row of up to
+    # 4 MiB) leaves 16 integer levels for every gradient in it.
+    needs_block: bool = False
 
     def payload_size(self, shape: tuple[int, ...], block: int = 0) -> int:
         """Bytes of a ``shape`` tensor's payload (``block``: the scale block, 0 a row)."""
@@ -40,7 +46,7 @@ class Element:
         if not self.scaled:
             return n * self.bits // 8
         groups = n // (block or shape[-1]) if shape and shape[-1] else 1
-        return groups * 4 + n * self.bits // 8
+        return groups * 4 + (n * self.bits + 7) // 8  # (4-bit codes: two a byte)
 
 
 ELEMENTS: dict[str, Element] = {e.name: e for e in (
@@ -50,6 +56,10 @@ ELEMENTS: dict[str, Element] = {e.name: e for e in (
     Element("int8", 4, 8, True, "symmetric absmax int8: codes = round(127 x / max abs x)"),
     Element("fp8", 5, 8, True, "float8 e4m3 (torch.float8_e4m3fn), absmax-scaled to its "
             "largest finite value 448", "swarm_core.pipeline.codec_fp8:Fp8"),
+    Element("int4", 6, 4, True, "symmetric absmax 4-bit integers (-7..7), two a byte; sync only",
+            "swarm_core.pipeline.codec_int4:Int4", boundary=False, needs_block=True),
+    Element("fp4", 7, 4, True, "float4 e2m1 (the MX FP4 element: 0, 0.5 ... 6), absmax-scaled "
+            "to 6, two a byte; sync only", "swarm_core.pipeline.codec_fp4:Fp4", boundary=False),
 )}
 SCALED = tuple(e.name for e in ELEMENTS.values() if e.scaled)
 BY_WIRE_ID: dict[int, Element] = {e.wire_id: e for e in ELEMENTS.values()}
@@ -66,13 +76,15 @@ class BoundaryForm:
     impl: str = ""
 
 
+ON_BOUNDARY = tuple(e.name for e in ELEMENTS.values() if e.scaled and e.boundary)
+_BOUNDARY_NAMES = "|".join(ON_BOUNDARY)
 _SCALED_NAMES = "|".join(SCALED)
 # K and B are at most six digits: no int() of a thousand-digit string from an API body.
 BOUNDARY_PATTERN = re.compile(
-    rf"(?:fixed|learned_dim([0-9]{{1,6}}))(?:_({_SCALED_NAMES})(?:_b([0-9]{{1,6}}))?)?")
+    rf"(?:fixed|learned_dim([0-9]{{1,6}}))(?:_({_BOUNDARY_NAMES})(?:_b([0-9]{{1,6}}))?)?")
 BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
     BoundaryForm("none", "the hidden state crosses in the model's `wire_dtype`"),
-    *(f for name in SCALED for f in (
+    *(f for name in ON_BOUNDARY for f in (
         BoundaryForm(f"fixed_{name}", f"{name} codes, one scale per row of the hidden state; "
                      "straight-through backward, the gradient coded alike"),
         BoundaryForm(f"fixed_{name}_bB", f"{name} codes, one scale per B consecutive elements "
@@ -80,7 +92,7 @@ BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
     BoundaryForm("learned_bottleneck", "a trained Linear+LayerNorm down to `bottleneck_dim` "
                  "before the boundary and back up after it; the narrow code crosses"),
     BoundaryForm("learned_dimK", "`learned_bottleneck` of width K (1..`d_model`)"),
-    *(f for name in SCALED for f in (
+    *(f for name in ON_BOUNDARY for f in (
         BoundaryForm(f"learned_dimK_{name}", f"the width-K code in {name}, one scale per row"),
         BoundaryForm(f"learned_dimK_{name}_bB", f"the width-K code in {name}, one scale per "
                      "B elements (B dividing K)"))),
@@ -90,10 +102,20 @@ BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
 def sync_compressions() -> tuple[str, ...]:
     """``sync.compression``'s forms: ``none`` (fp32), a cast, or a scaled code (``_bB``)."""
     return ("none", *(e.name for e in ELEMENTS.values() if not e.scaled and e.name != "fp32"),
-            *(f for name in SCALED for f in (name, f"{name}_bB")))
+            *(f for name in SCALED for f in (
+                (f"{name}_bB",) if ELEMENTS[name].needs_block else (name, f"{name}_bB"))))
 
 
-SYNC_PATTERN = re.compile(rf"({_SCALED_NAMES})(?:_b([0-9]{{1,6}}))?")
+_SYNC_PATTERN = re.compile(rf"({_SCALED_NAMES})(?:_b([0-9]{{1,6}}))?")
+
+
+def scaled_sync_form(spec: str) -> tuple[str, str | None] | None:
+    """A scaled sync compression's (element, block digits or None), None if ``spec`` is not
+    one (a cast, ``none``, or a form its element does not take)."""
+    m = _SYNC_PATTERN.fullmatch(spec)
+    if m is None or (m.group(2) is None and ELEMENTS[m.group(1)].needs_block):
+        return None
+    return m.group(1), m.group(2)
 
 
 @attrs.frozen

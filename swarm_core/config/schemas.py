@@ -14,7 +14,7 @@ from swarm_core.config.methods import (
     BOUNDARY_PATTERN,
     MAX_BLOCK,
     SYNC_METHODS,
-    SYNC_PATTERN,
+    scaled_sync_form,
     sync_compressions,
 )
 from swarm_core.protocol import LinkLimits
@@ -141,14 +141,12 @@ class SyncConfig:
             raise FieldError(f"must be below inner_steps ({self.inner_steps}): the outer step's "
                              f"average has to land before the next one, got "
                              f"{self.overlap_steps}", "overlap_steps")
-        m = SYNC_PATTERN.fullmatch(self.compression)
+        m = scaled_sync_form(self.compression)
         if self.compression not in SYNC_CODECS and m is None:
             raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
                              f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
-        if m is not None and m.group(2) is not None \
-                and not 2 <= int(m.group(2)) <= MAX_BLOCK:
-            raise FieldError(f"{m.group(1)} block {m.group(2)} must be 2..{MAX_BLOCK}",
-                             "compression")
+        if m is not None and m[1] is not None and not 2 <= int(m[1]) <= MAX_BLOCK:
+            raise FieldError(f"{m[0]} block {m[1]} must be 2..{MAX_BLOCK}", "compression")
 
     # The cadence: one rule for the stage, the leader's membership and the checkpoints.
     @property
@@ -195,9 +193,9 @@ class SyncConfig:
     @property
     def codec(self) -> tuple[str, int]:
         """The wire codec's name (fp32 for none) and its scale block (0: one per row)."""
-        m = SYNC_PATTERN.fullmatch(self.compression)
+        m = scaled_sync_form(self.compression)
         if m is not None:
-            return m.group(1), int(m.group(2) or 0)
+            return m[0], int(m[1] or 0)
         return ("fp32" if self.compression == "none" else self.compression), 0
 
 

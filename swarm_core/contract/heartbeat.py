@@ -7,7 +7,7 @@ import attrs
 
 from swarm_core.contract.metrics import JobStatusUpdate
 from swarm_core.protocol import ByteCounters, LinkLimits, ReportedStatus
-from swarm_core.validators import max_items, meta, non_negative, text_field
+from swarm_core.validators import MAX_STEPS, max_items, meta, non_negative, step_number, text_field
 
 MAX_CELLS = 64  # one per device slot
 MAX_UNREPORTED = 4
@@ -22,7 +22,7 @@ class Heartbeat:
                                           metadata=meta("", maxLength=128))
     current_stage: int | None = None
     current_step: int = attrs.field(
-        default=0, validator=non_negative, metadata=meta("", minimum=0)
+        default=0, validator=step_number, metadata=meta("", minimum=0, maximum=MAX_STEPS)
     )
     last_loss: float | None = None
     tokens_per_s: float = attrs.field(

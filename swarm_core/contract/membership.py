@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 import attrs
 
 from swarm_core.contract.placement import Placement
-from swarm_core.validators import meta, non_negative
+from swarm_core.validators import MAX_STEPS, bounded, meta, non_negative, step_number
 
 
 @attrs.define
@@ -40,11 +40,13 @@ class RegroupReport:
                                metadata=meta("the START's attempt", minimum=0))
     epoch: int = attrs.field(default=0, validator=non_negative,
                              metadata=meta("the membership the cell trained in", minimum=0))
-    op_step: int = attrs.field(default=0, validator=non_negative,
+    op_step: int = attrs.field(default=0, validator=step_number,
                                metadata=meta("the step of the synchronisation that broke "
-                                             "(0-based)", minimum=0))
-    synced_step: int = attrs.field(default=-1, metadata=meta(
-        "the step of the last synchronisation the cell committed; -1: none this attempt"))
+                                             "(0-based; below the job's steps)", minimum=0,
+                                             maximum=MAX_STEPS))
+    synced_step: int = attrs.field(default=-1, validator=bounded(-1, MAX_STEPS), metadata=meta(
+        "the step of the last synchronisation the cell committed; -1: none this attempt",
+        minimum=-1, maximum=MAX_STEPS))
     finished: bool = attrs.field(default=False, metadata=meta(
         "whether the cell had its result of the broken synchronisation, unconfirmed"))
     closed_by: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(

@@ -14,7 +14,15 @@ import attrs
 
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.schema import FieldError, sparse
-from swarm_core.validators import bounded, meta, non_negative, text_field
+from swarm_core.validators import MAX_BYTES as MAX_BYTES
+from swarm_core.validators import (
+    MAX_STEPS,
+    bounded,
+    meta,
+    non_negative,
+    step_number,
+    text_field,
+)
 
 ReportedJobState = Literal["RUNNING", "COMPLETED", "FAILED"]
 
@@ -41,12 +49,6 @@ class CodecErrors:
         """The finite figures only (a diverged step's NaN is no codec error), or None."""
         kept = CodecErrors(_finite(self.act), _finite(self.grad))
         return None if kept.act is None and kept.grad is None else kept
-
-
-# A byte count one cell reports for a step or a run. 16 TiB is past any link this field
-# studies, and the sum over the largest grid (1024 fellows x 64 slots) stays inside the int64
-# that SQLite and orjson hold: a report can never make a job unstorable.
-MAX_BYTES = 2**44
 
 
 def _count(doc: str = "") -> Any:
@@ -79,7 +81,7 @@ class StageMetrics:
     eval_loss: float | None = None
     perplexity: float | None = _amount()
     # the whole run (COMPLETED)
-    steps: int | None = _amount()
+    steps: int | None = attrs.field(default=None, validator=step_number, metadata=meta(""))
     wall_s: float | None = _amount()
     tokens_per_s: float | None = _amount()
     wire_tx_bytes_per_step: float | None = _amount()
@@ -93,7 +95,7 @@ class StageMetrics:
     shard_dir: str | None = attrs.field(default=None, validator=text_field(4096))
     # added by the leader: who reported it, and the step of the cell's newest report
     fellow_id: int | None = _amount()
-    step: int | None = _amount()
+    step: int | None = attrs.field(default=None, validator=step_number, metadata=meta(""))
 
     def merged(self, newer: StageMetrics) -> StageMetrics:
         """These figures with ``newer``'s where it has them."""
@@ -281,7 +283,8 @@ class JobStatusUpdate:
 
     fellow_id: int = attrs.field(validator=non_negative, metadata=meta("", minimum=0))
     state: ReportedJobState
-    step: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
+    step: int = attrs.field(default=0, validator=step_number, metadata=meta(
+        "the step the cell reached (1-based)", minimum=0, maximum=MAX_STEPS))
     loss: float | None = None
     tokens_per_s: float | None = attrs.field(default=None, validator=non_negative)
     message: str = attrs.field(default="", metadata=meta("", maxLength=4096))

@@ -322,8 +322,10 @@ class FellowDaemon:
                     raise SessionLost() from None
                 log.warning("heartbeat refused: %s", exc)
                 # Answered: what it carried was read (a report the leader refuses must not
-                # keep every later heartbeat from being taken).
-                self._delivered(body.unreported)
+                # keep every later heartbeat from being taken), unless the leader could not
+                # store it (503): then the next heartbeat carries it again.
+                if exc.status != 503:
+                    self._delivered(body.unreported)
                 wait = self.opts.heartbeat_s
             except LeaderUnreachable as exc:
                 log.warning("heartbeat failed (%s); retrying in %.1fs", exc, backoff)
@@ -452,9 +454,12 @@ class FellowDaemon:
             except ApiError as exc:
                 if exc.status == 409:
                     raise asyncio.CancelledError() from None
-                if exc.status != 401 or loop.time() > deadline or self._stop.is_set():
+                # 401: registering again; 503: the leader could not store it (a full disk)
+                # and changed nothing: the same report is taken once it can.
+                again = exc.status in (401, 503)
+                if not again or loop.time() > deadline or self._stop.is_set():
                     log.warning("status report refused: %s", exc)
-                    if exc.status == 401:
+                    if again:
                         self._keep_final(job_id, upd)
                     return
             except LeaderUnreachable as exc:
@@ -493,7 +498,7 @@ class FellowDaemon:
                                              optimizer)
                 return
             except (LeaderUnreachable, ApiError) as exc:
-                retry = isinstance(exc, LeaderUnreachable) or exc.status == 401
+                retry = isinstance(exc, LeaderUnreachable) or exc.status in (401, 503)
                 if not retry or loop.time() > deadline or self._stop.is_set():
                     # The shard is on this fellow's disk either way.
                     log.warning("shard push for %s stage %d failed: %s", job, stage, exc)

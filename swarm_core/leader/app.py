@@ -23,7 +23,7 @@ from swarm_core.leader.queue import JobQueue
 from swarm_core.leader.registry import FellowRegistry
 from swarm_core.leader.routes import add_routes
 from swarm_core.leader.state import LeaderState
-from swarm_core.leader.store import Store, StoreError
+from swarm_core.leader.store import Store, StoreError, StoreWriteError
 from swarm_core.paths import ensure_private_dir
 
 log = logging.getLogger("swarm.leader")
@@ -61,6 +61,12 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG_KEY]
     st = app[STATE_KEY]
 
+    def flush(telemetry: bool = False) -> None:
+        try:
+            st.flush(telemetry)
+        except StoreWriteError as exc:  # (the records stay dirty for the next flush)
+            st.jobs.not_stored("fellow records", exc)
+
     async def tick() -> None:
         last_status: dict[int, str] = {}
         last_flush = last_telemetry = 0.0
@@ -77,11 +83,11 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
                 st.jobs.dispatch()
                 now = loop.time()
                 if now - last_telemetry >= cfg.telemetry_flush_s:
-                    st.flush(telemetry=True)
                     last_flush = last_telemetry = now
+                    flush(telemetry=True)
                 elif now - last_flush >= cfg.flush_s:
-                    st.flush()
                     last_flush = now
+                    flush()
             except Exception:
                 log.exception("leader tick failed")
 

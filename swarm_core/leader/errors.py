@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from swarm_core import jsonio
+from swarm_core.leader.store import StoreWriteError
 from swarm_core.schema import SchemaError
 
 log = logging.getLogger("swarm.leader")
@@ -59,6 +60,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(exc.status, exc.code, exc.message, exc.field)
     except SchemaError as exc:
         return error_response(400, "invalid_body", exc.message, exc.field)
+    except StoreWriteError as exc:
+        # Nothing of the change stayed (leader/undo.py): a transient cause (a full disk) is
+        # worth the caller's retry, and a fellow retries a 503.
+        log.error("%s %s: %s", request.method, request.path, exc)
+        if exc.transient:
+            return error_response(503, "not_stored", "the leader could not store this and "
+                                  f"changed nothing ({exc}); try again")
+        return error_response(500, "not_stored", "the leader could not store this and "
+                              f"changed nothing ({exc})")
     except web.HTTPRequestEntityTooLarge:
         limit = request.client_max_size
         return error_response(413, "body_too_large",

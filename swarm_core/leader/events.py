@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import Iterator
 
 import attrs
 
@@ -55,6 +56,20 @@ class EventHub:
         self._subs: set[Subscriber] = set()
         self.seq = 0
         self._recent: collections.deque[Event] = collections.deque(maxlen=RECENT)
+        self._held: list[EventData] | None = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Events published in the block go out when it ends, none if it raises: a change
+        the store refused is not announced (``leader/undo.py``)."""
+        held: list[EventData] = []
+        outer, self._held = self._held, held
+        try:
+            yield
+        finally:
+            self._held = outer
+        for data in held:
+            self.publish(data)  # (into the outer block's, when nested)
 
     def recent(self, after: int = 0, types: frozenset[str] | None = None,
                job_id: str | None = None) -> list[Event]:
@@ -75,6 +90,9 @@ class EventHub:
         return len(self._subs)
 
     def publish(self, data: EventData) -> None:
+        if self._held is not None:
+            self._held.append(data)
+            return
         self.seq += 1
         event = Event(data, self.seq, time.time())
         self._recent.append(event)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
@@ -41,6 +42,14 @@ if TYPE_CHECKING:
     from swarm_core.leader.queue import JobQueue
 
 Cell = tuple[int, int]  # (stage, replica)
+V = TypeVar("V")
+
+
+def _put(table: dict[str, V], key: str, value: V | None) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
 
 
 @attrs.define
@@ -86,6 +95,16 @@ class Answers:
     orders: dict[Cell, RegroupOrder] = attrs.field(factory=dict)
 
 
+def _check_steps(job: JobRecord, rep: RegroupReport) -> None:
+    """A report's steps are steps of the job (0-based): the change recorded from them is a
+    step of it, which the leader can store and a curve can be read against."""
+    steps = job.spec.training.steps if job.spec.training is not None else 0
+    for name, value, lo in (("op_step", rep.op_step, 0), ("synced_step", rep.synced_step, -1)):
+        if not lo <= value < steps:
+            raise ApiError(400, f"{name} must be a step of the job ({lo} to {steps - 1}), "
+                                f"got {value}", field=f"$.{name}")
+
+
 class Membership:
     def __init__(self, queue: JobQueue) -> None:
         self.queue = queue
@@ -108,6 +127,46 @@ class Membership:
             return rnd.members
         return list(range(job.placement.replicas)) if job.members is None else job.members
 
+    def left(self, job: JobRecord, replica: int) -> bool:
+        """Whether the replica is out of the job: a decided regroup dropped it, or a spare's
+        join as it was called off, and no spare is joining as it now. What its cells still
+        send comes too late: taken, a replica that no longer trains would put its loss, its
+        step or its export over the survivors'."""
+        if not self.replicated(job) or replica in self.members(job):
+            return False
+        joining = self.joining.get(job.job_id)
+        if joining is not None and joining.replica == replica:
+            return False
+        # A replica leaves with its cells counted done (_leave). Spares placed as one whose
+        # join a restarted leader no longer knows of (it is not stored) have them open: their
+        # word is not refused here.
+        assert job.placement is not None
+        return all(job.placement.index(s, replica) in job.done_stages
+                   for s in range(job.num_stages))
+
+    def as_now(self, job_id: str) -> Callable[[], None]:
+        """A function that puts the job's regroup state back as it is now (a change the store
+        refused, see ``leader/undo.py``)."""
+        rnd = self.rounds.get(job_id)
+        rnd = None if rnd is None else attrs.evolve(
+            rnd, reports=dict(rnd.reports), lost=dict(rnd.lost), ordered=set(rnd.ordered),
+            members=None if rnd.members is None else list(rnd.members), before=list(rnd.before))
+        answers = self.answers.get(job_id)
+        answers = None if answers is None else Answers(answers.epoch, dict(answers.orders))
+        joining = self.joining.get(job_id)
+        failed = self.failed.get(job_id)
+        failed = None if failed is None else set(failed)
+
+        def undo() -> None:
+            if rnd is not None and rnd.decided.is_set():
+                rnd.decided = asyncio.Event()  # (whoever it woke asks again)
+            _put(self.rounds, job_id, rnd)
+            _put(self.answers, job_id, answers)
+            _put(self.joining, job_id, joining)
+            _put(self.failed, job_id, failed)
+
+        return undo
+
     # what cells say ----------------------------------------------------------------------------
     def report(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
         """Take a survivor's report; its order once the round is decided (None: not yet)."""
@@ -120,6 +179,7 @@ class Membership:
         if rep.attempt != job.attempt:
             raise ApiError(409, f"attempt {rep.attempt} of {job.job_id} was replaced",
                            code="job_not_running")
+        _check_steps(job, rep)
         order = self.answer(job, rep)
         if order is not None:
             return order  # (it asked again: its answer was lost)

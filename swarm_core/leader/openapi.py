@@ -31,6 +31,7 @@ _STATUS_TEXT = {
     400: "Bad request (for /events: not a WebSocket upgrade)", 401: "Missing or wrong token",
     403: "Wrong fellow", 404: "Not found", 409: "Conflict with current state",
     413: "Body too large", 415: "Not JSON",
+    503: "Not stored (the state dir's disk is full): nothing changed; try again",
 }
 
 

@@ -16,7 +16,7 @@ from swarm_core.contract import JobStatusUpdate, MembershipChange, ProgressRecor
 from swarm_core.contract.job import export_complete, in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL, REPLICA_COMBINE, MetricName
 from swarm_core.leader.records import JobRecord
-from swarm_core.leader.store import Store
+from swarm_core.leader.store import Store, StoreWriteError
 from swarm_core.paths import atomic_write
 from swarm_core.schema import structure, unstructure
 
@@ -161,8 +161,13 @@ class RunFiles:
     def write(self, job: JobRecord, name: str, data: Any) -> None:
         if self.runs_dir is None:
             return
-        atomic_write(self.runs_dir / job.job_id / name,
-                     jsonio.dumps(unstructure(data), pretty=True))
+        try:
+            atomic_write(self.runs_dir / job.job_id / name,
+                         jsonio.dumps(unstructure(data), pretty=True))
+        except OSError as exc:
+            # On the state dir's disk, as the store: refused as a write of it is (undo.py).
+            raise StoreWriteError(f"runs/{job.job_id}/{name}: {exc.strerror or exc}",
+                                  transient=True) from exc
 
     def placement(self, job: JobRecord) -> None:
         self.write(job, "placement_plan.json", job.placement)

@@ -7,11 +7,13 @@ files in :mod:`swarm_core.leader.progress`. This module owns a job's state chang
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import logging
 import secrets
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,8 @@ from swarm_core.leader.progress import ProgressBook, RunFiles
 from swarm_core.leader.reconcile import Reconciler
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
-from swarm_core.leader.store import Store
+from swarm_core.leader.store import Store, StoreWriteError
+from swarm_core.leader.undo import kept
 from swarm_core.protocol import JobState, LinkLimits
 from swarm_core.schema import SchemaError, unstructure
 from swarm_core.validators import printable
@@ -118,6 +121,7 @@ class JobQueue:
         self._finished: dict[str, JobRecord] = {}
         self._finished_count: collections.Counter[JobState] = collections.Counter()
         self._order: QueueOrder | None = None  # built on demand, dropped when the queue moves
+        self._unstored: dict[tuple[str, str], float] = {}  # (see not_stored)
         for row in store.load_jobs():
             try:
                 job = JobRecord.from_row(row)
@@ -256,6 +260,18 @@ class JobQueue:
         return job.placement is not None and bool(job.placement.replicas_held(fellow_id, stage))
 
     # mutations --------------------------------------------------------------------------------
+    def kept(self, job: JobRecord, fellows: Iterable[FellowRecord] | None = None
+             ) -> contextlib.AbstractContextManager[None]:
+        """A change of ``job`` that stays only if the store takes it (see ``leader/undo.py``);
+        ``fellows`` whose assignment and signals it may change (default: the job's)."""
+        if fellows is None:
+            fellows = [r for fid in dict.fromkeys(job.fellows)
+                       if (r := self.registry.find(fid)) is not None]
+        return kept(self, job, fellows)
+
+    def forget_order(self) -> None:
+        self._order = None
+
     def submit(self, spec: JobSubmit) -> JobRecord:
         train = spec.train
         if train is not None:
@@ -279,7 +295,8 @@ class JobQueue:
         if job.state.terminal:
             raise ApiError(409, f"job {job_id} is already {job.state.value}",
                            code="job_finished")
-        self.finish(job, JobState.CANCELLED, "cancelled by request")
+        with self.kept(job):
+            self.finish(job, JobState.CANCELLED, "cancelled by request")
         return job
 
     def status_update(self, job_id: str, fellow: FellowRecord, upd: JobStatusUpdate) -> JobRecord:
@@ -302,8 +319,20 @@ class JobQueue:
                            code="job_not_running")
         if upd.attempt != job.attempt or job.recovering is not None:
             return job  # from before a restart, or while recovering: nothing to learn
+        if self.membership.left(job, replica):
+            raise ApiError(409, f"replica {replica} has left {job_id}: its stage {stage}'s "
+                                "report comes too late", code="replica_left",
+                           field="$.replica")
+        with self.kept(job):
+            self._take(job, fellow, stage, replica, upd)
+        return job
+
+    def _take(self, job: JobRecord, fellow: FellowRecord, stage: int, replica: int,
+              upd: JobStatusUpdate) -> None:
+        """A cell's report, checked: its step, figures and (a final one) its end."""
+        assert job.placement is not None
         job.active_at = time.monotonic()
-        joining = self.membership.joining.get(job_id)
+        joining = self.membership.joining.get(job.job_id)
         if joining is not None and replica == joining.replica and upd.step > 0:
             self.membership.joined(job, upd.step)  # (its first step with the group)
         job.last_step = max(job.last_step, upd.step)
@@ -314,7 +343,7 @@ class JobQueue:
                 and job.kind == "train":
             self.progress.record(job, stage, replica, upd)
         self.hub.publish(MetricReport(
-            job_id=job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,
+            job_id=job.job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,
             loss=upd.loss, tokens_per_s=upd.tokens_per_s, state=upd.state, metrics=upd.metrics,
             replica=replica if job.placement.replicas > 1 else None))
         if upd.state == "FAILED":
@@ -323,7 +352,6 @@ class JobQueue:
             self._completed(job, stage, replica, fellow, upd)
         else:
             self.save(job, quiet=True)
-        return job
 
     def _failed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                 upd: JobStatusUpdate) -> None:
@@ -375,47 +403,81 @@ class JobQueue:
         able = [f for f in self.registry.ready() if len(f.devices) >= topo.slots_per_fellow]
         if len(able) < topo.num_fellows:
             return None
+        try:
+            with self.kept(job, able):
+                self._start(job, able[:topo.num_fellows])
+        except StoreWriteError as exc:
+            self.not_stored(f"job {job.job_id} not started", exc)  # (the tick tries again)
+            return None
+        return job
+
+    def _start(self, job: JobRecord, fellows: list[FellowRecord]) -> None:
+        """Place the job on ``fellows`` and send their STARTs (or fail it, if it cannot be)."""
+        topo = job.spec.topology
         stages = topo.num_stages
         train = job.spec.train
         try:
             # Neighbouring stages share a fellow where they can: its slots fill first.
             placement = plan([FellowSlots(f.fellow_id, f.name, list(f.devices), f.data_addr,
-                                          list(f.data_addrs)) for f in able[:topo.num_fellows]],
+                                          list(f.data_addrs)) for f in fellows],
                              stages, job.spec.model.n_layers if job.spec.model else stages,
                              train.stage_weights if train else None,
                              slots_per_fellow=topo.slots_per_fellow, replicas=topo.replicas)
         except PlacementError as exc:
             self.finish(job, JobState.FAILED, f"placement failed: {exc}")
-            return job
+            return
         missing = [s.fellow_id for s in placement.stages if not s.data_addr]
         if train is not None and missing:
             self.finish(job, JobState.FAILED,
                         f"fellow(s) {missing} registered without a data-plane address")
-            return job
+            return
         try:
             starts = self.starts(job, placement, attempt=job.attempt, resume_step=0)
         except ValueError as exc:
             self.finish(job, JobState.FAILED, f"cannot start: {exc}")
-            return job
+            return
         job.state = JobState.RUNNING
-        del self._pending[job.job_id]
-        self._running[job.job_id] = job
-        self._order = None
         job.started_at = time.time()
         job.placement = placement
         job.data_key, job.resume_step = starts[0].key, 0
-        self.liveness.watch(job)
         self.files.placement(job)
-        self.send(job, starts)
+        # Stored before the queue moves and the STARTs go: a write refused leaves only the
+        # record to put back (see kept).
         self.save(job)
+        del self._pending[job.job_id]
+        self._running[job.job_id] = job
+        self._order = None
+        self.liveness.watch(job)
+        self.send(job, starts)
         self.event(job, "job.started")
-        return job
 
     def check_liveness(self) -> None:
-        self.liveness.check()
+        job = self.running()
+        if job is None:
+            return
+        try:
+            # (every fellow: a recovery or a join may start spares outside the job)
+            with self.kept(job, self.registry.all()):
+                self.liveness.check()
+        except StoreWriteError as exc:
+            self.not_stored(f"job {job.job_id}: what its fellows' state calls for", exc)
+
+    def not_stored(self, what: str, exc: StoreWriteError) -> None:
+        """Name a change a tick could not store (it tries again at the next tick): once a
+        minute while the cause stays, not four times a second."""
+        now = time.monotonic()
+        key = (what, str(exc))
+        if self._unstored.get(key, -60.0) + 60.0 <= now:
+            self._unstored[key] = now
+            log.error("%s: %s (tried again)", what, exc)
 
     def fellow_replaced(self, rec: FellowRecord) -> None:
-        self.liveness.fellow_replaced(rec)
+        job = self.running()
+        if job is None:
+            self.liveness.fellow_replaced(rec)
+            return
+        with self.kept(job, self.registry.all()):
+            self.liveness.fellow_replaced(rec)
 
     @staticmethod
     def shard_receipt(stage: int, fellow: FellowRecord, manifest: PushedManifest
@@ -433,9 +495,10 @@ class JobQueue:
     def shard_pushed(self, job: JobRecord, stage: int, fellow: FellowRecord,
                      manifest: ShardManifest) -> ShardReceipt:
         receipt = self.shard_receipt(stage, fellow, manifest)
-        job.latest_shard_pushes[str(stage)] = receipt
-        self.save(job, quiet=True)
-        self.hub.publish(JobShard(job.job_id, receipt))
+        with self.kept(job):
+            job.latest_shard_pushes[str(stage)] = receipt
+            self.save(job, quiet=True)
+            self.hub.publish(JobShard(job.job_id, receipt))
         return receipt
 
     def link_set(self, fellow: FellowRecord, link: LinkLimits) -> str | None:
@@ -445,15 +508,18 @@ class JobQueue:
         job = self.find(fellow.assigned_job)
         if job is None or job.state is not JobState.RUNNING:
             return None
-        job.link_changes_total = link_changes_in_all(job.link_changes, job.link_changes_total) + 1
-        job.link_changes.append(LinkChange(at_step=job.last_step, fellow_id=fellow.fellow_id,
-                                           link=link, at=time.time()))
-        # A script setting speeds in a loop must not grow the record without end. The first
-        # change stays: it is the step from which the run left its network profile.
-        excess = len(job.link_changes) - MAX_LINK_CHANGES
-        if excess > 0:
-            del job.link_changes[1:1 + excess]
-        self.save(job, quiet=True)
+        with self.kept(job, ()):
+            job.link_changes_total = link_changes_in_all(job.link_changes,
+                                                         job.link_changes_total) + 1
+            job.link_changes.append(LinkChange(at_step=job.last_step,
+                                               fellow_id=fellow.fellow_id, link=link,
+                                               at=time.time()))
+            # A script setting speeds in a loop must not grow the record without end. The
+            # first change stays: it is the step from which the run left its network profile.
+            excess = len(job.link_changes) - MAX_LINK_CHANGES
+            if excess > 0:
+                del job.link_changes[1:1 + excess]
+            self.save(job, quiet=True)
         return job.job_id
 
     # what the liveness checks share -----------------------------------------------------------
@@ -492,27 +558,39 @@ class JobQueue:
                 self.registry.send(rec, "STOP", job.job_id, {"reason": reason})
 
     def finish(self, job: JobRecord, state: JobState, reason: str) -> None:
-        was_running = job.state is JobState.RUNNING
-        if job.state.terminal:  # (finished again: it moves to the end, counted once)
-            self._finished_count[job.state] -= 1
-            del self._finished[job.job_id]
+        """End ``job`` in ``state``; called inside a change that is ``kept``."""
+        was = job.state
         job.state, job.reason, job.finished_at = state, reason, time.time()
+        job.held, job.regroup = None, None
+        # Stored before the queue moves, STOPs go or files are written: a write the store
+        # refuses leaves only the record to put back (see kept), and the caller's retry
+        # finds the job as it was.
+        self.save(job)
+        if was.terminal:  # (finished again: it moves to the end, counted once)
+            self._finished_count[was] -= 1
+            del self._finished[job.job_id]
         self._pending.pop(job.job_id, None)
         self._running.pop(job.job_id, None)
         self._finished[job.job_id] = job
         self._finished_count[state] += 1
         self._order = None
-        job.held = None
         self.membership.forget(job)
-        if was_running:
+        if was is JobState.RUNNING:
             self.stop_fellows(job, reason)
-        self.save(job)
-        if job.kind == "train" and was_running:
+            if job.kind == "train":
+                self._final_files(job)
+        self.event(job, FINISHED_EVENTS[state])
+
+    def _final_files(self, job: JobRecord) -> None:
+        try:
             self.files.write(job, "job_final.json", self.info(job, with_history=True))
             if job.latest_shard_pushes:
                 self.files.write(job, f"model_export/{RUN_MANIFEST}",
                                  self.files.run_manifest(job))
-        self.event(job, FINISHED_EVENTS[state])
+        except StoreWriteError as exc:
+            # The outcome is stored (the record is what every reader goes by): a summary the
+            # disk has no room for is named, and the job's end stands.
+            log.error("job %s ended; its run files are not written: %s", job.job_id, exc)
 
     def save(self, job: JobRecord, quiet: bool = False) -> None:
         self.store.save_job(job.row())

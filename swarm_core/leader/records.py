@@ -169,6 +169,13 @@ class JobRecord:
             if row.get("recovering_reason") else None
         return cls(spec=spec, held=held, recovering=recovering, **fields)
 
+    def restore(self, row: dict[str, Any]) -> None:
+        """Put back the stored fields of ``row``, this job's own from before a change the
+        store refused (see ``leader/undo.py``)."""
+        was = JobRecord.from_row(row)
+        for name in _STORED:
+            setattr(self, name, getattr(was, name))
+
 
 # Stored otherwise (spec, held) or not at all (what one leader process keeps in memory).
 _NOT_AS_IS = ("spec", "held", "recovering", "watched_since", "active_at", "current",

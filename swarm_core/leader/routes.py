@@ -218,8 +218,8 @@ async def set_speed(request: web.Request) -> web.Response:
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
     limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms)
     link = unstructure(limits)
+    job_id = st.jobs.link_set(rec, limits)  # (first: a record the store refuses sends nothing)
     sig = st.registry.send(rec, "SET_SPEED", None, link)
-    job_id = st.jobs.link_set(rec, limits)
     st.hub.publish(SpeedSet(rec.fellow_id, job_id, limits))
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
                "job_id": job_id}, status=202)
@@ -381,7 +381,8 @@ async def regroup(request: web.Request) -> web.Response:
     st.registry.by_session(request.headers.get(SESSION_HEADER), rep.fellow_id)
     wait = _float_query(request, "wait", 0.0, MAX_POLL_S)
     job = st.jobs.get(request.match_info["job_id"])
-    order = st.jobs.membership.report(job, rep)
+    with st.jobs.kept(job):
+        order = st.jobs.membership.report(job, rep)
     if order is None and wait > 0:
         await st.jobs.membership.wait(job, wait)
         order = st.jobs.membership.answer(job, rep)
@@ -417,6 +418,12 @@ async def push_shard(request: web.Request) -> web.Response:
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job.job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
+        # A replica the survivors regrouped without: its late shard would take the stage's
+        # export back to older weights (and drop the newer shard of the member that leads).
+        if manifest is not None and st.jobs.membership.left(job, replica):
+            raise ApiError(409, f"replica {replica} has left {job.job_id}: its shard of stage "
+                                f"{stage} comes too late", code="replica_left",
+                           field="manifest.replica")
 
     def dest_for(m: PushedManifest) -> Path:
         if isinstance(m, ReplicaStateManifest):
@@ -440,8 +447,8 @@ async def push_shard(request: web.Request) -> web.Response:
 
 def _manifest_replica(job: Any, manifest: PushedManifest | None) -> int:
     """The replica a pushed manifest speaks for (0 where it names none), and the replicas
-    whose states it says go with it, checked against the job's grid (the manifest's class
-    checked the rest as it came in)."""
+    whose states it says go with it, checked against the job's grid, and its step against
+    the job's steps (the manifest's class checked the rest as it came in)."""
     if manifest is None:
         return 0
     replicas = job.spec.topology.replicas
@@ -452,6 +459,10 @@ def _manifest_replica(job: Any, manifest: PushedManifest | None) -> int:
                                                    for r in manifest.replica_states):
         raise ApiError(400, "manifest replica_states must list other replicas of the job, "
                             "each once", field="manifest.replica_states")
+    steps = job.spec.training.steps if job.spec.training is not None else 0
+    if manifest.step > steps:
+        raise ApiError(400, f"manifest step {manifest.step} is past the job's last ({steps})",
+                       field="manifest.step")
     return manifest.replica
 
 
@@ -607,7 +618,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/info", info, "Leader version, timeouts and counts", response=LeaderInfo),
     Route("GET", f"{A}/openapi.json", openapi, "This document"),
     Route("POST", f"{A}/fellows/register", register, "Register a fellow (same name, same id)",
-          body=RegisterRequest, response=RegisterResponse, errors=(400, 409, 413)),
+          body=RegisterRequest, response=RegisterResponse, errors=(400, 409, 413, 503)),
     Route("GET", f"{A}/fellows", list_fellows, "All fellows with live status",
           response=FellowList),
     Route("POST", f"{A}/fellows/release", release, "Release fellows (they leave the cluster)",
@@ -615,14 +626,14 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/fellows/{{fellow_id}}", get_fellow, "One fellow", response=FellowInfo,
           errors=(400, 404)),
     Route("POST", f"{A}/fellows/{{fellow_id}}/heartbeat", heartbeat, "Fellow heartbeat",
-          body=Heartbeat, fellow_session=True, errors=(400, 401, 403)),
+          body=Heartbeat, fellow_session=True, errors=(400, 401, 403, 503)),
     Route("GET", f"{A}/fellows/{{fellow_id}}/signals", poll_signals,
           "Long-poll the fellow's control signals", response=SignalBatch, fellow_session=True,
           query=(("after", "integer", "last signal seq already seen"),
                  ("wait", "number", f"seconds to wait for a signal, at most {MAX_POLL_S:g}")),
           errors=(400, 401, 403)),
     Route("POST", f"{A}/fellows/{{fellow_id}}/speed", set_speed, "Set link limits of a fellow",
-          body=SetSpeedRequest, errors=(400, 404, 409)),
+          body=SetSpeedRequest, errors=(400, 404, 409, 503)),
     Route("GET", f"{A}/fellows/{{fellow_id}}/log", fellow_log,
           "The tail of a fellow's own log, as it last sent it (reading asks it for more)",
           response=FellowLog,
@@ -634,7 +645,7 @@ ROUTES: tuple[Route, ...] = (
           body=FellowLogTail, fellow_session=True, errors=(400, 401, 403, 409, 413)),
     Route("GET", f"{A}/nodes", list_nodes, "Per-fellow byte counters", response=NodeList),
     Route("POST", f"{A}/jobs", submit_job, "Enqueue a job", body=JobSubmit, response=JobInfo,
-          errors=(400, 413)),
+          errors=(400, 413, 503)),
     Route("GET", f"{A}/jobs", list_jobs,
           "Jobs of `state` (one or several, comma-separated) in `order` (`queue`: oldest first, "
           "`newest`, `finished`: the last to finish first), a page at a time (`limit`, `after`; "
@@ -654,19 +665,19 @@ ROUTES: tuple[Route, ...] = (
           response=ProgressList, query=(("after", "integer", "only steps after this one"),),
           errors=(400, 404)),
     Route("POST", f"{A}/jobs/{{job_id}}/cancel", cancel_job, "Cancel a pending or running job",
-          response=JobInfo, errors=(404, 409)),
+          response=JobInfo, errors=(404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",
           body=JobStatusUpdate, response=JobInfo, fellow_session=True,
-          errors=(400, 401, 403, 404, 409)),
+          errors=(400, 401, 403, 404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/regroup", regroup,
           "A replica whose stage group's ring broke says where it stands; the answer, once "
           "every cell is accounted for, is the replicas it trains with from now on",
           body=RegroupReport, response=RegroupAnswer, fellow_session=True,
           query=(("wait", "number", f"seconds to wait for the answer, at most {MAX_POLL_S:g}"),),
-          errors=(400, 401, 403, 404, 409)),
+          errors=(400, 401, 403, 404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/shards/{{stage}}", push_shard,
           "A fellow pushes its stage's latest weights (multipart: manifest, weights, optimizer)",
-          fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415)),
+          fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415, 503)),
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
           "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),

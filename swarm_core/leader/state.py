@@ -13,7 +13,7 @@ from swarm_core.leader.events import EventHub
 from swarm_core.leader.fellow_logs import FellowLogs
 from swarm_core.leader.queue import JobQueue
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
-from swarm_core.leader.store import Store
+from swarm_core.leader.store import Store, StoreWriteError
 
 
 @attrs.define(eq=False)
@@ -35,5 +35,10 @@ class LeaderState:
             counters=rec.counters))
 
     def flush(self, telemetry: bool = False) -> None:
-        self.store.save_fellows(self.registry.take_dirty(telemetry))
+        rows = self.registry.take_dirty(telemetry)
+        try:
+            self.store.save_fellows(rows)
+        except StoreWriteError:
+            self.registry.dirty.update(r["fellow_id"] for r in rows)  # (the next flush's)
+            raise
 

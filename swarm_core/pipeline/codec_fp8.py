@@ -19,8 +19,6 @@ CODE_DTYPE = torch.float8_e4m3fn
 class Fp8:
     """The element codec ``methods.ELEMENTS['fp8']`` names: rows in, (codes, scales) out."""
 
-    code_dtype = torch.uint8  # (on the wire: the e4m3 codes' bytes)
-
     @staticmethod
     def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` (2-D float32) as e4m3 bytes and one float32 scale per row."""
@@ -29,6 +27,14 @@ class Fp8:
         # (the quotient may round a hair past 448; e4m3fn has no infinity to saturate to)
         q = (rows / scale.unsqueeze(1)).clamp_(-E4M3_MAX, E4M3_MAX)
         return q.to(CODE_DTYPE).view(torch.uint8), scale
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        return codes  # (a byte a code)
+
+    @staticmethod
+    def unpack(raw: torch.Tensor, n: int) -> torch.Tensor:
+        return raw
 
     @staticmethod
     def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor,

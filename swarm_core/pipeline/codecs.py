@@ -72,13 +72,38 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size)
 class _Int8:
     quantize_rows = staticmethod(quantize_rows)
     dequantize_rows = staticmethod(dequantize_rows)
-    code_dtype = torch.int8
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        return codes
+
+    @staticmethod
+    def unpack(raw: torch.Tensor, n: int) -> torch.Tensor:
+        return raw.view(torch.int8)
 
 
 @functools.cache
 def _scaled(codec: Codec) -> Any:
-    """A scaled code's quantiser (``quantize_rows``, ``dequantize_rows``, ``code_dtype``)."""
+    """A scaled code's quantiser: ``quantize_rows(rows) -> (codes, scales)`` (a code an
+    element, a float32 scale a row), ``dequantize_rows(codes, scales, shape)``, and
+    ``pack(codes)`` / ``unpack(raw_bytes, n)`` between the codes and the wire's bytes."""
     return _Int8 if codec is Codec.INT8 else load(codec.element.impl)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, 0..15) two to a byte, the first in the low nibble (an odd count's
+    last byte has a zero high nibble)."""
+    flat = codes.reshape(-1)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    pairs = flat.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(raw: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` 4-bit codes :func:`pack_nibbles` packed into ``raw`` (uint8)."""
+    out = torch.stack([raw & 0x0F, raw >> 4], dim=1).reshape(-1)
+    return out[:n]
 
 
 def _check_block(shape: tuple[int, ...], codec: Codec, block: int) -> int:
@@ -105,8 +130,9 @@ def encode(x: torch.Tensor, codec: Codec, block: int = 0) -> list[memoryview]:
             # Blocks of a row are rows of a narrower view: the same quantiser serves both.
             x = x.reshape(-1, _check_block(tuple(x.shape), codec, block))
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
-        codes, scale = _scaled(codec).quantize_rows(rows)
-        return [as_bytes(scale.cpu()), as_bytes(codes.cpu())]
+        impl = _scaled(codec)
+        codes, scale = impl.quantize_rows(rows)
+        return [as_bytes(scale.cpu()), as_bytes(impl.pack(codes).cpu())]
     _check_block(tuple(x.shape), codec, block)
     return [as_bytes(x.to(_CAST[codec]).cpu())]
 
@@ -127,9 +153,10 @@ def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
         buf = buf.to(device)  # the coded bytes cross; the codec's work happens there
     if codec.scaled:
         impl = _scaled(codec)
-        scales = expected - _numel(shape)
+        n = _numel(shape)
+        scales = 4 * (n // width)
         scale = buf[:scales].view(torch.float32)
-        codes = buf[scales:].view(impl.code_dtype).reshape(-1, width)
+        codes = impl.unpack(buf[scales:], n).reshape(-1, width)
         return impl.dequantize_rows(codes, scale, torch.Size(shape))
     t = buf.view(_CAST[codec]).reshape(shape)
     return t if codec is Codec.FP32 else t.to(torch.float32)

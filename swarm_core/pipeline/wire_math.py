@@ -28,6 +28,8 @@ class Codec(enum.IntEnum):
     # dimension), or with a block B (the frame's codec_arg) one per B consecutive elements.
     INT8 = 4
     FP8 = 5  # float8 e4m3, scaled as INT8
+    INT4 = 6  # 4-bit codes, two a byte, scaled as INT8
+    FP4 = 7  # float4 e2m1, likewise
 
     @property
     def element(self) -> Element:
