@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from swarm_core.pipeline.codecs import pack_nibbles, unpack_nibbles
+from swarm_core.pipeline.codecs import Nibbles
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 
 
-class Fp4:
+class Fp4(Nibbles):
     """The element codec ``methods.ELEMENTS['fp4']`` names."""
 
     @staticmethod
@@ -37,14 +37,6 @@ class Fp4:
         idx = idx + tie.to(idx.dtype)
         sign = (y < 0) & (idx > 0)  # (no negative zero: one code for 0)
         return (idx | (sign.to(idx.dtype) << 3)).to(torch.uint8), scale
-
-    @staticmethod
-    def pack(codes: torch.Tensor) -> torch.Tensor:
-        return pack_nibbles(codes)
-
-    @staticmethod
-    def unpack(raw: torch.Tensor, n: int) -> torch.Tensor:
-        return unpack_nibbles(raw, n)
 
     @staticmethod
     def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor,

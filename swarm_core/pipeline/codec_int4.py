@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from swarm_core.pipeline.codecs import pack_nibbles, unpack_nibbles
+from swarm_core.pipeline.codecs import Nibbles
 
 LEVELS = 7  # codes -7..7, symmetric
 
 
-class Int4:
+class Int4(Nibbles):
     """The element codec ``methods.ELEMENTS['int4']`` names."""
 
     @staticmethod
@@ -26,14 +26,6 @@ class Int4:
         scale.masked_fill_(scale == 0, 1.0)
         q = (rows / scale.unsqueeze(1)).round_().clamp_(-LEVELS, LEVELS)
         return (q + 8).to(torch.uint8), scale
-
-    @staticmethod
-    def pack(codes: torch.Tensor) -> torch.Tensor:
-        return pack_nibbles(codes)
-
-    @staticmethod
-    def unpack(raw: torch.Tensor, n: int) -> torch.Tensor:
-        return unpack_nibbles(raw, n)
 
     @staticmethod
     def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor,

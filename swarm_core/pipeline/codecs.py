@@ -106,6 +106,18 @@ def unpack_nibbles(raw: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
+class Nibbles:
+    """A scaled code of 4 bits: its codes cross two a byte."""
+
+    @staticmethod
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        return pack_nibbles(codes)
+
+    @staticmethod
+    def unpack(raw: torch.Tensor, n: int) -> torch.Tensor:
+        return unpack_nibbles(raw, n)
+
+
 def _check_block(shape: tuple[int, ...], codec: Codec, block: int) -> int:
     """The width each scale covers: ``block``, or the row's width when it is 0."""
     if not codec.scaled:
