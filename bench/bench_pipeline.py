@@ -315,8 +315,8 @@ class _Profiler:
         if make is None:
             return
 
-        def make_wrapped(module: Any, cfg: Any) -> Any:
-            opt = make(module, cfg)
+        def make_wrapped(module: Any, cfg: Any, **kwargs: Any) -> Any:
+            opt = make(module, cfg, **kwargs)
             self.wrap(opt, "step", "optimizer")
             return opt
 

@@ -39,6 +39,11 @@ Usage::
         --outer-lr 0.7,0.2,1 --outer-momentum 0.9,0.9,0 --loss-only   # outer optimisers
     .venv/bin/python bench/bench_sync_modes.py --quick          # a tiny model, a few seconds
 
+SparseLoCo rows (``--modes diloco,sparseloco``, ``--density``, ``--replicas 4``): its paper's
+outer step (lr 1, no momentum) and its own 2-bit values; compared with DiLoCo at the same H.
+A DeMo row (``--modes demo``): every step, Psyche's defaults (DCT blocks of 64, top 8, 1-bit
+signs), plain SGD on the sign at the training profile's lr; compared with dp.
+
 Only ever talks to 127.0.0.1.
 """
 
@@ -64,10 +69,11 @@ QUICK = {"model": dict(d_model=32, n_layers=1, n_heads=2, seq_len=16),
 
 
 def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
-             outer: tuple[float, float] = (0.7, 0.9)) -> tuple[Any, Any]:
+             outer: tuple[float | None, float | None] = (0.7, 0.9)) -> tuple[Any, Any]:
     import attrs
 
     from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
+    from swarm_core.config.methods import SYNC_METHODS
     from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
     from swarm_core.schema import structure
 
@@ -75,8 +81,11 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
     training = {**DEFAULT_TRAINING, **cfg.get("training", {})}
     mc = structure(model, ModelConfig)
     tc = structure(training, TrainingConfig)
-    sync = SyncConfig(mode=mode, inner_steps=inner, compression=cfg["compression"],
-                      overlap_steps=overlap, outer_lr=outer[0], outer_momentum=outer[1])
+    own = SYNC_METHODS[mode].own_coding  # (sparseloco: its values' bits, its paper's outer)
+    sync = SyncConfig(mode=mode, inner_steps=inner,
+                      compression="none" if own else cfg["compression"],
+                      overlap_steps=overlap, outer_lr=None if own else outer[0],
+                      outer_momentum=None if own else outer[1], density=cfg["density"])
     # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
@@ -114,7 +123,8 @@ def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> Non
     listener = DataListener(HOST)
     side["addrs"].put((rank, listener.addr))
     addrs = side[f"to{rank}"].get(timeout=120)
-    spec = StageSpec.from_start(chain_starts(mc, tc, addrs, replicas=2)[rank], threads=1)
+    spec = StageSpec.from_start(chain_starts(mc, tc, addrs, replicas=cfg["replicas"])[rank],
+                                threads=1)
     marks: list[float] = []
     kwargs: dict[str, Any] = {}
     if cfg.get("warming"):
@@ -149,14 +159,15 @@ def _context() -> Any:
 def _run(cfg: dict[str, Any], row: Row) -> list[tuple[int, list, dict]]:
     ctx = _context()
     out = ctx.Queue()
-    side: dict[str, Any] = {"addrs": ctx.Queue(), **{f"to{r}": ctx.Queue() for r in range(2)}}
-    procs = [ctx.Process(target=_stage, args=(cfg, row, r, out, side)) for r in range(2)]
+    n = cfg["replicas"]
+    side: dict[str, Any] = {"addrs": ctx.Queue(), **{f"to{r}": ctx.Queue() for r in range(n)}}
+    procs = [ctx.Process(target=_stage, args=(cfg, row, r, out, side)) for r in range(n)]
     for p in procs:
         p.start()
-    got = dict(side["addrs"].get(timeout=300) for _ in range(2))
-    for r in range(2):
-        side[f"to{r}"].put([got[0], got[1]])
-    results = [out.get(timeout=3600) for _ in range(2)]
+    got = dict(side["addrs"].get(timeout=300) for _ in range(n))
+    for r in range(n):
+        side[f"to{r}"].put([got[r] for r in range(n)])
+    results = [out.get(timeout=3600) for _ in range(n)]
     for p in procs:
         p.join(60)
         if p.exitcode != 0:
@@ -203,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outer-momentum", default="0.9",
                     help="the outer Nesterov momentum of each --outer-lr, comma-separated, or "
                          "one for all (default %(default)s; 0 with lr 1: plain averaging)")
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="replicas of the one stage, each a process (default %(default)s)")
+    ap.add_argument("--modes", default="diloco",
+                    help="the periodic modes of the rows beside dp, comma-separated: diloco, "
+                         "sparseloco (its own outer step and bits; default %(default)s)")
+    ap.add_argument("--density", type=float, default=0.02,
+                    help="sparseloco's density (default %(default)s)")
     ap.add_argument("--loss-only", action="store_true",
                     help="each row once, unshaped: the bytes and eval loss, no step times")
     args = ap.parse_args(argv)
@@ -221,13 +239,21 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["compression"] = args.compression
+    cfg["replicas"], cfg["density"] = args.replicas, args.density
+    periodic = args.modes.split(",")
+    from swarm_core.config.methods import SYNC_METHODS
+    if any(m not in SYNC_METHODS or m == "dp" for m in periodic) \
+            or args.replicas < 2 or not 0 < args.density <= 1:
+        ap.error("--modes takes sync modes beside dp (diloco, sparseloco, demo), --replicas "
+                 "at least 2, --density in (0, 1]")
     hs = [int(h) for h in str(cfg["inner_steps"]).split(",")]
     if not 1 <= cfg["warmup"] < cfg["steps"]:
         ap.error("--warmup must be at least 1 and fewer than --steps")
     mc, tc = _configs(cfg, "dp", 1)
     tokens = tc.steps * tc.batch_size * mc.seq_len
     print(f"bench_sync_modes: d_model {mc.d_model}, {mc.n_layers} layers, seq {mc.seq_len}; "
-          f"S=1 x R=2, batch {tc.batch_size} ({tc.batch_size // 2} a replica), {tc.steps} steps "
+          f"S=1 x R={args.replicas}, batch {tc.batch_size} ({tc.batch_size // args.replicas} a "
+          f"replica), {tc.steps} steps "
           f"= {tokens:,} tokens a row, {cfg['warmup']} untimed; links {args.mbps:g} Mbit/s tx/rx "
           f"a fellow; sync compression {cfg['compression']}; DiLoCo outer lr/momentum "
           f"{', '.join(f'{lr:g}/{m:g}' for lr, m in outers)} (Nesterov); {os.cpu_count()} "
@@ -244,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
               "starts from it", flush=True)
     fractions = [float(f) for f in args.overlap.split(",")]
     modes = [("dp", 1, 0, outers[0])] + [
-        ("diloco", h, d, outer) for h in hs
-        for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions) for outer in outers]
+        (mode, h, d, outer) for mode in periodic
+        for h in (hs if SYNC_METHODS[mode].periodic else [1])
+        for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions)
+        for outer in (outers if not SYNC_METHODS[mode].own_coding else [(1.0, 0.0)])]
     runs = (False,) if args.loss_only else (True, False)
     rows: list[dict[str, Any]] = []
     for mode, h, d, outer in modes:
@@ -262,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["eval"] = lead["eval_loss"]
                 row["bytes"], row["expected"] = lead["sync_bytes"], lead["expected_sync_bytes"]
                 row["sync_fraction"] = lead["sync_fraction"]
-            name = "dp" if mode == "dp" else f"diloco H={h} d={d} outer {outer[0]:g}/{outer[1]:g}"
+            name = "dp" if mode == "dp" else f"{mode} H={h} d={d} outer {outer[0]:g}/{outer[1]:g}"
             print(f"  {name} {key}: {row[key] * 1000:.1f} ms/step, eval loss "
                   f"{lead['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         rows.append(row)
     dp = rows[0]
-    print(f"\n{'mode':<8} {'H':>4} {'d':>4} {'outer':>8} {'sync B/step':>12} {'dp/this':>8} "
+    print(f"\n{'mode':<10} {'H':>4} {'d':>4} {'outer':>8} {'sync B/step':>12} {'dp/this':>8} "
           f"{'shaped ms':>10} {'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} "
           f"{'eval/dp':>8}")
     print("-" * 102)
@@ -276,20 +304,35 @@ def main(argv: list[str] | None = None) -> int:
             (str(r["H"]), str(r["d"]), f"{r['outer'][0]:g}/{r['outer'][1]:g}")
         shaped = "-" if args.loss_only else f"{r['shaped'] * 1000:.1f}"
         slow = "-" if args.loss_only else f"{r['shaped'] / r['unshaped']:.3f}"
-        print(f"{r['mode']:<8} {h:>4} {d:>4} {o:>8} {r['bytes']:>12,.0f} "
+        print(f"{r['mode']:<10} {h:>4} {d:>4} {o:>8} {r['bytes']:>12,.0f} "
               f"{dp['bytes'] / r['bytes']:>7.1f}x {shaped:>10} {r['unshaped'] * 1000:>12.1f} "
               f"{slow:>8} {r['eval']:>10.4f} {r['eval'] / dp['eval']:>8.4f}")
     print("-" * 102)
     for r in rows[1:]:
         h = r["H"]
+        if r["mode"] == "demo":  # (every step, as dp: its own targets)
+            ratio, ev = dp["bytes"] / r["bytes"], r["eval"] / dp["eval"]
+            print(f"targets, demo: sync bytes/step <= 1/30 of dp's: {ratio:.1f}x -> "
+                  f"{_check(ratio >= 30)}; eval loss within 5 % of dp: {ev:.4f} -> "
+                  f"{_check(abs(ev - 1) <= 0.05)}")
+            continue
         ratio = dp["bytes"] / r["bytes"]
         ev = r["eval"] / dp["eval"]
         step = "not measured (--loss-only)" if args.loss_only else \
             f"{r['shaped'] / r['unshaped']:.3f} -> {_check(r['shaped'] / r['unshaped'] <= 1.10)}"
-        print(f"targets, diloco H={h} d={r['d']} outer {r['outer'][0]:g}/{r['outer'][1]:g}: "
+        print(f"targets, {r['mode']} H={h} d={r['d']} outer {r['outer'][0]:g}/{r['outer'][1]:g}: "
               f"sync bytes/step >= {h}x smaller than dp: {ratio:.1f}x -> {_check(ratio >= h)}; "
               f"step within 10 % of unshaped: {step}; eval loss within 3 % of dp: {ev:.4f} "
               f"-> {_check(abs(ev - 1) <= 0.03)}")
+    for r in rows:  # (SparseLoCo's own targets, against DiLoCo at the same H, as it is run)
+        base = next((q for q in rows if q["mode"] == "diloco" and q["H"] == r["H"]
+                     and q["d"] == r["d"]), None)
+        if r["mode"] != "sparseloco" or base is None:
+            continue
+        ratio, ev = base["bytes"] / r["bytes"], r["eval"] / base["eval"]
+        print(f"targets, sparseloco H={r['H']} d={r['d']}: sync bytes <= 1/50 of diloco's "
+              f"({cfg['compression']}): {ratio:.1f}x -> {_check(ratio >= 50)}; eval loss / "
+              f"diloco's: {ev:.4f} (the issue: <= diloco int8's + 1 %)")
     worst_bytes = max(abs(r["bytes"] - r["expected"]) / r["expected"] for r in rows)
     if args.loss_only:
         print(f"measured sync bytes against expected, worst {worst_bytes:.1%}")

@@ -18,7 +18,15 @@ from aiohttp.test_utils import TestServer
 
 from swarm_core.client import ApiError, SwarmClient
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.contract import FellowLog, JobInfo, JobList, LinkChange, SmokeTraining, Topology
+from swarm_core.contract import (
+    FellowLog,
+    JobInfo,
+    JobList,
+    JobSubmit,
+    LinkChange,
+    SmokeTraining,
+    Topology,
+)
 from swarm_core.fellow import daemon as fellow_daemon
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.protocol import ByteCounters, FellowInfo, LinkLimits, SetSpeedRequest
@@ -252,6 +260,12 @@ class FakeClient(SwarmClient):
                       ) -> list[int]:
         self.calls.append(("release", (fellow_ids, all)))
         return list(fellow_ids or [])
+
+    async def submit(self, req: JobSubmit) -> JobInfo:
+        """Queued, as the leader answers (the job is not added to the fixed data)."""
+        self.calls.append(("submit", req))
+        return attrs.evolve(_job(10 + len(self.calls), "PENDING", name=req.name),
+                            topology=req.topology)
 
     @property
     def expected_events(self) -> int:

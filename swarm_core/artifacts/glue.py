@@ -4,7 +4,8 @@ Checks before it builds: each manifest against the model it names (``manifests``
 once, every global layer exactly once, one config fingerprint, one step, and the weights' shapes
 against the model's. Then it rebuilds the same ``ExperimentModel`` the stages came from (so the
 halves of a learned bottleneck meet again at their boundary), loads the union of the shards
-strictly, and writes ``weights.npz`` (no pickles) and ``inference_manifest.json``.
+strictly, and writes ``weights.npz`` (no pickles) and ``inference_manifest.json``, and for
+other tools the same arrays as ``model.safetensors`` with a ``config.json`` (``export_formats``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from swarm_core import jsonio
+from swarm_core.artifacts.export_formats import CONFIG, SAFETENSORS, config_json, export_safetensors
 from swarm_core.artifacts.layout import MANIFEST, WEIGHTS
 from swarm_core.artifacts.manifests import ShardManifest, model_manifest, shard_manifest
 from swarm_core.artifacts.shards import ShardError, load_shard, npz_arrays, npz_bytes, read_file
@@ -96,7 +98,7 @@ def _check_output(out: Path) -> None:
     """Found before the work, not half way through writing it."""
     if out.exists() and not out.is_dir():
         raise GlueError(f"{out} exists and is not a directory")
-    for name in (WEIGHTS, INFERENCE_MANIFEST):
+    for name in (WEIGHTS, INFERENCE_MANIFEST, SAFETENSORS, CONFIG):
         if (out / name).is_dir():
             raise GlueError(f"{out / name} is a directory")
 
@@ -128,7 +130,8 @@ def glue(export_dir: Path) -> Path:
                                 f"stage {m.stage}")
             state[k], holder[k] = torch.from_numpy(np.array(v)), m.stage
     model = _build(cfg, first.vocab_size, first.seed, ranges, state, str(export_dir))
-    weights = npz_bytes({k: v.numpy() for k, v in model.flat_state_dict().items()})
+    arrays = {k: v.numpy() for k, v in model.flat_state_dict().items()}
+    weights = npz_bytes(arrays)
     manifest = {
         "format": "silentswarm-model/1",
         "job_id": first.job_id,
@@ -148,11 +151,19 @@ def glue(export_dir: Path) -> Path:
                                        key=lambda x: x[1].stage)],
         "glued_at": time.time(),
     }
-    # The manifest last, and an older one gone first: a manifest on disk always means the
-    # weights beside it are its own, even if this write stops part-way (a disk full).
+    tensors = export_safetensors(arrays, manifest)
+    tensors_sha256 = hashlib.sha256(tensors).hexdigest()
+    manifest["safetensors_sha256"] = tensors_sha256
+    config = config_json(cfg, manifest, tensors_sha256)
+    # Each manifest after its weights, and older ones gone first: a manifest (or config.json)
+    # on disk always means the weights beside it are its own, even if this write stops
+    # part-way (a disk full).
     try:
         (out / INFERENCE_MANIFEST).unlink(missing_ok=True)
+        (out / CONFIG).unlink(missing_ok=True)
         atomic_write(out / WEIGHTS, weights)
+        atomic_write(out / SAFETENSORS, tensors)
+        atomic_write(out / CONFIG, jsonio.dumps(config, pretty=True))
         atomic_write(out / INFERENCE_MANIFEST, jsonio.dumps(manifest, pretty=True))
     except OSError as exc:
         raise GlueError(f"cannot write {out}: {exc.strerror or exc}") from None
@@ -216,3 +227,24 @@ def load_full_model(model_dir: Path) -> tuple[ExperimentModel, dict[str, Any]]:
     model = _build(cfg, m.vocab_size, m.seed, ranges, state, str(model_dir))
     model.eval()
     return model, manifest
+
+
+def full_model_dir(path: Path) -> Path:
+    """The glued model a path names: a run's ``model_export`` directory (its ``full_model/``)
+    or the ``full_model`` directory itself; anything else is a one-line GlueError."""
+    try:
+        if not path.exists():
+            raise GlueError(f"{path}: no such directory")
+        if not path.is_dir():
+            raise GlueError(f"{path} is not a directory")
+        if (path / FULL_MODEL).is_dir():
+            return path / FULL_MODEL
+        if path.name == FULL_MODEL or (path / INFERENCE_MANIFEST).exists() \
+                or (path / WEIGHTS).exists():
+            return path  # (load_full_model says what of it is missing or wrong)
+        if (path / "shards").is_dir():
+            raise GlueError(f"{path}: not glued yet (run `swarm glue {path}`)")
+    except OSError as exc:  # (exists() raises on a directory we may not search)
+        raise GlueError(f"cannot look at {path}: {exc.strerror or exc}") from None
+    raise GlueError(f"{path}: not a model export (no {FULL_MODEL}/ or {INFERENCE_MANIFEST} in "
+                    "it)")

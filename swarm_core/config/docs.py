@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from swarm_core.config import methods, profiles, schemas
+from swarm_core.config.grid import SyncAxis
 from swarm_core.experiments import suites
 from swarm_core.protocol import LinkLimits
 
@@ -40,17 +41,19 @@ must wrap each run).
 The job's shape and synchronisation are axes too. `replicas` sets the replicas of every stage:
 the training profile's stage count (`cluster_profile.stages`, or its `fellows / replicas`)
 stays, so a run of R replicas asks for stages x R fellows. `sync` lists modes: `none` (a single
-replica: nothing to synchronise), `dp`, `diloco`; a run of one replica runs once, as `none`,
-whatever else is listed, and a run of several runs once per listed `dp`/`diloco`.
-`inner_steps` multiplies the diloco runs only: dp synchronises every step, so its runs are not
-repeated by it, and an `inner_steps` axis in a sweep with no diloco run is an error. So
-`replicas: [1, 2]`, `sync: [dp, diloco]`, `inner_steps: [10, 50]` is 4 runs: 1 replica, dp,
-diloco H=10, diloco H=50.
+replica: nothing to synchronise), `dp`, `diloco`, `sparseloco`; a run of one replica runs once,
+as `none`, whatever else is listed, and a run of several runs once per listed mode.
+`inner_steps` multiplies the runs of the periodic modes only (diloco, sparseloco: those that
+sync every H steps): dp synchronises every step, so its runs are not repeated by it, and an
+`inner_steps` axis in a sweep with no periodic run is an error. So `replicas: [1, 2]`,
+`sync: [dp, diloco, sparseloco]`, `inner_steps: [10, 50]` is 6 runs: 1 replica, dp,
+diloco H=10, diloco H=50, sparseloco H=10, sparseloco H=50.
 Each of them left out keeps the training profile's value (`cluster_profile.replicas`,
 `sync.mode`, `sync.inner_steps`); other sync fields (`compression`, `outer_lr`, …) come from
 the profile or `overrides.sync`. A sweep with any of these axes, or of several replicas, names
 its runs by the grid too: `<model>-<spec>-<network>-<S>x<R>-<mode>-s<seed>-r<repeat>`, the mode
-`none`, `dp` or `diloco_h<H>` (a sweep of chains keeps the names it had).
+`none`, `dp`, or a periodic mode with its H, `<mode>_h<H>` (`diloco_h10`, `sparseloco_h10`; a
+sweep of chains keeps the names it had).
 
 Compression specs (the table below is generated from `swarm_core/config/methods.py`, where
 each is registered): K is a positive integer up to `d_model`; B, a scale block, is 2..65535 and
@@ -78,8 +81,9 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("ExperimentConfig (top level)", profiles.ExperimentConfig, ""),
     ("SweepSpec (`sweep`)", profiles.SweepSpec,
      "Fields left out keep the training profile's values. `replicas` (each 1-256), `sync` "
-     "(`none`, `dp`, `diloco`) and `inner_steps` (each 1-1000000) list unique values; the "
-     "combinations they allow are in the introduction above."),
+     f"({', '.join(f'`{m}`' for m in typing.get_args(SyncAxis))}) and `inner_steps` (each "
+     "1-1000000) list unique values; the combinations they allow are in the introduction "
+     "above."),
     ("ModelConfig (`model/*.json`)", schemas.ModelConfig,
      "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
      "gradients and optimiser state stay float32 (and are exported as such). What crosses a "
@@ -105,7 +109,18 @@ SECTIONS: list[tuple[str, type, str]] = [
      "`cluster_profile.replicas`, `swarm submit --replicas`). Replica r of every stage takes "
      "the r-th share of each step's windows, so `batch_size` stays the step's global batch "
      "and must divide by replicas x `micro_batches`; with `compression: none` a job of R "
-     "replicas computes the losses of one replica (and of one process) to float rounding."),
+     "replicas computes the losses of one replica (and of one process) to float rounding. "
+     "`outer_lr` and `outer_momentum` left null are the mode's paper's (diloco 0.7 and 0.9, "
+     "sparseloco 1 and 0). `sparseloco` sends the top `density` of each tile of `chunk` "
+     "elements of its error feedback (decayed by `error_decay`) in `value_bits` bits; it codes "
+     "what it sends itself, so its `compression` must be `none`, and its `outer_momentum` 0 "
+     "(the error feedback stands for it). `swarm submit` sets them by `--density`, `--chunk`, "
+     "`--value-bits` and `--error-decay`. `demo` (every step) keeps each replica's own "
+     "momentum (decayed by `momentum_decay`), sends the `topk` largest DCT components of each "
+     "block of `dct_chunk` x `dct_chunk` (their signs alone with `sign_values`) and steps "
+     "plain SGD on the sign of the group's mean; its `compression` must be `none`; `--dct-"
+     "chunk`, `--topk`, `--[no-]sign-values`, `--momentum-decay`. A mode ignores the other "
+     "modes' fields."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
      "`{\"fellows\": 4, \"replicas\": 2}` and `{\"stages\": 2, \"replicas\": 2}` ask for the "
      "same 4 fellows: 2 stages of 2 replicas each. Both `fellows` and `stages` may be "

@@ -1,4 +1,5 @@
-"""A sweep's grid axes: ``replicas`` of every stage, ``sync`` mode and DiLoCo's ``inner_steps``.
+"""A sweep's grid axes: ``replicas`` of every stage, ``sync`` mode and a periodic mode's
+``inner_steps`` (DiLoCo's H).
 
 The sweep's other axes (models, compressions, networks, seeds) change what one chain trains;
 these change the shape of the job: how many replicas of each stage (the training profile's stage
@@ -15,11 +16,13 @@ from typing import Any, Literal
 
 import attrs
 
+from swarm_core.config.methods import SYNC_METHODS
+from swarm_core.config.schemas import SyncMode
 from swarm_core.schema import FieldError
 
-# "none": a single replica, nothing to keep in step (a job of one replica has no sync); the other
-# two are SyncConfig.mode.
-SyncAxis = Literal["none", "dp", "diloco"]
+# "none": a single replica, nothing to keep in step (a job of one replica has no sync); the
+# others are SyncConfig.mode's (a mode registered there is an axis value here too).
+SyncAxis = Literal["none", SyncMode]
 MAX_REPLICAS = 256  # Topology.replicas' bound
 MAX_INNER_STEPS = 1_000_000  # SyncConfig.inner_steps' bound
 MAX_FELLOWS = 1024  # ClusterProfile's fellows (and stages x replicas) bound
@@ -32,7 +35,7 @@ class GridCell:
     stages: int
     replicas: int
     sync: SyncAxis
-    inner_steps: int | None = None  # diloco only: the inner steps between two syncs
+    inner_steps: int | None = None  # a periodic mode's only: the inner steps between syncs
 
     @property
     def fellows(self) -> int:
@@ -40,9 +43,22 @@ class GridCell:
 
     @property
     def label(self) -> str:
-        """What run names carry: ``2x1-none``, ``2x2-dp``, ``1x2-diloco_h10``."""
-        mode = f"diloco_h{self.inner_steps}" if self.sync == "diloco" else self.sync
+        """What run names carry: ``2x1-none``, ``2x2-dp``, ``1x2-diloco_h10``,
+        ``1x2-sparseloco_h10`` (a periodic mode with its H)."""
+        mode = f"{self.sync}_h{self.inner_steps}" if periodic(self.sync) else self.sync
         return f"{self.stages}x{self.replicas}-{mode}"
+
+
+def periodic(mode: str) -> bool:
+    """Whether ``mode`` syncs every ``inner_steps`` (the inner_steps axis repeats its runs):
+    the registry says, so a new periodic mode sweeps as diloco does."""
+    method = SYNC_METHODS.get(mode)
+    return method is not None and method.periodic
+
+
+def _periodic_names() -> str:
+    """The periodic modes, as an error lists them: ``diloco, sparseloco``."""
+    return ", ".join(name for name in SYNC_METHODS if periodic(name))
 
 
 def sync_mode(replicas: int, training: dict[str, Any]) -> SyncAxis:
@@ -51,7 +67,7 @@ def sync_mode(replicas: int, training: dict[str, Any]) -> SyncAxis:
     if replicas <= 1:
         return "none"
     mode = (training.get("sync") or {}).get("mode", "dp")
-    return "diloco" if mode == "diloco" else "dp"
+    return mode if mode in SYNC_METHODS else "dp"  # (SyncConfig's default)
 
 
 def check_axes(replicas: list[int] | None, sync: Sequence[str] | None,
@@ -71,15 +87,16 @@ def check_axes(replicas: list[int] | None, sync: Sequence[str] | None,
         raise FieldError(f"each must be 1-{MAX_INNER_STEPS:,}, got {inner_steps}", "inner_steps")
 
 
-def grid_cells(stages: int, profile_replicas: int, profile_mode: str, profile_inner: int,
-               replicas: list[int] | None, sync: Sequence[str] | None,
+def grid_cells(stages: int, profile_replicas: int, profile_mode: SyncMode, profile_inner: int,
+               replicas: list[int] | None, sync: Sequence[SyncAxis] | None,
                inner_steps: list[int] | None) -> list[GridCell]:
     """The grid axes expanded, replicas x sync x inner_steps in that nesting order, with the
     training profile's values where an axis is left out.
 
     One replica runs once, as ``none``, whatever modes are listed (nothing to synchronise);
-    several run once per listed mode other than ``none``; ``inner_steps`` multiplies the diloco
-    runs only (dp syncs every step: it has no inner steps, so its runs are not repeated).
+    several run once per listed mode other than ``none``; ``inner_steps`` multiplies the runs of
+    each periodic mode (diloco, sparseloco) only (dp syncs every step: it has no inner steps, so
+    its runs are not repeated).
     A combination that would run nothing of what an axis lists is a FieldError naming it: a
     typo, not a silently smaller grid."""
     rs = replicas if replicas is not None else [profile_replicas]
@@ -95,25 +112,24 @@ def grid_cells(stages: int, profile_replicas: int, profile_mode: str, profile_in
             raise FieldError(f"'none' is the mode of a single replica, and replicas {rs} has "
                              "no 1", "sync")
         if several and not set(modes) - {"none"}:
-            raise FieldError(f"replicas {several} need a mode to synchronise by (dp or diloco), "
-                             f"got {modes}", "sync")
+            raise FieldError(f"replicas {several} need a mode to synchronise by "
+                             f"({', '.join(SYNC_METHODS)}), got {modes}", "sync")
         if not several and set(modes) - {"none"}:
             raise FieldError(f"{'/'.join(m for m in modes if m != 'none')} keeps replicas in "
                              "step, and every run has 1 replica (set sweep.replicas or "
                              "cluster_profile.replicas)", "sync")
-    runs_diloco = bool(several) and ("diloco" in modes if modes is not None
-                                     else profile_mode == "diloco")
-    if inner_steps is not None and not runs_diloco:
-        raise FieldError("inner_steps applies to diloco runs only, and this sweep has none "
-                         "(dp syncs every step)", "inner_steps")
+    run_modes: list[SyncAxis] = modes if modes is not None else [profile_mode]
+    if inner_steps is not None and not (several and any(map(periodic, run_modes))):
+        raise FieldError(f"inner_steps applies to periodic runs only ({_periodic_names()}), "
+                         "and this sweep has none (dp syncs every step)", "inner_steps")
     cells: list[GridCell] = []
     for r in rs:
         if r == 1:
             cells.append(GridCell(stages, 1, "none"))
             continue
-        for mode in modes if modes is not None else [profile_mode]:
-            if mode == "dp":
-                cells.append(GridCell(stages, r, "dp"))
-            elif mode == "diloco":
-                cells += [GridCell(stages, r, "diloco", h) for h in inners]
+        for mode in run_modes:
+            if periodic(mode):
+                cells += [GridCell(stages, r, mode, h) for h in inners]
+            elif mode != "none":  # (listed beside the modes of several replicas: theirs)
+                cells.append(GridCell(stages, r, mode))
     return cells

@@ -128,6 +128,14 @@ class SyncMethod:
     periodic: bool
     impl: str  # "module:attribute" of its GroupSync factory (see pipeline/syncs)
     summary: str
+    # Its outer SGD's (lr, momentum) where ``outer_lr``/``outer_momentum`` are left unset
+    # (None): the paper's. None: it takes no outer step.
+    outer: tuple[float, float] | None = None
+    # It codes what it sends itself (``sync.compression`` must be ``none``).
+    own_coding: bool = False
+    # The optimiser a replica of a group runs: AdamW, or plain SGD (no momentum, matrices
+    # decayed) on the direction the algorithm writes into the gradients (DeMo's sign).
+    optimizer: str = "adamw"
 
 
 SYNC_METHODS: dict[str, SyncMethod] = {m.name: m for m in (
@@ -136,7 +144,18 @@ SYNC_METHODS: dict[str, SyncMethod] = {m.name: m for m in (
                "that go out while the backward runs (DDP's overlap)"),
     SyncMethod("diloco", True, "swarm_core.pipeline.syncs.diloco:build",
                "DiLoCo (arXiv 2311.08105): `inner_steps` steps alone, then the mean change "
-               "through an outer Nesterov SGD; `overlap_steps` overlaps it (Streaming DiLoCo)"),
+               "through an outer Nesterov SGD; `overlap_steps` overlaps it (Streaming DiLoCo)",
+               outer=(0.7, 0.9)),
+    SyncMethod("sparseloco", True, "swarm_core.pipeline.syncs.sparseloco:build",
+               "SparseLoCo (arXiv 2508.15706): DiLoCo's change added to an error feedback "
+               "(`error_decay`), its top `density` per tile of `chunk` elements sent in "
+               "`value_bits` bits and all-gathered; the mean applied by an outer SGD, no "
+               "momentum", outer=(1.0, 0.0), own_coding=True),
+    SyncMethod("demo", False, "swarm_core.pipeline.syncs.demo:build",
+               "DeMo (arXiv 2411.19870): every step each replica's own momentum "
+               "(`momentum_decay`), its `topk` largest DCT components per `dct_chunk` block "
+               "sent (signs only with `sign_values`) and taken out of it; SGD on the sign of "
+               "the group's mean", own_coding=True, optimizer="sgd"),
 )}
 
 

@@ -201,7 +201,7 @@ class SweepSpec:
     compressions: list[str] | None = None
     network_profiles: list[NetworkProfile] | None = None
     # The job's shape and synchronisation (swarm_core.config.grid): replicas of every stage
-    # (the training profile's stage count stays), sync modes, DiLoCo's inner steps.
+    # (the training profile's stage count stays), sync modes, a periodic mode's inner steps.
     replicas: list[int] | None = None
     sync: list[SyncAxis] | None = None
     inner_steps: list[int] | None = None
@@ -288,7 +288,7 @@ class RunSpec:
 
     @property
     def sync_mode(self) -> SyncAxis:
-        """``none`` (one replica), ``dp`` or ``diloco``."""
+        """``none`` (one replica), else its ``sync.mode`` (``dp``, ``diloco``, …)."""
         return sync_mode(self.replicas, self.training)
 
     def job_body(self, run_id: str) -> dict[str, Any]:

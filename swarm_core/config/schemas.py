@@ -22,7 +22,7 @@ from swarm_core.schema import FieldError, checking
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b", "eager"]
-SyncMode = Literal["dp", "diloco"]
+SyncMode = Literal["dp", "diloco", "sparseloco", "demo"]
 SYNC_MODES: tuple[str, ...] = get_args(SyncMode)
 
 
@@ -112,6 +112,23 @@ def _le(hi: float):
 SYNC_CODECS = sync_compressions()
 
 
+def _optional(*checks: Any) -> Any:
+    def check(i: Any, a: attrs.Attribute, v: Any) -> None:
+        if v is not None:
+            for c in checks:
+                c(i, a, v)
+
+    return check
+
+
+VALUE_BITS = (1, 2, 4, 8, 32)  # SparseLoCo's values: codes of a 2^b-entry lookup, or float32
+
+
+def _bits(_i: Any, a: attrs.Attribute, v: int) -> None:
+    if v not in VALUE_BITS:
+        raise FieldError(f"must be one of {', '.join(map(str, VALUE_BITS))}, got {v}", a.name)
+
+
 @attrs.frozen
 class SyncConfig:
     """How the replicas of a stage keep one set of weights (a job of one replica has none to
@@ -120,19 +137,36 @@ class SyncConfig:
     outer SGD (Nesterov momentum; the DiLoCo paper's lr 0.7 and momentum 0.9). Both run
     around a ring over the same shaped links as the pipeline. ``compression`` codes what
     crosses, as a boundary's codec does (int8 sums in fp32 after decoding, as INTELLECT-1's
-    ring does). ``overlap_steps`` (diloco): the outer step's average crosses while each
-    replica trains this many more inner steps, which it keeps (Streaming DiLoCo's overlap; 0:
-    the replicas wait for it, as in the paper)."""
+    ring does). ``overlap_steps`` (a periodic mode): the outer step's average crosses while
+    each replica trains this many more inner steps, which it keeps (Streaming DiLoCo's
+    overlap; 0: the replicas wait for it, as in the paper).
+
+    ``sparseloco`` keeps DiLoCo's cadence but sends each replica's change sparse: added to
+    its error feedback (decayed by ``error_decay``), the top ``density`` of each tile of
+    ``chunk`` elements by magnitude, in ``value_bits`` bits, all-gathered; what was not sent
+    stays in the feedback. ``outer_lr``/``outer_momentum`` left out (None) are the mode's
+    paper's: DiLoCo 0.7 and 0.9, SparseLoCo 1 and none (its error feedback stands for it)."""
 
     mode: SyncMode = "dp"
     compression: str = "none"
     inner_steps: int = attrs.field(default=500, validator=[_pos, _le(1_000_000)])
-    outer_lr: float = attrs.field(default=0.7, validator=[_pos, _le(10.0)])
-    outer_momentum: float = attrs.field(default=0.9, validator=[_nonneg, _le(0.999)])
+    outer_lr: float | None = attrs.field(default=None, validator=_optional(_pos, _le(10.0)))
+    outer_momentum: float | None = attrs.field(default=None,
+                                               validator=_optional(_nonneg, _le(0.999)))
     # dp's gradients go in buckets of this many MiB (DDP's bucket_cap_mb and default; the
     # first at most 1 MiB), each all-reduced as soon as the backward has finished it.
     bucket_mb: float = attrs.field(default=25.0, validator=[_pos, _le(1024.0)])
     overlap_steps: int = attrs.field(default=0, validator=[_nonneg, _le(1_000_000)])
+    # SparseLoCo (arXiv 2508.15706; the defaults are the issue's, the paper's runs use 3 %):
+    density: float = attrs.field(default=0.02, validator=[_pos, _le(1.0)])
+    chunk: int = attrs.field(default=4096, validator=[_pos, _le(1 << 20)])
+    value_bits: int = attrs.field(default=2, validator=_bits)
+    error_decay: float = attrs.field(default=0.95, validator=[_nonneg, _le(1.0)])
+    # DeMo (arXiv 2411.19870; the defaults are Psyche's runs': 64, 8, 1-bit, 0.999):
+    dct_chunk: int = attrs.field(default=64, validator=[_pos, _le(4096)])
+    topk: int = attrs.field(default=8, validator=[_pos, _le(1 << 24)])
+    sign_values: bool = True
+    momentum_decay: float = attrs.field(default=0.999, validator=[_nonneg, _le(0.9999)])
 
     def __attrs_post_init__(self) -> None:
         if not checking():
@@ -141,12 +175,26 @@ class SyncConfig:
             raise FieldError(f"must be below inner_steps ({self.inner_steps}): the outer step's "
                              f"average has to land before the next one, got "
                              f"{self.overlap_steps}", "overlap_steps")
+        method = SYNC_METHODS[self.mode]
+        if method.own_coding and self.compression != "none":
+            raise FieldError(f"must be none under {self.mode}, which codes what it sends "
+                             f"itself, got {self.compression!r}", "compression")
+        if method.own_coding and method.outer is not None and self.outer_momentum:
+            raise FieldError(f"must be 0 under {self.mode}: its error feedback stands for the "
+                             f"outer momentum, got {self.outer_momentum:g}", "outer_momentum")
         m = scaled_sync_form(self.compression)
         if self.compression not in SYNC_CODECS and m is None:
             raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
                              f"{', '.join(SYNC_CODECS)} (B from 2)", "compression")
         if m is not None and m[1] is not None and not 2 <= int(m[1]) <= MAX_BLOCK:
             raise FieldError(f"{m[0]} block {m[1]} must be 2..{MAX_BLOCK}", "compression")
+
+    @property
+    def outer_step(self) -> tuple[float, float]:
+        """The outer SGD's (lr, momentum): the fields, or where unset the mode's paper's."""
+        lr, momentum = SYNC_METHODS[self.mode].outer or (1.0, 0.0)
+        return (lr if self.outer_lr is None else self.outer_lr,
+                momentum if self.outer_momentum is None else self.outer_momentum)
 
     # The cadence: one rule for the stage, the leader's membership and the checkpoints.
     @property
@@ -184,6 +232,10 @@ class SyncConfig:
         """As tables show it: ``dp``, ``dp int8``, ``diloco H=10``, ``diloco H=10 overlap 5``
         (a mode's own fields only: dp has no period)."""
         label = f"{self.mode} H={self.inner_steps}" if self.periodic else self.mode
+        if self.mode == "sparseloco":  # (each mode's own fields: the label is a table's)
+            label += f" d={self.density:g} {self.value_bits}-bit"
+        elif self.mode == "demo":
+            label += f" top{self.topk}/{self.dct_chunk}" + (" 1-bit" if self.sign_values else "")
         if self.compression != "none":
             label += f" {self.compression}"
         if self.periodic and self.overlap_steps:
@@ -264,6 +316,10 @@ class TrainingConfig:
     warmup_steps: int = attrs.field(default=5, validator=_nonneg)
     weight_decay: float = attrs.field(default=0.01, validator=[_nonneg, _le(10.0)])
     betas: list[float] = attrs.field(factory=lambda: [0.9, 0.95])
+    # ``muon``: Muon (torch.optim.Muon, Nesterov momentum 0.95, its lr matched to AdamW's RMS)
+    # on the hidden matrices, AdamW on the embeddings, the head and the vectors (the Muon and
+    # MuLoCo papers' split); under a periodic sync it is the inner optimiser.
+    optimizer: Literal["adamw", "muon"] = "adamw"
     grad_clip: float = attrs.field(default=1.0, validator=_nonneg)  # 0: off
     eval_every: int = attrs.field(default=0, validator=_nonneg)  # 0: only at the end
     eval_batches: int = attrs.field(default=2, validator=[_nonneg, _le(1000)])
@@ -318,6 +374,10 @@ class TrainingConfig:
                              f"{self.micro_batches}", "micro_batches")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise FieldError("must be two numbers in [0, 1)", "betas")
+        if self.optimizer != "adamw" and SYNC_METHODS[self.sync.mode].optimizer != "adamw":
+            raise FieldError(f"must be adamw under sync.mode {self.sync.mode}, whose replicas "
+                             f"step plain SGD on its own direction, got {self.optimizer!r}",
+                             "optimizer")
         if self.dataset == "textfiles" and not self.dataset_paths:
             raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
         if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):

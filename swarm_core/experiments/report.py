@@ -38,8 +38,17 @@ class ReportError(ValueError):
 
 
 # A line's dash by its run's sync mode (SVG stroke-dasharray, matplotlib linestyle): colour tells
-# runs apart, the dash tells modes apart, so dp and diloco compare on one chart.
-MODE_DASH = {"none": ("", "-"), "dp": ("7,3", "--"), "diloco": ("2,2", ":")}
+# runs apart, the dash tells modes apart, so every sync mode compares on one chart.
+Dash = tuple[str, str | tuple[int, tuple[int, ...]]]
+MODE_DASH: dict[str, Dash] = {
+    "none": ("", "-"), "dp": ("7,3", "--"), "diloco": ("2,2", ":"),
+    "sparseloco": ("7,3,2,3", "-."), "demo": ("1,3", (0, (1, 3)))}
+
+
+def mode_dash(mode: str) -> Dash:
+    """A mode's dash; solid for one without its own (a mode registered since: its runs still
+    chart, told apart by colour)."""
+    return MODE_DASH.get(mode, MODE_DASH["none"])
 
 
 @attrs.define
@@ -67,7 +76,7 @@ class RunData:
 
     @property
     def sync_mode(self) -> str:
-        """``none`` (one replica; a run from before replicas), ``dp`` or ``diloco``."""
+        """``none`` (one replica; a run from before replicas), else its ``sync.mode``."""
         return self.summary.sync_mode or "none"
 
     def _setting(self, value: str | None, *resolved_path: str) -> str | None:
@@ -690,7 +699,7 @@ def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
                f"text-anchor='middle'>{ylabel}</text>")
     for i, ((xs, ys), run) in enumerate(zip(series, runs, strict=True)):
         color = PALETTE[i % len(PALETTE)]
-        dash = MODE_DASH[run.sync_mode][0]
+        dash = mode_dash(run.sync_mode)[0]
         if len(xs) > 1 or not points:
             pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in zip(xs, ys, strict=True))
             out.append(f"<polyline fill='none' stroke='{color}' stroke-width='1.5' "
@@ -704,7 +713,7 @@ def _svg_chart(title: str, xlabel: str, runs: list[RunData], xs_of: str,
 
 def _legend_entry(i: int, run: RunData) -> str:
     """A run's colour in its sync mode's dash, its name and its mode."""
-    dash = MODE_DASH[run.sync_mode][0]
+    dash = mode_dash(run.sync_mode)[0]
     sample = (f"<svg width='28' height='8'><line x1='0' y1='4' x2='28' y2='4' "
               f"stroke='{PALETTE[i % len(PALETTE)]}' stroke-width='2'"
               + (f" stroke-dasharray='{dash}'" if dash else "") + "/></svg>")
@@ -755,7 +764,7 @@ def render_png(runs: list[RunData]) -> bytes:
     for ax, (title, xl, xs, ys, yl) in zip(axes, CHARTS, strict=False):
         for i, r in enumerate(runs):
             ax.plot(getattr(r, xs), getattr(r, ys), color=PALETTE[i % len(PALETTE)],
-                    linewidth=1.2, linestyle=MODE_DASH[r.sync_mode][1],
+                    linewidth=1.2, linestyle=mode_dash(r.sync_mode)[1],
                     marker="o" if ys != "losses" else None, markersize=4)
         ax.set_title(title)
         ax.set_xlabel(xl)

@@ -21,7 +21,7 @@ from swarm_core.config.grid import SyncAxis
 from swarm_core.contract import CodecErrors, LinkChange, MembershipChange, Restart
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 
-SYNC_MODES: tuple[str, ...] = typing.get_args(SyncAxis)
+SYNC_MODES: tuple[str, ...] = typing.get_args(SyncAxis)  # ("none", then every sync mode)
 
 
 def _above_zero(_inst: Any, attr: attrs.Attribute, value: float | None) -> None:
@@ -76,7 +76,8 @@ class MetricsSummary:
     seed: int | None = None
     repeat: int | None = None
     fellows: int | None = None
-    # The grid and its synchronisation (``none`` for one replica; DiLoCo's cadence)
+    # The grid and its synchronisation (``none`` for one replica, else a sync mode, every one
+    # registered; a periodic mode's cadence)
     stages: int | None = None
     replicas: int | None = None
     sync_mode: SyncAxis | None = attrs.field(

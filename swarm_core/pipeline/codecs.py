@@ -106,6 +106,32 @@ def unpack_nibbles(raw: torch.Tensor, n: int) -> torch.Tensor:
     return out[:n]
 
 
+def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned integer codes below 2^``width`` as a packed bit stream (uint8), each code's
+    bits lowest first, the stream's first bit a byte's lowest: ``ceil(n * width / 8)``
+    bytes, the last one zero-padded."""
+    flat = codes.reshape(-1).to(torch.int64)
+    if width == 0 or flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=codes.device)
+    shifts = torch.arange(width, device=flat.device)
+    bits = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.arange(8, device=flat.device)
+    return (bits.view(-1, 8) << weights).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(raw: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """The ``n`` codes (int64) of ``width`` bits that :func:`pack_bits` packed into ``raw``."""
+    if width == 0 or n == 0:
+        return torch.zeros(n, dtype=torch.int64, device=raw.device)
+    weights = torch.arange(8, device=raw.device)
+    bits = ((raw.to(torch.int64).unsqueeze(1) >> weights) & 1).reshape(-1)[:n * width]
+    shifts = torch.arange(width, device=raw.device)
+    return (bits.view(n, width) << shifts).sum(dim=1)
+
+
 class Nibbles:
     """A scaled code of 4 bits: its codes cross two a byte."""
 

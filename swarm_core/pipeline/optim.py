@@ -9,11 +9,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from swarm_core.config.methods import SYNC_METHODS
 from swarm_core.config.schemas import TrainingConfig
 
 
-def make_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW; matrices decay, vectors (biases, norms) do not."""
+def make_optimizer(module: nn.Module, cfg: TrainingConfig,
+                   grouped: bool = False) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors (biases, norms) do not. ``grouped``: the stage is one
+    of several replicas, and a sync algorithm that writes its own direction into the
+    gradients (``SyncMethod.optimizer`` "sgd": DeMo's sign) has plain SGD take it (no
+    momentum: the algorithm's own is the momentum; its weight decay, without momentum, is
+    AdamW's decoupled decay: w <- w(1 - lr x wd) - lr x direction)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for _name, p in module.named_parameters():
@@ -21,6 +27,12 @@ def make_optimizer(module: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if grouped and SYNC_METHODS[cfg.sync.mode].optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.0)
+    if cfg.optimizer == "muon":
+        from swarm_core.pipeline.muon import make_muon
+
+        return make_muon(module, cfg.weight_decay, cfg.lr, (cfg.betas[0], cfg.betas[1]))
     # foreach left to torch: its multi-tensor kernels on a GPU, the per-parameter loop on the
     # CPU (the single-process reference's, so CPU stages stay bit for bit equal to it).
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]),
@@ -67,13 +79,18 @@ def scale_grads(params: Iterable[nn.Parameter], scale: float) -> None:
 
 # --- optimiser state in checkpoints -------------------------------------------------------------
 
-# AdamW's per-parameter state; a checkpoint member is named "<parameter>.<field>".
-STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# AdamW's per-parameter state (and Muon's momentum); a checkpoint member is named
+# "<parameter>.<field>".
+STATE_FIELDS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
 
 
-# DiLoCo's outer SGD keeps one momentum buffer per parameter; it travels in the same archive
-# as "<parameter>.outer_momentum", beside AdamW's (inner) fields.
+# A sync algorithm's own per-parameter state travels in the same archive as
+# "<parameter>.<field>", beside AdamW's (inner) fields: DiLoCo's outer momentum, SparseLoCo's
+# error feedback, DeMo's momentum.
 OUTER_FIELD = "outer_momentum"
+ERROR_FIELD = "error_feedback"
+MOMENTUM_FIELD = "decoupled_momentum"
+SYNC_FIELDS = (OUTER_FIELD, ERROR_FIELD, MOMENTUM_FIELD)
 
 
 class OptimizerStateError(ValueError):
@@ -82,14 +99,12 @@ class OptimizerStateError(ValueError):
 
 def split_outer(arrays: dict[str, np.ndarray]
                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """A checkpoint's optimiser arrays as (AdamW's, the outer momentum's by parameter name)."""
-    inner, outer = {}, {}
+    """A checkpoint's optimiser arrays as (AdamW's, the sync algorithm's), both keyed
+    ``<parameter>.<field>``."""
+    inner: dict[str, np.ndarray] = {}
+    outer: dict[str, np.ndarray] = {}
     for key, arr in arrays.items():
-        name, _, field = key.rpartition(".")
-        if field == OUTER_FIELD:
-            outer[name] = arr
-        else:
-            inner[key] = arr
+        (outer if key.rpartition(".")[2] in SYNC_FIELDS else inner)[key] = arr
     return inner, outer
 
 
@@ -138,7 +153,8 @@ def load_optimizer_arrays(opt: torch.optim.Optimizer, module: nn.Module,
                 t = t.to(p.device)
         state.setdefault(p, {})[field] = t
     for p, fields in state.items():
-        if "step" not in fields or "exp_avg" not in fields or "exp_avg_sq" not in fields:
+        need = opt.fields(p) if hasattr(opt, "fields") else ("step", "exp_avg", "exp_avg_sq")
+        if not set(need) <= set(fields) or not set(fields) <= set(need) | {"max_exp_avg_sq"}:
             name = next(n for n, q in params.items() if q is p)
             raise OptimizerStateError(f"optimiser state of {name} is incomplete: "
                                       f"{sorted(fields)}")

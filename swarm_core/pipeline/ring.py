@@ -28,7 +28,7 @@ import torch
 from swarm_core.pipeline import codecs
 from swarm_core.pipeline.codecs import FP32_WIRE as FP32
 from swarm_core.pipeline.codecs import WireCodec
-from swarm_core.pipeline.frames import HEADER_SIZE, Kind
+from swarm_core.pipeline.frames import HEADER_SIZE, FrameError, Kind
 from swarm_core.pipeline.transport import LinkClosed, PeerLink, PeerTimeout
 
 CONFIRM_ROUND = 1 << 30  # the confirmation's frames' first round number (after every bucket's)
@@ -297,21 +297,64 @@ class Ring:
             off += t.numel()
 
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
-        """Returns once every member has said it finished this step's operation: each sends
-        its own word in the first round and passes on the one it got in each later one, so
-        after R-1 rounds each has heard from all. The word is the membership the member has
-        been told to move to (its epoch): the largest heard, the same on every member, is
-        where the whole group goes after this operation. Returns the bytes sent, the seconds
-        it took and that word."""
-        t0 = time.perf_counter()
-        sent0 = self.sent()
-        out, heard = torch.tensor([float(word)]), float(word)
-        for i in range(self.replicas - 1):
-            assert self.send is not None and self.recv is not None
-            self.send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
-            _, out = self.recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout,
-                                           None, (1,))
-            heard = max(heard, float(out[0]))
-        if self.send is not None:
-            self.send.flush(timeout)
-        return self.sent() - sent0, time.perf_counter() - t0, heard
+        return confirm(self.send, self.recv, self.replicas, step, timeout, word)
+
+
+def confirm(send: PeerLink | None, recv: PeerLink | None, replicas: int, step: int,
+            timeout: float, word: float = 0.0) -> tuple[int, float, float]:
+    """Returns once every member of a ring has said it finished this step's operation: each
+    sends its own word in the first round and passes on the one it got in each later one, so
+    after R-1 rounds each has heard from all. The word is the membership the member has been
+    told to move to (its epoch): the largest heard, the same on every member, is where the
+    whole group goes after this operation. Returns the bytes sent, the seconds it took and
+    that word."""
+    t0 = time.perf_counter()
+    sent0 = send.sent if send is not None else 0
+    out, heard = torch.tensor([float(word)]), float(word)
+    for i in range(replicas - 1):
+        assert send is not None and recv is not None
+        send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
+        _, out = recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout, None, (1,))
+        heard = max(heard, float(out[0]))
+    if send is None:
+        return 0, time.perf_counter() - t0, heard
+    send.flush(timeout)
+    return send.sent - sent0, time.perf_counter() - t0, heard
+
+
+def pieces_of(size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the frames a message of ``size`` bytes crosses in (at most
+    LANE_BYTES each, so a frame's buffer stays small)."""
+    return [(a, min(a + LANE_BYTES, size)) for a in range(0, size, LANE_BYTES)] or [(0, 0)]
+
+
+def gather_bytes(size: int, replicas: int) -> int:
+    """What one member sends in an all-gather of messages of ``size`` bytes (headers
+    included): R-1 rounds, each a whole message."""
+    return (replicas - 1) * (len(pieces_of(size)) * HEADER_SIZE + size)
+
+
+def all_gather(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
+               step: int, timeout: float, message: bytes) -> list[bytes]:
+    """Every member's message, by rank, around the ring (each the same length: a sum of
+    sparse messages is not sparse, so they are gathered, not reduced). Round i sends what
+    came in round i-1 (this member's own first), so each member sends R-1 messages."""
+    got: dict[int, bytes] = {rank: message}
+    if replicas > 1:
+        assert send is not None and recv is not None
+        pieces = pieces_of(len(message))
+        out = message
+        for i in range(replicas - 1):
+            for j, (a, b) in enumerate(pieces):
+                send.send_raw(Kind.SYNC, step, i * len(pieces) + j, out[a:b])
+            came = bytearray()
+            for j, (a, b) in enumerate(pieces):
+                _, raw = recv.recv(Kind.SYNC, step, i * len(pieces) + j, timeout)
+                if len(raw) != b - a:
+                    raise FrameError(f"message piece {j} of step {step} carries {len(raw)} "
+                                     f"bytes, expected {b - a}")
+                came += raw
+            out = bytes(came)
+            got[(rank - 1 - i) % replicas] = out
+        send.flush(timeout)
+    return [got[r] for r in range(replicas)]

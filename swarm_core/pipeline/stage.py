@@ -430,7 +430,7 @@ class StageRunner:
         # Deferred W passes hold a micro-batch's layer inputs and output gradients each; beyond
         # this many the stage runs one at once (memory stays in 1F1B's class).
         self.max_deferred = max(2, spec.num_stages)
-        self.opt = make_optimizer(self.module, spec.training)
+        self.opt = make_optimizer(self.module, spec.training, grouped=spec.replicas > 1)
         # Each side of each direction of its boundaries: a stateful codec keeps its own state.
         boundary = make_boundary(m)
         self.act_in, self.act_out = boundary.codec(Kind.ACT, False), boundary.codec(Kind.ACT, True)
@@ -621,9 +621,13 @@ class StageRunner:
         t, group = self.spec.training, self.group
         if self.wgrad is not None:
             self.wgrad.drain()
+        # (an algorithm whose direction replaces the gradients takes them clipped)
+        first = group.sync is not None and group.sync.clips_first
+        if first:
+            self._clip(step)
         synced = group.before_step(step, heard)
-        if t.grad_clip > 0:
-            scale_grads(self.params, clip_scale(self._global_sq(step), t.grad_clip))
+        if not first:
+            self._clip(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if group.sync is not None:
@@ -636,6 +640,12 @@ class StageRunner:
         if group.admit_after:
             group.admit_safely(step)
         return synced if synced is not None else (None, None)
+
+    def _clip(self, step: int) -> None:
+        """The gradients scaled to the global norm ``grad_clip`` over every stage."""
+        if self.spec.training.grad_clip > 0:
+            scale_grads(self.params, clip_scale(self._global_sq(step),
+                                                self.spec.training.grad_clip))
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -770,10 +780,11 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
             inner, outer = split_outer(optimizer)
             load_optimizer_arrays(runner.opt, runner.module, inner)
             params = dict(runner.module.named_parameters())
-            for name, arr in outer.items():
+            for key, arr in outer.items():
+                name, _, field = key.rpartition(".")
                 if name not in params or tuple(arr.shape) != tuple(params[name].shape):
-                    raise OptimizerStateError(f"outer momentum {name!r} does not fit this "
-                                              "stage's parameters")
+                    raise OptimizerStateError(f"{field.replace('_', ' ')} {name!r} does not "
+                                              "fit this stage's parameters")
             runner.group.resume = outer or None
     except (RuntimeError, OptimizerStateError) as exc:
         # load_state_dict lists every missing and unexpected key: the first line says enough.

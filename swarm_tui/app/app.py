@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import aiohttp
+from rich.text import Text
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
 from textual.dom import DOMNode
+from textual.driver import Driver
 from textual.reactive import reactive
 from textual.signal import Signal
 from textual.timer import Timer
@@ -121,6 +123,16 @@ class SwarmApp(App[int]):
         self.snapshots = 0  # full refreshes applied (tests wait on it)
 
     # lifecycle --------------------------------------------------------------------------------
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver for the platform; on Linux and macOS one whose input thread stops
+        at once (a quit waited 0.2 s for it)."""
+        driver = super().get_driver_class()
+        if driver.__name__ == "LinuxDriver" and driver.__module__.startswith("textual."):
+            from swarm_tui.app.driver import QuickExitDriver
+
+            return QuickExitDriver
+        return driver
+
     def on_mount(self) -> None:
         if self.cluster is not None:
             # An SSH session that drops (SIGHUP) or a kill (SIGTERM) still stops the cluster
@@ -361,8 +373,14 @@ class SwarmApp(App[int]):
         if self.cluster is None or not self.cluster.running():
             self.exit()
             return
-        dialog = ConfirmDialog("Quit?", "This console started a local cluster; quitting stops "
-                               "its leader and fellows (ctrl+q quits without asking).", "Quit")
+        body = "This console started a local cluster; quitting stops its leader and fellows"
+        running = [v.info for v in self.model.jobs.values()
+                   if v.info.state == JobState.RUNNING.value]
+        if running:
+            names = ", ".join(f"{j.job_id} {j.name}" for j in running[:3]) + \
+                (f" and {len(running) - 3} more" if len(running) > 3 else "")
+            body += f", so {names}, running on it, will fail"
+        dialog = ConfirmDialog("Quit?", Text(body + " (ctrl+q quits without asking)."), "Quit")
         self.push_screen(dialog, lambda ok: self.exit() if ok else None)
 
     def action_help(self) -> None:
@@ -519,11 +537,14 @@ class SwarmApp(App[int]):
         self.publish(self.model.apply_job(job, with_history=False), now=True)
         self.notify(f"{job_id} {job.state.lower()}")
 
-    def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
-        if self.refuse_if_read_only("launch"):
-            return
+    def refuse_if_launching(self) -> bool:
+        """A launch until its runs are queued: a second would queue them twice."""
         if self.launching:
             self.notify("a launch is under way: its runs are not queued yet", severity="warning")
+        return self.launching
+
+    def launch(self, plan: LaunchPlan, origin: Any = None) -> None:
+        if self.refuse_if_read_only("launch") or self.refuse_if_launching():
             return
         self.launching = True
         if plan.experiment is not None:

@@ -8,9 +8,11 @@ every second never make the table re-measure or jump.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import attrs
+from rich.cells import cell_len
 from rich.console import JustifyMethod
 from rich.text import Text
 
@@ -63,6 +65,21 @@ class Cell(Text):
     def signature(self) -> tuple[str, str]:
         return self.plain, str(self.style)
 
+    def shown_as(self, text: str) -> Cell:
+        """The same cell (sort value, export, style) showing ``text``."""
+        out = Cell(text, justify=self.justify or "left")
+        out.style, out.sort_key, out.export = self.style, self.sort_key, self.export
+        return out
+
+
+def cut_middle(text: str, width: int) -> str:
+    """``small_non…-wan_80-s1-r0``: a long name's start and end, which tell runs of a sweep
+    apart (cut at the end, four runs read alike)."""
+    if len(text) <= width or width < 3 or cell_len(text) != len(text):
+        return text  # (fits; too narrow; wide characters: the end is cut as before)
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
 
 @attrs.define(frozen=True)
 class Column:
@@ -79,6 +96,9 @@ class Column:
     # rounds its numbers to what the screen shows (an age of 81.00346779823303 s is 81.0).
     export: str = ""
     digits: int | None = None
+    # How a value too long for the column is shortened (its text, the width): None is Rich's
+    # ellipsis at the end; names are cut in the middle.
+    fit: Callable[[str, int], str] | None = None
 
     @property
     def export_name(self) -> str:
@@ -88,7 +108,7 @@ class Column:
 FELLOW_COLUMNS: tuple[Column, ...] = (
     Column("sel", " ", 1, help="marked (space)", frozen=True),
     Column("id", "id", 3, "right", "fellow id", frozen=True),
-    Column("name", "name", 10, frozen=True),
+    Column("name", "name", 10, frozen=True, fit=cut_middle),
     Column("status", "status", 8, help="! marks a note (see the detail view)"),
     Column("hb", "hb", 4, "right", "seconds since the last heartbeat",
            priority=2, export="hb_age_s", digits=1),
@@ -122,7 +142,7 @@ FELLOW_GRID_COLUMNS: tuple[Column, ...] = tuple(
 JOB_COLUMNS: tuple[Column, ...] = (
     Column("id", "job", 10, frozen=True),
     Column("name", "name", 20, help="the run (model, compression, network, seed), then its "
-           "sweep and time", frozen=True),
+           "sweep and time", frozen=True, fit=lambda text, width: fit_job_label(text, width)),
     Column("kind", "kind", 5, priority=4),
     Column("state", "state", 9),
     Column("progress", "progress", 18, help="steps done of the steps asked", priority=1),
@@ -145,6 +165,19 @@ def job_label(name: str) -> str:
     if m is None:
         return name
     return f"{m['run']} · {m['exp']} #{int(m['index'])} {m['stamp']}"
+
+
+_LABEL = re.compile(r"^(?P<run>.+) · .+ #\d+ \d{8}T\d{6}$")
+
+
+def fit_job_label(label: str, width: int) -> str:
+    """A job's label (:func:`job_label`) in ``width`` columns: a sweep run's run whole with
+    as much of its sweep as fits (Rich cuts the end), else the run cut in the middle; any
+    other name cut in the middle."""
+    m = _LABEL.match(label)
+    if m is not None and cell_len(m["run"]) <= width:
+        return label
+    return cut_middle(m["run"] if m is not None else label, width)
 
 
 def progress_bar(done: int, total: int | None, width: int = 8) -> str:
@@ -302,7 +335,7 @@ def job_haystack(view: JobView) -> str:
 
 WATCH_COLUMNS: tuple[Column, ...] = (
     Column("id", "fellow", 6, "right", frozen=True, export="fellow"),
-    Column("name", "name", 10, frozen=True),
+    Column("name", "name", 10, frozen=True, fit=cut_middle),
     Column("stage", "stage", 5, "right"),
     Column("status", "status", 8),
     Column("step", "step", 6, "right"),

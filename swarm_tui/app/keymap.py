@@ -130,6 +130,7 @@ def check(keymap: object, source: str) -> dict[str, str]:
     if not isinstance(keymap, dict):
         raise KeymapError(f"{source}: expected a JSON object of binding id -> keys")
     from swarm_tui.app.app import MODAL_VIEWS
+    from swarm_tui.app.screens.base import FIELD_OPENERS
 
     views = remappable()
     by_id = {bid: b for pairs in views.values() for bid, b in pairs}
@@ -142,7 +143,7 @@ def check(keymap: object, source: str) -> dict[str, str]:
         out[bid] = keys = _keys(value, f"{source}: {bid}")
         binding = by_id[bid]
         typed = [k for k in keys.split(",") if _types_a_character(k)]
-        if binding.priority and typed:
+        if binding.priority and typed and bid not in FIELD_OPENERS:
             raise KeymapError(f"{source}: {bid} works even while typing in a field, so "
                               f"{typed[0]!r} would never reach the field; use a key with "
                               "ctrl or alt")

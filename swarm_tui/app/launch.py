@@ -33,9 +33,9 @@ from swarm_core.config.profiles import (
     sync_over,
 )
 from swarm_core.config.schemas import SYNC_MODES
-from swarm_core.contract import JobSubmit
+from swarm_core.contract import JobSubmit, Topology
 from swarm_core.schema import SchemaError, structure, unstructure
-from swarm_tui.typed import clip, whole_number
+from swarm_tui.typed import clip, decimal_number, whole_number
 
 
 @attrs.define
@@ -45,15 +45,22 @@ class LaunchChoice:
     model: str | None = None  # a path relative to the configs directory
     training: str | None = None
     config: str | None = None  # an experiment config, relative to the configs directory
-    fellows: str = ""  # empty: as the training profile's cluster says, else 2
-    replicas: str = ""  # empty: as the training profile's cluster says, else 1
+    # The grid: pipeline stages (the form's field, as `swarm submit --stages`: stages 2 and
+    # replicas 2 are a 2 x 2 job of 4 fellows), or the fellows in all (`--fellows`), each
+    # empty for the training profile's cluster (else 2 stages), and the replicas of every
+    # stage (empty: the profile's, else 1).
+    stages: str = ""
+    fellows: str = ""
+    replicas: str = ""
     steps: str = ""  # empty: as the profile says
     name: str = ""  # empty: the model profile's name
-    # The sync of the replicas, each empty for the profile's: a mode (dp, diloco), DiLoCo's
-    # inner steps H and the steps its outer step overlaps.
+    # The sync of the replicas, each empty for the profile's: a mode (dp, diloco, sparseloco),
+    # a periodic mode's inner steps H and the steps its outer step overlaps, and the share of
+    # each chunk SparseLoCo sends.
     sync: str | None = None
     inner_steps: str = ""
     overlap_steps: str = ""
+    density: str = ""
 
 
 @attrs.define
@@ -129,7 +136,9 @@ class ExperimentSource:
             return LaunchPlan(error=f"{name}: {field}{exc.message}")
         except SchemaError as exc:
             return LaunchPlan(error=exc.message, field=exc.field)
+        grids = list(dict.fromkeys(grid_text(r.topology) for r in runs))
         notes = [f"{exp.config.name}: {len(runs)} run{'s' if len(runs) != 1 else ''}",
+                 f"grid{'s' if len(grids) > 1 else ''}: {'; '.join(grids)}",
                  f"artifacts in {_display(exp.runs_dir, self.configs_dir)}",
                  "checked locally; the leader checks again"]
         if any(r.tc_profile for r in exp.runs):
@@ -153,8 +162,8 @@ class ProfileSource:
 
     key = "profiles"
     label = "model + training profile"
-    fields: tuple[str, ...] = ("model", "training", "fellows", "replicas", "sync",
-                               "inner_steps", "overlap_steps", "steps", "name")
+    fields: tuple[str, ...] = ("model", "training", "stages", "replicas", "sync",
+                               "inner_steps", "overlap_steps", "density", "steps", "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
@@ -194,12 +203,13 @@ class ProfileSource:
         try:
             model = self._load(choice.model, "model")
             training, cluster = self._training(choice.training)
-            fellows = _int(choice.fellows, "fellows", "$.topology.fellows") \
-                if choice.fellows.strip() else None
-            replicas = _int(choice.replicas, "replicas", "$.topology.replicas") \
-                if choice.replicas.strip() else None
-            topology = job_topology(cluster, fellows, None, replicas)
-            topology.setdefault("fellows", 2)
+            fellows, stages, replicas = (
+                _int(text, key, f"$.topology.{key}") if text.strip() else None
+                for key, text in (("fellows", choice.fellows), ("stages", choice.stages),
+                                  ("replicas", choice.replicas)))
+            topology = job_topology(cluster, fellows, stages, replicas)
+            if "fellows" not in topology and "stages" not in topology:
+                topology["stages"] = 2  # (no cluster in the profile, nothing typed)
             if choice.steps.strip():
                 training["steps"] = _int(choice.steps, "steps", "$.training.steps")
             fields = _sync_fields(choice)
@@ -213,7 +223,8 @@ class ProfileSource:
         except SchemaError as exc:
             return LaunchPlan(error=exc.message, field=exc.field)
         return LaunchPlan(runs=[req], bodies=[body],
-                          notes=["checked locally; the leader checks again"])
+                          notes=[f"grid: {grid_text(req.topology)}",
+                                 "checked locally; the leader checks again"])
 
 
 def _sync_fields(choice: LaunchChoice) -> dict[str, Any]:
@@ -222,6 +233,8 @@ def _sync_fields(choice: LaunchChoice) -> dict[str, Any]:
     for key in ("inner_steps", "overlap_steps"):
         if text := getattr(choice, key).strip():
             fields[key] = _int(text, key, f"$.training.sync.{key}")
+    if text := choice.density.strip():  # (its range is SyncConfig's to check, as the flag's)
+        fields["density"] = _number(text, "density", "$.training.sync.density")
     return fields
 
 
@@ -231,6 +244,43 @@ def _int(text: str, label: str, field: str) -> int:
     except ValueError:
         raise SchemaError(f"{label}: {clip(text.strip())!r} is not a whole number",
                           field) from None
+
+
+def _number(text: str, label: str, field: str) -> float:
+    try:
+        return decimal_number(text)
+    except ValueError:
+        raise SchemaError(f"{label}: {clip(text.strip())!r} is not a number", field) from None
+
+
+def grid_text(topo: Topology) -> str:
+    """``2 stages x 2 replicas = 4 fellows``: the grid a job asks for, in the form's words."""
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'s' if count != 1 else ''}"
+
+    text = f"{n(topo.num_stages, 'stage')} x {n(topo.replicas, 'replica')} = " \
+        f"{n(topo.num_fellows, 'fellow')}"
+    if topo.slots_per_fellow > 1:
+        text += f" of {topo.slots_per_fellow} slots"
+    return text
+
+
+def launch_summary(plan: LaunchPlan, limit: int = 4) -> str:
+    """What a launch queues, for its confirmation: each run's name, grid and details (the
+    first ``limit``, then how many more)."""
+    n, exp = len(plan.runs), plan.experiment
+    paced = exp is not None and any(r.tc_profile for r in exp.runs)  # (see ExperimentSource)
+    what = (f"{exp.config.name}: " if exp is not None else "") + \
+        f"{n} run{'s' if n != 1 else ''}, " + \
+        ("one at a time (tc profiles)" if paced else "queued at once")
+    lines = [what]
+    for req in plan.runs[:limit]:
+        name, details = run_summary(req)
+        lines.append(f"  {name}: {grid_text(req.topology)}")
+        lines.append(f"    {details}")
+    if n > limit:
+        lines.append(f"  and {n - limit} more")
+    return "\n".join(lines)
 
 
 def run_summary(req: JobSubmit) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from swarm_tui.commands.base import CommandError, ExitCode, resolve_leader, warn
 
 def run_console(args: argparse.Namespace) -> int:
     """``args``: leader_url, token, local (fellow count or None), read_only, configs,
-    keymap."""
+    keymap, no_mouse."""
     from swarm_tui.app import keymap as keymaps
     from swarm_tui.app.app import SwarmApp
 
@@ -48,7 +48,8 @@ def run_console(args: argparse.Namespace) -> int:
         app = SwarmApp(SwarmClient(url, token), leader_url=url, read_only=args.read_only,
                        configs_dir=Path(args.configs) if args.configs else None, note=note,
                        cluster=cluster, follow=follow, keymap=keymap)
-        app.run()
+        # --no-mouse: the terminal keeps its own selection and scrolling (tmux, SSH).
+        app.run(mouse=not getattr(args, "no_mouse", False))
         if app.return_code not in (None, 0):
             return int(app.return_code)
         return int(ExitCode.OK)

@@ -61,6 +61,14 @@ token_count = number(int, 1, 1_000_000, "token count")
 sampling_seed = number(int, -(2**63), 2**64 - 1, "seed")
 
 
+def sync_field(cast: type[int] | type[float], field: str) -> Callable[[str], float]:
+    """A ``training.sync`` field's number, parsed only: SyncConfig checks its range, so a bad
+    value is the one line that names the field, as from a profile."""
+    if cast is int:  # (int64 bounds only so that no thousand-digit text reaches the schema)
+        return number(int, -(2**63), 2**63 - 1, field)
+    return number(float, -math.inf, math.inf, field)
+
+
 def utf8_text(value: str) -> str:
     """argv that is not UTF-8 arrives as surrogate escapes, which no tokenizer can encode."""
     try:

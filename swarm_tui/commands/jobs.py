@@ -41,7 +41,14 @@ from swarm_core.contract.events import (
 from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure
 from swarm_core.validators import printable
-from swarm_tui.commands.argtypes import fellow_count, job_id, number, positive_int, step_count
+from swarm_tui.commands.argtypes import (
+    fellow_count,
+    job_id,
+    number,
+    positive_int,
+    step_count,
+    sync_field,
+)
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -240,7 +247,10 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
 
 # Each sync flag, by the SyncConfig field it sets (argparse's dest is the flag's own name).
 SYNC_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps",
-              "overlap_steps": "--overlap-steps", "compression": "--sync-compression"}
+              "overlap_steps": "--overlap-steps", "compression": "--sync-compression",
+              "density": "--density", "chunk": "--chunk", "value_bits": "--value-bits",
+              "error_decay": "--error-decay", "dct_chunk": "--dct-chunk", "topk": "--topk",
+              "sign_values": "--sign-values", "momentum_decay": "--momentum-decay"}
 
 
 def _given_sync_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -280,6 +290,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
                                           ("--steps", args.steps),
+                                          ("--optimizer", args.optimizer),
                                           *((SYNC_FLAGS[f], v)
                                             for f, v in _given_sync_flags(args).items()))
                  if value is not None]
@@ -308,12 +319,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(str(exc), ExitCode.USAGE) from None
         if args.steps is not None:
             training["steps"] = args.steps
+        if args.optimizer is not None:
+            training["optimizer"] = args.optimizer
         sync = _sync_config(args, training)
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
-    elif args.stages or args.replicas or _given_sync_flags(args):
-        raise CommandError("--stages, --replicas and the sync flags are for train jobs "
-                           "(--model, --training)", ExitCode.USAGE)
+    elif args.stages or args.replicas or args.optimizer or _given_sync_flags(args):
+        raise CommandError("--stages, --replicas, --optimizer and the sync flags are for train "
+                           "jobs (--model, --training)", ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -508,13 +521,39 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how the replicas keep one set of weights (training.sync.mode; default: "
                         "the training profile's, else dp)")
     p.add_argument("--inner-steps", type=step_count, default=None,
-                   help="DiLoCo: inner steps between two outer steps (training.sync.inner_steps)")
+                   help="diloco, sparseloco: inner steps between two outer steps "
+                        "(training.sync.inner_steps)")
     p.add_argument("--overlap-steps", type=step_count, default=None,
-                   help="DiLoCo: inner steps the outer step's average crosses during "
+                   help="diloco, sparseloco: inner steps the outer step's average crosses during "
                         "(training.sync.overlap_steps; 0 waits for it)")
     p.add_argument("--sync-compression", default=None,
                    help="what the replicas' ring sends: none, fp16, bf16, int8[_bB] "
                         "(training.sync.compression)")
+    p.add_argument("--density", type=sync_field(float, "density"), default=None,
+                   help="sparseloco: the share of each chunk sent, 0 < d <= 1 "
+                        "(training.sync.density)")
+    p.add_argument("--chunk", type=sync_field(int, "chunk"), default=None,
+                   help="sparseloco: elements of a tile the top density is chosen in "
+                        "(training.sync.chunk)")
+    p.add_argument("--value-bits", type=sync_field(int, "value_bits"), default=None,
+                   help="sparseloco: bits of each value sent: 1, 2, 4, 8 or 32 "
+                        "(training.sync.value_bits)")
+    p.add_argument("--error-decay", type=sync_field(float, "error_decay"), default=None,
+                   help="sparseloco: what the error feedback keeps of itself each outer step, "
+                        "0..1 (training.sync.error_decay)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
+                   help="training.optimizer: adamw, or muon (Muon on the hidden matrices, AdamW "
+                        "on the rest; under diloco/sparseloco the inner optimiser)")
+    p.add_argument("--dct-chunk", type=sync_field(int, "dct_chunk"), default=None,
+                   help="demo: the side of a DCT block (training.sync.dct_chunk)")
+    p.add_argument("--topk", type=sync_field(int, "topk"), default=None,
+                   help="demo: components sent of each DCT block (training.sync.topk)")
+    p.add_argument("--sign-values", action=argparse.BooleanOptionalAction, default=None,
+                   help="demo: send the components' signs alone, a bit each "
+                        "(training.sync.sign_values)")
+    p.add_argument("--momentum-decay", type=sync_field(float, "momentum_decay"), default=None,
+                   help="demo: what each replica's momentum keeps of itself each step "
+                        "(training.sync.momentum_decay)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
     add_format(p)
     p.set_defaults(func=cmd_submit)

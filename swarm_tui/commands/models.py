@@ -44,11 +44,21 @@ def cmd_glue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model_dir: str) -> tuple[ExperimentModel, dict[str, Any]]:
+def _full_model(path: str) -> Path:
+    """The full_model directory ``path`` names: itself, or a run's model_export's."""
+    from swarm_core.artifacts.glue import GlueError, full_model_dir
+
+    try:
+        return full_model_dir(Path(path))
+    except GlueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _load(model_dir: Path) -> tuple[ExperimentModel, dict[str, Any]]:
     from swarm_core.artifacts.glue import GlueError, load_full_model
 
     try:
-        return load_full_model(Path(model_dir))
+        return load_full_model(model_dir)
     except GlueError as exc:
         raise CommandError(str(exc)) from None
 
@@ -99,12 +109,12 @@ def _tokenizer(manifest: dict, seq_len: int) -> ByteTokenizer | BpeTokenizer:
     return _data(manifest, seq_len)[1].tokenizer
 
 
-def _check_vocab(tokens: int, manifest: dict, model_dir: str) -> None:
+def _check_vocab(tokens: int, manifest: dict, model_dir: Path) -> None:
     """A token id past the model's embedding would fail inside torch."""
     from swarm_core.artifacts.glue import INFERENCE_MANIFEST
 
     if tokens > manifest["vocab_size"]:
-        raise CommandError(f"{Path(model_dir) / INFERENCE_MANIFEST}: vocab_size "
+        raise CommandError(f"{model_dir / INFERENCE_MANIFEST}: vocab_size "
                            f"{manifest['vocab_size']} is smaller than its tokenizer's {tokens} "
                            "tokens")
 
@@ -114,10 +124,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from swarm_core.pipeline.model import lm_loss
 
-    model, manifest = _load(args.model)
+    model_dir = _full_model(args.model)
+    model, manifest = _load(model_dir)
     seq_len = model.cfg.seq_len  # (the manifest may leave it to the default)
     training, data = _data(manifest, seq_len)
-    _check_vocab(data.vocab_size, manifest, args.model)
+    _check_vocab(data.vocab_size, manifest, model_dir)
     mb = training.batch_size // training.micro_batches
     # Distinct windows, as TokenData.eval_batches counts them: more batches only repeat them,
     # and every batch asked for is allocated before the first is scored.
@@ -143,31 +154,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_model_dir(args: argparse.Namespace) -> Path:
+    """EXPORT_DIR, or --model as before it: one of them, as its full_model directory."""
+    if args.export_dir is not None and args.model is not None:
+        raise CommandError("give EXPORT_DIR or --model, not both", ExitCode.USAGE)
+    if args.export_dir is None and args.model is None:
+        raise CommandError("generate needs EXPORT_DIR: a run's model_export directory",
+                           ExitCode.USAGE)
+    return _full_model(args.export_dir if args.export_dir is not None else args.model)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    model, manifest = _load(args.model)
+    from swarm_core.artifacts.generate import sample_tokens
+
+    model_dir = _generate_model_dir(args)
+    model, manifest = _load(model_dir)
     tok = _tokenizer(manifest, model.cfg.seq_len)
-    _check_vocab(tok.vocab_size, manifest, args.model)
+    _check_vocab(tok.vocab_size, manifest, model_dir)
     ids = [int(i) for i in tok.encode(args.prompt)]
     if not ids:
         raise CommandError("--prompt must not be empty", ExitCode.USAGE)
-    seq_len = model.cfg.seq_len
-    gen = torch.Generator().manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(args.tokens):
-            ctx = torch.tensor([out[-seq_len:]])
-            # float32 whatever the model computes in: softmax over bfloat16 rounds coarsely
-            logits = model(ctx)[0, -1].float() / max(args.temperature, 1e-6)
-            if args.top_k:
-                kth = torch.topk(logits, min(args.top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
-    text = tok.decode(out)
+    new = sample_tokens(model, ids, args.tokens, seq_len=model.cfg.seq_len,
+                        temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    text = tok.decode(ids + new)
     if args.format == "json":
-        emit_json({"prompt": args.prompt, "text": text, "tokens": len(out) - len(ids)})
+        emit_json({"prompt": args.prompt, "text": text, "tokens": len(new)})
     else:
         print_line(text)
     return 0
@@ -189,7 +203,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("generate", help="sample text from a glued model on CPU")
-    p.add_argument("--model", required=True, help="model_export/full_model directory")
+    p.add_argument("export_dir", nargs="?", default=None, metavar="EXPORT_DIR",
+                   help="a run's model_export directory (glued), or its full_model")
+    p.add_argument("--model", default=None,
+                   help="model_export/full_model directory (instead of EXPORT_DIR)")
     p.add_argument("--prompt", type=utf8_text, required=True, help="text to continue")
     p.add_argument("--tokens", type=token_count, default=200, help="tokens to sample")
     p.add_argument("--temperature", type=temperature, default=0.8, help="sampling temperature")

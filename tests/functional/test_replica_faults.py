@@ -23,7 +23,9 @@ from swarm_core.pipeline.reference import train_reference
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import structure
 from tests.clusters import cli_json, job_view, leader_call, run_cli, wait_until
+from tests.unit.test_demo import _demo_reference
 from tests.unit.test_replicas import _diloco_reference
+from tests.unit.test_sparseloco import _sparseloco_reference
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +156,8 @@ def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
     return losses
 
 
-@pytest.mark.parametrize("mode, overlap", [("diloco", 0), ("dp", 0), ("diloco", 1)])
+@pytest.mark.parametrize("mode, overlap", [("diloco", 0), ("dp", 0), ("diloco", 1),
+                                           ("sparseloco", 0), ("demo", 0)])
 def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_joins(
         cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int):
     """(With the outer steps overlapped by a step, the break shows when the survivors take
@@ -182,8 +185,8 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     # The spare took replica 1 at an outer step after the change: all three train again.
     assert back["joined"] == [1] and back["members"] == [0, 1, 2] == job["members"]
     assert back["step"] > change["step"]
-    # (DiLoCo: at an outer step, or where its overlapped result is taken)
-    assert mode == "dp" or (back["step"] - 1) % H == overlap
+    # (DiLoCo, SparseLoCo: at an outer step, or where its overlapped result is taken)
+    assert mode in ("dp", "demo") or (back["step"] - 1) % H == overlap
     spare = next(c for c in job["placement"]["stages"] if c["replica"] == 1)["fellow_id"]
     assert spare != cell["fellow_id"] and f"fellow {spare} joined" in back["reason"]
     # Every step is there, and the change is in the record of its step and in the events.
@@ -208,6 +211,12 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     if mode == "diloco":
         ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % H},
                                 joins={1: (back["step"] - 1, 0)}, overlap=overlap)
+    elif mode == "sparseloco":  # (the joiner's error feedback starts at zero)
+        ref = _sparseloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % H},
+                                    joins={1: (back["step"] - 1, 0)})
+    elif mode == "demo":  # (every step, as dp; the joiner's momentum starts at zero)
+        ref = _demo_reference(mc, tc, data, 1, 3, leaves={1: broken},
+                              joins={1: (back["step"] - 1, 0)})
     else:  # (data parallel: one process on the windows of the replicas that trained)
         ref, _ = train_reference(mc, tc, _Shares(data, 3, 1, broken, back["step"] - 1),
                                  [(0, mc.n_layers)])
@@ -284,7 +293,7 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
     change, back = job["membership"]
     assert change["left"] == [1] and change["members"] == [0]
     assert back["joined"] == [1] and back["members"] == [0, 1] == job["members"]
-    assert mode == "dp" or (back["step"] - 1) % H == overlap
+    assert mode in ("dp", "demo") or (back["step"] - 1) % H == overlap
     old = {c["fellow_id"] for c in placed if c["replica"] == 1}
     joined = [c for c in job["placement"]["stages"] if c["replica"] == 1]
     assert len(joined) == 2 and not old & {c["fellow_id"] for c in joined}

@@ -51,6 +51,13 @@ async def fellows_listed(pilot: object, app: SwarmApp) -> None:
     await wait_for(pilot, lambda: fellows_table(app).row_count == 3, "rows")
 
 
+async def launch_confirmed(pilot: Any, app: SwarmApp) -> None:
+    """``ctrl+s`` in the launcher, then ``y`` to the question it asks first (issue 36)."""
+    await pilot.press("ctrl+s")
+    await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the launch question")
+    await pilot.press("y")
+
+
 def fellows_table(app: SwarmApp) -> LiveTable:
     return app.screen.query_one("#fellows-table", LiveTable)
 
@@ -349,17 +356,17 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             launch = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
                                     and app.screen, "launcher")
             launch.query_one("#source", Select).value = "profiles"
-            await wait_for(pilot, lambda: launch.query_one("#row-fellows").display,
+            await wait_for(pilot, lambda: launch.query_one("#row-stages").display,
                            "the profile form")
-            launch.query_one("#fellows", Input).value = "x"
+            launch.query_one("#stages", Input).value = "x"
             await pilot.pause(0.1)
             assert "not a whole number" in str(launch.query_one("#preview").render())
-            launch.query_one("#fellows", Input).value = "9"  # more stages than 4 layers allow
-            await pilot.press("ctrl+s")
+            launch.query_one("#stages", Input).value = "9"  # more stages than 4 layers allow
+            await launch_confirmed(pilot, app)
             await wait_for(pilot, lambda: "$.topology" in str(
                 launch.query_one("#launch-error").render()), "the leader's 400 shown")
             assert isinstance(app.screen, LaunchScreen)
-            launch.query_one("#fellows", Input).value = "5"  # valid, but only 3 fellows here
+            launch.query_one("#stages", Input).value = "5"  # valid, but only 3 fellows here
             launch.query_one("#name", Input).value = "queued-train"
             # A second ctrl+s while the first launch is on its way queues nothing twice. The
             # leader's answer is held at a gate the test opens, so "in between" is not a race.
@@ -373,7 +380,8 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             app.client.submit = held_submit  # type: ignore[method-assign]
             # Who leaves the launcher before the answer is not pulled back to the queue.
             launch.query_one("#name", Input).value = "left-behind"
-            await pilot.press("ctrl+s", "1")
+            await launch_confirmed(pilot, app)
+            await pilot.press("1")
             assert isinstance(app.screen, FellowsScreen)
             gate.set()
             await wait_for(pilot, lambda: any("submitted" in n.message
@@ -384,14 +392,15 @@ async def test_jobs_watch_launch_and_cancel(tmp_path: Path) -> None:
             await wait_for(pilot, lambda: app.screen is launch, "the launcher again")
             launch.query_one("#name", Input).value = "queued-train"
             # A swarm of 2 x 2 under DiLoCo, over the profile's sync.
-            launch.query_one("#fellows", Input).value = "4"
+            launch.query_one("#stages", Input).value = "2"
             launch.query_one("#replicas", Input).value = "2"
             launch.query_one("#sync", Select).value = "diloco"
             launch.query_one("#inner_steps", Input).value = "3"
             await pilot.pause(0.1)
             assert launch.plan.ok and launch.plan.bodies[0]["training"]["sync"]["mode"] \
                 == "diloco"
-            await pilot.press("ctrl+s", "ctrl+s")
+            await launch_confirmed(pilot, app)
+            await pilot.press("ctrl+s")
             await wait_for(pilot, lambda: any("a launch is under way" in n.message
                                               for n in app._notifications), "the refusal")
             gate.set()
@@ -545,10 +554,10 @@ async def test_launch_an_experiment_sweep(tmp_path: Path) -> None:
                                     and app.screen, "launcher")
             assert launch.query_one("#source", Select).value == "experiment"
             assert launch.query_one("#config", Select).value == "exp_tiny_sweep_v1.json"
-            assert not launch.query_one("#row-fellows").display  # the config says it all
+            assert not launch.query_one("#row-stages").display  # the config says it all
             await wait_for(pilot, lambda: "preview: 2 runs" in screen_text(app), "the preview")
             assert [r.model.compression for r in launch.plan.runs] == ["none", "fixed_int8"]
-            await pilot.press("ctrl+s")
+            await launch_confirmed(pilot, app)
             await wait_for(pilot, lambda: isinstance(app.screen, JobsScreen), "the queue view")
             sweep = await wait_for(pilot, lambda: len(runs := [
                 v for v in app.model.jobs.values() if "exp_tiny_sweep_v1" in v.info.name]) == 2

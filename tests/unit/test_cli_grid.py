@@ -244,3 +244,51 @@ async def test_submit_asks_for_a_swarm_and_its_sync_by_flags(api, auth, tmp_path
     assert job["topology"]["replicas"] == 2 and job["training"]["steps"] == 8
     assert await asyncio.to_thread(_cli, api, "submit", "--sync", "dp") == 2
     assert "the sync flags are for train jobs" in capsys.readouterr().err
+
+
+async def test_submit_asks_for_sparseloco_and_its_fields_by_flags(api, auth, tmp_path, capsys):
+    """``swarm submit --sync sparseloco --density 0.05 …``: the leader takes the job with those
+    fields in its training.sync; a bad value is one usage line naming the field."""
+    for i in range(2):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    base = ["submit", "--model", str(model), "--stages", "1", "--replicas", "2",
+            "--steps", "8", "--sync", "sparseloco", "--inner-steps", "4"]
+    assert await asyncio.to_thread(_cli, api, *base, "--value-bits", "3") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--value-bits 3: $.training.sync.value_bits: must be one of " \
+        "1, 2, 4, 8, 32, got 3" in err[0]
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--density", "0.05", "--chunk", "1024",
+                                   "--value-bits", "4", "--error-decay", "0.9",
+                                   "--format", "json") == 0
+    sync = json.loads(capsys.readouterr().out)["training"]["sync"]
+    assert {k: sync[k] for k in ("mode", "inner_steps", "density", "chunk", "value_bits",
+                                 "error_decay", "outer_lr", "outer_momentum")} == {
+        "mode": "sparseloco", "inner_steps": 4, "density": 0.05, "chunk": 1024,
+        "value_bits": 4, "error_decay": 0.9, "outer_lr": None, "outer_momentum": None}
+
+
+async def test_submit_asks_for_demo_and_for_muon_by_flags(api, auth, tmp_path, capsys):
+    """``swarm submit --sync demo --topk 16 --no-sign-values``, and ``--optimizer muon`` under
+    DiLoCo: the leader takes each job with those fields; muon under demo (whose replicas step
+    SGD) is one usage line naming the field, and no job."""
+    for i in range(2):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    base = ["submit", "--model", str(model), "--stages", "1", "--replicas", "2", "--steps", "8"]
+    assert await asyncio.to_thread(_cli, api, *base, "--sync", "demo", "--optimizer",
+                                   "muon") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimizer: must be adamw under sync.mode demo" in err[0]
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--sync", "demo", "--topk", "16",
+                                   "--no-sign-values", "--format", "json") == 0
+    sync = json.loads(capsys.readouterr().out)["training"]["sync"]
+    assert (sync["mode"], sync["topk"], sync["sign_values"]) == ("demo", 16, False)
+    assert await asyncio.to_thread(_cli, api, *base, "--sync", "diloco", "--optimizer", "muon",
+                                   "--format", "json") == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["sync"]["mode"], training["optimizer"]) == ("diloco", "muon")

@@ -28,8 +28,10 @@ from swarm_core.pipeline.replica_group import ReplicaGroup, StageDropped
 from swarm_core.pipeline.ring import RingBroken
 from swarm_core.pipeline.stage import StageSpec
 from swarm_core.pipeline.syncs import GroupSync, make_sync
+from swarm_core.pipeline.syncs.demo import DeMo
 from swarm_core.pipeline.syncs.diloco import OuterStep
 from swarm_core.pipeline.syncs.dp import GradientAverage
+from swarm_core.pipeline.syncs.sparseloco import SparseLoCo
 from swarm_core.pipeline.transport import Liveness
 from swarm_core.schema import structure
 
@@ -47,7 +49,8 @@ def test_every_sync_mode_is_registered_and_builds_its_algorithm():
         assert isinstance(sync, GroupSync)
         built[mode] = type(sync)
         sync.close()
-    assert built == {"dp": GradientAverage, "diloco": OuterStep}
+    assert built == {"dp": GradientAverage, "diloco": OuterStep, "sparseloco": SparseLoCo,
+                     "demo": DeMo}
 
 
 def test_element_codecs_have_one_wire_id_each_and_the_frame_codec_names_them():

@@ -122,4 +122,5 @@ def test_the_summary_class_has_a_json_schema() -> None:
     json_schema(MetricsSummary, components)
     schema = components["MetricsSummary"]
     assert list(schema["properties"]) == KEYS and "required" not in schema
-    assert schema["properties"]["sync_mode"]["enum"] == ["none", "dp", "diloco"]
+    assert schema["properties"]["sync_mode"]["enum"] == ["none", "dp", "diloco", "sparseloco",
+                                                         "demo"]

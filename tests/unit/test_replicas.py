@@ -152,8 +152,8 @@ def test_a_batch_the_replicas_cannot_share_is_refused_by_name():
 def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                       replicas: int, leaves: dict[int, int | list[int]] | None = None,
                       joins: dict[int, tuple[int, int]] | None = None, overlap: int = 0,
-                      holds: frozenset[int] = frozenset(), average: bool = False
-                      ) -> list[float]:
+                      holds: frozenset[int] = frozenset(), average: bool = False,
+                      inner: Any = None) -> list[float]:
     """DiLoCo in one process, written from the paper (arXiv 2311.08105) in plain torch: R
     copies of the model from the same seed, each with its own AdamW (matrices decay) on its
     share of every step's windows, clipped by its own global norm; every H steps (and at the
@@ -172,7 +172,8 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     takes the outer step, and each copy becomes the new anchor plus what it trained since s.
     The outer steps after the steps in ``holds`` (0-based), and the last, apply at once.
     ``average``: no outer optimiser at all, each copy takes the mean of the copies' weights
-    (what outer lr 1 without momentum must come to)."""
+    (what outer lr 1 without momentum must come to). ``inner(model)``: each copy's inner
+    optimiser, where not AdamW."""
     import copy
 
     leaves, joins = leaves or {}, joins or {}
@@ -188,14 +189,16 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     opts = [torch.optim.AdamW(
         [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": tc.weight_decay},
          {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
-        lr=tc.lr, betas=tuple(tc.betas), eps=1e-8) for ps in params]
+        lr=tc.lr, betas=tuple(tc.betas), eps=1e-8) if inner is None else inner(model)
+        for ps, model in zip(params, models, strict=True)]
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
     stage_of = [s for s, st in enumerate(models[0].stages) for _ in st.parameters()]
     assert len(stage_of) == len(anchor)
     by_stage = {r: v if isinstance(v, list) else [v] * stages for r, v in leaves.items()}
     gone = {r: max(v) for r, v in by_stage.items()}  # (it trains until the last stage's)
-    outer = torch.optim.SGD(anchor, lr=sync.outer_lr, momentum=sync.outer_momentum,
-                            nesterov=sync.outer_momentum > 0)
+    outer_lr, outer_momentum = sync.outer_step  # (the fields, or DiLoCo's 0.7 and 0.9)
+    outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
 
     def lr(step: int) -> float:  # linear warm-up, then cosine to min_lr
         if step < tc.warmup_steps:

@@ -114,8 +114,33 @@ def test_a_bad_sync_mode_in_a_summary_is_one_line_naming_it(runs):
     path = runs[1] / "metrics_summary.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "sync_mode": "ring"}))
     _, skipped = load_runs([runs[1]])
+    from swarm_core.config.methods import SYNC_METHODS
+
+    modes = ", ".join(("none", *SYNC_METHODS))  # (dp, diloco, sparseloco, demo, ...)
     assert skipped == [(runs[1], f"{runs[1]}/metrics_summary.json: sync_mode is \"ring\", "
-                        "not one of none, dp, diloco")]
+                        f"not one of {modes}")]
+
+
+def test_every_sync_mode_has_its_own_dash_and_a_new_one_still_charts(tmp_path):
+    from typing import get_args
+
+    from swarm_core.config.grid import SyncAxis
+    from swarm_core.experiments.report import MODE_DASH, mode_dash
+
+    modes = get_args(SyncAxis)
+    assert set(MODE_DASH) == set(modes)
+    assert len({MODE_DASH[m] for m in modes}) == len(modes)  # (the dash tells modes apart)
+    assert mode_dash("a_mode_from_later") == MODE_DASH["none"]  # (drawn, not a KeyError)
+    d = _run_dir(tmp_path, "m-1x2-sparseloco_h2", {
+        "stages": 1, "replicas": 2, "sync_mode": "sparseloco", "inner_steps": 2,
+        "sync_bytes_per_step": 100.0}, lambda s: 200 if s % 2 == 0 else None)
+    loaded, skipped = load_runs([d])
+    assert skipped == []
+    html = render_html(loaded)
+    assert html.count(f"stroke-dasharray='{MODE_DASH['sparseloco'][0]}'") == 6
+    assert "m-1x2-sparseloco_h2 (sparseloco)" in html
+    row = dict(zip(HEADERS, summary_rows(loaded)[0], strict=True))
+    assert (row["grid"], row["sync"], row["inner steps"]) == ("1x2", "sparseloco", "2")
 
 
 def test_summary_of_a_diloco_run_names_its_grid_and_sync_bytes(tmp_path):

@@ -56,6 +56,38 @@ def test_replicas_sync_and_inner_steps_expand_into_named_runs(exp):
     assert r.runs[2].job("x").training.sync.mode == "dp"
 
 
+def test_every_periodic_mode_runs_once_per_inner_steps(exp, capsys):
+    """sparseloco is periodic as diloco is (the registry says): the inner_steps axis repeats
+    its runs too, named ``<mode>_h<H>``, and its own fields reach them by overrides."""
+    from swarm_tui.cli import run
+
+    path = exp({"replicas": [2], "sync": ["dp", "diloco", "sparseloco"],
+                "inner_steps": [10, 50], "overrides": {"sync": {"density": 0.05}}})
+    r = load_experiment(path)
+    assert [x.run_name for x in r.runs] == [
+        "m-none-unconstrained-2x2-dp-s0-r0",
+        "m-none-unconstrained-2x2-diloco_h10-s0-r0", "m-none-unconstrained-2x2-diloco_h50-s0-r0",
+        "m-none-unconstrained-2x2-sparseloco_h10-s0-r0",
+        "m-none-unconstrained-2x2-sparseloco_h50-s0-r0"]
+    assert [x.sync_mode for x in r.runs] == ["dp", "diloco", "diloco", "sparseloco",
+                                             "sparseloco"]
+    sync = r.runs[4].job("x").training.sync
+    assert (sync.mode, sync.inner_steps, sync.density, sync.outer_step) == \
+        ("sparseloco", 50, 0.05, (1.0, 0.0))
+    assert run(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sparseloco H=10 d=0.05 2-bit" in out and "sparseloco H=50 d=0.05 2-bit" in out
+
+
+def test_a_sparseloco_profile_is_swept_by_inner_steps_alone():
+    # (the profile's mode: periodic, so an inner_steps axis alone repeats it)
+    cells = grid_cells(1, 2, "sparseloco", 500, None, None, [3, 7])
+    assert [(c.sync, c.inner_steps, c.label) for c in cells] == [
+        ("sparseloco", 3, "1x2-sparseloco_h3"), ("sparseloco", 7, "1x2-sparseloco_h7")]
+    assert [c.label for c in grid_cells(1, 2, "dp", 500, [1, 2], ["none", "sparseloco"],
+                                        None)] == ["1x1-none", "1x2-sparseloco_h500"]
+
+
 def test_axes_left_out_keep_the_profile(exp):
     # No axis, one replica: the names of before (a sweep of chains keeps its run folders).
     r = load_experiment(exp({}))
@@ -83,9 +115,13 @@ def test_sync_overrides_merge_with_the_axes(exp):
     r = load_experiment(exp({"replicas": [2], "sync": ["diloco"],
                              "overrides": {"sync": {"compression": "fp16"}}}))
     sync = unstructure(r.runs[0].job("x").training.sync)
+    # (outer_lr/outer_momentum null: diloco's own, 0.7 and 0.9; the other modes' fields kept)
     assert sync == {"mode": "diloco", "compression": "fp16", "inner_steps": 500,
-                    "outer_lr": 0.7, "outer_momentum": 0.9, "bucket_mb": 25.0,
-                    "overlap_steps": 0}
+                    "outer_lr": None, "outer_momentum": None, "bucket_mb": 25.0,
+                    "overlap_steps": 0, "density": 0.02, "chunk": 4096, "value_bits": 2,
+                    "error_decay": 0.95, "dct_chunk": 64, "topk": 8, "sign_values": True,
+                    "momentum_decay": 0.999}
+    assert r.runs[0].job("x").training.sync.outer_step == (0.7, 0.9)
 
 
 def test_an_overlap_reaches_every_diloco_run_and_the_validate_table_shows_it(exp, capsys):
@@ -121,8 +157,8 @@ BAD = [
     ({"sync": ["dp"]}, None, "dp keeps replicas in step, and every run has 1 replica",
      "$.sweep.sync"),
     ({"replicas": [2], "sync": ["dp"], "inner_steps": [10]}, None,
-     "inner_steps applies to diloco runs only", "$.sweep.inner_steps"),
-    ({"inner_steps": [10]}, None, "inner_steps applies to diloco runs only",
+     "inner_steps applies to periodic runs only (diloco, sparseloco)", "$.sweep.inner_steps"),
+    ({"inner_steps": [10]}, None, "inner_steps applies to periodic runs only",
      "$.sweep.inner_steps"),
     ({"replicas": [1, 512]}, None, "each must be 1-256", "$.sweep.replicas"),
     # The batch must split into replicas x micro_batches: the axis value at fault is named.
@@ -130,6 +166,12 @@ BAD = [
      "$.sweep.replicas[1]"),
     ({"replicas": [2], "sync": ["diloco"], "overrides": {"sync": {"mode": "dp"}}}, None,
      "sync ['mode'] is swept", "$.sweep.overrides"),
+    # SparseLoCo codes its values itself: a sync compression over it is refused.
+    ({"replicas": [2], "sync": ["dp", "sparseloco"],
+      "overrides": {"sync": {"compression": "int8"}}}, None,
+     "must be none under sparseloco", "$.sweep(overrides).sync.compression"),
+    ({"replicas": [2], "sync": ["sparseloco"], "overrides": {"sync": {"density": 0}}}, None,
+     "must be > 0, got 0", "$.sweep(overrides).sync.density"),
     # An overlap must end before the next outer step of every H swept.
     ({"replicas": [2], "sync": ["diloco"], "inner_steps": [10, 2],
       "overrides": {"sync": {"overlap_steps": 3}}}, None,

@@ -1,6 +1,7 @@
-"""``swarm submit``'s sync flags (--sync, --inner-steps, --overlap-steps, --sync-compression):
-structured once, over the training profile's sync, into a SyncConfig; a bad value is one usage
-line that names the flag it came from. (Submitting them to a leader: test_cli_grid.py.)"""
+"""``swarm submit``'s sync flags (--sync, --inner-steps, --overlap-steps, --sync-compression,
+and SparseLoCo's --density, --chunk, --value-bits, --error-decay): structured once, over the
+training profile's sync, into a SyncConfig; a bad value is one usage line that names the flag
+it came from. (Submitting them to a leader: test_cli_grid.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ MODEL = {"name": "m", "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
 
 def _flags(**given: object) -> argparse.Namespace:
     values = {"sync": None, "inner_steps": None, "overlap_steps": None,
-              "sync_compression": None}
+              "sync_compression": None, "density": None, "chunk": None, "value_bits": None,
+              "error_decay": None, "dct_chunk": None, "topk": None, "sign_values": None,
+              "momentum_decay": None}
     return argparse.Namespace(**{**values, **given})
 
 
@@ -34,7 +37,44 @@ def test_the_flags_are_one_sync_config_over_the_profiles() -> None:
     assert _sync_config(_flags(sync="dp"), {}) == SyncConfig(mode="dp")
 
 
+def test_demo_and_its_fields_by_flags() -> None:
+    assert _sync_config(_flags(sync="demo", topk=16, sign_values=False), {}) == \
+        SyncConfig(mode="demo", topk=16, sign_values=False)
+    assert _sync_config(_flags(dct_chunk=32, momentum_decay=0.99), {"sync": {"mode": "demo"}}) \
+        == SyncConfig(mode="demo", dct_chunk=32, momentum_decay=0.99)
+
+
+def test_sparseloco_and_its_fields_by_flags() -> None:
+    assert _sync_config(_flags(sync="sparseloco", density=0.05), {}) == \
+        SyncConfig(mode="sparseloco", density=0.05)
+    sync = _sync_config(_flags(chunk=1024, value_bits=4, error_decay=0.9),
+                        {"sync": {"mode": "sparseloco", "inner_steps": 10}})
+    assert sync == SyncConfig(mode="sparseloco", inner_steps=10, chunk=1024, value_bits=4,
+                              error_decay=0.9)
+    assert sync is not None and sync.outer_step == (1.0, 0.0)  # (SparseLoCo's own)
+    assert sync.label == "sparseloco H=10 d=0.02 4-bit"
+    # A diloco profile's outer fields left out stay the mode's: 0.7 and 0.9 under --sync diloco.
+    diloco = _sync_config(_flags(sync="diloco"), {"sync": {"mode": "sparseloco"}})
+    assert diloco is not None and diloco.outer_step == (0.7, 0.9)
+
+
 @pytest.mark.parametrize(("given", "profile", "says"), [
+    ({"sync": "sparseloco", "density": 0.0}, {},
+     "--density 0.0: $.training.sync.density: must be > 0"),
+    ({"density": 1.5}, {}, "--density 1.5: $.training.sync.density: must be <= 1"),
+    ({"sync": "sparseloco", "value_bits": 3}, {},
+     "--value-bits 3: $.training.sync.value_bits: must be one of 1, 2, 4, 8, 32, got 3"),
+    ({"chunk": 0}, {}, "--chunk 0: $.training.sync.chunk: must be > 0"),
+    ({"error_decay": -0.1}, {}, "--error-decay -0.1: $.training.sync.error_decay: must be >= 0"),
+    ({"sync": "sparseloco", "sync_compression": "int8"}, {},
+     "--sync-compression int8: $.training.sync.compression: must be none under sparseloco"),
+    # A profile's compression or outer momentum that SparseLoCo cannot take: the flags named.
+    ({"sync": "sparseloco"}, {"sync": {"mode": "diloco", "compression": "int8"}},
+     "--sync sparseloco over the training profile's sync: $.training.sync.compression: must "
+     "be none under sparseloco"),
+    ({"sync": "sparseloco"}, {"sync": {"mode": "diloco", "outer_momentum": 0.9}},
+     "--sync sparseloco over the training profile's sync: $.training.sync.outer_momentum: "
+     "must be 0 under sparseloco"),
     ({"sync_compression": "int4"}, {},
      "--sync-compression int4: $.training.sync.compression: unknown sync compression 'int4'"),
     ({"inner_steps": 0}, {}, "--inner-steps 0: $.training.sync.inner_steps: "),
@@ -65,3 +105,19 @@ def test_swarm_submit_says_which_flag_is_wrong_in_one_line_and_submits_nothing(
     assert len(err) == 1 and err[0].startswith(
         "swarm: --sync-compression int4: $.training.sync.compression: unknown sync "
         "compression 'int4'")
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--density", "0"], "swarm: --density 0.0: $.training.sync.density: must be > 0"),
+    (["--value-bits", "3"], "swarm: --value-bits 3: $.training.sync.value_bits: must be one of "
+     "1, 2, 4, 8, 32, got 3"),
+])
+def test_swarm_submit_refuses_a_bad_sparseloco_field_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], says: str) -> None:
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps(MODEL))
+    code = run(["--leader-url", "http://127.0.0.1:9", "submit", "--model", str(model),
+                "--stages", "1", "--replicas", "2", "--sync", "sparseloco", *flags])
+    assert code == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(says)

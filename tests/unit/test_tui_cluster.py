@@ -69,7 +69,7 @@ def test_quit_leaves_a_cluster_that_restart_cluster_put_in_its_place(
         local_cluster._write(mine), mine)[1])
     monkeypatch.setattr(local_cluster, "token_for", lambda rec: "t")
 
-    def run(self: SwarmApp) -> None:  # while the console runs: kill -9, restart-cluster
+    def run(self: SwarmApp, **_kw: object) -> None:  # while it runs: kill -9, restart-cluster
         for p in ours:
             next(x for x in procs if x.pid == p).kill()
         local_cluster._write(record(theirs[0], theirs[1:], 2222, 2.0))
@@ -89,7 +89,7 @@ def test_quit_is_back_at_once_and_the_cluster_stops_in_the_background(
     monkeypatch.setattr(local_cluster, "start_cluster", lambda spec: (
         local_cluster._write(mine), mine)[1])
     monkeypatch.setattr(local_cluster, "token_for", lambda rec: "t")
-    monkeypatch.setattr(SwarmApp, "run", lambda self: None)  # q, y: quit at once
+    monkeypatch.setattr(SwarmApp, "run", lambda self, **_kw: None)  # q, y: quit at once
     t0 = time.monotonic()
     assert console_main.run_console(args(local=2)) == 0
     assert time.monotonic() - t0 < 1.0  # each process takes 1.5 s to go

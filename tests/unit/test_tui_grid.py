@@ -60,7 +60,7 @@ async def test_the_watch_view_has_a_row_per_cell_with_its_sync_at_80_columns() -
                                  "sync", "sync_wait", "hb"]
         text = screen_text(app)
         assert all(len(line.rstrip()) <= 80 for line in text.splitlines())
-        assert _row(text, "fellow") == ["fellow", "name", "stage", "rep", "step", "tok/s",
+        assert _row(text, "fellow") == ["fellow", "name", "stage▲", "rep", "step", "tok/s",
                                         "wait", "sync", "swait", "hb"]
         # The leader's figures of each cell (what a console opened mid-run has)...
         assert _row(text, "6 ") == ["6", "dp-0", "0", "0", "40", "900", "10%", "293.0K",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm_core.contract import LinkChange
+from swarm_core.contract import LinkChange, Topology
 from swarm_core.protocol import FellowInfo, LinkLimits
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
@@ -20,7 +20,15 @@ from swarm_tui.app.cells import (
     watch_cells,
 )
 from swarm_tui.app.forms import FormError, parse_speed
-from swarm_tui.app.launch import ExperimentSource, LaunchChoice, ProfileSource, run_summary
+from swarm_tui.app.launch import (
+    ExperimentSource,
+    LaunchChoice,
+    LaunchPlan,
+    ProfileSource,
+    grid_text,
+    launch_summary,
+    run_summary,
+)
 from swarm_tui.app.model import ClusterModel, RateMeter
 from swarm_tui.cli import main_tui
 from swarm_tui.fmt import fmt_age, fmt_bytes, fmt_rate
@@ -256,9 +264,43 @@ def test_profile_source_plans_one_train_job(tmp_path: Path) -> None:
     assert "not valid JSON" in (bad.error or "")
 
 
+def test_the_launchers_grid_is_stages_by_replicas_as_the_cli_says(tmp_path: Path) -> None:
+    """Issue 36 point 10: the form's field is stages (`swarm submit --stages`), so stages 2
+    and replicas 2 are a 2 x 2 job of 4 fellows; the preview's notes state the grid."""
+    src = ProfileSource(snapshot_configs(tmp_path))
+    assert "stages" in src.fields and "fellows" not in src.fields
+    model = "model/small_none.json"
+    for profile, stages, replicas, want in (
+            ("training/quickstart_shakespeare.json", "2", "2", (2, 2, 4)),
+            ("training/quickstart_shakespeare.json", "", "", (2, 1, 2)),  # no cluster: 2
+            ("training/quickstart_shakespeare.json", "", "2", (2, 2, 4)),
+            ("training/tiny_sweep.json", "3", "", (3, 1, 3)),  # over its cluster's 2 fellows
+            ("training/tiny_sweep.json", "", "2", (1, 2, 2))):  # its 2 fellows, as 1 x 2
+        plan = src.plan(LaunchChoice(model, profile, stages=stages, replicas=replicas))
+        assert plan.ok, plan.error
+        topo = plan.runs[0].topology
+        assert (topo.stages, topo.replicas, topo.fellows) == want
+        assert plan.notes[0] == f"grid: {grid_text(topo)}"
+    assert grid_text(Topology(stages=2, replicas=2)) == "2 stages x 2 replicas = 4 fellows"
+    assert grid_text(Topology(fellows=1)) == "1 stage x 1 replica = 1 fellow"
+    assert grid_text(Topology(stages=2, replicas=2, slots_per_fellow=2)) \
+        == "2 stages x 2 replicas = 2 fellows of 2 slots"
+    bad = src.plan(LaunchChoice(model, "training/tiny_sweep.json", stages="two"))
+    assert not bad.ok and bad.field == "$.topology.stages" and "whole number" in bad.error
+    # What the launch's question says: each run's name and grid, the first four of them.
+    sweep = ExperimentSource(snapshot_configs(tmp_path)).plan(
+        LaunchChoice(config="exp_tiny_sweep_v1.json"))
+    assert "grid: 2 stages x 1 replica = 2 fellows" in sweep.notes
+    text = launch_summary(sweep)
+    assert text.splitlines()[0] == "exp_tiny_sweep_v1: 2 runs, queued at once"
+    assert text.count(": 2 stages x 1 replica = 2 fellows") == 2
+    many = LaunchPlan(runs=sweep.runs * 3, bodies=sweep.bodies * 3)
+    assert launch_summary(many).splitlines()[-1] == "  and 2 more"
+
+
 def test_profile_source_sets_the_replicas_sync_over_the_profiles(tmp_path: Path) -> None:
     src = ProfileSource(snapshot_configs(tmp_path))
-    assert src.options("sync") == ["dp", "diloco"]
+    assert src.options("sync") == ["dp", "diloco", "sparseloco", "demo"]
     profile = "training/tiny_sweep.json"
     base = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2"))
     assert base.ok and base.runs[0].training.sync.mode == "dp"  # blank: the profile's
@@ -284,6 +326,28 @@ def test_profile_source_sets_the_replicas_sync_over_the_profiles(tmp_path: Path)
                                 inner_steps="ten"))
     assert not bad.ok and bad.field == "$.training.sync.inner_steps" \
         and "whole number" in (bad.error or "")
+
+
+def test_profile_source_sets_sparseloco_and_its_density(tmp_path: Path) -> None:
+    src = ProfileSource(snapshot_configs(tmp_path))
+    assert "density" in src.fields
+    profile = "training/tiny_sweep.json"
+    plan = src.plan(LaunchChoice("model/small_none.json", profile, fellows="4", replicas="2",
+                                 sync="sparseloco", inner_steps="4", density=" 0.05 "))
+    assert plan.ok, plan.error
+    sync = plan.runs[0].training.sync
+    assert (sync.mode, sync.inner_steps, sync.density, sync.outer_step) == \
+        ("sparseloco", 4, 0.05, (1.0, 0.0))
+    assert plan.bodies[0]["training"]["sync"]["density"] == 0.05  # (what the preview shows)
+    assert "2x2 · sparseloco H=4 d=0.05 2-bit ·" in run_summary(plan.runs[0])[1]
+    # A blank density is the profile's; its range is SyncConfig's, named as from a profile.
+    blank = src.plan(LaunchChoice("model/small_none.json", profile, sync="sparseloco"))
+    assert blank.ok and blank.runs[0].training.sync.density == 0.02
+    for typed, says in (("0", "must be > 0"), ("1.5", "must be <= 1"), ("lots", "not a number")):
+        bad = src.plan(LaunchChoice("model/small_none.json", profile, sync="sparseloco",
+                                    density=typed))
+        assert not bad.ok and bad.field == "$.training.sync.density" \
+            and says in (bad.error or ""), (typed, bad.error)
 
 
 def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:
@@ -390,6 +454,18 @@ def test_keymap_checks_dialogs_against_the_keys_that_reach_them() -> None:
     assert keymap.check({"help.close_q": "x"}, "k") == {"help.close_q": "x"}
     with pytest.raises(keymap.KeymapError, match="in the help view"):
         keymap.check({"help.close_q": "ctrl+q"}, "k")  # quits everywhere (priority)
+
+
+def test_keys_that_open_a_field_remap_to_plain_keys() -> None:
+    """`/` (filter, search) is a priority key, so that the keys typed behind it reach the
+    field it opens (issue 36 point 8); it stands aside in a field, so a plain key is fine."""
+    from swarm_tui.app import keymap
+
+    assert keymap.check({"fellows.filter": "f", "describe.search": "f"}, "k") == \
+        {"fellows.filter": "f", "describe.search": "f"}
+    with pytest.raises(keymap.KeymapError, match=r"would be both fellows\.filter and "
+                                                 r"fellows\.log"):
+        keymap.check({"fellows.filter": "l"}, "k")
 
 
 def test_keymap_file_is_read_from_the_default_place(tmp_path: Path,

@@ -12,6 +12,7 @@ from textual.widgets import Input
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.screens.dialogs import SetSpeedDialog
 from swarm_tui.app.screens.jobs import JobWatchScreen
+from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.status import StatusBar
 from tests.tui_support import T0, FakeClient, frozen_clock, screen_text, wait_for
 
@@ -81,9 +82,11 @@ async def test_a_finished_job_opened_in_a_fresh_console_shows_its_curve(tmp_path
 def burst(app: SwarmApp, *keys: str) -> None:
     """Keys as a terminal delivers a burst or a fast typist over SSH: all queued at once,
     none waiting for the one before it to be handled (Pilot.press waits between keys)."""
-    chars = {"tab": "\t", "enter": "\r", "shift+tab": None}
+    # (the characters Textual's xterm parser gives these keys; named keys of an escape
+    # sequence, such as home or left, have none)
+    chars = {"tab": "\t", "enter": "\r", "backspace": "\x7f", "slash": "/", "escape": "\x1b"}
     for key in keys:
-        event = events.Key(key, chars.get(key, key))
+        event = events.Key(key, chars.get(key, key if len(key) == 1 else None))
         event.set_sender(app)
         app._driver.send_message(event)  # type: ignore[union-attr]
 
@@ -106,6 +109,32 @@ async def test_keys_typed_in_a_burst_reach_the_fields_they_were_typed_into() -> 
         (what, (fid, req)), = client.calls
         assert (what, fid, req.tx_mbps, req.rx_mbps, req.latency_ms) == \
             ("set_speed", 2, 5.0, 6.0, 7.0)
+
+
+async def test_editing_keys_in_a_burst_apply_in_the_order_they_were_typed() -> None:
+    """Issue 36 point 8: a backspace is a binding of the input, which Textual ran only once
+    the key had bubbled up to the app, after the characters typed behind it (and, behind a
+    priority tab, in the next field): ``55 ⌫ 0 tab 6 enter`` sent tx 550, rx unlimited."""
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("down", "down", "s")  # fellow 2, no limits yet
+        await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog), "the dialog")
+        burst(app, "5", "5", "backspace", "0", "tab", "6", "enter")
+        await wait_for(pilot, lambda: client.calls, "the request")
+        (what, (fid, req)), = client.calls
+        assert (what, fid, req.tx_mbps, req.rx_mbps) == ("set_speed", 2, 50.0, 6.0)
+        await wait_for(pilot, lambda: not isinstance(app.screen, SetSpeedDialog), "closed")
+        # The filter: `local-55 ⌫ 4` filters on local-54; the cursor keys move in order too,
+        # and the keys behind the "/" that opens it reach it (they went to the table).
+        burst(app, "slash", *"local-55", "backspace", "4", "home", "x", "end", "left", "y")
+        table = app.screen.query_one(LiveTable)
+        await wait_for(pilot, lambda: table.filter_text == "xlocal-5y4", "the filter")
+        await pilot.pause(0.1)
+        assert table.filter_text == "xlocal-5y4"
+        burst(app, "slash", "enter")  # ("/" in the filter is typed: it is a regex's)
+        await wait_for(pilot, lambda: table.filter_text == "xlocal-5y/4", "typed")
 
 
 def idle_heartbeat(seq: int, ts: float) -> dict[str, object]:
@@ -457,3 +486,356 @@ async def test_the_column_chooser_picks_the_columns_and_a_goes_back_to_by_width(
         await pilot.press("a")
         await wait_for(pilot, lambda: not isinstance(app.screen, ColumnsDialog), "closed")
         assert table.visible == by_width and table.chosen is None
+
+
+async def test_the_launcher_offers_sparseloco_and_takes_its_density(tmp_path: Path) -> None:
+    from textual.widgets import Select
+
+    from swarm_tui.app.screens.launch import LaunchScreen
+    from tests.tui_support import snapshot_configs
+
+    client = FakeClient()
+    app = make_app(client, configs_dir=snapshot_configs(tmp_path))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("3")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                and app.screen, "the launcher")
+        screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: screen.query_one("#row-density").display,
+                       "the profile form's density")
+        screen.query_one("#replicas", Input).value = "2"
+        screen.query_one("#stages", Input).value = "2"  # (2 x 2: 4 fellows)
+        # (a value the Select does not offer would raise: sparseloco is one of its options)
+        screen.query_one("#sync", Select).value = "sparseloco"
+        await pilot.click("#density")
+        await pilot.press(*"0.05")
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].training.sync.density == 0.05, "the plan")
+        sync = screen.plan.runs[0].training.sync
+        assert (sync.mode, sync.density) == ("sparseloco", 0.05)
+        assert screen.plan.bodies[0]["training"]["sync"]["density"] == 0.05  # (the preview's)
+        await pilot.press("backspace", "backspace", "backspace", "backspace", "0")
+        await wait_for(pilot, lambda: "$.training.sync.density: must be > 0"
+                       in screen_text(app), "the preview's error")
+
+
+async def test_launch_asks_first_and_names_the_grid_the_form_asks_for(tmp_path: Path) -> None:
+    """Issue 36 point 10: a remembered focus, tab and enter queued a whole sweep. Every
+    launch asks first (enter goes back; y launches), naming the runs and their grid; the form
+    asks for stages, as `swarm submit --stages` (stages 2, replicas 2 is a 2 x 2 job)."""
+    from textual.widgets import Select
+
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+    from swarm_tui.app.screens.launch import LaunchScreen
+    from tests.tui_support import snapshot_configs
+
+    client = FakeClient()
+    app = make_app(client, configs_dir=snapshot_configs(tmp_path))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("3")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                and app.screen, "the launcher")
+        await wait_for(pilot, lambda: "preview: 2 runs" in screen_text(app), "the sweep")
+        assert "grid: 2 stages x 1 replica = 2 fellows" in screen_text(app)
+        # The accident: focus on the sweep's config, tab (to the button), enter.
+        screen.query_one("#config", Select).focus()
+        await pilot.press("tab", "enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                       and "Launch 2 runs?" in screen_text(app), "the question")
+        text = screen_text(app)
+        assert "Launch 2 runs?" in text and "exp_tiny_sweep_v1: 2 runs, queued at once" in text
+        assert "2 stages x 1 replica = 2 fellows" in text
+        await pilot.press("enter")  # (focus starts on the safe answer)
+        await wait_for(pilot, lambda: app.screen is screen, "back in the launcher")
+        assert not app.launching and client.calls == []
+        # A train job of stages 2 x replicas 2: the preview and the question say 4 fellows.
+        screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: screen.query_one("#row-stages").display, "the form")
+        assert not screen.query("#row-fellows")  # (stages, not fellows in all)
+        await pilot.click("#stages")
+        burst(app, "2", "tab", "2")
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].topology.replicas == 2, "the plan")
+        topo = screen.plan.runs[0].topology
+        assert (topo.stages, topo.replicas, topo.fellows) == (2, 2, 4)
+        assert "grid: 2 stages x 2 replicas = 4 fellows" in screen_text(app)
+        burst(app, "enter")  # (enter in a field asks too)
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                       and "small_fixed_int8: 2 stages x 2 replicas = 4 fellows"
+                       in screen_text(app), "the question")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is screen, "back in the launcher")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the question")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: client.calls, "the submit")
+        (what, req), = client.calls
+        assert what == "submit" and (req.topology.stages, req.topology.replicas,
+                                     req.topology.fellows) == (2, 2, 4)
+
+
+async def test_the_focused_field_stands_out_in_256_colours(tmp_path: Path) -> None:
+    """Issue 36 point 10: the focused field was one grey step brighter than the rest. In 256
+    colours its background and its label's are a colour, not a grey, and not the others'."""
+    from rich.color import ColorSystem
+    from textual.widgets import Label, Select
+
+    from swarm_tui.app.screens.launch import LaunchScreen
+    from tests.tui_support import snapshot_configs
+
+    def colour256(widget: object) -> tuple[int, int, int]:
+        bg = widget.rich_style.bgcolor  # type: ignore[attr-defined]
+        assert bg is not None
+        return bg.downgrade(ColorSystem.EIGHT_BIT).get_truecolor()
+
+    def grey(rgb: tuple[int, int, int]) -> bool:
+        return max(rgb) - min(rgb) < 24
+
+    client = FakeClient()
+    app = make_app(client, configs_dir=snapshot_configs(tmp_path))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("3")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                and app.screen, "the launcher")
+        screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: screen.query_one("#row-stages").display, "the form")
+        await pilot.click("#stages")
+        await pilot.pause()
+        stages, replicas = screen.query_one("#stages", Input), screen.query_one("#replicas", Input)
+        label = screen.query_one("#row-stages").query_one(Label)
+        other = screen.query_one("#row-replicas").query_one(Label)
+        assert stages.has_focus
+        for focused, plain in ((stages, replicas), (label, other)):
+            assert not grey(colour256(focused)) and colour256(focused) != colour256(plain)
+        # A pick list too.
+        from textual.widgets._select import SelectCurrent
+
+        screen.query_one("#model", Select).focus()
+        await pilot.pause()
+        model = screen.query_one("#model", Select).query_one(SelectCurrent)
+        training = screen.query_one("#training", Select).query_one(SelectCurrent)
+        assert not grey(colour256(model)) and colour256(model) != colour256(training)
+        assert not grey(colour256(screen.query_one("#row-model").query_one(Label)))
+        assert colour256(label) == colour256(other)  # (the stages field's, back to plain)
+        # And in the set-speed dialog.
+        app.switch_view("fellows")
+        await pilot.pause()
+        await pilot.press("s")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the dialog")
+        await pilot.pause()
+        tx, rx = dialog.query_one("#tx", Input), dialog.query_one("#rx", Input)
+        assert tx.has_focus and not grey(colour256(tx)) and colour256(tx) != colour256(rx)
+
+
+# --- issue 36 point 14: at 80 columns and in the palette ---------------------------------------
+
+
+async def test_at_80_columns_every_sortable_column_shows_its_sort_arrow() -> None:
+    from swarm_tui.app.cells import JOB_COLUMNS, SORTABLE_FELLOW_COLUMNS
+    from swarm_tui.app.screens.jobs import JobsScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        for view, columns in (("fellows", SORTABLE_FELLOW_COLUMNS), ("jobs", JOB_COLUMNS)):
+            app.switch_view(view)
+            await pilot.pause()
+            table = app.screen.query_one(LiveTable)
+            for col in columns:
+                for reverse, arrow in ((False, "▲"), (True, "▼")):
+                    table.set_sort(col.key, reverse=reverse)
+                    await pilot.pause()
+                    header = screen_text(app).splitlines()[1]
+                    # (a column too wide for 80 shows while it sorts: id and name stay)
+                    assert col.label.strip() + arrow in header, (view, col.key, header)
+                    assert sum(table.col_widths.values()) + 2 * len(table.col_widths) <= 79
+        assert isinstance(app.screen, JobsScreen)
+
+
+async def test_long_run_names_are_cut_in_the_middle() -> None:
+    """Four runs of a sweep, alike but for their seed and repeat: cut at the end, they read
+    alike at 80 columns; cut in the middle, each shows the end that tells it apart."""
+    from tests.tui_support import _job
+
+    runs = [f"20261201T2301{i:02d}-exp_grid_v1-{i:02d}-small_none-fixed_int8-wan_80-s{s}-r{r}"
+            for i, (s, r) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)])]
+    client = FakeClient()
+    client._jobs = [_job(10 + i, "COMPLETED", name=name, step=3, steps=3)
+                    for i, name in enumerate(runs)]
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.snapshots >= 1, "the fixed data")
+        await pilot.press("2")
+        table = await wait_for(pilot, lambda: (t := app.screen.query_one(LiveTable)).row_count
+                               == 4 and t, "the sweep's runs")
+        await pilot.pause()
+        shown = [table.get_cell(key, "name").plain for key in table.shown_keys]
+        assert len(set(shown)) == 4, shown
+        assert all(len(name) == table.col_widths["name"] and "…" in name for name in shown)
+        assert sorted(name[-6:] for name in shown) == ["-s0-r0", "-s0-r1", "-s1-r0", "-s1-r1"]
+        assert all(name.startswith("small_no") for name in shown)
+        assert all(name in screen_text(app) for name in shown)
+        # The export keeps the whole name; the sort, the run's.
+        _columns, rows = table.export_rows()
+        assert sorted(r["name"] for r in rows) == sorted(runs)
+    from swarm_tui.app.cells import cut_middle
+
+    assert cut_middle("abcdefghijkl", 7) == "abc…jkl" and cut_middle("short", 7) == "short"
+
+
+async def test_the_top_bar_keeps_the_running_count_at_80_columns() -> None:
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen), "the watch")
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0].rstrip()
+        assert top.startswith(" job-000002  ● live  5 fellows · 1 stale  1 running") \
+            and top.endswith("@ leader.test:8765"), top
+
+
+async def test_every_action_is_in_the_palette_with_its_keys(tmp_path: Path) -> None:
+    """Every binding of every view (the tables' movement and the forms' tab aside) has a
+    palette entry, shown with its keys as remapped."""
+    from textual.binding import Binding
+    from textual.command import CommandList, CommandPalette
+
+    from swarm_tui.app.app import MODAL_VIEWS, help_sections
+    from swarm_tui.app.commands import SwarmCommands
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+    from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
+
+    client = FakeClient()
+    app = make_app(client, keymap={"fellows.set_speed": "x"})
+    wanted = {(title, b.action): b for title, bindings in help_sections()
+              if title not in MODAL_VIEWS and title not in ("tables", "tables and forms")
+              for b in bindings if isinstance(b, Binding) and b.id
+              and not b.id.endswith(("next_field", "previous_field")) and b.id != "app.palette"
+              and not b.action.startswith("scroll(")}  # (moving, as the tables' keys)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        found: dict[tuple[type, str], str] = {}
+        for opened in (lambda: None, lambda: app.push_screen(FellowDetailScreen(0)),
+                       lambda: app.watch_job("job-000002"),
+                       lambda: app.push_screen(DescribeScreen("job", "job-000002")),
+                       lambda: app.push_screen(FellowLogScreen(0))):
+            app.switch_view("fellows")
+            opened()
+            await pilot.pause()
+            provider = SwarmCommands(app.screen)
+            for command in provider.commands():
+                if command.key_of is not None:
+                    found[command.key_of] = provider.hint(command)
+        owners = {title: cls for title, cls in [
+            ("everywhere", SwarmApp), ("fellow detail", FellowDetailScreen),
+            ("job watch", JobWatchScreen), ("describe", DescribeScreen),
+            ("fellow log", FellowLogScreen)]}
+        from swarm_tui.app.screens.fellows import FellowsScreen
+        from swarm_tui.app.screens.jobs import JobsScreen
+        from swarm_tui.app.screens.launch import LaunchScreen
+
+        owners |= {"fellows": FellowsScreen, "jobs": JobsScreen, "launch": LaunchScreen}
+        missing = [f"{title}: {b.id}" for (title, action), b in wanted.items()
+                   if (owners[title], action) not in found]
+        assert not missing, missing
+        assert found[(FellowsScreen, "set_speed")] == "x"  # (remapped)
+        assert found[(JobsScreen, "watch")] == "w enter"
+        # On screen: the entry and its key.
+        await pilot.press("ctrl+p")
+        palette = await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette)
+                                 and app.screen, "the palette")
+        palette.query_one(Input).value = "fellows: release all"
+        await wait_for(pilot, lambda: palette.query_one(CommandList).option_count, "hits")
+        await wait_for(pilot, lambda: "fellows: release all  R" in screen_text(app), "its key")
+
+
+async def test_describe_scrolls_like_the_tables_searches_and_shows_times(tmp_path: Path
+                                                                         ) -> None:
+    import json
+
+    from swarm_tui.app.screens.record import DescribeScreen, fmt_time
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("2", "d")  # job-000002, its 31-point loss history: 100+ lines
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, DescribeScreen)
+                                and app.screen.text and app.screen, "the job's record")
+        record = json.loads(screen.text)
+        job = next(j for j in client._jobs if j.job_id == "job-000002")
+        assert record["created_at"] == fmt_time(job.created_at)
+        assert record["created_at"][:4] in ("2023", "2024") and record["finished_at"] is None
+        assert record["link_changes"][0]["at"] == fmt_time(job.link_changes[0].at)
+        assert ":20.2 " in fmt_time(1700000000.25) and ":20 " in fmt_time(1700000000.0)
+        scroll = screen.scroller
+        await pilot.pause()
+        assert scroll.max_scroll_y > 20
+        await pilot.press("j", "j", "j")
+        await wait_for(pilot, lambda: scroll.scroll_y == 3, "three lines down")
+        await pilot.press("k")
+        await wait_for(pilot, lambda: scroll.scroll_y == 2, "one up")
+        await pilot.press("G")
+        await wait_for(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y, "the bottom")
+        await pilot.press("g")
+        await wait_for(pilot, lambda: scroll.scroll_y == 0, "the top")
+        # / searches: the view goes to the first match, n and N to the next and previous.
+        await pilot.press("slash", *"eval_history", "enter")
+        line = screen.text.splitlines().index(next(ln for ln in screen.text.splitlines()
+                                                   if "eval_history" in ln))
+        await wait_for(pilot, lambda: scroll.scroll_y > 0 and abs(
+            scroll.scroll_y - (line - 2)) <= 1, "the match in view")
+        assert '"eval_history"' in screen_text(app) and "1/1" in screen_text(app)
+        await pilot.press("escape")  # closes the search
+        await pilot.press("slash", *"2.5")
+        await wait_for(pilot, lambda: len(screen.matches) > 1, "several matches")
+        first = screen.match
+        await pilot.press("enter", "n")
+        await wait_for(pilot, lambda: screen.match == (first + 1) % len(screen.matches),
+                       "the next")
+        await pilot.press("N", "N")
+        await wait_for(pilot, lambda: screen.match == (first - 1) % len(screen.matches),
+                       "the previous")
+        await pilot.press("escape", "escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, DescribeScreen), "back")
+
+
+async def test_quitting_a_local_cluster_with_a_running_job_says_it_will_fail() -> None:
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+
+    class Running:
+        def running(self) -> bool:
+            return True
+
+        def is_current(self) -> bool:
+            return True
+
+    client = FakeClient()
+    app = make_app(client, cluster=Running())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("q")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog)
+                       and "will fail" in screen_text(app), "the question")
+        assert "so job-000002 small_fixed_int8, running on it, will fail" \
+            in str(app.screen.body)  # type: ignore[attr-defined]
+        await pilot.press("n")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmDialog), "stayed")
+
+
+def test_no_mouse_leaves_the_mouse_to_the_terminal(monkeypatch) -> None:  # type: ignore
+    from swarm_tui import cli
+
+    runs: list[dict[str, object]] = []
+    monkeypatch.setattr(SwarmApp, "run", lambda self, **kw: runs.append(kw))
+    monkeypatch.delenv("SWARM_LEADER_URL", raising=False)
+    assert cli.main_tui(["--leader-url", "http://127.0.0.1:1", "--no-mouse"]) == 0
+    assert cli.main_tui(["--leader-url", "http://127.0.0.1:1"]) == 0
+    assert runs == [{"mouse": False}, {"mouse": True}]

@@ -28,6 +28,9 @@ class GroupSync(abc.ABC):
     # Each replica's state (its optimiser's, this algorithm's) is its own, so a checkpoint
     # holds every member's; else the group's first member's stands for all.
     own_state: bool = False
+    # Its ``after_backward`` writes its own direction into the gradients (DeMo's sign): the
+    # stage clips the replica's own gradients before it, not the direction after.
+    clips_first: bool = False
 
     @property
     @abc.abstractmethod

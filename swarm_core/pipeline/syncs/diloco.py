@@ -42,7 +42,7 @@ class OuterStep(GroupSync):
                  steps: int) -> None:
         self.params, self.ring, self.cfg, self.steps = list(params), ring, cfg, steps
         self.overlap_steps = cfg.overlap_steps
-        lr, momentum = cfg.outer_lr, cfg.outer_momentum
+        lr, momentum = cfg.outer_step
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
         # (momentum 0 is plain SGD on the mean change: with lr 1, weight averaging)
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum,
@@ -187,8 +187,9 @@ class OuterStep(GroupSync):
                 for name, buf in zip(names, self.momentum(), strict=True) if buf is not None}
 
     def restore_state(self, names: Sequence[str], arrays: dict[str, np.ndarray]) -> None:
-        self.set_momentum([torch.from_numpy(np.array(arrays[n])) if n in arrays else None
-                           for n in names])
+        keys = [f"{n}.{OUTER_FIELD}" for n in names]
+        self.set_momentum([torch.from_numpy(np.array(arrays[k])) if k in arrays else None
+                           for k in keys])
 
     def handoff(self) -> dict[str, np.ndarray]:
         """The anchor (the weights at the last outer step) and the outer momentum."""

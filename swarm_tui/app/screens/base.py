@@ -3,17 +3,35 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from textual.actions import SkipAction
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.screen import Screen
 from textual.widgets import Input, Label
 
 from swarm_tui.app.model import Change
+from swarm_tui.app.widgets.field import Field
 
 if TYPE_CHECKING:
     from swarm_tui.app.app import SwarmApp
+
+
+# Keys that open a text field (``/``: a filter, a search). Priority bindings: the app runs
+# them as it reads the key, so that the keys typed behind them in a burst (over SSH, a paste)
+# reach the field they open; not priority, they ran once the key had come back from the
+# table, and the keys behind it had gone to the table (and were lost). While a text field has
+# the focus the key is typed there (Textual drops the bindings of a key that the focused input
+# takes; ``opens_field`` checks again). The keymap lets them be remapped to plain keys.
+FIELD_OPENERS = frozenset({"fellows.filter", "jobs.filter", "describe.search"})
+
+
+def opens_field(screen: Screen[Any]) -> None:
+    """In a field-opening action: stand aside (the key is typed) while a text field has the
+    focus."""
+    if isinstance(screen.focused, Input):
+        raise SkipAction()
 
 
 class SwarmScreen(Screen[None]):
@@ -96,7 +114,7 @@ class FilterBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Label("filter /", id="filter-label")
-        yield Input(placeholder="regex over id, name, node, status, job", compact=True,
+        yield Field(placeholder="regex over id, name, node, status, job", compact=True,
                     id="filter-input")
         yield Label("", id="filter-error")
 

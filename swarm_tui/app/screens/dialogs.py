@@ -18,6 +18,7 @@ from textual.widgets.selection_list import Selection
 from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.export import ExportError, default_name, write_view
 from swarm_tui.app.forms import FormError, fmt_input, parse_speed
+from swarm_tui.app.widgets.field import Field
 from swarm_tui.app.widgets.footer import SwarmFooter
 
 T = TypeVar("T")
@@ -94,13 +95,13 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
                         classes="dialog-help")
             with Horizontal(classes="field"):
                 yield Label("tx Mbit/s", classes="field-label")
-                yield Input(self.initial[0], placeholder="unlimited", compact=True, id="tx")
+                yield Field(self.initial[0], placeholder="unlimited", compact=True, id="tx")
             with Horizontal(classes="field"):
                 yield Label("rx Mbit/s", classes="field-label")
-                yield Input(self.initial[1], placeholder="unlimited", compact=True, id="rx")
+                yield Field(self.initial[1], placeholder="unlimited", compact=True, id="rx")
             with Horizontal(classes="field"):
                 yield Label("latency ms", classes="field-label")
-                yield Input(self.initial[2], placeholder="0", compact=True, id="latency")
+                yield Field(self.initial[2], placeholder="0", compact=True, id="latency")
             yield from self.buttons("Apply")
         yield SwarmFooter()  # (the dialog's keys, not those of the view under it)
 
@@ -131,7 +132,7 @@ class ConfirmDialog(ModalScreen[bool]):
         Binding("escape", "cancel", "No", show=False, id="confirm.escape"),
     ]
 
-    def __init__(self, title: str, body: str, confirm_label: str = "Yes",
+    def __init__(self, title: str, body: str | Text, confirm_label: str = "Yes",
                  deny_label: str = "Cancel") -> None:
         super().__init__()
         self.title_text, self.body = title, body
@@ -192,7 +193,7 @@ class ExportDialog(FormDialog[Path | None]):
                         "started).", classes="dialog-help")
             with Horizontal(classes="field"):
                 yield Label("file", classes="field-label")
-                yield Input(default_name(self.view), compact=True, id="path")
+                yield Field(default_name(self.view), compact=True, id="path")
             yield from self.buttons("Write")
         yield SwarmFooter()
 

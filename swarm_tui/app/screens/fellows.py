@@ -25,7 +25,7 @@ from swarm_tui.app.cells import (
     shown_status,
 )
 from swarm_tui.app.model import Change, ClusterModel, FellowState
-from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.screens.base import FilterBar, SwarmScreen, opens_field
 from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.graph import graph_top
@@ -52,7 +52,7 @@ class FellowsScreen(SwarmScreen):
         Binding("r", "release", "Release", id="fellows.release"),
         Binding("R", "release_all", "Release all", show=False, id="fellows.release_all"),
         Binding("space", "mark", "Mark", id="fellows.mark"),
-        Binding("slash", "filter", "Filter", id="fellows.filter"),
+        Binding("slash", "filter", "Filter", priority=True, id="fellows.filter"),
         Binding("o", "sort_next", "Sort", show=False, id="fellows.sort_next"),
         Binding("O", "sort_reverse", "Reverse sort", show=False, id="fellows.sort_reverse"),
         Binding("enter", "detail", "Detail", show=False, id="fellows.detail"),
@@ -158,6 +158,7 @@ class FellowsScreen(SwarmScreen):
 
     # filter and sort --------------------------------------------------------------------------
     def action_filter(self) -> None:
+        opens_field(self)
         bar = self.query_one(FilterBar)
         bar.add_class("-open")
         self.set_focus(bar.input)  # now, not after the keys already queued behind "/"

@@ -25,7 +25,7 @@ from swarm_tui.app.cells import (
     watch_columns,
 )
 from swarm_tui.app.model import Change, JobView
-from swarm_tui.app.screens.base import FilterBar, SwarmScreen
+from swarm_tui.app.screens.base import FilterBar, SwarmScreen, opens_field
 from swarm_tui.app.screens.record import DescribeScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.live_table import LiveTable
@@ -41,7 +41,7 @@ class JobsScreen(SwarmScreen):
         Binding("w", "watch", "Watch", id="jobs.watch"),
         Binding("enter", "watch", "Watch", show=False, id="jobs.open"),
         Binding("c", "cancel_job", "Cancel job", id="jobs.cancel"),
-        Binding("slash", "filter", "Filter", id="jobs.filter"),
+        Binding("slash", "filter", "Filter", priority=True, id="jobs.filter"),
         Binding("o", "sort_next", "Sort", id="jobs.sort_next"),
         Binding("O", "sort_reverse", "Reverse sort", show=False, id="jobs.sort_reverse"),
         Binding("escape", "clear", "Clear filter", show=False, id="jobs.clear"),
@@ -148,6 +148,7 @@ class JobsScreen(SwarmScreen):
         self.swarm.ask_cancel(job)
 
     def action_filter(self) -> None:
+        opens_field(self)
         bar = self.query_one(FilterBar)
         bar.add_class("-open")
         self.set_focus(bar.input)  # now, not after the keys already queued behind "/"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
@@ -11,10 +12,19 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Button, Input, Label, Select, Static
 
 from swarm_core.client import ApiError
-from swarm_tui.app.launch import LaunchChoice, LaunchPlan, LaunchSource, run_body, run_summary
+from swarm_tui.app.cells import cut_middle
+from swarm_tui.app.launch import (
+    LaunchChoice,
+    LaunchPlan,
+    LaunchSource,
+    launch_summary,
+    run_body,
+    run_summary,
+)
 from swarm_tui.app.model import Change
 from swarm_tui.app.screens.base import SwarmScreen
-from swarm_tui.app.screens.dialogs import field_keys
+from swarm_tui.app.screens.dialogs import ConfirmDialog, field_keys
+from swarm_tui.app.widgets.field import Field
 from swarm_tui.app.widgets.footer import SwarmFooter
 from swarm_tui.app.widgets.status import StatusBar
 
@@ -55,7 +65,7 @@ class LaunchScreen(SwarmScreen):
                         yield Label(LABELS.get(field, field), classes="form-label")
                         if field in TEXT_FIELDS:
                             value, placeholder = TEXT_FIELDS[field]
-                            yield Input(value, placeholder=placeholder, compact=True, id=field)
+                            yield Field(value, placeholder=placeholder, compact=True, id=field)
                             continue
                         options = next((src.options(field) for src in sources
                                         if field in src.fields), [])
@@ -97,11 +107,12 @@ class LaunchScreen(SwarmScreen):
             return value if isinstance(value, str) else None
 
         return LaunchChoice(model=sel("model"), training=sel("training"), config=sel("config"),
-                            fellows=self.query_one("#fellows", Input).value,
+                            stages=self.query_one("#stages", Input).value,
                             replicas=self.query_one("#replicas", Input).value,
                             sync=sel("sync"),
                             inner_steps=self.query_one("#inner_steps", Input).value,
                             overlap_steps=self.query_one("#overlap_steps", Input).value,
+                            density=self.query_one("#density", Input).value,
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
 
@@ -124,11 +135,12 @@ class LaunchScreen(SwarmScreen):
                           background_color="default", word_wrap=True)
             preview.update(Group(notes, body))
         else:
-            lines: list[Text] = []
+            lines: list[RenderableType] = []
             for i, req in enumerate(self.plan.runs):
                 name, details = run_summary(req)
-                # A run's name is one long token: cut it, rather than wrap it mid-word.
-                lines.append(Text(f"{i + 1}. {name}", no_wrap=True, overflow="ellipsis"))
+                # A run's name is one long token: cut it in the middle, rather than wrap it
+                # mid-word (or cut its end: the runs of a sweep differ there).
+                lines.append(MiddleCut(f"{i + 1}. ", name))
                 lines.append(Text(f"   {details}", style="dim"))
             preview.update(Group(notes, *lines))
         self.show_error(None)
@@ -164,11 +176,25 @@ class LaunchScreen(SwarmScreen):
             self.action_launch()
 
     def action_launch(self) -> None:
+        """``ctrl+s``, the button, or enter in a field: asks first (a stray enter queued a
+        whole sweep), naming what it queues; ``y`` launches, enter or esc goes back."""
         self.update_plan()
         if not self.plan.ok:
             self.show_error("nothing to launch: " + (self.plan.error or "no runs"))
             return
-        self.swarm.launch(self.plan, origin=self)
+        app = self.swarm
+        if app.refuse_if_read_only("launch") or app.refuse_if_launching():
+            return
+        plan = self.plan  # (what the confirmation names, whatever is typed meanwhile)
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                app.launch(plan, origin=self)
+
+        n = len(plan.runs)
+        app.push_screen(ConfirmDialog(f"Launch {n} run{'s' if n != 1 else ''}?",
+                                      Text(launch_summary(plan)), confirm_label="Launch",
+                                      deny_label="Back"), confirmed)
 
     def action_back(self) -> None:
         self.swarm.switch_view("fellows")
@@ -179,15 +205,28 @@ class LaunchScreen(SwarmScreen):
 # placeholder.
 PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": ""}
 BLANK_PICKS = {"sync": "the profile's"}
-TEXT_FIELDS = {"fellows": ("", "the profile's, else 2"),
+TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
                "replicas": ("", "the profile's, else 1"),
                "inner_steps": ("", "diloco's H: the profile's"),
                "overlap_steps": ("", "diloco: the profile's"),
+               "density": ("", "sparseloco: the profile's"),
                "steps": ("", "as the profile says"), "name": ("", "the model's name")}
 # Labels that fit the form's label column (the field names the JSON uses are longer).
 LABELS = {"inner_steps": "inner H", "overlap_steps": "overlap"}
-FIELD_ORDER = ("config", "model", "training", "fellows", "replicas", "sync", "inner_steps",
-               "overlap_steps", "steps", "name")
+FIELD_ORDER = ("config", "model", "training", "stages", "replicas", "sync", "inner_steps",
+               "overlap_steps", "density", "steps", "name")
+
+
+class MiddleCut:
+    """``prefix`` and ``name`` on one line, the name cut in the middle to the width given."""
+
+    def __init__(self, prefix: str, name: str) -> None:
+        self.prefix, self.name = prefix, name
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        room = options.max_width - cell_len(self.prefix)
+        yield Text(self.prefix + cut_middle(self.name, room), no_wrap=True,
+                   overflow="ellipsis")
 
 
 def _short(rel: str) -> str:

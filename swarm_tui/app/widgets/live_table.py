@@ -55,6 +55,7 @@ class LiveTable(DataTable[Cell]):
                  classes: str | None = None) -> None:
         super().__init__(cursor_type="row", zebra_stripes=False, id=id, classes=classes)
         self.spec = tuple(columns)
+        self._fits = {c.key: c.fit for c in self.spec if c.fit is not None}
         self.cells_for = cells_for
         self.haystack_for = haystack_for
         self.sort_column = sort_column
@@ -96,13 +97,13 @@ class LiveTable(DataTable[Cell]):
         pad = 2 * self.cell_padding
         if self.chosen is not None:
             keep = [c for c in self.spec if c.key in self.chosen or c.key == self.sort_column]
-            return {c.key: c.width for c in keep}
+            return {c.key: self._least(c) for c in keep}
         order = sorted(range(len(self.spec)), key=lambda i: (
             self.spec[i].priority if self.spec[i].key != self.sort_column else -1, i))
         used, keep_ix = 0, set()
         for i in order:
             col = self.spec[i]
-            need = col.width + pad
+            need = self._least(col) + pad
             if col.priority > 0 and col.key != self.sort_column and used + need > width:
                 continue
             used += need
@@ -110,8 +111,15 @@ class LiveTable(DataTable[Cell]):
         out = {}
         for i, col in enumerate(self.spec):
             if i in keep_ix:
-                out[col.key] = col.width + (max(0, width - used) if col.stretch else 0)
+                out[col.key] = self._least(col) + (max(0, width - used) if col.stretch else 0)
         return out
+
+    def _least(self, col: Column) -> int:
+        """A column's width: the sort column's also holds its label and the arrow (``tx
+        Mb/s▲`` is one wider than the column's numbers, and the arrow was cut off)."""
+        if col.key != self.sort_column:
+            return col.width
+        return max(col.width, self._label(col).cell_len)
 
     def set_columns(self, columns: Sequence[Column]) -> None:
         """Another set of columns (a job with replicas has more); laid out again only when
@@ -120,6 +128,7 @@ class LiveTable(DataTable[Cell]):
         if spec == self.spec:
             return
         self.spec = spec
+        self._fits = {c.key: c.fit for c in spec if c.fit is not None}
         if self.chosen is not None:
             self.chosen = tuple(k for k in self.chosen if any(c.key == k for c in spec))
         if self.is_mounted:
@@ -196,8 +205,10 @@ class LiveTable(DataTable[Cell]):
         if reverse is None:
             reverse = not self.sort_reverse if column == self.sort_column else False
         self.sort_column, self.sort_reverse = column, reverse
-        if column not in self.col_widths:  # (a column too wide for the screen: it shows now)
-            self._apply_layout(self.fit(self._width()))
+        # (a column too wide for the screen shows now; the sort column holds its arrow)
+        layout = self.fit(self._width())
+        if layout != self.col_widths:
+            self._apply_layout(layout)
         for col in self.spec:
             if col.key in self.col_widths:
                 self.columns[ColumnKey(col.key)].label = self._label(col)
@@ -266,7 +277,7 @@ class LiveTable(DataTable[Cell]):
             shown = self._shown.get(key)
             widths = self.col_widths
             if shown is None:
-                self.add_row(*(cells[c] for c in widths), key=key)
+                self.add_row(*(self._fitted(c, cells[c]) for c in widths), key=key)
                 self._shown[key] = {c: cells[c].signature for c in widths}
                 self.updates += len(widths)
                 resort = True
@@ -327,11 +338,20 @@ class LiveTable(DataTable[Cell]):
         return True
 
     # cell writes that keep the render caches of the other rows ---------------------------------
+    def _fitted(self, column: str, cell: Cell) -> Cell:
+        """The cell as its column shows it: a name too long for it cut as the column says
+        (the widths are those laid out; a new layout writes every row again)."""
+        width = self.col_widths.get(column, 0)
+        fit = self._fits.get(column)
+        if fit is None or cell.cell_len <= width:
+            return cell
+        return cell.shown_as(fit(cell.plain, width))
+
     def _write_cell(self, key: str, column: str, cell: Cell) -> None:
         row_key = RowKey(key)
         if row_key not in self._row_locations:
             raise CellDoesNotExist(f"no row {key!r}")
-        self._data[row_key][ColumnKey(column)] = cell
+        self._data[row_key][ColumnKey(column)] = self._fitted(column, cell)
         self._dirty_rows.add(key)
         index = self._row_locations.get(row_key)
         if index is not None:

@@ -10,7 +10,7 @@ from textual.widgets import Static
 
 from swarm_tui.app.model import LEFT
 
-TIERS = 7  # top-bar lines from the richest to the barest (see update_status)
+TIERS = 8  # top-bar lines from the richest to the barest (see update_status)
 
 if TYPE_CHECKING:
     from swarm_tui.app.app import SwarmApp
@@ -60,8 +60,9 @@ class StatusBar(Static):
 
     def _line(self, tier: int) -> Text:
         """``tier`` 0 is everything; each one after gives up one more thing: the view's hint,
-        the busy count (and "jobs"), the job counts, the connection's asides, its detail,
-        the fellow counts."""
+        the busy count (and "jobs"), the queued count, the connection's asides, its detail,
+        the fellow counts, and last the running count (a job's watch, whose name is longer,
+        lost it at 80 columns)."""
         app = self.swarm
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f" {self.view} ", style="bold reverse")
@@ -96,10 +97,12 @@ class StatusBar(Static):
             stale = counts.get("stale", 0) + counts.get("offline", 0)
             if stale:
                 line.append(f" · {stale} stale", style="bold red")
-        if tier < 3:
+        if tier < 7:
             jobs = app.model.job_counts()
             line.append("  jobs " if tier < 2 else "  ")
-            line.append(f"{jobs.get('RUNNING', 0)} running · {jobs.get('PENDING', 0)} queued")
+            line.append(f"{jobs.get('RUNNING', 0)} running")
+            if tier < 3:
+                line.append(f" · {jobs.get('PENDING', 0)} queued")
         hint = getattr(self.screen, "status_hint", None)
         if tier < 1 and callable(hint):
             extra = hint()
