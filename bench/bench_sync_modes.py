@@ -85,7 +85,8 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
     sync = SyncConfig(mode=mode, inner_steps=inner,
                       compression="none" if own else cfg["compression"],
                       overlap_steps=overlap, outer_lr=None if own else outer[0],
-                      outer_momentum=None if own else outer[1], density=cfg["density"])
+                      outer_momentum=None if own else outer[1], density=cfg["density"],
+                      topk=cfg["topk"])
     # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                          "sparseloco (its own outer step and bits; default %(default)s)")
     ap.add_argument("--density", type=float, default=0.02,
                     help="sparseloco's density (default %(default)s)")
+    ap.add_argument("--topk", type=int, default=8,
+                    help="demo's components per DCT block (default %(default)s, Psyche's)")
     ap.add_argument("--loss-only", action="store_true",
                     help="each row once, unshaped: the bytes and eval loss, no step times")
     args = ap.parse_args(argv)
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     cfg["compression"] = args.compression
-    cfg["replicas"], cfg["density"] = args.replicas, args.density
+    cfg["replicas"], cfg["density"], cfg["topk"] = args.replicas, args.density, args.topk
     periodic = args.modes.split(",")
     from swarm_core.config.methods import SYNC_METHODS
     if any(m not in SYNC_METHODS or m == "dp" for m in periodic) \

@@ -187,6 +187,12 @@ class SwarmClient:
         res = await self.request("POST", f"{API_PREFIX}/fellows/release", body)
         return _parse(res, ReleaseResult).released
 
+    async def forget(self, fellow_id: int) -> dict[str, Any]:
+        """Drop the record of a fellow that is gone (409: it heartbeats, or holds a running
+        job's cell)."""
+        res: dict[str, Any] = await self.request("DELETE", f"{API_PREFIX}/fellows/{fellow_id}")
+        return res
+
     # fellow side ------------------------------------------------------------------------------
     async def register(self, req: RegisterRequest) -> RegisterResponse:
         res = await self.request("POST", f"{API_PREFIX}/fellows/register", req)

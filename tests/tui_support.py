@@ -261,6 +261,18 @@ class FakeClient(SwarmClient):
         self.calls.append(("release", (fellow_ids, all)))
         return list(fellow_ids or [])
 
+    async def forget(self, fellow_id: int) -> dict[str, Any]:
+        """As the leader: a live fellow is refused (409), a gone one dropped."""
+        fi = next((f for f in self._fellows if f.fellow_id == fellow_id), None)
+        if fi is None:
+            raise ApiError(404, "unknown_fellow", f"no fellow with id {fellow_id}")
+        if fi.status in ("ready", "busy"):
+            raise ApiError(409, "fellow_live", f"fellow {fellow_id} ({fi.name}) is "
+                           f"{fi.status}: it still heartbeats (release it first)")
+        self.calls.append(("forget", fellow_id))
+        self._fellows.remove(fi)
+        return {"fellow_id": fellow_id, "name": fi.name, "status": fi.status}
+
     async def submit(self, req: JobSubmit) -> JobInfo:
         """Queued, as the leader answers (the job is not added to the fixed data)."""
         self.calls.append(("submit", req))

@@ -49,6 +49,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     store = Store(cfg.state_dir / DB_FILE)
     registry = FellowRegistry(cfg.stale_after_s, cfg.heartbeat_interval_s)
     registry.load(store.load_fellows())
+    registry.id_floor = store.next_fellow_id()
     hub = EventHub()
     jobs = JobQueue(store, registry, hub, runs_dir=cfg.state_dir / "runs")
     app[STATE_KEY] = LeaderState(cfg.state_dir, store, registry, jobs, hub)

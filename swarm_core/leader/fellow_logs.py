@@ -46,6 +46,11 @@ class FellowLogs:
             return False
         return True
 
+    def forget(self, fellow_id: int) -> None:
+        """A forgotten fellow's tail goes with it."""
+        self._held.pop(fellow_id, None)
+        self._wanted_until.pop(fellow_id, None)
+
     def held(self, fellow_id: int) -> HeldLog | None:
         return self._held.get(fellow_id)
 

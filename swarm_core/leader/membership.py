@@ -34,7 +34,7 @@ from swarm_core.contract.membership import (
     group_orders,
 )
 from swarm_core.leader.errors import ApiError
-from swarm_core.leader.records import CellOrder, DecidedRegroup, JobRecord
+from swarm_core.leader.records import CellOrder, DecidedRegroup, JobRecord, StoredJoin
 from swarm_core.protocol import JobState
 from swarm_core.schema import unstructure
 
@@ -75,8 +75,8 @@ class RegroupRound:
 @attrs.define
 class Joining:
     """Spare fellows told to join as ``replica`` (one a stage: the replica's chain), the
-    survivors told to take it in at their next synchronisation (leader-local: a restarted
-    leader sees the joiners fail, or report)."""
+    survivors told to take it in at their next synchronisation (stored with the job as
+    ``JobRecord.joining``: a restarted leader knows it)."""
 
     replica: int
     fellow_ids: tuple[int, ...]
@@ -137,9 +137,8 @@ class Membership:
         joining = self.joining.get(job.job_id)
         if joining is not None and joining.replica == replica:
             return False
-        # A replica leaves with its cells counted done (_leave). Spares placed as one whose
-        # join a restarted leader no longer knows of (it is not stored) have them open: their
-        # word is not refused here.
+        # A replica leaves with its cells counted done (_leave); spares joining as one are
+        # in self.joining, stored with the job, so a restarted leader knows them too.
         assert job.placement is not None
         return all(job.placement.index(s, replica) in job.done_stages
                    for s in range(job.num_stages))
@@ -282,8 +281,9 @@ class Membership:
 
     def forget(self, job: JobRecord) -> None:
         """The job ended, or recovers: wake whoever waits (they are answered 409)."""
-        if job.regroup is not None:  # (a restarted leader must not take the round up again)
-            job.regroup = None
+        if job.regroup is not None or job.joining is not None:
+            # (a restarted leader must not take the round, or the join, up again)
+            job.regroup = job.joining = None
             self.queue.save(job)
         rnd = self.rounds.pop(job.job_id, None)
         if rnd is not None:
@@ -312,7 +312,14 @@ class Membership:
 
     def restore(self, job: JobRecord) -> None:
         """A leader that restarted under a decided round: the groups still to ask get the
-        orders the round gives, and the change is recorded once all have them."""
+        orders the round gives, and the change is recorded once all have them. Under a
+        join: the members are told again (what was queued for them died with the old
+        leader), and the join is recorded when the group reports it."""
+        joined = job.joining
+        if joined is not None and self.replicated(job):
+            self.joining[job.job_id] = Joining(joined.replica, tuple(joined.fellow_ids),
+                                               joined.order)
+            self._tell_members(job, joined.order)
         stored = job.regroup
         if stored is None or not self.replicated(job):
             return
@@ -377,22 +384,31 @@ class Membership:
         job.done_stages = [i for i in job.done_stages if i not in cells]
         order = RegroupOrder(job.epoch + 1, sorted([*job.members, r]), donor=job.members[0])
         self.joining[job.job_id] = Joining(r, tuple(f.fellow_id for f in spares), order)
+        job.joining = StoredJoin(r, [f.fellow_id for f in spares], order)
         for index, spare in zip(cells, spares, strict=True):
             spare.assigned_job = job.job_id
             self.queue.registry.send(spare, "START", job.job_id,
                                      unstructure(self.queue.start_of(job, index)))
+        self._tell_members(job, order)
+        self.queue.files.placement(job)
+        self.queue.save(job)
+
+    def _tell_members(self, job: JobRecord, order: RegroupOrder) -> None:
+        """Each member's cells: take the joiner in by ``order`` at their next
+        synchronisation (a member told twice takes it in once: it ignores a membership it
+        is past)."""
+        assert job.placement is not None and job.members is not None
         for c in job.placement.stages:
             if c.replica in job.members:
                 rec = self.queue.registry.find(c.fellow_id)
                 if rec is not None:
                     self.queue.registry.send(rec, "MEMBERS", job.job_id, unstructure(
                         MembersSignal(c.stage, c.replica, job.attempt, order, job.placement)))
-        self.queue.files.placement(job)
-        self.queue.save(job)
 
     def joined(self, job: JobRecord, step: int) -> None:
         """The group took the joiner in: from ``step`` on it trains with it."""
         joining = self.joining.pop(job.job_id, None)
+        job.joining = None
         if joining is None:
             return
         order = joining.order
@@ -408,6 +424,7 @@ class Membership:
 
     def _abort_join(self, job: JobRecord) -> None:
         joining = self.joining.pop(job.job_id, None)
+        job.joining = None
         if joining is None:
             return
         self._leave(job, [joining.replica])

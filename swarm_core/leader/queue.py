@@ -358,7 +358,9 @@ class JobQueue:
         # A fellow's words reach terminals (swarm job, watch, the console): shown, not obeyed.
         msg = f": {printable(upd.message)}" if upd.message else ""
         reason = f"fellow {fellow.fellow_id} ({fellow.name}) failed at step {upd.step}{msg}"
-        if self.membership.cell_lost(job, stage, replica, reason, fellow.fellow_id):
+        # (of replicas, a link's failure names the neighbour that left, not this survivor)
+        lost = self._blamed_neighbour(job, stage, replica, fellow, upd) or reason
+        if self.membership.cell_lost(job, stage, replica, lost, fellow.fellow_id):
             self.save(job, quiet=True)
             return  # (its replica leaves; the others train on)
         blamed = upd.blames_stage
@@ -371,6 +373,24 @@ class JobQueue:
             self.liveness.blamed(job, reason, stage, blamed)
         else:
             self.liveness.lost(job, reason)
+
+    def _blamed_neighbour(self, job: JobRecord, stage: int, replica: int,
+                          fellow: FellowRecord, upd: JobStatusUpdate) -> str | None:
+        """Of a job of replicas, a cell that failed because the link to its neighbouring
+        stage closed, broke or went quiet: why its replica is out, naming that neighbour's
+        fellow (the likelier cause: the one that left), not the survivor that reported it.
+        None where the report blames no neighbour of its own chain."""
+        blamed, p = upd.blames_stage, job.placement
+        if blamed is None or p is None or not self.membership.replicated(job) \
+                or abs(blamed - stage) != 1 or blamed >= job.num_stages:
+            return None
+        other = p.cell(blamed, replica)
+        if other.fellow_id == fellow.fellow_id:
+            return None
+        msg = f": {printable(upd.message)}" if upd.message else ""
+        return (f"fellow {other.fellow_id} ({other.name}, stage {blamed} replica {replica}) "
+                f"dropped out at step {upd.step}: its neighbour fellow {fellow.fellow_id} "
+                f"({fellow.name}) lost the link to it{msg}")
 
     def _completed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                    upd: JobStatusUpdate) -> None:

@@ -73,6 +73,18 @@ class DecidedRegroup:
     orders: list[CellOrder] = attrs.field(factory=list)  # the answers given
 
 
+@attrs.define
+class StoredJoin:
+    """Spares told to join as ``replica`` (one a stage) and the order the members were told to
+    take it in by. Stored, so that a leader restarted before the group took the joiner in
+    knows the join and tells the members again (a MEMBERS signal still queued for them died
+    with the old leader, and the joiner would wait for a ring nobody was told to make)."""
+
+    replica: int
+    fellow_ids: list[int]
+    order: RegroupOrder
+
+
 @attrs.define(eq=False)
 class JobRecord:
     job_id: str
@@ -106,6 +118,7 @@ class JobRecord:
     epoch: int = 0
     membership: list[MembershipChange] = attrs.field(factory=list)
     regroup: DecidedRegroup | None = None  # a decided regroup, not yet every group's
+    joining: StoredJoin | None = None  # spares joining, not yet taken in
     # Leader-local, not stored: when this leader process began watching the run (restart
     # grace), when a fellow last said it runs the attempt, and the steps being assembled from
     # the stages' reports.

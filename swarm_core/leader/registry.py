@@ -100,6 +100,7 @@ class FellowRegistry:
         self.dirty: set[int] = set()
         self.telemetry_dirty: set[int] = set()
         self.closing = False
+        self.id_floor = 0  # a new fellow's id is at least this (forgotten ids are not reused)
 
     # loading ----------------------------------------------------------------------------------
     def load(self, rows: list[dict[str, Any]]) -> None:
@@ -195,7 +196,7 @@ class FellowRegistry:
             replaced = rec.instance_id != req.instance_id
             self._by_session.pop(rec.session, None)
         else:
-            fellow_id = max(self._by_id, default=-1) + 1
+            fellow_id = max(max(self._by_id, default=-1) + 1, self.id_floor)
             rec = FellowRecord(
                 fellow_id=fellow_id, name=req.name, instance_id=req.instance_id, host=req.host,
                 pid=req.pid, devices=list(req.devices), threads=req.threads,
@@ -245,6 +246,18 @@ class FellowRegistry:
         if rec.reported_status.left:
             self._by_session.pop(rec.session, None)
         return before
+
+    def forget(self, rec: FellowRecord) -> None:
+        """Drop a fellow's record (one that is gone: the caller checked). Should it come back
+        under its name, it registers as a new fellow with a new id."""
+        self._by_id.pop(rec.fellow_id, None)
+        if self._by_name.get(rec.name) is rec:
+            del self._by_name[rec.name]
+        self._by_session.pop(rec.session, None)
+        self.dirty.discard(rec.fellow_id)
+        self.telemetry_dirty.discard(rec.fellow_id)
+        self.id_floor = max(self.id_floor, rec.fellow_id + 1)
+        rec.wakeup.set()  # (a poll still waiting ends)
 
     def send(self, rec: FellowRecord, kind: SignalKind, job_id: str | None = None,
              payload: dict[str, Any] | None = None) -> Signal:

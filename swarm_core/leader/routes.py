@@ -239,6 +239,30 @@ async def release(request: web.Request) -> web.Response:
     return ok(ReleaseResult(released=[r.fellow_id for r in targets]), status=202)
 
 
+async def forget_fellow(request: web.Request) -> web.Response:
+    """Drop the record of a fellow that is gone (stale, offline, released or leaving), so
+    that views stop listing it. A fellow that still heartbeats, or holds a cell of a running
+    or recovering job, is refused: its record is how the leader knows it."""
+    st = _state(request)
+    rec = st.registry.get(_int_param(request, "fellow_id"))
+    status = st.registry.status(rec)
+    if status.live:
+        raise ApiError(409, f"fellow {rec.fellow_id} ({rec.name}) is {status.value}: it still "
+                            "heartbeats (release it first)", code="fellow_live")
+    job = st.jobs.running()
+    if job is not None and rec.fellow_id in job.fellows \
+            and not job.stages_done_by(rec.fellow_id):
+        raise ApiError(409, f"fellow {rec.fellow_id} ({rec.name}) holds a cell of the running "
+                            f"job {job.job_id}", code="fellow_in_job")
+    if rec.assigned_job is not None:
+        raise ApiError(409, f"fellow {rec.fellow_id} ({rec.name}) is assigned to job "
+                            f"{rec.assigned_job}", code="fellow_in_job")
+    st.store.forget_fellow(rec.fellow_id)  # (first: refused, nothing changes; errors.py)
+    st.registry.forget(rec)
+    st.logs.forget(rec.fellow_id)
+    return ok({"fellow_id": rec.fellow_id, "name": rec.name, "status": status.value})
+
+
 async def fellow_log(request: web.Request) -> web.Response:
     """The tail of a fellow's own log as it last posted it; asks the fellow for a fresh one
     (its next heartbeat answer says so), so a reader polling every second or two follows it."""
@@ -625,6 +649,10 @@ ROUTES: tuple[Route, ...] = (
           body=ReleaseRequest, response=ReleaseResult, errors=(400, 404)),
     Route("GET", f"{A}/fellows/{{fellow_id}}", get_fellow, "One fellow", response=FellowInfo,
           errors=(400, 404)),
+    Route("DELETE", f"{A}/fellows/{{fellow_id}}", forget_fellow,
+          "Forget a fellow that is gone (stale, offline, released or leaving); one that "
+          "heartbeats or holds a running job's cell is refused (409)",
+          errors=(400, 404, 409, 503)),
     Route("POST", f"{A}/fellows/{{fellow_id}}/heartbeat", heartbeat, "Fellow heartbeat",
           body=Heartbeat, fellow_session=True, errors=(400, 401, 403, 503)),
     Route("GET", f"{A}/fellows/{{fellow_id}}/signals", poll_signals,

@@ -148,6 +148,21 @@ class Store:
                 rows,
             )
 
+    def forget_fellow(self, fellow_id: int) -> None:
+        """Delete a fellow's record; its id is never given again (the jobs that name it
+        keep meaning it): the next id stays above it."""
+        with self._tx():
+            self._db.execute("DELETE FROM fellows WHERE fellow_id=?", (fellow_id,))
+            self._db.execute(
+                "INSERT INTO meta (key, value) VALUES ('next_fellow_id', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value=max(CAST(value AS INTEGER), "
+                "CAST(excluded.value AS INTEGER))", (str(fellow_id + 1),))
+
+    def next_fellow_id(self) -> int:
+        """The least id a new fellow may have (above every forgotten one)."""
+        row = self._db.execute("SELECT value FROM meta WHERE key='next_fellow_id'").fetchone()
+        return 0 if row is None else int(row[0])
+
     # jobs ------------------------------------------------------------------------------------
     def next_job_seq(self) -> int:
         row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name='jobs'").fetchone()

@@ -99,6 +99,8 @@ class SwarmApp(App[int]):
         self.read_only = read_only
         self.model = ClusterModel(clock)
         self.model_changed: Signal[Change] = Signal(self, "model_changed")
+        # The fellows view lists those gone a while too (stale, offline, left: ``H``).
+        self.show_gone = False
         self.refresh_s, self.tick_s, self.stream = refresh_s, tick_s, stream
         self.flush_s = flush_s
         self._pending = Change()
@@ -460,6 +462,16 @@ class SwarmApp(App[int]):
             return
         if self._refuse_gone(ids, "release"):
             return
+        # A fellow that does not heartbeat cannot be told to leave (the signal would wait
+        # for ever): it has gone already; its record is forgotten instead.
+        dead = [i for i in ids if self.model.gone(self.model.fellows[i])]
+        if dead:
+            how = self.key_hint("fellows.forget", "F")
+            self.notify(f"release: fellow {_ids(dead)} is "
+                        f"{self.model.shown_status(self.model.fellows[dead[0]])} (no heartbeat "
+                        f"to take it); nothing sent. {how} forgets a gone fellow",
+                        severity="warning")
+            return
         names = ", ".join(f"{f} {n}" for f, n in self._names(ids))
         dialog = ConfirmDialog(f"Release {len(ids)} fellow{'s' if len(ids) > 1 else ''}?",
                                f"{names}\n\nThey stop their job and leave the cluster.",
@@ -505,6 +517,55 @@ class SwarmApp(App[int]):
                 self.release([], everyone=True)
 
         self.push_screen(dialog, done)
+
+    def ask_forget(self, ids: Sequence[int]) -> None:
+        """Drop the leader's records of gone fellows (stale, offline, left), after a
+        confirmation; a live one is refused here with a notice (the leader would say 409)."""
+        if self.refuse_if_read_only("forget"):
+            return
+        if not ids:
+            self.notify("no fellow selected", severity="warning")
+            return
+        if self._refuse_gone(ids, "forget"):
+            return
+        live = [i for i in ids if not self.model.gone(self.model.fellows[i])]
+        if live:
+            self.notify(f"forget: fellow {_ids(live)} is "
+                        f"{self.model.shown_status(self.model.fellows[live[0]])}: it still "
+                        "heartbeats (release it first)", severity="warning")
+            return
+        names = ", ".join(f"{f} {n}" for f, n in self._names(ids))
+        dialog = ConfirmDialog(f"Forget {len(ids)} fellow{'s' if len(ids) > 1 else ''}?",
+                               f"{names}\n\nThe leader drops their records; one that comes "
+                               "back registers as a new fellow.", "Forget")
+
+        def done(ok: bool | None) -> None:
+            if ok:
+                self.forget(list(ids))
+
+        self.push_screen(dialog, done)
+
+    @work(group="forget", exit_on_error=False, description="forget")
+    async def forget(self, ids: list[int]) -> None:
+        forgotten: list[int] = []
+        refused: list[str] = []
+        for fid in ids:
+            try:
+                await self.client.forget(fid)
+            except ApiError as exc:
+                refused.append(exc.message)
+            else:
+                forgotten.append(fid)
+        if forgotten:
+            self.publish(self.model.forget(forgotten), now=True)
+            self.notify(f"forgot fellow{'s' if len(forgotten) > 1 else ''} {_ids(forgotten)}")
+        if refused:
+            self.notify("forget: " + "; ".join(refused), severity="error")
+        self.refresh_now()
+
+    def key_hint(self, binding_id: str, default: str) -> str:
+        """The key of a binding as remapped (for a notice that names it)."""
+        return self.keymap.get(binding_id, default)
 
     @work(group="release", exit_on_error=False, description="release")
     async def release(self, ids: list[int], everyone: bool = False) -> None:

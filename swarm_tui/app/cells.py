@@ -16,6 +16,7 @@ from rich.cells import cell_len
 from rich.console import JustifyMethod
 from rich.text import Text
 
+from swarm_core.contract import StageMetrics
 from swarm_core.validators import printable
 from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
 from swarm_tui.fmt import (
@@ -37,6 +38,7 @@ STATUS_STYLE = {
     "released": "dim",
     "leaving": "dim",
     "left": "dim",
+    "joining": "yellow",
 }
 JOB_STATE_STYLE = {
     "PENDING": "yellow",
@@ -202,17 +204,9 @@ def fellow_age_cell(model: ClusterModel, st: FellowState) -> Cell:
     return Cell(fmt_age(age), age, key=st.fellow_id, style=style, justify="right")
 
 
-LEAVING_GONE_S = 10.0  # "leaving" and silent this long: it has left
-
-
 def shown_status(model: ClusterModel, st: FellowState) -> str:
-    """The status as shown: a fellow whose last word was "leaving" and that has been silent
-    since (one of a previous cluster, kept in the leader's records) has left."""
-    if st.status == "leaving":
-        age = model.heartbeat_age(st)
-        if age is not None and age > LEAVING_GONE_S:
-            return "left"
-    return st.status
+    """The status as shown (``ClusterModel.shown_status``: a silent "leaving" has left)."""
+    return model.shown_status(st)
 
 
 def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str, Cell]:
@@ -228,6 +222,11 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
         return cell(text, value, justify="right")
 
     job, job_key = fellow_job(model, st)
+    # A gone fellow's job that is over (or forgotten) is history: not "its" job, nor figures.
+    view = model.jobs.get(st.job_id) if st.job_id is not None else None
+    in_job = st.job_id is not None and not (model.gone(st) and (view is None or view.terminal))
+    if not in_job:
+        job, job_key = "-", None
     tx_bytes, rx_bytes = st.counters.get("data_tx"), st.counters.get("data_rx")
     tx_rate = st.tx_mbps if live else None
     rx_rate = st.rx_mbps if live else None
@@ -240,10 +239,10 @@ def fellow_cells(model: ClusterModel, st: FellowState, marked: bool) -> dict[str
                        STATUS_STYLE.get(st.status, "")),
         "hb": fellow_age_cell(model, st),
         "job": cell(job, job_key),
-        "step": num(str(st.step) if st.job_id else "-", st.step if st.job_id else None),
-        "loss": num(fmt_loss(st.loss), st.loss),
-        "tps": num(fmt_tps(st.tokens_per_s) if st.job_id else "-",
-                   st.tokens_per_s if st.job_id else None),
+        "step": num(str(st.step) if in_job else "-", st.step if in_job else None),
+        "loss": num(fmt_loss(st.loss if in_job else None), st.loss if in_job else None),
+        "tps": num(fmt_tps(st.tokens_per_s) if in_job else "-",
+                   st.tokens_per_s if in_job else None),
         "tx_rate": num(fmt_rate(tx_rate), tx_rate),
         "rx_rate": num(fmt_rate(rx_rate), rx_rate),
         "tx_lim": num(fmt_limit(st.tx_limit), st.tx_limit if st.tx_limit is not None
@@ -358,6 +357,7 @@ _SYNC_COLUMNS = (
            "synchronisation took", priority=1, export="sync_fraction", digits=3),
 )
 _GRID_PRIORITY = {"status": 2, "loss": 2, "tps": 1, "tx_rate": 3, "rx_rate": 3, "act": 3}
+GRID_STEP_WIDTH = 9  # "left @123", "left@1234": a cell of a replica that left
 
 
 def _grid_watch_columns() -> tuple[Column, ...]:
@@ -367,7 +367,8 @@ def _grid_watch_columns() -> tuple[Column, ...]:
     the last stage's)."""
     out: list[Column] = []
     for c in WATCH_COLUMNS:
-        out.append(attrs.evolve(c, priority=_GRID_PRIORITY.get(c.key, c.priority)))
+        c = attrs.evolve(c, priority=_GRID_PRIORITY.get(c.key, c.priority))
+        out.append(attrs.evolve(c, width=GRID_STEP_WIDTH) if c.key == "step" else c)
         if c.key == "stage":
             out.append(Column("replica", "rep", 3, "right", "replica of its stage"))
         if c.key == "wait":
@@ -382,6 +383,11 @@ def watch_columns(view: JobView | None) -> tuple[Column, ...]:
     return GRID_WATCH_COLUMNS if view is not None and view.replicas > 1 else WATCH_COLUMNS
 
 
+def fit_left(text: str, width: int) -> str:
+    """``left @1234`` in ``width`` columns: without its space when that makes it fit."""
+    return text if len(text) <= width else text.replace(" ", "")
+
+
 def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cell]:
     """One cell of a job (its index in the placement: the stage, for one replica): what it
     last reported (metric events, else the leader's newest figures of it), and what its
@@ -393,13 +399,33 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     fid = fellows[index] if 0 <= index < len(fellows) else (fp.fellow_id if fp else None)
     st = model.fellows.get(fid) if fid is not None else None
     in_job = st is not None and st.job_id == view.job_id
+    # The leader's figures of the cell: what a console opened mid-run has before any event.
+    label = str(stage) if not grid else f"{stage}.{replica}"
+    known = view.info.metrics.stage(label)
+    # A cell another fellow took over (a spare joined as a replica that left): what the
+    # fellow before it reported is not the new one's; blank until the new one reports.
+    if fp is not None and fid is not None and fp.fellow_id is not None \
+            and fp.fellow_id != fid:
+        fp = None
+    if known.fellow_id is not None and fid is not None and known.fellow_id != fid:
+        known = StageMetrics()
+    members = view.info.members
+    left = grid and members is not None and replica not in members
+    left_at = view.left_at(replica) if left else None
+    # A spare joining as a replica that left (the group takes it in at a synchronisation):
+    # its fellow runs the cell, and what the cell reported is its own, of a step from then.
+    mine = fp if fp is not None else known if known.fellow_id == fid else None
+    joining = left and st is not None and in_job and not st.stale and (
+        mine is None or mine.step is None or mine.step >= (left_at or 0))
+    if left and not joining:
+        # (a replica that left keeps its row, marked; its figures are history, not shown)
+        fp, known, in_job = None, StageMetrics(), False
     # A fellow's heartbeat speaks for one of its cells: only fall back on it for that one
     # (a heartbeat names a stage, not a replica: in a grid, only a fellow of one cell).
     own = in_job and st is not None and fid is not None and (
         fellows.count(fid) == 1 if grid else (st.stage is None or st.stage == stage))
-    # The leader's figures of the cell: what a console opened mid-run has before any event.
-    label = str(stage) if not grid else f"{stage}.{replica}"
-    known = view.info.metrics.stage(label)
+    if joining and fp is None:
+        own = False  # (blank until it reports: its heartbeat's figures are not the cell's)
     step = fp.step if fp is not None else (
         known.step if known.step is not None else (st.step if own and st is not None else None))
     loss = fp.loss if fp is not None and fp.loss is not None else (
@@ -413,11 +439,10 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     sync = fp.sync_bytes if fp is not None and fp.sync_bytes is not None else known.sync_bytes
     sync_wait = fp.sync_fraction if fp is not None and fp.sync_fraction is not None else \
         known.sync_share
-    members = view.info.members
-    left = grid and members is not None and replica not in members
-    # (a replica that left keeps its row and last figures; its fellow is another job's now)
-    status = "left" if left else st.status if st is not None else "gone"
-    row_style = STALE_ROW_STYLE if left or st is None or st.stale else ""
+    status = "joining" if joining else "left" if left else \
+        st.status if st is not None else "gone"
+    gone = "left" if left_at is None else f"left @{left_at}"
+    row_style = STALE_ROW_STYLE if (left and not joining) or st is None or st.stale else ""
     age = model.heartbeat_age(st) if st is not None else None
     tx = st.tx_mbps if st is not None and in_job else None
     rx = st.rx_mbps if st is not None and in_job else None
@@ -436,8 +461,13 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
         "stage": Cell(str(stage), stage, key=(replica, index), style=row_style,
                       justify="right"),
         "replica": cell(str(replica), replica, justify="right"),
-        "status": cell(status, status, style=STATUS_STYLE.get(status, row_style)),
-        "step": cell("-" if step is None else str(step), step, justify="right"),
+        "status": cell(gone if status == "left" else status, status,
+                       style=STATUS_STYLE.get(status, row_style)),
+        # (a cell of a replica that left says so where its step was: at 80 columns the
+        # status gives way, the step stays)
+        "step": cell(fit_left(gone, GRID_STEP_WIDTH), -1, justify="right")
+        if status == "left" else cell("-" if step is None else str(step), step,
+                                      justify="right"),
         "loss": cell(fmt_loss(loss), loss, justify="right"),
         "tps": cell(fmt_tps(tps), tps, justify="right"),
         "act": cell(fmt_bytes(act, compact=True), act, justify="right"),

@@ -40,12 +40,17 @@ from swarm_tui.fmt import describe_link
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
 MIN_RATE_WINDOW_S = 0.5
+REPLICA_STEPS_KEPT = 8  # steps whose replicas' losses are still coming in (the leader's too)
 SAME_SAMPLE_S = 0.05  # a snapshot's last_heartbeat and that heartbeat's event ts differ by less
 # Statuses the leader sets without hearing from a fellow.
 NOT_HEARTBEATS = frozenset(s for s in FellowStatus if not s.reported)
 LEFT = frozenset(s for s in FellowStatus if s.left)  # the leader refuses them a set-speed
 TERMINAL_JOB_STATES = ("COMPLETED", "FAILED", "CANCELLED")
 FellowEvent = FellowUpdate | SpeedSet | FellowReleased
+LIVE = frozenset(s.value for s in FellowStatus if s.live)
+LEAVING_GONE_S = 10.0  # "leaving" and silent this long: it has left
+# Gone (stale, offline, left) and silent this long: out of the fellows view's default rows.
+GONE_HIDDEN_S = 60.0
 
 
 @attrs.define(eq=False)
@@ -96,6 +101,7 @@ class FellowState:
     counters: dict[str, int] = attrs.field(factory=dict)
     registered_at: float | None = None  # leader clock
     hb_local: float | None = None  # local clock of the last heartbeat
+    last_heard: float | None = None  # leader clock of the last heartbeat (a record's too)
     sample_ts: float | None = None  # leader clock of the newest counters sample
     tx: RateMeter = attrs.field(factory=RateMeter)
     rx: RateMeter = attrs.field(factory=RateMeter)
@@ -176,6 +182,7 @@ class FellowState:
         self.registered_at = fi.registered_at
         self.note = str(getattr(fi, "note", "") or "")
         ts = fi.last_heartbeat if fi.last_heartbeat is not None else fi.registered_at
+        self.last_heard = ts if self.last_heard is None else max(self.last_heard, ts)
         self._status(fi.status, ts)  # the leader's judgement (stale) needs no heartbeat
         if fi.heartbeat_age_s is not None:
             hb = now - fi.heartbeat_age_s
@@ -206,6 +213,7 @@ class FellowState:
         if ev.status in NOT_HEARTBEATS:
             return  # the leader's judgement, not news from the fellow
         self.hb_local = now
+        self.last_heard = ts
         self._progress(ev.job_id, None, ev.step, ev.loss, ev.tokens_per_s, ts)
         self.tps_hist.append((ts, self.tokens_per_s))
         self._link(ev.link)
@@ -240,6 +248,9 @@ class JobView:
     # The whole recorded loss history came with GET /jobs/{id} (the list route carries none):
     # until then the curve holds only the points seen live.
     history_loaded: bool = False
+    # A job with replicas: the last stage's loss of each replica, by step, for the newest
+    # steps (the step's loss is their mean, as the leader records it: ProgressRecord).
+    replica_losses: dict[int, dict[int, float]] = attrs.field(factory=dict)
 
     def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
         """A newer record of the job. The list route has no loss history: the curve seen so
@@ -285,6 +296,17 @@ class JobView:
             return index, 0
         return index % self.num_stages, index // self.num_stages
 
+    def left_at(self, replica: int) -> int | None:
+        """The step from which the replica has been out of the job (its newest departure,
+        unless it joined again since); None while it trains."""
+        at: int | None = None
+        for ch in self.info.membership:
+            if replica in ch.left:
+                at = ch.step
+            elif replica in ch.joined:
+                at = None
+        return at
+
     def apply_metric(self, report: MetricReport) -> None:
         fid, step, loss, stage = report.fellow_id, report.step, report.loss, report.stage
         if stage is not None and report.replica:
@@ -315,11 +337,39 @@ class JobView:
             if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
                 evals.append([step, figures.eval_loss])
         self.info.last_step = max(self.info.last_step, step)
-        if loss is not None:
+        if self.replicas > 1:
+            self._replica_loss(report)
+        elif loss is not None:
             self.info.last_loss = loss
             hist = self.info.loss_history
             if not hist or hist[-1][0] < step:
                 hist.append([step, loss])
+
+    def _replica_loss(self, report: MetricReport) -> None:
+        """Of several replicas, the job's loss of a step is the mean of its replicas' (their
+        last stage's first report of the step), as the leader records it and ``swarm job``
+        shows it: one replica's loss is its row's, not the job's."""
+        if report.loss is None or report.state != "RUNNING" or report.stage is None \
+                or report.stage != self.num_stages - 1 \
+                or report.metrics.wire_tx_bytes is None:
+            return
+        step = report.step
+        losses = self.replica_losses.setdefault(step, {})
+        if (report.replica or 0) in losses:
+            return  # (a cell's repeat of a step: the leader keeps its first report)
+        losses[report.replica or 0] = report.loss
+        for old in sorted(self.replica_losses)[:-REPLICA_STEPS_KEPT]:
+            del self.replica_losses[old]
+        mean = sum(losses.values()) / len(losses)
+        self.info.last_loss = mean
+        hist = self.info.loss_history
+        if not hist or hist[-1][0] < step:
+            hist.append([step, mean])
+            return
+        for point in reversed(hist[-REPLICA_STEPS_KEPT:]):  # (a replica's report of a step
+            if point[0] == step:                           # already drawn: the new mean)
+                point[1] = mean
+                return
 
 
 @attrs.define
@@ -528,11 +578,59 @@ class ClusterModel:
     def heartbeat_age(self, st: FellowState) -> float | None:
         return None if st.hb_local is None else max(0.0, self.clock() - st.hb_local)
 
-    def counts(self) -> dict[str, int]:
+    def silent_for(self, st: FellowState) -> float | None:
+        """Seconds since the fellow was last heard of (its heartbeat age, else its record's
+        last heartbeat on the leader's clock: a fellow of a previous leader's cluster)."""
+        age = self.heartbeat_age(st)
+        if age is not None:
+            return age
+        return None if st.last_heard is None else max(0.0, self.leader_now() - st.last_heard)
+
+    def shown_status(self, st: FellowState) -> str:
+        """The status as shown: a fellow whose last word was "leaving" and that has been
+        silent since (one of a previous cluster, kept in the leader's records) has left."""
+        if st.status == "leaving":
+            age = self.heartbeat_age(st)
+            if age is not None and age > LEAVING_GONE_S:
+                return "left"
+        return st.status
+
+    def gone(self, st: FellowState) -> bool:
+        """Not in the cluster now: stale, offline, released, leaving or left."""
+        return self.shown_status(st) not in LIVE
+
+    def hidden(self, st: FellowState) -> bool:
+        """Gone and silent for ``GONE_HIDDEN_S``: out of the default view (a toggle shows
+        it; ``swarm forget`` drops its record)."""
+        if not self.gone(st):
+            return False
+        silent = self.silent_for(st)
+        return silent is None or silent > GONE_HIDDEN_S
+
+    def shown_fellows(self, *, gone_too: bool = False) -> list[FellowState]:
+        """The fellows the fellows view lists (by default, not those hidden)."""
+        return [st for st in self.fellows.values() if gone_too or not self.hidden(st)]
+
+    def counts(self, *, gone_too: bool = False) -> dict[str, int]:
+        """By shown status, the fellows the fellows view lists: the counts agree with its
+        rows (``hidden``: how many it leaves out)."""
         out: dict[str, int] = {}
-        for st in self.fellows.values():
-            out[st.status] = out.get(st.status, 0) + 1
+        shown = self.shown_fellows(gone_too=gone_too)
+        for st in shown:
+            status = self.shown_status(st)
+            out[status] = out.get(status, 0) + 1
+        hidden = len(self.fellows) - len(shown)
+        if hidden:
+            out["hidden"] = hidden
         return out
+
+    def forget(self, fellow_ids: Iterable[int]) -> Change:
+        """Fellows the leader forgot: gone from the model at once."""
+        change = Change()
+        for fid in fellow_ids:
+            if self.fellows.pop(fid, None) is not None:
+                change.fellow_rows = True
+        return change
 
     def job_counts(self) -> dict[str, int]:
         """Per state, the jobs the console holds and those the leader holds beyond them."""

@@ -1,4 +1,4 @@
-"""``swarm fellows``, ``fellow-log``, ``nodes``, ``release``, ``set-speed``."""
+"""``swarm fellows``, ``fellow-log``, ``nodes``, ``release``, ``forget``, ``set-speed``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import time
 
-from swarm_core.client import SwarmClient
+from swarm_core.client import ApiError, SwarmClient
 from swarm_core.contract import MAX_LOG_LINES, FellowLog
-from swarm_core.protocol import SetSpeedRequest
+from swarm_core.protocol import FellowStatus, SetSpeedRequest
 from swarm_tui.commands.argtypes import cell_index, fellow_id, latency_ms, link_mbps, number
 from swarm_tui.commands.base import (
     CommandError,
@@ -117,6 +117,41 @@ def cmd_release(args: argparse.Namespace) -> int:
     return run_with_client(args, body)
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Drop the leader's records of fellows that are gone: those named (a live one, or one
+    holding a running job's cell, is refused: exit 1 naming why), or ``--gone`` every one
+    that may be (the others are left as they are)."""
+    if not args.gone and not args.fellow_id:
+        raise CommandError("forget needs --gone or --fellow-id N", ExitCode.USAGE)
+
+    async def body(c: SwarmClient) -> None:
+        if args.gone:
+            ids = [f.fellow_id for f in await c.fellows()
+                   if not FellowStatus(f.status).live]
+        else:
+            ids = list(dict.fromkeys(args.fellow_id))
+        forgotten: list[int] = []
+        kept: list[str] = []
+        for fid in ids:
+            try:
+                await c.forget(fid)
+            except ApiError as exc:
+                if not args.gone:
+                    raise CommandError(f"fellow {fid} not forgotten: {exc.message}") from None
+                kept.append(f"{fid} ({exc.message})")
+            else:
+                forgotten.append(fid)
+        if args.format == "json":
+            emit_json({"forgotten": forgotten, "kept": kept})
+            return
+        print_line("forgot fellow(s) " + ", ".join(map(str, forgotten)) if forgotten
+                   else "no fellows to forget")
+        for why in kept:
+            print_line(f"kept fellow {why}")
+
+    return run_with_client(args, body)
+
+
 def cmd_set_speed(args: argparse.Namespace) -> int:
     by_cell = args.stage is not None or args.replica is not None
     if (args.fellow_id is None) == (not by_cell):
@@ -197,6 +232,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="release this fellow (repeatable)")
     add_format(p)
     p.set_defaults(func=cmd_release)
+
+    p = sub.add_parser("forget", help="drop the records of fellows that are gone (stale, "
+                       "offline, released)",
+                       description="The leader keeps a record of every fellow that ever "
+                                   "registered. Forget those that are gone, so that views stop "
+                                   "listing them; one that still heartbeats, or holds a cell "
+                                   "of the running job, is refused. A forgotten fellow that "
+                                   "comes back registers with a new id.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gone", action="store_true",
+                   help="every fellow that is not live (those that may not be are kept)")
+    g.add_argument("--fellow-id", type=fellow_id, action="append",
+                   help="forget this fellow (repeatable)")
+    add_format(p)
+    p.set_defaults(func=cmd_forget)
 
     p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live",
                        description="Shape one fellow's link, or those of the running job's "

@@ -835,6 +835,49 @@ async def test_release_running_fellow_carries_job_id(api):
     assert release["kind"] == "RELEASE" and release["job_id"] == job["job_id"]
 
 
+# --- forget -------------------------------------------------------------------------------------
+
+
+async def test_forget_drops_a_gone_fellow_and_never_gives_its_id_again(aiohttp_client,
+                                                                       leader_config):
+    """A fellow that left (or went stale) is forgotten: gone from GET /fellows, also after a
+    restart; its id is not given to the next fellow; a live one, or one that holds a cell of
+    the running job, is refused with 409 and a one-line reason; an unknown one is 404."""
+    api = await aiohttp_client(create_app(leader_config))
+    a, b, c = [await register(api, n) for n in ("a", "b", "c")]
+    resp = await api.delete(f"{A}/fellows/{c['fellow_id']}", headers=AUTH)
+    err = await expect_error(resp, 409, "fellow_live")
+    assert "still heartbeats" in err["message"] and "\n" not in err["message"]
+    await heartbeat(api, c, status="released")
+    body = await expect_ok(await api.delete(f"{A}/fellows/{c['fellow_id']}", headers=AUTH))
+    assert body == {"fellow_id": c["fellow_id"], "name": "c", "status": "released"}
+    fellows = (await expect_ok(await api.get(f"{A}/fellows", headers=AUTH)))["fellows"]
+    assert [f["fellow_id"] for f in fellows] == [a["fellow_id"], b["fellow_id"]]
+    await expect_error(await api.delete(f"{A}/fellows/{c['fellow_id']}", headers=AUTH), 404,
+                       "unknown_fellow")
+    await expect_error(await api.delete(f"{A}/fellows/{c['fellow_id']}"), 401)
+    # Its id is not reused (finished jobs name it), also by a leader restarted on the state.
+    d = await register(api, "d")
+    assert d["fellow_id"] == c["fellow_id"] + 1
+    await api.close()
+    api = await aiohttp_client(create_app(leader_config))
+    fellows = (await expect_ok(await api.get(f"{A}/fellows", headers=AUTH)))["fellows"]
+    assert [f["fellow_id"] for f in fellows] == [a["fellow_id"], b["fellow_id"], d["fellow_id"]]
+    assert all(f["status"] == "offline" for f in fellows)
+    # Offline (not heard since the restart) but holding a cell of the running job: refused.
+    a = await register(api, "a")
+    job = await submit(api)
+    assert job["fellows"] == [a["fellow_id"]]
+    await heartbeat(api, a, status="released")  # (gone, but its cell is the job's)
+    err = await expect_error(await api.delete(f"{A}/fellows/{a['fellow_id']}", headers=AUTH),
+                             409, "fellow_in_job")
+    assert job["job_id"] in err["message"]
+    # One that was never heard from since the restart is forgotten.
+    await expect_ok(await api.delete(f"{A}/fellows/{b['fellow_id']}", headers=AUTH))
+    e = await register(api, "e")
+    assert e["fellow_id"] == d["fellow_id"] + 1
+
+
 @pytest.mark.parametrize(("body", "status", "field"), [
     ({"fellow_ids": [0], "all": True}, 400, "$"),
     ({}, 400, "$"),
@@ -1553,6 +1596,7 @@ def test_every_route_has_a_test():
         ("GET", "/healthz"), ("GET", f"{A}/info"), ("GET", f"{A}/openapi.json"),
         ("POST", f"{A}/fellows/register"), ("GET", f"{A}/fellows"),
         ("POST", f"{A}/fellows/release"), ("GET", f"{A}/fellows/{{fellow_id}}"),
+        ("DELETE", f"{A}/fellows/{{fellow_id}}"),
         ("POST", f"{A}/fellows/{{fellow_id}}/heartbeat"),
         ("GET", f"{A}/fellows/{{fellow_id}}/signals"),
         ("POST", f"{A}/fellows/{{fellow_id}}/speed"), ("GET", f"{A}/nodes"),
@@ -1676,6 +1720,55 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     assert left["left"] == [1]
     assert (joined["step"], joined["joined"], joined["members"]) == (11, [1], [0, 1, 2])
     assert f"fellow {spare['fellow_id']} joined" in joined["reason"]
+
+
+async def test_a_leader_restarted_during_a_join_tells_the_members_again(aiohttp_client,
+                                                                        leader_config):
+    """Issue 36, point 7: the leader dies after telling a spare to join and before the
+    members polled their MEMBERS signal (queued in the old leader's memory). Restarted, it
+    knows the join (stored with the job) and tells each member again, so the group rings the
+    joiner instead of leaving it waiting out its ring deadline; the spare's first report
+    records the join, once."""
+    api = await aiohttp_client(create_app(leader_config))
+    jid, by_replica = await _replicated_job(api, 7250,
+                                            sync={"mode": "diloco", "inner_steps": 5})
+    for f in by_replica.values():
+        await poll(api, f)  # (their STARTs)
+    assert (await report(api, jid, by_replica[1], "FAILED", step=4, stage=0,
+                         replica=1, message="killed")).status == 200
+    for r in (0, 2):
+        assert (await _regroup(api, jid, by_replica[r], r, op_step=4, synced_step=-1)).status \
+            == 200
+    spare = await register(api, "spare", data_addr="127.0.0.1:7350")
+
+    async def join_start():
+        return [s for s in await poll(api, spare) if s["kind"] == "START"]
+
+    [start] = await wait_for(join_start)
+    order = start["payload"]["join"]
+    assert order["epoch"] == 2 and order["members"] == [0, 1, 2]
+    # (the members never poll before the leader dies: their MEMBERS die with it)
+    await api.close()
+    api = await aiohttp_client(create_app(leader_config))
+    regs = {r: await register(api, **by_replica[r]["body"]) for r in (0, 2)}
+    spare = await register(api, **spare["body"])
+    for r in (0, 2):
+        signals = await poll(api, regs[r])  # (a new leader numbers its signals from 1)
+        [told] = [s for s in signals if s["kind"] == "MEMBERS"]
+        assert told["payload"]["order"] == order
+    assert (await get_job(api, jid))["members"] == [0, 2]  # (until the group takes it in)
+    assert (await report(api, jid, spare, "RUNNING", step=11, stage=0, replica=1,
+                         loss=2.0)).status == 200
+    job = await get_job(api, jid)
+    assert job["members"] == [0, 1, 2]
+    left, joined = job["membership"]
+    assert (left["left"], joined["step"], joined["joined"]) == ([1], 11, [1])
+    # Taken in, the join is no longer stored: another restart does not tell anyone again.
+    await api.close()
+    api = await aiohttp_client(create_app(leader_config))
+    regs = {r: await register(api, **by_replica[r]["body"]) for r in (0, 2)}
+    for r in (0, 2):
+        assert [s for s in await poll(api, regs[r]) if s["kind"] == "MEMBERS"] == []
 
 
 async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api, leader_config):
@@ -1815,6 +1908,28 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(
         api = await aiohttp_client(create_app(leader_config))
         job = await get_job(api, jid)
         assert job["members"] == [0] and len(job["membership"]) == 1
+
+
+async def test_a_replica_lost_through_a_broken_link_is_blamed_on_the_fellow_that_left(api):
+    """Two stages, two replicas; replica 1's stage-1 fellow dies. Its stage-0 neighbour,
+    which is up, reports FAILED blaming the link to stage 1: the change records replica 1 as
+    left because of the stage-1 fellow, not of the survivor that reported it."""
+    jid, job, cell = await _grid_job(api, 7720)
+    survivor, dead = cell[(0, 1)], cell[(1, 1)]
+    assert (await report(api, jid, survivor, "FAILED", step=6, stage=0, replica=1,
+                         blames_stage=1, message="LinkClosed: stage 1 closed the link")
+            ).status == 200
+    for stage in (1, 0):
+        body = {"fellow_id": cell[(stage, 0)]["fellow_id"], "stage": stage, "replica": 0,
+                "op_step": 6, "synced_step": 5}
+        await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                       params={"wait": "0"}, headers=cell[(stage, 0)]["headers"]))
+    job = await get_job(api, jid)
+    [change] = job["membership"]
+    assert change["left"] == [1]
+    assert change["reason"].startswith(f"fellow {dead['fellow_id']} (f{dead['fellow_id']}, "
+                                       "stage 1 replica 1) dropped out at step 6"), change
+    assert f"its neighbour fellow {survivor['fellow_id']}" in change["reason"]
 
 
 async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup_later(api):

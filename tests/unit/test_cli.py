@@ -119,6 +119,42 @@ def test_release_needs_a_target(capsys):
     assert "--all or --fellow-id" in _one_line(capsys.readouterr().err)
 
 
+def test_forget_needs_a_target(capsys):
+    assert run(["forget", "--leader-url", "http://127.0.0.1:9"]) == ExitCode.USAGE
+    assert "--gone or --fellow-id" in _one_line(capsys.readouterr().err)
+
+
+async def test_swarm_forget_drops_gone_fellows_and_refuses_a_live_one(api, auth, capsys):
+    """`swarm forget --fellow-id N` drops a fellow that left; a live one is refused in one
+    line (exit 1); `--gone` forgets every fellow that is not live and keeps the others."""
+    from swarm_core.leader.routes import SESSION_HEADER
+    from tests.support import TOKEN
+
+    regs = []
+    for name in ("a", "b", "c"):
+        resp = await api.post("/api/v1/fellows/register", headers=auth,
+                              json={"name": name, "instance_id": f"{name}-i"})
+        regs.append(await resp.json())
+    for reg in regs[1:]:  # (b and c leave)
+        resp = await api.post(f"/api/v1/fellows/{reg['fellow_id']}/heartbeat",
+                              json={"status": "released"},
+                              headers={**auth, SESSION_HEADER: reg["session"]})
+        assert resp.status == 200
+
+    def cli(*argv: str) -> int:
+        return run(["--leader-url", str(api.make_url("")).rstrip("/"), "--token", TOKEN, *argv])
+
+    assert await asyncio.to_thread(cli, "forget", "--fellow-id", "0") == ExitCode.FAILURE
+    err = _one_line(capsys.readouterr().err)
+    assert "fellow 0 not forgotten" in err and "still heartbeats" in err
+    assert await asyncio.to_thread(cli, "forget", "--fellow-id", "1") == ExitCode.OK
+    assert "forgot fellow(s) 1" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli, "forget", "--gone", "--format", "json") == ExitCode.OK
+    assert json.loads(capsys.readouterr().out) == {"forgotten": [2], "kept": []}
+    listed = (await (await api.get("/api/v1/fellows", headers=auth)).json())["fellows"]
+    assert [f["fellow_id"] for f in listed] == [0]
+
+
 @pytest.mark.parametrize("argv", [["fellows"], ["fellow"]])
 def test_no_leader_configured_exits_3(argv, capsys):
     assert run(argv) == ExitCode.UNREACHABLE

@@ -23,7 +23,8 @@ from swarm_core.pipeline.optim import MOMENTUM_FIELD
 from swarm_core.pipeline.stage import StageResult
 from swarm_core.pipeline.syncs import make_sync
 from swarm_core.schema import SchemaError, structure
-from tests.unit.test_replicas import MODEL, _Checkpoints, _Crash, _step_losses
+from tests.unit.sync_support import close, divisor, lr_at, resumed_runs
+from tests.unit.test_replicas import MODEL, _Crash, _step_losses
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,6 @@ def _training(**sync: Any) -> TrainingConfig:
 
 
 # --- the reference: DeMo in one process, written from the paper --------------------------------
-
-def _divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
 
 
 def _dct(n: int) -> torch.Tensor:
@@ -61,8 +59,8 @@ class _Blocks:
         rows, cols = (shape[0], math.prod(shape) // shape[0]) if len(shape) > 1 \
             else (1, math.prod(shape))
         self.rows, self.cols = rows, cols
-        self.h = _divisor(rows, chunk) if len(shape) > 1 else 1
-        self.w = _divisor(cols, chunk)
+        self.h = divisor(rows, chunk) if len(shape) > 1 else 1
+        self.w = divisor(cols, chunk)
         self.dh, self.dw = _dct(self.h), _dct(self.w)
 
     def dct(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +99,6 @@ def _demo_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int, repl
     blocks = [_Blocks(p.shape, s.dct_chunk) for p in params[0]]
     momenta = [[torch.zeros_like(p) for p in params[0]] for _ in range(replicas)]
 
-    def lr(step: int) -> float:
-        if step < tc.warmup_steps:
-            return tc.lr * (step + 1) / tc.warmup_steps
-        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
-        return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
-
     share, m, losses = tc.batch_size // replicas, tc.micro_batches, []
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
@@ -134,7 +126,7 @@ def _demo_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int, repl
                 total_q = torch.zeros(b.rows * b.cols // (b.h * b.w), b.h * b.w)
                 count = torch.zeros_like(total_q)
                 for r in here:
-                    acc = momenta[r][i] * s.momentum_decay + params[r][i].grad * lr(step)
+                    acc = momenta[r][i] * s.momentum_decay + params[r][i].grad * lr_at(tc, step)
                     c = b.dct(acc)
                     order = torch.argsort(c.abs(), dim=1, descending=True, stable=True)
                     pos = order[:, :k].sort(dim=1).values  # (of equal ones, the first)
@@ -149,15 +141,11 @@ def _demo_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int, repl
                     params[r][i].grad = direction.clone()
         for r in here:
             for g in opts[r].param_groups:
-                g["lr"] = lr(step)
+                g["lr"] = lr_at(tc, step)
             opts[r].step()
             opts[r].zero_grad(set_to_none=True)
     return losses
 
-
-def _close(ref: list[float], got: list[float]) -> float:
-    assert len(ref) == len(got)
-    return max(abs(a - b) for a, b in zip(ref, got, strict=True))
 
 
 # --- exactness ---------------------------------------------------------------------------------
@@ -176,13 +164,13 @@ def test_demo_trains_what_a_one_process_simulation_of_its_replicas_trains(data, 
     res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120)
     assert all(isinstance(r, StageResult) for r in res.values()), res
     got = _step_losses(res, stages, 2)
-    assert _close(ref, got) <= 1e-5
+    assert close(ref, got) <= 1e-5
     for cell in range(2 * stages):
         metrics = res[cell].metrics
         assert metrics.sync_tx_bytes_per_step == metrics.expected_sync_tx_bytes_per_step > 0
     dp = run_local_pipeline(mc, attrs.evolve(tc, sync=SyncConfig()), data, stages, replicas=2,
                             timeout=120)
-    assert _close(_step_losses(dp, stages, 2), got) > 1e-3
+    assert close(_step_losses(dp, stages, 2), got) > 1e-3
 
 
 def test_demo_goes_on_without_a_replica_that_dies(data):
@@ -200,7 +188,7 @@ def test_demo_goes_on_without_a_replica_that_dies(data):
     assert all(isinstance(res[r], StageResult) for r in (0, 2))
     assert [(c.step, c.members, c.left) for c in coord.changes] == [(4, [0, 2], [1])]
     ref = _demo_reference(mc, tc, data, 1, 3, leaves={1: 3})
-    assert _close(ref, crash.step_losses()) <= 1e-5
+    assert close(ref, crash.step_losses()) <= 1e-5
 
 
 def test_a_demo_run_resumed_from_its_checkpoint_trains_on_exactly(data):
@@ -210,29 +198,9 @@ def test_a_demo_run_resumed_from_its_checkpoint_trains_on_exactly(data):
     mc = ModelConfig(**MODEL)
     tc = attrs.evolve(_training(), steps=8, shard_push_interval_steps=4)
     ref = _demo_reference(mc, tc, data, 1, 2)
-    ckpt = _Checkpoints(2)
-    res = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
-                             stage_kwargs=ckpt.kwargs(2))
-    assert all(isinstance(r, StageResult) for r in res.values()), res
-    momenta = [{k: v for k, v in ckpt.saved[c][4][1].items() if k.endswith(MOMENTUM_FIELD)}
-               for c in (0, 1)]
-    assert momenta[0] and set(momenta[0]) == set(momenta[1])
-    assert any(not np.array_equal(momenta[0][k], momenta[1][k]) for k in momenta[0])
-
-    def resumed(keep: bool) -> list[float]:
-        kwargs = {}
-        for c in (0, 1):
-            opt = {k: v for k, v in ckpt.saved[c][4][1].items()
-                   if keep or not k.endswith(MOMENTUM_FIELD)}
-            kwargs[c] = {"start_step": 4, "initial_state": ckpt.saved[0][4][0],
-                         "initial_optimizer": opt}
-        again = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
-                                   stage_kwargs=kwargs)
-        assert all(isinstance(r, StageResult) for r in again.values()), again
-        return _step_losses(again, 1, 2)
-
-    assert _close(ref[4:], resumed(keep=True)) <= 1e-5
-    assert _close(ref[4:], resumed(keep=False)) > 1e-4
+    with_state, without = resumed_runs(mc, tc, data, 4, MOMENTUM_FIELD)
+    assert close(ref[4:], with_state) <= 1e-5
+    assert close(ref[4:], without) > 1e-4
 
 
 # --- the message -------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import threading
 from typing import Any
 
 import attrs
-import numpy as np
 import pytest
 import torch
 
@@ -22,9 +21,9 @@ from swarm_core.pipeline.local import LocalCoordinator, run_local_pipeline
 from swarm_core.pipeline.stage import StageResult
 from swarm_core.pipeline.syncs import make_sync
 from swarm_core.schema import SchemaError, structure
+from tests.unit.sync_support import close, divisor, lr_at, resumed_runs
 from tests.unit.test_replicas import (
     MODEL,
-    _Checkpoints,
     _Crash,
     _diloco_reference,
     _step_losses,
@@ -45,19 +44,16 @@ def _training(**sync: Any) -> TrainingConfig:
 
 # --- the reference: SparseLoCo in one process, written from the paper --------------------------
 
-def _divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
-
 
 def _tiles_of(shape: torch.Size, chunk: int) -> tuple[int, int, int, int]:
     """(rows, tile height, columns, tile width): a matrix in blocks of at most ``chunk``
     elements, as square as its divisors allow; a vector in runs."""
     n = math.prod(shape)
     if len(shape) < 2:
-        return 1, 1, n, _divisor(n, chunk)
+        return 1, 1, n, divisor(n, chunk)
     rows = shape[0]
-    h = _divisor(rows, math.isqrt(chunk))
-    return rows, h, n // rows, _divisor(n // rows, chunk // h)
+    h = divisor(rows, math.isqrt(chunk))
+    return rows, h, n // rows, divisor(n // rows, chunk // h)
 
 
 def _compress(e: torch.Tensor, s: SyncConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +115,6 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in range(replicas)]
     alpha = s.outer_step[0]
 
-    def lr(step: int) -> float:
-        if step < tc.warmup_steps:
-            return tc.lr * (step + 1) / tc.warmup_steps
-        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
-        return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
-
     share, m, losses = tc.batch_size // replicas, tc.micro_batches, []
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
@@ -138,7 +128,7 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
         total = 0.0
         for r in here:
             for g in opts[r].param_groups:
-                g["lr"] = lr(step)
+                g["lr"] = lr_at(tc, step)
             xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
             for xm, ym in zip(xs.chunk(m), ys.chunk(m), strict=True):
                 loss = lm_loss(models[r](xm), ym) / m
@@ -169,10 +159,6 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     return losses
 
 
-def _close(ref: list[float], got: list[float]) -> float:
-    assert len(ref) == len(got)
-    return max(abs(a - b) for a, b in zip(ref, got, strict=True))
-
 
 # --- exactness ---------------------------------------------------------------------------------
 
@@ -190,12 +176,12 @@ def test_sparseloco_trains_what_a_one_process_simulation_of_its_replicas_trains(
     ref = _sparseloco_reference(mc, tc, data, stages, 2)
     res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120)
     assert all(isinstance(r, StageResult) for r in res.values()), res
-    assert _close(ref, _step_losses(res, stages, 2)) <= 1e-5
+    assert close(ref, _step_losses(res, stages, 2)) <= 1e-5
     for cell in range(2 * stages):
         metrics = res[cell].metrics
         assert metrics.sync_tx_bytes_per_step == metrics.expected_sync_tx_bytes_per_step > 0
     diloco = attrs.evolve(tc, sync=SyncConfig(mode="diloco", inner_steps=3))
-    assert _close(_diloco_reference(mc, diloco, data, stages, 2), ref) > 1e-3
+    assert close(_diloco_reference(mc, diloco, data, stages, 2), ref) > 1e-3
 
 
 def test_every_value_sent_whole_with_no_feedback_is_weight_averaging(data):
@@ -209,7 +195,7 @@ def test_every_value_sent_whole_with_no_feedback_is_weight_averaging(data):
     averaging = attrs.evolve(tc, sync=SyncConfig(mode="diloco", inner_steps=3, outer_lr=1.0,
                                                  outer_momentum=0.0))
     ref = _diloco_reference(mc, averaging, data, 1, 2, average=True)
-    assert _close(ref, _step_losses(res, 1, 2)) <= 1e-5
+    assert close(ref, _step_losses(res, 1, 2)) <= 1e-5
 
 
 def test_sparseloco_goes_on_without_a_replica_that_dies_between_outer_steps(data):
@@ -228,7 +214,7 @@ def test_sparseloco_goes_on_without_a_replica_that_dies_between_outer_steps(data
     assert all(isinstance(res[r], StageResult) for r in (0, 2))
     assert [(c.step, c.members, c.left) for c in coord.changes] == [(6, [0, 2], [1])]
     ref = _sparseloco_reference(mc, tc, data, 1, 3, leaves={1: 4})
-    assert _close(ref, crash.step_losses()) <= 1e-5
+    assert close(ref, crash.step_losses()) <= 1e-5
 
 
 def test_a_sparseloco_run_resumed_from_its_checkpoint_trains_on_exactly(data):
@@ -241,29 +227,9 @@ def test_a_sparseloco_run_resumed_from_its_checkpoint_trains_on_exactly(data):
     mc = ModelConfig(**MODEL)
     tc = attrs.evolve(_training(density=0.1), steps=12, shard_push_interval_steps=4)
     ref = _sparseloco_reference(mc, tc, data, 1, 2)
-    ckpt = _Checkpoints(2)
-    res = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
-                             stage_kwargs=ckpt.kwargs(2))
-    assert all(isinstance(r, StageResult) for r in res.values()), res
-    feedback = [{k: v for k, v in ckpt.saved[c][6][1].items() if k.endswith(ERROR_FIELD)}
-                for c in (0, 1)]
-    assert feedback[0] and set(feedback[0]) == set(feedback[1])
-    assert any(not np.array_equal(feedback[0][k], feedback[1][k]) for k in feedback[0])
-
-    def resumed(keep: bool) -> list[float]:
-        kwargs = {}
-        for c in (0, 1):
-            opt = {k: v for k, v in ckpt.saved[c][6][1].items()
-                   if keep or not k.endswith(ERROR_FIELD)}
-            kwargs[c] = {"start_step": 6, "initial_state": ckpt.saved[0][6][0],
-                         "initial_optimizer": opt}
-        again = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
-                                   stage_kwargs=kwargs)
-        assert all(isinstance(r, StageResult) for r in again.values()), again
-        return _step_losses(again, 1, 2)
-
-    assert _close(ref[6:], resumed(keep=True)) <= 1e-5
-    assert _close(ref[9:], resumed(keep=False)[3:]) > 1e-4
+    with_state, without = resumed_runs(mc, tc, data, 6, ERROR_FIELD)
+    assert close(ref[6:], with_state) <= 1e-5
+    assert close(ref[9:], without[3:]) > 1e-4
 
 
 # --- the message -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from swarm_tui.app.screens.jobs import JobWatchScreen
 from swarm_tui.app.widgets.live_table import LiveTable
 from tests.tui_support import (
     GRID_JOB,
+    T0,
     GridFakeClient,
     frozen_clock,
     grid_metric,
@@ -54,25 +55,26 @@ async def test_the_watch_view_has_a_row_per_cell_with_its_sync_at_80_columns() -
         table = await _grid_watch(pilot, app, client)
         await pilot.pause()
         # By stage, then replica; what it ran and how it waits fit 80 columns (the status
-        # and the loss, the last stage's, give way).
+        # and the loss, the last stage's, give way; so does the heartbeat age, since the
+        # step column is wide enough to say "left @123" of a replica that left).
         assert table.shown_keys == ["0", "2", "1", "3"]
         assert table.visible == ["id", "name", "stage", "replica", "step", "tps", "wait",
-                                 "sync", "sync_wait", "hb"]
+                                 "sync", "sync_wait"]
         text = screen_text(app)
         assert all(len(line.rstrip()) <= 80 for line in text.splitlines())
         assert _row(text, "fellow") == ["fellow", "name", "stage▲", "rep", "step", "tok/s",
-                                        "wait", "sync", "swait", "hb"]
+                                        "wait", "sync", "swait"]
         # The leader's figures of each cell (what a console opened mid-run has)...
         assert _row(text, "6 ") == ["6", "dp-0", "0", "0", "40", "900", "10%", "293.0K",
-                                    "20%", "0s"]
+                                    "20%"]
         assert _row(text, "8 ") == ["8", "dp-2", "0", "1", "40", "920", "10%", "293.0K",
-                                    "30%", "0s"]
+                                    "30%"]
         assert _row(text, "9 ")[4:9] == ["40", "930", "20%", "585.9K", "30%"]
         # ... then replica 1 of stage 1's newest report.
         app.apply_event(grid_metric((app.model.last_seq or 0) + 1))
         await wait_for(pilot, lambda: _row(screen_text(app), "9 ")[4] == "41", "the report")
         assert _row(screen_text(app), "9 ") == ["9", "dp-3", "1", "1", "41", "950", "25%",
-                                                "2.4M", "50%", "0s"]
+                                                "2.4M", "50%"]
         # An export has every column, the replica and the sync figures among them.
         columns, rows = table.export_rows()
         assert {"replica", "sync_bytes", "sync_fraction", "wait_fraction"} <= set(columns)
@@ -117,24 +119,95 @@ async def test_a_fellows_detail_names_its_cell() -> None:
 
 
 async def test_the_watch_marks_a_replica_that_left_and_says_when() -> None:
-    """Replica 1 of the 2 x 2 job left at step 31: at 120 columns its two rows say "left"
-    where the others say their fellow's status, and the job's summary names the change."""
+    """Replica 1 of the 2 x 2 job left at step 31 (its stage-1 fellow dropped out): its two
+    rows say "left @31" where their step was (also at 80 columns, where the status gives
+    way) and show none of their old figures; the summary names the change and the fellow
+    that left; the loss plot marks the step (▼)."""
     import attrs
 
     from swarm_core.contract import MembershipChange
+    from swarm_tui.app.widgets.plot import MetricPlot
 
     client = GridFakeClient()
+    reason = "fellow 9 (dp-3, stage 1 replica 1) dropped out at step 31: its neighbour " \
+             "fellow 8 (dp-2) lost the link to it"
     client._jobs[-1] = attrs.evolve(
         client._jobs[-1], members=[0],
-        membership=[MembershipChange(step=31, epoch=1, members=[0], left=[1])])
+        membership=[MembershipChange(step=31, epoch=1, members=[0], left=[1], reason=reason)])
+    for i, f in enumerate(client._fellows):
+        if f.fellow_id in (8, 9):  # (told to stop: free again)
+            client._fellows[i] = attrs.evolve(f, status="ready", current_job=None,
+                                              current_stage=None)
     app = _app(client)
     async with app.run_test(size=(120, 24)) as pilot:
         await _grid_watch(pilot, app, client)
         await pilot.pause()
         text = screen_text(app)
-        assert "@31: replica(s) 1 left" in text
-        status = {row[0]: row[4] for row in (_row(text, f"{f} ") for f in (6, 7, 8, 9))}
-        assert status == {"6": "busy", "7": "busy", "8": "left", "9": "left"}
+        assert "@31: replica(s) 1 left (fellow 9 (dp-3, stage 1 replica 1) dropped out" in \
+            text.replace("\n", " ").replace("  ", " ")
+        status = {row[0]: row[4:6] for row in (_row(text, f"{f} ") for f in (6, 7, 8, 9))}
+        assert status == {"6": ["busy", "40"], "7": ["busy", "40"], "8": ["left", "@31"],
+                          "9": ["left", "@31"]}
+        assert app.screen.query_one("#curve", MetricPlot).spec.left == (31.0,)
+        await pilot.resize_terminal(*SIZE)
+        await wait_for(pilot, lambda: "left @31" in screen_text(app), "80 columns")
+        text = screen_text(app)
+        assert all(len(line.rstrip()) <= 80 for line in text.splitlines())
+        for fid in (8, 9):
+            # fellow, name, stage, rep, step, tok/s, wait, sync, swait: none of the old ones
+            assert _row(text, f"{fid} ")[4:9] == ["left", "@31", "-", "-", "-"], text
+        assert _row(text, "6 ")[4] == "40"
+
+
+async def test_a_cell_taken_over_by_a_joiner_is_blank_until_its_new_fellow_reports() -> None:
+    """Spares 2 and 5 join as replica 1 (which left at step 31): their cells say "joining"
+    and show nothing of the dead cells' step and tok/s, nor of their own heartbeats, until
+    they report; then their own figures; once the group took them in, their status."""
+    import attrs
+
+    from swarm_core.contract import MembershipChange
+
+    client = GridFakeClient()
+    job = client._jobs[-1]
+    assert job.placement is not None
+    spares = {(0, 1): (2, "cpu-c"), (1, 1): (5, "cpu-f")}
+    cells = [attrs.evolve(c, fellow_id=spares[(c.stage, c.replica)][0],
+                          name=spares[(c.stage, c.replica)][1])
+             if (c.stage, c.replica) in spares else c for c in job.placement.stages]
+    client._jobs[-1] = attrs.evolve(
+        job, members=[0], fellows=[6, 7, 2, 5],
+        placement=attrs.evolve(job.placement, stages=cells),
+        membership=[MembershipChange(step=31, epoch=1, members=[0], left=[1])])
+    for i, f in enumerate(client._fellows):
+        if f.fellow_id in (2, 5):  # (their heartbeats: busy with the job, a step of their own)
+            client._fellows[i] = attrs.evolve(f, status="busy", current_job=GRID_JOB,
+                                              current_step=3, tokens_per_s=55.0)
+    app = _app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await _grid_watch(pilot, app, client)
+        await pilot.pause()
+        text = screen_text(app)
+        for fid in (2, 5):
+            assert _row(text, f"{fid} ")[4:7] == ["-", "-", "-"], text
+        from swarm_tui.app.cells import watch_cells
+        view = app.model.jobs[GRID_JOB]
+        assert watch_cells(app.model, view, 2)["status"].plain == "joining"
+        seq = app.model.last_seq or 0
+        app.apply_event({"seq": seq + 1, "ts": T0, "type": "metric", "data": {
+            "job_id": GRID_JOB, "fellow_id": 2, "stage": 0, "replica": 1, "step": 44,
+            "tokens_per_s": 700.0, "state": "RUNNING",
+            "metrics": {"wire_tx_bytes": 1000, "step_seconds": 0.4, "wait_seconds": 0.1}}})
+        await wait_for(pilot, lambda: _row(screen_text(app), "2 ")[4:6] == ["44", "700"],
+                       "the joiner's own report")
+        assert watch_cells(app.model, view, 2)["status"].plain == "joining"
+        app.apply_event({"seq": seq + 2, "ts": T0, "type": "job.membership", "data": {
+            "job_id": GRID_JOB, "step": 44, "epoch": 2, "members": [0, 1], "joined": [1],
+            "reason": "fellows 2, 5 joined"}})
+        await wait_for(pilot, lambda: watch_cells(app.model, view, 2)["status"].plain
+                       == "busy", "taken in")
+        from swarm_tui.app.widgets.plot import MetricPlot
+        spec = app.screen.query_one("#curve", MetricPlot).spec
+        assert (spec.left, spec.joined) == ((31.0,), (44.0,))
 
 
 async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica() -> None:
@@ -188,3 +261,67 @@ async def test_the_watch_sets_the_speed_of_a_cell_its_stage_group_or_its_replica
         await pilot.pause()
         assert isinstance(app.screen, JobWatchScreen)
         assert any("is COMPLETED" in n.message for n in app._notifications)
+
+
+async def test_a_replica_jobs_summary_and_curve_are_the_jobs_loss_as_swarm_job_shows_it(
+        api, auth, capsys) -> None:
+    """A real leader (in process), a 2 x 2 job whose replicas report different losses: the
+    watch's summary and curve show the job's loss (the mean of its replicas' at a step, what
+    `swarm job` shows), not the newest replica's; each replica's stays in its row; the
+    curve is the same when the watch is opened again (the leader's records)."""
+    import asyncio
+    import re
+
+    from swarm_core.client import SwarmClient
+    from swarm_tui.app.screens.jobs import curve_caption
+    from tests.support import TOKEN
+    from tests.unit.test_cli_grid import _cli, _job
+
+    job, regs = await _job(api, auth, 2, 2)
+    jid = job["job_id"]
+    cells = job["placement"]["stages"]
+
+    async def step(n: int) -> None:
+        """Every cell reports step n: the last stage's replica 0 a loss of 3.0, replica 1
+        of 2.0 - 0.1 n."""
+        for cell in cells:
+            k, r = cell["stage"], cell["replica"]
+            reg = regs[cell["fellow_id"]]
+            resp = await api.post(f"/api/v1/jobs/{jid}/status", headers=reg["headers"], json={
+                "fellow_id": reg["fellow_id"], "state": "RUNNING", "step": n, "stage": k,
+                "replica": r, "loss": None if k == 0 else 3.0 if r == 0 else 2.0 - 0.1 * n,
+                "tokens_per_s": 800.0, "metrics": {"wire_tx_bytes": 1000, "step_seconds": 0.5}})
+            assert resp.status == 200, await resp.text()
+
+    await step(1)
+    url = str(api.make_url("")).rstrip("/")
+    app = SwarmApp(SwarmClient(url, TOKEN), refresh_s=None, tick_s=None, flush_s=0)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.snapshots >= 1, "a snapshot")
+        app.watch_job(jid)
+        await _watch_table(pilot, app)
+        await wait_for(pilot, lambda: app.model.jobs[jid].history_loaded, "the history")
+        await step(2)  # (live: the stream's metric events)
+        await wait_for(pilot, lambda: app.model.jobs[jid].info.last_step == 2
+                       and "loss 2.4000" in screen_text(app), "step 2's mean in the summary")
+        view = app.model.jobs[jid]
+        assert [p[1] for p in view.info.loss_history] == [2.45, 2.4]
+        assert curve_caption(view).endswith("last 2.4000")
+        # Each replica's own loss stays in its row (stage 1: replica 0 says 3.0, 1 says 1.8).
+        from swarm_tui.app.cells import watch_cells
+
+        assert {watch_cells(app.model, view, i)["loss"].plain for i in (1, 3)} == \
+            {"3.0000", "1.8000"}
+        # Opened again: the leader's records, the same curve.
+        await pilot.press("escape")
+        app.watch_job(jid)
+        await _watch_table(pilot, app)
+        app.model.jobs[jid].history_loaded = False  # (as on a reopening: fetched again)
+        await wait_for(pilot, lambda: app.model.jobs[jid].history_loaded, "the history again")
+        assert [p[1] for p in app.model.jobs[jid].info.loss_history] == [2.45, 2.4]
+    # `swarm job` says the same (run once the console is closed: it holds stdout).
+    capsys.readouterr()
+    assert await asyncio.to_thread(_cli, api, "job", jid) == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+    shown = re.search(r"^loss\s*│\s*(\S+)", out, re.M)
+    assert shown is not None and shown.group(1) == "2.4000", out

@@ -80,6 +80,39 @@ class Axes:
         return float(hi) - (row - r_hi) / (r_lo - r_hi) * (float(hi) - float(lo))
 
 
+# Braille dots by (row, column) within a cell: the bit of each.
+_DOTS = {0x01: (0, 0), 0x02: (1, 0), 0x04: (2, 0), 0x40: (3, 0),
+         0x08: (0, 1), 0x10: (1, 1), 0x20: (2, 1), 0x80: (3, 1)}
+
+
+def eval_dots(app, widget_id: str) -> list[tuple[int, int, int]]:
+    """The eval marks of a plot (braille in the eval colour): (row, column, dot row 0-3 in
+    the cell) of each of their cells."""
+    from swarm_tui.app.widgets.plot import EVAL_COLOR
+
+    plot = app.screen.query_one(f"#{widget_id}", MetricPlot)
+    text = plot.render()
+    starts = [0]
+    for i, ch in enumerate(text.plain):
+        if ch == "\n":
+            starts.append(i + 1)
+    want = {"magenta": "color(5)"}.get(EVAL_COLOR, EVAL_COLOR)
+    out = []
+    for span in text.spans:
+        if want not in str(span.style):
+            continue
+        for i in range(span.start, span.end):
+            code = ord(text.plain[i]) - 0x2800
+            if not 0 < code <= 0xFF:
+                continue
+            row = max(r for r, st in enumerate(starts) if st <= i)
+            for bit, (dot_row, _c) in _DOTS.items():
+                if code & bit:
+                    out.append((row, i - starts[row], dot_row))
+                    break
+    return out
+
+
 async def test_the_watch_views_loss_plot_has_axes_evals_and_set_speed_marks() -> None:
     from swarm_tui.app.screens.jobs import JobWatchScreen
 
@@ -89,7 +122,8 @@ async def test_the_watch_views_loss_plot_has_axes_evals_and_set_speed_marks() ->
         await loaded(pilot, app, client)
         app.watch_job("job-000002")
         await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
-                       and "job-000002" in client.fetched and "◆" in screen_text(app),
+                       and "job-000002" in client.fetched
+                       and "eval" in "".join(plot_lines(app, "curve")),
                        "the watch view's plot")
         await pilot.pause()
         ax = Axes(plot_lines(app, "curve"))
@@ -98,25 +132,33 @@ async def test_the_watch_views_loss_plot_has_axes_evals_and_set_speed_marks() ->
         assert ax.y["4.22"] - ax.y["5.98"] == ax.y["2.46"] - ax.y["4.22"]  # mid on its row
         # x: steps, round ticks across the whole run.
         assert sorted(ax.x) == [0, 20, 40, 60, 80, 100, 120]
-        assert ax.label_row.split()[0] == "loss" and "step  (◆ eval, │ set-speed)" in \
+        assert ax.label_row.split()[0] == "loss" and "step  (⠤ eval, │ set-speed)" in \
             ax.label_row
         # The set-speed from step 100: one vertical mark, on the tick of step 100.
         assert ax.vertical_marks() == [ax.x[100]]
-        # Eval points at steps 40, 80 and 120, each on the row of its loss.
+        # Eval points at steps 40, 80 and 120: a dash of braille dots around the step's
+        # column, at the line's resolution (a quarter of a row): within a dot of its loss.
         evals = {40.0: 4.15, 80.0: 3.12, 120.0: 2.55}
-        marks = ax.found("◆")
-        assert sorted(c for _r, c in marks) == [ax.x[s] for s in sorted(evals)]
-        spacing = (5.98 - 2.46) / (ax.y["2.46"] - ax.y["5.98"])
-        for row, col in marks:
-            step = next(s for s, c in ax.x.items() if c == col)
-            assert abs(ax.y_at(row, "5.98", "2.46") - evals[step]) <= spacing / 2 + 1e-6
+        dots = eval_dots(app, "curve")
+        rows = ax.y["2.46"] - ax.y["5.98"] + 1  # (the data rows, top tick's to bottom's)
+        dot = (5.98 - 2.46) / (4 * rows - 1)  # (between two braille dot rows, in loss)
+        for step, loss in evals.items():
+            near = [(r, d) for r, c, d in dots if abs(c - ax.x[step]) <= 1]
+            assert near, (step, dots)
+            for row, dot_row in near:
+                value = 5.98 - ((row - ax.y["5.98"]) * 4 + dot_row) * dot
+                assert abs(value - loss) <= dot, (step, value, loss)
+        assert dot < (5.98 - 2.46) / 8 / 2  # (finer than half a row of the old 9-row plot)
         # A live eval report adds its point.
         app.apply_event({"seq": (app.model.last_seq or 0) + 1, "ts": T0, "type": "metric",
                          "data": {"job_id": "job-000002", "fellow_id": 1, "stage": 1,
                                   "step": 124, "loss": None, "state": "RUNNING",
                                   "metrics": {"eval_loss": 2.5}}})
-        await wait_for(pilot, lambda: len(Axes(plot_lines(app, "curve")).found("◆")) == 4,
-                       "the new eval point")
+        await wait_for(pilot, lambda: len(app.screen.query_one("#curve", MetricPlot).spec
+                                          .points) == 4, "the new eval point")
+        ax = Axes(plot_lines(app, "curve"))
+        assert any(abs(c - ax.x[120]) <= 3 and c > ax.x[120] for _r, c, _d in
+                   eval_dots(app, "curve"))
 
 
 async def test_the_fellow_detail_plots_rates_against_limits_and_marks_its_set_speed() -> None:
@@ -164,4 +206,128 @@ async def test_an_idle_link_is_a_line_along_the_bottom_not_saturated() -> None:
         assert list(ax.y) == ["10", "5", "0"]
         rows = ax.data_rows()
         braille = [any("\u2800" < ch <= "\u28ff" for ch in row) for row in rows]
-        assert braille == [False, False, True]  # only the bottom row (0 Mbit/s) is drawn
+        # only the bottom row (0 Mbit/s) is drawn (at 30 rows the plots have five)
+        assert braille == [False] * (len(rows) - 1) + [True] and len(rows) == 5
+
+
+async def test_the_plots_grow_with_the_terminal() -> None:
+    """At 80x24 the watch's loss plot has 9 rows (five of data); at 120x40 it takes the rows
+    the table does not need (it left 20 empty), odd, so the middle tick has its row; the
+    fellow detail's panes grow too."""
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+    from swarm_tui.app.screens.jobs import JobWatchScreen
+
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                       and "job-000002" in client.fetched, "the watch")
+        curve = app.screen.query_one("#curve", MetricPlot)
+        await pilot.pause()
+        small = curve.size.height
+        assert small >= 9 and small % 2 == 1
+        await pilot.resize_terminal(120, 40)
+        await wait_for(pilot, lambda: curve.size.height >= small + 14, "a taller plot")
+        assert curve.size.height % 2 == 1
+        lines = screen_text(app).splitlines()
+        assert sum(1 for line in lines if not line.strip()) <= 3, "\n".join(lines)
+        ax = Axes(plot_lines(app, "curve"))
+        assert list(ax.y) == ["5.98", "4.22", "2.46"]
+        assert ax.y["4.22"] - ax.y["5.98"] == ax.y["2.46"] - ax.y["4.22"]
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, JobWatchScreen), "back")
+        await pilot.pause()
+        app.push_screen(FellowDetailScreen(0))
+        await wait_for(pilot, lambda: isinstance(app.screen, FellowDetailScreen)
+                       and app.screen.query("#tx-plot"), "detail")
+        plot = app.screen.query_one("#tx-plot", MetricPlot)
+        await wait_for(pilot, lambda: plot.size.height >= 15, "taller panes")
+        assert plot.size.height % 2 == 1
+
+
+async def test_the_loss_plot_zooms_log_y_and_from_a_step() -> None:
+    """A spike at the first step flattens the tail: `L` draws the loss on a log axis, `z`
+    from a later step (10%, 50%, 90% of the steps in, then the whole run again)."""
+    import attrs
+
+    from swarm_tui.app.screens.jobs import JobWatchScreen
+
+    client = FakeClient()
+    history = [[0.0, 90.0]] + [[float(s), 6.0 - 4.5 * s / 200] for s in range(1, 201)]
+    client._jobs = [attrs.evolve(j, loss_history=history, last_step=200, eval_history=[
+        [100.0, 3.6]]) if j.job_id == "job-000002" else j for j in client._jobs]
+    app = make_app(client)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        app.watch_job("job-000002")
+        await wait_for(pilot, lambda: isinstance(app.screen, JobWatchScreen)
+                       and "201 points" in screen_text(app), "the whole history")
+        curve = app.screen.query_one("#curve", MetricPlot)
+        await pilot.pause()
+
+        def tail_rows() -> int:
+            """The data rows the tail (steps 1-200) takes."""
+            ax = Axes(plot_lines(app, "curve"))
+            start = ax.x[min(t for t in ax.x if t > 0)]
+            rows = ax.data_rows()
+            return sum(1 for r in rows if any("\u2800" < ch <= "\u28ff"
+                                              for ch in r[start - ax.left:]))
+
+        linear = tail_rows()
+        assert linear <= 2  # (90 at step 0: the tail is a line along the bottom)
+        await pilot.press("L")
+        await wait_for(pilot, lambda: curve.spec is not None and curve.spec.log_y, "log y")
+        await pilot.pause()
+        assert "log y (L)" in screen_text(app)
+        assert Axes(plot_lines(app, "curve")).label_row.split()[:2] == ["loss", "(log)"]
+        assert tail_rows() > linear
+        await pilot.press("L", "z")
+        await wait_for(pilot, lambda: curve.spec is not None and not curve.spec.log_y
+                       and curve.spec.xs[0] == 20.0, "from step 20")
+        assert "from step 20 (z)" in screen_text(app)
+        await pilot.pause()
+        ax = Axes(plot_lines(app, "curve"))
+        assert min(ax.x) >= 20 and next(iter(ax.y)) == "5.55"  # (the spike is out of range)
+        await pilot.press("z")
+        await wait_for(pilot, lambda: curve.spec.xs[0] == 100.0, "from step 100")
+        assert curve.spec.points == ((100.0, 3.6),)
+        await pilot.press("z", "z")
+        await wait_for(pilot, lambda: curve.spec.xs[0] == 0.0, "the whole run again")
+
+
+async def test_a_links_plot_runs_to_now_with_its_set_speed_marks() -> None:
+    """An idle link sampled once, 90 s ago (its rate has not changed since): the tx plot runs
+    from then to now (0 at the right), the rate held along the way, and the set-speed sent
+    meanwhile is marked at its time (not one dot on a one-second axis)."""
+    from swarm_tui.app.app import SwarmApp
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = FakeClient()
+    now = [T0]
+    app = SwarmApp(client, clock=lambda: now[0], refresh_s=None, tick_s=None, flush_s=0)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot, app, client)
+        seq = app.model.last_seq or 0
+        for i in range(1, 3):
+            app.apply_event(idle_heartbeat(seq + i, T0 + i))
+        assert len(app.model.fellows[5].tx_hist) == 1  # (sampled when it changes)
+        app.apply_event({"seq": seq + 3, "ts": T0 + 40, "type": "fellow.set_speed", "data": {
+            "fellow_id": 5, "job_id": None, "tx_mbps": 10.0, "rx_mbps": None,
+            "latency_ms": 0.0}})
+        for i, t in enumerate(range(10, 93, 10)):  # (heartbeats on, the counters still)
+            now[0] = T0 + t
+            app.apply_event(idle_heartbeat(seq + 4 + i, T0 + t))
+        app.push_screen(FellowDetailScreen(5))
+        await wait_for(pilot, lambda: "tx 0.00 of 10 Mbit/s" in screen_text(app), "the pane")
+        await pilot.pause()
+        plot = app.screen.query_one("#tx-plot", MetricPlot)
+        assert plot.spec is not None and plot.spec.xs[-1] == 0.0
+        assert plot.spec.x_range() == (-90.0, 0.0)
+        ax = Axes(plot_lines(app, "tx-plot"))
+        assert 0 in ax.x and ax.x[0] == ax.right - 1 and min(ax.x) <= -50
+        bottom = ax.data_rows()[-1]
+        drawn = [c for c, ch in enumerate(bottom) if "\u2800" < ch <= "\u28ff"]
+        assert drawn and drawn[-1] - drawn[0] >= len(bottom) - 4  # (from then to now)
+        assert ax.vertical_marks() == [ax.x[-50]]  # (the set-speed, 50 s ago)

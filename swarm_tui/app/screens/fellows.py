@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.widgets import DataTable, Input, Label, Static
 
 from swarm_tui.app.cells import (
@@ -24,7 +25,7 @@ from swarm_tui.app.cells import (
     grid_running,
     shown_status,
 )
-from swarm_tui.app.model import Change, ClusterModel, FellowState
+from swarm_tui.app.model import GONE_HIDDEN_S, Change, ClusterModel, FellowState
 from swarm_tui.app.screens.base import FilterBar, SwarmScreen, opens_field
 from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.footer import SwarmFooter
@@ -62,11 +63,14 @@ class FellowsScreen(SwarmScreen):
         Binding("d", "describe", "Describe", show=False, id="fellows.describe"),
         Binding("l", "log", "Log", show=False, id="fellows.log"),
         Binding("C", "columns", "Columns", show=False, id="fellows.columns"),
+        Binding("H", "toggle_gone", "Gone fellows", show=False, id="fellows.show_gone"),
+        Binding("F", "forget", "Forget", show=False, id="fellows.forget"),
     ]
 
     def __init__(self) -> None:
         super().__init__()
         self.marked: set[int] = set()
+        self._listed: list[str] = []
 
     def compose(self) -> ComposeResult:
         yield StatusBar("fellows")
@@ -87,7 +91,9 @@ class FellowsScreen(SwarmScreen):
         return fellow_haystack(self.swarm.model.fellows[int(key)])
 
     def _keys(self) -> list[str]:
-        return [str(fid) for fid in self.swarm.model.fellows]
+        """The rows: every fellow but those gone a while (``H`` shows them too)."""
+        return [str(st.fellow_id)
+                for st in self.swarm.model.shown_fellows(gone_too=self.swarm.show_gone)]
 
     def sync(self, change: Change | None) -> None:
         table = self.table
@@ -97,11 +103,15 @@ class FellowsScreen(SwarmScreen):
         if columns != table.spec:
             table.set_columns(columns)
             change = None
-        if change is None or change.fellow_rows:
-            self.marked &= set(fellows)
-            table.rebuild(self._keys())
+        listed = self._keys()
+        if change is None or change.fellow_rows or listed != self._listed:
+            # (also when a gone fellow's time is up: it leaves the default rows)
+            self._listed = listed
+            self.marked &= {int(k) for k in listed}
+            table.rebuild(listed)
             return
-        keys = [str(f) for f in change.fellows if f in fellows]
+        rows = set(listed)
+        keys = [str(f) for f in change.fellows if f in fellows and str(f) in rows]
         if keys:
             table.update_rows(keys)
         if change.ages:
@@ -119,6 +129,9 @@ class FellowsScreen(SwarmScreen):
             hint += f"  /{table.filter_text}/ {table.row_count} shown"
         if self.marked:
             hint += f"  {len(self.marked)} marked"
+        hidden = self.swarm.model.counts(gone_too=self.swarm.show_gone).get("hidden", 0)
+        if hidden:
+            hint += f"  {self.swarm.key_hint('fellows.show_gone', 'H')} shows gone"
         return hint
 
     def _refresh_status(self) -> None:
@@ -228,6 +241,20 @@ class FellowsScreen(SwarmScreen):
     def action_release_all(self) -> None:
         self.swarm.ask_release_all()
 
+    def action_forget(self) -> None:
+        self.swarm.ask_forget(self.selected_ids())
+
+    def action_toggle_gone(self) -> None:
+        """Show the fellows gone a while (stale, offline, left), or hide them again."""
+        app = self.swarm
+        app.show_gone = not app.show_gone
+        hidden = sum(1 for st in app.model.fellows.values() if app.model.hidden(st))
+        self.sync(None)
+        self._refresh_status()
+        self.notify(f"showing {hidden} gone fellow{'s' if hidden != 1 else ''} too"
+                    if app.show_gone else f"hiding {hidden} gone fellow"
+                    f"{'s' if hidden != 1 else ''} (silent over {GONE_HIDDEN_S:.0f}s)")
+
     def action_watch(self) -> None:
         ids = self.selected_ids()
         st = self.swarm.model.fellows.get(ids[0]) if ids else None
@@ -249,9 +276,25 @@ class FellowDetailScreen(SwarmScreen):
         Binding("l", "log", "Log", show=False, id="detail.log"),
     ]
 
+    PLOT_MIN = 7  # rows of each pane's plot at 80x24 (three of data); more on a taller one
+
     def __init__(self, fellow_id: int) -> None:
         super().__init__()
         self.fellow_id = fellow_id
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit_plots)
+
+    def _fit_plots(self) -> None:
+        """The panes' plots share the rows past 24 (odd heights: the middle tick has a row
+        of its own); the events stay below them, scrolled to."""
+        extra = max(0, self.app.size.height - 24)
+        height = self.PLOT_MIN + extra // 2
+        if height % 2 == 0:
+            height -= 1
+        for plot in self.query(MetricPlot):
+            if plot.styles.height is None or plot.styles.height.value != height:
+                plot.styles.height = height
 
     def compose(self) -> ComposeResult:
         yield StatusBar(f"fellow {self.fellow_id}")
@@ -272,6 +315,12 @@ class FellowDetailScreen(SwarmScreen):
         return self.swarm.model.fellows.get(self.fellow_id)
 
     def sync(self, change: Change | None) -> None:
+        try:
+            self._sync(change)
+        except NoMatches:  # (the panes not mounted yet, on a quick push: draw once they are)
+            self.call_after_refresh(self.sync, None)
+
+    def _sync(self, change: Change | None) -> None:
         if change is not None and not change.fellow_rows and not change.ages and \
                 self.fellow_id not in change.fellows:
             return
@@ -304,6 +353,7 @@ class FellowDetailScreen(SwarmScreen):
                     f"  control tx {fmt_bytes(c.get('control_tx'), compact=True)}"
                     f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
         summary.update(text)
+        self._fit_plots()
         now = model.leader_now()
         self.query_one("#loss-label", Label).update(loss_caption(model, st))
         self.query_one("#loss-plot", MetricPlot).show(fellow_loss_plot(model, st))
@@ -314,6 +364,7 @@ class FellowDetailScreen(SwarmScreen):
         self.query_one("#tps-plot", MetricPlot).show(
             timed_plot(st.tps_hist, now, st.speed_marks, unit="tok/s", y_min=0.0,
                        y_max=nice_top(max(tps, default=0.0) * 1.05)))
+        live = not model.gone(st)
         for side, rate, limit, hist in (("tx", st.tx_mbps, st.tx_limit, st.tx_hist),
                                         ("rx", st.rx_mbps, st.rx_limit, st.rx_hist)):
             use = "" if rate is None or limit is None else f" ({100 * rate / limit:.0f}%)"
@@ -323,9 +374,11 @@ class FellowDetailScreen(SwarmScreen):
                 f"{side} {fmt_rate(rate)} of {fmt_limit(limit)} Mbit/s{use}{lat}")
             # On the limit's scale, from 0: an idle link is a line along the bottom.
             top = graph_top(limit, [v for _ts, v in hist])
+            # (up to now: a rate is sampled when it changes, so the last one holds since,
+            # while the fellow is heard from)
             self.query_one(f"#{side}-plot", MetricPlot).show(
                 timed_plot(hist, now, st.speed_marks, unit="Mbit/s", y_min=0.0, y_max=top,
-                           limit=limit))
+                           limit=limit, held=live))
         now = model.leader_now()
         lines = [f"{fmt_age(now - ts):>4} ago  {text}" for ts, text in list(st.events)[-12:]]
         self.query_one("#events", Static).update(Text("\n".join(reversed(lines)) or "none yet"))
@@ -389,11 +442,15 @@ def fellow_loss_plot(model: ClusterModel, st: FellowState) -> PlotSpec:
 
 def timed_plot(hist: Iterable[tuple[float, float]], now: float, marks: Iterable[float], *,
                unit: str, y_min: float | None = None, y_max: float | None = None,
-               limit: float | None = None) -> PlotSpec:
-    """Samples against the seconds to ``now`` (leader time: 0 is now, the newest right, -30
-    half a minute ago), a vertical mark at each set-speed sent meanwhile."""
-    samples = list(hist)
-    return PlotSpec(xs=tuple(round(ts - now, 3) for ts, _ in samples),
+               limit: float | None = None, held: bool = False) -> PlotSpec:
+    """Samples against the seconds to ``now`` (leader time: 0 is now, at the right, -30
+    half a minute ago; the axis runs to now, also when the newest sample is older), a
+    vertical mark at each set-speed sent meanwhile. ``held``: the newest value still holds
+    (a rate sampled on change), drawn on to now."""
+    samples = [(round(ts - now, 3), v) for ts, v in hist]
+    if held and samples and samples[-1][0] < 0:
+        samples.append((0.0, samples[-1][1]))
+    return PlotSpec(xs=tuple(x for x, _ in samples),
                     ys=tuple(v for _, v in samples), x_label="seconds", unit=unit,
                     empty="no samples yet", y_min=y_min, y_max=y_max, limit=limit,
-                    marks=tuple(round(ts - now, 3) for ts in marks))
+                    marks=tuple(round(ts - now, 3) for ts in marks), x_hi=0.0)

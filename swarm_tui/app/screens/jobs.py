@@ -203,11 +203,20 @@ class JobWatchScreen(SwarmScreen):
                 id="watch.set_speed_chain"),
         Binding("e", "export", "Export view", show=False, id="watch.export"),
         Binding("d", "describe", "Describe", show=False, id="watch.describe"),
+        # The loss plot: a log y axis, and from a later step (a spike at step 1 flattens
+        # the tail on a linear axis over the whole run).
+        Binding("L", "log_y", "Log y", show=False, id="watch.log_y"),
+        Binding("z", "zoom", "Zoom steps", show=False, id="watch.zoom"),
     ]
+    # The zoom steps through these: the curve from the step this share of the way in.
+    ZOOMS = (0.0, 0.1, 0.5, 0.9)
+    CURVE_MIN = 9  # rows of the loss plot at 80x24 (five of data); more as the terminal grows
 
     def __init__(self, job_id: str) -> None:
         super().__init__()
         self.job_id = job_id
+        self.log_y = False
+        self.zoom = 0  # an index into ZOOMS
 
     def export_label(self) -> str:
         return self.job_id
@@ -288,22 +297,76 @@ class JobWatchScreen(SwarmScreen):
                 moved.append(f"replica(s) {','.join(map(str, ch.left))} left")
             if ch.joined:
                 moved.append(f"replica(s) {','.join(map(str, ch.joined))} joined")
-            text.append(f"\n@{ch.step}: {', '.join(moved)}", style="yellow")
+            why = f" ({printable(ch.reason)})" if ch.reason else ""
+            text.append(f"\n@{ch.step}: {', '.join(moved)}{why}", style="yellow")
         summary.update(text)
         if not view.history_loaded and (self._fetched_at is None or
                                         time.monotonic() - self._fetched_at > self.REFETCH_S):
             self._fetch()  # (events were missed meanwhile, or the last fetch failed)
-        self.query_one("#curve-label", Label).update(curve_caption(view))
-        # (heartbeats of its fellows redraw this view too: a long run's curve is rebuilt
-        # only when it changed)
-        hist = info.loss_history
-        key = (len(hist), tuple(hist[-1]) if hist else None, len(info.eval_history),
-               len(info.link_changes), info.link_changes_total)
-        if key != self._plot_key:
-            self._plot_key = key
-            self.query_one("#curve", MetricPlot).show(loss_plot(view))
+        self._draw_curve(view)
         table.set_columns(watch_columns(view))  # (the job's record may come after the screen)
         table.rebuild(self._stage_keys(view))
+        self.call_after_refresh(self._fit_curve)
+
+    def _draw_curve(self, view: JobView, force: bool = False) -> None:
+        # (heartbeats of its fellows redraw this view too: a long run's curve is rebuilt
+        # only when it changed)
+        info = view.info
+        hist = info.loss_history
+        key = (len(hist), tuple(hist[-1]) if hist else None, len(info.eval_history),
+               len(info.link_changes), info.link_changes_total, len(info.membership),
+               self.log_y, self.zoom, view.history_loaded)
+        if key != self._plot_key or force:
+            self._plot_key = key
+            self.query_one("#curve-label", Label).update(
+                curve_caption(view, self.from_step(view), self.log_y))
+            self.query_one("#curve", MetricPlot).show(
+                loss_plot(view, from_step=self.from_step(view), log_y=self.log_y))
+
+    def from_step(self, view: JobView) -> int:
+        """The first step the curve shows (the zoom's share of the steps recorded)."""
+        share = self.ZOOMS[self.zoom]
+        hist = view.info.loss_history
+        if not share or not hist:
+            return 0
+        first, last = int(hist[0][0]), int(hist[-1][0])
+        return first + int(share * (last - first))
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit_curve)
+
+    def _fit_curve(self) -> None:
+        """The loss plot takes the rows the table does not need: 9 at 80x24 (five of data),
+        more as the terminal grows; odd, so that the middle tick has a row of its own."""
+        try:
+            curve = self.query_one("#curve", MetricPlot)
+            table = self.query_one(LiveTable)
+            summary = self.query_one("#job-summary", Static)
+        except NoMatches:
+            return
+        # status bar, footer, the curve's caption, the table's header and a spare row
+        fixed = 1 + 1 + 1 + 2 + summary.outer_size.height
+        rows = max(2, min(table.row_count, 12))
+        height = max(self.CURVE_MIN, self.app.size.height - fixed - rows)
+        if height % 2 == 0:
+            height -= 1
+        height = max(self.CURVE_MIN, height)
+        if curve.styles.height is None or curve.styles.height.value != height:
+            curve.styles.height = height
+
+    def action_log_y(self) -> None:
+        self.log_y = not self.log_y
+        if self.view is not None:
+            self._draw_curve(self.view)
+        self.notify("loss plot: log y" if self.log_y else "loss plot: linear y")
+
+    def action_zoom(self) -> None:
+        self.zoom = (self.zoom + 1) % len(self.ZOOMS)
+        view = self.view
+        if view is not None:
+            self._draw_curve(view)
+            frm = self.from_step(view)
+            self.notify(f"loss plot from step {frm}" if frm else "loss plot: the whole run")
 
     def action_back(self) -> None:
         self.app.pop_screen()
@@ -349,21 +412,37 @@ def _points(rows: list[list[float]]) -> list[tuple[float, float]]:
     return [(float(p[0]), float(p[1])) for p in rows if len(p) >= 2]
 
 
-def curve_caption(view: JobView) -> str:
-    """The loss plot's title: what it holds (the key to its marks is under it)."""
+def curve_caption(view: JobView, from_step: int = 0, log_y: bool = False) -> str:
+    """The loss plot's title: what it holds (the key to its marks is under it), and how it
+    is zoomed (``z``: from a step; ``L``: log y)."""
     losses = [y for _x, y in _points(view.info.loss_history)]
     if not losses:
         return ("loss curve: loading the job's history…" if not view.history_loaded
                 else "loss curve: no losses reported yet")
+    zoom = (f"  from step {from_step} (z)" if from_step else "") + \
+        ("  log y (L)" if log_y else "")
     return (f"loss curve: {len(losses)} points, first {fmt_loss(losses[0])}, "
-            f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}")
+            f"min {fmt_loss(min(losses))}, last {fmt_loss(losses[-1])}{zoom}")
 
 
-def loss_plot(view: JobView) -> PlotSpec:
-    """The job's loss by step, its eval losses marked, and a vertical mark at each step from
-    which a set-speed changed one of its links."""
-    pts = _points(view.info.loss_history)
+def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> PlotSpec:
+    """The job's loss by step (from ``from_step``), its eval losses marked, a vertical mark
+    at each step from which a set-speed changed one of its links, and (▼, ▲) where replicas
+    left and joined."""
+    pts = [p for p in _points(view.info.loss_history) if p[0] >= from_step]
+    if log_y:
+        pts = [p for p in pts if p[1] > 0]
+
+    def shown(x: float) -> bool:
+        return x >= from_step
+
     return PlotSpec(xs=tuple(x for x, _ in pts), ys=tuple(y for _, y in pts), x_label="step",
-                    unit="loss", empty="", whole_x=True,
-                    points=tuple(_points(view.info.eval_history)),
-                    marks=tuple(sorted({float(c.at_step) for c in view.info.link_changes})))
+                    unit="loss", empty="", whole_x=True, log_y=log_y,
+                    points=tuple(p for p in _points(view.info.eval_history)
+                                 if shown(p[0]) and (p[1] > 0 or not log_y)),
+                    marks=tuple(sorted({float(c.at_step) for c in view.info.link_changes
+                                        if shown(c.at_step)})),
+                    left=tuple(float(c.step) for c in view.info.membership
+                               if c.left and shown(c.step)),
+                    joined=tuple(float(c.step) for c in view.info.membership
+                                 if c.joined and shown(c.step)))

@@ -89,14 +89,18 @@ class StatusBar(Static):
         else:
             line.append("◌ connecting…", style="yellow")
         if tier < 6:
-            counts = app.model.counts()
-            present = sum(n for status, n in counts.items() if status not in LEFT)
+            # (of the rows the fellows view lists, by the status they show: they agree)
+            counts = app.model.counts(gone_too=app.show_gone)
+            present = sum(n for status, n in counts.items()
+                          if status not in LEFT and status not in ("left", "hidden"))
             line.append(f"  {present} fellow{'' if present == 1 else 's'}", style="bold")
             if counts.get("busy") and tier < 2:
                 line.append(f" · {counts['busy']} busy")
             stale = counts.get("stale", 0) + counts.get("offline", 0)
             if stale:
                 line.append(f" · {stale} stale", style="bold red")
+            if counts.get("hidden") and tier < 2:  # (gone a while: the fellows view's H)
+                line.append(f" +{counts['hidden']} gone", style="dim")
         if tier < 7:
             jobs = app.model.job_counts()
             line.append("  jobs " if tier < 2 else "  ")

@@ -1,0 +1,60 @@
+"""What the tests of the sparse sync modes (SparseLoCo, DeMo) share: the pipeline's schedule and
+tile rule written plainly, a run checkpointed and resumed with or without a sync's own state."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.local import run_local_pipeline
+from swarm_core.pipeline.stage import StageResult
+from tests.unit.test_replicas import _Checkpoints, _step_losses
+
+
+def divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` up to ``at_most``."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def lr_at(tc: TrainingConfig, step: int) -> float:
+    """Linear warm-up, then cosine to min_lr."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def close(ref: list[float], got: list[float]) -> float:
+    """The largest difference of two runs' step losses (of the same length)."""
+    assert len(ref) == len(got)
+    return max(abs(a - b) for a, b in zip(ref, got, strict=True))
+
+
+def resumed_runs(mc: ModelConfig, tc: TrainingConfig, data, at: int, field: str
+                 ) -> tuple[list[float], list[float]]:
+    """Two replicas checkpointed after step ``at``, whose checkpoints hold each replica's own
+    ``<parameter>.<field>`` (different per replica); then two runs resumed from them: with
+    that state, and without it. Returns their step losses."""
+    ckpt = _Checkpoints(2)
+    res = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
+                             stage_kwargs=ckpt.kwargs(2))
+    assert all(isinstance(r, StageResult) for r in res.values()), res
+    own = [{k: v for k, v in ckpt.saved[c][at][1].items() if k.endswith(field)} for c in (0, 1)]
+    assert own[0] and set(own[0]) == set(own[1])
+    assert any(not np.array_equal(own[0][k], own[1][k]) for k in own[0])
+
+    def resumed(keep: bool) -> list[float]:
+        kwargs = {}
+        for c in (0, 1):
+            opt = {k: v for k, v in ckpt.saved[c][at][1].items()
+                   if keep or not k.endswith(field)}
+            kwargs[c] = {"start_step": at, "initial_state": ckpt.saved[0][at][0],
+                         "initial_optimizer": opt}
+        again = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
+                                   stage_kwargs=kwargs)
+        assert all(isinstance(r, StageResult) for r in again.values()), again
+        return _step_losses(again, 1, 2)
+
+    return resumed(keep=True), resumed(keep=False)
