@@ -228,3 +228,30 @@ def test_preflight_names_the_run_whose_replicas_want_more_fellows(exp):
     with pytest.raises(ExperimentError, match=r"run m-none-unconstrained-2x2-dp-s0-r0 \(2x2\) "
                        r"wants 4 fellow\(s\); the leader at http://leader has 2 active"):
         asyncio.run(preflight(Client(), resolved))  # type: ignore[arg-type]
+
+
+def test_the_sync_frontier_experiments_ask_for_the_figures_rows():
+    """Issue "Replica sync at the field's frontier", the figure: dp, DiLoCo, SparseLoCo (H 10
+    and 50) and DeMo on 4 fellows as 1x4 and 2x2, three seeds; DiLoCo int8 and MuLoCo (Muon
+    inside DiLoCo, 4-bit) beside them. Each file loads as those runs."""
+    from tests.support import REPO
+
+    def runs(name: str) -> list[tuple[Any, ...]]:
+        r = load_experiment(REPO / "exp" / "configs" / f"{name}.json")
+        return [(x.stages, x.replicas, x.sync_mode, x.training["sync"]["inner_steps"]
+                 if x.sync_mode in ("diloco", "sparseloco") else None, x.seed,
+                 x.training.get("optimizer", "adamw"), x.training["sync"]["compression"])
+                for x in r.runs]
+
+    rows = [(m, h) for m, hs in (("dp", [None]), ("diloco", [10, 50]),
+                                 ("sparseloco", [10, 50]), ("demo", [None])) for h in hs]
+    for name, (s, r) in (("exp_sync_frontier_v1", (1, 4)), ("exp_sync_frontier_2x2_v1", (2, 2))):
+        got = runs(name)
+        assert sorted(got, key=str) == sorted(
+            [(s, r, m, h, seed, "adamw", "none") for seed in (0, 1, 2) for m, h in rows],
+            key=str)
+    for name, optimizer, compression in (("exp_sync_frontier_int8_v1", "adamw", "int8"),
+                                         ("exp_sync_frontier_muon_v1", "muon", "int4_b64")):
+        assert sorted(runs(name), key=str) == sorted(
+            [(1, 4, "diloco", h, seed, optimizer, compression) for seed in (0, 1, 2)
+             for h in (10, 50)], key=str)
