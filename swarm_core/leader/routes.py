@@ -229,10 +229,18 @@ async def release(request: web.Request) -> web.Response:
     st = _state(request)
     req = await read_body(request, ReleaseRequest)
     if req.all:
-        targets = [r for r in st.registry.all()
-                   if not st.registry.status(r).left]
+        targets = [r for r in st.registry.all() if st.registry.status(r).live]
     else:
         targets = [st.registry.get(fid) for fid in dict.fromkeys(req.fellow_ids)]
+        # (a fellow that does not heartbeat would never take the signal: saying "released"
+        # would change nothing; checked whole before any is sent)
+        for rec in targets:
+            status = st.registry.status(rec)
+            if not status.live:
+                raise ApiError(409, f"fellow {rec.fellow_id} ({rec.name}) is {status.value}: "
+                                    "it does not heartbeat, so nothing can release it; "
+                                    f"'swarm forget --fellow-id {rec.fellow_id}' drops its "
+                                    "record", code="fellow_gone", field="$.fellow_ids")
     for rec in targets:
         st.registry.send(rec, "RELEASE", rec.assigned_job, {})
         st.hub.publish(FellowReleased(rec.fellow_id, rec.name))

@@ -826,6 +826,25 @@ async def test_release_all_skips_gone_fellows(api):
     assert [s["kind"] for s in await poll(api, a)] == ["RELEASE"]
 
 
+async def test_releasing_a_gone_fellow_is_refused_and_releases_no_one(fast_api):
+    """Issue 36, point 13: a fellow gone stale takes no signal, so "released" would be false;
+    a release that names it is refused by name and sends nothing to the others it names;
+    release-all passes it over."""
+    a, b = [await register(fast_api, n) for n in ("a", "b")]
+    await asyncio.sleep(0.5)  # (both stale: 0.3 s without a heartbeat)
+    await heartbeat(fast_api, a)
+    resp = await fast_api.post(f"{A}/fellows/release",
+                               json={"fellow_ids": [a["fellow_id"], b["fellow_id"]]},
+                               headers=AUTH)
+    err = await expect_error(resp, 409, "fellow_gone")
+    assert f"fellow {b['fellow_id']} (b) is stale" in err["message"]
+    assert f"swarm forget --fellow-id {b['fellow_id']}" in err["message"]
+    assert [s for s in await poll(fast_api, a) if s["kind"] == "RELEASE"] == []
+    body = await expect_ok(await fast_api.post(f"{A}/fellows/release", json={"all": True},
+                                               headers=AUTH), 202)
+    assert body == {"released": [a["fellow_id"]]}
+
+
 async def test_release_running_fellow_carries_job_id(api):
     f = await register(api, "a")
     job = await submit(api)
