@@ -314,9 +314,11 @@ async def test_a_replica_jobs_summary_and_curve_are_the_jobs_loss_as_swarm_job_s
             {"3.0000", "1.8000"}
         # Opened again: the leader's records, the same curve.
         await pilot.press("escape")
+        # (forgotten before the watch opens, whose mount fetches it: set after, it could
+        # land after that fetch, and nothing would fetch it again)
+        app.model.jobs[jid].history_loaded = False
         app.watch_job(jid)
         await _watch_table(pilot, app)
-        app.model.jobs[jid].history_loaded = False  # (as on a reopening: fetched again)
         await wait_for(pilot, lambda: app.model.jobs[jid].history_loaded, "the history again")
         assert [p[1] for p in app.model.jobs[jid].info.loss_history] == [2.45, 2.4]
     # `swarm job` says the same (run once the console is closed: it holds stdout).
