@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.local import run_local_pipeline
@@ -24,6 +25,35 @@ def lr_at(tc: TrainingConfig, step: int) -> float:
         return tc.lr * (step + 1) / tc.warmup_steps
     progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def present(replicas: int, step: int, steps: int, leaves: dict[int, int],
+            joins: dict[int, tuple[int, int]]) -> list[int]:
+    """The replicas that train step ``step``: those not gone (``leaves[r]``: gone from that
+    step), and those back (``joins[r] = (step, donor)``: back from that step)."""
+    return [r for r in range(replicas) if leaves.get(r, steps + 1) > step
+            or (r in joins and joins[r][0] <= step)]
+
+
+def backward_shares(models: list[torch.nn.Module], here: list[int], x: torch.Tensor,
+                    y: torch.Tensor, tc: TrainingConfig, replicas: int) -> float:
+    """Each replica in ``here`` takes its share of the step's windows in micro-batches, its
+    gradients clipped by its own global norm; returns the step's loss (the mean over them)."""
+    from swarm_core.pipeline.model import lm_loss
+
+    share, m, total = tc.batch_size // replicas, tc.micro_batches, 0.0
+    for r in here:
+        xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
+        for xm, ym in zip(xs.chunk(m), ys.chunk(m), strict=True):
+            loss = lm_loss(models[r](xm), ym) / m
+            total += float(loss.detach()) / len(here)
+            loss.backward()
+        params = list(models[r].parameters())
+        norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params))
+        if norm + 1e-6 > tc.grad_clip:
+            for p in params:
+                p.grad.mul_(tc.grad_clip / (norm + 1e-6))
+    return total
 
 
 def close(ref: list[float], got: list[float]) -> float:

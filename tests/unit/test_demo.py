@@ -23,7 +23,14 @@ from swarm_core.pipeline.optim import MOMENTUM_FIELD
 from swarm_core.pipeline.stage import StageResult
 from swarm_core.pipeline.syncs import make_sync
 from swarm_core.schema import SchemaError, structure
-from tests.unit.sync_support import close, divisor, lr_at, resumed_runs
+from tests.unit.sync_support import (
+    backward_shares,
+    close,
+    divisor,
+    lr_at,
+    present,
+    resumed_runs,
+)
 from tests.unit.test_replicas import MODEL, _Crash, _step_losses
 
 
@@ -85,7 +92,6 @@ def _demo_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int, repl
     copy takes SGD (no momentum, the matrices decayed) on sign(IDCT(mean)). ``leaves[r]``:
     replica r is gone from that step on; ``joins[r] = (step, donor)``: back from that step,
     the donor's weights, its own momentum zero."""
-    from swarm_core.pipeline.model import lm_loss
     from swarm_core.pipeline.whole import ExperimentModel
 
     s, leaves, joins = tc.sync, leaves or {}, joins or {}
@@ -99,26 +105,15 @@ def _demo_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int, repl
     blocks = [_Blocks(p.shape, s.dct_chunk) for p in params[0]]
     momenta = [[torch.zeros_like(p) for p in params[0]] for _ in range(replicas)]
 
-    share, m, losses = tc.batch_size // replicas, tc.micro_batches, []
+    losses: list[float] = []
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
         for r, (at, donor) in joins.items():
             if at == step:
                 models[r].load_state_dict(models[donor].state_dict())
                 momenta[r] = [torch.zeros_like(p) for p in params[0]]
-        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step
-                or (r in joins and joins[r][0] <= step)]
-        total = 0.0
-        for r in here:
-            xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
-            for xm, ym in zip(xs.chunk(m), ys.chunk(m), strict=True):
-                loss = lm_loss(models[r](xm), ym) / m
-                total += float(loss.detach()) / len(here)
-                loss.backward()
-            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params[r]))
-            if norm + 1e-6 > tc.grad_clip:
-                for p in params[r]:
-                    p.grad.mul_(tc.grad_clip / (norm + 1e-6))
+        here = present(replicas, step, tc.steps, leaves, joins)
+        total = backward_shares(models, here, x, y, tc, replicas)
         losses.append(total)
         with torch.no_grad():
             for i, b in enumerate(blocks):

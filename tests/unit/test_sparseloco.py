@@ -21,7 +21,14 @@ from swarm_core.pipeline.local import LocalCoordinator, run_local_pipeline
 from swarm_core.pipeline.stage import StageResult
 from swarm_core.pipeline.syncs import make_sync
 from swarm_core.schema import SchemaError, structure
-from tests.unit.sync_support import close, divisor, lr_at, resumed_runs
+from tests.unit.sync_support import (
+    backward_shares,
+    close,
+    divisor,
+    lr_at,
+    present,
+    resumed_runs,
+)
 from tests.unit.test_replicas import (
     MODEL,
     _Crash,
@@ -100,7 +107,6 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     a copy of the donor's weights and AdamW state, its error feedback zero."""
     import copy
 
-    from swarm_core.pipeline.model import lm_loss
     from swarm_core.pipeline.whole import ExperimentModel
 
     s, leaves, joins = tc.sync, leaves or {}, joins or {}
@@ -115,7 +121,7 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in range(replicas)]
     alpha = s.outer_step[0]
 
-    share, m, losses = tc.batch_size // replicas, tc.micro_batches, []
+    losses: list[float] = []
     for step in range(tc.steps):
         x, y = data.batch(step, tc.batch_size, mc.seq_len, tc.seed)
         for r, (at, donor) in joins.items():
@@ -123,21 +129,12 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
                 models[r].load_state_dict(models[donor].state_dict())
                 opts[r].load_state_dict(copy.deepcopy(opts[donor].state_dict()))
                 errors[r] = [torch.zeros_like(p) for p in params[0]]
-        here = [r for r in range(replicas) if leaves.get(r, tc.steps + 1) > step
-                or (r in joins and joins[r][0] <= step)]
-        total = 0.0
+        here = present(replicas, step, tc.steps, leaves, joins)
         for r in here:
             for g in opts[r].param_groups:
                 g["lr"] = lr_at(tc, step)
-            xs, ys = x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]
-            for xm, ym in zip(xs.chunk(m), ys.chunk(m), strict=True):
-                loss = lm_loss(models[r](xm), ym) / m
-                total += float(loss.detach()) / len(here)
-                loss.backward()
-            norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params[r]))
-            if norm + 1e-6 > tc.grad_clip:
-                for p in params[r]:
-                    p.grad.mul_(tc.grad_clip / (norm + 1e-6))
+        total = backward_shares(models, here, x, y, tc, replicas)
+        for r in here:
             opts[r].step()
             opts[r].zero_grad(set_to_none=True)
         losses.append(total)
