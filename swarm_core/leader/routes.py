@@ -654,7 +654,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", f"{A}/fellows", list_fellows, "All fellows with live status",
           response=FellowList),
     Route("POST", f"{A}/fellows/release", release, "Release fellows (they leave the cluster)",
-          body=ReleaseRequest, response=ReleaseResult, errors=(400, 404)),
+          body=ReleaseRequest, response=ReleaseResult, errors=(400, 404, 409)),
     Route("GET", f"{A}/fellows/{{fellow_id}}", get_fellow, "One fellow", response=FellowInfo,
           errors=(400, 404)),
     Route("DELETE", f"{A}/fellows/{{fellow_id}}", forget_fellow,
