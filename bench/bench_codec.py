@@ -10,8 +10,15 @@ For fp32, fp16, bf16 and int8 (per-row absmax) this measures, on N(0,1) fp32 act
 * each as a ratio to copying the same tensor into an existing preallocated buffer (the faster of
   torch ``copy_`` and numpy ``copyto``), and the MSE of each codec against its input.
 
-Then the issue's targets (int8 encode+decode >= 1 GB/s on one core; fp32 frame path >= 50 % of
-the copy) with MET/MISSED, a per-op profile of the int8 codec and of the fp32 frame path, and
+Rows for the low-bit boundary codes in tiles of 64 (issue 37): plain ``int4`` (``fixed_int4_b64``),
+``hadamard_int4`` and ``hadamard_int2`` (``*_b64``: a randomized Hadamard rotation of each tile,
+rounded to nearest as the forward codes them), and ``hadamard_int4``'s backward (stochastic
+rounding) apart; every row's relative L2 error ``||decode(encode(x)) - x|| / ||x||`` beside its
+MSE.
+
+Then the issues' targets (int8 encode+decode >= 1 GB/s on one core; fp32 frame path >= 50 % of
+the copy; hadamard_int4 encode+decode >= 1 GB/s on one core) with MET/MISSED, a per-op
+profile of the int8 codec and of the fp32 frame path, and
 "candidate" rows: a reformulated int8 codec (bit-identical codes) and the fp32 frame path with
 frame version 1's zlib CRC-32 in place of today's XXH3 check (the before/after of that change).
 Last, every row again as a fellow runs: after ``heap.keep_large_blocks`` (``mallopt``) stops
@@ -61,6 +68,8 @@ from swarm_core.pipeline.heap import keep_large_blocks  # noqa: E402
 
 INT8_TARGET_GBPS = 1.0
 INT8_BLOCK = 64
+HADAMARD_TARGET_GBPS = 1.0  # issue 37: hadamard_int4 never the bottleneck up to 1 Gbit/s
+LOW_BIT_TILE = 64
 FRAME_TARGET_SIZE = "40 MiB"  # the anchor's copy: 40 MB of fp32, ~13 GB/s a core
 FRAME_TARGET_RATIO = 0.5
 SHAPES = {"4 MiB": (32, 128, 256), "40 MiB": (80, 512, 256)}
@@ -211,8 +220,10 @@ def frame_row(name: str, x: torch.Tensor, codec: codecs.Codec, enc: Encode, dec:
     shape = tuple(x.shape)
     rx = joined(enc(x))
     raw = frame_tx(x, codec, enc, crc32)
+    back = dec(rx, shape)
     row: dict[str, Any] = dict(name=name, wire=len(rx), enc=None, dec=None, both=None,
-                               mse=float((dec(rx, shape) - x).pow(2).mean()))
+                               mse=float((back - x).pow(2).mean()),
+                               rel=float((back - x).norm() / x.norm()))
     if codec_times:
         t_enc = best(lambda: enc(x), repeats)
         t_dec = best(lambda: dec(rx, shape), repeats)
@@ -248,11 +259,75 @@ def codec_rows(x: torch.Tensor, repeats: int, with_crc: bool = True) -> list[dic
                           lambda t: codecs.encode(t, i8, INT8_BLOCK),
                           lambda p, s: codecs.decode(p, s, i8, block=INT8_BLOCK),
                           None, repeats, True))
+    rows += low_bit_rows(x, repeats)
     if with_crc:
         for label, crc32 in legacy_checks().items():
             rows.append(frame_row(f"fp32 ({label})", x, codecs.Codec.FP32,
                                   *current_codec(codecs.Codec.FP32), crc32, repeats, False))
     return rows
+
+
+def low_bit_rows(x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
+    """int4, hadamard_int4 and hadamard_int2 in tiles of LOW_BIT_TILE (codecs.encode/decode:
+    the forward's nearest rounding), and hadamard_int4's backward side (stochastic rounding,
+    a fresh generator a frame, as a stage's GRAD sender codes)."""
+    from swarm_core.pipeline.codec_hadamard import StochasticSide
+
+    t = LOW_BIT_TILE
+    rows = []
+    for name, codec in (("int4", codecs.Codec.INT4), ("hadamard_int4", codecs.Codec.HADAMARD_INT4),
+                        ("hadamard_int2", codecs.Codec.HADAMARD_INT2)):
+        rows.append(frame_row(f"{name} tile {t}", x, codec,
+                              lambda v, c=codec: codecs.encode(v, c, t),
+                              lambda p, s, c=codec: codecs.decode(p, s, c, block=t),
+                              None, repeats, True))
+    sr = StochasticSide(codecs.WireCodec(codecs.Codec.HADAMARD_INT4, t))
+
+    def sr_encode(v: torch.Tensor) -> list[memoryview]:
+        sr.sent.clear()  # (the same frame's draws each call: the frame path checks its bytes)
+        return sr.encode(v, 0)
+
+    rows.append(frame_row(f"hadamard_int4 tile {t} (GRAD, SR)", x, codecs.Codec.HADAMARD_INT4,
+                          sr_encode, lambda p, s: sr.decode(p, s), None, repeats, True))
+    return rows
+
+
+def rotation_candidates(x: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
+    """The rotation alone (float32 in, the rotated tiles out, into a preallocated buffer), three
+    ways: the codec's T x T matmul, log2(T) butterfly stages on reshaped views, and
+    H_T = H_8 (x) H_8 as two small matmuls with a transpose between (T = 64)."""
+    import math
+
+    from swarm_core.pipeline.codec_hadamard import rotation, signs, walsh_hadamard
+
+    t = LOW_BIT_TILE
+    rows = x.reshape(-1, t)
+    n = rows.shape[0]
+    m, d = rotation(t), signs(t)
+    h8 = walsh_hadamard(8) / math.sqrt(8)
+    a, b = torch.empty_like(rows), torch.empty_like(rows)
+
+    def butterfly() -> None:
+        src, dst = torch.mul(rows, d, out=a), b
+        h = 1
+        while h < t:
+            v, w = src.view(n, t // (2 * h), 2, h), dst.view(n, t // (2 * h), 2, h)
+            torch.add(v[:, :, 0], v[:, :, 1], out=w[:, :, 0])
+            torch.sub(v[:, :, 0], v[:, :, 1], out=w[:, :, 1])
+            src, dst, h = dst, src, h * 2
+        src.mul_(1 / math.sqrt(t))
+
+    def kron() -> None:
+        torch.mul(rows, d, out=a)
+        torch.matmul(a.view(-1, 8), h8, out=b.view(-1, 8))
+        a.view(n, 8, 8).copy_(b.view(n, 8, 8).transpose(1, 2))
+        torch.matmul(a.view(-1, 8), h8, out=b.view(-1, 8))
+
+    nbytes = x.numel() * 4
+    return [(name, gbps(nbytes, best(fn, repeats))) for name, fn in (
+        (f"{t}x{t} matmul (the codec's)", lambda: torch.matmul(rows, m, out=a)),
+        (f"{int(math.log2(t))} butterfly stages", butterfly),
+        ("H8 (x) H8: 2 matmuls + transpose", kron))]
 
 
 def print_codec_table(title: str, rows: list[dict[str, Any]], copy: float) -> None:
@@ -262,7 +337,7 @@ def print_codec_table(title: str, rows: list[dict[str, Any]], copy: float) -> No
           " receiving end alone (unpack, check_payload, decode).")
     print(f"  {'codec':<30} {'wire MiB':>8} {'enc GB/s':>9} {'dec GB/s':>9} {'enc+dec':>8} "
           f"{'x copy':>7} {'frame GB/s':>10} {'x copy':>7} {'rx GB/s':>8} {'x copy':>7} "
-          f"{'MSE N(0,1)':>11}")
+          f"{'MSE N(0,1)':>11} {'rel L2':>7}")
 
     def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
@@ -274,7 +349,7 @@ def print_codec_table(title: str, rows: list[dict[str, Any]], copy: float) -> No
         print(f"  {r['name']:<30} {r['wire'] / 2**20:>8.2f} {f(r['enc'], '.2f'):>9} "
               f"{f(r['dec'], '.2f'):>9} {f(r['both'], '.2f'):>8} {ratio(r['both']):>7} "
               f"{f(r['frame'], '.2f'):>10} {ratio(r['frame']):>7} {f(r['rx'], '.2f'):>8} "
-              f"{ratio(r['rx']):>7} {r['mse']:>11.3e}")
+              f"{ratio(r['rx']):>7} {r['mse']:>11.3e} {r['rel']:>7.4f}")
 
 
 def profile_int8(x: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
@@ -363,6 +438,16 @@ def print_targets(results: dict[str, tuple[float, list[dict[str, Any]]]]) -> Non
               f"{by['fp32']['frame']:.2f} GB/s = {ratio:.1%}  {verdict}   (receiving end alone "
               f"{by['fp32']['rx'] / copy:.1%})"
               + (f"   (was, with {legacy})" if legacy else ""))
+    for label, (_copy, rows) in results.items():
+        by = {r["name"]: r for r in rows}
+        h4 = by[f"hadamard_int4 tile {LOW_BIT_TILE}"]
+        ok = h4["both"] >= HADAMARD_TARGET_GBPS
+        print(f"  [{label:>6}] hadamard_int4_b{LOW_BIT_TILE} encode+decode >= "
+              f"{HADAMARD_TARGET_GBPS:.1f} GB/s on one core: {h4['both']:.2f} GB/s  "
+              f"{'MET' if ok else 'MISSED'}   (int4 {by[f'int4 tile {LOW_BIT_TILE}']['both']:.2f}, "
+              f"hadamard_int2 {by[f'hadamard_int2 tile {LOW_BIT_TILE}']['both']:.2f}, the "
+              f"backward's SR {by[f'hadamard_int4 tile {LOW_BIT_TILE} (GRAD, SR)']['both']:.2f} "
+              "GB/s)")
     if int8_missed:
         print("  int8 target missed at some size: see the int8 profile above.")
 
@@ -397,6 +482,11 @@ def main() -> int:
         print_profile(f"== int8 codec profile, {label} ==", profile_int8(x, repeats))
     for label, x in inputs.items():
         print_profile(f"== fp32 frame path profile, {label} ==", profile_frame(x, repeats))
+    for label, x in inputs.items():
+        print(f"\n== the Hadamard rotation alone, tiles of {LOW_BIT_TILE}, {label} (GB/s of fp32 "
+              "in) ==")
+        for name, rate in rotation_candidates(x, repeats):
+            print(f"  {name:<40} {rate:>6.2f} GB/s")
 
     print("\n== as a fellow runs: the same rows after keep_large_blocks() (glibc mallopt: "
           "M_MMAP_THRESHOLD = M_TRIM_THRESHOLD = 1 GiB, set once by the fellow) ==")

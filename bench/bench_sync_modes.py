@@ -43,6 +43,9 @@ SparseLoCo rows (``--modes diloco,sparseloco``, ``--density``, ``--replicas 4``)
 outer step (lr 1, no momentum) and its own 2-bit values; compared with DiLoCo at the same H.
 A DeMo row (``--modes demo``): every step, Psyche's defaults (DCT blocks of 64, top 8, 1-bit
 signs), plain SGD on the sign at the training profile's lr; compared with dp.
+Streaming DiLoCo's fragments (``--fragments 1,4``, e.g. with ``--compression fp4``): each
+periodic row once per count; the ``burst B`` column is the most one step's sync sent (the
+last step aside, where every fragment syncs once a run), compared with the whole model's.
 
 Only ever talks to 127.0.0.1.
 """
@@ -64,12 +67,13 @@ sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 HOST = "127.0.0.1"
 FULL = {"model": None, "steps": 500, "warmup": 2, "inner_steps": "10,50", "eval_batches": 16}
 QUICK = {"model": dict(d_model=32, n_layers=1, n_heads=2, seq_len=16),
-         "training": dict(batch_size=4, micro_batches=2, warmup_steps=1),
+         "training": dict(batch_size=8, micro_batches=2, warmup_steps=1),  # (R up to 4)
          "steps": 6, "warmup": 1, "inner_steps": "2,3", "eval_batches": 1}
 
 
 def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
-             outer: tuple[float | None, float | None] = (0.7, 0.9)) -> tuple[Any, Any]:
+             outer: tuple[float | None, float | None] = (0.7, 0.9),
+             fragments: int = 1) -> tuple[Any, Any]:
     import attrs
 
     from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
@@ -86,7 +90,7 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
                       compression="none" if own else cfg["compression"],
                       overlap_steps=overlap, outer_lr=None if own else outer[0],
                       outer_momentum=None if own else outer[1], density=cfg["density"],
-                      topk=cfg["topk"])
+                      topk=cfg["topk"], fragments=fragments)
     # Only the final evaluation: one mid-run would hold replica 0 while replica 1 waits on
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
@@ -96,7 +100,8 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
     return mc, tc
 
 
-Row = tuple[str, int, int, float | None, tuple[float, float]]  # mode, H, d, Mbit/s, outer
+# mode, H, d, Mbit/s, outer, fragments
+Row = tuple[str, int, int, float | None, tuple[float, float], int]
 
 
 def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> None:
@@ -115,8 +120,8 @@ def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> Non
     from swarm_core.pipeline.stage import StageSpec, run_stage
     from swarm_core.protocol import LinkLimits
 
-    mode, inner, overlap, mbps, outer = row
-    mc, tc = _configs(cfg, mode, inner, overlap, outer)
+    mode, inner, overlap, mbps, outer, fragments = row
+    mc, tc = _configs(cfg, mode, inner, overlap, outer, fragments)
     data = load_token_data(tc, mc.seq_len)
     shaper = LinkShaper()
     if mbps is not None:
@@ -127,6 +132,12 @@ def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> Non
     spec = StageSpec.from_start(chain_starts(mc, tc, addrs, replicas=cfg["replicas"])[rank],
                                 threads=1)
     marks: list[float] = []
+    bursts: list[int] = []  # (each step's sync bytes: the largest is the link's burst)
+
+    def on_step(r: Any) -> None:
+        marks.append(time.perf_counter())
+        bursts.append(r.sync_tx_bytes or 0)
+
     kwargs: dict[str, Any] = {}
     if cfg.get("warming"):
         if rank == 0:  # (its final checkpoint: the replicas' one set of weights)
@@ -136,15 +147,16 @@ def _stage(cfg: dict[str, Any], row: Row, rank: int, out: Any, side: Any) -> Non
         with np.load(cfg["warm_file"], allow_pickle=False) as z:
             kwargs["initial_state"] = {k: torch.from_numpy(z[k]) for k in z.files}
     try:
-        res = run_stage(spec, data, shaper, listener, threading.Event(),
-                        lambda _r: marks.append(time.perf_counter()), connect_timeout=120,
-                        **kwargs)
+        res = run_stage(spec, data, shaper, listener, threading.Event(), on_step,
+                        connect_timeout=120, **kwargs)
     finally:
         listener.close()
     m = res.metrics
     out.put((rank, marks, {"sync_bytes": m.sync_tx_bytes_per_step,
                            "expected_sync_bytes": m.expected_sync_tx_bytes_per_step,
                            "sync_fraction": m.sync_fraction, "eval_loss": m.eval_loss,
+                           # (but the last step's: every fragment syncs there, once a run)
+                           "burst": max(bursts[:-1], default=0),
                            "losses": res.losses}))
 
 
@@ -222,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                          "sparseloco (its own outer step and bits; default %(default)s)")
     ap.add_argument("--density", type=float, default=0.02,
                     help="sparseloco's density (default %(default)s)")
+    ap.add_argument("--fragments", default="1",
+                    help="the periodic rows once per fragment count, comma-separated (Streaming "
+                         "DiLoCo; each must divide every H, the overlap a fraction of H/P)")
     ap.add_argument("--topk", type=int, default=8,
                     help="demo's components per DCT block (default %(default)s, Psyche's)")
     ap.add_argument("--loss-only", action="store_true",
@@ -253,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= cfg["warmup"] < cfg["steps"]:
         ap.error("--warmup must be at least 1 and fewer than --steps")
     mc, tc = _configs(cfg, "dp", 1)
+    from swarm_core.config.schemas import job_shape_error
+    shape = job_shape_error(mc, tc, 1, args.replicas)  # (the leader's rule, as it refuses)
+    if shape is not None:
+        ap.error(f"{shape[1]}: {shape[0]}")
     tokens = tc.steps * tc.batch_size * mc.seq_len
     print(f"bench_sync_modes: d_model {mc.d_model}, {mc.n_layers} layers, seq {mc.seq_len}; "
           f"S=1 x R={args.replicas}, batch {tc.batch_size} ({tc.batch_size // args.replicas} a "
@@ -267,23 +286,28 @@ def main(argv: list[str] | None = None) -> int:
         cfg["warm_start"] = args.warm_start
         cfg["warm_file"] = str(Path(tempfile.mkdtemp(prefix="bench-sync-")) / "warm.npz")
         t0 = time.monotonic()
-        res = _run({**cfg, "warming": True}, ("dp", 1, 0, None, outers[0]))
+        res = _run({**cfg, "warming": True}, ("dp", 1, 0, None, outers[0], 1))
         print(f"  warm start: dp, {args.warm_start} steps on other windows, eval loss "
               f"{res[0][2]['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s); every row "
               "starts from it", flush=True)
     fractions = [float(f) for f in args.overlap.split(",")]
-    modes = [("dp", 1, 0, outers[0])] + [
-        (mode, h, d, outer) for mode in periodic
+    parts = [int(p) for p in args.fragments.split(",")]
+    if any(p < 1 or any(h % p for h in hs) for p in parts):
+        ap.error("--fragments: each count must divide every --inner-steps")
+    modes = [("dp", 1, 0, outers[0], 1)] + [
+        (mode, h, d, outer, p) for mode in periodic
+        for p in (parts if SYNC_METHODS[mode].periodic else [1])
         for h in (hs if SYNC_METHODS[mode].periodic else [1])
-        for d in dict.fromkeys(min(h - 1, int(f * h)) for f in fractions)
+        for d in dict.fromkeys(min(h // p - 1, int(f * h // p)) if h // p > 1 else 0
+                               for f in fractions)
         for outer in (outers if not SYNC_METHODS[mode].own_coding else [(1.0, 0.0)])]
     runs = (False,) if args.loss_only else (True, False)
     rows: list[dict[str, Any]] = []
-    for mode, h, d, outer in modes:
-        row: dict[str, Any] = {"mode": mode, "H": h, "d": d, "outer": outer}
+    for mode, h, d, outer, p in modes:
+        row: dict[str, Any] = {"mode": mode, "H": h, "d": d, "outer": outer, "P": p}
         for shaped in runs:
             t0 = time.monotonic()
-            res = _run(cfg, (mode, h, d, args.mbps if shaped else None, outer))
+            res = _run(cfg, (mode, h, d, args.mbps if shaped else None, outer, p))
             lead = res[0][2]
             key = "shaped" if shaped else "unshaped"
             row[key] = _step_s(res, cfg["warmup"])
@@ -292,44 +316,58 @@ def main(argv: list[str] | None = None) -> int:
             if shaped == runs[0]:  # (the bytes and the losses do not depend on the shaping)
                 row["eval"] = lead["eval_loss"]
                 row["bytes"], row["expected"] = lead["sync_bytes"], lead["expected_sync_bytes"]
-                row["sync_fraction"] = lead["sync_fraction"]
-            name = "dp" if mode == "dp" else f"{mode} H={h} d={d} outer {outer[0]:g}/{outer[1]:g}"
+                row["sync_fraction"], row["burst"] = lead["sync_fraction"], lead["burst"]
+            name = "dp" if mode == "dp" else \
+                f"{mode} H={h} d={d} P={p} outer {outer[0]:g}/{outer[1]:g}"
             print(f"  {name} {key}: {row[key] * 1000:.1f} ms/step, eval loss "
                   f"{lead['eval_loss']:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
         rows.append(row)
     dp = rows[0]
-    print(f"\n{'mode':<10} {'H':>4} {'d':>4} {'outer':>8} {'sync B/step':>12} {'dp/this':>8} "
-          f"{'shaped ms':>10} {'unshaped ms':>12} {'sh/unsh':>8} {'eval loss':>10} "
-          f"{'eval/dp':>8}")
-    print("-" * 102)
+    print(f"\n{'mode':<10} {'H':>4} {'d':>4} {'P':>3} {'outer':>8} {'sync B/step':>12} "
+          f"{'dp/this':>8} {'burst B':>11} {'shaped ms':>10} {'unshaped ms':>12} {'sh/unsh':>8} "
+          f"{'eval loss':>10} {'eval/dp':>8}")
+    print("-" * 118)
     for r in rows:
         h, d, o = ("-", "-", "-") if r["mode"] == "dp" else \
             (str(r["H"]), str(r["d"]), f"{r['outer'][0]:g}/{r['outer'][1]:g}")
         shaped = "-" if args.loss_only else f"{r['shaped'] * 1000:.1f}"
         slow = "-" if args.loss_only else f"{r['shaped'] / r['unshaped']:.3f}"
-        print(f"{r['mode']:<10} {h:>4} {d:>4} {o:>8} {r['bytes']:>12,.0f} "
-              f"{dp['bytes'] / r['bytes']:>7.1f}x {shaped:>10} {r['unshaped'] * 1000:>12.1f} "
-              f"{slow:>8} {r['eval']:>10.4f} {r['eval'] / dp['eval']:>8.4f}")
-    print("-" * 102)
+        print(f"{r['mode']:<10} {h:>4} {d:>4} {r['P']:>3} {o:>8} {r['bytes']:>12,.0f} "
+              f"{dp['bytes'] / r['bytes']:>7.1f}x {r['burst']:>11,} {shaped:>10} "
+              f"{r['unshaped'] * 1000:>12.1f} {slow:>8} {r['eval']:>10.4f} "
+              f"{r['eval'] / dp['eval']:>8.4f}")
+    print("-" * 118)
     for r in rows[1:]:
         h = r["H"]
         if r["mode"] == "demo":  # (every step, as dp: its own targets)
             ratio, ev = dp["bytes"] / r["bytes"], r["eval"] / dp["eval"]
             print(f"targets, demo: sync bytes/step <= 1/30 of dp's: {ratio:.1f}x -> "
                   f"{_check(ratio >= 30)}; eval loss within 5 % of dp: {ev:.4f} -> "
-                  f"{_check(abs(ev - 1) <= 0.05)}")
+                  f"{_check(ev <= 1.05)}")
             continue
         ratio = dp["bytes"] / r["bytes"]
         ev = r["eval"] / dp["eval"]
         step = "not measured (--loss-only)" if args.loss_only else \
             f"{r['shaped'] / r['unshaped']:.3f} -> {_check(r['shaped'] / r['unshaped'] <= 1.10)}"
-        print(f"targets, {r['mode']} H={h} d={r['d']} outer {r['outer'][0]:g}/{r['outer'][1]:g}: "
+        frag = f" P={r['P']}" if r["P"] > 1 else ""
+        print(f"targets, {r['mode']} H={h} d={r['d']}{frag} outer "
+              f"{r['outer'][0]:g}/{r['outer'][1]:g}: "
               f"sync bytes/step >= {h}x smaller than dp: {ratio:.1f}x -> {_check(ratio >= h)}; "
               f"step within 10 % of unshaped: {step}; eval loss within 3 % of dp: {ev:.4f} "
-              f"-> {_check(abs(ev - 1) <= 0.03)}")
+              f"-> {_check(ev <= 1.03)}")
+    for r in rows:  # (the fragments' targets, against the same mode whole at the same H)
+        whole = next((q for q in rows if q["mode"] == r["mode"] and q["H"] == r["H"]
+                      and q["P"] == 1), None)
+        if r["P"] == 1 or whole is None:
+            continue
+        burst, ev = r["burst"] / max(whole["burst"], 1), r["eval"] / whole["eval"]
+        print(f"targets, {r['mode']} H={r['H']} d={r['d']} {r['P']} fragments: largest burst <= "
+              f"1/3 of the whole model's (d={whole['d']}): {burst:.3f} -> "
+              f"{_check(burst <= 1 / 3)}; eval loss within 1 %: {ev:.4f} -> "
+              f"{_check(ev <= 1.01)}")
     for r in rows:  # (SparseLoCo's own targets, against DiLoCo at the same H, as it is run)
         base = next((q for q in rows if q["mode"] == "diloco" and q["H"] == r["H"]
-                     and q["d"] == r["d"]), None)
+                     and q["d"] == r["d"] and q["P"] == r["P"]), None)
         if r["mode"] != "sparseloco" or base is None:
             continue
         ratio, ev = base["bytes"] / r["bytes"], r["eval"] / base["eval"]

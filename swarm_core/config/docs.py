@@ -33,13 +33,16 @@ exp/runs/<run_id>/               what runs write (ignored by git)
 ```
 
 Paths inside a config resolve relative to the file that names them. The sweep expands to the grid
-models x compressions x network profiles x (replicas x sync x inner_steps) x seeds x repeats, in
-that nesting order; each run is one train job on the leader, and `swarm sweep --config …` queues
+models x compressions x network profiles x (stages x replicas x sync x inner_steps) x seeds x
+repeats, in that nesting order; each run is one train job on the leader, and `swarm sweep
+--config …` queues
 them all at once (one at a time when a network profile has a `tc_profile`, since kernel shaping
 must wrap each run).
 
-The job's shape and synchronisation are axes too. `replicas` sets the replicas of every stage:
-the training profile's stage count (`cluster_profile.stages`, or its `fellows / replicas`)
+The job's shape and synchronisation are axes too. `stages` lists pipeline depths (the model's
+layers cut that many ways; the training profile's `cluster_profile` otherwise), e.g. `[2, 4]`
+for the boundary frontier figure. `replicas` sets the replicas of every stage: the stage
+count (the axis's, or the training profile's `cluster_profile.stages` or `fellows / replicas`)
 stays, so a run of R replicas asks for stages x R fellows. `sync` lists modes: `none` (a single
 replica: nothing to synchronise), `dp`, `diloco`, `sparseloco`; a run of one replica runs once,
 as `none`, whatever else is listed, and a run of several runs once per listed mode.
@@ -56,11 +59,11 @@ its runs by the grid too: `<model>-<spec>-<network>-<S>x<R>-<mode>-s<seed>-r<rep
 sweep of chains keeps the names it had).
 
 Compression specs (the table below is generated from `swarm_core/config/methods.py`, where
-each is registered): K is a positive integer up to `d_model`; B, a scale block, is 2..65535 and
-divides the boundary's width (`d_model`, or K), so an outlier costs its block's precision rather
-than its row's, for 4/B bytes more per element. `bottleneck_dim` is the width of
-`learned_bottleneck`; a sweep's `compressions` that names another spec leaves it out, and
-`learned_dimK` with a different `bottleneck_dim` is an error.
+each is registered): K is a positive integer up to `d_model` (below it for `subspace_kK`);
+B, a scale block, is 2..65535 and divides the boundary's width (`d_model`, or K), so an
+outlier costs its block's precision rather than its row's, for 4/B bytes more per element.
+`bottleneck_dim` is the width of `learned_bottleneck`; a sweep's `compressions` that names
+another spec leaves it out, and `learned_dimK` with a different `bottleneck_dim` is an error.
 """
 
 
@@ -71,7 +74,7 @@ def methods_tables() -> str:
     out += ["", "Number formats (a boundary's scaled codes, `sync.compression`, a frame's codec):",
             "", "| name | bits | scaled | what it does |", "| --- | --- | --- | --- |"]
     out += [f"| `{e.name}` | {e.bits} | {'yes' if e.scaled else 'no'} | {e.summary} |"
-            for e in methods.ELEMENTS.values()]
+            for e in (*methods.ELEMENTS.values(), *methods.ROTATED.values())]
     out += ["", "`sync.compression`: " + ", ".join(f"`{c}`" for c in methods.sync_compressions())
             + " (`none` is fp32).", "", "| `sync.mode` | what it does |", "| --- | --- |"]
     out += [f"| `{m.name}` | {m.summary} |" for m in methods.SYNC_METHODS.values()]
@@ -113,14 +116,24 @@ SECTIONS: list[tuple[str, type, str]] = [
      "`outer_lr` and `outer_momentum` left null are the mode's paper's (diloco 0.7 and 0.9, "
      "sparseloco 1 and 0). `sparseloco` sends the top `density` of each tile of `chunk` "
      "elements of its error feedback (decayed by `error_decay`) in `value_bits` bits; it codes "
-     "what it sends itself, so its `compression` must be `none`, and its `outer_momentum` 0 "
-     "(the error feedback stands for it). `swarm submit` sets them by `--density`, `--chunk`, "
+     "what it sends itself, so its `compression` must be `none`; its outer step is the "
+     "paper's plain SGD (the error feedback stands for a momentum) unless `outer_momentum` "
+     "asks for DiLoCo's Nesterov: MuLoCo (arXiv 2505.23725) is `density: 1` (every value, "
+     "no positions sent), `value_bits: 2`, `outer_lr` 0.7, `outer_momentum` 0.9 and "
+     "`training.optimizer: muon`. `swarm submit` sets them by `--density`, `--chunk`, "
      "`--value-bits` and `--error-decay`. `demo` (every step) keeps each replica's own "
      "momentum (decayed by `momentum_decay`), sends the `topk` largest DCT components of each "
      "block of `dct_chunk` x `dct_chunk` (their signs alone with `sign_values`) and steps "
      "plain SGD on the sign of the group's mean; its `compression` must be `none`; `--dct-"
-     "chunk`, `--topk`, `--[no-]sign-values`, `--momentum-decay`. A mode ignores the other "
-     "modes' fields."),
+     "chunk`, `--topk`, `--[no-]sign-values`, `--momentum-decay`. `fragments` P (diloco, "
+     "sparseloco: Streaming DiLoCo's, `--fragments`) splits each stage's parameters into P "
+     "fragments that take turns, fragment f's outer step after the steps n with n mod H = "
+     "floor((f+1)H/P) mod H (P at most `inner_steps`, `overlap_steps` below `inner_steps` // "
+     "P), so a sync sends about 1/P of the stage; every fragment syncs at the last step and "
+     "before a checkpoint. `fragment_pattern` `strided` (the paper's) puts block k of a stage "
+     "in fragment k mod P, `sequential` cuts the stage into runs of about equal size (also "
+     "where a stage holds fewer blocks than fragments). A mode ignores the other modes' "
+     "fields."),
     ("ClusterProfile (`cluster_profile`)", profiles.ClusterProfile,
      "`{\"fellows\": 4, \"replicas\": 2}` and `{\"stages\": 2, \"replicas\": 2}` ask for the "
      "same 4 fellows: 2 stages of 2 replicas each. Both `fellows` and `stages` may be "

@@ -31,8 +31,8 @@ class Element:
     scaled: bool  # float32 scales before the codes: one per row, or per ``_bB`` block
     summary: str
     impl: str = ""  # "module:attribute" of an ElementCodec (the built-in casts have none)
-    # A boundary's codes too, or the replicas' sync alone: 4 bits without error feedback or a
-    # rotation lose too much of an activation (the rotated low-bit boundary is its own method).
+    # A boundary's codes too, or the replicas' sync alone (fp4; int4 is on the boundary, in
+    # blocks, as the unrotated row beside hadamard_int4).
     boundary: bool = True
     # Only with a block (``_bB``): one scale for a whole row (a ring's lane is one row of up to
     # 4 MiB) leaves 16 integer levels for every gradient in it.
@@ -56,13 +56,26 @@ ELEMENTS: dict[str, Element] = {e.name: e for e in (
     Element("int8", 4, 8, True, "symmetric absmax int8: codes = round(127 x / max abs x)"),
     Element("fp8", 5, 8, True, "float8 e4m3 (torch.float8_e4m3fn), absmax-scaled to its "
             "largest finite value 448", "swarm_core.pipeline.codec_fp8:Fp8"),
-    Element("int4", 6, 4, True, "symmetric absmax 4-bit integers (-7..7), two a byte; sync only",
-            "swarm_core.pipeline.codec_int4:Int4", boundary=False, needs_block=True),
+    Element("int4", 6, 4, True, "symmetric absmax 4-bit integers (-7..7), two a byte; in "
+            "blocks only (`_bB`)", "swarm_core.pipeline.codec_int4:Int4", needs_block=True),
     Element("fp4", 7, 4, True, "float4 e2m1 (the MX FP4 element: 0, 0.5 ... 6), absmax-scaled "
             "to 6, two a byte; sync only", "swarm_core.pipeline.codec_fp4:Fp4", boundary=False),
 )}
 SCALED = tuple(e.name for e in ELEMENTS.values() if e.scaled)
-BY_WIRE_ID: dict[int, Element] = {e.wire_id: e for e in ELEMENTS.values()}
+# Low-bit codes of a tile after a fixed randomized Hadamard rotation of it (the tile is the
+# scale block): the boundary methods ``hadamard_int4[_bB]``, ``hadamard_int2[_bB]``
+# (pipeline/codec_hadamard.py), not elements of the fixed, learned or sync grammars. Their
+# wire ids are numbered with ELEMENTS', never reused.
+ROTATED: dict[str, Element] = {e.name: e for e in (
+    Element("hadamard_int4", 8, 4, True, "a tile's randomized Hadamard rotation in symmetric "
+            "absmax 4-bit integers (-7..7), two a byte", "swarm_core.pipeline.codec_hadamard:"
+            "HadamardInt4", needs_block=True),
+    Element("hadamard_int2", 9, 2, True, "a tile's randomized Hadamard rotation in 2 bits, "
+            "the levels -1.5, -0.5, 0.5, 1.5 of a step (forward: min(2 absmax/3, 0.996 rms), "
+            "clipped; backward: 2 absmax/3), four a byte", "swarm_core.pipeline."
+            "codec_hadamard:HadamardInt2", needs_block=True),
+)}
+BY_WIRE_ID: dict[int, Element] = {e.wire_id: e for e in (*ELEMENTS.values(), *ROTATED.values())}
 
 
 @attrs.frozen
@@ -79,7 +92,13 @@ class BoundaryForm:
 ON_BOUNDARY = tuple(e.name for e in ELEMENTS.values() if e.scaled and e.boundary)
 _BOUNDARY_NAMES = "|".join(ON_BOUNDARY)
 _SCALED_NAMES = "|".join(SCALED)
+# The rotated codes (ROTATED): a tile is a power of two (the Hadamard transform's size), at
+# most MAX_TILE (the transform is a TxT matmul: T multiply-adds an element), DEFAULT_TILE
+# unless named.
+MIN_TILE, MAX_TILE, DEFAULT_TILE = 4, 1024, 64
+_HADAMARD = "swarm_core.pipeline.codec_hadamard:HadamardBoundary"
 # K and B are at most six digits: no int() of a thousand-digit string from an API body.
+ROTATED_PATTERN = re.compile(rf"({'|'.join(ROTATED)})(?:_b([0-9]{{1,6}}))?")
 BOUNDARY_PATTERN = re.compile(
     rf"(?:fixed|learned_dim([0-9]{{1,6}}))(?:_({_BOUNDARY_NAMES})(?:_b([0-9]{{1,6}}))?)?")
 BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
@@ -88,14 +107,41 @@ BOUNDARY_FORMS: tuple[BoundaryForm, ...] = (
         BoundaryForm(f"fixed_{name}", f"{name} codes, one scale per row of the hidden state; "
                      "straight-through backward, the gradient coded alike"),
         BoundaryForm(f"fixed_{name}_bB", f"{name} codes, one scale per B consecutive elements "
-                     "of a row (B from 2, dividing `d_model`): an outlier costs its block"))),
+                     "of a row (B from 2, dividing `d_model`): an outlier costs its block"))
+      if f.grammar.endswith("_bB") or not ELEMENTS[name].needs_block),
+    *(f for name in ROTATED for f in (
+        BoundaryForm(name, f"`{name}_bB` with B = 64, or the largest power of two dividing "
+                     "`d_model` where that is smaller", _HADAMARD),
+        BoundaryForm(f"{name}_bB", f"each tile of B elements of a row (B a power of two, "
+                     f"{MIN_TILE}..{MAX_TILE}, dividing `d_model`) rotated by fixed random "
+                     "signs and a Walsh-Hadamard transform, then coded "
+                     f"{name.removeprefix('hadamard_')} with one scale per tile; stochastic "
+                     "rounding on the backward; decoded and rotated back", _HADAMARD))),
     BoundaryForm("learned_bottleneck", "a trained Linear+LayerNorm down to `bottleneck_dim` "
                  "before the boundary and back up after it; the narrow code crosses"),
     BoundaryForm("learned_dimK", "`learned_bottleneck` of width K (1..`d_model`)"),
     *(f for name in ON_BOUNDARY for f in (
         BoundaryForm(f"learned_dimK_{name}", f"the width-K code in {name}, one scale per row"),
         BoundaryForm(f"learned_dimK_{name}_bB", f"the width-K code in {name}, one scale per "
-                     "B elements (B dividing K)"))),
+                     "B elements (B dividing K)"))
+      if f.grammar.endswith("_bB") or not ELEMENTS[name].needs_block),
+)
+# Subspace Networks (arXiv 2506.01260): the model keeps its residual stream in
+# E(tokens) + U·c, so c's K values per token cross, exactly (pipeline/subspace.py).
+SUBSPACE_PATTERN = re.compile(
+    rf"subspace_k([0-9]{{1,6}})(?:_({_BOUNDARY_NAMES})(?:_b([0-9]{{1,6}}))?)?")
+_SUBSPACE = "swarm_core.pipeline.subspace:SubspaceBoundary"
+BOUNDARY_FORMS += (
+    BoundaryForm("subspace_kK", "the residual stream confined to E(tokens) + U·c, U a fixed "
+                 "dxK orthonormal basis from the seed (1 ≤ K < `d_model`; the residual writers "
+                 "kept in span(U)): c's K values per token cross each way, exact; no "
+                 "`bottleneck_dim`, no dropout", _SUBSPACE),
+    *(f for name in ON_BOUNDARY for f in (
+        BoundaryForm(f"subspace_kK_{name}", f"`subspace_kK` with c in {name}, one scale per "
+                     "row of K", _SUBSPACE),
+        BoundaryForm(f"subspace_kK_{name}_bB", f"`subspace_kK` with c in {name}, one scale "
+                     "per B elements (B dividing K)", _SUBSPACE))
+      if f.grammar.endswith("_bB") or not ELEMENTS[name].needs_block),
 )
 
 

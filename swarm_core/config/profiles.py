@@ -189,8 +189,8 @@ class TrainingProfile:
 
 @attrs.define
 class SweepSpec:
-    """The grid: models x compressions x networks x (replicas x sync x inner_steps) x seeds x
-    repeats."""
+    """The grid: models x compressions x networks x (stages x replicas x sync x inner_steps) x
+    seeds x repeats."""
 
     dataset: Literal["shakespeare", "textfiles", "wikitext103"] | None = None
     tokenizer: Literal["byte", "bpe"] | None = None
@@ -205,16 +205,25 @@ class SweepSpec:
     replicas: list[int] | None = None
     sync: list[SyncAxis] | None = None
     inner_steps: list[int] | None = None
+    # Pipeline depths: the stage count of each run (the model's layers cut that many ways;
+    # the training profile's cluster_profile otherwise).
+    stages: list[int] | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def shapes_the_grid(self) -> bool:
         """Whether it sweeps the job's shape or synchronisation (its runs' names then say
         them)."""
-        return any(v is not None for v in (self.replicas, self.sync, self.inner_steps))
+        return any(v is not None for v in (self.replicas, self.sync, self.inner_steps,
+                                           self.stages))
 
     def __attrs_post_init__(self) -> None:
         check_axes(self.replicas, self.sync, self.inner_steps)
+        if self.stages is not None:
+            if not self.stages or len(set(self.stages)) != len(self.stages):
+                raise FieldError(f"must list unique stage counts, got {self.stages}", "stages")
+            if not all(1 <= k <= MAX_FELLOWS for k in self.stages):
+                raise FieldError(f"each must be 1-{MAX_FELLOWS}, got {self.stages}", "stages")
         if not 1 <= self.repeats <= 100:
             raise FieldError(f"must be 1-100, got {self.repeats}", "repeats")
         if not self.seeds:
@@ -539,8 +548,9 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path) -> list[GridCe
     """The sweep's grid axes expanded against the training profile's cluster and sync."""
     cluster, sync = profile.cluster_profile, profile.training.sync
     try:
-        return grid_cells(cluster.num_stages, cluster.replicas, sync.mode, sync.inner_steps,
-                          sweep.replicas, sweep.sync, sweep.inner_steps)
+        return [cell for stages in sweep.stages or [cluster.num_stages]
+                for cell in grid_cells(stages, cluster.replicas, sync.mode, sync.inner_steps,
+                                       sweep.replicas, sweep.sync, sweep.inner_steps)]
     except FieldError as exc:
         raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
 
@@ -562,6 +572,8 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
         raise ConfigError(path, message, f"$.sweep.replicas[{at}]")
     if where.startswith("model."):  # (a model field: the model profile's, by its own name)
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
+    if where == "topology" and sweep.stages is not None:  # (the stage count the sweep gave)
+        raise ConfigError(path, message, f"$.sweep.stages[{sweep.stages.index(cell.stages)}]")
     if where == "topology":  # (the field the profile gave)
         named = "fellows" if cluster.stages is None else "stages"
         raise ConfigError(tpath, message, f"$.cluster_profile.{named}")

@@ -13,6 +13,7 @@ from swarm_core.config import methods
 from swarm_core.config.methods import (
     BOUNDARY_PATTERN,
     MAX_BLOCK,
+    SUBSPACE_PATTERN,
     SYNC_METHODS,
     scaled_sync_form,
     sync_compressions,
@@ -40,6 +41,15 @@ class Compression:
     # of a row, so one outlier spoils B codes, not a row, for 4/B bytes per element.
     block: int = 0
     form: str = "none"  # the grammar it matched (methods.BOUNDARY_FORMS), e.g. fixed_int8_bB
+    # ``subspace_kK``: the K coordinates of the residual stream in the model's fixed basis
+    # cross (pipeline/subspace.py); None: another method.
+    subspace: int | None = None
+
+    @property
+    def every_stage_reads_tokens(self) -> bool:
+        """Every stage needs the step's token ids, not only the first and the last: a
+        subspace boundary rebuilds the fixed embedding E(tokens) on each side."""
+        return self.subspace is not None
 
     @property
     def learned(self) -> bool:
@@ -64,6 +74,11 @@ def parse_compression(spec: str, bottleneck_dim: int | None = None,
         if bottleneck_dim is None:
             raise FieldError("learned_bottleneck needs bottleneck_dim", "bottleneck_dim")
         return _checked(spec, spec, bottleneck_dim, None, None, d_model)
+    if spec.startswith("subspace_"):
+        return _subspace(spec, bottleneck_dim, d_model)
+    rotated = methods.ROTATED_PATTERN.fullmatch(spec)
+    if rotated is not None:
+        return _rotated(spec, rotated.group(1), rotated.group(2), d_model)
     forms = [f.grammar for f in methods.BOUNDARY_FORMS]
     m = BOUNDARY_PATTERN.fullmatch(spec)
     if m is None or (spec.startswith("fixed") and m.group(2) is None):
@@ -78,16 +93,61 @@ def parse_compression(spec: str, bottleneck_dim: int | None = None,
     return _checked(spec, form, dim, m.group(2), m.group(3), d_model)
 
 
+def _rotated(spec: str, name: str, block: str | None, d_model: int | None) -> Compression:
+    """``hadamard_int4[_bB]``, ``hadamard_int2[_bB]``: the tile B is both the rotation's size
+    and the scale block; unnamed, 64, or the largest power of two dividing ``d_model`` where
+    that is smaller."""
+    lo, hi = methods.MIN_TILE, methods.MAX_TILE
+    if block is None:
+        tile = methods.DEFAULT_TILE if d_model is None else min(methods.DEFAULT_TILE,
+                                                                d_model & -d_model)
+        if tile < lo:
+            raise FieldError(f"{spec!r} tiles d_model ({d_model}) by powers of two from {lo}, "
+                             f"and {d_model} has none", "compression")
+        return Compression(spec, None, name, tile, name)
+    b = int(block)
+    if not lo <= b <= hi or b & (b - 1) or (d_model is not None and d_model % b):
+        raise FieldError(f"{name} tile {b} in {spec!r} must be a power of two, {lo}..{hi}, "
+                         f"dividing d_model ({d_model})", "compression")
+    return Compression(spec, None, name, b, f"{name}_bB")
+
+
+def _subspace(spec: str, bottleneck_dim: int | None, d_model: int | None) -> Compression:
+    """``subspace_kK[_E[_bB]]``: K from 1 to below ``d_model`` (at d_model nothing is
+    saved), no learned bottleneck beside it (the stream crosses as its coordinates, or not at
+    all), a block dividing K."""
+    m = SUBSPACE_PATTERN.fullmatch(spec)
+    if m is None:
+        forms = [f.grammar for f in methods.BOUNDARY_FORMS]
+        raise FieldError(f"unknown compression {spec!r}; valid forms: {', '.join(forms)} "
+                         "(K and B positive integers, B dividing the boundary's width)",
+                         "compression")
+    k = int(m.group(1))
+    if k < 1 or (d_model is not None and k >= d_model):
+        raise FieldError(f"subspace width {k} in {spec!r} must be 1..d_model-1 "
+                         f"({d_model}): at d_model nothing is saved", "compression")
+    if bottleneck_dim is not None:
+        raise FieldError(f"{spec!r} takes no bottleneck_dim ({bottleneck_dim}): a subspace "
+                         "boundary sends the stream's own coordinates, not a learned code",
+                         "compression")
+    form = "subspace_kK" + (f"_{m.group(2)}" if m.group(2) else "") \
+        + ("_bB" if m.group(3) else "")
+    c = _checked(spec, form, k, m.group(2), m.group(3), d_model)
+    return attrs.evolve(c, bottleneck_dim=None, subspace=k)
+
+
 def _checked(spec: str, form: str, dim: int | None, element: str | None, block: str | None,
              d_model: int | None) -> Compression:
     if dim is not None and (dim < 1 or (d_model is not None and dim > d_model)):
         raise FieldError(f"bottleneck width {dim} must be 1..d_model ({d_model})", "compression")
     b = int(block) if block is not None else 0
-    if block is not None:
-        width = dim if dim is not None else d_model
-        if not 2 <= b <= MAX_BLOCK or (width is not None and width % b):
-            raise FieldError(f"{element} block {b} in {spec!r} must be 2..{MAX_BLOCK} and "
-                             f"divide the boundary's width ({width})", "compression")
+    width = dim if dim is not None else d_model
+    if block is None and element is not None and methods.ELEMENTS[element].needs_block:
+        raise FieldError(f"{element} takes a scale block in {spec!r}: {spec}_bB, B from 2 "
+                         f"dividing the boundary's width ({width})", "compression")
+    if block is not None and (not 2 <= b <= MAX_BLOCK or (width is not None and width % b)):
+        raise FieldError(f"{element} block {b} in {spec!r} must be 2..{MAX_BLOCK} and divide "
+                         f"the boundary's width ({width})", "compression")
     return Compression(spec, dim, element, b, form)
 
 
@@ -121,6 +181,7 @@ def _optional(*checks: Any) -> Any:
     return check
 
 
+MAX_FRAGMENTS = 64
 VALUE_BITS = (1, 2, 4, 8, 32)  # SparseLoCo's values: codes of a 2^b-entry lookup, or float32
 
 
@@ -145,7 +206,8 @@ class SyncConfig:
     its error feedback (decayed by ``error_decay``), the top ``density`` of each tile of
     ``chunk`` elements by magnitude, in ``value_bits`` bits, all-gathered; what was not sent
     stays in the feedback. ``outer_lr``/``outer_momentum`` left out (None) are the mode's
-    paper's: DiLoCo 0.7 and 0.9, SparseLoCo 1 and none (its error feedback stands for it)."""
+    paper's: DiLoCo 0.7 and 0.9, SparseLoCo 1 and none (its error feedback stands for it; a
+    momentum set is DiLoCo's Nesterov, as MuLoCo's 2-bit runs have it)."""
 
     mode: SyncMode = "dp"
     compression: str = "none"
@@ -157,6 +219,14 @@ class SyncConfig:
     # first at most 1 MiB), each all-reduced as soon as the backward has finished it.
     bucket_mb: float = attrs.field(default=25.0, validator=[_pos, _le(1024.0)])
     overlap_steps: int = attrs.field(default=0, validator=[_nonneg, _le(1_000_000)])
+    # Streaming DiLoCo (arXiv 2501.18512): a periodic mode's parameters in this many
+    # fragments taking turns: fragment f synced every inner_steps steps, about inner_steps/P
+    # after fragment f-1 (see ``turns``).
+    fragments: int = attrs.field(default=1, validator=[_pos, _le(MAX_FRAGMENTS)])
+    # Which parameters make a fragment: ``strided`` (the paper's: block b in fragment b mod
+    # P) or ``sequential`` (contiguous runs of about equal size); sequential wherever a
+    # stage holds fewer blocks than fragments.
+    fragment_pattern: Literal["strided", "sequential"] = "strided"
     # SparseLoCo (arXiv 2508.15706; the defaults are the issue's, the paper's runs use 3 %):
     density: float = attrs.field(default=0.02, validator=[_pos, _le(1.0)])
     chunk: int = attrs.field(default=4096, validator=[_pos, _le(1 << 20)])
@@ -171,17 +241,23 @@ class SyncConfig:
     def __attrs_post_init__(self) -> None:
         if not checking():
             return
-        if self.periodic and self.overlap_steps >= self.inner_steps:
-            raise FieldError(f"must be below inner_steps ({self.inner_steps}): the outer step's "
-                             f"average has to land before the next one, got "
-                             f"{self.overlap_steps}", "overlap_steps")
+        if self.fragments > 1 and not self.periodic:
+            raise FieldError(f"must be 1 under {self.mode}, which syncs every step: fragments "
+                             f"take turns between a periodic mode's syncs, got {self.fragments}",
+                             "fragments")
+        if self.periodic and self.fragments > self.inner_steps:
+            raise FieldError(f"must be at most inner_steps ({self.inner_steps}): fragments "
+                             f"take turns, one after a step, got {self.fragments}", "fragments")
+        gap = self.inner_steps // self.fragments  # (the shortest from one turn to the next)
+        if self.periodic and self.overlap_steps >= gap:
+            whose = "inner_steps" if self.fragments == 1 else "inner_steps // fragments"
+            raise FieldError(f"must be below {whose} ({gap}): the outer step's average has to "
+                             f"land before the next one, got {self.overlap_steps}",
+                             "overlap_steps")
         method = SYNC_METHODS[self.mode]
         if method.own_coding and self.compression != "none":
             raise FieldError(f"must be none under {self.mode}, which codes what it sends "
                              f"itself, got {self.compression!r}", "compression")
-        if method.own_coding and method.outer is not None and self.outer_momentum:
-            raise FieldError(f"must be 0 under {self.mode}: its error feedback stands for the "
-                             f"outer momentum, got {self.outer_momentum:g}", "outer_momentum")
         m = scaled_sync_form(self.compression)
         if self.compression not in SYNC_CODECS and m is None:
             raise FieldError(f"unknown sync compression {self.compression!r}; valid forms: "
@@ -205,8 +281,22 @@ class SyncConfig:
 
     @property
     def period(self) -> int:
-        """Steps from one sync to the next: ``inner_steps`` for a periodic method, else 1."""
-        return self.inner_steps if self.periodic else 1
+        """The most steps from one sync to the next: ``inner_steps`` for a periodic method
+        (over ``fragments``: from one fragment's turn to the next one's, rounded up), else 1."""
+        return -(-self.inner_steps // self.fragments) if self.periodic else 1
+
+    @property
+    def turns(self) -> tuple[int, ...]:
+        """Each fragment's turn: fragment f syncs after the 1-based steps n with n mod H =
+        floor((f+1) H / P) mod H (torchft's offsets; every H/P steps where P divides H), the
+        last fragment every H steps, as without fragments."""
+        h, p = self.inner_steps, self.fragments
+        return tuple((f + 1) * h // p % h for f in range(p))
+
+    def fragment_after(self, step: int) -> int:
+        """The fragment whose turn it is after 1-based step ``step`` (a step ``syncs_after``
+        names, the run's last aside)."""
+        return self.turns.index(step % self.inner_steps)
 
     @property
     def lag(self) -> int:
@@ -215,13 +305,26 @@ class SyncConfig:
 
     def syncs_after(self, step: int, steps: int) -> bool:
         """Whether the group syncs after 1-based step ``step`` of a ``steps``-step run: every
-        ``period`` steps, and after the last so the run ends on one set of weights."""
-        return step % self.period == 0 or step == steps
+        step (dp), every ``inner_steps`` (a fragment's turn, with ``fragments``), and after
+        the last so the run ends on one set of weights."""
+        if not self.periodic:
+            return True
+        return step % self.inner_steps in self.turns or step == steps
 
     def next_sync(self, step: int) -> int:
         """The 0-based step of the first sync after 0-based step ``step`` (the run's last
         step aside)."""
-        return step + self.period - (step + 1) % self.period
+        after = step + 1
+        while not self.syncs_after(after + 1, 0):
+            after += 1
+        return after
+
+    def last_sync_before(self, step: int) -> int:
+        """The 1-based step of the last sync before 1-based step ``step`` (0: the start)."""
+        before = step - 1
+        while before > 0 and not self.syncs_after(before, 0):
+            before -= 1
+        return max(before, 0)
 
     def drifts(self, replicas: int) -> bool:
         """Whether ``replicas`` replicas hold different weights between syncs."""
@@ -240,6 +343,9 @@ class SyncConfig:
             label += f" {self.compression}"
         if self.periodic and self.overlap_steps:
             label += f" overlap {self.overlap_steps}"
+        if self.fragments > 1:
+            label += f" {self.fragments} fragments" + (
+                "" if self.fragment_pattern == "strided" else f" {self.fragment_pattern}")
         return label
 
     @property
@@ -282,6 +388,10 @@ class ModelConfig:
         if self.vocab_size is not None and not 2 <= self.vocab_size <= 1 << 20:
             raise FieldError("must be 2..1048576 or null", "vocab_size")
         _ = self.compression_spec  # a spec that does not parse is refused here
+        if self.dropout and self.compression_spec.subspace is not None:
+            # (a dropped-out write leaves span(U): the stream would no longer cross exactly)
+            raise FieldError(f"must be 0 under {self.compression!r}, whose residual stream "
+                             f"stays in a fixed subspace, got {self.dropout:g}", "dropout")
 
     @functools.cached_property
     def compression_spec(self) -> Compression:
@@ -350,9 +460,8 @@ class TrainingConfig:
         if not every or step >= self.steps:
             return False
         if outer_steps:
-            h = self.sync.period
             return self.sync.syncs_after(step, self.steps) \
-                and step // every != (step - h) // every
+                and step // every != self.sync.last_sync_before(step) // every
         return step % every == 0
 
     def follows_a_pause(self, step: int, start_step: int = 0,

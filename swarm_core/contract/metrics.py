@@ -40,7 +40,8 @@ def _finite(value: float | None) -> float | None:
 @attrs.define
 class CodecErrors:
     """Relative L2 error the wire codec put on what a stage sent: activations downstream,
-    gradients upstream (0 on an fp32 wire; absent for a direction the stage does not send)."""
+    gradients upstream, as the receiver decodes the frame (a stochastically rounded one
+    included); 0 on an fp32 wire; absent for a direction the stage does not send."""
 
     act: float | None = None
     grad: float | None = None

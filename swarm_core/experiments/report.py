@@ -3,7 +3,9 @@ wall time and by bytes sent (the pipeline's and the replicas' sync together), on
 drawn in its sync mode's style, plus a summary table; and the compression figure: final eval
 loss against wire bytes per step, one point per compression spec, and step time against link
 rate, one line per spec, the runs of each setting (seeds, repeats) pooled into a mean with
-min-max bars. HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
+min-max bars, and final eval loss against wall time, one point per spec and network; its table
+adds each spec's planned boundary bytes forward and backward, the ratio to ``none`` and the
+codec errors. HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
 
 from __future__ import annotations
 
@@ -426,6 +428,9 @@ CHARTS = [
 FIGURE_LOSS = ("eval loss by wire bytes per step", "bytes on the wire per step (pipeline + "
                "sync), log scale", "final eval loss")
 FIGURE_STEP = ("step time by link rate", "link rate (Mbit/s), log scale", "seconds per step")
+# The frontier's other axis: what a spec's loss costs in time on its links (one point per
+# setting and network profile).
+FIGURE_WALL = ("eval loss by wall time", "run wall time (s), log scale", "final eval loss")
 UNSHAPED = "unshaped"
 
 
@@ -499,6 +504,45 @@ def loss_by_bytes_points(runs: list[RunData]) -> list[FigurePoint]:
         xs.append(x)
         ys.append(y)
     return [_pooled(labels[k], xs, ys) for k, (xs, ys) in groups.items()]
+
+
+def loss_by_wall_points(runs: list[RunData]) -> list[FigurePoint]:
+    """The wall-time chart's points: one per setting and network profile (shaping changes the
+    time, not the loss), x its runs' mean wall time, y their final eval loss. Runs lacking
+    either are left out."""
+    groups: dict[tuple[tuple[str, ...], str], tuple[list[float], list[float]]] = {}
+    labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
+    for r in _figure_runs(runs):
+        x, y = r.summary.wall_time_s, _final_eval(r)
+        if x is None or y is None or not x > 0 or not math.isfinite(x):
+            continue
+        xs, ys = groups.setdefault((_setting(r), r.network or "-"), ([], []))
+        xs.append(float(x))
+        ys.append(y)
+    return [_pooled(labels[k], xs, ys, net) for (k, net), (xs, ys) in groups.items()]
+
+
+def boundary_figures(runs: list[RunData]) -> dict[str, list[float | None]]:
+    """Per figure series (its label): the boundary's planned ACT and GRAD bytes per step,
+    fp32 ``none``'s over them, and the largest stage's mean codec error each way (relative
+    L2 of what the receiver decoded), the means over the series' runs (None: no run said)."""
+    labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
+    values: dict[str, list[list[float]]] = {}
+    for r in _figure_runs(runs):
+        s = r.summary
+        errors = [e for e in s.codec_error_by_stage or [] if e is not None]
+        act = [e.act for e in errors if e.act is not None]
+        grad = [e.grad for e in errors if e.grad is not None]
+        got = (s.act_bytes_per_step, s.grad_bytes_per_step, s.boundary_ratio,
+               max(act) if act else None, max(grad) if grad else None)
+        cols = values.setdefault(labels[_setting(r)], [[] for _ in got])
+        for col, v in zip(cols, got, strict=True):
+            if v is not None and math.isfinite(v):
+                col.append(float(v))
+    return {k: [sum(c) / len(c) if c else None for c in cols] for k, cols in values.items()}
+
+
+BOUNDARY_HEADERS = ["ACT B/step", "GRAD B/step", "none/this", "act error", "grad error"]
 
 
 def step_by_link_points(runs: list[RunData]) -> list[FigurePoint]:
@@ -612,13 +656,17 @@ def _tick(v: float, span: float) -> str:
     return f"{v:.{min(digits, 6)}f}"
 
 
-def figure_rows(loss: list[FigurePoint], step: list[FigurePoint]) -> tuple[list[str],
-                                                                            list[list[str]]]:
+def figure_rows(loss: list[FigurePoint], step: list[FigurePoint],
+                boundary: Mapping[str, list[float | None]] | None = None
+                ) -> tuple[list[str], list[list[str]]]:
     """The figure as a table: a row per series (runs pooled, bytes per step, eval loss with
-    its min and max), and its mean seconds per step on each network profile."""
+    its min and max), and its mean seconds per step on each network profile; given
+    ``boundary`` (``boundary_figures``), its planned bytes each way, the ratio to ``none``
+    and the codec errors after them."""
     networks = list(dict.fromkeys(p.network or "-" for p in step))
     headers = ["series", "runs", "bytes/step", "eval loss", "eval min", "eval max",
-               *(f"s/step {n}" for n in networks)]
+               *(f"s/step {n}" for n in networks),
+               *(BOUNDARY_HEADERS if boundary is not None else [])]
     names = list(dict.fromkeys([p.series for p in loss] + [p.series for p in step]))
     rows = []
     for name in names:
@@ -629,18 +677,24 @@ def figure_rows(loss: list[FigurePoint], step: list[FigurePoint]) -> tuple[list[
                      _fmt(lp.y_min if lp else None, ".4f"), _fmt(lp.y_max if lp else None,
                                                                  ".4f"),
                      *(_fmt(times.get(n), ".3f") for n in networks)])
+        if boundary is not None:
+            act, grad, ratio, e_act, e_grad = boundary.get(name) or [None] * 5
+            rows[-1] += [_fmt(act, ",.0f"), _fmt(grad, ",.0f"), _fmt(ratio, ".1f"),
+                         _fmt(e_act, ".4f"), _fmt(e_grad, ".4f")]
     return headers, rows
 
 
 def _html_figure(runs: list[RunData]) -> str:
     loss, step = loss_by_bytes_points(runs), step_by_link_points(runs)
-    colours = _series_colours(loss + step)
+    wall = loss_by_wall_points(runs)
+    colours = _series_colours(loss + step + wall)
     charts = _svg_figure(*FIGURE_LOSS, loss, colours, connect=False) + \
-        _svg_figure(*FIGURE_STEP, step, colours, connect=True)
+        _svg_figure(*FIGURE_STEP, step, colours, connect=True) + \
+        _svg_figure(*FIGURE_WALL, wall, colours, connect=False)
     legend = "".join(
         f"<li><svg width='10' height='10'><rect width='10' height='10' fill='{c}'/></svg> "
         f"{html.escape(n)}</li>" for n, c in colours.items())
-    headers, rows = figure_rows(loss, step)
+    headers, rows = figure_rows(loss, step, boundary_figures(runs))
     table = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" + \
         "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                 for row in rows)
@@ -759,7 +813,7 @@ def render_png(runs: list[RunData]) -> bytes:
                           "(or write .html)") from None
     finally:
         mpl_log.setLevel(level)
-    fig, grid = plt.subplots(2, 4, figsize=PNG_SIZE)
+    fig, grid = plt.subplots(2, 5, figsize=PNG_SIZE)
     axes = list(grid.flat)
     for ax, (title, xl, xs, ys, yl) in zip(axes, CHARTS, strict=False):
         for i, r in enumerate(runs):
@@ -770,7 +824,9 @@ def render_png(runs: list[RunData]) -> bytes:
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
-    _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs)
+    _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs, axes[len(CHARTS) + 2])
+    for ax in axes[len(CHARTS) + 3:-1]:
+        ax.axis("off")
     # The last panel holds the legend: every run, in its colour and its sync mode's dash.
     # Labels are run names, not markup: given to the legend (matplotlib hides a line's own
     # label that starts with "_"), and not read as mathtext ("$" in a name).
@@ -790,12 +846,16 @@ def render_png(runs: list[RunData]) -> bytes:
     return out.getvalue()
 
 
-def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData]) -> None:
-    """The compression figure's two panels, as the HTML draws them."""
+def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData], wall_ax: Any = None) -> None:
+    """The compression figure's panels, as the HTML draws them (``wall_ax``: the wall-time
+    chart's, where given)."""
     loss, step = loss_by_bytes_points(runs), step_by_link_points(runs)
-    colours = _series_colours(loss + step)
-    for ax, (title, xl, yl), points, connect in ((loss_ax, FIGURE_LOSS, loss, False),
-                                                 (step_ax, FIGURE_STEP, step, True)):
+    wall = loss_by_wall_points(runs)
+    colours = _series_colours(loss + step + wall)
+    panels = [(loss_ax, FIGURE_LOSS, loss, False), (step_ax, FIGURE_STEP, step, True)]
+    if wall_ax is not None:
+        panels.append((wall_ax, FIGURE_WALL, wall, False))
+    for ax, (title, xl, yl), points, connect in panels:
         ax.set_title(title)
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
@@ -805,6 +865,10 @@ def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData]) -> None:
             continue
         pos, ticks = _log_positions(points) if connect else (None, None)
         ax.set_xscale("log")
+        if pos is None and len({p.x for p in points}) == 1:
+            # (one x, e.g. equal wall times: autoscaling it would warn; a decade around it,
+            # set before plotting, so x is not autoscaled)
+            ax.set_xlim(points[0].x / 3, points[0].x * 3)
         for name, colour in colours.items():
             mine = [p for p in points if p.series == name]
             if not mine:
@@ -822,9 +886,9 @@ def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData]) -> None:
             text.set_parse_math(False)
 
 
-# The PNG's size in inches at PNG_DPI: two rows of four panels (the five run charts, the
-# figure's two, the legend).
-PNG_SIZE = (20.0, 8.4)
+# The PNG's size in inches at PNG_DPI: two rows of five panels (the five run charts, the
+# figure's three, the legend, one left empty).
+PNG_SIZE = (25.0, 8.4)
 PNG_DPI = 120
 OUTPUT_SUFFIXES = (".html", ".png")
 

@@ -42,7 +42,11 @@ from swarm_core.contract.metrics import MetricName
 from swarm_core.experiments.report import link_mbps
 from swarm_core.experiments.summary import MetricsSummary, Threshold, summary_json
 from swarm_core.paths import atomic_write
-from swarm_core.pipeline.wire_math import step_wire_bytes
+from swarm_core.pipeline.wire_math import (
+    step_boundary_bytes,
+    step_wire_bytes,
+    uncompressed_model,
+)
 from swarm_core.protocol import FellowInfo, JobState
 from swarm_core.schema import structure, unstructure
 from swarm_core.tracking import Tracking, TrackingError, TrackingUnavailable
@@ -493,6 +497,9 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
     # (every stage of every replica's chain: a fellow of several slots holds several stages)
     stages, replicas = st.spec.stages, st.spec.replicas
     uncompressed = step_wire_bytes(plain, training, stages, replicas)
+    act, grad = step_boundary_bytes(model, training, stages, replicas)
+    plain_boundary = sum(step_boundary_bytes(uncompressed_model(model), training, stages,
+                                             replicas))
     final = losses[-1] if losses else None
     wall = (job.finished_at - job.started_at) if job.finished_at and job.started_at else None
     summary = MetricsSummary(
@@ -505,6 +512,8 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         expected_wire_bytes_per_step=step_wire_bytes(model, training, stages, replicas),
         uncompressed_wire_bytes_per_step=uncompressed,
         compression_ratio=(uncompressed / measured) if measured else None,
+        act_bytes_per_step=act, grad_bytes_per_step=grad,
+        boundary_ratio=plain_boundary / (act + grad) if act + grad else None,
         compression=st.spec.compression, network_profile=st.spec.network.get("name"),
         link_mbps=link_mbps(st.spec.network),
         latency_ms=st.spec.network.get("latency_ms") or 0.0,

@@ -109,6 +109,14 @@ class MetricsSummary:
         default=None, metadata=_expecting("an object of {limit, value, met} by figure"))
     # None when the run set no threshold; a run that did not complete met none of its own.
     thresholds_met: bool | None = None
+    # (Added after the keys above, which keep their order.) The boundary as planned at the
+    # run's shapes (wire_math.step_boundary_bytes): the ACT frames forward and the GRAD frames
+    # backward all stages send per step, headers included (the clip's NORM frames and the
+    # replicas' sync apart); and fp32 ``none``'s planned boundary bytes over this spec's, both
+    # directions counted (null: no boundary).
+    act_bytes_per_step: float | None = None
+    grad_bytes_per_step: float | None = None
+    boundary_ratio: float | None = None
 
 
 FIELDS = attrs.fields(MetricsSummary)

@@ -13,6 +13,7 @@ the default is this module's :class:`Boundary`).
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -42,6 +43,23 @@ class BoundaryCodec(Protocol):
         ...
 
 
+class Frame(Protocol):
+    """A fixed module every stage holds alike (see :meth:`Boundary.frame_module`)."""
+
+    def enter(self, x: torch.Tensor, tokens: torch.Tensor, first: bool) -> torch.Tensor:
+        """The stream at a stage's start, from its input ``x`` (the first stage: the
+        embedding's output; the others: what crossed) and the micro-batch's ids."""
+        ...
+
+    def leave(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """What crosses to the next stage, from the stream at this stage's end."""
+        ...
+
+    def project_(self, t: torch.Tensor, axis: int) -> None:
+        """A residual writer (or its gradient) made one the frame carries, in place."""
+        ...
+
+
 class Boundary:
     """The default: a learned bottleneck's halves where the spec names a width, and the
     model's stateless wire codec both ways."""
@@ -62,6 +80,13 @@ class Boundary:
         from swarm_core.pipeline.model import BottleneckUp
 
         return None if self.width is None else BottleneckUp(self.cfg, self.width)
+
+    def frame_module(self, vocab: int) -> Frame | None:
+        """A fixed module every stage holds, the same on each (built under the part seed
+        ``subspace``): what crosses then is ``frame.leave(x, tokens)``, and a stage starts
+        from ``frame.enter(x, tokens, first)``; ``frame.project_`` keeps the residual
+        writers where it can carry them (``StageModule.constrain_``). None: no frame."""
+        return None
 
     def codec(self, kind: Kind, sending: bool) -> BoundaryCodec:
         """The codec of one side (``sending`` or receiving) of ``kind``'s direction (ACT
@@ -93,6 +118,24 @@ class BoundarySimulator:
             return send.roundtrip(x)
         payload = bytearray().join(send.encode(x.detach(), slot))
         return recv.decode(payload, tuple(x.shape), x.device, slot)
+
+
+def decoded_error(x: torch.Tensor, bufs: list[memoryview], wire: WireCodec) -> float:
+    """||d - x|| / ||x||, d what the receiver decodes from the frame ``bufs`` that was coded
+    from ``x`` in format ``wire``: the error of what actually crossed, so a sender that
+    rounds stochastically, or keeps state, is measured as it coded (its format's own
+    round trip, ``wire.relative_error``, rounds to nearest and would understate it). Every
+    receiving side today is its stateless wire format, so decoding here is what the far side
+    does. 0 for an exact format; NaN for a tensor that is not finite."""
+    if wire.exact:
+        return 0.0
+    with torch.no_grad():
+        x = x.detach().float()
+        norm = float(torch.linalg.vector_norm(x))
+        if norm == 0.0 or not math.isfinite(norm):
+            return 0.0 if norm == 0.0 else math.nan
+        decoded = wire.decode(bytearray().join(bufs), tuple(x.shape), x.device)
+        return float(torch.linalg.vector_norm(decoded - x)) / norm
 
 
 def make_boundary(cfg: ModelConfig) -> Boundary:

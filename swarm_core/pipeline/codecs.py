@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from swarm_core.config.methods import load
+from swarm_core.config.methods import ROTATED, load
 from swarm_core.pipeline.wire_math import CODEC_NAMES, Codec, WireFormat, payload_size
 
 __all__ = ["CODEC_NAMES", "Codec", "CodecError", "WireCodec", "decode", "encode",
@@ -155,6 +155,10 @@ def _check_block(shape: tuple[int, ...], codec: Codec, block: int) -> int:
                          "dimension")
     if block and shape[-1] % block:
         raise CodecError(f"{codec.name} block {block} does not divide the width {shape[-1]}")
+    if codec.element.name in ROTATED:  # (a frame's header may claim any tile)
+        from swarm_core.pipeline.codec_hadamard import check_tile
+
+        check_tile(block or shape[-1])
     return block or shape[-1]
 
 
@@ -194,7 +198,8 @@ def decode(payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
         n = _numel(shape)
         scales = 4 * (n // width)
         scale = buf[:scales].view(torch.float32)
-        codes = impl.unpack(buf[scales:], n).reshape(-1, width)
+        # (a row of codes a scale: ``width`` codes, or a rotated tile's packed bytes)
+        codes = impl.unpack(buf[scales:], n).reshape(n // width, -1)
         return impl.dequantize_rows(codes, scale, torch.Size(shape))
     t = buf.view(_CAST[codec]).reshape(shape)
     return t if codec is Codec.FP32 else t.to(torch.float32)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.pipeline.boundary import make_boundary
+from swarm_core.pipeline.boundary import Frame, make_boundary
 
 
 def compute_precision(cfg: ModelConfig, device_type: str) -> contextlib.AbstractContextManager:
@@ -216,6 +216,11 @@ class StageModule(nn.Module):
         self.head = seeded(seed, "head", lambda: Head(cfg, vocab)) if self.last else None
         if self.tied:
             self.head.lm_head.weight = self.embed.tok.weight  # type: ignore[union-attr]
+        # A fixed frame every stage holds alike (a subspace boundary's basis and embedding),
+        # under a part seed of its own; its constraint holds from the start.
+        self.frame = cast(Frame | None, seeded(
+            seed, "subspace", lambda: cast(nn.Module | None, boundary.frame_module(vocab))))
+        self.constrain_()
 
     @property
     def tied(self) -> bool:
@@ -223,16 +228,22 @@ class StageModule(nn.Module):
         split, tying would cost the shared gradient's round trip over the link every step."""
         return self.cfg.tie_weights and self.first and self.last
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids (the first stage) or what crossed; ``tokens``: the micro-batch's
+        ids, which a stage with a frame needs (ignored without one)."""
         with compute_precision(self.cfg, x.device.type):
-            x = self._layers(x)
+            x = self._layers(x, tokens)
         # What leaves a stage for the next is float32 whatever the compute dtype: the wire
         # codec alone decides the bytes, and the gradient that comes back has the same dtype.
         return x if self.last else x.float()
 
-    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        idx = x if self.first else tokens
         if self.embed is not None:
             x = self.embed(x)
+        if self.frame is not None:
+            assert idx is not None, "a stage with a frame needs the step's token ids"
+            x = self.frame.enter(x, idx, self.first)
         if self.up is not None:
             for up in self.up.values():
                 x = up(x)
@@ -241,9 +252,38 @@ class StageModule(nn.Module):
         if self.down is not None:
             for down in self.down.values():
                 x = down(x)
+        if self.frame is not None and not self.last:
+            assert idx is not None
+            x = self.frame.leave(x, idx)
         if self.head is not None:
             x = self.head(x)
         return x
+
+    def residual_writers(self) -> Iterator[tuple[torch.Tensor, int]]:
+        """The parameters that write into the residual stream, each with its d-wide axis:
+        the trainable embedding's tables (rows), each block's attention and MLP output
+        projections (output rows) and their biases."""
+        if self.embed is not None:
+            yield self.embed.tok.weight, -1
+            yield self.embed.pos.weight, -1
+        for block in cast(Iterator[Block], self.blocks.values()):
+            for proj in (block.attn.proj, cast(nn.Linear, block.mlp[2])):
+                yield proj.weight, 0
+                if proj.bias is not None:
+                    yield proj.bias, 0
+
+    @torch.no_grad()
+    def constrain_(self, grads: bool = False) -> None:
+        """Keep the residual writers where the frame can carry them (its ``project_``): their
+        values, or with ``grads`` their gradients. Called at build, on the gradients before
+        the optimiser step (clipping included) and on the values after every change of the
+        weights. Nothing without a frame."""
+        if self.frame is None:
+            return
+        for p, axis in self.residual_writers():
+            t = p.grad if grads else p
+            if t is not None:
+                self.frame.project_(t, axis)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.data import TokenData
-from swarm_core.pipeline.model import lm_loss
+from swarm_core.pipeline.model import StageModule, lm_loss
 from swarm_core.pipeline.optim import (
     clip_scale,
     grad_sq_sum,
@@ -33,6 +34,7 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData
     # Optimiser per stage, in stage order: the same parameter groups as the pipeline's.
     opts = [make_optimizer(stage, cfg) for stage in model.stages]
     params = [p for stage in model.stages for p in stage.parameters() if p.requires_grad]
+    stages = cast(Sequence[StageModule], model.stages)
     losses = []
     m = cfg.micro_batches
     for step in range(steps or cfg.steps):
@@ -46,6 +48,8 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData
             loss = lm_loss(model(xs, step, i), ys) / m
             total += float(loss.detach())
             loss.backward()
+        for stage in stages:  # (as the pipeline: see StageModule.constrain_)
+            stage.constrain_(grads=True)
         if cfg.grad_clip > 0:
             # Same summation as the pipeline: per stage, then across stages from the last.
             per_stage = [grad_sq_sum(p for p in s.parameters() if p.requires_grad)
@@ -57,6 +61,8 @@ def train_reference(model_cfg: ModelConfig, cfg: TrainingConfig, data: TokenData
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        for stage in stages:
+            stage.constrain_()
         losses.append(total)
         if on_step is not None:
             on_step(step, total)

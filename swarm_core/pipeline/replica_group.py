@@ -145,7 +145,7 @@ class ReplicaGroup:
             return
         self.ring_next, self.ring_prev = ring_next, ring_prev
         self.sync = make_sync(spec.training, params, ring_next, ring_prev, spec.replica,
-                              spec.replicas, device)
+                              spec.replicas, device, self.names())
         if self.resume:
             self.sync.restore_state(self.names(), self.resume)
         if ring_prev is not None:

@@ -334,11 +334,17 @@ def gather_bytes(size: int, replicas: int) -> int:
     return (replicas - 1) * (len(pieces_of(size)) * HEADER_SIZE + size)
 
 
+def gather_frames(size: int, replicas: int) -> int:
+    """The frames one all-gather of messages of ``size`` bytes numbers."""
+    return (replicas - 1) * len(pieces_of(size))
+
+
 def all_gather(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
-               step: int, timeout: float, message: bytes) -> list[bytes]:
+               step: int, timeout: float, message: bytes, base: int = 0) -> list[bytes]:
     """Every member's message, by rank, around the ring (each the same length: a sum of
     sparse messages is not sparse, so they are gathered, not reduced). Round i sends what
-    came in round i-1 (this member's own first), so each member sends R-1 messages."""
+    came in round i-1 (this member's own first), so each member sends R-1 messages. Its
+    frames are numbered from ``base``."""
     got: dict[int, bytes] = {rank: message}
     if replicas > 1:
         assert send is not None and recv is not None
@@ -346,10 +352,10 @@ def all_gather(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas
         out = message
         for i in range(replicas - 1):
             for j, (a, b) in enumerate(pieces):
-                send.send_raw(Kind.SYNC, step, i * len(pieces) + j, out[a:b])
+                send.send_raw(Kind.SYNC, step, base + i * len(pieces) + j, out[a:b])
             came = bytearray()
             for j, (a, b) in enumerate(pieces):
-                _, raw = recv.recv(Kind.SYNC, step, i * len(pieces) + j, timeout)
+                _, raw = recv.recv(Kind.SYNC, step, base + i * len(pieces) + j, timeout)
                 if len(raw) != b - a:
                     raise FrameError(f"message piece {j} of step {step} carries {len(raw)} "
                                      f"bytes, expected {b - a}")

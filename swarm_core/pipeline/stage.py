@@ -23,7 +23,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
 from swarm_core.contract.membership import RegroupOrder
 from swarm_core.data import TokenData
-from swarm_core.pipeline.boundary import make_boundary
+from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boundary
 from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind, job_tag
 from swarm_core.pipeline.heap import keep_large_blocks
@@ -99,7 +99,8 @@ class StepReport:
     # frame (its compute, the network, the pipeline's bubble) or for its own sends to drain.
     wait_seconds: float = 0.0
     # Relative L2 error the wire codec put on what this stage sent, micro-batch 0: "act"
-    # (activations downstream) and "grad" (gradients upstream); 0 on an fp32 wire.
+    # (activations downstream) and "grad" (gradients upstream), of the frame as the receiver
+    # decodes it (boundary.decoded_error); 0 on an fp32 wire.
     codec_error: CodecErrors = attrs.field(factory=CodecErrors)
     # With replicas: what the group's gradient average sent, and the seconds it took.
     sync_tx_bytes: int | None = None
@@ -192,8 +193,10 @@ class StageSpec:
 
     @property
     def reads_tokens(self) -> bool:
-        """Inputs go to the first stage and targets to the last; those between read none."""
-        return self.stage in (0, self.num_stages - 1)
+        """Inputs go to the first stage and targets to the last; those between read none,
+        unless the boundary needs the ids on every stage (a subspace spec's E(tokens))."""
+        return self.stage in (0, self.num_stages - 1) \
+            or self.model.compression_spec.every_stage_reads_tokens
 
     @property
     def local_batch(self) -> int:
@@ -535,7 +538,8 @@ class StageRunner:
                 share = slice(spec.replica * spec.local_batch,
                               (spec.replica + 1) * spec.local_batch)
                 x, y = x[share], y[share]
-            xs = x.to(self.device).chunk(m) if self.first else ()
+            xs = x.to(self.device).chunk(m) \
+                if self.first or spec.model.compression_spec.every_stage_reads_tokens else ()
             ys = y.to(self.device).chunk(m) if self.last else ()
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
         if metered:
@@ -563,7 +567,7 @@ class StageRunner:
             wq.splitting = i in self.hurried  # (the rest train as plain Linears)
         saving = self.meter.saving if st.metered else contextlib.nullcontext
         with dropout_rng(self.module, st.step, i), saving():
-            out = self.module(inp)
+            out = self.module(inp, st.xs[i] if st.xs else None)
             if self.last:  # the loss's saved log-probabilities count too
                 loss = lm_loss(out, st.ys[i]) / t.micro_batches
         if self.last:
@@ -571,10 +575,10 @@ class StageRunner:
             st.outputs[i] = loss
             return
         assert self.down is not None
-        self.down.send_tensor(Kind.ACT, st.step, i, out, self.act_out,
-                              flags=FLAG_HEARD if st.heard else 0)
-        if i == 0:  # (once per step and direction: one more quantisation in m)
-            st.errors.act = self.act_out.wire.relative_error(out)
+        bufs = self._send(self.down, Kind.ACT, st.step, i, out, self.act_out,
+                          FLAG_HEARD if st.heard else 0)
+        if i == 0:  # (once per step and direction: one more decode in m)
+            st.errors.act = decoded_error(out, bufs, self.act_out.wire)
         st.outputs[i] = out
         if st.metered:
             st.held[i] = self.meter.hold(out)
@@ -601,12 +605,21 @@ class StageRunner:
             assert self.up is not None
             inp = st.inputs.pop(i)
             assert inp.grad is not None
-            self.up.send_tensor(Kind.GRAD, st.step, i, inp.grad, self.grad_out,
-                                flags=FLAG_HEARD if self._chain_heard(st) else 0)
-            if i == 0:
-                st.errors.grad = self.grad_out.wire.relative_error(inp.grad)
+            bufs = self._send(self.up, Kind.GRAD, st.step, i, inp.grad, self.grad_out,
+                              FLAG_HEARD if self._chain_heard(st) else 0)
+            if i == 0:  # (a stochastically rounding sender's error, as it rounded)
+                st.errors.grad = decoded_error(inp.grad, bufs, self.grad_out.wire)
         if wq is not None and len(wq) > self.max_deferred:
             wq.run_batch()
+
+    @staticmethod
+    def _send(link: PeerLink, kind: Kind, step: int, i: int, x: torch.Tensor,
+              codec: BoundaryCodec, flags: int) -> list[memoryview]:
+        """``x`` coded once and queued on ``link``; the frame's buffers, from which the codec
+        error is measured (``decoded_error``)."""
+        bufs = codec.encode(x, i)
+        link.send_coded(kind, step, i, tuple(x.shape), codec.wire, bufs, x, flags)
+        return bufs
 
     def _chain_heard(self, st: _Step) -> bool:
         """Whether a cell of this chain had been told of a replica joining when the step
@@ -624,22 +637,30 @@ class StageRunner:
         # (an algorithm whose direction replaces the gradients takes them clipped)
         first = group.sync is not None and group.sync.clips_first
         if first:
-            self._clip(step)
+            self._constrain_and_clip(step)
         synced = group.before_step(step, heard)
         if not first:
-            self._clip(step)
+            self._constrain_and_clip(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if group.sync is not None:
             # Where a checkpoint follows, the replicas must hold one set of weights: an outer
             # step there does not overlap the steps after it.
             synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
+        self.module.constrain_()  # (after every change of the weights: steps, outer steps)
         for link in (self.up, self.down):
             if link is not None:
                 link.flush(t.frame_timeout_s)
         if group.admit_after:
             group.admit_safely(step)
         return synced if synced is not None else (None, None)
+
+    def _constrain_and_clip(self, step: int) -> None:
+        """A subspace spec's residual writers' gradients projected (``constrain_``), then all
+        clipped. Not before the group's mean: data parallel's ring may still be sending the
+        gradients' buffers (the projection is linear, so it commutes with the mean)."""
+        self.module.constrain_(grads=True)
+        self._clip(step)
 
     def _clip(self, step: int) -> None:
         """The gradients scaled to the global norm ``grad_clip`` over every stage."""
@@ -700,7 +721,7 @@ class StageRunner:
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
                                              self.device, eval_shape(self.spec), FLAG_EVAL,
                                              self.act_in)
-            out = self.module(inp)
+            out = self.module(inp, None if x is None else x.to(self.device))
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))
             else:
@@ -867,9 +888,11 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
         metrics.sync_fraction = _ratio(sum(r.sync_seconds or 0.0 for r in reports),
                                        sum(r.seconds for r in reports))
-        syncs = sum(1 for r in reports if t.sync.syncs_after(r.step, t.steps))
-        metrics.expected_sync_tx_bytes_per_step = \
-            runner.sync.expected_bytes() * syncs / len(reports)
+        outer = t.sync.periodic
+        metrics.expected_sync_tx_bytes_per_step = sum(
+            runner.sync.planned_bytes(r.step - 1, r.step == t.steps,
+                                      t.checkpoint_after(r.step, outer))
+            for r in reports if t.sync.syncs_after(r.step, t.steps)) / len(reports)
     return StageResult(metrics, losses)
 
 

@@ -56,7 +56,7 @@ class ExperimentModel(nn.Module):
         x = idx
         for i, stage in enumerate(cast(Sequence[StageModule], self.stages)):
             with dropout_rng(stage, step, micro_batch):
-                x = stage(x)
+                x = stage(x, idx)  # (the ids: for a stage's frame, see StageModule.frame)
             if i < len(self.stages) - 1 and not self.boundary.exact:
                 x = _WireRoundTrip.apply(x, self.wires[i], micro_batch or 0)
         return x

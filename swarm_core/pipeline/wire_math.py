@@ -11,7 +11,7 @@ from typing import Self
 
 import attrs
 
-from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, Element
+from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, ROTATED, Element
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.pipeline.frames import HEADER_SIZE
 
@@ -30,6 +30,10 @@ class Codec(enum.IntEnum):
     FP8 = 5  # float8 e4m3, scaled as INT8
     INT4 = 6  # 4-bit codes, two a byte, scaled as INT8
     FP4 = 7  # float4 e2m1, likewise
+    # A tile of B (the codec_arg) rotated by a fixed randomized Hadamard transform, then its
+    # scale and 4-bit (2-bit) codes; the tiles' scales first, as INT8's blocks.
+    HADAMARD_INT4 = 8
+    HADAMARD_INT2 = 9
 
     @property
     def element(self) -> Element:
@@ -41,7 +45,7 @@ class Codec(enum.IntEnum):
         return self.element.scaled
 
 
-CODEC_NAMES = {e.name: Codec(e.wire_id) for e in ELEMENTS.values()}
+CODEC_NAMES = {e.name: Codec(e.wire_id) for e in (*ELEMENTS.values(), *ROTATED.values())}
 
 
 def payload_size(shape: tuple[int, ...], codec: Codec, block: int = 0) -> int:
@@ -81,7 +85,10 @@ class WireFormat:
 
 
 def boundary_width(cfg: ModelConfig) -> int:
+    """Values per token that cross a boundary: a bottleneck's or a subspace's K, else d."""
     comp = cfg.compression_spec
+    if comp.subspace is not None:
+        return comp.subspace
     return comp.bottleneck_dim if comp.bottleneck_dim is not None else cfg.d_model
 
 
@@ -100,6 +107,25 @@ def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int
     if num_stages > 1 and training.grad_clip > 0:
         sent += (HEADER_SIZE + NORM_PAYLOAD) * ((stage > 0) + (stage < num_stages - 1))
     return sent
+
+
+def step_boundary_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
+                        replicas: int = 1) -> tuple[int, int]:
+    """Bytes of the ACT frames forward and of the GRAD frames backward that all stages (every
+    replica's chain) put on the pipeline's links in one step, headers included; the NORM
+    frames of gradient clipping are in ``step_wire_bytes`` only. Every spec codes both
+    directions alike, so the two are equal today; they are counted apart so that a figure
+    reads the direction it means."""
+    mb = training.batch_size // replicas // training.micro_batches
+    frame = HEADER_SIZE + WireFormat.of(model).payload_size(
+        (mb, model.seq_len, boundary_width(model)))
+    crossings = replicas * (num_stages - 1) * training.micro_batches
+    return crossings * frame, crossings * frame
+
+
+def uncompressed_model(model: ModelConfig) -> ModelConfig:
+    """The same model with spec ``none`` on an fp32 wire: what a ratio "to none" divides."""
+    return attrs.evolve(model, compression="none", bottleneck_dim=None, wire_dtype="fp32")
 
 
 def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,

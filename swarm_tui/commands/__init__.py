@@ -8,11 +8,13 @@ from swarm_tui.commands import (
     launch,
     meta,
     models,
+    predict,
     quickstart,
     suites,
     sweeps,
 )
 
-MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, suites, models, quickstart, launch)
+MODULES = (meta, daemons, cluster, fellows, jobs, sweeps, suites, models, predict, quickstart,
+           launch)
 
 __all__ = ["MODULES"]

@@ -13,6 +13,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.client import LeaderUnreachable, SwarmClient
+from swarm_core.config.methods import BOUNDARY_FORMS
 from swarm_core.config.schemas import SYNC_MODES, ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.contract import (
     JOB_ORDERS,
@@ -39,7 +40,7 @@ from swarm_core.contract.events import (
     read_event,
 )
 from swarm_core.protocol import JobState
-from swarm_core.schema import FieldError, SchemaError, structure
+from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 from swarm_core.validators import printable
 from swarm_tui.commands.argtypes import (
     fellow_count,
@@ -103,8 +104,10 @@ LINK_CHANGES_SHOWN = 10  # the newest; --format json has the first and the newes
 def cmd_job(args: argparse.Namespace) -> int:
     async def body(c: SwarmClient) -> None:
         job = await c.job(args.job_id)
+        boundary = job_boundary(job)
         if args.format == "json":
-            emit_json(job)
+            # (the leader's job as it sent it, with the boundary's planned bytes beside it)
+            emit_json({**unstructure(job), **({"boundary": boundary} if boundary else {})})
             return
         m = job.metrics
         rows: list[list[Any]] = [["job", job.job_id], ["name", job.name], ["kind", job.kind],
@@ -116,6 +119,11 @@ def cmd_job(args: argparse.Namespace) -> int:
             value = getattr(m, key)
             if value is not None:
                 rows.append([key.replace("_", " "), f"{value:.4g}"])
+        if boundary:
+            rows.append(["boundary per step", " · ".join([
+                f"ACT {fmt_bytes(int(boundary['act_bytes_per_step']))} forward",
+                f"GRAD {fmt_bytes(int(boundary['grad_bytes_per_step']))} backward",
+                f"{boundary['ratio_to_none']:.1f}x fewer than none (planned)"])])
         grid = is_grid(job)
         if job.placement and not grid:
             p = job.placement
@@ -131,6 +139,23 @@ def cmd_job(args: argparse.Namespace) -> int:
             emit_grid(job)
 
     return run_with_client(args, body)
+
+
+def job_boundary(job: JobInfo) -> dict[str, float] | None:
+    """What a job's stage boundaries carry per step, as its spec plans it at its shapes
+    (``wire_math``): the ACT frames forward and the GRAD frames backward of every stage,
+    fp32 ``none``'s both ways at the same shapes, and their ratio. None for a job without
+    boundaries (one stage) or not yet placed. The measured bytes are the metrics' own."""
+    from swarm_core.pipeline.wire_math import step_boundary_bytes, uncompressed_model
+
+    model, training, p = job.model, job.train, job.placement
+    if model is None or training is None or p is None or p.num_stages < 2:
+        return None
+    act, grad = step_boundary_bytes(model, training, p.num_stages, p.replicas)
+    plain = sum(step_boundary_bytes(uncompressed_model(model), training, p.num_stages,
+                                    p.replicas))
+    return {"act_bytes_per_step": act, "grad_bytes_per_step": grad,
+            "none_bytes_per_step": plain, "ratio_to_none": plain / (act + grad)}
 
 
 def link_change_rows(changes: list[LinkChange], total: int = 0,
@@ -247,7 +272,8 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
 
 # Each sync flag, by the SyncConfig field it sets (argparse's dest is the flag's own name).
 SYNC_FLAGS = {"mode": "--sync", "inner_steps": "--inner-steps",
-              "overlap_steps": "--overlap-steps", "compression": "--sync-compression",
+              "overlap_steps": "--overlap-steps", "fragments": "--fragments",
+              "compression": "--sync-compression",
               "density": "--density", "chunk": "--chunk", "value_bits": "--value-bits",
               "error_decay": "--error-decay", "dct_chunk": "--dct-chunk", "topk": "--topk",
               "sign_values": "--sign-values", "momentum_decay": "--momentum-decay"}
@@ -281,11 +307,20 @@ def _sync_config(args: argparse.Namespace, training: dict[str, Any]) -> SyncConf
         raise CommandError(f"{said}: {exc}", ExitCode.USAGE) from None
 
 
+def _with_compression(model: ModelConfig, spec: str) -> ModelConfig:
+    """The model profile with ``--compression``'s boundary spec in place of its own."""
+    try:
+        return attrs.evolve(model, compression=spec)
+    except (FieldError, SchemaError) as exc:
+        raise CommandError(f"--compression {spec}: {exc}", ExitCode.USAGE) from None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     if args.name == "":
         raise CommandError("--name is empty", ExitCode.USAGE)
     if args.payload:
         given = [flag for flag, value in (("--model", args.model), ("--training", args.training),
+                                          ("--compression", args.compression),
                                           ("--name", args.name), ("--fellows", args.fellows),
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
@@ -298,7 +333,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             raise CommandError(f"--payload is the whole job body; {', '.join(given)} would be "
                                "ignored: set them in the payload", ExitCode.USAGE)
         req = _load_payload(args.payload)
-    elif args.model or args.training:
+    elif args.model or args.training or args.compression:
         from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
         from swarm_core.config.profiles import (
             ConfigError,
@@ -317,6 +352,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 training = dict(DEFAULT_TRAINING)
         except ConfigError as exc:
             raise CommandError(str(exc), ExitCode.USAGE) from None
+        if args.compression is not None:
+            model = _with_compression(model, args.compression)
         if args.steps is not None:
             training["steps"] = args.steps
         if args.optimizer is not None:
@@ -506,6 +543,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "small_none)")
     p.add_argument("--training", help="training profile JSON (a train job; default: "
                                       "quickstart_shakespeare)")
+    p.add_argument("--compression", default=None,
+                   help="the boundary's compression spec in place of the model profile's (a "
+                        "train job): " + ", ".join(f.grammar for f in BOUNDARY_FORMS)
+                        + " (K, B integers; see docs/configs.md)")
     p.add_argument("--name", default=None, help="job name (smoke job)")
     p.add_argument("--fellows", type=fellow_count, default=None,
                    help="fellows the job needs (default: the training profile's "
@@ -526,6 +567,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap-steps", type=step_count, default=None,
                    help="diloco, sparseloco: inner steps the outer step's average crosses during "
                         "(training.sync.overlap_steps; 0 waits for it)")
+    p.add_argument("--fragments", type=sync_field(int, "fragments"), default=None,
+                   help="diloco, sparseloco: parameter fragments taking turns, one outer step "
+                        "every inner_steps / fragments (Streaming DiLoCo; training.sync."
+                        "fragments)")
     p.add_argument("--sync-compression", default=None,
                    help="what the replicas' ring sends: none, fp16, bf16, int8[_bB] "
                         "(training.sync.compression)")

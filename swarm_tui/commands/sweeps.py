@@ -171,7 +171,12 @@ def _report(runner: Experiment, fmt: str) -> None:
                      "wire_bytes_per_step": s.wire_bytes_per_step,
                      "sync_bytes_per_step": s.sync_bytes_per_step,
                      "compression_ratio": s.compression_ratio,
-                     "thresholds_met": s.thresholds_met})
+                     "thresholds_met": s.thresholds_met,
+                     # (the boundary each way, as planned, and what its codecs changed)
+                     "act_bytes_per_step": s.act_bytes_per_step,
+                     "grad_bytes_per_step": s.grad_bytes_per_step,
+                     "boundary_ratio": s.boundary_ratio,
+                     "codec_error_by_stage": s.codec_error_by_stage})
     if fmt == "json":
         emit_json({"runs": rows})
         return

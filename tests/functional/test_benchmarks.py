@@ -14,6 +14,7 @@ from tests.support import REPO
 pytestmark = pytest.mark.slow
 
 BENCHES = {
+    "bench_boundary_frontier.py": "none/this",
     "bench_codec.py": "int8",
     "chaos.py": "wedged jobs",
     "bench_dp.py": "vs (d)",

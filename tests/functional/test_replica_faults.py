@@ -156,16 +156,20 @@ def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
     return losses
 
 
-@pytest.mark.parametrize("mode, overlap", [("diloco", 0), ("dp", 0), ("diloco", 1),
-                                           ("sparseloco", 0), ("demo", 0)])
+@pytest.mark.parametrize("mode, overlap, fragments", [
+    ("diloco", 0, 1), ("dp", 0, 1), ("diloco", 1, 1), ("sparseloco", 0, 1), ("demo", 0, 1),
+    ("diloco", 0, 2)])
 def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_joins(
-        cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int):
+        cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int, fragments: int):
     """(With the outer steps overlapped by a step, the break shows when the survivors take
-    the outer step's result, and the spare joins then: a step after an outer step.)"""
+    the outer step's result, and the spare joins then: a step after an outer step. In 2
+    fragments, one fragment's outer step follows every step: the spare joins a copy of its
+    donor, whose other fragment has trained apart since its own turn.)"""
     body = {"name": "replica-dies", "kind": "train", "model": MODEL,
             "training": {"steps": 120, "batch_size": 6, "micro_batches": 1,
                          "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
-                         "sync": {"mode": mode, "inner_steps": H, "overlap_steps": overlap}},
+                         "sync": {"mode": mode, "inner_steps": H, "overlap_steps": overlap,
+                                  "fragments": fragments}},
             "topology": {"stages": 1, "replicas": 3}}
 
     def after(job_id: str) -> tuple[Any, Any, Any]:
@@ -186,7 +190,8 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     assert back["joined"] == [1] and back["members"] == [0, 1, 2] == job["members"]
     assert back["step"] > change["step"]
     # (DiLoCo, SparseLoCo: at an outer step, or where its overlapped result is taken)
-    assert mode in ("dp", "demo") or (back["step"] - 1) % H == overlap
+    turn = H // fragments  # (steps from one outer step to the next)
+    assert mode in ("dp", "demo") or (back["step"] - 1) % turn == overlap
     spare = next(c for c in job["placement"]["stages"] if c["replica"] == 1)["fellow_id"]
     assert spare != cell["fellow_id"] and f"fellow {spare} joined" in back["reason"]
     # Every step is there, and the change is in the record of its step and in the events.
@@ -209,7 +214,7 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     data = load_token_data(tc, mc.seq_len)
     broken = change["step"] - 1  # (0-based index of the step the broken operation followed)
     if mode == "diloco":
-        ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % H},
+        ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % turn},
                                 joins={1: (back["step"] - 1, 0)}, overlap=overlap)
     elif mode == "sparseloco":  # (the joiner's error feedback starts at zero)
         ref = _sparseloco_reference(mc, tc, data, 1, 3, leaves={1: broken - broken % H},

@@ -27,6 +27,44 @@ def lr_at(tc: TrainingConfig, step: int) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def fragment_of(stages: list[torch.nn.Module], fragments: int,
+                pattern: str = "strided") -> list[int]:
+    """Streaming DiLoCo's fragments, as the docs say them, over every stage in turn: each
+    parameter's fragment. Strided (the paper's): the stage's k-th transformer block in
+    fragment k mod P, what comes before its first block with the first and after its last
+    with the last. Sequential, or where a stage holds fewer blocks than fragments: the
+    stage's parameters in ``fragments`` contiguous runs of about equal elements, a
+    parameter in the one its middle element falls in."""
+    out = []
+    for stage in stages:
+        named = list(stage.named_parameters())
+        block = [int(n.split(".")[1]) if n.startswith("blocks.") else None for n, _ in named]
+        found = sorted({b for b in block if b is not None})
+        if pattern == "strided" and len(found) >= fragments:
+            k = 0
+            for b in block:
+                k = found.index(b) if b is not None else k
+                out.append(k % fragments)
+            continue
+        sizes = [p.numel() for _, p in named]
+        before = 0
+        for n in sizes:
+            out.append(min(fragments - 1, fragments * (2 * before + n) // (2 * sum(sizes))))
+            before += n
+    return out
+
+
+def fragments_after(tc: TrainingConfig, step: int, every: bool) -> set[int]:
+    """The fragments whose outer step runs after 0-based step ``step``: fragment f after the
+    1-based steps n with n mod H = floor((f+1) H / P) mod H (each every H steps, H/P apart
+    where P divides H); all of them at the last step and where ``every`` (a checkpoint)."""
+    p, h, n = tc.sync.fragments, tc.sync.inner_steps, step + 1
+    turn = {f for f in range(p) if n % h == (f + 1) * h // p % h}
+    if n == tc.steps or (every and turn):
+        return set(range(p))
+    return turn
+
+
 def present(replicas: int, step: int, steps: int, leaves: dict[int, int],
             joins: dict[int, tuple[int, int]]) -> list[int]:
     """The replicas that train step ``step``: those not gone (``leaves[r]``: gone from that

@@ -1,6 +1,7 @@
 """``int4`` and ``fp4`` (e2m1): 4-bit codes two to a byte with a float32 scale per row or
 block, registered as elements for the replicas' sync compression (``int4_b64``, ``fp4``):
-pseudo-gradients first. They are not boundary specs."""
+pseudo-gradients first. fp4 is not a boundary spec; int4 is, in blocks (``fixed_int4_bB``:
+the unrotated row beside ``hadamard_int4``, tests/unit/test_hadamard.py)."""
 
 from __future__ import annotations
 
@@ -86,9 +87,8 @@ def test_int4_sync_sends_half_a_byte_an_element_and_trains(data):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("spec", ["fixed_fp4", "fixed_int4_b32", "learned_dim8_fp4"])
-def test_4bit_codes_are_not_boundary_specs(spec):
-    """(4 bits without error feedback or a rotation lose too much of an activation: the
-    rotated low-bit boundary is its own method.)"""
+@pytest.mark.parametrize("spec", ["fixed_fp4", "fixed_fp4_b32", "learned_dim8_fp4"])
+def test_fp4_codes_are_not_boundary_specs(spec):
+    """(int4 in blocks is: the row beside the rotated low-bit boundary, its own method.)"""
     with pytest.raises(SchemaError, match="unknown compression"):
         structure({**MODEL, "compression": spec}, ModelConfig)

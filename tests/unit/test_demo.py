@@ -207,11 +207,12 @@ def test_a_message_is_its_positions_and_signs_to_the_byte():
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     tc = _training()  # chunk 64, top 8, signs
     # (96, 40): blocks 48 x 40, two of them, 8 kept each, positions in 11 bits (1920 places).
-    # (40,): one run of 40, 8 kept, 6 bits. (7,): one run of 7, all 7 kept, 3 bits.
+    # (40,): one run of 40, 8 kept, 6 bits. (7,): one run of 7, all 7 kept: no positions
+    # cross (each tile's every element, in order).
     def tensor(kept: int, index_bits: int) -> int:
         return math.ceil(kept / 8) + math.ceil(kept * index_bits / 8)
 
-    message = tensor(16, 11) + tensor(8, 6) + tensor(7, 3)
+    message = tensor(16, 11) + tensor(8, 6) + tensor(7, 0)
     for replicas in (1, 2, 3):
         sync = make_sync(tc, params, None, None, 0, replicas, torch.device("cpu"))
         confirm = (replicas - 1) * (HEADER_SIZE + 4)
@@ -219,7 +220,7 @@ def test_a_message_is_its_positions_and_signs_to_the_byte():
     tc32 = _training(sign_values=False)
     sync = make_sync(tc32, params, None, None, 0, 2, torch.device("cpu"))
     message32 = sum(4 * kept + math.ceil(kept * bits / 8)
-                    for kept, bits in ((16, 11), (8, 6), (7, 3)))
+                    for kept, bits in ((16, 11), (8, 6), (7, 0)))
     assert sync.max_payload == message32
 
 

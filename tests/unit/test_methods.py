@@ -54,17 +54,20 @@ def test_every_sync_mode_is_registered_and_builds_its_algorithm():
 
 
 def test_element_codecs_have_one_wire_id_each_and_the_frame_codec_names_them():
-    ids = [e.wire_id for e in methods.ELEMENTS.values()]
-    assert len(set(ids)) == len(ids)
+    coded = {**methods.ELEMENTS, **methods.ROTATED}  # (the rotated codes: their own frames)
+    ids = [e.wire_id for e in coded.values()]
+    assert len(set(ids)) == len(ids) == len(methods.ELEMENTS) + len(methods.ROTATED)
     assert {c.name.lower(): int(c) for c in Codec} == {
-        name: e.wire_id for name, e in methods.ELEMENTS.items()}
+        name: e.wire_id for name, e in coded.items()}
 
 
 def test_every_boundary_grammar_parses_and_the_docs_table_lists_it():
     docs = (REPO / "docs" / "configs.md").read_text()
     for form in methods.BOUNDARY_FORMS:
-        spec = form.grammar.replace("dimK", "dim8").replace("_bB", "_b4")
-        c = parse_compression(spec, bottleneck_dim=8, d_model=32)
+        spec = form.grammar.replace("dimK", "dim8").replace("_kK", "_k8").replace("_bB", "_b4")
+        # (a subspace spec refuses a bottleneck width beside it)
+        c = parse_compression(spec, bottleneck_dim=None if spec.startswith("subspace") else 8,
+                              d_model=32)
         assert c.spec == spec
         assert f"| `{form.grammar}` |" in docs, f"docs/configs.md misses {form.grammar}"
     assert set(methods.sync_compressions()) >= {"none", "fp16", "bf16", "int8", "int8_bB",

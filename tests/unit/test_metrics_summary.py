@@ -38,6 +38,8 @@ KEYS = ["run_id", "job_id", "status", "reason", "steps_expected", "steps_recorde
         "activation_peak_bytes_by_stage", "wait_fraction_by_stage", "codec_error_by_stage",
         "link_changes", "link_changes_total", "restarts", "membership", "thresholds",
         "thresholds_met"]
+# Added since, after them: the boundary's planned bytes each way and the ratio to none.
+ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio"]
 
 
 def _run() -> tuple[Any, JobInfo, list[ProgressRecord]]:
@@ -67,7 +69,7 @@ def test_the_summary_is_written_from_the_class_with_the_keys_it_always_had() -> 
     summary = build_summary(st, job, records)
     assert isinstance(summary, MetricsSummary)
     written = summarize(st, job, records)
-    assert list(written) == KEYS
+    assert list(written) == KEYS + ADDED
     assert written == summary_json(summary)
     # Each value as the dict held it: byte counts as counted, objects as their JSON.
     assert written["wire_bytes_per_step"] == 100.0 and written["total_bytes"] == 300
@@ -81,6 +83,12 @@ def test_the_summary_is_written_from_the_class_with_the_keys_it_always_had() -> 
     assert written["thresholds"] == {"max_final_loss": {"limit": 5.0, "value": 2.7,
                                                         "met": True}}
     assert written["thresholds_met"] is True and written["sync_mode"] == "none"
+    # d=16, seq 8, the default batch 8 in 4 micro-batches of 2, fp32 ``none``: 4 frames
+    # each way.
+    frame = 64 + 2 * 8 * 16 * 4
+    assert (written["act_bytes_per_step"], written["grad_bytes_per_step"]) == (4 * frame,
+                                                                               4 * frame)
+    assert written["boundary_ratio"] == 1.0
     # And it reads back to the class it was written from, every field there.
     again, absent = parse_summary(json.loads(json.dumps(written)))
     assert again == summary and absent == frozenset()
@@ -121,6 +129,6 @@ def test_the_summary_class_has_a_json_schema() -> None:
     components: dict[str, Any] = {}
     json_schema(MetricsSummary, components)
     schema = components["MetricsSummary"]
-    assert list(schema["properties"]) == KEYS and "required" not in schema
+    assert list(schema["properties"]) == KEYS + ADDED and "required" not in schema
     assert schema["properties"]["sync_mode"]["enum"] == ["none", "dp", "diloco", "sparseloco",
                                                          "demo"]

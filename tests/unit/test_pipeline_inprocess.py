@@ -354,7 +354,8 @@ def test_wire_bytes_match_the_spec(data, spec, extra, width, per_elem, scales_pe
         assert expected_wire_bytes(mc, tc, s, 2) == expected
 
 
-@pytest.mark.parametrize("spec", ["learned_dim8_int8", "fixed_int8_b8"])
+@pytest.mark.parametrize("spec", ["learned_dim8_int8", "fixed_int8_b8", "hadamard_int4_b16",
+                                  "hadamard_int2_b8", "learned_dim16_int4_b8"])
 def test_compressed_pipeline_matches_its_own_reference(data, spec):
     # Compression changes the model, not the exactness: the in-process simulation of the same
     # boundary (codec forward and backward, bottleneck halves) gives the same losses.

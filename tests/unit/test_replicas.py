@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.contract import FellowSlots, plan, split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.frames import HEADER_SIZE
@@ -173,7 +173,13 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     The outer steps after the steps in ``holds`` (0-based), and the last, apply at once.
     ``average``: no outer optimiser at all, each copy takes the mean of the copies' weights
     (what outer lr 1 without momentum must come to). ``inner(model)``: each copy's inner
-    optimiser, where not AdamW."""
+    optimiser, where not AdamW.
+
+    ``sync.fragments`` P (Streaming DiLoCo's, arXiv 2501.18512): each stage's parameters in P
+    contiguous fragments of about equal elements (a parameter in the fragment its middle
+    element falls in); fragment f takes its outer step (its own mean change, momentum and
+    anchor) after the 1-based steps n with n mod H = floor((f+1) H / P) mod H; after a step
+    in ``holds`` and the last, every fragment does."""
     import copy
 
     leaves, joins = leaves or {}, joins or {}
@@ -194,6 +200,10 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
     anchor = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
     stage_of = [s for s, st in enumerate(models[0].stages) for _ in st.parameters()]
     assert len(stage_of) == len(anchor)
+    from tests.unit.sync_support import fragment_of, fragments_after
+
+    fragments = sync.fragments
+    frag_of = fragment_of(list(models[0].stages), fragments, sync.fragment_pattern)
     by_stage = {r: v if isinstance(v, list) else [v] * stages for r, v in leaves.items()}
     gone = {r: max(v) for r, v in by_stage.items()}  # (it trains until the last stage's)
     outer_lr, outer_momentum = sync.outer_step  # (the fields, or DiLoCo's 0.7 and 0.9)
@@ -242,22 +252,26 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                     a.grad = g
                 outer.step()
                 for r in here:
-                    for p, a, p0 in zip(params[r], anchor, then[r], strict=True):
-                        p.copy_(a + (p - p0))
+                    for p, a, p0, g in zip(params[r], anchor, then[r], mean, strict=True):
+                        if g is not None:
+                            p.copy_(a + (p - p0))
             pending = None
-        if (step + 1) % sync.inner_steps == 0 or last:
+        taking = fragments_after(tc, step, step in holds)
+        if taking:
+            every = last or step in holds
             with torch.no_grad():
-                mean = []
+                mean: list[torch.Tensor | None] = []
                 for i, a in enumerate(anchor):
                     mine = [r for r in here if r not in by_stage or (r in joins and joins[
                         r][0] <= step) or by_stage[r][stage_of[i]] > step]
-                    mean.append(sum(a - params[r][i] for r in mine) / len(mine))
-                if overlap and not last and step not in holds:
+                    mean.append(sum(a - params[r][i] for r in mine) / len(mine)
+                                if frag_of[i] in taking else None)
+                if overlap and not every:
                     pending = (step, mean,
                                {r: [p.detach().clone() for p in params[r]] for r in here})
                     continue
                 if average:
-                    assert not leaves and not joins and not overlap
+                    assert not leaves and not joins and not overlap and fragments == 1
                     for i, a in enumerate(anchor):
                         a.copy_(sum(ps[i] for ps in params) / replicas)
                 else:
@@ -265,8 +279,9 @@ def _diloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int,
                         a.grad = g
                     outer.step()
                 for ps in params:
-                    for p, a in zip(ps, anchor, strict=True):
-                        p.copy_(a)
+                    for p, a, g in zip(ps, anchor, mean, strict=True):
+                        if g is not None or average:
+                            p.copy_(a)
     return losses
 
 
@@ -336,6 +351,92 @@ def test_overlapped_diloco_trains_what_a_simulation_of_the_delayed_outer_step_tr
     assert max(abs(a - b) for a, b in zip(waiting, got, strict=True)) > 1e-4
 
 
+@pytest.mark.parametrize("stages, overlap, inner, pattern", [
+    (1, 0, 4, "strided"), (2, 0, 4, "strided"), (2, 1, 4, "strided"), (1, 1, 5, "strided"),
+    (1, 0, 4, "sequential")])
+def test_fragmented_diloco_trains_what_a_simulation_of_its_fragments_trains(
+        data, stages, overlap, inner, pattern):
+    """Streaming DiLoCo's fragments: H = 4 in 2 fragments, 10 steps. Fragment 0 takes its
+    outer step after steps 2 and 6, fragment 1 after 4 and 8, both after the last (10),
+    each overlapped by ``overlap`` steps but the last (H = 5: after 2 and 7, and 5). Strided,
+    a stage of three blocks has blocks 0 and 2 in fragment 0 (a stage of one: sequential).
+    The losses of the one-process simulation (to 1e-5), each cell sending exactly what its
+    fragments' rings must, and not whole-model DiLoCo's losses."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 10, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2,
+                    "sync": {"mode": "diloco", "inner_steps": inner, "fragments": 2,
+                             "overlap_steps": overlap, "fragment_pattern": pattern}},
+                   TrainingConfig)
+    ref = _diloco_reference(mc, tc, data, stages, 2, overlap=overlap)
+    got = _trains_the_reference(_run(mc, tc, data, stages, 2), ref, stages)
+    whole = attrs.evolve(tc, sync=attrs.evolve(tc.sync, fragments=1))
+    other = _diloco_reference(mc, whole, data, stages, 2, overlap=overlap)
+    assert max(abs(a - b) for a, b in zip(other, got, strict=True)) > 1e-4
+
+
+def test_fragments_take_turns_as_torchfts_streaming_diloco_orders_them():
+    """Fragment f after the steps n with n mod H = floor((f+1) H / P) mod H: evenly apart
+    where P divides H, else as near as whole steps allow; the checkpoints and the joins'
+    next sync follow the turns."""
+    def sync(h: int, p: int) -> SyncConfig:
+        return SyncConfig(mode="diloco", inner_steps=h, fragments=p)
+
+    assert sync(8, 4).turns == (2, 4, 6, 0) and sync(10, 4).turns == (2, 5, 7, 0)
+    s = sync(10, 4)
+    assert [n for n in range(1, 21) if s.syncs_after(n, 100)] == [2, 5, 7, 10, 12, 15, 17, 20]
+    assert [s.fragment_after(n) for n in (2, 5, 7, 10, 12)] == [0, 1, 2, 3, 0]
+    assert (s.period, s.next_sync(1), s.next_sync(4), s.last_sync_before(12)) == (3, 4, 6, 10)
+    tc = TrainingConfig(steps=100, shard_push_interval_steps=6, sync=s)
+    assert [n for n in range(1, 30) if tc.checkpoint_after(n, True)] == [7, 12, 20, 25]
+
+
+def test_strided_fragments_take_every_pth_block_and_the_edges_with_their_neighbours():
+    """Strided (the paper's): block k in fragment k mod P, the embedding with the first
+    block and the head with the last; a stage of fewer blocks than fragments falls back to
+    contiguous runs of about equal size."""
+    from swarm_core.pipeline.syncs.diloco import fragment_bounds
+
+    mc = ModelConfig(d_model=32, n_layers=4, n_heads=2, seq_len=16)
+    named = list(StageModule(mc, 256, 0, 0, 4, 0, 1).named_parameters())
+    names, sizes = [n for n, _ in named], [p.numel() for _, p in named]
+    parts = fragment_bounds(sizes, 2, names)
+    where = {names[i].split(".")[0] + (f".{names[i].split('.')[1]}" if names[i].startswith(
+        "blocks") else ""): f for f, part in enumerate(parts) for i in part}
+    assert where == {"embed": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 0, "blocks.3": 1,
+                     "head": 1}
+    assert fragment_bounds(sizes, 2, names, "sequential") == fragment_bounds(sizes, 2)
+    few = fragment_bounds(sizes, 8, names)  # (4 blocks, 8 fragments: sequential)
+    assert few == fragment_bounds(sizes, 8) and sum(map(len, few)) == len(sizes)
+
+
+def test_each_fragment_sends_its_share_of_the_model():
+    """4 fragments: each sync sends one fragment's ring, at most a third of the whole
+    model's (the issue's bound for the largest burst), and the four together what the whole
+    model's ring sends, but for each ring's own frame headers and confirmation; a step that
+    holds one set of weights sends every fragment's."""
+    from swarm_core.pipeline.syncs import make_sync
+
+    mc = ModelConfig(**MODEL)
+    module = StageModule(mc, 256, 0, 0, mc.n_layers, 0, 1)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def sync_of(fragments: int):  # (two members; no links: only the plan is asked)
+        tc = structure({"steps": 100, "sync": {"mode": "diloco", "inner_steps": 8,
+                                               "fragments": fragments}}, TrainingConfig)
+        return make_sync(tc, params, None, None, 0, 2, torch.device("cpu"))
+
+    whole, parts = sync_of(1), sync_of(4)
+    full = whole.planned_bytes(7, False, False)
+    bursts = [parts.planned_bytes(s, False, False) for s in (1, 3, 5, 7)]
+    assert [parts.planned_bytes(s, False, False) for s in (0, 2, 4, 6)] == [0] * 4
+    assert max(bursts) <= full / 3
+    headers = 3 * 2 * 64 + 3 * (64 + 4)  # (three more rings' frames and confirmations)
+    assert sum(bursts) - full == headers
+    assert parts.planned_bytes(7, False, True) == sum(bursts) - 3 * (64 + 4)
+    assert all(len(r) for r in parts.fragments)
+
+
 def test_an_overlap_as_long_as_the_outer_period_is_refused_by_name():
     with pytest.raises(SchemaError, match=r"^\$\.training\.sync\.overlap_steps: must be below "
                                           r"inner_steps \(3\)"):
@@ -344,6 +445,21 @@ def test_an_overlap_as_long_as_the_outer_period_is_refused_by_name():
     dp = structure({"sync": {"mode": "dp", "inner_steps": 3, "overlap_steps": 3}},
                    TrainingConfig)  # (dp syncs every step: it has nothing to overlap)
     assert dp.sync.overlap_steps == 3
+
+
+@pytest.mark.parametrize("sync, message", [
+    ({"mode": "diloco", "inner_steps": 3, "fragments": 4},
+     r"fragments: must be at most inner_steps \(3\)"),
+    ({"mode": "dp", "fragments": 2}, r"fragments: must be 1 under dp, which syncs every step"),
+    ({"mode": "demo", "fragments": 2}, r"fragments: must be 1 under demo"),
+    ({"mode": "diloco", "inner_steps": 10, "fragments": 4, "overlap_steps": 2},
+     r"overlap_steps: must be below inner_steps // fragments \(2\)"),
+    ({"mode": "diloco", "fragments": 0}, r"fragments: must be > 0"),
+    ({"mode": "diloco", "fragments": 65}, r"fragments: must be <= 64"),
+])
+def test_fragments_that_cannot_take_turns_are_refused_by_name(sync, message):
+    with pytest.raises(SchemaError, match=r"^\$\.training\.sync\." + message):
+        structure({"sync": sync}, TrainingConfig, "$.training")
 
 
 class _Survivors:
@@ -450,6 +566,64 @@ def test_diloco_goes_on_without_a_replica_that_dies_between_outer_steps(data, ov
     got = crash.step_losses()
     assert len(got) == 9
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_fragmented_diloco_goes_on_without_a_replica_that_dies_between_fragments(data,
+                                                                                 overlap):
+    """H = 4 in 2 fragments, three replicas; replica 1 dies after step 3, between fragment
+    0's outer step (after step 2) and fragment 1's (after 4), which breaks on the survivors'
+    ring: they regroup and average their own changes only, then train on. The one-process
+    simulation in which replica 1 is gone from step 3, to 1e-5."""
+    import threading
+
+    from swarm_core.pipeline.local import LocalCoordinator
+
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 8, "batch_size": 12, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2, "frame_timeout_s": 20,
+                    "sync": {"mode": "diloco", "inner_steps": 4, "fragments": 2,
+                             "overlap_steps": overlap}}, TrainingConfig)
+    stop = threading.Event()
+    coord = LocalCoordinator(1, 3, stop)
+    crash = _Crash(1, 3)
+    res = run_local_pipeline(mc, tc, data, 1, replicas=3, timeout=120, stop=stop,
+                             coordinator=coord, on_step=crash)
+    assert isinstance(res[1], RuntimeError)
+    assert all(isinstance(res[r], StageResult) for r in (0, 2))
+    assert [(c.step, c.members, c.left) for c in coord.changes] == [(4, [0, 2], [1])]
+    ref = _diloco_reference(mc, tc, data, 1, 3, leaves={1: 3}, overlap=overlap)
+    got = crash.step_losses()
+    assert len(got) == 8
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_a_fragmented_diloco_run_resumed_from_its_checkpoint_trains_on_exactly(data):
+    """H = 4 in 2 fragments, a checkpoint asked for every 3 steps: taken after steps 4 and 6
+    (the first fragment syncs at or past each multiple), where every fragment takes its
+    outer step, so the replicas hold one set of weights. A run resumed at step 6, each
+    replica its own optimiser state, computes steps 7-10 of the simulation of the
+    uninterrupted run, to 1e-5."""
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 10, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3, "warmup_steps": 2, "shard_push_interval_steps": 3,
+                    "sync": {"mode": "diloco", "inner_steps": 4, "fragments": 2}},
+                   TrainingConfig)
+    ref = _diloco_reference(mc, tc, data, 1, 2, holds=frozenset({3, 5}))
+    ckpt = _Checkpoints(2)
+    res = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120,
+                             stage_kwargs=ckpt.kwargs(2))
+    _trains_the_reference(res, ref, 1)
+    assert sorted(ckpt.saved[0]) == [4, 6, 10]
+    w0, w1 = ckpt.saved[0][6][0], ckpt.saved[1][6][0]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    kwargs = {c: {"start_step": 6, "initial_state": w0,
+                  "initial_optimizer": ckpt.saved[c][6][1]} for c in (0, 1)}
+    again = run_local_pipeline(mc, tc, data, 1, replicas=2, timeout=120, stage_kwargs=kwargs)
+    assert all(isinstance(r, StageResult) for r in again.values()), again
+    got = _step_losses(again, 1, 2)
+    assert len(got) == 4
+    assert max(abs(a - b) for a, b in zip(ref[6:], got, strict=True)) <= 1e-5
 
 
 class _Checkpoints:

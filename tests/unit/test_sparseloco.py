@@ -25,6 +25,8 @@ from tests.unit.sync_support import (
     backward_shares,
     close,
     divisor,
+    fragment_of,
+    fragments_after,
     lr_at,
     present,
     resumed_runs,
@@ -104,7 +106,8 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     the last sync less outer_lr x the mean of what was sent at each position over the
     replicas that sent there. ``leaves[r]``: replica r is gone from that step on.
     ``joins[r] = (step, donor)``: replica r is back from that step (after an outer step),
-    a copy of the donor's weights and AdamW state, its error feedback zero."""
+    a copy of the donor's weights and AdamW state, its error feedback zero. With
+    ``fragments``, each fragment's outer step in its turn (as DiLoCo's simulation)."""
     import copy
 
     from swarm_core.pipeline.whole import ExperimentModel
@@ -117,9 +120,12 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
         [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": tc.weight_decay},
          {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}],
         lr=tc.lr, betas=tuple(tc.betas), eps=1e-8) for ps in params]
-    anchor = [p.detach().clone() for p in params[0]]
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in params[0]]
     errors = [[torch.zeros_like(p) for p in params[0]] for _ in range(replicas)]
-    alpha = s.outer_step[0]
+    alpha, momentum = s.outer_step
+    # (plain SGD, the paper's; with a momentum, Nesterov as DiLoCo's: MuLoCo's outer step)
+    outer = torch.optim.SGD(anchor, lr=alpha, momentum=momentum, nesterov=momentum > 0)
+    frag_of = fragment_of(list(models[0].stages), s.fragments, s.fragment_pattern)
 
     losses: list[float] = []
     for step in range(tc.steps):
@@ -138,10 +144,13 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
             opts[r].step()
             opts[r].zero_grad(set_to_none=True)
         losses.append(total)
-        if (step + 1) % s.inner_steps and step + 1 != tc.steps:
+        taking = fragments_after(tc, step, False)
+        if not taking:
             continue
         with torch.no_grad():
             for i, a in enumerate(anchor):
+                if frag_of[i] not in taking:
+                    continue
                 total_sent, count = torch.zeros_like(a), torch.zeros_like(a)
                 for r in here:
                     acc = s.error_decay * errors[r][i] + (a - params[r][i])
@@ -149,10 +158,19 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
                     errors[r][i] = acc - sent
                     total_sent += sent
                     count += mask
-                a.sub_(alpha * (total_sent / count.clamp(min=1)))
+                a.grad = total_sent / count.clamp(min=1)
+            if momentum == 0:  # (the paper's equation, as written)
+                for a in anchor:
+                    if a.grad is not None:
+                        a.sub_(alpha * a.grad)
+            else:
+                outer.step()
+            for a in anchor:
+                a.grad = None
             for r in here:
-                for p, a in zip(params[r], anchor, strict=True):
-                    p.copy_(a)
+                for i, (p, a) in enumerate(zip(params[r], anchor, strict=True)):
+                    if frag_of[i] in taking:
+                        p.copy_(a)
     return losses
 
 
@@ -163,6 +181,9 @@ def _sparseloco_reference(mc: ModelConfig, tc: TrainingConfig, data, stages: int
     (1, {}),  # (the defaults: 2 % of each tile, 2 bits)
     (2, {"density": 0.1, "chunk": 256}),
     (1, {"density": 0.05, "value_bits": 4, "error_decay": 0.5, "outer_lr": 0.8}),
+    (2, {"inner_steps": 4, "fragments": 2, "density": 0.1, "chunk": 256}),  # (Streaming's)
+    # MuLoCo's (arXiv 2505.23725): every value, 2 bits, error feedback, DiLoCo's outer step
+    (1, {"density": 1.0, "value_bits": 2, "outer_lr": 0.7, "outer_momentum": 0.9}),
 ])
 def test_sparseloco_trains_what_a_one_process_simulation_of_its_replicas_trains(data, stages,
                                                                                 sync):
@@ -295,7 +316,6 @@ def test_a_message_that_names_a_position_beyond_its_tile_is_a_frame_error():
 
 @pytest.mark.parametrize("sync, message", [
     ({"compression": "int8"}, r"compression: must be none under sparseloco"),
-    ({"outer_momentum": 0.9}, r"outer_momentum: must be 0 under sparseloco"),
     ({"value_bits": 3}, r"value_bits: must be one of 1, 2, 4, 8, 32, got 3"),
     ({"density": 0}, r"density: must be > 0"),
     ({"density": 1.5}, r"density: must be <= 1"),

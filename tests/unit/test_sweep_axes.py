@@ -118,7 +118,8 @@ def test_sync_overrides_merge_with_the_axes(exp):
     # (outer_lr/outer_momentum null: diloco's own, 0.7 and 0.9; the other modes' fields kept)
     assert sync == {"mode": "diloco", "compression": "fp16", "inner_steps": 500,
                     "outer_lr": None, "outer_momentum": None, "bucket_mb": 25.0,
-                    "overlap_steps": 0, "density": 0.02, "chunk": 4096, "value_bits": 2,
+                    "overlap_steps": 0, "fragments": 1, "fragment_pattern": "strided",
+                    "density": 0.02, "chunk": 4096, "value_bits": 2,
                     "error_decay": 0.95, "dct_chunk": 64, "topk": 8, "sign_values": True,
                     "momentum_decay": 0.999}
     assert r.runs[0].job("x").training.sync.outer_step == (0.7, 0.9)
@@ -232,8 +233,10 @@ def test_preflight_names_the_run_whose_replicas_want_more_fellows(exp):
 
 def test_the_sync_frontier_experiments_ask_for_the_figures_rows():
     """Issue "Replica sync at the field's frontier", the figure: dp, DiLoCo, SparseLoCo (H 10
-    and 50) and DeMo on 4 fellows as 1x4 and 2x2, three seeds; DiLoCo int8 and MuLoCo (Muon
-    inside DiLoCo, 4-bit) beside them. Each file loads as those runs."""
+    and 50) and DeMo on 4 fellows as 1x4 and 2x2, three seeds; DiLoCo int8, MuLoCo (Muon
+    inside DiLoCo, 2-bit with error feedback) and Streaming DiLoCo (4 fragments, fp4) beside
+    them. Each file loads
+    as those runs."""
     from tests.support import REPO
 
     def runs(name: str) -> list[tuple[Any, ...]]:
@@ -250,8 +253,16 @@ def test_the_sync_frontier_experiments_ask_for_the_figures_rows():
         assert sorted(got, key=str) == sorted(
             [(s, r, m, h, seed, "adamw", "none") for seed in (0, 1, 2) for m, h in rows],
             key=str)
-    for name, optimizer, compression in (("exp_sync_frontier_int8_v1", "adamw", "int8"),
-                                         ("exp_sync_frontier_muon_v1", "muon", "int4_b64")):
+    for name, mode, optimizer, compression in (
+            ("exp_sync_frontier_int8_v1", "diloco", "adamw", "int8"),
+            ("exp_sync_frontier_muon_v1", "sparseloco", "muon", "none"),
+            ("exp_sync_frontier_fragments_v1", "diloco", "adamw", "fp4_b32")):
         assert sorted(runs(name), key=str) == sorted(
-            [(1, 4, "diloco", h, seed, optimizer, compression) for seed in (0, 1, 2)
+            [(1, 4, mode, h, seed, optimizer, compression) for seed in (0, 1, 2)
              for h in (10, 50)], key=str)
+    muloco = {(x.training["sync"]["density"], x.training["sync"]["value_bits"],
+               x.training["sync"]["outer_momentum"]) for x in load_experiment(
+        REPO / "exp" / "configs" / "exp_sync_frontier_muon_v1.json").runs}
+    assert muloco == {(1.0, 2, 0.9)}  # (MuLoCo's 2 bits: every value, Nesterov outer)
+    assert {x.training["sync"]["fragments"] for x in load_experiment(
+        REPO / "exp" / "configs" / "exp_sync_frontier_fragments_v1.json").runs} == {4}

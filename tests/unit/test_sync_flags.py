@@ -20,7 +20,7 @@ MODEL = {"name": "m", "d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
 
 
 def _flags(**given: object) -> argparse.Namespace:
-    values = {"sync": None, "inner_steps": None, "overlap_steps": None,
+    values = {"sync": None, "inner_steps": None, "overlap_steps": None, "fragments": None,
               "sync_compression": None, "density": None, "chunk": None, "value_bits": None,
               "error_decay": None, "dct_chunk": None, "topk": None, "sign_values": None,
               "momentum_decay": None}
@@ -35,6 +35,12 @@ def test_the_flags_are_one_sync_config_over_the_profiles() -> None:
                               compression="int8", outer_lr=0.3)  # (its outer_lr kept)
     assert _sync_config(_flags(), profile) is None  # no flag: the profile's, untouched
     assert _sync_config(_flags(sync="dp"), {}) == SyncConfig(mode="dp")
+
+
+def test_fragments_by_flag() -> None:
+    assert _sync_config(_flags(sync="diloco", inner_steps=8, fragments=4,
+                               sync_compression="int4_b64"), {}) == \
+        SyncConfig(mode="diloco", inner_steps=8, fragments=4, compression="int4_b64")
 
 
 def test_demo_and_its_fields_by_flags() -> None:
@@ -68,18 +74,17 @@ def test_sparseloco_and_its_fields_by_flags() -> None:
     ({"error_decay": -0.1}, {}, "--error-decay -0.1: $.training.sync.error_decay: must be >= 0"),
     ({"sync": "sparseloco", "sync_compression": "int8"}, {},
      "--sync-compression int8: $.training.sync.compression: must be none under sparseloco"),
-    # A profile's compression or outer momentum that SparseLoCo cannot take: the flags named.
+    # A profile's compression that SparseLoCo cannot take: the flags named.
     ({"sync": "sparseloco"}, {"sync": {"mode": "diloco", "compression": "int8"}},
      "--sync sparseloco over the training profile's sync: $.training.sync.compression: must "
      "be none under sparseloco"),
-    ({"sync": "sparseloco"}, {"sync": {"mode": "diloco", "outer_momentum": 0.9}},
-     "--sync sparseloco over the training profile's sync: $.training.sync.outer_momentum: "
-     "must be 0 under sparseloco"),
     ({"sync_compression": "int4"}, {},
      "--sync-compression int4: $.training.sync.compression: unknown sync compression 'int4'"),
     ({"inner_steps": 0}, {}, "--inner-steps 0: $.training.sync.inner_steps: "),
     ({"sync": "diloco", "inner_steps": 4, "overlap_steps": 4}, {},
      "--overlap-steps 4: $.training.sync.overlap_steps: must be below inner_steps (4)"),
+    ({"sync": "diloco", "inner_steps": 3, "fragments": 4}, {},
+     "--fragments 4: $.training.sync.fragments: must be at most inner_steps (3)"),
     # A field of the profile's that the flags no longer fit: the flags given are named.
     ({"inner_steps": 3}, {"sync": {"mode": "diloco", "inner_steps": 10, "overlap_steps": 5}},
      "--inner-steps 3 over the training profile's sync: $.training.sync.overlap_steps: must "

@@ -24,12 +24,13 @@ __all__ = ["GroupSync", "Synced", "make_sync"]
 
 def make_sync(training: TrainingConfig, params: Sequence[torch.nn.Parameter],
               send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
-              device: torch.device) -> GroupSync:
+              device: torch.device, names: Sequence[str] = ()) -> GroupSync:
     """The algorithm ``training.sync.mode`` names, over the group's ring (``send`` to the
     next member, ``recv`` from the one before), coding what crosses by
-    ``training.sync.compression``."""
+    ``training.sync.compression``. ``names``: the parameters' (``blocks.N.…``), where an
+    algorithm groups them by layer (Streaming DiLoCo's fragments)."""
     method = SYNC_METHODS[training.sync.mode]
     codec = WireCodec.of_sync(training.sync)
     sync: GroupSync = load(method.impl)(training, params, send, recv, rank, replicas, codec,
-                                        device)
+                                        device, names)
     return sync

@@ -41,6 +41,11 @@ class GroupSync(abc.ABC):
     def expected_bytes(self) -> int:
         """Exactly what one synchronisation sends from this member, headers included."""
 
+    def planned_bytes(self, step: int, last: bool, hold: bool) -> int:
+        """Exactly what the synchronisation after 0-based step ``step`` sends from this
+        member, where one runs (an algorithm whose operations differ says which it runs)."""
+        return self.expected_bytes()
+
     @abc.abstractmethod
     def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
                replicas: int) -> None:

@@ -166,5 +166,5 @@ class DeMo(GroupSync):
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
           recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
-          device: torch.device) -> DeMo:
+          device: torch.device, names: Sequence[str] = ()) -> DeMo:
     return DeMo(params, training, send, recv, rank, replicas, device)

@@ -1,5 +1,6 @@
 """``sync.mode: diloco``: DiLoCo's outer step (arXiv 2311.08105), optionally overlapped with
-the inner steps after it (Streaming DiLoCo, arXiv 2501.18512).
+the inner steps after it and taken a fragment of the parameters at a time (Streaming DiLoCo,
+arXiv 2501.18512).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,6 +20,73 @@ from swarm_core.pipeline.optim import OUTER_FIELD
 from swarm_core.pipeline.ring import LINK_FAULTS, Ring, RingBroken, confirm_bytes
 from swarm_core.pipeline.syncs.base import GroupSync, Synced
 from swarm_core.pipeline.transport import PeerLink
+
+
+def _blocks_of(names: Sequence[str]) -> list[int] | None:
+    """Each parameter's transformer block, counted in the stage (``blocks.N.`` names);
+    those before the first block join it, those after the last join that. None where no
+    name is a block's."""
+    seen: dict[str, int] = {}
+    own = []
+    for name in names:
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "blocks" and len(parts) > 2 else None
+        own.append(seen.setdefault(key, len(seen)) if key is not None else None)
+    if not seen:
+        return None
+    out, current = [], 0
+    for b in own:
+        current = b if b is not None else current
+        out.append(current)
+    return out
+
+
+def fragment_bounds(sizes: Sequence[int], parts: int, names: Sequence[str] = (),
+                    pattern: str = "strided") -> list[list[int]]:
+    """The parameters (by index, in the module's order) of each of ``parts`` fragments.
+    ``strided`` (Streaming DiLoCo's choice): block b of the stage in fragment b mod P,
+    each fragment a slice of every depth. ``sequential``, and wherever the stage holds
+    fewer blocks than fragments: contiguous runs of about equal elements, each parameter
+    in the fragment where its middle element falls (one may be empty where one parameter
+    outweighs it)."""
+    blocks = _blocks_of(names) if pattern == "strided" and len(names) == len(sizes) else None
+    if blocks is not None and max(blocks) + 1 >= parts:
+        of = [b % parts for b in blocks]
+    else:
+        total = sum(sizes) or 1
+        of, before = [], 0
+        for n in sizes:
+            of.append(min(parts - 1, parts * (2 * before + n) // (2 * total)))
+            before += n
+    return [[i for i, f in enumerate(of) if f == part] for part in range(parts)]
+
+
+class Exchange(Protocol):
+    """What an outer step needs of the group's exchange of one fragment's change: a
+    :class:`~swarm_core.pipeline.ring.Ring` (the mean, all-reduced) or SparseLoCo's
+    ``SparseGather``."""
+
+    base: int  # its frames' first number (a fragment's, after those before it)
+    replicas: int
+
+    @property
+    def frames(self) -> int: ...
+
+    @property
+    def max_payload(self) -> int: ...
+
+    def expected_bytes(self) -> int: ...
+
+    def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
+               replicas: int) -> None: ...
+
+    def reduce_(self, step: int, timeout: float,
+                tensors: Sequence[torch.Tensor]) -> tuple[int, float]: ...
+
+    def put_back(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
+        ...
 
 
 class OuterStep(GroupSync):
@@ -34,21 +103,37 @@ class OuterStep(GroupSync):
     result plus what it has trained since s (its drift), so no inner step is lost and the
     next pseudo-gradient, taken from the new anchor, holds that drift. An outer step where
     the run must hold one set of weights (``hold``: the last step, a checkpoint's) blocks as
-    with d = 0."""
+    with d = 0.
+
+    With ``fragments`` P > 1 (Streaming DiLoCo's fragments) the parameters are P fragments
+    (:func:`fragment_bounds`), each with an exchange of its own: about every H/P steps the
+    next fragment's outer step runs (``SyncConfig.turns``), so each is synced every H steps
+    and a sync sends about 1/P of the model. Where the run must hold one set of weights,
+    every fragment's runs, one after another, as one operation."""
 
     own_state = True  # (each replica's AdamW moments are its own)
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], ring: Ring, cfg: SyncConfig,
-                 steps: int) -> None:
-        self.params, self.ring, self.cfg, self.steps = list(params), ring, cfg, steps
+    def __init__(self, params: Sequence[torch.nn.Parameter], exchanges: Sequence[Exchange],
+                 cfg: SyncConfig, steps: int,
+                 fragments: Sequence[Sequence[int]] | None = None) -> None:
+        self.params, self.cfg, self.steps = list(params), cfg, steps
+        self.exchanges = list(exchanges)
+        self.fragments = [list(f) for f in fragments] if fragments is not None \
+            else [list(range(len(self.params)))]
+        assert len(self.fragments) == len(self.exchanges)
+        self._number()
         self.overlap_steps = cfg.overlap_steps
         lr, momentum = cfg.outer_step
         self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
-        # (momentum 0 is plain SGD on the mean change: with lr 1, weight averaging)
+        # (momentum 0 is plain SGD on the mean change: with lr 1, weight averaging. One SGD
+        # for every fragment: it steps only the anchors given a gradient, the due fragments')
         self.opt = torch.optim.SGD(self.anchor, lr=lr, momentum=momentum,
                                    nesterov=momentum > 0)
-        self._deltas: list[torch.Tensor] = []  # this member's own change, until committed
-        self._sent: list[torch.Tensor] = []  # overlapped: the weights the change was taken at
+        # The operation in hand: its fragments, and this member's own change of each (until
+        # committed); overlapped, the weights each change was taken at.
+        self._due: list[int] = []
+        self._deltas: list[list[torch.Tensor]] = []
+        self._sent: list[list[torch.Tensor]] = []
         self.word = self.heard = 0.0  # the membership proposed, and agreed, at confirmation
         # The overlapped outer step in flight: its step, and whether its result is still to
         # be taken from the ring's thread (False once that broke: it is done again inline).
@@ -59,16 +144,48 @@ class OuterStep(GroupSync):
             queue.SimpleQueue()
         self._worker: threading.Thread | None = None
 
+    def _number(self) -> None:
+        """Each fragment's frames numbered after those of the fragments before it (an
+        operation that holds one set of weights sends them all at one step)."""
+        base = 0
+        for ex in self.exchanges:
+            ex.base = base
+            base += ex.frames
+
     @property
     def max_payload(self) -> int:
-        return self.ring.max_payload
+        return max(ex.max_payload for ex in self.exchanges)
+
+    def due(self, step: int, last: bool, hold: bool) -> list[int]:
+        """The fragments whose outer step runs after 0-based step ``step`` (none: no sync):
+        every one where the run must hold one set of weights, else the one whose turn it is."""
+        if not (last or self.cfg.syncs_after(step + 1, self.steps)):
+            return []
+        if last or hold:
+            return [f for f, r in enumerate(self.fragments) if len(r)]
+        f = self.cfg.fragment_after(step + 1) if len(self.fragments) > 1 else 0
+        return [f] if len(self.fragments[f]) else []
 
     def expected_bytes(self) -> int:
-        return self.ring.expected_bytes() + confirm_bytes(self.ring.replicas)
+        """What an outer step of every fragment sends (one that holds the weights)."""
+        return self.planned_bytes(0, True, True)
+
+    def planned_bytes(self, step: int, last: bool, hold: bool) -> int:
+        due = self.due(step, last, hold)
+        if not due:
+            return 0
+        return sum(self.exchanges[f].expected_bytes() for f in due) \
+            + confirm_bytes(self.replicas)
+
+    @property
+    def replicas(self) -> int:
+        return self.exchanges[0].replicas
 
     def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
                replicas: int) -> None:
-        self.ring.rewire(send, recv, rank, replicas)
+        for ex in self.exchanges:
+            ex.rewire(send, recv, rank, replicas)
+        self._number()
 
     @property
     def in_flight(self) -> int | None:
@@ -103,22 +220,25 @@ class OuterStep(GroupSync):
     @torch.no_grad()
     def after_step(self, step: int, last: bool, timeout: float, hold: bool = False) -> Synced:
         """After global step ``step`` (0-based): an outer step every ``inner_steps`` steps and
-        at the end; overlapped with the steps after it unless ``hold`` or the last. On a
-        broken ring (RingBroken) nothing has changed: the weights and the anchor are as
-        before, so the outer step can be done again over a new ring, or :meth:`commit` what
-        this member already holds."""
-        if not (last or self.cfg.syncs_after(step + 1, self.steps)):
+        at the end (a fragment's, every ``inner_steps / fragments``); overlapped with the
+        steps after it unless ``hold`` or the last. On a broken ring (RingBroken) nothing has
+        changed: the weights and the anchor are as before, so the outer step can be done
+        again over a new ring, or :meth:`commit` what this member already holds."""
+        due = self.due(step, last, hold)
+        if not due:
             return None
         assert self.pending is None, "an outer step began with the last still in flight"
-        self._deltas = [a.detach() - p.detach() for a, p in zip(self.anchor, self.params,
-                                                                strict=True)]
+        self._due = due
+        self._deltas = [[self.anchor[i].detach() - self.params[i].detach()
+                         for i in self.fragments[f]] for f in due]
         # (a group left with one member overlaps too: its outer step lands where the
         # group's would, so the algorithm does not change with the members left)
         if self.overlap_steps and not (hold or last):
             self.pending, self._on_thread = step, True
             # (kept, not rebuilt as anchor - change at the end: the drift is then exactly
             # what the replica trained meanwhile, with no rounding of the weights it left)
-            self._sent = [p.detach().clone() for p in self.params]
+            self._sent = [[self.params[i].detach().clone() for i in self.fragments[f]]
+                          for f in due]
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="outer-all-reduce",
                                                 daemon=True)
@@ -131,12 +251,15 @@ class OuterStep(GroupSync):
 
     def _reduce_confirm(self, step: int, timeout: float,
                         word: float) -> tuple[int, float, float]:
+        sent, seconds = 0, 0.0
         try:
-            sent, seconds = self.ring.reduce_(step, timeout, self._deltas)
+            for f, deltas in zip(self._due, self._deltas, strict=True):
+                more, wait = self.exchanges[f].reduce_(step, timeout, deltas)
+                sent, seconds = sent + more, seconds + wait
         except LINK_FAULTS as exc:
             raise RingBroken(step, False, exc) from None
         try:
-            more, wait, heard = self.ring.confirm(step, timeout, word)
+            more, wait, heard = self.exchanges[0].confirm(step, timeout, word)
         except LINK_FAULTS as exc:
             raise RingBroken(step, True, exc) from None
         return sent + more, seconds + wait, heard
@@ -163,23 +286,28 @@ class OuterStep(GroupSync):
 
     @torch.no_grad()
     def commit(self) -> None:
-        """The outer step from the group's mean change, which this member holds. An
-        overlapped one keeps what the replica trained since it began: the weights become the
-        new anchor plus (the weights now - the weights the change was taken from)."""
+        """The outer step of each fragment in hand from the group's mean change, which this
+        member holds. An overlapped one keeps what the replica trained since it began: the
+        weights become the new anchor plus (the weights now - the weights the change was
+        taken from)."""
         drift = self.pending is not None  # (an overlapped one, its result taken late)
-        if drift:
-            for p, then in zip(self.params, self._sent, strict=True):
-                p.sub_(then)
-        self.ring.put_back(self._deltas)
-        for a, d in zip(self.anchor, self._deltas, strict=True):
-            a.grad = d
-        self.opt.step()
-        for p, a in zip(self.params, self.anchor, strict=True):
+        for k, (f, deltas) in enumerate(zip(self._due, self._deltas, strict=True)):
             if drift:
-                p.add_(a)
-            else:
-                p.copy_(a)
-        self._deltas, self._sent, self.pending = [], [], None
+                for i, then in zip(self.fragments[f], self._sent[k], strict=True):
+                    self.params[i].sub_(then)
+            self.exchanges[f].put_back(deltas)
+            for i, d in zip(self.fragments[f], deltas, strict=True):
+                self.anchor[i].grad = d
+        self.opt.step()
+        for f in self._due:
+            for i in self.fragments[f]:
+                p, a = self.params[i], self.anchor[i]
+                a.grad = None
+                if drift:
+                    p.add_(a)
+                else:
+                    p.copy_(a)
+        self._due, self._deltas, self._sent, self.pending = [], [], [], None
 
     def checkpoint_state(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """The outer momentum, as ``<parameter>.outer_momentum``."""
@@ -214,6 +342,10 @@ class OuterStep(GroupSync):
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
           recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
-          device: torch.device) -> OuterStep:
-    ring = Ring([p.numel() for p in params], send, recv, rank, replicas, codec, device)
-    return OuterStep(params, ring, training.sync, training.steps)
+          device: torch.device, names: Sequence[str] = ()) -> OuterStep:
+    params = list(params)
+    parts = fragment_bounds([p.numel() for p in params], training.sync.fragments, names,
+                            training.sync.fragment_pattern)
+    rings = [Ring([params[i].numel() for i in part], send, recv, rank, replicas, codec, device)
+             for part in parts]
+    return OuterStep(params, rings, training.sync, training.steps, parts)

@@ -183,6 +183,6 @@ class GradientAverage(GroupSync):
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
           recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
-          device: torch.device) -> GradientAverage:
+          device: torch.device, names: Sequence[str] = ()) -> GradientAverage:
     return GradientAverage(params, send, recv, rank, replicas, codec, device,
                            int(training.sync.bucket_mb * 2**20))

@@ -71,8 +71,13 @@ class Tiling:
         return (self.rows // self.h) * (self.cols // self.w)
 
     @property
+    def dense(self) -> bool:
+        """Every element of a tile kept: the positions go without saying (none cross)."""
+        return self.k == self.size
+
+    @property
     def index_bits(self) -> int:
-        return (self.size - 1).bit_length()
+        return 0 if self.dense else (self.size - 1).bit_length()
 
     def tiles(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as (tiles, tile size)."""
@@ -142,7 +147,8 @@ class SparseCode:
             table = torch.cat([shift.reshape(1), lookup]).cpu().numpy().tobytes()
             codes_bytes = pack_bits(codes, self.bits).cpu().numpy().tobytes()
             decoded = lookup[codes] + shift
-        index = pack_bits(pos, self.tiling.index_bits).cpu().numpy().tobytes()
+        index = b"" if self.tiling.dense else \
+            pack_bits(pos, self.tiling.index_bits).cpu().numpy().tobytes()
         return table + codes_bytes + index, decoded.reshape(values.shape)
 
     def decode(self, raw: memoryview, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +165,10 @@ class SparseCode:
             table = _u8(raw[:at], device).view(torch.float32)
             codes = unpack_bits(codes_raw, self.bits, self.kept)
             values = table[1:][codes] + table[0]
-        pos = unpack_bits(pos_raw, t.index_bits, self.kept)
+        if t.dense:  # (every position, in order: what select gives a dense tile)
+            pos = torch.arange(t.size, device=device).repeat(t.count)
+        else:
+            pos = unpack_bits(pos_raw, t.index_bits, self.kept)
         if self.kept and int(pos.max()) >= t.size:
             raise FrameError(f"a sparse message names position {int(pos.max())} of a tile of "
                              f"{t.size}")

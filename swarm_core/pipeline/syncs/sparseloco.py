@@ -26,8 +26,8 @@ import torch
 from swarm_core.config.schemas import SyncConfig, TrainingConfig
 from swarm_core.pipeline.codecs import WireCodec
 from swarm_core.pipeline.optim import ERROR_FIELD
-from swarm_core.pipeline.ring import all_gather, confirm, gather_bytes, pieces_of
-from swarm_core.pipeline.syncs.diloco import OuterStep
+from swarm_core.pipeline.ring import all_gather, confirm, gather_bytes, gather_frames, pieces_of
+from swarm_core.pipeline.syncs.diloco import OuterStep, fragment_bounds
 from swarm_core.pipeline.syncs.sparse import SparseCode, Tiling, mean_over_senders
 from swarm_core.pipeline.transport import PeerLink
 
@@ -47,6 +47,7 @@ class SparseGather:
         self.error = [torch.zeros(p.shape, dtype=torch.float32, device=device) for p in params]
         self.device = device
         self.payload = sum(c.size for c in self.codes)
+        self.base = 0  # its frames' first number (a fragment's: see OuterStep)
         self._mean: list[torch.Tensor] = []
         self._error: list[torch.Tensor] = []
         self.rewire(send, recv, rank, replicas)
@@ -54,6 +55,10 @@ class SparseGather:
     @property
     def max_payload(self) -> int:
         return max(b - a for a, b in pieces_of(self.payload))
+
+    @property
+    def frames(self) -> int:
+        return gather_frames(self.payload, self.replicas)
 
     def expected_bytes(self) -> int:
         return gather_bytes(self.payload, self.replicas)
@@ -77,7 +82,7 @@ class SparseGather:
         sent0 = self.sent()
         message, self._error = self._compress(tensors)
         messages = all_gather(self.send, self.recv, self.rank, self.replicas, step, timeout,
-                              message)
+                              message, self.base)
         self._mean = [c.tiling.untile(m) for c, m in
                       zip(self.codes, mean_over_senders(self.codes, messages, self.device),
                           strict=True)]
@@ -106,26 +111,34 @@ class SparseGather:
 
 
 class SparseLoCo(OuterStep):
-    """DiLoCo's outer step over a :class:`SparseGather`: the anchor, the overlap and the
-    regroup rules are DiLoCo's; the outer SGD has no momentum (``outer_step``: lr 1, 0)."""
+    """DiLoCo's outer step over :class:`SparseGather` exchanges (one a fragment): the anchor,
+    the overlap, the fragments and the regroup rules are DiLoCo's; the outer SGD has no
+    momentum (``outer_step``: lr 1, 0)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], gather: SparseGather,
-                 cfg: SyncConfig, steps: int) -> None:
-        super().__init__(params, gather, cfg, steps)  # type: ignore[arg-type]
-        self.gather = gather
+    def __init__(self, params: Sequence[torch.nn.Parameter], gathers: Sequence[SparseGather],
+                 cfg: SyncConfig, steps: int,
+                 fragments: Sequence[Sequence[int]] | None = None) -> None:
+        super().__init__(params, gathers, cfg, steps, fragments)
+        self.gathers = list(gathers)
+
+    def errors(self) -> list[torch.Tensor]:
+        """Each parameter's error feedback, in the parameters' order."""
+        by_param = {i: e for part, g in zip(self.fragments, self.gathers, strict=True)
+                    for i, e in zip(part, g.error, strict=True)}
+        return [by_param[i] for i in range(len(self.params))]
 
     def checkpoint_state(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """The outer momentum (none, unless asked for) and the error feedback, as
         ``<parameter>.error_feedback``."""
         out = super().checkpoint_state(names)
         out.update({f"{name}.{ERROR_FIELD}": e.detach().cpu().numpy().copy()
-                    for name, e in zip(names, self.gather.error, strict=True)})
+                    for name, e in zip(names, self.errors(), strict=True)})
         return out
 
     @torch.no_grad()
     def restore_state(self, names: Sequence[str], arrays: dict[str, np.ndarray]) -> None:
         super().restore_state(names, arrays)
-        for name, e in zip(names, self.gather.error, strict=True):
+        for name, e in zip(names, self.errors(), strict=True):
             if f"{name}.{ERROR_FIELD}" in arrays:
                 e.copy_(torch.from_numpy(np.array(arrays[f"{name}.{ERROR_FIELD}"])))
 
@@ -135,6 +148,10 @@ class SparseLoCo(OuterStep):
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
           recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
-          device: torch.device) -> SparseLoCo:
-    gather = SparseGather(params, training.sync, send, recv, rank, replicas, device)
-    return SparseLoCo(params, gather, training.sync, training.steps)
+          device: torch.device, names: Sequence[str] = ()) -> SparseLoCo:
+    params = list(params)
+    parts = fragment_bounds([p.numel() for p in params], training.sync.fragments, names,
+                            training.sync.fragment_pattern)
+    gathers = [SparseGather([params[i] for i in part], training.sync, send, recv, rank,
+                            replicas, device) for part in parts]
+    return SparseLoCo(params, gathers, training.sync, training.steps, parts)

@@ -1,0 +1,42 @@
+"""One run's prediction from end to end (calibrate, plan the syncs, predict), and its JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from swarm_core.predict.calibrate import Measure, calibrate, stage_works
+from swarm_core.predict.step import Prediction, RunShape, predict
+from swarm_core.predict.sync_plan import sync_bytes_per_step
+
+
+@attrs.frozen
+class PredictedRun:
+    prediction: Prediction
+    calibrated: bool  # False: every stage's times came from the cache
+
+
+def predict_run(shape: RunShape, cache: Path | None = None, force: bool = False,
+                measure: Measure | None = None) -> PredictedRun:
+    works = stage_works(shape.model, shape.training, shape.stages, shape.replicas)
+    cal = calibrate(works, cache, force, measure)
+    sync = sync_bytes_per_step(works, shape.replicas)
+    return PredictedRun(predict(shape, cal.times, sync), not all(cal.cached))
+
+
+def prediction_json(run: PredictedRun) -> dict[str, Any]:
+    """``swarm predict --format json``: one run."""
+    p = run.prediction
+    return {"run": p.run, "network": p.network, "schedule": p.schedule,
+            "step_seconds": p.step_seconds, "step_seconds_no_overlap": p.step_seconds_no_overlap,
+            "step_seconds_simulated": p.step_seconds_simulated,
+            "compute_seconds": p.compute_seconds, "utilisation": p.utilisation,
+            "bound_by": p.bound_by, "calibrated": run.calibrated,
+            "stages": [{"stage": s.stage, "compute_seconds": s.compute_seconds,
+                        "utilisation": s.utilisation} for s in p.stages],
+            "links": [{"name": x.name, "bytes_per_step": x.nbytes,
+                       "seconds_per_step": x.seconds, "bound": x.bound, "mbps": x.mbps,
+                       "latency_ms": x.latency_s * 1000.0, "carries": list(x.carries),
+                       "mbps_for": x.mbps_for} for x in p.links]}

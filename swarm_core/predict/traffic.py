@@ -1,0 +1,109 @@
+"""What crosses which link in one step: the pipeline's boundaries and the replicas' rings.
+
+The bytes are the project's own plan, not derived again here: a boundary's activations
+forward are what the first stage sends (``expected_wire_bytes`` of stage 0: the ACT frames
+and, with clipping, its NORM frame) and its gradients backward what the last stage sends
+(of stage S-1); every boundary carries the same, so a middle stage's total is exactly its own
+``expected_wire_bytes``. A ring member sends its sync's ``planned_bytes`` per step (averaged
+over the sync's period: see ``sync_plan``) to the next replica of its stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.wire_math import expected_wire_bytes
+from swarm_core.predict.network import Cell, Link, Network
+
+
+@attrs.frozen
+class Flow:
+    """Bytes one cell sends another in one step: ``act`` (forward), ``grad`` (backward) or
+    ``sync`` (the replicas' ring)."""
+
+    src: Cell
+    dst: Cell
+    nbytes: float
+    what: str
+
+
+def boundary_bytes(model: ModelConfig, training: TrainingConfig, stages: int,
+                   replicas: int = 1) -> tuple[int, int]:
+    """Bytes per step across one boundary, forward and backward (one replica's chain)."""
+    if stages < 2:
+        return 0, 0
+    return (expected_wire_bytes(model, training, 0, stages, replicas),
+            expected_wire_bytes(model, training, stages - 1, stages, replicas))
+
+
+def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replicas: int,
+               sync_bytes: Sequence[float] = ()) -> list[Flow]:
+    """Every transfer of one step. ``sync_bytes[s]``: what each member of stage s's ring
+    sends per step (none without replicas)."""
+    fwd, bwd = boundary_bytes(model, training, stages, replicas)
+    flows: list[Flow] = []
+    for r in range(replicas):
+        for b in range(stages - 1):
+            flows += [Flow((b, r), (b + 1, r), fwd, "act"), Flow((b + 1, r), (b, r), bwd, "grad")]
+    if replicas > 1:
+        for s, nbytes in enumerate(sync_bytes):
+            flows += [Flow((s, r), (s, (r + 1) % replicas), nbytes, "sync")
+                      for r in range(replicas) if nbytes]
+    return flows
+
+
+@attrs.frozen
+class LinkLoad:
+    """One shaped resource and what it carries in a step."""
+
+    name: str
+    link: Link
+    nbytes: float
+    carries: tuple[str, ...]
+
+    @property
+    def seconds(self) -> float:
+        return self.link.seconds(self.nbytes)
+
+
+def _cell_name(cell: Cell, replicas: int) -> str:
+    return f"stage {cell[0]}" + (f" replica {cell[1]}" if replicas > 1 else "")
+
+
+def _what(flow: Flow, peer: Cell, arrow: str, replicas: int) -> str:
+    return "sync ring" if flow.what == "sync" else \
+        f"{flow.what}{arrow}{_cell_name(peer, replicas)}"
+
+
+def link_loads(flows: Sequence[Flow], network: Network, replicas: int) -> list[LinkLoad]:
+    """Each cell's tx and rx bucket with the flows through it, and each pair link that has a
+    cap of its own; a resource's latency is the longest of its flows' pairs (frames queued
+    together arrive together one latency later: a pipe, not stop-and-wait)."""
+    cells = sorted({f.src for f in flows} | {f.dst for f in flows})
+    loads: list[LinkLoad] = []
+
+    def add(name: str, own: Link, through: list[Flow], carries: list[str]) -> None:
+        if not through:
+            return
+        latency = max([own.latency_s, *(network.pair(f.src, f.dst).latency_s
+                                        for f in through)])
+        loads.append(LinkLoad(name, Link(own.mbps, latency), sum(f.nbytes for f in through),
+                              tuple(dict.fromkeys(carries))))
+
+    for cell in cells:
+        out = [f for f in flows if f.src == cell]
+        add(f"{_cell_name(cell, replicas)} tx", network.tx(cell), out,
+            [_what(f, f.dst, "→", replicas) for f in out])
+        into = [f for f in flows if f.dst == cell]
+        add(f"{_cell_name(cell, replicas)} rx", network.rx(cell), into,
+            [_what(f, f.src, "←", replicas) for f in into])
+    for pair in sorted({(f.src, f.dst) for f in flows}):
+        own = network.pair(*pair)
+        if own.mbps is not None:
+            through = [f for f in flows if (f.src, f.dst) == pair]
+            add(f"{_cell_name(pair[0], replicas)} → {_cell_name(pair[1], replicas)}", own,
+                through, [f.what for f in through])
+    return loads

@@ -1,0 +1,126 @@
+"""``swarm predict``: each run's step time, its stages' utilisation and the link that bounds
+it, from this machine's measured compute (see ``swarm_core.predict``). No leader needed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+from swarm_core.predict.calibrate import StageWork, default_cache, measure_stage
+from swarm_core.predict.critical_path import StageTimes
+from swarm_core.predict.network import UniformNetwork
+from swarm_core.predict.runs import PredictInputError, load_runs, profile_run
+from swarm_core.predict.service import PredictedRun, predict_run, prediction_json
+from swarm_core.predict.step import RunShape
+from swarm_tui.commands.argtypes import fellow_count, latency_ms, link_mbps
+from swarm_tui.commands.base import (
+    CommandError,
+    ExitCode,
+    add_format,
+    emit_json,
+    emit_table,
+    print_line,
+    warn,
+)
+
+
+def _shapes(args: argparse.Namespace) -> list[RunShape]:
+    profiles = args.model or args.training or args.stages or args.replicas
+    try:
+        if args.config is not None:
+            if profiles:
+                raise CommandError("give CONFIG or --model/--training/--stages/--replicas, "
+                                   "not both", ExitCode.USAGE)
+            shapes = load_runs(args.config)
+        elif profiles:
+            shapes = [profile_run(args.model, args.training, args.stages, args.replicas)]
+        else:
+            raise CommandError("give CONFIG (an experiment config or a job body), or "
+                               "--model/--training", ExitCode.USAGE)
+    except PredictInputError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    if args.mbps is not None or args.latency_ms is not None:
+        shapes = [attrs.evolve(s, network=_override(s, args)) for s in shapes]
+    return shapes
+
+
+def _override(shape: RunShape, args: argparse.Namespace) -> UniformNetwork:
+    net = shape.network
+    base = net if isinstance(net, UniformNetwork) else UniformNetwork()
+    if args.mbps is not None:
+        base = attrs.evolve(base.with_rate(args.mbps), name=f"{args.mbps:g}mbit")
+    if args.latency_ms is not None:
+        base = attrs.evolve(base, latency_ms=args.latency_ms,
+                            name=f"{base.name}-{args.latency_ms:g}ms")
+    return base
+
+
+def _measure_loudly(work: StageWork) -> StageTimes:
+    warn(f"calibrating stage {work.stage} of {work.stages} (layers {work.layers[0]}-"
+         f"{work.layers[1] - 1}, micro-batch {work.micro_batch}) on this machine ...")
+    return measure_stage(work)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    shapes = _shapes(args)
+    out: list[PredictedRun] = []
+    for shape in shapes:
+        try:
+            out.append(predict_run(shape, default_cache(), args.calibrate, _measure_loudly))
+        except ValueError as exc:
+            raise CommandError(f"{shape.name}: {exc}", ExitCode.USAGE) from None
+    if args.format == "json":
+        emit_json({"config": args.config, "cache": str(default_cache()),
+                   "runs": [prediction_json(r) for r in out]})
+        return 0
+    for run in out:
+        _table(run)
+    print_line(f"(perfect overlap of compute and transfers; compute measured here, cached in "
+               f"{default_cache()}; --calibrate measures again)")
+    return 0
+
+
+def _mbps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _table(run: PredictedRun) -> None:
+    p = run.prediction
+    bound = "compute-bound" if p.bound_by == "compute" else f"bound by {p.bound_by}"
+    print_line(f"\n{p.run} ({p.network}, {p.schedule}): step {p.step_seconds:.4f} s, {bound}; "
+               f"compute {p.compute_seconds:.4f} s ({p.utilisation:.0%}); frames queued "
+               f"{p.step_seconds_simulated:.4f} s, no overlap {p.step_seconds_no_overlap:.4f} s")
+    emit_table(None, ["stage", "compute s", "utilisation"],
+               [[s.stage, f"{s.compute_seconds:.4f}", f"{s.utilisation:.0%}"] for s in p.stages])
+    if not p.links:
+        return
+    rows: list[list[Any]] = [
+        [x.name, ", ".join(x.carries), _mbps(x.mbps), f"{x.latency_s * 1000:g}",
+         f"{x.nbytes:,.0f}", f"{x.seconds:.4f}", "yes" if x.bound else "",
+         *(_mbps(x.mbps_for[u]) for u in ("50", "90", "99"))] for x in p.links]
+    emit_table(None, ["link", "carries", "Mbit/s", "ms", "bytes/step", "s/step", "bound",
+                      "Mbit/s 50%", "90%", "99%"], rows)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="predict each run's step time, stage utilisation and "
+                                       "bounding link from this machine's compute (no leader)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="an experiment config (every run of its sweep) or a job body JSON")
+    p.add_argument("--model", default=None, help="model profile JSON (instead of CONFIG)")
+    p.add_argument("--training", default=None,
+                   help="training profile JSON (instead of CONFIG; its network_profile's link)")
+    p.add_argument("--stages", type=fellow_count, default=None,
+                   help="pipeline stages (with --model/--training)")
+    p.add_argument("--replicas", type=fellow_count, default=None,
+                   help="replicas of every stage (with --model/--training)")
+    p.add_argument("--mbps", type=link_mbps, default=None,
+                   help="every fellow's tx and rx in Mbit/s, over the runs' network profiles")
+    p.add_argument("--latency-ms", type=latency_ms, default=None,
+                   help="every fellow's added one-way latency, over the runs' profiles")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's compute again instead of using the cache")
+    add_format(p)
+    p.set_defaults(func=cmd_predict)

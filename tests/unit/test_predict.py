@@ -1,0 +1,229 @@
+"""``swarm predict``: the schedule's critical path against hand-worked cases, the bytes from the
+project's own plans, the bound, the bandwidth-for-utilisation inversion, the calibration
+cache, and the command's JSON and errors."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.model import StageModule
+from swarm_core.pipeline.syncs import make_sync
+from swarm_core.pipeline.wire_math import expected_wire_bytes
+from swarm_core.predict.calibrate import calibrate, measure_stage, stage_works
+from swarm_core.predict.critical_path import StageTimes, compute_critical_path, simulate_step
+from swarm_core.predict.network import UniformNetwork
+from swarm_core.predict.step import RunShape, predict
+from swarm_core.predict.sync_plan import sync_bytes_per_step
+from swarm_core.schema import structure
+from swarm_tui.cli import run
+from swarm_tui.commands.base import ExitCode
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+
+
+def _training(**kw) -> TrainingConfig:
+    return structure({"steps": 10, "batch_size": 8, "micro_batches": 4, **kw}, TrainingConfig)
+
+
+def _shape(stages: int = 2, replicas: int = 1, mbps: float | None = 80.0,
+           latency_ms: float = 0.0, **kw) -> RunShape:
+    return RunShape("run", TINY, _training(**kw), stages, replicas,
+                    UniformNetwork("net", mbps, mbps, latency_ms))
+
+
+# --- the critical path --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uniform_stages_take_the_classic_bubble(schedule):
+    """S = 3 stages of f = 1, b = 2 and M = 4: (M + S - 1)(f + b) = 18 under GPipe and 1F1B
+    (the last forward reaches the last stage at (M + S - 1) f; the backwards drain alike)."""
+    times = [StageTimes(1.0, 2.0)] * 3
+    assert compute_critical_path(schedule, times, 4, clipped=False) == 18.0
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager"])
+def test_two_unequal_stages_by_hand(schedule):
+    """f0 = b0 = 1, f1 = b1 = 2, M = 2, worked by hand for each order: stage 0's forwards
+    end at 1 and 2; stage 1 runs F0 [1,3] then (B0 [3,5], F1 [5,7]) or (F1 [3,5], B0 [5,7]),
+    and B1 ends at 9 either way; stage 0's B1 runs [9,10]."""
+    times = [StageTimes(1.0, 1.0), StageTimes(2.0, 2.0)]
+    assert compute_critical_path(schedule, times, 2, clipped=False) == 10.0
+
+
+def test_the_optimiser_waits_for_the_global_norm_when_clipping():
+    """Same case with optimiser steps 0.5 and 2: clipped, every stage steps after the last
+    backward (10) and the slowest takes 2; unclipped, stage 1 steps at 9 (ends 11) and stage 0
+    at 10 (ends 10.5)."""
+    times = [StageTimes(1.0, 1.0, 0.5), StageTimes(2.0, 2.0, 2.0)]
+    assert compute_critical_path("1f1b", times, 2, clipped=True) == 12.0
+    assert compute_critical_path("1f1b", times, 2, clipped=False) == 11.0
+
+
+def test_eager_keeps_the_last_stage_busy_from_the_first_forward():
+    """Three stages, f = 1, b = 1, M = 2 under eager, by hand: stages 0 and 1 run both
+    forwards first (stage 1's F at [1,2], [2,3]); stage 2 runs F0 [2,3] B0 [3,4] F1 [4,5]
+    B1 [5,6]; stage 1's B0 [4,5], B1 [6,7]; stage 0's B0 [5,6], B1 [7,8]."""
+    assert compute_critical_path("eager", [StageTimes(1.0, 1.0)] * 3, 2, clipped=False) == 8.0
+
+
+def test_queued_frames_leave_the_link_idle_where_the_schedule_does():
+    """Two stages, f = b = 1, M = 2, 1F1B, each frame 3 s on its sender's link, no latency,
+    by hand: stage 0's F0 [0,1] sends [1,4], F1 [1,2] sends [4,7]; stage 1's F0 [4,5], B0
+    [5,6] sends [6,9], F1 [7,8], B1 [8,9] sends [9,12]; stage 0's B0 [9,10], B1 [12,13]. Each
+    link is busy 6 s, the compute path is 6 s: perfect overlap would say 6."""
+    times = [StageTimes(1.0, 1.0)] * 2
+    assert simulate_step("1f1b", times, 2, False, lambda s, kind: (3.0, 0.0)) == 13.0
+    assert simulate_step("1f1b", times, 2, False, lambda s, kind: (0.0, 0.5)) == \
+        compute_critical_path("1f1b", times, 2, False) + 2 * 0.5  # (one hop each way)
+
+
+# --- the bytes ----------------------------------------------------------------------------------
+
+
+def test_boundary_bytes_are_the_stages_own_plan():
+    for stages in (2, 3):
+        shape = _shape(stages)
+        p = predict(shape, [StageTimes(0.01, 0.02)] * stages)
+        sent = {x.name: x.nbytes for x in p.links if x.name.endswith("tx")}
+        assert sent == {f"stage {s} tx": expected_wire_bytes(TINY, shape.training, s, stages)
+                        for s in range(stages)}
+        # The ends receive what the other end's direction carries: stage 0 the gradients,
+        # the last stage the activations.
+        got = {x.name: x.nbytes for x in p.links if x.name.endswith("rx")}
+        assert got["stage 0 rx"] == expected_wire_bytes(TINY, shape.training, stages - 1, stages)
+        assert got[f"stage {stages - 1} rx"] == expected_wire_bytes(TINY, shape.training, 0,
+                                                                     stages)
+
+
+def test_a_ring_member_sends_its_syncs_planned_bytes_over_the_period():
+    """DiLoCo with H = 4 over 2 replicas: one sync every 4 steps, so a quarter of what the
+    algorithm itself plans for the step it syncs after (asked of it directly here)."""
+    shape = _shape(1, 2, sync={"mode": "diloco", "inner_steps": 4})
+    works = stage_works(TINY, shape.training, 1, 2)
+    per_step = sync_bytes_per_step(works, 2)
+    module = StageModule(TINY, works[0].vocab, 0, 0, 2, 0, 1)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    sync = make_sync(shape.training, [p for _, p in named], None, None, 0, 2,
+                     torch.device("cpu"), [n for n, _ in named])
+    try:
+        assert per_step == [sync.planned_bytes(3, False, False) / 4]
+    finally:
+        sync.close()
+    p = predict(shape, [StageTimes(0.01, 0.02)], per_step)
+    tx = {x.name: x.nbytes for x in p.links if x.name.endswith("tx")}
+    assert tx == {"stage 0 replica 0 tx": per_step[0], "stage 0 replica 1 tx": per_step[0]}
+
+
+# --- bound, and the bandwidth for a utilisation -------------------------------------------------
+
+
+def test_the_link_bounds_only_when_it_takes_longer_than_compute():
+    shape = _shape(2)
+    nbytes = expected_wire_bytes(TINY, shape.training, 0, 2)
+    link_s = 8 * nbytes / 80e6
+    slow = [StageTimes(link_s, link_s)] * 2  # compute far above the link's time
+    fast = [StageTimes(link_s / 100, link_s / 100)] * 2
+    assert predict(shape, slow).bound_by == "compute"
+    assert not any(x.bound for x in predict(shape, slow).links)
+    p = predict(shape, fast)
+    assert p.bound_by == "stage 0 tx" and p.step_seconds == pytest.approx(link_s)
+    assert [x.name for x in p.links if x.bound] == ["stage 0 tx"]
+    assert p.stages[0].utilisation == pytest.approx(p.stages[0].compute_seconds / link_s)
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 2.0])
+def test_the_bandwidth_for_a_utilisation_gives_that_utilisation(latency_ms):
+    shape = _shape(2, latency_ms=latency_ms)
+    times = [StageTimes(0.002, 0.004, 0.001), StageTimes(0.003, 0.005, 0.001)]
+    p = predict(shape, times)
+    busiest = max(p.links, key=lambda x: x.nbytes)
+    for u in ("50", "90", "99"):
+        rate = busiest.mbps_for[u]
+        assert rate is not None
+        again = predict(attrs.evolve(shape, network=shape.network.with_rate(rate)), times)
+        assert again.utilisation == pytest.approx(int(u) / 100)
+
+
+def test_no_bandwidth_is_enough_when_latency_alone_is_longer():
+    times = [StageTimes(0.001, 0.001)] * 2
+    p = predict(_shape(2, latency_ms=1000.0), times)
+    assert all(x.mbps_for["50"] is None for x in p.links)
+
+
+# --- the calibration cache ----------------------------------------------------------------------
+
+
+def test_the_calibration_is_measured_once_and_reused(tmp_path):
+    calls: list[int] = []
+
+    def fake(work):
+        calls.append(work.stage)
+        return StageTimes(0.1 * (work.stage + 1), 0.2, 0.01)
+
+    cache = tmp_path / "cal.json"
+    works = stage_works(TINY, _training(), 2, 1)
+    first = calibrate(works, cache, measure=fake)
+    assert calls == [0, 1] and first.cached == [False, False]
+    second = calibrate(works, cache, measure=fake)
+    assert calls == [0, 1], "the second call read the cache"
+    assert second.times == first.times and second.cached == [True, True]
+    calibrate(works, cache, force=True, measure=fake)
+    assert calls == [0, 1, 0, 1]
+    calibrate(stage_works(TINY, _training(threads=2), 2, 1), cache, measure=fake)
+    assert calls == [0, 1, 0, 1, 0, 1], "other threads: another key"
+
+
+def test_measuring_a_stage_runs_its_module_and_keeps_torch_threads():
+    before = torch.get_num_threads()
+    times = [measure_stage(w) for w in stage_works(TINY, _training(threads=1), 2, 1)]
+    assert all(t.forward > 0 and t.backward > 0 and t.optimizer > 0 for t in times)
+    assert torch.get_num_threads() == before
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def _job(tmp_path, **training):
+    body = {"name": "tiny", "kind": "train", "topology": {"stages": 2},
+            "model": attrs.asdict(TINY),
+            "training": {"steps": 10, "batch_size": 8, "micro_batches": 4,
+                         "link": {"tx_mbps": 8.0, "rx_mbps": 8.0, "latency_ms": 1.0},
+                         **training}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_json_output_has_the_documented_fields(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("swarm_tui.commands.predict.measure_stage",
+                        lambda w: StageTimes(0.001, 0.002, 0.0005))
+    assert run(["predict", str(_job(tmp_path)), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (r,) = out["runs"]
+    assert isinstance(r["step_seconds"], float) and r["step_seconds"] > 0
+    assert [set(s) for s in r["stages"]] == [{"stage", "compute_seconds", "utilisation"}] * 2
+    assert r["bound_by"] in {x["name"] for x in r["links"]} | {"compute"}
+    for link in r["links"]:
+        assert {"name", "bytes_per_step", "seconds_per_step", "bound", "mbps_for"} <= set(link)
+        assert set(link["mbps_for"]) == {"50", "90", "99"}
+    assert sum(x["bound"] for x in r["links"]) == (r["bound_by"] != "compute")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("{not json", "not JSON"),
+    ('{"kind": "train", "topology": {"stages": 2}, "training": {"micro_batches": 0}}',
+     "micro_batches"),
+    ('{"name": "x", "sweep": {}}', "training_config"),
+])
+def test_a_bad_config_is_one_line_and_a_usage_error(tmp_path, capsys, body, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(body)
+    assert run(["predict", str(path)]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
