@@ -179,8 +179,17 @@ class SwarmClient:
     async def nodes(self) -> NodeList:
         return await self._get(f"{API_PREFIX}/nodes", NodeList)
 
-    async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
-        return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/speed", req)
+    async def set_speed(self, fellow_id: int, req: SetSpeedRequest, *,
+                        link: bool = True) -> dict[str, Any]:
+        """``link=False``: set ``req.slowdown`` alone, the fellow's link left as it is."""
+        body = unstructure(req)
+        if body.get("slowdown") is None:  # (unchanged; and a leader before it knows no field)
+            body.pop("slowdown", None)
+        if not link:
+            if req.slowdown is None:
+                raise ValueError("set_speed(link=False) needs a slowdown")
+            body = {"slowdown": req.slowdown}
+        return await self.request("POST", f"{API_PREFIX}/fellows/{fellow_id}/speed", body)
 
     async def release(self, fellow_ids: list[int] | None = None, *, all: bool = False) -> list[int]:
         body = ReleaseRequest(fellow_ids=list(fellow_ids or []), all=all)

@@ -207,9 +207,14 @@ class SignalBatch:
     signals: list[Signal] = attrs.field(factory=list)
 
 
+# The largest emulated slowdown: past it a "slow peer" is a stalled one.
+SLOWDOWN_MAX = 100.0
+
+
 @attrs.define
 class SetSpeedRequest:
-    """New link limits for a fellow; null rates mean unlimited."""
+    """New link limits for a fellow (null rates mean unlimited), and/or its emulated compute
+    slowdown."""
 
     tx_mbps: float | None = attrs.field(
         default=None, validator=rate_or_none, metadata=meta("Mbit/s")
@@ -220,6 +225,22 @@ class SetSpeedRequest:
     latency_ms: float = attrs.field(
         default=0.0, validator=bounded(0, 60_000), metadata=meta("", minimum=0, maximum=60000)
     )
+    # Emulated compute slowdown (swarm_core.pipeline.pace): absent leaves it as it is; given
+    # alone, it leaves the link as it is too.
+    slowdown: float | None = attrs.field(
+        default=None, validator=bounded(1, SLOWDOWN_MAX),
+        metadata=meta("pad the fellow's compute to this many times its measured time "
+                      "(1: none); absent: unchanged", minimum=1, maximum=SLOWDOWN_MAX)
+    )
+
+    def link_given(self, body: Any) -> bool:
+        """Whether the body ``self`` came from sets the link: it names a link field, or it
+        names no slowdown (``{}`` asks for an unlimited link, as it always did)."""
+        named = isinstance(body, dict) and any(k in body for k in LINK_FIELDS)
+        return named or self.slowdown is None
+
+
+LINK_FIELDS = ("tx_mbps", "rx_mbps", "latency_ms")
 
 
 def _ids(ids: list[int]) -> None:

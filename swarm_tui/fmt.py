@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from swarm_core.contract import CodecErrors, LinkChange, link_changes_in_all
+from swarm_core.protocol import LinkLimits
 
 
 def fmt_cell(stage: int, replica: int) -> str:
@@ -110,12 +111,20 @@ def describe_link(tx: float | None, rx: float | None, latency_ms: float) -> str:
     return f"tx {rate(tx)}, rx {rate(rx)}{lat}"
 
 
+def describe_speed(link: LinkLimits | None, slowdown: float | None) -> str:
+    """A set-speed's link (None: left as it was) and emulated slowdown (None: left as it was):
+    ``tx 8 Mbit/s, rx unlimited, slowdown 4x (emulated)``."""
+    parts = [] if link is None else [describe_link(link.tx_mbps, link.rx_mbps, link.latency_ms)]
+    if slowdown is not None:
+        parts.append(f"slowdown {slowdown:g}x (emulated)")
+    return ", ".join(parts) or "no change"
+
+
 def describe_link_changes(changes: list[LinkChange], shown: int = 3, total: int = 0) -> str:
     """A job's mid-run set-speeds, newest last: "link set mid-run: @12 fellow 1 tx 8 Mbit/s,
     rx unlimited; …" (the run did not keep its network profile throughout). ``total``: how
     many there were in all, where the record kept only some."""
-    parts = [f"@{c.at_step} fellow {c.fellow_id} "
-             + describe_link(c.link.tx_mbps, c.link.rx_mbps, c.link.latency_ms)
+    parts = [f"@{c.at_step} fellow {c.fellow_id} " + describe_speed(c.link, c.slowdown)
              for c in changes[-shown:]]
     total = link_changes_in_all(changes, total)
     earlier = f" (+{total - shown} earlier)" if total > shown else ""

@@ -64,6 +64,12 @@ class SpeedSet:
     fellow_id: int
     job_id: str | None = None
     link: LinkLimits = attrs.field(factory=LinkLimits)
+    # An emulated compute slowdown it set (None: left as it was), and True where it left the
+    # link as it was (then ``link`` is only the default, not the fellow's link). Both absent
+    # from the wire when None: a set-speed of the link alone is the frame it always was.
+    _omit_none: ClassVar[tuple[str, ...]] = ("slowdown", "link_kept")
+    slowdown: float | None = None
+    link_kept: bool | None = None
 
 
 @attrs.frozen

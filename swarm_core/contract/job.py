@@ -26,6 +26,7 @@ from swarm_core.schema import (
     lenient_converter,
     make_dict_structure_fn,
     override,
+    sparse,
 )
 from swarm_core.validators import MAX_JSON_DEPTH, bounded, meta, name_field, nests_within
 
@@ -168,14 +169,18 @@ class Restart:
     at: float = 0.0
 
 
+@sparse  # (a change of the link alone is the JSON it always was: no null slowdown beside it)
 @attrs.define
 class LinkChange:
-    """A set-speed on one of a job's fellows while it ran: from which step its link changed."""
+    """A set-speed on one of a job's fellows while it ran: from which step its link changed,
+    or its emulated compute slowdown (swarm_core.pipeline.pace), or both."""
 
     at_step: int
     fellow_id: int
-    link: LinkLimits
-    at: float
+    # None (absent): the set-speed left the link as it was (a slowdown alone)
+    link: LinkLimits | None = None
+    at: float = 0.0
+    slowdown: float | None = None  # emulated, not measured; None: left as it was
 
 
 @attrs.define

@@ -78,6 +78,9 @@ class StageMetrics:
     # what the stage's group synchronisation sent in the step, and the time it took (replicas)
     sync_tx_bytes: int | None = _count()
     sync_seconds: float | None = _amount()
+    # Emulated, not measured: the compute slowdown the stage's fellow was told to pad to
+    # (swarm_core.pipeline.pace); the step's factor, and the run's largest once COMPLETED.
+    slowdown: float | None = _amount("emulated compute slowdown in force (absent: none)")
     # an evaluation
     eval_loss: float | None = None
     perplexity: float | None = _amount()
@@ -201,6 +204,9 @@ class ProgressRecord:
     ts: float | None = None
     # Replicas that left (or joined) from this step on (see contract/membership.py).
     membership: list[MembershipChange] | None = None
+    # Emulated, not measured: the compute slowdown each cell was padded to in the step
+    # (swarm_core.pipeline.pace), by its label; None where none was.
+    slowdown: dict[str, float] | None = None
 
     def add_stage(self, stage: int, figures: StageMetrics, cell: int | None = None,
                   key: str | None = None) -> bool:
@@ -228,6 +234,8 @@ class ProgressRecord:
         errors = figures.codec_error.finite() if figures.codec_error else None
         if errors is not None:
             self.codec_error = {**(self.codec_error or {}), key: errors}
+        if figures.slowdown is not None:
+            self.slowdown = {**(self.slowdown or {}), key: figures.slowdown}
         return True
 
     def add_replica_loss(self, replica: int, loss: float) -> None:
@@ -269,6 +277,7 @@ class MetricName:
     PERPLEXITY = _RECORD.perplexity.name
     TS = _RECORD.ts.name
     MEMBERSHIP = _RECORD.membership.name
+    SLOWDOWN = _RECORD.slowdown.name
 
 
 @attrs.define

@@ -525,7 +525,8 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         codec_error_by_stage=codec_error_by_stage(records, stages),
         link_changes=list(job.link_changes),
         link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
-        restarts=list(job.restarts), membership=list(job.membership), thresholds={})
+        restarts=list(job.restarts), membership=list(job.membership), thresholds={},
+        emulated_slowdown_by_cell=slowdown_by_cell(records))
     summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss
@@ -558,6 +559,16 @@ def summarize_grid(summary: MetricsSummary, spec: RunSpec, training: TrainingCon
         summary.sync_compression = training.sync.compression
         summary.sync_bytes_per_step, summary.sync_bytes_total = per_step, sync_total
     summary.total_bytes = wire_total + sync_total
+
+
+def slowdown_by_cell(records: list[ProgressRecord]) -> dict[str, float] | None:
+    """The largest emulated compute slowdown each cell ran a step at, by its label; None when
+    none was slowed (see swarm_core.pipeline.pace)."""
+    out: dict[str, float] = {}
+    for r in records:
+        for cell, x in (r.slowdown or {}).items():
+            out[cell] = max(out.get(cell, 1.0), float(x))
+    return out or None
 
 
 def peaks_by_stage(records: list[ProgressRecord],

@@ -117,6 +117,10 @@ class MetricsSummary:
     act_bytes_per_step: float | None = None
     grad_bytes_per_step: float | None = None
     boundary_ratio: float | None = None
+    # Emulated slow peers (swarm_core.pipeline.pace): the largest compute slowdown each cell
+    # was padded to, by its label; null where no cell was slowed. Emulation, not hardware.
+    emulated_slowdown_by_cell: dict[str, float] | None = attrs.field(
+        default=None, metadata=_expecting("an object of numbers by cell"))
 
 
 FIELDS = attrs.fields(MetricsSummary)

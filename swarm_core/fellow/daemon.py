@@ -11,6 +11,7 @@ import secrets
 import signal
 import socket
 import urllib.parse
+from typing import Any
 
 import attrs
 
@@ -41,12 +42,14 @@ from swarm_core.pipeline.frames import FrameError
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.pace import Pace
 from swarm_core.protocol import (
     ByteCounters,
     FellowStatus,
     LinkLimits,
     RegisterRequest,
     ReportedStatus,
+    SetSpeedRequest,
     Signal,
     is_bind_all,
 )
@@ -85,6 +88,8 @@ class FellowOptions:
     # The directories jobs may read files from (``training.dataset_paths``), resolved; empty:
     # none at all. A fellow's operator names them: a job is not trusted with the machine.
     data_roots: tuple[str, ...] = ()
+    # Emulated compute slowdown of its stages (swarm_core.pipeline.pace); SET_SPEED changes it.
+    slowdown: float = 1.0
 
 
 def advertised_host(opts: FellowOptions) -> str:
@@ -140,6 +145,7 @@ class FellowDaemon:
         self.session = ""
         self.shaper = LinkShaper()
         self.links = LinkOverrides(self.shaper)
+        self.pace = Pace(opts.slowdown)
         self.listeners: list[DataListener] = []  # one per device slot
         self.signal_seq = 0
         self.status = FellowStatus.READY
@@ -382,11 +388,23 @@ class FellowDaemon:
             if batch.signals:
                 self._beat_now.set()
 
+    def _set_speed(self, payload: dict[str, Any]) -> None:
+        """A SET_SPEED: its link fields, if it names any, and its slowdown, if it names one
+        (a leader's slowdown-only set-speed leaves the link as it is)."""
+        link = {k: v for k, v in payload.items() if k != "slowdown"}
+        slowdown = payload.get("slowdown")
+        if slowdown is not None:  # (checked before the link is applied: all or nothing)
+            slowdown = structure(payload, SetSpeedRequest).slowdown
+        if link or slowdown is None:
+            self.links.set_speed(structure(link, LinkLimits))
+        if slowdown is not None:
+            self.pace.slowdown = slowdown
+
     async def apply(self, sig: Signal) -> None:
         log.info("signal %d %s %s", sig.seq, sig.kind, sig.job_id or "")
         if sig.kind == "SET_SPEED":
             try:
-                self.links.set_speed(structure(sig.payload, LinkLimits))
+                self._set_speed(sig.payload)
             except SchemaError as exc:
                 log.error("ignoring bad SET_SPEED payload: %s", exc)
         elif sig.kind == "START":
@@ -538,7 +556,7 @@ class FellowDaemon:
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
                           fetch_replica_state=self._fetch_replica_state,
-                          links=self.links, data_roots=self.opts.data_roots,
+                          links=self.links, data_roots=self.opts.data_roots, pace=self.pace,
                           regroup=self._regroup)
 
     async def _run_job(self, start: StageStart | str, progress: Progress,

@@ -98,6 +98,7 @@ class JobContext:
     # Directories (resolved) whose files jobs may read; the daemon's always, None only for a
     # job run in-process by its own user (tests, benchmarks).
     data_roots: tuple[str, ...] | None = None
+    pace: Any = None  # swarm_core.pipeline.pace.Pace: the fellow's emulated slowdown, or None
 
 
 async def run_smoke(start: StageStart, ctx: JobContext) -> None:

@@ -421,7 +421,7 @@ class TrainJob:
                              start_step=self.start.resume_step, initial_state=state,
                              initial_optimizer=opt_state,
                              coordinator=self._coordinate if self.spec.replicas > 1 else None,
-                             inbox=self.ctx.progress.told)
+                             inbox=self.ctx.progress.told, pace=self.ctx.pace)
         except BaseException as exc:
             # The traceback holds the stage's frames, and through them its model, optimiser
             # and activations; the awaiting frame holds the exception: a cycle that only a

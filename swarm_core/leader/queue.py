@@ -521,10 +521,11 @@ class JobQueue:
             self.hub.publish(JobShard(job.job_id, receipt))
         return receipt
 
-    def link_set(self, fellow: FellowRecord, link: LinkLimits) -> str | None:
+    def link_set(self, fellow: FellowRecord, link: LinkLimits | None,
+                 slowdown: float | None = None) -> str | None:
         """Note a set-speed in the running job of ``fellow``, if it runs one: the fellow applies
-        it at once, so the job's record says from which step its link changed. Returns that
-        job's id."""
+        it at once, so the job's record says from which step its link (None: unchanged) or its
+        emulated slowdown changed. Returns that job's id."""
         job = self.find(fellow.assigned_job)
         if job is None or job.state is not JobState.RUNNING:
             return None
@@ -533,7 +534,7 @@ class JobQueue:
                                                          job.link_changes_total) + 1
             job.link_changes.append(LinkChange(at_step=job.last_step,
                                                fellow_id=fellow.fellow_id, link=link,
-                                               at=time.time()))
+                                               at=time.time(), slowdown=slowdown))
             # A script setting speeds in a loop must not grow the record without end. The
             # first change stays: it is the step from which the run left its network profile.
             excess = len(job.link_changes) - MAX_LINK_CHANGES

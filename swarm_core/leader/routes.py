@@ -85,6 +85,12 @@ def ok(obj: Any, status: int = 200) -> web.Response:
 
 
 async def read_body(request: web.Request, cls: type) -> Any:
+    return structure(await read_json(request), cls)
+
+
+async def read_json(request: web.Request) -> Any:
+    """A request's JSON body, decoded but not structured (a handler that asks which fields
+    the body named, as set-speed does, structures it itself)."""
     if request.content_type not in ("application/json", "application/octet-stream", ""):
         raise ApiError(415, f"expected application/json, got {request.content_type}")
     name = content_coding.coding(request)  # (refused before the body is read)
@@ -98,7 +104,7 @@ async def read_body(request: web.Request, cls: type) -> Any:
         data = jsonio.loads(raw)
     except jsonio.JSONDecodeError as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
-    return structure(data, cls)
+    return data
 
 
 def _int_param(request: web.Request, name: str) -> int:
@@ -213,16 +219,21 @@ async def get_fellow(request: web.Request) -> web.Response:
 async def set_speed(request: web.Request) -> web.Response:
     st = _state(request)
     rec = st.registry.get(_int_param(request, "fellow_id"))
-    req = await read_body(request, SetSpeedRequest)
+    body = await read_json(request)
+    req = structure(body, SetSpeedRequest)
     if st.registry.status(rec).left:
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
-    limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms)
-    link = unstructure(limits)
-    job_id = st.jobs.link_set(rec, limits)  # (first: a record the store refuses sends nothing)
-    sig = st.registry.send(rec, "SET_SPEED", None, link)
-    st.hub.publish(SpeedSet(rec.fellow_id, job_id, limits))
+    limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms) \
+        if req.link_given(body) else None  # (a slowdown alone leaves the link as it is)
+    link = unstructure(limits) if limits is not None else None
+    # (first: a record the store refuses sends nothing)
+    job_id = st.jobs.link_set(rec, limits, req.slowdown)
+    payload = {**(link or {}), **({"slowdown": req.slowdown} if req.slowdown else {})}
+    sig = st.registry.send(rec, "SET_SPEED", None, payload)
+    st.hub.publish(SpeedSet(rec.fellow_id, job_id, limits or LinkLimits(),
+                            slowdown=req.slowdown, link_kept=True if limits is None else None))
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
-               "job_id": job_id}, status=202)
+               "slowdown": req.slowdown, "job_id": job_id}, status=202)
 
 
 async def release(request: web.Request) -> web.Response:
@@ -668,7 +679,8 @@ ROUTES: tuple[Route, ...] = (
           query=(("after", "integer", "last signal seq already seen"),
                  ("wait", "number", f"seconds to wait for a signal, at most {MAX_POLL_S:g}")),
           errors=(400, 401, 403)),
-    Route("POST", f"{A}/fellows/{{fellow_id}}/speed", set_speed, "Set link limits of a fellow",
+    Route("POST", f"{A}/fellows/{{fellow_id}}/speed", set_speed,
+          "Set link limits and/or the emulated compute slowdown of a fellow",
           body=SetSpeedRequest, errors=(400, 404, 409, 503)),
     Route("GET", f"{A}/fellows/{{fellow_id}}/log", fellow_log,
           "The tail of a fellow's own log, as it last sent it (reading asks it for more)",

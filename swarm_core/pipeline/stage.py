@@ -43,6 +43,7 @@ from swarm_core.pipeline.optim import (
     set_lr,
     split_outer,
 )
+from swarm_core.pipeline.pace import Pace
 from swarm_core.pipeline.replica_group import (
     STUCK_AFTER,
     Coordinator,
@@ -105,6 +106,10 @@ class StepReport:
     # With replicas: what the group's gradient average sent, and the seconds it took.
     sync_tx_bytes: int | None = None
     sync_seconds: float | None = None
+    # An emulated slowdown (pace.py): the largest factor of the step's ops, None without one,
+    # and the seconds its padding slept (part of ``seconds``).
+    slowdown: float | None = None
+    padded_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,7 +120,8 @@ class StepReport:
         return StageMetrics(wire_tx_bytes=self.wire_tx_bytes, step_seconds=self.seconds,
                             lr=self.lr, activation_peak_bytes=self.activation_peak_bytes,
                             wait_seconds=self.wait_seconds, codec_error=self.codec_error,
-                            sync_tx_bytes=self.sync_tx_bytes, sync_seconds=self.sync_seconds)
+                            sync_tx_bytes=self.sync_tx_bytes, sync_seconds=self.sync_seconds,
+                            slowdown=self.slowdown)
 
     @property
     def wait_fraction(self) -> float:
@@ -403,12 +409,14 @@ class _Step:
 
 class StageRunner:
     def __init__(self, spec: StageSpec, data: TokenData, shaper: LinkShaper,
-                 stop: threading.Event, liveness: Liveness | None = None) -> None:
+                 stop: threading.Event, liveness: Liveness | None = None,
+                 pace: Pace | None = None) -> None:
         keep_large_blocks()  # per-micro-batch tensors reuse warm pages (see heap.py)
         self.spec = spec
         self.data = data
         self.shaper = shaper
         self.stop = stop
+        self.pace = pace  # None: computes at its own speed
         m = spec.model
         vocab = m.vocab_size or data.vocab_size
         self.device = resolve_device(spec.device, m.dtype)
@@ -504,8 +512,10 @@ class StageRunner:
         set_lr(self.opt, lr)
         self.module.train()
         st = self._begin(step)
+        slowdown, padded = None, 0.0
         for n, (op, i) in enumerate(self.ops):
             self._check_stop()
+            op_t0, op_wait0 = time.perf_counter(), self.waited()
             if op == "F":
                 self._forward(st, i)
             else:
@@ -513,6 +523,12 @@ class StageRunner:
                     # (deferred W passes would add to gradients the ring already took)
                     self.sync.arm(step, t.frame_timeout_s)
                 self._backward(st, i)
+            if self.pace is not None and self.pace.slowdown > 1.0:
+                # The op's compute: its wall time less its link waits (a neighbour's pace is
+                # not this stage's compute, and padding it would slow the stage twice).
+                compute = (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
+                slowdown = max(slowdown or 1.0, self.pace.slowdown)
+                padded += self.pace.pad(max(0.0, compute), self.stop, self._check_stop)
         sync_bytes, sync_s = self._finish(step, self._chain_heard(st))
         seconds = time.perf_counter() - t0
         return StepReport(step=step + 1, loss=st.loss_sum if self.last else None,
@@ -520,7 +536,8 @@ class StageRunner:
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
                           activation_peak_bytes=self.meter.peak,
                           wait_seconds=self.waited() - wait0, codec_error=st.errors,
-                          sync_tx_bytes=sync_bytes, sync_seconds=sync_s)
+                          sync_tx_bytes=sync_bytes, sync_seconds=sync_s,
+                          slowdown=slowdown, padded_seconds=padded)
 
     def _begin(self, step: int) -> _Step:
         """A step's state: its share of the batch, the meter, nothing carried over from a step
@@ -753,7 +770,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               initial_state: dict[str, torch.Tensor] | None = None,
               initial_optimizer: dict[str, np.ndarray] | None = None,
               coordinator: Coordinator | None = None,
-              inbox: list[tuple[RegroupOrder, Any]] | None = None) -> StageResult:
+              inbox: list[tuple[RegroupOrder, Any]] | None = None,
+              pace: Pace | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
@@ -770,12 +788,15 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     A stage that fails before its links are up sets ``stop``, which ends their dial.
 
     ``coordinator``: with replicas, where the cell asks what to do when its group's ring
-    breaks (a member died); without one, a broken ring fails the stage."""
+    breaks (a member died); without one, a broken ring fails the stage.
+
+    ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
     opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
     try:
-        runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness)
+        runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness,
+                             pace)
         group = runner.group
         group.coordinator, group.listener, group.inbox = coordinator, listener, inbox
         _restore(runner, initial_state, initial_optimizer)
@@ -881,7 +902,8 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         activation_peak_bytes=max((r.activation_peak_bytes for r in reports), default=0),
         wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
                              sum(r.seconds for r in steady)),
-        codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")))
+        codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")),
+        slowdown=max((r.slowdown for r in reports if r.slowdown is not None), default=None))
     if losses:
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
     if runner.sync is not None and reports:

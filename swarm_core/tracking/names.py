@@ -118,16 +118,22 @@ def link_change_text(change: dict[str, Any]) -> str | None:
     """A set-speed while the run trained, as one line; None for a malformed entry."""
     link = change.get("link")
     fellow = change.get("fellow_id")
-    if not isinstance(link, dict) or not isinstance(fellow, int):
+    slowdown = _number(change.get("slowdown"))
+    if not isinstance(fellow, int) or not (isinstance(link, dict) or slowdown is not None):
         return None
 
     def rate(v: Any) -> str:
         return "unlimited" if v is None else f"{v:g} Mbit/s"
 
-    latency = _number(link.get("latency_ms")) or 0.0
-    return (f"set-speed: fellow {fellow} tx {rate(link.get('tx_mbps'))}, "
-            f"rx {rate(link.get('rx_mbps'))}, latency {latency:g} ms "
-            f"(from step {change.get('at_step')})")
+    parts = []
+    if isinstance(link, dict):  # (None: a slowdown alone, the link left as it was)
+        latency = _number(link.get("latency_ms")) or 0.0
+        parts.append(f"tx {rate(link.get('tx_mbps'))}, rx {rate(link.get('rx_mbps'))}, "
+                     f"latency {latency:g} ms")
+    if slowdown is not None:
+        parts.append(f"compute slowdown {slowdown:g}x (emulated)")
+    return (f"set-speed: fellow {fellow} " + ", ".join(parts)
+            + f" (from step {change.get('at_step')})")
 
 
 def restart_text(restart: dict[str, Any]) -> str | None:

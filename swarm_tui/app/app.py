@@ -34,7 +34,7 @@ from swarm_core.config.profiles import ResolvedExperiment
 from swarm_core.contract import JobInfo, JobSubmit
 from swarm_core.contract.events import Event, Hello
 from swarm_core.experiments.runner import Experiment, ExperimentError
-from swarm_core.protocol import JobState, SetSpeedRequest
+from swarm_core.protocol import JobState, LinkLimits, SetSpeedRequest
 from swarm_tui.app.cluster import LeaderAddress, OwnedCluster
 from swarm_tui.app.commands import SwarmCommands
 from swarm_tui.app.launch import LaunchPlan, LaunchSource, default_configs_dir, default_sources
@@ -45,7 +45,7 @@ from swarm_tui.app.screens.jobs import JobsScreen, JobWatchScreen
 from swarm_tui.app.screens.launch import LaunchScreen
 from swarm_tui.app.screens.record import DescribeScreen, FellowLogScreen
 from swarm_tui.app.widgets.live_table import LiveTable
-from swarm_tui.fmt import describe_link
+from swarm_tui.fmt import describe_speed
 
 VIEWS = ("fellows", "jobs", "launch")
 BACKOFF_MIN_S = 0.5
@@ -434,7 +434,7 @@ class SwarmApp(App[int]):
         # Not exclusive: a second request must not cancel the first one mid-flight. Each
         # fellow is its own request: one refused (it left meanwhile) does not stop the rest,
         # and the notice says which took it.
-        link = describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)
+        link = describe_speed(LinkLimits(req.tx_mbps, req.rx_mbps, req.latency_ms), req.slowdown)
         sent: list[int] = []
         failed: list[str] = []
         for i, fid in enumerate(ids):

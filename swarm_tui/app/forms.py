@@ -6,12 +6,13 @@ import math
 
 import attrs
 
-from swarm_core.protocol import SetSpeedRequest
+from swarm_core.protocol import SLOWDOWN_MAX, SetSpeedRequest
 from swarm_core.schema import FieldError
 from swarm_core.validators import RATE_MBPS
 from swarm_tui.typed import clip, decimal_number
 
-SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms"}
+SPEED_LABELS = {"tx_mbps": "tx Mbit/s", "rx_mbps": "rx Mbit/s", "latency_ms": "latency ms",
+                "slowdown": "slowdown x"}
 
 
 class FormError(ValueError):
@@ -24,15 +25,17 @@ def _bounds() -> dict[str, tuple[float, float]]:
     """The ranges the leader accepts (its validators'), so the dialog says them first."""
     lat = attrs.fields(SetSpeedRequest).latency_ms.metadata
     return {"tx_mbps": RATE_MBPS, "rx_mbps": RATE_MBPS,
-            "latency_ms": (float(lat["minimum"]), float(lat["maximum"]))}
+            "latency_ms": (float(lat["minimum"]), float(lat["maximum"])),
+            "slowdown": (1.0, SLOWDOWN_MAX)}
 
 
-def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
+def parse_number(text: str, field: str, *, empty: float | None,
+                 blank: str | None = None) -> float | None:
     """``text`` as a number within the field's range; empty (or a word for nothing: for a
     rate, also "unlimited") is ``empty``. Every error has one form: ``label: 'text' is …
-    (…; leave it empty for …)``, quoting what was typed."""
+    (…; leave it empty for …)``, quoting what was typed (``blank`` names what empty means)."""
     label = SPEED_LABELS.get(field, field)
-    blank = "unlimited" if empty is None else f"{empty:g} ms"
+    blank = blank or ("unlimited" if empty is None else f"{empty:g} ms")
     nothing = ("none", "-") if empty is not None else ("none", "-", "unlimited", "∞")
     text = text.strip()
     if not text or text.lower() in nothing:
@@ -49,13 +52,16 @@ def parse_number(text: str, field: str, *, empty: float | None) -> float | None:
     return value
 
 
-def parse_speed(tx: str, rx: str, latency: str) -> SetSpeedRequest:
-    """Rates in Mbit/s (empty: unlimited), latency in ms (empty: 0)."""
+def parse_speed(tx: str, rx: str, latency: str, slowdown: str = "") -> SetSpeedRequest:
+    """Rates in Mbit/s (empty: unlimited), latency in ms (empty: 0), the emulated compute
+    slowdown (empty: unchanged)."""
     tx_v = parse_number(tx, "tx_mbps", empty=None)
     rx_v = parse_number(rx, "rx_mbps", empty=None)
     lat_v = parse_number(latency, "latency_ms", empty=0.0)
+    slow_v = parse_number(slowdown, "slowdown", empty=None, blank="unchanged")
     try:
-        return SetSpeedRequest(tx_mbps=tx_v, rx_mbps=rx_v, latency_ms=lat_v or 0.0)
+        return SetSpeedRequest(tx_mbps=tx_v, rx_mbps=rx_v, latency_ms=lat_v or 0.0,
+                               slowdown=slow_v)
     except FieldError as exc:  # (a rule of the leader's beyond the ranges above)
         field = exc.field or ""
         raise FormError(f"{SPEED_LABELS.get(field, field)}: {exc}", field) from None

@@ -35,7 +35,7 @@ from swarm_core.contract.events import (
     read_event,
 )
 from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits
-from swarm_tui.fmt import describe_link
+from swarm_tui.fmt import describe_speed
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
@@ -198,8 +198,8 @@ class FellowState:
         if isinstance(ev, SpeedSet):
             during = f" (recorded in job {ev.job_id})" if ev.job_id else ""
             self.speed_marks.append(ts)
-            self.log(ts, "set-speed requested: " + describe_link(
-                ev.link.tx_mbps, ev.link.rx_mbps, ev.link.latency_ms) + during)
+            self.log(ts, "set-speed requested: " + describe_speed(
+                None if ev.link_kept else ev.link, ev.slowdown) + during)
             return
         if isinstance(ev, FellowReleased):
             self.log(ts, "release requested")

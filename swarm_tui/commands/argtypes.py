@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swarm_core.config.schemas import MAX_THREADS
+from swarm_core.protocol import SLOWDOWN_MAX
 from swarm_core.validators import RATE_MBPS
 from swarm_tui.typed import clip, decimal_number, whole_number
 
@@ -55,6 +56,7 @@ temperature = number(float, 0, 10, "temperature", lo_open=True)
 # torch's thread pool: what a job's stage may use (a fellow with more would refuse every job).
 thread_count = number(int, 1, MAX_THREADS, "thread count")
 link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
+slowdown = number(float, 1, SLOWDOWN_MAX, "slowdown")  # emulated compute slowdown (pace.py)
 # Sampled one at a time on the CPU: more than this is a typo, not a text.
 token_count = number(int, 1, 1_000_000, "token count")
 # What torch.Generator.manual_seed takes (a negative seed is another name for a large one).

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from swarm_core.paths import default_state_dir
-from swarm_core.protocol import RegisterRequest
+from swarm_core.protocol import SLOWDOWN_MAX, RegisterRequest
 from swarm_core.schema import FieldError
 from swarm_tui.commands.argtypes import (
     data_host,
@@ -20,6 +20,7 @@ from swarm_tui.commands.argtypes import (
     device_slots,
     port,
     positive_float,
+    slowdown,
     thread_count,
 )
 from swarm_tui.commands.base import (
@@ -108,6 +109,7 @@ def cmd_fellow(args: argparse.Namespace) -> int:
         name=name, devices=devices or ["cpu"],
         threads=args.threads, data_host=args.data_host, data_port=args.data_port,
         data_advertise=args.data_advertise, data_roots=tuple(args.data_root),
+        slowdown=args.slowdown,
     )
     daemon = FellowDaemon(opts)
 
@@ -159,5 +161,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-root", type=data_root, action="append", default=[], metavar="DIR",
                    help="a directory whose files jobs may train on (training.dataset_paths; "
                         "repeatable). Without one, jobs read no file of this machine")
+    p.add_argument("--slowdown", type=slowdown, default=1.0, metavar="X",
+                   help="emulate a slower peer: pad each stage's compute to X times its "
+                        f"measured time (1-{SLOWDOWN_MAX:g}; default 1: none); set-speed "
+                        "--slowdown changes it live")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_fellow)

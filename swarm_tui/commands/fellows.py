@@ -8,8 +8,15 @@ import time
 
 from swarm_core.client import ApiError, SwarmClient
 from swarm_core.contract import MAX_LOG_LINES, FellowLog
-from swarm_core.protocol import FellowStatus, SetSpeedRequest
-from swarm_tui.commands.argtypes import cell_index, fellow_id, latency_ms, link_mbps, number
+from swarm_core.protocol import SLOWDOWN_MAX, FellowStatus, LinkLimits, SetSpeedRequest
+from swarm_tui.commands.argtypes import (
+    cell_index,
+    fellow_id,
+    latency_ms,
+    link_mbps,
+    number,
+    slowdown,
+)
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -19,7 +26,7 @@ from swarm_tui.commands.base import (
     print_line,
     run_with_client,
 )
-from swarm_tui.fmt import describe_link, fmt_bytes, fmt_limit, fmt_loss
+from swarm_tui.fmt import describe_speed, fmt_bytes, fmt_limit, fmt_loss
 
 
 def cmd_fellows(args: argparse.Namespace) -> int:
@@ -157,32 +164,36 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
     if (args.fellow_id is None) == (not by_cell):
         raise CommandError("set-speed needs --fellow-id N, or --stage K and/or --replica J",
                            ExitCode.USAGE)
+    # --slowdown alone leaves the link as it is; any link flag sets the whole link, as ever.
+    link = args.slowdown is None or any(
+        v is not None for v in (args.tx_mbps, args.rx_mbps, args.latency_ms))
     req = SetSpeedRequest(tx_mbps=args.tx_mbps, rx_mbps=args.rx_mbps,
-                          latency_ms=args.latency_ms)
+                          latency_ms=args.latency_ms or 0.0, slowdown=args.slowdown)
 
     async def body(c: SwarmClient) -> None:
         if not by_cell:
-            res = await c.set_speed(args.fellow_id, req)
+            res = await c.set_speed(args.fellow_id, req, link=link)
             if args.format == "json":
                 emit_json(res)
             else:
-                _said(args.fellow_id, req, res)
+                _said(args.fellow_id, req, res, link)
             return
         job_id, fellows = await _cell_fellows(c, args.stage, args.replica)
-        done = [{"fellow_id": fid, **await c.set_speed(fid, req)} for fid in fellows]
+        done = [{"fellow_id": fid, **await c.set_speed(fid, req, link=link)} for fid in fellows]
         if args.format == "json":
             emit_json({"job_id": job_id, "stage": args.stage, "replica": args.replica,
                        "fellows": done})
         else:
             for res in done:
-                _said(res["fellow_id"], req, res)
+                _said(res["fellow_id"], req, res, link)
 
     return run_with_client(args, body)
 
 
-def _said(fid: int, req: SetSpeedRequest, res: dict) -> None:
+def _said(fid: int, req: SetSpeedRequest, res: dict, link: bool) -> None:
     during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
-    print_line(f"fellow {fid}: {describe_link(req.tx_mbps, req.rx_mbps, req.latency_ms)} "
+    limits = LinkLimits(req.tx_mbps, req.rx_mbps, req.latency_ms) if link else None
+    print_line(f"fellow {fid}: {describe_speed(limits, req.slowdown)} "
                f"(signal {res['signal_seq']}{during})")
 
 
@@ -251,7 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live",
                        description="Shape one fellow's link, or those of the running job's "
                                    "cells: a stage group (--stage K), a replica's chain "
-                                   "(--replica J), or one cell (both).")
+                                   "(--replica J), or one cell (both); --slowdown emulates "
+                                   "a slower peer.")
     p.add_argument("--fellow-id", type=fellow_id, default=None, help="which fellow")
     p.add_argument("--stage", type=cell_index, default=None, metavar="K",
                    help="the fellows of stage K of the running job (every replica)")
@@ -261,7 +273,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="send limit in Mbit/s (omit: unlimited)")
     p.add_argument("--rx-mbps", type=link_mbps, default=None,
                    help="receive limit in Mbit/s (omit: unlimited)")
-    p.add_argument("--latency-ms", type=latency_ms, default=0.0,
+    p.add_argument("--latency-ms", type=latency_ms, default=None,
                    help="added one-way latency in ms (default 0)")
+    p.add_argument("--slowdown", type=slowdown, default=None, metavar="X",
+                   help="emulate a slower peer: pad its compute to X times its measured time "
+                        f"(1-{SLOWDOWN_MAX:g}; 1: none), from the next micro-batch; alone, it "
+                        "leaves the link as it is (omit: unchanged)")
     add_format(p)
     p.set_defaults(func=cmd_set_speed)

@@ -61,7 +61,7 @@ from swarm_tui.commands.base import (
     warn,
 )
 from swarm_tui.fmt import (
-    describe_link,
+    describe_speed,
     fmt_age,
     fmt_bytes,
     fmt_cell,
@@ -168,9 +168,8 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
         rows.append(["link set", f"{total} times, the first @{changes[0].at_step}; "
                                  f"the newest {shown}:"])
     for ch in changes[-shown:]:
-        lk = ch.link
         rows.append([f"link set @{ch.at_step}", f"fellow {ch.fellow_id}: "
-                     + describe_link(lk.tx_mbps, lk.rx_mbps, lk.latency_ms)])
+                     + describe_speed(ch.link, ch.slowdown)])
     return rows
 
 

@@ -785,6 +785,10 @@ async def test_a_job_keeps_its_first_set_speed_and_counts_them_all(api, monkeypa
     ({"latency_ms": None}, "$.latency_ms"),
     ({"jitter_ms": 1}, "$"),
     ([1], "$"),
+    ({"slowdown": 0.5}, "$.slowdown"),  # a peer cannot be emulated faster than it is
+    ({"slowdown": 101}, "$.slowdown"),
+    ({"slowdown": "4"}, "$.slowdown"),
+    ({"tx_mbps": 8, "slowdown": 0}, "$.slowdown"),  # (and the link is not set either)
 ])
 async def test_set_speed_bad_body_400(api, body, field):
     f = await register(api, "a")
@@ -802,6 +806,43 @@ async def test_set_speed_errors(api):
                        404, "not_found")
     resp = await api.post(f"{A}/fellows/{f['fellow_id']}/speed", **raw(b"{"))
     await expect_error(resp, 400, "invalid_json")
+
+
+async def test_set_speed_takes_a_slowdown_alone_or_beside_the_link(api):
+    """``slowdown`` is optional: alone it changes the fellow's emulated compute slowdown and
+    leaves its link (no link in the signal, ``link`` null in the answer); beside link fields it
+    sets both; a link alone sends no slowdown, as before."""
+    f = await register(api, "a")
+    url = f"{A}/fellows/{f['fellow_id']}/speed"
+    alone = await expect_ok(await api.post(url, json={"slowdown": 4}, headers=AUTH), 202)
+    assert alone["link"] is None and alone["slowdown"] == 4.0
+    both = await expect_ok(await api.post(url, json={"tx_mbps": 8, "slowdown": 1.5},
+                                          headers=AUTH), 202)
+    assert both["link"] == {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 0.0}
+    assert both["slowdown"] == 1.5
+    link = await expect_ok(await api.post(url, json={"rx_mbps": 2}, headers=AUTH), 202)
+    assert link["slowdown"] is None
+    sigs = await poll(api, f)
+    assert [s["kind"] for s in sigs] == ["SET_SPEED"] * 3
+    assert [s["payload"] for s in sigs] == [
+        {"slowdown": 4.0},
+        {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 0.0, "slowdown": 1.5},
+        {"tx_mbps": None, "rx_mbps": 2.0, "latency_ms": 0.0}]
+
+
+async def test_a_slowdown_mid_job_is_recorded_as_emulation(api):
+    """The running job's record of set-speeds keeps the slowdown beside the link changes (a
+    slowdown alone: no link), from the step it was set."""
+    b = (await register(api, "a"), await register(api, "b"))[1]
+    job = await submit(api, fellows=2)
+    await expect_ok(await report(api, job["job_id"], b, "RUNNING", step=5))
+    body = await expect_ok(await api.post(f"{A}/fellows/{b['fellow_id']}/speed",
+                                          json={"slowdown": 4}, headers=AUTH), 202)
+    assert body["job_id"] == job["job_id"]
+    changes = (await get_job(api, job["job_id"]))["link_changes"]
+    assert [(c["at_step"], c["fellow_id"], c.get("link"), c["slowdown"]) for c in changes] == [
+        (5, b["fellow_id"], None, 4.0)]
+    assert "link" not in changes[0], "a slowdown alone names no link"
 
 
 @pytest.mark.parametrize("gone", ["released", "leaving"])

@@ -46,6 +46,11 @@ def _one_line(text: str) -> str:
     (["set-speed", "--fellow-id", "0", "--tx-mbps", "1_000"], "got '1_000'"),
     (["set-speed", "--fellow-id", "0", "--latency-ms", "\u0663"], "--latency-ms"),
     (["fellow", "--threads", "300"], "thread count must be >= 1 and <= 256, got 300"),
+    (["set-speed", "--fellow-id", "0", "--slowdown", "0.5"],
+     "argument --slowdown: slowdown must be >= 1 and <= 100, got 0.5"),
+    (["set-speed", "--fellow-id", "0", "--slowdown", "1000"], "--slowdown"),
+    (["set-speed", "--fellow-id", "0", "--slowdown", "fast"], "expected a number (slowdown)"),
+    (["fellow", "--slowdown", "0"], "argument --slowdown: slowdown must be >= 1"),
     (["restart-cluster", "--threads", "5000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--threads", "100000"], "--threads"),
     (["generate", "--model", "m", "--prompt", "x", "--tokens", "10000000"],
@@ -153,6 +158,40 @@ async def test_swarm_forget_drops_gone_fellows_and_refuses_a_live_one(api, auth,
     assert json.loads(capsys.readouterr().out) == {"forgotten": [2], "kept": []}
     listed = (await (await api.get("/api/v1/fellows", headers=auth)).json())["fellows"]
     assert [f["fellow_id"] for f in listed] == [0]
+
+
+def test_slowdown_flags_parse_with_their_defaults():
+    p = build_parser()
+    assert p.parse_args(["fellow", "--slowdown", "4"]).slowdown == 4.0
+    assert p.parse_args(["fellow"]).slowdown == 1.0
+    assert p.parse_args(["set-speed", "--fellow-id", "0"]).slowdown is None
+
+
+async def test_swarm_set_speed_slowdown_alone_keeps_the_link(api, auth, capsys):
+    """`swarm set-speed --slowdown X` sends the slowdown alone (the fellow's link stays as it
+    is); with a link flag beside it, both go."""
+    from swarm_core.leader.routes import SESSION_HEADER
+    from tests.support import TOKEN
+
+    resp = await api.post("/api/v1/fellows/register", headers=auth,
+                          json={"name": "a", "instance_id": "a-i"})
+    reg = await resp.json()
+
+    def cli(*argv: str) -> int:
+        return run(["--leader-url", str(api.make_url("")).rstrip("/"), "--token", TOKEN, *argv])
+
+    assert await asyncio.to_thread(cli, "set-speed", "--fellow-id", "0",
+                                   "--slowdown", "4") == ExitCode.OK
+    assert "slowdown 4x (emulated)" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli, "set-speed", "--fellow-id", "0", "--tx-mbps", "8",
+                                   "--slowdown", "2", "--format", "json") == ExitCode.OK
+    out = json.loads(capsys.readouterr().out)
+    assert out["slowdown"] == 2.0 and out["link"]["tx_mbps"] == 8.0
+    sigs = (await (await api.get("/api/v1/fellows/0/signals", params={"after": 0, "wait": 0},
+                                 headers={**auth, SESSION_HEADER: reg["session"]})).json())
+    assert [s["payload"] for s in sigs["signals"]] == [
+        {"slowdown": 4.0},
+        {"tx_mbps": 8.0, "rx_mbps": None, "latency_ms": 0.0, "slowdown": 2.0}]
 
 
 @pytest.mark.parametrize("argv", [["fellows"], ["fellow"]])

@@ -39,7 +39,8 @@ KEYS = ["run_id", "job_id", "status", "reason", "steps_expected", "steps_recorde
         "link_changes", "link_changes_total", "restarts", "membership", "thresholds",
         "thresholds_met"]
 # Added since, after them: the boundary's planned bytes each way and the ratio to none.
-ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio"]
+ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio",
+         "emulated_slowdown_by_cell"]
 
 
 def _run() -> tuple[Any, JobInfo, list[ProgressRecord]]:

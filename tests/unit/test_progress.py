@@ -98,6 +98,19 @@ async def test_a_stage_catching_up_joins_the_stored_records(api, running):
         [(s, 5.0 - s / 10, 150) for s in steps]
 
 
+async def test_a_slowed_cells_steps_say_so_in_the_record(api, running):
+    """A stage's step figures carry its emulated slowdown; the step's record keeps the factor
+    by cell, for the slowed cell only."""
+    job, stage = running
+    await _report(api, job, stage[0], 1, metrics={"wire_tx_bytes": 100, "step_seconds": 0.4,
+                                                  "slowdown": 4.0})
+    await _report(api, job, stage[1], 1, loss=4.0,
+                  metrics={"wire_tx_bytes": 50, "step_seconds": 0.1})
+    resp = await api.get(f"{A}/jobs/{job['job_id']}/progress", headers=AUTH)
+    [rec] = (await resp.json())["records"]
+    assert rec["slowdown"] == {"0": 4.0}
+
+
 async def test_progress_errors(api, running):
     job, _ = running
     assert (await api.get(f"{A}/jobs/job-424242/progress", headers=AUTH)).status == 404

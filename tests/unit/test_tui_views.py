@@ -111,6 +111,23 @@ async def test_keys_typed_in_a_burst_reach_the_fields_they_were_typed_into() -> 
             ("set_speed", 2, 5.0, 6.0, 7.0)
 
 
+async def test_the_set_speed_dialogs_slowdown_reaches_the_request() -> None:
+    """Issue 34 point 2: the dialog's fourth field is the emulated compute slowdown; left
+    empty it is not sent (unchanged)."""
+    client = FakeClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("down", "down", "s")  # fellow 2, no limits yet
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the set-speed dialog")
+        dialog.query_one("#slowdown", Input).value = "4"
+        burst(app, "enter")
+        await wait_for(pilot, lambda: client.calls, "the request")
+        (what, (fid, req)), = client.calls
+        assert (what, fid, req.tx_mbps, req.slowdown) == ("set_speed", 2, None, 4.0)
+
+
 async def test_editing_keys_in_a_burst_apply_in_the_order_they_were_typed() -> None:
     """Issue 36 point 8: a backspace is a binding of the input, which Textual ran only once
     the key had bubbled up to the app, after the characters typed behind it (and, behind a

@@ -91,7 +91,8 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
             who += f" and {len(self.targets) - 4} more"
         with Vertical(id="dialog", classes="dialog"):
             yield Label(f"Set link speed: {who}", classes="dialog-title")
-            yield Label("Rates in Mbit/s (empty = unlimited); added one-way latency in ms.",
+            yield Label("Rates in Mbit/s (empty = unlimited); added one-way latency in ms; "
+                        "slowdown emulates a slower peer (empty = unchanged).",
                         classes="dialog-help")
             with Horizontal(classes="field"):
                 yield Label("tx Mbit/s", classes="field-label")
@@ -102,6 +103,9 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
             with Horizontal(classes="field"):
                 yield Label("latency ms", classes="field-label")
                 yield Field(self.initial[2], placeholder="0", compact=True, id="latency")
+            with Horizontal(classes="field"):  # (emulated: pads the compute; see pace.py)
+                yield Label("slowdown x", classes="field-label")
+                yield Field("", placeholder="unchanged", compact=True, id="slowdown")
             yield from self.buttons("Apply")
         yield SwarmFooter()  # (the dialog's keys, not those of the view under it)
 
@@ -112,10 +116,12 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
         try:
             req = parse_speed(self.query_one("#tx", Input).value,
                               self.query_one("#rx", Input).value,
-                              self.query_one("#latency", Input).value)
+                              self.query_one("#latency", Input).value,
+                              self.query_one("#slowdown", Input).value)
         except FormError as exc:
             self.show_error(str(exc))
-            target = {"tx_mbps": "#tx", "rx_mbps": "#rx", "latency_ms": "#latency"}
+            target = {"tx_mbps": "#tx", "rx_mbps": "#rx", "latency_ms": "#latency",
+                      "slowdown": "#slowdown"}
             field = self.query_one(target[exc.field], Input) if exc.field in target else None
             if field is not None and not field.has_focus:
                 field.focus()  # (re-focusing the focused input would eat the next keys)
