@@ -35,7 +35,11 @@ resumed run) counts from 0 again.
 
 Speed (``bench/bench_codec.py``): the rotation is a B x B matmul into a preallocated block
 (faster on a CPU than log2(B) butterfly passes in torch: see ``docs/decisions.md``), and each
-step works on blocks of about 1 MiB so that no full-size float temporaries are made.
+step works on blocks of about 1 MiB so that no full-size float temporaries are made. Codes
+are rounded by adding 1.5 * 2^23 (the same half-to-even rounding as ``torch.round``, the code
+left in the float's low bits) and packed from the floats' int32 views, so no float -> int
+conversion is made; the decode unpacks with uint8 ops on the packed bytes (int4's offset too)
+before one widening copy. Both are bit for bit what rounding and converting would give.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ SR_SEED = 0x5EED_4AD4  # stochastic rounding's draws (see frame_key)
 # murmur3's constants as int32 (torch's int32 products wrap, as the hash needs)
 _GOLDEN, _MIX1, _MIX2 = (v - (1 << 32) for v in (0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35))
 _BLOCK_ELEMS = 1 << 18  # ~1 MiB of float32 per block: stays in cache
+# 1.5 * 2^23: for |t| < 2^22, the float32 sum t + _MAGIC is round(t) (half to even) + _MAGIC,
+# the integer in the mantissa's low bits (the float's int32 bits are 0x4B400000 + round(t))
+_MAGIC = 12582912.0
 
 
 def check_tile(tile: int) -> None:
@@ -125,37 +132,40 @@ class _LowBit:
         packed = torch.empty((n, part), dtype=torch.uint8, device=rows.device)
         blk = max(1, _BLOCK_ELEMS // tile)
         scratch = torch.empty((min(blk, n), tile), device=rows.device)
-        acc = torch.empty((min(blk, n), part), device=rows.device)
-        # (float -> int32 -> uint8 is several times faster on a CPU than float -> uint8)
+        # (packed through int32 views of the codes: float -> uint8 is slow in torch)
         wide = torch.empty((min(blk, n), part), dtype=torch.int32, device=rows.device)
         noise = torch.empty_like(scratch) if key is not None else None
         work = _HashWork(noise.numel(), rows.device) if noise is not None else None
         for i in range(0, n, blk):
             j = min(n, i + blk)
             y = torch.matmul(rows[i:j], m, out=scratch[: j - i])
-            step = torch.maximum(y.amax(dim=1), y.amin(dim=1).neg_()).div_(cls.levels)
+            step = torch.amax(y, dim=1, out=steps[i:j])  # (the steps written in place)
+            torch.maximum(step, y.amin(dim=1).neg_(), out=step).div_(cls.levels)
             if cls.clip_rms is not None and noise is None:
                 rms = torch.linalg.vector_norm(y, dim=1).mul_(cls.clip_rms / math.sqrt(tile))
-                step = torch.minimum(step, rms)  # (a tile of zeros: 0 either way)
-            steps[i:j] = step
-            y.mul_(step.masked_fill_(step == 0, 1.0).reciprocal_().unsqueeze(1))
+                torch.minimum(step, rms, out=step)  # (a tile of zeros: 0 either way)
+            y.mul_(step.masked_fill(step == 0, 1.0).reciprocal_().unsqueeze(1))
             y.add_(cls.offset)
             if noise is not None:
                 # (clamped: u just below 1 on the absmax element would pass the top code)
                 assert key is not None
                 y.add_(uniform_(noise[: j - i], key, i * tile, work)).floor_()
                 y.clamp_(0.0, cls.top)
+                y.add_(_MAGIC)  # (exact: the codes are integers already)
             else:
-                y.round_()
+                # round half to even, as torch.round, left in the low bits of the float's
+                # mantissa (|y| < 2^22), which the packing below reads as integers
+                y.add_(_MAGIC)
                 if cls.clip_rms is not None:  # (else |y| <= levels * step: codes in 0..top)
-                    y.clamp_(0.0, cls.top)
-            a = torch.add(y[:, :part], y[:, part:2 * part], alpha=float(1 << cls.bits),
-                          out=acc[: j - i])
-            for k in range(2, per):  # (exact in float32: at most 255)
-                a.add_(y[:, k * part:(k + 1) * part], alpha=float(1 << (cls.bits * k)))
-            w = wide[: j - i]
-            w.copy_(a)
-            packed[i:j].copy_(w)
+                    y.clamp_(_MAGIC, _MAGIC + cls.top)
+            # (the magic's bits are 0x4B4 << 20: shifted left by at most 6 they leave the low
+            # byte alone, and the int32 -> uint8 copy keeps just that byte)
+            yi = y.view(torch.int32)
+            a = torch.add(yi[:, :part], yi[:, part:2 * part], alpha=1 << cls.bits,
+                          out=wide[: j - i])
+            for k in range(2, per):
+                a.add_(yi[:, k * part:(k + 1) * part], alpha=1 << (cls.bits * k))
+            packed[i:j].copy_(a)
         return packed, steps
 
     @classmethod
@@ -170,18 +180,25 @@ class _LowBit:
         out = torch.empty((n, tile), dtype=torch.float32, device=codes.device)
         blk = max(1, _BLOCK_ELEMS // tile)
         scratch = torch.empty((min(blk, n), tile), device=codes.device)
-        wide = torch.empty((min(blk, n), part), dtype=torch.int32, device=codes.device)
+        piece = torch.empty((min(blk, n), part), dtype=torch.uint8, device=codes.device)
         mask = (1 << cls.bits) - 1
+        whole = cls.offset == int(cls.offset)
         for i in range(0, n, blk):
             j = min(n, i + blk)
-            c, s, w = codes[i:j], scratch[: j - i], wide[: j - i]
-            w.copy_(c)  # (uint8 -> int32 -> float: faster than uint8 -> float)
-            for k in range(per):
-                piece = w >> (cls.bits * k) if k else w
-                if k < per - 1:  # (the top part's shift leaves its bits alone)
-                    piece = piece & mask
-                s[:, k * part:(k + 1) * part].copy_(piece)
-            s.sub_(cls.offset)
+            c, s, p = codes[i:j], scratch[: j - i], piece[: j - i]
+            for k in range(per):  # (uint8 ops on the packed bytes, widened by the copy)
+                if k == 0:
+                    torch.bitwise_and(c, mask, out=p)
+                elif k < per - 1:
+                    torch.bitwise_right_shift(c, cls.bits * k, out=p).bitwise_and_(mask)
+                else:  # (the top part's shift leaves its bits alone)
+                    torch.bitwise_right_shift(c, cls.bits * k, out=p)
+                if whole:  # (int4: the offset taken off the bytes, exact, before widening)
+                    s[:, k * part:(k + 1) * part].copy_(p.view(torch.int8).sub_(int(cls.offset)))
+                else:
+                    s[:, k * part:(k + 1) * part].copy_(p)
+            if not whole:
+                s.sub_(cls.offset)
             torch.matmul(s, mt, out=out[i:j]).mul_(steps[i:j].unsqueeze(1))
         return out.reshape(shape)
 
