@@ -13,7 +13,6 @@ the default is this module's :class:`Boundary`).
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from swarm_core.config import methods
 from swarm_core.config.schemas import ModelConfig
-from swarm_core.pipeline.codecs import WireCodec
+from swarm_core.pipeline.codecs import WireCodec, relative_l2
 from swarm_core.pipeline.frames import Kind
 
 
@@ -129,13 +128,7 @@ def decoded_error(x: torch.Tensor, bufs: list[memoryview], wire: WireCodec) -> f
     does. 0 for an exact format; NaN for a tensor that is not finite."""
     if wire.exact:
         return 0.0
-    with torch.no_grad():
-        x = x.detach().float()
-        norm = float(torch.linalg.vector_norm(x))
-        if norm == 0.0 or not math.isfinite(norm):
-            return 0.0 if norm == 0.0 else math.nan
-        decoded = wire.decode(bytearray().join(bufs), tuple(x.shape), x.device)
-        return float(torch.linalg.vector_norm(decoded - x)) / norm
+    return relative_l2(x, lambda v: wire.decode(bytearray().join(bufs), tuple(v.shape), v.device))
 
 
 def make_boundary(cfg: ModelConfig) -> Boundary:

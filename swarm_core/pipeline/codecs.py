@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -234,14 +235,18 @@ class WireCodec(WireFormat):
     def relative_error(self, x: torch.Tensor) -> float:
         """||decode(encode(x)) - x|| / ||x||: what this codec changes in ``x`` (0 for fp32;
         NaN for a tensor that is not finite)."""
-        if self.exact:
-            return 0.0
-        with torch.no_grad():
-            x = x.detach().float()
-            norm = float(torch.linalg.vector_norm(x))
-            if norm == 0.0 or not math.isfinite(norm):
-                return 0.0 if norm == 0.0 else math.nan
-            return float(torch.linalg.vector_norm(self.roundtrip(x) - x)) / norm
+        return 0.0 if self.exact else relative_l2(x, self.roundtrip)
+
+
+def relative_l2(x: torch.Tensor, coded: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """||coded(x) - x|| / ||x|| (``x`` as float32): 0 for a zero tensor, NaN for one that is
+    not finite (``coded`` is not called for either)."""
+    with torch.no_grad():
+        x = x.detach().float()
+        norm = float(torch.linalg.vector_norm(x))
+        if norm == 0.0 or not math.isfinite(norm):
+            return 0.0 if norm == 0.0 else math.nan
+        return float(torch.linalg.vector_norm(coded(x) - x)) / norm
 
 
 FP32_WIRE = WireCodec()
