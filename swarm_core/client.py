@@ -183,8 +183,9 @@ class SwarmClient:
                         link: bool = True) -> dict[str, Any]:
         """``link=False``: set ``req.slowdown`` alone, the fellow's link left as it is."""
         body = unstructure(req)
-        if body.get("slowdown") is None:  # (unchanged; and a leader before it knows no field)
-            body.pop("slowdown", None)
+        for field in ("slowdown", "to"):  # (unset; and a leader before them knows neither)
+            if body.get(field) is None:
+                body.pop(field, None)
         if not link:
             if req.slowdown is None:
                 raise ValueError("set_speed(link=False) needs a slowdown")

@@ -52,6 +52,9 @@ class ProcessEntry:
     pid: int
     name: str
     log: str
+    # The command line after ``python -m swarm_tui.cli``, so a churn replay can start a fellow
+    # it killed again as it was (empty in a record from before).
+    argv: list[str] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -80,6 +83,18 @@ def read_record() -> ClusterRecord | None:
         why = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ClusterError(f"{path}: unreadable local cluster record ({why}); stop the "
                            "swarm processes it started by hand, then remove it") from None
+
+
+def record_of(leader_url: str) -> ClusterRecord | None:
+    """The local cluster's record when ``leader_url`` is its leader; None otherwise (a remote
+    leader's fellows may share its fellows' names), or where the record cannot be read."""
+    try:
+        record = read_record()
+    except ClusterError:
+        return None
+    if record is None or record.leader_url.rstrip("/") != leader_url.rstrip("/"):
+        return None
+    return record
 
 
 def token_for(record: ClusterRecord) -> str | None:
@@ -149,6 +164,70 @@ def stop_cluster() -> ClusterRecord | None:
     with contextlib.suppress(FileNotFoundError):
         record_path().unlink()
     return record
+
+
+def _recorded_argv(entry: ProcessEntry) -> list[str]:
+    """The fellow's command line after ``-m swarm_tui.cli``: as recorded, else as /proc shows
+    it while it runs (a record from before argv was kept); empty when neither can say."""
+    if entry.argv:
+        return list(entry.argv)
+    try:
+        parts = Path(f"/proc/{entry.pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+    args = [p.decode(errors="replace") for p in parts if p]
+    return args[args.index("swarm_tui.cli") + 1:] if "swarm_tui.cli" in args else []
+
+
+def kill_fellow(name: str) -> int | None:
+    """SIGKILL the local cluster's fellow ``name`` (a crash, not a goodbye) and wait until it
+    is gone; its pid, None when it was not running. Its command line is kept in the record
+    first, so :func:`start_fellow` can start it again."""
+    record = read_record()
+    entry = next((f for f in record.fellows if f.name == name), None) if record else None
+    if record is None or entry is None:
+        raise ClusterError(f"the local cluster has no fellow named {name!r}")
+    if not (process_alive(entry.pid) and _ours(entry.pid)):
+        return None
+    if not entry.argv:
+        entry.argv = _recorded_argv(entry)
+        _write(record)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(entry.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    while process_alive(entry.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return entry.pid
+
+
+def start_fellow(name: str) -> ProcessEntry:
+    """Start the local cluster's fellow ``name`` as it was started (a name the record lacks:
+    a new fellow, started as its first one is but for its name), unless it runs; the record
+    then names the new process, so stop-cluster stops it."""
+    record = read_record()
+    if record is None:
+        raise ClusterError("no local cluster: 'swarm restart-cluster' starts one")
+    entry = next((f for f in record.fellows if f.name == name), None)
+    if entry is not None and process_alive(entry.pid) and _ours(entry.pid):
+        return entry
+    model = entry or (record.fellows[0] if record.fellows else None)
+    argv = _recorded_argv(model) if model is not None else []
+    if "--name" not in argv[:-1]:
+        raise ClusterError(f"cannot start fellow {name!r}: the local cluster's record does "
+                           "not say how its fellows were started (restart the cluster)")
+    argv[argv.index("--name") + 1] = name
+    token = token_for(record)
+    env = {k: v for k, v in os.environ.items() if k != "SWARM_LEADER_URL"}
+    if token:
+        env["SWARM_TOKEN"] = token
+    log = Path(entry.log) if entry is not None else \
+        local_cluster_dir() / "logs" / f"fellow-{name}.log"
+    proc = _spawn(argv, log, env)
+    new = ProcessEntry(proc.pid, name, str(log), argv)
+    at = record.fellows.index(entry) if entry is not None else len(record.fellows)
+    record.fellows[at:at + 1] = [new]
+    _write(record)
+    return new
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -246,11 +325,11 @@ def start_cluster(spec: ClusterSpec) -> ClusterRecord:
             name = f"{FELLOW_PREFIX}{i}"
             log_path = logs / f"fellow-{i}.log"
             roots = spec.data_roots if spec.data_roots is not None else (os.getcwd(),)
-            proc = _spawn(["fellow", "--leader-url", url, "--name", name,
-                           "--devices", spec.devices, "--threads", str(spec.threads),
-                           *(arg for root in roots for arg in ("--data-root", root))],
-                          log_path, fenv)
-            record.fellows.append(ProcessEntry(proc.pid, name, str(log_path)))
+            argv = ["fellow", "--leader-url", url, "--name", name,
+                    "--devices", spec.devices, "--threads", str(spec.threads),
+                    *(arg for root in roots for arg in ("--data-root", root))]
+            proc = _spawn(argv, log_path, fenv)
+            record.fellows.append(ProcessEntry(proc.pid, name, str(log_path), argv))
         _write(record)
         asyncio.run(_wait_fellows(url, token, record, spec.timeout_s))
     except BaseException:

@@ -88,6 +88,34 @@ class LinkLimits:
     )
 
 
+MAX_PEER_LINKS = 256  # (64 cells x up, down and two ring neighbours)
+
+
+@attrs.define
+class PeerLinkState:
+    """One link a link matrix shapes, from a cell this fellow runs to a peer cell: its pair's
+    settings now, and what it moved (``achieved_mbps``: the rate whole frames left at)."""
+
+    job_id: str = attrs.field(validator=text_field(128), metadata=meta("", maxLength=128))
+    cell: str = attrs.field(validator=text_field(16), metadata=meta("stage.replica",
+                                                                     maxLength=16))
+    peer: str = attrs.field(validator=text_field(16), metadata=meta("stage.replica",
+                                                                     maxLength=16))
+    site: str = attrs.field(validator=text_field(32), metadata=meta("", maxLength=32))
+    peer_site: str = attrs.field(validator=text_field(32), metadata=meta("", maxLength=32))
+    peer_fellow: int | None = None
+    tx_mbps: float | None = attrs.field(default=None, validator=rate_or_none,
+                                        metadata=meta("the pair's rate, Mbit/s"))
+    latency_ms: float = attrs.field(default=0.0, validator=bounded(0, 60_000),
+                                    metadata=meta("", minimum=0, maximum=60000))
+    jitter_ms: float = attrs.field(default=0.0, validator=bounded(0, 60_000),
+                                   metadata=meta("", minimum=0, maximum=60000))
+    tx_bytes: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
+    rx_bytes: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
+    achieved_mbps: float | None = attrs.field(default=None, validator=non_negative,
+                                              metadata=meta("", minimum=0))
+
+
 @attrs.define
 class ByteCounters:
     """Cumulative bytes since the fellow process started."""
@@ -233,6 +261,13 @@ class SetSpeedRequest:
                       "(1: none); absent: unchanged", minimum=1, maximum=SLOWDOWN_MAX)
     )
 
+    # Per pair: only the fellow's links to fellow ``to`` (those a job's link matrix shapes)
+    # take the link limits (tx: its pair rate; latency: the pair's), not the fellow's own.
+    to: int | None = attrs.field(
+        default=None, validator=non_negative,
+        metadata=meta("set only the links to this fellow (a link matrix's pairs); absent: "
+                      "the fellow's own limits", minimum=0))
+
     def link_given(self, body: Any) -> bool:
         """Whether the body ``self`` came from sets the link: it names a link field, or it
         names no slowdown (``{}`` asks for an unlimited link, as it always did)."""
@@ -294,6 +329,9 @@ class FellowInfo:
     # Why a live fellow may look stuck: "throttled link …", "no new step for …".
     note: str = ""
     data_addrs: list[str] = attrs.field(factory=list)
+    # The links a job's link matrix shapes, per peer (empty under a uniform profile).
+    peers: list[PeerLinkState] = attrs.field(factory=list)
+    slowdown: float = 1.0  # its emulated compute slowdown, as it last reported it (1: none)
 
 
 @attrs.define

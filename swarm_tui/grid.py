@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from swarm_core.config.schemas import TrainingConfig
 from swarm_core.contract import JobInfo, StageMetrics
 from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_codec_error, fmt_tps
 
@@ -73,7 +74,14 @@ def grid_table(job: JobInfo) -> tuple[list[str], list[list[str]]]:
     # already full without them).
     peaks = [c.figures.activation_peak_bytes for c in cells]
     errors = [fmt_codec_error(c.figures.codec_error) for c in cells]
-    for title, values in (("act mem", [None if p is None else fmt_bytes(p) for p in peaks]),
+    # Swarm wiring: each cell's share of the step's micro-batches (its route's deal).
+    routed = job.topology.wiring == "swarm" and isinstance(job.training, TrainingConfig)
+    total = job.topology.replicas * job.training.micro_batches \
+        if isinstance(job.training, TrainingConfig) else 0
+    shares = [None if not routed or c.figures.micro_batches is None
+              else f"{c.figures.micro_batches / total:.0%}" for c in cells]
+    for title, values in (("mb share", shares),
+                          ("act mem", [None if p is None else fmt_bytes(p) for p in peaks]),
                           ("codec error", errors)):
         if any(v is not None for v in values):
             headers.append(title)
@@ -86,4 +94,5 @@ def grid_title(job: JobInfo) -> str:
     p = job.placement
     stages, replicas = (p.num_stages, p.replicas) if p is not None else (
         job.topology.num_stages, job.topology.replicas)
-    return f"grid: {stages} stage(s) x {replicas} replicas"
+    wiring = ", swarm wiring" if job.topology.wiring == "swarm" else ""
+    return f"grid: {stages} stage(s) x {replicas} replicas{wiring}"

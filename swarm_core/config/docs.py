@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from swarm_core.config import methods, profiles, schemas
+from swarm_core.config import methods, network, profiles, schemas, traces
 from swarm_core.config.grid import SyncAxis
 from swarm_core.experiments import suites
 from swarm_core.protocol import LinkLimits
@@ -142,7 +142,26 @@ SECTIONS: list[tuple[str, type, str]] = [
      "fellows. The runner checks this against the leader's active fellows before anything "
      "runs."),
     ("NetworkProfile (`network_profile`, `sweep.network_profiles[]`)", profiles.NetworkProfile,
-     "Rates and latency are applied by every fellow's own link shaper for the run."),
+     "Rates and latency are applied by every fellow's own link shaper for the run. Instead of "
+     "an object, a library scenario's name (`\"dtfm-worldwide\"`): `network/NAME.json` beside "
+     "the naming file or its folder, then `exp/configs/network/` (dtfm-datacenter, dtfm-spot, "
+     "dtfm-multi-university, dtfm-regional-us, dtfm-worldwide, home-asymmetric-500-110, "
+     "volunteer-200mbps-80ms, uniform-80mbps; each cites its numbers' source in "
+     "`description`). `swarm predict CONFIG --scenario NAME` predicts a config over one."),
+    ("LinkMatrix (`network_profile.matrix`, `training.network`)", network.LinkMatrix,
+     "Per-pair links. Each cell (stage, replica) sits at a site: `cell_sites[replica][stage]`, "
+     "else `stage_sites[stage]`, else `replica_sites[replica]`, else the sites in order, round "
+     "robin over replica 0's stages, then replica 1's. A link from one cell to another passes "
+     "its site pair's `links[src][dst]` (given one way only: symmetric; not given: `default`, "
+     "an error without one; a site to itself without an entry: unshaped), then the sender's "
+     "site `up_mbps` and the receiver's `down_mbps`, then the fellow's own limits: the "
+     "slowest sets the rate; the pair's latency (and per-frame jitter, uniform +-) adds to "
+     "the profile's. A matrix that does not fit the job's grid is refused at "
+     "`training.network`. The fellows' heartbeats (`peers`) and each cell's run summary "
+     "(`peer_links`) give each pair's settings, bytes and achieved rate; `swarm set-speed "
+     "--fellow-id N --to M` changes the pairs from N to M live."),
+    ("PairLink (`links.SRC.DST`, `default`)", network.PairLink, ""),
+    ("SiteCaps (`sites.NAME`)", network.SiteCaps, ""),
     ("TcProfile (`tc_profile`)", profiles.TcProfile,
      "Kernel shaping through `exp/scripts/setup_netem.sh` / `cleanup_netem.sh` around the run "
      "(`--skip-netem` turns it off). netem delay/loss only where the kernel has netem."),
@@ -166,6 +185,35 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("ScenarioArtifacts (`artifacts`)", suites.ScenarioArtifacts,
      "`dir` ends the names of the scenario's run folders under the suite's output folder "
      "(`-r<repeat>` after it when the suite repeats); unique within the suite."),
+    ("LinkTraceSpec (`network_profile.trace`, `scenarios[].trace`)", traces.LinkTraceSpec,
+     "`file` is a CSV (header row) or NDJSON (an object a line) of `t_s` and any of "
+     "`tx_mbps`, `rx_mbps`, `latency_ms`; `#` lines are comments. A bare name without a "
+     "suffix is looked up under `exp/configs/network/traces/` first, else the path is relative "
+     "to the file naming it. A column the trace leaves out keeps the network profile's value, "
+     "a blank CSV cell the row before's; an NDJSON `null` rate is unlimited. Times are seconds "
+     "since the sweep first saw the run's job RUNNING with a step done; each change is a "
+     "set-speed (the job records it, as `swarm set-speed` is) to every fellow of the job, or "
+     "to the fellows `fellows` names, and a fellow whose reported link differs later (one "
+     "that joined or restarted) is given it again. Looped, the last row's time is the lap. "
+     "Errors are one line: a time not increasing, a negative rate, a missing column, an "
+     "unreadable file. What was sent, planned time beside actual, is the run's "
+     "`trace_timeline.json`."),
+    ("ChurnScript (`sweep.churn`, `scenarios[].churn`)", traces.ChurnScript,
+     "Named by a library name (`exp/configs/network/churn/<name>.json`: `kill-every-120s`, "
+     "`kill-every-15s`) or a path relative to the config. Replayed by `swarm sweep` and "
+     "`swarm suite` against each run's job on the run's clock (as a trace's); kills and joins "
+     "need the fellows' processes, so they run against the local cluster (`swarm "
+     "restart-cluster`) only, and anything else is refused before a run is queued; `leave` "
+     "releases the fellow through the leader, anywhere. A fellow whose restart is still owed "
+     "when the run ends is started then. The realised timeline (planned time, actual time, "
+     "event, target, fellow, outcome) is the run's `churn_timeline.json`, beside "
+     "`metrics_summary.json`'s membership records. `sweep --detach` refuses a sweep with a "
+     "churn script or a trace (the sweep's own process plays them)."),
+    ("ChurnEvent (`events[]`)", traces.ChurnEvent, ""),
+    ("ChurnGenerator (`generator`)", traces.ChurnGenerator,
+     "The same script and seed plan the same timeline (a pure function of them and the "
+     "job's grid); the seed is `seed`, else the run's."),
+    ("SpotTrace (`spot_trace`)", traces.SpotTrace, ""),
 ]
 
 

@@ -32,7 +32,16 @@ from swarm_core.config.grid import (
     grid_cells,
     sync_mode,
 )
+from swarm_core.config.network import LinkMatrix
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
+from swarm_core.config.traces import (
+    LIBRARY,
+    LinkTraceSpec,
+    TraceError,
+    library_or_path,
+    load_churn,
+    resolve_trace,
+)
 from swarm_core.contract import JobSubmit
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
@@ -53,6 +62,9 @@ def _pos(_i: Any, a: attrs.Attribute, v: float | None) -> None:
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+SCENARIO_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _safe_name(_i: Any, a: attrs.Attribute, v: str) -> None:
@@ -93,6 +105,11 @@ class NetworkProfile:
     rx_mbps: float | None = attrs.field(default=None, validator=rate_or_none)
     latency_ms: float = 0.0
     tc_profile: TcProfile | None = None
+    trace: LinkTraceSpec | None = None  # (swarm_core.config.traces: replayed live)
+    # Per-pair links between sites (swarm_core.config.network), under the uniform limits above.
+    matrix: LinkMatrix | None = None
+    # Where the numbers come from (a library scenario cites its sources here).
+    description: str = ""
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.latency_ms <= 60_000:
@@ -117,6 +134,9 @@ class ClusterProfile:
     fellows: int | None = None
     replicas: int = 1
     stages: int | None = None
+    # How micro-batches travel between the replicas of neighbouring stages (a job topology's
+    # ``wiring``): ``chain`` replica r to replica r, ``swarm`` routed by throughput.
+    wiring: Literal["chain", "swarm"] = "chain"
 
     def __attrs_post_init__(self) -> None:
         for name in ("fellows", "stages"):
@@ -151,12 +171,14 @@ class ClusterProfile:
     def num_stages(self) -> int:
         return self.num_fellows // self.replicas
 
-    def topology(self) -> dict[str, int]:
-        """A ``Topology``'s fields for a job of this profile: its fellows and replicas, and
-        its stages where it names them."""
-        topo = {"fellows": self.num_fellows, "replicas": self.replicas}
+    def topology(self) -> dict[str, Any]:
+        """A ``Topology``'s fields for a job of this profile: its fellows and replicas, its
+        stages where it names them, its wiring where it is not the chain."""
+        topo: dict[str, Any] = {"fellows": self.num_fellows, "replicas": self.replicas}
         if self.stages is not None:
             topo["stages"] = self.stages
+        if self.wiring != "chain":
+            topo["wiring"] = self.wiring
         return topo
 
 
@@ -209,6 +231,8 @@ class SweepSpec:
     # the training profile's cluster_profile otherwise).
     stages: list[int] | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
+    # A churn script (swarm_core.config.traces) every run replays: a library name or a path.
+    churn: str | None = None
 
     @property
     def shapes_the_grid(self) -> bool:
@@ -290,6 +314,7 @@ class RunSpec:
     compression: str
     slots_per_fellow: int = 1  # one stage per slot
     replicas: int = 1  # of every stage
+    churn: dict[str, Any] | None = None  # (a ChurnScript, its files made absolute)
 
     @property
     def stages(self) -> int:
@@ -353,6 +378,39 @@ def resolve_ref(base: Path, rel: str, path: Path, field: str) -> Path:
         raise ConfigError(path, f"not a usable path ({exc}): {rel!r}", field) from None
 
 
+def network_library(near: Path) -> list[Path]:
+    """Where a scenario named by name is looked up: ``network/`` beside the naming file and
+    beside its folder (exp/configs/training/x.json names exp/configs/network/), then the
+    library this checkout ships."""
+    return [near.parent / "network", near.parent.parent / "network", LIBRARY]
+
+
+def named_network(value: Any, path: Path, field: str) -> Any:
+    """A network profile as a file names it: an object as given, or a library scenario's name
+    (``"dtfm-worldwide"``) read from ``network/<name>.json``."""
+    if not isinstance(value, str):
+        return value
+    if not SCENARIO_NAME.fullmatch(value):
+        raise ConfigError(path, f"{value!r} is not a scenario name (letters, digits, '_', "
+                          "'-', '.')", field)
+    for folder in network_library(path):
+        candidate = folder / f"{value}.json"
+        if candidate.is_file():
+            return _read_json(candidate, (path, field))
+    raise ConfigError(path, f"no network scenario {value!r} (looked in "
+                      f"{', '.join(str(f) for f in network_library(path))})", field)
+
+
+def load_network_scenario(which: str) -> NetworkProfile:
+    """A network profile by a library scenario's name (``dtfm-worldwide``) or a file's path:
+    what ``swarm predict --scenario`` runs a config over. ConfigError if neither."""
+    path = Path(which)
+    if which.endswith(".json") or os.sep in which:
+        return _structure(_read_json(path), NetworkProfile, path)
+    here = Path.cwd() / "exp" / "configs" / "scenario.json"  # (looked up as a file there would)
+    return _structure(named_network(which, here, "scenario"), NetworkProfile, here)
+
+
 def _structure(data: Any, cls: type, path: Path, root: str = "$") -> Any:
     try:
         return structure(data, cls, root)
@@ -402,8 +460,9 @@ def load_training_profile(path: Path, referenced_from: tuple[Path, str] | None =
     training = _structure(anchor_dataset_paths(rest, path.parent), TrainingConfig, path)
     cluster = _structure(profiles.get("cluster_profile", {}), ClusterProfile, path,
                          "$.cluster_profile")
-    network = _structure(profiles.get("network_profile", {}), NetworkProfile, path,
-                         "$.network_profile")
+    network = _structure(named_network(profiles.get("network_profile", {}), path,
+                                       "$.network_profile"),
+                         NetworkProfile, path, "$.network_profile")
     artifacts = _structure(profiles.get("artifacts", {}), ArtifactsProfile, path,
                            "$.artifacts")
     return TrainingProfile(training, cluster, network, artifacts)
@@ -417,13 +476,16 @@ def load_job_cluster(path: Path) -> ClusterProfile | None:
 
 
 def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
-                 stages: int | None = None, replicas: int | None = None) -> dict[str, int]:
+                 stages: int | None = None, replicas: int | None = None,
+                 wiring: str | None = None) -> dict[str, Any]:
     """The grid a job run from a training profile asks for (a ``Topology``'s fields): its
     cluster profile's fellows and replicas (and stages, where it names them), then what the
     person set. Stages set alone decide the fellows (stages x replicas); fellows set alone
     override the profile's stages; replicas set alone keep the profile's stages where it names
     them (as a sweep's replicas axis does), else its fellows."""
-    topo: dict[str, int] = {} if cluster is None else cluster.topology()
+    topo: dict[str, Any] = {} if cluster is None else cluster.topology()
+    if wiring is not None:
+        topo["wiring"] = wiring
     if stages is not None:
         topo.pop("fellows", None)
         topo["stages"] = stages
@@ -475,12 +537,18 @@ def _apply_profiles(training: dict[str, Any], artifacts: ArtifactsProfile | None
     if network is not None:
         link = network.link
         training["link"] = None if link is None else unstructure(link)
+        training["network"] = None if network.matrix is None else unstructure(network.matrix)
 
 
 def load_experiment(path: Path | str) -> ResolvedExperiment:
     """Load, resolve references and expand the sweep grid into concrete runs."""
     path = Path(path)
     raw = _read_json(path)
+    sweep_raw = raw.get("sweep") if isinstance(raw, dict) else None
+    if isinstance(sweep_raw, dict) and isinstance(sweep_raw.get("network_profiles"), list):
+        sweep_raw["network_profiles"] = [
+            named_network(v, path, f"$.sweep.network_profiles[{i}]")
+            for i, v in enumerate(sweep_raw["network_profiles"])]
     cfg: ExperimentConfig = _structure(raw, ExperimentConfig, path)
     base = path.parent
     tpath = resolve_ref(base, cfg.training_config, path, "$.training_config")
@@ -540,6 +608,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                     else unstructure(network.tc_profile),
                     seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
+    resolve_replays(runs, cfg, path, tpath)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
 
@@ -610,3 +679,33 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:120]
+
+
+def resolve_replays(runs: list[RunSpec], cfg: ExperimentConfig, path: Path,
+                    tpath: Path) -> None:
+    """Each run's link trace and churn script read and checked now (a bad one is an error at
+    validate time, not mid-sweep), their files made absolute: a trace relative to the file
+    that names its network profile, the churn script to the experiment config."""
+    swept = cfg.sweep.network_profiles is not None
+    resolved: dict[str, Any] = {}
+    for run in runs:
+        spec = run.network.get("trace")
+        if spec is not None:
+            name = str(run.network.get("name"))
+            if name not in resolved:
+                names = [n.name for n in cfg.sweep.network_profiles or []]
+                where = (path, f"$.sweep.network_profiles[{names.index(name)}].trace") \
+                    if swept else (tpath, "$.network_profile.trace")
+                try:
+                    done, _ = resolve_trace(structure(spec, LinkTraceSpec), where[0].parent)
+                except (TraceError, SchemaError) as exc:
+                    raise ConfigError(where[0], str(exc), where[1]) from None
+                resolved[name] = unstructure(done)
+            run.network = {**run.network, "trace": resolved[name]}
+    if cfg.sweep.churn is not None:
+        try:
+            script = load_churn(library_or_path(cfg.sweep.churn, "churn", path.parent))
+        except TraceError as exc:
+            raise ConfigError(path, str(exc), "$.sweep.churn") from None
+        for run in runs:
+            run.churn = unstructure(script)

@@ -18,6 +18,7 @@ from swarm_core.config.methods import (
     scaled_sync_form,
     sync_compressions,
 )
+from swarm_core.config.network import LinkMatrix
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, checking
 
@@ -443,6 +444,9 @@ class TrainingConfig:
     shard_push_interval_steps: int = attrs.field(default=0, validator=_nonneg)
     # Link limits every fellow of the job applies for its duration (a sweep's network profile).
     link: LinkLimits | None = None
+    # Per-pair links (a network profile's matrix): each peer link shaped by its site pair,
+    # under the fellow's ``link`` above.
+    network: LinkMatrix | None = None
     # When a fellow dies mid-run: fail the job, or resume from the latest pushed shards on a
     # replacement (the fellows that are still alive keep their stages).
     resume_policy: Literal["fail", "replace"] = "fail"
@@ -513,6 +517,10 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
     if training.stage_weights is not None and len(training.stage_weights) != stages:
         return (f"{len(training.stage_weights)} weights for {stages} stages",
                 "training.stage_weights")
+    if training.network is not None:
+        placed = training.network.shape_error(stages, replicas)
+        if placed is not None:
+            return placed, "training.network"
     if stages > model.n_layers + 2:
         return (f"{stages} stages for {model.n_layers} layers leaves stages with nothing to do",
                 "topology")

@@ -67,9 +67,10 @@ class SpeedSet:
     # An emulated compute slowdown it set (None: left as it was), and True where it left the
     # link as it was (then ``link`` is only the default, not the fellow's link). Both absent
     # from the wire when None: a set-speed of the link alone is the frame it always was.
-    _omit_none: ClassVar[tuple[str, ...]] = ("slowdown", "link_kept")
+    _omit_none: ClassVar[tuple[str, ...]] = ("slowdown", "link_kept", "to_fellow")
     slowdown: float | None = None
     link_kept: bool | None = None
+    to_fellow: int | None = None  # a per-pair set-speed: the links to this fellow only
 
 
 @attrs.frozen

@@ -6,8 +6,23 @@ from __future__ import annotations
 import attrs
 
 from swarm_core.contract.metrics import JobStatusUpdate
-from swarm_core.protocol import ByteCounters, LinkLimits, ReportedStatus
-from swarm_core.validators import MAX_STEPS, max_items, meta, non_negative, step_number, text_field
+from swarm_core.protocol import (
+    MAX_PEER_LINKS,
+    SLOWDOWN_MAX,
+    ByteCounters,
+    LinkLimits,
+    PeerLinkState,
+    ReportedStatus,
+)
+from swarm_core.validators import (
+    MAX_STEPS,
+    bounded,
+    max_items,
+    meta,
+    non_negative,
+    step_number,
+    text_field,
+)
 
 MAX_CELLS = 64  # one per device slot
 MAX_UNREPORTED = 4
@@ -30,6 +45,11 @@ class Heartbeat:
     )
     counters: ByteCounters = attrs.field(factory=ByteCounters)
     link: LinkLimits = attrs.field(factory=LinkLimits)
+    # Its emulated compute slowdown now (swarm_core.pipeline.pace; 1: none), so the leader's
+    # views say which peer is slow on purpose.
+    slowdown: float = attrs.field(default=1.0, validator=bounded(1, SLOWDOWN_MAX),
+                                  metadata=meta("emulated compute slowdown (1: none)",
+                                                minimum=1, maximum=SLOWDOWN_MAX))
     signal_seq: int = attrs.field(
         default=0, validator=non_negative, metadata=meta("last signal applied", minimum=0)
     )
@@ -37,6 +57,9 @@ class Heartbeat:
         factory=list, validator=max_items(MAX_CELLS),
         metadata=meta("the cells this fellow runs now: the leader restarts a cell whose START "
                       "was lost and stops one of a job that is over"))
+    peers: list[PeerLinkState] = attrs.field(
+        factory=list, validator=max_items(MAX_PEER_LINKS),
+        metadata=meta("the links a job's link matrix shapes, per peer cell"))
     unreported: list[UnreportedFinal] = attrs.field(
         factory=list, validator=max_items(MAX_UNREPORTED),
         metadata=meta("final reports the fellow could not deliver (the leader was away longer "

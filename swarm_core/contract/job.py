@@ -52,8 +52,31 @@ class Topology:
     replicas: int = attrs.field(
         default=1, validator=bounded(1, 256), metadata=meta(
             "data-parallel replicas of every stage", minimum=1, maximum=256))
+    # ``chain``: replica r of stage k feeds replica r of stage k+1. ``swarm`` (SWARM
+    # parallelism): each micro-batch goes to a replica of the next stage by the throughput-
+    # weighted rule of swarm_core.pipeline.routing, the gradient back along the same path.
+    wiring: Literal["chain", "swarm"] = attrs.field(default="chain", metadata=meta(
+        "chain: replica r feeds replica r; swarm: micro-batches routed to any replica of the "
+        "next stage, weighted by throughput"))
+    # Per stage, per replica: the throughput a swarm route deals micro-batches by (stage 0's
+    # are its replicas' own shares, whatever they say); absent: equal.
+    route_weights: list[list[float]] | None = attrs.field(default=None, metadata=meta(
+        "swarm wiring: per stage, each replica's relative throughput (default: equal)"))
 
     def __attrs_post_init__(self) -> None:
+        self._check_grid()
+        if not checking() or self.route_weights is None:
+            return
+        if self.wiring != "swarm":
+            raise FieldError("route weights are for wiring swarm", "route_weights")
+        if len(self.route_weights) != self.num_stages or any(
+                len(row) != self.replicas for row in self.route_weights):
+            raise FieldError(f"must be {self.num_stages} lists (stages) of {self.replicas} "
+                             "weights (replicas)", "route_weights")
+        if any(not (w > 0 and w < 1e9) for row in self.route_weights for w in row):
+            raise FieldError("every weight must be a positive number", "route_weights")
+
+    def _check_grid(self) -> None:
         slots, replicas = self.slots_per_fellow, self.replicas
         if self.stages is None:
             self.fellows = self.fellows or 1
@@ -142,6 +165,13 @@ class JobSubmit:
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)
+        train = self.train
+        if checking() and train is not None and self.topology.wiring == "swarm" \
+                and self.topology.replicas > 1 and train.sync.mode != "dp":
+            # (a periodic sync's replicas train apart between syncs; routed micro-batches
+            # would mix them, so their inner steps would not be DiLoCo's)
+            raise FieldError(f"wiring swarm averages each stage group's gradients every "
+                             f"step (sync mode dp), not {train.sync.mode}", "topology")
 
     @property
     def train(self) -> TrainingConfig | None:
@@ -181,6 +211,7 @@ class LinkChange:
     link: LinkLimits | None = None
     at: float = 0.0
     slowdown: float | None = None  # emulated, not measured; None: left as it was
+    to_fellow: int | None = None  # a per-pair set-speed: only the links to this fellow
 
 
 @attrs.define

@@ -13,11 +13,13 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core.contract.membership import MembershipChange
+from swarm_core.protocol import MAX_PEER_LINKS, PeerLinkState
 from swarm_core.schema import FieldError, sparse
 from swarm_core.validators import MAX_BYTES as MAX_BYTES
 from swarm_core.validators import (
     MAX_STEPS,
     bounded,
+    max_items,
     meta,
     non_negative,
     step_number,
@@ -81,6 +83,9 @@ class StageMetrics:
     # Emulated, not measured: the compute slowdown the stage's fellow was told to pad to
     # (swarm_core.pipeline.pace); the step's factor, and the run's largest once COMPLETED.
     slowdown: float | None = _amount("emulated compute slowdown in force (absent: none)")
+    # Swarm wiring: the micro-batches the step's route gave this cell (the run's mean once
+    # COMPLETED); absent under chain wiring, where every cell runs its replica's M.
+    micro_batches: float | None = _amount("swarm wiring: micro-batches routed to this cell")
     # an evaluation
     eval_loss: float | None = None
     perplexity: float | None = _amount()
@@ -97,6 +102,10 @@ class StageMetrics:
     final_loss: float | None = None
     best_loss: float | None = None
     shard_dir: str | None = attrs.field(default=None, validator=text_field(4096))
+    # Per peer, the links a link matrix shaped: settings, bytes and achieved rates (COMPLETED).
+    peer_links: list[PeerLinkState] | None = attrs.field(
+        default=None, validator=attrs.validators.optional(max_items(MAX_PEER_LINKS)),
+        metadata=meta(""))
     # added by the leader: who reported it, and the step of the cell's newest report
     fellow_id: int | None = _amount()
     step: int | None = attrs.field(default=None, validator=step_number, metadata=meta(""))

@@ -8,6 +8,7 @@ slots gets one for each) and the fellow structures the signal's payload back int
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 
@@ -46,6 +47,9 @@ class StageStart:
     # A replica that joins a running job: the membership it joins (it takes its state from
     # the order's donor, at the group's next operation boundary).
     join: RegroupOrder | None = None
+    # How micro-batches travel (the job's topology.wiring) and a swarm route's weights.
+    wiring: Literal["chain", "swarm"] = "chain"
+    route_weights: list[list[float]] | None = None
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)
@@ -61,7 +65,10 @@ class StageStart:
             raise FieldError(f"{self.num_stages} stages, the placement lists {p.num_stages}",
                              "num_stages")
         if self.kind == "train":
-            peers = [self.placement.downstream(self.stage, self.replica)]
+            peers: list[StagePlacement | None] = \
+                [self.placement.downstream(self.stage, self.replica)]
+            if self.wiring == "swarm" and self.stage + 1 < p.num_stages:
+                peers = list(p.group(self.stage + 1))  # (routed: it dials every one of them)
             if p.replicas > 1 and self.join is None:
                 peers.append(self.ring_next)
             for peer in peers:
@@ -128,14 +135,16 @@ def stage_starts(job_id: str, spec: JobSubmit, placement: Placement, key: str, *
     return [StageStart(job_id=job_id, kind=spec.kind, name=spec.name, stage=s.stage,
                        num_stages=placement.num_stages, placement=placement, key=key,
                        model=spec.model, training=spec.training, attempt=attempt,
-                       resume_step=resume_step, replica=s.replica)
+                       resume_step=resume_step, replica=s.replica,
+                       wiring=spec.topology.wiring, route_weights=spec.topology.route_weights)
             for s in placement.stages]
 
 
 def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[str | None],
                  devices: Sequence[str] | None = None, *, job_id: str = "job-local",
                  key: str = "k" * 32, weights: Sequence[float] | None = None,
-                 replicas: int = 1) -> list[StageStart]:
+                 replicas: int = 1, wiring: Literal["chain", "swarm"] = "chain",
+                 route_weights: list[list[float]] | None = None) -> list[StageStart]:
     """The STARTs of a train job whose i-th cell (replica i // stages of stage i % stages)
     runs on fellow i, listening at ``addrs[i]`` on ``devices[i]``: planned and built by the
     leader's own code (for a pipeline run without a leader, and for tests). Layers split
@@ -145,6 +154,7 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
     stages = len(addrs) // replicas
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
-                     topology=Topology(stages=stages, replicas=replicas))
+                     topology=Topology(stages=stages, replicas=replicas, wiring=wiring,
+                                       route_weights=route_weights))
     placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas)
     return stage_starts(job_id, spec, placement, key)

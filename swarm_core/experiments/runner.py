@@ -29,6 +29,7 @@ from swarm_core.artifacts.fetch import FetchError, fetch_export
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
 from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.traces import ChurnScript
 from swarm_core.contract import (
     CodecErrors,
     JobInfo,
@@ -39,6 +40,13 @@ from swarm_core.contract import (
     stage_of_label,
 )
 from swarm_core.contract.metrics import MetricName
+from swarm_core.experiments.replay import (
+    FellowProcesses,
+    ReplayError,
+    check_processes,
+    local_processes,
+    replay_for,
+)
 from swarm_core.experiments.report import link_mbps
 from swarm_core.experiments.summary import MetricsSummary, Threshold, summary_json
 from swarm_core.paths import atomic_write
@@ -53,6 +61,9 @@ from swarm_core.tracking import Tracking, TrackingError, TrackingUnavailable
 from swarm_core.tracking.run_log import TB_DIR, RunLog, open_sinks, settled
 
 TERMINAL = {s.value for s in JobState if s.terminal}
+# How long a run's churn/trace replay may take to wind up once its job has ended (it sees the
+# end within a second; a fellow it owes a restart is started before it returns).
+REPLAY_END_S = 30.0
 SCRIPTS = Path(__file__).resolve().parents[2] / "exp" / "scripts"
 
 
@@ -126,7 +137,8 @@ class Experiment:
                  skip_netem: bool = False, poll_s: float = 1.0,
                  stamp: str | None = None, names: list[str] | None = None,
                  stop_on_failure: bool = False, tracking: Tracking | None = None,
-                 on_update: Callable[[RunState, str | None], None] | None = None) -> None:
+                 on_update: Callable[[RunState, str | None], None] | None = None,
+                 processes: FellowProcesses | None = None) -> None:
         self.client = client
         self.exp = exp
         self.runs_dir = runs_dir or exp.runs_dir
@@ -148,6 +160,9 @@ class Experiment:
         self.on_update = on_update
         self._logs: dict[str, RunLog] = {}  # the tracking of runs that are open
         self._untracked: set[str] = set()  # runs whose tracking failed (said once)
+        # Kills and joins of a churn replay: the local cluster's processes unless given.
+        self.processes = processes
+        self._replays: dict[str, asyncio.Task[None]] = {}  # run id -> its trace/churn replay
 
     @property
     def sequential(self) -> bool:
@@ -160,6 +175,7 @@ class Experiment:
         All or nothing: when the leader refuses a run, the runs queued before it are cancelled
         and ExperimentError says which run and why."""
         self.fellows_at_start = await preflight(self.client, self.exp)
+        self._check_churn()
         try:
             if self._stamp is not None:
                 self._claim_run_dirs(self._stamp)
@@ -211,6 +227,8 @@ class Experiment:
                         _write(st.run_dir / "netem.json", log)
         else:
             await self._monitor(self.states)
+        for task in self._replays.values():  # (a run that never finalized: nothing to play)
+            task.cancel()
         self.close_tracking()
         return self.states
 
@@ -295,10 +313,43 @@ class Experiment:
             self._tracking_failed(st, exc)
 
     # internals -------------------------------------------------------------------------------
+    def _check_churn(self) -> None:
+        """A churn script that kills fellows needs their processes: refused up front where
+        there are none (a remote cluster), before anything is queued."""
+        for st in self.states:
+            if st.spec.churn is None:
+                continue
+            script = structure(st.spec.churn, ChurnScript)
+            if script.kills and self.processes is None:
+                self.processes = local_processes(self.client.base_url)
+            try:
+                check_processes(script, st.spec.run_name, self.client.base_url,
+                                self.processes)
+            except ReplayError as exc:
+                raise ExperimentError(str(exc)) from None
+
     async def _submit(self, st: RunState) -> None:
         job = await self.client.submit(st.spec.job(st.run_id))
         st.job_id, st.state, st.note = job.job_id, job.state, job.waiting_for
         self._write_manifest(st)
+        replay = replay_for(self.client, job.job_id, st.run_dir, st.spec.network,
+                            st.spec.churn, st.spec.seed, self.processes, self.on_line)
+        if replay is not None:
+            self._replays[st.run_id] = asyncio.create_task(replay.run())
+
+    async def _end_replay(self, st: RunState) -> None:
+        """Let the run's replay see its job's end and write its timeline (a fellow it owes
+        a restart is started first); cut off if it takes long."""
+        task = self._replays.pop(st.run_id, None)
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(task, REPLAY_END_S)
+        except TimeoutError:
+            self.on_line(f"{st.run_id}: the churn/trace replay did not end in "
+                         f"{REPLAY_END_S:g} s; cut off")
+        except Exception as exc:  # (the run stands; its replay's failure is said)
+            self.on_line(f"{st.run_id}: the churn/trace replay failed: {exc}")
 
     async def _monitor(self, states: list[RunState]) -> None:
         total = len(self.states)
@@ -392,6 +443,7 @@ class Experiment:
             "run_id": st.run_id, "experiment": self.exp.config.name,
             "job": unstructure(st.spec.job(st.run_id)), "network_profile": st.spec.network,
             "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
+            "churn": st.spec.churn,
             "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
                         "training_profile": self.exp.training_path,
                         "model_profile": st.spec.model_source},
@@ -426,6 +478,7 @@ class Experiment:
 
     async def _finalize(self, st: RunState) -> None:
         assert st.job_id is not None
+        await self._end_replay(st)
         job = await self.client.job(st.job_id)
         records = await self.client.progress(st.job_id)
         progress = [progress_line(r) for r in records]

@@ -33,6 +33,13 @@ from swarm_core.config.profiles import (
     resolve_ref,
 )
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
+from swarm_core.config.traces import (
+    LinkTraceSpec,
+    TraceError,
+    library_or_path,
+    load_churn,
+    resolve_trace,
+)
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.experiments.summary import MetricsSummary
 from swarm_core.paths import atomic_write
@@ -110,6 +117,10 @@ class ScenarioSpec:
     # Fields of SyncConfig over the training profile's ``sync``, so one training profile serves
     # a dp and a DiLoCo scenario; checked against SyncConfig once the profile is read.
     sync: dict[str, Any] | None = None
+    # Replayed live against the scenario's job (swarm_core.config.traces): a churn script and a
+    # link trace, each a library name or a path relative to the suite.
+    churn: str | None = None
+    trace: LinkTraceSpec | None = None
 
 
 @attrs.define
@@ -148,6 +159,8 @@ class ResolvedScenario:
     not_emulated: list[str]
     sources: dict[str, str]
     replicas: int = 1  # of every stage
+    churn: dict[str, Any] | None = None  # (a ChurnScript, its files made absolute)
+    trace: dict[str, Any] | None = None  # (a LinkTraceSpec, its file made absolute)
 
     @property
     def sync_mode(self) -> str:
@@ -224,11 +237,28 @@ def load_suite(path: Path | str) -> ResolvedSuite:
             emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "
                             f"kept in step by {training.sync.mode} (sync compression "
                             f"{training.sync.compression}) over the same shaped links")
+        churn, trace = _replays(sc, path, where)
         scenarios.append(ResolvedScenario(sc, model, training, infra, fellows, stages,
                                           slots.pop(), emulated, missing,
                                           {"model": str(mpath), "training": str(tpath),
-                                           "infra": str(ipath)}, replicas))
+                                           "infra": str(ipath)}, replicas, churn, trace))
     return ResolvedSuite(str(path), spec, scenarios)
+
+
+def _replays(sc: ScenarioSpec, path: Path, where: str
+             ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The scenario's churn script and link trace, read and checked now."""
+    churn = trace = None
+    try:
+        if sc.churn is not None:
+            field = f"{where}.churn"
+            churn = unstructure(load_churn(library_or_path(sc.churn, "churn", path.parent)))
+        if sc.trace is not None:
+            field = f"{where}.trace"
+            trace = unstructure(resolve_trace(sc.trace, path.parent)[0])
+    except TraceError as exc:
+        raise ConfigError(path, str(exc), field) from None
+    return churn, trace
 
 
 def _with_sync(training: TrainingConfig, fields: dict[str, Any], path: Path,
@@ -274,10 +304,11 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
             runs.append(RunSpec(
                 index=len(runs), run_name=name, model=unstructure(sc.model), training=training,
                 fellows=sc.fellows, slots_per_fellow=sc.slots_per_fellow,
-                network={"name": sc.infra.name, **(unstructure(link) if link else {})},
+                network={"name": sc.infra.name, **(unstructure(link) if link else {}),
+                         **({"trace": sc.trace} if sc.trace else {})},
                 tc_profile=None, seed=sc.training.seed, repeat=rep,
                 model_source=sc.sources["model"], compression=sc.model.compression,
-                replicas=sc.replicas))
+                replicas=sc.replicas, churn=sc.churn))
     cfg = ExperimentConfig(name=suite.spec.name, training_config="(per scenario)",
                            model_configs=["(per scenario)"], description=suite.spec.description)
     profile = TrainingProfile(TrainingConfig(), *_dummy_profiles())
@@ -317,6 +348,7 @@ def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, An
             "model": unstructure(sc.model), "training": unstructure(sc.training),
             "infra": unstructure(sc.infra), "emulated": sc.emulated,
             "not_emulated": sc.not_emulated, "sources": sc.sources,
+            "churn": sc.churn, "trace": sc.trace,
             "topology_ok": ok,
             "topology_note": "" if ok else
             f"needs {sc.fellows} active fellow(s){slots}, the leader has {len(able or [])}",

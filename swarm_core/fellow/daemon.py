@@ -43,6 +43,7 @@ from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.pace import Pace
+from swarm_core.pipeline.peers import peer_states
 from swarm_core.protocol import (
     ByteCounters,
     FellowStatus,
@@ -305,6 +306,7 @@ class FellowDaemon:
             running=[CellRef(job_id=k[0], stage=k[1], replica=k[2], attempt=p.attempt)
                      for k, (t, p) in self.stages.items() if not t.done()],
             unreported=list(self.unreported),
+            peers=peer_states(self.shaper), slowdown=self.pace.slowdown,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -391,10 +393,17 @@ class FellowDaemon:
     def _set_speed(self, payload: dict[str, Any]) -> None:
         """A SET_SPEED: its link fields, if it names any, and its slowdown, if it names one
         (a leader's slowdown-only set-speed leaves the link as it is)."""
-        link = {k: v for k, v in payload.items() if k != "slowdown"}
+        link = {k: v for k, v in payload.items() if k not in ("slowdown", "to")}
         slowdown = payload.get("slowdown")
-        if slowdown is not None:  # (checked before the link is applied: all or nothing)
-            slowdown = structure(payload, SetSpeedRequest).slowdown
+        if slowdown is not None or "to" in payload:  # (checked whole first: all or nothing)
+            req = structure(payload, SetSpeedRequest)
+            slowdown = req.slowdown
+            if req.to is not None:
+                # Per pair: the links to that fellow's cells, not the fellow's own limits.
+                limits = structure(link, LinkLimits)
+                for pair in self.shaper.pairs_to(req.to):
+                    pair.apply(limits)
+                return
         if link or slowdown is None:
             self.links.set_speed(structure(link, LinkLimits))
         if slowdown is not None:

@@ -36,6 +36,7 @@ from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
 from swarm_core.pipeline.devices import DeviceError, resolve_device
+from swarm_core.pipeline.peers import cell_label
 from swarm_core.pipeline.stage import (
     ResumeError,
     StageCheckpoint,
@@ -269,6 +270,11 @@ class TrainJob:
             if self.training.link is not None:
                 # Whatever happened, the fellow's own limits come back for the next job.
                 links.release()
+            if self.ctx.shaper is not None and self.training.network is not None:
+                # (the run's summary kept what its pairs moved; set-speed --to and the
+                # heartbeat stop naming them)
+                self.ctx.shaper.forget(self.start.job_id,
+                                       cell_label(self.start.stage, self.start.replica))
         metrics = result.metrics
         metrics.shard_dir = str(self.checkpointer.root)
         await self.reporter.completed(self.training.steps, metrics)

@@ -522,7 +522,7 @@ class JobQueue:
         return receipt
 
     def link_set(self, fellow: FellowRecord, link: LinkLimits | None,
-                 slowdown: float | None = None) -> str | None:
+                 slowdown: float | None = None, to_fellow: int | None = None) -> str | None:
         """Note a set-speed in the running job of ``fellow``, if it runs one: the fellow applies
         it at once, so the job's record says from which step its link (None: unchanged) or its
         emulated slowdown changed. Returns that job's id."""
@@ -534,7 +534,8 @@ class JobQueue:
                                                          job.link_changes_total) + 1
             job.link_changes.append(LinkChange(at_step=job.last_step,
                                                fellow_id=fellow.fellow_id, link=link,
-                                               at=time.time(), slowdown=slowdown))
+                                               at=time.time(), slowdown=slowdown,
+                                               to_fellow=to_fellow))
             # A script setting speeds in a loop must not grow the record without end. The
             # first change stays: it is the step from which the run left its network profile.
             excess = len(job.link_changes) - MAX_LINK_CHANGES

@@ -18,6 +18,7 @@ from swarm_core.protocol import (
     FellowStatus,
     LinkLimits,
     NodeInfo,
+    PeerLinkState,
     RegisterRequest,
     Signal,
     SignalKind,
@@ -60,6 +61,8 @@ class FellowRecord:
     pending: list[Signal] = attrs.field(factory=list, metadata={"transient": True})
     # The cells its last heartbeat said it runs (what the leader reconciles its jobs with).
     running: list[CellRef] = attrs.field(factory=list, metadata={"transient": True})
+    peers: list[PeerLinkState] = attrs.field(factory=list, metadata={"transient": True})
+    slowdown: float = attrs.field(default=1.0, metadata={"transient": True})
     wakeup: asyncio.Event = attrs.field(factory=asyncio.Event, metadata={"transient": True})
 
     def status(self, now: float, stale_after: float) -> FellowStatus:
@@ -154,6 +157,7 @@ class FellowRegistry:
             registered_at=rec.registered_at, last_heartbeat=rec.last_heartbeat,
             heartbeat_age_s=None if rec.last_seen is None else round(now_mono - rec.last_seen, 3),
             note=self.note(rec, now_mono), data_addrs=list(rec.data_addrs),
+            peers=list(rec.peers), slowdown=rec.slowdown,
         )
 
     def note(self, rec: FellowRecord, now_mono: float) -> str:
@@ -162,6 +166,8 @@ class FellowRegistry:
         for name, mbps in (("tx", rec.link.tx_mbps), ("rx", rec.link.rx_mbps)):
             if mbps is not None and mbps < THROTTLED_MBPS:
                 notes.append(f"throttled link: {name} {mbps:g} Mbit/s")
+        if rec.slowdown > 1.0:  # (slow on purpose: a peer emulating a slower machine)
+            notes.append(f"slowed {rec.slowdown:g}x (emulated)")
         if rec.reported_status is FellowStatus.BUSY and rec.step_changed is not None \
                 and now_mono - rec.step_changed > STUCK_AFTER_S:
             notes.append(f"no new step for {now_mono - rec.step_changed:.0f}s "
@@ -226,7 +232,7 @@ class FellowRegistry:
         """Apply a heartbeat; returns the status before it (to spot transitions)."""
         now_mono = time.monotonic()
         before = self.status(rec, now_mono)
-        rec_link_before = rec.link
+        rec_link_before, slowdown_before = rec.link, rec.slowdown
         if hb.current_step != rec.current_step or rec.step_changed is None \
                 or hb.status != FellowStatus.BUSY:
             rec.step_changed = now_mono
@@ -237,9 +243,12 @@ class FellowRegistry:
         rec.last_seen, rec.last_heartbeat = now_mono, time.time()
         rec.last_beat = now_mono
         rec.running = list(hb.running)
+        rec.peers = list(hb.peers)
+        rec.slowdown = hb.slowdown
         # Signals up to the fellow's signal_seq are applied; forget them.
         rec.pending = [s for s in rec.pending if s.seq > hb.signal_seq]
-        if rec.reported_status != before or hb.link != rec_link_before:
+        if rec.reported_status != before or hb.link != rec_link_before \
+                or hb.slowdown != slowdown_before:
             self.dirty.add(rec.fellow_id)
         else:
             self.telemetry_dirty.add(rec.fellow_id)

@@ -37,6 +37,7 @@ from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
 from swarm_core.leader.openapi import INT_PATH_PARAMS
+from swarm_core.leader.registry import FellowRecord
 from swarm_core.leader.state import LeaderState
 from swarm_core.protocol import (
     API_PREFIX,
@@ -223,17 +224,37 @@ async def set_speed(request: web.Request) -> web.Response:
     req = structure(body, SetSpeedRequest)
     if st.registry.status(rec).left:
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
+    if req.to is not None:
+        _check_pair(st, rec, req)
     limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms) \
         if req.link_given(body) else None  # (a slowdown alone leaves the link as it is)
     link = unstructure(limits) if limits is not None else None
     # (first: a record the store refuses sends nothing)
-    job_id = st.jobs.link_set(rec, limits, req.slowdown)
-    payload = {**(link or {}), **({"slowdown": req.slowdown} if req.slowdown else {})}
+    job_id = st.jobs.link_set(rec, limits, req.slowdown, to_fellow=req.to)
+    payload = {**(link or {}), **({"slowdown": req.slowdown} if req.slowdown else {}),
+               **({"to": req.to} if req.to is not None else {})}
     sig = st.registry.send(rec, "SET_SPEED", None, payload)
     st.hub.publish(SpeedSet(rec.fellow_id, job_id, limits or LinkLimits(),
-                            slowdown=req.slowdown, link_kept=True if limits is None else None))
+                            slowdown=req.slowdown, link_kept=True if limits is None else None,
+                            to_fellow=req.to))
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
                "slowdown": req.slowdown, "job_id": job_id}, status=202)
+
+
+def _check_pair(st: LeaderState, rec: FellowRecord, req: SetSpeedRequest) -> None:
+    """A per-pair set-speed names a peer this fellow has a shaped pair link to now (its last
+    heartbeat lists them) and sets a link, not a slowdown: else it would change nothing."""
+    if req.slowdown is not None:
+        raise ApiError(400, "a slowdown is the fellow's own, not a pair's: leave out 'to' or "
+                            "'slowdown'", field="$.to")
+    assert req.to is not None
+    peer = st.registry.get(req.to)  # (404 for an unknown fellow)
+    if peer.fellow_id == rec.fellow_id:
+        raise ApiError(400, f"fellow {rec.fellow_id} has no link to itself", field="$.to")
+    if not any(p.peer_fellow == peer.fellow_id for p in rec.peers):
+        raise ApiError(409, f"fellow {rec.fellow_id} has no link to fellow {peer.fellow_id} "
+                            "that a link matrix shapes (a per-pair set-speed needs a running "
+                            "job with a network matrix)", code="no_pair_link")
 
 
 async def release(request: web.Request) -> web.Response:

@@ -38,6 +38,7 @@ NONCE = 16
 MAC = 32  # HMAC-SHA256
 HELLO_MAX = 8 + NONCE + MAC  # the largest of the three payloads, with margin
 RING = 1 << 31  # marks the ``who`` of a stage group's ring link
+ROUTE = 1 << 30  # marks the ``who`` of a swarm-wired link to another replica's next stage
 
 
 class HandshakeError(Exception):
@@ -49,12 +50,15 @@ class HandshakeError(Exception):
         self.proof = proof
 
 
-def who(stage: int, replica: int | None = None) -> bytes:
+def who(stage: int, replica: int | None = None, route: bool = False) -> bytes:
     """Who dials and what for: the dialing stage (the upstream neighbour of the stage it
-    dials), or, with ``replica``, that replica of ``stage`` on its group's ring."""
+    dials), or, with ``replica``, that replica of ``stage`` on its group's ring, or (with
+    ``route``) that replica of ``stage`` dialling a replica of the next stage other than its
+    own chain's (swarm wiring)."""
     if replica is None:
         return stage.to_bytes(4, "little")
-    return (stage | RING).to_bytes(4, "little") + replica.to_bytes(4, "little")
+    return (stage | (ROUTE if route else RING)).to_bytes(4, "little") + \
+        replica.to_bytes(4, "little")
 
 
 def _mac(key: str, role: bytes, job: int, caller: bytes, nonce_d: bytes, nonce_l: bytes

@@ -19,7 +19,7 @@ import attrs
 
 from swarm_core.pipeline import handshake
 from swarm_core.pipeline.frames import DATA_KINDS, DEFAULT_MAX_PAYLOAD, Kind
-from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.links import Shaping
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.transport import Liveness, PeerLink
@@ -34,9 +34,10 @@ class Expected:
     role: str
     stage: int
     replica: int | None
-    shaper: LinkShaper
+    shaper: Shaping
     max_payload: int = DEFAULT_MAX_PAYLOAD
     receives: Collection[Kind] = DATA_KINDS
+    route: bool = False  # a swarm-wired upstream of another replica's chain
 
     @property
     def name(self) -> str:
@@ -70,7 +71,7 @@ class DataListener:
     def addr(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def accept(self, key: str, stage: int, job: int, shaper: LinkShaper,
+    def accept(self, key: str, stage: int, job: int, shaper: Shaping,
                timeout: float, abort: threading.Event | None = None,
                max_payload: int = DEFAULT_MAX_PAYLOAD,
                receives: Collection[Kind] = DATA_KINDS,
@@ -93,7 +94,7 @@ class DataListener:
         from swarm_core.pipeline.transport import LinkAborted, PeerLink, PeerTimeout, blaming
 
         deadline = time.monotonic() + timeout
-        waiting = {handshake.who(e.stage, e.replica): e for e in expected}
+        waiting = {handshake.who(e.stage, e.replica, e.route): e for e in expected}
         wanted = frozenset(waiting)
         links: dict[str, PeerLink] = {}
         done: queue.Queue[tuple[socket.socket, tuple, bytes | None]] = queue.Queue()

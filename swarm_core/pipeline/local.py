@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import chain_starts
@@ -103,7 +103,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        on_step: Callable[[int, StepReport], None] | None = None,
                        timeout: float = 60.0,
                        replicas: int = 1,
-                       coordinator: LocalCoordinator | None = None
+                       coordinator: LocalCoordinator | None = None,
+                       wiring: Literal["chain", "swarm"] = "chain",
+                       route_weights: list[list[float]] | None = None
                        ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
     end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
@@ -119,7 +121,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
 
     Each cell is a fellow of its own, and its START is built as the leader builds one.
     With ``coordinator`` (replicas), a cell that fails does not stop the others: its replica
-    leaves, and the other replicas go on (a dropped cell's result is its StageDropped)."""
+    leaves, and the other replicas go on (a dropped cell's result is its StageDropped).
+    ``wiring`` and ``route_weights``: the job topology's (swarm wiring routes micro-batches
+    to any replica of the next stage)."""
     cells = num_stages * replicas
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:
@@ -131,7 +135,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     results: dict[int, Any] = {}
     stop = stop or threading.Event()
     starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
-                          replicas=replicas)
+                          replicas=replicas, wiring=wiring, route_weights=route_weights)
 
     def go(s: int) -> None:
         spec = StageSpec.from_start(starts[s])

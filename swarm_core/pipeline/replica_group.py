@@ -22,9 +22,10 @@ import torch
 
 from swarm_core.contract.membership import RegroupOrder, RegroupReport
 from swarm_core.pipeline.frames import Kind, job_tag
-from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.links import LinkShaper, PairShaper
 from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.optim import load_optimizer_arrays, optimizer_arrays
+from swarm_core.pipeline.peers import peer_shaper
 from swarm_core.pipeline.ring import STATE_ROUND, RingBroken
 from swarm_core.pipeline.syncs import GroupSync, Synced, make_sync
 from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
@@ -70,8 +71,8 @@ def open_ring(spec: StageSpec, members: list[int], epoch: int, shaper: LinkShape
     tag = ring_tag(spec.job_id, epoch)
     pulse = spec.training.frame_timeout_s / 4
 
-    def shaping(replica: int) -> LinkShaper:
-        return LinkShaper() if spec.group_local[replica] else shaper
+    def shaping(replica: int) -> LinkShaper | PairShaper:
+        return peer_shaper(spec, shaper, spec.stage, replica, spec.group_local[replica])
 
     assert listener is not None
     accepted: dict[str, Any] = {}

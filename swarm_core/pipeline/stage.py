@@ -44,6 +44,7 @@ from swarm_core.pipeline.optim import (
     split_outer,
 )
 from swarm_core.pipeline.pace import Pace
+from swarm_core.pipeline.peers import cell_label, peer_shaper, peer_states
 from swarm_core.pipeline.replica_group import (
     STUCK_AFTER,
     Coordinator,
@@ -51,6 +52,7 @@ from swarm_core.pipeline.replica_group import (
     plus,
 )
 from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
+from swarm_core.pipeline.routing import RoutedStep, route_plan
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.syncs import GroupSync
 from swarm_core.pipeline.transport import Liveness, PeerLink, connect
@@ -110,6 +112,8 @@ class StepReport:
     # and the seconds its padding slept (part of ``seconds``).
     slowdown: float | None = None
     padded_seconds: float = 0.0
+    # Swarm wiring: the step's micro-batches the route gave this cell (None: a chain's M).
+    micro_batches: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -121,7 +125,9 @@ class StepReport:
                             lr=self.lr, activation_peak_bytes=self.activation_peak_bytes,
                             wait_seconds=self.wait_seconds, codec_error=self.codec_error,
                             sync_tx_bytes=self.sync_tx_bytes, sync_seconds=self.sync_seconds,
-                            slowdown=self.slowdown)
+                            slowdown=self.slowdown,
+                            micro_batches=None if self.micro_batches is None
+                            else float(self.micro_batches))
 
     @property
     def wait_fraction(self) -> float:
@@ -196,6 +202,21 @@ class StageSpec:
     group_addrs: tuple[str | None, ...] = ()
     group_local: tuple[bool, ...] = ()
     join: RegroupOrder | None = None  # it joins a running group (see StageStart.join)
+    # The fellow of every cell, in placement order (replica 0's stages, then replica 1's):
+    # whom a link matrix's pair shaper names as the peer (``swarm set-speed --to``).
+    cell_fellows: tuple[int, ...] = ()
+    # Swarm wiring (``routed``): micro-batches go to any replica of the next stage by the
+    # step's route plan (swarm_core.pipeline.routing), over a link to each of them; where
+    # each replica of the next stage listens, and which replicas either side run here.
+    wiring: str = "chain"
+    route_weights: list[list[float]] | None = None
+    down_addrs: tuple[str | None, ...] = ()
+    down_local: tuple[bool, ...] = ()
+    up_local: tuple[bool, ...] = ()
+
+    @property
+    def routed(self) -> bool:
+        return self.wiring == "swarm" and self.replicas > 1
 
     @property
     def reads_tokens(self) -> bool:
@@ -234,7 +255,63 @@ class StageSpec:
                    ring_next_addr=None if ring_next is None else ring_next.data_addr,
                    local_ring=start.local_ring,
                    group_addrs=group_addrs, group_local=group_local,
-                   join=start.join)
+                   join=start.join,
+                   cell_fellows=tuple(c.fellow_id for c in start.placement.stages),
+                   wiring=start.wiring, route_weights=start.route_weights,
+                   **_neighbour_groups(start))
+
+
+def chain_sq_sum(local: float, up: PeerLink | None, down: PeerLink | None, step: int,
+                 timeout: float) -> float:
+    """A chain's sum of ``local`` over its stages: up the pipe (each stage adds its own to
+    what came from below), then the total back down."""
+    below = 0.0 if down is None else down.recv_float(Kind.NORM, step, 0, timeout)
+    if up is None:
+        total = local + below
+    else:
+        up.send_float(Kind.NORM, step, 0, local + below)
+        total = up.recv_float(Kind.NORM, step, 1, timeout)
+    if down is not None:
+        down.send_float(Kind.NORM, step, 1, total)
+    return total
+
+
+Tokens = tuple[torch.Tensor, ...] | dict[int, torch.Tensor]
+
+
+def step_tokens(spec: StageSpec, data: TokenData, step: int, route: RoutedStep | None,
+                device: torch.device) -> tuple[Tokens, Tokens]:
+    """A step's token ids by micro-batch, on ``device``, where the stage reads them: inputs
+    on the first stage (every stage, where the boundary recomputes E(tokens)), targets on the
+    last; the stages between read none. Replica r takes the r-th share of the step's windows,
+    so the group together trains on the whole batch; a routed cell (swarm wiring) may run any
+    replica's micro-batches, so it takes those its route gives it, by global index."""
+    t, m = spec.training, spec.training.micro_batches
+    first, last = spec.stage == 0, spec.stage == spec.num_stages - 1
+    inputs = first or spec.model.compression_spec.every_stage_reads_tokens
+    if not spec.reads_tokens:
+        return (), ()
+    x, y = data.batch(step, t.batch_size, spec.model.seq_len, t.seed)
+    if route is not None:
+        return ({g: c.to(device) for g, c in route.pieces(x, spec.replicas, m).items()}
+                if inputs else {},
+                {g: c.to(device) for g, c in route.pieces(y, spec.replicas, m).items()}
+                if last else {})
+    if spec.replicas > 1:
+        share = slice(spec.replica * spec.local_batch, (spec.replica + 1) * spec.local_batch)
+        x, y = x[share], y[share]
+    return (x.to(device).chunk(m) if inputs else (), y.to(device).chunk(m) if last else ())
+
+
+def _neighbour_groups(start: StageStart) -> dict[str, tuple[Any, ...]]:
+    """Every replica of the stages either side, as swarm wiring links to them: where those
+    of the next stage listen, and which of either run in this cell's fellow."""
+    p, mine = start.placement, start.mine
+    after = p.group(start.stage + 1) if start.stage + 1 < p.num_stages else []
+    before = p.group(start.stage - 1) if start.stage > 0 else []
+    return {"down_addrs": tuple(c.data_addr for c in after),
+            "down_local": tuple(p.same_fellow(mine, c) for c in after),
+            "up_local": tuple(p.same_fellow(mine, c) for c in before)}
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:
@@ -257,9 +334,14 @@ class StageLinks:
     down: PeerLink | None = None
     ring_next: PeerLink | None = None
     ring_prev: PeerLink | None = None
+    # Swarm wiring: the links to and from the other replicas of the stages either side (by
+    # replica; a cell's own chain's are ``up`` and ``down``).
+    ups: dict[int, PeerLink] = attrs.field(factory=dict)
+    downs: dict[int, PeerLink] = attrs.field(factory=dict)
 
     def all(self) -> list[PeerLink]:
-        return [x for x in (self.up, self.down, self.ring_next, self.ring_prev) if x is not None]
+        return [x for x in (self.up, self.down, self.ring_next, self.ring_prev,
+                            *self.ups.values(), *self.downs.values()) if x is not None]
 
     def close(self) -> None:
         for link in self.all():
@@ -286,16 +368,7 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     links = StageLinks()
     ringed = spec.replicas > 1 and spec.join is None  # (a joiner rings the members later)
 
-    def shaping(local: bool) -> LinkShaper:
-        return LinkShaper() if local else shaper
-
-    expected = []
-    if spec.stage > 0:
-        expected.append(Expected("up", spec.stage - 1, None, shaping(spec.local_up), limit,
-                                 (Kind.ACT, Kind.NORM)))
-    if ringed:
-        expected.append(Expected("ring", spec.stage, (spec.replica - 1) % spec.replicas,
-                                 shaping(spec.local_ring), receives=(Kind.SYNC,)))
+    expected = _expected(spec, shaper, limit, ringed)
     # The listener answers handshakes while this stage dials: both ends of a handshake prove
     # the key, so a ring's replicas dialling each other would otherwise wait on each other.
     accepted: dict[str, Any] = {}
@@ -314,19 +387,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     if expected:
         acceptor.start()
     try:
-        if spec.stage < spec.num_stages - 1:
-            assert spec.downstream_addr is not None
-            links.down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
-                                 shaping(spec.local_down), timeout, abort=stop,
-                                 max_payload=limit, receives=(Kind.GRAD, Kind.NORM),
-                                 pulse_s=pulse, liveness=liveness)
-        if ringed:
-            assert spec.ring_next_addr is not None
-            nxt = (spec.replica + 1) % spec.replicas
-            links.ring_next = connect(spec.ring_next_addr, spec.key, spec.stage, tag,
-                                      shaping(spec.local_ring), timeout, abort=stop,
-                                      receives=(), pulse_s=pulse, liveness=liveness,
-                                      ring=(spec.replica, nxt))
+        _dial(spec, shaper, links, ringed, tag, limit,
+              dict(timeout=timeout, abort=stop, pulse_s=pulse, liveness=liveness))
     except BaseException:
         cancel.set()
         raise
@@ -335,11 +397,63 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
             acceptor.join()
             got = accepted.get("links") or {}
             links.up, links.ring_prev = got.get("up"), got.get("ring")
+            links.ups = {r: got[f"route{r}"] for r in range(spec.replicas)
+                         if f"route{r}" in got}
             if "error" in accepted or cancel.is_set():
                 links.close()
     if "error" in accepted:
         raise accepted["error"]
     return links
+
+
+def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool) -> list[Expected]:
+    """The peers a stage takes the dials of: the stage before (its chain's, and with swarm
+    wiring every other replica of it) and the previous replica on its group's ring."""
+    expected = []
+    if spec.stage > 0:
+        expected.append(Expected("up", spec.stage - 1, None,
+                                 peer_shaper(spec, shaper, spec.stage - 1, spec.replica,
+                                             spec.local_up),
+                                 limit, (Kind.ACT, Kind.NORM)))
+    if ringed:
+        prev = (spec.replica - 1) % spec.replicas
+        expected.append(Expected("ring", spec.stage, prev,
+                                 peer_shaper(spec, shaper, spec.stage, prev, spec.local_ring),
+                                 receives=(Kind.SYNC,)))
+    if spec.routed and spec.stage > 0:
+        for r in range(spec.replicas):
+            if r != spec.replica:  # (its own chain's is "up" above)
+                expected.append(Expected(f"route{r}", spec.stage - 1, r,
+                                         peer_shaper(spec, shaper, spec.stage - 1, r,
+                                                     spec.up_local[r]),
+                                         limit, (Kind.ACT,), route=True))
+    return expected
+
+
+def _dial(spec: StageSpec, shaper: LinkShaper, links: StageLinks, ringed: bool, tag: int,
+          limit: int, common: dict[str, Any]) -> None:
+    """Dial the next stage (its chain's, and with swarm wiring every other replica of it)
+    and the next replica on the group's ring, into ``links``."""
+    if spec.stage < spec.num_stages - 1:
+        assert spec.downstream_addr is not None
+        links.down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
+                             peer_shaper(spec, shaper, spec.stage + 1, spec.replica,
+                                         spec.local_down),
+                             max_payload=limit, receives=(Kind.GRAD, Kind.NORM), **common)
+        for r, addr in enumerate(spec.down_addrs if spec.routed else ()):
+            if r != spec.replica:
+                assert addr is not None
+                links.downs[r] = connect(
+                    addr, spec.key, spec.stage, tag,
+                    peer_shaper(spec, shaper, spec.stage + 1, r, spec.down_local[r]),
+                    max_payload=limit, receives=(Kind.GRAD,), route=(spec.replica, r),
+                    **common)
+    if ringed:
+        assert spec.ring_next_addr is not None
+        nxt = (spec.replica + 1) % spec.replicas
+        links.ring_next = connect(spec.ring_next_addr, spec.key, spec.stage, tag,
+                                  peer_shaper(spec, shaper, spec.stage, nxt, spec.local_ring),
+                                  receives=(), ring=(spec.replica, nxt), **common)
 
 
 class _LinkOpener:
@@ -392,8 +506,9 @@ class _Step:
     """What one training step holds while its micro-batches run."""
 
     step: int
-    xs: tuple[torch.Tensor, ...]
-    ys: tuple[torch.Tensor, ...]
+    # Token ids by micro-batch: the replica's share in order, or (routed) by global index.
+    xs: tuple[torch.Tensor, ...] | dict[int, torch.Tensor]
+    ys: tuple[torch.Tensor, ...] | dict[int, torch.Tensor]
     metered: bool
     inputs: dict[int, torch.Tensor] = attrs.field(factory=dict)
     outputs: dict[int, torch.Tensor] = attrs.field(factory=dict)
@@ -405,6 +520,8 @@ class _Step:
     # frames from downstream say so): see StageRunner._chain_heard.
     heard: bool = False
     chain_heard: bool = False
+    # Swarm wiring: the step's route, as this cell runs it (None: a chain).
+    route: RoutedStep | None = None
 
 
 class StageRunner:
@@ -432,8 +549,9 @@ class StageRunner:
         self.last_backward = max(n for n, (op, _i) in enumerate(self.ops) if op != "F")
         # Split backward only where it pays (see hurried_backwards): none on the first stage of
         # GPipe, whose Linears then stay plain.
+        # (swarm wiring's ops change every step: its W passes run with their B passes)
         self.hurried = hurried_backwards(self.ops, self.first) \
-            if t.split_backward and spec.num_stages > 1 else frozenset()
+            if t.split_backward and spec.num_stages > 1 and not spec.routed else frozenset()
         self.wgrad: WeightGradQueue | None = None
         if self.hurried:
             self.wgrad = WeightGradQueue(self.meter)
@@ -486,13 +604,19 @@ class StageRunner:
     def leads(self) -> bool:
         return self.group.leads
 
+    def _pipe_links(self) -> list[PeerLink]:
+        """The links of the pipeline (not the group's ring): the chain's, and swarm wiring's
+        to the other replicas either side."""
+        return [x for x in (self.up, self.down, *self.links.ups.values(),
+                            *self.links.downs.values()) if x is not None]
+
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
-        return sum(link.sent for link in (self.up, self.down) if link is not None)
+        return sum(link.sent for link in self._pipe_links())
 
     def waited(self) -> float:
         """Seconds this stage has spent blocked on its links."""
-        return sum(link.waited for link in (self.up, self.down) if link is not None)
+        return sum(link.waited for link in self._pipe_links())
 
     def close(self) -> None:
         self.group.shut()
@@ -512,14 +636,16 @@ class StageRunner:
         set_lr(self.opt, lr)
         self.module.train()
         st = self._begin(step)
+        ops = self.ops if st.route is None else st.route.ops()
+        last_backward = self.last_backward if st.route is None else len(ops) - 1
         slowdown, padded = None, 0.0
-        for n, (op, i) in enumerate(self.ops):
+        for n, (op, i) in enumerate(ops):
             self._check_stop()
             op_t0, op_wait0 = time.perf_counter(), self.waited()
             if op == "F":
                 self._forward(st, i)
             else:
-                if n == self.last_backward and self.sync is not None and self.wgrad is None:
+                if n == last_backward and self.sync is not None and self.wgrad is None:
                     # (deferred W passes would add to gradients the ring already took)
                     self.sync.arm(step, t.frame_timeout_s)
                 self._backward(st, i)
@@ -531,8 +657,12 @@ class StageRunner:
                 padded += self.pace.pad(max(0.0, compute), self.stop, self._check_stop)
         sync_bytes, sync_s = self._finish(step, self._chain_heard(st))
         seconds = time.perf_counter() - t0
+        ran = None if st.route is None else len(st.route.mine)
+        windows = self.spec.local_batch if ran is None \
+            else ran * self.spec.local_batch // t.micro_batches
         return StepReport(step=step + 1, loss=st.loss_sum if self.last else None,
-                          seconds=seconds, tokens=self.spec.local_batch * self.spec.model.seq_len,
+                          seconds=seconds, tokens=windows * self.spec.model.seq_len,
+                          micro_batches=ran,
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
                           activation_peak_bytes=self.meter.peak,
                           wait_seconds=self.waited() - wait0, codec_error=st.errors,
@@ -544,20 +674,10 @@ class StageRunner:
         that did not finish (no pending weight passes, no gradients half accumulated)."""
         spec, t = self.spec, self.spec.training
         m = t.micro_batches
-        # Token ids go to the device of the stage that reads them: inputs first, targets last
-        # (the stages between read none, and may hold no tokens at all). Replica r takes the
-        # r-th share of the step's windows, so the group together trains on the whole batch.
-        xs: tuple[torch.Tensor, ...] = ()
-        ys: tuple[torch.Tensor, ...] = ()
-        if spec.reads_tokens:
-            x, y = self.data.batch(step, t.batch_size, spec.model.seq_len, t.seed)
-            if spec.replicas > 1:
-                share = slice(spec.replica * spec.local_batch,
-                              (spec.replica + 1) * spec.local_batch)
-                x, y = x[share], y[share]
-            xs = x.to(self.device).chunk(m) \
-                if self.first or spec.model.compression_spec.every_stage_reads_tokens else ()
-            ys = y.to(self.device).chunk(m) if self.last else ()
+        route = RoutedStep(route_plan(t.seed, step, spec.num_stages, spec.replicas, m,
+                                      spec.route_weights), spec.stage, spec.replica, m) \
+            if spec.routed else None
+        xs, ys = step_tokens(spec, self.data, step, route, self.device)
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
         if metered:
             self.meter.start_step()
@@ -566,17 +686,28 @@ class StageRunner:
         if self.wgrad is not None:
             self.wgrad.clear()
             self.wgrad.meter = self.meter if metered else None
-        return _Step(step, xs, ys, metered, heard=bool(self.group.told()))
+        return _Step(step, xs, ys, metered, heard=bool(self.group.told()), route=route)
+
+    def _link(self, st: _Step, g: int, up: bool) -> PeerLink | None:
+        """The link micro-batch ``g`` comes in on (``up``) or leaves by: its chain's, or
+        (routed) that to the replica either side the step's route gives it."""
+        chain = self.up if up else self.down
+        if st.route is None or (self.first if up else self.last):
+            return chain
+        r = st.route.neighbour(g, up)
+        return chain if r == self.spec.replica else (self.links.ups if up
+                                                     else self.links.downs)[r]
 
     def _forward(self, st: _Step, i: int) -> None:
         t, wq = self.spec.training, self.wgrad
         if self.first:
             inp = st.xs[i]
         else:
-            assert self.up is not None
-            self._fill_wait(self.up, Kind.ACT)
-            head, inp = self.up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s,
-                                            self.device, self.frame_shape, codec=self.act_in)
+            up = self._link(st, i, up=True)
+            assert up is not None
+            self._fill_wait(up, Kind.ACT)
+            head, inp = up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s,
+                                       self.device, self.frame_shape, codec=self.act_in)
             st.heard |= bool(head.flags & FLAG_HEARD)
             inp.requires_grad_(True)
             st.inputs[i] = inp
@@ -591,10 +722,11 @@ class StageRunner:
             st.loss_sum += float(loss.detach())
             st.outputs[i] = loss
             return
-        assert self.down is not None
-        bufs = self._send(self.down, Kind.ACT, st.step, i, out, self.act_out,
+        down = self._link(st, i, up=False)
+        assert down is not None
+        bufs = self._send(down, Kind.ACT, st.step, i, out, self.act_out,
                           FLAG_HEARD if st.heard else 0)
-        if i == 0:  # (once per step and direction: one more decode in m)
+        if i == (0 if st.route is None else st.route.first):  # (once a step: one more decode)
             st.errors.act = decoded_error(out, bufs, self.act_out.wire)
         st.outputs[i] = out
         if st.metered:
@@ -604,11 +736,11 @@ class StageRunner:
         t, wq = self.spec.training, self.wgrad
         grad = None
         if not self.last:
-            assert self.down is not None
-            self._fill_wait(self.down, Kind.GRAD)
-            head, grad = self.down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
-                                               self.device, self.frame_shape,
-                                               codec=self.grad_in)
+            down = self._link(st, i, up=False)
+            assert down is not None
+            self._fill_wait(down, Kind.GRAD)
+            head, grad = down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
+                                          self.device, self.frame_shape, codec=self.grad_in)
             st.chain_heard |= bool(head.flags & FLAG_HEARD)
         hurry = wq is not None and i in self.hurried
         if wq is not None and not hurry:
@@ -619,12 +751,13 @@ class StageRunner:
             st.outputs.pop(i).backward(grad)
         st.held.pop(i, None)
         if not self.first:
-            assert self.up is not None
+            up = self._link(st, i, up=True)
+            assert up is not None
             inp = st.inputs.pop(i)
             assert inp.grad is not None
-            bufs = self._send(self.up, Kind.GRAD, st.step, i, inp.grad, self.grad_out,
+            bufs = self._send(up, Kind.GRAD, st.step, i, inp.grad, self.grad_out,
                               FLAG_HEARD if self._chain_heard(st) else 0)
-            if i == 0:  # (a stochastically rounding sender's error, as it rounded)
+            if i == (0 if st.route is None else st.route.first):  # (as a rounding sender sent)
                 st.errors.grad = decoded_error(inp.grad, bufs, self.grad_out.wire)
         if wq is not None and len(wq) > self.max_deferred:
             wq.run_batch()
@@ -665,9 +798,8 @@ class StageRunner:
             # step there does not overlap the steps after it.
             synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
         self.module.constrain_()  # (after every change of the weights: steps, outer steps)
-        for link in (self.up, self.down):
-            if link is not None:
-                link.flush(t.frame_timeout_s)
+        for link in self._pipe_links():
+            link.flush(t.frame_timeout_s)
         if group.admit_after:
             group.admit_safely(step)
         return synced if synced is not None else (None, None)
@@ -694,25 +826,9 @@ class StageRunner:
             self._check_stop()
 
     def _global_sq(self, step: int) -> float:
-        """Sum of squared gradients over every stage: up the pipe, then the total back down."""
-        local = grad_sq_sum(self.params)
-        if self.spec.num_stages == 1:
-            return local
-        timeout = self.spec.training.frame_timeout_s
-        below = 0.0
-        if not self.last:
-            assert self.down is not None
-            below = self.down.recv_float(Kind.NORM, step, 0, timeout)
-        if not self.first:
-            assert self.up is not None
-            self.up.send_float(Kind.NORM, step, 0, local + below)
-            total = self.up.recv_float(Kind.NORM, step, 1, timeout)
-        else:
-            total = local + below
-        if not self.last:
-            assert self.down is not None
-            self.down.send_float(Kind.NORM, step, 1, total)
-        return total
+        """Sum of squared gradients over every stage (along the chain's links)."""
+        return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step,
+                            self.spec.training.frame_timeout_s)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float | None:
@@ -798,7 +914,10 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness,
                              pace)
         group = runner.group
-        group.coordinator, group.listener, group.inbox = coordinator, listener, inbox
+        # Swarm wiring routes over every replica's links: a lost one fails the job (its
+        # resume policy then restarts it) rather than regrouping the others this release.
+        group.coordinator = None if spec.routed else coordinator
+        group.listener, group.inbox = listener, inbox
         _restore(runner, initial_state, initial_optimizer)
     except BaseException:
         stop.set()
@@ -903,9 +1022,14 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
                              sum(r.seconds for r in steady)),
         codec_error=CodecErrors(act=mean_error("act"), grad=mean_error("grad")),
-        slowdown=max((r.slowdown for r in reports if r.slowdown is not None), default=None))
+        slowdown=max((r.slowdown for r in reports if r.slowdown is not None), default=None),
+        micro_batches=statistics.fmean(ran) if (
+            ran := [r.micro_batches for r in reports if r.micro_batches is not None]) else None)
     if losses:
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
+    if t.network is not None:
+        metrics.peer_links = peer_states(runner.shaper, spec.job_id,
+                                         cell_label(spec.stage, spec.replica))
     if runner.sync is not None and reports:
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
         metrics.sync_fraction = _ratio(sum(r.sync_seconds or 0.0 for r in reports),

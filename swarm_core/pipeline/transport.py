@@ -41,7 +41,7 @@ from swarm_core.pipeline.frames import (
     make_header,
     pulse_header,
 )
-from swarm_core.pipeline.links import LinkShaper
+from swarm_core.pipeline.links import Shaping
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.boundary import BoundaryCodec
@@ -95,7 +95,7 @@ SETTLE_S = 1.0
 class PeerLink:
     """Frames to and from one neighbouring stage over one TCP connection."""
 
-    def __init__(self, sock: socket.socket, shaper: LinkShaper, job: int, peer: str,
+    def __init__(self, sock: socket.socket, shaper: Shaping, job: int, peer: str,
                  max_payload: int = DEFAULT_MAX_PAYLOAD,
                  abort: threading.Event | None = None,
                  receives: Collection[Kind] = DATA_KINDS,
@@ -234,6 +234,7 @@ class PeerLink:
                     due, head, bufs, _keepalive = item
                     if self._sleep_until(due):
                         continue
+                    began, size = time.monotonic(), len(head)
                     self._write(memoryview(head))
                     for b in bufs:
                         off = 0
@@ -241,6 +242,10 @@ class PeerLink:
                             step = self.shaper.tx.chunk()  # (a set-speed applies mid-frame)
                             self._write(b[off:off + step])
                             off += step
+                        size += off
+                    # (the rate a frame achieved: its bytes over its time on the wire, waits
+                    # on the buckets included, the added latency not)
+                    self.shaper.count_frame(size, time.monotonic() - began)
                 except OSError as exc:
                     # Failed before the frame counts as done: a flush never takes it for written.
                     self._send_failed = True
@@ -477,21 +482,26 @@ class PeerLink:
 # --- connection setup -----------------------------------------------------------------------
 
 
-def connect(addr: str, key: str, stage: int, job: int, shaper: LinkShaper,
+def connect(addr: str, key: str, stage: int, job: int, shaper: Shaping,
             timeout: float, abort: threading.Event | None = None,
             max_payload: int = DEFAULT_MAX_PAYLOAD,
             receives: Collection[Kind] = DATA_KINDS,
             pulse_s: float | None = None, liveness: Liveness | None = None,
-            ring: tuple[int, int] | None = None) -> PeerLink:
+            ring: tuple[int, int] | None = None,
+            route: tuple[int, int] | None = None) -> PeerLink:
     """Dial the downstream neighbour at ``host:port``, and prove the job's session key to it
     as it proves it back (``handshake``); with ``ring`` (this replica, the next one) the next
-    replica of this stage on its group's ring. A connection the listener drops before the
-    handshake completes (it was busy, or not yet listening for this job) is dialled again
-    until ``timeout``; a listener that answers without the key is an impostor: refused."""
+    replica of this stage on its group's ring; with ``route`` (this replica, the one dialled)
+    a replica of the next stage other than its own chain's (swarm wiring). A connection the
+    listener drops before the handshake completes (it was busy, or not yet listening for this
+    job) is dialled again until ``timeout``; a listener that answers without the key is an
+    impostor: refused."""
     peer_stage = stage if ring else stage + 1
-    peer = f"stage {stage} replica {ring[1]}" if ring else f"stage {stage + 1}"
+    peer = f"stage {stage} replica {ring[1]}" if ring else \
+        f"stage {stage + 1} replica {route[1]}" if route else f"stage {stage + 1}"
     host, _, port = addr.rpartition(":")
-    caller = handshake.who(stage, ring[0] if ring else None)
+    caller = handshake.who(stage, ring[0] if ring else route[0] if route else None,
+                           route=route is not None)
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while True:

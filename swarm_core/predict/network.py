@@ -3,9 +3,9 @@
 A cell is one stage replica, (stage, replica): one fellow's data plane. Today's data plane
 shapes each fellow as a whole (one tx and one rx token bucket shared by all its peer
 connections, plus a one-way latency its sender adds per frame), and a network profile gives
-every fellow the same limits: :class:`UniformNetwork`. Per-pair links (a site matrix, issue 40
-point 1) plug in as another :class:`Network` whose ``pair`` answers from the matrix; the
-predictor asks only these three questions.
+every fellow the same limits: :class:`UniformNetwork`. Under a link matrix (per-pair links,
+issue 40 point 1) each peer link also passes its site pair's own bucket, and a cell its site's
+up and down caps: :class:`MatrixNetwork`. The predictor asks only these three questions.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import attrs
+
+from swarm_core.config.network import LinkMatrix
 
 Cell = tuple[int, int]  # (stage, replica)
 
@@ -77,3 +79,46 @@ class UniformNetwork:
 
     def pair(self, src: Cell, dst: Cell) -> Link:
         return Link(None, self.latency_ms / 1000.0)  # (no cap of its own today)
+
+
+def _tighter(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+@attrs.frozen
+class MatrixNetwork:
+    """A link matrix over a uniform profile: a cell's tx and rx are the tighter of the
+    profile's caps and its site's up and down caps; a pair is its site pair's rate, and its
+    latency the pair's plus the profile's (the sender adds both)."""
+
+    matrix: LinkMatrix
+    stages: int
+    uniform: UniformNetwork = UniformNetwork()
+
+    @property
+    def name(self) -> str:
+        return self.uniform.name
+
+    def _site(self, cell: Cell) -> str:
+        return self.matrix.site_of(cell[0], cell[1], self.stages)
+
+    def tx(self, cell: Cell) -> Link:
+        up = self.matrix.sites[self._site(cell)].up_mbps
+        return Link(_tighter(self.uniform.tx_mbps, up), self.uniform.latency_ms / 1000.0)
+
+    def rx(self, cell: Cell) -> Link:
+        down = self.matrix.sites[self._site(cell)].down_mbps
+        return Link(_tighter(self.uniform.rx_mbps, down), 0.0)
+
+    def pair(self, src: Cell, dst: Cell) -> Link:
+        own = self.matrix.pair(self._site(src), self._site(dst))
+        latency = self.uniform.latency_ms + (0.0 if own is None else own.latency_ms)
+        return Link(None if own is None else own.mbps, latency / 1000.0)
+
+
+def network_for(profile: dict[str, Any], matrix: LinkMatrix | None,
+                stages: int) -> UniformNetwork | MatrixNetwork:
+    """The network a run's profile (``RunSpec.network``, or a job's ``training.link``) and
+    its training's link matrix describe."""
+    uniform = UniformNetwork.of(profile) if profile else UniformNetwork()
+    return uniform if matrix is None else MatrixNetwork(matrix, stages, uniform)

@@ -10,7 +10,7 @@ from typing import Any
 from swarm_core.config.profiles import ConfigError, load_experiment
 from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
 from swarm_core.contract import JobSubmit
-from swarm_core.predict.network import UniformNetwork
+from swarm_core.predict.network import network_for
 from swarm_core.predict.step import RunShape
 from swarm_core.schema import SchemaError, structure, unstructure
 
@@ -37,10 +37,13 @@ def load_runs(path: str | Path) -> list[RunShape]:
         exp = load_experiment(path)
     except ConfigError as exc:
         raise PredictInputError(str(exc)) from None
-    return [RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
-                     training=structure(r.training, TrainingConfig), stages=r.stages,
-                     replicas=r.replicas, network=UniformNetwork.of(r.network))
-            for r in exp.runs]
+    shapes = []
+    for r in exp.runs:
+        training = structure(r.training, TrainingConfig)
+        shapes.append(RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
+                               training=training, stages=r.stages, replicas=r.replicas,
+                               network=network_for(r.network, training.network, r.stages)))
+    return shapes
 
 
 def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
@@ -57,9 +60,9 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
     if problem is not None:
         raise PredictInputError(f"{path}: {problem[1]}: {problem[0]}")
     link = training.link
-    network = UniformNetwork() if link is None else UniformNetwork(
-        name="training.link", tx_mbps=link.tx_mbps, rx_mbps=link.rx_mbps,
-        latency_ms=link.latency_ms)
+    network = network_for({} if link is None else {"name": "training.link",
+                                                    **unstructure(link)},
+                          training.network, job.topology.num_stages)
     return RunShape(name=job.name, model=job.model, training=training,
                     stages=job.topology.num_stages, replicas=job.topology.replicas,
                     network=network)

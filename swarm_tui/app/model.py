@@ -34,7 +34,7 @@ from swarm_core.contract.events import (
     Unknown,
     read_event,
 )
-from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits
+from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits, PeerLinkState
 from swarm_tui.fmt import describe_speed
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
@@ -99,6 +99,8 @@ class FellowState:
     rx_limit: float | None = None
     latency_ms: float = 0.0
     counters: dict[str, int] = attrs.field(factory=dict)
+    # The links a job's link matrix shapes, per peer cell (as its last snapshot said).
+    peers: list[PeerLinkState] = attrs.field(factory=list)
     registered_at: float | None = None  # leader clock
     hb_local: float | None = None  # local clock of the last heartbeat
     last_heard: float | None = None  # leader clock of the last heartbeat (a record's too)
@@ -192,6 +194,7 @@ class FellowState:
         self._progress(fi.current_job, fi.current_stage, fi.current_step, fi.last_loss,
                        fi.tokens_per_s, ts)
         self._link(fi.link)
+        self.peers = list(fi.peers)
         self._counters(fi.counters, fi.last_heartbeat)
 
     def apply_event(self, ev: FellowEvent, ts: float, now: float) -> None:

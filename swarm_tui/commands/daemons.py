@@ -11,6 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
+from swarm_core.launch.torchrun import (
+    LaunchEnv,
+    LaunchEnvError,
+    fellow_devices,
+    fellow_name,
+    leader_url,
+    read_launch_env,
+)
 from swarm_core.paths import default_state_dir
 from swarm_core.protocol import SLOWDOWN_MAX, RegisterRequest
 from swarm_core.schema import FieldError
@@ -91,15 +99,19 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     from swarm_core.fellow import FellowDaemon, FellowOptions
 
     _logging(args.verbose)
-    # As every other command: --leader-url, SWARM_LEADER_URL, else the local cluster (with its
-    # token), so a fellow joins the cluster `swarm restart-cluster` started without flags.
+    try:  # torchrun's variables (and srun's, as `swarm launch --slurm` passes them on)
+        launch = read_launch_env(os.environ)
+    except LaunchEnvError as exc:
+        raise CommandError(str(exc), ExitCode.USAGE) from None
+    # As every other command: --leader-url, SWARM_LEADER_URL, then MASTER_ADDR's host, else the
+    # local cluster (with its token), so a fellow joins the cluster `swarm restart-cluster`
+    # started without flags.
+    if not args.leader_url and not os.environ.get("SWARM_LEADER_URL"):
+        args.leader_url = leader_url(launch)
     url, token = resolve_leader(args)
-    try:
-        devices = device_slots(args.devices).split(",")
-    except argparse.ArgumentTypeError as exc:
-        raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+    devices = fellow_device_slots(args.devices, launch)
     check_gpu_slots(devices)
-    name = socket.gethostname() if args.name is None else args.name
+    name = fellow_name(socket.gethostname(), launch) if args.name is None else args.name
     try:  # the name the leader will check, checked here: one line and exit 2, no traceback
         RegisterRequest(name=name, instance_id="check")
     except FieldError as exc:
@@ -127,6 +139,20 @@ def cmd_fellow(args: argparse.Namespace) -> int:
     return code
 
 
+def fellow_device_slots(requested: str, launch: LaunchEnv) -> list[str]:
+    """``--devices`` as slots: ``cuda`` and ``auto`` take the launcher's LOCAL_RANK."""
+    has_gpu = False
+    if requested == "auto":  # (torch only for this: seconds of imports)
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    chosen = fellow_devices(requested, launch, os.environ.get("CUDA_VISIBLE_DEVICES"), has_gpu)
+    try:
+        return device_slots(chosen).split(",")
+    except argparse.ArgumentTypeError as exc:
+        raise CommandError(f"--devices: {exc}", ExitCode.USAGE) from None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("leader", help="run the leader in the foreground",
                        description="Run the leader (HTTP API, registry, queue) until SIGTERM.")
@@ -143,10 +169,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_leader)
 
     p = sub.add_parser("fellow", help="run a fellow daemon in the foreground",
-                       description="Register with the leader, heartbeat, run assigned stages.")
-    p.add_argument("--name", help="fellow name, unique in the cluster (default: hostname)")
+                       description="Register with the leader, heartbeat, run assigned stages. "
+                                   "Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                                   "MASTER_PORT set) RANK makes the default name unique, "
+                                   "LOCAL_RANK picks the GPU of --devices cuda/auto, and with "
+                                   "no leader URL given the leader is http://MASTER_ADDR:8765 "
+                                   "(MASTER_PORT is torchrun's own store); flags win.")
+    p.add_argument("--name", help="fellow name, unique in the cluster (default: hostname; "
+                                  "hostname-rRANK under torchrun, whose RANK is set)")
     p.add_argument("--devices", default="cpu",
-                   help="device slots: cpu, or cuda:0,cuda:1 (default: cpu)")
+                   help="device slots: cpu, or cuda:0,cuda:1; cuda: the GPU torchrun's "
+                        "LOCAL_RANK names (cuda:0 where CUDA_VISIBLE_DEVICES lists one); auto: "
+                        "that GPU where torch sees one, else cpu (default: cpu)")
     p.add_argument("--threads", type=thread_count, default=1,
                    help="torch threads per stage (default: 1)")
     p.add_argument("--data-host", default="127.0.0.1",

@@ -167,8 +167,12 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
     # --slowdown alone leaves the link as it is; any link flag sets the whole link, as ever.
     link = args.slowdown is None or any(
         v is not None for v in (args.tx_mbps, args.rx_mbps, args.latency_ms))
+    if args.to is not None and args.slowdown is not None:
+        raise CommandError("--slowdown is a fellow's own, not a pair's: leave out --to or "
+                           "--slowdown", ExitCode.USAGE)
     req = SetSpeedRequest(tx_mbps=args.tx_mbps, rx_mbps=args.rx_mbps,
-                          latency_ms=args.latency_ms or 0.0, slowdown=args.slowdown)
+                          latency_ms=args.latency_ms or 0.0, slowdown=args.slowdown,
+                          to=args.to)
 
     async def body(c: SwarmClient) -> None:
         if not by_cell:
@@ -193,7 +197,8 @@ def cmd_set_speed(args: argparse.Namespace) -> int:
 def _said(fid: int, req: SetSpeedRequest, res: dict, link: bool) -> None:
     during = f"; recorded in running job {res['job_id']}" if res.get("job_id") else ""
     limits = LinkLimits(req.tx_mbps, req.rx_mbps, req.latency_ms) if link else None
-    print_line(f"fellow {fid}: {describe_speed(limits, req.slowdown)} "
+    pair = f" (its links to fellow {req.to})" if req.to is not None else ""
+    print_line(f"fellow {fid}{pair}: {describe_speed(limits, req.slowdown)} "
                f"(signal {res['signal_seq']}{during})")
 
 
@@ -262,8 +267,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("set-speed", help="shape a fellow's data-plane link, live",
                        description="Shape one fellow's link, or those of the running job's "
                                    "cells: a stage group (--stage K), a replica's chain "
-                                   "(--replica J), or one cell (both); --slowdown emulates "
-                                   "a slower peer.")
+                                   "(--replica J), or one cell (both); --to FELLOW shapes "
+                                   "only the links to that fellow (a link matrix's pairs); "
+                                   "--slowdown emulates a slower peer.")
     p.add_argument("--fellow-id", type=fellow_id, default=None, help="which fellow")
     p.add_argument("--stage", type=cell_index, default=None, metavar="K",
                    help="the fellows of stage K of the running job (every replica)")
@@ -275,6 +281,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="receive limit in Mbit/s (omit: unlimited)")
     p.add_argument("--latency-ms", type=latency_ms, default=None,
                    help="added one-way latency in ms (default 0)")
+    p.add_argument("--to", type=fellow_id, default=None, metavar="FELLOW",
+                   help="per pair: shape only the links to fellow FELLOW's cells (those a "
+                        "running job's link matrix shapes): --tx-mbps is the pair's rate, "
+                        "--latency-ms its latency")
     p.add_argument("--slowdown", type=slowdown, default=None, metavar="X",
                    help="emulate a slower peer: pad its compute to X times its measured time "
                         f"(1-{SLOWDOWN_MAX:g}; 1: none), from the next micro-batch; alone, it "

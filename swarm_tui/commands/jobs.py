@@ -263,8 +263,8 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
     from swarm_core.config.profiles import job_topology
 
     try:
-        return structure(job_topology(cluster, args.fellows, args.stages, args.replicas),
-                         Topology, "$.topology")
+        return structure(job_topology(cluster, args.fellows, args.stages, args.replicas,
+                                      args.wiring), Topology, "$.topology")
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
@@ -323,6 +323,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--name", args.name), ("--fellows", args.fellows),
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
+                                          ("--wiring", args.wiring),
                                           ("--steps", args.steps),
                                           ("--optimizer", args.optimizer),
                                           *((SYNC_FLAGS[f], v)
@@ -360,9 +361,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         sync = _sync_config(args, training)
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
-    elif args.stages or args.replicas or args.optimizer or _given_sync_flags(args):
-        raise CommandError("--stages, --replicas, --optimizer and the sync flags are for train "
-                           "jobs (--model, --training)", ExitCode.USAGE)
+    elif args.stages or args.replicas or args.optimizer or args.wiring \
+            or _given_sync_flags(args):
+        raise CommandError("--stages, --replicas, --wiring, --optimizer and the sync flags are "
+                           "for train jobs (--model, --training)", ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -555,6 +557,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=fellow_count, default=None,
                    help="data-parallel replicas of every stage (default: the training "
                         "profile's cluster_profile, else 1); batch_size stays the step's")
+    p.add_argument("--wiring", choices=("chain", "swarm"), default=None,
+                   help="how micro-batches travel between replicas (topology.wiring): chain, "
+                        "replica r to replica r (default); swarm, each routed to a replica "
+                        "of the next stage by throughput (SWARM parallelism; sync dp)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--sync", choices=SYNC_MODES, default=None,

@@ -8,12 +8,14 @@ from typing import Any
 
 import attrs
 
+from swarm_core.config.profiles import ConfigError, load_network_scenario
 from swarm_core.predict.calibrate import StageWork, default_cache, measure_stage
 from swarm_core.predict.critical_path import StageTimes
-from swarm_core.predict.network import UniformNetwork
+from swarm_core.predict.network import MatrixNetwork, UniformNetwork, network_for
 from swarm_core.predict.runs import PredictInputError, load_runs, profile_run
 from swarm_core.predict.service import PredictedRun, predict_run, prediction_json
 from swarm_core.predict.step import RunShape
+from swarm_core.schema import unstructure
 from swarm_tui.commands.argtypes import fellow_count, latency_ms, link_mbps
 from swarm_tui.commands.base import (
     CommandError,
@@ -41,20 +43,41 @@ def _shapes(args: argparse.Namespace) -> list[RunShape]:
                                "--model/--training", ExitCode.USAGE)
     except PredictInputError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
+    if args.scenario is not None:
+        shapes = [_over_scenario(s, args.scenario) for s in shapes]
     if args.mbps is not None or args.latency_ms is not None:
         shapes = [attrs.evolve(s, network=_override(s, args)) for s in shapes]
     return shapes
 
 
-def _override(shape: RunShape, args: argparse.Namespace) -> UniformNetwork:
+def _over_scenario(shape: RunShape, which: str) -> RunShape:
+    """``shape`` over a library scenario (or a network profile file) instead of its own."""
+    try:
+        profile = load_network_scenario(which)
+    except ConfigError as exc:
+        raise CommandError(f"--scenario: {exc}", ExitCode.USAGE) from None
+    if profile.matrix is not None:
+        problem = profile.matrix.shape_error(shape.stages, shape.replicas)
+        if problem is not None:
+            raise CommandError(f"--scenario {which}: {problem} ({shape.name} is "
+                               f"{shape.stages} x {shape.replicas})", ExitCode.USAGE)
+    uniform = {"name": profile.name, **({} if profile.link is None
+                                        else unstructure(profile.link))}
+    return attrs.evolve(shape, network=network_for(uniform, profile.matrix, shape.stages),
+                        training=attrs.evolve(shape.training, network=profile.matrix))
+
+
+def _override(shape: RunShape, args: argparse.Namespace) -> UniformNetwork | MatrixNetwork:
+    """The uniform caps and latency set by --mbps/--latency-ms (a link matrix stays)."""
     net = shape.network
-    base = net if isinstance(net, UniformNetwork) else UniformNetwork()
+    base = net.uniform if isinstance(net, MatrixNetwork) else \
+        net if isinstance(net, UniformNetwork) else UniformNetwork()
     if args.mbps is not None:
         base = attrs.evolve(base.with_rate(args.mbps), name=f"{args.mbps:g}mbit")
     if args.latency_ms is not None:
         base = attrs.evolve(base, latency_ms=args.latency_ms,
                             name=f"{base.name}-{args.latency_ms:g}ms")
-    return base
+    return attrs.evolve(net, uniform=base) if isinstance(net, MatrixNetwork) else base
 
 
 def _measure_loudly(work: StageWork) -> StageTimes:
@@ -116,6 +139,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pipeline stages (with --model/--training)")
     p.add_argument("--replicas", type=fellow_count, default=None,
                    help="replicas of every stage (with --model/--training)")
+    p.add_argument("--scenario", default=None, metavar="NAME",
+                   help="over this network scenario instead of the config's: a library name "
+                        "(exp/configs/network/NAME.json, e.g. dtfm-worldwide) or a network "
+                        "profile file")
     p.add_argument("--mbps", type=link_mbps, default=None,
                    help="every fellow's tx and rx in Mbit/s, over the runs' network profiles")
     p.add_argument("--latency-ms", type=latency_ms, default=None,

@@ -106,6 +106,11 @@ def _sync(run: RunSpec) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     exp = load(args.config, ExitCode.USAGE)
+    replayed = next((r for r in exp.runs if r.churn or r.network.get("trace")), None)
+    if args.detach and replayed is not None:
+        # (the sweep's own process plays them against each running job)
+        raise CommandError(f"--detach: run {replayed.run_name} replays a churn script or link "
+                           "trace, which needs the sweep to follow its runs", ExitCode.USAGE)
     tracking = tracking_from(args)
     url, token = resolve_leader(args)
     runs_dir = Path(args.runs_dir).resolve() if args.runs_dir else None

@@ -107,3 +107,33 @@ def test_a_failing_row_leaves_the_other_rows_of_an_interleaved_trial_measured(cl
     # (Over the steps no other process disturbed: 1 or 2 of the 2 timed, on a busy machine.)
     assert re.search(r"\(b\) gpipe >= 1\.70x \(a\): [0-9.]+x over [12] steps", verdicts), verdicts
     assert "split backward on over off" not in verdicts
+
+
+def test_pair_links_benchmark_prints_both_tables(cli_env):
+    """bench_pair_links.py --quick: every ordered pair of its 4-site matrix measured (rate and
+    latency), then the link-bound step of 2 and 4 stages against the predictor."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_pair_links.py"), "--quick"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    pairs = out.split("== P:", 1)[1].split("== S:", 1)[0]
+    assert "got/set" in pairs and "lat ±2ms+5%" in pairs, out[-2000:]
+    rows = re.findall(r"^  ([a-d]->[a-d]) ", pairs, re.MULTILINE)
+    assert len(rows) == 12 and len(set(rows)) == 12, pairs
+    steps = out.split("== S:", 1)[1]
+    assert "step/perfect" in steps and "chain+schedule" in steps, steps
+    for run in ("2 st 1f1b M=4", "4 st 1f1b M=4"):
+        assert run in steps, steps
+
+
+def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
+    """bench_hetero.py --quick: chain and swarm wiring, unslowed and with one peer slowed 4x,
+    side by side against the capacity bound, and the issue's targets said."""
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_hetero.py"), "--quick"],
+                         capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = res.stdout
+    for row in ("chain, unslowed", "swarm, unslowed", "chain, slowed 4x",
+                "swarm, slowed, equal weights", "swarm, slowed, oracle weights"):
+        assert re.search(rf"^{re.escape(row)} +\d+\.\d{{3}}", out, re.MULTILINE), out
+    assert "capacity bound, slowed:" in out and "targets: swarm >= 90% of capacity" in out

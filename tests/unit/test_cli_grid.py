@@ -30,13 +30,13 @@ async def _register(api: Any, auth: dict[str, str], i: int) -> dict[str, Any]:
     return {**reg, "headers": {**auth, SESSION_HEADER: reg["session"]}}
 
 
-async def _job(api: Any, auth: dict[str, str], stages: int, replicas: int
-               ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+async def _job(api: Any, auth: dict[str, str], stages: int, replicas: int,
+               **topology: Any) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     regs = {r["fellow_id"]: r for r in
             [await _register(api, auth, i) for i in range(stages * replicas)]}
     resp = await api.post(f"{A}/jobs", headers=auth, json={
         "name": "grid", "kind": "train", "model": MODEL,
-        "topology": {"stages": stages, "replicas": replicas},
+        "topology": {"stages": stages, "replicas": replicas, **topology},
         "training": {"steps": 5, "batch_size": 8, "micro_batches": 2}})
     assert resp.status == 201, await resp.text()
     job = await resp.json()
@@ -110,6 +110,24 @@ async def test_swarm_job_shows_each_cell_of_the_grid(api, auth, capsys):
     figures = data["metrics"]["stages"]["1.1"]
     assert (figures["step"], figures["sync_tx_bytes"], figures["sync_seconds"]) == \
         (2, 4096, 0.1)
+
+
+async def test_a_swarm_wired_grid_shows_each_cells_share_of_the_route(api, auth, capsys):
+    """Issue 34: under swarm wiring each cell's share of the step's R x M micro-batches (what
+    its route dealt it) is a column of the grid, and the title says the wiring."""
+    job, regs = await _job(api, auth, 2, 2, wiring="swarm", route_weights=[[1, 1], [3, 1]])
+    for cell in job["placement"]["stages"]:
+        k, r = cell["stage"], cell["replica"]
+        await _report(api, job, regs, cell, step=2,
+                      extra={"micro_batches": 2 if k == 0 else (3 if r == 0 else 1)})
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 2 stage(s) x 2 replicas, swarm wiring" in out
+    header = _cols(next(line for line in out.splitlines() if line.startswith("cell")))
+    assert header[-1] == "mb share"
+    rows = {_cols(line)[0]: _cols(line)[-1] for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    assert rows == {"s0/r0": "50%", "s0/r1": "50%", "s1/r0": "75%", "s1/r1": "25%"}
 
 
 def _cell_extras(k: int, r: int) -> dict[str, Any]:

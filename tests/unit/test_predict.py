@@ -227,3 +227,61 @@ def test_a_bad_config_is_one_line_and_a_usage_error(tmp_path, capsys, body, need
     assert run(["predict", str(path)]) == ExitCode.USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+# --- per-pair links (a link matrix) and the scenario library ------------------------------------
+
+
+def test_a_matrix_network_takes_each_pairs_rate_and_the_sites_caps():
+    from swarm_core.config.network import LinkMatrix
+    from swarm_core.predict.network import MatrixNetwork
+
+    m = structure({"sites": {"a": {"up_mbps": 50}, "b": {"down_mbps": 30}},
+                   "links": {"a": {"b": {"mbps": 8, "latency_ms": 4}}}}, LinkMatrix)
+    net = MatrixNetwork(m, 2, UniformNetwork("u", 100.0, 20.0, 1.0))
+    assert (net.tx((0, 0)).mbps, net.rx((1, 0)).mbps, net.rx((0, 0)).mbps) == (50.0, 20.0, 20.0)
+    assert net.pair((0, 0), (1, 0)).mbps == 8.0
+    assert net.pair((1, 0), (0, 0)).latency_s == pytest.approx(0.005)  # (pair + profile)
+    times = [StageTimes(1e-4, 1e-4)] * 2
+    p = predict(attrs.evolve(_shape(2), network=net), times)
+    assert p.bound_by == "stage 0 → stage 1"  # (8 Mbit/s: below every cap)
+
+
+LIBRARY = ["dtfm-datacenter", "dtfm-spot", "dtfm-multi-university", "dtfm-regional-us",
+           "dtfm-worldwide", "home-asymmetric-500-110", "volunteer-200mbps-80ms",
+           "uniform-80mbps"]
+
+
+@pytest.mark.parametrize("scenario", LIBRARY)
+def test_predict_runs_over_each_library_scenario(tmp_path, capsys, monkeypatch, scenario):
+    from swarm_core.config.profiles import load_network_scenario
+
+    monkeypatch.setattr("swarm_tui.commands.predict.measure_stage",
+                        lambda w: StageTimes(0.001, 0.002, 0.0005))
+    profile = load_network_scenario(scenario)
+    assert profile.description  # (each names the source of its numbers)
+    assert run(["predict", str(_job(tmp_path)), "--scenario", scenario, "--stages", "2",
+                "--format", "json"]) == ExitCode.USAGE  # (CONFIG or the profile flags)
+    capsys.readouterr()
+    assert run(["predict", str(_job(tmp_path)), "--scenario", scenario,
+                "--format", "json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["runs"]
+    assert r["network"] == scenario and r["step_seconds"] > 0
+    pairs = {x["name"]: x for x in r["links"] if "→" in x["name"] and "tx" not in x["name"]}
+    if scenario == "dtfm-worldwide":  # (cells round robin: Oregon, then Virginia)
+        assert pairs["stage 0 → stage 1"]["mbps"] == 790.0
+        # (the scenario instead of the job's own 8 Mbit/s, 1 ms link)
+        assert pairs["stage 0 → stage 1"]["latency_ms"] == pytest.approx(67.0)
+
+
+def test_a_scenario_that_is_not_there_or_does_not_fit_is_one_line(tmp_path, capsys):
+    assert run(["predict", str(_job(tmp_path)), "--scenario", "dtfm-mars"]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no network scenario 'dtfm-mars'" in err[0]
+    pinned = tmp_path / "pinned.json"
+    pinned.write_text(json.dumps({"name": "pinned", "matrix": {
+        "sites": {"a": {}, "b": {}}, "links": {"a": {"b": {"mbps": 5}}},
+        "stage_sites": ["a", "b", "a"]}}))
+    assert run(["predict", str(_job(tmp_path)), "--scenario", str(pinned)]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage_sites names 3 sites for 2 stages" in err[0]

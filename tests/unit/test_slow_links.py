@@ -39,3 +39,17 @@ def test_no_progress_is_noted_while_heartbeats_arrive():
     assert reg.note(rec, later) == "no new step for 45s (at step 7)"
     reg.heartbeat(rec, Heartbeat(status="busy", current_step=8))
     assert reg.note(rec, time.monotonic()) == ""
+
+
+def test_a_fellows_emulated_slowdown_is_in_its_view_and_noted():
+    """Issue 34: the heartbeat says the fellow's emulated slowdown; the leader's view carries
+    it and notes it, so a slow-on-purpose peer is told apart from a stuck one."""
+    reg = FellowRegistry(stale_after_s=5.0, heartbeat_interval_s=1.0)
+    rec, _ = reg.register(RegisterRequest(name="f", instance_id="i"))
+    reg.heartbeat(rec, Heartbeat(status="busy", current_step=3, slowdown=4.0))
+    now = time.monotonic()
+    assert reg.info(rec, now).slowdown == 4.0
+    assert reg.note(rec, now) == "slowed 4x (emulated)"
+    assert rec.fellow_id in reg.dirty
+    reg.heartbeat(rec, Heartbeat(status="busy", current_step=4))
+    assert reg.info(rec, now).slowdown == 1.0 and reg.note(rec, time.monotonic()) == ""

@@ -350,6 +350,31 @@ async def test_the_latency_a_fellow_was_set_to_is_shown_with_its_rates() -> None
                        "the latency beside the tx rate")
 
 
+async def test_a_fellows_detail_lists_its_per_pair_links() -> None:
+    """Under a link matrix, the detail pane gives each peer link: cells, sites, the pair's rate,
+    latency and jitter, its bytes and the rate it achieved (issue 40)."""
+    from swarm_core.protocol import PeerLinkState
+    from swarm_tui.app.screens.fellows import FellowDetailScreen
+
+    client = FakeClient()
+    client._fellows[1] = attrs.evolve(client._fellows[1], peers=[
+        PeerLinkState(job_id="job-000002", cell="1.0", peer="0.0", site="b", peer_site="a",
+                      peer_fellow=0, tx_mbps=40.0, latency_ms=5.0, tx_bytes=3_000_000,
+                      rx_bytes=2_900_000, achieved_mbps=38.5),
+        PeerLinkState(job_id="job-000002", cell="1.0", peer="2.0", site="b", peer_site="c",
+                      peer_fellow=2, tx_mbps=10.0, latency_ms=20.0, jitter_ms=2.0,
+                      tx_bytes=1_000_000, rx_bytes=0)])
+    app = make_app(client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await loaded(pilot, app, client)
+        app.push_screen(FellowDetailScreen(1))
+        await wait_for(pilot, lambda: "pair 1.0 -> 2.0" in screen_text(app), "the pairs")
+        text = screen_text(app)
+        assert "pair 1.0 -> 0.0 (fellow 0) b->a: 40 Mbit/s +5 ms" in text
+        assert "sent at 38.5 Mbit/s" in text
+        assert "pair 1.0 -> 2.0 (fellow 2) b->c: 10 Mbit/s +20 ±2 ms" in text
+
+
 async def test_exports_name_columns_with_their_units_and_round_as_shown() -> None:
     from swarm_tui.app.widgets.live_table import LiveTable
 

@@ -12,6 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.widgets import DataTable, Input, Label, Static
 
+from swarm_core.protocol import PeerLinkState
 from swarm_tui.app.cells import (
     FELLOW_COLUMNS,
     FELLOW_GRID_COLUMNS,
@@ -352,6 +353,8 @@ class FellowDetailScreen(SwarmScreen):
                     f"rx {fmt_bytes(c.get('data_rx'), compact=True)}"
                     f"  control tx {fmt_bytes(c.get('control_tx'), compact=True)}"
                     f" rx {fmt_bytes(c.get('control_rx'), compact=True)}")
+        for line in peer_lines(st.peers):
+            text.append(f"\n{line}")
         summary.update(text)
         self._fit_plots()
         now = model.leader_now()
@@ -404,6 +407,21 @@ class FellowDetailScreen(SwarmScreen):
             self.notify("this fellow has no job", severity="warning")
             return
         self.swarm.watch_job(st.job_id)
+
+
+def peer_lines(peers: Iterable[PeerLinkState]) -> list[str]:
+    """One line per link a job's link matrix shapes: the cells and sites it joins, the pair's
+    rate and latency, what it moved and the rate its frames left at."""
+    lines = []
+    for p in peers:
+        jitter = f" ±{p.jitter_ms:g}" if p.jitter_ms else ""
+        at = "" if p.achieved_mbps is None else f"  sent at {fmt_rate(p.achieved_mbps)} Mbit/s"
+        to = "" if p.peer_fellow is None else f" (fellow {p.peer_fellow})"
+        lines.append(f"pair {p.cell} -> {p.peer}{to} {p.site}->{p.peer_site}: "
+                     f"{fmt_limit(p.tx_mbps)} Mbit/s +{p.latency_ms:g}{jitter} ms  "
+                     f"tx {fmt_bytes(p.tx_bytes, compact=True)} "
+                     f"rx {fmt_bytes(p.rx_bytes, compact=True)}{at}")
+    return lines
 
 
 def loss_caption(model: ClusterModel, st: FellowState) -> str:

@@ -325,13 +325,10 @@ def remote_text(got: FellowLog | str | None) -> str:
 def local_log(name: str, leader_url: str) -> tuple[str, str] | None:
     """The path and tail of a local-cluster fellow's log file, by its name in the record,
     when the record's leader is the console's (a remote leader's fellow may share a name)."""
-    from swarm_core.local_cluster import ClusterError, read_record
+    from swarm_core.local_cluster import record_of
 
-    try:
-        record = read_record()
-    except ClusterError:
-        return None
-    if record is None or record.leader_url.rstrip("/") != leader_url.rstrip("/"):
+    record = record_of(leader_url)
+    if record is None:
         return None
     entry = next((f for f in record.fellows if f.name == name), None)
     if entry is None:

@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Heterogeneous swarm: chain against swarm wiring with one slow peer (issue 34; a benchmark, not
+a test).
+
+S = 2 stages x R = 2 replicas in threads of this process over loopback TCP (run_local_pipeline),
+dp sync. Stage 1's replica 1 is slowed 4x by the emulated slowdown (pipeline/pace.py: its
+compute padded with sleeps, so it frees its core while it "computes"). Rows, side by side:
+
+* chain / swarm, unslowed: what routing costs where nothing is slow (target <= 3 %);
+* chain, slowed: replica 1's chain runs at its slow cell's pace, and the dp average waits for it;
+* swarm, slowed, equal weights: routing alone, weights not told of the slow peer;
+* swarm, slowed, oracle weights: the route weights set to the cells' speeds (1 and 1/4), as
+  SWARM's throughput estimates would converge to. This release takes route weights from the job
+  (``topology.route_weights``); measuring them live is issue 34 point 3's work, so this row is
+  what a throughput-weighted route reaches with correct weights, not yet what it learns.
+
+The capacity bound is the slowest stage's summed replica speeds: from the unslowed chain run,
+each stage's compute per micro-batch t_k (its step less its link waits and sync, over its
+micro-batches), then a step of R x M micro-batches cannot beat R M / min_k sum_r 1 / (t_k s_kr).
+Targets (issue 34): swarm >= 90 % of that bound, and >= 2x chain's throughput, slowed.
+
+    .venv/bin/python bench/bench_hetero.py           # 8 measured steps a row (~3 min)
+    .venv/bin/python bench/bench_hetero.py --quick   # 2 measured steps, a tiny model (~20 s)
+
+Only 127.0.0.1. On a machine of 2 cores the four cells share them: the compute of the fast
+cells is contended, which the table's t_k (measured in the same conditions) includes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig  # noqa: E402
+from swarm_core.data import load_token_data  # noqa: E402
+from swarm_core.pipeline.local import run_local_pipeline  # noqa: E402
+from swarm_core.pipeline.pace import Pace  # noqa: E402
+from swarm_core.pipeline.routing import route_plan, runs  # noqa: E402
+from swarm_core.pipeline.stage import StageResult, StepReport  # noqa: E402
+
+STAGES, REPLICAS, SLOW = 2, 2, 4.0
+SLOW_CELL = (1, 1)  # (stage, replica)
+# (8 micro-batches a replica: a route deals 16 a step, fine enough for a 4 : 1 split)
+FULL = dict(model=dict(d_model=128, n_layers=4, n_heads=4, seq_len=64), batch=32, micro=8,
+            steps=8)
+QUICK = dict(model=dict(d_model=32, n_layers=2, n_heads=2, seq_len=16), batch=8, micro=2,
+             steps=2)
+
+
+def run(cfg: dict[str, Any], wiring: str, slowed: bool,
+        weights: list[list[float]] | None = None, base: float = 1.0) -> dict[str, Any]:
+    mc = ModelConfig(**cfg["model"])
+    tc = TrainingConfig(steps=cfg["steps"] + 1, batch_size=cfg["batch"],
+                        micro_batches=cfg["micro"], eval_batches=0, warmup_steps=0,
+                        frame_timeout_s=60.0, seed=5)
+    data = load_token_data(tc, mc.seq_len)
+    reports: dict[int, list[tuple[float, StepReport]]] = {c: [] for c in range(STAGES * REPLICAS)}
+    slow_index = SLOW_CELL[1] * STAGES + SLOW_CELL[0]
+    # ``base``: every cell padded to base x its compute (the slow one to SLOW x that), so
+    # each computes a base-th of its time and four cells do not contend for two cores.
+    kwargs = {c: {"pace": Pace(base * (SLOW if slowed and c == slow_index else 1.0))}
+              for c in range(STAGES * REPLICAS) if base > 1 or (slowed and c == slow_index)}
+    res = run_local_pipeline(mc, tc, data, STAGES, replicas=REPLICAS, wiring=wiring,
+                             route_weights=weights, stage_kwargs=kwargs, timeout=600,
+                             on_step=lambda c, r: reports[c].append((time.perf_counter(), r)))
+    bad = {c: r for c, r in res.items() if not isinstance(r, StageResult)}
+    if bad:
+        raise RuntimeError(f"cells failed: {bad}")
+    stamps = [ts for ts, _ in reports[0]]
+    step_s = statistics.mean(b - a for a, b in itertools.pairwise(stamps))
+    # Each cell's compute per micro-batch (steps after the first): its step less its link
+    # waits and its group's sync, over the micro-batches it ran (routed: the plan's).
+    per_mb = {}
+    for cell, rs in reports.items():
+        stage, replica = cell % STAGES, cell // STAGES
+        spent, count = 0.0, 0
+        for _ts, r in rs[1:]:
+            ran = cfg["micro"] if wiring == "chain" else len(runs(route_plan(
+                tc.seed, r.step - 1, STAGES, REPLICAS, cfg["micro"], weights), stage, replica))
+            spent += r.seconds - r.wait_seconds - (r.sync_seconds or 0.0)
+            count += ran
+        per_mb[(stage, replica)] = spent / count
+    return {"step_s": step_s, "per_mb": per_mb}
+
+
+def capacity_step(base: dict[str, Any], micro: int) -> float:
+    """The step a perfect router reaches: R M micro-batches at the slowest stage's summed
+    speeds (each replica's unslowed compute per micro-batch, times its slowdown)."""
+    caps = []
+    for k in range(STAGES):
+        t = statistics.mean(base["per_mb"][(k, r)] for r in range(REPLICAS))
+        caps.append(sum(1.0 / (t * (SLOW if (k, r) == SLOW_CELL else 1.0))
+                        for r in range(REPLICAS)))
+    return REPLICAS * micro / min(caps)
+
+
+def table(cfg: dict[str, Any], base: float) -> None:
+    oracle = [[1.0, 1.0], [1.0, 1.0 / SLOW]]
+    rows = [("chain, unslowed", run(cfg, "chain", False, base=base)),
+            ("swarm, unslowed", run(cfg, "swarm", False, base=base)),
+            ("chain, slowed 4x", run(cfg, "chain", True, base=base)),
+            ("swarm, slowed, equal weights", run(cfg, "swarm", True, base=base)),
+            ("swarm, slowed, oracle weights", run(cfg, "swarm", True, oracle, base=base))]
+    base_row = rows[0][1]
+    bound = capacity_step(base_row, cfg["micro"])
+    chain_slow = rows[2][1]["step_s"]
+    print(f"\n== every cell padded to {base:g}x its compute (the slow one {base * SLOW:g}x) ==" if
+          base > 1 else "\n== raw: the four cells share this machine's cores ==")
+    t_ms = [statistics.mean(base_row["per_mb"][(k, r)] for r in range(REPLICAS)) * 1e3
+            for k in range(STAGES)]
+    print("t_k (unslowed chain, compute per micro-batch): "
+          + ", ".join(f"stage {k} {t:.1f} ms" for k, t in enumerate(t_ms)))
+    print(f"capacity bound, slowed: {bound:.3f} s/step")
+    head = ("row", "s/step", "x chain slowed", "of capacity", "vs chain unslowed")
+    print("  ".join(f"{h:>18}" if i else f"{h:<32}" for i, h in enumerate(head)))
+    for name, r in rows:
+        slowed = not name.endswith("unslowed")
+        cells = (name, f"{r['step_s']:.3f}",
+                 f"{chain_slow / r['step_s']:.2f}x" if slowed else "",
+                 f"{bound / r['step_s']:.0%}" if slowed else "",
+                 "" if slowed else f"{r['step_s'] / base_row['step_s'] - 1:+.1%}")
+        print("  ".join(f"{c:>18}" if i else f"{c:<32}" for i, c in enumerate(cells)))
+    best = rows[4][1]["step_s"]
+    print(f"targets: swarm >= 90% of capacity: {bound / best:.0%} "
+          f"({'MET' if bound / best >= 0.9 else 'NOT MET'}); swarm >= 2x chain, slowed: "
+          f"{chain_slow / best:.2f}x ({'MET' if chain_slow / best >= 2 else 'NOT MET'}); "
+          f"unslowed cost <= 3%: {rows[1][1]['step_s'] / base_row['step_s'] - 1:+.1%} "
+          f"({'MET' if rows[1][1]['step_s'] / base_row['step_s'] <= 1.03 else 'NOT MET'})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a tiny model, 2 measured steps")
+    args = ap.parse_args()
+    cfg = QUICK if args.quick else FULL
+    print(f"S={STAGES} x R={REPLICAS}, dp, model {cfg['model']}, batch {cfg['batch']} in "
+          f"{cfg['micro']} micro-batches a replica, stage 1 replica 1 slowed {SLOW:g}x")
+    for base in (1.0,) if args.quick else (1.0, 3.0):
+        table(cfg, base)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

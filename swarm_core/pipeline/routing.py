@@ -1,0 +1,93 @@
+"""SWARM wiring's routes (issue 34): which replica of each stage runs each micro-batch of a step.
+
+Under ``wiring: swarm`` a micro-batch is not tied to its replica's chain: replica r of stage 0
+reads its share of the step's windows (global micro-batches r*M .. r*M + M - 1), and at every
+later stage the step's R*M micro-batches are dealt to the stage's replicas by SWARM's rule
+(yandex-research/swarm, ``src/moe/client/balancer.py``, ``ExpertBalancer``): each goes to the
+peer whose queue of expected work ends first, that queue then growing by the task's size over
+the peer's throughput, ties broken at random; the first of a step go one to each peer. Here
+the throughputs are the stage's ``weights`` and the deal is a plan every cell computes alike
+from the job's seed and the step (the micro-batches taken in a seeded shuffle, SWARM's
+stochastic wiring), so no frame says where a micro-batch goes next and no cell waits on a
+queue: each cell knows which micro-batches it runs, who sends each and whom it sends it to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from typing import Any
+
+Plan = list[list[int]]  # plan[stage][g]: the replica of that stage that runs micro-batch g
+
+
+def deal(weights: Sequence[float], order: Sequence[int], rng: random.Random) -> dict[int, int]:
+    """Each of ``order`` to the replica whose expected work ends first (SWARM's balancer,
+    unit tasks): its queue then grows by 1 / its weight. Returns micro-batch -> replica."""
+    speeds = [max(float(w), 1e-9) for w in weights]
+    if not speeds:
+        raise ValueError("no replicas to route to")
+    queue = [(0.0, rng.random(), r) for r in range(len(speeds))]
+    heapq.heapify(queue)
+    dealt = {}
+    for g in order:
+        ends, _tie, r = heapq.heappop(queue)
+        dealt[g] = r
+        heapq.heappush(queue, (ends + 1.0 / speeds[r], rng.random(), r))
+    return dealt
+
+
+def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batches: int,
+               weights: Sequence[Sequence[float]] | None = None) -> Plan:
+    """The step's routes: stage 0 runs each replica's own share; stage k >= 1 deals the
+    ``replicas * micro_batches`` micro-batches by ``weights[k]`` (equal where None), each
+    replica at least one where there are as many micro-batches as replicas."""
+    n = replicas * micro_batches
+    plan = [[g // micro_batches for g in range(n)]]
+    for k in range(1, num_stages):
+        rng = random.Random(f"swarm-route/{seed}/{step}/{k}")
+        order = list(range(n))
+        rng.shuffle(order)
+        dealt = deal(weights[k] if weights is not None else [1.0] * replicas, order, rng)
+        plan.append([dealt[g] for g in range(n)])
+    return plan
+
+
+def runs(plan: Plan, stage: int, replica: int) -> list[int]:
+    """The micro-batches cell (stage, replica) runs this step, in order."""
+    return [g for g, r in enumerate(plan[stage]) if r == replica]
+
+
+class RoutedStep:
+    """One routed cell's step: the micro-batches the plan gives it, in what order it runs
+    them, and which replica either side each comes from and goes to."""
+
+    def __init__(self, plan: Plan, stage: int, replica: int, micro_batches: int) -> None:
+        self.plan, self.stage, self.replica = plan, stage, replica
+        # In one order every cell shares: the replicas' shares interleaved (each replica's
+        # first micro-batch, then each one's second...), the order stage 0's replicas make
+        # them in side by side, so a routed cell starts on whichever comes first.
+        self.mine = sorted(runs(plan, stage, replica),
+                           key=lambda g: (g % micro_batches, g // micro_batches))
+
+    @property
+    def first(self) -> int:
+        """The micro-batch whose frames measure the step's codec error."""
+        return self.mine[0]
+
+    def ops(self) -> list[tuple[str, int]]:
+        """Its forwards in the shared order, then their backwards in reverse: GPipe's order,
+        in which every cell's frames of a kind arrive in the order their senders send them,
+        so no two cells wait on each other."""
+        return [("F", g) for g in self.mine] + [("B", g) for g in reversed(self.mine)]
+
+    def neighbour(self, g: int, up: bool) -> int:
+        """The replica of the stage before (``up``) or after that runs micro-batch ``g``."""
+        return self.plan[self.stage - 1 if up else self.stage + 1][g]
+
+    def pieces(self, windows: Any, replicas: int, micro_batches: int) -> dict[int, Any]:
+        """Its micro-batches of the step's whole batch of ``windows`` (a tensor), by global
+        index g: replica g // M's share, its (g % M)-th piece."""
+        chunks = windows.chunk(replicas * micro_batches)
+        return {g: chunks[g] for g in self.mine}

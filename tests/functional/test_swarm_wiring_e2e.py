@@ -1,0 +1,53 @@
+"""SWARM wiring across fellow processes (issue 34 point 1): a 2 x 2 job whose micro-batches are
+routed 3 : 1 to stage 1's replicas over real TCP between four fellows computes the losses of
+one process at the same global batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.placement import split_layers
+from swarm_core.data import load_token_data
+from swarm_core.pipeline.frames import HEADER_SIZE
+from swarm_core.pipeline.reference import train_reference
+from swarm_core.schema import structure
+from tests.clusters import cli_json, job_view, run_cli, wait_until
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"name": "tiny", "d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16,
+         "compression": "none", "wire_dtype": "fp32"}
+TRAINING = {"name": "routed", "dataset": "shakespeare", "steps": 10, "batch_size": 8,
+            "micro_batches": 2, "eval_batches": 1, "seed": 4}
+
+
+def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path):
+    up = run_cli("restart-cluster", "--fellows", "4", env=cli_env, timeout=120)
+    assert up.returncode == 0, up.stderr
+    try:
+        path = tmp_path / "job.json"
+        path.write_text(json.dumps({
+            "name": "routed", "kind": "train", "model": MODEL, "training": TRAINING,
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "route_weights": [[1, 1], [3, 1]]}}))
+        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in (
+            "COMPLETED", "FAILED") and j, 240, "the job's end")
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert job["topology"]["wiring"] == "swarm"
+    mc, tc = structure(MODEL, ModelConfig), structure(TRAINING, TrainingConfig)
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
+                             split_layers(mc.n_layers, [1, 1]))
+    got = [loss for _step, loss in job["loss_history"]]
+    assert len(got) == 10
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    # Stage 1's replicas ran 3 : 1 of each step's 4 micro-batches: replica 0 sent two more
+    # gradient frames a step (each 2 windows x 16 x 32 fp32 and its header) than replica 1.
+    stages = job["metrics"]["stages"]
+    sent = [stages[f"1.{r}"]["wire_tx_bytes_per_step"] for r in range(2)]
+    assert sent[0] - sent[1] == 2 * (2 * 16 * 32 * 4 + HEADER_SIZE)
