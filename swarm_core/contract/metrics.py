@@ -216,6 +216,8 @@ class ProgressRecord:
     # Emulated, not measured: the compute slowdown each cell was padded to in the step
     # (swarm_core.pipeline.pace), by its label; None where none was.
     slowdown: dict[str, float] | None = None
+    # Swarm wiring: the micro-batches each cell's route gave it in the step, by cell.
+    micro_batches: dict[str, float] | None = None
 
     def add_stage(self, stage: int, figures: StageMetrics, cell: int | None = None,
                   key: str | None = None) -> bool:
@@ -245,6 +247,8 @@ class ProgressRecord:
             self.codec_error = {**(self.codec_error or {}), key: errors}
         if figures.slowdown is not None:
             self.slowdown = {**(self.slowdown or {}), key: figures.slowdown}
+        if figures.micro_batches is not None:
+            self.micro_batches = {**(self.micro_batches or {}), key: figures.micro_batches}
         return True
 
     def add_replica_loss(self, replica: int, loss: float) -> None:
@@ -287,6 +291,7 @@ class MetricName:
     TS = _RECORD.ts.name
     MEMBERSHIP = _RECORD.membership.name
     SLOWDOWN = _RECORD.slowdown.name
+    MICRO_BATCHES = _RECORD.micro_batches.name
 
 
 @attrs.define

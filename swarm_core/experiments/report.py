@@ -5,7 +5,9 @@ loss against wire bytes per step, one point per compression spec, and step time 
 rate, one line per spec, the runs of each setting (seeds, repeats) pooled into a mean with
 min-max bars, and final eval loss against wall time, one point per spec and network; its table
 adds each spec's planned boundary bytes forward and backward, the ratio to ``none`` and the
-codec errors. HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
+codec errors; each run's tokens/s per cell by step with its set-speeds and membership changes
+marked (report_cells); and, in the HTML, the predictor's step for each run beside the measured
+one (report_predict). HTML is self-contained (inline SVG, no scripts); PNG uses matplotlib."""
 
 from __future__ import annotations
 
@@ -21,7 +23,17 @@ from typing import Any, TypeGuard
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.contract import link_changes_in_all
+from swarm_core.contract import JobSubmit, link_changes_in_all
+from swarm_core.experiments import report_predict
+from swarm_core.experiments.report_cells import (
+    CELLS_TITLE,
+    CellSteps,
+    cell_steps,
+    marks,
+    png_cells,
+    svg_cells,
+    throughput_by_cell,
+)
 from swarm_core.experiments.summary import (
     FIELDS,
     MetricsSummary,
@@ -75,6 +87,8 @@ class RunData:
     resolved: dict[str, Any] = attrs.field(factory=dict)
     # The fields its summary file did not hold (a run from before them)
     summary_absent: frozenset[str] = frozenset()
+    # each cell's own step times (and routed micro-batches), for the per-cell chart
+    cells: CellSteps = attrs.field(factory=CellSteps)
 
     @property
     def sync_mode(self) -> str:
@@ -282,7 +296,7 @@ def load_run(d: Path) -> RunData:
         label = "-".join(parts[3:])
     return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
                    eval_steps=eval_steps, resolved=_read_resolved(d, absent),
-                   summary_absent=absent)
+                   summary_absent=absent, cells=cell_steps(records))
 
 
 # What the compression figure reads of a run's setting; a summary lacking one is older than it
@@ -781,7 +795,32 @@ def _short(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 10 or v == int(v) else f"{v:.1f}"
 
 
-def render_html(runs: list[RunData]) -> str:
+def cell_throughput(run: RunData) -> dict[str, list[tuple[int, float]]]:
+    """The run's tokens/s per cell by step (see report_cells): its tokens from its resolved
+    job where the folder holds one, else from its records."""
+    job: JobSubmit | None
+    try:
+        job = report_predict.resolved_job(report_predict.read_resolved(run.run_dir))
+    except ValueError:
+        job = None
+    return throughput_by_cell(run.cells, job, run.summary.replicas or 1)
+
+
+def _html_cells(runs: list[RunData]) -> str:
+    charts = "".join(svg_cells(f"{r.label}: {CELLS_TITLE}", cell_throughput(r),
+                               marks(r.summary), PALETTE, SVG_BOX) for r in runs)
+    return ("<h2 id='cells'>Throughput per cell</h2><p>Each cell's tokens per second, step "
+            "by step, over its own step time; dashed lines mark the steps from which a "
+            "set-speed (link, emulated slowdown) or a membership change (left, joined, "
+            f"rebalanced) took effect.</p><div>{charts}</div>")
+
+
+def render_html(runs: list[RunData], calibration: Path | None = None,
+                calibrate: bool = False) -> str:
+    """The report page. Its predictor section reads stage times from ``calibration`` (the
+    machine's cache by default); ``calibrate`` measures the stages it lacks."""
+    predicted = [report_predict.predict_dir(r.run_dir, r.label, r.mean_step_seconds,
+                                            calibration, calibrate) for r in runs]
     legend = "".join(_legend_entry(i, r) for i, r in enumerate(runs))
     table = "<tr>" + "".join(f"<th>{h}</th>" for h in HEADERS) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
@@ -793,6 +832,7 @@ def render_html(runs: list[RunData]) -> str:
             "td:first-child{text-align:left}ul{list-style:none;padding:0}</style></head><body>"
             f"<h1>SilentSwarm report: {len(runs)} run(s)</h1><div>{charts}</div>"
             f"<ul>{legend}</ul><table>{table}</table>{_html_figure(runs)}"
+            f"{_html_cells(runs)}{report_predict.html_section(predicted)}"
             f"<p>Sources: {', '.join(html.escape(str(r.run_dir)) for r in runs)}</p>"
             "</body></html>\n")
 
@@ -825,7 +865,9 @@ def render_png(runs: list[RunData]) -> bytes:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs, axes[len(CHARTS) + 2])
-    for ax in axes[len(CHARTS) + 3:-1]:
+    png_cells(axes[len(CHARTS) + 3], [(r.label, cell_throughput(r), marks(r.summary))
+                                      for r in runs], PALETTE)
+    for ax in axes[len(CHARTS) + 4:-1]:
         ax.axis("off")
     # The last panel holds the legend: every run, in its colour and its sync mode's dash.
     # Labels are run names, not markup: given to the legend (matplotlib hides a line's own
@@ -887,19 +929,22 @@ def _png_figure(loss_ax: Any, step_ax: Any, runs: list[RunData], wall_ax: Any = 
 
 
 # The PNG's size in inches at PNG_DPI: two rows of five panels (the five run charts, the
-# figure's three, the legend, one left empty).
+# figure's three, the cells' throughput, the legend).
 PNG_SIZE = (25.0, 8.4)
 PNG_DPI = 120
 OUTPUT_SUFFIXES = (".html", ".png")
 
 
-def write_report(runs: list[RunData], out: Path) -> None:
+def write_report(runs: list[RunData], out: Path, calibration: Path | None = None,
+                 calibrate: bool = False) -> None:
     """``out`` by its suffix, .html or .png, written atomically (a failure leaves no partial
     file). Its folder is created when missing, as for ``sweep --runs-dir``, ``suite --out`` and
-    ``llm-doc --output``."""
+    ``llm-doc --output``. ``calibration`` and ``calibrate``: as render_html's (the HTML's
+    predictor section)."""
     if out.suffix not in OUTPUT_SUFFIXES:
         raise ReportError(f"--output must end in .html or .png, got {out.name}")
-    data = render_html(runs).encode() if out.suffix == ".html" else render_png(runs)
+    data = render_html(runs, calibration, calibrate).encode() if out.suffix == ".html" \
+        else render_png(runs)
     try:
         atomic_write(out, data)
     except OSError as exc:

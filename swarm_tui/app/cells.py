@@ -7,6 +7,7 @@ every second never make the table re-measure or jump.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from rich.cells import cell_len
 from rich.console import JustifyMethod
 from rich.text import Text
 
+from swarm_core.config.schemas import TrainingConfig
 from swarm_core.contract import StageMetrics
 from swarm_core.validators import printable
 from swarm_tui.app.model import LEFT, ClusterModel, FellowState, JobView
@@ -377,10 +379,19 @@ def _grid_watch_columns() -> tuple[Column, ...]:
 
 
 GRID_WATCH_COLUMNS = _grid_watch_columns()
+# Swarm wiring: each cell's share of the step's micro-batches (its route's deal), after its
+# throughput, which it explains.
+ROUTED_WATCH_COLUMNS = tuple(itertools.chain.from_iterable(
+    (c, Column("share", "share", 5, "right", "share of the step's micro-batches its route "
+               "gave it (swarm wiring)", priority=1, export="micro_batch_share", digits=3))
+    if c.key == "tps" else (c,) for c in GRID_WATCH_COLUMNS))
 
 
 def watch_columns(view: JobView | None) -> tuple[Column, ...]:
-    return GRID_WATCH_COLUMNS if view is not None and view.replicas > 1 else WATCH_COLUMNS
+    if view is None or view.replicas == 1:
+        return WATCH_COLUMNS
+    return ROUTED_WATCH_COLUMNS if view.info.topology.wiring == "swarm" \
+        else GRID_WATCH_COLUMNS
 
 
 def fit_left(text: str, width: int) -> str:
@@ -436,6 +447,11 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     act = fp.activation_bytes if fp is not None else None
     wait = fp.wait_fraction if fp is not None and fp.wait_fraction is not None else (
         known.wait_share if grid else None)
+    routed = known.micro_batches if fp is None or fp.micro_batches is None \
+        else fp.micro_batches
+    training = view.info.training
+    share_of = None if routed is None or not isinstance(training, TrainingConfig) \
+        else routed / (view.replicas * training.micro_batches)
     sync = fp.sync_bytes if fp is not None and fp.sync_bytes is not None else known.sync_bytes
     sync_wait = fp.sync_fraction if fp is not None and fp.sync_fraction is not None else \
         known.sync_share
@@ -472,6 +488,7 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
         "tps": cell(fmt_tps(tps), tps, justify="right"),
         "act": cell(fmt_bytes(act, compact=True), act, justify="right"),
         "wait": share(wait),
+        "share": share(share_of),
         "sync": cell(fmt_bytes(None if sync is None else int(sync), compact=True), sync,
                      justify="right"),
         "sync_wait": share(sync_wait),

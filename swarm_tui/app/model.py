@@ -238,6 +238,9 @@ class FellowProgress:
     # run's mean, once it completed), and the share of the step it took.
     sync_bytes: float | None = None
     sync_fraction: float | None = None
+    # Swarm wiring: the micro-batches its route gave it in its last step (the run's mean once
+    # it completed).
+    micro_batches: float | None = None
 
 
 @attrs.define(eq=False)
@@ -336,6 +339,8 @@ class JobView:
                 fp.sync_bytes = figures.sync_bytes
             if figures.sync_share is not None:
                 fp.sync_fraction = figures.sync_share
+            if figures.micro_batches is not None:
+                fp.micro_batches = figures.micro_batches
             evals = self.info.eval_history
             if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
                 evals.append([step, figures.eval_loss])

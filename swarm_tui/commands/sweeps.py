@@ -248,7 +248,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         if not runs:
             raise ReportError(f"none of the {len(unreadable)} run directories could be read")
         if out is not None:
-            write_report(runs, out)
+            write_report(runs, out, calibrate=args.calibrate)
         if tb_root is not None or args.mlflow_uri:
             tracking = Tracking(tensorboard=tb_root is not None, mlflow_uri=args.mlflow_uri)
             for r in runs:
@@ -289,6 +289,10 @@ def register_report(sub: argparse._SubParsersAction) -> None:
                                       "and named on stderr (exit 1)")
     p.add_argument("run_dirs", nargs="+", help="run directories (or a folder of them)")
     p.add_argument("--output", help="report.html (self-contained) or report.png (matplotlib)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="the HTML's predictor section: measure the stages this machine's "
+                        "calibration cache lacks (CPU time, on this machine) instead of "
+                        "naming them not calibrated")
     p.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write each run's TensorBoard files under DIR/<run> (for runs "
                         "written without them; needs the [tracking] extra)")

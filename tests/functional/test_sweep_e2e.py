@@ -142,7 +142,8 @@ def test_sweep_of_three_runs_writes_every_artifact(cli_env, tmp_path):
     res = run_cli("report", str(tmp_path / "runs"), "--output", str(report), env=cli_env)
     assert res.returncode == 0, res.stderr
     html = report.read_text()
-    assert html.count("<polyline") == 9  # three charts, one line per run
+    # three charts with one line per run, then each run's throughput per cell (two stages)
+    assert html.count("<polyline") == 3 * 3 + 3 * 2
     assert "none" in html and "learned_dim8_int8" in html
     # The table names each run's most blocked stage.
     assert "<th>link wait</th>" in html and all(f"<td>{c}</td>" in html for c in wait_cells)
@@ -182,8 +183,9 @@ def _check_replica_sweep(res, tmp_path, cli_env) -> None:
                   env=cli_env)
     assert res.returncode == 0, res.stderr
     html = report.read_text()
-    # Five charts, a line per run in each (two evaluations: the eval charts draw a line).
-    assert html.count("<polyline") == 10 and "eval loss by bytes sent" in html
+    # Five charts, a line per run in each (two evaluations: the eval charts draw a line),
+    # then each run's throughput per cell (1 stage x 2 replicas).
+    assert html.count("<polyline") == 5 * 2 + 2 * 2 and "eval loss by bytes sent" in html
     assert "<th>sync bytes/step</th>" in html and "<td>1x2</td>" in html
     assert "<td>diloco</td>" in html and "<td>dp</td>" in html
 

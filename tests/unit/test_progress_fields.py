@@ -27,7 +27,7 @@ def _full_record() -> ProgressRecord:
         stage_seconds={"0.0": 0.4}, codec_error={"0.0": CodecErrors(act=0.01, grad=0.02)},
         eval_loss=2.7, perplexity=14.9, ts=1.5e9,
         membership=[MembershipChange(step=7, epoch=1, members=[0, 2], left=[1])],
-        slowdown={"1.0": 4.0})
+        slowdown={"1.0": 4.0}, micro_batches={"1.0": 6.0})
 
 
 def test_every_record_field_is_written_or_left_out_by_name():

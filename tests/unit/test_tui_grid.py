@@ -332,3 +332,35 @@ async def test_a_replica_jobs_summary_and_curve_are_the_jobs_loss_as_swarm_job_s
     out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
     shown = re.search(r"^loss\s*│\s*(\S+)", out, re.M)
     assert shown is not None and shown.group(1) == "2.4000", out
+
+
+async def test_a_swarm_wired_watch_shows_each_cells_share_of_the_route() -> None:
+    """Issue 34: under swarm wiring each cell's share of the step's micro-batches (what its
+    route dealt it) stands beside its throughput, from the leader's figures, then from each
+    cell's newest report."""
+    import attrs
+
+    from swarm_core.contract import Topology
+
+    client = GridFakeClient()
+    job = client._jobs[-1]
+    stages = {label: attrs.evolve(m, micro_batches=6.0 if label == "1.0" else
+                                  2.0 if label == "1.1" else 4.0)
+              for label, m in job.metrics.stages.items()}
+    client._jobs[-1] = attrs.evolve(
+        job, topology=Topology(stages=2, replicas=2, wiring="swarm"),
+        metrics=attrs.evolve(job.metrics, stages=stages))
+    app = _app(client)
+    async with app.run_test(size=(100, 24)) as pilot:
+        table = await _grid_watch(pilot, app, client)
+        await pilot.pause()
+        assert "share" in table.visible
+        text = screen_text(app)
+        header = _row(text, "fellow")
+        at = header.index("share")
+        # (micro_batches 4 a replica: 8 a step; stage 1 dealt 6 : 2)
+        assert [_row(text, f"{f} ")[at] for f in (6, 7, 8, 9)] == ["50%", "75%", "50%", "25%"]
+        metric = grid_metric((app.model.last_seq or 0) + 1)
+        metric["data"]["metrics"]["micro_batches"] = 3
+        app.apply_event(metric)
+        await wait_for(pilot, lambda: _row(screen_text(app), "9 ")[at] == "38%", "the report")
