@@ -20,6 +20,8 @@ a return recorded per kill. Talks only to 127.0.0.1; exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +69,7 @@ def run(c: Cluster, seconds: float, every: float | None, inner_steps: int,
     wait_running(c, job_id)
     t0 = time.monotonic()
     kills, turn = 0, 0
+    events: list[tuple[float, float]] = []  # (kill, restart), wall clock (the records' ts)
     next_kill = t0 + every if every else None
     while (now := time.monotonic()) < t0 + seconds:
         if next_kill is not None and now >= next_kill:
@@ -77,9 +80,11 @@ def run(c: Cluster, seconds: float, every: float | None, inner_steps: int,
                         if s["replica"] == replica)
             print(f"  t={now - t0:5.0f}s kill {cell['name']} (replica {replica}) at step "
                   f"{job['last_step']}", flush=True)  # type: ignore[index]
+            killed_at = time.time()
             c.kill(cell["name"])
             time.sleep(down_s)
             c.start_fellow(cell["name"])
+            events.append((killed_at, time.time()))
             kills += 1
             next_kill += every  # type: ignore[operator]
         time.sleep(0.2)
@@ -87,7 +92,48 @@ def run(c: Cluster, seconds: float, every: float | None, inner_steps: int,
     c.call("POST", f"/api/v1/jobs/{job_id}/cancel")
     job = c.call("GET", f"/api/v1/jobs/{job_id}")
     trained, steps = replica_steps(c, job_id)
-    return {"job": job, "wall": wall, "trained": trained, "steps": steps, "kills": kills}
+    rows = c.call("GET", f"/api/v1/jobs/{job_id}/progress")["records"]  # type: ignore[index]
+    return {"job": job, "wall": wall, "trained": trained, "steps": steps, "kills": kills,
+            "phases": phases(rows, events)}
+
+
+def phases(rows: list[dict], events: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a churned run's time goes, read off its step records (each stamped when the
+    leader had every cell's report) and the kills: per kill, the seconds from the kill to the
+    first step recorded without the replica (detecting the dead peer and regrouping) and from
+    its restart to the step that records it joined (the process starting, registering, the
+    leader's order, the next outer step and the state transfer); and the survivors' lost
+    time, each step's excess over the median step, split by the window it fell in."""
+    stamped = [(r["step"], r["ts"], r.get("membership") or []) for r in rows
+               if r.get("ts") is not None]
+    if len(stamped) < 3 or not events:
+        return {}
+    gaps = [(b[1] - a[1], a[1], b[1]) for a, b in itertools.pairwise(stamped)]
+    median = statistics.median(g for g, _a, _b in gaps)
+    left_at = [ts for _s, ts, ch in stamped if any(x.get("left") for x in ch)]
+    joined_at = [ts for _s, ts, ch in stamped if any(x.get("joined") for x in ch)]
+    detect, rejoin, windows = [], [], []
+    for killed, restarted in events:
+        left = next((ts for ts in left_at if ts >= killed), None)
+        joined = next((ts for ts in joined_at if ts >= restarted), None)
+        if left is not None:
+            detect.append(left - killed)
+            windows.append(("regroup", killed, left))
+        if joined is not None:
+            rejoin.append(joined - restarted)
+            windows.append(("join", restarted, joined))
+    lost = {"regroup": 0.0, "join": 0.0, "other": 0.0}
+    for gap, start, end in gaps:
+        excess = gap - median
+        if excess <= 0:
+            continue
+        mid = (start + end) / 2
+        where = next((name for name, a, b in windows if a <= mid <= b), "other")
+        lost[where] += excess
+    return {"median step s": median,
+            "kill -> left s": statistics.mean(detect) if detect else float("nan"),
+            "restart -> joined s": statistics.mean(rejoin) if rejoin else float("nan"),
+            **{f"lost in {k} s": v for k, v in lost.items()}}
 
 
 def main() -> int:
@@ -139,6 +185,9 @@ def main() -> int:
         f"a departure and a return per kill ({left} left, {joined} joined, "
         f"{churned['kills']} kills)": left >= churned["kills"] and joined >= churned["kills"] - 1,
     }
+    print("\nwhere the churned run's time went (means per kill; survivors' lost seconds in all):")
+    for what, value in churned["phases"].items():
+        print(f"  {what:<24}{value:>8.2f}")
     for what, ok in checks.items():
         print(f"{'met' if ok else 'NOT met'}: {what}")
     print(f"(logs under {tmp})")
