@@ -13,7 +13,10 @@ prints a table:
 * the same with a learned bottleneck whose int8 code (one scale per 8 elements) crosses the
   boundary (the bottleneck and the block int8 codec, both ways, on the device),
 * a resume row: the pipeline restarted on the device from its own step-k checkpoints (weights
-  and AdamW state through their npz bytes, as a fellow pushes them) against the uninterrupted run.
+  and AdamW state through their npz bytes, as a fellow pushes them) against the uninterrupted run,
+* a torch-transport row: the same pipeline with its frames over a two-rank gloo group
+  (``training.transport: torch``; gloo carries the encoded bytes from host memory, as the shaped
+  link does: NCCL is not wired), against the same CPU reference.
 
 With two GPUs the stages sit on cuda:0 and cuda:1 (activations cross devices through the host,
 as between machines). Usage::
@@ -65,7 +68,8 @@ COMPRESSED = "learned_dim16_int8_b8"
 def check(mc: ModelConfig, tc: TrainingConfig, data: Any, devices: list[str],
           resume: bool = True) -> list[dict]:
     kind = torch.device(devices[0]).type
-    name = f"{mc.dtype} {mc.compression}"
+    name = f"{mc.dtype} {mc.compression}" + (f" ({tc.transport} transport)"
+                                             if tc.transport != "shaped" else "")
     ranges = split_layers(mc.n_layers, [1] * STAGES)
     ref, _ = train_reference(mc, tc, data, ranges)
     where: dict[int, str] = {}
@@ -162,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += check(attrs.evolve(mc, dtype=dtype), tc, data, devices)
         rows += check(attrs.evolve(mc, dtype=dtype, compression=COMPRESSED), tc, data, devices,
                       resume=False)
+        # The torch transport: the same frames over a two-rank gloo group (from host memory,
+        # as the shaped link's: NCCL is not wired), held to the same CPU reference.
+        rows += check(attrs.evolve(mc, dtype=dtype), attrs.evolve(tc, transport="torch"), data,
+                      devices, resume=False)
     w = max(len(r["check"]) for r in rows)
     print(f"{'check':<{w}}  {'result':<6}  detail")
     for r in rows:

@@ -114,6 +114,10 @@ class PeerLinkState:
     rx_bytes: int = attrs.field(default=0, validator=non_negative, metadata=meta("", minimum=0))
     achieved_mbps: float | None = attrs.field(default=None, validator=non_negative,
                                               metadata=meta("", minimum=0))
+    # Selective compression (training.compress_when): the format the cell sends the peer in
+    # (``int8``, ``fp32``); absent without a rule, and in heartbeats.
+    codec: str | None = attrs.field(default=None, validator=text_field(32),
+                                    metadata=meta("", maxLength=32))
 
 
 @attrs.define

@@ -206,6 +206,7 @@ class FakeClient(SwarmClient):
         super().__init__("http://leader.test:8765", "t")
         self.calls: list[tuple[str, Any]] = []
         self.fetched: list[str] = []  # job ids asked of GET /jobs/{id}
+        self.speed_links: list[bool] = []  # each set_speed's link flag, in order
         self._fellows = fixed_fellows()
         self._jobs = fixed_jobs()
         self._snapshot_served = asyncio.Event()
@@ -252,8 +253,10 @@ class FakeClient(SwarmClient):
         return attrs.evolve(job, loss_history=[list(p) for p in job.loss_history],
                             eval_history=[list(p) for p in job.eval_history])
 
-    async def set_speed(self, fellow_id: int, req: SetSpeedRequest) -> dict[str, Any]:
+    async def set_speed(self, fellow_id: int, req: SetSpeedRequest, *,
+                        link: bool = True) -> dict[str, Any]:
         self.calls.append(("set_speed", (fellow_id, req)))
+        self.speed_links.append(link)  # (False: the slowdown alone, the link left as it is)
         return {}
 
     async def release(self, fellow_ids: list[int] | None = None, *, all: bool = False

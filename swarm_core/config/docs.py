@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from swarm_core.config import methods, network, profiles, schemas, traces
+from swarm_core.config import methods, network, profiles, schemas, selective, traces
 from swarm_core.config.grid import SyncAxis
 from swarm_core.experiments import suites
 from swarm_core.protocol import LinkLimits
@@ -107,6 +107,19 @@ SECTIONS: list[tuple[str, type, str]] = [
      "and its perplexity. `validation_fraction` is the tail of the text held out; "
      "`wikitext103` uses the corpus's own validation split instead (read offline from the "
      "Hugging Face cache), so its perplexities compare with published ones."),
+    ("CompressWhen (`compress_when`)", selective.CompressWhen,
+     "Selective compression, as the heterogeneous pre-training paper (arXiv 2601.02360) "
+     "compresses only its bandwidth-limited replicas. Null (the default): the compression "
+     "applies on every link. A boundary link is judged per direction (activations from a "
+     "cell, their gradients back to it), by the sending cell's link to the receiving one; "
+     "a link left out sends as spec `none` does, in the model's `wire_dtype`. A stage group "
+     "codes its sync alike on every hop: by `sync.compression` if the rule covers any link "
+     "between two of its replicas, else in fp32 (`sparseloco` and `demo` code their own "
+     "messages and are not changed). `below_mbps` reads the rates of `training.network` "
+     "(required with it); `replicas` lists replica indices of the job. Only a codec spec "
+     "(`fixed_*`, `hadamard_*`) can differ per link: a learned bottleneck or a subspace is "
+     "refused at `training.compress_when`. Each cell's run summary gives the format it sent "
+     "each peer in (`link_codecs`, and `codec` in `peer_links`)."),
     ("SyncConfig (`sync`)", schemas.SyncConfig,
      "Only a job of several replicas has anything to synchronise (`topology.replicas`, "
      "`cluster_profile.replicas`, `swarm submit --replicas`). Replica r of every stage takes "
@@ -194,7 +207,10 @@ SECTIONS: list[tuple[str, type, str]] = [
      "since the sweep first saw the run's job RUNNING with a step done; each change is a "
      "set-speed (the job records it, as `swarm set-speed` is) to every fellow of the job, or "
      "to the fellows `fellows` names, and a fellow whose reported link differs later (one "
-     "that joined or restarted) is given it again. Looped, the last row's time is the lap. "
+     "that joined or restarted) is given it again. With `to` (fellow names; a job whose "
+     "network is a link matrix) only those fellows' pair links to the named fellows follow "
+     "it, each a per-pair set-speed (`swarm set-speed --to`): one pair of a matrix varies while "
+     "the rest stays. Looped, the last row's time is the lap. "
      "Errors are one line: a time not increasing, a negative rate, a missing column, an "
      "unreadable file. What was sent, planned time beside actual, is the run's "
      "`trace_timeline.json`."),

@@ -396,9 +396,23 @@ def named_network(value: Any, path: Path, field: str) -> Any:
     for folder in network_library(path):
         candidate = folder / f"{value}.json"
         if candidate.is_file():
-            return _read_json(candidate, (path, field))
+            return _anchor_trace(_read_json(candidate, (path, field)), candidate.parent)
     raise ConfigError(path, f"no network scenario {value!r} (looked in "
                       f"{', '.join(str(f) for f in network_library(path))})", field)
+
+
+def _anchor_trace(scenario: Any, folder: Path) -> Any:
+    """A scenario file's trace path made absolute where it is relative to that file (as a
+    path in a config is), so it does not resolve against the config that names the
+    scenario; a bare trace name stays, for the library's traces."""
+    trace = scenario.get("trace") if isinstance(scenario, dict) else None
+    if not isinstance(trace, dict):
+        return scenario
+    ref = trace.get("file")
+    if not isinstance(ref, str) or not ref.strip() or Path(ref).is_absolute() \
+            or not (folder / ref).is_file():
+        return scenario
+    return {**scenario, "trace": {**trace, "file": str((folder / ref).resolve())}}
 
 
 def load_network_scenario(which: str) -> NetworkProfile:

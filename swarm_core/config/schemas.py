@@ -19,6 +19,7 @@ from swarm_core.config.methods import (
     sync_compressions,
 )
 from swarm_core.config.network import LinkMatrix
+from swarm_core.config.selective import CompressWhen, selective_error
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, checking
 
@@ -447,12 +448,20 @@ class TrainingConfig:
     # Per-pair links (a network profile's matrix): each peer link shaped by its site pair,
     # under the fellow's ``link`` above.
     network: LinkMatrix | None = None
+    # Selective compression (issue 34 point 4): the boundary's and the sync's compression only
+    # on the links this names (under a rate, or of named replicas); None: on every link.
+    compress_when: CompressWhen | None = None
     # When a fellow dies mid-run: fail the job, or resume from the latest pushed shards on a
     # replacement (the fellows that are still alive keep their stages).
     resume_policy: Literal["fail", "replace"] = "fail"
     max_restarts: int = attrs.field(default=3, validator=[_nonneg, _le(1000)])
     # How the replicas of each stage stay one model (topology.replicas above 1).
     sync: SyncConfig = attrs.field(factory=SyncConfig)
+    # The data plane: ``shaped``, the app's own TCP links (their token buckets see every byte:
+    # link limits, per-pair links and set-speed apply); ``torch``, the same frames over
+    # torch.distributed gloo groups, one per link (unshaped: the buckets cannot see gloo's
+    # sockets), and the stage groups' fp32 data-parallel mean as gloo's all_reduce.
+    transport: Literal["shaped", "torch"] = "shaped"
 
     def checkpoint_after(self, step: int, outer_steps: bool = False) -> bool:
         """Whether a checkpoint is taken after 1-based step ``step``, short of the last:
@@ -493,6 +502,12 @@ class TrainingConfig:
                              "optimizer")
         if self.dataset == "textfiles" and not self.dataset_paths:
             raise FieldError("dataset 'textfiles' needs dataset_paths", "dataset_paths")
+        shaped_by_app = self.network is not None or (self.link is not None and (
+            self.link.tx_mbps or self.link.rx_mbps or self.link.latency_ms))
+        if self.transport == "torch" and shaped_by_app:
+            raise FieldError("must be 'shaped' where the job's link or network shapes its links "
+                             "(the app's token buckets cannot see gloo's sockets: use a tc "
+                             "profile for a torch job), got 'torch'", "transport")
         if self.stage_weights is not None and any(w < 0 for w in self.stage_weights):
             raise FieldError("weights must be >= 0", "stage_weights")
         if self.export_dir is not None:
@@ -521,6 +536,9 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
         placed = training.network.shape_error(stages, replicas)
         if placed is not None:
             return placed, "training.network"
+    selective = selective_error(model, training, stages, replicas)
+    if selective is not None:
+        return selective, "training.compress_when"
     if stages > model.n_layers + 2:
         return (f"{stages} stages for {model.n_layers} layers leaves stages with nothing to do",
                 "topology")

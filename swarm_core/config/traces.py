@@ -65,6 +65,10 @@ class LinkTraceSpec:
     file: str
     loop: bool = False
     fellows: list[str] | None = None
+    # Per pair (a job whose network is a link matrix): only the links from those fellows to
+    # these (by name) follow the trace, each pair's own (``swarm set-speed --to``); the rest
+    # of the matrix stays. None: each fellow's own limits follow it.
+    to: list[str] | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.file.strip():
@@ -72,6 +76,9 @@ class LinkTraceSpec:
         if self.fellows is not None and not self.fellows:
             raise FieldError("must name at least one fellow (or be left out: every fellow)",
                              "fellows")
+        if self.to is not None and not self.to:
+            raise FieldError("must name at least one peer fellow (or be left out: each "
+                             "fellow's own limits follow the trace)", "to")
 
 
 @attrs.frozen

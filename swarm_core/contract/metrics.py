@@ -29,6 +29,17 @@ from swarm_core.validators import (
 ReportedJobState = Literal["RUNNING", "COMPLETED", "FAILED"]
 
 
+def _codecs_by_peer(_inst: Any, attr: attrs.Attribute, value: dict[str, str] | None) -> None:
+    if value is None:
+        return
+    if len(value) > MAX_PEER_LINKS:
+        raise FieldError(f"must list at most {MAX_PEER_LINKS} peers, got {len(value)}",
+                         attr.name)
+    for peer, codec in value.items():
+        text_field(16)(_inst, attr, peer)
+        text_field(32)(_inst, attr, codec)
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), capped at exp(50) so a diverged run reads as huge rather than overflowing."""
     return math.exp(min(loss, 50.0))
@@ -106,6 +117,11 @@ class StageMetrics:
     peer_links: list[PeerLinkState] | None = attrs.field(
         default=None, validator=attrs.validators.optional(max_items(MAX_PEER_LINKS)),
         metadata=meta(""))
+    # Selective compression (training.compress_when): the format this cell sends each peer cell
+    # in, by the peer's "stage.replica" (its boundaries' frames, its ring's sync; COMPLETED).
+    link_codecs: dict[str, str] | None = attrs.field(
+        default=None, validator=_codecs_by_peer,
+        metadata=meta("compress_when: the format sent to each peer cell"))
     # added by the leader: who reported it, and the step of the cell's newest report
     fellow_id: int | None = _amount()
     step: int | None = attrs.field(default=None, validator=step_number, metadata=meta(""))
@@ -329,6 +345,11 @@ class JobStatusUpdate:
                        "closed, broke or went quiet): that stage. Under resume_policy fail the "
                        "leader then waits up to the stale timeout plus one heartbeat interval "
                        "for a report or a fellow state that names the cause", minimum=0))
+    epoch: int | None = attrs.field(
+        default=None, validator=non_negative,
+        metadata=meta("on a COMPLETED report of a job of replicas: the membership its stage "
+                      "group finished under (0 before any change). A spare told to join "
+                      "under a later one was never taken in", minimum=0))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:

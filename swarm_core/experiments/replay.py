@@ -53,6 +53,15 @@ CATCH_UP_S = 1.0
 CATCH_UP_GRACE_S = 3.0
 
 
+# A trace's target: a fellow, and the peer fellow whose pair link it sets (None: its own).
+Target = tuple[int, int | None]
+
+
+def _target_name(target: Target) -> str:
+    fellow, to = target
+    return str(fellow) if to is None else f"{fellow}->{to}"
+
+
 class ReplayError(Exception):
     """A replay that cannot run as asked (one line)."""
 
@@ -218,10 +227,23 @@ class Replay:
         wanted = self.trace_spec.fellows if self.trace_spec else None
         return sorted({c.fellow_id for c in cells if wanted is None or c.name in wanted})
 
-    async def _set(self, fellow_id: int, link: LinkLimits) -> str | None:
+    def _pair_targets(self) -> list[Target]:
+        """Per pair (the trace's ``to``): each target fellow with each named peer's fellow;
+        else each target fellow alone (its own limits)."""
+        spec, job = self.trace_spec, self._job
+        if spec is None or spec.to is None:
+            return [(f, None) for f in self._trace_targets()]
+        if job is None or job.placement is None:
+            return []
+        peers = sorted({c.fellow_id for c in job.placement.stages if c.name in spec.to})
+        return [(f, p) for f in self._trace_targets() for p in peers if p != f]
+
+    async def _set(self, target: Target, link: LinkLimits) -> str | None:
+        fellow_id, to = target
         try:
             await self.client.set_speed(fellow_id, SetSpeedRequest(
-                tx_mbps=link.tx_mbps, rx_mbps=link.rx_mbps, latency_ms=link.latency_ms))
+                tx_mbps=link.tx_mbps, rx_mbps=link.rx_mbps, latency_ms=link.latency_ms,
+                to=to))
         except ClientError as exc:
             return str(exc)
         return None
@@ -229,7 +251,7 @@ class Replay:
     async def _play_trace(self) -> None:
         assert self.trace_spec is not None
         trace: LinkTrace = load_trace(Path(self.trace_spec.file))
-        sent: dict[int, float] = {}  # fellow id -> when it was last sent the current value
+        sent: dict[Target, float] = {}  # when each target was last sent the current value
         current: LinkLimits | None = None
         changes: Iterator[tuple[float, TracePoint]] = trace.schedule(self.trace_spec.loop)
         for at_s, point in changes:
@@ -242,44 +264,53 @@ class Replay:
                 continue
             current = link
             sent.clear()
-            await self._give(link, self._trace_targets(), sent, at_s)
+            await self._give(link, self._pair_targets(), sent, at_s)
         while current is not None:  # (after the last row: the catch-up goes on)
             await asyncio.sleep(CATCH_UP_S)
             await self._catch_up(current, sent)
 
-    async def _catch_up(self, link: LinkLimits, sent: dict[int, float]) -> None:
+    async def _catch_up(self, link: LinkLimits, sent: dict[Target, float]) -> None:
         """``link`` again to each target whose reported link differs: a fellow that joined
         since (or was restarted), or whose job's own ``training.link`` replaced it when its
-        stage started. Not twice within a few heartbeats (its report lags the change)."""
-        targets = self._trace_targets()
+        stage started (per pair: a pair its heartbeat reports otherwise). Not twice within a
+        few heartbeats (its report lags the change)."""
+        targets = self._pair_targets()
         if not targets:
             return
         try:
-            reported = {f.fellow_id: f.link for f in await self.client.fellows()}
+            fellows = await self.client.fellows()
         except ClientError:
             return
+        # (a pair reports its rate and latency only: what a pair set-speed sets)
+        reported: dict[Target, Any] = {(f.fellow_id, None): f.link for f in fellows}
+        reported.update({(f.fellow_id, p.peer_fellow): (p.tx_mbps, p.latency_ms)
+                         for f in fellows for p in f.peers if p.peer_fellow is not None})
         now = time.monotonic()
-        stale = [f for f in targets if f in reported and reported[f] != link
-                 and now - sent.get(f, -1e9) > CATCH_UP_GRACE_S]
+        stale = [t for t in targets if t in reported
+                 and reported[t] != (link if t[1] is None else (link.tx_mbps, link.latency_ms))
+                 and now - sent.get(t, -1e9) > CATCH_UP_GRACE_S]
         if stale:
             await self._give(link, stale, sent, None)
 
-    async def _give(self, link: LinkLimits, targets: list[int], sent: dict[int, float],
+    async def _give(self, link: LinkLimits, targets: list[Target], sent: dict[Target, float],
                     at_s: float | None) -> None:
         """``link`` to ``targets``, logged: ``at_s`` a change of the trace (logged even when
         no fellow is there to take it), None a catch-up."""
         actual = self.elapsed
         errors = {}
-        for fid in targets:
-            err = await self._set(fid, link)
+        for target in targets:
+            err = await self._set(target, link)
             if err is None:
-                sent[fid] = time.monotonic()
+                sent[target] = time.monotonic()
             else:
-                errors[str(fid)] = err
+                errors[_target_name(target)] = err
+        pairs = self.trace_spec is not None and self.trace_spec.to is not None
         self.trace_log.append({
             "planned_s": at_s, "actual_s": round(actual, 3),
             "event": "change" if at_s is not None else "catch-up",
-            "link": unstructure(link), "fellow_ids": targets,
+            "link": unstructure(link),
+            **({"pairs": [list(t) for t in targets]} if pairs
+               else {"fellow_ids": [f for f, _ in targets]}),
             **({"errors": errors} if errors else {})})
         self._write()
 

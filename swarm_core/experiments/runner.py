@@ -579,7 +579,7 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         link_changes=list(job.link_changes),
         link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
         restarts=list(job.restarts), membership=list(job.membership), thresholds={},
-        emulated_slowdown_by_cell=slowdown_by_cell(records))
+        emulated_slowdown_by_cell=slowdown_by_cell(records), transport=training.transport)
     summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss

@@ -121,6 +121,9 @@ class MetricsSummary:
     # was padded to, by its label; null where no cell was slowed. Emulation, not hardware.
     emulated_slowdown_by_cell: dict[str, float] | None = attrs.field(
         default=None, metadata=_expecting("an object of numbers by cell"))
+    # The data plane (training.transport): ``torch`` moved its bytes over gloo, where the
+    # app's token buckets do not reach (``link_mbps`` then says only what tc held it to).
+    transport: str | None = None
 
 
 FIELDS = attrs.fields(MetricsSummary)

@@ -100,11 +100,13 @@ class StepReporter:
     def close(self) -> None:
         self.updates.put_nowait(None)
 
-    async def completed(self, steps: int, metrics: StageMetrics) -> None:
+    async def completed(self, steps: int, metrics: StageMetrics, epoch: int) -> None:
+        # (of replicas, the membership it finished under: the leader learns from it whether
+        # a spare it told to join was taken in before the end)
         await self.ctx.report(self._update(
             state="COMPLETED", step=steps, loss=metrics.final_loss,
             tokens_per_s=metrics.tokens_per_s, message=f"stage {self.start.stage} finished",
-            metrics=metrics))
+            metrics=metrics, epoch=epoch if self.start.replicas > 1 else None))
 
 
 @attrs.frozen
@@ -277,7 +279,7 @@ class TrainJob:
                                        cell_label(self.start.stage, self.start.replica))
         metrics = result.metrics
         metrics.shard_dir = str(self.checkpointer.root)
-        await self.reporter.completed(self.training.steps, metrics)
+        await self.reporter.completed(self.training.steps, metrics, result.epoch)
 
     async def _prepare(self) -> None:
         """The checks and fetches before any thread starts: the device, the checkpoint."""

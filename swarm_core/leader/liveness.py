@@ -70,6 +70,10 @@ class Liveness:
         self.queue.membership.check(job)
         if job.state is not JobState.RUNNING or job.recovering is not None:
             return
+        # A replica that left (a joiner called off, a cell lost) may have been the last cell
+        # not done: no report is coming to complete the job, and the idle rule would fail it.
+        if self.queue.complete_if_done(job):
+            return
         self.queue.membership.maybe_join(job)
         settled = job.watched_since is None or now - job.watched_since >= self.watch_s()
         # A held failure due now looks for its cause even inside the window: the neighbour it

@@ -422,12 +422,25 @@ class Membership:
         self.queue.save(job)
         self.queue.hub.publish(JobMembership(job.job_id, change))
 
-    def _abort_join(self, job: JobRecord) -> None:
+    def _abort_join(self, job: JobRecord, why: str = "its replica left the job") -> None:
         joining = self.joining.pop(job.job_id, None)
         job.joining = None
         if joining is None:
             return
-        self._leave(job, [joining.replica])
+        self._leave(job, [joining.replica], why)
+
+    def finished(self, job: JobRecord, replica: int, epoch: int | None) -> None:
+        """A member's cell completed under membership ``epoch``. A spare told to join under
+        a later one was not taken in, and no longer can be: its group is past its last
+        synchronisation (a join is only agreed at one, and not after the last step). The
+        join is off and the spare stopped, so the job completes without it (before, it
+        waited for the spare's cell until the spare gave up, and then for ever)."""
+        joining = self.joining.get(job.job_id)
+        if joining is None or epoch is None or replica == joining.replica \
+                or epoch >= joining.order.epoch:
+            return
+        self._abort_join(job, f"its group finished the job at membership {epoch} without "
+                              f"taking it in")
 
     def _decide(self, job: JobRecord, final: bool) -> None:
         """First the replicas that go on (once each member's chain has reported or is lost),
@@ -531,7 +544,8 @@ class Membership:
         self._store(job, rnd)
         return True
 
-    def _leave(self, job: JobRecord, left: list[int]) -> None:
+    def _leave(self, job: JobRecord, left: list[int],
+               why: str = "its replica left the job") -> None:
         """The cells of the replicas that left count as done; a fellow with nothing left of
         the job is free (a live one is told to stop what it may still run of it)."""
         assert job.placement is not None
@@ -546,8 +560,7 @@ class Membership:
             if rec is not None and job.stages_done_by(fid) and rec.assigned_job == job.job_id:
                 rec.assigned_job = None
                 self.queue.registry.send(rec, "STOP", job.job_id,
-                                         {"reason": "its replica left the job",
-                                          "attempt": job.attempt})
+                                         {"reason": why, "attempt": job.attempt})
 
     def _fail_round(self, job: JobRecord) -> None:
         rnd = self.rounds.get(job.job_id)

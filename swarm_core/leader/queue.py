@@ -400,16 +400,24 @@ class JobQueue:
             job.done_stages.append(cell)
         if job.stages_done_by(fellow.fellow_id):
             fellow.assigned_job = None
-        if len(set(job.done_stages)) >= len(job.placement.stages):
-            grid = f"{job.num_stages} stage(s)" + (
-                f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
-            if job.members is not None and len(job.members) < job.placement.replicas:
-                grid += f" ({job.placement.replicas - len(job.members)} replica(s) left)"
-            reason = printable(upd.message) if job.kind == "smoke" else \
-                f"all {grid} finished at step {job.last_step}"
-            self.finish(job, JobState.COMPLETED, reason)
-        else:
+        self.membership.finished(job, replica, upd.epoch)
+        if not self.complete_if_done(job, upd.message):
             self.save(job)
+
+    def complete_if_done(self, job: JobRecord, message: str = "") -> bool:
+        """Complete the job once every cell is done: completed, or its replica left. (A
+        replica leaves only while another trains on, so one cell at least completed.)"""
+        assert job.placement is not None
+        if len(set(job.done_stages)) < len(job.placement.stages):
+            return False
+        grid = f"{job.num_stages} stage(s)" + (
+            f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
+        if job.members is not None and len(job.members) < job.placement.replicas:
+            grid += f" ({job.placement.replicas - len(job.members)} replica(s) left)"
+        reason = printable(message) if job.kind == "smoke" else \
+            f"all {grid} finished at step {job.last_step}"
+        self.finish(job, JobState.COMPLETED, reason)
+        return True
 
     def dispatch(self) -> JobRecord | None:
         """Start the oldest PENDING job if nothing runs and enough fellows are ready."""

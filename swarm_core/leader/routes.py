@@ -226,6 +226,8 @@ async def set_speed(request: web.Request) -> web.Response:
         raise ApiError(409, f"fellow {rec.fellow_id} has left the cluster", code="fellow_gone")
     if req.to is not None:
         _check_pair(st, rec, req)
+    if req.link_given(body):
+        _check_shaped(st, rec)
     limits = LinkLimits(tx_mbps=req.tx_mbps, rx_mbps=req.rx_mbps, latency_ms=req.latency_ms) \
         if req.link_given(body) else None  # (a slowdown alone leaves the link as it is)
     link = unstructure(limits) if limits is not None else None
@@ -239,6 +241,20 @@ async def set_speed(request: web.Request) -> web.Response:
                             to_fellow=req.to))
     return ok({"fellow_id": rec.fellow_id, "signal_seq": sig.seq, "link": link,
                "slowdown": req.slowdown, "job_id": job_id}, status=202)
+
+
+def _check_shaped(st: LeaderState, rec: FellowRecord) -> None:
+    """A link set on a fellow whose running job moves its bytes over torch.distributed would
+    change nothing that job sends (gloo's sockets are not the app's): refused, not pretended.
+    A slowdown (the fellow's compute) still applies."""
+    job = st.jobs.find(rec.assigned_job)
+    if job is None or job.state is not JobState.RUNNING:
+        return
+    if job.spec.train is not None and job.spec.train.transport == "torch":
+        raise ApiError(409, f"fellow {rec.fellow_id} runs {job.job_id} on the torch transport, "
+                            "whose links are unshaped (gloo's sockets are not the app's): a "
+                            "link setting would change nothing; a slowdown still applies",
+                       code="unshaped_transport")
 
 
 def _check_pair(st: LeaderState, rec: FellowRecord, req: SetSpeedRequest) -> None:

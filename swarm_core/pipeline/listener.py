@@ -84,14 +84,20 @@ class DataListener:
     def accept_many(self, key: str, job: int, expected: Sequence[Expected], timeout: float,
                     abort: threading.Event | None = None, pulse_s: float | None = None,
                     liveness: Liveness | None = None,
-                    cancel: threading.Event | None = None) -> dict[str, PeerLink]:
+                    cancel: threading.Event | None = None,
+                    transport: str = "shaped") -> dict[str, PeerLink]:
         """Accept every peer in ``expected`` (the upstream stage, the previous replica on the
         stage group's ring), each told apart by its hello, once it proved the job's key (see
         ``handshake``). Handshakes run side by side, at most MAX_HANDSHAKES at once and each
         within HANDSHAKE_S, so connections that say nothing, or trickle, cannot hold the
         door; ``abort`` (the links' too) and ``cancel`` (this wait's only) are seen within
         ACCEPT_POLL_S. Returns the links by role."""
-        from swarm_core.pipeline.transport import LinkAborted, PeerLink, PeerTimeout, blaming
+        from swarm_core.pipeline.transport import (
+            LinkAborted,
+            PeerTimeout,
+            blaming,
+            make_link,
+        )
 
         deadline = time.monotonic() + timeout
         waiting = {handshake.who(e.stage, e.replica, e.route): e for e in expected}
@@ -123,10 +129,12 @@ class DataListener:
                         conn.close()
                         continue
                     conn.settimeout(None)
-                    links[e.role] = PeerLink(
-                        conn, e.shaper, job, f"{e.name} ({peer[0]}:{peer[1]})", abort=abort,
-                        max_payload=e.max_payload, receives=e.receives, pulse_s=pulse_s,
-                        liveness=liveness, peer_stage=e.stage)
+                    assert caller is not None
+                    links[e.role] = make_link(
+                        transport, conn, True, caller, deadline - time.monotonic(),
+                        shaper=e.shaper, job=job, peer=f"{e.name} ({peer[0]}:{peer[1]})",
+                        abort=abort, max_payload=e.max_payload, receives=e.receives,
+                        pulse_s=pulse_s, liveness=liveness, peer_stage=e.stage)
                 if not waiting:
                     break
                 if any(e is not None and e.is_set() for e in (abort, cancel)):

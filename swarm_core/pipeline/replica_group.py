@@ -27,6 +27,7 @@ from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.optim import load_optimizer_arrays, optimizer_arrays
 from swarm_core.pipeline.peers import peer_shaper
 from swarm_core.pipeline.ring import STATE_ROUND, RingBroken
+from swarm_core.pipeline.selective import sync_codec
 from swarm_core.pipeline.syncs import GroupSync, Synced, make_sync
 from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
 from swarm_core.pipeline.wire_math import NORM_PAYLOAD
@@ -83,7 +84,8 @@ def open_ring(spec: StageSpec, members: list[int], epoch: int, shaper: LinkShape
             accepted.update(listener.accept_many(
                 spec.key, tag, [Expected("ring", spec.stage, prev, shaping(prev), max_payload,
                                          receives=(Kind.SYNC,))],
-                timeout, abort=stop, pulse_s=pulse, liveness=liveness, cancel=cancel))
+                timeout, abort=stop, pulse_s=pulse, liveness=liveness, cancel=cancel,
+                transport=spec.training.transport))
         except BaseException as exc:  # (re-raised below)
             accepted["error"] = exc
 
@@ -94,7 +96,8 @@ def open_ring(spec: StageSpec, members: list[int], epoch: int, shaper: LinkShape
         addr = spec.group_addrs[nxt]
         assert addr is not None
         send = connect(addr, spec.key, spec.stage, tag, shaping(nxt), timeout, abort=stop,
-                       receives=(), pulse_s=pulse, liveness=liveness, ring=(spec.replica, nxt))
+                       receives=(), pulse_s=pulse, liveness=liveness, ring=(spec.replica, nxt),
+                       transport=spec.training.transport)
     except BaseException:
         cancel.set()
         raise
@@ -146,7 +149,7 @@ class ReplicaGroup:
             return
         self.ring_next, self.ring_prev = ring_next, ring_prev
         self.sync = make_sync(spec.training, params, ring_next, ring_prev, spec.replica,
-                              spec.replicas, device, self.names())
+                              spec.replicas, device, self.names(), sync_codec(spec))
         if self.resume:
             self.sync.restore_state(self.names(), self.resume)
         if ring_prev is not None:

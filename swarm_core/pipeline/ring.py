@@ -299,6 +299,9 @@ class Ring:
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         return confirm(self.send, self.recv, self.replicas, step, timeout, word)
 
+    def close(self) -> None:
+        """The run is over (a ring of frames holds nothing beyond its links)."""
+
 
 def confirm(send: PeerLink | None, recv: PeerLink | None, replicas: int, step: int,
             timeout: float, word: float = 0.0) -> tuple[int, float, float]:

@@ -54,12 +54,12 @@ from swarm_core.pipeline.replica_group import (
 from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
 from swarm_core.pipeline.routing import RoutedStep, route_plan
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
+from swarm_core.pipeline.selective import LinkCodecs, boundary_formats
 from swarm_core.pipeline.syncs import GroupSync
 from swarm_core.pipeline.transport import Liveness, PeerLink, connect
 from swarm_core.pipeline.wgrad import WeightGradQueue, attach
 from swarm_core.pipeline.wire_math import (
     NORM_PAYLOAD,
-    WireFormat,
     boundary_width,
     expected_wire_bytes,
 )
@@ -357,9 +357,9 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     m, t = spec.model, spec.training
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
-    wire = WireFormat.of(m)
-    limit = max(wire.payload_size(frame_shape(spec)), wire.payload_size(eval_shape(spec)),
-                NORM_PAYLOAD)
+    # (a link compress_when leaves out sends as spec none does: its frames may be larger)
+    limit = max(NORM_PAYLOAD, *(w.payload_size(shape) for w in boundary_formats(m, t)
+                                for shape in (frame_shape(spec), eval_shape(spec))))
     # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
     # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
     # compute thread that has shown no progress for STUCK_AFTER frame timeouts.
@@ -379,7 +379,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
         try:
             accepted["links"] = listener.accept_many(spec.key, tag, expected, timeout,
                                                      abort=stop, pulse_s=pulse,
-                                                     liveness=liveness, cancel=cancel)
+                                                     liveness=liveness, cancel=cancel,
+                                                     transport=t.transport)
         except BaseException as exc:  # (re-raised in the stage's thread below)
             accepted["error"] = exc
 
@@ -388,7 +389,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
         acceptor.start()
     try:
         _dial(spec, shaper, links, ringed, tag, limit,
-              dict(timeout=timeout, abort=stop, pulse_s=pulse, liveness=liveness))
+              dict(timeout=timeout, abort=stop, pulse_s=pulse, liveness=liveness,
+                   transport=t.transport))
     except BaseException:
         cancel.set()
         raise
@@ -560,11 +562,9 @@ class StageRunner:
         # this many the stage runs one at once (memory stays in 1F1B's class).
         self.max_deferred = max(2, spec.num_stages)
         self.opt = make_optimizer(self.module, spec.training, grouped=spec.replicas > 1)
-        # Each side of each direction of its boundaries: a stateful codec keeps its own state.
-        boundary = make_boundary(m)
-        self.act_in, self.act_out = boundary.codec(Kind.ACT, False), boundary.codec(Kind.ACT, True)
-        self.grad_in = boundary.codec(Kind.GRAD, False)
-        self.grad_out = boundary.codec(Kind.GRAD, True)
+        # Each side of each direction of its boundaries (a stateful codec keeps its own state),
+        # per link: compress_when may leave a link out (pipeline/selective.py).
+        self.codecs = LinkCodecs(spec, make_boundary(m))
         self.metered_steps = 0  # steps the activation meter ran on (see METER_EVERY)
         self.frame_shape = frame_shape(spec)
         self.up: PeerLink | None = None
@@ -706,8 +706,9 @@ class StageRunner:
             up = self._link(st, i, up=True)
             assert up is not None
             self._fill_wait(up, Kind.ACT)
-            head, inp = up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s,
-                                       self.device, self.frame_shape, codec=self.act_in)
+            head, inp = up.recv_tensor(Kind.ACT, st.step, i, t.frame_timeout_s, self.device,
+                                       self.frame_shape,
+                                       codec=self.codecs.pick(Kind.ACT, False, up, self.links))
             st.heard |= bool(head.flags & FLAG_HEARD)
             inp.requires_grad_(True)
             st.inputs[i] = inp
@@ -724,10 +725,10 @@ class StageRunner:
             return
         down = self._link(st, i, up=False)
         assert down is not None
-        bufs = self._send(down, Kind.ACT, st.step, i, out, self.act_out,
-                          FLAG_HEARD if st.heard else 0)
+        codec = self.codecs.pick(Kind.ACT, True, down, self.links)
+        bufs = self._send(down, Kind.ACT, st.step, i, out, codec, FLAG_HEARD if st.heard else 0)
         if i == (0 if st.route is None else st.route.first):  # (once a step: one more decode)
-            st.errors.act = decoded_error(out, bufs, self.act_out.wire)
+            st.errors.act = decoded_error(out, bufs, codec.wire)
         st.outputs[i] = out
         if st.metered:
             st.held[i] = self.meter.hold(out)
@@ -739,8 +740,9 @@ class StageRunner:
             down = self._link(st, i, up=False)
             assert down is not None
             self._fill_wait(down, Kind.GRAD)
-            head, grad = down.recv_tensor(Kind.GRAD, st.step, i, t.frame_timeout_s,
-                                          self.device, self.frame_shape, codec=self.grad_in)
+            head, grad = down.recv_tensor(
+                Kind.GRAD, st.step, i, t.frame_timeout_s, self.device, self.frame_shape,
+                codec=self.codecs.pick(Kind.GRAD, False, down, self.links))
             st.chain_heard |= bool(head.flags & FLAG_HEARD)
         hurry = wq is not None and i in self.hurried
         if wq is not None and not hurry:
@@ -755,10 +757,11 @@ class StageRunner:
             assert up is not None
             inp = st.inputs.pop(i)
             assert inp.grad is not None
-            bufs = self._send(up, Kind.GRAD, st.step, i, inp.grad, self.grad_out,
+            codec = self.codecs.pick(Kind.GRAD, True, up, self.links)
+            bufs = self._send(up, Kind.GRAD, st.step, i, inp.grad, codec,
                               FLAG_HEARD if self._chain_heard(st) else 0)
             if i == (0 if st.route is None else st.route.first):  # (as a rounding sender sent)
-                st.errors.grad = decoded_error(inp.grad, bufs, self.grad_out.wire)
+                st.errors.grad = decoded_error(inp.grad, bufs, codec.wire)
         if wq is not None and len(wq) > self.max_deferred:
             wq.run_batch()
 
@@ -800,7 +803,9 @@ class StageRunner:
         self.module.constrain_()  # (after every change of the weights: steps, outer steps)
         for link in self._pipe_links():
             link.flush(t.frame_timeout_s)
-        if group.admit_after:
+        # Not after the last step: the joiner would have nothing to train (every member sees
+        # the same step, so none takes it in; the leader calls the join off, issue 40).
+        if group.admit_after and step + 1 < t.steps:
             group.admit_safely(step)
         return synced if synced is not None else (None, None)
 
@@ -853,13 +858,15 @@ class StageRunner:
                 assert self.up is not None
                 _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
                                              self.device, eval_shape(self.spec), FLAG_EVAL,
-                                             self.act_in)
+                                             self.codecs.pick(Kind.ACT, False, self.up,
+                                                              self.links))
             out = self.module(inp, None if x is None else x.to(self.device))
             if self.last:
                 total += float(lm_loss(out, y.to(self.device)))
             else:
                 assert self.down is not None
-                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out, self.act_out,
+                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out,
+                                      self.codecs.pick(Kind.ACT, True, self.down, self.links),
                                       flags=FLAG_EVAL)
         for link in (self.up, self.down):
             if link is not None:
@@ -874,6 +881,7 @@ class StageResult:
 
     metrics: StageMetrics
     losses: list[float] = attrs.field(factory=list)
+    epoch: int = 0  # the membership its group finished under (the leader's word for a joiner)
 
 
 def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper: LinkShaper,
@@ -1017,7 +1025,7 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         wire_tx_bytes_per_step=(sum(r.wire_tx_bytes for r in reports) / len(reports)
                                 if reports else 0.0),
         expected_wire_tx_bytes_per_step=expected_wire_bytes(
-            spec.model, t, spec.stage, spec.num_stages, spec.replicas),
+            spec.model, t, spec.stage, spec.num_stages, spec.replicas, spec.replica),
         activation_peak_bytes=max((r.activation_peak_bytes for r in reports), default=0),
         wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
                              sum(r.seconds for r in steady)),
@@ -1027,9 +1035,12 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
             ran := [r.micro_batches for r in reports if r.micro_batches is not None]) else None)
     if losses:
         metrics.final_loss, metrics.best_loss = losses[-1], min(losses)
+    sent = runner.codecs.sent() if t.compress_when is not None else None
+    metrics.link_codecs = sent
     if t.network is not None:
-        metrics.peer_links = peer_states(runner.shaper, spec.job_id,
-                                         cell_label(spec.stage, spec.replica))
+        metrics.peer_links = [attrs.evolve(p, codec=(sent or {}).get(p.peer)) for p in
+                              peer_states(runner.shaper, spec.job_id,
+                                          cell_label(spec.stage, spec.replica))]
     if runner.sync is not None and reports:
         metrics.sync_tx_bytes_per_step = sum(r.sync_tx_bytes or 0 for r in reports) / len(reports)
         metrics.sync_fraction = _ratio(sum(r.sync_seconds or 0.0 for r in reports),
@@ -1039,7 +1050,7 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
             runner.sync.planned_bytes(r.step - 1, r.step == t.steps,
                                       t.checkpoint_after(r.step, outer))
             for r in reports if t.sync.syncs_after(r.step, t.steps)) / len(reports)
-    return StageResult(metrics, losses)
+    return StageResult(metrics, losses, runner.group.epoch)
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -234,15 +234,8 @@ class PeerLink:
                     due, head, bufs, _keepalive = item
                     if self._sleep_until(due):
                         continue
-                    began, size = time.monotonic(), len(head)
-                    self._write(memoryview(head))
-                    for b in bufs:
-                        off = 0
-                        while off < len(b) and not self.abort.is_set():
-                            step = self.shaper.tx.chunk()  # (a set-speed applies mid-frame)
-                            self._write(b[off:off + step])
-                            off += step
-                        size += off
+                    began = time.monotonic()
+                    size = self._write_frame(head, bufs)
                     # (the rate a frame achieved: its bytes over its time on the wire, waits
                     # on the buckets included, the added latency not)
                     self.shaper.count_frame(size, time.monotonic() - began)
@@ -264,6 +257,19 @@ class PeerLink:
         except Exception as exc:  # a bug or MemoryError: the stage must hear of it now
             self._send_failed = True
             self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
+
+    def _write_frame(self, head: bytes, bufs: list[memoryview]) -> int:
+        """One frame onto the wire; returns the bytes written."""
+        size = len(head)
+        self._write(memoryview(head))
+        for b in bufs:
+            off = 0
+            while off < len(b) and not self.abort.is_set():
+                step = self.shaper.tx.chunk()  # (a set-speed applies mid-frame)
+                self._write(b[off:off + step])
+                off += step
+            size += off
+        return size
 
     def _sleep_until(self, due: float) -> bool:
         """The added latency: sleep until ``due``, or until the owner stops or closes the link
@@ -311,6 +317,9 @@ class PeerLink:
             self._landing.pop(key, None)
         self._landing.update({(kind, step, mb): view for mb, view in into.items()})
 
+    def _read_header(self) -> bytearray:
+        return self._read_exact(HEADER_SIZE)
+
     def _read_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
         self._read_into(memoryview(buf))
@@ -336,7 +345,7 @@ class PeerLink:
     def _recv_loop(self) -> None:
         try:
             while not self._stop.is_set():
-                header = FrameHeader.unpack(self._read_exact(HEADER_SIZE), self.max_payload)
+                header = FrameHeader.unpack(self._read_header(), self.max_payload)
                 if header.job != self.job:
                     raise FrameError(f"frame for another job from {self.peer} (tag "
                                      f"{header.job:#x}, expected {self.job:#x})")
@@ -488,14 +497,14 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: Shaping,
             receives: Collection[Kind] = DATA_KINDS,
             pulse_s: float | None = None, liveness: Liveness | None = None,
             ring: tuple[int, int] | None = None,
-            route: tuple[int, int] | None = None) -> PeerLink:
+            route: tuple[int, int] | None = None, transport: str = "shaped") -> PeerLink:
     """Dial the downstream neighbour at ``host:port``, and prove the job's session key to it
     as it proves it back (``handshake``); with ``ring`` (this replica, the next one) the next
     replica of this stage on its group's ring; with ``route`` (this replica, the one dialled)
     a replica of the next stage other than its own chain's (swarm wiring). A connection the
     listener drops before the handshake completes (it was busy, or not yet listening for this
     job) is dialled again until ``timeout``; a listener that answers without the key is an
-    impostor: refused."""
+    impostor: refused. ``transport``: see :func:`make_link`."""
     peer_stage = stage if ring else stage + 1
     peer = f"stage {stage} replica {ring[1]}" if ring else \
         f"stage {stage + 1} replica {route[1]}" if route else f"stage {stage + 1}"
@@ -531,9 +540,28 @@ def connect(addr: str, key: str, stage: int, job: int, shaper: Shaping,
             raise
         try:
             sock.settimeout(None)
-            return PeerLink(sock, shaper, job, f"{peer} ({addr})", abort=abort,
-                            max_payload=max_payload, receives=receives, pulse_s=pulse_s,
-                            liveness=liveness, peer_stage=peer_stage)
+            return make_link(transport, sock, False, caller, deadline - time.monotonic(),
+                             shaper=shaper, job=job, peer=f"{peer} ({addr})", abort=abort,
+                             max_payload=max_payload, receives=receives, pulse_s=pulse_s,
+                             liveness=liveness, peer_stage=peer_stage)
         except BaseException:
             sock.close()
             raise
+
+
+def make_link(transport: str, sock: socket.socket, listening: bool, who: bytes,
+              timeout: float, **kwargs: Any) -> PeerLink:
+    """The link over a proven connection: its frames on the socket itself (``shaped``), or
+    on a two-rank torch.distributed group met through it (``torch``, see torch_link)."""
+    if transport == "shaped":
+        return PeerLink(sock, **kwargs)
+    from swarm_core.pipeline import torch_link  # (torch.distributed only where asked for)
+
+    try:
+        group, store = torch_link.rendezvous(sock, listening, kwargs["job"], who,
+                                             max(timeout, 1.0))
+    except (OSError, RuntimeError) as exc:
+        raise blaming(LinkClosed(f"torch rendezvous with {kwargs['peer']} failed: "
+                                 f"{torch_link.gloo_reason(exc)}"),
+                      kwargs.get("peer_stage")) from None
+    return torch_link.TorchLink(sock, group, store, **kwargs)

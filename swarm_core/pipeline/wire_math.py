@@ -13,6 +13,7 @@ import attrs
 
 from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, ROTATED, Element
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
+from swarm_core.config.selective import Cell, boundary_compresses
 from swarm_core.pipeline.frames import HEADER_SIZE
 
 NORM_PAYLOAD = 8  # one float64 per NORM frame
@@ -92,21 +93,34 @@ def boundary_width(cfg: ModelConfig) -> int:
     return comp.bottleneck_dim if comp.bottleneck_dim is not None else cfg.d_model
 
 
-def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
-                        num_stages: int, replicas: int = 1) -> int:
-    """Bytes one replica of this stage sends its pipeline neighbours in one training step
-    (headers included; a stage group's synchronisation is counted apart)."""
+def link_format(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cell,
+                num_stages: int) -> WireFormat:
+    """How cell ``src`` codes what it sends cell ``dst`` across a stage boundary: the model's
+    spec, or spec ``none``'s where ``training.compress_when`` leaves the link out."""
+    if boundary_compresses(training, src, dst, num_stages):
+        return WireFormat.of(model)
+    return WireFormat.of(attrs.evolve(model, compression="none", bottleneck_dim=None))
+
+
+def link_bytes(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cell,
+               num_stages: int, replicas: int = 1) -> int:
+    """Bytes cell ``src`` sends its pipeline neighbour ``dst`` in one training step, headers
+    included: its micro-batches' ACT (forward) or GRAD (backward) frames in the link's own
+    format (``link_format``), and with clipping the norm exchange's frame."""
     mb = training.batch_size // replicas // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
-    frame = HEADER_SIZE + WireFormat.of(model).payload_size(shape)
-    sent = 0
-    if stage < num_stages - 1:
-        sent += training.micro_batches * frame  # activations forward
-    if stage > 0:
-        sent += training.micro_batches * frame  # gradients backward
-    if num_stages > 1 and training.grad_clip > 0:
-        sent += (HEADER_SIZE + NORM_PAYLOAD) * ((stage > 0) + (stage < num_stages - 1))
-    return sent
+    wire = link_format(model, training, src, dst, num_stages)
+    sent = training.micro_batches * (HEADER_SIZE + wire.payload_size(shape))
+    return sent + (HEADER_SIZE + NORM_PAYLOAD if training.grad_clip > 0 else 0)
+
+
+def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
+                        num_stages: int, replicas: int = 1, replica: int = 0) -> int:
+    """Bytes replica ``replica`` of this stage sends its pipeline neighbours in one training
+    step (a stage group's synchronisation is counted apart)."""
+    return sum(link_bytes(model, training, (stage, replica), (peer, replica), num_stages,
+                          replicas)
+               for peer in (stage + 1, stage - 1) if 0 <= peer < num_stages)
 
 
 def step_boundary_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
@@ -114,13 +128,18 @@ def step_boundary_bytes(model: ModelConfig, training: TrainingConfig, num_stages
     """Bytes of the ACT frames forward and of the GRAD frames backward that all stages (every
     replica's chain) put on the pipeline's links in one step, headers included; the NORM
     frames of gradient clipping are in ``step_wire_bytes`` only. Every spec codes both
-    directions alike, so the two are equal today; they are counted apart so that a figure
-    reads the direction it means."""
+    directions alike, so the two are equal but where ``compress_when`` selects by an
+    asymmetric rate; they are counted apart so that a figure reads the direction it means."""
     mb = training.batch_size // replicas // training.micro_batches
-    frame = HEADER_SIZE + WireFormat.of(model).payload_size(
-        (mb, model.seq_len, boundary_width(model)))
-    crossings = replicas * (num_stages - 1) * training.micro_batches
-    return crossings * frame, crossings * frame
+    shape = (mb, model.seq_len, boundary_width(model))
+    act = grad = 0
+    for r in range(replicas):
+        for s in range(num_stages - 1):
+            a, b = (s, r), (s + 1, r)
+            act += HEADER_SIZE + link_format(model, training, a, b, num_stages).payload_size(shape)
+            grad += HEADER_SIZE + link_format(model, training, b, a, num_stages).payload_size(
+                shape)
+    return act * training.micro_batches, grad * training.micro_batches
 
 
 def uncompressed_model(model: ModelConfig) -> ModelConfig:
@@ -131,5 +150,5 @@ def uncompressed_model(model: ModelConfig) -> ModelConfig:
 def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
                     replicas: int = 1) -> int:
     """Bytes all stages (every replica's chain) put on the pipeline's links in one step."""
-    return replicas * sum(expected_wire_bytes(model, training, s, num_stages, replicas)
-                          for s in range(num_stages))
+    return sum(expected_wire_bytes(model, training, s, num_stages, replicas, r)
+               for r in range(replicas) for s in range(num_stages))

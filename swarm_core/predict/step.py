@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.wire_math import link_bytes
 from swarm_core.predict.critical_path import (
     Hop,
     StageTimes,
@@ -41,7 +42,7 @@ from swarm_core.predict.critical_path import (
     simulate_step,
 )
 from swarm_core.predict.network import Network
-from swarm_core.predict.traffic import LinkLoad, boundary_bytes, link_loads, step_flows
+from swarm_core.predict.traffic import LinkLoad, link_loads, step_flows
 
 UTILISATIONS = (0.5, 0.9, 0.99)
 
@@ -141,14 +142,14 @@ def _frame_hop(shape: RunShape) -> Hop:
     """One micro-batch's frame from stage s (replica 0's chain) to its neighbour: its seconds
     on the slowest of the sender's tx, the receiver's rx and the pair's own cap, and the
     pair's latency."""
-    fwd, bwd = boundary_bytes(shape.model, shape.training, shape.stages, shape.replicas)
     net, m = shape.network, shape.training.micro_batches
 
     def hop(stage: int, kind: str) -> tuple[float, float]:
         src, dst = (stage, 0), (stage + 1 if kind == "F" else stage - 1, 0)
         rates = [x.mbps for x in (net.tx(src), net.rx(dst), net.pair(src, dst))
                  if x.mbps is not None]
-        frame = (fwd if kind == "F" else bwd) / m
+        frame = link_bytes(shape.model, shape.training, src, dst, shape.stages,
+                           shape.replicas) / m
         busy = 8 * frame / (min(rates) * 1e6) if rates else 0.0
         return busy, max(net.tx(src).latency_s, net.pair(src, dst).latency_s)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.pipeline.wire_math import expected_wire_bytes
+from swarm_core.pipeline.wire_math import expected_wire_bytes, link_bytes
 from swarm_core.predict.network import Cell, Link, Network
 
 
@@ -43,11 +43,12 @@ def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replic
                sync_bytes: Sequence[float] = ()) -> list[Flow]:
     """Every transfer of one step. ``sync_bytes[s]``: what each member of stage s's ring
     sends per step (none without replicas)."""
-    fwd, bwd = boundary_bytes(model, training, stages, replicas)
     flows: list[Flow] = []
     for r in range(replicas):
         for b in range(stages - 1):
-            flows += [Flow((b, r), (b + 1, r), fwd, "act"), Flow((b + 1, r), (b, r), bwd, "grad")]
+            a, z = (b, r), (b + 1, r)  # (each link in its own format: compress_when)
+            flows += [Flow(a, z, link_bytes(model, training, a, z, stages, replicas), "act"),
+                      Flow(z, a, link_bytes(model, training, z, a, stages, replicas), "grad")]
     if replicas > 1:
         for s, nbytes in enumerate(sync_bytes):
             flows += [Flow((s, r), (s, (r + 1) % replicas), nbytes, "sync")

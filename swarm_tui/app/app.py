@@ -425,21 +425,24 @@ class SwarmApp(App[int]):
 
         def done(req: SetSpeedRequest | None) -> None:
             if req is not None:
-                self.set_speed(list(ids), req)
+                self.set_speed(list(ids), req, link=dialog.link_given)
 
         self.push_screen(dialog, done)
 
     @work(group="set_speed", exit_on_error=False, description="set-speed")
-    async def set_speed(self, ids: list[int], req: SetSpeedRequest) -> None:
+    async def set_speed(self, ids: list[int], req: SetSpeedRequest, *, link: bool = True
+                        ) -> None:
+        """``link=False``: ``req.slowdown`` alone, each fellow's link left as it is."""
         # Not exclusive: a second request must not cancel the first one mid-flight. Each
         # fellow is its own request: one refused (it left meanwhile) does not stop the rest,
         # and the notice says which took it.
-        link = describe_speed(LinkLimits(req.tx_mbps, req.rx_mbps, req.latency_ms), req.slowdown)
+        limits = LinkLimits(req.tx_mbps, req.rx_mbps, req.latency_ms) if link else None
+        said = describe_speed(limits, req.slowdown)
         sent: list[int] = []
         failed: list[str] = []
         for i, fid in enumerate(ids):
             try:
-                await self.client.set_speed(fid, req)
+                await self.client.set_speed(fid, req, link=link)
                 sent.append(fid)
             except ApiError as exc:
                 failed.append(f"leader refused {exc.message}")
@@ -448,10 +451,10 @@ class SwarmApp(App[int]):
                               f"{_ids(ids[i:])}: {exc}")
                 break
         if sent:
-            self.notify(f"set-speed {link} sent to fellow{'s' if len(sent) > 1 else ''} "
+            self.notify(f"set-speed {said} sent to fellow{'s' if len(sent) > 1 else ''} "
                         f"{_ids(sent)}")
         if failed:
-            self.notify(f"set-speed {link}: " + "; ".join(failed), severity="error")
+            self.notify(f"set-speed {said}: " + "; ".join(failed), severity="error")
         self.refresh_now()
 
     def ask_release(self, ids: Sequence[int]) -> None:

@@ -11,12 +11,14 @@ source asks for, previews its plan and launches it; it knows nothing else about 
 * :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
   training profile (``exp/configs/training/*.json``, read as ``swarm submit --training`` reads
   it: its cluster, network and artifacts sections too), the grid (fellows and replicas) and
-  the replicas' sync over the profile's (as ``swarm submit``'s sync flags set it).
+  the replicas' sync over the profile's (as ``swarm submit``'s sync flags set it), and the
+  transport (as ``swarm submit --transport``).
 """
 
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,10 +34,16 @@ from swarm_core.config.profiles import (
     load_job_training,
     sync_over,
 )
-from swarm_core.config.schemas import SYNC_MODES
+from swarm_core.config.schemas import SYNC_MODES, TrainingConfig
 from swarm_core.contract import JobSubmit, Topology
 from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.typed import clip, decimal_number, whole_number
+
+# The schema's own Literal (shaped, torch), so a transport added there is offered here too.
+TRANSPORTS: tuple[str, ...] = typing.get_args(typing.get_type_hints(TrainingConfig)["transport"])
+# What a torch job's preview and confirmation say of it: nothing the console does reaches its
+# links (the leader refuses a link set-speed on its fellows).
+TORCH_NOTE = "transport: torch (gloo; unshaped: link limits and set-speed do not reach it)"
 
 
 @attrs.define
@@ -61,6 +69,9 @@ class LaunchChoice:
     inner_steps: str = ""
     overlap_steps: str = ""
     density: str = ""
+    # The data plane (shaped, torch); None: the profile's. A torch job over a profile whose
+    # network shapes its links is refused, as the leader refuses it.
+    transport: str | None = None
 
 
 @attrs.define
@@ -163,7 +174,8 @@ class ProfileSource:
     key = "profiles"
     label = "model + training profile"
     fields: tuple[str, ...] = ("model", "training", "stages", "replicas", "sync",
-                               "inner_steps", "overlap_steps", "density", "steps", "name")
+                               "inner_steps", "overlap_steps", "density", "transport", "steps",
+                               "name")
 
     def __init__(self, configs_dir: Path) -> None:
         self.configs_dir = configs_dir
@@ -171,6 +183,8 @@ class ProfileSource:
     def options(self, field: str) -> list[str]:
         if field == "sync":
             return list(SYNC_MODES)
+        if field == "transport":
+            return list(TRANSPORTS)
         sub = {"model": "model", "training": "training"}.get(field)
         return _json_files(self.configs_dir, sub) if sub else []
 
@@ -215,6 +229,8 @@ class ProfileSource:
             fields = _sync_fields(choice)
             if fields:  # (checked at once, as one SyncConfig; the body carries it whole)
                 training["sync"] = unstructure(sync_over(training, fields))
+            if choice.transport:
+                training["transport"] = choice.transport
             name = choice.name.strip() or str(model.get("name") or "job")
             body = {"name": name, "kind": "train", "topology": topology,
                     "model": model, "training": training}
@@ -222,8 +238,10 @@ class ProfileSource:
             req = structure(body, JobSubmit)
         except SchemaError as exc:
             return LaunchPlan(error=exc.message, field=exc.field)
+        torch = req.train is not None and req.train.transport == "torch"
         return LaunchPlan(runs=[req], bodies=[body],
                           notes=[f"grid: {grid_text(req.topology)}",
+                                 *([TORCH_NOTE] if torch else []),
                                  "checked locally; the leader checks again"])
 
 
@@ -284,7 +302,8 @@ def launch_summary(plan: LaunchPlan, limit: int = 4) -> str:
 
 
 def run_summary(req: JobSubmit) -> tuple[str, str]:
-    """The run's name, and "fellows · grid · steps · compression · dataset · schedule"."""
+    """The run's name, and "fellows · grid · steps · compression · dataset · schedule", then
+    "torch transport" for a torch job (the default, shaped, goes unsaid)."""
     topo = req.topology
     parts = [f"{topo.fellows} fellows"]
     if topo.replicas > 1:
@@ -297,6 +316,8 @@ def run_summary(req: JobSubmit) -> tuple[str, str]:
         parts.append(req.model.compression)
     if (t := req.train) is not None:
         parts += [t.dataset, t.schedule]
+        if t.transport != "shaped":
+            parts.append(f"{t.transport} transport")
     return req.name, " · ".join(parts)
 
 

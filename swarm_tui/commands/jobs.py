@@ -114,6 +114,9 @@ def cmd_job(args: argparse.Namespace) -> int:
                 ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
+        if job.train is not None and job.train.transport != "shaped":
+            rows.append(["transport", f"{job.train.transport} (gloo; unshaped: link limits "
+                                      "and set-speed do not reach it)"])
         for key in ("eval_loss", "perplexity", "tokens_per_s", "wire_bytes_per_step",
                     "sync_bytes_per_step"):
             value = getattr(m, key)
@@ -326,6 +329,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--wiring", args.wiring),
                                           ("--steps", args.steps),
                                           ("--optimizer", args.optimizer),
+                                          ("--transport", args.transport),
                                           *((SYNC_FLAGS[f], v)
                                             for f, v in _given_sync_flags(args).items()))
                  if value is not None]
@@ -358,13 +362,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
             training["steps"] = args.steps
         if args.optimizer is not None:
             training["optimizer"] = args.optimizer
+        if args.transport is not None:
+            training["transport"] = args.transport
         sync = _sync_config(args, training)
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
-    elif args.stages or args.replicas or args.optimizer or args.wiring \
+    elif args.stages or args.replicas or args.optimizer or args.wiring or args.transport \
             or _given_sync_flags(args):
-        raise CommandError("--stages, --replicas, --wiring, --optimizer and the sync flags are "
-                           "for train jobs (--model, --training)", ExitCode.USAGE)
+        raise CommandError("--stages, --replicas, --wiring, --optimizer, --transport and the "
+                           "sync flags are for train jobs (--model, --training)",
+                           ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -591,6 +598,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--error-decay", type=sync_field(float, "error_decay"), default=None,
                    help="sparseloco: what the error feedback keeps of itself each outer step, "
                         "0..1 (training.sync.error_decay)")
+    p.add_argument("--transport", choices=("shaped", "torch"), default=None,
+                   help="training.transport: shaped (the app's TCP links, link shaping "
+                        "applies) or torch (torch.distributed gloo groups, unshaped)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
                    help="training.optimizer: adamw, or muon (Muon on the hidden matrices, AdamW "
                         "on the rest; under diloco/sparseloco the inner optimiser)")

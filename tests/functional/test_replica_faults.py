@@ -183,6 +183,7 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     progress, shown, events = run.extra
     assert job["state"] == "COMPLETED", job["reason"]
     assert job["restarts"] == [] and job["attempt"] == 0  # (no stop, no resume)
+    assert len(job["membership"]) == 2, job["membership"]  # (what happened, if not)
     change, back = job["membership"]
     assert change["left"] == [1] and change["members"] == [0, 2]
     assert f"fellow {cell['fellow_id']}" in change["reason"]

@@ -1709,6 +1709,24 @@ async def _replicated_job(api: TestClient, port: int, **training: Any
                  for c in job["placement"]["stages"]}
 
 
+async def test_a_link_set_speed_on_a_torch_transport_job_is_refused_a_slowdown_is_not(api):
+    """gloo's sockets are not the app's: a link setting on a fellow whose running job uses
+    the torch transport would change nothing, so it is refused (409, named) and recorded
+    nowhere; the fellow's emulated slowdown still applies."""
+    jid, by_replica = await _replicated_job(api, 7400, transport="torch")
+    fellow = by_replica[1]["fellow_id"]
+    refused = await api.post(f"{A}/fellows/{fellow}/speed", json={"tx_mbps": 8},
+                             headers=AUTH)
+    assert refused.status == 409
+    err = (await refused.json())["error"]
+    assert err["code"] == "unshaped_transport" and "torch transport" in err["message"]
+    await expect_ok(await api.post(f"{A}/fellows/{fellow}/speed", json={"slowdown": 2.0},
+                                   headers=AUTH), 202)
+    changes = (await get_job(api, jid))["link_changes"]
+    assert [(c["fellow_id"], c.get("link"), c["slowdown"]) for c in changes] == [
+        (fellow, None, 2.0)]
+
+
 async def _regroup(api: TestClient, job_id: str, reg: dict[str, Any], replica: int,
                    wait: float = 0.0, **extra: Any):
     body = {"fellow_id": reg["fellow_id"], "stage": 0, "replica": replica, **extra}
@@ -1794,6 +1812,46 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     assert left["left"] == [1]
     assert (joined["step"], joined["joined"], joined["members"]) == (11, [1], [0, 1, 2])
     assert f"fellow {spare['fellow_id']} joined" in joined["reason"]
+
+
+@pytest.mark.parametrize("taken_in", [False, True])
+async def test_a_group_that_finishes_without_its_joiner_completes_the_job(api, taken_in):
+    """Issue 40: a spare told to join as the group reaches its last step. Where the members
+    complete under the membership before the join's, it was never taken in: the join is off,
+    the spare stopped, and the job completes on their reports (it waited for the spare's
+    cell, then failed idle). Where they complete under the join's, the spare trained with
+    them: the job waits for its report, which records the join."""
+    jid, by_replica = await _replicated_job(api, 7400,
+                                            sync={"mode": "diloco", "inner_steps": 5})
+    assert (await report(api, jid, by_replica[1], "FAILED", step=4, stage=0,
+                         replica=1, message="killed")).status == 200
+    for r in (0, 2):
+        assert (await _regroup(api, jid, by_replica[r], r, op_step=4, synced_step=-1)).status \
+            == 200
+    spare = await register(api, "spare", data_addr="127.0.0.1:7500")
+    [start] = await wait_for(lambda: _signals(api, spare, "START"))
+    epoch = start["payload"]["join"]["epoch"] if taken_in else 1
+    for r in (0, 2):
+        assert (await report(api, jid, by_replica[r], "COMPLETED", step=50, stage=0,
+                             replica=r, epoch=epoch)).status == 200
+    job = await get_job(api, jid)
+    if not taken_in:
+        assert job["state"] == "COMPLETED", job["reason"]
+        assert "1 replica(s) left" in job["reason"]
+        assert [c["left"] for c in job["membership"]] == [[1]]  # (no join recorded)
+        [stop] = await _signals(api, spare, "STOP")
+        assert "without taking it in" in stop["payload"]["reason"]
+        return
+    assert job["state"] == "RUNNING" and await _signals(api, spare, "STOP") == []
+    assert (await report(api, jid, spare, "COMPLETED", step=50, stage=0, replica=1,
+                         epoch=epoch)).status == 200
+    job = await get_job(api, jid)
+    assert job["state"] == "COMPLETED" and job["members"] == [0, 1, 2]
+    assert [c["joined"] for c in job["membership"]] == [[], [1]]
+
+
+async def _signals(api: TestClient, reg: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [s for s in await poll(api, reg) if s["kind"] == kind]
 
 
 async def test_a_leader_restarted_during_a_join_tells_the_members_again(aiohttp_client,

@@ -310,3 +310,24 @@ async def test_submit_asks_for_demo_and_for_muon_by_flags(api, auth, tmp_path, c
                                    "--format", "json") == 0
     training = json.loads(capsys.readouterr().out)["training"]
     assert (training["sync"]["mode"], training["optimizer"]) == ("diloco", "muon")
+
+
+async def test_submit_asks_for_the_torch_transport_by_flag(api, auth, tmp_path, capsys):
+    """``swarm submit --transport torch``: the leader takes the job with that transport; with
+    a training profile whose link limits would shape it, one usage line naming the field, and
+    no job."""
+    for i in range(2):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    shaped = tmp_path / "t.json"
+    shaped.write_text(json.dumps({"steps": 4, "network_profile": {"name": "slow",
+                                                                  "tx_mbps": 10}}))
+    base = ["submit", "--model", str(model), "--stages", "1", "--replicas", "2",
+            "--transport", "torch"]
+    assert await asyncio.to_thread(_cli, api, *base, "--training", str(shaped)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "transport: must be 'shaped' where" in err[0]
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--format", "json") == 0
+    assert json.loads(capsys.readouterr().out)["training"]["transport"] == "torch"

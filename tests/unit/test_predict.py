@@ -285,3 +285,19 @@ def test_a_scenario_that_is_not_there_or_does_not_fit_is_one_line(tmp_path, caps
     assert run(["predict", str(_job(tmp_path)), "--scenario", str(pinned)]) == ExitCode.USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stage_sites names 3 sites for 2 stages" in err[0]
+
+
+def test_the_predictor_prices_each_link_in_the_format_compress_when_gives_it():
+    """Selective compression: replica 1's chain codes int8, replica 0's sends fp32; each
+    flow's bytes are what its own link's sender sends (the stage's own expected bytes)."""
+    from swarm_core.predict.traffic import step_flows
+
+    mc = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, compression="fixed_int8")
+    tc = structure({"batch_size": 8, "micro_batches": 2,
+                    "compress_when": {"replicas": [1], "applies_to": ["boundary"]}},
+                   TrainingConfig)
+    flows = {(f.src, f.dst): f.nbytes for f in step_flows(mc, tc, 2, 2)}
+    for r in (0, 1):
+        assert flows[((0, r), (1, r))] == expected_wire_bytes(mc, tc, 0, 2, 2, r)
+        assert flows[((1, r), (0, r))] == expected_wire_bytes(mc, tc, 1, 2, 2, r)
+    assert flows[((0, 1), (1, 1))] < flows[((0, 0), (1, 0))] / 3

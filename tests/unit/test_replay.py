@@ -228,7 +228,7 @@ def test_a_sweep_names_a_churn_script_and_a_network_profile_its_trace(layout):
                             churn="kill-every-120s"))
     (run,) = r.runs
     assert run.network["trace"] == {"file": str(tmp / "traces/t.csv"), "loop": True,
-                                    "fellows": None}
+                                    "fellows": None, "to": None}
     assert run.churn is not None and run.churn["name"] == "kill-every-120s"
     assert run.churn["generator"]["every_s"] == 120
     # A swept network profile's trace is relative to the experiment config.
@@ -236,6 +236,19 @@ def test_a_sweep_names_a_churn_script_and_a_network_profile_its_trace(layout):
                                               {"name": "b"}]))
     assert [x.network.get("trace", {}) and x.network["trace"]["file"] for x in r.runs] == \
         [str(tmp / "traces/t.csv"), None]
+
+
+def test_a_named_scenarios_trace_is_relative_to_the_scenario_file(layout):
+    """A scenario named by name (``network/<name>.json`` beside the training folder) whose
+    trace path is relative to that file: read from there, not from the naming config's
+    folder (where a file of the same name would be another trace)."""
+    tmp, exp = layout
+    _w(tmp / "network/traces/t.csv", "t_s,latency_ms\n0,7\n")
+    _w(tmp / "network/scen.json", json.dumps({"name": "scen", "latency_ms": 1,
+                                              "trace": {"file": "traces/t.csv"}}))
+    _w(tmp / "training/traces/t.csv", "t_s,latency_ms\n0,99\n")  # (the wrong one)
+    (run,) = load_experiment(exp("scen")).runs
+    assert run.network["trace"]["file"] == str(tmp / "network/traces/t.csv")
 
 
 def test_a_bad_trace_or_churn_in_a_config_names_the_file_and_field(layout):
@@ -342,6 +355,49 @@ async def test_a_traces_changes_land_in_the_events_as_set_speeds(api, tmp_path):
     assert [c["planned_s"] for c in changes] == [0.0, 0.3, 0.9]
     assert all(abs(c["actual_s"] - c["planned_s"]) < 0.5 for c in changes)
     assert all(c["fellow_ids"] == ids and "errors" not in c for c in changes)
+
+
+async def test_a_per_pair_trace_sets_only_the_named_pairs_links(api, tmp_path):
+    """``to``: fellow a's pair link to b follows the trace (set-speed --to, recorded as such);
+    b's own limits and its link to a stay; the timeline names the pairs."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from swarm_core.client import SwarmClient
+    from swarm_core.experiments.replay import TRACE_FILE, Replay
+    from tests.unit.test_api_routes import heartbeat, register
+
+    a, b = await register(api, "a"), await register(api, "b")
+    await heartbeat(api, a, peers=[{"job_id": "job-x", "cell": "0.0", "peer": "1.0",
+                                    "site": "s", "peer_site": "t",
+                                    "peer_fellow": b["fellow_id"], "tx_mbps": 80.0}])
+    trace = _w(tmp_path / "t.csv", "t_s,tx_mbps,latency_ms\n0,40,5\n0.3,20,10\n")
+    url = str(api.make_url("")).rstrip("/")
+    async with SwarmClient(url, AUTH["Authorization"].split()[1]) as client:
+        replay = Replay(client, "job-x", tmp_path,
+                        trace_spec=LinkTraceSpec(file=str(trace), fellows=["a"], to=["b"]))
+        replay._job = SimpleNamespace(placement=SimpleNamespace(stages=[  # (its cells only)
+            SimpleNamespace(fellow_id=a["fellow_id"], name="a", stage=0, replica=0),
+            SimpleNamespace(fellow_id=b["fellow_id"], name="b", stage=1, replica=0)]))
+        replay.t0, replay.t0_wall = time.monotonic(), time.time()
+        task = asyncio.create_task(replay._play_trace())
+        await asyncio.sleep(0.7)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        events = (await client.request("GET", "/api/v1/events"))["events"]
+    sets = [e["data"] for e in events if e["type"] == "fellow.set_speed"]
+    assert [(e["fellow_id"], e["to_fellow"], e["tx_mbps"], e["latency_ms"]) for e in sets] == [
+        (a["fellow_id"], b["fellow_id"], 40.0, 5.0), (a["fellow_id"], b["fellow_id"], 20.0, 10.0)]
+    changes = json.loads((tmp_path / TRACE_FILE).read_text())["changes"]
+    assert [c["pairs"] for c in changes] == [[[a["fellow_id"], b["fellow_id"]]]] * 2
+    assert all("errors" not in c for c in changes)
+
+
+def test_a_trace_spec_refuses_an_empty_peer_list():
+    with pytest.raises(SchemaError, match="at least one peer fellow"):
+        structure({"file": "t.csv", "to": []}, LinkTraceSpec)
 
 
 def test_the_config_docs_cover_every_field_of_a_trace_and_a_churn_script():

@@ -498,17 +498,23 @@ class _Crash:
         return [sum(v.values()) / len(v) for _k, v in sorted(self.losses.items())]
 
 
-@pytest.mark.parametrize("stages, lost", [(1, 0), (2, 2)])
+@pytest.mark.parametrize("stages, lost, transport", [(1, 0, "shaped"), (2, 2, "shaped"),
+                                                     (1, 0, "torch"), (2, 2, "torch")])
 def test_a_replica_that_dies_leaves_and_the_others_train_on_the_smaller_batch(data, stages,
-                                                                              lost):
+                                                                              lost, transport):
     """Data parallel, three replicas; one cell dies after step 4. Its replica leaves (with
     two stages, the whole chain: its other stage finds its link closed), the others regroup
     at step 5 and train on to the end without stopping, each on its own share: the losses of
     one process that trains on the full batch for 4 steps, then on the survivors' windows
-    (to 1e-5). The change is recorded; when replica 0 left, the next member evaluates."""
+    (to 1e-5). The change is recorded; when replica 0 left, the next member evaluates. The
+    same over the torch transport (gloo links, the group's mean a gloo all_reduce on a fresh
+    group after the regroup), well within the collective timeout (the dead member's group is
+    let go at once)."""
+    import time
+
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 10, "batch_size": 12, "micro_batches": 2, "eval_batches": 1,
-                    "lr": 3e-3, "frame_timeout_s": 20}, TrainingConfig)
+                    "lr": 3e-3, "frame_timeout_s": 20, "transport": transport}, TrainingConfig)
     import threading
 
     from swarm_core.pipeline.local import LocalCoordinator
@@ -517,8 +523,10 @@ def test_a_replica_that_dies_leaves_and_the_others_train_on_the_smaller_batch(da
     coord = LocalCoordinator(stages, 3, stop)
     dead = lost * stages  # the first stage of replica ``lost``
     crash = _Crash(dead, 4)
+    t0 = time.monotonic()
     res = run_local_pipeline(mc, tc, data, stages, replicas=3, timeout=120, stop=stop,
                              coordinator=coord, on_step=crash)
+    assert time.monotonic() - t0 < tc.frame_timeout_s
     assert isinstance(res[dead], RuntimeError)
     for s in range(1, stages):  # (the rest of its chain left)
         assert isinstance(res[lost * stages + s], Exception)

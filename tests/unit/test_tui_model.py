@@ -21,6 +21,7 @@ from swarm_tui.app.cells import (
 )
 from swarm_tui.app.forms import FormError, parse_speed
 from swarm_tui.app.launch import (
+    TORCH_NOTE,
     ExperimentSource,
     LaunchChoice,
     LaunchPlan,
@@ -348,6 +349,34 @@ def test_profile_source_sets_sparseloco_and_its_density(tmp_path: Path) -> None:
                                     density=typed))
         assert not bad.ok and bad.field == "$.training.sync.density" \
             and says in (bad.error or ""), (typed, bad.error)
+
+
+def test_profile_source_sets_the_transport_and_refuses_torch_over_shaped_links(
+        tmp_path: Path) -> None:
+    """`training.transport` as `swarm submit --transport` sets it: none given is the
+    profile's; torch says so in the notes and the run's summary; torch over a network profile
+    that shapes links is the config's one line at `$.training.transport`."""
+    configs = snapshot_configs(tmp_path)
+    src = ProfileSource(configs)
+    assert "transport" in src.fields and src.options("transport") == ["shaped", "torch"]
+    profile, model = "training/tiny_sweep.json", "model/small_none.json"
+    for given, want in ((None, "shaped"), ("shaped", "shaped"), ("torch", "torch")):
+        plan = src.plan(LaunchChoice(model, profile, transport=given))
+        assert plan.ok, plan.error
+        assert plan.runs[0].train.transport == want
+        assert plan.bodies[0]["training"]["transport"] == want  # (what the preview shows)
+        torch_said = [n for n in plan.notes if n.startswith("transport: torch")]
+        assert torch_said == ([TORCH_NOTE] if want == "torch" else [])
+        assert run_summary(plan.runs[0])[1].endswith(
+            "1f1b · torch transport" if want == "torch" else "1f1b")
+    body = json.loads((configs / profile).read_text())
+    body["network_profile"] = {"name": "slow", "tx_mbps": 80, "rx_mbps": 80}
+    (configs / "training" / "shaped_links.json").write_text(json.dumps(body))
+    assert src.plan(LaunchChoice(model, "training/shaped_links.json", transport="shaped")).ok
+    bad = src.plan(LaunchChoice(model, "training/shaped_links.json", transport="torch"))
+    assert not bad.ok and bad.field == "$.training.transport" and not bad.runs
+    assert (bad.error or "").startswith("must be 'shaped' where the job's link or network "
+                                        "shapes its links") and "\n" not in (bad.error or "")
 
 
 def test_experiment_source_expands_a_sweep(tmp_path: Path) -> None:

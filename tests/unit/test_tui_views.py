@@ -4,11 +4,14 @@ keys do, for the points of the console's second round (issue 24)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 from textual import events
 from textual.widgets import Input
 
+from swarm_core.client import ApiError
+from swarm_core.protocol import SetSpeedRequest
 from swarm_tui.app.app import SwarmApp
 from swarm_tui.app.screens.dialogs import SetSpeedDialog
 from swarm_tui.app.screens.jobs import JobWatchScreen
@@ -113,7 +116,8 @@ async def test_keys_typed_in_a_burst_reach_the_fields_they_were_typed_into() -> 
 
 async def test_the_set_speed_dialogs_slowdown_reaches_the_request() -> None:
     """Issue 34 point 2: the dialog's fourth field is the emulated compute slowdown; left
-    empty it is not sent (unchanged)."""
+    empty it is not sent (unchanged). Typed over the link fields as they were filled in, it
+    goes alone: the link is not sent (a torch job's fellow refuses a link set)."""
     client = FakeClient()
     app = make_app(client)
     async with app.run_test(size=SIZE) as pilot:
@@ -126,6 +130,64 @@ async def test_the_set_speed_dialogs_slowdown_reaches_the_request() -> None:
         await wait_for(pilot, lambda: client.calls, "the request")
         (what, (fid, req)), = client.calls
         assert (what, fid, req.tx_mbps, req.slowdown) == ("set_speed", 2, None, 4.0)
+        assert client.speed_links == [False]
+
+
+# The leader's answer to a link set on a fellow of a running torch job (swarm_core/leader/routes.py)
+UNSHAPED = ("fellow 0 runs job-000002 on the torch transport, whose links are unshaped (gloo's "
+            "sockets are not the app's): a link setting would change nothing; a slowdown still "
+            "applies")
+
+
+class TorchJobClient(FakeClient):
+    """As the leader, for a job on the torch transport (fellows 0 and 1 run it): a link set on
+    its fellows answers 409 ``unshaped_transport``; a slowdown alone is taken."""
+
+    async def set_speed(self, fellow_id: int, req: SetSpeedRequest, *,
+                        link: bool = True) -> dict[str, Any]:
+        if link and fellow_id in (0, 1):
+            raise ApiError(409, "unshaped_transport", UNSHAPED)
+        return await super().set_speed(fellow_id, req, link=link)
+
+
+async def test_a_link_set_on_a_torch_jobs_fellow_shows_the_leaders_refusal() -> None:
+    """The torch transport is unshaped: the leader refuses a link set on its fellows (409
+    ``unshaped_transport``). The console says so in the leader's words, in one notice (no
+    traceback, the console carries on); a slowdown typed over the link as filled in goes
+    alone (the link is not sent), so the leader takes it."""
+    client = TorchJobClient()
+    app = make_app(client)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:  # (toasts drawn)
+        await loaded(pilot, app, client)
+        await pilot.press("s")  # fellow 0 (gpu-a): 80/80 +20 ms
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the set-speed dialog")
+        dialog.query_one("#tx", Input).value = "40"
+        await pilot.press("enter")
+
+        def notices() -> list[tuple[str, str]]:
+            return [(n.message, n.severity) for n in app._notifications]
+
+        await wait_for(pilot, notices, "the notice")
+        assert notices() == [("set-speed tx 40 Mbit/s, rx 80 Mbit/s, +20 ms: leader refused "
+                              + UNSHAPED, "error")]
+        assert client.calls == [] and app.is_running
+        assert not isinstance(app.screen, SetSpeedDialog)
+        await wait_for(pilot, lambda: "leader refused fellow 0 runs job-000002"
+                       in " ".join(screen_text(app).split()), "the notice shown")
+        # The slowdown alone: the leader takes it.
+        app.clear_notifications()
+        await pilot.press("s")
+        dialog = await wait_for(pilot, lambda: isinstance(app.screen, SetSpeedDialog)
+                                and app.screen, "the dialog again")
+        dialog.query_one("#slowdown", Input).value = "3"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: client.calls, "the request")
+        (what, (fid, req)), = client.calls
+        assert (what, fid, req.slowdown, client.speed_links) == ("set_speed", 0, 3.0, [False])
+        await wait_for(pilot, notices, "the notice")
+        assert notices() == [("set-speed slowdown 3x (emulated) sent to fellow 0",
+                              "information")]
 
 
 async def test_editing_keys_in_a_burst_apply_in_the_order_they_were_typed() -> None:
@@ -560,6 +622,77 @@ async def test_the_launcher_offers_sparseloco_and_takes_its_density(tmp_path: Pa
         await pilot.press("backspace", "backspace", "backspace", "backspace", "0")
         await wait_for(pilot, lambda: "$.training.sync.density: must be > 0"
                        in screen_text(app), "the preview's error")
+
+
+async def test_the_launcher_offers_the_torch_transport_and_refuses_it_over_shaped_links(
+        tmp_path: Path) -> None:
+    """`training.transport`: the profile form offers shaped (preselected) or torch, carried in
+    the job's training; a torch job says so in the preview and the question. Over a training
+    profile whose network shapes its links the preview shows the config's one-line error at
+    `$.training.transport`, and nothing launches."""
+    import json
+
+    from textual.widgets import Select
+
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+    from swarm_tui.app.screens.launch import LaunchScreen
+    from tests.tui_support import snapshot_configs
+
+    configs = snapshot_configs(tmp_path)
+    shaped = json.loads((configs / "training" / "tiny_sweep.json").read_text())
+    shaped["network_profile"] = {"name": "slow", "tx_mbps": 80, "rx_mbps": 80}
+    (configs / "training" / "shaped_links.json").write_text(json.dumps(shaped))
+    client = FakeClient()
+    app = make_app(client, configs_dir=configs)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("3")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                and app.screen, "the launcher")
+        transport = screen.query_one("#transport", Select)
+        assert not screen.query_one("#row-transport").display  # (not the sweep's field)
+        screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: screen.query_one("#row-transport").display
+                       and screen.plan.ok, "the profile form")
+        assert transport.value == "shaped"
+        assert screen.plan.bodies[0]["training"]["transport"] == "shaped"
+        assert "torch" not in screen_text(app).split("preview")[-1]
+        screen.query_one("#training", Select).value = "training/tiny_sweep.json"
+        transport.value = "torch"
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "torch", "the torch plan")
+        assert screen.plan.bodies[0]["training"]["transport"] == "torch"  # (the preview's)
+        await wait_for(pilot, lambda: "transport: torch (gloo; unshaped" in screen_text(app),
+                       "the preview's note")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the question")
+        assert "torch transport" in " ".join(screen_text(app).split())
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is screen, "back in the launcher")
+        # Torch over links its network profile shapes: the config's error, and no launch.
+        screen.query_one("#training", Select).value = "training/shaped_links.json"
+        await wait_for(pilot, lambda: "preview: not valid" in screen_text(app), "the error")
+        assert screen.plan.field == "$.training.transport"
+        assert (screen.plan.error or "").startswith("must be 'shaped' where the job's link or "
+                                                    "network shapes its links")
+        assert "$.training.transport: must be 'shaped'" in screen_text(app)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: "nothing to launch: must be 'shaped'"
+                       in screen_text(app), "the launch refused")
+        assert app.screen is screen and client.calls == []
+        transport.value = "shaped"  # (the shaped transport takes the shaped links)
+        await wait_for(pilot, lambda: screen.plan.ok, "the shaped plan")
+        # A torch launch reaches the leader as torch.
+        screen.query_one("#training", Select).value = "training/tiny_sweep.json"
+        transport.value = "torch"
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "torch", "the torch plan")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the question")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: client.calls, "the submit")
+        (what, req), = client.calls
+        assert what == "submit" and req.train is not None and req.train.transport == "torch"
 
 
 async def test_launch_asks_first_and_names_the_grid_the_form_asks_for(tmp_path: Path) -> None:

@@ -24,13 +24,15 @@ __all__ = ["GroupSync", "Synced", "make_sync"]
 
 def make_sync(training: TrainingConfig, params: Sequence[torch.nn.Parameter],
               send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
-              device: torch.device, names: Sequence[str] = ()) -> GroupSync:
+              device: torch.device, names: Sequence[str] = (),
+              codec: WireCodec | None = None) -> GroupSync:
     """The algorithm ``training.sync.mode`` names, over the group's ring (``send`` to the
-    next member, ``recv`` from the one before), coding what crosses by
-    ``training.sync.compression``. ``names``: the parameters' (``blocks.N.…``), where an
+    next member, ``recv`` from the one before), coding what crosses by ``codec``, else
+    ``training.sync.compression`` (``compress_when`` may leave a group out: see
+    ``pipeline/selective.sync_codec``). ``names``: the parameters' (``blocks.N.…``), where an
     algorithm groups them by layer (Streaming DiLoCo's fragments)."""
     method = SYNC_METHODS[training.sync.mode]
-    codec = WireCodec.of_sync(training.sync)
+    codec = WireCodec.of_sync(training.sync) if codec is None else codec
     sync: GroupSync = load(method.impl)(training, params, send, recv, rank, replicas, codec,
                                         device, names)
     return sync

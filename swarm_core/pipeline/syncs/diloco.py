@@ -16,8 +16,9 @@ import torch
 
 from swarm_core.config.schemas import SyncConfig, TrainingConfig
 from swarm_core.pipeline.codecs import WireCodec
+from swarm_core.pipeline.collective import ring_maker
 from swarm_core.pipeline.optim import OUTER_FIELD
-from swarm_core.pipeline.ring import LINK_FAULTS, Ring, RingBroken, confirm_bytes
+from swarm_core.pipeline.ring import LINK_FAULTS, RingBroken, confirm_bytes
 from swarm_core.pipeline.syncs.base import GroupSync, Synced
 from swarm_core.pipeline.transport import PeerLink
 
@@ -87,6 +88,8 @@ class Exchange(Protocol):
 
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         ...
+
+    def close(self) -> None: ...
 
 
 class OuterStep(GroupSync):
@@ -338,6 +341,8 @@ class OuterStep(GroupSync):
     def close(self) -> None:
         if self._worker is not None:
             self._jobs.put(None)
+        for ring in self.exchanges:
+            ring.close()
 
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
@@ -346,6 +351,7 @@ def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: 
     params = list(params)
     parts = fragment_bounds([p.numel() for p in params], training.sync.fragments, names,
                             training.sync.fragment_pattern)
-    rings = [Ring([params[i].numel() for i in part], send, recv, rank, replicas, codec, device)
+    make = ring_maker(training.transport)
+    rings = [make([params[i].numel() for i in part], send, recv, rank, replicas, codec, device)
              for part in parts]
     return OuterStep(params, rings, training.sync, training.steps, parts)

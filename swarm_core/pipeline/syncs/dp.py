@@ -9,12 +9,13 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.pipeline.codecs import WireCodec
+from swarm_core.pipeline.collective import ring_maker
 from swarm_core.pipeline.ring import LINK_FAULTS, Ring, RingBroken, confirm_bytes
 from swarm_core.pipeline.syncs.base import GroupSync, Synced
 from swarm_core.pipeline.transport import PeerLink
@@ -46,11 +47,12 @@ class GradientAverage(GroupSync):
 
     def __init__(self, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
                  recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
-                 device: torch.device, bucket_bytes: int) -> None:
+                 device: torch.device, bucket_bytes: int,
+                 make_ring: Callable[..., Ring] = Ring) -> None:
         self.params = list(params)
         self.buckets = buckets_of([p.numel() for p in self.params], bucket_bytes)
-        self.rings = [Ring([self.params[i].numel() for i in b], send, recv, rank, replicas,
-                           codec, device) for b in self.buckets]
+        self.rings = [make_ring([self.params[i].numel() for i in b], send, recv, rank,
+                                replicas, codec, device) for b in self.buckets]
         self._number()
         self._bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         self._armed = False  # for this step's last backward
@@ -179,10 +181,13 @@ class GradientAverage(GroupSync):
         for h in self._hooks:
             h.remove()
         self._jobs.put(None)
+        for ring in self.rings:
+            ring.close()
 
 
 def build(training: TrainingConfig, params: Sequence[torch.nn.Parameter], send: PeerLink | None,
           recv: PeerLink | None, rank: int, replicas: int, codec: WireCodec,
           device: torch.device, names: Sequence[str] = ()) -> GradientAverage:
     return GradientAverage(params, send, recv, rank, replicas, codec, device,
-                           int(training.sync.bucket_mb * 2**20))
+                           int(training.sync.bucket_mb * 2**20),
+                           ring_maker(training.transport))

@@ -73,6 +73,9 @@ class SparseGather:
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         return confirm(self.send, self.recv, self.replicas, step, timeout, word)
 
+    def close(self) -> None:
+        """Nothing of its own to let go (its links are the group's)."""
+
     @torch.no_grad()
     def reduce_(self, step: int, timeout: float,
                 tensors: Sequence[torch.Tensor]) -> tuple[int, float]:

@@ -84,6 +84,8 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
         super().__init__()
         self.targets = list(targets)
         self.initial = (fmt_input(tx), fmt_input(rx), fmt_input(latency_ms or 0.0))
+        # Whether the request sets the link, as it was dismissed (read by the caller).
+        self.link_given = True
 
     def compose(self) -> ComposeResult:
         who = ", ".join(f"{fid} {name}" for fid, name in self.targets[:4])
@@ -126,6 +128,12 @@ class SetSpeedDialog(FormDialog[SetSpeedRequest | None]):
             if field is not None and not field.has_focus:
                 field.focus()  # (re-focusing the focused input would eat the next keys)
             return
+        # A slowdown over the link fields as they were filled in is a slowdown alone: the
+        # leader refuses a link set on a torch job's fellow (its links are unshaped), and
+        # the prefill (the first fellow's link) must not overwrite the other fellows' links.
+        typed = tuple(self.query_one(f"#{f}", Input).value.strip()
+                      for f in ("tx", "rx", "latency"))
+        self.link_given = req.slowdown is None or typed != self.initial
         self.dismiss(req)
 
 

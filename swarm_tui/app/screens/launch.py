@@ -113,6 +113,7 @@ class LaunchScreen(SwarmScreen):
                             inner_steps=self.query_one("#inner_steps", Input).value,
                             overlap_steps=self.query_one("#overlap_steps", Input).value,
                             density=self.query_one("#density", Input).value,
+                            transport=sel("transport"),
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
 
@@ -203,7 +204,8 @@ class LaunchScreen(SwarmScreen):
 # Pick-one fields (their options come from the sources) with the option to preselect; those
 # that start blank, with what blank means; free-text fields with their initial value and
 # placeholder.
-PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": ""}
+PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": "",
+               "transport": "shaped"}
 BLANK_PICKS = {"sync": "the profile's"}
 TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
                "replicas": ("", "the profile's, else 1"),
@@ -214,7 +216,7 @@ TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
 # Labels that fit the form's label column (the field names the JSON uses are longer).
 LABELS = {"inner_steps": "inner H", "overlap_steps": "overlap"}
 FIELD_ORDER = ("config", "model", "training", "stages", "replicas", "sync", "inner_steps",
-               "overlap_steps", "density", "steps", "name")
+               "overlap_steps", "density", "transport", "steps", "name")
 
 
 class MiddleCut:

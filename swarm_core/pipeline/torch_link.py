@@ -1,0 +1,214 @@
+"""``transport: torch``: a link's frames over a two-rank torch.distributed process group.
+
+The link is set up as the shaped one is (the data listener, the handshake that proves the
+job's key both ways), then moves its frames onto a gloo process group of its two ends: the
+listening end hosts a ``TCPStore`` on a fresh port of the address it was reached on and tells
+the dialler that port over the proven connection; both build the group under a prefix of the
+link's job tag (each membership epoch's ring has a tag of its own) and the dialler's name.
+A frame is two point-to-point messages, its header then its payload (``send``/``recv``, not
+``batch_isend_irecv``, which hangs on gloo: pytorch/pytorch#132644), so the frames' meaning,
+checks, codecs and byte counters are those of the shaped link.
+
+Unshaped: gloo's sockets are not the app's, so no token bucket or added latency applies (a
+job on this transport is marked so, and set-speed on it refuses). A gloo receive cannot be
+interrupted from its own side, and a timed-out one closes the pair, so the receiver waits
+with a long timeout and closing is a handshake of its own: each end sends BYE (a header-sized
+message of zeros, never a valid header) as it closes, which ends the peer's receive as a
+closed TCP connection would; a peer that dies closes the pair, which ends it too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import re
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from swarm_core.pipeline.frames import HEADER_SIZE
+from swarm_core.pipeline.transport import _CLOSED, CLOSE_JOIN_S, LinkClosed, PeerLink
+
+TRANSPORTS = ("shaped", "torch")
+BYE = bytes(HEADER_SIZE)
+_PORT = struct.Struct("!H")
+# A receive waits for the next frame however long a neighbour is busy elsewhere: the owner's
+# own waits time out (see PeerLink.recv), and a dead peer closes the pair at once.
+IDLE_TIMEOUT = datetime.timedelta(hours=24)
+BYE_WAIT_S = 1.0  # how long a closing end waits for the peer to take its BYE
+
+
+def gloo_reason(exc: BaseException) -> str:
+    """gloo's error in a line: its first sentence, without the source path before it
+    ("[.../pair.cc:553] Connection closed by peer [127.0.0.1]:44764. This is typically...")."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def gloo_group(store: dist.Store, prefix: str, host: str, rank: int, size: int,
+               timeout: datetime.timedelta) -> Any:
+    """A gloo group of ``size`` under ``prefix`` of ``store``, listening on ``host`` only."""
+    opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 (private in the stubs)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
+
+
+def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError("the peer closed the link during the torch rendezvous")
+        buf += got
+    return buf
+
+
+def rendezvous(sock: socket.socket, listening: bool, job: int, who: bytes,
+               timeout: float) -> tuple[Any, Any]:
+    """The two-rank group of a proven connection, and its store. Gloo
+    listens where the data listener was reached (loopback stays loopback)."""
+    deadline = time.monotonic() + timeout
+    wait = datetime.timedelta(seconds=max(1.0, timeout))
+    prefix = f"{job:x}/{who.hex()}"
+    host = sock.getsockname()[0]
+    if listening:
+        store, port = hosted_store(host, sock.family, wait)
+        sock.sendall(_PORT.pack(port))
+        return gloo_group(store, prefix, host, 0, 2, IDLE_TIMEOUT), store
+    (port,) = _PORT.unpack(_read(sock, _PORT.size, deadline))
+    store = dist.TCPStore(sock.getpeername()[0], port, is_master=False, timeout=wait)
+    return gloo_group(store, prefix, host, 1, 2, IDLE_TIMEOUT), store
+
+
+def hosted_store(host: str, family: socket.AddressFamily,
+                 timeout: datetime.timedelta) -> tuple[Any, int]:
+    """A ``TCPStore`` served on a fresh port of ``host`` (a socket bound here: TCPStore's own
+    would listen on every interface; the store owns it and closes it as it ends), and the
+    port."""
+    server = socket.socket(family, socket.SOCK_STREAM)
+    server.bind((host, 0))
+    server.listen(16)
+    port = server.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=server.detach()), port
+
+
+# Links closed with their receiver still waiting for the peer's BYE. A receiver that returns
+# from gloo while the interpreter shuts down is unwound through C++ frames, which aborts the
+# process: at exit each gets a moment to end first (one blocked for good stays blocked,
+# which is safe).
+_CLOSED_WAITING: weakref.WeakSet[TorchLink] = weakref.WeakSet()
+EXIT_JOIN_S = 1.0
+
+
+@atexit.register
+def _let_receivers_end() -> None:
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for link in list(_CLOSED_WAITING):
+        link._receiver.join(max(0.0, deadline - time.monotonic()))
+
+
+class TorchLink(PeerLink):
+    """A :class:`PeerLink` whose frames cross a two-rank gloo group (see the module)."""
+
+    def __init__(self, sock: socket.socket, group: Any, store: Any, **kwargs: Any) -> None:
+        # (set before the base starts the link's threads, which use them)
+        self.group, self._store = group, store
+        self._peer_rank = 1 - group.rank()
+        self._closing = False
+        self._pair_lost = False  # gloo's pair closed: the peer's process let go of its group
+        super().__init__(sock, **kwargs)
+
+    # the wire --------------------------------------------------------------------------------
+    def _write_frame(self, head: bytes, bufs: list[memoryview]) -> int:
+        self._send(bytearray(head))
+        size = len(head)
+        payload = bytearray().join(bufs)
+        if payload:
+            self._send(payload)
+            size += len(payload)
+        self.shaper.count_tx(size)
+        self.sent += size
+        self._last_write = self.last_progress = time.monotonic()
+        return size
+
+    def _write(self, chunk: memoryview, pulse: bool = False) -> None:
+        """A pulse (the only whole frame the base writes itself): one message."""
+        self._send(bytearray(chunk))
+        self.shaper.count_tx(len(chunk))
+        self._last_write = time.monotonic()
+        if pulse:
+            self.pulse_bytes += len(chunk)
+        else:
+            self.sent += len(chunk)
+            self.last_progress = self._last_write
+
+    def _send(self, data: bytearray) -> None:
+        try:
+            self.group.send([torch.frombuffer(data, dtype=torch.uint8)], self._peer_rank,
+                            0).wait()
+        except RuntimeError as exc:  # (gloo's: the pair closed, the peer is gone)
+            raise ConnectionError(f"gloo: {gloo_reason(exc)}") from None
+
+    def _read_header(self) -> bytearray:
+        buf = self._read_exact(HEADER_SIZE)
+        if buf == BYE:
+            self.peer_closed = True
+            raise LinkClosed(f"{self.peer} closed the link")
+        return buf
+
+    def _read_into(self, view: memoryview) -> None:
+        if not len(view):
+            return  # (an empty payload is never sent)
+        try:
+            self.group.recv([torch.frombuffer(view, dtype=torch.uint8)], self._peer_rank,
+                            0).wait()
+        except RuntimeError as exc:
+            self._pair_lost = True
+            if not self._stop.is_set():
+                self.peer_closed = True
+            raise LinkClosed(f"{self.peer} closed the link (gloo: {gloo_reason(exc)})") \
+                from None
+        self.last_progress = time.monotonic()
+        self.shaper.count_rx(len(view))
+
+    def _sleep_until(self, due: float) -> bool:
+        return self._halted()  # (unshaped: no latency is added)
+
+    # closing ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let the sender finish what is queued (dropped if stopping), say BYE unless the peer
+        is gone, then stop. The receiver ends on the peer's BYE or its death; neither it nor a
+        BYE the peer does not take (its receiver has already ended) is waited for beyond a
+        moment: both end when the peer's process lets go of its group."""
+        if self._closing:
+            return
+        self._closing = True
+        self._out.put(_CLOSED)
+        if self._sender is not threading.current_thread():
+            self._sender.join(CLOSE_JOIN_S)
+        if not self._sender.is_alive() and not self._send_failed and not self._pair_lost:
+            bye = threading.Thread(target=self._say_bye, name=f"bye-{self.peer}", daemon=True)
+            bye.start()
+            bye.join(BYE_WAIT_S)
+        self._stop.set()
+        if self._receiver is not threading.current_thread():
+            self._receiver.join(0.2)
+        if self._receiver.is_alive():
+            _CLOSED_WAITING.add(self)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _say_bye(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            self._send(bytearray(BYE))
