@@ -5,15 +5,16 @@ job's key both ways), then moves its frames onto a gloo process group of its two
 listening end hosts a ``TCPStore`` on a fresh port of the address it was reached on and tells
 the dialler that port over the proven connection; both build the group under a prefix of the
 link's job tag (each membership epoch's ring has a tag of its own) and the dialler's name.
-A frame is two point-to-point messages, its header then its payload (``send``/``recv``, not
-``batch_isend_irecv``, which hangs on gloo: pytorch/pytorch#132644), so the frames' meaning,
-checks, codecs and byte counters are those of the shaped link.
+A frame is point-to-point messages (``send``/``recv``, not ``batch_isend_irecv``, which
+hangs on gloo: pytorch/pytorch#132644): a slot of fixed size with its header, and its payload
+in the slot where it fits, else as a second message; so the frames' meaning, checks, codecs
+and byte counters are those of the shaped link.
 
 Unshaped: gloo's sockets are not the app's, so no token bucket or added latency applies (a
 job on this transport is marked so, and set-speed on it refuses). A gloo receive cannot be
 interrupted from its own side, and a timed-out one closes the pair, so the receiver waits
-with a long timeout and closing is a handshake of its own: each end sends BYE (a header-sized
-message of zeros, never a valid header) as it closes, which ends the peer's receive as a
+with a long timeout and closing is a handshake of its own: each end sends BYE (a slot of
+zeros, never a valid header) as it closes, which ends the peer's receive as a
 closed TCP connection would; a peer that dies closes the pair, which ends it too.
 """
 
@@ -33,16 +34,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from swarm_core.pipeline.frames import HEADER_SIZE
+from swarm_core.pipeline.frames import HEADER_SIZE, FrameHeader
 from swarm_core.pipeline.transport import _CLOSED, CLOSE_JOIN_S, LinkClosed, PeerLink
 
 TRANSPORTS = ("shaped", "torch")
-BYE = bytes(HEADER_SIZE)
+# Every frame's first message is SLOT bytes: its header, then its payload where that fits
+# (a pulse, a norm, a confirmation, a ring's small lanes), zeros after. The receiver posts that
+# receive ahead of time, so a small frame crosses as one message instead of two, the second
+# posted only once the header is in (a gloo send waits for its receive: a round trip).
+INLINE = 192
+SLOT = HEADER_SIZE + INLINE
+BYE = bytes(SLOT)
 _PORT = struct.Struct("!H")
 # A receive waits for the next frame however long a neighbour is busy elsewhere: the owner's
 # own waits time out (see PeerLink.recv), and a dead peer closes the pair at once.
 IDLE_TIMEOUT = datetime.timedelta(hours=24)
 BYE_WAIT_S = 1.0  # how long a closing end waits for the peer to take its BYE
+
+
+def _slot(head: bytes, payload: bytes | bytearray = b"") -> bytearray:
+    """A frame's first message: its header, the payload where it fits, zeros to SLOT."""
+    slot = bytearray(SLOT)
+    slot[:len(head)] = head
+    slot[len(head):len(head) + len(payload)] = payload
+    return slot
 
 
 def gloo_reason(exc: BaseException) -> str:
@@ -127,24 +142,27 @@ class TorchLink(PeerLink):
         self._peer_rank = 1 - group.rank()
         self._closing = False
         self._pair_lost = False  # gloo's pair closed: the peer's process let go of its group
+        self._inline: memoryview | None = None  # the payload that came in the header's slot
         super().__init__(sock, **kwargs)
 
     # the wire --------------------------------------------------------------------------------
     def _write_frame(self, head: bytes, bufs: list[memoryview]) -> int:
-        self._send(bytearray(head))
-        size = len(head)
         payload = bytearray().join(bufs)
-        if payload:
+        if len(payload) <= INLINE:
+            self._send(_slot(head, payload))
+        else:
+            self._send(_slot(head))
             self._send(payload)
-            size += len(payload)
+        # (the frame's bytes, as a shaped link counts them: not the slot's zeros)
+        size = len(head) + len(payload)
         self.shaper.count_tx(size)
         self.sent += size
         self._last_write = self.last_progress = time.monotonic()
         return size
 
     def _write(self, chunk: memoryview, pulse: bool = False) -> None:
-        """A pulse (the only whole frame the base writes itself): one message."""
-        self._send(bytearray(chunk))
+        """A pulse (the only whole frame the base writes itself): one slot."""
+        self._send(_slot(bytes(chunk)))
         self.shaper.count_tx(len(chunk))
         self._last_write = time.monotonic()
         if pulse:
@@ -161,15 +179,28 @@ class TorchLink(PeerLink):
             raise ConnectionError(f"gloo: {gloo_reason(exc)}") from None
 
     def _read_header(self) -> bytearray:
-        buf = self._read_exact(HEADER_SIZE)
-        if buf == BYE:
+        slot = bytearray(SLOT)
+        self._recv(memoryview(slot))
+        if slot == BYE:
             self.peer_closed = True
             raise LinkClosed(f"{self.peer} closed the link")
-        return buf
+        head = slot[:HEADER_SIZE]
+        n = FrameHeader.unpack(head, self.max_payload).payload_len
+        self._inline = memoryview(slot)[HEADER_SIZE:HEADER_SIZE + n] if n <= INLINE else None
+        self.shaper.count_rx(HEADER_SIZE)
+        return head
 
     def _read_into(self, view: memoryview) -> None:
-        if not len(view):
-            return  # (an empty payload is never sent)
+        """The frame's payload: from its slot where it came inline, else its own message."""
+        inline, self._inline = self._inline, None
+        if inline is not None:
+            view[:] = inline
+            self.shaper.count_rx(len(view))
+        elif len(view):
+            self._recv(view)
+            self.shaper.count_rx(len(view))
+
+    def _recv(self, view: memoryview) -> None:
         try:
             self.group.recv([torch.frombuffer(view, dtype=torch.uint8)], self._peer_rank,
                             0).wait()
@@ -180,7 +211,6 @@ class TorchLink(PeerLink):
             raise LinkClosed(f"{self.peer} closed the link (gloo: {gloo_reason(exc)})") \
                 from None
         self.last_progress = time.monotonic()
-        self.shaper.count_rx(len(view))
 
     def _sleep_until(self, due: float) -> bool:
         return self._halted()  # (unshaped: no latency is added)

@@ -18,7 +18,7 @@ from swarm_core.pipeline.codecs import FP32_WIRE
 from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.torch_link import TorchLink
+from swarm_core.pipeline.torch_link import INLINE, TorchLink
 from swarm_core.pipeline.transport import LinkClosed, PeerLink, connect
 
 KEY = "the-jobs-session-key-0123456789"
@@ -90,6 +90,24 @@ def test_a_frame_lands_in_its_owners_buffer(links):
     down.send_tensor(Kind.ACT, 5, 0, x)
     _, got = up.recv_tensor(Kind.ACT, 5, 0, timeout=10)
     assert torch.equal(into, x) and torch.equal(got, x) and up.landed == 1
+
+
+@pytest.mark.parametrize("nbytes", [4, INLINE, INLINE + 4])
+def test_a_payload_in_its_headers_slot_or_after_it_lands_alike(links, nbytes):
+    """A payload that fits the header's slot crosses in it (one message), one that does not
+    after it; either lands in its owner's buffer, and the bytes counted are the frame's."""
+    down, up = links
+    n = nbytes // 4
+    into = torch.zeros(n)
+    up.land(Kind.ACT, 9, {0: memoryview(into.numpy()).cast("B")})
+    x = torch.arange(n, dtype=torch.float32)
+    sent = down.send_tensor(Kind.ACT, 9, 0, x)
+    down.send_tensor(Kind.ACT, 9, 1, x + 1)  # (no landing: a buffer of its own)
+    _, got = up.recv_tensor(Kind.ACT, 9, 0, timeout=10)
+    _, other = up.recv_tensor(Kind.ACT, 9, 1, timeout=10)
+    assert torch.equal(into, x) and torch.equal(got, x) and torch.equal(other, x + 1)
+    down.flush(10)
+    assert sent == HEADER_SIZE + nbytes and up.shaper.rx_bytes == 2 * sent == down.sent
 
 
 def test_closing_one_end_ends_the_peers_wait_as_a_closed_link():
