@@ -155,21 +155,13 @@ class TorchLink(PeerLink):
             self._send(payload)
         # (the frame's bytes, as a shaped link counts them: not the slot's zeros)
         size = len(head) + len(payload)
-        self.shaper.count_tx(size)
-        self.sent += size
-        self._last_write = self.last_progress = time.monotonic()
+        self._wrote(size)
         return size
 
     def _write(self, chunk: memoryview, pulse: bool = False) -> None:
         """A pulse (the only whole frame the base writes itself): one slot."""
         self._send(_slot(bytes(chunk)))
-        self.shaper.count_tx(len(chunk))
-        self._last_write = time.monotonic()
-        if pulse:
-            self.pulse_bytes += len(chunk)
-        else:
-            self.sent += len(chunk)
-            self.last_progress = self._last_write
+        self._wrote(len(chunk), pulse)
 
     def _send(self, data: bytearray) -> None:
         try:

@@ -296,12 +296,17 @@ class PeerLink:
     def _write(self, chunk: memoryview, pulse: bool = False) -> None:
         self.shaper.tx.consume(len(chunk), self._halted)
         self.sock.sendall(chunk)
-        self.shaper.count_tx(len(chunk))
+        self._wrote(len(chunk), pulse)
+
+    def _wrote(self, n: int, pulse: bool = False) -> None:
+        """``n`` bytes left: counted on the shaper and the link (a pulse's apart from data's,
+        and not as progress)."""
+        self.shaper.count_tx(n)
         self._last_write = time.monotonic()
         if pulse:
-            self.pulse_bytes += len(chunk)
+            self.pulse_bytes += n
         else:
-            self.sent += len(chunk)
+            self.sent += n
             self.last_progress = self._last_write
 
     # receiving -------------------------------------------------------------------------------

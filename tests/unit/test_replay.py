@@ -316,11 +316,26 @@ def test_structuring_a_trace_spec_refuses_an_empty_fellow_list():
 # --- replay against a leader ----------------------------------------------------------------------
 
 
+async def _set_speeds_played(replay: Any, client: Any, seconds: float) -> list[dict]:
+    """The set-speeds the leader published while ``replay`` played its trace for ``seconds``
+    from now."""
+    import asyncio
+    import time
+
+    replay.t0, replay.t0_wall = time.monotonic(), time.time()
+    task = asyncio.create_task(replay._play_trace())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    events = (await client.request("GET", "/api/v1/events"))["events"]
+    return [e["data"] for e in events if e["type"] == "fellow.set_speed"]
+
+
 async def test_a_traces_changes_land_in_the_events_as_set_speeds(api, tmp_path):
     """In-process leader, two registered fellows: each change of the trace is a set-speed the
     leader publishes (fellow.set_speed), in order, with the trace's link over the base; and
     trace_timeline.json says planned beside actual time."""
-    import time
 
     from swarm_core.client import SwarmClient
     from swarm_core.experiments.replay import TRACE_FILE, Replay
@@ -337,16 +352,7 @@ async def test_a_traces_changes_land_in_the_events_as_set_speeds(api, tmp_path):
 
         replay = Fixed(client, "job-x", tmp_path, trace_spec=LinkTraceSpec(file=str(trace)),
                        base_link=LinkLimits(rx_mbps=300.0))
-        replay.t0, replay.t0_wall = time.monotonic(), time.time()
-        import asyncio
-
-        task = asyncio.create_task(replay._play_trace())
-        await asyncio.sleep(1.3)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        events = (await client.request("GET", "/api/v1/events"))["events"]
-    sets = [e["data"] for e in events if e["type"] == "fellow.set_speed"]
+        sets = await _set_speeds_played(replay, client, 1.3)
     # (the row at 0.6 s repeats the one before: nothing is sent for it)
     assert [(e["fellow_id"], e["tx_mbps"], e["rx_mbps"], e["latency_ms"]) for e in sets] == [
         (f, tx, 300.0, lat) for tx, lat in ((100, 5), (50, 10), (25, 15)) for f in ids]
@@ -360,8 +366,6 @@ async def test_a_traces_changes_land_in_the_events_as_set_speeds(api, tmp_path):
 async def test_a_per_pair_trace_sets_only_the_named_pairs_links(api, tmp_path):
     """``to``: fellow a's pair link to b follows the trace (set-speed --to, recorded as such);
     b's own limits and its link to a stay; the timeline names the pairs."""
-    import asyncio
-    import time
     from types import SimpleNamespace
 
     from swarm_core.client import SwarmClient
@@ -380,14 +384,7 @@ async def test_a_per_pair_trace_sets_only_the_named_pairs_links(api, tmp_path):
         replay._job = SimpleNamespace(placement=SimpleNamespace(stages=[  # (its cells only)
             SimpleNamespace(fellow_id=a["fellow_id"], name="a", stage=0, replica=0),
             SimpleNamespace(fellow_id=b["fellow_id"], name="b", stage=1, replica=0)]))
-        replay.t0, replay.t0_wall = time.monotonic(), time.time()
-        task = asyncio.create_task(replay._play_trace())
-        await asyncio.sleep(0.7)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        events = (await client.request("GET", "/api/v1/events"))["events"]
-    sets = [e["data"] for e in events if e["type"] == "fellow.set_speed"]
+        sets = await _set_speeds_played(replay, client, 0.7)
     assert [(e["fellow_id"], e["to_fellow"], e["tx_mbps"], e["latency_ms"]) for e in sets] == [
         (a["fellow_id"], b["fellow_id"], 40.0, 5.0), (a["fellow_id"], b["fellow_id"], 20.0, 10.0)]
     changes = json.loads((tmp_path / TRACE_FILE).read_text())["changes"]
