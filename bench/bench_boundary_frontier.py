@@ -172,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timing-steps", type=int, default=None,
                     help="steps of each timing run, unshaped and shaped (0: none; default 20)")
     ap.add_argument("--mbps", type=float, default=80.0, help="the shaped links' Mbit/s")
+    ap.add_argument("--d-model", type=int, default=None,
+                    help="the model's width (default 128; the issue's figure sets 256)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the model's layers, split evenly over the 2 stages (default 4; "
+                         "the issue's figure sets 8)")
     ap.add_argument("--keep", default=None, metavar="FILE",
                     help="a JSON-lines file of the runs' figures: each run done is added, and "
                          "a run already in it (same spec, seed, steps, links, setting) is "
@@ -182,14 +187,21 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # (each stage one thread, as a fellow of one core runs it)
     cfg = dict(QUICK if args.quick else FULL)
+    cfg["model"] = {**cfg["model"], **({"d_model": args.d_model} if args.d_model else {}),
+                    **({"n_layers": args.layers} if args.layers else {})}
     specs = [s for s in args.specs.split(",") if s]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     steps = args.steps or cfg["steps"]
     timing = cfg["timing_steps"] if args.timing_steps is None else args.timing_steps
     d = cfg["model"].get("d_model", MODEL["d_model"])
-    print(f"boundary frontier: d={d}, {steps} steps, seeds {seeds}, 2 stages in-process, "
-          f"fp32 wire; timing {timing} steps unshaped and at {args.mbps:g} Mbit/s", flush=True)
-    kept = _Kept(args.keep, "quick" if args.quick else "full")
+    layers = cfg["model"].get("n_layers", MODEL["n_layers"])
+    print(f"boundary frontier: d={d}, {layers} layers, {steps} steps, seeds {seeds}, "
+          f"2 stages in-process, fp32 wire; timing {timing} steps unshaped and at "
+          f"{args.mbps:g} Mbit/s", flush=True)
+    setting = "quick" if args.quick else "full"
+    if (d, layers) != (MODEL["d_model"], MODEL["n_layers"]) and not args.quick:
+        setting = f"full-d{d}-l{layers}"  # (runs of another shape are other runs)
+    kept = _Kept(args.keep, setting)
     rows: dict[str, dict[str, Any]] = {}
     failed = False
     for spec in specs:

@@ -95,6 +95,9 @@ def _configs(cfg: dict[str, Any], mode: str, inner: int, overlap: int = 0,
     # the ring, and count in the step times.
     tc = attrs.evolve(tc, steps=cfg["steps"], eval_every=0, eval_batches=cfg["eval_batches"],
                       threads=1, shard_push_interval_steps=0, sync=sync)
+    if mode == "demo" and cfg.get("demo_lr"):  # (sign-SGD's own step size, its schedule's shape)
+        scale = cfg["demo_lr"] / tc.lr
+        tc = attrs.evolve(tc, lr=cfg["demo_lr"], min_lr=tc.min_lr * scale)
     if cfg.get("warming"):  # (a run of its own, on other windows than the rows train on)
         tc = attrs.evolve(tc, steps=cfg["warm_start"], seed=tc.seed + 1)
     return mc, tc
@@ -239,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                          "DiLoCo; each must divide every H, the overlap a fraction of H/P)")
     ap.add_argument("--topk", type=int, default=8,
                     help="demo's components per DCT block (default %(default)s, Psyche's)")
+    ap.add_argument("--demo-lr", type=float, default=None,
+                    help="demo's peak lr (sign-SGD takes steps of lr a weight; default: the "
+                         "training profile's, its floor scaled alike)")
     ap.add_argument("--loss-only", action="store_true",
                     help="each row once, unshaped: the bytes and eval loss, no step times")
     args = ap.parse_args(argv)
@@ -258,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg[key] = getattr(args, key)
     cfg["compression"] = args.compression
     cfg["replicas"], cfg["density"], cfg["topk"] = args.replicas, args.density, args.topk
+    cfg["demo_lr"] = args.demo_lr
     periodic = args.modes.split(",")
     from swarm_core.config.methods import SYNC_METHODS
     if any(m not in SYNC_METHODS or m == "dp" for m in periodic) \

@@ -95,4 +95,6 @@ def grid_title(job: JobInfo) -> str:
     stages, replicas = (p.num_stages, p.replicas) if p is not None else (
         job.topology.num_stages, job.topology.replicas)
     wiring = ", swarm wiring" if job.topology.wiring == "swarm" else ""
+    if wiring and job.topology.routing == "measured":
+        wiring += " (measured routes)"
     return f"grid: {stages} stage(s) x {replicas} replicas{wiring}"

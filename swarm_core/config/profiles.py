@@ -491,7 +491,7 @@ def load_job_cluster(path: Path) -> ClusterProfile | None:
 
 def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
                  stages: int | None = None, replicas: int | None = None,
-                 wiring: str | None = None) -> dict[str, Any]:
+                 wiring: str | None = None, routing: str | None = None) -> dict[str, Any]:
     """The grid a job run from a training profile asks for (a ``Topology``'s fields): its
     cluster profile's fellows and replicas (and stages, where it names them), then what the
     person set. Stages set alone decide the fellows (stages x replicas); fellows set alone
@@ -500,6 +500,8 @@ def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
     topo: dict[str, Any] = {} if cluster is None else cluster.topology()
     if wiring is not None:
         topo["wiring"] = wiring
+    if routing is not None:
+        topo["routing"] = routing
     if stages is not None:
         topo.pop("fellows", None)
         topo["stages"] = stages

@@ -62,9 +62,17 @@ class Topology:
     # are its replicas' own shares, whatever they say); absent: equal.
     route_weights: list[list[float]] | None = attrs.field(default=None, metadata=meta(
         "swarm wiring: per stage, each replica's relative throughput (default: equal)"))
+    # ``given``: the route deals by ``route_weights`` all run long (a run repeats bit for bit);
+    # ``measured``: by each replica's measured throughput (SWARM's estimate, agreed in-band
+    # every step: swarm_core.pipeline.routing.ThroughputEstimate), from ``route_weights``.
+    routing: Literal["given", "measured"] = attrs.field(default="given", metadata=meta(
+        "swarm wiring: deal micro-batches by route_weights (given) or by each replica's "
+        "measured throughput (measured, SWARM's)"))
 
     def __attrs_post_init__(self) -> None:
         self._check_grid()
+        if checking() and self.routing != "given" and self.wiring != "swarm":
+            raise FieldError("measured routing is for wiring swarm", "routing")
         if not checking() or self.route_weights is None:
             return
         if self.wiring != "swarm":

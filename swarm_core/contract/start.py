@@ -50,6 +50,7 @@ class StageStart:
     # How micro-batches travel (the job's topology.wiring) and a swarm route's weights.
     wiring: Literal["chain", "swarm"] = "chain"
     route_weights: list[list[float]] | None = None
+    routing: Literal["given", "measured"] = "given"
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)
@@ -136,7 +137,8 @@ def stage_starts(job_id: str, spec: JobSubmit, placement: Placement, key: str, *
                        num_stages=placement.num_stages, placement=placement, key=key,
                        model=spec.model, training=spec.training, attempt=attempt,
                        resume_step=resume_step, replica=s.replica,
-                       wiring=spec.topology.wiring, route_weights=spec.topology.route_weights)
+                       wiring=spec.topology.wiring, route_weights=spec.topology.route_weights,
+                       routing=spec.topology.routing)
             for s in placement.stages]
 
 
@@ -144,7 +146,8 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
                  devices: Sequence[str] | None = None, *, job_id: str = "job-local",
                  key: str = "k" * 32, weights: Sequence[float] | None = None,
                  replicas: int = 1, wiring: Literal["chain", "swarm"] = "chain",
-                 route_weights: list[list[float]] | None = None) -> list[StageStart]:
+                 route_weights: list[list[float]] | None = None,
+                 routing: Literal["given", "measured"] = "given") -> list[StageStart]:
     """The STARTs of a train job whose i-th cell (replica i // stages of stage i % stages)
     runs on fellow i, listening at ``addrs[i]`` on ``devices[i]``: planned and built by the
     leader's own code (for a pipeline run without a leader, and for tests). Layers split
@@ -155,6 +158,6 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
     stages = len(addrs) // replicas
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
                      topology=Topology(stages=stages, replicas=replicas, wiring=wiring,
-                                       route_weights=route_weights))
+                                       route_weights=route_weights, routing=routing))
     placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas)
     return stage_starts(job_id, spec, placement, key)

@@ -579,7 +579,9 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         link_changes=list(job.link_changes),
         link_changes_total=link_changes_in_all(job.link_changes, job.link_changes_total),
         restarts=list(job.restarts), membership=list(job.membership), thresholds={},
-        emulated_slowdown_by_cell=slowdown_by_cell(records), transport=training.transport)
+        emulated_slowdown_by_cell=slowdown_by_cell(records), transport=training.transport,
+        optimizer=training.optimizer, wiring=job.topology.wiring,
+        routing=job.topology.routing if job.topology.wiring == "swarm" else None)
     summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss
@@ -611,6 +613,9 @@ def summarize_grid(summary: MetricsSummary, spec: RunSpec, training: TrainingCon
     if mode != "none":
         summary.sync_compression = training.sync.compression
         summary.sync_bytes_per_step, summary.sync_bytes_total = per_step, sync_total
+        summary.sync_density = training.sync.density if mode == "sparseloco" else None
+        summary.sync_topk = training.sync.topk if mode == "demo" else None
+        summary.sync_fragments = training.sync.fragments if periodic else None
     summary.total_bytes = wire_total + sync_total
 
 

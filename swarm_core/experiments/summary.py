@@ -124,6 +124,15 @@ class MetricsSummary:
     # The data plane (training.transport): ``torch`` moved its bytes over gloo, where the
     # app's token buckets do not reach (``link_mbps`` then says only what tc held it to).
     transport: str | None = None
+    # What a sweep over the frontier's methods varies beyond the mode (issues 34 and 38): the
+    # inner optimizer, the wiring (and a swarm's routing), SparseLoCo's density, DeMo's top-k,
+    # a periodic mode's fragments; null where the run has none of them.
+    optimizer: str | None = None
+    wiring: str | None = None
+    routing: str | None = None
+    sync_density: float | None = None
+    sync_topk: int | None = None
+    sync_fragments: int | None = None
 
 
 FIELDS = attrs.fields(MetricsSummary)

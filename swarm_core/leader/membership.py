@@ -6,11 +6,14 @@ the dead member's chain fail (their pipeline link broke) and its fellow goes sta
 is decided once every cell of the current members has asked or is known lost (a FAILED
 report, a fellow gone stale or away), or when the heartbeat timeout has passed since the
 round began (a cell still silent by then is lost, unless its fellow says it runs it: a
-DiLoCo replica may train many inner steps before its next synchronisation).
+DiLoCo replica may train many inner steps before its next synchronisation). A cell that
+completed asks nothing: its group's last synchronisation, with every member, is behind it.
 :func:`regroup_orders` gives each asking cell its order, the lost replicas leave, and the
 change is recorded (the job's ``membership``, the step's progress record, a
 ``job.membership`` event). Where no replica is left, or the reports do not fit together, the
-job recovers as a job of one replica does (:meth:`Liveness.lost`).
+job recovers as a job of one replica does (:meth:`Liveness.lost`). Where the survivors
+have all completed, the lost replicas leave without a regroup and the job completes, unless
+a stage's final shard, which only its group's first member writes, never reached the leader.
 """
 
 from __future__ import annotations
@@ -229,6 +232,10 @@ class Membership:
         as it would without replicas."""
         if not self.replicated(job):
             return False
+        if job.state is not JobState.RUNNING or job.recovering is not None:
+            # (another cell of the same fellow ended the job, or began its recovery: a round
+            # begun now would end it again)
+            return True
         if failed_fellow is not None:
             self.failed.setdefault(job.job_id, set()).add(failed_fellow)
         joining = self.joining.get(job.job_id)
@@ -293,6 +300,14 @@ class Membership:
         self.failed.pop(job.job_id, None)
 
     # the decision -----------------------------------------------------------------------------
+    @staticmethod
+    def _done(job: JobRecord, stage: int, replica: int) -> bool:
+        """Whether the cell completed (or its replica left): it will not ask for a regroup.
+        A member completes past its group's last synchronisation, which every member of the
+        group took part in: nothing of the group's training is missing."""
+        assert job.placement is not None
+        return job.placement.index(stage, replica) in job.done_stages
+
     def _at_work(self, job: JobRecord, stage: int, replica: int) -> bool:
         """Whether the cell's fellow is up and says it runs the cell (this attempt)."""
         assert job.placement is not None
@@ -453,7 +468,7 @@ class Membership:
             for s in range(job.num_stages):
                 for r in rnd.members:
                     if s not in rnd.ordered and (s, r) not in rnd.reports \
-                            and not self._at_work(job, s, r):
+                            and not self._done(job, s, r) and not self._at_work(job, s, r):
                         rnd.lost.setdefault(r, f"stage {s} replica {r} did not report "
                                                "within the heartbeat timeout")
         if any(r in rnd.lost for r in rnd.members):
@@ -479,6 +494,9 @@ class Membership:
         # (a ring timed out), the groups that broke are all there is to order.
         needed = set(range(job.num_stages)) if rnd.members != rnd.before else \
             {s for s, _r in rnd.reports}
+        # (a group that finished the job has no synchronisation left to take an order at)
+        needed -= {s for s in range(job.num_stages)
+                   if all(self._done(job, s, r) for r in rnd.members)}
         if rnd.ordered >= needed:
             del self.rounds[job.job_id]
             self._record_departure(job, rnd)
@@ -506,7 +524,7 @@ class Membership:
         members = self.members(job)
         told = {r for _s, r in rnd.reports}
         silent = [(s, r) for s in range(stages) for r in members if r not in rnd.lost
-                  and (s, r) not in rnd.reports
+                  and (s, r) not in rnd.reports and not self._done(job, s, r)
                   and not (r in told and self._held_up(job, rnd, s, r))]
         # A silent member its ring neighbour saw close the link has died (a process that
         # ends closes its sockets), once a heartbeat has gone by for its own report: no need
@@ -530,6 +548,12 @@ class Membership:
         if silent:
             return False
         survivors = [r for r in members if r not in rnd.lost]
+        if survivors and all(self._done(job, s, r) for s in range(stages) for r in survivors):
+            # Lost after the last synchronisation: the survivors finished, with the weights
+            # the lost ones held. There is nobody to give orders to, and nothing to record a
+            # step at (each replica trained every step).
+            self._finished_without(job, rnd, [r for r in members if r not in survivors])
+            return False
         reports = {c: rep for c, rep in rnd.reports.items() if c[1] in survivors}
         if not survivors or not reports:
             self._fail_round(job)
@@ -543,6 +567,34 @@ class Membership:
             for c in rnd.reports if c[1] not in survivors})
         self._store(job, rnd)
         return True
+
+    def _finished_without(self, job: JobRecord, rnd: RegroupRound, left: list[int]) -> None:
+        """The survivors finished the job: the lost replicas leave it, their cells counted
+        done, and the job completes on the next liveness check. Unless a lost one led a
+        stage group whose final shard never reached the leader: no other member writes it
+        (see ``StageCheckpoint``), so the job would complete without its export; it ends as
+        a chain's lost stage does, naming what is missing."""
+        missing = self._unexported(job, rnd, left)
+        self.forget(job)
+        if missing is not None:
+            self.queue.liveness.lost(job, missing)
+            return
+        self._leave(job, left, "the other replicas finished the job")
+
+    def _unexported(self, job: JobRecord, rnd: RegroupRound, left: list[int]) -> str | None:
+        """Why the job's export misses a stage's final shard that a lost replica was to
+        push; None if none does."""
+        assert job.placement is not None
+        lead, steps = self.members(job)[0], job.spec.training.steps if job.spec.training else 0
+        if lead not in left:
+            return None
+        for s in range(job.num_stages):
+            pushed = job.latest_shard_pushes.get(str(s))
+            if not self._done(job, s, lead) and (pushed is None or pushed.step < steps):
+                return (f"replica {lead} was lost after the others finished, before its final "
+                        f"shard of stage {s} (step {steps}, the job's export) reached the "
+                        f"leader: {rnd.lost[lead]}")
+        return None
 
     def _leave(self, job: JobRecord, left: list[int],
                why: str = "its replica left the job") -> None:

@@ -105,7 +105,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        replicas: int = 1,
                        coordinator: LocalCoordinator | None = None,
                        wiring: Literal["chain", "swarm"] = "chain",
-                       route_weights: list[list[float]] | None = None
+                       route_weights: list[list[float]] | None = None,
+                       routing: Literal["given", "measured"] = "given"
                        ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
     end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
@@ -122,8 +123,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     Each cell is a fellow of its own, and its START is built as the leader builds one.
     With ``coordinator`` (replicas), a cell that fails does not stop the others: its replica
     leaves, and the other replicas go on (a dropped cell's result is its StageDropped).
-    ``wiring`` and ``route_weights``: the job topology's (swarm wiring routes micro-batches
-    to any replica of the next stage)."""
+    ``wiring``, ``route_weights`` and ``routing``: the job topology's (swarm wiring routes
+    micro-batches to any replica of the next stage)."""
     cells = num_stages * replicas
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:
@@ -135,7 +136,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     results: dict[int, Any] = {}
     stop = stop or threading.Event()
     starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
-                          replicas=replicas, wiring=wiring, route_weights=route_weights)
+                          replicas=replicas, wiring=wiring, route_weights=route_weights,
+                          routing=routing)
 
     def go(s: int) -> None:
         spec = StageSpec.from_start(starts[s])

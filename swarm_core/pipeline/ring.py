@@ -45,9 +45,10 @@ class RingBroken(Exception):
         self.step, self.finished, self.cause = step, finished, cause
 
 
-def confirm_bytes(replicas: int) -> int:
-    """What one member sends to confirm an operation: R-1 frames of one float32."""
-    return (replicas - 1) * (HEADER_SIZE + 4)
+def confirm_bytes(replicas: int, words: int = 1) -> int:
+    """What one member sends to confirm an operation: R-1 frames of ``words`` float32s (two
+    where each member also tells its measured compute: ``routing: measured``)."""
+    return (replicas - 1) * (HEADER_SIZE + 4 * words)
 
 
 def chunk_bounds(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -299,6 +300,13 @@ class Ring:
     def confirm(self, step: int, timeout: float, word: float = 0.0) -> tuple[int, float, float]:
         return confirm(self.send, self.recv, self.replicas, step, timeout, word)
 
+    def confirm_telling(self, step: int, timeout: float, word: float, own: float
+                        ) -> tuple[int, float, float, list[float]]:
+        """:meth:`confirm`, each member's ``own`` figure going round with its word: also
+        every member's figure, by rank (the same list on every member)."""
+        return confirm_telling(self.send, self.recv, self.rank, self.replicas, step, timeout,
+                               word, own)
+
     def close(self) -> None:
         """The run is over (a ring of frames holds nothing beyond its links)."""
 
@@ -323,6 +331,30 @@ def confirm(send: PeerLink | None, recv: PeerLink | None, replicas: int, step: i
         return 0, time.perf_counter() - t0, heard
     send.flush(timeout)
     return send.sent - sent0, time.perf_counter() - t0, heard
+
+
+def confirm_telling(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
+                    step: int, timeout: float, word: float, own: float
+                    ) -> tuple[int, float, float, list[float]]:
+    """:func:`confirm` with a second float in each frame: the member's ``own`` figure. As
+    each round passes on what it got, round i brings the figure of the member i + 1 places
+    back around the ring, so after R-1 rounds every member holds all of them, by rank."""
+    t0 = time.perf_counter()
+    sent0 = send.sent if send is not None else 0
+    out, heard = torch.tensor([float(word), float(own)]), float(word)
+    told = [0.0] * replicas
+    # (its own as the others read it: rounded to float32, so every member holds one list)
+    told[rank] = float(out[1])
+    for i in range(replicas - 1):
+        assert send is not None and recv is not None
+        send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
+        _, out = recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout, None, (2,))
+        heard = max(heard, float(out[0]))
+        told[(rank - 1 - i) % replicas] = float(out[1])
+    if send is None:
+        return 0, time.perf_counter() - t0, heard, told
+    send.flush(timeout)
+    return send.sent - sent0, time.perf_counter() - t0, heard, told
 
 
 def pieces_of(size: int) -> list[tuple[int, int]]:

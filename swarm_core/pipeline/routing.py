@@ -54,6 +54,45 @@ def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batch
     return plan
 
 
+class ThroughputEstimate:
+    """Each cell's throughput as SWARM's balancer estimates a peer's (hivemind's
+    ``PerformanceEMA``: an exponential moving average of seconds per sample, ``alpha`` 0.1,
+    divided by 1 - (1 - alpha)^n so the first samples are not pulled toward zero). A sample is
+    a cell's compute seconds per micro-batch in one step (link waits left out, emulated
+    slowdown in). Every cell feeds it the same table in the same order, so every cell holds
+    the same weights: plain Python floats, no threads, nothing timed here."""
+
+    def __init__(self, stages: int, replicas: int,
+                 given: Sequence[Sequence[float]] | None = None, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.given = [list(map(float, row)) for row in given] if given is not None else \
+            [[1.0] * replicas for _ in range(stages)]
+        self.ema = [[0.0] * replicas for _ in range(stages)]
+        self.updates = [[0] * replicas for _ in range(stages)]
+
+    def update(self, seconds: Sequence[Sequence[float]]) -> None:
+        """One step's seconds per micro-batch by stage and replica (NaN or <= 0: no sample)."""
+        a = self.alpha
+        for k, row in enumerate(seconds):
+            for r, x in enumerate(row):
+                if not x > 0:  # (NaN too: a cell that ran nothing says nothing)
+                    continue
+                self.ema[k][r] = a * x + (1 - a) * self.ema[k][r]
+                self.updates[k][r] += 1
+
+    def weights(self) -> list[list[float]]:
+        """Per stage, each replica's micro-batches per second; the given weights for a stage
+        until each of its replicas has a sample (the scales differ)."""
+        out = []
+        for k, row in enumerate(self.ema):
+            if min(self.updates[k]) == 0:
+                out.append(list(self.given[k]))
+                continue
+            out.append([(1 - (1 - self.alpha) ** n) / e
+                        for e, n in zip(row, self.updates[k], strict=True)])
+        return out
+
+
 def runs(plan: Plan, stage: int, replica: int) -> list[int]:
     """The micro-batches cell (stage, replica) runs this step, in order."""
     return [g for g, r in enumerate(plan[stage]) if r == replica]

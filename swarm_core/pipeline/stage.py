@@ -52,6 +52,7 @@ from swarm_core.pipeline.replica_group import (
     plus,
 )
 from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
+from swarm_core.pipeline.route_meter import RouteMeter
 from swarm_core.pipeline.routing import RoutedStep, route_plan
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.selective import LinkCodecs, boundary_formats
@@ -210,6 +211,7 @@ class StageSpec:
     # each replica of the next stage listens, and which replicas either side run here.
     wiring: str = "chain"
     route_weights: list[list[float]] | None = None
+    routing: str = "given"  # or "measured": see measures_routes
     down_addrs: tuple[str | None, ...] = ()
     down_local: tuple[bool, ...] = ()
     up_local: tuple[bool, ...] = ()
@@ -217,6 +219,12 @@ class StageSpec:
     @property
     def routed(self) -> bool:
         return self.wiring == "swarm" and self.replicas > 1
+
+    @property
+    def measures_routes(self) -> bool:
+        """Whether the route deals by throughput measured in the run (SWARM's), agreed by
+        every cell each step over its group's ring and its chain."""
+        return self.routed and self.routing == "measured"
 
     @property
     def reads_tokens(self) -> bool:
@@ -258,7 +266,7 @@ class StageSpec:
                    join=start.join,
                    cell_fellows=tuple(c.fellow_id for c in start.placement.stages),
                    wiring=start.wiring, route_weights=start.route_weights,
-                   **_neighbour_groups(start))
+                   routing=start.routing, **_neighbour_groups(start))
 
 
 def chain_sq_sum(local: float, up: PeerLink | None, down: PeerLink | None, step: int,
@@ -358,7 +366,9 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
     # (a link compress_when leaves out sends as spec none does: its frames may be larger)
-    limit = max(NORM_PAYLOAD, *(w.payload_size(shape) for w in boundary_formats(m, t)
+    # (measured routing's norm frames carry the throughput table too: see route_meter)
+    norm = NORM_PAYLOAD * (1 + spec.num_stages * spec.replicas if spec.measures_routes else 1)
+    limit = max(norm, *(w.payload_size(shape) for w in boundary_formats(m, t)
                                 for shape in (frame_shape(spec), eval_shape(spec))))
     # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
     # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
@@ -575,6 +585,9 @@ class StageRunner:
         # its model at once, without waiting for the garbage collector)
         self.group = ReplicaGroup(spec, self.module, self.opt, shaper, stop, self.liveness,
                                   functools.partial(check_stop, self.liveness, stop))
+        # Measured routing (SWARM's): what this cell times, tells and learns each step.
+        self.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
+                                       spec.route_weights) if spec.measures_routes else None
 
     @property
     def sync(self) -> GroupSync | None:
@@ -586,6 +599,8 @@ class StageRunner:
         self.links = links
         self.up, self.down = links.up, links.down
         self.group.start(self.params, self.device, links.ring_next, links.ring_prev)
+        if self.meter_routes is not None and self.sync is not None:
+            self.sync.own = 0.0  # (its confirmations tell the group its time from now on)
 
     def checkpoint(self, step: int, final: bool = False) -> StageCheckpoint:
         """The cell's state after step ``step`` for its checkpointer. The last step's is the
@@ -638,7 +653,7 @@ class StageRunner:
         st = self._begin(step)
         ops = self.ops if st.route is None else st.route.ops()
         last_backward = self.last_backward if st.route is None else len(ops) - 1
-        slowdown, padded = None, 0.0
+        slowdown, padded, busy = None, 0.0, 0.0
         for n, (op, i) in enumerate(ops):
             self._check_stop()
             op_t0, op_wait0 = time.perf_counter(), self.waited()
@@ -655,6 +670,11 @@ class StageRunner:
                 compute = (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
                 slowdown = max(slowdown or 1.0, self.pace.slowdown)
                 padded += self.pace.pad(max(0.0, compute), self.stop, self._check_stop)
+            # (its compute, emulated slowdown in, waits on its links out)
+            busy += (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
+        if self.meter_routes is not None and st.route is not None:
+            assert self.sync is not None
+            self.sync.own = RouteMeter.per_micro_batch(busy, len(st.route.mine))
         sync_bytes, sync_s = self._finish(step, self._chain_heard(st))
         seconds = time.perf_counter() - t0
         ran = None if st.route is None else len(st.route.mine)
@@ -674,8 +694,10 @@ class StageRunner:
         that did not finish (no pending weight passes, no gradients half accumulated)."""
         spec, t = self.spec, self.spec.training
         m = t.micro_batches
+        weights = spec.route_weights if self.meter_routes is None \
+            else self.meter_routes.weights()
         route = RoutedStep(route_plan(t.seed, step, spec.num_stages, spec.replicas, m,
-                                      spec.route_weights), spec.stage, spec.replica, m) \
+                                      weights), spec.stage, spec.replica, m) \
             if spec.routed else None
         xs, ys = step_tokens(spec, self.data, step, route, self.device)
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
@@ -792,6 +814,9 @@ class StageRunner:
         if first:
             self._constrain_and_clip(step)
         synced = group.before_step(step, heard)
+        if self.meter_routes is not None:
+            self.meter_routes.heard(group.sync.told if group.sync else None,
+                                    group.members)
         if not first:
             self._constrain_and_clip(step)
         self.opt.step()
@@ -817,10 +842,14 @@ class StageRunner:
         self._clip(step)
 
     def _clip(self, step: int) -> None:
-        """The gradients scaled to the global norm ``grad_clip`` over every stage."""
-        if self.spec.training.grad_clip > 0:
-            scale_grads(self.params, clip_scale(self._global_sq(step),
-                                                self.spec.training.grad_clip))
+        """The gradients scaled to the global norm ``grad_clip`` over every stage (measured
+        routing's table goes along that exchange, which then runs without clipping too)."""
+        clip = self.spec.training.grad_clip
+        if clip > 0:
+            scale_grads(self.params, clip_scale(self._global_sq(step), clip))
+        elif self.meter_routes is not None:
+            self.meter_routes.exchange(0.0, self.up, self.down, step,
+                                       self.spec.training.frame_timeout_s)
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -832,46 +861,50 @@ class StageRunner:
 
     def _global_sq(self, step: int) -> float:
         """Sum of squared gradients over every stage (along the chain's links)."""
-        return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step,
-                            self.spec.training.frame_timeout_s)
+        timeout = self.spec.training.frame_timeout_s
+        if self.meter_routes is not None:
+            return self.meter_routes.exchange(grad_sq_sum(self.params), self.up, self.down,
+                                              step, timeout)
+        return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout)
 
-    @torch.no_grad()
-    def evaluate(self, step: int) -> float | None:
-        """Validation loss on the fixed held-out batches (the last stage returns it). The
-        replicas of a stage hold the same weights: the first replica's chain evaluates for
-        all, on the micro-batches a job of one replica evaluates on."""
-        t = self.spec.training
-        if t.eval_batches == 0 or not self.leads:
-            return None
-        self.module.eval()
-        timeout = t.frame_timeout_s
-        mb = t.batch_size // t.micro_batches
-        batches: list[tuple[Any, Any]] = \
-            self.data.eval_batches(t.eval_batches, mb, self.spec.model.seq_len) \
-            if self.spec.reads_tokens else [(None, None)] * t.eval_batches
-        total = 0.0
-        for i, (x, y) in enumerate(batches):
-            self._check_stop()
-            if self.first:
-                inp = x.to(self.device)
-            else:
-                assert self.up is not None
-                _, inp = self.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
-                                             self.device, eval_shape(self.spec), FLAG_EVAL,
-                                             self.codecs.pick(Kind.ACT, False, self.up,
-                                                              self.links))
-            out = self.module(inp, None if x is None else x.to(self.device))
-            if self.last:
-                total += float(lm_loss(out, y.to(self.device)))
-            else:
-                assert self.down is not None
-                self.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out,
-                                      self.codecs.pick(Kind.ACT, True, self.down, self.links),
-                                      flags=FLAG_EVAL)
-        for link in (self.up, self.down):
-            if link is not None:
-                link.flush(timeout)
-        return total / len(batches) if self.last else None
+
+@torch.no_grad()
+def evaluate(runner: StageRunner, step: int) -> float | None:
+    """Validation loss on the fixed held-out batches (the last stage returns it). The
+    replicas of a stage hold the same weights: the first replica's chain evaluates for
+    all, on the micro-batches a job of one replica evaluates on."""
+    t = runner.spec.training
+    if t.eval_batches == 0 or not runner.leads:
+        return None
+    runner.module.eval()
+    timeout = t.frame_timeout_s
+    mb = t.batch_size // t.micro_batches
+    batches: list[tuple[Any, Any]] = \
+        runner.data.eval_batches(t.eval_batches, mb, runner.spec.model.seq_len) \
+        if runner.spec.reads_tokens else [(None, None)] * t.eval_batches
+    total = 0.0
+    for i, (x, y) in enumerate(batches):
+        runner._check_stop()
+        if runner.first:
+            inp = x.to(runner.device)
+        else:
+            assert runner.up is not None
+            _, inp = runner.up.recv_tensor(Kind.ACT, step, 1_000_000 + i, timeout,
+                                         runner.device, eval_shape(runner.spec), FLAG_EVAL,
+                                         runner.codecs.pick(Kind.ACT, False, runner.up,
+                                                          runner.links))
+        out = runner.module(inp, None if x is None else x.to(runner.device))
+        if runner.last:
+            total += float(lm_loss(out, y.to(runner.device)))
+        else:
+            assert runner.down is not None
+            runner.down.send_tensor(Kind.ACT, step, 1_000_000 + i, out,
+                                  runner.codecs.pick(Kind.ACT, True, runner.down, runner.links),
+                                  flags=FLAG_EVAL)
+    for link in (runner.up, runner.down):
+        if link is not None:
+            link.flush(timeout)
+    return total / len(batches) if runner.last else None
 
 
 @attrs.define
@@ -981,10 +1014,10 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         if on_checkpoint is not None and runner.checkpoint_due(rep.step):
             _checkpoint(runner, on_checkpoint, rep.step)
         if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
-            ev = runner.evaluate(rep.step)
+            ev = evaluate(runner, rep.step)
             if ev is not None and on_eval is not None:
                 on_eval(rep.step, ev)
-    eval_loss = runner.evaluate(t.steps)
+    eval_loss = evaluate(runner, t.steps)
     wall = time.perf_counter() - t0
     if on_checkpoint is not None and runner.leads:
         on_checkpoint(runner.checkpoint(t.steps, final=True))

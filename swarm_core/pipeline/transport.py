@@ -23,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -478,6 +478,19 @@ class PeerLink:
 
     def send_float(self, kind: Kind, step: int, micro_batch: int, value: float) -> None:
         self.send_raw(kind, step, micro_batch, _F64.pack(value))
+
+    def recv_floats(self, kind: Kind, step: int, micro_batch: int, timeout: float,
+                    count: int) -> list[float]:
+        """A frame that carries ``count`` float64s (the norm exchange with a table along)."""
+        _, raw = self.recv(kind, step, micro_batch, timeout)
+        if len(raw) != count * _F64.size:
+            raise FrameError(f"{kind.name} step {step} from {self.peer} carries {len(raw)} "
+                             f"bytes, expected {count * _F64.size}")
+        return list(struct.unpack(f"<{count}d", raw))
+
+    def send_floats(self, kind: Kind, step: int, micro_batch: int,
+                    values: Sequence[float]) -> None:
+        self.send_raw(kind, step, micro_batch, struct.pack(f"<{len(values)}d", *values))
 
     def close(self) -> None:
         self._stop.set()

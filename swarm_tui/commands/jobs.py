@@ -267,7 +267,7 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
 
     try:
         return structure(job_topology(cluster, args.fellows, args.stages, args.replicas,
-                                      args.wiring), Topology, "$.topology")
+                                      args.wiring, args.routing), Topology, "$.topology")
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
@@ -327,6 +327,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--stages", args.stages),
                                           ("--replicas", args.replicas),
                                           ("--wiring", args.wiring),
+                                          ("--routing", args.routing),
                                           ("--steps", args.steps),
                                           ("--optimizer", args.optimizer),
                                           ("--transport", args.transport),
@@ -367,10 +368,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         sync = _sync_config(args, training)
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
-    elif args.stages or args.replicas or args.optimizer or args.wiring or args.transport \
-            or _given_sync_flags(args):
-        raise CommandError("--stages, --replicas, --wiring, --optimizer, --transport and the "
-                           "sync flags are for train jobs (--model, --training)",
+    elif args.stages or args.replicas or args.optimizer or args.wiring or args.routing \
+            or args.transport or _given_sync_flags(args):
+        raise CommandError("--stages, --replicas, --wiring, --routing, --optimizer, --transport "
+                           "and the sync flags are for train jobs (--model, --training)",
                            ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
@@ -568,6 +569,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how micro-batches travel between replicas (topology.wiring): chain, "
                         "replica r to replica r (default); swarm, each routed to a replica "
                         "of the next stage by throughput (SWARM parallelism; sync dp)")
+    p.add_argument("--routing", choices=("given", "measured"), default=None,
+                   help="swarm wiring: deal micro-batches by topology.route_weights (given, "
+                        "default: a run repeats bit for bit) or by each replica's measured "
+                        "throughput (measured, SWARM's estimate, agreed every step)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--sync", choices=SYNC_MODES, default=None,

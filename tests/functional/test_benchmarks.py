@@ -128,13 +128,17 @@ def test_pair_links_benchmark_prints_both_tables(cli_env):
 
 
 def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
-    """bench_hetero.py --quick: chain and swarm wiring, unslowed and with one peer slowed 4x,
-    side by side against the capacity bound, and the issue's targets said."""
+    """bench_hetero.py --quick: chain and swarm wiring, unslowed and with one peer slowed 4x
+    (routed by given and by measured weights), side by side against the capacity bound, and
+    the issue's targets said."""
     res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_hetero.py"), "--quick"],
                          capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     out = res.stdout
     for row in ("chain, unslowed", "swarm, unslowed", "chain, slowed 4x",
-                "swarm, slowed, equal weights", "swarm, slowed, oracle weights"):
+                "swarm, slowed, equal weights", "swarm, slowed, oracle weights",
+                "swarm, slowed, measured"):
         assert re.search(rf"^{re.escape(row)} +\d+\.\d{{3}}", out, re.MULTILINE), out
-    assert "capacity bound, slowed:" in out and "targets: swarm >= 90% of capacity" in out
+    assert "capacity bound, slowed:" in out
+    assert "targets, oracle: swarm >= 90% of capacity" in out
+    assert "targets, measured: swarm >= 90% of capacity" in out

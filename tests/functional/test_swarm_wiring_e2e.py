@@ -1,6 +1,6 @@
 """SWARM wiring across fellow processes (issue 34 point 1): a 2 x 2 job whose micro-batches are
 routed 3 : 1 to stage 1's replicas over real TCP between four fellows computes the losses of
-one process at the same global batch."""
+one process at the same global batch; and so does the same job routed by measured throughput."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
         job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
         job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in (
             "COMPLETED", "FAILED") and j, 240, "the job's end")
+        # The same job with SWARM's measured routes: the fellows agree on each step's plan
+        # from what they measured (a disagreement would stall the job), from the START the
+        # leader sent them.
+        path.write_text(json.dumps({
+            "name": "measured", "kind": "train", "model": MODEL, "training": TRAINING,
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "routing": "measured"}}))
+        measured_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        measured = wait_until(lambda: (j := job_view(measured_id, cli_env))["state"] in (
+            "COMPLETED", "FAILED") and j, 240, "the measured job's end")
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -51,3 +61,7 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
     stages = job["metrics"]["stages"]
     sent = [stages[f"1.{r}"]["wire_tx_bytes_per_step"] for r in range(2)]
     assert sent[0] - sent[1] == 2 * (2 * 16 * 32 * 4 + HEADER_SIZE)
+    assert measured["state"] == "COMPLETED", measured["reason"]
+    assert measured["topology"]["routing"] == "measured"
+    got = [loss for _step, loss in measured["loss_history"]]
+    assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5

@@ -1007,7 +1007,8 @@ async def test_submit_pending_explains_waiting(api):
     assert job["model"]["d_model"] == 64 and job["model"]["n_layers"] == 4
     assert job["training"]["steps"] == 10 and job["training"]["schedule"] == "1f1b"
     assert job["topology"] == {"fellows": 2, "slots_per_fellow": 1, "stages": 2, "replicas": 1,
-                               "wiring": "chain", "route_weights": None} \
+                               "wiring": "chain", "route_weights": None,
+                               "routing": "given"} \
         and job["fellows"] == []
     assert job["started_at"] is None and job["finished_at"] is None
     second = await submit(api, fellows=1)
@@ -1019,7 +1020,7 @@ async def test_submit_defaults(api):
     job = await expect_ok(await api.post(f"{A}/jobs", json={}, headers=AUTH), 201)
     assert (job["name"], job["kind"], job["topology"]) == \
         ("job", "train", {"fellows": 1, "slots_per_fellow": 1, "stages": 1, "replicas": 1,
-                          "wiring": "chain", "route_weights": None})
+                          "wiring": "chain", "route_weights": None, "routing": "given"})
     assert job["waiting_for"] == "needs 1 ready fellow(s), 0 ready"
     # A body that is not there is not {}: refused, and nothing is queued.
     resp = await api.post(f"{A}/jobs", data=b"", headers=AUTH)

@@ -331,3 +331,27 @@ async def test_submit_asks_for_the_torch_transport_by_flag(api, auth, tmp_path, 
     assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
     assert await asyncio.to_thread(_cli, api, *base, "--format", "json") == 0
     assert json.loads(capsys.readouterr().out)["training"]["transport"] == "torch"
+
+
+async def test_submit_asks_for_measured_routes_by_flag(api, auth, tmp_path, capsys):
+    """``swarm submit --wiring swarm --routing measured``: the leader takes the job with SWARM's
+    measured routes and ``swarm job``'s grid says so; measured routes on a chain are one usage
+    line naming the field, and no job."""
+    for i in range(4):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    base = ["submit", "--model", str(model), "--stages", "2", "--replicas", "2",
+            "--routing", "measured"]
+    assert await asyncio.to_thread(_cli, api, *base) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$.topology.routing: measured routing is for wiring swarm" \
+        in err[0]
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--wiring", "swarm",
+                                   "--format", "json") == 0
+    job = json.loads(capsys.readouterr().out)
+    assert (job["topology"]["wiring"], job["topology"]["routing"]) == ("swarm", "measured")
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    assert "grid: 2 stage(s) x 2 replicas, swarm wiring (measured routes)" in \
+        capsys.readouterr().out

@@ -40,7 +40,8 @@ KEYS = ["run_id", "job_id", "status", "reason", "steps_expected", "steps_recorde
         "thresholds_met"]
 # Added since, after them: the boundary's planned bytes each way and the ratio to none.
 ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio",
-         "emulated_slowdown_by_cell", "transport"]
+         "emulated_slowdown_by_cell", "transport", "optimizer", "wiring", "routing",
+         "sync_density", "sync_topk", "sync_fragments"]
 
 
 def _run() -> tuple[Any, JobInfo, list[ProgressRecord]]:
@@ -90,9 +91,29 @@ def test_the_summary_is_written_from_the_class_with_the_keys_it_always_had() -> 
     assert (written["act_bytes_per_step"], written["grad_bytes_per_step"]) == (4 * frame,
                                                                                4 * frame)
     assert written["boundary_ratio"] == 1.0
+    # What a frontier sweep varies: a chain of one replica under AdamW has no sync figures.
+    assert (written["optimizer"], written["wiring"], written["routing"]) == ("adamw", "chain",
+                                                                           None)
+    assert [written[k] for k in ("sync_density", "sync_topk", "sync_fragments")] == [None] * 3
     # And it reads back to the class it was written from, every field there.
     again, absent = parse_summary(json.loads(json.dumps(written)))
     assert again == summary and absent == frozenset()
+
+
+@pytest.mark.parametrize("mode, sync, expected", [
+    ("sparseloco", {"inner_steps": 10, "density": 0.05, "fragments": 2}, (0.05, None, 2)),
+    ("demo", {"topk": 16}, (None, 16, None)),
+    ("diloco", {"inner_steps": 4}, (None, None, 1)),
+])
+def test_the_summary_says_the_sync_s_own_knobs(mode, sync, expected) -> None:
+    """SparseLoCo's density, DeMo's top-k and a periodic mode's fragments, so a sweep over
+    them reads apart in its table."""
+    st, job, records = _run()
+    st.spec.replicas, st.spec.sync_mode = 2, mode
+    st.spec.training = {"steps": 2, "sync": {"mode": mode, **sync}}
+    written = summarize(st, job, records)
+    assert (written["sync_density"], written["sync_topk"], written["sync_fragments"]) == \
+        expected
 
 
 def test_an_older_summary_reads_with_its_absent_fields_named_and_unknown_keys_ignored(

@@ -13,8 +13,10 @@ from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.frames import HEADER_SIZE
 from swarm_core.pipeline.local import run_local_pipeline
+from swarm_core.pipeline.pace import Pace
 from swarm_core.pipeline.reference import train_reference
-from swarm_core.pipeline.routing import route_plan, runs
+from swarm_core.pipeline.route_meter import chain_table
+from swarm_core.pipeline.routing import ThroughputEstimate, route_plan, runs
 from swarm_core.pipeline.stage import StageResult
 from swarm_core.schema import SchemaError, structure
 
@@ -76,6 +78,118 @@ def test_a_swarm_wired_job_computes_what_one_process_computes(data, stages, weig
                                          + HEADER_SIZE)
 
 
+def test_the_throughput_estimate_is_hivemind_s_adjusted_ema_of_seconds_per_micro_batch():
+    est = ThroughputEstimate(2, 2, given=[[1, 1], [3, 1]])
+    assert est.weights() == [[1.0, 1.0], [3.0, 1.0]]  # (no sample yet: the given weights)
+    est.update([[0.1, float("nan")], [0.02, 0.08]])
+    # A stage some replica of which has no sample keeps its given weights (scales differ);
+    # the first sample is taken whole (the EMA divided by 1 - 0.9).
+    w = est.weights()
+    assert w[0] == [1.0, 1.0]
+    assert w[1] == pytest.approx([50.0, 12.5])
+    est.update([[0.1, 0.1], [0.04, 0.08]])
+    ema = 0.1 * 0.04 + 0.9 * (0.1 * 0.02)  # (by hand: alpha 0.1, from zero)
+    assert est.weights()[1][0] == pytest.approx((1 - 0.9 ** 2) / ema)
+    assert est.weights()[1][1] == pytest.approx(12.5)  # (the same sample twice: unchanged)
+    assert est.weights()[0] == [pytest.approx(10.0), pytest.approx(10.0)]
+
+
+def test_the_chain_s_table_goes_up_and_back_down_with_the_norm_s_sum():
+    """Three stages over real links: each puts its row in on the way up; every stage ends
+    with the total (summed as chain_sq_sum sums it) and the same whole table."""
+    import socket
+    import threading
+
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.transport import PeerLink
+
+    def linked_pair() -> tuple[PeerLink, PeerLink]:
+        a, b = socket.socketpair()
+        return PeerLink(a, LinkShaper(), 7, "b"), PeerLink(b, LinkShaper(), 7, "a")
+
+    a_down, b_up = linked_pair()
+    b_down, c_up = linked_pair()
+    links: list[tuple[PeerLink | None, PeerLink | None]] = [
+        (None, a_down), (b_up, b_down), (c_up, None)]
+    out: dict[int, tuple[float, list[list[float]]]] = {}
+
+    def run(k: int) -> None:
+        up, down = links[k]
+        out[k] = chain_table(float(k + 1), [10.0 * k, 10.0 * k + 1], k, 3, up, down, 5, 10.0)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    table = [[0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]
+    assert all(out[k] == (1.0 + (2.0 + 3.0), table) for k in range(3))
+    for link in (a_down, b_up, b_down, c_up):
+        link.close()
+
+
+def test_a_confirmation_tells_every_member_every_figure_the_same_to_the_bit():
+    """``confirm_telling`` round a ring of three over real links: each member ends with the
+    three figures by rank, the same list everywhere (its own rounded to float32 as the others
+    read it: a plan dealt from lists differing in the last bit could differ), and the word."""
+    import socket
+    import threading
+
+    from swarm_core.pipeline.frames import Kind
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.pipeline.ring import confirm_telling
+    from swarm_core.pipeline.transport import PeerLink
+
+    ends = []
+    for _ in range(3):  # (member i sends to i + 1 over pair i)
+        a, b = socket.socketpair()
+        ends.append((PeerLink(a, LinkShaper(), 7, "next", receives=()),
+                     PeerLink(b, LinkShaper(), 7, "prev", receives=(Kind.SYNC,))))
+    figures = [0.1, 0.2, 0.3]  # (none exact in float32)
+    out: dict[int, tuple[int, float, float, list[float]]] = {}
+
+    def run(i: int) -> None:
+        out[i] = confirm_telling(ends[i][0], ends[(i - 1) % 3][1], i, 3, 4, 10.0,
+                                 float(i == 1), figures[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    expected = [float(torch.tensor(x, dtype=torch.float32)) for x in figures]
+    assert all(out[i][3] == expected for i in range(3))
+    assert all(out[i][2] == 1.0 for i in range(3))  # (the largest word heard)
+    for pair in ends:
+        for link in pair:
+            link.close()
+
+
+def test_measured_routing_deals_fewer_to_a_slow_peer_and_computes_what_one_process_computes(
+        data):
+    """``routing: measured``: stage 1's replica 1 padded to 6x its compute gets fewer of the
+    step's micro-batches once measured, every cell agreeing on each step's plan (a plan two
+    cells disagreed on would leave one waiting for a frame never sent), and dp's losses are
+    still one process's to 1e-5 (whatever the route). Without clipping too (the table then
+    goes along an exchange of its own)."""
+    mc = ModelConfig(**MODEL)
+    for clip in (1.0, 0.0):
+        tc = structure({"steps": 10, "batch_size": 16, "micro_batches": 4, "eval_batches": 0,
+                        "seed": 5, "grad_clip": clip}, TrainingConfig)
+        ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+        res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=180, wiring="swarm",
+                                 routing="measured", stage_kwargs={3: {"pace": Pace(6.0)}})
+        failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+        assert not failed, failed
+        got = _losses(res, 2, 2)  # type: ignore[arg-type]
+        assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+        fast, slow = (res[c].metrics.micro_batches for c in (1, 3))  # type: ignore[union-attr]
+        # (the first step deals 4 : 4, before anything is measured; then about 6 : 1, at
+        # least one each)
+        assert fast + slow == pytest.approx(8.0)
+        assert slow < 3.0 < 5.0 < fast, (fast, slow)
+
+
 def test_swarm_wiring_is_refused_where_it_cannot_apply():
     body = {"kind": "train", "model": {**MODEL}, "topology": {"stages": 2, "replicas": 2,
                                                              "wiring": "swarm"}}
@@ -93,3 +207,6 @@ def test_swarm_wiring_is_refused_where_it_cannot_apply():
         structure({**body, "topology": {**body["topology"],
                                         "route_weights": [[1, 1], [0, 1]]}}, JobSubmit)
     assert "every weight must be a positive number" in str(err.value)
+    with pytest.raises(SchemaError) as err:
+        structure({**body, "topology": {"stages": 2, "routing": "measured"}}, JobSubmit)
+    assert "$.topology.routing: measured routing is for wiring swarm" in str(err.value)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm_core.pipeline.codecs import FP32_WIRE
+from swarm_core.pipeline.codecs import FP32_WIRE, Codec, WireCodec, as_bytes
 from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.torch_link import INLINE, TorchLink
+from swarm_core.pipeline.torch_link import INLINE, TorchLink, _payload
 from swarm_core.pipeline.transport import LinkClosed, PeerLink, connect
 
 KEY = "the-jobs-session-key-0123456789"
@@ -108,6 +108,33 @@ def test_a_payload_in_its_headers_slot_or_after_it_lands_alike(links, nbytes):
     assert torch.equal(into, x) and torch.equal(got, x) and torch.equal(other, x + 1)
     down.flush(10)
     assert sent == HEADER_SIZE + nbytes and up.shaper.rx_bytes == 2 * sent == down.sent
+
+
+def test_multi_megabyte_payloads_arrive_byte_identical_however_they_are_held(links):
+    """A codec's one writable buffer (sent without a copy), its several buffers (joined), and
+    ``send_raw``'s read-only bytes (copied): each arrives as the bytes that were queued."""
+    down, up = links
+    x = torch.randn(3, 1 << 19)  # 6 MiB of fp32
+    int8 = WireCodec(Codec.INT8)
+    blob = os.urandom(3 << 20 | 5)
+    down.send_tensor(Kind.ACT, 2, 0, x)
+    down.send_tensor(Kind.ACT, 2, 1, x, int8)
+    down.send_raw(Kind.ACT, 2, 2, blob)
+    _, one = up.recv(Kind.ACT, 2, 0, timeout=20)
+    _, several = up.recv(Kind.ACT, 2, 1, timeout=20)
+    _, raw = up.recv(Kind.ACT, 2, 2, timeout=20)
+    assert bytes(one) == bytes(as_bytes(x))
+    assert bytes(several) == bytes(bytearray().join(int8.encode(x)))
+    assert bytes(raw) == blob
+
+
+def test_only_a_single_writable_buffer_is_sent_without_a_copy():
+    t = torch.arange(64, dtype=torch.float32)
+    view = as_bytes(t)
+    assert _payload([view]) is view
+    ro = memoryview(bytes(range(200)))
+    assert isinstance(_payload([ro]), bytearray) and _payload([ro]) == ro
+    assert _payload([view[:8], view[8:]]) == view
 
 
 def test_closing_one_end_ends_the_peers_wait_as_a_closed_link():

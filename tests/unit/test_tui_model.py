@@ -370,6 +370,12 @@ def test_profile_source_sets_the_transport_and_refuses_torch_over_shaped_links(
         assert run_summary(plan.runs[0])[1].endswith(
             "1f1b · torch transport" if want == "torch" else "1f1b")
     body = json.loads((configs / profile).read_text())
+    # None given over a torch profile is the profile's torch; a transport given overrides it.
+    (configs / "training" / "torch_profile.json").write_text(
+        json.dumps({**body, "transport": "torch"}))
+    for given, want in ((None, "torch"), ("shaped", "shaped"), ("torch", "torch")):
+        plan = src.plan(LaunchChoice(model, "training/torch_profile.json", transport=given))
+        assert plan.ok and plan.runs[0].train.transport == want, (given, plan.error)
     body["network_profile"] = {"name": "slow", "tx_mbps": 80, "rx_mbps": 80}
     (configs / "training" / "shaped_links.json").write_text(json.dumps(body))
     assert src.plan(LaunchChoice(model, "training/shaped_links.json", transport="shaped")).ok

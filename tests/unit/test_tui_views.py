@@ -626,10 +626,10 @@ async def test_the_launcher_offers_sparseloco_and_takes_its_density(tmp_path: Pa
 
 async def test_the_launcher_offers_the_torch_transport_and_refuses_it_over_shaped_links(
         tmp_path: Path) -> None:
-    """`training.transport`: the profile form offers shaped (preselected) or torch, carried in
-    the job's training; a torch job says so in the preview and the question. Over a training
-    profile whose network shapes its links the preview shows the config's one-line error at
-    `$.training.transport`, and nothing launches."""
+    """`training.transport`: the profile form offers the profile's (blank, preselected),
+    shaped or torch, carried in the job's training; a torch job says so in the preview and
+    the question. Over a training profile whose network shapes its links the preview shows
+    the config's one-line error at `$.training.transport`, and nothing launches."""
     import json
 
     from textual.widgets import Select
@@ -654,8 +654,8 @@ async def test_the_launcher_offers_the_torch_transport_and_refuses_it_over_shape
         screen.query_one("#source", Select).value = "profiles"
         await wait_for(pilot, lambda: screen.query_one("#row-transport").display
                        and screen.plan.ok, "the profile form")
-        assert transport.value == "shaped"
-        assert screen.plan.bodies[0]["training"]["transport"] == "shaped"
+        assert transport.value is Select.NULL and screen.choice().transport is None
+        assert screen.plan.bodies[0]["training"]["transport"] == "shaped"  # (the profile's)
         assert "torch" not in screen_text(app).split("preview")[-1]
         screen.query_one("#training", Select).value = "training/tiny_sweep.json"
         transport.value = "torch"
@@ -689,6 +689,66 @@ async def test_the_launcher_offers_the_torch_transport_and_refuses_it_over_shape
                        and screen.plan.runs[0].train.transport == "torch", "the torch plan")
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the question")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: client.calls, "the submit")
+        (what, req), = client.calls
+        assert what == "submit" and req.train is not None and req.train.transport == "torch"
+
+
+async def test_the_launchers_transport_starts_as_the_profiles_and_a_pick_overrides_it(
+        tmp_path: Path) -> None:
+    """The transport field starts blank ("the profile's"): the launcher writes no transport
+    over the training profile's, so a torch profile launches torch; picking shaped or torch
+    writes that pick, and blank again is the profile's once more. (It once preselected
+    shaped, writing `training.transport: shaped` over a torch profile.)"""
+    import json
+
+    from textual.widgets import Select
+
+    from swarm_tui.app.screens.dialogs import ConfirmDialog
+    from swarm_tui.app.screens.launch import LaunchScreen
+    from tests.tui_support import snapshot_configs
+
+    configs = snapshot_configs(tmp_path)
+    torch = json.loads((configs / "training" / "tiny_sweep.json").read_text())
+    torch["transport"] = "torch"
+    (configs / "training" / "torch_profile.json").write_text(json.dumps(torch))
+    client = FakeClient()
+    app = make_app(client, configs_dir=configs)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await loaded(pilot, app, client)
+        await pilot.press("3")
+        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                                and app.screen, "the launcher")
+        screen.query_one("#source", Select).value = "profiles"
+        await wait_for(pilot, lambda: screen.query_one("#row-transport").display
+                       and screen.plan.ok, "the profile form")
+        transport = screen.query_one("#transport", Select)
+        assert transport.value is Select.NULL  # (blank, the default)
+        assert "the profile's" in screen_text(app)  # (the blank's prompt)
+        screen.query_one("#training", Select).value = "training/torch_profile.json"
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "torch", "the torch plan")
+        assert screen.choice().transport is None  # (the launcher writes no transport)
+        assert screen.plan.bodies[0]["training"]["transport"] == "torch"  # (the profile's)
+        await wait_for(pilot, lambda: "transport: torch (gloo; unshaped" in screen_text(app),
+                       "the preview's note")
+        # A pick overrides the profile's: shaped over the torch profile, then torch.
+        transport.value = "shaped"
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "shaped", "the shaped plan")
+        assert screen.plan.bodies[0]["training"]["transport"] == "shaped"
+        transport.value = "torch"
+        await wait_for(pilot, lambda: screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "torch", "the picked torch")
+        assert screen.choice().transport == "torch"
+        # Blank again: the profile's (torch), launched as torch.
+        transport.clear()
+        await wait_for(pilot, lambda: screen.choice().transport is None and screen.plan.ok
+                       and screen.plan.runs[0].train.transport == "torch", "the profile's")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmDialog), "the question")
+        assert "torch transport" in " ".join(screen_text(app).split())
         await pilot.press("y")
         await wait_for(pilot, lambda: client.calls, "the submit")
         (what, req), = client.calls

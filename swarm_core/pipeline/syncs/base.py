@@ -25,6 +25,10 @@ class GroupSync(abc.ABC):
 
     word: float = 0.0
     heard: float = 0.0
+    # Measured routing (swarm wiring, dp): this member's figure told at each confirmation
+    # (None: it tells none) and every member's, by rank, once confirmed.
+    own: float | None = None
+    told: list[float] | None = None
     # Each replica's state (its optimiser's, this algorithm's) is its own, so a checkpoint
     # holds every member's; else the group's first member's stands for all.
     own_state: bool = False

@@ -73,7 +73,8 @@ class GradientAverage(GroupSync):
         return max(r.max_payload for r in self.rings)
 
     def expected_bytes(self) -> int:
-        return sum(r.expected_bytes() for r in self.rings) + confirm_bytes(self.rings[0].replicas)
+        return sum(r.expected_bytes() for r in self.rings) + \
+            confirm_bytes(self.rings[0].replicas, 1 if self.own is None else 2)
 
     def rewire(self, send: PeerLink | None, recv: PeerLink | None, rank: int,
                replicas: int) -> None:
@@ -147,7 +148,11 @@ class GradientAverage(GroupSync):
                 raise RingBroken(step, False, error)
             raise error
         try:
-            more, _wait, self.heard = self.rings[0].confirm(step, timeout, self.word)
+            if self.own is None:
+                more, _wait, self.heard = self.rings[0].confirm(step, timeout, self.word)
+            else:
+                more, _wait, self.heard, self.told = self.rings[0].confirm_telling(
+                    step, timeout, self.word, self.own)
             sent += more
         except LINK_FAULTS as exc:
             raise RingBroken(step, True, exc) from None

@@ -205,8 +205,9 @@ class LaunchScreen(SwarmScreen):
 # that start blank, with what blank means; free-text fields with their initial value and
 # placeholder.
 PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": "",
-               "transport": "shaped"}
-BLANK_PICKS = {"sync": "the profile's"}
+               "transport": ""}
+# (blank writes no field: the training profile's stands; a pick overrides it)
+BLANK_PICKS = {"sync": "the profile's", "transport": "the profile's"}
 TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
                "replicas": ("", "the profile's, else 1"),
                "inner_steps": ("", "diloco's H: the profile's"),

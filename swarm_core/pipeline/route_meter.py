@@ -1,0 +1,73 @@
+"""Measured routing's part in a routed cell's step (``topology.routing: measured``).
+
+SWARM deals each micro-batch by the next stage's peers' measured throughput. Every cell must
+deal the same plan, so every cell must hold the same measurements: each step, a cell times
+its own compute per micro-batch; its group's ring confirmation carries each member's time
+round the group (``ring.confirm_telling``), and the chain's gradient-norm exchange then
+carries each stage's row up the pipe and the whole table back down (:func:`chain_table`).
+After step t every cell holds the same table and feeds it to the same estimate, so step t+1's
+plan is the same everywhere, with no frame saying where a micro-batch goes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from swarm_core.pipeline.frames import Kind
+from swarm_core.pipeline.routing import ThroughputEstimate
+from swarm_core.pipeline.transport import PeerLink
+
+
+def chain_table(local: float, row: Sequence[float], stage: int, stages: int,
+                up: PeerLink | None, down: PeerLink | None, step: int, timeout: float
+                ) -> tuple[float, list[list[float]]]:
+    """``chain_sq_sum`` (the same sum, in the same order) with a table going along: each
+    stage puts its ``row`` in on the way up, and the whole table comes back down with the
+    total. Returns the total and the table by stage."""
+    width = len(row)
+    count = 1 + stages * width
+    buf = [0.0] + [math.nan] * (stages * width) if down is None else \
+        down.recv_floats(Kind.NORM, step, 0, timeout, count)
+    buf[0] = local + buf[0]
+    buf[1 + stage * width:1 + (stage + 1) * width] = [float(x) for x in row]
+    if up is not None:
+        up.send_floats(Kind.NORM, step, 0, buf)
+        buf = up.recv_floats(Kind.NORM, step, 1, timeout, count)
+    if down is not None:
+        down.send_floats(Kind.NORM, step, 1, buf)
+    return buf[0], [buf[1 + k * width:1 + (k + 1) * width] for k in range(stages)]
+
+
+class RouteMeter:
+    """A routed cell's measured throughput: what it tells, what it learns, the weights it
+    deals by."""
+
+    def __init__(self, stage: int, stages: int, replicas: int,
+                 given: Sequence[Sequence[float]] | None) -> None:
+        self.stage, self.stages, self.replicas = stage, stages, replicas
+        self.estimate = ThroughputEstimate(stages, replicas, given)
+        self.row: list[float] = [math.nan] * replicas  # its group's, once confirmed
+
+    def weights(self) -> list[list[float]]:
+        return self.estimate.weights()
+
+    @staticmethod
+    def per_micro_batch(busy: float, ran: int) -> float:
+        """A step's sample: compute seconds per micro-batch (NaN where it ran none)."""
+        return busy / ran if ran > 0 else math.nan
+
+    def heard(self, told: Sequence[float] | None, members: Sequence[int]) -> None:
+        """Its group's figures as confirmed (by rank on the ring), kept by replica."""
+        self.row = [math.nan] * self.replicas
+        for rank, value in enumerate(told or ()):
+            self.row[members[rank]] = value
+
+    def exchange(self, local: float, up: PeerLink | None, down: PeerLink | None, step: int,
+                 timeout: float) -> float:
+        """The chain's sum of ``local`` (as ``chain_sq_sum``), the table learnt on the way
+        and fed to the estimate."""
+        total, table = chain_table(local, self.row, self.stage, self.stages, up, down, step,
+                                   timeout)
+        self.estimate.update(table)
+        return total
