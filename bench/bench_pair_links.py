@@ -24,7 +24,8 @@ test).
   consecutive stages, d_model 256 (MLP ratio 1, so the step is link-bound on a small CPU),
   seq 128, batch 16, one layer and one torch thread per stage; 1f1b with 4 micro-batches and
   eager with 16: the measured step (mean interval between stage 0's step completions, first
-  step skipped) against the predictor's perfect-overlap step (``predict(...).step_seconds``)
+  step skipped) against the predictor's perfect-overlap step
+  (``predict(...).step_seconds_overlap``)
   and its simulated step, with ``measure_stage`` timings taken in this run, and against the
   least a synchronous step can take on these links (T + 2 (S-1) (L + T/M) - T/M). Target:
   within 8 % of perfect overlap. The excess is split into the fill (one whole frame), the
@@ -386,7 +387,7 @@ def excess(r: dict[str, Any]) -> list[tuple[str, float]]:
     w = r["waits"]
     fill = transfer / r["micro"]
     return [("fill T/M", fill), ("chain+schedule", w["no_latency"] - floor - fill),
-            ("latency", w["with_latency"] - w["no_latency"] - (p.step_seconds - floor)),
+            ("latency", w["with_latency"] - w["no_latency"] - (p.step_seconds_overlap - floor)),
             ("beyond sim", r["step"] - w["with_latency"])]
 
 
@@ -406,7 +407,7 @@ def step_verdict(r: dict[str, Any]) -> str:
     p: Prediction = r["pred"]
     if p.bound_by == "compute":
         return "n/a: predicted compute-bound"
-    if abs(r["step"] / p.step_seconds - 1) <= STEP_TARGET:
+    if abs(r["step"] / p.step_seconds_overlap - 1) <= STEP_TARGET:
         return "MET"
     why, _s = max(excess(r), key=lambda x: x[1])
     return f"MISSED (most: {why})"
@@ -430,18 +431,19 @@ def print_steps(rows: list[dict[str, Any]], steps: int) -> None:
     for r in rows:
         p: Prediction = r["pred"]
         out.append((label(r), f"{r['bytes'][0] / 1024:.0f}", ms(p.compute_seconds),
-                    "-" if r["free"] is None else ms(r["free"]), p.bound_by, ms(p.step_seconds),
-                    ms(p.step_seconds_simulated), ms(barrier_floor(r)), ms(r["step"]),
-                    f"{r['step'] / p.step_seconds:.3f}",
+                    "-" if r["free"] is None else ms(r["free"]), p.bound_by,
+                    ms(p.step_seconds_overlap), ms(p.step_seconds), ms(barrier_floor(r)),
+                    ms(r["step"]),
+                    f"{r['step'] / p.step_seconds_overlap:.3f}",
                     f"{r['step'] / barrier_floor(r):.3f}",
-                    f"{r['step'] / p.step_seconds_simulated:.3f}", step_verdict(r)))
+                    f"{r['step'] / p.step_seconds:.3f}", step_verdict(r)))
     table(("run", "KiB/hop", "C ms", "unshaped ms", "bound by", "perfect ms", "sim ms",
            "floor ms", "step ms", "step/perfect", "step/floor", "step/sim",
            "within 8% of perfect"), out, first=18)
     print("  C: the predictor's compute critical path from measure_stage (the fastest of 3, "
           "of 1 with --quick);\n  unshaped: the same pipeline with no matrix (measured); "
-          "perfect: predict().step_seconds = max(C, "
-          "busiest link's latency + bytes/rate); sim: predict().step_seconds_simulated (the "
+          "perfect: predict().step_seconds_overlap = max(C, "
+          "busiest link's latency + bytes/rate); sim: predict().step_seconds (the "
           "schedule\n  replayed with each frame queued on its sender's link and its latency "
           "after it); floor: T + 2 (S-1) (L + T/M) - T/M,\n  the least a synchronous step "
           "takes on these links (stage 0's next forward waits for its last activation to go "
@@ -450,8 +452,8 @@ def print_steps(rows: list[dict[str, Any]], steps: int) -> None:
     print("\n  where the measured step's excess over perfect goes, ms (the parts add up to "
           "step - perfect):")
     table(("run", *(name for name, _ in excess(rows[0])), "step - perfect"),
-          [(label(r), *(ms(v) for _, v in excess(r)), ms(r["step"] - r["pred"].step_seconds))
-           for r in rows], first=18)
+          [(label(r), *(ms(v) for _, v in excess(r)),
+            ms(r["step"] - r["pred"].step_seconds_overlap)) for r in rows], first=18)
     print("  fill: one frame's time T/M (whole-tensor frames: the first activation crosses "
           "before any gradient can);\n  chain+schedule: what else the schedule waits with "
           "instant-latency links: a frame crosses the S-1 links in series\n  (each a whole "

@@ -48,18 +48,11 @@ class RunPrediction:
 
     @property
     def ratio(self) -> float | None:
-        """Measured over predicted (perfect overlap): 1.0 is the bound met."""
+        """Measured over predicted (the schedule played out): 1.0 is the prediction met."""
         p = self.prediction
         if p is None or self.measured is None or p.step_seconds <= 0:
             return None
         return self.measured / p.step_seconds
-
-    @property
-    def ratio_simulated(self) -> float | None:
-        p = self.prediction
-        if p is None or self.measured is None or p.step_seconds_simulated <= 0:
-            return None
-        return self.measured / p.step_seconds_simulated
 
 
 def read_resolved(run_dir: Path) -> dict[str, Any]:
@@ -135,8 +128,8 @@ def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path |
     return RunPrediction(label, measured, done.prediction)
 
 
-HEADERS = ["run", "predicted s/step", "simulated s/step", "measured s/step", "measured/pred",
-           "measured/sim", "bound by", "utilisation", "stage utilisation"]
+HEADERS = ["run", "predicted s/step", "perfect overlap s/step", "measured s/step",
+           "measured/pred", "bound by", "utilisation", "stage utilisation"]
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -151,9 +144,9 @@ def rows(preds: list[RunPrediction]) -> list[list[str]]:
         if p is None:
             continue
         stages = " ".join(f"s{s.stage} {s.utilisation:.0%}" for s in p.stages)
-        out.append([r.label, f"{p.step_seconds:.3f}", f"{p.step_seconds_simulated:.3f}",
-                    _f(r.measured, ".3f"), _f(r.ratio, ".2f"), _f(r.ratio_simulated, ".2f"),
-                    p.bound_by, f"{p.utilisation:.0%}", stages])
+        out.append([r.label, f"{p.step_seconds:.3f}", f"{p.step_seconds_overlap:.3f}",
+                    _f(r.measured, ".3f"), _f(r.ratio, ".2f"), p.bound_by,
+                    f"{p.utilisation:.0%}", stages])
     return out
 
 
@@ -168,8 +161,9 @@ def html_section(preds: list[RunPrediction]) -> str:
                       for r in preds if r.prediction is None and r.why_not)
     return ("<h2 id='predictor'>Predictor</h2><p>What <code>swarm predict</code> gives for "
             "each run's resolved config (its model, schedule, grid and links) from the stage "
-            "times cached on this machine: the step at perfect overlap of compute and "
-            "transfer (a lower bound), the schedule played out frame by frame, what bounds "
-            "it and each stage's utilisation, beside the run's measured mean step (first "
-            "step and evaluations left out).</p>"
+            "times cached on this machine: the predicted step (the schedule played out, "
+            "each frame queued on its sender's link and a latency a hop), the step a "
+            "perfect overlap of compute and transfer would reach (a lower bound), what "
+            "bounds it (compute, a link, or latency) and each stage's utilisation, beside "
+            "the run's measured mean step (first step and evaluations left out).</p>"
             + table + (f"<ul class='why'>{missing}</ul>" if missing else ""))

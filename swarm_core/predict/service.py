@@ -27,13 +27,16 @@ def predict_run(shape: RunShape, cache: Path | None = None, force: bool = False,
 
 
 def prediction_json(run: PredictedRun) -> dict[str, Any]:
-    """``swarm predict --format json``: one run."""
+    """``swarm predict --format json``: one run. ``step_seconds`` is the predicted step (the
+    schedule played out), ``step_seconds_overlap`` its perfect-overlap lower bound; each
+    link's ``mbps_for`` is a perfect-overlap figure."""
     p = run.prediction
     return {"run": p.run, "network": p.network, "schedule": p.schedule,
-            "step_seconds": p.step_seconds, "step_seconds_no_overlap": p.step_seconds_no_overlap,
-            "step_seconds_simulated": p.step_seconds_simulated,
+            "step_seconds": p.step_seconds, "step_seconds_overlap": p.step_seconds_overlap,
+            "step_seconds_no_overlap": p.step_seconds_no_overlap,
+            "latency_seconds": p.latency_seconds,
             "compute_seconds": p.compute_seconds, "utilisation": p.utilisation,
-            "bound_by": p.bound_by, "calibrated": run.calibrated,
+            "bound_by": p.bound_by, "bound_kind": p.bound_kind, "calibrated": run.calibrated,
             "stages": [{"stage": s.stage, "compute_seconds": s.compute_seconds,
                         "utilisation": s.utilisation} for s in p.stages],
             "links": [{"name": x.name, "bytes_per_step": x.nbytes,

@@ -1,4 +1,4 @@
-"""The step time a run should take, and which link holds it back.
+"""The step time a run should take, and what holds it back.
 
 The model (written down in ``docs/decisions.md``, "A predictor of the step"):
 
@@ -6,30 +6,45 @@ The model (written down in ``docs/decisions.md``, "A predictor of the step"):
   optimiser times, transfers taken as free (``critical_path``): C;
 * each shaped link (a fellow's tx or rx bucket today) carries B bytes a step and takes
   L + 8B/R (``network.Link.seconds``): T_link;
-* **perfect overlap**: every transfer hides behind compute and behind the other links, so
-  ``step_seconds = max(C, max T_link)``. It is how Streaming DiLoCo's utilisation-vs-
-  bandwidth analysis credits communication overlapped with compute, what this data plane
-  aims at (sends are queued, a stage computes the next micro-batch while the last one
-  leaves, the replicas' rings run on threads of their own) and the bound issue 40's target
-  names; a lower bound of the real step, which also pays the fill and drain a link cannot
-  overlap. ``step_seconds_no_overlap = C + max T_link`` is the other end: compute, then
-  communication, as the DiLoCo scaling-law paper's wall-clock estimate adds them (arXiv
-  2503.09799, appendix A).
-* ``step_seconds_simulated``: the schedule played out with each frame queued on its sender's
-  link (``critical_path.simulate_step``), so the link idles where the schedule leaves it idle:
-  before the first activation and after the last gradient (about (M+1)/M of the link's time
-  with two stages), and under 1F1B wherever a stage waits for a gradient before its next
-  forward (which can take it past ``no_overlap``); never below perfect overlap. Its ring
-  bytes are only in the perfect-overlap floor.
+* ``step_seconds``, **the predicted step**: the schedule played out with each frame queued on
+  its sender's link and arriving a latency later (``critical_path.simulate_step``), so the
+  link idles where the schedule leaves it idle (before the first activation and after the
+  last gradient: about (M+1)/M of the link's time with two stages; under 1F1B wherever a
+  stage waits for a gradient before its next forward, which can take it past
+  ``no_overlap``), and every hop of the schedule pays its latency; never below perfect
+  overlap (its ring bytes are only in that floor). Over the scenario library it is within
+  15 % of the measured step in 14 of 16 runs, where perfect overlap misses 12 of 16 by
+  1.45-4.99x (``docs/decisions.md``, "The predictor over the scenario library").
+* ``step_seconds_overlap``: **perfect overlap**, ``max(C, max T_link)``, the bound a perfect
+  overlap of compute and transfer would reach: every transfer hidden behind compute and
+  behind the other links, one latency a link. It is how Streaming DiLoCo's utilisation-vs-
+  bandwidth analysis credits communication overlapped with compute and the bound issue 40's
+  target names; a lower bound of the predicted step. ``step_seconds_no_overlap = C + max
+  T_link`` is the other end: compute, then communication, as the DiLoCo scaling-law paper's
+  wall-clock estimate adds them (arXiv 2503.09799, appendix A).
+* ``latency_seconds``: what the links' latencies add to the predicted step, the step
+  predicted again with every latency 0 taken from it.
 
-Utilisation is compute over the step: a stage's own compute (M (f + b) + its optimiser), and
-the run's C / step. The bandwidth a link needs for a utilisation u is the one at which its
-time equals C / u: R = 8B / (C/u - L); none where its latency alone is longer than C / u.
+Utilisation is compute over the predicted step: a stage's own compute (M (f + b) + its
+optimiser), and the run's C / step. The bandwidth a link needs for a utilisation u is an
+analytic perfect-overlap figure: the rate at which its time equals C / u, R = 8B / (C/u - L);
+none where its latency alone is longer than C / u (``mbps_for``).
+
+What bounds the step (``bound_by``, ``bound_kind``): "latency" where the latencies add more to
+the predicted step (``latency_seconds``) than the compute path takes (C) and than any link's
+bytes take at its rate (8B/R). Each of the three is what the step would keep of that cause
+with the others free: C and 8B/R are floors of their own, and what latency adds is what the
+step loses without it; so "latency" says the step waits on its hops more than on compute or
+on any rate, which more bandwidth cannot shorten. It names the pipeline boundary whose
+latency alone adds the most (the step predicted again with only that boundary's latency, both
+ways, at 0; replica 0's chain, as played out), where one boundary stands out (a uniform
+chain's tie, and a ring's latency is in no boundary: just "latency"). Otherwise, as perfect
+overlap has it: the busiest link where its time exceeds C, else "compute".
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -41,7 +56,7 @@ from swarm_core.predict.critical_path import (
     compute_critical_path,
     simulate_step,
 )
-from swarm_core.predict.network import Network
+from swarm_core.predict.network import Link, Network
 from swarm_core.predict.traffic import LinkLoad, link_loads, step_flows
 
 UTILISATIONS = (0.5, 0.9, 0.99)
@@ -84,22 +99,27 @@ class Prediction:
     network: str
     schedule: str
     compute_seconds: float  # C: the compute critical path
-    step_seconds: float  # perfect overlap
+    step_seconds: float  # the predicted step: the schedule played out (>= perfect overlap)
+    step_seconds_overlap: float  # the bound a perfect overlap of compute and transfer reaches
     step_seconds_no_overlap: float
-    step_seconds_simulated: float
-    bound_by: str  # a link's name, or "compute"
+    latency_seconds: float  # what the links' latencies add to step_seconds
+    bound_by: str  # "compute", a link's name, "latency" or "latency stage a ↔ stage b"
+    bound_kind: str  # "compute", "link" or "latency"
     stages: list[StagePrediction]
     links: list[LinkPrediction]
 
     @property
     def utilisation(self) -> float:
+        """C over the predicted step."""
         return self.compute_seconds / self.step_seconds if self.step_seconds > 0 else 1.0
 
 
 def mbps_for(utilisation: float, compute_s: float, nbytes: float, latency_s: float
              ) -> float | None:
-    """Mbit/s at which a link of ``nbytes`` a step and ``latency_s`` takes C / u (so bounds
-    the step at utilisation u); None if no rate is enough (its latency alone is longer)."""
+    """Mbit/s at which a link of ``nbytes`` a step and ``latency_s`` takes C / u, so that at
+    perfect overlap it bounds the step at utilisation u; None if no rate is enough (its
+    latency alone is longer). An analytic perfect-overlap figure, not the predicted step's:
+    the schedule's fill and per-hop latencies (which no rate removes) come on top of it."""
     if nbytes <= 0:
         return 0.0
     room = compute_s / utilisation - latency_s
@@ -108,8 +128,9 @@ def mbps_for(utilisation: float, compute_s: float, nbytes: float, latency_s: flo
 
 def predict(shape: RunShape, times: Sequence[StageTimes],
             sync_bytes: Sequence[float] = ()) -> Prediction:
-    """The run's step at perfect overlap, from each stage's measured ``times`` (its slowest
-    replica's: all run alike on one machine) and each stage's ring bytes a step."""
+    """The run's predicted step (the schedule played out) beside its perfect-overlap bound,
+    from each stage's measured ``times`` (its slowest replica's: all run alike on one
+    machine) and each stage's ring bytes a step."""
     if len(times) != shape.stages:
         raise ValueError(f"{len(times)} stage timings for {shape.stages} stages")
     t = shape.training
@@ -118,24 +139,63 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
                        shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
-    step = max(compute, link_s)
-    bound = busiest if busiest is not None and link_s > compute else None
+    overlap = max(compute, link_s)
+    hop = _frame_hop(shape)
+
+    def played(over: Hop) -> float:
+        return simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0, over)
+
+    simulated = played(hop)
+    step = max(simulated, overlap)
+    # The predicted step again with every latency 0 (the links' bytes at their rates alone):
+    # what it loses is what the latencies add.
+    transfer = max((Link(x.link.mbps).seconds(x.nbytes) for x in loads), default=0.0)
+    latency = max(0.0, step - max(played(_without_latency(hop)), compute, transfer))
+    kind = "latency" if latency > max(compute, transfer) else \
+        "link" if busiest is not None and link_s > compute else "compute"
+    bound = busiest if kind == "link" else None
     links = [LinkPrediction(
         name=x.name, nbytes=x.nbytes, seconds=x.seconds, bound=x is bound, mbps=x.link.mbps,
         latency_s=x.link.latency_s, carries=x.carries,
         mbps_for={f"{u * 100:g}": mbps_for(u, compute, x.nbytes, x.link.latency_s)
                   for u in UTILISATIONS}) for x in loads]
-    simulated = simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0,
-                              _frame_hop(shape))
     stages = [StagePrediction(s, st.per_step(t.micro_batches),
                               st.per_step(t.micro_batches) / step if step > 0 else 1.0)
               for s, st in enumerate(times)]
+    bound_by = bound.name if bound is not None else "compute"
+    if kind == "latency":
+        bound_by = _latency_boundary(shape.stages, step, overlap, hop, played)
     return Prediction(run=shape.name, network=shape.network.name, schedule=t.schedule,
                       compute_seconds=compute, step_seconds=step,
-                      step_seconds_no_overlap=compute + link_s,
-                      step_seconds_simulated=max(simulated, step),
-                      bound_by=bound.name if bound is not None else "compute",
+                      step_seconds_overlap=overlap, step_seconds_no_overlap=compute + link_s,
+                      latency_seconds=latency, bound_by=bound_by, bound_kind=kind,
                       stages=stages, links=links)
+
+
+def _without_latency(hop: Hop, boundary: int | None = None) -> Hop:
+    """``hop`` with no latency: on every frame, or only on those across ``boundary`` (between
+    stages b and b + 1, both ways)."""
+
+    def quick(stage: int, kind: str) -> tuple[float, float]:
+        busy, latency = hop(stage, kind)
+        across = stage - (kind == "B")  # (a gradient from b + 1 crosses boundary b)
+        return busy, (0.0 if boundary is None or across == boundary else latency)
+
+    return quick
+
+
+def _latency_boundary(stages: int, step: float, floor: float, hop: Hop,
+                      played: Callable[[Hop], float]) -> str:
+    """"latency", and the boundary whose latency alone adds the most to the predicted
+    ``step`` (the schedule played again with that boundary's latency 0, both ways, over the
+    perfect-overlap ``floor``), where one adds more than every other (a uniform chain's
+    boundaries tie, and a ring's latency is in no boundary: just "latency")."""
+    adds = [step - max(played(_without_latency(hop, b)), floor) for b in range(stages - 1)]
+    if not adds or max(adds) <= 0:
+        return "latency"
+    best = max(adds)
+    tops = [b for b, x in enumerate(adds) if x >= best - 1e-9 * max(step, 1e-12)]
+    return f"latency stage {tops[0]} ↔ stage {tops[0] + 1}" if len(tops) == 1 else "latency"
 
 
 def _frame_hop(shape: RunShape) -> Hop:

@@ -1,5 +1,6 @@
-"""``swarm predict``: each run's step time, its stages' utilisation and the link that bounds
-it, from this machine's measured compute (see ``swarm_core.predict``). No leader needed."""
+"""``swarm predict``: each run's step time, its stages' utilisation and what bounds it (compute,
+a link, or latency), from this machine's measured compute (see ``swarm_core.predict``). No
+leader needed."""
 
 from __future__ import annotations
 
@@ -100,7 +101,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return 0
     for run in out:
         _table(run)
-    print_line(f"(perfect overlap of compute and transfers; compute measured here, cached in "
+    print_line(f"(step: the schedule played out, each frame queued on its sender's link and "
+               f"a latency a hop; perfect overlap: its lower bound, which the Mbit/s for "
+               f"50/90/99 % utilisation assume; compute measured here, cached in "
                f"{default_cache()}; --calibrate measures again)")
     return 0
 
@@ -113,8 +116,9 @@ def _table(run: PredictedRun) -> None:
     p = run.prediction
     bound = "compute-bound" if p.bound_by == "compute" else f"bound by {p.bound_by}"
     print_line(f"\n{p.run} ({p.network}, {p.schedule}): step {p.step_seconds:.4f} s, {bound}; "
-               f"compute {p.compute_seconds:.4f} s ({p.utilisation:.0%}); frames queued "
-               f"{p.step_seconds_simulated:.4f} s, no overlap {p.step_seconds_no_overlap:.4f} s")
+               f"compute {p.compute_seconds:.4f} s ({p.utilisation:.0%}), latency adds "
+               f"{p.latency_seconds:.4f} s; perfect overlap {p.step_seconds_overlap:.4f} s "
+               f"(a lower bound), no overlap {p.step_seconds_no_overlap:.4f} s")
     emit_table(None, ["stage", "compute s", "utilisation"],
                [[s.stage, f"{s.compute_seconds:.4f}", f"{s.utilisation:.0%}"] for s in p.stages])
     if not p.links:

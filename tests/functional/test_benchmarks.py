@@ -21,7 +21,7 @@ BENCHES = {
     "bench_links.py": "step/bound",
     "bench_leader.py": "p99 ms",
     "bench_pipeline.py": "tokens/s",
-    "bench_predict_scenarios.py": "step/sim",
+    "bench_predict_scenarios.py": "step/pred",
     "bench_profiles.py": "vs small_none",
     "bench_ring.py": "cpu / gloo",
     "bench_stage.py": "paired ratio to plain",

@@ -1,6 +1,7 @@
 """``swarm predict``: the schedule's critical path against hand-worked cases, the bytes from the
-project's own plans, the bound, the bandwidth-for-utilisation inversion, the calibration
-cache, and the command's JSON and errors."""
+project's own plans, the predicted step and its perfect-overlap bound, what bounds it (compute,
+a link, latency), the bandwidth-for-utilisation inversion, the calibration cache, and the
+command's JSON and errors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from swarm_core.pipeline.syncs import make_sync
 from swarm_core.pipeline.wire_math import expected_wire_bytes
 from swarm_core.predict.calibrate import calibrate, measure_stage, stage_works
 from swarm_core.predict.critical_path import StageTimes, compute_critical_path, simulate_step
-from swarm_core.predict.network import UniformNetwork
-from swarm_core.predict.step import RunShape, predict
+from swarm_core.predict.network import Link, UniformNetwork
+from swarm_core.predict.step import RunShape, _frame_hop, predict
 from swarm_core.predict.sync_plan import sync_bytes_per_step
 from swarm_core.schema import structure
 from swarm_tui.cli import run
@@ -132,9 +133,62 @@ def test_the_link_bounds_only_when_it_takes_longer_than_compute():
     assert predict(shape, slow).bound_by == "compute"
     assert not any(x.bound for x in predict(shape, slow).links)
     p = predict(shape, fast)
-    assert p.bound_by == "stage 0 tx" and p.step_seconds == pytest.approx(link_s)
+    assert p.bound_by == "stage 0 tx" and p.bound_kind == "link"
+    assert p.step_seconds_overlap == pytest.approx(link_s)
     assert [x.name for x in p.links if x.bound] == ["stage 0 tx"]
-    assert p.stages[0].utilisation == pytest.approx(p.stages[0].compute_seconds / link_s)
+    # Utilisation is over the predicted step (the frames' fill on top of the link's time).
+    assert p.step_seconds > link_s and p.latency_seconds == 0.0
+    assert p.stages[0].utilisation == pytest.approx(p.stages[0].compute_seconds / p.step_seconds)
+    assert p.utilisation == pytest.approx(p.compute_seconds / p.step_seconds)
+
+
+# --- the predicted step, and latency as a bound -------------------------------------------------
+
+
+def _played(shape: RunShape, times: list[StageTimes]) -> float:
+    t = shape.training
+    return simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0, _frame_hop(shape))
+
+
+def test_the_headline_is_the_schedule_played_out_and_latency_bounds_a_far_pipeline():
+    """Three stages at sites a, b, c: a-b 1 ms, b-c 120 ms, both at 1 Gbit/s. Perfect overlap
+    charges one latency and says compute; the played-out step pays the far hop on every
+    round trip of 1F1B, is the headline, and names that boundary's latency."""
+    from swarm_core.config.network import LinkMatrix
+    from swarm_core.predict.network import MatrixNetwork
+
+    m = structure({"sites": {"a": {}, "b": {}, "c": {}}, "stage_sites": ["a", "b", "c"],
+                   "links": {"a": {"b": {"mbps": 1000, "latency_ms": 1}},
+                             "b": {"c": {"mbps": 1000, "latency_ms": 120}},
+                             "c": {"a": {"mbps": 1000, "latency_ms": 120}}}}, LinkMatrix)
+    shape = attrs.evolve(_shape(3), network=MatrixNetwork(m, 3, UniformNetwork("far")))
+    times = [StageTimes(0.01, 0.02)] * 3
+    p = predict(shape, times)
+    assert p.step_seconds == pytest.approx(_played(shape, times))
+    assert p.step_seconds_overlap == pytest.approx(p.compute_seconds)  # (perfect overlap)
+    assert p.step_seconds > 2 * p.step_seconds_overlap
+    assert p.bound_kind == "latency" and p.bound_by == "latency stage 1 ↔ stage 2"
+    assert not any(x.bound for x in p.links)
+    assert p.latency_seconds > p.compute_seconds
+    assert p.utilisation == pytest.approx(p.compute_seconds / p.step_seconds)
+
+
+def test_latency_is_what_the_step_loses_with_every_latency_at_0():
+    """Unshaped links with 200 ms a hop: the step with latency 0 is the compute path, so
+    latency adds exactly the rest; over one boundary it is named, over two alike (a uniform
+    chain) it is just "latency"."""
+    times = [StageTimes(0.01, 0.02)] * 2
+    shape = _shape(2, mbps=None, latency_ms=200.0)
+    p = predict(shape, times)
+    assert p.step_seconds == pytest.approx(_played(shape, times))
+    assert p.latency_seconds == pytest.approx(p.step_seconds - p.compute_seconds)
+    assert (p.bound_kind, p.bound_by) == ("latency", "latency stage 0 ↔ stage 1")
+    three = predict(_shape(3, mbps=None, latency_ms=200.0), [StageTimes(0.01, 0.02)] * 3)
+    assert (three.bound_kind, three.bound_by) == ("latency", "latency")
+    # A short latency on slow compute: compute still sets the step.
+    slow = predict(_shape(2, mbps=None, latency_ms=1.0), [StageTimes(1.0, 2.0)] * 2)
+    assert (slow.bound_kind, slow.bound_by) == ("compute", "compute")
+    assert 0 < slow.latency_seconds < slow.compute_seconds
 
 
 @pytest.mark.parametrize("latency_ms", [0.0, 2.0])
@@ -147,7 +201,9 @@ def test_the_bandwidth_for_a_utilisation_gives_that_utilisation(latency_ms):
         rate = busiest.mbps_for[u]
         assert rate is not None
         again = predict(attrs.evolve(shape, network=shape.network.with_rate(rate)), times)
-        assert again.utilisation == pytest.approx(int(u) / 100)
+        # (a perfect-overlap figure: the predicted step adds the fill and the hops' latency)
+        assert again.compute_seconds / again.step_seconds_overlap == pytest.approx(int(u) / 100)
+        assert again.utilisation <= int(u) / 100 + 1e-9
 
 
 def test_no_bandwidth_is_enough_when_latency_alone_is_longer():
@@ -207,12 +263,18 @@ def test_json_output_has_the_documented_fields(tmp_path, capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     (r,) = out["runs"]
     assert isinstance(r["step_seconds"], float) and r["step_seconds"] > 0
+    assert r["step_seconds_overlap"] <= r["step_seconds"] and "step_seconds_simulated" not in r
+    assert r["step_seconds_overlap"] <= r["step_seconds_no_overlap"]
+    assert 0 <= r["latency_seconds"] <= r["step_seconds"]
+    assert r["utilisation"] == pytest.approx(r["compute_seconds"] / r["step_seconds"])
     assert [set(s) for s in r["stages"]] == [{"stage", "compute_seconds", "utilisation"}] * 2
-    assert r["bound_by"] in {x["name"] for x in r["links"]} | {"compute"}
+    assert r["bound_kind"] in {"compute", "link", "latency"}
+    assert r["bound_by"] in {x["name"] for x in r["links"]} | {"compute"} or \
+        r["bound_by"].startswith("latency")
     for link in r["links"]:
         assert {"name", "bytes_per_step", "seconds_per_step", "bound", "mbps_for"} <= set(link)
         assert set(link["mbps_for"]) == {"50", "90", "99"}
-    assert sum(x["bound"] for x in r["links"]) == (r["bound_by"] != "compute")
+    assert sum(x["bound"] for x in r["links"]) == (r["bound_kind"] == "link")
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -244,7 +306,20 @@ def test_a_matrix_network_takes_each_pairs_rate_and_the_sites_caps():
     assert net.pair((1, 0), (0, 0)).latency_s == pytest.approx(0.005)  # (pair + profile)
     times = [StageTimes(1e-4, 1e-4)] * 2
     p = predict(attrs.evolve(_shape(2), network=net), times)
-    assert p.bound_by == "stage 0 → stage 1"  # (8 Mbit/s: below every cap)
+    busiest = max(p.links, key=lambda x: x.seconds)
+    assert busiest.name == "stage 0 → stage 1"  # (8 Mbit/s: below every cap)
+    # Its bytes take 16.7 ms a step at 8 Mbit/s; the 5 ms a hop adds 20 ms to the played-out
+    # step (1F1B's round trips): latency bounds it.
+    assert Link(8.0).seconds(busiest.nbytes) < p.latency_seconds
+    assert (p.bound_kind, p.bound_by) == ("latency", "latency stage 0 ↔ stage 1")
+    # At 2 Mbit/s the same pair's bytes outweigh the latency: the bandwidth-bound case names
+    # its link.
+    slow = attrs.evolve(m, links={"a": {"b": attrs.evolve(m.links["a"]["b"], mbps=2.0)}})
+    p = predict(attrs.evolve(_shape(2), network=attrs.evolve(net, matrix=slow)), times)
+    assert (p.bound_kind, p.bound_by) == ("link", "stage 0 → stage 1")
+    assert [x.name for x in p.links if x.bound] == ["stage 0 → stage 1"]
+    assert p.step_seconds > p.step_seconds_overlap == pytest.approx(
+        Link(2.0, 0.005).seconds(busiest.nbytes))
 
 
 LIBRARY = ["dtfm-datacenter", "dtfm-spot", "dtfm-multi-university", "dtfm-regional-us",

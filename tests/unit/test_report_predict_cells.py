@@ -97,9 +97,10 @@ def test_the_prediction_is_swarm_predicts_for_the_runs_job_from_the_cache(run_di
     body.write_text(json.dumps(_job()))
     want = predict_run(load_runs(body)[0], cache, measure=lambda w: pytest.fail("measured"))
     p = row.prediction
-    assert (p.step_seconds, p.step_seconds_simulated, p.bound_by) == (
-        want.prediction.step_seconds, want.prediction.step_seconds_simulated,
+    assert (p.step_seconds, p.step_seconds_overlap, p.bound_by) == (
+        want.prediction.step_seconds, want.prediction.step_seconds_overlap,
         want.prediction.bound_by)
+    assert p.step_seconds >= p.step_seconds_overlap  # (the predicted step, over its bound)
     assert [s.utilisation for s in p.stages] == [s.utilisation
                                                  for s in want.prediction.stages]
     assert p.stages[0].compute_seconds == pytest.approx(4 * (0.01 + 0.02) + 0.005)
@@ -108,8 +109,9 @@ def test_the_prediction_is_swarm_predicts_for_the_runs_job_from_the_cache(run_di
     assert row.ratio == pytest.approx(0.7 / p.step_seconds)
     page = render_html([run], cache)
     section = page[page.index("<h2 id='predictor'>"):]
-    assert f"<td>{p.step_seconds:.3f}</td>" in section
-    assert f"<td>{p.step_seconds_simulated:.3f}</td>" in section
+    head = section[:section.index("</tr>")]
+    assert head.index("<th>predicted s/step</th>") < head.index("<th>perfect overlap s/step</th>")
+    assert f"<td>{p.step_seconds:.3f}</td><td>{p.step_seconds_overlap:.3f}</td>" in section
     assert f"<td>{0.7 / p.step_seconds:.2f}</td>" in section
     assert f"<td>{html.escape(p.bound_by)}</td>" in section
     assert f"s0 {p.stages[0].utilisation:.0%} s1 {p.stages[1].utilisation:.0%}" in section
