@@ -592,20 +592,29 @@ async def test_the_column_chooser_picks_the_columns_and_a_goes_back_to_by_width(
         assert table.visible == by_width and table.chosen is None
 
 
-async def test_the_launcher_offers_sparseloco_and_takes_its_density(tmp_path: Path) -> None:
+async def profile_form(pilot: Any, app: Any) -> Any:
+    """The launcher (key 3) on its model + training profile form."""
     from textual.widgets import Select
 
     from swarm_tui.app.screens.launch import LaunchScreen
+
+    await pilot.press("3")
+    screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
+                            and app.screen, "the launcher")
+    screen.query_one("#source", Select).value = "profiles"
+    return screen
+
+
+async def test_the_launcher_offers_sparseloco_and_takes_its_density(tmp_path: Path) -> None:
+    from textual.widgets import Select
+
     from tests.tui_support import snapshot_configs
 
     client = FakeClient()
     app = make_app(client, configs_dir=snapshot_configs(tmp_path))
     async with app.run_test(size=(100, 40)) as pilot:
         await loaded(pilot, app, client)
-        await pilot.press("3")
-        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
-                                and app.screen, "the launcher")
-        screen.query_one("#source", Select).value = "profiles"
+        screen = await profile_form(pilot, app)
         await wait_for(pilot, lambda: screen.query_one("#row-density").display,
                        "the profile form's density")
         screen.query_one("#replicas", Input).value = "2"
@@ -706,7 +715,6 @@ async def test_the_launchers_transport_starts_as_the_profiles_and_a_pick_overrid
     from textual.widgets import Select
 
     from swarm_tui.app.screens.dialogs import ConfirmDialog
-    from swarm_tui.app.screens.launch import LaunchScreen
     from tests.tui_support import snapshot_configs
 
     configs = snapshot_configs(tmp_path)
@@ -717,10 +725,7 @@ async def test_the_launchers_transport_starts_as_the_profiles_and_a_pick_overrid
     app = make_app(client, configs_dir=configs)
     async with app.run_test(size=(100, 40)) as pilot:
         await loaded(pilot, app, client)
-        await pilot.press("3")
-        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
-                                and app.screen, "the launcher")
-        screen.query_one("#source", Select).value = "profiles"
+        screen = await profile_form(pilot, app)
         await wait_for(pilot, lambda: screen.query_one("#row-transport").display
                        and screen.plan.ok, "the profile form")
         transport = screen.query_one("#transport", Select)
@@ -817,7 +822,6 @@ async def test_the_focused_field_stands_out_in_256_colours(tmp_path: Path) -> No
     from rich.color import ColorSystem
     from textual.widgets import Label, Select
 
-    from swarm_tui.app.screens.launch import LaunchScreen
     from tests.tui_support import snapshot_configs
 
     def colour256(widget: object) -> tuple[int, int, int]:
@@ -832,10 +836,7 @@ async def test_the_focused_field_stands_out_in_256_colours(tmp_path: Path) -> No
     app = make_app(client, configs_dir=snapshot_configs(tmp_path))
     async with app.run_test(size=(100, 40)) as pilot:
         await loaded(pilot, app, client)
-        await pilot.press("3")
-        screen = await wait_for(pilot, lambda: isinstance(app.screen, LaunchScreen)
-                                and app.screen, "the launcher")
-        screen.query_one("#source", Select).value = "profiles"
+        screen = await profile_form(pilot, app)
         await wait_for(pilot, lambda: screen.query_one("#row-stages").display, "the form")
         await pilot.click("#stages")
         await pilot.pause()
