@@ -137,8 +137,12 @@ class ClusterProfile:
     # How micro-batches travel between the replicas of neighbouring stages (a job topology's
     # ``wiring``): ``chain`` replica r to replica r, ``swarm`` routed by throughput.
     wiring: Literal["chain", "swarm"] = "chain"
+    # A swarm's routes: by the topology's weights (``given``) or by measured throughput.
+    routing: Literal["given", "measured"] = "given"
 
     def __attrs_post_init__(self) -> None:
+        if self.routing != "given" and self.wiring != "swarm":
+            raise FieldError("measured routing is for wiring swarm", "routing")
         for name in ("fellows", "stages"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= MAX_FELLOWS:
@@ -173,12 +177,15 @@ class ClusterProfile:
 
     def topology(self) -> dict[str, Any]:
         """A ``Topology``'s fields for a job of this profile: its fellows and replicas, its
-        stages where it names them, its wiring where it is not the chain."""
+        stages where it names them, its wiring where it is not the chain (and a swarm's
+        routing where it is measured)."""
         topo: dict[str, Any] = {"fellows": self.num_fellows, "replicas": self.replicas}
         if self.stages is not None:
             topo["stages"] = self.stages
         if self.wiring != "chain":
             topo["wiring"] = self.wiring
+        if self.routing != "given":
+            topo["routing"] = self.routing
         return topo
 
 
@@ -500,6 +507,8 @@ def job_topology(cluster: ClusterProfile | None, fellows: int | None = None,
     topo: dict[str, Any] = {} if cluster is None else cluster.topology()
     if wiring is not None:
         topo["wiring"] = wiring
+        if wiring != "swarm" and routing is None:
+            topo.pop("routing", None)  # (a chain asked for over a swarm profile: no routes)
     if routing is not None:
         topo["routing"] = routing
     if stages is not None:

@@ -190,6 +190,22 @@ def test_measured_routing_deals_fewer_to_a_slow_peer_and_computes_what_one_proce
         assert slow < 3.0 < 5.0 < fast, (fast, slow)
 
 
+def test_a_training_profile_s_cluster_asks_for_measured_routes():
+    """``cluster_profile.routing``: a swarm profile's measured routes reach the job's topology;
+    a chain asked for over it leaves them; measured routes on a chain profile are refused."""
+    from swarm_core.config.profiles import ClusterProfile, job_topology
+    from swarm_core.schema import FieldError
+
+    cluster = ClusterProfile(replicas=2, stages=2, wiring="swarm", routing="measured")
+    topo = job_topology(cluster)
+    assert (topo["wiring"], topo["routing"]) == ("swarm", "measured")
+    assert "routing" not in job_topology(cluster, wiring="chain")
+    assert job_topology(ClusterProfile(replicas=2, stages=2), wiring="swarm",
+                        routing="measured")["routing"] == "measured"
+    with pytest.raises(FieldError, match="measured routing is for wiring swarm"):
+        ClusterProfile(replicas=2, stages=2, routing="measured")
+
+
 def test_swarm_wiring_is_refused_where_it_cannot_apply():
     body = {"kind": "train", "model": {**MODEL}, "topology": {"stages": 2, "replicas": 2,
                                                              "wiring": "swarm"}}
