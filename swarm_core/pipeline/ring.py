@@ -319,18 +319,9 @@ def confirm(send: PeerLink | None, recv: PeerLink | None, replicas: int, step: i
     told to move to (its epoch): the largest heard, the same on every member, is where the
     whole group goes after this operation. Returns the bytes sent, the seconds it took and
     that word."""
-    t0 = time.perf_counter()
-    sent0 = send.sent if send is not None else 0
-    out, heard = torch.tensor([float(word)]), float(word)
-    for i in range(replicas - 1):
-        assert send is not None and recv is not None
-        send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
-        _, out = recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout, None, (1,))
-        heard = max(heard, float(out[0]))
-    if send is None:
-        return 0, time.perf_counter() - t0, heard
-    send.flush(timeout)
-    return send.sent - sent0, time.perf_counter() - t0, heard
+    sent, seconds, heard, _told = _confirm_round(send, recv, 0, replicas, step, timeout, word,
+                                                 None)
+    return sent, seconds, heard
 
 
 def confirm_telling(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
@@ -339,18 +330,27 @@ def confirm_telling(send: PeerLink | None, recv: PeerLink | None, rank: int, rep
     """:func:`confirm` with a second float in each frame: the member's ``own`` figure. As
     each round passes on what it got, round i brings the figure of the member i + 1 places
     back around the ring, so after R-1 rounds every member holds all of them, by rank."""
+    return _confirm_round(send, recv, rank, replicas, step, timeout, word, own)
+
+
+def _confirm_round(send: PeerLink | None, recv: PeerLink | None, rank: int, replicas: int,
+                   step: int, timeout: float, word: float, own: float | None
+                   ) -> tuple[int, float, float, list[float]]:
     t0 = time.perf_counter()
     sent0 = send.sent if send is not None else 0
-    out, heard = torch.tensor([float(word), float(own)]), float(word)
-    told = [0.0] * replicas
-    # (its own as the others read it: rounded to float32, so every member holds one list)
-    told[rank] = float(out[1])
+    out = torch.tensor([float(word)] if own is None else [float(word), float(own)])
+    heard, told = float(word), [0.0] * replicas
+    if own is not None:
+        # (its own as the others read it: rounded to float32, so every member holds one list)
+        told[rank] = float(out[1])
     for i in range(replicas - 1):
         assert send is not None and recv is not None
         send.send_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, out, FP32)
-        _, out = recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout, None, (2,))
+        _, out = recv.recv_tensor(Kind.SYNC, step, CONFIRM_ROUND + i, timeout, None,
+                                  tuple(out.shape))
         heard = max(heard, float(out[0]))
-        told[(rank - 1 - i) % replicas] = float(out[1])
+        if own is not None:
+            told[(rank - 1 - i) % replicas] = float(out[1])
     if send is None:
         return 0, time.perf_counter() - t0, heard, told
     send.flush(timeout)

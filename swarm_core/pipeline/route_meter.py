@@ -22,9 +22,11 @@ from swarm_core.pipeline.transport import PeerLink
 def chain_table(local: float, row: Sequence[float], stage: int, stages: int,
                 up: PeerLink | None, down: PeerLink | None, step: int, timeout: float
                 ) -> tuple[float, list[list[float]]]:
-    """``chain_sq_sum`` (the same sum, in the same order) with a table going along: each
-    stage puts its ``row`` in on the way up, and the whole table comes back down with the
-    total. Returns the total and the table by stage."""
+    """A chain's sum of ``local`` over its stages (up the pipe, each stage adding its own to
+    what came from below, then the total back down), with a table going along: each stage
+    puts its ``row`` in on the way up, and the whole table comes back down with the total.
+    Returns the total and the table by stage. An empty row is the plain sum
+    (``chain_sq_sum``): one float64 a frame."""
     width = len(row)
     count = 1 + stages * width
     buf = [0.0] + [math.nan] * (stages * width) if down is None else \

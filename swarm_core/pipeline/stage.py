@@ -52,7 +52,7 @@ from swarm_core.pipeline.replica_group import (
     plus,
 )
 from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
-from swarm_core.pipeline.route_meter import RouteMeter
+from swarm_core.pipeline.route_meter import RouteMeter, chain_table
 from swarm_core.pipeline.routing import RoutedStep, route_plan
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
 from swarm_core.pipeline.selective import LinkCodecs, boundary_formats
@@ -273,15 +273,7 @@ def chain_sq_sum(local: float, up: PeerLink | None, down: PeerLink | None, step:
                  timeout: float) -> float:
     """A chain's sum of ``local`` over its stages: up the pipe (each stage adds its own to
     what came from below), then the total back down."""
-    below = 0.0 if down is None else down.recv_float(Kind.NORM, step, 0, timeout)
-    if up is None:
-        total = local + below
-    else:
-        up.send_float(Kind.NORM, step, 0, local + below)
-        total = up.recv_float(Kind.NORM, step, 1, timeout)
-    if down is not None:
-        down.send_float(Kind.NORM, step, 1, total)
-    return total
+    return chain_table(local, (), 0, 0, up, down, step, timeout)[0]
 
 
 Tokens = tuple[torch.Tensor, ...] | dict[int, torch.Tensor]
@@ -664,14 +656,16 @@ class StageRunner:
                     # (deferred W passes would add to gradients the ring already took)
                     self.sync.arm(step, t.frame_timeout_s)
                 self._backward(st, i)
+            # The op's compute: its wall time less its link waits (a neighbour's pace is not
+            # this stage's compute: padding it would slow the stage twice, and measured
+            # routes would charge this cell for it).
+            compute = (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
+            busy += compute
             if self.pace is not None and self.pace.slowdown > 1.0:
-                # The op's compute: its wall time less its link waits (a neighbour's pace is
-                # not this stage's compute, and padding it would slow the stage twice).
-                compute = (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
                 slowdown = max(slowdown or 1.0, self.pace.slowdown)
+                pad_t0 = time.perf_counter()
                 padded += self.pace.pad(max(0.0, compute), self.stop, self._check_stop)
-            # (its compute, emulated slowdown in, waits on its links out)
-            busy += (time.perf_counter() - op_t0) - (self.waited() - op_wait0)
+                busy += time.perf_counter() - pad_t0  # (the emulated slowdown, as slept)
         if self.meter_routes is not None and st.route is not None:
             assert self.sync is not None
             self.sync.own = RouteMeter.per_micro_batch(busy, len(st.route.mine))

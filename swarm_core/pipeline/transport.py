@@ -469,19 +469,16 @@ class PeerLink:
                              f"{self.peer}: {exc}") from None
 
     def recv_float(self, kind: Kind, step: int, micro_batch: int, timeout: float) -> float:
-        """A frame that carries one float64 (the gradient-norm exchange)."""
-        _, raw = self.recv(kind, step, micro_batch, timeout)
-        if len(raw) != _F64.size:
-            raise FrameError(f"{kind.name} step {step} from {self.peer} carries {len(raw)} "
-                             f"bytes, expected {_F64.size}")
-        return _F64.unpack(raw)[0]
+        """A frame that carries one float64."""
+        return self.recv_floats(kind, step, micro_batch, timeout, 1)[0]
 
     def send_float(self, kind: Kind, step: int, micro_batch: int, value: float) -> None:
-        self.send_raw(kind, step, micro_batch, _F64.pack(value))
+        self.send_floats(kind, step, micro_batch, (value,))
 
     def recv_floats(self, kind: Kind, step: int, micro_batch: int, timeout: float,
                     count: int) -> list[float]:
-        """A frame that carries ``count`` float64s (the norm exchange with a table along)."""
+        """A frame that carries ``count`` float64s (the chain's norm exchange, and measured
+        routes' table along it)."""
         _, raw = self.recv(kind, step, micro_batch, timeout)
         if len(raw) != count * _F64.size:
             raise FrameError(f"{kind.name} step {step} from {self.peer} carries {len(raw)} "
