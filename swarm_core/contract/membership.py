@@ -16,6 +16,14 @@ to do with the synchronisation it was in:
   (``redo``): each still holds its own part (gradients, or the weights' change since the last
   outer step), since a result is only applied once committed.
 
+Under swarm wiring a micro-batch crosses replicas, so a lost cell breaks the other chains'
+pipelines too, and no survivor holds a whole step of its stage's gradients to commit. There
+the rule is :func:`routed_orders`: the survivors are at most one step apart (a cell applies
+step s only after every cell ran s's forward, which each began after applying s - 1), so all
+train on from the earliest step a survivor had not applied, a cell that had applied it
+undoing it first, over the members left: every micro-batch of the redone step is routed to
+a survivor and counted once.
+
 Torch-free: the leader decides with it.
 """
 
@@ -52,6 +60,9 @@ class RegroupReport:
     closed_by: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(
         "the replica before it on the ring, when that one closed the link (it likely died)",
         minimum=0))
+    routed: bool = attrs.field(default=False, metadata=meta(
+        "a swarm-wired cell whose step broke: op_step is the step it had not applied (it "
+        "applied every step before it)"))
 
 
 @attrs.define
@@ -65,6 +76,9 @@ class RegroupOrder:
     # A replica joins: the member that hands it the stage's state (weights, optimiser and
     # outer state) around the new ring.
     donor: int | None = None
+    # Swarm wiring: every member trains on from this step (0-based); a cell that had applied
+    # it undoes it first (see routed_orders).
+    redo_step: int | None = None
 
 
 @attrs.define
@@ -129,6 +143,30 @@ def regroup_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int
     return members, orders
 
 
+def routed_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int,
+                  broken: Collection[int], epoch: int
+                  ) -> tuple[list[int], dict[tuple[int, int], RegroupOrder]]:
+    """Swarm wiring's rule: the replicas that go on (as :func:`regroup_orders`) all train on
+    from the earliest step a surviving cell had not applied. Raises RegroupConflict where the
+    survivors are further apart than the one step a cell can undo."""
+    replicas = {r for _s, r in reports}
+    members = sorted(r for r in replicas if r not in broken
+                     and all((s, r) in reports for s in range(stages)))
+    steps = [reports[(s, r)].op_step for s in range(stages) for r in members]
+    orders: dict[tuple[int, int], RegroupOrder] = {}
+    if steps:
+        redo = min(steps)
+        if max(steps) > redo + 1:
+            raise RegroupConflict(f"the survivors stand at steps {redo} to {max(steps)}: "
+                                  "further apart than one step")
+        orders = {(s, r): RegroupOrder(epoch, members, redo_step=redo)
+                  for s in range(stages) for r in members}
+    for (s, r) in reports:
+        if r not in members:
+            orders[(s, r)] = RegroupOrder(epoch, members, drop=True)
+    return members, orders
+
+
 def group_orders(reports: Mapping[int, RegroupReport], stage: int, members: list[int],
                  epoch: int) -> dict[tuple[int, int], RegroupOrder]:
     """The orders of one stage group's members (``reports`` by replica, one from each): the
@@ -151,9 +189,16 @@ def departure(reports: Mapping[tuple[int, int], RegroupReport],
               at: float | None = None) -> MembershipChange:
     """The record of a decided round: who left, and by stage the first step trained without
     them (1-based, as steps are counted in reports: the step of the broken operation, or the
-    one after it where the group committed it). Where nobody left, a group whose ring held
-    reported nothing: it takes the change's step."""
-    by_stage = [[1 + rep.op_step + orders[(s, r)].commit for (k, r), rep in reports.items()
+    one after it where the group committed it; under swarm wiring the step every survivor
+    trained again). Where nobody left, a group whose ring held reported nothing: it takes the
+    change's step."""
+
+    def without(s: int, r: int, rep: RegroupReport) -> int:
+        order = orders[(s, r)]
+        return 1 + (order.redo_step if order.redo_step is not None
+                    else rep.op_step + order.commit)
+
+    by_stage = [[without(s, r, rep) for (k, r), rep in reports.items()
                  if k == s and r in survivors] for s in range(stages)]
     first = min(min(v) for v in by_stage if v)
     steps = [min(v) if v else first for v in by_stage]

@@ -8,7 +8,8 @@ not have is absent, not null (``sparse``), so the JSON reads as it always did.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -232,8 +233,10 @@ class ProgressRecord:
     # Emulated, not measured: the compute slowdown each cell was padded to in the step
     # (swarm_core.pipeline.pace), by its label; None where none was.
     slowdown: dict[str, float] | None = None
-    # Swarm wiring: the micro-batches each cell's route gave it in the step, by cell.
+    # Swarm wiring: the micro-batches each cell's route gave it in the step, by cell; and by
+    # replica those its last stage's cell ran, which weigh its loss in the step's.
     micro_batches: dict[str, float] | None = None
+    replica_micro_batches: dict[str, float] | None = None
 
     def add_stage(self, stage: int, figures: StageMetrics, cell: int | None = None,
                   key: str | None = None) -> bool:
@@ -267,17 +270,36 @@ class ProgressRecord:
             self.micro_batches = {**(self.micro_batches or {}), key: figures.micro_batches}
         return True
 
-    def add_replica_loss(self, replica: int, loss: float) -> None:
-        """One replica's loss of the step; the step's is their mean (each replica's loss is
-        the mean over its equal share of the step's windows)."""
-        losses = {**(self.replica_losses or {}), str(replica): loss}
-        self.replica_losses = losses
-        self.loss = sum(losses.values()) / len(losses)
+    def add_replica_loss(self, replica: int, loss: float,
+                         micro_batches: float | None = None) -> None:
+        """One replica's loss of the step: the mean over the micro-batches its last stage ran
+        (``micro_batches`` of them under swarm wiring; a chain's equal share otherwise)."""
+        self.replica_losses = {**(self.replica_losses or {}), str(replica): loss}
+        if micro_batches is not None:
+            self.replica_micro_batches = {**(self.replica_micro_batches or {}),
+                                          str(replica): micro_batches}
+        self.loss = step_loss(self.replica_losses, self.replica_micro_batches)
 
     def add_eval(self, loss: float | None) -> None:
         self.eval_loss = loss
         if loss is not None:
             self.perplexity = perplexity(loss)
+
+
+K = TypeVar("K")
+
+
+def step_loss(losses: Mapping[K, float], micro_batches: Mapping[K, float] | None = None
+              ) -> float:
+    """A step's loss from its replicas' (each the mean over the micro-batches its last stage
+    ran): their mean, weighted by those micro-batches where given (swarm wiring deals a step's
+    micro-batches unevenly; chains run equal shares). Where a replica's report is missing
+    the figure is the mean over the micro-batches reported, not a share counted as the whole."""
+    if micro_batches and all(k in micro_batches for k in losses):
+        total = sum(micro_batches[k] for k in losses)
+        if total > 0:
+            return sum(v * micro_batches[k] for k, v in losses.items()) / total
+    return sum(losses.values()) / len(losses)
 
 
 _RECORD = attrs.fields(ProgressRecord)
@@ -308,6 +330,7 @@ class MetricName:
     MEMBERSHIP = _RECORD.membership.name
     SLOWDOWN = _RECORD.slowdown.name
     MICRO_BATCHES = _RECORD.micro_batches.name
+    REPLICA_MICRO_BATCHES = _RECORD.replica_micro_batches.name
 
 
 @attrs.define
@@ -349,7 +372,9 @@ class JobStatusUpdate:
         default=None, validator=non_negative,
         metadata=meta("on a COMPLETED report of a job of replicas: the membership its stage "
                       "group finished under (0 before any change). A spare told to join "
-                      "under a later one was never taken in", minimum=0))
+                      "under a later one was never taken in. On a step report of a "
+                      "swarm-wired job: the membership the step was trained under (one "
+                      "trained again after a change replaces it)", minimum=0))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:

@@ -85,7 +85,8 @@ class StepReporter:
             progress.loss = rep.loss
         progress.tokens_per_s = rep.tokens_per_s
         upd = self._update(state="RUNNING", step=rep.step, loss=rep.loss,
-                           tokens_per_s=rep.tokens_per_s, metrics=rep.figures())
+                           tokens_per_s=rep.tokens_per_s, metrics=rep.figures(),
+                           epoch=rep.epoch)
         self.loop.call_soon_threadsafe(self.updates.put_nowait, upd)
 
     def on_eval(self, step: int, loss: float) -> None:  # the stage thread

@@ -35,7 +35,9 @@ from swarm_core.contract.membership import (
     RegroupReport,
     departure,
     group_orders,
+    routed_orders,
 )
+from swarm_core.contract.metrics import JobStatusUpdate
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.records import CellOrder, DecidedRegroup, JobRecord, StoredJoin
 from swarm_core.protocol import JobState
@@ -207,6 +209,13 @@ class Membership:
         return self.answer(job, rep)
 
     @staticmethod
+    def superseded(job: JobRecord, upd: JobStatusUpdate) -> bool:
+        """A swarm-wired cell's report of a step it trained under a membership that a later
+        change took that step back from (the survivors trained it again): late, not kept."""
+        return upd.state == "RUNNING" and upd.epoch is not None and any(
+            c.epoch > upd.epoch and upd.step >= c.step for c in job.membership)
+
+    @staticmethod
     def _same_members_since(job: JobRecord, epoch: int) -> bool:
         """Whether every membership after ``epoch`` came of a regroup in which nobody left
         (a ring that timed out): only the groups that broke moved to it."""
@@ -372,7 +381,9 @@ class Membership:
         if not self.replicated(job) or job.members is None \
                 or job.job_id in self.rounds or job.job_id in self.joining \
                 or job.state is not JobState.RUNNING or job.recovering is not None \
-                or job.spec.train is None:
+                or job.spec.train is None or job.spec.topology.wiring == "swarm":
+            # (swarm wiring: a joiner would need every neighbour's links anew, which only a
+            # regroup opens; its survivors train on without the replica that left)
             return
         train = job.spec.train
         # (no synchronisation is left to take it in at; an overlapped outer step's result,
@@ -476,6 +487,9 @@ class Membership:
             # longer holds; the job recovers as a chain does.
             self._fail_round(job)
             return
+        if any(rep.routed for rep in rnd.reports.values()):
+            self._order_routed(job, rnd)
+            return
         ordered = len(rnd.ordered)
         for s in range(job.num_stages):
             if s in rnd.ordered or any((s, r) not in rnd.reports for r in rnd.members):
@@ -503,6 +517,30 @@ class Membership:
         elif len(rnd.ordered) > ordered:
             self._store(job, rnd)  # (orders given: a restarted leader must give the same)
 
+    def _order_routed(self, job: JobRecord, rnd: RegroupRound) -> None:
+        """Swarm wiring: every survivor's cell redoes a step together, so all are ordered at
+        once, when each has reported (``routed_orders``)."""
+        assert rnd.members is not None
+        stages = job.num_stages
+        cells = [(s, r) for s in range(stages) for r in rnd.members]
+        if any(self._done(job, s, r) for s, r in cells):
+            self._fail_round(job)  # (a survivor finished the job: its last step stays)
+            return
+        if any(c not in rnd.reports for c in cells):
+            return
+        try:
+            _members, orders = routed_orders({c: rnd.reports[c] for c in cells}, stages, (),
+                                             rnd.epoch)
+        except RegroupConflict:
+            self._fail_round(job)
+            return
+        rnd.ordered = set(range(stages))
+        self.answers[job.job_id].orders.update(orders)
+        rnd.decided.set()
+        rnd.decided = asyncio.Event()
+        del self.rounds[job.job_id]
+        self._record_departure(job, rnd)
+
     def _record_departure(self, job: JobRecord, rnd: RegroupRound) -> None:
         """Every group has its orders: the change, with the step each stage took it at."""
         assert rnd.members is not None
@@ -511,6 +549,9 @@ class Membership:
                            rnd.members, rnd.epoch, reason=rnd.reason, at=time.time())
         job.epoch, job.members, job.regroup = rnd.epoch, rnd.members, None
         job.membership.append(change)
+        if any(rep.routed for rep in rnd.reports.values()):
+            # (swarm wiring trains the change's step again: its record starts over)
+            self.queue.progress.restart(job, change.step)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
         self.queue.hub.publish(JobMembership(job.job_id, change))

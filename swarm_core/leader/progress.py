@@ -103,13 +103,20 @@ class ProgressBook:
                     rec.tokens_per_s = upd.tokens_per_s
             elif stage == job.num_stages - 1:
                 if upd.loss is not None:
-                    rec.add_replica_loss(replica, upd.loss)
+                    rec.add_replica_loss(replica, upd.loss, figures.micro_batches)
                     job.last_loss = rec.loss
                 rec.tokens_per_s = (rec.tokens_per_s or 0.0) + (upd.tokens_per_s or 0.0)
             if stage == job.num_stages - 1:
                 rec.step_seconds = figures.step_seconds
                 rec.lr = figures.lr
         self.store.put_progress(job.job_id, upd.step, unstructure(rec))
+
+    def restart(self, job: JobRecord, step: int) -> None:
+        """A step trained again (swarm wiring's regroup): its record as if none had come,
+        so the cells' second reports are the ones it keeps."""
+        old = self._open(job, step)
+        rec = job.current[step] = ProgressRecord(step=step, membership=old.membership)
+        self.store.put_progress(job.job_id, step, unstructure(rec))
 
     def membership(self, job: JobRecord, change: MembershipChange) -> None:
         """A replica left or joined: noted in the record of the first step it changes."""

@@ -340,7 +340,7 @@ class JobQueue:
             job.last_loss = upd.loss  # (of several replicas: their mean, once recorded)
         self.progress.merge(job, stage, replica, fellow.fellow_id, upd)
         if upd.state == "RUNNING" and upd.metrics != StageMetrics() \
-                and job.kind == "train":
+                and job.kind == "train" and not self.membership.superseded(job, upd):
             self.progress.record(job, stage, replica, upd)
         self.hub.publish(MetricReport(
             job_id=job.job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,

@@ -18,6 +18,7 @@ from swarm_core.contract.membership import (
     RegroupReport,
     departure,
     regroup_orders,
+    routed_orders,
 )
 from swarm_core.data import TokenData
 from swarm_core.pipeline.links import LinkShaper
@@ -48,12 +49,20 @@ class LocalCoordinator:
         self._cond = threading.Condition()
         self._reports: dict[tuple[int, int], RegroupReport] = {}
         self._ended: set[tuple[int, int]] = set()
+        self._finished: set[tuple[int, int]] = set()
         self._orders: dict[tuple[int, int], RegroupOrder | Exception] = {}
 
     def cell_ended(self, stage: int, replica: int) -> None:
         """A cell's thread ended in an error: its chain is out."""
         with self._cond:
             self._ended.add((stage, replica))
+            self._decide()
+            self._cond.notify_all()
+
+    def cell_finished(self, stage: int, replica: int) -> None:
+        """A cell trained to the end."""
+        with self._cond:
+            self._finished.add((stage, replica))
             self._decide()
             self._cond.notify_all()
 
@@ -74,11 +83,18 @@ class LocalCoordinator:
 
     def _decide(self) -> None:
         cells = {(s, r) for s in range(self.stages) for r in self.members}
-        if not self._reports or cells - self._reports.keys() - self._ended:
+        routed = any(rep.routed for rep in self._reports.values())
+        if not self._reports or cells - self._reports.keys() - self._ended \
+                - (self._finished if routed else set()):
             return
         broken = {r for _s, r in self._ended}
+        rule = routed_orders if routed else regroup_orders
         try:
-            members, orders = regroup_orders(self._reports, self.stages, broken, self.epoch + 1)
+            if routed and self._finished & cells:
+                # (a survivor that finished the job cannot redo its last step)
+                raise RegroupConflict("a replica finished the job while another had not "
+                                      "applied its last step")
+            members, orders = rule(self._reports, self.stages, broken, self.epoch + 1)
             if not members:
                 raise RegroupConflict("no replica is left")
         except RegroupConflict as exc:
@@ -150,6 +166,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                                    connect_timeout=training.frame_timeout_s,
                                    coordinator=coordinator,
                                    **(stage_kwargs or {}).get(s, {}))
+            if coordinator is not None:
+                coordinator.cell_finished(spec.stage, spec.replica)
         except Exception as exc:
             results[s] = exc
             if coordinator is None:

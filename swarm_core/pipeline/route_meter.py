@@ -51,8 +51,8 @@ class RouteMeter:
         self.estimate = ThroughputEstimate(stages, replicas, given)
         self.row: list[float] = [math.nan] * replicas  # its group's, once confirmed
 
-    def weights(self) -> list[list[float]]:
-        return self.estimate.weights()
+    def weights(self, members: Sequence[int] | None = None) -> list[list[float]]:
+        return self.estimate.weights(members)
 
     @staticmethod
     def per_micro_batch(busy: float, ran: int) -> float:

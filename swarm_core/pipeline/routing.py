@@ -39,18 +39,24 @@ def deal(weights: Sequence[float], order: Sequence[int], rng: random.Random) -> 
 
 
 def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batches: int,
-               weights: Sequence[Sequence[float]] | None = None) -> Plan:
+               weights: Sequence[Sequence[float]] | None = None,
+               members: Sequence[int] | None = None) -> Plan:
     """The step's routes: stage 0 runs each replica's own share; stage k >= 1 deals the
     ``replicas * micro_batches`` micro-batches by ``weights[k]`` (equal where None), each
-    replica at least one where there are as many micro-batches as replicas."""
+    replica at least one where there are as many micro-batches as replicas. ``members``: the
+    replicas left after some left the job (all where None): the shares of those that left
+    are run by nobody (-1), the rest dealt to those left, so the step's batch shrinks to the
+    survivors' shares as a chain-wired job's does."""
     n = replicas * micro_batches
-    plan = [[g // micro_batches for g in range(n)]]
+    live = list(range(replicas)) if members is None else sorted(members)
+    plan = [[g // micro_batches if g // micro_batches in live else -1 for g in range(n)]]
     for k in range(1, num_stages):
         rng = random.Random(f"swarm-route/{seed}/{step}/{k}")
-        order = list(range(n))
+        order = [g for g in range(n) if plan[0][g] >= 0]
         rng.shuffle(order)
-        dealt = deal(weights[k] if weights is not None else [1.0] * replicas, order, rng)
-        plan.append([dealt[g] for g in range(n)])
+        speeds = weights[k] if weights is not None else [1.0] * replicas
+        dealt = deal([speeds[r] for r in live], order, rng)
+        plan.append([live[dealt[g]] if g in dealt else -1 for g in range(n)])
     return plan
 
 
@@ -80,16 +86,18 @@ class ThroughputEstimate:
                 self.ema[k][r] = a * x + (1 - a) * self.ema[k][r]
                 self.updates[k][r] += 1
 
-    def weights(self) -> list[list[float]]:
+    def weights(self, members: Sequence[int] | None = None) -> list[list[float]]:
         """Per stage, each replica's micro-batches per second; the given weights for a stage
-        until each of its replicas has a sample (the scales differ)."""
+        until each of its replicas (of ``members``, where some left) has a sample (the
+        scales differ). A replica that left keeps its given weight: no plan deals to it."""
+        live = range(len(self.given[0])) if members is None else members
         out = []
         for k, row in enumerate(self.ema):
-            if min(self.updates[k]) == 0:
+            if min(self.updates[k][r] for r in live) == 0:
                 out.append(list(self.given[k]))
                 continue
-            out.append([(1 - (1 - self.alpha) ** n) / e
-                        for e, n in zip(row, self.updates[k], strict=True)])
+            out.append([(1 - (1 - self.alpha) ** n) / e if n else g
+                        for e, n, g in zip(row, self.updates[k], self.given[k], strict=True)])
         return out
 
 

@@ -12,7 +12,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -25,7 +25,7 @@ from swarm_core.contract.membership import RegroupOrder
 from swarm_core.data import TokenData
 from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boundary
 from swarm_core.pipeline.devices import resolve_device
-from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind, job_tag
+from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind
 from swarm_core.pipeline.heap import keep_large_blocks
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
@@ -50,8 +50,10 @@ from swarm_core.pipeline.replica_group import (
     Coordinator,
     ReplicaGroup,
     plus,
+    ring_tag,
 )
 from swarm_core.pipeline.replica_group import StageDropped as StageDropped  # (what a run ends in)
+from swarm_core.pipeline.reroute import LINK_FAULTS, Rerouter
 from swarm_core.pipeline.route_meter import RouteMeter, chain_table
 from swarm_core.pipeline.routing import RoutedStep, route_plan
 from swarm_core.pipeline.schedules import hurried_backwards, ops_for
@@ -113,8 +115,11 @@ class StepReport:
     # and the seconds its padding slept (part of ``seconds``).
     slowdown: float | None = None
     padded_seconds: float = 0.0
-    # Swarm wiring: the step's micro-batches the route gave this cell (None: a chain's M).
+    # Swarm wiring: the step's micro-batches the route gave this cell (None: a chain's M),
+    # and the membership it trained the step under (a step trained again after a regroup
+    # replaces what the leader had of it).
     micro_batches: int | None = None
+    epoch: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -349,11 +354,14 @@ class StageLinks:
 
 
 def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
-               stop: threading.Event, timeout: float, liveness: Liveness) -> StageLinks:
+               stop: threading.Event, timeout: float, liveness: Liveness,
+               members: Sequence[int] | None = None, epoch: int = 0) -> StageLinks:
     """Dial the next stage (and the next replica on the group's ring) and take the dials of
     the previous ones. ``shaper`` shapes and counts the links that leave the fellow; a link to
     a stage in the same fellow (``spec.local_up``, ``local_down``, ``local_ring``) gets an
-    unshaped one of its own. (The ring's frame limit is set once the stage knows its size.)"""
+    unshaped one of its own. (The ring's frame limit is set once the stage knows its size.)
+    ``members`` and ``epoch``: swarm wiring's pipe links anew after a regroup, to the
+    replicas left only, under the new membership's tag (the ring is the group's to open)."""
     m, t = spec.model, spec.training
     # A frame from a neighbour is at most one boundary tensor (or a norm): a header that
     # claims more is refused before its buffer is allocated.
@@ -366,11 +374,13 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     # our checkpoint or our wait on the stage beyond, not our death, a frozen process or a
     # compute thread that has shown no progress for STUCK_AFTER frame timeouts.
     pulse = t.frame_timeout_s / 4
-    tag = job_tag(spec.job_id)
+    tag = ring_tag(spec.job_id, epoch)
     links = StageLinks()
-    ringed = spec.replicas > 1 and spec.join is None  # (a joiner rings the members later)
+    # (a joiner rings the members later; after a regroup the group rings them)
+    ringed = spec.replicas > 1 and spec.join is None and members is None
+    peers = range(spec.replicas) if members is None else members
 
-    expected = _expected(spec, shaper, limit, ringed)
+    expected = _expected(spec, shaper, limit, ringed, peers)
     # The listener answers handshakes while this stage dials: both ends of a handshake prove
     # the key, so a ring's replicas dialling each other would otherwise wait on each other.
     accepted: dict[str, Any] = {}
@@ -390,7 +400,7 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     if expected:
         acceptor.start()
     try:
-        _dial(spec, shaper, links, ringed, tag, limit,
+        _dial(spec, shaper, links, ringed, tag, limit, peers,
               dict(timeout=timeout, abort=stop, pulse_s=pulse, liveness=liveness,
                    transport=t.transport))
     except BaseException:
@@ -410,7 +420,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     return links
 
 
-def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool) -> list[Expected]:
+def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool,
+              peers: Iterable[int]) -> list[Expected]:
     """The peers a stage takes the dials of: the stage before (its chain's, and with swarm
     wiring every other replica of it) and the previous replica on its group's ring."""
     expected = []
@@ -425,7 +436,7 @@ def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool) -> 
                                  peer_shaper(spec, shaper, spec.stage, prev, spec.local_ring),
                                  receives=(Kind.SYNC,)))
     if spec.routed and spec.stage > 0:
-        for r in range(spec.replicas):
+        for r in peers:
             if r != spec.replica:  # (its own chain's is "up" above)
                 expected.append(Expected(f"route{r}", spec.stage - 1, r,
                                          peer_shaper(spec, shaper, spec.stage - 1, r,
@@ -435,7 +446,7 @@ def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool) -> 
 
 
 def _dial(spec: StageSpec, shaper: LinkShaper, links: StageLinks, ringed: bool, tag: int,
-          limit: int, common: dict[str, Any]) -> None:
+          limit: int, peers: Iterable[int], common: dict[str, Any]) -> None:
     """Dial the next stage (its chain's, and with swarm wiring every other replica of it)
     and the next replica on the group's ring, into ``links``."""
     if spec.stage < spec.num_stages - 1:
@@ -444,8 +455,9 @@ def _dial(spec: StageSpec, shaper: LinkShaper, links: StageLinks, ringed: bool, 
                              peer_shaper(spec, shaper, spec.stage + 1, spec.replica,
                                          spec.local_down),
                              max_payload=limit, receives=(Kind.GRAD, Kind.NORM), **common)
-        for r, addr in enumerate(spec.down_addrs if spec.routed else ()):
+        for r in peers if spec.routed else ():
             if r != spec.replica:
+                addr = spec.down_addrs[r]
                 assert addr is not None
                 links.downs[r] = connect(
                     addr, spec.key, spec.stage, tag,
@@ -580,6 +592,7 @@ class StageRunner:
         # Measured routing (SWARM's): what this cell times, tells and learns each step.
         self.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
                                        spec.route_weights) if spec.measures_routes else None
+        self.rerouter: Rerouter | None = None  # swarm wiring's regroup (run_stage sets it)
 
     @property
     def sync(self) -> GroupSync | None:
@@ -611,7 +624,7 @@ class StageRunner:
     def leads(self) -> bool:
         return self.group.leads
 
-    def _pipe_links(self) -> list[PeerLink]:
+    def pipe_links(self) -> list[PeerLink]:
         """The links of the pipeline (not the group's ring): the chain's, and swarm wiring's
         to the other replicas either side."""
         return [x for x in (self.up, self.down, *self.links.ups.values(),
@@ -619,11 +632,11 @@ class StageRunner:
 
     def sent(self) -> int:
         """Bytes this stage's own links sent (a fellow may run several stages)."""
-        return sum(link.sent for link in self._pipe_links())
+        return sum(link.sent for link in self.pipe_links())
 
     def waited(self) -> float:
         """Seconds this stage has spent blocked on its links."""
-        return sum(link.waited for link in self._pipe_links())
+        return sum(link.waited for link in self.pipe_links())
 
     def close(self) -> None:
         self.group.shut()
@@ -637,6 +650,8 @@ class StageRunner:
         """Global step ``step`` (0-based): all micro-batches of this replica's share, the
         group's gradient average, clipping, one optimiser step."""
         t = self.spec.training
+        if self.rerouter is not None:
+            self.rerouter.check()
         tx0, wait0 = self.sent(), self.waited()
         t0 = time.perf_counter()
         lr = lr_at(step, t)
@@ -674,14 +689,19 @@ class StageRunner:
         ran = None if st.route is None else len(st.route.mine)
         windows = self.spec.local_batch if ran is None \
             else ran * self.spec.local_batch // t.micro_batches
-        return StepReport(step=step + 1, loss=st.loss_sum if self.last else None,
+        # (a routed cell's loss is the mean over the micro-batches it ran: the step's is the
+        # replicas' mean weighted by them, contract.metrics.step_loss)
+        loss = None if not self.last else st.loss_sum if ran is None \
+            else st.loss_sum * t.micro_batches / ran if ran else None
+        return StepReport(step=step + 1, loss=loss,
                           seconds=seconds, tokens=windows * self.spec.model.seq_len,
                           micro_batches=ran,
                           wire_tx_bytes=self.sent() - tx0, lr=lr,
                           activation_peak_bytes=self.meter.peak,
                           wait_seconds=self.waited() - wait0, codec_error=st.errors,
                           sync_tx_bytes=sync_bytes, sync_seconds=sync_s,
-                          slowdown=slowdown, padded_seconds=padded)
+                          slowdown=slowdown, padded_seconds=padded,
+                          epoch=None if st.route is None else self.group.epoch)
 
     def _begin(self, step: int) -> _Step:
         """A step's state: its share of the batch, the meter, nothing carried over from a step
@@ -689,10 +709,10 @@ class StageRunner:
         spec, t = self.spec, self.spec.training
         m = t.micro_batches
         weights = spec.route_weights if self.meter_routes is None \
-            else self.meter_routes.weights()
+            else self.meter_routes.weights(self.group.members)
         route = RoutedStep(route_plan(t.seed, step, spec.num_stages, spec.replicas, m,
-                                      weights), spec.stage, spec.replica, m) \
-            if spec.routed else None
+                                      weights, self.group.members), spec.stage, spec.replica,
+                           m) if spec.routed else None
         xs, ys = step_tokens(spec, self.data, step, route, self.device)
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
         if metered:
@@ -813,15 +833,21 @@ class StageRunner:
                                     group.members)
         if not first:
             self._constrain_and_clip(step)
+        if self.rerouter is not None:
+            self.rerouter.keep(step)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.rerouter is not None:
+            self.rerouter.stepped(step)
         if group.sync is not None:
             # Where a checkpoint follows, the replicas must hold one set of weights: an outer
             # step there does not overlap the steps after it.
             synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
         self.module.constrain_()  # (after every change of the weights: steps, outer steps)
-        for link in self._pipe_links():
-            link.flush(t.frame_timeout_s)
+        # (swarm wiring: a fault here is raised at the next step, after this one's report)
+        flush = _flush if self.rerouter is None else self.rerouter.flush
+        for link in self.pipe_links():
+            flush(link, t.frame_timeout_s)
         # Not after the last step: the joiner would have nothing to train (every member sees
         # the same step, so none takes it in; the leader calls the join off, issue 40).
         if group.admit_after and step + 1 < t.steps:
@@ -860,6 +886,10 @@ class StageRunner:
             return self.meter_routes.exchange(grad_sq_sum(self.params), self.up, self.down,
                                               step, timeout)
         return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout)
+
+
+def _flush(link: PeerLink, timeout: float) -> None:
+    link.flush(timeout)
 
 
 @torch.no_grad()
@@ -909,6 +939,8 @@ class StageResult:
     metrics: StageMetrics
     losses: list[float] = attrs.field(factory=list)
     epoch: int = 0  # the membership its group finished under (the leader's word for a joiner)
+    # Swarm wiring: the micro-batches each step's loss is the mean over (see step_loss).
+    micro_batches: list[int] = attrs.field(factory=list)
 
 
 def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper: LinkShaper,
@@ -949,9 +981,12 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness,
                              pace)
         group = runner.group
-        # Swarm wiring routes over every replica's links: a lost one fails the job (its
-        # resume policy then restarts it) rather than regrouping the others this release.
+        # Swarm wiring routes every chain's micro-batches over every replica: a lost cell
+        # breaks the whole step, which the survivors redo together (pipeline/reroute), not
+        # only the ring of its group.
         group.coordinator = None if spec.routed else coordinator
+        if spec.routed and coordinator is not None and spec.replicas > 1:
+            runner.rerouter = Rerouter(runner, coordinator, start_step)
         group.listener, group.inbox = listener, inbox
         _restore(runner, initial_state, initial_optimizer)
     except BaseException:
@@ -999,18 +1034,27 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         # A joiner taken in at a checkpoint's step: its members name it in that checkpoint
         # (it may even lead now), so it hands over the state it took from its donor.
         _checkpoint(runner, on_checkpoint, start_step)
-    for step in range(start_step, t.steps):
-        rep = runner.train_step(step)
-        reports.append(rep)
-        on_step(rep)
-        # The replicas of a stage hold the same weights: the first member checkpoints for its
-        # group (and under DiLoCo each member its own optimiser state).
-        if on_checkpoint is not None and runner.checkpoint_due(rep.step):
-            _checkpoint(runner, on_checkpoint, rep.step)
-        if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
-            ev = evaluate(runner, rep.step)
-            if ev is not None and on_eval is not None:
-                on_eval(rep.step, ev)
+    step = start_step
+    while step < t.steps:
+        try:
+            rep = runner.train_step(step)
+            step += 1
+            reports.append(rep)
+            on_step(rep)
+            # The replicas of a stage hold the same weights: the first member checkpoints for
+            # its group (and under DiLoCo each member its own optimiser state).
+            if on_checkpoint is not None and runner.checkpoint_due(rep.step):
+                _checkpoint(runner, on_checkpoint, rep.step)
+            if t.eval_every and rep.step % t.eval_every == 0 and rep.step != t.steps:
+                ev = evaluate(runner, rep.step)
+                if ev is not None and on_eval is not None:
+                    on_eval(rep.step, ev)
+        except LINK_FAULTS as exc:  # (swarm wiring: a lost cell broke the step; see reroute)
+            rerouter = runner.rerouter
+            if rerouter is None or rerouter.applied + 1 >= t.steps:
+                raise
+            step = rerouter.regroup(exc)
+            del reports[step - start_step:]  # (a step undone is reported again)
     eval_loss = evaluate(runner, t.steps)
     wall = time.perf_counter() - t0
     if on_checkpoint is not None and runner.leads:
@@ -1077,7 +1121,9 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
             runner.sync.planned_bytes(r.step - 1, r.step == t.steps,
                                       t.checkpoint_after(r.step, outer))
             for r in reports if t.sync.syncs_after(r.step, t.steps)) / len(reports)
-    return StageResult(metrics, losses, runner.group.epoch)
+    return StageResult(metrics, losses, runner.group.epoch,
+                       [r.micro_batches for r in reports
+                        if r.loss is not None and r.micro_batches is not None])
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -34,6 +34,7 @@ from swarm_core.contract.events import (
     Unknown,
     read_event,
 )
+from swarm_core.contract.metrics import step_loss
 from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits, PeerLinkState
 from swarm_tui.fmt import describe_speed
 
@@ -255,8 +256,10 @@ class JobView:
     # until then the curve holds only the points seen live.
     history_loaded: bool = False
     # A job with replicas: the last stage's loss of each replica, by step, for the newest
-    # steps (the step's loss is their mean, as the leader records it: ProgressRecord).
+    # steps (the step's loss is their mean, as the leader records it: ProgressRecord), and
+    # under swarm wiring the micro-batches each ran, which weigh it.
     replica_losses: dict[int, dict[int, float]] = attrs.field(factory=dict)
+    replica_micro_batches: dict[int, dict[int, float]] = attrs.field(factory=dict)
 
     def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
         """A newer record of the job. The list route has no loss history: the curve seen so
@@ -366,9 +369,13 @@ class JobView:
         if (report.replica or 0) in losses:
             return  # (a cell's repeat of a step: the leader keeps its first report)
         losses[report.replica or 0] = report.loss
+        if report.metrics.micro_batches is not None:  # (swarm wiring: uneven shares)
+            self.replica_micro_batches.setdefault(step, {})[report.replica or 0] = \
+                report.metrics.micro_batches
         for old in sorted(self.replica_losses)[:-REPLICA_STEPS_KEPT]:
             del self.replica_losses[old]
-        mean = sum(losses.values()) / len(losses)
+            self.replica_micro_batches.pop(old, None)
+        mean = step_loss(losses, self.replica_micro_batches.get(step))
         self.info.last_loss = mean
         hist = self.info.loss_history
         if not hist or hist[-1][0] < step:

@@ -135,10 +135,12 @@ def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
                          capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     out = res.stdout
-    for row in ("chain, unslowed", "swarm, unslowed", "chain, slowed 4x",
+    for row in ("chain, unslowed", "swarm, unslowed", "swarm regroup-ready, unslowed",
+                "chain, slowed 4x",
                 "swarm, slowed, equal weights", "swarm, slowed, oracle weights",
                 "swarm, slowed, measured"):
         assert re.search(rf"^{re.escape(row)} +\d+\.\d{{3}}", out, re.MULTILINE), out
     assert "capacity bound, slowed:" in out
     assert "targets, oracle: swarm >= 90% of capacity" in out
     assert "targets, measured: swarm >= 90% of capacity" in out
+    assert "target: unslowed cost, regroup-ready <= 3%" in out

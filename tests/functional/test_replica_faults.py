@@ -23,6 +23,7 @@ from swarm_core.pipeline.reference import train_reference
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import structure
 from tests.clusters import cli_json, job_view, leader_call, run_cli, wait_until
+from tests.replica_support import SurvivorWindows
 from tests.unit.test_demo import _demo_reference
 from tests.unit.test_replicas import _diloco_reference
 from tests.unit.test_sparseloco import _sparseloco_reference
@@ -325,3 +326,46 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
     window = slice(back["step"], back["step"] + 10)  # (both replicas again, as one process)
     diff = max(abs(a - b) for a, b in zip(ref[window], losses[window], strict=True))
     assert diff <= 5e-5, f"steps {window.start + 1}-{window.stop} after the join: {diff}"
+
+
+def test_a_swarm_wired_job_whose_fellow_dies_mid_step_reroutes_to_the_survivors(
+        cli_env, tmp_path: Path, swarm_home: Path):
+    """SWARM wiring, two stages, two replicas on four fellows; stage 1's replica 1 is killed
+    mid-run (its links slowed, so mid-step). Every survivor gives the broken step up and
+    trains it again with replica 0's chain alone (the micro-batches routed to the lost peer
+    now go to the one left, nothing counted twice), without a restart: the losses of one
+    process that trains on the full batch up to the change and on replica 0's share from it.
+    """
+    body = {"name": "swarm-dies", "kind": "train", "model": MODEL,
+            "training": {"steps": 40, "batch_size": 8, "micro_batches": 2,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "seed": 4},
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "route_weights": [[1, 1], [3, 1]]}}
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 4, body, 6,
+                        lambda c: (c["stage"], c["replica"]) == (1, 1), latency_ms=20,
+                        timeout=120, after=lambda job_id: leader_call(
+                            "GET", f"/jobs/{job_id}/progress", cli_env)["records"])
+    job, [cell], records = run.job, run.killed, run.extra
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert job["restarts"] == [] and job["attempt"] == 0
+    [change] = job["membership"]
+    assert change["left"] == [1] and change["members"] == [0] == job["members"]
+    assert f"fellow {cell['fellow_id']}" in change["reason"]
+    assert change["stage_steps"] == [change["step"]] * 2  # (every stage redid that step)
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 41))
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    ref, _ = train_reference(mc, tc, SurvivorWindows(load_token_data(tc, mc.seq_len), 2, {1},
+                                                     change["step"] - 1),
+                             split_layers(mc.n_layers, [1, 1]))
+    # A step the killed cell had trained but whose report died with it holds the mean over
+    # the survivor's micro-batches alone (weighted, not a share taken for the whole): at
+    # most the step or two before the change. Every other step is exact.
+    trained_by = {r["step"]: sorted(r.get("replica_losses") or {}) for r in records}
+    partial = [s for s in range(1, change["step"]) if trained_by[s] != ["0", "1"]]
+    assert all(change["step"] - 3 <= s and trained_by[s] == ["0"] for s in partial), partial
+    assert all(trained_by[s] == ["0"] for s in range(change["step"], 41))
+    got = dict(job["loss_history"])
+    diff = max(abs(ref[s - 1] - got[s]) for s in range(1, 41) if s not in partial)
+    assert diff <= 1e-5

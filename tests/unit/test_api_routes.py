@@ -1755,7 +1755,8 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     assert first["order"] is None
     second = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0, op_step=5,
                                             synced_step=3, finished=True))
-    order = {"epoch": 1, "members": [0, 1], "commit": False, "drop": False, "donor": None}
+    order = {"epoch": 1, "members": [0, 1], "commit": False, "drop": False, "donor": None,
+             "redo_step": None}
     assert second["order"] == order
     again = await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=5,
                                            synced_step=3))
@@ -1795,7 +1796,8 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     [start] = await wait_for(join_start)
     assert start["kind"] == "START" and start["payload"]["replica"] == 1
     assert start["payload"]["join"] == {"epoch": 2, "members": [0, 1, 2], "commit": False,
-                                        "drop": False, "donor": 0}
+                                        "drop": False, "donor": 0,
+                                        "redo_step": None}
     for r in (0, 2):
         signals = await poll(api, by_replica[r], after=1)
         [told] = [s for s in signals if s["kind"] == "MEMBERS"]
@@ -2022,7 +2024,7 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(
 
     first = await ask(1, op_step=6, synced_step=5, wait=3.0)
     assert first["order"] == {"epoch": 1, "members": [0], "commit": False, "drop": False,
-                              "donor": None}
+                              "donor": None, "redo_step": None}
     assert (await get_job(api, jid))["membership"] == []  # (stage 0's group is yet to ask)
     if restart:
         await api.close()
@@ -2090,7 +2092,7 @@ async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup
     await at_work(0)
     order = (await ask(1, 0, 0, 6))["order"]
     assert order == {"epoch": 1, "members": [0, 1], "commit": False, "drop": False,
-                     "donor": None}
+                     "donor": None, "redo_step": None}
     job = await get_job(api, jid)
     assert job["members"] == [0, 1]
     assert [(c["epoch"], c["left"], c["joined"], c["stage_steps"])
@@ -2100,7 +2102,7 @@ async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup
     await at_work(1)
     order = (await ask(0, 0, 0, 12))["order"]
     assert order == {"epoch": 2, "members": [0, 1], "commit": False, "drop": False,
-                     "donor": None}
+                     "donor": None, "redo_step": None}
     job = await get_job(api, jid)
     assert job["state"] == "RUNNING" and job["members"] == [0, 1]
     assert [c["epoch"] for c in job["membership"]] == [1, 2]

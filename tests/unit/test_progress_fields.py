@@ -27,7 +27,8 @@ def _full_record() -> ProgressRecord:
         stage_seconds={"0.0": 0.4}, codec_error={"0.0": CodecErrors(act=0.01, grad=0.02)},
         eval_loss=2.7, perplexity=14.9, ts=1.5e9,
         membership=[MembershipChange(step=7, epoch=1, members=[0, 2], left=[1])],
-        slowdown={"1.0": 4.0}, micro_batches={"1.0": 6.0})
+        slowdown={"1.0": 4.0}, micro_batches={"1.0": 6.0},
+        replica_micro_batches={"0": 6.0, "1": 2.0})
 
 
 def test_every_record_field_is_written_or_left_out_by_name():
@@ -86,3 +87,19 @@ def test_metric_names_are_the_record_fields_and_spelled_nowhere_else():
         text = (REPO / rel).read_text()
         spelled = [n for n in by_stage if re.search(rf"[\"']{n}[\"']", text)]
         assert not spelled, f"{rel} spells {spelled}: use MetricName"
+
+
+def test_a_swarm_step_s_loss_weighs_each_replica_by_the_micro_batches_it_ran():
+    """Swarm wiring deals a step's micro-batches unevenly: each replica's loss is the mean over
+    its own, so the step's is their mean weighted by them (the whole batch's mean); with a
+    report missing, the mean over the micro-batches reported, not a share taken for all."""
+    rec = ProgressRecord(step=3)
+    rec.add_replica_loss(0, 2.0, 6.0)
+    assert rec.loss == 2.0  # (replica 1's report not in yet)
+    rec.add_replica_loss(1, 4.0, 2.0)
+    assert rec.loss == (2.0 * 6 + 4.0 * 2) / 8 and rec.replica_micro_batches == {"0": 6.0,
+                                                                                 "1": 2.0}
+    chain = ProgressRecord(step=3)  # (chains run equal shares: the plain mean)
+    chain.add_replica_loss(0, 2.0)
+    chain.add_replica_loss(1, 4.0)
+    assert chain.loss == 3.0 and chain.replica_micro_batches is None

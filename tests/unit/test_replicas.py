@@ -19,6 +19,7 @@ from swarm_core.pipeline.model import StageModule
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import StageResult, expected_wire_bytes
 from swarm_core.schema import SchemaError, structure
+from tests.replica_support import SurvivorWindows
 
 MODEL = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
 
@@ -462,24 +463,6 @@ def test_fragments_that_cannot_take_turns_are_refused_by_name(sync, message):
         structure({"sync": sync}, TrainingConfig, "$.training")
 
 
-class _Survivors:
-    """The step's windows a group trains on once ``left`` replicas left before step
-    ``from_step``: the shares of those that remain (each replica keeps its own share)."""
-
-    def __init__(self, data, replicas: int, left: set[int], from_step: int) -> None:
-        self.data, self.replicas, self.left, self.from_step = data, replicas, left, from_step
-        self.vocab_size = data.vocab_size
-
-    def batch(self, step: int, batch: int, seq: int, seed: int):
-        x, y = self.data.batch(step, batch, seq, seed)
-        if step < self.from_step:
-            return x, y
-        share = batch // self.replicas
-        keep = [r for r in range(self.replicas) if r not in self.left]
-        rows = torch.cat([torch.arange(r * share, (r + 1) * share) for r in keep])
-        return x[rows], y[rows]
-
-
 class _Crash:
     """Each cell's step losses as reported, and one cell that dies after a step."""
 
@@ -535,7 +518,7 @@ def test_a_replica_that_dies_leaves_and_the_others_train_on_the_smaller_batch(da
         for s in range(stages):
             assert isinstance(res[r * stages + s], StageResult), res[r * stages + s]
     assert [(c.step, c.members, c.left) for c in coord.changes] == [(5, survivors, [lost])]
-    ref, _ = train_reference(mc, tc, _Survivors(data, 3, {lost}, 4),
+    ref, _ = train_reference(mc, tc, SurvivorWindows(data, 3, {lost}, 4),
                                  split_layers(mc.n_layers, [1] * stages))
     got = crash.step_losses()
     assert len(got) == 10

@@ -9,6 +9,7 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import JobSubmit
+from swarm_core.contract.metrics import step_loss
 from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.frames import HEADER_SIZE
@@ -40,8 +41,13 @@ def test_a_route_deals_by_throughput_each_replica_at_least_one_and_the_same_ever
 
 
 def _losses(res: dict[int, StageResult], stages: int, replicas: int) -> list[float]:
-    per_replica = [res[r * stages + stages - 1].losses for r in range(replicas)]
-    return [sum(step) / replicas for step in zip(*per_replica, strict=True)]
+    """Each step's loss: the last stage's replicas' (each the mean over the micro-batches its
+    route gave it), weighted by those micro-batches."""
+    last = [res[r * stages + stages - 1] for r in range(replicas)]
+    return [step_loss(dict(enumerate(losses)), dict(enumerate(ran)))
+            for losses, ran in zip(zip(*(c.losses for c in last), strict=True),
+                                   zip(*(c.micro_batches for c in last), strict=True),
+                                   strict=True)]
 
 
 @pytest.mark.parametrize("stages, weights, steps", [
