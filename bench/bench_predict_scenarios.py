@@ -16,14 +16,16 @@ target is read against the predicted step.
     .venv/bin/python bench/bench_predict_scenarios.py          # 6 measured steps a run
     .venv/bin/python bench/bench_predict_scenarios.py --quick  # 2 scenarios, 2 steps
 
-Only 127.0.0.1. On a machine of 2 cores the stages' compute is contended (the predictor's
-timings are one stage alone), which shows where a scenario is compute-bound.
+Only 127.0.0.1. Every stage runs in this process, so the prediction is told they share this
+machine's cores (``RunShape.cores``): where the stages outnumber them, each op also waits for
+a core (the timings are one stage alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -59,8 +61,10 @@ def one(name: str, stages: int, steps: int) -> dict[str, float | str]:
                               network=profile.matrix)
     times = [measure_stage(w) for w in stage_works(model, training, stages, 1)]
     link = profile.link
+    # (every stage runs in this process: they share this machine's cores)
     shape = RunShape(name, model, training, stages, 1, network_for(
-        {"name": name, **({} if link is None else unstructure(link))}, profile.matrix, stages))
+        {"name": name, **({} if link is None else unstructure(link))}, profile.matrix, stages),
+        cores=os.cpu_count())
     pred = predict(shape, times)
     shapers = []
     for _ in range(stages):

@@ -10,6 +10,7 @@ without it each stage steps on its own.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -37,23 +38,92 @@ Hop = Callable[[int, str], tuple[float, float]]
 
 
 def compute_critical_path(schedule: str, times: Sequence[StageTimes], micro_batches: int,
-                          clipped: bool = True) -> float:
+                          clipped: bool = True, cores: int | None = None) -> float:
     """Seconds of one step with free, instantaneous transfers: the pipeline's fill, steady
     phase and drain as the schedule orders them (its bubble included)."""
-    return simulate_step(schedule, times, micro_batches, clipped)
+    return simulate_step(schedule, times, micro_batches, clipped, cores=cores)
 
 
 def simulate_step(schedule: str, times: Sequence[StageTimes], micro_batches: int,
-                  clipped: bool = True, hop: Hop | None = None) -> float:
+                  clipped: bool = True, hop: Hop | None = None,
+                  cores: int | None = None) -> float:
     """Seconds of one step, each op as soon as its stage is free and its input is there.
     With ``hop``, each frame a stage sends waits for the frames it sent before on its link
     (one queue per sender, as its sends are queued) and arrives a latency after it leaves:
     the link idles where the schedule leaves it idle (the fill and the drain), which perfect
     overlap does not count. Without, transfers are instantaneous (the compute critical path).
-    """
+    ``cores``: where the stages share a machine that runs that many ops at once (fewer than
+    the stages), an op also waits for a core: the ops are played out in the order they become
+    ready, each on the core free first (a stage measured alone is no slower there, but three
+    stages on two cores cannot all run at once)."""
+    stages = len(times)
+    plans = [ops_for(schedule, s, stages, micro_batches) for s in range(stages)]
+    if cores is not None and cores < stages:
+        free = _on_cores(plans, times, hop, cores, schedule)
+    else:
+        free = _on_own_cores(plans, times, hop, schedule)
+    if clipped and stages > 1:
+        return max(free) + max(t.optimizer for t in times)
+    return max(f + t.optimizer for f, t in zip(free, times, strict=True))
+
+
+def _needs(kind: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
+    """The neighbour's op that stage ``s``'s op ``kind`` of micro-batch ``i`` waits for."""
+    if kind == "F":
+        return ("F", s - 1, i) if s > 0 else None
+    return ("B", s + 1, i) if s < stages - 1 else None
+
+
+def _sent(done: dict[tuple[str, int, int], float], link_free: list[float], hop: Hop | None,
+          kind: str, s: int, i: int, end: float, stages: int) -> None:
+    """Op ``kind`` of ``i`` on ``s`` ended at ``end``: when its output is at the neighbour
+    (its frame queued on the stage's link, then the latency), or at once without ``hop``."""
+    done[(kind, s, i)] = end
+    if hop is not None and (s < stages - 1 if kind == "F" else s > 0):
+        busy, latency = hop(s, kind)
+        link_free[s] = max(end, link_free[s]) + busy
+        done[(kind, s, i)] = link_free[s] + latency
+
+
+def _on_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[StageTimes],
+              hop: Hop | None, cores: int, schedule: str) -> list[float]:
+    """Each stage's last op's end, the ops sharing ``cores``: the op ready first goes next,
+    on the core free first."""
     stages = len(times)
     link_free = [0.0] * stages
-    plans = [ops_for(schedule, s, stages, micro_batches) for s in range(stages)]
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    pos = [0] * stages
+    pool = [0.0] * cores
+    for _ in range(sum(map(len, plans))):
+        best: tuple[float, int] | None = None
+        for s in range(stages):
+            if pos[s] == len(plans[s]):
+                continue
+            kind, i = plans[s][pos[s]]
+            need = _needs(kind, s, i, stages)
+            if need is not None and need not in done:
+                continue
+            ready = max(free[s], done[need] if need is not None else 0.0)
+            if best is None or ready < best[0]:
+                best = (ready, s)
+        if best is None:
+            raise ValueError(f"schedule {schedule!r} deadlocks with {stages} stages")
+        ready, s = best
+        kind, i = plans[s][pos[s]]
+        start = max(ready, heapq.heappop(pool))
+        free[s] = start + (times[s].forward if kind == "F" else times[s].backward)
+        heapq.heappush(pool, free[s])
+        _sent(done, link_free, hop, kind, s, i, free[s], stages)
+        pos[s] += 1
+    return free
+
+
+def _on_own_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[StageTimes],
+                  hop: Hop | None, schedule: str) -> list[float]:
+    """Each stage's last op's end, every stage on cores of its own."""
+    stages = len(times)
+    link_free = [0.0] * stages
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end
     free = [0.0] * stages
     pos = [0] * stages
@@ -63,25 +133,16 @@ def simulate_step(schedule: str, times: Sequence[StageTimes], micro_batches: int
         for s in range(stages):
             while pos[s] < len(plans[s]):
                 kind, i = plans[s][pos[s]]
-                need = (("F", s - 1, i) if s > 0 else None) if kind == "F" else \
-                    (("B", s + 1, i) if s < stages - 1 else None)
+                need = _needs(kind, s, i, stages)
                 if need is not None and need not in done:
                     break  # (the neighbour's op comes later in the sweep)
                 ready = done[need] if need is not None else 0.0
                 took = times[s].forward if kind == "F" else times[s].backward
                 free[s] = max(free[s], ready) + took
-                done[(kind, s, i)] = free[s]
-                sends = s < stages - 1 if kind == "F" else s > 0
-                if hop is not None and sends:
-                    busy, latency = hop(s, kind)
-                    link_free[s] = max(free[s], link_free[s]) + busy
-                    done[(kind, s, i)] = link_free[s] + latency  # (when the neighbour has it)
+                _sent(done, link_free, hop, kind, s, i, free[s], stages)
                 pos[s] += 1
                 left -= 1
                 progressed = True
         if not progressed:
-            raise ValueError(f"schedule {schedule!r} deadlocks with {stages} stages and "
-                             f"{micro_batches} micro-batches")
-    if clipped and stages > 1:
-        return max(free) + max(t.optimizer for t in times)
-    return max(f + t.optimizer for f, t in zip(free, times, strict=True))
+            raise ValueError(f"schedule {schedule!r} deadlocks with {stages} stages")
+    return free

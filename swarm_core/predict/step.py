@@ -24,6 +24,9 @@ The model (written down in ``docs/decisions.md``, "A predictor of the step"):
   wall-clock estimate adds them (arXiv 2503.09799, appendix A).
 * ``latency_seconds``: what the links' latencies add to the predicted step, the step
   predicted again with every latency 0 taken from it.
+* Stages that share one machine (``RunShape.cores``, as a local cluster runs them) and
+  outnumber its cores: each op also waits for a core, in C and the played-out step alike
+  (``critical_path.simulate_step``); the calibration measures each stage alone.
 
 Utilisation is compute over the predicted step: a stage's own compute (M (f + b) + its
 optimiser), and the run's C / step. The bandwidth a link needs for a utilisation u is an
@@ -72,6 +75,14 @@ class RunShape:
     stages: int
     replicas: int
     network: Network
+    # Where every stage runs on one machine: its CPU cores (None: each stage a machine of its
+    # own, as the calibration measured it).
+    cores: int | None = None
+
+    @property
+    def ops_at_once(self) -> int | None:
+        """How many ops the shared machine runs at once (each on the stage's torch threads)."""
+        return None if self.cores is None else max(1, self.cores // self.training.threads)
 
 
 @attrs.frozen
@@ -134,7 +145,8 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     if len(times) != shape.stages:
         raise ValueError(f"{len(times)} stage timings for {shape.stages} stages")
     t = shape.training
-    compute = compute_critical_path(t.schedule, times, t.micro_batches, t.grad_clip > 0)
+    cores = shape.ops_at_once
+    compute = compute_critical_path(t.schedule, times, t.micro_batches, t.grad_clip > 0, cores)
     loads = link_loads(step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes),
                        shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
@@ -143,7 +155,7 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     hop = _frame_hop(shape)
 
     def played(over: Hop) -> float:
-        return simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0, over)
+        return simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0, over, cores)
 
     simulated = played(hop)
     step = max(simulated, overlap)

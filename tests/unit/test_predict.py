@@ -142,6 +142,26 @@ def test_the_link_bounds_only_when_it_takes_longer_than_compute():
     assert p.utilisation == pytest.approx(p.compute_seconds / p.step_seconds)
 
 
+def test_stages_that_outnumber_a_shared_machine_s_cores_wait_for_one():
+    """Three stages of f = 1, b = 2 (M = 4) on a machine that runs two ops at once: while the
+    pipeline is full the three stages share two cores, so the step is longer than the
+    classic 18, and no shorter than the 36 s of compute over the 2 cores; with cores for
+    every stage (or none named) the classic critical path holds."""
+    times = [StageTimes(1.0, 2.0)] * 3
+    alone = compute_critical_path("1f1b", times, 4, clipped=False)
+    shared = compute_critical_path("1f1b", times, 4, clipped=False, cores=2)
+    assert alone == 18.0 == compute_critical_path("1f1b", times, 4, False, cores=3)
+    assert shared >= 3 * 4 * 3.0 / 2 and shared > alone
+    # One core: every op in series, whatever the schedule.
+    assert compute_critical_path("gpipe", times, 4, clipped=False, cores=1) == 36.0
+    shape = attrs.evolve(_shape(3, mbps=None), cores=2)
+    p = predict(shape, times)
+    assert p.compute_seconds == pytest.approx(
+        compute_critical_path("1f1b", times, 4, clipped=True, cores=2))
+    assert p.step_seconds >= p.compute_seconds > predict(_shape(3, mbps=None),
+                                                          times).compute_seconds
+
+
 # --- the predicted step, and latency as a bound -------------------------------------------------
 
 
