@@ -487,10 +487,9 @@ class Membership:
             # longer holds; the job recovers as a chain does.
             self._fail_round(job)
             return
-        if any(rep.routed for rep in rnd.reports.values()):
-            self._order_routed(job, rnd)
-            return
         ordered = len(rnd.ordered)
+        if any(rep.routed for rep in rnd.reports.values()) and not self._order_routed(job, rnd):
+            return
         for s in range(job.num_stages):
             if s in rnd.ordered or any((s, r) not in rnd.reports for r in rnd.members):
                 continue
@@ -517,29 +516,27 @@ class Membership:
         elif len(rnd.ordered) > ordered:
             self._store(job, rnd)  # (orders given: a restarted leader must give the same)
 
-    def _order_routed(self, job: JobRecord, rnd: RegroupRound) -> None:
-        """Swarm wiring: every survivor's cell redoes a step together, so all are ordered at
-        once, when each has reported (``routed_orders``)."""
+    def _order_routed(self, job: JobRecord, rnd: RegroupRound) -> bool:
+        """Swarm wiring: every survivor's cell redoes a step together, so all stage groups
+        are ordered at once, when each cell has reported (``routed_orders``). False while
+        some have not, or where the round failed."""
         assert rnd.members is not None
         stages = job.num_stages
         cells = [(s, r) for s in range(stages) for r in rnd.members]
         if any(self._done(job, s, r) for s, r in cells):
             self._fail_round(job)  # (a survivor finished the job: its last step stays)
-            return
+            return False
         if any(c not in rnd.reports for c in cells):
-            return
+            return False
         try:
             _members, orders = routed_orders({c: rnd.reports[c] for c in cells}, stages, (),
                                              rnd.epoch)
         except RegroupConflict:
             self._fail_round(job)
-            return
+            return False
         rnd.ordered = set(range(stages))
         self.answers[job.job_id].orders.update(orders)
-        rnd.decided.set()
-        rnd.decided = asyncio.Event()
-        del self.rounds[job.job_id]
-        self._record_departure(job, rnd)
+        return True
 
     def _record_departure(self, job: JobRecord, rnd: RegroupRound) -> None:
         """Every group has its orders: the change, with the step each stage took it at."""

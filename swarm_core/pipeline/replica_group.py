@@ -260,27 +260,17 @@ class ReplicaGroup:
         self.ring_next, self.ring_prev = send, recv
         self.sync.rewire(send, recv, rank, n)
 
-    def reform(self, order: RegroupOrder, params: list[torch.nn.Parameter],
-               device: torch.device) -> None:
-        """Swarm wiring's regroup (``pipeline/reroute``): the order's members and epoch, a
-        ring over them and a fresh algorithm (none where one member is left)."""
+    def reform(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        """Swarm wiring's regroup (``pipeline/reroute``): a fresh algorithm over a ring of the
+        current members (the one that ran the given-up step may still wait on its old ring)."""
         spec = self.spec
-        self.epoch, self.members = order.epoch, list(order.members)
         self.admit_after = 0
         if self.sync is not None:
             self.sync.close()
-            self.sync = None
-        if len(self.members) == 1:
-            self.ring_next = self.ring_prev = None
-            return
         rank, n = self.members.index(spec.replica), len(self.members)
         self.sync = make_sync(spec.training, params, None, None, rank, n, device, self.names(),
                               sync_codec(spec))
-        send, recv = open_ring(spec, self.members, self.epoch, self.shaper, self.listener,
-                               self.stop, spec.training.frame_timeout_s, self.liveness,
-                               max(NORM_PAYLOAD, self.sync.max_payload))
-        self.ring_next, self.ring_prev = send, recv
-        self.sync.rewire(send, recv, rank, n)
+        self._ring(spec.training.frame_timeout_s)
 
     # a replica joins ---------------------------------------------------------------------------
     def admit_safely(self, step: int) -> None:

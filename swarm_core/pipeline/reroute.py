@@ -69,8 +69,7 @@ class Rerouter:
         r = self.runner
         tensors = [t.detach() for t in r.module.state_dict(keep_vars=True).values()]
         keys, extra = [], {}
-        params = [p for g in r.opt.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
+        for i, p in enumerate(self._params()):
             for k, v in sorted(r.opt.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     tensors.append(v)
@@ -78,6 +77,10 @@ class Rerouter:
                 else:
                     extra[(i, k)] = copy.deepcopy(v)
         return tensors, keys, extra
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        """The optimiser's parameters, in the order its state is keyed by here."""
+        return [p for g in self.runner.opt.param_groups for p in g["params"]]
 
     @torch.no_grad()
     def keep(self, step: int) -> None:
@@ -159,7 +162,7 @@ class Rerouter:
             raise RuntimeError(f"stage {r.spec.stage} replica {r.spec.replica} kept no state "
                                f"from before step {step} to undo it")
         # (state the undone step created, as the first step creates AdamW's moments, goes)
-        params = [p for g in r.opt.param_groups for p in g["params"]]
+        params = self._params()
         kept = set(self._keys) | set(self._extra)
         for i, p in enumerate(params):
             state = r.opt.state.get(p)
@@ -191,7 +194,7 @@ class Rerouter:
                            members=order.members, epoch=order.epoch)
         r.links = attrs.evolve(links, ring_next=None, ring_prev=None)  # (the group's, below)
         r.up, r.down = links.up, links.down
-        group.reform(order, r.params, r.device)
+        group.reform(r.params, r.device)
         if r.meter_routes is not None:
             # Every member starts the estimate afresh at the same step, so all deal alike
             # (a cell that undid a step had fed its table to the estimate).
