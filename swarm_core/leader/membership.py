@@ -617,6 +617,18 @@ class Membership:
         if missing is not None:
             self.queue.liveness.lost(job, missing)
             return
+        # Recorded as any departure (the job's members, its completion reason, the event),
+        # at the step after the last: the lost replicas trained every step. No step's record
+        # gets it, since no step was trained without them.
+        steps = job.spec.training.steps if job.spec.training else job.last_step
+        members = [r for r in self.members(job) if r not in left]
+        change = MembershipChange(step=steps + 1, epoch=job.epoch + 1, members=members,
+                                  left=list(left), at=time.time(),
+                                  reason="; ".join(rnd.lost[r] for r in left if r in rnd.lost),
+                                  stage_steps=[steps + 1] * job.num_stages)
+        job.epoch, job.members = change.epoch, members
+        job.membership.append(change)
+        self.queue.hub.publish(JobMembership(job.job_id, change))
         self._leave(job, left, "the other replicas finished the job")
 
     def _unexported(self, job: JobRecord, rnd: RegroupRound, left: list[int]) -> str | None:

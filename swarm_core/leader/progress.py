@@ -65,7 +65,10 @@ class ProgressBook:
                 if value is not None:
                     setattr(m, name, value)
             return
-        last = [stages[k] for k in (p.label(p.num_stages - 1, r) for r in range(p.replicas))
+        # The members' cells only: one that left keeps its last figures in ``stages`` (its
+        # tokens/s would be counted in a sum it no longer adds to, its loss in the mean).
+        members = range(p.replicas) if job.members is None else job.members
+        last = [stages[k] for k in (p.label(p.num_stages - 1, r) for r in members)
                 if k in stages]
         for name in JOB_LEVEL:
             values = [getattr(s, name) for s in last if getattr(s, name) is not None]
@@ -80,6 +83,13 @@ class ProgressBook:
                 setattr(m, name, values[0])
             else:
                 setattr(m, name, sum(values) / len(values))
+        # The run's last step as its record has it (the step's loss: under swarm wiring the
+        # replicas' mean weighted by the micro-batches each ran, contract.metrics.step_loss),
+        # where that record is still at hand.
+        steps = max((s.steps or 0 for s in last), default=0)
+        final = job.current.get(steps) if steps else None
+        if final is not None and final.loss is not None:
+            m.final_loss = final.loss
 
     def record(self, job: JobRecord, stage: int, replica: int, upd: JobStatusUpdate) -> None:
         """Join a cell's step report into that step's record. A report for an older step (a

@@ -1772,6 +1772,37 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     assert (await get_fellow(api, by_replica[2]["fellow_id"]))["current_job"] is None
 
 
+async def test_a_replica_that_left_counts_in_none_of_the_jobs_figures(api):
+    """A job of three replicas whose replica 2 left: its last figures stay in its cell's
+    metrics, but the job's tokens/s sums the members' only, and its final loss is the last
+    step's (the members' mean), not a mean with the departed replica's stale figures."""
+    jid, by_replica = await _replicated_job(api, 7050)
+
+    async def step(replica: int, n: int, loss: float, state: str = "RUNNING", **figures):
+        resp = await report(api, jid, by_replica[replica], state, step=n, stage=0,
+                            replica=replica, loss=loss, tokens_per_s=100.0,
+                            metrics={"wire_tx_bytes": 10, "step_seconds": 0.1, **figures})
+        assert resp.status == 200, await resp.text()
+
+    for r in range(3):
+        await step(r, 4, 3.0 + r)
+    assert (await get_job(api, jid))["metrics"]["tokens_per_s"] == 300.0
+    await step(2, 4, 9.0, "FAILED")
+    await _regroup(api, jid, by_replica[0], 0, op_step=5, synced_step=4)
+    await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0, op_step=5,
+                                   synced_step=4))
+    assert (await get_job(api, jid))["members"] == [0, 1]
+    for r in (0, 1):
+        await step(r, 50, 2.0 + r)
+    for r in (0, 1):
+        await step(r, 50, 2.0 + r, "COMPLETED", steps=50, final_loss=2.0 + r)
+    job = await get_job(api, jid)
+    assert job["state"] == "COMPLETED"
+    assert job["metrics"]["tokens_per_s"] == 200.0
+    assert job["metrics"]["final_loss"] == 2.5
+    assert job["metrics"]["stages"]["0.2"]["tokens_per_s"] == 100.0  # (its cell's, kept)
+
+
 async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     """After replica 1 of three left, a fellow that registers joins as replica 1 (not the
     one whose cell failed: it is up, but what failed may fail again): its START names the

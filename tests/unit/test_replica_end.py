@@ -61,7 +61,8 @@ async def test_a_replica_lost_after_the_others_finished_leaves_a_completed_job(q
     or its fellow stops heartbeating, before its own COMPLETED. Every synchronisation is
     behind it, the others hold the job's weights: the job completes (it used to wait out the
     heartbeat timeout for the finished cells to ask for a regroup, and failed with "no
-    replica left to train on")."""
+    replica left to train on"), and replica 2's departure is recorded as any other is: in
+    the job's membership, members and completion reason."""
     api = quick
     jid, by_replica = await _replicated_job(api, 7800)
     for r in (0, 1):
@@ -76,8 +77,13 @@ async def test_a_replica_lost_after_the_others_finished_leaves_a_completed_job(q
         async with beating(api, [by_replica[0], by_replica[1]], STEPS):
             job = await _ended(api, jid)
     assert job["state"] == "COMPLETED", job["reason"]
-    assert job["reason"].startswith(f"all 1 stage(s) x 3 replicas finished at step {STEPS}")
+    assert job["reason"].startswith(f"all 1 stage(s) x 3 replicas (1 replica(s) left) "
+                                    f"finished at step {STEPS}")
     assert job["restarts"] == []
+    # Recorded as any departure, after the last step (it trained every one of them).
+    [change] = job["membership"]
+    assert (change["step"], change["left"], change["members"]) == (STEPS + 1, [2], [0, 1])
+    assert change["reason"] and job["members"] == [0, 1]
 
 
 async def test_a_replica_lost_while_the_others_train_their_last_steps_is_not_waited_for(quick):
