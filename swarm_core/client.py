@@ -7,7 +7,7 @@ import hashlib
 import os
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,7 @@ from swarm_core.contract import (
     Heartbeat,
     JobInfo,
     JobList,
+    JobStatusBatch,
     JobStatusUpdate,
     JobSubmit,
     ProgressList,
@@ -228,6 +229,14 @@ class SwarmClient:
 
     async def job_status(self, job_id: str, session: str, upd: JobStatusUpdate) -> JobInfo:
         res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/status", upd,
+                                 headers={SESSION_HEADER: session})
+        return _parse(res, JobInfo)
+
+    async def job_statuses(self, job_id: str, session: str,
+                           updates: Sequence[JobStatusUpdate]) -> JobInfo:
+        """Several RUNNING step reports at once, in order (see JobStatusBatch)."""
+        res = await self.request("POST", f"{API_PREFIX}/jobs/{_seg(job_id)}/statuses",
+                                 JobStatusBatch(list(updates)),
                                  headers={SESSION_HEADER: session})
         return _parse(res, JobInfo)
 

@@ -38,6 +38,7 @@ from swarm_core.contract.membership import (
 from swarm_core.contract.metrics import (
     CodecErrors,
     JobMetrics,
+    JobStatusBatch,
     JobStatusUpdate,
     ProgressList,
     ProgressRecord,
@@ -72,6 +73,7 @@ __all__ = [
     "JobKind",
     "JobList",
     "JobMetrics",
+    "JobStatusBatch",
     "JobStatusUpdate",
     "JobSubmit",
     "LayerRange",

@@ -382,3 +382,33 @@ class JobStatusUpdate:
             raise FieldError("must be at most 4096 characters", "message")
 
     _msg.json_schema = {"maxLength": 4096}  # type: ignore[attr-defined]
+
+
+# Reports a fellow sends at once: a stage training faster than one HTTP report a step gets
+# behind by a batch at most this long (the leader stores a batch in one transaction).
+MAX_REPORTS_AT_ONCE = 256
+
+
+def _running_reports(_inst: object, attr: attrs.Attribute, value: list[JobStatusUpdate]
+                     ) -> None:
+    if not value:
+        raise FieldError("must hold at least one report", attr.name)
+    for i, upd in enumerate(value):
+        if upd.state != "RUNNING":
+            raise FieldError("must be RUNNING: a cell's end is reported on its own",
+                             f"{attr.name}[{i}].state")
+        if upd.fellow_id != value[0].fellow_id:
+            raise FieldError("must be the same fellow's as the first report's",
+                             f"{attr.name}[{i}].fellow_id")
+
+
+_running_reports.json_schema = {"minItems": 1}  # type: ignore[attr-defined]
+
+
+@attrs.define
+class JobStatusBatch:
+    """A fellow's step reports of one job, several at once and in order: RUNNING ones, as
+    ``/status`` takes them one by one (a cell's end, COMPLETED or FAILED, goes alone)."""
+
+    updates: list[JobStatusUpdate] = attrs.field(
+        validator=[max_items(MAX_REPORTS_AT_ONCE), _running_reports])

@@ -464,10 +464,12 @@ class FellowDaemon:
             return  # (that cell ended, or is of another attempt)
         running[1].told.append((told.order, told.placement.group_of(told.stage, told.replica)))
 
-    async def _report(self, job_id: str, upd: JobStatusUpdate) -> None:
-        """Report on a job. Reports wait out a leader restart (and the re-registration after
-        it), so the leader's step records have no holes; they stay in order because callers
-        await. A 409 (the job ended: cancelled, failed elsewhere) cancels the caller."""
+    async def _report(self, job_id: str, upd: JobStatusUpdate | list[JobStatusUpdate]
+                      ) -> None:
+        """Report on a job (a list: several step reports at once). Reports wait out a leader
+        restart (and the re-registration after it), so the leader's step records have no
+        holes; they stay in order because callers await. A 409 (the job ended: cancelled,
+        failed elsewhere) cancels the caller."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPORT_PATIENCE_S
         backoff = 0.2
@@ -476,7 +478,10 @@ class FellowDaemon:
                 self._keep_final(job_id, upd)
                 return
             try:
-                await self.client.job_status(job_id, self.session, upd)
+                if isinstance(upd, list):
+                    await self.client.job_statuses(job_id, self.session, upd)
+                else:
+                    await self.client.job_status(job_id, self.session, upd)
                 return
             except ApiError as exc:
                 if exc.status == 409:
@@ -506,10 +511,10 @@ class FellowDaemon:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    def _keep_final(self, job_id: str, upd: JobStatusUpdate) -> None:
+    def _keep_final(self, job_id: str, upd: JobStatusUpdate | list[JobStatusUpdate]) -> None:
         """A cell's last word the leader did not take: the heartbeats carry it from now on
         (a step's report may be lost; the end of a cell may not)."""
-        if upd.state != "RUNNING":
+        if isinstance(upd, JobStatusUpdate) and upd.state != "RUNNING":
             self.unreported.append(UnreportedFinal(job_id=job_id, report=upd))
 
     async def _push_shard(self, job: str, stage: int, manifest: dict, weights: bytes | None,
@@ -559,7 +564,11 @@ class FellowDaemon:
         async def report(upd: JobStatusUpdate) -> None:
             await self._report(job_id, upd)
 
+        async def report_steps(updates: list[JobStatusUpdate]) -> None:
+            await self._report(job_id, updates)
+
         return JobContext(fellow_id=self.fellow_id, progress=progress, report=report,
+                          report_steps=report_steps,
                           shaper=self.shaper,
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,

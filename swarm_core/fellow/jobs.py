@@ -81,6 +81,8 @@ class JobContext:
     fellow_id: int
     progress: Progress
     report: Report
+    # Several RUNNING step reports at once, in order; None: each through ``report``.
+    report_steps: Callable[[list[JobStatusUpdate]], Awaitable[None]] | None = None
     shaper: Any = None  # swarm_core.pipeline.links.LinkShaper (torch-side, imported lazily)
     listener: Any = None  # swarm_core.pipeline.listener.DataListener
     threads: int = 1

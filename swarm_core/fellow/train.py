@@ -32,6 +32,7 @@ from swarm_core.contract import (
     StageStart,
     perplexity,
 )
+from swarm_core.contract.metrics import MAX_REPORTS_AT_ONCE
 from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
@@ -95,8 +96,22 @@ class StepReporter:
         self.loop.call_soon_threadsafe(self.updates.put_nowait, upd)
 
     async def run(self) -> None:
-        while (upd := await self.updates.get()) is not None:
-            await self.ctx.report(upd)
+        # What queued while the last report was in flight goes in one request (a stage that
+        # trains faster than one report a step would otherwise fall ever further behind).
+        closing = False
+        while not closing and (upd := await self.updates.get()) is not None:
+            batch = [upd]
+            while len(batch) < MAX_REPORTS_AT_ONCE and not self.updates.empty():
+                more = self.updates.get_nowait()
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
+            if len(batch) > 1 and self.ctx.report_steps is not None:
+                await self.ctx.report_steps(batch)
+            else:
+                for one in batch:
+                    await self.ctx.report(one)
 
     def close(self) -> None:
         self.updates.put_nowait(None)

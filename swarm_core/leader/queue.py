@@ -13,7 +13,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +301,31 @@ class JobQueue:
 
     def status_update(self, job_id: str, fellow: FellowRecord, upd: JobStatusUpdate) -> JobRecord:
         job = self.get(job_id)
+        taken = self._checked(job, upd)
+        if taken is not None:
+            with self.kept(job):
+                self._take(job, fellow, *taken)
+        return job
+
+    def status_updates(self, job_id: str, fellow: FellowRecord,
+                       updates: Sequence[JobStatusUpdate]) -> JobRecord:
+        """A fellow's reports of several steps at once (RUNNING ones: a stage that trains
+        faster than one report a step reaches the leader), taken in order as one change,
+        stored in one transaction: all of them, or (refused, or the store refusing) none."""
+        job = self.get(job_id)
+        taken = [t for upd in updates if (t := self._checked(job, upd)) is not None]
+        with self.kept(job), self.store.batch():
+            for t in taken:
+                self._take(job, fellow, *t, save=False)
+            self.save(job, quiet=True)
+        return job
+
+    def _checked(self, job: JobRecord, upd: JobStatusUpdate
+                 ) -> tuple[int, int, JobStatusUpdate] | None:
+        """A report's cell (stage, replica) and the report, once it is known to be this
+        fellow's and the job's; None for one to drop unread (an earlier attempt's). Raises
+        ApiError (409) for one the job refuses."""
+        job_id = job.job_id
         if upd.fellow_id not in job.fellows:
             raise ApiError(409, f"fellow {upd.fellow_id} is not part of job {job_id}",
                            code="not_in_job", field="$.fellow_id")
@@ -318,18 +343,17 @@ class JobQueue:
             raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
         if upd.attempt != job.attempt or job.recovering is not None:
-            return job  # from before a restart, or while recovering: nothing to learn
+            return None  # from before a restart, or while recovering: nothing to learn
         if self.membership.left(job, replica):
             raise ApiError(409, f"replica {replica} has left {job_id}: its stage {stage}'s "
                                 "report comes too late", code="replica_left",
                            field="$.replica")
-        with self.kept(job):
-            self._take(job, fellow, stage, replica, upd)
-        return job
+        return stage, replica, upd
 
     def _take(self, job: JobRecord, fellow: FellowRecord, stage: int, replica: int,
-              upd: JobStatusUpdate) -> None:
-        """A cell's report, checked: its step, figures and (a final one) its end."""
+              upd: JobStatusUpdate, save: bool = True) -> None:
+        """A cell's report, checked: its step, figures and (a final one) its end.
+        ``save``: a RUNNING one's job row written now (else by the caller, once a batch)."""
         assert job.placement is not None
         job.active_at = time.monotonic()
         joining = self.membership.joining.get(job.job_id)
@@ -350,7 +374,7 @@ class JobQueue:
             self._failed(job, stage, replica, fellow, upd)
         elif upd.state == "COMPLETED":
             self._completed(job, stage, replica, fellow, upd)
-        else:
+        elif save:
             self.save(job, quiet=True)
 
     def _failed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,

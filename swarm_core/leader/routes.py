@@ -26,6 +26,7 @@ from swarm_core.contract import (
     Heartbeat,
     JobInfo,
     JobList,
+    JobStatusBatch,
     JobStatusUpdate,
     JobSubmit,
     ProgressList,
@@ -455,6 +456,15 @@ async def job_status(request: web.Request) -> web.Response:
     return ok(st.jobs.info(job))
 
 
+async def job_statuses(request: web.Request) -> web.Response:
+    st = _state(request)
+    batch = await read_body(request, JobStatusBatch)
+    rec = st.registry.by_session(request.headers.get(SESSION_HEADER),
+                                 batch.updates[0].fellow_id)
+    return ok(st.jobs.info(st.jobs.status_updates(request.match_info["job_id"], rec,
+                                                  batch.updates)))
+
+
 async def regroup(request: web.Request) -> web.Response:
     st = _state(request)
     rep = await read_body(request, RegroupReport)
@@ -753,6 +763,11 @@ ROUTES: tuple[Route, ...] = (
           response=JobInfo, errors=(404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/status", job_status, "A fellow reports job progress",
           body=JobStatusUpdate, response=JobInfo, fellow_session=True,
+          errors=(400, 401, 403, 404, 409, 503)),
+    Route("POST", f"{A}/jobs/{{job_id}}/statuses", job_statuses,
+          "A fellow reports several steps of a job at once, in order (RUNNING reports, at "
+          "most 256): taken as /status takes each, stored together; one refused, none taken",
+          body=JobStatusBatch, response=JobInfo, fellow_session=True,
           errors=(400, 401, 403, 404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/regroup", regroup,
           "A replica whose stage group's ring broke says where it stands; the answer, once "

@@ -109,6 +109,7 @@ def _blob(what: str, record: Any) -> bytes:
 class Store:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._batched = False  # inside batch(): writes join its transaction
         try:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except sqlite3.DatabaseError as exc:  # (a directory, unreadable…)
@@ -218,9 +219,28 @@ class Store:
         return [jsonio.loads(r[0]) for r in rows]
 
     @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Several writes as one transaction (one commit, one fsync: a fellow's reports of
+        many steps at once): each write's own transaction joins it, and all of them are
+        committed together or none is (StoreWriteError, as for one)."""
+        if self._batched:
+            yield
+            return
+        with self._tx():
+            self._batched = True
+            try:
+                yield
+            finally:
+                self._batched = False
+
+    @contextlib.contextmanager
     def _tx(self) -> Iterator[None]:
         """One transaction: committed, or (whatever failed in it, the COMMIT too) rolled
-        back and a StoreWriteError raised for what the disk or database refused."""
+        back and a StoreWriteError raised for what the disk or database refused. Inside
+        :meth:`batch`, part of the batch's."""
+        if self._batched:
+            yield
+            return
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:

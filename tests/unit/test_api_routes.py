@@ -1689,6 +1689,7 @@ def test_every_route_has_a_test():
         ("GET", f"{A}/jobs/{{job_id}}/export"),  # tests/unit/test_shards.py
         ("GET", f"{A}/jobs/{{job_id}}/export/{{stage}}/{{part}}"),  # tests/unit/test_shards.py
         ("POST", f"{A}/jobs/{{job_id}}/regroup"),
+        ("POST", f"{A}/jobs/{{job_id}}/statuses"),  # tests/unit/test_progress.py
     }
     assert {(r.method, r.path) for r in ROUTES} == covered
 

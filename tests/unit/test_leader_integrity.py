@@ -283,6 +283,34 @@ async def test_a_refused_completion_leaves_the_store_as_the_leader_says(aiohttp_
     assert done["state"] == "COMPLETED"
 
 
+async def test_a_batch_of_step_reports_the_disk_has_no_room_for_changes_nothing(
+        aiohttp_client, tmp_path, monkeypatch):
+    """A batch of three step reports whose second record finds the disk full: 503, and
+    neither the first step's record nor the job's progress stays (one transaction); the
+    fellow's retry is taken whole, and a restarted leader has every step."""
+    cfg = _config(tmp_path)
+    api = await aiohttp_client(create_app(cfg))
+    jid, by_replica = await _replica_job(api, 7600)
+    reg = by_replica[0]
+    batch = {"updates": [{"fellow_id": reg["fellow_id"], "state": "RUNNING", "step": s,
+                          "loss": 3.0, "metrics": {"wire_tx_bytes": 10}} for s in (1, 2, 3)]}
+    before = await get_job(api, jid)
+    full = _disk_full_once(monkeypatch, api.app[STATE_KEY].store, "INSERT INTO progress", 2)
+    url = f"{A}/jobs/{jid}/statuses"
+    await expect_error(await api.post(url, json=batch, headers=reg["headers"]), 503,
+                       "not_stored")
+    assert full.failed == 1
+    assert await get_job(api, jid) == before
+    progress = f"{A}/jobs/{jid}/progress"
+    assert (await expect_ok(await api.get(progress, headers=AUTH)))["records"] == []
+    await expect_ok(await api.post(url, json=batch, headers=reg["headers"]))
+    await api.close()
+    api = await aiohttp_client(create_app(cfg))
+    records = (await expect_ok(await api.get(progress, headers=AUTH)))["records"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert (await get_job(api, jid))["last_step"] == 3
+
+
 async def test_a_final_report_a_heartbeat_carries_is_refused_whole_on_a_full_disk(
         aiohttp_client, tmp_path, monkeypatch):
     """A fellow that gave its COMPLETED up sends it with its heartbeats. With the disk full

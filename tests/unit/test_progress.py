@@ -248,3 +248,68 @@ async def test_an_integer_beyond_int64_is_a_400_that_changes_nothing(api, runnin
     assert error["field"] == "$.step" and "2**63-1" in error["message"]
     after = await (await api.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
     assert after["last_step"] == 1 and after["last_loss"] == 4.0
+
+
+def _step(fellow, step: int, **kw: Any) -> dict[str, Any]:
+    return {"fellow_id": fellow["fellow_id"], "state": "RUNNING", "step": step, **kw}
+
+
+async def _batch(api, job, fellow, updates: list[dict[str, Any]]):
+    return await api.post(f"{A}/jobs/{job['job_id']}/statuses", json={"updates": updates},
+                          headers=fellow["headers"])
+
+
+async def _records(api, job) -> list[dict[str, Any]]:
+    resp = await api.get(f"{A}/jobs/{job['job_id']}/progress", headers=AUTH)
+    return (await resp.json())["records"]
+
+
+async def test_a_batch_of_step_reports_is_taken_as_each_would_be_alone(api, running):
+    """A fellow sends what queued while its last report was in flight as one batch: every
+    step is recorded as its report alone would be, in order, an evaluation in it too, and
+    the answer is the job as after the last."""
+    job, stage = running
+    wire = {"wire_tx_bytes": 100, "step_seconds": 0.1}
+    resp = await _batch(api, job, stage[0], [_step(stage[0], s, metrics=wire)
+                                             for s in (1, 2, 3)])
+    assert resp.status == 200, await resp.text()
+    last = [_step(stage[1], s, loss=4.0 - s, tokens_per_s=900.0 + s,
+                  metrics={"wire_tx_bytes": 50, "step_seconds": 0.2}) for s in (1, 2)]
+    resp = await _batch(api, job, stage[1], [*last, _step(stage[1], 2,
+                                                          metrics={"eval_loss": 2.5})])
+    info = await resp.json()
+    assert resp.status == 200 and info["last_step"] == 3 and info["last_loss"] == 2.0
+    assert [(r["step"], r.get("loss"), r["wire_bytes"], r.get("tokens_per_s"))
+            for r in await _records(api, job)] == [(1, 3.0, 150, 901.0), (2, 2.0, 150, 902.0),
+                                                   (3, None, 100, None)]
+    assert (await _records(api, job))[1]["eval_loss"] == 2.5
+
+
+@pytest.mark.parametrize("make, field", [
+    (lambda f, g: [], "updates"),
+    (lambda f, g: [_step(f, 1), {**_step(f, 2), "state": "COMPLETED"}], "updates[1].state"),
+    (lambda f, g: [_step(f, 1), _step(g, 2)], "updates[1].fellow_id"),
+    (lambda f, g: [_step(f, s) for s in range(1, 258)], "updates"),
+], ids=["empty", "an-end-in-it", "two-fellows", "too-many"])
+async def test_a_batch_that_is_not_one_fellows_step_reports_is_refused_whole(api, running,
+                                                                             make, field):
+    job, stage = running
+    updates = [{**u, "metrics": {"wire_tx_bytes": 10}} for u in make(stage[0], stage[1])]
+    resp = await _batch(api, job, stage[0], updates)
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["field"] == f"$.{field}" and "\n" not in err["message"]
+    assert await _records(api, job) == []
+    assert (await (await api.get(f"{A}/jobs/{job['job_id']}", headers=AUTH)).json()
+            )["last_step"] == 0
+
+
+async def test_a_batch_with_one_report_the_job_refuses_changes_nothing(api, running):
+    """A report of a cell the fellow does not hold, third in a batch: 409, and the two
+    before it are not kept either (one change, all or nothing)."""
+    job, stage = running
+    ok = [_step(stage[0], s, stage=0, metrics={"wire_tx_bytes": 10}) for s in (1, 2)]
+    resp = await _batch(api, job, stage[0], [*ok, _step(stage[0], 3, stage=1)])
+    assert resp.status == 409
+    assert (await resp.json())["error"]["code"] == "not_in_job"
+    assert await _records(api, job) == []
