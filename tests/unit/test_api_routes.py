@@ -4,12 +4,10 @@ each error status, against a real leader app on a loopback TestServer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import itertools
 import re
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,162 +19,28 @@ from aiohttp.test_utils import TestClient
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.keys import STATE_KEY
 from swarm_core.leader.routes import ROUTES, SESSION_HEADER
+from tests.api_support import (
+    JSON,
+    A,
+    beating,
+    collect_until,
+    expect_error,
+    expect_ok,
+    get_fellow,
+    get_job,
+    grid_job,
+    heartbeat,
+    next_event,
+    poll,
+    raw,
+    register,
+    replicated_job,
+    report,
+    submit,
+    wait_for,
+    wait_until_failed,
+)
 from tests.support import AUTH, TOKEN
-
-A = "/api/v1"
-JSON = {**AUTH, "Content-Type": "application/json"}
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-async def expect_error(resp, status: int, code: str | None = None,
-                       field: str | None = None) -> dict[str, Any]:
-    """Assert an ``{"error": {...}}`` reply with this status (and code / field when given)."""
-    text = await resp.text()
-    assert resp.status == status, text
-    assert resp.content_type == "application/json"
-    err = orjson.loads(text)["error"]
-    assert isinstance(err["code"], str) and err["code"]
-    assert isinstance(err["message"], str) and err["message"]
-    if code is not None:
-        assert err["code"] == code, err
-    if field is not None:
-        assert err.get("field") == field, err
-    return err
-
-
-async def expect_ok(resp, status: int = 200) -> Any:
-    text = await resp.text()
-    assert resp.status == status, text
-    return orjson.loads(text)
-
-
-async def register(api: TestClient, name: str = "f0", instance_id: str | None = None,
-                   **extra: Any) -> dict[str, Any]:
-    """Register a fellow; the reply plus ``headers`` (token and session) for its own calls."""
-    body = {"name": name, "instance_id": instance_id or f"{name}-inst", **extra}
-    reg = await expect_ok(await api.post(f"{A}/fellows/register", json=body, headers=AUTH), 201)
-    reg["headers"] = {**AUTH, SESSION_HEADER: reg["session"]}
-    reg["body"] = body  # (to register again, as the same process, with a restarted leader)
-    return reg
-
-
-async def heartbeat(api: TestClient, reg: dict[str, Any], **body: Any) -> dict[str, Any]:
-    resp = await api.post(f"{A}/fellows/{reg['fellow_id']}/heartbeat", json=body,
-                          headers=reg["headers"])
-    return await expect_ok(resp)
-
-
-async def poll(api: TestClient, reg: dict[str, Any], after: int = 0,
-               wait: float = 0.0) -> list[dict[str, Any]]:
-    resp = await api.get(f"{A}/fellows/{reg['fellow_id']}/signals",
-                         params={"after": str(after), "wait": str(wait)}, headers=reg["headers"])
-    return (await expect_ok(resp))["signals"]
-
-
-async def submit(api: TestClient, fellows: int = 1, **body: Any) -> dict[str, Any]:
-    body = {"name": "j", "kind": "smoke", "topology": {"fellows": fellows}, **body}
-    return await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201)
-
-
-async def get_job(api: TestClient, job_id: str) -> dict[str, Any]:
-    return await expect_ok(await api.get(f"{A}/jobs/{job_id}", headers=AUTH))
-
-
-async def get_fellow(api: TestClient, fellow_id: int) -> dict[str, Any]:
-    return await expect_ok(await api.get(f"{A}/fellows/{fellow_id}", headers=AUTH))
-
-
-async def report(api: TestClient, job_id: str, reg: dict[str, Any], state: str,
-                 step: int = 0, **extra: Any):
-    body = {"fellow_id": reg["fellow_id"], "state": state, "step": step, **extra}
-    return await api.post(f"{A}/jobs/{job_id}/status", json=body, headers=reg["headers"])
-
-
-async def wait_for(cond, timeout: float = 3.0, interval: float = 0.02) -> Any:
-    """Await ``cond()`` (async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(interval)
-
-
-async def wait_until_failed(api: TestClient, job_id: str) -> dict[str, Any]:
-    async def failed() -> dict[str, Any] | None:
-        job = await get_job(api, job_id)
-        return job if job["state"] == "FAILED" else None
-
-    return await wait_for(failed, timeout=5.0, interval=0.05)
-
-
-@contextlib.asynccontextmanager
-async def beating(api: TestClient, regs: list[dict[str, Any]], step: int,
-                  alive: set[int] | None = None) -> AsyncIterator[None]:
-    """Busy heartbeats from ``regs`` every 50 ms, while the block runs, from those whose
-    fellow id is in ``alive`` (all by default; the set may shrink meanwhile)."""
-    alive = {r["fellow_id"] for r in regs} if alive is None else alive
-
-    async def beat() -> None:
-        while True:
-            for reg in regs:
-                if reg["fellow_id"] in alive:
-                    await heartbeat(api, reg, status="busy", current_step=step)
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-
-
-async def next_event(ws, type_prefix: str, timeout: float = 2.0, **match: Any) -> dict[str, Any]:
-    """The next event whose type starts with ``type_prefix`` and whose data matches ``match``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {type_prefix} event {match} in time"
-        ev = orjson.loads(await ws.receive_bytes(timeout=left))
-        if ev["type"].startswith(type_prefix) and all(
-                ev["data"].get(k) == v for k, v in match.items()):
-            return ev
-
-
-async def drain(ws, quiet_s: float = 0.15) -> list[dict[str, Any]]:
-    """All events that arrive until the socket is quiet for ``quiet_s``."""
-    out = []
-    while True:
-        try:
-            msg = await ws.receive(timeout=quiet_s)
-        except TimeoutError:
-            return out
-        if msg.type.name != "BINARY":
-            return out
-        out.append(orjson.loads(msg.data))
-
-
-async def collect_until(ws, type_: str, timeout: float = 2.0,
-                        **match: Any) -> list[dict[str, Any]]:
-    """Every event up to and including the first ``type_`` event whose data matches ``match``,
-    then whatever else arrives within a short quiet period."""
-    out: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {type_} event {match} in time; got {out}"
-        ev = orjson.loads(await ws.receive_bytes(timeout=left))
-        out.append(ev)
-        if ev["type"] == type_ and all(ev["data"].get(k) == v for k, v in match.items()):
-            return out + await drain(ws, 0.1)
-
-
-def raw(body: bytes | str, content_type: str = "application/json") -> dict[str, Any]:
-    data = body.encode() if isinstance(body, str) else body
-    return {"data": data, "headers": {**AUTH, "Content-Type": content_type}}
 
 
 @pytest.fixture
@@ -1694,28 +1558,11 @@ def test_every_route_has_a_test():
     assert {(r.method, r.path) for r in ROUTES} == covered
 
 
-async def _replicated_job(api: TestClient, port: int, **training: Any
-                         ) -> tuple[str, dict[int, dict[str, Any]]]:
-    """A running job of one stage and three replicas on three fellows registered for it (data
-    addresses from ``port`` on): its id, and the fellow of each replica."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
-               for i in range(3)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1, **training},
-            "topology": {"stages": 1, "replicas": 3}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    assert job["state"] == "RUNNING"
-    return jid, {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
-                 for c in job["placement"]["stages"]}
-
-
 async def test_a_link_set_speed_on_a_torch_transport_job_is_refused_a_slowdown_is_not(api):
     """gloo's sockets are not the app's: a link setting on a fellow whose running job uses
     the torch transport would change nothing, so it is refused (409, named) and recorded
     nowhere; the fellow's emulated slowdown still applies."""
-    jid, by_replica = await _replicated_job(api, 7400, transport="torch")
+    jid, by_replica = await replicated_job(api, 7400, transport="torch")
     fellow = by_replica[1]["fellow_id"]
     refused = await api.post(f"{A}/fellows/{fellow}/speed", json={"tx_mbps": 8},
                              headers=AUTH)
@@ -1742,7 +1589,7 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     (the second is not in yet); the second's report decides the round: both go on as members
     [0, 1] and do the step again. A survivor that asks again gets the same answer; the job
     runs on, records the change, the step's record has it, and the fellow that left is free."""
-    jid, by_replica = await _replicated_job(api, 7000)
+    jid, by_replica = await replicated_job(api, 7000)
     # Not a member of the job, or a membership that is over: refused, nothing changes.
     outsider = await register(api, "x", data_addr="127.0.0.1:7100")
     assert (await _regroup(api, jid, outsider, 0)).status == 409
@@ -1777,7 +1624,7 @@ async def test_a_replica_that_left_counts_in_none_of_the_jobs_figures(api):
     """A job of three replicas whose replica 2 left: its last figures stay in its cell's
     metrics, but the job's tokens/s sums the members' only, and its final loss is the last
     step's (the members' mean), not a mean with the departed replica's stale figures."""
-    jid, by_replica = await _replicated_job(api, 7050)
+    jid, by_replica = await replicated_job(api, 7050)
 
     async def step(replica: int, n: int, loss: float, state: str = "RUNNING", **figures):
         resp = await report(api, jid, by_replica[replica], state, step=n, stage=0,
@@ -1809,7 +1656,7 @@ async def test_a_ready_fellow_joins_as_the_replica_that_left(api):
     one whose cell failed: it is up, but what failed may fail again): its START names the
     membership it joins and the donor (the first member); each member is told the new
     membership and where the joiner listens; its first step's report records the join."""
-    jid, by_replica = await _replicated_job(api, 7200,
+    jid, by_replica = await replicated_job(api, 7200,
                                             sync={"mode": "diloco", "inner_steps": 5})
     for f in by_replica.values():
         await poll(api, f)  # (their STARTs)
@@ -1856,7 +1703,7 @@ async def test_a_group_that_finishes_without_its_joiner_completes_the_job(api, t
     the spare stopped, and the job completes on their reports (it waited for the spare's
     cell, then failed idle). Where they complete under the join's, the spare trained with
     them: the job waits for its report, which records the join."""
-    jid, by_replica = await _replicated_job(api, 7400,
+    jid, by_replica = await replicated_job(api, 7400,
                                             sync={"mode": "diloco", "inner_steps": 5})
     assert (await report(api, jid, by_replica[1], "FAILED", step=4, stage=0,
                          replica=1, message="killed")).status == 200
@@ -1897,7 +1744,7 @@ async def test_a_leader_restarted_during_a_join_tells_the_members_again(aiohttp_
     joiner instead of leaving it waiting out its ring deadline; the spare's first report
     records the join, once."""
     api = await aiohttp_client(create_app(leader_config))
-    jid, by_replica = await _replicated_job(api, 7250,
+    jid, by_replica = await replicated_job(api, 7250,
                                             sync={"mode": "diloco", "inner_steps": 5})
     for f in by_replica.values():
         await poll(api, f)  # (their STARTs)
@@ -1942,7 +1789,7 @@ async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api,
     """Replica 1 of three died (a process that ends closes its sockets): replica 2 saw the
     link from it close. With both survivors in, the round does not wait out the heartbeat
     timeout for replica 1's silence: a heartbeat interval later it is decided without it."""
-    jid, by_replica = await _replicated_job(api, 7400)
+    jid, by_replica = await replicated_job(api, 7400)
     t0 = time.monotonic()
     assert (await expect_ok(await _regroup(api, jid, by_replica[0], 0, op_step=3,
                                            synced_step=2)))["order"] is None
@@ -1959,7 +1806,7 @@ async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api,
 async def test_a_job_left_with_no_replica_ends_as_a_chain_would(api):
     """Every replica's cell fails: there is no one to train on, so the job ends as a job of
     one replica does under its resume policy (here: fail), naming the last failure."""
-    jid, by_replica = await _replicated_job(api, 7500)
+    jid, by_replica = await replicated_job(api, 7500)
     for r in (2, 1):
         assert (await report(api, jid, by_replica[r], "FAILED", step=4, stage=0, replica=r,
                              message=f"boom {r}")).status == 200
@@ -1978,7 +1825,7 @@ async def test_a_silent_member_still_at_work_is_waited_for_past_the_timeout(api,
     and is decided with it once it reports."""
     import swarm_core.leader.membership as membership
 
-    jid, by_replica = await _replicated_job(api, 7600,
+    jid, by_replica = await replicated_job(api, 7600,
                                             sync={"mode": "diloco", "inner_steps": 50})
     job = await get_job(api, jid)
     for r, f in by_replica.items():
@@ -2011,23 +1858,6 @@ async def test_a_silent_member_still_at_work_is_waited_for_past_the_timeout(api,
     assert late["order"]["members"] == [0, 1]
 
 
-async def _grid_job(api: TestClient, port: int
-                    ) -> tuple[str, dict[str, Any], dict[tuple[int, int], dict[str, Any]]]:
-    """A running job of two stages and two replicas on four fellows registered for it (data
-    addresses from ``port`` on): its id, the job, and the fellow of each (stage, replica)."""
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
-               for i in range(4)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 4, "micro_batches": 1},
-            "topology": {"stages": 2, "replicas": 2}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    return jid, job, {(c["stage"], c["replica"]): next(f for f in fellows
-                                                       if f["fellow_id"] == c["fellow_id"])
-                      for c in job["placement"]["stages"]}
-
-
 @pytest.mark.parametrize("restart", [False, True], ids=["leader-up", "leader-restarted"])
 async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(
         aiohttp_client, leader_config, restart):
@@ -2041,7 +1871,7 @@ async def test_a_cell_held_up_behind_its_chain_does_not_hold_the_round(
     the job: stage 0 gets the same order (not a new round that stage 1, training on under
     membership 1, would never join) and the change is recorded once."""
     api = await aiohttp_client(create_app(leader_config))
-    jid, job, cell = await _grid_job(api, 7700)
+    jid, job, cell = await grid_job(api, 7700)
     assert (await report(api, jid, cell[(1, 1)], "FAILED", step=6, stage=1, replica=1,
                          message="killed")).status == 200
     await heartbeat(api, cell[(0, 0)], status="busy", running=[
@@ -2081,7 +1911,7 @@ async def test_a_replica_lost_through_a_broken_link_is_blamed_on_the_fellow_that
     """Two stages, two replicas; replica 1's stage-1 fellow dies. Its stage-0 neighbour,
     which is up, reports FAILED blaming the link to stage 1: the change records replica 1 as
     left because of the stage-1 fellow, not of the survivor that reported it."""
-    jid, job, cell = await _grid_job(api, 7720)
+    jid, job, cell = await grid_job(api, 7720)
     survivor, dead = cell[(0, 1)], cell[(1, 1)]
     assert (await report(api, jid, survivor, "FAILED", step=6, stage=0, replica=1,
                          blames_stage=1, message="LinkClosed: stage 1 closed the link")
@@ -2105,7 +1935,7 @@ async def test_a_group_whose_ring_held_through_a_regroup_nobody_left_may_regroup
     membership 1. Later stage 0's ring breaks; its cells ask under membership 0, which had
     the members there are now: they are heard (not refused as over) and ordered into
     membership 2."""
-    jid, job, cell = await _grid_job(api, 7710)
+    jid, job, cell = await grid_job(api, 7710)
 
     async def at_work(stage: int) -> None:
         for r in (0, 1):

@@ -32,9 +32,7 @@ from swarm_core.leader.events import EventHub
 from swarm_core.protocol import ByteCounters, FellowStatus, LinkLimits
 from swarm_tui.app.model import ClusterModel
 from swarm_tui.commands.jobs import _describe
-from tests.support import AUTH
-from tests.tui_support import T0, fixed_fellows, fixed_jobs
-from tests.unit.test_api_routes import (
+from tests.api_support import (
     A,
     expect_ok,
     get_job,
@@ -44,6 +42,8 @@ from tests.unit.test_api_routes import (
     submit,
     wait_for,
 )
+from tests.support import AUTH
+from tests.tui_support import T0, fixed_fellows, fixed_jobs
 from tests.unit.test_client import _event_server
 
 CHANGE = MembershipChange(step=41, epoch=2, members=[0, 2], left=[1], reason="fellow 3 lost",

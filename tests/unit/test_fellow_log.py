@@ -12,8 +12,8 @@ import pytest
 from swarm_core.contract.fellow_log import MAX_LINE_CHARS
 from swarm_core.fellow.logring import LogRing
 from swarm_core.leader.keys import STATE_KEY
+from tests.api_support import AUTH, A, expect_error, expect_ok, heartbeat, register
 from tests.tui_support import LiveLeader, no_engine, wait_for  # noqa: F401 (a fixture)
-from tests.unit.test_api_routes import AUTH, A, expect_error, expect_ok, heartbeat, register
 
 
 def test_the_ring_keeps_the_newest_lines_within_its_bytes_and_numbers_them():

@@ -28,10 +28,7 @@ from swarm_core.leader.keys import STATE_KEY
 from swarm_core.leader.store import Store, StoreWriteError
 from swarm_core.schema import structure
 from swarm_core.validators import MAX_STEPS
-from tests.support import AUTH, TOKEN
-from tests.support import wait_async as _wait
-from tests.tui_support import Fellows, LiveLeader, no_engine  # noqa: F401  (a fixture)
-from tests.unit.test_api_routes import (
+from tests.api_support import (
     expect_error,
     expect_ok,
     get_job,
@@ -40,6 +37,9 @@ from tests.unit.test_api_routes import (
     report,
     submit,
 )
+from tests.support import AUTH, TOKEN
+from tests.support import wait_async as _wait
+from tests.tui_support import Fellows, LiveLeader, no_engine  # noqa: F401  (a fixture)
 
 A = "/api/v1"
 MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8}

@@ -339,7 +339,7 @@ async def test_a_traces_changes_land_in_the_events_as_set_speeds(api, tmp_path):
 
     from swarm_core.client import SwarmClient
     from swarm_core.experiments.replay import TRACE_FILE, Replay
-    from tests.unit.test_api_routes import register
+    from tests.api_support import register
 
     ids = [(await register(api, f"f{i}"))["fellow_id"] for i in range(2)]
     trace = _w(tmp_path / "t.csv", "t_s,tx_mbps,latency_ms\n0,100,5\n0.3,50,10\n0.6,50,10\n"
@@ -370,7 +370,7 @@ async def test_a_per_pair_trace_sets_only_the_named_pairs_links(api, tmp_path):
 
     from swarm_core.client import SwarmClient
     from swarm_core.experiments.replay import TRACE_FILE, Replay
-    from tests.unit.test_api_routes import heartbeat, register
+    from tests.api_support import heartbeat, register
 
     a, b = await register(api, "a"), await register(api, "b")
     await heartbeat(api, a, peers=[{"job_id": "job-x", "cell": "0.0", "peer": "1.0",

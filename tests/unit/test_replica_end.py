@@ -14,19 +14,19 @@ from aiohttp.test_utils import TestClient
 from swarm_core.contract.job import ShardReceipt
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.keys import STATE_KEY
-from tests.support import AUTH, TOKEN
-from tests.unit.test_api_routes import (
+from tests.api_support import (
     A,
-    _grid_job,
-    _replicated_job,
     beating,
     expect_ok,
     get_job,
+    grid_job,
     heartbeat,
     register,
+    replicated_job,
     report,
     wait_for,
 )
+from tests.support import AUTH, TOKEN
 
 STEPS = 50  # (the helpers' jobs)
 
@@ -64,7 +64,7 @@ async def test_a_replica_lost_after_the_others_finished_leaves_a_completed_job(q
     replica left to train on"), and replica 2's departure is recorded as any other is: in
     the job's membership, members and completion reason."""
     api = quick
-    jid, by_replica = await _replicated_job(api, 7800)
+    jid, by_replica = await replicated_job(api, 7800)
     for r in (0, 1):
         await _complete(api, jid, by_replica[r], r)
     assert (await get_job(api, jid))["state"] == "RUNNING"  # (replica 2's cell to come)
@@ -91,7 +91,7 @@ async def test_a_replica_lost_while_the_others_train_their_last_steps_is_not_wai
     their last steps (nothing is left to break their rings: they never ask for a regroup).
     They are at work, so the round waits for them; once they complete, the job does."""
     api = quick
-    jid, by_replica = await _replicated_job(api, 7810)
+    jid, by_replica = await replicated_job(api, 7810)
     job = await get_job(api, jid)
     for r in (0, 1):
         await heartbeat(api, by_replica[r], status="busy", running=[
@@ -113,7 +113,7 @@ async def test_the_exporting_replica_lost_at_the_end_completes_only_with_its_exp
     replica left holds the export, and the job ends as a chain's lost stage does (here
     resume_policy fail), naming what is missing and why."""
     api = quick
-    jid, by_replica = await _replicated_job(api, 7820)
+    jid, by_replica = await replicated_job(api, 7820)
     lead = by_replica[0]
     if pushed:
         api.app[STATE_KEY].jobs.get(jid).latest_shard_pushes["0"] = ShardReceipt(
@@ -141,7 +141,7 @@ async def test_a_finished_stage_group_needs_no_regroup_order(quick):
     replica 1 leaves, stage 1's survivor gets its order at once, and its COMPLETED ends the
     job (it used to fail: the finished stage-0 cells never asked)."""
     api = quick
-    jid, _job, cell = await _grid_job(api, 7830)
+    jid, _job, cell = await grid_job(api, 7830)
     for r in (0, 1):
         await _complete(api, jid, cell[(0, r)], r, stage=0)
     assert (await report(api, jid, cell[(1, 1)], "FAILED", step=STEPS - 1, stage=1, replica=1,
