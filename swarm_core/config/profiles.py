@@ -43,6 +43,7 @@ from swarm_core.config.traces import (
     resolve_trace,
 )
 from swarm_core.contract import JobSubmit
+from swarm_core.contract.job import check_routing
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 from swarm_core.validators import rate_or_none
@@ -141,8 +142,7 @@ class ClusterProfile:
     routing: Literal["given", "measured"] = "given"
 
     def __attrs_post_init__(self) -> None:
-        if self.routing != "given" and self.wiring != "swarm":
-            raise FieldError("measured routing is for wiring swarm", "routing")
+        check_routing(self.wiring, self.routing)
         for name in ("fellows", "stages"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= MAX_FELLOWS:

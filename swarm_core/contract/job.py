@@ -33,6 +33,13 @@ from swarm_core.validators import MAX_JSON_DEPTH, bounded, meta, name_field, nes
 JobKind = Literal["smoke", "train"]
 
 
+def check_routing(wiring: str, routing: str) -> None:
+    """A route is measured only where micro-batches are routed (a job's topology and a
+    cluster profile alike)."""
+    if routing != "given" and wiring != "swarm":
+        raise FieldError("measured routing is for wiring swarm", "routing")
+
+
 @attrs.define
 class Topology:
     """What a job asks of the cluster: a grid of ``stages`` pipeline stages by ``replicas``
@@ -71,8 +78,8 @@ class Topology:
 
     def __attrs_post_init__(self) -> None:
         self._check_grid()
-        if checking() and self.routing != "given" and self.wiring != "swarm":
-            raise FieldError("measured routing is for wiring swarm", "routing")
+        if checking():
+            check_routing(self.wiring, self.routing)
         if not checking() or self.route_weights is None:
             return
         if self.wiring != "swarm":
