@@ -133,13 +133,11 @@ def norm_relay(spec: StageSpec, links: StageLinks) -> NormRelay | None:
     return NormRelay(sinks=sinks) if sinks else None
 
 
-def with_layout(spec: StageSpec, layout: Layout, shares: int) -> StageSpec:
-    """A cell's spec, built from a grid as wide as the layout's ids, as the layout runs it:
-    the job's ``shares``, its ring through the stage's members only, a chain link down only
-    where the next stage has its id."""
-    ids = layout[spec.stage]
+def with_layout(spec: StageSpec, layout: Layout | None, shares: int) -> StageSpec:
+    """A cell's spec, built from a grid as wide as the layout's ids (or wider), as the
+    layout runs it: the job's ``shares``, its ring through the stage's members only. (Its
+    chain link down is dialled only where the next stage has its id: ``StageSpec.ids``.)"""
+    ids = stage_ids(layout, spec.stage, shares)
     _prev, nxt = ring_neighbours(spec, ids)
-    down = spec.stage + 1 < spec.num_stages and spec.replica in layout[spec.stage + 1]
     return attrs.evolve(spec, layout=layout, replicas=shares,
-                        ring_next_addr=spec.group_addrs[nxt] if len(ids) > 1 else None,
-                        downstream_addr=spec.downstream_addr if down else None)
+                        ring_next_addr=spec.group_addrs[nxt] if len(ids) > 1 else None)

@@ -279,9 +279,11 @@ class ReplicaGroup:
         self.ring_next, self.ring_prev = send, recv
         self.sync.rewire(send, recv, rank, n)
 
-    def reform(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def reform(self, params: list[torch.nn.Parameter], device: torch.device,
+               state_bytes: int = 0) -> None:
         """Swarm wiring's regroup (``pipeline/reroute``): a fresh algorithm over a ring of the
-        current members (the one that ran the given-up step may still wait on its old ring)."""
+        current members (the one that ran the given-up step may still wait on its old ring).
+        ``state_bytes``: room for a stage's state on the ring (a layout's move hands it)."""
         spec = self.spec
         self.admit_after = 0
         if self.sync is not None:
@@ -290,7 +292,7 @@ class ReplicaGroup:
         self.sync = make_sync(spec.training, params, None, None, rank, n, device, self.names(),
                               sync_codec(spec))
         self._divide()
-        self._ring(spec.training.frame_timeout_s)
+        self._ring(spec.training.frame_timeout_s, state_bytes)
 
     # a replica joins ---------------------------------------------------------------------------
     def admit_safely(self, step: int) -> None:

@@ -40,6 +40,7 @@ from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
+from swarm_core.pipeline.move import MOVE_EPOCH, LayoutMove, arrive, relink
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     clip_scale,
@@ -505,10 +506,14 @@ class _LinkOpener:
     preparing counts as progress (its links pulse), for up to PREPARE_AFTER frame timeouts."""
 
     def __init__(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
-                 stop: threading.Event, timeout: float, liveness: Liveness) -> None:
+                 stop: threading.Event, timeout: float, liveness: Liveness,
+                 move: LayoutMove | None = None) -> None:
         self._links: StageLinks | None = None
         self._error: BaseException | None = None
         self._taken = threading.Event()
+        # (a cell a layout's move adds links as the cells that stay re-link: pipeline/move)
+        self._members = None if move is None else range(move.width)
+        self._epoch = 0 if move is None else MOVE_EPOCH
         self._thread = threading.Thread(
             target=self._run, args=(spec, shaper, listener, stop, timeout, liveness),
             name="stage-links", daemon=True)
@@ -517,7 +522,8 @@ class _LinkOpener:
     def _run(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
              stop: threading.Event, timeout: float, liveness: Liveness) -> None:
         try:
-            self._links = open_links(spec, shaper, listener, stop, timeout, liveness)
+            self._links = open_links(spec, shaper, listener, stop, timeout, liveness,
+                                     self._members, self._epoch)
         except BaseException as exc:  # handed to the stage's thread by result()
             self._error = exc
             return
@@ -982,7 +988,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               initial_optimizer: dict[str, np.ndarray] | None = None,
               coordinator: Coordinator | None = None,
               inbox: list[tuple[RegroupOrder, Any]] | None = None,
-              pace: Pace | None = None) -> StageResult:
+              pace: Pace | None = None, move: LayoutMove | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
@@ -1001,10 +1007,15 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     ``coordinator``: with replicas, where the cell asks what to do when its group's ring
     breaks (a member died); without one, a broken ring fails the stage.
 
-    ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed."""
+    ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed.
+
+    ``move``: the job's layout changes at a step boundary (``pipeline/move``): this cell
+    re-links there, stops there, or (one the move adds) starts there with its stage's state."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
-    opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
+    arrives = move is not None and move.arrives(spec)
+    opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness,
+                         move if arrives else None)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness,
                              pace)
@@ -1025,7 +1036,10 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         runner.take_links(opener.result())
         if spec.join is not None and spec.replicas > 1:
             start_step = runner.group.join()
-        return _train(runner, on_step, on_eval, on_checkpoint, start_step)
+        if arrives:
+            assert move is not None
+            start_step = arrive(runner, move)
+        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move)
     finally:
         runner.close()
 
@@ -1053,7 +1067,7 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
 def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            on_eval: Callable[[int, float], None] | None,
            on_checkpoint: Callable[[StageCheckpoint], None] | None,
-           start_step: int) -> StageResult:
+           start_step: int, move: LayoutMove | None = None) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
     t0 = time.perf_counter()
@@ -1064,6 +1078,10 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         _checkpoint(runner, on_checkpoint, start_step)
     step = start_step
     while step < t.steps:
+        if move is not None and step == move.at and move.was(runner.spec):
+            if not move.stays(runner.spec):
+                break  # (the move takes this cell's peer to another stage)
+            relink(runner, move)
         try:
             rep = runner.train_step(step)
             step += 1

@@ -142,3 +142,55 @@ def test_a_bad_layout_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"need sync\.mode dp"):
         run_local_pipeline(mc, tc, None, 2, replicas=2, wiring="swarm",  # type: ignore
                            layout=[[0], [0, 1, 2]])
+
+
+def _moved_losses(res: dict[int, StageResult | BaseException], before: list[list[int]],
+                  after: list[list[int]], at: int, steps: int) -> list[float]:
+    """Each step's loss over the last stage's cells of the layout it ran under (a cell the
+    move adds reports from step ``at``, one it takes away up to it)."""
+    stages, out = len(before), []
+    for s in range(steps):
+        losses, ran = {}, {}
+        for r in (before if s < at else after)[-1]:
+            cell = res[r * stages + stages - 1]
+            assert isinstance(cell, StageResult)
+            i = s - (at if r not in before[-1] else 0)
+            losses[r], ran[r] = cell.losses[i], cell.micro_batches[i]
+        out.append(step_loss(losses, ran))
+    return out
+
+
+@pytest.mark.parametrize("before, after, weights, clip", [
+    # stage 0's second cell moves to stage 1 as a third (an even job made uneven)
+    ([[0, 1], [0, 1]], [[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 1.0),
+    # stage 0's extra cell moves to stage 1 (the fast stage gives a peer to the slow one)
+    ([[0, 1, 2], [0, 1]], [[0, 1], [0, 1, 2]], [[1, 2, 1], [3, 1, 1]], 0.0),
+])
+def test_a_peer_moved_between_stages_at_a_step_boundary_computes_what_one_process_does(
+        data, before, after, weights, clip):
+    """At step 5 every cell re-links under the new layout; the cell the move adds takes its
+    stage's weights and AdamW state from id 0's cell round the new ring, and the losses are
+    one process's to 1e-5 before and after the move (the first chain's eval too)."""
+    mc = ModelConfig(**MODEL)
+    steps, at = 10, 5
+    tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 11,
+                    "eval_batches": 1, "grad_clip": clip}, TrainingConfig)
+    ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=240, wiring="swarm",
+                             route_weights=weights, layout=before, relayout=(at, after))
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    got = _moved_losses(res, before, after, at, steps)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    with torch.no_grad():
+        x, y = data.eval_batches(1, tc.batch_size // tc.micro_batches, mc.seq_len)[0]
+        logits = model(x)
+        expected = float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    last = res[1]
+    assert isinstance(last, StageResult)
+    assert last.metrics.eval_loss == pytest.approx(expected, abs=1e-5)
+    # The cell that left trained the steps before the move; the one that came, those after.
+    gone = next(r * 2 + k for k in range(2) for r in before[k] if r not in after[k])
+    came = next(r * 2 + k for k in range(2) for r in after[k] if r not in before[k])
+    assert (res[gone].metrics.steps, res[came].metrics.steps) == (at, steps - at)
