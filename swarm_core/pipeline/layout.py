@@ -64,6 +64,18 @@ def check_layout(layout: Sequence[Sequence[int]], stages: int, shares: int,
     return out
 
 
+def check_weights(weights: Sequence[Sequence[float]] | None, stages: int, width: int) -> None:
+    """A layout's route weights are by id: one row a stage, one weight an id it names (a
+    stage's own ids are read; the rest fill the row). Raises ValueError otherwise."""
+    if weights is None:
+        return
+    if len(weights) != stages or any(len(row) != width for row in weights):
+        raise ValueError(f"route_weights: must be {stages} lists (stages) of {width} weights "
+                         "(by cell id)")
+    if any(not w > 0 for row in weights for w in row):
+        raise ValueError("route_weights: every weight must be a positive number")
+
+
 def stage_ids(layout: Layout | None, stage: int, shares: int) -> list[int]:
     """The ids of a stage's cells, sorted."""
     return list(range(shares)) if layout is None else list(layout[stage])

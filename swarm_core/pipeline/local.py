@@ -21,7 +21,14 @@ from swarm_core.contract.membership import (
     routed_orders,
 )
 from swarm_core.data import TokenData
-from swarm_core.pipeline.layout import Layout, check_layout, slot_count, stage_ids, with_layout
+from swarm_core.pipeline.layout import (
+    Layout,
+    check_layout,
+    check_weights,
+    slot_count,
+    stage_ids,
+    with_layout,
+)
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.move import LayoutMove
@@ -180,8 +187,11 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     move = None if relayout is None else _move(relayout, shape, num_stages, replicas, training,
                                                wiring)
     width = slot_count(shape, replicas) if move is None else move.width
-    if (shape is not None or move is not None) and coordinator is not None:
-        raise ValueError("layout: a lost cell's regroup is not built for unequal stages yet")
+    if shape is not None or move is not None:
+        check_weights(route_weights, num_stages, width)
+        if coordinator is not None:
+            raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
+                             "yet")
     cells = num_stages * width
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:

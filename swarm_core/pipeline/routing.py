@@ -81,8 +81,9 @@ class ThroughputEstimate:
                  layout: Sequence[Sequence[int]] | None = None) -> None:
         self.alpha = alpha
         self.layout = layout  # each stage's cell ids (None: all ``replicas``, every stage)
-        self.given = [list(map(float, row)) for row in given] if given is not None else \
-            [[1.0] * replicas for _ in range(stages)]
+        # (a layout's given rows may name more ids than it has: a grid's, around a move)
+        self.given = [list(map(float, row[:replicas])) for row in given] \
+            if given is not None else [[1.0] * replicas for _ in range(stages)]
         self.ema = [[0.0] * replicas for _ in range(stages)]
         self.updates = [[0] * replicas for _ in range(stages)]
 

@@ -13,7 +13,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.metrics import step_loss
 from swarm_core.contract.placement import split_layers
 from swarm_core.data import load_token_data
-from swarm_core.pipeline.layout import check_layout, complete
+from swarm_core.pipeline.layout import check_layout, check_weights, complete
 from swarm_core.pipeline.local import run_local_pipeline
 from swarm_core.pipeline.pace import Pace
 from swarm_core.pipeline.reference import train_reference
@@ -136,6 +136,10 @@ def test_a_bad_layout_is_refused_in_one_line():
     with pytest.raises(ValueError, match="need wiring swarm"):
         check_layout([[0], [0, 1]], 2, 2, "dp", "chain")
     assert check_layout([[1, 0], [0, 1]], 2, 2) is None  # (the uniform layout: today's job)
+    with pytest.raises(ValueError, match=r"must be 2 lists \(stages\) of 3 weights"):
+        check_weights([[1, 1], [1, 1, 1]], 2, 3)
+    with pytest.raises(ValueError, match="every weight must be a positive number"):
+        check_weights([[1, 1, 0], [1, 1, 1]], 2, 3)
     assert complete(((0,), (0, 1)), 0) and not complete(((0,), (0, 1)), 1)
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 1, "batch_size": 16, "sync": {"mode": "diloco"}}, TrainingConfig)
@@ -160,14 +164,16 @@ def _moved_losses(res: dict[int, StageResult | BaseException], before: list[list
     return out
 
 
-@pytest.mark.parametrize("before, after, weights, clip", [
+@pytest.mark.parametrize("before, after, weights, clip, routing", [
     # stage 0's second cell moves to stage 1 as a third (an even job made uneven)
-    ([[0, 1], [0, 1]], [[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 1.0),
+    ([[0, 1], [0, 1]], [[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 1.0, "given"),
     # stage 0's extra cell moves to stage 1 (the fast stage gives a peer to the slow one)
-    ([[0, 1, 2], [0, 1]], [[0, 1], [0, 1, 2]], [[1, 2, 1], [3, 1, 1]], 0.0),
+    ([[0, 1, 2], [0, 1]], [[0, 1], [0, 1, 2]], [[1, 2, 1], [3, 1, 1]], 0.0, "given"),
+    # back to an even job, under measured routes (every cell's estimate starts afresh)
+    ([[0], [0, 1, 2]], [[0, 1], [0, 1]], None, 1.0, "measured"),
 ])
 def test_a_peer_moved_between_stages_at_a_step_boundary_computes_what_one_process_does(
-        data, before, after, weights, clip):
+        data, before, after, weights, clip, routing):
     """At step 5 every cell re-links under the new layout; the cell the move adds takes its
     stage's weights and AdamW state from id 0's cell round the new ring, and the losses are
     one process's to 1e-5 before and after the move (the first chain's eval too)."""
@@ -177,7 +183,8 @@ def test_a_peer_moved_between_stages_at_a_step_boundary_computes_what_one_proces
                     "eval_batches": 1, "grad_clip": clip}, TrainingConfig)
     ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=240, wiring="swarm",
-                             route_weights=weights, layout=before, relayout=(at, after))
+                             route_weights=weights, routing=routing, layout=before,
+                             relayout=(at, after))
     failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
     assert not failed, failed
     got = _moved_losses(res, before, after, at, steps)
