@@ -44,12 +44,12 @@ def _losses(res: dict[int, StageResult | BaseException], layout: list[list[int]]
 
 def _exact(data, layout: list[list[int]], weights: list[list[float]] | None, clip: float,
            steps: int, routing: Literal["given", "measured"] = "given", stage_kwargs=None,
-           eval_batches: int = 0) -> dict[int, StageResult | BaseException]:
+           eval_batches: int = 0, shares: int = 2) -> dict[int, StageResult | BaseException]:
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 11,
                     "eval_batches": eval_batches, "grad_clip": clip}, TrainingConfig)
     ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * len(layout)))
-    res = run_local_pipeline(mc, tc, data, len(layout), replicas=2, timeout=240,
+    res = run_local_pipeline(mc, tc, data, len(layout), replicas=shares, timeout=240,
                              wiring="swarm", route_weights=weights, routing=routing,
                              layout=layout, stage_kwargs=stage_kwargs)
     failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
@@ -112,6 +112,13 @@ def test_a_three_stage_layout_with_a_middle_stage_of_three_computes_what_one_pro
     """Ids 1 and 2 have no whole chain: both hear the norm from id 0's cells."""
     layout = [[0, 1], [0, 1, 2], [0]]
     _exact(data, layout, [[1, 1, 1], [1, 3, 2], [1, 1, 1]], 1.0, 8)
+
+
+def test_a_job_of_one_share_with_a_second_cell_at_its_last_stage_computes_the_same(data):
+    """R=1: the extra cell is the only one beside the shares' chain (the divisor is 1)."""
+    res = _exact(data, [[0], [0, 1]], [[1, 1], [1, 2]], 1.0, 8, shares=1)
+    ran = [res[c].metrics.micro_batches for c in (1, 3)]  # type: ignore[union-attr]
+    assert sum(ran) == pytest.approx(4.0) and ran[0] < ran[1], ran  # (the step's 4, 1 : 2)
 
 
 def test_measured_routes_over_a_layout_compute_what_one_process_computes(data):
