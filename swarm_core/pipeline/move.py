@@ -102,7 +102,6 @@ def _regroup(r: StageRunner, move: LayoutMove) -> None:
     group.reform(r.params, r.device, group.state_bound() if move.gains(spec.stage) else 0)
     if r.meter_routes is not None:
         # (every cell starts the estimate afresh at the same step, so all deal alike)
-        r.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
-                                    spec.route_weights, spec.layout)
+        r.meter_routes = RouteMeter.of(spec)
         if group.sync is not None:
             group.sync.own = 0.0

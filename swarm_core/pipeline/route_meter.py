@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.layout import RELAY_FRAME, Layout, NormRelay, slot_count
 from swarm_core.pipeline.routing import ThroughputEstimate
 from swarm_core.pipeline.transport import PeerLink
+
+if TYPE_CHECKING:
+    from swarm_core.pipeline.stage import StageSpec
 
 
 def chain_table(local: float, row: Sequence[float], stage: int, stages: int,
@@ -58,6 +62,11 @@ class RouteMeter:
         self.stage, self.stages, self.replicas = stage, stages, slot_count(layout, replicas)
         self.estimate = ThroughputEstimate(stages, self.replicas, given, layout=layout)
         self.row: list[float] = [math.nan] * self.replicas  # its group's, once confirmed
+
+    @classmethod
+    def of(cls, spec: StageSpec) -> RouteMeter:
+        """A fresh meter for a cell (at its start, and where every cell starts afresh)."""
+        return cls(spec.stage, spec.num_stages, spec.replicas, spec.route_weights, spec.layout)
 
     def weights(self, members: Sequence[int] | None = None) -> list[list[float]]:
         return self.estimate.weights(members)

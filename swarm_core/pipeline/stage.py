@@ -622,9 +622,7 @@ class StageRunner:
         self.group = ReplicaGroup(spec, self.module, self.opt, shaper, stop, self.liveness,
                                   functools.partial(check_stop, self.liveness, stop))
         # Measured routing (SWARM's): what this cell times, tells and learns each step.
-        self.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
-                                       spec.route_weights, spec.layout) \
-            if spec.measures_routes else None
+        self.meter_routes = RouteMeter.of(spec) if spec.measures_routes else None
         self.rerouter: Rerouter | None = None  # swarm wiring's regroup (run_stage sets it)
 
     @property
