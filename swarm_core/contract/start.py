@@ -147,17 +147,25 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
                  key: str = "k" * 32, weights: Sequence[float] | None = None,
                  replicas: int = 1, wiring: Literal["chain", "swarm"] = "chain",
                  route_weights: list[list[float]] | None = None,
-                 routing: Literal["given", "measured"] = "given") -> list[StageStart]:
+                 routing: Literal["given", "measured"] = "given",
+                 width: int | None = None) -> list[StageStart]:
     """The STARTs of a train job whose i-th cell (replica i // stages of stage i % stages)
     runs on fellow i, listening at ``addrs[i]`` on ``devices[i]``: planned and built by the
     leader's own code (for a pipeline run without a leader, and for tests). Layers split
-    equally unless ``weights`` say otherwise."""
+    equally unless ``weights`` say otherwise. ``width``: a grid of that many ids a stage
+    (``addrs`` as many cells), for a swarm layout (``pipeline/layout``) whose stages hold
+    some of them; the job's batch is still ``replicas`` shares, and the route weights, by
+    id, go to the STARTs as given."""
     devs = list(devices or ["cpu"] * len(addrs))
     fellows = [FellowSlots(s, f"fellow-{s}", [dev], addr)
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
-    stages = len(addrs) // replicas
+    grid = replicas if width is None else width
+    stages = len(addrs) // grid
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
                      topology=Topology(stages=stages, replicas=replicas, wiring=wiring,
-                                       route_weights=route_weights, routing=routing))
-    placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas)
-    return stage_starts(job_id, spec, placement, key)
+                                       route_weights=route_weights if width is None else None,
+                                       routing=routing))
+    placement = plan(fellows, stages, model.n_layers, weights, replicas=grid)
+    starts = stage_starts(job_id, spec, placement, key)
+    return starts if width is None else \
+        [attrs.evolve(s, route_weights=route_weights) for s in starts]

@@ -152,6 +152,7 @@ class GroupAllReduce(Ring):
             self.flat[off:off + t.numel()].copy_(t.reshape(-1))
             off += t.numel()
         if self.replicas < 2:
+            self.divide_alone()
             return 0, time.perf_counter() - t0
         assert self.send is not None and self.recv is not None
         try:
@@ -161,7 +162,7 @@ class GroupAllReduce(Ring):
         except RuntimeError as exc:  # (a member gone, or the timeout: the ring is broken)
             raise LinkClosed(f"the stage group's all_reduce failed: {gloo_reason(exc)}") \
                 from None
-        self.flat.div_(self.replicas)
+        self.flat.div_(self.mean_of)
         sent = self._payload_bytes()
         self.send.shaper.count_tx(sent)
         self.recv.shaper.count_rx(sent)

@@ -21,8 +21,17 @@ from swarm_core.contract.membership import (
     routed_orders,
 )
 from swarm_core.data import TokenData
+from swarm_core.pipeline.layout import (
+    Layout,
+    check_layout,
+    check_weights,
+    slot_count,
+    stage_ids,
+    with_layout,
+)
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
+from swarm_core.pipeline.move import LayoutMove
 from swarm_core.pipeline.stage import (
     StageDropped,
     StageResult,
@@ -108,6 +117,28 @@ class LocalCoordinator:
         self._reports.clear()
 
 
+def _move(relayout: tuple[int, Sequence[Sequence[int]]], before: Layout | None,
+          stages: int, shares: int, training: TrainingConfig, wiring: str) -> LayoutMove:
+    at, after = relayout
+    move = LayoutMove(at, before, check_layout(after, stages, shares, training.sync.mode,
+                                               wiring), shares)
+    if move.before == move.after:
+        raise ValueError("relayout: the layout it moves to is the one the job has")
+    if not 0 < at < training.steps:
+        raise ValueError(f"relayout: step {at} is not a boundary between two of the job's "
+                         f"{training.steps} steps")
+    return move
+
+
+def _runs(replica: int, stage: int, layout: Layout | None, move: LayoutMove | None,
+          shares: int) -> bool:
+    """Whether the grid's cell (stage, id) runs: the layout has it, or the move's either."""
+    if move is not None:
+        return replica in stage_ids(move.before, stage, shares) \
+            or replica in stage_ids(move.after, stage, shares)
+    return replica in stage_ids(layout, stage, shares)
+
+
 def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        data: TokenData | Callable[[int], TokenData],
                        num_stages: int, *,
@@ -122,7 +153,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        coordinator: LocalCoordinator | None = None,
                        wiring: Literal["chain", "swarm"] = "chain",
                        route_weights: list[list[float]] | None = None,
-                       routing: Literal["given", "measured"] = "given"
+                       routing: Literal["given", "measured"] = "given",
+                       layout: Sequence[Sequence[int]] | None = None,
+                       relayout: tuple[int, Sequence[Sequence[int]]] | None = None
                        ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
     end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
@@ -140,8 +173,26 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     With ``coordinator`` (replicas), a cell that fails does not stop the others: its replica
     leaves, and the other replicas go on (a dropped cell's result is its StageDropped).
     ``wiring``, ``route_weights`` and ``routing``: the job topology's (swarm wiring routes
-    micro-batches to any replica of the next stage)."""
-    cells = num_stages * replicas
+    micro-batches to any replica of the next stage).
+    ``layout`` (swarm wiring, dp): each stage's cell ids, where stages have unequal cells
+    (``pipeline/layout``); ``replicas`` is then the job's data shares, the cells are those
+    of a grid as wide as the ids (cell id x num_stages + stage: the results' keys, and what
+    ``devices`` and the rest are indexed by, a cell the layout leaves out running nothing),
+    and ``route_weights`` are by id.
+    ``relayout`` ``(step, layout)``: from that 0-based step on the job runs under that layout
+    (``pipeline/move``: a peer moved between stages); a cell either layout has runs, each
+    from or to the step where only one has it (its result: what it trained)."""
+    shape = None if layout is None else check_layout(
+        layout, num_stages, replicas, training.sync.mode, wiring)
+    move = None if relayout is None else _move(relayout, shape, num_stages, replicas, training,
+                                               wiring)
+    width = slot_count(shape, replicas) if move is None else move.width
+    if shape is not None or move is not None:
+        check_weights(route_weights, num_stages, width)
+        if coordinator is not None:
+            raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
+                             "yet")
+    cells = num_stages * width
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:
         raise ValueError(f"{len(devs)} devices for {cells} cells")
@@ -153,10 +204,20 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     stop = stop or threading.Event()
     starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
                           replicas=replicas, wiring=wiring, route_weights=route_weights,
-                          routing=routing)
+                          routing=routing,
+                          width=None if shape is None and move is None else width)
+    run = [s for s in range(cells) if _runs(s // num_stages, s % num_stages, shape, move,
+                                            replicas)]
 
     def go(s: int) -> None:
         spec = StageSpec.from_start(starts[s])
+        kwargs = dict((stage_kwargs or {}).get(s, {}))
+        if move is not None:  # (the layout the cell starts under: one it adds, the new one)
+            kwargs["move"] = move
+            spec = with_layout(spec, move.after if move.arrives(spec) else move.before,
+                               replicas)
+        elif shape is not None:
+            spec = with_layout(spec, shape, replicas)
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
@@ -164,8 +225,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
             results[s] = run_stage(spec, mine, shaping[s], listeners[s], stop,
                                    (lambda r: on_step(s, r)) if on_step else (lambda r: None),
                                    connect_timeout=training.frame_timeout_s,
-                                   coordinator=coordinator,
-                                   **(stage_kwargs or {}).get(s, {}))
+                                   coordinator=coordinator, **kwargs)
             if coordinator is not None:
                 coordinator.cell_finished(spec.stage, spec.replica)
         except Exception as exc:
@@ -176,7 +236,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                 coordinator.cell_ended(spec.stage, spec.replica)
 
     threads = [threading.Thread(target=go, args=(s,), name=f"stage-{s}", daemon=True)
-               for s in range(cells)]
+               for s in run]
     deadline = time.monotonic() + timeout
     try:
         for t in threads:

@@ -29,6 +29,7 @@ from swarm_core.pipeline.peers import peer_shaper
 from swarm_core.pipeline.ring import STATE_ROUND, RingBroken
 from swarm_core.pipeline.selective import sync_codec
 from swarm_core.pipeline.syncs import GroupSync, Synced, make_sync
+from swarm_core.pipeline.syncs.dp import GradientAverage
 from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
 from swarm_core.pipeline.wire_math import NORM_PAYLOAD
 
@@ -124,7 +125,7 @@ class ReplicaGroup:
         self.spec, self.module, self.opt = spec, module, opt
         self.shaper, self.stop, self.liveness, self.check_stop = shaper, stop, liveness, \
             check_stop
-        self.members = list(range(spec.replicas))
+        self.members = spec.ids(spec.stage)  # (a layout's stage: its own cells)
         self.epoch = 0
         self.synced_step = -1
         self.sync: GroupSync | None = None
@@ -145,19 +146,37 @@ class ReplicaGroup:
         """The group's ring, once its links are open (a joiner rings its members later)."""
         spec = self.spec
         joins = spec.join is not None and spec.replicas > 1
-        if not (joins or (ring_next is not None and ring_prev is not None)):
+        # (a layout's stage of one cell keeps a sync too: it still divides by the shares)
+        if not (joins or (ring_next is not None and ring_prev is not None)
+                or spec.layout is not None):
             return
         self.ring_next, self.ring_prev = ring_next, ring_prev
-        self.sync = make_sync(spec.training, params, ring_next, ring_prev, spec.replica,
-                              spec.replicas, device, self.names(), sync_codec(spec))
+        rank, n = (spec.replica, spec.replicas) if spec.layout is None else \
+            (self.members.index(spec.replica), len(self.members))
+        self.sync = make_sync(spec.training, params, ring_next, ring_prev, rank, n, device,
+                              self.names(), sync_codec(spec))
+        self._divide()
         if self.resume:
             self.sync.restore_state(self.names(), self.resume)
         if ring_prev is not None:
             ring_prev.max_payload = max(NORM_PAYLOAD, self.sync.max_payload)
 
+    def _divide(self) -> None:
+        """Under a layout, the group's sum becomes the mean over the job's data shares."""
+        if self.spec.layout is not None:
+            assert isinstance(self.sync, GradientAverage)  # (a layout needs sync.mode dp)
+            self.sync.divide_by(self.spec.replicas)
+
     def names(self) -> list[str]:
         """The trained parameters' names, in the order the algorithm holds them."""
         return [n for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def dealt(self) -> list[int] | None:
+        """Whom the job's routes deal to (``route_plan``'s members): the group's members,
+        every stage's alike (a regroup's survivors); under a layout, every cell of it (None:
+        a lost cell's regroup is not built for layouts)."""
+        return None if self.spec.layout is not None else self.members
 
     @property
     def leads(self) -> bool:
@@ -260,9 +279,11 @@ class ReplicaGroup:
         self.ring_next, self.ring_prev = send, recv
         self.sync.rewire(send, recv, rank, n)
 
-    def reform(self, params: list[torch.nn.Parameter], device: torch.device) -> None:
+    def reform(self, params: list[torch.nn.Parameter], device: torch.device,
+               state_bytes: int = 0) -> None:
         """Swarm wiring's regroup (``pipeline/reroute``): a fresh algorithm over a ring of the
-        current members (the one that ran the given-up step may still wait on its old ring)."""
+        current members (the one that ran the given-up step may still wait on its old ring).
+        ``state_bytes``: room for a stage's state on the ring (a layout's move hands it)."""
         spec = self.spec
         self.admit_after = 0
         if self.sync is not None:
@@ -270,7 +291,8 @@ class ReplicaGroup:
         rank, n = self.members.index(spec.replica), len(self.members)
         self.sync = make_sync(spec.training, params, None, None, rank, n, device, self.names(),
                               sync_codec(spec))
-        self._ring(spec.training.frame_timeout_s)
+        self._divide()
+        self._ring(spec.training.frame_timeout_s, state_bytes)
 
     # a replica joins ---------------------------------------------------------------------------
     def admit_safely(self, step: int) -> None:

@@ -198,7 +198,6 @@ class Rerouter:
         if r.meter_routes is not None:
             # Every member starts the estimate afresh at the same step, so all deal alike
             # (a cell that undid a step had fed its table to the estimate).
-            r.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
-                                        spec.route_weights)
+            r.meter_routes = RouteMeter.of(spec)
             if group.sync is not None:
                 group.sync.own = 0.0

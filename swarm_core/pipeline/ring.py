@@ -124,6 +124,9 @@ class Ring:
         # Exact (fp32) on the CPU, every frame lands in its place in the buffer (see
         # expect), and the tensors are read as given, never copied in (see reduce_).
         self.in_place = codec.exact and self.flat.device.type == "cpu"
+        # What the group's sum is divided by: its member count (None), or under a layout
+        # whose stages have unequal cells the job's data shares (see pipeline/layout).
+        self.divisor: int | None = None
         self.rewire(send, recv, rank, replicas)
 
     @property
@@ -214,6 +217,7 @@ class Ring:
                 off += t.numel()
             own = []
         if n < 2:
+            self.divide_alone()
             return 0, time.perf_counter() - t0
         assert self.send is not None and self.recv is not None
         self.expect(step)
@@ -284,12 +288,23 @@ class Ring:
         that summed it, as one process divides the sum); under a lossy codec, the mean as
         the others will decode it (coded here once, and sent as coded), so every member
         holds the same bytes: data parallel's replicas stay one model."""
-        lane.div_(self.replicas)
+        lane.div_(self.mean_of)
         if self.codec.exact or lane.numel() == 0:
             return None
         bufs = self.codec.encode(lane)
         lane.copy_(self.codec.decode(bytearray().join(bufs), tuple(lane.shape), lane.device))
         return bufs
+
+    @property
+    def mean_of(self) -> int:
+        """The count the group's sum is divided by (see ``divisor``)."""
+        return self.replicas if self.divisor is None else self.divisor
+
+    def divide_alone(self) -> None:
+        """A group of one member under a layout: its sum (its own gradients, over the
+        micro-batches of several shares) still becomes the mean over the shares."""
+        if self.mean_of != 1:
+            self.flat.div_(self.mean_of)
 
     def put_back(self, tensors: Sequence[torch.Tensor]) -> None:
         off = 0

@@ -13,22 +13,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from swarm_core.pipeline.frames import Kind
+from swarm_core.pipeline.layout import RELAY_FRAME, Layout, NormRelay, slot_count
 from swarm_core.pipeline.routing import ThroughputEstimate
 from swarm_core.pipeline.transport import PeerLink
 
+if TYPE_CHECKING:
+    from swarm_core.pipeline.stage import StageSpec
+
 
 def chain_table(local: float, row: Sequence[float], stage: int, stages: int,
-                up: PeerLink | None, down: PeerLink | None, step: int, timeout: float
-                ) -> tuple[float, list[list[float]]]:
+                up: PeerLink | None, down: PeerLink | None, step: int, timeout: float,
+                relay: NormRelay | None = None) -> tuple[float, list[list[float]]]:
     """A chain's sum of ``local`` over its stages (up the pipe, each stage adding its own to
     what came from below, then the total back down), with a table going along: each stage
     puts its ``row`` in on the way up, and the whole table comes back down with the total.
     Returns the total and the table by stage. An empty row is the plain sum
-    (``chain_sq_sum``): one float64 a frame."""
+    (``chain_sq_sum``): one float64 a frame. ``relay``: a layout's cell without a whole
+    chain hears both from id 0's chain, which tells it (``pipeline/layout.NormRelay``)."""
     width = len(row)
     count = 1 + stages * width
+    if relay is not None and relay.source is not None:
+        buf = relay.source.recv_floats(Kind.NORM, step, RELAY_FRAME, timeout, count)
+        return buf[0], [buf[1 + k * width:1 + (k + 1) * width] for k in range(stages)]
     buf = [0.0] + [math.nan] * (stages * width) if down is None else \
         down.recv_floats(Kind.NORM, step, 0, timeout, count)
     buf[0] = local + buf[0]
@@ -38,6 +47,8 @@ def chain_table(local: float, row: Sequence[float], stage: int, stages: int,
         buf = up.recv_floats(Kind.NORM, step, 1, timeout, count)
     if down is not None:
         down.send_floats(Kind.NORM, step, 1, buf)
+    if relay is not None:
+        relay.send(step, buf)
     return buf[0], [buf[1 + k * width:1 + (k + 1) * width] for k in range(stages)]
 
 
@@ -46,10 +57,16 @@ class RouteMeter:
     deals by."""
 
     def __init__(self, stage: int, stages: int, replicas: int,
-                 given: Sequence[Sequence[float]] | None) -> None:
-        self.stage, self.stages, self.replicas = stage, stages, replicas
-        self.estimate = ThroughputEstimate(stages, replicas, given)
-        self.row: list[float] = [math.nan] * replicas  # its group's, once confirmed
+                 given: Sequence[Sequence[float]] | None, layout: Layout | None = None) -> None:
+        # (under a layout, rows are by cell id: as wide as the ids the job names)
+        self.stage, self.stages, self.replicas = stage, stages, slot_count(layout, replicas)
+        self.estimate = ThroughputEstimate(stages, self.replicas, given, layout=layout)
+        self.row: list[float] = [math.nan] * self.replicas  # its group's, once confirmed
+
+    @classmethod
+    def of(cls, spec: StageSpec) -> RouteMeter:
+        """A fresh meter for a cell (at its start, and where every cell starts afresh)."""
+        return cls(spec.stage, spec.num_stages, spec.replicas, spec.route_weights, spec.layout)
 
     def weights(self, members: Sequence[int] | None = None) -> list[list[float]]:
         return self.estimate.weights(members)
@@ -66,10 +83,10 @@ class RouteMeter:
             self.row[members[rank]] = value
 
     def exchange(self, local: float, up: PeerLink | None, down: PeerLink | None, step: int,
-                 timeout: float) -> float:
+                 timeout: float, relay: NormRelay | None = None) -> float:
         """The chain's sum of ``local`` (as ``chain_sq_sum``), the table learnt on the way
         and fed to the estimate."""
         total, table = chain_table(local, self.row, self.stage, self.stages, up, down, step,
-                                   timeout)
+                                   timeout, relay)
         self.estimate.update(table)
         return total

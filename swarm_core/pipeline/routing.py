@@ -40,23 +40,31 @@ def deal(weights: Sequence[float], order: Sequence[int], rng: random.Random) -> 
 
 def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batches: int,
                weights: Sequence[Sequence[float]] | None = None,
-               members: Sequence[int] | None = None) -> Plan:
+               members: Sequence[int] | None = None,
+               layout: Sequence[Sequence[int]] | None = None) -> Plan:
     """The step's routes: stage 0 runs each replica's own share; stage k >= 1 deals the
     ``replicas * micro_batches`` micro-batches by ``weights[k]`` (equal where None), each
     replica at least one where there are as many micro-batches as replicas. ``members``: the
     replicas left after some left the job (all where None): the shares of those that left
     are run by nobody (-1), the rest dealt to those left, so the step's batch shrinks to the
-    survivors' shares as a chain-wired job's does."""
+    survivors' shares as a chain-wired job's does. ``layout`` (``pipeline/layout``): each
+    stage's cell ids, by which ``weights`` are indexed; a stage deals to its own (those of
+    ``members``), stage 0 too where its ids are not the shares."""
     n = replicas * micro_batches
     live = list(range(replicas)) if members is None else sorted(members)
-    plan = [[g // micro_batches if g // micro_batches in live else -1 for g in range(n)]]
-    for k in range(1, num_stages):
+    shares = [g // micro_batches if g // micro_batches in live else -1 for g in range(n)]
+    plan = []
+    for k in range(num_stages):
+        ids = live if layout is None else \
+            [r for r in layout[k] if members is None or r in members]
+        if k == 0 and (layout is None or list(layout[0]) == list(range(replicas))):
+            plan.append(shares)
+            continue
         rng = random.Random(f"swarm-route/{seed}/{step}/{k}")
-        order = [g for g in range(n) if plan[0][g] >= 0]
+        order = [g for g in range(n) if shares[g] >= 0]
         rng.shuffle(order)
-        speeds = weights[k] if weights is not None else [1.0] * replicas
-        dealt = deal([speeds[r] for r in live], order, rng)
-        plan.append([live[dealt[g]] if g in dealt else -1 for g in range(n)])
+        dealt = deal([1.0 if weights is None else weights[k][r] for r in ids], order, rng)
+        plan.append([ids[dealt[g]] if g in dealt else -1 for g in range(n)])
     return plan
 
 
@@ -69,10 +77,13 @@ class ThroughputEstimate:
     the same weights: plain Python floats, no threads, nothing timed here."""
 
     def __init__(self, stages: int, replicas: int,
-                 given: Sequence[Sequence[float]] | None = None, alpha: float = 0.1) -> None:
+                 given: Sequence[Sequence[float]] | None = None, alpha: float = 0.1,
+                 layout: Sequence[Sequence[int]] | None = None) -> None:
         self.alpha = alpha
-        self.given = [list(map(float, row)) for row in given] if given is not None else \
-            [[1.0] * replicas for _ in range(stages)]
+        self.layout = layout  # each stage's cell ids (None: all ``replicas``, every stage)
+        # (a layout's given rows may name more ids than it has: a grid's, around a move)
+        self.given = [list(map(float, row[:replicas])) for row in given] \
+            if given is not None else [[1.0] * replicas for _ in range(stages)]
         self.ema = [[0.0] * replicas for _ in range(stages)]
         self.updates = [[0] * replicas for _ in range(stages)]
 
@@ -90,9 +101,10 @@ class ThroughputEstimate:
         """Per stage, each replica's micro-batches per second; the given weights for a stage
         until each of its replicas (of ``members``, where some left) has a sample (the
         scales differ). A replica that left keeps its given weight: no plan deals to it."""
-        live = range(len(self.given[0])) if members is None else members
         out = []
         for k, row in enumerate(self.ema):
+            ids = range(len(self.given[k])) if self.layout is None else self.layout[k]
+            live = [r for r in ids if members is None or r in members]
             if min(self.updates[k][r] for r in live) == 0:
                 out.append(list(self.given[k]))
                 continue

@@ -27,10 +27,20 @@ from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boun
 from swarm_core.pipeline.devices import resolve_device
 from swarm_core.pipeline.frames import FLAG_EVAL, FLAG_HEARD, Kind
 from swarm_core.pipeline.heap import keep_large_blocks
+from swarm_core.pipeline.layout import (
+    Layout,
+    NormRelay,
+    hears_norm,
+    norm_relay,
+    ring_neighbours,
+    slot_count,
+    stage_ids,
+)
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
+from swarm_core.pipeline.move import MOVE_EPOCH, LayoutMove, arrive, relink
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     clip_scale,
@@ -220,10 +230,18 @@ class StageSpec:
     down_addrs: tuple[str | None, ...] = ()
     down_local: tuple[bool, ...] = ()
     up_local: tuple[bool, ...] = ()
+    # Swarm wiring whose stages have unequal cells (pipeline/layout): each stage's cell ids;
+    # ``replica`` is then this cell's id and ``replicas`` the job's data shares. None: every
+    # stage's ids are 0..replicas-1.
+    layout: Layout | None = None
 
     @property
     def routed(self) -> bool:
-        return self.wiring == "swarm" and self.replicas > 1
+        return self.wiring == "swarm" and (self.replicas > 1 or self.layout is not None)
+
+    def ids(self, stage: int) -> list[int]:
+        """The ids of a stage's cells (its group's members at the start)."""
+        return stage_ids(self.layout, stage, self.replicas)
 
     @property
     def measures_routes(self) -> bool:
@@ -275,10 +293,10 @@ class StageSpec:
 
 
 def chain_sq_sum(local: float, up: PeerLink | None, down: PeerLink | None, step: int,
-                 timeout: float) -> float:
+                 timeout: float, relay: NormRelay | None = None) -> float:
     """A chain's sum of ``local`` over its stages: up the pipe (each stage adds its own to
-    what came from below), then the total back down."""
-    return chain_table(local, (), 0, 0, up, down, step, timeout)[0]
+    what came from below), then the total back down (and a layout's relay: see layout)."""
+    return chain_table(local, (), 0, 0, up, down, step, timeout, relay)[0]
 
 
 Tokens = tuple[torch.Tensor, ...] | dict[int, torch.Tensor]
@@ -343,6 +361,7 @@ class StageLinks:
     # replica; a cell's own chain's are ``up`` and ``down``).
     ups: dict[int, PeerLink] = attrs.field(factory=dict)
     downs: dict[int, PeerLink] = attrs.field(factory=dict)
+    relay: NormRelay | None = None  # a layout's NORM relay (pipeline/layout), over the above
 
     def all(self) -> list[PeerLink]:
         return [x for x in (self.up, self.down, self.ring_next, self.ring_prev,
@@ -367,7 +386,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     # claims more is refused before its buffer is allocated.
     # (a link compress_when leaves out sends as spec none does: its frames may be larger)
     # (measured routing's norm frames carry the throughput table too: see route_meter)
-    norm = NORM_PAYLOAD * (1 + spec.num_stages * spec.replicas if spec.measures_routes else 1)
+    norm = NORM_PAYLOAD * (1 + spec.num_stages * slot_count(spec.layout, spec.replicas)
+                           if spec.measures_routes else 1)
     limit = max(norm, *(w.payload_size(shape) for w in boundary_formats(m, t)
                                 for shape in (frame_shape(spec), eval_shape(spec))))
     # A link left idle for a quarter of the frame timeout gets a pulse: a neighbour waits out
@@ -377,8 +397,8 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
     tag = ring_tag(spec.job_id, epoch)
     links = StageLinks()
     # (a joiner rings the members later; after a regroup the group rings them)
-    ringed = spec.replicas > 1 and spec.join is None and members is None
-    peers = range(spec.replicas) if members is None else members
+    ringed = len(spec.ids(spec.stage)) > 1 and spec.join is None and members is None
+    peers = range(slot_count(spec.layout, spec.replicas)) if members is None else members
 
     expected = _expected(spec, shaper, limit, ringed, peers)
     # The listener answers handshakes while this stage dials: both ends of a handshake prove
@@ -411,12 +431,14 @@ def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | Non
             acceptor.join()
             got = accepted.get("links") or {}
             links.up, links.ring_prev = got.get("up"), got.get("ring")
-            links.ups = {r: got[f"route{r}"] for r in range(spec.replicas)
+            links.ups = {r: got[f"route{r}"] for r in range(slot_count(spec.layout,
+                                                                       spec.replicas))
                          if f"route{r}" in got}
             if "error" in accepted or cancel.is_set():
                 links.close()
     if "error" in accepted:
         raise accepted["error"]
+    links.relay = norm_relay(spec, links)
     return links
 
 
@@ -425,23 +447,23 @@ def _expected(spec: StageSpec, shaper: LinkShaper, limit: int, ringed: bool,
     """The peers a stage takes the dials of: the stage before (its chain's, and with swarm
     wiring every other replica of it) and the previous replica on its group's ring."""
     expected = []
-    if spec.stage > 0:
+    if spec.stage > 0 and spec.replica in spec.ids(spec.stage - 1):  # (its chain's, if any)
         expected.append(Expected("up", spec.stage - 1, None,
                                  peer_shaper(spec, shaper, spec.stage - 1, spec.replica,
                                              spec.local_up),
                                  limit, (Kind.ACT, Kind.NORM)))
     if ringed:
-        prev = (spec.replica - 1) % spec.replicas
+        prev = ring_neighbours(spec, spec.ids(spec.stage))[0]
         expected.append(Expected("ring", spec.stage, prev,
                                  peer_shaper(spec, shaper, spec.stage, prev, spec.local_ring),
                                  receives=(Kind.SYNC,)))
     if spec.routed and spec.stage > 0:
         for r in peers:
-            if r != spec.replica:  # (its own chain's is "up" above)
+            if r != spec.replica and r in spec.ids(spec.stage - 1):  # (its chain's: "up")
                 expected.append(Expected(f"route{r}", spec.stage - 1, r,
                                          peer_shaper(spec, shaper, spec.stage - 1, r,
                                                      spec.up_local[r]),
-                                         limit, (Kind.ACT,), route=True))
+                                         limit, (Kind.ACT, *_norm(spec, r)), route=True))
     return expected
 
 
@@ -449,27 +471,32 @@ def _dial(spec: StageSpec, shaper: LinkShaper, links: StageLinks, ringed: bool, 
           limit: int, peers: Iterable[int], common: dict[str, Any]) -> None:
     """Dial the next stage (its chain's, and with swarm wiring every other replica of it)
     and the next replica on the group's ring, into ``links``."""
-    if spec.stage < spec.num_stages - 1:
+    if spec.stage < spec.num_stages - 1 and spec.replica in spec.ids(spec.stage + 1):
         assert spec.downstream_addr is not None
         links.down = connect(spec.downstream_addr, spec.key, spec.stage, tag,
                              peer_shaper(spec, shaper, spec.stage + 1, spec.replica,
                                          spec.local_down),
                              max_payload=limit, receives=(Kind.GRAD, Kind.NORM), **common)
-        for r in peers if spec.routed else ():
-            if r != spec.replica:
-                addr = spec.down_addrs[r]
-                assert addr is not None
-                links.downs[r] = connect(
-                    addr, spec.key, spec.stage, tag,
-                    peer_shaper(spec, shaper, spec.stage + 1, r, spec.down_local[r]),
-                    max_payload=limit, receives=(Kind.GRAD,), route=(spec.replica, r),
-                    **common)
+    for r in peers if spec.routed and spec.stage < spec.num_stages - 1 else ():
+        if r != spec.replica and r in spec.ids(spec.stage + 1):
+            addr = spec.down_addrs[r]
+            assert addr is not None
+            links.downs[r] = connect(
+                addr, spec.key, spec.stage, tag,
+                peer_shaper(spec, shaper, spec.stage + 1, r, spec.down_local[r]),
+                max_payload=limit, receives=(Kind.GRAD, *_norm(spec, r)),
+                route=(spec.replica, r), **common)
     if ringed:
         assert spec.ring_next_addr is not None
-        nxt = (spec.replica + 1) % spec.replicas
+        nxt = ring_neighbours(spec, spec.ids(spec.stage))[1]
         links.ring_next = connect(spec.ring_next_addr, spec.key, spec.stage, tag,
                                   peer_shaper(spec, shaper, spec.stage, nxt, spec.local_ring),
                                   receives=(), ring=(spec.replica, nxt), **common)
+
+
+def _norm(spec: StageSpec, peer: int) -> tuple[Kind, ...]:
+    """NORM on a route link where a layout's relay comes over it (see pipeline/layout)."""
+    return (Kind.NORM,) if hears_norm(spec, peer) else ()
 
 
 class _LinkOpener:
@@ -479,10 +506,14 @@ class _LinkOpener:
     preparing counts as progress (its links pulse), for up to PREPARE_AFTER frame timeouts."""
 
     def __init__(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
-                 stop: threading.Event, timeout: float, liveness: Liveness) -> None:
+                 stop: threading.Event, timeout: float, liveness: Liveness,
+                 move: LayoutMove | None = None) -> None:
         self._links: StageLinks | None = None
         self._error: BaseException | None = None
         self._taken = threading.Event()
+        # (a cell a layout's move adds links as the cells that stay re-link: pipeline/move)
+        self._members = None if move is None else range(move.width)
+        self._epoch = 0 if move is None else MOVE_EPOCH
         self._thread = threading.Thread(
             target=self._run, args=(spec, shaper, listener, stop, timeout, liveness),
             name="stage-links", daemon=True)
@@ -491,7 +522,8 @@ class _LinkOpener:
     def _run(self, spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
              stop: threading.Event, timeout: float, liveness: Liveness) -> None:
         try:
-            self._links = open_links(spec, shaper, listener, stop, timeout, liveness)
+            self._links = open_links(spec, shaper, listener, stop, timeout, liveness,
+                                     self._members, self._epoch)
         except BaseException as exc:  # handed to the stage's thread by result()
             self._error = exc
             return
@@ -590,8 +622,7 @@ class StageRunner:
         self.group = ReplicaGroup(spec, self.module, self.opt, shaper, stop, self.liveness,
                                   functools.partial(check_stop, self.liveness, stop))
         # Measured routing (SWARM's): what this cell times, tells and learns each step.
-        self.meter_routes = RouteMeter(spec.stage, spec.num_stages, spec.replicas,
-                                       spec.route_weights) if spec.measures_routes else None
+        self.meter_routes = RouteMeter.of(spec) if spec.measures_routes else None
         self.rerouter: Rerouter | None = None  # swarm wiring's regroup (run_stage sets it)
 
     @property
@@ -709,10 +740,10 @@ class StageRunner:
         spec, t = self.spec, self.spec.training
         m = t.micro_batches
         weights = spec.route_weights if self.meter_routes is None \
-            else self.meter_routes.weights(self.group.members)
+            else self.meter_routes.weights(self.group.dealt)
         route = RoutedStep(route_plan(t.seed, step, spec.num_stages, spec.replicas, m,
-                                      weights, self.group.members), spec.stage, spec.replica,
-                           m) if spec.routed else None
+                                      weights, self.group.dealt, spec.layout), spec.stage,
+                           spec.replica, m) if spec.routed else None
         xs, ys = step_tokens(spec, self.data, step, route, self.device)
         metered = self.metered_steps == 0 or step % METER_EVERY == 0
         if metered:
@@ -869,7 +900,7 @@ class StageRunner:
             scale_grads(self.params, clip_scale(self._global_sq(step), clip))
         elif self.meter_routes is not None:
             self.meter_routes.exchange(0.0, self.up, self.down, step,
-                                       self.spec.training.frame_timeout_s)
+                                       self.spec.training.frame_timeout_s, self.links.relay)
 
     def _fill_wait(self, link: PeerLink, kind: Kind) -> None:
         """Before blocking on a frame, spend the wait on deferred W passes."""
@@ -884,8 +915,9 @@ class StageRunner:
         timeout = self.spec.training.frame_timeout_s
         if self.meter_routes is not None:
             return self.meter_routes.exchange(grad_sq_sum(self.params), self.up, self.down,
-                                              step, timeout)
-        return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout)
+                                              step, timeout, self.links.relay)
+        return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout,
+                            self.links.relay)
 
 
 def _flush(link: PeerLink, timeout: float) -> None:
@@ -954,7 +986,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               initial_optimizer: dict[str, np.ndarray] | None = None,
               coordinator: Coordinator | None = None,
               inbox: list[tuple[RegroupOrder, Any]] | None = None,
-              pace: Pace | None = None) -> StageResult:
+              pace: Pace | None = None, move: LayoutMove | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
@@ -973,10 +1005,15 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     ``coordinator``: with replicas, where the cell asks what to do when its group's ring
     breaks (a member died); without one, a broken ring fails the stage.
 
-    ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed."""
+    ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed.
+
+    ``move``: the job's layout changes at a step boundary (``pipeline/move``): this cell
+    re-links there, stops there, or (one the move adds) starts there with its stage's state."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
-    opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness)
+    arrives = move is not None and move.arrives(spec)
+    opener = _LinkOpener(spec, shaper, listener, stop, connect_timeout, liveness,
+                         move if arrives else None)
     try:
         runner = StageRunner(spec, data() if callable(data) else data, shaper, stop, liveness,
                              pace)
@@ -997,7 +1034,10 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         runner.take_links(opener.result())
         if spec.join is not None and spec.replicas > 1:
             start_step = runner.group.join()
-        return _train(runner, on_step, on_eval, on_checkpoint, start_step)
+        if arrives:
+            assert move is not None
+            start_step = arrive(runner, move)
+        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move)
     finally:
         runner.close()
 
@@ -1025,7 +1065,7 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
 def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            on_eval: Callable[[int, float], None] | None,
            on_checkpoint: Callable[[StageCheckpoint], None] | None,
-           start_step: int) -> StageResult:
+           start_step: int, move: LayoutMove | None = None) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
     t0 = time.perf_counter()
@@ -1036,6 +1076,10 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         _checkpoint(runner, on_checkpoint, start_step)
     step = start_step
     while step < t.steps:
+        if move is not None and step == move.at and move.was(runner.spec):
+            if not move.stays(runner.spec):
+                break  # (the move takes this cell's peer to another stage)
+            relink(runner, move)
         try:
             rep = runner.train_step(step)
             step += 1

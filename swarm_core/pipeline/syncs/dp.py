@@ -82,6 +82,13 @@ class GradientAverage(GroupSync):
             ring.rewire(send, recv, rank, replicas)
         self._number()
 
+    def divide_by(self, shares: int | None) -> None:
+        """Each gradient's sum over the group divided by ``shares`` rather than by its
+        members: a layout's stage (pipeline/layout), whose cells together ran the job's
+        ``shares`` data shares whatever their number. None: by its members."""
+        for ring in self.rings:
+            ring.divisor = shares
+
     def _number(self) -> None:
         """Each bucket's frames numbered after those of the buckets before it."""
         base = 0

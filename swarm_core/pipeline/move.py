@@ -1,0 +1,107 @@
+"""A peer moved between stages at a step boundary, in one process (issue 34 point 3: SWARM's
+rebalancing, its data plane only; who decides a move, and when, is the leader's, not built).
+
+A move is a change of the job's layout (``pipeline/layout``) from a given 0-based step
+``at`` on: the cells of ``before`` that ``after`` lacks stop after step ``at - 1`` (a peer
+leaving its stage), the cells ``after`` adds start at step ``at`` (the same peer, at its new
+stage and id), and every cell in both re-links there. In one process a moving peer is two
+cells of the grid (the one it leaves, the one it takes); across fellows it would be one
+fellow whose STARTs follow each other.
+
+At the boundary every cell that stays closes its links and opens new ones under the new
+layout and a new membership's handshake tag (``open_links(members=, epoch=)``, as a lost
+cell's regroup does: no frame of the old links can reach the new ones), and its group rings
+its new members afresh (``ReplicaGroup.reform``). A stage that gains cells then hands the
+newcomers its state from its id-0 cell round the new ring (``ReplicaGroup._pass_state``, a
+joiner's hand-off): the weights and the optimiser's state after step ``at - 1``, which every
+member of a dp group holds alike. Nothing else carries over: dp keeps nothing across steps,
+and measured routes start their estimate afresh in every cell at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from swarm_core.pipeline.layout import Layout, slot_count, stage_ids
+from swarm_core.pipeline.route_meter import RouteMeter
+
+if TYPE_CHECKING:
+    from swarm_core.pipeline.stage import StageRunner, StageSpec
+
+DONOR = 0  # the id whose cell hands a stage's state to its newcomers (every stage has it)
+MOVE_EPOCH = 1  # the new links' membership (a lost cell's regroup is not built for layouts)
+
+
+@attrs.frozen
+class LayoutMove:
+    """The job's layout ``before`` (None: uniform) up to step ``at``, ``after`` from it on;
+    ``shares``: the job's data shares (R)."""
+
+    at: int
+    before: Layout | None
+    after: Layout | None
+    shares: int
+
+    @property
+    def width(self) -> int:
+        """The ids either layout names: the grid's width, the new links' peers."""
+        return max(slot_count(self.before, self.shares), slot_count(self.after, self.shares))
+
+    def was(self, spec: StageSpec) -> bool:
+        return spec.replica in stage_ids(self.before, spec.stage, self.shares)
+
+    def stays(self, spec: StageSpec) -> bool:
+        return spec.replica in stage_ids(self.after, spec.stage, self.shares)
+
+    def arrives(self, spec: StageSpec) -> bool:
+        """A cell the move adds: it starts at step ``at``, with its stage's state."""
+        return self.stays(spec) and not self.was(spec)
+
+    def gains(self, stage: int) -> bool:
+        """Whether the stage gets a cell it did not have (its state is then handed round)."""
+        return bool(set(stage_ids(self.after, stage, self.shares))
+                    - set(stage_ids(self.before, stage, self.shares)))
+
+
+def relink(runner: StageRunner, move: LayoutMove) -> None:
+    """A cell that stays, after step ``move.at - 1``: new links and ring under the new
+    layout, and its stage's state handed to any newcomer."""
+    from swarm_core.pipeline.stage import open_links  # (stage imports this module)
+
+    r, spec = runner, runner.spec
+    group = r.group
+    r.links.close()  # (what it sent is flushed: the step's end flushed every pipe link)
+    group.close()
+    spec.layout = move.after
+    links = open_links(spec, r.shaper, group.listener, r.stop, spec.training.frame_timeout_s,
+                       r.liveness, members=range(move.width), epoch=MOVE_EPOCH)
+    r.links = attrs.evolve(links, ring_next=None, ring_prev=None)  # (the group's, below)
+    r.up, r.down = links.up, links.down
+    _regroup(r, move)
+    if move.gains(spec.stage):
+        me = spec.replica
+        group._pass_state(DONOR, group._state_blob(move.at - 1) if me == DONOR else None)
+
+
+def arrive(runner: StageRunner, move: LayoutMove) -> int:
+    """A cell the move adds, its links open: ring its stage and take the donor's state.
+    Returns the step to train from (``move.at``)."""
+    _regroup(runner, move)
+    step = runner.group._load_state(runner.group._pass_state(DONOR, None))
+    assert step + 1 == move.at, (step, move.at)
+    return step + 1
+
+
+def _regroup(r: StageRunner, move: LayoutMove) -> None:
+    """The group's members under the new layout, a fresh sync over their new ring (room in
+    its frames for a stage's state where one is handed round), a fresh route estimate."""
+    spec, group = r.spec, r.group
+    group.epoch, group.members = MOVE_EPOCH, spec.ids(spec.stage)
+    group.reform(r.params, r.device, group.state_bound() if move.gains(spec.stage) else 0)
+    if r.meter_routes is not None:
+        # (every cell starts the estimate afresh at the same step, so all deal alike)
+        r.meter_routes = RouteMeter.of(spec)
+        if group.sync is not None:
+            group.sync.own = 0.0

@@ -1,0 +1,210 @@
+"""A swarm-wired job whose stages have unequal numbers of cells (issue 34 point 3, the ground
+SWARM's rebalancing stands on): a stage with fewer cells than the job's data shares, or with
+extra ones, still computes what one process computes at the same global batch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pytest
+import torch
+
+from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.metrics import step_loss
+from swarm_core.contract.placement import split_layers
+from swarm_core.data import load_token_data
+from swarm_core.pipeline.layout import check_layout, check_weights, complete
+from swarm_core.pipeline.local import run_local_pipeline
+from swarm_core.pipeline.pace import Pace
+from swarm_core.pipeline.reference import train_reference
+from swarm_core.pipeline.routing import route_plan, runs
+from swarm_core.pipeline.stage import StageResult
+from swarm_core.schema import structure
+
+MODEL: dict[str, Any] = dict(d_model=32, n_layers=3, n_heads=2, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_token_data(TrainingConfig(), MODEL["seq_len"])
+
+
+def _losses(res: dict[int, StageResult | BaseException], layout: list[list[int]]
+            ) -> list[float]:
+    """Each step's loss: the last stage's cells' (each the mean over the micro-batches its
+    route gave it), weighted by those micro-batches."""
+    stages = len(layout)
+    last = [res[r * stages + stages - 1] for r in layout[-1]]
+    assert all(isinstance(c, StageResult) for c in last), last
+    return [step_loss(dict(enumerate(losses)), dict(enumerate(ran)))
+            for losses, ran in zip(zip(*(c.losses for c in last), strict=True),  # type: ignore
+                                   zip(*(c.micro_batches for c in last), strict=True),  # type: ignore
+                                   strict=True)]
+
+
+def _exact(data, layout: list[list[int]], weights: list[list[float]] | None, clip: float,
+           steps: int, routing: Literal["given", "measured"] = "given", stage_kwargs=None,
+           eval_batches: int = 0, shares: int = 2) -> dict[int, StageResult | BaseException]:
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 11,
+                    "eval_batches": eval_batches, "grad_clip": clip}, TrainingConfig)
+    ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1] * len(layout)))
+    res = run_local_pipeline(mc, tc, data, len(layout), replicas=shares, timeout=240,
+                             wiring="swarm", route_weights=weights, routing=routing,
+                             layout=layout, stage_kwargs=stage_kwargs)
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    assert sorted(res) == sorted(r * len(layout) + k for k, ids in enumerate(layout)
+                                 for r in ids)  # (only the layout's cells ran)
+    got = _losses(res, layout)
+    assert len(got) == steps and ref[-1] < ref[0]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    if eval_batches:
+        with torch.no_grad():
+            x, y = data.eval_batches(1, tc.batch_size // tc.micro_batches, mc.seq_len)[0]
+            logits = model(x)
+            expected = float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+        last = res[len(layout) - 1]
+        assert isinstance(last, StageResult)
+        assert last.metrics.eval_loss == pytest.approx(expected, abs=1e-5)
+    return res
+
+
+def test_a_layout_s_plan_deals_each_stage_to_its_own_cells():
+    """Stage 0 of one cell runs all R x M micro-batches; a stage of three (ids 0, 1 and the
+    extra 2) is dealt by its weights, by id; the uniform layout's plan is today's."""
+    plan = route_plan(7, 3, 2, 2, 4, [[1, 1, 1], [3, 1, 2]], layout=[[0], [0, 1, 2]])
+    assert plan[0] == [0] * 8
+    assert sorted(runs(plan, 1, 0) + runs(plan, 1, 1) + runs(plan, 1, 2)) == list(range(8))
+    assert [len(runs(plan, 1, r)) for r in range(3)] == [4, 1, 3]  # (3 : 1 : 2, ties at random)
+    more = route_plan(7, 3, 2, 2, 4, [[1, 2, 1], [1, 1]], layout=[[0, 1, 2], [0, 1]])
+    assert all(runs(more, 0, r) for r in range(3)) and -1 not in more[0]  # (stage 0 dealt)
+    uniform = [[1, 1], [3, 1]]
+    assert route_plan(7, 3, 2, 2, 4, uniform, layout=[[0, 1], [0, 1]]) == \
+        route_plan(7, 3, 2, 2, 4, uniform)
+    # (a replica that left: its share is run by nobody, its cells dealt none)
+    left = route_plan(7, 3, 2, 2, 4, [[1, 1, 1], [1, 1, 1]], members=[0, 2],
+                      layout=[[0], [0, 1, 2]])
+    assert left[0] == [0] * 4 + [-1] * 4 and not runs(left, 1, 1)
+
+
+@pytest.mark.parametrize("layout, weights, clip", [
+    ([[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 1.0),  # a stage of one, a stage of three
+    ([[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 0.0),
+    ([[0, 1, 2], [0, 1]], [[1, 2, 1], [3, 1, 1]], 1.0),  # stage 0 dealt to three cells
+    ([[0, 1, 2], [0, 1]], [[1, 2, 1], [3, 1, 1]], 0.0),
+])
+def test_a_layout_of_unequal_stages_computes_what_one_process_computes(data, layout, weights,
+                                                                       clip):
+    """``none``, fp32, dp, two data shares: S=2 with unequal stages computes the losses of one
+    process at the same global batch to 1e-5, with clipping (the NORM relay) and without;
+    replica 0's chain evaluates."""
+    res = _exact(data, layout, weights, clip, 12, eval_batches=1 if clip else 0)
+    # Each stage's cells together ran the step's 8 micro-batches, skewed by the weights.
+    for k, ids in enumerate(layout):
+        ran = [res[r * 2 + k].metrics.micro_batches for r in ids]  # type: ignore[union-attr]
+        assert sum(ran) == pytest.approx(8.0), (k, ran)
+
+
+def test_a_three_stage_layout_with_a_middle_stage_of_three_computes_what_one_process_does(
+        data):
+    """Ids 1 and 2 have no whole chain: both hear the norm from id 0's cells."""
+    layout = [[0, 1], [0, 1, 2], [0]]
+    _exact(data, layout, [[1, 1, 1], [1, 3, 2], [1, 1, 1]], 1.0, 8)
+
+
+def test_a_job_of_one_share_with_a_second_cell_at_its_last_stage_computes_the_same(data):
+    """R=1: the extra cell is the only one beside the shares' chain (the divisor is 1)."""
+    res = _exact(data, [[0], [0, 1]], [[1, 1], [1, 2]], 1.0, 8, shares=1)
+    ran = [res[c].metrics.micro_batches for c in (1, 3)]  # type: ignore[union-attr]
+    assert sum(ran) == pytest.approx(4.0) and ran[0] < ran[1], ran  # (the step's 4, 1 : 2)
+
+
+def test_measured_routes_over_a_layout_compute_what_one_process_computes(data):
+    """``routing: measured``: each cell's time goes round its group's ring and up id 0's
+    chain; cells without a whole chain hear the table by the relay, so every cell deals the
+    same plan, and a slow extra cell (id 2, 6x) gets fewer of stage 1's micro-batches."""
+    res = _exact(data, [[0], [0, 1, 2]], None, 1.0, 10, routing="measured",
+                 stage_kwargs={2 * 2 + 1: {"pace": Pace(6.0)}})
+    fast, slow = (res[c].metrics.micro_batches for c in (1, 5))  # type: ignore[union-attr]
+    assert slow < fast, (fast, slow)
+
+
+def test_a_bad_layout_is_refused_in_one_line():
+    for layout, what in [([[0], []], "stage 1 has no cells"),
+                         ([[0], [1, 2]], "stage 1 has no cell 0"),
+                         ([[0]], "1 stages listed for a 2-stage job"),
+                         ([[0, 0], [0]], "must be distinct")]:
+        with pytest.raises(ValueError, match=what):
+            check_layout(layout, 2, 2)
+    with pytest.raises(ValueError, match=r"need sync\.mode dp, not diloco"):
+        check_layout([[0], [0, 1]], 2, 2, "diloco")
+    with pytest.raises(ValueError, match="need wiring swarm"):
+        check_layout([[0], [0, 1]], 2, 2, "dp", "chain")
+    assert check_layout([[1, 0], [0, 1]], 2, 2) is None  # (the uniform layout: today's job)
+    with pytest.raises(ValueError, match=r"must be 2 lists \(stages\) of 3 weights"):
+        check_weights([[1, 1], [1, 1, 1]], 2, 3)
+    with pytest.raises(ValueError, match="every weight must be a positive number"):
+        check_weights([[1, 1, 0], [1, 1, 1]], 2, 3)
+    assert complete(((0,), (0, 1)), 0) and not complete(((0,), (0, 1)), 1)
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 1, "batch_size": 16, "sync": {"mode": "diloco"}}, TrainingConfig)
+    with pytest.raises(ValueError, match=r"need sync\.mode dp"):
+        run_local_pipeline(mc, tc, None, 2, replicas=2, wiring="swarm",  # type: ignore
+                           layout=[[0], [0, 1, 2]])
+
+
+def _moved_losses(res: dict[int, StageResult | BaseException], before: list[list[int]],
+                  after: list[list[int]], at: int, steps: int) -> list[float]:
+    """Each step's loss over the last stage's cells of the layout it ran under (a cell the
+    move adds reports from step ``at``, one it takes away up to it)."""
+    stages, out = len(before), []
+    for s in range(steps):
+        losses, ran = {}, {}
+        for r in (before if s < at else after)[-1]:
+            cell = res[r * stages + stages - 1]
+            assert isinstance(cell, StageResult)
+            i = s - (at if r not in before[-1] else 0)
+            losses[r], ran[r] = cell.losses[i], cell.micro_batches[i]
+        out.append(step_loss(losses, ran))
+    return out
+
+
+@pytest.mark.parametrize("before, after, weights, clip, routing", [
+    # stage 0's second cell moves to stage 1 as a third (an even job made uneven)
+    ([[0, 1], [0, 1]], [[0], [0, 1, 2]], [[1, 1, 1], [3, 1, 2]], 1.0, "given"),
+    # stage 0's extra cell moves to stage 1 (the fast stage gives a peer to the slow one)
+    ([[0, 1, 2], [0, 1]], [[0, 1], [0, 1, 2]], [[1, 2, 1], [3, 1, 1]], 0.0, "given"),
+    # back to an even job, under measured routes (every cell's estimate starts afresh)
+    ([[0], [0, 1, 2]], [[0, 1], [0, 1]], None, 1.0, "measured"),
+])
+def test_a_peer_moved_between_stages_at_a_step_boundary_computes_what_one_process_does(
+        data, before, after, weights, clip, routing):
+    """At step 5 every cell re-links under the new layout; the cell the move adds takes its
+    stage's weights and AdamW state from id 0's cell round the new ring, and the losses are
+    one process's to 1e-5 before and after the move (the first chain's eval too)."""
+    mc = ModelConfig(**MODEL)
+    steps, at = 10, 5
+    tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 11,
+                    "eval_batches": 1, "grad_clip": clip}, TrainingConfig)
+    ref, model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=240, wiring="swarm",
+                             route_weights=weights, routing=routing, layout=before,
+                             relayout=(at, after))
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    got = _moved_losses(res, before, after, at, steps)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    with torch.no_grad():
+        x, y = data.eval_batches(1, tc.batch_size // tc.micro_batches, mc.seq_len)[0]
+        logits = model(x)
+        expected = float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.reshape(-1)))
+    last = res[1]
+    assert isinstance(last, StageResult)
+    assert last.metrics.eval_loss == pytest.approx(expected, abs=1e-5)
+    # The cell that left trained the steps before the move; the one that came, those after.
+    gone = next(r * 2 + k for k in range(2) for r in before[k] if r not in after[k])
+    came = next(r * 2 + k for k in range(2) for r in after[k] if r not in before[k])
+    assert (res[gone].metrics.steps, res[came].metrics.steps) == (at, steps - at)
