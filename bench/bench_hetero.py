@@ -24,6 +24,12 @@ Targets (issue 34): swarm >= 90 % of that bound, and >= 2x chain's throughput, s
 
     .venv/bin/python bench/bench_hetero.py           # 8 measured steps a row (~3 min)
     .venv/bin/python bench/bench_hetero.py --quick   # 2 measured steps, a tiny model (~20 s)
+    .venv/bin/python bench/bench_hetero.py --rebalance-only   # the rebalancing table alone
+
+Then rebalancing (issue 34 point 3): S=2 x R=3, two of stage 1's peers slowed 4x, measured
+routes, every cell padded 4x (six cells, two cores), SWARM's rule looking every 8 steps
+(``run_local_pipeline(rebalance=)``): the step time before the first move against after it,
+beside the same job without rebalancing. Target: >= 1.3x.
 
 Only 127.0.0.1. On a machine of 2 cores the four cells share them: the compute of the fast
 cells is contended, which the table's t_k (measured in the same conditions) includes.
@@ -152,15 +158,96 @@ def table(cfg: dict[str, Any], base: float) -> None:
               f"({'MET' if cost <= 1.03 else 'NOT MET'})")
 
 
+# Rebalancing (issue 34 point 3): S=2 x R=3, two stage-1 peers slowed 4x: stage 1 does
+# 1 + 1/4 + 1/4 = 1.5 of stage 0's 3 units; a stage-0 peer moved there makes 2 : 2.5 (4/3).
+RB_REPLICAS, RB_SLOW = 3, (1, 2)  # (stage-1 ids slowed)
+RB_FULL = dict(model=FULL["model"], batch=48, micro=8, steps=24, every=8)
+RB_QUICK = dict(model=QUICK["model"], batch=12, micro=2, steps=8, every=3)
+
+
+def run_rebalance(cfg: dict[str, Any], base: float, every: int | None) -> dict[str, Any]:
+    """Swarm wiring, measured routes, every cell padded to ``base`` x its compute (the slowed
+    ones SLOW x that); ``every``: rebalancing's look every that many steps (None: off). The
+    step times of cell 0 of stage 0 (it never moves), and the moves made."""
+    mc = ModelConfig(**cfg["model"])
+    tc = TrainingConfig(steps=cfg["steps"], batch_size=cfg["batch"],
+                        micro_batches=cfg["micro"], eval_batches=0, warmup_steps=0,
+                        frame_timeout_s=60.0, seed=5)
+    data = load_token_data(tc, mc.seq_len)
+    stamps: list[float] = []
+    moves: list[Any] = []
+    kwargs = {r * STAGES + k: {"pace": Pace(base * (SLOW if k == 1 and r in RB_SLOW else 1.0))}
+              for k in range(STAGES) for r in range(RB_REPLICAS)
+              if base > 1 or (k == 1 and r in RB_SLOW)}
+
+    def on_step(cell: int, _rep: StepReport) -> None:
+        if cell == 0:
+            stamps.append(time.perf_counter())
+
+    res = run_local_pipeline(mc, tc, data, STAGES, replicas=RB_REPLICAS, wiring="swarm",
+                             routing="measured", rebalance=every, stage_kwargs=kwargs,
+                             timeout=900, on_step=on_step, on_move=moves.append)
+    bad = {c: r for c, r in res.items() if not isinstance(r, StageResult)}
+    if bad:
+        raise RuntimeError(f"cells failed: {bad}")
+    return {"steps": [b - a for a, b in itertools.pairwise(stamps)], "moves": moves}
+
+
+def rebalance_table(cfg: dict[str, Any], base: float) -> None:
+    """Throughput before the first move against after it (its step, the re-link and the
+    first step after, whose fresh estimate deals equally, left out), beside the same job
+    without rebalancing."""
+    every = cfg["every"]
+    off = run_rebalance(cfg, base, None)
+    on = run_rebalance(cfg, base, every)
+    print(f"\n== rebalancing: S={STAGES} x R={RB_REPLICAS}, stage 1's ids {list(RB_SLOW)} "
+          f"slowed {SLOW:g}x, measured routes, every cell padded {base:g}x, a look every "
+          f"{every} steps ==")
+    # (step i of ``steps`` is the time from step i+1's report to step i+2's, 0-based)
+    flat = statistics.mean(off["steps"][1:])
+    print(f"no rebalancing: {flat:.3f} s/step (steps 3-{cfg['steps']})")
+    if not on["moves"]:
+        print("rebalancing: no move made (target >= 1.3x: NOT MET)")
+        return
+    # Phases between moves: each move's step and the next left out (the move's re-link and
+    # hand-off, then a step whose fresh estimate deals equally).
+    bounds = [0, *(m.at for m in on["moves"]), cfg["steps"]]
+    phases = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        first = lo + 1 if i == 0 else lo + 2  # (0-based step index into steps)
+        steps = on["steps"][first:hi - 1]
+        if steps:
+            phases.append((lo, hi, statistics.mean(steps)))
+    layouts = ["uniform"] + [str(m.after) for m in on["moves"]]
+    print(f"  {'layout':<28} {'steps':>8} {'s/step':>8} {'vs before':>10}")
+    for (lo, hi, mean), name in zip(phases, layouts, strict=False):
+        print(f"  {name:<28} {f'{lo + 1}-{hi}':>8} {mean:>8.3f} "
+              f"{phases[0][2] / mean:>9.2f}x")
+    before, after = phases[0][2], phases[-1][2]
+    best = min(mean for _lo, _hi, mean in phases[1:]) if len(phases) > 1 else before
+    gain = before / best
+    print(f"target: throughput after rebalancing >= 1.3x before: {gain:.2f}x at its best "
+          f"layout, {before / after:.2f}x at its last ({'MET' if gain >= 1.3 else 'NOT MET'}; "
+          f"the rule's units: 1.5 -> 2.0 = 1.33x for one move, 2.25 = 1.5x for two); the "
+          f"last against no rebalancing: {flat / after:.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model, 2 measured steps")
+    ap.add_argument("--rebalance-only", action="store_true",
+                    help="only the rebalancing table (S=2 x R=3)")
+    ap.add_argument("--rebalance-pad", type=float, default=4.0,
+                    help="the rebalancing table's padding of every cell (default 4: six "
+                         "cells computing a quarter of their time on two cores)")
     args = ap.parse_args()
     cfg = QUICK if args.quick else FULL
     print(f"S={STAGES} x R={REPLICAS}, dp, model {cfg['model']}, batch {cfg['batch']} in "
           f"{cfg['micro']} micro-batches a replica, stage 1 replica 1 slowed {SLOW:g}x")
-    for base in (1.0,) if args.quick else (1.0, 3.0):
+    for base in () if args.rebalance_only else (1.0,) if args.quick else (1.0, 3.0):
         table(cfg, base)
+    rebalance_table(RB_QUICK if args.quick else RB_FULL,
+                    1.0 if args.quick else args.rebalance_pad)
     return 0
 
 

@@ -6,13 +6,13 @@ fixed by the job. Its **layout** lists, per stage, the sorted ids of the stage's
 slots): by default every stage has ids 0..R-1, one cell per share. A stage may have fewer
 (ids a subset of 0..R-1) or more (ids R, R+1, ... that exist at that stage only); every
 stage has id 0, whose chain evaluates and checkpoints as a uniform job's replica 0 does.
-A cell's id says which cells of the stages either side it has a chain link to (the same id),
-and which share stage 0 reads where stage 0 is the shares themselves; otherwise it is a name.
+A cell's id says which cells of the stages either side it has a chain link to (the same id);
+otherwise it is a name.
 
 Under a layout other than the uniform one:
 
-* routes: every stage whose ids are not the shares deals all R x M micro-batches to its
-  cells by the route weights (``routing.route_plan``), stage 0 included;
+* routes: every stage deals all R x M micro-batches to its cells by the route weights
+  (``routing.route_plan``), stage 0 included, even where its ids are the shares';
 * the gradient mean: a stage group sums its members' gradients and divides by the job's
   shares (R), not by its member count: each of the step's micro-batches was run by one cell
   of each stage, so the group's sum is the whole batch's, whatever the number of cells

@@ -31,7 +31,7 @@ from swarm_core.pipeline.layout import (
 )
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
-from swarm_core.pipeline.move import LayoutMove
+from swarm_core.pipeline.move import LayoutMove, Rebalance
 from swarm_core.pipeline.stage import (
     StageDropped,
     StageResult,
@@ -155,7 +155,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        route_weights: list[list[float]] | None = None,
                        routing: Literal["given", "measured"] = "given",
                        layout: Sequence[Sequence[int]] | None = None,
-                       relayout: tuple[int, Sequence[Sequence[int]]] | None = None
+                       relayout: tuple[int, Sequence[Sequence[int]]] | None = None,
+                       rebalance: int | None = None,
+                       on_move: Callable[[LayoutMove], None] | None = None
                        ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
     end. Returns, by cell (replica r of stage s is cell r x num_stages + s: the stage itself
@@ -181,13 +183,26 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     and ``route_weights`` are by id.
     ``relayout`` ``(step, layout)``: from that 0-based step on the job runs under that layout
     (``pipeline/move``: a peer moved between stages); a cell either layout has runs, each
-    from or to the step where only one has it (its result: what it trained)."""
+    from or to the step where only one has it (its result: what it trained).
+    ``rebalance`` (swarm wiring, measured routes, dp): every that many steps the cells look
+    at their measured throughput and move a peer between stages where SWARM's rule says so
+    (``move.Rebalance``): the moved peer's thread goes on as a cell of its new stage (the
+    grid is ``num_stages x replicas`` ids wide; a thread's result under each cell it was,
+    the last where it was one twice), ``on_move`` told of each move, by the peer that moved."""
     shape = None if layout is None else check_layout(
         layout, num_stages, replicas, training.sync.mode, wiring)
     move = None if relayout is None else _move(relayout, shape, num_stages, replicas, training,
                                                wiring)
     width = slot_count(shape, replicas) if move is None else move.width
-    if shape is not None or move is not None:
+    rebalancer = None
+    if rebalance is not None:
+        if wiring != "swarm" or routing != "measured" or training.sync.mode != "dp" \
+                or move is not None or rebalance < 1:
+            raise ValueError("rebalance: a number of steps >= 1, for swarm wiring with "
+                             "measured routes and sync.mode dp, without relayout")
+        width = max(width, replicas * num_stages)
+        rebalancer = Rebalance(every=rebalance, width=width)
+    if shape is not None or move is not None or rebalancer is not None:
         check_weights(route_weights, num_stages, width)
         if coordinator is not None:
             raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
@@ -205,27 +220,45 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
                           replicas=replicas, wiring=wiring, route_weights=route_weights,
                           routing=routing,
-                          width=None if shape is None and move is None else width)
+                          width=None if width == replicas else width)
     run = [s for s in range(cells) if _runs(s // num_stages, s % num_stages, shape, move,
                                             replicas)]
+
+    def loader(s: int) -> TokenData | Callable[[], TokenData]:
+        return (lambda: data(s)) if callable(data) else data
+
+    def reporter(s: int) -> Callable[[StepReport], None]:
+        return (lambda r: on_step(s, r)) if on_step else (lambda r: None)
 
     def go(s: int) -> None:
         spec = StageSpec.from_start(starts[s])
         kwargs = dict((stage_kwargs or {}).get(s, {}))
+        shaper = shaping[s]  # (its fellow's: a moved peer keeps it, and its pace)
         if move is not None:  # (the layout the cell starts under: one it adds, the new one)
             kwargs["move"] = move
             spec = with_layout(spec, move.after if move.arrives(spec) else move.before,
                                replicas)
-        elif shape is not None:
+        elif shape is not None or rebalancer is not None:
             spec = with_layout(spec, shape, replicas)
+        if rebalancer is not None:
+            kwargs["rebalance"] = rebalancer
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
-            mine = (lambda: data(s)) if callable(data) else data
-            results[s] = run_stage(spec, mine, shaping[s], listeners[s], stop,
-                                   (lambda r: on_step(s, r)) if on_step else (lambda r: None),
-                                   connect_timeout=training.frame_timeout_s,
-                                   coordinator=coordinator, **kwargs)
+            while True:
+                done = run_stage(spec, loader(s), shaper, listeners[s], stop, reporter(s),
+                                 connect_timeout=training.frame_timeout_s,
+                                 coordinator=coordinator, **kwargs)
+                results[s] = done
+                if done.moved is None or rebalancer is None:
+                    break  # (a relayout's newcomer has a thread of its own)
+                # (its peer moved: this thread, its fellow, goes on as the cell it became)
+                if on_move is not None:
+                    on_move(done.moved)
+                [(k, r)] = done.moved.added()
+                s = r * num_stages + k
+                spec = with_layout(StageSpec.from_start(starts[s]), done.moved.after, replicas)
+                kwargs["move"] = done.moved
             if coordinator is not None:
                 coordinator.cell_finished(spec.stage, spec.replica)
         except Exception as exc:

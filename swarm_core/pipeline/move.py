@@ -20,15 +20,19 @@ and measured routes start their estimate afresh in every cell at the same step.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import attrs
 
-from swarm_core.pipeline.layout import Layout, slot_count, stage_ids
+from swarm_core.contract.rebalance import MIN_GAIN, choose_move
+from swarm_core.pipeline.layout import Layout, check_layout, slot_count, stage_ids
 from swarm_core.pipeline.route_meter import RouteMeter
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.stage import StageRunner, StageSpec
+
+log = logging.getLogger(__name__)
 
 DONOR = 0  # the id whose cell hands a stage's state to its newcomers (every stage has it)
 MOVE_EPOCH = 1  # the new links' membership (a lost cell's regroup is not built for layouts)
@@ -43,6 +47,7 @@ class LayoutMove:
     before: Layout | None
     after: Layout | None
     shares: int
+    epoch: int = MOVE_EPOCH  # the new links' membership (each move's its own)
 
     @property
     def width(self) -> int:
@@ -58,6 +63,12 @@ class LayoutMove:
     def arrives(self, spec: StageSpec) -> bool:
         """A cell the move adds: it starts at step ``at``, with its stage's state."""
         return self.stays(spec) and not self.was(spec)
+
+    def added(self) -> list[tuple[int, int]]:
+        """The cells (stage, id) the move adds: where a moved peer goes."""
+        return [(k, r) for k in range(len(self.after or self.before or ()))
+                for r in stage_ids(self.after, k, self.shares)
+                if r not in stage_ids(self.before, k, self.shares)]
 
     def gains(self, stage: int) -> bool:
         """Whether the stage gets a cell it did not have (its state is then handed round)."""
@@ -76,7 +87,7 @@ def relink(runner: StageRunner, move: LayoutMove) -> None:
     group.close()
     spec.layout = move.after
     links = open_links(spec, r.shaper, group.listener, r.stop, spec.training.frame_timeout_s,
-                       r.liveness, members=range(move.width), epoch=MOVE_EPOCH)
+                       r.liveness, members=range(move.width), epoch=move.epoch)
     r.links = attrs.evolve(links, ring_next=None, ring_prev=None)  # (the group's, below)
     r.up, r.down = links.up, links.down
     _regroup(r, move)
@@ -98,10 +109,50 @@ def _regroup(r: StageRunner, move: LayoutMove) -> None:
     """The group's members under the new layout, a fresh sync over their new ring (room in
     its frames for a stage's state where one is handed round), a fresh route estimate."""
     spec, group = r.spec, r.group
-    group.epoch, group.members = MOVE_EPOCH, spec.ids(spec.stage)
+    group.epoch, group.members = move.epoch, spec.ids(spec.stage)
     group.reform(r.params, r.device, group.state_bound() if move.gains(spec.stage) else 0)
     if r.meter_routes is not None:
         # (every cell starts the estimate afresh at the same step, so all deal alike)
         r.meter_routes = RouteMeter.of(spec)
         if group.sync is not None:
             group.sync.own = 0.0
+
+
+@attrs.frozen
+class Rebalance:
+    """SWARM's adaptive rebalancing, decided in band (issue 34 point 3): every ``every``
+    steps each cell looks at the throughput its measured routes hold (the same table in every
+    cell: ``route_meter``), and where the rule of ``contract/rebalance`` moves a peer, every
+    cell makes the same move at that step boundary, with no word from anyone; a moved peer
+    takes the smallest id its new stage lacks (below ``width``: a grid's, in one process).
+    Measured routes only: given weights measure nothing."""
+
+    every: int
+    width: int
+    min_gain: float = MIN_GAIN
+
+    def decide(self, runner: StageRunner, step: int) -> LayoutMove | None:
+        """The move to make before step ``step``, if any."""
+        spec, meter = runner.spec, runner.meter_routes
+        if meter is None or step == 0 or step % self.every or step >= spec.training.steps:
+            return None
+        now = [stage_ids(spec.layout, k, spec.replicas) for k in range(spec.num_stages)]
+        speeds = meter.estimate.measured(now)
+        move = None if speeds is None else choose_move(speeds, self.min_gain)
+        if move is None:
+            return None
+        free = [r for r in range(self.width) if r not in now[move.target]]
+        if not free:
+            return None
+        after = [[r for r in ids if (k, r) != (move.source, move.cell)] for k, ids in
+                 enumerate(now)]
+        after[move.target] = sorted([*after[move.target], free[0]])
+        log.info("stage %d cell %d: rebalancing before step %d: stage %d's cell %d moves to "
+                 "stage %d as cell %d (throughput %.3g -> %.3g micro-batches/s; measured %s)",
+                 spec.stage, spec.replica, step, move.source, move.cell, move.target, free[0],
+                 move.before, move.after,
+                 [{r: round(v, 2) for r, v in row.items()} for row in speeds or ()])
+        return LayoutMove(step, spec.layout,
+                          check_layout(after, spec.num_stages, spec.replicas,
+                                       spec.training.sync.mode, spec.wiring),
+                          spec.replicas, epoch=runner.group.epoch + 1)

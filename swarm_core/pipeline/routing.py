@@ -48,8 +48,9 @@ def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batch
     replicas left after some left the job (all where None): the shares of those that left
     are run by nobody (-1), the rest dealt to those left, so the step's batch shrinks to the
     survivors' shares as a chain-wired job's does. ``layout`` (``pipeline/layout``): each
-    stage's cell ids, by which ``weights`` are indexed; a stage deals to its own (those of
-    ``members``), stage 0 too where its ids are not the shares."""
+    stage's cell ids, by which ``weights`` are indexed; every stage deals to its own (those
+    of ``members``), stage 0 too, even where its ids are the shares' (a peer moved there may
+    be a slow one: its share is dealt by weight, not run at its pace)."""
     n = replicas * micro_batches
     live = list(range(replicas)) if members is None else sorted(members)
     shares = [g // micro_batches if g // micro_batches in live else -1 for g in range(n)]
@@ -57,7 +58,7 @@ def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batch
     for k in range(num_stages):
         ids = live if layout is None else \
             [r for r in layout[k] if members is None or r in members]
-        if k == 0 and (layout is None or list(layout[0]) == list(range(replicas))):
+        if k == 0 and layout is None:
             plan.append(shares)
             continue
         rng = random.Random(f"swarm-route/{seed}/{step}/{k}")
@@ -111,6 +112,16 @@ class ThroughputEstimate:
             out.append([(1 - (1 - self.alpha) ** n) / e if n else g
                         for e, n, g in zip(row, self.updates[k], self.given[k], strict=True)])
         return out
+
+
+    def measured(self, layout: Sequence[Sequence[int]]) -> list[dict[int, float]] | None:
+        """Per stage, each of its cells' measured micro-batches per second (by id); None
+        until every cell of ``layout`` has a sample (a rebalancing decision waits for it)."""
+        if any(self.updates[k][r] == 0 for k, ids in enumerate(layout) for r in ids):
+            return None
+        a = self.alpha
+        return [{r: (1 - (1 - a) ** self.updates[k][r]) / self.ema[k][r] for r in ids}
+                for k, ids in enumerate(layout)]
 
 
 def runs(plan: Plan, stage: int, replica: int) -> list[int]:

@@ -40,7 +40,7 @@ from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
-from swarm_core.pipeline.move import MOVE_EPOCH, LayoutMove, arrive, relink
+from swarm_core.pipeline.move import LayoutMove, Rebalance, arrive, relink
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     clip_scale,
@@ -513,7 +513,7 @@ class _LinkOpener:
         self._taken = threading.Event()
         # (a cell a layout's move adds links as the cells that stay re-link: pipeline/move)
         self._members = None if move is None else range(move.width)
-        self._epoch = 0 if move is None else MOVE_EPOCH
+        self._epoch = 0 if move is None else move.epoch
         self._thread = threading.Thread(
             target=self._run, args=(spec, shaper, listener, stop, timeout, liveness),
             name="stage-links", daemon=True)
@@ -973,6 +973,9 @@ class StageResult:
     epoch: int = 0  # the membership its group finished under (the leader's word for a joiner)
     # Swarm wiring: the micro-batches each step's loss is the mean over (see step_loss).
     micro_batches: list[int] = attrs.field(factory=list)
+    # A layout's move took this cell's peer to another stage (pipeline/move): whose cell it
+    # starts next, from the move's step.
+    moved: LayoutMove | None = None
 
 
 def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper: LinkShaper,
@@ -986,7 +989,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               initial_optimizer: dict[str, np.ndarray] | None = None,
               coordinator: Coordinator | None = None,
               inbox: list[tuple[RegroupOrder, Any]] | None = None,
-              pace: Pace | None = None, move: LayoutMove | None = None) -> StageResult:
+              pace: Pace | None = None, move: LayoutMove | None = None,
+              rebalance: Rebalance | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
@@ -1008,7 +1012,9 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     ``pace``: an emulated slowdown (the fellow's, set live); None computes at full speed.
 
     ``move``: the job's layout changes at a step boundary (``pipeline/move``): this cell
-    re-links there, stops there, or (one the move adds) starts there with its stage's state."""
+    re-links there, stops there, or (one the move adds) starts there with its stage's state.
+    ``rebalance``: such moves decided in band as the run goes (``move.Rebalance``); a cell
+    whose peer moves ends with the move in its result's ``moved``."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
     arrives = move is not None and move.arrives(spec)
@@ -1037,7 +1043,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         if arrives:
             assert move is not None
             start_step = arrive(runner, move)
-        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move)
+        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move, rebalance)
     finally:
         runner.close()
 
@@ -1065,10 +1071,12 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
 def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            on_eval: Callable[[int, float], None] | None,
            on_checkpoint: Callable[[StageCheckpoint], None] | None,
-           start_step: int, move: LayoutMove | None = None) -> StageResult:
+           start_step: int, move: LayoutMove | None = None,
+           rebalance: Rebalance | None = None) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
     t0 = time.perf_counter()
+    moved = None
     if runner.spec.join is not None and on_checkpoint is not None \
             and runner.checkpoint_due(start_step):
         # A joiner taken in at a checkpoint's step: its members name it in that checkpoint
@@ -1076,8 +1084,11 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         _checkpoint(runner, on_checkpoint, start_step)
     step = start_step
     while step < t.steps:
+        if rebalance is not None and step > start_step:
+            move = rebalance.decide(runner, step) or move
         if move is not None and step == move.at and move.was(runner.spec):
             if not move.stays(runner.spec):
+                moved = move
                 break  # (the move takes this cell's peer to another stage)
             relink(runner, move)
         try:
@@ -1104,6 +1115,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
     if on_checkpoint is not None and runner.leads:
         on_checkpoint(runner.checkpoint(t.steps, final=True))
     result = _summary(runner, reports, wall, start_step)
+    result.moved = moved
     if eval_loss is not None:
         result.metrics.eval_loss, result.metrics.perplexity = eval_loss, perplexity(eval_loss)
         if on_eval is not None:

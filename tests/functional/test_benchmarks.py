@@ -131,7 +131,7 @@ def test_pair_links_benchmark_prints_both_tables(cli_env):
 def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
     """bench_hetero.py --quick: chain and swarm wiring, unslowed and with one peer slowed 4x
     (routed by given and by measured weights), side by side against the capacity bound, and
-    the issue's targets said."""
+    the issue's targets said; then rebalancing's table (S=2 x R=3)."""
     res = subprocess.run([sys.executable, str(REPO / "bench" / "bench_hetero.py"), "--quick"],
                          capture_output=True, text=True, env=cli_env, cwd=REPO, timeout=120)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -145,3 +145,7 @@ def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
     assert "targets, oracle: swarm >= 90% of capacity" in out
     assert "targets, measured: swarm >= 90% of capacity" in out
     assert "target: unslowed cost, regroup-ready <= 3%" in out
+    # Then rebalancing: the same job without and with it, and its target said.
+    rebalancing = out.split("== rebalancing: S=2 x R=3", 1)[1]
+    assert re.search(r"^no rebalancing: \d+\.\d{3} s/step", rebalancing, re.MULTILINE), out
+    assert ">= 1.3x" in rebalancing, out

@@ -94,6 +94,13 @@ class GroupSync(abc.ABC):
         """Take back what :meth:`checkpoint_state` saved (by parameter name)."""
         return None
 
+    def divide_by(self, shares: int | None) -> None:
+        """The group's sum divided by ``shares`` rather than by its members (a swarm
+        layout's stage, ``pipeline/layout``: its cells together ran the job's ``shares``
+        data shares, whatever their number). Only a mean of each step's gradients can."""
+        if shares is not None:
+            raise ValueError("a swarm layout's stages of unequal cells need sync.mode dp")
+
     def handoff(self) -> dict[str, np.ndarray]:
         """What a replica joining the group takes from its donor beside weights and
         optimiser state."""
