@@ -237,9 +237,12 @@ def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_join
     # is 1e-2 and more. The exactness to 1e-5 is tests/unit/test_replicas.py's, in-process.)
     # (Overlapped, the dead replica may have trained and reported the steps while the outer
     # step that broke was in flight: the window starts after them.)
+    # (The spare may join a step or two after the change, the reports reaching the leader as
+    # fast as the steps: then there is no step between them to check.)
     windows = [slice(change["step"] + overlap, min(change["step"] + 10, back["step"] - 1)),
                slice(back["step"], back["step"] + 10)]
-    for window in windows:
+    assert losses[windows[1]], (change["step"], back["step"])
+    for window in (w for w in windows if losses[w]):
         diff = max(abs(a - b) for a, b in zip(ref[window], losses[window], strict=True))
         assert diff <= 5e-5, f"steps {window.start + 1}-{window.stop}: {diff}"
 
