@@ -1,18 +1,21 @@
-"""A peer moved between stages at a step boundary, in one process (issue 34 point 3: SWARM's
-rebalancing, its data plane only; who decides a move, and when, is the leader's, not built).
+"""A peer moved between stages at a step boundary (issue 34 point 3: SWARM's rebalancing),
+in one process: a move given in advance (``LayoutMove``), or decided in band as the run goes
+(``Rebalance``: every cell runs one rule on the same measured table). Fellows and the leader
+do not run it yet.
 
-A move is a change of the job's layout (``pipeline/layout``) from a given 0-based step
-``at`` on: the cells of ``before`` that ``after`` lacks stop after step ``at - 1`` (a peer
-leaving its stage), the cells ``after`` adds start at step ``at`` (the same peer, at its new
-stage and id), and every cell in both re-links there. In one process a moving peer is two
-cells of the grid (the one it leaves, the one it takes); across fellows it would be one
-fellow whose STARTs follow each other.
+A move is a change of the job's layout (``pipeline/layout``) from a 0-based step ``at`` on:
+the cells of ``before`` that ``after`` lacks stop after step ``at - 1`` (a peer leaving its
+stage), the cells ``after`` adds start at step ``at`` (the same peer, at its new stage and
+id), and every cell in both re-links there. In one process a moving peer is two cells of the
+grid (the one it leaves, the one it takes: a thread of its own each for a given move, the
+same thread for a decided one); across fellows it would be one fellow whose STARTs follow
+each other.
 
 At the boundary every cell that stays closes its links and opens new ones under the new
 layout and a new membership's handshake tag (``open_links(members=, epoch=)``, as a lost
 cell's regroup does: no frame of the old links can reach the new ones), and its group rings
 its new members afresh (``ReplicaGroup.reform``). A stage that gains cells then hands the
-newcomers its state from its id-0 cell round the new ring (``ReplicaGroup._pass_state``, a
+newcomers its state from its id-0 cell round the new ring (``ReplicaGroup.hand_state``, a
 joiner's hand-off): the weights and the optimiser's state after step ``at - 1``, which every
 member of a dp group holds alike. Nothing else carries over: dp keeps nothing across steps,
 and measured routes start their estimate afresh in every cell at the same step.
@@ -92,15 +95,14 @@ def relink(runner: StageRunner, move: LayoutMove) -> None:
     r.up, r.down = links.up, links.down
     _regroup(r, move)
     if move.gains(spec.stage):
-        me = spec.replica
-        group._pass_state(DONOR, group._state_blob(move.at - 1) if me == DONOR else None)
+        group.hand_state(DONOR, move.at - 1)
 
 
 def arrive(runner: StageRunner, move: LayoutMove) -> int:
     """A cell the move adds, its links open: ring its stage and take the donor's state.
     Returns the step to train from (``move.at``)."""
     _regroup(runner, move)
-    step = runner.group._load_state(runner.group._pass_state(DONOR, None))
+    step = runner.group.take_state(DONOR)
     assert step + 1 == move.at, (step, move.at)
     return step + 1
 

@@ -353,6 +353,16 @@ class ReplicaGroup:
             self.ring_next.flush(patience)
         return blob
 
+    def hand_state(self, donor: int, step: int) -> None:
+        """Round the ring from ``donor`` (the group's members once a newcomer is rung): the
+        donor's state after step ``step``, each member passing it on to the one after it."""
+        self._pass_state(donor, self._state_blob(step) if self.spec.replica == donor else None)
+
+    def take_state(self, donor: int) -> int:
+        """A newcomer on the ring: the donor's state, installed. Returns the step it had
+        finished."""
+        return self._load_state(self._pass_state(donor, None))
+
     def _admit(self, step: int) -> None:
         """After step ``step``'s operation, where the group agreed a replica joins: ring the
         new members and hand the joiner the state, from the order's donor."""
@@ -375,8 +385,7 @@ class ReplicaGroup:
         self.epoch, self.members = order.epoch, list(order.members)
         assert order.donor is not None
         self._ring(t.frame_timeout_s, self.state_bound())
-        self._pass_state(order.donor,
-                         self._state_blob(step) if self.spec.replica == order.donor else None)
+        self.hand_state(order.donor, step)
 
     def join(self) -> int:
         """A joiner: ring the members it joins (they ring it at their next operation
@@ -395,7 +404,7 @@ class ReplicaGroup:
                 if time.monotonic() > deadline:
                     raise
                 self.check_stop()
-        step = self._load_state(self._pass_state(order.donor, None))
+        step = self.take_state(order.donor)
         self.synced_step = step
         return step + 1
 
