@@ -484,6 +484,11 @@ class FellowDaemon:
                     await self.client.job_status(job_id, self.session, upd)
                 return
             except ApiError as exc:
+                if exc.status in (404, 405) and isinstance(upd, list):
+                    # (a leader older than batches of reports: the reports one by one)
+                    for one in upd:
+                        await self._report(job_id, one)
+                    return
                 if exc.status == 409:
                     raise asyncio.CancelledError() from None
                 # 401: registering again; 503: the leader could not store it (a full disk)

@@ -628,8 +628,10 @@ class Membership:
                                   stage_steps=[steps + 1] * job.num_stages)
         job.epoch, job.members = change.epoch, members
         job.membership.append(change)
-        self.queue.hub.publish(JobMembership(job.job_id, change))
+        self.queue.progress.refresh(job)  # (no report follows to leave the lost ones out)
         self._leave(job, left, "the other replicas finished the job")
+        self.queue.save(job)
+        self.queue.hub.publish(JobMembership(job.job_id, change))
 
     def _unexported(self, job: JobRecord, rnd: RegroupRound, left: list[int]) -> str | None:
         """Why the job's export misses a stage's final shard that a lost replica was to

@@ -83,13 +83,27 @@ class ProgressBook:
                 setattr(m, name, values[0])
             else:
                 setattr(m, name, sum(values) / len(values))
-        # The run's last step as its record has it (the step's loss: under swarm wiring the
-        # replicas' mean weighted by the micro-batches each ran, contract.metrics.step_loss),
-        # where that record is still at hand.
-        steps = max((s.steps or 0 for s in last), default=0)
-        final = job.current.get(steps) if steps else None
-        if final is not None and final.loss is not None:
-            m.final_loss = final.loss
+        final = self._final_step_loss(job)
+        if final is not None:
+            m.final_loss = final
+
+    def _final_step_loss(self, job: JobRecord) -> float | None:
+        """The loss of the job's last step as its record has it (of several replicas their
+        mean, under swarm wiring weighted by the micro-batches each ran: step_loss), once the
+        run's last step has a record; None before."""
+        steps = job.spec.training.steps if job.spec.training is not None else 0
+        if not steps or job.last_step < steps:
+            return None
+        rec = job.current.get(steps)
+        if rec is None:
+            stored = self.store.progress_record(job.job_id, steps)
+            rec = None if stored is None else _load(stored)
+        return None if rec is None else rec.loss
+
+    def refresh(self, job: JobRecord) -> None:
+        """The job-level figures again, from the cells' own (its members changed)."""
+        if job.placement is not None and job.placement.replicas > 1:
+            self._job_level(job, StageMetrics(), job.metrics.stages or {})
 
     def record(self, job: JobRecord, stage: int, replica: int, upd: JobStatusUpdate) -> None:
         """Join a cell's step report into that step's record. A report for an older step (a
@@ -115,6 +129,8 @@ class ProgressBook:
                 if upd.loss is not None:
                     rec.add_replica_loss(replica, upd.loss, figures.micro_batches)
                     job.last_loss = rec.loss
+                    if job.spec.training is not None and upd.step == job.spec.training.steps:
+                        job.metrics.final_loss = rec.loss  # (the run's last step's, as recorded)
                 rec.tokens_per_s = (rec.tokens_per_s or 0.0) + (upd.tokens_per_s or 0.0)
             if stage == job.num_stages - 1:
                 rec.step_seconds = figures.step_seconds

@@ -34,6 +34,7 @@ from swarm_core.contract import (
     RegroupReport,
 )
 from swarm_core.contract.events import Event, FellowReleased, Hello, SpeedSet, event_json
+from swarm_core.contract.metrics import MAX_REPORTS_AT_ONCE
 from swarm_core.leader import content_coding
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.keys import CONFIG_KEY, STATE_KEY, WEBSOCKETS_KEY
@@ -766,7 +767,8 @@ ROUTES: tuple[Route, ...] = (
           errors=(400, 401, 403, 404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/statuses", job_statuses,
           "A fellow reports several steps of a job at once, in order (RUNNING reports, at "
-          "most 256): taken as /status takes each, stored together; one refused, none taken",
+          f"most {MAX_REPORTS_AT_ONCE}): taken as /status takes each, stored together; one "
+          "refused, none taken",
           body=JobStatusBatch, response=JobInfo, fellow_session=True,
           errors=(400, 401, 403, 404, 409, 503)),
     Route("POST", f"{A}/jobs/{{job_id}}/regroup", regroup,

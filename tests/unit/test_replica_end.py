@@ -65,6 +65,11 @@ async def test_a_replica_lost_after_the_others_finished_leaves_a_completed_job(q
     the job's membership, members and completion reason."""
     api = quick
     jid, by_replica = await replicated_job(api, 7800)
+    for r in range(3):
+        assert (await report(api, jid, by_replica[r], "RUNNING", step=STEPS - 1, stage=0,
+                             replica=r, loss=2.0, tokens_per_s=100.0,
+                             metrics={"wire_tx_bytes": 10})).status == 200
+    assert (await get_job(api, jid))["metrics"]["tokens_per_s"] == 300.0
     for r in (0, 1):
         await _complete(api, jid, by_replica[r], r)
     assert (await get_job(api, jid))["state"] == "RUNNING"  # (replica 2's cell to come)
@@ -84,6 +89,7 @@ async def test_a_replica_lost_after_the_others_finished_leaves_a_completed_job(q
     [change] = job["membership"]
     assert (change["step"], change["left"], change["members"]) == (STEPS + 1, [2], [0, 1])
     assert change["reason"] and job["members"] == [0, 1]
+    assert job["metrics"]["tokens_per_s"] == 200.0  # (the members' alone, as after any change)
 
 
 async def test_a_replica_lost_while_the_others_train_their_last_steps_is_not_waited_for(quick):

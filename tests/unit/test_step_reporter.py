@@ -46,3 +46,26 @@ async def test_reports_that_queue_while_one_is_in_flight_go_as_one_batch_in_orde
     reporter.close()
     await asyncio.wait_for(running, 2.0)
     assert sent == ([[1], [2, 3, 4, 5], [6]] if batches else [[s] for s in range(1, 7)])
+
+
+async def test_a_leader_older_than_batches_gets_the_reports_one_by_one():
+    """A leader without ``/statuses`` answers a batch 404 (or 405): the fellow sends the same
+    reports one by one, in order, rather than dropping them."""
+    from swarm_core.client import ApiError
+    from swarm_core.fellow.daemon import FellowDaemon, FellowOptions
+
+    daemon = FellowDaemon(FellowOptions(leader_url="http://127.0.0.1:9", token="t"))
+    sent: list[int] = []
+
+    async def job_statuses(job_id, session, updates):
+        raise ApiError(404, "not_found", "no route")
+
+    async def job_status(job_id, session, upd):
+        sent.append(upd.step)
+
+    daemon.client.job_statuses = job_statuses  # type: ignore[method-assign]
+    daemon.client.job_status = job_status  # type: ignore[method-assign]
+    updates = [JobStatusUpdate(fellow_id=1, state="RUNNING", step=s) for s in (4, 5, 6)]
+    await daemon._report("job-1", updates)
+    assert sent == [4, 5, 6]
+    await daemon.client.close()
