@@ -260,14 +260,15 @@ class JobQueue:
         return job.placement is not None and bool(job.placement.replicas_held(fellow_id, stage))
 
     # mutations --------------------------------------------------------------------------------
-    def kept(self, job: JobRecord, fellows: Iterable[FellowRecord] | None = None
-             ) -> contextlib.AbstractContextManager[None]:
+    def kept(self, job: JobRecord, fellows: Iterable[FellowRecord] | None = None,
+             whole: bool = False) -> contextlib.AbstractContextManager[None]:
         """A change of ``job`` that stays only if the store takes it (see ``leader/undo.py``);
-        ``fellows`` whose assignment and signals it may change (default: the job's)."""
+        ``fellows`` whose assignment and signals it may change (default: the job's);
+        ``whole``: its writes are one transaction."""
         if fellows is None:
             fellows = [r for fid in dict.fromkeys(job.fellows)
                        if (r := self.registry.find(fid)) is not None]
-        return kept(self, job, fellows)
+        return kept(self, job, fellows, whole)
 
     def forget_order(self) -> None:
         self._order = None
@@ -314,7 +315,7 @@ class JobQueue:
         stored in one transaction: all of them, or (refused, or the store refusing) none."""
         job = self.get(job_id)
         taken = [t for upd in updates if (t := self._checked(job, upd)) is not None]
-        with self.kept(job), self.store.batch():
+        with self.kept(job, whole=True), self.store.batch():
             for t in taken:
                 self._take(job, fellow, *t, save=False)
             self.save(job, quiet=True)

@@ -61,15 +61,18 @@ def _job_as_now(job: JobRecord) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def kept(queue: JobQueue, job: JobRecord,
-         fellows: Iterable[FellowRecord] = ()) -> Iterator[None]:
+def kept(queue: JobQueue, job: JobRecord, fellows: Iterable[FellowRecord] = (),
+         whole: bool = False) -> Iterator[None]:
     """Run a change of ``job`` (and of ``fellows``' assignments and signals): if a write of
-    it raises StoreWriteError, put all of it back, drop its events, and re-raise."""
+    it raises StoreWriteError, put all of it back, drop its events, and re-raise. ``whole``:
+    the change's writes are one transaction (``Store.batch``), rolled back whatever ends it,
+    so whatever ends it puts the memory back too."""
     undo = [_job_as_now(job), _fellows_as_now(fellows), queue.membership.as_now(job.job_id)]
+    refused: type[Exception] = Exception if whole else StoreWriteError
     try:
         with queue.hub.held():
             yield
-    except StoreWriteError:
+    except refused:
         for step in undo:
             step()
         queue.forget_order()

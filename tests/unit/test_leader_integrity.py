@@ -564,6 +564,35 @@ async def test_a_record_the_store_cannot_hold_is_refused_and_memory_kept(aiohttp
     assert (await get_job(api, jid))["last_step"] == 2
 
 
+async def test_a_batch_that_fails_midway_for_any_reason_leaves_no_report_of_it(aiohttp_client,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    """A batch's writes are one transaction, rolled back whatever ends it: should taking its
+    second report fail other than by the store (a bug), the first report's change is put
+    back in memory too, not left ahead of a store that never took it."""
+    from swarm_core.leader.progress import ProgressBook
+
+    api = await aiohttp_client(create_app(_config(tmp_path)))
+    jid, by_replica = await _replica_job(api, 7700)
+    reg = by_replica[0]
+    before = await get_job(api, jid)
+    real = ProgressBook.record
+
+    def buggy(self: ProgressBook, job: Any, stage: int, replica: int, upd: Any) -> None:
+        if upd.step == 2:
+            raise RuntimeError("a bug taking step 2")
+        real(self, job, stage, replica, upd)
+
+    monkeypatch.setattr(ProgressBook, "record", buggy)
+    batch = {"updates": [{"fellow_id": reg["fellow_id"], "state": "RUNNING", "step": s,
+                          "loss": 3.0, "metrics": {"wire_tx_bytes": 10}} for s in (1, 2)]}
+    resp = await api.post(f"{A}/jobs/{jid}/statuses", json=batch, headers=reg["headers"])
+    assert resp.status == 500
+    assert await get_job(api, jid) == before
+    progress = await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH))
+    assert progress["records"] == []
+
+
 def test_the_store_refuses_an_integer_past_int64_and_writes_nothing(tmp_path):
     store = Store(tmp_path / "s.sqlite3")
     try:
