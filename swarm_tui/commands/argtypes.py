@@ -46,6 +46,7 @@ positive_int = number(int, 1, 2**63 - 1, "count")  # int64: what the leader and 
 # A job's fellows (the API's bound), and a local cluster's (processes on this machine).
 fellow_count = number(int, 1, 1024, "fellow count")
 local_fellow_count = number(int, 1, 64, "local fellow count")
+core_count = number(int, 1, 4096, "core count")
 positive_float = number(float, 0, math.inf, "value", lo_open=True)
 step_count = number(int, 0, 1_000_000, "steps")  # DiLoCo's inner and overlap steps' bound
 port = number(int, 0, 65535, "port")

@@ -17,7 +17,7 @@ from swarm_core.predict.runs import PredictInputError, load_runs, profile_run
 from swarm_core.predict.service import PredictedRun, predict_run, prediction_json
 from swarm_core.predict.step import RunShape
 from swarm_core.schema import unstructure
-from swarm_tui.commands.argtypes import fellow_count, latency_ms, link_mbps
+from swarm_tui.commands.argtypes import core_count, fellow_count, latency_ms, link_mbps
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -48,6 +48,8 @@ def _shapes(args: argparse.Namespace) -> list[RunShape]:
         shapes = [_over_scenario(s, args.scenario) for s in shapes]
     if args.mbps is not None or args.latency_ms is not None:
         shapes = [attrs.evolve(s, network=_override(s, args)) for s in shapes]
+    if args.cores is not None:
+        shapes = [attrs.evolve(s, cores=args.cores) for s in shapes]
     return shapes
 
 
@@ -151,6 +153,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="every fellow's tx and rx in Mbit/s, over the runs' network profiles")
     p.add_argument("--latency-ms", type=latency_ms, default=None,
                    help="every fellow's added one-way latency, over the runs' profiles")
+    p.add_argument("--cores", type=core_count, default=None, metavar="N",
+                   help="every stage on one machine of N cores (a local cluster): an op also "
+                        "waits for a core where the stages' threads outnumber them (default: "
+                        "a machine per stage)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's compute again instead of using the cache")
     add_format(p)

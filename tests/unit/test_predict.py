@@ -396,3 +396,25 @@ def test_the_predictor_prices_each_link_in_the_format_compress_when_gives_it():
         assert flows[((0, r), (1, r))] == expected_wire_bytes(mc, tc, 0, 2, 2, r)
         assert flows[((1, r), (0, r))] == expected_wire_bytes(mc, tc, 1, 2, 2, r)
     assert flows[((0, 1), (1, 1))] < flows[((0, 0), (1, 0))] / 3
+
+
+def test_stages_sharing_one_machine_s_cores_wait_for_them(tmp_path, capsys, monkeypatch):
+    """``--cores N``: every stage on one machine (a local cluster). Two stages on one core
+    take at least their compute one after the other; on two cores, or a machine each, as
+    the schedule lets them overlap. A core count that is not one is a one-line error."""
+    monkeypatch.setattr("swarm_tui.commands.predict.measure_stage",
+                        lambda w: StageTimes(0.01, 0.02, 0.0))
+    steps = {}
+    for cores in (None, "2", "1"):
+        extra = [] if cores is None else ["--cores", cores]
+        assert run(["predict", str(_job(tmp_path)), *extra, "--format", "json"]) == 0
+        (r,) = json.loads(capsys.readouterr().out)["runs"]
+        steps[cores] = r["step_seconds"]
+    assert steps["2"] == pytest.approx(steps[None])
+    # (one core: every op of both stages in turn, 4 micro-batches of 10 + 20 ms each)
+    assert steps["1"] >= 2 * 4 * 0.03 - 1e-9 > steps[None]
+    with pytest.raises(SystemExit) as bad:
+        run(["predict", str(_job(tmp_path)), "--cores", "0"])
+    assert bad.value.code == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "core count" in err[0]
