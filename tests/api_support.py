@@ -104,16 +104,25 @@ async def wait_until_failed(api: TestClient, job_id: str) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def beating(api: TestClient, regs: list[dict[str, Any]], step: int,
-                  alive: set[int] | None = None) -> AsyncIterator[None]:
+                  alive: set[int] | None = None, job_id: str | None = None
+                  ) -> AsyncIterator[None]:
     """Busy heartbeats from ``regs`` every 50 ms, while the block runs, from those whose
-    fellow id is in ``alive`` (all by default; the set may shrink meanwhile)."""
+    fellow id is in ``alive`` (all by default; the set may shrink meanwhile). ``job_id``:
+    each also says it runs its cell of that job (stage 0, replica its place in ``regs``)."""
     alive = {r["fellow_id"] for r in regs} if alive is None else alive
+
+    def running(replica: int) -> dict[str, Any]:
+        if job_id is None:
+            return {}
+        return {"current_job": job_id,
+                "running": [{"job_id": job_id, "stage": 0, "replica": replica}]}
 
     async def beat() -> None:
         while True:
-            for reg in regs:
+            for replica, reg in enumerate(regs):
                 if reg["fellow_id"] in alive:
-                    await heartbeat(api, reg, status="busy", current_step=step)
+                    await heartbeat(api, reg, status="busy", current_step=step,
+                                    **running(replica))
             await asyncio.sleep(0.05)
 
     task = asyncio.create_task(beat())

@@ -8,11 +8,8 @@ process where the case is the fellow's own retry."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from swarm_core.leader.store import Store, StoreWriteError
 from swarm_core.schema import structure
 from swarm_core.validators import MAX_STEPS
 from tests.api_support import (
+    beating,
     expect_error,
     expect_ok,
     get_job,
@@ -81,27 +79,6 @@ def _shard(job_id: str, fellow_id: int, replica: int, step: int,
     return form
 
 
-@contextlib.asynccontextmanager
-async def _beating(api: Any, job_id: str, regs: list[dict[str, Any]], alive: set[int]
-                   ) -> AsyncIterator[None]:
-    """Heartbeats every 50 ms from the fellows in ``alive`` (it may shrink), each saying it
-    runs its cell of the job."""
-    async def beat() -> None:
-        while True:
-            for replica, reg in enumerate(regs):
-                if reg["fellow_id"] in alive:
-                    await heartbeat(api, reg, status="busy", current_step=3,
-                                    current_job=job_id, running=[
-                                        {"job_id": job_id, "stage": 0, "replica": replica}])
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-
-
 # --- 1. a replica that left ------------------------------------------------------------------
 
 
@@ -118,7 +95,7 @@ async def test_a_replica_the_survivors_regrouped_without_can_no_longer_write(aio
     jid, by_replica = await _replica_job(api, 7600)
     survivor, gone = by_replica[0], by_replica[1]
     alive = {survivor["fellow_id"], gone["fellow_id"]}
-    async with _beating(api, jid, [survivor, gone], alive):
+    async with beating(api, [survivor, gone], 3, alive, jid):
         alive.discard(gone["fellow_id"])  # (its fellow went quiet)
 
         async def ordered() -> Any:
