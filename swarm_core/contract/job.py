@@ -8,7 +8,7 @@ route, the client's reply, a stored row), and passed as objects from there on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -38,6 +38,17 @@ def check_routing(wiring: str, routing: str) -> None:
     cluster profile alike)."""
     if routing != "given" and wiring != "swarm":
         raise FieldError("measured routing is for wiring swarm", "routing")
+
+
+def route_weights_error(weights: Sequence[Sequence[float]], stages: int, width: int,
+                        per: str = "replicas") -> str | None:
+    """What is wrong with a swarm route's weights (a row a stage, ``width`` weights a row,
+    each ``per`` one), or None: a job's topology and a layout's (by cell id) alike."""
+    if len(weights) != stages or any(len(row) != width for row in weights):
+        return f"must be {stages} lists (stages) of {width} weights ({per})"
+    if any(not (w > 0 and w < 1e9) for row in weights for w in row):
+        return "every weight must be a positive number"
+    return None
 
 
 @attrs.define
@@ -84,12 +95,9 @@ class Topology:
             return
         if self.wiring != "swarm":
             raise FieldError("route weights are for wiring swarm", "route_weights")
-        if len(self.route_weights) != self.num_stages or any(
-                len(row) != self.replicas for row in self.route_weights):
-            raise FieldError(f"must be {self.num_stages} lists (stages) of {self.replicas} "
-                             "weights (replicas)", "route_weights")
-        if any(not (w > 0 and w < 1e9) for row in self.route_weights for w in row):
-            raise FieldError("every weight must be a positive number", "route_weights")
+        why = route_weights_error(self.route_weights, self.num_stages, self.replicas)
+        if why is not None:
+            raise FieldError(why, "route_weights")
 
     def _check_grid(self) -> None:
         slots, replicas = self.slots_per_fellow, self.replicas

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from swarm_core.contract.job import route_weights_error
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.transport import PeerLink
 
@@ -67,13 +68,9 @@ def check_layout(layout: Sequence[Sequence[int]], stages: int, shares: int,
 def check_weights(weights: Sequence[Sequence[float]] | None, stages: int, width: int) -> None:
     """A layout's route weights are by id: one row a stage, one weight an id it names (a
     stage's own ids are read; the rest fill the row). Raises ValueError otherwise."""
-    if weights is None:
-        return
-    if len(weights) != stages or any(len(row) != width for row in weights):
-        raise ValueError(f"route_weights: must be {stages} lists (stages) of {width} weights "
-                         "(by cell id)")
-    if any(not w > 0 for row in weights for w in row):
-        raise ValueError("route_weights: every weight must be a positive number")
+    why = None if weights is None else route_weights_error(weights, stages, width, "by cell id")
+    if why is not None:
+        raise ValueError(f"route_weights: {why}")
 
 
 def stage_ids(layout: Layout | None, stage: int, shares: int) -> list[int]:
