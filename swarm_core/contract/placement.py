@@ -10,11 +10,43 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
-from swarm_core.schema import checking
+from swarm_core.schema import checking, sparse
 
 
 class PlacementError(ValueError):
     pass
+
+
+# Per stage, the sorted ids of its cells (``pipeline/layout``): a swarm job's stages may hold
+# different numbers of cells. Defined here, torch-free, since the leader places by it too.
+Layout = tuple[tuple[int, ...], ...]
+
+
+def layout_cells(layout: Layout) -> list[tuple[int, int]]:
+    """(stage, id) of every cell of ``layout`` in placement order: id by id, each id's stages
+    in order, absent cells skipped. For the uniform layout that is the grid's order (replica r
+    of stage k at r x stages + k), so a uniform job's indices never move."""
+    width = 1 + max(max(ids) for ids in layout)
+    return [(k, i) for i in range(width) for k, ids in enumerate(layout) if i in ids]
+
+
+def normal_layout(layout: Sequence[Sequence[int]] | None, num_stages: int,
+                  replicas: int) -> Layout | None:
+    """``layout`` checked and sorted, or None where it is the uniform grid (every stage ids
+    0..replicas-1), so that a uniform job's placement is today's to the byte. Raises
+    PlacementError in one line naming what is wrong."""
+    if layout is None:
+        return None
+    if len(layout) != num_stages:
+        raise PlacementError(f"layout: {len(layout)} stages listed for a {num_stages}-stage job")
+    out = tuple(tuple(sorted(int(i) for i in ids)) for ids in layout)
+    for k, ids in enumerate(out):
+        if not ids or ids[0] != 0:
+            raise PlacementError(f"layout: stage {k} has no cell 0 (its ids: {list(ids)})")
+        if len(set(ids)) != len(ids):
+            raise PlacementError(f"layout: stage {k}'s ids {list(ids)} repeat")
+    uniform = tuple(range(replicas))
+    return None if all(ids == uniform for ids in out) else out
 
 
 def split_layers(n_layers: int, weights: Sequence[float]) -> list[tuple[int, int]]:
@@ -86,35 +118,78 @@ def stage_of_label(label: str) -> int:
     return int(str(label).partition(".")[0])
 
 
+@sparse  # (``layout`` None is left out: a uniform job's JSON is as it was before layouts)
 @attrs.define
 class Placement:
-    """Every cell of a job's grid, ``num_stages`` stages by ``replicas`` replicas, in
-    ``stages`` (the name is the one-replica layout's): replica 0's stages in order, then
-    replica 1's. Replica r of stage k feeds replica r of stage k+1; the replicas of one stage
-    form its group."""
+    """Every cell of a placed job, in ``stages`` (the name is the one-replica layout's).
+
+    Without ``layout``, a grid of ``num_stages`` stages by ``replicas`` replicas: replica 0's
+    stages in order, then replica 1's. Replica r of stage k feeds replica r of stage k+1; the
+    replicas of one stage form its group.
+
+    With ``layout`` (a swarm job whose stages hold different cells, ``pipeline/layout``):
+    stage k has the cells of ``layout[k]``'s ids, listed id by id (``layout_cells``); a cell's
+    ``replica`` is its id. ``replicas`` stays the job's data shares (its batch), which the ids
+    need not match; a cell feeds the same id at the next stage only where that stage has it."""
 
     num_stages: int
     n_layers: int
     stages: list[StagePlacement]
     replicas: int = 1
+    layout: Layout | None = None
 
     def __attrs_post_init__(self) -> None:
-        if checking() and (len(self.stages) != self.num_stages * self.replicas or any(
-                (s.stage, s.replica) != (i % self.num_stages, i // self.num_stages)
-                for i, s in enumerate(self.stages))):
-            raise PlacementError(f"a {self.num_stages}-stage, {self.replicas}-replica "
-                                 "placement must list each replica's stages 0.."
-                                 f"{self.num_stages - 1} in order, replica by replica")
+        # Normalised whatever the checking: a uniform layout is the grid, so it must read as
+        # None everywhere (JSON, equality, every method's arithmetic path).
+        self.layout = normal_layout(self.layout, self.num_stages, self.replicas)
+        if checking():
+            self._check_cells()
+
+    def _check_cells(self) -> None:
+        got = [(s.stage, s.replica) for s in self.stages]
+        if self.layout is None:
+            if got != [(i % self.num_stages, i // self.num_stages)
+                       for i in range(self.num_stages * self.replicas)]:
+                raise PlacementError(f"a {self.num_stages}-stage, {self.replicas}-replica "
+                                     "placement must list each replica's stages 0.."
+                                     f"{self.num_stages - 1} in order, replica by replica")
+        elif got != layout_cells(self.layout):
+            raise PlacementError(f"a placement of layout {[list(ids) for ids in self.layout]} "
+                                 "must list its cells id by id, each id's stages in order")
+
+    @property
+    def width(self) -> int:
+        """How many ids the widest use of an id spans: the shares for a grid, else the
+        largest id + 1."""
+        return self.replicas if self.layout is None else 1 + max(max(i) for i in self.layout)
+
+    def ids(self, stage: int) -> list[int]:
+        """The ids of ``stage``'s cells, in order (a grid: every replica)."""
+        return list(range(self.replicas)) if self.layout is None else list(self.layout[stage])
+
+    def has(self, stage: int, replica: int = 0) -> bool:
+        """Whether the job has the cell (stage, id)."""
+        return 0 <= stage < self.num_stages and replica in self.ids(stage)
 
     def index(self, stage: int, replica: int = 0) -> int:
         """Where the cell is in ``stages`` (the stage itself, for one replica)."""
-        return replica * self.num_stages + stage
+        if self.layout is None:
+            return replica * self.num_stages + stage
+        try:
+            return layout_cells(self.layout).index((stage, replica))
+        except ValueError:
+            raise PlacementError(f"no cell {stage}.{replica} in layout "
+                                 f"{[list(ids) for ids in self.layout]}") from None
 
     def cell(self, stage: int, replica: int = 0) -> StagePlacement:
         return self.stages[self.index(stage, replica)]
 
     def label(self, stage: int, replica: int = 0) -> str:
-        return str(stage) if self.replicas == 1 else self.cell(stage, replica).label
+        """"k" for a grid of one replica, "k.r" else: a layout always names the id, since
+        even one share's layout has several cells at some stage."""
+        if self.layout is None and self.replicas == 1:
+            return str(stage)
+        return self.cell(stage, replica).label
 
     @property
     def fellows(self) -> list[int]:
@@ -135,22 +210,35 @@ class Placement:
 
     def holds(self, fellow_id: int, stage: int, replica: int = 0) -> bool:
         """Whether this fellow runs this cell (a fellow may run several)."""
+        if self.layout is not None:
+            return self.has(stage, replica) and self.cell(stage, replica).fellow_id == fellow_id
         return 0 <= stage < self.num_stages and 0 <= replica < self.replicas \
             and self.cell(stage, replica).fellow_id == fellow_id
 
     def replicas_held(self, fellow_id: int, stage: int) -> list[int]:
-        """The replicas of ``stage`` this fellow runs."""
-        return [r for r in range(self.replicas) if self.holds(fellow_id, stage, r)]
+        """The replicas (a layout's: ids) of ``stage`` this fellow runs."""
+        ids = range(self.replicas) if self.layout is None or not 0 <= stage < self.num_stages \
+            else self.layout[stage]
+        return [r for r in ids if self.holds(fellow_id, stage, r)]
 
     def downstream(self, stage: int, replica: int = 0) -> StagePlacement | None:
-        return self.cell(stage + 1, replica) if stage + 1 < self.num_stages else None
+        """The cell this one's chain link feeds: None at the last stage, and under a layout
+        where the next stage lacks this id (the cell has route links only there)."""
+        return self._neighbour(stage + 1, replica)
 
     def upstream(self, stage: int, replica: int = 0) -> StagePlacement | None:
-        return self.cell(stage - 1, replica) if stage > 0 else None
+        return self._neighbour(stage - 1, replica)
+
+    def _neighbour(self, stage: int, replica: int) -> StagePlacement | None:
+        if not 0 <= stage < self.num_stages:
+            return None
+        if self.layout is not None and replica not in self.layout[stage]:
+            return None
+        return self.cell(stage, replica)
 
     def group(self, stage: int) -> list[StagePlacement]:
-        """The replicas of one stage, by replica."""
-        return [self.cell(stage, r) for r in range(self.replicas)]
+        """The cells of one stage, by replica (a layout's: by id)."""
+        return [self.cell(stage, r) for r in self.ids(stage)]
 
     def same_fellow(self, a: StagePlacement | None, b: StagePlacement | None) -> bool:
         """Two cells in one fellow (another device slot): their link never leaves the
@@ -162,7 +250,7 @@ class Placement:
         """What the cell (stage, replica) needs to ring its stage group: where each replica
         of the stage listens, and which of them run in the cell's own fellow."""
         mine = self.cell(stage, replica)
-        group = [self.cell(stage, r) for r in range(self.replicas)]
+        group = self.group(stage)
         return (tuple(c.data_addr for c in group),
                 tuple(self.same_fellow(mine, c) for c in group))
 
@@ -181,30 +269,47 @@ class FellowSlots:
 
 def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
          weights: Sequence[float] | None = None, slots_per_fellow: int | None = None,
-         replicas: int = 1) -> Placement:
+         replicas: int = 1, layout: Sequence[Sequence[int]] | None = None) -> Placement:
     """Cell (stage k, replica r) goes to the (r x num_stages + k)-th free slot, filling each
     fellow's slots before the next fellow's, so a replica's neighbouring stages share a machine
     where they can (the pipeline's links, every micro-batch, stay local; a stage group's
-    synchronisation, once a step or fewer, crosses)."""
+    synchronisation, once a step or fewer, crosses). With ``layout`` (per stage, its cells'
+    ids; ``replicas`` the job's shares), the i-th cell in ``layout_cells`` order takes the i-th
+    slot: an id's chain still shares a machine where it can."""
     if num_stages < 1:
         raise PlacementError("need at least one stage")
     weights = list(weights) if weights is not None else [1.0] * num_stages
     if len(weights) != num_stages:
         raise PlacementError(f"{len(weights)} stage weights for {num_stages} stages")
+    shape = normal_layout(layout, num_stages, replicas)
+    cells = _grid_cells(num_stages, replicas) if shape is None else layout_cells(shape)
+    slots = _free_slots(fellows, slots_per_fellow)
+    if len(slots) < len(cells):
+        raise PlacementError(f"{_shape_text(num_stages, replicas, shape)} need {len(cells)} "
+                             f"device slots, the fellows offer {len(slots)}")
+    ranges = split_layers(n_layers, weights)
+    stages = [StagePlacement(k, f.fellow_id, f.name, slot, device, LayerRange(*ranges[k]),
+                             f.addr(slot), r)
+              for (k, r), (f, slot, device) in zip(cells, slots, strict=False)]
+    return Placement(num_stages, n_layers, stages, replicas, shape)
+
+
+def _grid_cells(num_stages: int, replicas: int) -> list[tuple[int, int]]:
+    return [(i % num_stages, i // num_stages) for i in range(num_stages * replicas)]
+
+
+def _free_slots(fellows: Sequence[FellowSlots], slots_per_fellow: int | None
+                ) -> list[tuple[FellowSlots, int, str]]:
+    """Every usable (fellow, slot, device), each fellow's slots before the next fellow's."""
     slots = []
     for f in fellows:
         usable = f.devices if slots_per_fellow is None else f.devices[:slots_per_fellow]
         slots += [(f, i, d) for i, d in enumerate(usable)]
-    cells = num_stages * replicas
-    if len(slots) < cells:
-        grid = f"{num_stages} stages" if replicas == 1 else \
-            f"{num_stages} stages x {replicas} replicas"
-        raise PlacementError(f"{grid} need {cells} device slots, the fellows offer "
-                             f"{len(slots)}")
-    ranges = split_layers(n_layers, weights)
-    stages = [
-        StagePlacement(i % num_stages, f.fellow_id, f.name, slot, device,
-                       LayerRange(*ranges[i % num_stages]), f.addr(slot), i // num_stages)
-        for i, (f, slot, device) in enumerate(slots[:cells])
-    ]
-    return Placement(num_stages, n_layers, stages, replicas)
+    return slots
+
+
+def _shape_text(num_stages: int, replicas: int, layout: Layout | None) -> str:
+    if layout is not None:
+        return f"{num_stages} stages of cells {'+'.join(str(len(ids)) for ids in layout)}"
+    return f"{num_stages} stages" if replicas == 1 else \
+        f"{num_stages} stages x {replicas} replicas"

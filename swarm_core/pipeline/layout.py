@@ -32,13 +32,12 @@ from typing import TYPE_CHECKING
 import attrs
 
 from swarm_core.contract.job import route_weights_error
+from swarm_core.contract.placement import Layout  # (defined torch-free, for the leader too)
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.transport import PeerLink
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.stage import StageLinks, StageSpec
-
-Layout = tuple[tuple[int, ...], ...]
 
 
 def check_layout(layout: Sequence[Sequence[int]], stages: int, shares: int,
