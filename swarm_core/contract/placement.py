@@ -240,6 +240,33 @@ class Placement:
         """The cells of one stage, by replica (a layout's: by id)."""
         return [self.cell(stage, r) for r in self.ids(stage)]
 
+    def moved(self, source: int, cell: int, target: int, new_id: int) -> Placement:
+        """The placement after a rebalancing move (``contract/rebalance.Move``): cell ``cell``
+        of stage ``source`` becomes cell ``new_id`` of stage ``target``. The peer keeps its
+        fellow, slot, device and listener (its neighbours dial the same address) and takes
+        the target stage's layers. Every cell computes the same move in band, so each holder
+        of the placement reaches the same one. PlacementError (one line) for a move that does
+        not fit: a cell that is not there, an id the target has, a stage left without id 0."""
+        if not self.has(source, cell):
+            raise PlacementError(f"move: no cell {source}.{cell} to move")
+        if not 0 <= target < self.num_stages or target == source:
+            raise PlacementError(f"move: stage {target} is not another stage of the job")
+        if new_id < 0 or self.has(target, new_id):
+            raise PlacementError(f"move: stage {target} already has a cell {new_id}")
+        shape = [[i for i in self.ids(k) if (k, i) != (source, cell)]
+                 for k in range(self.num_stages)]
+        shape[target].append(new_id)
+        after = normal_layout(shape, self.num_stages, self.replicas)  # (refuses losing id 0)
+        arrived = attrs.evolve(self.cell(source, cell), stage=target, replica=new_id,
+                               layers=self.group(target)[0].layers)
+        by_place = {(c.stage, c.replica): c for c in self.stages}
+        del by_place[(source, cell)]
+        by_place[(target, new_id)] = arrived
+        # (id by id whether or not the result is the grid: for the grid that is its order)
+        order = layout_cells(tuple(tuple(ids) for ids in shape))
+        return Placement(self.num_stages, self.n_layers, [by_place[c] for c in order],
+                         self.replicas, after)
+
     def same_fellow(self, a: StagePlacement | None, b: StagePlacement | None) -> bool:
         """Two cells in one fellow (another device slot): their link never leaves the
         machine."""

@@ -129,3 +129,38 @@ def test_cells_out_of_the_layout_order_are_refused():
     p = plan(fellows(5), 2, 12, replicas=2, layout=LAYOUT)
     with pytest.raises(PlacementError, match="must list its cells id by id"):
         Placement(2, 12, list(reversed(p.stages)), 2, p.layout)
+
+
+def test_a_move_gives_the_peer_its_new_cell():
+    # S=2 x R=3 uniform; stage 0's cell 2 moves to stage 1 as cell 3 (the rebalancing test's).
+    p = plan(fellows(6), 2, 12, replicas=3)
+    q = p.moved(0, 2, 1, 3)
+    assert q.layout == ((0, 1), (0, 1, 2, 3))
+    mover = p.cell(0, 2)
+    now = q.cell(1, 3)
+    assert (now.fellow_id, now.slot, now.device, now.data_addr) == \
+        (mover.fellow_id, mover.slot, mover.device, mover.data_addr)
+    assert now.layers == p.cell(1, 0).layers and now.label == "1.3"
+    assert not q.has(0, 2) and q.holds(mover.fellow_id, 1, 3)
+    assert [c.fellow_id for c in q.group(1)] == [1, 3, 5, 4]
+    assert structure(json.loads(json.dumps(unstructure(q))), Placement) == q
+
+
+def test_a_move_back_to_the_grid_is_the_grid():
+    p = plan(fellows(4), 2, 12, replicas=2, layout=[[0], [0, 1, 2]])
+    q = p.moved(1, 2, 0, 1)  # fellow 3 (stage 1's cell 2) takes the grid's cell 0.1
+    assert q.layout is None and "layout" not in unstructure(q)
+    assert [(c.stage, c.replica, c.fellow_id) for c in q.stages] == \
+        [(0, 0, 0), (1, 0, 1), (0, 1, 3), (1, 1, 2)]
+    assert q.cell(0, 1).layers.as_tuple() == (0, 6)
+
+
+@pytest.mark.parametrize(("move", "why"), [
+    ((0, 5, 1, 3), r"^move: no cell 0\.5 to move$"),
+    ((0, 1, 0, 3), "^move: stage 0 is not another stage of the job$"),
+    ((0, 1, 1, 1), "^move: stage 1 already has a cell 1$"),
+    ((0, 0, 1, 3), "^layout: stage 0 has no cell 0"),
+])
+def test_moves_that_do_not_fit_are_refused_in_one_line(move, why):
+    with pytest.raises(PlacementError, match=why):
+        plan(fellows(4), 2, 12, replicas=2).moved(*move)
