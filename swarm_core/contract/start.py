@@ -59,7 +59,10 @@ class StageStart:
         p = self.placement
         if not 0 <= self.stage < p.num_stages:
             raise FieldError(f"stage {self.stage} of a {p.num_stages}-stage placement", "stage")
-        if not 0 <= self.replica < p.replicas:
+        if p.layout is not None and not p.has(self.stage, self.replica):
+            raise FieldError(f"no cell {self.stage}.{self.replica} in the placement's layout "
+                             f"{[list(ids) for ids in p.layout]}", "replica")
+        if p.layout is None and not 0 <= self.replica < p.replicas:
             raise FieldError(f"replica {self.replica} of a {p.replicas}-replica placement",
                              "replica")
         if self.num_stages != p.num_stages:
@@ -70,7 +73,7 @@ class StageStart:
                 [self.placement.downstream(self.stage, self.replica)]
             if self.wiring == "swarm" and self.stage + 1 < p.num_stages:
                 peers = list(p.group(self.stage + 1))  # (routed: it dials every one of them)
-            if p.replicas > 1 and self.join is None:
+            if len(p.ids(self.stage)) > 1 and self.join is None:  # (a group: a ring)
                 peers.append(self.ring_next)
             for peer in peers:
                 if peer is not None and (peer.data_addr is None
@@ -108,18 +111,35 @@ class StageStart:
 
     @property
     def ring_next(self) -> StagePlacement | None:
-        """The replica of this stage that this one sends its share of the group's
-        synchronisation to (the next around the ring); None for a job of one replica."""
-        r = self.placement.replicas
-        return None if r == 1 else self.placement.cell(self.stage, (self.replica + 1) % r)
+        """The cell of this stage that this one sends its share of the group's
+        synchronisation to (the next around the ring, in id order); None for a stage of one
+        cell."""
+        return self._ring(+1)
 
     @property
     def local_ring(self) -> bool:
         """The ring's neighbours run in this same fellow: its links never leave it."""
-        r = self.placement.replicas
-        prev = None if r == 1 else self.placement.cell(self.stage, (self.replica - 1) % r)
         return self.placement.same_fellow(self.mine, self.ring_next) \
-            and self.placement.same_fellow(self.mine, prev)
+            and self.placement.same_fellow(self.mine, self._ring(-1))
+
+    def _ring(self, step: int) -> StagePlacement | None:
+        # (the grid's ids are 0..R-1, so this is replica (r +- 1) % R there, as before)
+        ids = self.placement.ids(self.stage)
+        if len(ids) == 1:
+            return None
+        return self.placement.cell(self.stage, ids[(ids.index(self.replica) + step) % len(ids)])
+
+    def after_move(self, source: int, cell: int, target: int, new_id: int,
+                   at: int) -> StageStart:
+        """What this cell runs from step ``at`` on, once every cell has decided the same move
+        in band (``Placement.moved``): the moving peer's fellow gets its new cell's START
+        without a word from the leader (its state comes round the new ring from the target's
+        cell 0, as a joiner's does); any other cell, itself under the moved placement."""
+        placement = self.placement.moved(source, cell, target, new_id)
+        if (self.stage, self.replica) != (source, cell):
+            return attrs.evolve(self, placement=placement)
+        return attrs.evolve(self, stage=target, replica=new_id, placement=placement,
+                            resume_step=at, join=None)
 
     @property
     def train(self) -> TrainingConfig | None:
