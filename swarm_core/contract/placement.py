@@ -240,6 +240,14 @@ class Placement:
         """The cells of one stage, by replica (a layout's: by id)."""
         return [self.cell(stage, r) for r in self.ids(stage)]
 
+    def ring(self, stage: int, replica: int, step: int = 1) -> StagePlacement | None:
+        """The cell ``step`` places round the stage group's ring from (stage, replica), in
+        id order (a grid's: replica (r + step) % R); None for a stage of one cell."""
+        ids = self.ids(stage)
+        if len(ids) == 1:
+            return None
+        return self.cell(stage, ids[(ids.index(replica) + step) % len(ids)])
+
     def moved(self, source: int, cell: int, target: int, new_id: int) -> Placement:
         """The placement after a rebalancing move (``contract/rebalance.Move``): cell ``cell``
         of stage ``source`` becomes cell ``new_id`` of stage ``target``. The peer keeps its

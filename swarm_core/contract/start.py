@@ -22,7 +22,13 @@ from swarm_core.contract.job import (
     register_kind_hooks,
 )
 from swarm_core.contract.membership import RegroupOrder
-from swarm_core.contract.placement import FellowSlots, Placement, StagePlacement, plan
+from swarm_core.contract.placement import (
+    FellowSlots,
+    Placement,
+    StagePlacement,
+    normal_layout,
+    plan,
+)
 from swarm_core.protocol import split_host_port
 from swarm_core.schema import FieldError, checking, converter, lenient_converter
 
@@ -123,11 +129,7 @@ class StageStart:
             and self.placement.same_fellow(self.mine, self._ring(-1))
 
     def _ring(self, step: int) -> StagePlacement | None:
-        # (the grid's ids are 0..R-1, so this is replica (r +- 1) % R there, as before)
-        ids = self.placement.ids(self.stage)
-        if len(ids) == 1:
-            return None
-        return self.placement.cell(self.stage, ids[(ids.index(self.replica) + step) % len(ids)])
+        return self.placement.ring(self.stage, self.replica, step)
 
     def after_move(self, source: int, cell: int, target: int, new_id: int,
                    at: int) -> StageStart:
@@ -168,24 +170,24 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
                  replicas: int = 1, wiring: Literal["chain", "swarm"] = "chain",
                  route_weights: list[list[float]] | None = None,
                  routing: Literal["given", "measured"] = "given",
-                 width: int | None = None) -> list[StageStart]:
+                 layout: Sequence[Sequence[int]] | None = None) -> list[StageStart]:
     """The STARTs of a train job whose i-th cell (replica i // stages of stage i % stages)
     runs on fellow i, listening at ``addrs[i]`` on ``devices[i]``: planned and built by the
     leader's own code (for a pipeline run without a leader, and for tests). Layers split
-    equally unless ``weights`` say otherwise. ``width``: a grid of that many ids a stage
-    (``addrs`` as many cells), for a swarm layout (``pipeline/layout``) whose stages hold
-    some of them; the job's batch is still ``replicas`` shares, and the route weights, by
-    id, go to the STARTs as given."""
+    equally unless ``weights`` say otherwise. ``layout``: a swarm job whose stages hold
+    unequal cells (``pipeline/layout``): the i-th cell is then the i-th of ``layout_cells``,
+    the job's batch still ``replicas`` shares, and the route weights are by id."""
     devs = list(devices or ["cpu"] * len(addrs))
     fellows = [FellowSlots(s, f"fellow-{s}", [dev], addr)
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
-    grid = replicas if width is None else width
-    stages = len(addrs) // grid
+    shape = normal_layout(layout, len(layout), replicas) if layout is not None else None
+    stages = len(addrs) // replicas if layout is None else len(layout)
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
                      topology=Topology(stages=stages, replicas=replicas, wiring=wiring,
-                                       route_weights=route_weights if width is None else None,
+                                       route_weights=route_weights if shape is None else None,
                                        routing=routing))
-    placement = plan(fellows, stages, model.n_layers, weights, replicas=grid)
+    placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas, layout=shape)
     starts = stage_starts(job_id, spec, placement, key)
-    return starts if width is None else \
+    # (a layout's weights are by id, wider than the grid's Topology checks)
+    return starts if shape is None else \
         [attrs.evolve(s, route_weights=route_weights) for s in starts]

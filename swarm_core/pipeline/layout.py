@@ -139,13 +139,3 @@ def norm_relay(spec: StageSpec, links: StageLinks) -> NormRelay | None:
     if k == 1:
         sinks += [links.ups[r] for r in layout[0] if not complete(layout, r)]
     return NormRelay(sinks=sinks) if sinks else None
-
-
-def with_layout(spec: StageSpec, layout: Layout | None, shares: int) -> StageSpec:
-    """A cell's spec, built from a grid as wide as the layout's ids (or wider), as the
-    layout runs it: the job's ``shares``, its ring through the stage's members only. (Its
-    chain link down is dialled only where the next stage has its id: ``StageSpec.ids``.)"""
-    ids = stage_ids(layout, spec.stage, shares)
-    _prev, nxt = ring_neighbours(spec, ids)
-    return attrs.evolve(spec, layout=layout, replicas=shares,
-                        ring_next_addr=spec.group_addrs[nxt] if len(ids) > 1 else None)

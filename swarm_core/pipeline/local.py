@@ -9,8 +9,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import attrs
+
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
-from swarm_core.contract import chain_starts
+from swarm_core.contract import StageStart, chain_starts
 from swarm_core.contract.membership import (
     MembershipChange,
     RegroupConflict,
@@ -20,6 +22,7 @@ from swarm_core.contract.membership import (
     regroup_orders,
     routed_orders,
 )
+from swarm_core.contract.placement import layout_cells
 from swarm_core.data import TokenData
 from swarm_core.pipeline.layout import (
     Layout,
@@ -27,7 +30,6 @@ from swarm_core.pipeline.layout import (
     check_weights,
     slot_count,
     stage_ids,
-    with_layout,
 )
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
@@ -194,16 +196,17 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     move = None if relayout is None else _move(relayout, shape, num_stages, replicas, training,
                                                wiring)
     width = slot_count(shape, replicas) if move is None else move.width
-    rebalancer = None
+    rebalancer, weights_width = None, width
     if rebalance is not None:
         if wiring != "swarm" or routing != "measured" or training.sync.mode != "dp" \
                 or move is not None or rebalance < 1:
             raise ValueError("rebalance: a number of steps >= 1, for swarm wiring with "
                              "measured routes and sync.mode dp, without relayout")
-        width = max(width, replicas * num_stages)
-        rebalancer = Rebalance(every=rebalance, width=width)
+        # (a moved peer takes the smallest id its new stage lacks: at most every cell's)
+        weights_width = max(width, replicas * num_stages)
+        rebalancer = Rebalance(every=rebalance)
     if shape is not None or move is not None or rebalancer is not None:
-        check_weights(route_weights, num_stages, width)
+        check_weights(route_weights, num_stages, weights_width)
         if coordinator is not None:
             raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
                              "yet")
@@ -214,15 +217,33 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     shaping = list(shapers or [LinkShaper() for _ in range(cells)])
     if len(shaping) != cells:
         raise ValueError(f"{len(shaping)} shapers for {cells} cells")
-    listeners = [DataListener() for _ in range(cells)]
-    results: dict[int, Any] = {}
-    stop = stop or threading.Event()
-    starts = chain_starts(model, training, [ln.addr for ln in listeners], devs,
-                          replicas=replicas, wiring=wiring, route_weights=route_weights,
-                          routing=routing,
-                          width=None if width == replicas else width)
     run = [s for s in range(cells) if _runs(s // num_stages, s % num_stages, shape, move,
                                             replicas)]
+    listeners = {s: DataListener() for s in run}
+    results: dict[int, Any] = {}
+    stop = stop or threading.Event()
+
+    def placed(layout: Layout | None) -> dict[int, StageStart]:
+        """The STARTs of ``layout``'s cells as the leader builds them, each cell on a
+        fellow of its own listening where the grid's cell (id x num_stages + stage) does."""
+        keys = [r * num_stages + k
+                for k, r in (layout_cells(layout) if layout is not None else
+                             [(i % num_stages, i // num_stages)
+                              for i in range(num_stages * replicas)])]
+        starts = chain_starts(model, training, [listeners[c].addr for c in keys],
+                              [devs[c] for c in keys], replicas=replicas, wiring=wiring,
+                              route_weights=None if by_id else route_weights,
+                              routing=routing, layout=layout)
+        # (a job that changes layout names its weights by id, both layouts' ids)
+        return {c: attrs.evolve(st, route_weights=route_weights) if by_id else st
+                for c, st in zip(keys, starts, strict=True)}
+
+    by_id = shape is not None or move is not None or rebalancer is not None
+    starts = placed(shape if move is None else move.before)
+    if move is not None:
+        after = placed(move.after)
+        move = attrs.evolve(move, placement=next(iter(after.values())).placement)
+        starts.update({c: st for c, st in after.items() if c not in starts})
 
     def loader(s: int) -> TokenData | Callable[[], TokenData]:
         return (lambda: data(s)) if callable(data) else data
@@ -231,33 +252,33 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
         return (lambda r: on_step(s, r)) if on_step else (lambda r: None)
 
     def go(s: int) -> None:
-        spec = StageSpec.from_start(starts[s])
+        start = starts[s]
+        spec = StageSpec.from_start(start)
         kwargs = dict((stage_kwargs or {}).get(s, {}))
-        shaper = shaping[s]  # (its fellow's: a moved peer keeps it, and its pace)
-        if move is not None:  # (the layout the cell starts under: one it adds, the new one)
+        # (its fellow's, as its listener: a moved peer keeps them, and its pace)
+        shaper, listener = shaping[s], listeners[s]
+        if move is not None:
             kwargs["move"] = move
-            spec = with_layout(spec, move.after if move.arrives(spec) else move.before,
-                               replicas)
-        elif shape is not None or rebalancer is not None:
-            spec = with_layout(spec, shape, replicas)
         if rebalancer is not None:
             kwargs["rebalance"] = rebalancer
         try:
             if prepare and s in prepare:
                 prepare[s](spec)
             while True:
-                done = run_stage(spec, loader(s), shaper, listeners[s], stop, reporter(s),
+                done = run_stage(spec, loader(s), shaper, listener, stop, reporter(s),
                                  connect_timeout=training.frame_timeout_s,
                                  coordinator=coordinator, **kwargs)
                 results[s] = done
                 if done.moved is None or rebalancer is None:
                     break  # (a relayout's newcomer has a thread of its own)
-                # (its peer moved: this thread, its fellow, goes on as the cell it became)
+                # (its peer moved: this thread, its fellow, goes on as the cell it became,
+                # from the START every cell's move gives it, as a fellow's would)
                 if on_move is not None:
                     on_move(done.moved)
-                [(k, r)] = done.moved.added()
-                s = r * num_stages + k
-                spec = with_layout(StageSpec.from_start(starts[s]), done.moved.after, replicas)
+                assert done.moved.peer is not None
+                start = start.after_move(*done.moved.peer, at=done.moved.at)
+                s = start.replica * num_stages + start.stage
+                spec = StageSpec.from_start(start)
                 kwargs["move"] = done.moved
             if coordinator is not None:
                 coordinator.cell_finished(spec.stage, spec.replica)
@@ -277,7 +298,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
     finally:
-        for ln in listeners:
+        for ln in listeners.values():
             ln.close()
     if any(t.is_alive() for t in threads):
         stop.set()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from swarm_core.contract.placement import Placement
 from swarm_core.contract.rebalance import MIN_GAIN, choose_move
 from swarm_core.pipeline.layout import Layout, check_layout, slot_count, stage_ids
 from swarm_core.pipeline.route_meter import RouteMeter
@@ -44,13 +45,17 @@ MOVE_EPOCH = 1  # the new links' membership (a lost cell's regroup is not built 
 @attrs.frozen
 class LayoutMove:
     """The job's layout ``before`` (None: uniform) up to step ``at``, ``after`` from it on;
-    ``shares``: the job's data shares (R)."""
+    ``shares``: the job's data shares (R). ``placement``: the placement from ``at`` on
+    (where each cell of ``after`` listens); ``peer``: a peer's move (``Placement.moved``'s
+    source, cell, target and new id), where the move is one (a decided one always is)."""
 
     at: int
     before: Layout | None
     after: Layout | None
     shares: int
     epoch: int = MOVE_EPOCH  # the new links' membership (each move's its own)
+    placement: Placement | None = attrs.field(default=None, eq=False, repr=False)
+    peer: tuple[int, int, int, int] | None = None
 
     @property
     def width(self) -> int:
@@ -88,7 +93,8 @@ def relink(runner: StageRunner, move: LayoutMove) -> None:
     group = r.group
     r.links.close()  # (what it sent is flushed: the step's end flushed every pipe link)
     group.close()
-    spec.layout = move.after
+    assert move.placement is not None, "a move names where its cells listen"
+    spec.placed(move.placement)
     links = open_links(spec, r.shaper, group.listener, r.stop, spec.training.frame_timeout_s,
                        r.liveness, members=range(move.width), epoch=move.epoch)
     r.links = attrs.evolve(links, ring_next=None, ring_prev=None)  # (the group's, below)
@@ -126,11 +132,10 @@ class Rebalance:
     steps each cell looks at the throughput its measured routes hold (the same table in every
     cell: ``route_meter``), and where the rule of ``contract/rebalance`` moves a peer, every
     cell makes the same move at that step boundary, with no word from anyone; a moved peer
-    takes the smallest id its new stage lacks (below ``width``: a grid's, in one process).
-    Measured routes only: given weights measure nothing."""
+    takes the smallest id its new stage lacks, and keeps its fellow, slot and listener
+    (``Placement.moved``). Measured routes only: given weights measure nothing."""
 
     every: int
-    width: int
     min_gain: float = MIN_GAIN
 
     def decide(self, runner: StageRunner, step: int) -> LayoutMove | None:
@@ -138,23 +143,22 @@ class Rebalance:
         spec, meter = runner.spec, runner.meter_routes
         if meter is None or step == 0 or step % self.every or step >= spec.training.steps:
             return None
+        assert spec.placement is not None, "a rebalanced cell runs a START's placement"
         now = [stage_ids(spec.layout, k, spec.replicas) for k in range(spec.num_stages)]
         speeds = meter.estimate.measured(now)
         move = None if speeds is None else choose_move(speeds, self.min_gain)
         if move is None:
             return None
-        free = [r for r in range(self.width) if r not in now[move.target]]
-        if not free:
-            return None
-        after = [[r for r in ids if (k, r) != (move.source, move.cell)] for k, ids in
-                 enumerate(now)]
-        after[move.target] = sorted([*after[move.target], free[0]])
+        new_id = min(set(range(len(now[move.target]) + 1)) - set(now[move.target]))
+        placement = spec.placement.moved(move.source, move.cell, move.target, new_id)
         log.info("stage %d cell %d: rebalancing before step %d: stage %d's cell %d moves to "
                  "stage %d as cell %d (throughput %.3g -> %.3g micro-batches/s; measured %s)",
-                 spec.stage, spec.replica, step, move.source, move.cell, move.target, free[0],
+                 spec.stage, spec.replica, step, move.source, move.cell, move.target, new_id,
                  move.before, move.after,
                  [{r: round(v, 2) for r, v in row.items()} for row in speeds or ()])
+        after = [placement.ids(k) for k in range(spec.num_stages)]
         return LayoutMove(step, spec.layout,
                           check_layout(after, spec.num_stages, spec.replicas,
                                        spec.training.sync.mode, spec.wiring),
-                          spec.replicas, epoch=runner.group.epoch + 1)
+                          spec.replicas, epoch=runner.group.epoch + 1, placement=placement,
+                          peer=(move.source, move.cell, move.target, new_id))

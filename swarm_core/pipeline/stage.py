@@ -22,6 +22,7 @@ import torch
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
 from swarm_core.contract.membership import RegroupOrder
+from swarm_core.contract.placement import Placement, StagePlacement
 from swarm_core.data import TokenData
 from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boundary
 from swarm_core.pipeline.devices import resolve_device
@@ -213,14 +214,15 @@ class StageSpec:
     replicas: int = 1
     ring_next_addr: str | None = None
     local_ring: bool = False
-    # Every replica of this stage (by replica): where it listens, and whether it runs in this
-    # fellow; a regroup rings the members that are left.
+    # Every replica of this stage (by id: None where the stage lacks the id): where it
+    # listens, and whether it runs in this fellow; a regroup rings the members that are left.
     group_addrs: tuple[str | None, ...] = ()
     group_local: tuple[bool, ...] = ()
     join: RegroupOrder | None = None  # it joins a running group (see StageStart.join)
-    # The fellow of every cell, in placement order (replica 0's stages, then replica 1's):
-    # whom a link matrix's pair shaper names as the peer (``swarm set-speed --to``).
-    cell_fellows: tuple[int, ...] = ()
+    # The fellow of every cell, at id x num_stages + stage (the grid's placement order; None
+    # where a layout lacks the cell): whom a link matrix's pair shaper names as the peer
+    # (``swarm set-speed --to``).
+    cell_fellows: tuple[int | None, ...] = ()
     # Swarm wiring (``routed``): micro-batches go to any replica of the next stage by the
     # step's route plan (swarm_core.pipeline.routing), over a link to each of them; where
     # each replica of the next stage listens, and which replicas either side run here.
@@ -234,6 +236,9 @@ class StageSpec:
     # ``replica`` is then this cell's id and ``replicas`` the job's data shares. None: every
     # stage's ids are 0..replicas-1.
     layout: Layout | None = None
+    # The placement the START gave (and a move changed: ``placed``); None for a spec built
+    # by hand, which never moves.
+    placement: Placement | None = None
 
     @property
     def routed(self) -> bool:
@@ -275,21 +280,48 @@ class StageSpec:
         assert training is not None and start.model is not None, "a train START"
         if threads is not None:
             training = attrs.evolve(training, threads=threads)
-        mine = start.mine
-        ring_next = start.ring_next
-        group_addrs, group_local = start.placement.group_of(start.stage, start.replica)
         return cls(job_id=start.job_id, key=start.key, stage=start.stage,
-                   num_stages=start.num_stages, layers=mine.layers.as_tuple(),
-                   downstream_addr=start.downstream_addr, model=start.model, training=training,
-                   device=mine.device, local_up=start.local_up, local_down=start.local_down,
-                   replica=start.replica, replicas=start.replicas,
-                   ring_next_addr=None if ring_next is None else ring_next.data_addr,
-                   local_ring=start.local_ring,
-                   group_addrs=group_addrs, group_local=group_local,
-                   join=start.join,
-                   cell_fellows=tuple(c.fellow_id for c in start.placement.stages),
+                   num_stages=start.num_stages, layers=start.mine.layers.as_tuple(),
+                   model=start.model, training=training, device=start.mine.device,
+                   replica=start.replica, replicas=start.replicas, join=start.join,
                    wiring=start.wiring, route_weights=start.route_weights,
-                   routing=start.routing, **_neighbour_groups(start))
+                   routing=start.routing, **_addressing(start.placement, start.stage,
+                                                        start.replica))
+
+    def placed(self, placement: Placement) -> None:
+        """This cell under the placement a move made (``Placement.moved``): its neighbours,
+        group and layout, in place, since its runner, group and links hold this spec."""
+        for name, value in _addressing(placement, self.stage, self.replica).items():
+            setattr(self, name, value)
+
+
+def _addressing(p: Placement, k: int, replica: int) -> dict[str, Any]:
+    """What a placement says of where cell (k, replica) sits: its chain's and ring's
+    neighbours, every cell of its stage and the stages either side (by id, so a layout's
+    absent ids read None: a grid's are its replicas), every cell's fellow, and the layout."""
+    mine = p.cell(k, replica)
+    ids = range(p.width)
+
+    def at(stage: int) -> list[StagePlacement | None]:
+        return [p.cell(stage, r) if p.has(stage, r) else None for r in ids] \
+            if 0 <= stage < p.num_stages else []
+
+    own, after, before = at(k), at(k + 1), at(k - 1)
+    down, ring_next = p.downstream(k, replica), p.ring(k, replica)
+    return {"downstream_addr": None if down is None else down.data_addr,
+            "local_up": p.same_fellow(mine, p.upstream(k, replica)),
+            "local_down": p.same_fellow(mine, down),
+            "ring_next_addr": None if ring_next is None else ring_next.data_addr,
+            "local_ring": p.same_fellow(mine, ring_next)
+            and p.same_fellow(mine, p.ring(k, replica, -1)),
+            "group_addrs": tuple(None if c is None else c.data_addr for c in own),
+            "group_local": tuple(p.same_fellow(mine, c) for c in own),
+            "down_addrs": tuple(None if c is None else c.data_addr for c in after),
+            "down_local": tuple(p.same_fellow(mine, c) for c in after),
+            "up_local": tuple(p.same_fellow(mine, c) for c in before),
+            "cell_fellows": tuple(p.cell(s, r).fellow_id if p.has(s, r) else None
+                                  for r in ids for s in range(p.num_stages)),
+            "layout": p.layout, "placement": p}
 
 
 def chain_sq_sum(local: float, up: PeerLink | None, down: PeerLink | None, step: int,
@@ -324,17 +356,6 @@ def step_tokens(spec: StageSpec, data: TokenData, step: int, route: RoutedStep |
         share = slice(spec.replica * spec.local_batch, (spec.replica + 1) * spec.local_batch)
         x, y = x[share], y[share]
     return (x.to(device).chunk(m) if inputs else (), y.to(device).chunk(m) if last else ())
-
-
-def _neighbour_groups(start: StageStart) -> dict[str, tuple[Any, ...]]:
-    """Every replica of the stages either side, as swarm wiring links to them: where those
-    of the next stage listen, and which of either run in this cell's fellow."""
-    p, mine = start.placement, start.mine
-    after = p.group(start.stage + 1) if start.stage + 1 < p.num_stages else []
-    before = p.group(start.stage - 1) if start.stage > 0 else []
-    return {"down_addrs": tuple(c.data_addr for c in after),
-            "down_local": tuple(p.same_fellow(mine, c) for c in after),
-            "up_local": tuple(p.same_fellow(mine, c) for c in before)}
 
 
 def frame_shape(spec: StageSpec) -> tuple[int, int, int]:

@@ -68,3 +68,60 @@ def test_after_a_move_the_mover_runs_its_new_cell():
     assert after.placement == new.placement  # every cell reaches the same placement
     assert [c.replica for c in after.placement.group(1)] == [0, 1, 2, 3]
     assert structure(unstructure(new), StageStart) == new  # what a leader would send
+
+
+def test_a_cells_spec_reads_its_layout_from_its_start_as_a_fellow_receives_it():
+    """What a fellow builds its stage from: the START's JSON. Under a layout every table of
+    the spec is by id (an absent id reads None), the chain link down only where the next
+    stage has the id, the ring through the stage's ids."""
+    from swarm_core.pipeline.stage import StageSpec
+
+    first = grid_starts()[0]
+    layout = [[0, 1], [0, 1, 2, 3]]
+    sent = on_layout(first, layout, 0, 1)
+    got = structure(unstructure(sent), StageStart)
+    spec = StageSpec.from_start(got)
+    assert spec == StageSpec.from_start(sent)
+    p = got.placement
+    assert spec.layout == ((0, 1), (0, 1, 2, 3)) and spec.replicas == 3
+    assert spec.group_addrs == (p.cell(0, 0).data_addr, p.cell(0, 1).data_addr, None, None)
+    assert spec.down_addrs == tuple(p.cell(1, r).data_addr for r in range(4))
+    assert spec.downstream_addr == p.cell(1, 1).data_addr
+    assert spec.ring_next_addr == p.cell(0, 0).data_addr
+    assert spec.cell_fellows == (p.cell(0, 0).fellow_id, p.cell(1, 0).fellow_id,
+                                 p.cell(0, 1).fellow_id, p.cell(1, 1).fellow_id,
+                                 None, p.cell(1, 2).fellow_id, None, p.cell(1, 3).fellow_id)
+    lone = StageSpec.from_start(on_layout(first, layout, 1, 3))
+    assert lone.downstream_addr is None and lone.down_addrs == ()
+    assert lone.up_local == (False,) * 4 and lone.ring_next_addr == p.cell(1, 0).data_addr
+
+
+def test_a_grids_spec_is_as_before():
+    """A grid's tables are its replicas' (what every uniform job's links were built from)."""
+    from swarm_core.pipeline.stage import StageSpec
+
+    starts = grid_starts()
+    for s in starts:
+        spec = StageSpec.from_start(s)
+        p, k = s.placement, s.stage
+        assert spec.layout is None and spec.placement == p
+        assert spec.group_addrs == tuple(c.data_addr for c in p.group(k))
+        assert spec.down_addrs == (tuple(c.data_addr for c in p.group(k + 1))
+                                   if k + 1 < 2 else ())
+        assert spec.up_local == ((False,) * 3 if k > 0 else ())
+        assert spec.cell_fellows == tuple(c.fellow_id for c in p.stages)
+        assert spec.ring_next_addr == p.cell(k, (s.replica + 1) % 3).data_addr
+
+
+def test_a_stayer_re_addressed_in_place_is_the_spec_of_its_moved_start():
+    """At a move a cell that stays keeps its runner and spec: re-addressed in place, it is
+    what the moved START would have built."""
+    from swarm_core.pipeline.stage import StageSpec
+
+    starts = grid_starts()
+    for s in starts:
+        if (s.stage, s.replica) == (0, 2):
+            continue  # (the mover)
+        spec = StageSpec.from_start(s)
+        spec.placed(s.placement.moved(0, 2, 1, 3))
+        assert spec == StageSpec.from_start(s.after_move(0, 2, 1, 3, at=3))
