@@ -90,3 +90,22 @@ def choose_move(throughput: Sequence[Mapping[int, float]], min_gain: float = MIN
     if best is None or best.after < before * (1 + min_gain):
         return None
     return best
+
+
+@attrs.frozen
+class PeerMove:
+    """A move given in advance (a job's ``topology.moves``; tests and experiments): before
+    0-based step ``at``, cell ``cell`` of stage ``source`` becomes cell ``new_id`` of stage
+    ``target`` (None: the smallest id that stage lacks), as a decided move would make it."""
+
+    at: int = attrs.field(metadata={"doc": "the 0-based step it is made before"})
+    source: int
+    cell: int
+    target: int
+    new_id: int | None = None
+
+
+def free_id(ids: Collection[int]) -> int:
+    """The id a peer takes at a stage of cells ``ids``: the smallest it lacks (every cell of
+    a job computes the same one)."""
+    return min(set(range(len(ids) + 1)) - set(ids))

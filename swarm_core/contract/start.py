@@ -29,6 +29,7 @@ from swarm_core.contract.placement import (
     normal_layout,
     plan,
 )
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.protocol import split_host_port
 from swarm_core.schema import FieldError, checking, converter, lenient_converter
 
@@ -57,6 +58,10 @@ class StageStart:
     wiring: Literal["chain", "swarm"] = "chain"
     route_weights: list[list[float]] | None = None
     routing: Literal["given", "measured"] = "given"
+    # Peers moved between stages (a swarm layout job's): given in advance, or decided in band
+    # every ``rebalance_every`` steps (measured routes).
+    moves: list[PeerMove] | None = None
+    rebalance_every: int | None = None
 
     def __attrs_post_init__(self) -> None:
         self.model, self.training = kind_parts(self.kind, self.model, self.training)

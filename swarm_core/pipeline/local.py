@@ -23,6 +23,7 @@ from swarm_core.contract.membership import (
     routed_orders,
 )
 from swarm_core.contract.placement import layout_cells
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import TokenData
 from swarm_core.pipeline.layout import (
     Layout,
@@ -159,6 +160,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                        layout: Sequence[Sequence[int]] | None = None,
                        relayout: tuple[int, Sequence[Sequence[int]]] | None = None,
                        rebalance: int | None = None,
+                       moves: Sequence[PeerMove] | None = None,
                        on_move: Callable[[LayoutMove], None] | None = None
                        ) -> dict[int, StageResult | BaseException]:
     """Run ``num_stages`` equal stages (``replicas`` data-parallel replicas of each) to the
@@ -190,7 +192,9 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     at their measured throughput and move a peer between stages where SWARM's rule says so
     (``move.Rebalance``): the moved peer's thread goes on as a cell of its new stage (the
     grid is ``num_stages x replicas`` ids wide; a thread's result under each cell it was,
-    the last where it was one twice), ``on_move`` told of each move, by the peer that moved."""
+    the last where it was one twice), ``on_move`` told of each move, by the peer that moved.
+    ``moves``: peers moved at given steps (a job's ``topology.moves``), made as decided ones
+    are."""
     shape = None if layout is None else check_layout(
         layout, num_stages, replicas, training.sync.mode, wiring)
     move = None if relayout is None else _move(relayout, shape, num_stages, replicas, training,
@@ -205,7 +209,14 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
         # (a moved peer takes the smallest id its new stage lacks: at most every cell's)
         weights_width = max(width, replicas * num_stages)
         rebalancer = Rebalance(every=rebalance)
-    if shape is not None or move is not None or rebalancer is not None:
+    if moves:
+        if wiring != "swarm" or training.sync.mode != "dp" or move is not None \
+                or rebalancer is not None:
+            raise ValueError("moves: for swarm wiring and sync.mode dp, without relayout or "
+                             "rebalance")
+        weights_width = max(width, replicas * num_stages)
+    moving = rebalancer is not None or bool(moves)
+    if shape is not None or move is not None or moving:
         check_weights(route_weights, num_stages, weights_width)
         if coordinator is not None:
             raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
@@ -235,10 +246,10 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                               route_weights=None if by_id else route_weights,
                               routing=routing, layout=layout)
         # (a job that changes layout names its weights by id, both layouts' ids)
-        return {c: attrs.evolve(st, route_weights=route_weights) if by_id else st
-                for c, st in zip(keys, starts, strict=True)}
+        return {c: attrs.evolve(st, route_weights=route_weights, moves=list(moves or ()) or None)
+                if by_id else st for c, st in zip(keys, starts, strict=True)}
 
-    by_id = shape is not None or move is not None or rebalancer is not None
+    by_id = shape is not None or move is not None or moving
     starts = placed(shape if move is None else move.before)
     if move is not None:
         after = placed(move.after)
@@ -269,7 +280,7 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                                  connect_timeout=training.frame_timeout_s,
                                  coordinator=coordinator, **kwargs)
                 results[s] = done
-                if done.moved is None or rebalancer is None:
+                if done.moved is None or move is not None:
                     break  # (a relayout's newcomer has a thread of its own)
                 # (its peer moved: this thread, its fellow, goes on as the cell it became,
                 # from the START every cell's move gives it, as a fellow's would)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from swarm_core.contract.placement import Placement
-from swarm_core.contract.rebalance import MIN_GAIN, choose_move
+from swarm_core.contract.rebalance import MIN_GAIN, PeerMove, choose_move, free_id
 from swarm_core.pipeline.layout import Layout, check_layout, slot_count, stage_ids
 from swarm_core.pipeline.route_meter import RouteMeter
 
@@ -126,6 +126,23 @@ def _regroup(r: StageRunner, move: LayoutMove) -> None:
             group.sync.own = 0.0
 
 
+def peer_move(runner: StageRunner, step: int, source: int, cell: int, target: int,
+              new_id: int | None = None) -> LayoutMove:
+    """The move of cell ``cell`` of stage ``source`` to stage ``target`` before ``step``, as
+    every cell computes it from the placement it runs (``Placement.moved``; a new id None:
+    the smallest the target lacks)."""
+    spec = runner.spec
+    assert spec.placement is not None, "a moved job's cell runs a START's placement"
+    new_id = free_id(spec.placement.ids(target)) if new_id is None else new_id
+    placement = spec.placement.moved(source, cell, target, new_id)
+    after = [placement.ids(k) for k in range(spec.num_stages)]
+    return LayoutMove(step, spec.layout,
+                      check_layout(after, spec.num_stages, spec.replicas,
+                                   spec.training.sync.mode, spec.wiring),
+                      spec.replicas, epoch=runner.group.epoch + 1, placement=placement,
+                      peer=(source, cell, target, new_id))
+
+
 @attrs.frozen
 class Rebalance:
     """SWARM's adaptive rebalancing, decided in band (issue 34 point 3): every ``every``
@@ -143,22 +160,41 @@ class Rebalance:
         spec, meter = runner.spec, runner.meter_routes
         if meter is None or step == 0 or step % self.every or step >= spec.training.steps:
             return None
-        assert spec.placement is not None, "a rebalanced cell runs a START's placement"
         now = [stage_ids(spec.layout, k, spec.replicas) for k in range(spec.num_stages)]
         speeds = meter.estimate.measured(now)
         move = None if speeds is None else choose_move(speeds, self.min_gain)
         if move is None:
             return None
-        new_id = min(set(range(len(now[move.target]) + 1)) - set(now[move.target]))
-        placement = spec.placement.moved(move.source, move.cell, move.target, new_id)
+        made = peer_move(runner, step, move.source, move.cell, move.target)
         log.info("stage %d cell %d: rebalancing before step %d: stage %d's cell %d moves to "
                  "stage %d as cell %d (throughput %.3g -> %.3g micro-batches/s; measured %s)",
-                 spec.stage, spec.replica, step, move.source, move.cell, move.target, new_id,
-                 move.before, move.after,
+                 spec.stage, spec.replica, step, move.source, move.cell, move.target,
+                 made.peer[3] if made.peer else -1, move.before, move.after,
                  [{r: round(v, 2) for r, v in row.items()} for row in speeds or ()])
-        after = [placement.ids(k) for k in range(spec.num_stages)]
-        return LayoutMove(step, spec.layout,
-                          check_layout(after, spec.num_stages, spec.replicas,
-                                       spec.training.sync.mode, spec.wiring),
-                          spec.replicas, epoch=runner.group.epoch + 1, placement=placement,
-                          peer=(move.source, move.cell, move.target, new_id))
+        return made
+
+
+@attrs.frozen
+class GivenMoves:
+    """Moves given in advance (``topology.moves``), made as a decided one is: every cell at
+    the same boundary, from the same placement."""
+
+    moves: tuple[PeerMove, ...]
+
+    def decide(self, runner: StageRunner, step: int) -> LayoutMove | None:
+        for m in self.moves:
+            if m.at == step:
+                return peer_move(runner, step, m.source, m.cell, m.target, m.new_id)
+        return None
+
+
+Mover = Rebalance | GivenMoves
+
+
+def mover_of(spec: StageSpec) -> Mover | None:
+    """What moves peers in a cell's job, as its START says (None: the layout stays)."""
+    if spec.moves:
+        return GivenMoves(tuple(spec.moves))
+    if spec.rebalance_every is not None and spec.measures_routes:
+        return Rebalance(spec.rebalance_every)
+    return None

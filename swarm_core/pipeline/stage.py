@@ -23,6 +23,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
 from swarm_core.contract.membership import RegroupOrder
 from swarm_core.contract.placement import Placement, StagePlacement
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import TokenData
 from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boundary
 from swarm_core.pipeline.devices import resolve_device
@@ -41,7 +42,7 @@ from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected
 from swarm_core.pipeline.memory import ActivationMeter
 from swarm_core.pipeline.model import StageModule, dropout_rng, lm_loss
-from swarm_core.pipeline.move import LayoutMove, Rebalance, arrive, relink
+from swarm_core.pipeline.move import LayoutMove, Mover, arrive, mover_of, relink
 from swarm_core.pipeline.optim import (
     OptimizerStateError,
     clip_scale,
@@ -239,6 +240,10 @@ class StageSpec:
     # The placement the START gave (and a move changed: ``placed``); None for a spec built
     # by hand, which never moves.
     placement: Placement | None = None
+    # Peers moved between stages (pipeline/move): given in advance, or decided every
+    # ``rebalance_every`` steps from measured routes.
+    moves: tuple[PeerMove, ...] = ()
+    rebalance_every: int | None = None
 
     @property
     def routed(self) -> bool:
@@ -285,8 +290,9 @@ class StageSpec:
                    model=start.model, training=training, device=start.mine.device,
                    replica=start.replica, replicas=start.replicas, join=start.join,
                    wiring=start.wiring, route_weights=start.route_weights,
-                   routing=start.routing, **_addressing(start.placement, start.stage,
-                                                        start.replica))
+                   routing=start.routing, moves=tuple(start.moves or ()),
+                   rebalance_every=start.rebalance_every,
+                   **_addressing(start.placement, start.stage, start.replica))
 
     def placed(self, placement: Placement) -> None:
         """This cell under the placement a move made (``Placement.moved``): its neighbours,
@@ -1011,7 +1017,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               coordinator: Coordinator | None = None,
               inbox: list[tuple[RegroupOrder, Any]] | None = None,
               pace: Pace | None = None, move: LayoutMove | None = None,
-              rebalance: Rebalance | None = None) -> StageResult:
+              rebalance: Mover | None = None) -> StageResult:
     """Train all steps of one stage; returns its final figures (loss and eval on the last).
 
     ``on_checkpoint(StageCheckpoint)`` runs every ``shard_push_interval_steps`` (under DiLoCo
@@ -1034,7 +1040,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
 
     ``move``: the job's layout changes at a step boundary (``pipeline/move``): this cell
     re-links there, stops there, or (one the move adds) starts there with its stage's state.
-    ``rebalance``: such moves decided in band as the run goes (``move.Rebalance``); a cell
+    ``rebalance``: such moves made as the run goes (``move.Rebalance``, decided in band, or
+    ``move.GivenMoves``; default: what the spec's START names, ``move.mover_of``); a cell
     whose peer moves ends with the move in its result's ``moved``."""
     torch.set_num_threads(spec.training.threads)
     liveness = Liveness(STUCK_AFTER * spec.training.frame_timeout_s)
@@ -1064,7 +1071,8 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         if arrives:
             assert move is not None
             start_step = arrive(runner, move)
-        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move, rebalance)
+        return _train(runner, on_step, on_eval, on_checkpoint, start_step, move,
+                      rebalance or mover_of(spec))
     finally:
         runner.close()
 
@@ -1093,7 +1101,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
            on_eval: Callable[[int, float], None] | None,
            on_checkpoint: Callable[[StageCheckpoint], None] | None,
            start_step: int, move: LayoutMove | None = None,
-           rebalance: Rebalance | None = None) -> StageResult:
+           rebalance: Mover | None = None) -> StageResult:
     t = runner.spec.training
     reports: list[StepReport] = []
     t0 = time.perf_counter()

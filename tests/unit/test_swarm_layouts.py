@@ -259,3 +259,28 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
            for _step, by_cell in sorted(reports.items())]
     assert len(got) == steps
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+
+
+def test_a_given_peer_move_is_made_as_a_decided_one_and_stays_exact(data):
+    """A move given in advance (a job's ``topology.moves``), as fellows run it: every cell
+    computes the moved placement from its START at the same boundary; the peer's thread (its
+    fellow) goes on as its new cell, from the START the move gives it, keeping its listener.
+    S=2 x R=2: stage 0's cell 1 becomes stage 1's cell 2 before step 4 of 8; the losses are
+    one process's to 1e-5."""
+    from swarm_core.contract.rebalance import PeerMove
+
+    mc = ModelConfig(**MODEL)
+    steps, at = 8, 4
+    tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 9,
+                    "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
+    ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    moves: list = []
+    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=240, wiring="swarm",
+                             moves=[PeerMove(at=at, source=0, cell=1, target=1)],
+                             on_move=moves.append)
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    assert [(m.at, m.after, m.peer) for m in moves] == [(at, ((0,), (0, 1, 2)), (0, 1, 1, 2))]
+    got = _moved_losses(res, [[0, 1], [0, 1]], [[0], [0, 1, 2]], at, steps)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    assert (res[2].metrics.steps, res[5].metrics.steps) == (at, steps - at)
