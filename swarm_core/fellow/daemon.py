@@ -572,8 +572,16 @@ class FellowDaemon:
         async def report_steps(updates: list[JobStatusUpdate]) -> None:
             await self._report(job_id, updates)
 
+        def moved(new: StageStart) -> None:
+            # (a rebalancing move made this cell another: the task runs on under its key)
+            entry = self.stages.pop((job_id, progress.stage or 0, progress.replica), None)
+            progress.stage, progress.replica = new.stage, new.replica
+            progress.told.clear()
+            if entry is not None:
+                self.stages[(job_id, new.stage, new.replica)] = entry
+
         return JobContext(fellow_id=self.fellow_id, progress=progress, report=report,
-                          report_steps=report_steps,
+                          report_steps=report_steps, moved=moved,
                           shaper=self.shaper,
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,
@@ -585,11 +593,13 @@ class FellowDaemon:
     async def _run_job(self, start: StageStart | str, progress: Progress,
                        attempt: int) -> None:
         ctx = self._context(start, progress)
-        job_id, stage = progress.job_id, progress.stage
+        job_id = progress.job_id
 
         def failed(message: str, blames: int | None = None) -> JobStatusUpdate:
+            # (the cell it runs now: a move may have made it another)
             return JobStatusUpdate(fellow_id=ctx.fellow_id, state="FAILED", step=progress.step,
-                                   message=message[:4000], attempt=attempt, stage=stage,
+                                   message=message[:4000], attempt=attempt,
+                                   stage=progress.stage,
                                    replica=progress.replica,
                                    blames_stage=blames)
 
@@ -605,7 +615,7 @@ class FellowDaemon:
             if _data_plane_fault(exc):
                 # A neighbour closed, broke or went quiet, or sent a bad frame: the message
                 # says it all, and a traceback of our own stack would only bury it.
-                log.warning("job %s stage %s failed: %s: %s", job_id, stage,
+                log.warning("job %s stage %s failed: %s: %s", job_id, progress.stage,
                             type(exc).__name__, exc)
             else:
                 log.exception("job %s crashed", job_id)
@@ -613,7 +623,7 @@ class FellowDaemon:
                 await ctx.report(failed(f"{type(exc).__name__}: {exc}",
                                         getattr(exc, "peer_stage", None)))
         finally:
-            key = (job_id or "", stage or 0, progress.replica)
+            key = (job_id or "", progress.stage or 0, progress.replica)
             if self.stages.get(key, (None,))[0] is asyncio.current_task():
                 del self.stages[key]
             if self.status is FellowStatus.BUSY and not self.stages:

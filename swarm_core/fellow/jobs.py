@@ -101,6 +101,9 @@ class JobContext:
     # job run in-process by its own user (tests, benchmarks).
     data_roots: tuple[str, ...] | None = None
     pace: Any = None  # swarm_core.pipeline.pace.Pace: the fellow's emulated slowdown, or None
+    # A peer moved between stages: the cell's new START, for the daemon to file the running
+    # job under (its heartbeat, MEMBERS and stops name the new cell)
+    moved: Callable[[StageStart], None] | None = None
 
 
 async def run_smoke(start: StageStart, ctx: JobContext) -> None:

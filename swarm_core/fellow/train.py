@@ -37,6 +37,7 @@ from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
 from swarm_core.pipeline.devices import DeviceError, resolve_device
+from swarm_core.pipeline.move import LayoutMove
 from swarm_core.pipeline.peers import cell_label
 from swarm_core.pipeline.stage import (
     ResumeError,
@@ -270,6 +271,7 @@ class TrainJob:
             self.loop, self.stop)
         self.initial: Checkpoint | None = None
         self.own_state: tuple[dict[str, Any], bytes] | None = None  # (see _prepare)
+        self.arriving: LayoutMove | None = None  # (see _moved)
 
     async def run(self) -> None:
         await self._prepare()
@@ -279,6 +281,9 @@ class TrainJob:
             links.hold(self.training.link)
         try:
             result = await self._train()
+            while result.moved is not None:
+                self._moved(result.moved)
+                result = await self._train()
         except StageDropped as exc:
             # The leader took this replica out of the job: nothing to report, and the
             # fellow is free for the next one.
@@ -296,6 +301,29 @@ class TrainJob:
         metrics = result.metrics
         metrics.shard_dir = str(self.checkpointer.root)
         await self.reporter.completed(self.training.steps, metrics, result.epoch)
+
+    def _moved(self, move: LayoutMove) -> None:
+        """A move took this cell's peer (this fellow's slot) to another stage: it goes on
+        as the cell the START every cell computed gives it (``StageStart.after_move``), its
+        state handed round its new stage's ring; its steps so far are reported, and it
+        reports as the new cell from the move's step on."""
+        assert move.peer is not None
+        if self.ctx.shaper is not None and self.training.network is not None:
+            self.ctx.shaper.forget(self.start.job_id,
+                                   cell_label(self.start.stage, self.start.replica))
+        self.start = self.start.after_move(*move.peer, at=move.at)
+        self.initial = self.own_state = None  # (a resumed cell's checkpoint: its old stage's)
+        log.info("%s: this peer moves from stage %d cell %d to stage %d cell %d before step "
+                 "%d", self.start.job_id, move.peer[0], move.peer[1], self.start.stage,
+                 self.start.replica, move.at)
+        if self.ctx.moved is not None:
+            self.ctx.moved(self.start)
+        self.ctx.progress.stage = self.start.stage
+        self.spec = StageSpec.from_start(self.start, threads=self.ctx.threads)
+        self.reporter = StepReporter(self.start, self.ctx, self.loop)
+        self.checkpointer = ShardCheckpointer(self.start, self.spec, self.ctx,
+                                              self.checkpointer.root, self.loop, self.stop)
+        self.arriving = move
 
     async def _prepare(self) -> None:
         """The checks and fetches before any thread starts: the device, the checkpoint."""
@@ -445,7 +473,8 @@ class TrainJob:
                              start_step=self.start.resume_step, initial_state=state,
                              initial_optimizer=opt_state,
                              coordinator=self._coordinate if self.spec.replicas > 1 else None,
-                             inbox=self.ctx.progress.told, pace=self.ctx.pace)
+                             inbox=self.ctx.progress.told, pace=self.ctx.pace,
+                             move=self.arriving)
         except BaseException as exc:
             # The traceback holds the stage's frames, and through them its model, optimiser
             # and activations; the awaiting frame holds the exception: a cycle that only a
