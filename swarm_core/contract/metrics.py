@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 
 from swarm_core.contract.membership import MembershipChange
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.protocol import MAX_PEER_LINKS, PeerLinkState
 from swarm_core.schema import FieldError, sparse
 from swarm_core.validators import MAX_BYTES as MAX_BYTES
@@ -375,6 +376,10 @@ class JobStatusUpdate:
                       "under a later one was never taken in. On a step report of a "
                       "swarm-wired job: the membership the step was trained under (one "
                       "trained again after a change replaces it)", minimum=0))
+    moved: PeerMove | None = attrs.field(default=None, metadata=meta(
+        "on a step report of a swarm job whose peers move between stages: the latest move "
+        "made (before 0-based step ``at``, cell ``cell`` of stage ``source`` became cell "
+        "``new_id`` of stage ``target``); ``epoch`` counts the moves"))
 
     @message.validator
     def _msg(self, _attr: attrs.Attribute, value: str) -> None:

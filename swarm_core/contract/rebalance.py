@@ -29,6 +29,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
+from swarm_core.validators import meta, non_negative
+
 # A move must raise the bottleneck stage's throughput by 20 %: the capacity model leaves out
 # what a move costs (a state hand-off, a fresh estimate, a plan redealt) and what a pipeline's
 # schedule adds (fill, drain, whole micro-batches dealt). Measured (bench_hetero, S=2 x R=3,
@@ -98,11 +100,16 @@ class PeerMove:
     0-based step ``at``, cell ``cell`` of stage ``source`` becomes cell ``new_id`` of stage
     ``target`` (None: the smallest id that stage lacks), as a decided move would make it."""
 
-    at: int = attrs.field(metadata={"doc": "the 0-based step it is made before"})
-    source: int
-    cell: int
-    target: int
-    new_id: int | None = None
+    at: int = attrs.field(validator=non_negative, metadata=meta(
+        "the 0-based step it is made before", minimum=0))
+    source: int = attrs.field(validator=non_negative, metadata=meta(
+        "the stage the peer leaves", minimum=0))
+    cell: int = attrs.field(validator=non_negative, metadata=meta(
+        "its cell id there (never 0: cell 0 leads its stage)", minimum=0))
+    target: int = attrs.field(validator=non_negative, metadata=meta(
+        "the stage it joins", minimum=0))
+    new_id: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(
+        "its cell id there; default: the smallest that stage lacks", minimum=0))
 
 
 def free_id(ids: Collection[int]) -> int:

@@ -88,7 +88,7 @@ class StepReporter:
         progress.tokens_per_s = rep.tokens_per_s
         upd = self._update(state="RUNNING", step=rep.step, loss=rep.loss,
                            tokens_per_s=rep.tokens_per_s, metrics=rep.figures(),
-                           epoch=rep.epoch)
+                           epoch=rep.epoch, moved=rep.moved)
         self.loop.call_soon_threadsafe(self.updates.put_nowait, upd)
 
     def on_eval(self, step: int, loss: float) -> None:  # the stage thread

@@ -118,6 +118,8 @@ def _regroup(r: StageRunner, move: LayoutMove) -> None:
     its frames for a stage's state where one is handed round), a fresh route estimate."""
     spec, group = r.spec, r.group
     group.epoch, group.members = move.epoch, spec.ids(spec.stage)
+    if move.peer is not None:
+        r.last_move = PeerMove(move.at, *move.peer)
     group.reform(r.params, r.device, group.state_bound() if move.gains(spec.stage) else 0)
     if r.meter_routes is not None:
         # (every cell starts the estimate afresh at the same step, so all deal alike)

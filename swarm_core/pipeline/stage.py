@@ -132,6 +132,9 @@ class StepReport:
     # replaces what the leader had of it).
     micro_batches: int | None = None
     epoch: int | None = None
+    # A job whose peers move between stages: the latest move made (``epoch`` counts them),
+    # so whoever reads any cell's report learns the layout it ran under.
+    moved: PeerMove | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -651,6 +654,7 @@ class StageRunner:
         # Measured routing (SWARM's): what this cell times, tells and learns each step.
         self.meter_routes = RouteMeter.of(spec) if spec.measures_routes else None
         self.rerouter: Rerouter | None = None  # swarm wiring's regroup (run_stage sets it)
+        self.last_move: PeerMove | None = None  # (what its step reports name: pipeline/move)
 
     @property
     def sync(self) -> GroupSync | None:
@@ -759,7 +763,8 @@ class StageRunner:
                           wait_seconds=self.waited() - wait0, codec_error=st.errors,
                           sync_tx_bytes=sync_bytes, sync_seconds=sync_s,
                           slowdown=slowdown, padded_seconds=padded,
-                          epoch=None if st.route is None else self.group.epoch)
+                          epoch=None if st.route is None else self.group.epoch,
+                          moved=self.last_move)
 
     def _begin(self, step: int) -> _Step:
         """A step's state: its share of the batch, the meter, nothing carried over from a step

@@ -275,12 +275,20 @@ def test_a_given_peer_move_is_made_as_a_decided_one_and_stays_exact(data):
                     "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
     ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
     moves: list = []
+    named: dict[int, set] = {}
     res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=240, wiring="swarm",
                              moves=[PeerMove(at=at, source=0, cell=1, target=1)],
-                             on_move=moves.append)
+                             on_move=moves.append,
+                             on_step=lambda _c, rep: named.setdefault(rep.step, set()).add(
+                                 (rep.epoch, rep.moved)))
     failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
     assert not failed, failed
     assert [(m.at, m.after, m.peer) for m in moves] == [(at, ((0,), (0, 1, 2)), (0, 1, 1, 2))]
     got = _moved_losses(res, [[0, 1], [0, 1]], [[0], [0, 1, 2]], at, steps)
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
     assert (res[2].metrics.steps, res[5].metrics.steps) == (at, steps - at)
+    # Every cell's report names the layout it ran under: the moves so far and the latest
+    # (how the leader learns of a move, whichever cell's report it reads first).
+    made = PeerMove(at=at, source=0, cell=1, target=1, new_id=2)
+    assert all(named[s] == {(0, None)} for s in range(1, at + 1))
+    assert all(named[s] == {(1, made)} for s in range(at + 1, steps + 1))
