@@ -244,3 +244,17 @@ async def test_a_layout_job_recovers_whole_on_its_layout(api):
               for s in await poll(api, reg) if s["kind"] == "START"]
     again = sorted((s.stage, s.replica) for s in starts if s.attempt == 1)
     assert again == [(0, 0), (1, 0), (1, 1)]
+
+
+async def test_a_cell_beyond_the_shares_is_started_again_when_its_fellow_lacks_it(api):
+    """The reconciler re-sends a START its fellow never took: also for cell 1.1 of a
+    one-share layout, whose id is past the job's replicas (no replica 'left' the job)."""
+    jid, _job, fellows = await _layout_job(api, 8030, [[0], [0, 1]], 1)
+    reg = fellows[2]
+    [first] = [s for s in await poll(api, reg) if s["kind"] == "START"]
+    assert (first["payload"]["stage"], first["payload"]["replica"]) == (1, 1)
+    await heartbeat(api, reg, status="busy", signal_seq=first["seq"], current_job=jid,
+                    running=[])
+    [again] = [s for s in await poll(api, reg, after=first["seq"]) if s["kind"] == "START"]
+    assert (again["payload"]["stage"], again["payload"]["replica"]) == (1, 1)
+    assert again["payload"]["key"] == first["payload"]["key"]
