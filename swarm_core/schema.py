@@ -345,6 +345,8 @@ def json_schema(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
         return {"type": "string", "enum": list(args)}
     if origin is list:
         return {"type": "array", "items": json_schema(args[0] if args else Any, components)}
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # (tuple[X, ...]: a list)
+        return {"type": "array", "items": json_schema(args[0], components)}
     if origin is dict or tp is dict:
         if len(args) == 2 and args[1] is not Any:
             return {"type": "object", "additionalProperties": json_schema(args[1], components)}

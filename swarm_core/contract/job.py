@@ -17,7 +17,7 @@ from cattrs.errors import ClassValidationError
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import JobMetrics
-from swarm_core.contract.placement import Placement
+from swarm_core.contract.placement import Placement, PlacementError, normal_layout
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import (
     FieldError,
@@ -25,12 +25,15 @@ from swarm_core.schema import (
     converter,
     lenient_converter,
     make_dict_structure_fn,
+    make_dict_unstructure_fn,
     override,
     sparse,
 )
 from swarm_core.validators import MAX_JSON_DEPTH, bounded, meta, name_field, nests_within
 
 JobKind = Literal["smoke", "train"]
+MAX_STAGES = 1024  # (as Topology.stages is bounded)
+MAX_CELL_ID = 256  # a layout's ids: below this (as many as a job's replicas may be)
 
 
 def check_routing(wiring: str, routing: str) -> None:
@@ -56,7 +59,11 @@ class Topology:
     """What a job asks of the cluster: a grid of ``stages`` pipeline stages by ``replicas``
     replicas of each (data parallel), one cell per device slot, on ``fellows`` fellows using
     ``slots_per_fellow`` slots each. Give the grid, or the fellows (then stages = fellows x
-    slots_per_fellow / replicas); the rest is worked out, and what is given must agree."""
+    slots_per_fellow / replicas); the rest is worked out, and what is given must agree.
+
+    A swarm-wired job may give a ``layout`` instead of a grid: per stage, the ids of its
+    cells (``pipeline/layout``; stages = its length, cells = its stages' sizes summed, and
+    ``replicas`` stays the job's data shares). A layout that is the grid reads as None."""
 
     fellows: int | None = attrs.field(
         default=None, validator=bounded(1, 1024), metadata=meta(
@@ -86,18 +93,51 @@ class Topology:
     routing: Literal["given", "measured"] = attrs.field(default="given", metadata=meta(
         "swarm wiring: deal micro-batches by route_weights (given) or by each replica's "
         "measured throughput (measured, SWARM's)"))
+    # Stages of unequal cells (swarm_core.pipeline.layout): per stage, the sorted ids of its
+    # cells, each stage with id 0 (its chain evaluates and checkpoints). Left out of the JSON
+    # when None, which a layout that is the uniform grid normalises to: a grid job's JSON is
+    # as it was before layouts.
+    layout: list[list[int]] | None = attrs.field(default=None, metadata=meta(
+        "swarm wiring, sync mode dp: per stage, the ids of its cells, each stage with id 0 "
+        "(stages of unequal cells; replicas stays the job's data shares); default: every "
+        "stage ids 0..replicas-1"))
 
     def __attrs_post_init__(self) -> None:
+        self._normal_layout()
         self._check_grid()
         if checking():
             check_routing(self.wiring, self.routing)
+            if self.layout is not None and self.wiring != "swarm":
+                raise FieldError("stages of unequal cells need wiring swarm", "layout")
         if not checking() or self.route_weights is None:
             return
         if self.wiring != "swarm":
             raise FieldError("route weights are for wiring swarm", "route_weights")
-        why = route_weights_error(self.route_weights, self.num_stages, self.replicas)
+        why = route_weights_error(self.route_weights, self.num_stages, self.width,
+                                  "replicas" if self.layout is None else "by cell id")
         if why is not None:
             raise FieldError(why, "route_weights")
+
+    def _normal_layout(self) -> None:
+        """``layout`` checked and sorted (``contract.placement.normal_layout``), None where
+        it is the grid; it gives the stage count where ``stages`` is not given."""
+        if self.layout is None:
+            return
+        if checking():
+            if not 1 <= len(self.layout) <= MAX_STAGES:
+                raise FieldError(f"must list 1 to {MAX_STAGES} stages' ids, got "
+                                 f"{len(self.layout)}", "layout")
+            if any(not 0 <= i < MAX_CELL_ID for ids in self.layout for i in ids):
+                raise FieldError(f"ids must be 0 to {MAX_CELL_ID - 1}", "layout")
+        if self.stages is None:
+            self.stages = len(self.layout)
+        try:
+            shape = normal_layout(self.layout, self.stages, self.replicas)
+        except PlacementError as exc:
+            if checking():
+                raise FieldError(str(exc).removeprefix("layout: "), "layout") from None
+            return  # (a stored row, checked when it came in)
+        self.layout = None if shape is None else [list(ids) for ids in shape]
 
     def _check_grid(self) -> None:
         slots, replicas = self.slots_per_fellow, self.replicas
@@ -109,15 +149,17 @@ class Topology:
                                  f"number of stages for {replicas} replicas", "replicas")
             self.stages = max(1, cells // replicas)
             return
-        cells = self.stages * replicas
+        cells = self.cells
+        shape = f"{self.stages} stage(s) x {replicas} replica(s)" if self.layout is None else \
+            f"{self.stages} stage(s) of cells {'+'.join(str(len(i)) for i in self.layout)}"
         if self.fellows is None:
             if cells % slots and checking():
-                raise FieldError(f"{self.stages} stage(s) x {replicas} replica(s) do not fill "
-                                 f"fellows of {slots} slot(s)", "slots_per_fellow")
+                raise FieldError(f"{shape} do not fill fellows of {slots} slot(s)",
+                                 "slots_per_fellow")
             self.fellows = max(1, cells // slots)
         elif self.fellows * slots != cells and checking():
             raise FieldError(f"{self.fellows} fellow(s) x {slots} slot(s) is not "
-                             f"{self.stages} stage(s) x {replicas} replica(s)", "fellows")
+                             f"{shape}", "fellows")
 
     @property
     def num_stages(self) -> int:
@@ -126,8 +168,16 @@ class Topology:
 
     @property
     def cells(self) -> int:
-        """Stage replicas in all: one device slot each."""
+        """Stage replicas in all (a layout's: its stages' cells): one device slot each."""
+        if self.layout is not None:
+            return sum(len(ids) for ids in self.layout)
         return self.num_stages * self.replicas
+
+    @property
+    def width(self) -> int:
+        """How many ids a row by id spans (route weights): the replicas, or a layout's
+        largest id + 1."""
+        return self.replicas if self.layout is None else 1 + max(max(i) for i in self.layout)
 
     @property
     def num_fellows(self) -> int:
@@ -195,6 +245,11 @@ class JobSubmit:
             # would mix them, so their inner steps would not be DiLoCo's)
             raise FieldError(f"wiring swarm averages each stage group's gradients every "
                              f"step (sync mode dp), not {train.sync.mode}", "topology")
+        if checking() and train is not None and self.topology.layout is not None \
+                and train.sync.mode != "dp":
+            # (the gradient mean over a stage's cells is dp's: pipeline/layout.py)
+            raise FieldError(f"a layout's stages of unequal cells need sync mode dp, not "
+                             f"{train.sync.mode}", "topology")
 
     @property
     def train(self) -> TrainingConfig | None:
@@ -386,3 +441,6 @@ def register_kind_hooks(cls: type, conv: Any) -> None:
 for _conv in (converter, lenient_converter):
     register_kind_hooks(JobSubmit, _conv)
     register_kind_hooks(JobInfo, _conv)
+    # (a topology without a layout is the JSON it always was: no null layout beside it)
+    _conv.register_unstructure_hook(Topology, make_dict_unstructure_fn(
+        Topology, _conv, layout=override(omit_if_default=True)))

@@ -41,10 +41,17 @@ def normal_layout(layout: Sequence[Sequence[int]] | None, num_stages: int,
         raise PlacementError(f"layout: {len(layout)} stages listed for a {num_stages}-stage job")
     out = tuple(tuple(sorted(int(i) for i in ids)) for ids in layout)
     for k, ids in enumerate(out):
-        if not ids or ids[0] != 0:
-            raise PlacementError(f"layout: stage {k} has no cell 0 (its ids: {list(ids)})")
+        if not ids:
+            raise PlacementError(f"layout: stage {k} has no cells (each needs cell 0)")
         if len(set(ids)) != len(ids):
-            raise PlacementError(f"layout: stage {k}'s ids {list(ids)} repeat")
+            raise PlacementError(f"layout: stage {k}'s ids {list(ids)} repeat (ids must be "
+                                 "distinct and >= 0)")
+        if ids[0] < 0:
+            raise PlacementError(f"layout: stage {k}'s ids {list(ids)} go below 0 (ids must "
+                                 "be distinct and >= 0)")
+        if ids[0] != 0:
+            raise PlacementError(f"layout: stage {k} has no cell 0 (its ids: {list(ids)}; "
+                                 "id 0's chain evaluates and checkpoints)")
     uniform = tuple(range(replicas))
     return None if all(ids == uniform for ids in out) else out
 

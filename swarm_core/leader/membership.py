@@ -122,15 +122,20 @@ class Membership:
 
     @staticmethod
     def replicated(job: JobRecord) -> bool:
-        return job.kind == "train" and job.placement is not None and job.placement.replicas > 1
+        """Whether a replica of the job may leave it (or join) while the others train on: a
+        train job of a grid of several replicas. Not under a swarm layout (stages of unequal
+        cells): a lost cell is not regrouped, the job recovers (or fails) as a whole."""
+        p = job.placement
+        return job.kind == "train" and p is not None and p.replicas > 1 and p.layout is None
 
     def members(self, job: JobRecord) -> list[int]:
-        """The replicas that train (once a round has decided who goes on, those)."""
+        """The replicas that train (once a round has decided who goes on, those); under a
+        layout, every id (none leaves)."""
         assert job.placement is not None
         rnd = self.rounds.get(job.job_id)
         if rnd is not None and rnd.members is not None:
             return rnd.members
-        return list(range(job.placement.replicas)) if job.members is None else job.members
+        return list(range(job.placement.width)) if job.members is None else job.members
 
     def left(self, job: JobRecord, replica: int) -> bool:
         """Whether the replica is out of the job: a decided regroup dropped it, or a spare's
@@ -176,6 +181,10 @@ class Membership:
         """Take a survivor's report; its order once the round is decided (None: not yet)."""
         if job.state is not JobState.RUNNING or job.recovering is not None:
             raise ApiError(409, f"job {job.job_id} is not running", code="job_not_running")
+        if job.placement is not None and job.placement.layout is not None:
+            raise ApiError(409, f"job {job.job_id} runs a swarm layout (stages of unequal "
+                                "cells): a lost cell is not regrouped, the job recovers from "
+                                "its checkpoint or fails", code="layout_no_regroup")
         if not self.replicated(job) or not self.queue.holds(job, rep.fellow_id, rep.stage,
                                                               rep.replica):
             raise ApiError(409, f"fellow {rep.fellow_id} does not hold stage {rep.stage} "
@@ -379,6 +388,7 @@ class Membership:
         that a cell was told of it in their frames (FLAG_HEARD), so all groups hear of it at
         the same synchronisation."""
         if not self.replicated(job) or job.members is None \
+                or job.placement is None or job.placement.layout is not None \
                 or job.job_id in self.rounds or job.job_id in self.joining \
                 or job.state is not JobState.RUNNING or job.recovering is not None \
                 or job.spec.train is None or job.spec.topology.wiring == "swarm":

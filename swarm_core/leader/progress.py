@@ -59,7 +59,7 @@ class ProgressBook:
                    stages: dict[str, StageMetrics]) -> None:
         assert job.placement is not None
         m, p = job.metrics, job.placement
-        if p.replicas == 1:
+        if p.layout is None and p.replicas == 1:
             for name in JOB_LEVEL:
                 value = getattr(figures, name)
                 if value is not None:
@@ -67,7 +67,10 @@ class ProgressBook:
             return
         # The members' cells only: one that left keeps its last figures in ``stages`` (its
         # tokens/s would be counted in a sum it no longer adds to, its loss in the mean).
-        members = range(p.replicas) if job.members is None else job.members
+        # (The last stage's cells: a layout's by its ids, which need not be the replicas.)
+        last_ids = [c.replica for c in p.group(p.num_stages - 1)]
+        members = last_ids if job.members is None else \
+            [r for r in job.members if r in last_ids]
         last = [stages[k] for k in (p.label(p.num_stages - 1, r) for r in members)
                 if k in stages]
         for name in JOB_LEVEL:
@@ -102,7 +105,8 @@ class ProgressBook:
 
     def refresh(self, job: JobRecord) -> None:
         """The job-level figures again, from the cells' own (its members changed)."""
-        if job.placement is not None and job.placement.replicas > 1:
+        p = job.placement
+        if p is not None and (p.replicas > 1 or p.layout is not None):
             self._job_level(job, StageMetrics(), job.metrics.stages or {})
 
     def record(self, job: JobRecord, stage: int, replica: int, upd: JobStatusUpdate) -> None:
@@ -120,7 +124,7 @@ class ProgressBook:
                                  p.label(stage, replica)):
                 return
             rec.ts = time.time()
-            if p.replicas == 1:
+            if p.layout is None and p.replicas == 1:
                 if upd.loss is not None:
                     rec.loss = upd.loss
                 if stage == job.num_stages - 1:

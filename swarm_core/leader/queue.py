@@ -361,8 +361,9 @@ class JobQueue:
         if joining is not None and replica == joining.replica and upd.step > 0:
             self.membership.joined(job, upd.step)  # (its first step with the group)
         job.last_step = max(job.last_step, upd.step)
-        if upd.loss is not None and job.placement.replicas == 1:
-            job.last_loss = upd.loss  # (of several replicas: their mean, once recorded)
+        if upd.loss is not None and job.placement.layout is None \
+                and job.placement.replicas == 1:
+            job.last_loss = upd.loss  # (of several cells: their mean, once recorded)
         self.progress.merge(job, stage, replica, fellow.fellow_id, upd)
         if upd.state == "RUNNING" and upd.metrics != StageMetrics() \
                 and job.kind == "train" and not self.membership.superseded(job, upd):
@@ -370,7 +371,8 @@ class JobQueue:
         self.hub.publish(MetricReport(
             job_id=job.job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,
             loss=upd.loss, tokens_per_s=upd.tokens_per_s, state=upd.state, metrics=upd.metrics,
-            replica=replica if job.placement.replicas > 1 else None))
+            replica=replica if job.placement.replicas > 1 or job.placement.layout is not None
+            else None))
         if upd.state == "FAILED":
             self._failed(job, stage, replica, fellow, upd)
         elif upd.state == "COMPLETED":
@@ -392,7 +394,9 @@ class JobQueue:
         # Only under resume_policy fail: a recovery waits out the heartbeat timeout anyway and
         # names the fellows it lost from their status.
         assert job.placement is not None
+        # (under a layout the blamed stage may lack the cell's id: a route link's, then)
         if blamed is not None and abs(blamed - stage) == 1 and blamed < job.num_stages \
+                and job.placement.has(blamed, replica) \
                 and job.placement.index(blamed, replica) not in job.done_stages \
                 and job.resume_policy == "fail":
             self.liveness.blamed(job, reason, stage, blamed)
@@ -436,7 +440,10 @@ class JobQueue:
         if len(set(job.done_stages)) < len(job.placement.stages):
             return False
         grid = f"{job.num_stages} stage(s)" + (
-            f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "")
+            f" x {job.placement.replicas} replicas" if job.placement.replicas > 1 else "") \
+            if job.placement.layout is None else \
+            f"{job.num_stages} stages, cells " + "+".join(
+                str(len(ids)) for ids in job.placement.layout)
         if job.members is not None and len(job.members) < job.placement.replicas:
             grid += f" ({job.placement.replicas - len(job.members)} replica(s) left)"
         reason = printable(message) if job.kind == "smoke" else \
@@ -475,7 +482,8 @@ class JobQueue:
                                           list(f.data_addrs)) for f in fellows],
                              stages, job.spec.model.n_layers if job.spec.model else stages,
                              train.stage_weights if train else None,
-                             slots_per_fellow=topo.slots_per_fellow, replicas=topo.replicas)
+                             slots_per_fellow=topo.slots_per_fellow, replicas=topo.replicas,
+                             layout=topo.layout)
         except PlacementError as exc:
             self.finish(job, JobState.FAILED, f"placement failed: {exc}")
             return

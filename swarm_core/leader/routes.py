@@ -538,11 +538,12 @@ async def push_shard(request: web.Request) -> web.Response:
 
 def _manifest_replica(job: Any, manifest: PushedManifest | None) -> int:
     """The replica a pushed manifest speaks for (0 where it names none), and the replicas
-    whose states it says go with it, checked against the job's grid, and its step against
-    the job's steps (the manifest's class checked the rest as it came in)."""
+    whose states it says go with it, checked against the job's grid (a layout's ids), and
+    its step against the job's steps (the manifest's class checked the rest as it came
+    in)."""
     if manifest is None:
         return 0
-    replicas = job.spec.topology.replicas
+    replicas = job.spec.topology.width  # (the replicas; a layout's largest id + 1)
     if not manifest.replica < replicas:
         raise ApiError(400, f"manifest replica must be an integer from 0 to {replicas - 1}",
                        field="manifest.replica")

@@ -32,7 +32,10 @@ from typing import TYPE_CHECKING
 import attrs
 
 from swarm_core.contract.job import route_weights_error
-from swarm_core.contract.placement import Layout  # (defined torch-free, for the leader too)
+from swarm_core.contract.placement import (  # (torch-free, for the leader too)
+    Layout,
+    normal_layout,
+)
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.transport import PeerLink
 
@@ -41,21 +44,12 @@ if TYPE_CHECKING:
 
 
 def check_layout(layout: Sequence[Sequence[int]], stages: int, shares: int,
-                 sync_mode: str = "dp", wiring: str = "swarm") -> Layout | None:
+                  sync_mode: str = "dp", wiring: str = "swarm") -> Layout | None:
     """A layout as the job runs it: None where it is the uniform one (every stage the
-    shares' ids: today's job, frame for frame). Raises ValueError naming what is wrong."""
-    if len(layout) != stages:
-        raise ValueError(f"layout: {len(layout)} stages listed for a {stages}-stage job")
-    out = tuple(tuple(sorted(int(r) for r in ids)) for ids in layout)
-    for k, ids in enumerate(out):
-        if not ids:
-            raise ValueError(f"layout: stage {k} has no cells")
-        if len(set(ids)) != len(ids) or ids[0] < 0:
-            raise ValueError(f"layout: stage {k}'s ids {list(ids)} must be distinct and >= 0")
-        if ids[0] != 0:
-            raise ValueError(f"layout: stage {k} has no cell 0 (replica 0's chain evaluates "
-                             "and checkpoints)")
-    if all(ids == tuple(range(shares)) for ids in out):
+    shares' ids: today's job, frame for frame). Raises ValueError naming what is wrong: its
+    shape by ``contract.placement.normal_layout`` (the leader checks a job's by it too)."""
+    out = normal_layout(layout, stages, shares)  # (PlacementError: a ValueError, one line)
+    if out is None:
         return None
     if wiring != "swarm":
         raise ValueError("layout: stages of unequal cells need wiring swarm")

@@ -109,7 +109,7 @@ def test_a_layout_round_trips_through_json():
 
 @pytest.mark.parametrize(("layout", "why"), [
     ([[0, 1]], "1 stages listed for a 2-stage job"),
-    ([[0], []], "stage 1 has no cell 0"),
+    ([[0], []], "stage 1 has no cells"),
     ([[0], [1, 2]], "stage 1 has no cell 0"),
     ([[0, 0], [0]], r"stage 0's ids \[0, 0\] repeat"),
 ])
