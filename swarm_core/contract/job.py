@@ -18,6 +18,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import JobMetrics
 from swarm_core.contract.placement import Placement, PlacementError, normal_layout
+from swarm_core.contract.rebalance import PeerMove, moves_error
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import (
     FieldError,
@@ -102,8 +103,21 @@ class Topology:
         "(stages of unequal cells; replicas stays the job's data shares); default: every "
         "stage ids 0..replicas-1"))
 
+    # Peers moved between stages (SWARM's rebalancing, pipeline/move): at given steps, or
+    # decided in band every ``rebalance_every`` steps from measured throughput.
+    moves: list[PeerMove] | None = attrs.field(default=None, metadata=meta(
+        "swarm wiring, sync mode dp: peers moved between stages at given steps (each: at, "
+        "source, cell, target, new_id)"))
+    rebalance_every: int | None = attrs.field(
+        default=None, validator=bounded(1, 1_000_000), metadata=meta(
+            "swarm wiring, measured routing, sync mode dp: every that many steps, move a peer "
+            "to the stage that bounds the pipeline where that raises it by 20 % (SWARM's "
+            "rebalancing)", minimum=1, maximum=1_000_000))
+
     def __attrs_post_init__(self) -> None:
         self._normal_layout()
+        if checking():
+            self._check_moves()
         self._check_grid()
         if checking():
             check_routing(self.wiring, self.routing)
@@ -117,6 +131,20 @@ class Topology:
                                   "replicas" if self.layout is None else "by cell id")
         if why is not None:
             raise FieldError(why, "route_weights")
+
+    def _check_moves(self) -> None:
+        if (self.moves or self.rebalance_every is not None) and self.wiring != "swarm":
+            raise FieldError("peers move between stages under wiring swarm only",
+                             "moves" if self.moves else "rebalance_every")
+        if self.moves and self.rebalance_every is not None:
+            raise FieldError("give moves or rebalance_every, not both", "moves")
+        if self.rebalance_every is not None and self.routing != "measured":
+            raise FieldError("rebalancing reads measured throughput: it needs routing "
+                             "measured", "rebalance_every")
+        if (self.moves or self.rebalance_every is not None) and self.route_weights is not None:
+            # (a move's new ids would need weights of their own; equal ones are dealt)
+            raise FieldError("route weights are not taken with moving peers (equal ones "
+                             "are dealt); leave them out", "route_weights")
 
     def _normal_layout(self) -> None:
         """``layout`` checked and sorted (``contract.placement.normal_layout``), None where
@@ -250,6 +278,15 @@ class JobSubmit:
             # (the gradient mean over a stage's cells is dp's: pipeline/layout.py)
             raise FieldError(f"a layout's stages of unequal cells need sync mode dp, not "
                              f"{train.sync.mode}", "topology")
+        topo = self.topology
+        if checking() and train is not None and (topo.moves or topo.rebalance_every):
+            if train.sync.mode != "dp":
+                raise FieldError(f"peers moved between stages need sync mode dp, not "
+                                 f"{train.sync.mode}", "topology")
+            layout = topo.layout or [list(range(topo.replicas))] * topo.num_stages
+            why = moves_error(topo.moves or [], layout, train.steps)
+            if why is not None:
+                raise FieldError(why, "topology.moves")
 
     @property
     def train(self) -> TrainingConfig | None:
@@ -443,4 +480,5 @@ for _conv in (converter, lenient_converter):
     register_kind_hooks(JobInfo, _conv)
     # (a topology without a layout is the JSON it always was: no null layout beside it)
     _conv.register_unstructure_hook(Topology, make_dict_unstructure_fn(
-        Topology, _conv, layout=override(omit_if_default=True)))
+        Topology, _conv, layout=override(omit_if_default=True),
+        moves=override(omit_if_default=True), rebalance_every=override(omit_if_default=True)))

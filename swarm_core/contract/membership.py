@@ -34,6 +34,8 @@ from collections.abc import Collection, Mapping
 import attrs
 
 from swarm_core.contract.placement import Placement
+from swarm_core.contract.rebalance import PeerMove
+from swarm_core.schema import converter, lenient_converter, make_dict_unstructure_fn, override
 from swarm_core.validators import MAX_STEPS, bounded, meta, non_negative, step_number
 
 
@@ -118,6 +120,9 @@ class MembershipChange:
     # left. With several stages they may differ by one: a group whose members had all
     # finished the broken step's synchronisation keeps it (``step`` is the earliest).
     stage_steps: list[int] = attrs.field(factory=list)
+    # A peer moved between stages (a swarm layout's rebalancing): nobody left or joined;
+    # ``members`` are the ids the job's stages have from ``step`` on.
+    moved: PeerMove | None = None
 
 
 class RegroupConflict(ValueError):
@@ -205,3 +210,9 @@ def departure(reports: Mapping[tuple[int, int], RegroupReport],
     return MembershipChange(step=first, epoch=epoch, members=survivors,
                             left=[r for r in before if r not in survivors], reason=reason,
                             at=at, stage_steps=steps)
+
+
+for _conv in (converter, lenient_converter):
+    # (a change of who trains is the JSON it always was: no null move beside it)
+    _conv.register_unstructure_hook(MembershipChange, make_dict_unstructure_fn(
+        MembershipChange, _conv, moved=override(omit_if_default=True)))

@@ -116,3 +116,28 @@ def free_id(ids: Collection[int]) -> int:
     """The id a peer takes at a stage of cells ``ids``: the smallest it lacks (every cell of
     a job computes the same one)."""
     return min(set(range(len(ids) + 1)) - set(ids))
+
+
+def moves_error(moves: Sequence[PeerMove], layout: Sequence[Sequence[int]],
+                steps: int) -> str | None:
+    """What is wrong with moves given for a job of ``layout`` (per stage, its cells' ids)
+    and ``steps`` steps, or None: each at a step boundary inside the run, in order, one a
+    boundary, each of a cell there then (never cell 0) to another stage, to an id it lacks."""
+    now = [set(ids) for ids in layout]
+    last = 0
+    for i, m in enumerate(moves):
+        where = f"move {i} (before step {m.at})"
+        if not last < m.at < steps:
+            return (f"{where}: moves go at step boundaries inside the run, in order, one a "
+                    f"boundary (after step {last}, before {steps})")
+        if not (m.source < len(now) and m.target < len(now)) or m.source == m.target:
+            return f"{where}: stages {m.source} -> {m.target} are not two of the job's"
+        if m.cell == 0 or m.cell not in now[m.source]:
+            return f"{where}: stage {m.source} has no cell {m.cell} to move (cell 0 stays)"
+        new_id = free_id(now[m.target]) if m.new_id is None else m.new_id
+        if new_id in now[m.target]:
+            return f"{where}: stage {m.target} already has a cell {new_id}"
+        now[m.source].discard(m.cell)
+        now[m.target].add(new_id)
+        last = m.at
+    return None

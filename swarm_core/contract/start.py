@@ -26,7 +26,6 @@ from swarm_core.contract.placement import (
     FellowSlots,
     Placement,
     StagePlacement,
-    normal_layout,
     plan,
 )
 from swarm_core.contract.rebalance import PeerMove
@@ -165,7 +164,8 @@ def stage_starts(job_id: str, spec: JobSubmit, placement: Placement, key: str, *
                        model=spec.model, training=spec.training, attempt=attempt,
                        resume_step=resume_step, replica=s.replica,
                        wiring=spec.topology.wiring, route_weights=spec.topology.route_weights,
-                       routing=spec.topology.routing)
+                       routing=spec.topology.routing, moves=spec.topology.moves,
+                       rebalance_every=spec.topology.rebalance_every)
             for s in placement.stages]
 
 
@@ -185,14 +185,12 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
     devs = list(devices or ["cpu"] * len(addrs))
     fellows = [FellowSlots(s, f"fellow-{s}", [dev], addr)
                for s, (addr, dev) in enumerate(zip(addrs, devs, strict=True))]
-    shape = normal_layout(layout, len(layout), replicas) if layout is not None else None
     stages = len(addrs) // replicas if layout is None else len(layout)
+    topology = Topology(stages=stages, replicas=replicas, wiring=wiring,
+                        route_weights=route_weights, routing=routing,
+                        layout=None if layout is None else [list(ids) for ids in layout])
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
-                     topology=Topology(stages=stages, replicas=replicas, wiring=wiring,
-                                       route_weights=route_weights if shape is None else None,
-                                       routing=routing))
-    placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas, layout=shape)
-    starts = stage_starts(job_id, spec, placement, key)
-    # (a layout's weights are by id, wider than the grid's Topology checks)
-    return starts if shape is None else \
-        [attrs.evolve(s, route_weights=route_weights) for s in starts]
+                     topology=topology)
+    placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas,
+                     layout=topology.layout)
+    return stage_starts(job_id, spec, placement, key)

@@ -124,9 +124,11 @@ class Membership:
     def replicated(job: JobRecord) -> bool:
         """Whether a replica of the job may leave it (or join) while the others train on: a
         train job of a grid of several replicas. Not under a swarm layout (stages of unequal
-        cells): a lost cell is not regrouped, the job recovers (or fails) as a whole."""
-        p = job.placement
-        return job.kind == "train" and p is not None and p.replicas > 1 and p.layout is None
+        cells), nor where peers move between stages (one may come): a lost cell is not
+        regrouped, the job recovers (or fails) as a whole."""
+        p, topo = job.placement, job.spec.topology
+        return job.kind == "train" and p is not None and p.replicas > 1 and p.layout is None \
+            and not topo.moves and topo.rebalance_every is None
 
     def members(self, job: JobRecord) -> list[int]:
         """The replicas that train (once a round has decided who goes on, those); under a

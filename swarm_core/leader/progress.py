@@ -15,6 +15,7 @@ from swarm_core import jsonio
 from swarm_core.contract import JobStatusUpdate, MembershipChange, ProgressRecord, StageMetrics
 from swarm_core.contract.job import export_complete, in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL, REPLICA_COMBINE, MetricName
+from swarm_core.leader.moves import placement_at
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store, StoreWriteError
 from swarm_core.paths import atomic_write
@@ -41,7 +42,7 @@ class ProgressBook:
             return
         m = job.metrics
         stages = m.stages if m.stages is not None else {}
-        key = job.placement.label(stage, replica)
+        key = placement_at(job, upd.epoch).label(stage, replica)  # (a moved job's: then)
         cell = stages.get(key, StageMetrics(fellow_id=fellow_id)).merged(figures)
         # (reports of one cell arrive in order, but a catching-up one may repeat a step)
         cell.step = max(cell.step or 0, upd.step)
@@ -114,7 +115,7 @@ class ProgressBook:
         stage catching up after a leader restart) joins the stored record rather than
         replacing it."""
         assert job.placement is not None
-        p = job.placement
+        p = placement_at(job, upd.epoch)  # (a job whose peers move: its cells at that step)
         rec = self._open(job, upd.step)
         figures = upd.metrics
         if figures.eval_loss is not None:

@@ -38,15 +38,19 @@ from swarm_core.contract import (
     stage_starts,
 )
 from swarm_core.contract.events import (
+    JobMembership,
     JobShard,
     JobUpdate,
     JobUpdateType,
     MetricReport,
 )
+from swarm_core.contract.rebalance import PeerMove
+from swarm_core.leader import moves
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.liveness import Liveness
 from swarm_core.leader.membership import Membership
+from swarm_core.leader.moves import MoveRefused
 from swarm_core.leader.progress import ProgressBook, RunFiles
 from swarm_core.leader.reconcile import Reconciler
 from swarm_core.leader.records import JobRecord
@@ -336,7 +340,13 @@ class JobQueue:
             upd = attrs.evolve(upd, stage=first.stage, replica=first.replica)
         stage, replica = upd.stage, upd.replica
         assert stage is not None
-        if not self.holds(job, upd.fellow_id, stage, replica):
+        try:  # (a job whose peers move: the placement the report's cell ran under)
+            told = moves.news(job, upd)
+        except MoveRefused as exc:
+            raise ApiError(409, f"job {job_id}: {exc}", code="bad_move",
+                           field="$.moved") from None
+        placed = told[1] if told is not None else moves.placement_at(job, upd.epoch)
+        if not placed.holds(upd.fellow_id, stage, replica):
             what = f"stage {stage}" + (f" replica {replica}" if replica else "")
             raise ApiError(409, f"fellow {upd.fellow_id} does not hold {what} of {job_id}",
                            code="not_in_job", field="$.stage")
@@ -357,6 +367,9 @@ class JobQueue:
         ``save``: a RUNNING one's job row written now (else by the caller, once a batch)."""
         assert job.placement is not None
         job.active_at = time.monotonic()
+        told = moves.news(job, upd)  # (checked: the first report of a batch that tells it)
+        if told is not None:
+            self._moved(job, *told)
         joining = self.membership.joining.get(job.job_id)
         if joining is not None and replica == joining.replica and upd.step > 0:
             self.membership.joined(job, upd.step)  # (its first step with the group)
@@ -379,6 +392,14 @@ class JobQueue:
             self._completed(job, stage, replica, fellow, upd)
         elif save:
             self.save(job, quiet=True)
+
+    def _moved(self, job: JobRecord, move: PeerMove, placement: Placement) -> None:
+        """A peer moved between stages, as a cell's report says: the job's placement, its
+        membership's record and the placement plan follow (see leader/moves.py)."""
+        change = moves.made(job, move, placement)
+        self.progress.membership(job, change)
+        self.files.placement(job)
+        self.hub.publish(JobMembership(job.job_id, change))
 
     def _failed(self, job: JobRecord, stage: int, replica: int, fellow: FellowRecord,
                 upd: JobStatusUpdate) -> None:

@@ -1,6 +1,8 @@
-"""SWARM wiring across fellow processes (issue 34 point 1): a 2 x 2 job whose micro-batches are
-routed 3 : 1 to stage 1's replicas over real TCP between four fellows computes the losses of
-one process at the same global batch; and so does the same job routed by measured throughput."""
+"""SWARM wiring across fellow processes (issue 34 points 1 and 3): a 2 x 2 job whose
+micro-batches are routed 3 : 1 to stage 1's replicas over real TCP between four fellows
+computes the losses of one process at the same global batch; and so do the same job routed by
+measured throughput, a job whose stages hold unequal cells, and one whose peer moves between
+stages halfway."""
 
 from __future__ import annotations
 
@@ -46,6 +48,23 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
         measured_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
         measured = wait_until(lambda: (j := job_view(measured_id, cli_env))["state"] in (
             "COMPLETED", "FAILED") and j, 240, "the measured job's end")
+        # Stages of unequal cells (issue 34 point 3, from the START's placement): stage 0
+        # one cell, stage 1 three, over the same two shares of the batch.
+        path.write_text(json.dumps({
+            "name": "layout", "kind": "train", "model": MODEL, "training": TRAINING,
+            "topology": {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]]}}))
+        layout_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        laid = wait_until(lambda: (j := job_view(layout_id, cli_env))["state"] in (
+            "COMPLETED", "FAILED") and j, 240, "the layout job's end")
+        # A peer moved between stages at step 5: every fellow makes the move in band, the
+        # moved one goes on as its new cell, the leader learns it from their reports.
+        path.write_text(json.dumps({
+            "name": "moved", "kind": "train", "model": MODEL, "training": TRAINING,
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "moves": [{"at": 5, "source": 0, "cell": 1, "target": 1}]}}))
+        moved_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        moved = wait_until(lambda: (j := job_view(moved_id, cli_env))["state"] in (
+            "COMPLETED", "FAILED") and j, 240, "the moved job's end")
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -64,4 +83,15 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
     assert measured["state"] == "COMPLETED", measured["reason"]
     assert measured["topology"]["routing"] == "measured"
     got = [loss for _step, loss in measured["loss_history"]]
+    assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert laid["state"] == "COMPLETED", laid["reason"]
+    assert laid["placement"]["layout"] == [[0], [0, 1, 2]]
+    got = [loss for _step, loss in laid["loss_history"]]
+    assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert set(laid["metrics"]["stages"]) == {"0.0", "1.0", "1.1", "1.2"}
+    assert moved["state"] == "COMPLETED", moved["reason"]
+    [change] = moved["membership"]
+    assert change["moved"] == {"at": 5, "source": 0, "cell": 1, "target": 1, "new_id": 2}
+    assert moved["placement"]["layout"] == [[0], [0, 1, 2]]
+    got = [loss for _step, loss in moved["loss_history"]]
     assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5

@@ -1,0 +1,135 @@
+"""The leader learns a peer's move from the cells' step reports (placement-cells steps 5-6):
+every cell makes a move in band, so whichever report of the new layout reaches the leader
+first (a stayer's or the moved peer's new cell's) tells it; a late report of the old layout
+is read against the placement it ran under; a move that does not fit is refused in one line
+and changes nothing. And ``topology.moves`` / ``rebalance_every`` and their refusals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from swarm_core.contract.job import JobSubmit
+from swarm_core.contract.rebalance import PeerMove, moves_error
+from swarm_core.schema import SchemaError, structure
+from tests.api_support import A, expect_error, expect_ok, get_job, register, report
+from tests.support import AUTH
+
+MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
+MOVE = {"at": 3, "source": 0, "cell": 1, "target": 1, "new_id": 2}
+BEFORE, AFTER = [[0, 1], [0, 1]], [[0], [0, 1, 2]]
+
+
+def _job(**topology: Any) -> dict[str, Any]:
+    return {"kind": "train", "model": MODEL,
+            "training": {"steps": 8, "batch_size": 4, "micro_batches": 2},
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm", **topology}}
+
+
+async def _moving_job(api: TestClient, port: int) -> tuple[str, dict[tuple[int, int], Any]]:
+    """S=2 x R=2 whose stage-0 cell 1 moves to stage 1 as its cell 2 before step 3."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
+               for i in range(4)]
+    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}])
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING", job["reason"]
+    by_id = {f["fellow_id"]: f for f in fellows}
+    return jid, {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+                 for c in job["placement"]["stages"]}
+
+
+async def _step(api: TestClient, jid: str, reg: Any, stage: int, cell: int, n: int,
+                epoch: int, moved: dict[str, int] | None = None, loss: float | None = None,
+                micro: int = 1):
+    body: dict[str, Any] = {"stage": stage, "replica": cell, "epoch": epoch,
+                            "metrics": {"wire_tx_bytes": 10, "micro_batches": micro}}
+    if moved is not None:
+        body["moved"] = moved
+    if loss is not None:
+        body["loss"] = loss
+    return await report(api, jid, reg, "RUNNING", step=n, **body)
+
+
+async def _before(api: TestClient, jid: str, cells: dict[tuple[int, int], Any]) -> None:
+    for n in (1, 2, 3):
+        for (k, r), reg in cells.items():
+            resp = await _step(api, jid, reg, k, r, n, 0, loss=2.0 if k else None, micro=2)
+            assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize("first", ["stayer", "mover"])
+async def test_the_first_report_of_a_new_layout_tells_the_leader_the_move(api, first):
+    jid, cells = await _moving_job(api, 8100)
+    mover = cells[(0, 1)]
+    await _before(api, jid, cells)
+    new = {(0, 0): cells[(0, 0)], (1, 0): cells[(1, 0)], (1, 1): cells[(1, 1)], (1, 2): mover}
+    order = [(1, 2), (0, 0), (1, 0), (1, 1)] if first == "mover" else \
+        [(1, 0), (0, 0), (1, 1), (1, 2)]
+    for i, (k, r) in enumerate(order):
+        resp = await _step(api, jid, new[(k, r)], k, r, 4, 1, MOVE, loss=float(r) if k else None)
+        assert resp.status == 200, await resp.text()
+        if i == 0:  # (the first that tells it: the placement has moved already)
+            job = await get_job(api, jid)
+            assert job["placement"]["layout"] == AFTER
+    job = await get_job(api, jid)
+    [change] = job["membership"]  # (told four times, made once)
+    assert change["moved"] == MOVE and change["epoch"] == 1 and change["step"] == 4
+    assert change["reason"] == "rebalance" and change["left"] == change["joined"] == []
+    moved = next(c for c in job["placement"]["stages"] if (c["stage"], c["replica"]) == (1, 2))
+    assert moved["fellow_id"] == mover["fellow_id"]
+    rows = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))["records"]
+    rec = next(r for r in rows if r["step"] == 4)
+    assert len(rec["stages_reported"]) == 4  # (the new layout's four cells)
+    assert rec["replica_losses"] == {"0": 0.0, "1": 1.0, "2": 2.0}
+    assert rec["membership"][0]["moved"] == MOVE
+    # A late report of the old layout (the mover's old cell, its step 3 again) is read
+    # against the placement it ran under; one of the new cell under the old layout is not.
+    late = await _step(api, jid, mover, 0, 1, 3, 0)
+    assert late.status == 200, await late.text()
+    await expect_error(await _step(api, jid, mover, 1, 2, 3, 0), 409, "not_in_job")
+
+
+async def test_a_move_that_does_not_fit_is_refused_in_one_line_and_changes_nothing(api):
+    jid, cells = await _moving_job(api, 8150)
+    await _before(api, jid, cells)
+    stayer = cells[(1, 0)]
+    for moved, why in [
+        ({**MOVE, "cell": 0}, "stage 0 has no cell 0"),
+        ({**MOVE, "new_id": 1}, "already has a cell 1"),
+        ({**MOVE, "at": 5}, "before step 5, reported at step 4"),
+        (None, "without the move it needs"),
+    ]:
+        err = await expect_error(await _step(api, jid, stayer, 1, 0, 4, 1, moved), 409,
+                                 "bad_move")
+        assert why in err["message"] and "\n" not in err["message"], err
+    err = await expect_error(await _step(api, jid, stayer, 1, 0, 4, 2, MOVE), 409, "bad_move")
+    assert "under move 2 of a job that has made 0" in err["message"]
+    job = await get_job(api, jid)
+    assert "layout" not in job["placement"]  # (the grid it was)
+    assert job["membership"] == []
+
+
+def test_given_moves_and_rebalancing_are_checked_in_one_line():
+    ok = structure(_job(moves=[MOVE]), JobSubmit)
+    assert ok.topology.moves == [PeerMove(**MOVE)]
+    assert structure(_job(routing="measured", rebalance_every=4), JobSubmit) \
+        .topology.rebalance_every == 4
+    for topology, field, why in [
+        ({"moves": [{**MOVE, "cell": 0}]}, "$.topology.moves", "stage 0 has no cell 0 to move"),
+        ({"moves": [{**MOVE, "at": 8}]}, "$.topology.moves", "before 8"),
+        ({"moves": [MOVE, MOVE]}, "$.topology.moves", "one a boundary"),
+        ({"moves": [{**MOVE, "target": 0}]}, "$.topology.moves", "not two of the job's"),
+        ({"rebalance_every": 3}, "$.topology.rebalance_every", "needs routing measured"),
+        ({"moves": [MOVE], "route_weights": [[1, 1], [1, 1]]}, "$.topology.route_weights",
+         "not taken with moving peers"),
+        ({"moves": [MOVE], "wiring": "chain"}, "$.topology.moves", "wiring swarm only"),
+    ]:
+        with pytest.raises(SchemaError, match=why) as err:
+            structure(_job(**topology), JobSubmit)
+        assert err.value.field == field and "\n" not in str(err.value), err.value
+    assert moves_error([PeerMove(**MOVE), PeerMove(5, 1, 2, 0)], BEFORE, 8) is None
+    assert "stage 1 has no cell 3" in moves_error([PeerMove(**MOVE), PeerMove(5, 1, 3, 0)],
+                                                  BEFORE, 8)
