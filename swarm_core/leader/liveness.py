@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from swarm_core.contract import Placement, Replacement, Restart
+from swarm_core.leader import moves
 from swarm_core.leader.records import HeldFailure, JobRecord, Recovering
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.uploads import complete_checkpoints
@@ -185,8 +186,10 @@ class Liveness:
         a recovery that cannot go on fails the job, it never leaves it RUNNING."""
         assert job.placement is not None and job.recovering is not None
         first = job.recovering.reason
-        placement, replaced, lost = self._replacement(job)
         step = self.latest_checkpoint(job)
+        # (a job whose peers moved: the cells it had at that step; later moves made again)
+        at_step, membership = moves.rewound(job, step)
+        placement, replaced, lost = self._replacement(job, at_step)
         try:
             if isinstance(placement, str):
                 raise ValueError(placement)
@@ -203,6 +206,8 @@ class Liveness:
         job.placement = placement
         job.attempt += 1
         job.members, job.epoch = None, 0  # (the new attempt runs every replica again)
+        job.membership = membership
+        job.moves_base = len(moves.moves_of(job))
         job.data_key, job.resume_step = starts[0].key, step
         job.recovering = None
         job.done_stages = []
@@ -216,19 +221,19 @@ class Liveness:
         self.queue.save(job)
         self.queue.event(job, "job.resumed")
 
-    def _replacement(self, job: JobRecord
+    def _replacement(self, job: JobRecord, placement: Placement
                      ) -> tuple[Placement | str, dict[str, Replacement], list[str]]:
-        """The placement to resume on: each stage whose fellow is not back to ready goes to a
-        spare (for a train job, one with a data address), every fellow at the address it
-        registers now. A stage no spare can take: why, instead of a placement."""
-        assert job.placement is not None
+        """The placement to resume on (``placement``'s cells): each stage whose fellow is not
+        back to ready goes to a spare (for a train job, one with a data address), every fellow
+        at the address it registers now. A stage no spare can take: why, instead of a
+        placement."""
         now = time.monotonic()
         spare = [r for r in self.registry.ready() if r.fellow_id not in job.fellows
                  and (r.data_addr or job.spec.train is None)]
         replaced: dict[str, Replacement] = {}
         lost: list[str] = []
         stages = []
-        for st in job.placement.stages:
+        for st in placement.stages:
             rec = self.registry.find(st.fellow_id)
             status = "gone" if rec is None else self.registry.status(rec, now)
             if not (status is FellowStatus.READY and rec is not None
@@ -239,7 +244,7 @@ class Liveness:
                 if not spare:
                     return f"{what}; no ready fellow can take stage {st.stage}", replaced, lost
                 rec = spare.pop(0)
-                replaced[job.placement.label(st.stage, st.replica)] = Replacement(
+                replaced[placement.label(st.stage, st.replica)] = Replacement(
                     from_=st.fellow_id, to=rec.fellow_id, lost=what)
                 st = attrs.evolve(st, fellow_id=rec.fellow_id, name=rec.name, slot=0,
                                   device=rec.devices[0])
@@ -247,7 +252,7 @@ class Liveness:
             addrs: Sequence[str | None] = rec.data_addrs or [rec.data_addr]
             stages.append(attrs.evolve(
                 st, data_addr=addrs[st.slot] if st.slot < len(addrs) else rec.data_addr))
-        return attrs.evolve(job.placement, stages=stages), replaced, lost
+        return attrs.evolve(placement, stages=stages), replaced, lost
 
     def latest_checkpoint(self, job: JobRecord) -> int:
         """The newest step at which every stage has a pushed shard; 0 if none."""

@@ -8,6 +8,10 @@ its placement (``Placement.moved``, as every cell did), records it in the job's 
 (``MembershipChange.moved``, from its first step on) and writes the placement plan. A late
 report of an earlier epoch (the moved peer's old cell, say) is read against the placement
 of its epoch, rebuilt by undoing the later moves (a move undone is the move back).
+
+A job that recovers resumes from its checkpoint on the placement in force at that step: moves
+made after it are undone (``rewound``), for its cells to make again, and the new attempt's
+cells count their moves from 0 (``JobRecord.moves_base``: the moves made before it).
 """
 
 from __future__ import annotations
@@ -38,16 +42,31 @@ def moves_of(job: JobRecord) -> list[PeerMove]:
 
 
 def placement_at(job: JobRecord, epoch: int | None) -> Placement:
-    """The placement the job had after ``epoch`` moves (None: now)."""
+    """The placement the job had after ``epoch`` moves of this attempt (None: now)."""
     assert job.placement is not None
-    p = job.placement
     made = moves_of(job)
-    if epoch is None or epoch >= len(made) or not moving(job):
-        return p
-    for m in reversed(made[epoch:]):
+    if epoch is None or job.moves_base + epoch >= len(made) or not moving(job):
+        return job.placement
+    return _undone(job.placement, made[job.moves_base + epoch:])
+
+
+def _undone(p: Placement, later: list[PeerMove]) -> Placement:
+    for m in reversed(later):  # (a move undone is the move back)
         assert m.new_id is not None
         p = p.moved(m.target, m.new_id, m.source, m.cell)
     return p
+
+
+def rewound(job: JobRecord, step: int) -> tuple[Placement, list[MembershipChange]]:
+    """What a job that resumes from its checkpoint of ``step`` runs on: the placement in
+    force for its step ``step`` (0-based: moves made before it stay; later ones are undone,
+    for its cells to make again) and its membership without the undone moves."""
+    assert job.placement is not None
+    later = [c for c in job.membership if c.moved is not None and c.moved.at > step]
+    if not moving(job) or not later:
+        return job.placement, list(job.membership)
+    placement = _undone(job.placement, [c.moved for c in later if c.moved is not None])
+    return placement, [c for c in job.membership if c not in later]
 
 
 def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | None:
@@ -55,7 +74,7 @@ def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | N
     none (no move, or one known). Raises MoveRefused for one that cannot be the job's next."""
     if not moving(job):
         return None
-    made = len(moves_of(job))
+    made = len(moves_of(job)) - job.moves_base  # (this attempt's)
     if upd.epoch is None or upd.epoch <= made or job.placement is None:
         return None
     m = upd.moved
@@ -74,7 +93,7 @@ def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | N
 def made(job: JobRecord, move: PeerMove, placement: Placement) -> MembershipChange:
     """Make ``move`` the job's: its placement and its membership's next change, taken from
     the move's step on (1-based: the first step trained under it)."""
-    epoch = len(moves_of(job)) + 1
+    epoch = len(moves_of(job)) - job.moves_base + 1
     change = MembershipChange(step=move.at + 1, epoch=epoch,
                               members=sorted({c.replica for c in placement.stages}),
                               reason="rebalance", at=time.time(), moved=move)

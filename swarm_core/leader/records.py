@@ -116,6 +116,9 @@ class JobRecord:
     # this attempt has had, and who left or joined at which step.
     members: list[int] | None = None
     epoch: int = 0
+    # Of a job whose peers move: the moves its membership records from before this attempt
+    # (a new attempt's cells count their moves from 0: leader/moves.py)
+    moves_base: int = 0
     membership: list[MembershipChange] = attrs.field(factory=list)
     regroup: DecidedRegroup | None = None  # a decided regroup, not yet every group's
     joining: StoredJoin | None = None  # spares joining, not yet taken in

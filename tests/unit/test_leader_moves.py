@@ -14,7 +14,16 @@ from aiohttp.test_utils import TestClient
 from swarm_core.contract.job import JobSubmit
 from swarm_core.contract.rebalance import PeerMove, moves_error
 from swarm_core.schema import SchemaError, structure
-from tests.api_support import A, expect_error, expect_ok, get_job, register, report
+from tests.api_support import (
+    A,
+    expect_error,
+    expect_ok,
+    get_job,
+    heartbeat,
+    register,
+    report,
+    wait_for,
+)
 from tests.support import AUTH
 
 MODEL = {"d_model": 16, "n_layers": 2, "n_heads": 2, "seq_len": 8}
@@ -133,3 +142,50 @@ def test_given_moves_and_rebalancing_are_checked_in_one_line():
     assert moves_error([PeerMove(**MOVE), PeerMove(5, 1, 2, 0)], BEFORE, 8) is None
     assert "stage 1 has no cell 3" in moves_error([PeerMove(**MOVE), PeerMove(5, 1, 3, 0)],
                                                   BEFORE, 8)
+
+
+async def test_a_moved_job_resumes_on_the_cells_it_had_at_its_checkpoint(api):
+    """A lost cell of a job whose peer moved: it recovers from its checkpoint on the
+    placement in force there. A move made after it is undone (its cells make it again, and
+    the new attempt counts its moves from 0); one made before it stays."""
+    from swarm_core.leader import moves
+    from swarm_core.leader.keys import STATE_KEY
+
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8200 + i}")
+               for i in range(4)]
+    body = _job(moves=[MOVE])
+    body["training"]["resume_policy"] = "replace"
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_id = {f["fellow_id"]: f for f in fellows}
+    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+             for c in job["placement"]["stages"]}
+    await _before(api, jid, cells)
+    resp = await _step(api, jid, cells[(1, 0)], 1, 0, 4, 1, MOVE, loss=1.0)
+    assert resp.status == 200, await resp.text()
+    record = api.server.app[STATE_KEY].jobs.get(jid)
+    # (the move was made before step 3: a checkpoint of step 3 or later keeps it)
+    assert moves.rewound(record, 3)[0].layout == ((0,), (0, 1, 2))
+    kept, changes = moves.rewound(record, 2)
+    assert kept.layout is None and changes == []
+    assert kept == structure(job["placement"], type(kept))  # (the grid it was dispatched on)
+    resp = await report(api, jid, cells[(1, 1)], "FAILED", step=4, stage=1, replica=1,
+                        epoch=1, message="boom")
+    assert resp.status == 200, await resp.text()
+    for reg in fellows:
+        await heartbeat(api, reg, status="ready")
+
+    async def resumed() -> dict[str, Any] | None:
+        job = await get_job(api, jid)
+        return job if job["attempt"] == 1 else None
+
+    job = await wait_for(resumed, timeout=5.0)  # (no shard pushed: from step 0)
+    assert job["state"] == "RUNNING" and "layout" not in job["placement"]
+    assert job["membership"] == []
+    # The new attempt's cells make the move again: epoch 1 of attempt 1.
+    resp = await report(api, jid, cells[(1, 0)], "RUNNING", step=4, stage=1, replica=0,
+                        epoch=1, moved=MOVE, attempt=1,
+                        metrics={"wire_tx_bytes": 10, "micro_batches": 1})
+    assert resp.status == 200, await resp.text()
+    job = await get_job(api, jid)
+    assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
