@@ -33,6 +33,7 @@ from swarm_core.contract import (
     perplexity,
 )
 from swarm_core.contract.metrics import MAX_REPORTS_AT_ONCE
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
@@ -282,7 +283,7 @@ class TrainJob:
         try:
             result = await self._train()
             while result.moved is not None:
-                self._moved(result.moved)
+                await self._moved(result.moved)
                 result = await self._train()
         except StageDropped as exc:
             # The leader took this replica out of the job: nothing to report, and the
@@ -302,11 +303,13 @@ class TrainJob:
         metrics.shard_dir = str(self.checkpointer.root)
         await self.reporter.completed(self.training.steps, metrics, result.epoch)
 
-    def _moved(self, move: LayoutMove) -> None:
+    async def _moved(self, move: LayoutMove) -> None:
         """A move took this cell's peer (this fellow's slot) to another stage: it goes on
         as the cell the START every cell computed gives it (``StageStart.after_move``), its
         state handed round its new stage's ring; its steps so far are reported, and it
-        reports as the new cell from the move's step on."""
+        reports as the new cell from the move's step on. The leader hears of the move from
+        it before its heartbeat names the new cell (which the leader would otherwise stop as
+        one its placement gives nobody): a report of the new cell, of no step's figures."""
         assert move.peer is not None
         if self.ctx.shaper is not None and self.training.network is not None:
             self.ctx.shaper.forget(self.start.job_id,
@@ -316,6 +319,10 @@ class TrainJob:
         log.info("%s: this peer moves from stage %d cell %d to stage %d cell %d before step "
                  "%d", self.start.job_id, move.peer[0], move.peer[1], self.start.stage,
                  self.start.replica, move.at)
+        await self.ctx.report(JobStatusUpdate(
+            fellow_id=self.ctx.fellow_id, attempt=self.start.attempt, stage=self.start.stage,
+            replica=self.start.replica, state="RUNNING", step=move.at, epoch=move.epoch,
+            moved=PeerMove(move.at, *move.peer)))
         if self.ctx.moved is not None:
             self.ctx.moved(self.start)
         self.ctx.progress.stage = self.start.stage

@@ -81,7 +81,7 @@ def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | N
     if upd.epoch > made + 1 or m is None or m.new_id is None:
         raise MoveRefused(f"a report of step {upd.step} under move {upd.epoch} of a job "
                           f"that has made {made}, without the move it needs")
-    if not 0 < m.at < upd.step:
+    if not 0 < m.at <= upd.step:  # (the moved peer tells it as it leaves: at step ``at``)
         raise MoveRefused(f"move {upd.epoch}: before step {m.at}, reported at step "
                           f"{upd.step}")
     try:

@@ -20,6 +20,7 @@ from tests.api_support import (
     expect_ok,
     get_job,
     heartbeat,
+    poll,
     register,
     report,
     wait_for,
@@ -189,3 +190,29 @@ async def test_a_moved_job_resumes_on_the_cells_it_had_at_its_checkpoint(api):
     assert resp.status == 200, await resp.text()
     job = await get_job(api, jid)
     assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
+
+
+async def test_the_moved_peer_tells_the_move_as_it_leaves_before_its_heartbeat_names_it(api):
+    """The moved peer's fellow reports its new cell at the move's step, with no figures,
+    before it runs it: the leader makes the move then, so a heartbeat naming the new cell is
+    one its placement gives that fellow (not one to stop), and no step's record changes."""
+    jid, cells = await _moving_job(api, 8250)
+    await _before(api, jid, cells)
+    mover = cells[(0, 1)]
+    told = await report(api, jid, mover, "RUNNING", step=3, stage=1, replica=2, epoch=1,
+                        moved=MOVE)
+    assert told.status == 200, await told.text()
+    job = await get_job(api, jid)
+    assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
+    rows = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))["records"]
+    assert len(next(r for r in rows if r["step"] == 3)["stages_reported"]) == 4
+    def running(cell: tuple[int, int]) -> dict[str, Any]:
+        return {"status": "busy", "current_job": jid,
+                "running": [{"job_id": jid, "stage": cell[0], "replica": cell[1],
+                             "attempt": 0}]}
+
+    # (a cell the placement gives nobody is stopped: what the new cell's would have been)
+    await heartbeat(api, mover, **running((1, 3)))
+    [stop] = [s for s in await poll(api, mover) if s["kind"] == "STOP"]
+    await heartbeat(api, mover, **running((1, 2)))
+    assert not [s for s in await poll(api, mover, after=stop["seq"]) if s["kind"] == "STOP"]
