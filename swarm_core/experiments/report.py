@@ -30,6 +30,7 @@ from swarm_core.experiments.report_cells import (
     CellSteps,
     cell_steps,
     marks,
+    move_mark,
     png_cells,
     svg_cells,
     throughput_by_cell,
@@ -89,6 +90,8 @@ class RunData:
     summary_absent: frozenset[str] = frozenset()
     # each cell's own step times (and routed micro-batches), for the per-cell chart
     cells: CellSteps = attrs.field(factory=CellSteps)
+    # A swarm job's layout, as it gave it (per stage, its cells' ids; None: a grid)
+    layout: Any = None
 
     @property
     def sync_mode(self) -> str:
@@ -296,7 +299,8 @@ def load_run(d: Path) -> RunData:
         label = "-".join(parts[3:])
     return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
                    eval_steps=eval_steps, resolved=_read_resolved(d, absent),
-                   summary_absent=absent, cells=cell_steps(records))
+                   summary_absent=absent, cells=cell_steps(records),
+                   layout=_read_layout(d) if summary.wiring == "swarm" else None)
 
 
 # What the compression figure reads of a run's setting; a summary lacking one is older than it
@@ -316,6 +320,16 @@ def _read_resolved(d: Path, absent: frozenset[str]) -> dict[str, Any]:
     except (OSError, jsonio.JSONDecodeError):
         return {}
     return resolved if isinstance(resolved, dict) else {}
+
+
+def _read_layout(d: Path) -> Any:
+    """The layout a swarm run's job gave (``config_resolved.json``'s
+    ``job.topology.layout``); None for a grid, or where the file is missing or damaged."""
+    try:
+        resolved = jsonio.loads((d / "config_resolved.json").read_bytes())
+    except (OSError, jsonio.JSONDecodeError):
+        return None
+    return _dig(resolved, "job", "topology", "layout")
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -360,7 +374,7 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     rows = []
     for r in runs:
         s = r.summary
-        rows.append([r.label, s.status or "-", _grid(s), _sync(r),
+        rows.append([r.label, s.status or "-", _grid(s, _layout(r)), _sync(r),
                      _fmt(s.inner_steps, "d"), _fmt(s.final_loss, ".4f"),
                      _fmt(s.eval_loss, ".4f"), _fmt(s.tokens_per_s, ".0f"),
                      _fmt(s.wire_bytes_per_step, ",.0f"), _fmt(s.sync_bytes_per_step, ",.0f"),
@@ -369,15 +383,27 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     return rows
 
 
-def _grid(summary: MetricsSummary | Mapping[str, Any]) -> str:
-    """``stages x replicas`` ("2x2"); "-" for a run from before the summary said."""
+def _grid(summary: MetricsSummary | Mapping[str, Any], layout: Any = None) -> str:
+    """``stages x replicas`` ("2x2"); a swarm layout's (``layout``: per stage, its cells'
+    ids, as the job gave it) "2 stages, cells 1+3"; then who left or joined, and the peers
+    that moved between stages ("0.1->1.2 @6"); "-" for a run from before the summary
+    said."""
     s = as_summary(summary)
     if s.stages is None or s.replicas is None:
         return "-"
     changes = s.membership or []
     moved = [f"r{','.join(map(str, c.left))} left @{c.step}" for c in changes if c.left]
     moved += [f"r{','.join(map(str, c.joined))} joined @{c.step}" for c in changes if c.joined]
-    return f"{s.stages}x{s.replicas}" + (f" ({'; '.join(moved)})" if moved else "")
+    moved += [f"{move_mark(c.moved)} @{c.step}" for c in changes if c.moved is not None]
+    shape = f"{s.stages}x{s.replicas}"
+    if isinstance(layout, list) and layout and all(isinstance(ids, list) for ids in layout):
+        shape = f"{len(layout)} stages, cells {'+'.join(str(len(ids)) for ids in layout)}"
+    return shape + (f" ({'; '.join(moved)})" if moved else "")
+
+
+def _layout(run: RunData) -> Any:
+    """The layout the run's job gave, or None: a grid."""
+    return run.layout
 
 
 def _sync(run: RunData) -> str:
@@ -465,7 +491,8 @@ class FigurePoint:
 
 def _setting(run: RunData) -> tuple[str, str, str, str]:
     """What a figure series stands for: model, spec, grid, sync; not seed, repeat or network."""
-    return (run.model or "-", run.compression or "-", _grid(run.summary), _sync(run))
+    return (run.model or "-", run.compression or "-", _grid(run.summary, _layout(run)),
+            _sync(run))
 
 
 def _series_labels(settings: list[tuple[str, str, str, str]]) -> dict[tuple[str, ...], str]:

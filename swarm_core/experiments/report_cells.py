@@ -20,6 +20,7 @@ import attrs
 
 from swarm_core.contract import JobSubmit
 from swarm_core.contract.metrics import MetricName
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.experiments.summary import MetricsSummary
 
 CELLS_TITLE = "tokens/s per cell by step"
@@ -109,9 +110,16 @@ class Mark:
     text: str
 
 
+def move_mark(move: PeerMove) -> str:
+    """A peer's move between stages (a layout's rebalancing), its old cell to its new:
+    "0.1->1.2"."""
+    new = "?" if move.new_id is None else str(move.new_id)
+    return f"{move.source}.{move.cell}->{move.target}.{new}"
+
+
 def marks(summary: MetricsSummary) -> list[Mark]:
     """The run's changes by the step they took effect: set-speeds (a link, a slowdown) and
-    membership changes (left, joined: a rebalancing move is one)."""
+    membership changes (left, joined; a peer moved between stages, "0.1->1.2")."""
     out = []
     for c in summary.link_changes or []:
         what = [] if c.link is None else ["link"]
@@ -120,7 +128,8 @@ def marks(summary: MetricsSummary) -> list[Mark]:
         to = "" if c.to_fellow is None else f"->f{c.to_fellow}"
         out.append(Mark(c.at_step, f"f{c.fellow_id}{to} {' '.join(what) or 'set-speed'}"))
     for m in summary.membership or []:
-        moved = [f"r{','.join(map(str, m.left))} left"] if m.left else []
+        moved = [move_mark(m.moved)] if m.moved is not None else []
+        moved += [f"r{','.join(map(str, m.left))} left"] if m.left else []
         moved += [f"r{','.join(map(str, m.joined))} joined"] if m.joined else []
         reason = f" ({m.reason})" if m.reason else ""
         out.append(Mark(m.step, "; ".join(moved or ["membership"]) + reason))

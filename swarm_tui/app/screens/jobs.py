@@ -32,6 +32,7 @@ from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.plot import MetricPlot, PlotSpec
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
+from swarm_tui.grid import move_fellows, move_text
 
 
 class JobsScreen(SwarmScreen):
@@ -291,8 +292,12 @@ class JobWatchScreen(SwarmScreen):
         if info.link_changes:
             text.append("\n" + describe_link_changes(info.link_changes,
                                                      total=info.link_changes_total), style="yellow")
-        for ch in info.membership[-3:]:  # (the newest: a loss curve is read against them)
+        movers = move_fellows(info)
+        for i in range(max(0, len(info.membership) - 3), len(info.membership)):
+            ch = info.membership[i]  # (the newest: a loss curve is read against them)
             moved = []
+            if ch.moved is not None:  # (a peer moved between stages: a layout's rebalancing)
+                moved.append(move_text(ch.moved, movers.get(i)))
             if ch.left:
                 moved.append(f"replica(s) {','.join(map(str, ch.left))} left")
             if ch.joined:
