@@ -34,7 +34,9 @@ from swarm_core.contract.events import (
     Unknown,
     read_event,
 )
+from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import step_loss
+from swarm_core.contract.placement import Placement, PlacementError
 from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits, PeerLinkState
 from swarm_tui.fmt import describe_speed
 from swarm_tui.grid import is_grid
@@ -274,7 +276,36 @@ class JobView:
             self.history_loaded = True
         else:
             ji.loss_history, ji.eval_history = old, old_evals
+        self._rekey(ji.placement)
         self.info, self.partial = ji, False
+
+    def take_move(self, change: MembershipChange) -> None:
+        """A peer moved between stages (``change.moved``): the placement as the leader made
+        it (every party computes the same move), until the next record says so itself."""
+        m, p = change.moved, self.info.placement
+        if m is None or p is None or m.new_id is None:
+            return
+        try:
+            moved = p.moved(m.source, m.cell, m.target, m.new_id)
+        except PlacementError:
+            return  # (already made: the record came first)
+        self._rekey(moved)
+        self.info.placement = moved
+        self.info.fellows = moved.fellows
+
+    def _rekey(self, new: Placement | None) -> None:
+        """``per_stage`` re-keyed to ``new``'s indices, cell by (stage, id): a move shifts
+        the cells after the mover's (a grid keeps its indices); a cell gone is dropped."""
+        old = self.info.placement
+        if old is None or new is None or (old.layout is None and new.layout is None) \
+                or not self.per_stage:
+            return
+        cells = [(c.stage, c.replica) for c in old.stages]
+        rekeyed = {}
+        for index, fp in self.per_stage.items():
+            if 0 <= index < len(cells) and new.has(*cells[index]):
+                rekeyed[new.index(*cells[index])] = fp
+        self.per_stage = rekeyed
 
     @property
     def job_id(self) -> str:
@@ -616,6 +647,9 @@ class ClusterModel:
             return Change()
         if isinstance(ev, JobMembership) and ev.change not in view.info.membership:
             view.info.membership.append(ev.change)  # (the snapshot's record says the same)
+            if ev.change.moved is not None:  # (a move: nobody left; the cells changed)
+                view.take_move(ev.change)
+                return Change(jobs={ev.job_id}, fellows=set(view.info.fellows))
             view.info.members = list(ev.change.members)
         return Change(jobs={ev.job_id})
 

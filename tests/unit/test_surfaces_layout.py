@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import pytest
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.contract import JobInfo, StageMetrics, Topology
@@ -144,6 +145,31 @@ def test_the_consoles_cells_come_from_the_placement_not_arithmetic():
     assert view.per_stage[3].fellow_id == 2
 
 
+def test_the_console_makes_a_move_it_hears_of_and_keeps_each_cells_figures():
+    model = ClusterModel()
+    model.apply_job(_job(_placement()))
+    view = model.jobs["job-000001"]
+    for fid, (stage, rid) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=fid, stage=stage,
+                                       replica=rid, step=4, state="RUNNING"))
+    assert sorted((i, fp.fellow_id) for i, fp in view.per_stage.items()) == [
+        (0, 0), (1, 1), (2, 2), (3, 3)]
+    change = model.apply_event({"type": JobMembership.type, "data": {
+        "job_id": "job-000001", **_change_json()}})
+    assert change.jobs == {"job-000001"}
+    assert view.info.placement == _placement().moved(0, 1, 1, 2)
+    assert view.info.members is None  # (nobody left)
+    # The mover's old cell's figures are gone; 1.1 (fellow 3) is index 2 now.
+    assert sorted((i, fp.fellow_id) for i, fp in view.per_stage.items()) == [
+        (0, 0), (1, 1), (2, 3)]
+    assert [view.cell_of(i) for i in range(4)] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    # The record that follows says the same: nothing moves twice.
+    model.apply_job(_moved())
+    assert view.info.placement == _placement().moved(0, 1, 1, 2)
+    assert sorted(view.per_stage) == [0, 1, 2]
+    assert membership_rows(view.info) == [["moved @6", "f2 moved 0.1 -> 1.2 (rebalance)"]]
+
+
 def test_the_consoles_loss_is_the_mean_over_the_last_stages_cells():
     view = JobView(_laid_out())
     for rid, loss, mbs in ((0, 2.0, 4.0), (1, 3.0, 2.0), (2, 4.0, 2.0)):
@@ -179,3 +205,22 @@ def test_the_reports_topology_line_reads_a_layout_and_its_moves():
     assert _grid(MetricsSummary(stages=2, replicas=2), LAYOUT) == "2 stages, cells 1+3"
     assert _grid(summary, [[0, 1], [0, 1]]) == "2 stages, cells 2+2 (0.1->1.2 @6)"
     assert _grid(MetricsSummary(stages=2, replicas=2)) == "2x2"  # (a grid: as before)
+
+
+# --- swarm set-speed --stage/--replica: a layout's cells ---------------------------------
+
+async def test_set_speed_names_a_layout_cell_by_its_id():
+    from swarm_tui.commands.base import CommandError
+    from swarm_tui.commands.fellows import _cell_fellows
+
+    class Client:
+        async def jobs(self, state: str) -> list[JobInfo]:
+            return [_moved()]
+
+    c: Any = Client()
+    assert await _cell_fellows(c, 1, 2) == ("job-000001", [2])  # (the mover, at 1.2)
+    assert await _cell_fellows(c, 1, None) == ("job-000001", [1, 3, 2])
+    with pytest.raises(CommandError, match=r"has no cell 0\.1 \(stage 0's cells: 0\)"):
+        await _cell_fellows(c, 0, 1)
+    with pytest.raises(CommandError, match=r"--replica 3: .* has 3 replica"):
+        await _cell_fellows(c, None, 3)
