@@ -202,7 +202,7 @@ def _membership_change(ch: MembershipChange, fellow: int | None = None) -> str:
 
 
 def emit_grid(job: JobInfo) -> None:
-    """The stages x replicas table of a job with replicas."""
+    """The stages x replicas table of a job with replicas (of a layout's: its cells)."""
     emit_table(grid_title(job), *grid_table(job))
 
 

@@ -224,3 +224,11 @@ async def test_set_speed_names_a_layout_cell_by_its_id():
         await _cell_fellows(c, 0, 1)
     with pytest.raises(CommandError, match=r"--replica 3: .* has 3 replica"):
         await _cell_fellows(c, None, 3)
+
+
+def test_the_loss_curve_marks_the_step_a_peer_moved_from():
+    from swarm_tui.app.screens.jobs import loss_plot
+
+    view = JobView(_moved(loss_history=[[4.0, 3.0], [7.0, 2.5]]))
+    assert loss_plot(view).marks == (6.0,)
+    assert loss_plot(view, from_step=7).marks == ()

@@ -256,7 +256,8 @@ class JobWatchScreen(SwarmScreen):
 
     def _stage_keys(self, view: JobView) -> list[str]:
         # One row per cell, by its index in the placement (a fellow with several slots holds
-        # several; with replicas, replica r of stage k is r x stages + k).
+        # several; with replicas, replica r of stage k is r x stages + k; under a layout, the
+        # placement's cells id by id: JobView.cell_of).
         cells = range(len(view.info.fellows)) if view.info.fellows else sorted(view.per_stage)
         return [str(s) for s in cells]
 
@@ -432,8 +433,8 @@ def curve_caption(view: JobView, from_step: int = 0, log_y: bool = False) -> str
 
 def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> PlotSpec:
     """The job's loss by step (from ``from_step``), its eval losses marked, a vertical mark
-    at each step from which a set-speed changed one of its links, and (▼, ▲) where replicas
-    left and joined."""
+    at each step from which a set-speed changed one of its links or a peer moved between
+    stages, and (▼, ▲) where replicas left and joined."""
     pts = [p for p in _points(view.info.loss_history) if p[0] >= from_step]
     if log_y:
         pts = [p for p in pts if p[1] > 0]
@@ -446,7 +447,9 @@ def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> Plot
                     points=tuple(p for p in _points(view.info.eval_history)
                                  if shown(p[0]) and (p[1] > 0 or not log_y)),
                     marks=tuple(sorted({float(c.at_step) for c in view.info.link_changes
-                                        if shown(c.at_step)})),
+                                        if shown(c.at_step)}
+                                       | {float(c.step) for c in view.info.membership
+                                          if c.moved is not None and shown(c.step)})),
                     left=tuple(float(c.step) for c in view.info.membership
                                if c.left and shown(c.step)),
                     joined=tuple(float(c.step) for c in view.info.membership
