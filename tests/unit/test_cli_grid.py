@@ -130,6 +130,36 @@ async def test_a_swarm_wired_grid_shows_each_cells_share_of_the_route(api, auth,
     assert rows == {"s0/r0": "50%", "s0/r1": "50%", "s1/r0": "75%", "s1/r1": "25%"}
 
 
+async def test_a_layout_jobs_grid_lists_its_cells_by_stage_and_id(api, auth, capsys):
+    """Placement-cells step 7: a swarm layout's stages of their own cells, [[0], [0, 1, 2]]
+    for 2 shares: a row per cell by (stage, id), each with its share of the R x M
+    micro-batches, and the title counts each stage's cells."""
+    regs = {r["fellow_id"]: r for r in [await _register(api, auth, i) for i in range(4)]}
+    resp = await api.post(f"{A}/jobs", headers=auth, json={
+        "name": "grid", "kind": "train", "model": MODEL,
+        "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                     "layout": [[0], [0, 1, 2]]},
+        "training": {"steps": 5, "batch_size": 8, "micro_batches": 2}})
+    assert resp.status == 201, await resp.text()
+    job = await resp.json()
+    assert job["state"] == "RUNNING"
+    dealt = {(0, 0): 4, (1, 0): 2, (1, 1): 1, (1, 2): 1}
+    for cell in job["placement"]["stages"]:
+        await _report(api, job, regs, cell, step=2,
+                      extra={"micro_batches": dealt[(cell["stage"], cell["replica"])]})
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 2 stages, cells 1+3, swarm wiring" in out
+    rows = {_cols(line)[0]: _cols(line) for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    assert list(rows) == ["s0/r0", "s1/r0", "s1/r1", "s1/r2"]
+    assert [row[-1] for row in rows.values()] == ["100%", "50%", "25%", "25%"]
+    assert [row[1] for row in rows.values()] == [
+        f"{c['fellow_id']} (f{c['fellow_id']})" for c in sorted(
+            job["placement"]["stages"], key=lambda c: (c["stage"], c["replica"]))]
+    assert [row[3] for row in rows.values()] == ["2"] * 4
+
+
 def _cell_extras(k: int, r: int) -> dict[str, Any]:
     """Figures of a cell that only some cells report: s0/r1's activation peak, s1's codec."""
     extra: dict[str, Any] = {}
