@@ -9,8 +9,8 @@ import attrs
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.contract import JobInfo, StageMetrics
-from swarm_core.contract.placement import PlacementError
 from swarm_core.contract.rebalance import PeerMove
+from swarm_core.experiments.report_cells import movers
 from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_codec_error, fmt_tps
 
 
@@ -53,21 +53,9 @@ def move_text(move: PeerMove, fellow: int | None = None) -> str:
 
 
 def move_fellows(job: JobInfo) -> dict[int, int]:
-    """Of each move in ``job.membership`` (by its index there), the fellow that moved: the
-    new cell's, in the placement just after the move (the job's placement, later moves
-    undone). A move the placement does not fit (a record cut short) names none."""
-    out: dict[int, int] = {}
-    p = job.placement
-    for i in reversed(range(len(job.membership))):
-        m = job.membership[i].moved
-        if m is None or p is None or m.new_id is None:
-            continue
-        try:
-            out[i] = p.cell(m.target, m.new_id).fellow_id
-            p = p.moved(m.target, m.new_id, m.source, m.cell)  # (undone: the one before)
-        except PlacementError:
-            p = None
-    return out
+    """Of each move in ``job.membership`` (by its index there), the fellow that moved (its
+    new cell's, in the placement just after the move)."""
+    return movers(job.placement, job.membership)
 
 
 def job_grid(job: JobInfo) -> list[GridCell]:

@@ -24,6 +24,7 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.contract import JobSubmit, link_changes_in_all
+from swarm_core.contract.placement import Placement
 from swarm_core.experiments import report_predict
 from swarm_core.experiments.report_cells import (
     CELLS_TITLE,
@@ -43,6 +44,7 @@ from swarm_core.experiments.summary import (
 )
 from swarm_core.experiments.summary import shown as _shown
 from swarm_core.paths import atomic_write
+from swarm_core.schema import structure
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
            "#e377c2", "#7f7f7f", "#bcbd22"]
@@ -92,6 +94,9 @@ class RunData:
     cells: CellSteps = attrs.field(factory=CellSteps)
     # A swarm job's layout, as it gave it (per stage, its cells' ids; None: a grid)
     layout: Any = None
+    # Of a run whose peers moved between stages: its last placement (topology_snapshot.json's
+    # ``actual``), which names the fellow of each move; None otherwise or where unreadable
+    placement: Placement | None = None
 
     @property
     def sync_mode(self) -> str:
@@ -300,7 +305,9 @@ def load_run(d: Path) -> RunData:
     return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
                    eval_steps=eval_steps, resolved=_read_resolved(d, absent),
                    summary_absent=absent, cells=cell_steps(records),
-                   layout=_read_layout(d) if summary.wiring == "swarm" else None)
+                   layout=_read_layout(d) if summary.wiring == "swarm" else None,
+                   placement=_read_placement(d) if any(
+                       c.moved is not None for c in summary.membership or []) else None)
 
 
 # What the compression figure reads of a run's setting; a summary lacking one is older than it
@@ -330,6 +337,16 @@ def _read_layout(d: Path) -> Any:
     except (OSError, jsonio.JSONDecodeError):
         return None
     return _dig(resolved, "job", "topology", "layout")
+
+
+def _read_placement(d: Path) -> Placement | None:
+    """The run's last placement (``topology_snapshot.json``'s ``actual``); None where the
+    file is missing or damaged (the marks then name no fellow)."""
+    try:
+        actual = _dig(jsonio.loads((d / "topology_snapshot.json").read_bytes()), "actual")
+        return None if actual is None else structure(actual, Placement)
+    except (OSError, ValueError):
+        return None
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -835,7 +852,7 @@ def cell_throughput(run: RunData) -> dict[str, list[tuple[int, float]]]:
 
 def _html_cells(runs: list[RunData]) -> str:
     charts = "".join(svg_cells(f"{r.label}: {CELLS_TITLE}", cell_throughput(r),
-                               marks(r.summary), PALETTE, SVG_BOX) for r in runs)
+                               marks(r.summary, r.placement), PALETTE, SVG_BOX) for r in runs)
     return ("<h2 id='cells'>Throughput per cell</h2><p>Each cell's tokens per second, step "
             "by step, over its own step time; dashed lines mark the steps from which a "
             "set-speed (link, emulated slowdown) or a membership change (left, joined, "
@@ -892,8 +909,9 @@ def render_png(runs: list[RunData]) -> bytes:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs, axes[len(CHARTS) + 2])
-    png_cells(axes[len(CHARTS) + 3], [(r.label, cell_throughput(r), marks(r.summary))
-                                      for r in runs], PALETTE)
+    png_cells(axes[len(CHARTS) + 3],
+              [(r.label, cell_throughput(r), marks(r.summary, r.placement)) for r in runs],
+              PALETTE)
     for ax in axes[len(CHARTS) + 4:-1]:
         ax.axis("off")
     # The last panel holds the legend: every run, in its colour and its sync mode's dash.
