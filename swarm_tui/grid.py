@@ -9,6 +9,8 @@ import attrs
 
 from swarm_core.config.schemas import TrainingConfig
 from swarm_core.contract import JobInfo, StageMetrics
+from swarm_core.contract.rebalance import PeerMove
+from swarm_core.experiments.report_cells import movers
 from swarm_tui.fmt import fmt_bytes, fmt_cell, fmt_codec_error, fmt_tps
 
 
@@ -27,14 +29,39 @@ class GridCell:
         return fmt_cell(self.stage, self.replica)
 
 
+def moves(job: JobInfo) -> int:
+    """How many times the job's peers moved between stages (a swarm layout's rebalancing)."""
+    return sum(1 for ch in job.membership if ch.moved is not None)
+
+
 def is_grid(job: JobInfo) -> bool:
-    """Whether the job has replicas (a chain keeps its one-row-per-stage look)."""
+    """Whether the job has replicas, or stages of their own cells (a layout, or peers that
+    moved): a chain keeps its one-row-per-stage look."""
     p = job.placement
+    if (p is not None and p.layout is not None) or job.topology.layout is not None \
+            or moves(job):
+        return True
     return (p.replicas if p is not None else job.topology.replicas) > 1
 
 
+def move_text(move: PeerMove, fellow: int | None = None) -> str:
+    """A peer's move between stages, old cell to new, as every surface writes it:
+    "f3 moved 0.1 -> 1.2" (the fellow where known)."""
+    new = "?" if move.new_id is None else str(move.new_id)
+    return ("" if fellow is None else f"f{fellow} ") + \
+        f"moved {move.source}.{move.cell} -> {move.target}.{new}"
+
+
+def move_fellows(job: JobInfo) -> dict[int, int]:
+    """Of each move in ``job.membership`` (by its index there), the fellow that moved (its
+    new cell's, in the placement just after the move)."""
+    return movers(job.placement, job.membership)
+
+
 def job_grid(job: JobInfo) -> list[GridCell]:
-    """Every cell of a placed job, by stage then replica; none before it is placed."""
+    """Every cell of a placed job (those of its placement now: a moved peer's old cell is
+    gone, its new one there), by stage then replica (a layout's: cell id); none before it is
+    placed."""
     p = job.placement
     if p is None:
         return []
@@ -91,10 +118,19 @@ def grid_table(job: JobInfo) -> tuple[list[str], list[list[str]]]:
 
 
 def grid_title(job: JobInfo) -> str:
+    """"grid: 2 stage(s) x 2 replicas"; under a layout, or once peers moved, the cells of
+    each stage: "grid: 2 stages, cells 1+3 (1 move)"."""
     p = job.placement
     stages, replicas = (p.num_stages, p.replicas) if p is not None else (
         job.topology.num_stages, job.topology.replicas)
     wiring = ", swarm wiring" if job.topology.wiring == "swarm" else ""
     if wiring and job.topology.routing == "measured":
         wiring += " (measured routes)"
-    return f"grid: {stages} stage(s) x {replicas} replicas{wiring}"
+    made = moves(job)
+    layout = p.layout if p is not None else job.topology.layout
+    if layout is None and not made:
+        return f"grid: {stages} stage(s) x {replicas} replicas{wiring}"
+    sizes = [len(p.ids(k)) for k in range(stages)] if p is not None else \
+        [len(ids) for ids in layout or ()]
+    moved = f" ({made} move{'s' if made > 1 else ''})" if made else ""
+    return f"grid: {stages} stages, cells {'+'.join(map(str, sizes))}{moved}{wiring}"

@@ -24,12 +24,14 @@ import attrs
 
 from swarm_core import jsonio
 from swarm_core.contract import JobSubmit, link_changes_in_all
+from swarm_core.contract.placement import Placement
 from swarm_core.experiments import report_predict
 from swarm_core.experiments.report_cells import (
     CELLS_TITLE,
     CellSteps,
     cell_steps,
     marks,
+    move_mark,
     png_cells,
     svg_cells,
     throughput_by_cell,
@@ -42,6 +44,7 @@ from swarm_core.experiments.summary import (
 )
 from swarm_core.experiments.summary import shown as _shown
 from swarm_core.paths import atomic_write
+from swarm_core.schema import structure
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
            "#e377c2", "#7f7f7f", "#bcbd22"]
@@ -89,6 +92,11 @@ class RunData:
     summary_absent: frozenset[str] = frozenset()
     # each cell's own step times (and routed micro-batches), for the per-cell chart
     cells: CellSteps = attrs.field(factory=CellSteps)
+    # A swarm job's layout, as it gave it (per stage, its cells' ids; None: a grid)
+    layout: Any = None
+    # Of a run whose peers moved between stages: its last placement (topology_snapshot.json's
+    # ``actual``), which names the fellow of each move; None otherwise or where unreadable
+    placement: Placement | None = None
 
     @property
     def sync_mode(self) -> str:
@@ -296,7 +304,10 @@ def load_run(d: Path) -> RunData:
         label = "-".join(parts[3:])
     return RunData(d, label, summary, steps, losses, wall, sent, *evals, step_times=times,
                    eval_steps=eval_steps, resolved=_read_resolved(d, absent),
-                   summary_absent=absent, cells=cell_steps(records))
+                   summary_absent=absent, cells=cell_steps(records),
+                   layout=_read_layout(d) if summary.wiring == "swarm" else None,
+                   placement=_read_placement(d) if any(
+                       c.moved is not None for c in summary.membership or []) else None)
 
 
 # What the compression figure reads of a run's setting; a summary lacking one is older than it
@@ -316,6 +327,26 @@ def _read_resolved(d: Path, absent: frozenset[str]) -> dict[str, Any]:
     except (OSError, jsonio.JSONDecodeError):
         return {}
     return resolved if isinstance(resolved, dict) else {}
+
+
+def _read_layout(d: Path) -> Any:
+    """The layout a swarm run's job gave (``config_resolved.json``'s
+    ``job.topology.layout``); None for a grid, or where the file is missing or damaged."""
+    try:
+        resolved = jsonio.loads((d / "config_resolved.json").read_bytes())
+    except (OSError, jsonio.JSONDecodeError):
+        return None
+    return _dig(resolved, "job", "topology", "layout")
+
+
+def _read_placement(d: Path) -> Placement | None:
+    """The run's last placement (``topology_snapshot.json``'s ``actual``); None where the
+    file is missing or damaged (the marks then name no fellow)."""
+    try:
+        actual = _dig(jsonio.loads((d / "topology_snapshot.json").read_bytes()), "actual")
+        return None if actual is None else structure(actual, Placement)
+    except (OSError, ValueError):
+        return None
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -360,7 +391,7 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     rows = []
     for r in runs:
         s = r.summary
-        rows.append([r.label, s.status or "-", _grid(s), _sync(r),
+        rows.append([r.label, s.status or "-", _grid(s, _layout(r)), _sync(r),
                      _fmt(s.inner_steps, "d"), _fmt(s.final_loss, ".4f"),
                      _fmt(s.eval_loss, ".4f"), _fmt(s.tokens_per_s, ".0f"),
                      _fmt(s.wire_bytes_per_step, ",.0f"), _fmt(s.sync_bytes_per_step, ",.0f"),
@@ -369,15 +400,27 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
     return rows
 
 
-def _grid(summary: MetricsSummary | Mapping[str, Any]) -> str:
-    """``stages x replicas`` ("2x2"); "-" for a run from before the summary said."""
+def _grid(summary: MetricsSummary | Mapping[str, Any], layout: Any = None) -> str:
+    """``stages x replicas`` ("2x2"); a swarm layout's (``layout``: per stage, its cells'
+    ids, as the job gave it) "2 stages, cells 1+3"; then who left or joined, and the peers
+    that moved between stages ("0.1->1.2 @6"); "-" for a run from before the summary
+    said."""
     s = as_summary(summary)
     if s.stages is None or s.replicas is None:
         return "-"
     changes = s.membership or []
     moved = [f"r{','.join(map(str, c.left))} left @{c.step}" for c in changes if c.left]
     moved += [f"r{','.join(map(str, c.joined))} joined @{c.step}" for c in changes if c.joined]
-    return f"{s.stages}x{s.replicas}" + (f" ({'; '.join(moved)})" if moved else "")
+    moved += [f"{move_mark(c.moved)} @{c.step}" for c in changes if c.moved is not None]
+    shape = f"{s.stages}x{s.replicas}"
+    if isinstance(layout, list) and layout and all(isinstance(ids, list) for ids in layout):
+        shape = f"{len(layout)} stages, cells {'+'.join(str(len(ids)) for ids in layout)}"
+    return shape + (f" ({'; '.join(moved)})" if moved else "")
+
+
+def _layout(run: RunData) -> Any:
+    """The layout the run's job gave, or None: a grid."""
+    return run.layout
 
 
 def _sync(run: RunData) -> str:
@@ -465,7 +508,8 @@ class FigurePoint:
 
 def _setting(run: RunData) -> tuple[str, str, str, str]:
     """What a figure series stands for: model, spec, grid, sync; not seed, repeat or network."""
-    return (run.model or "-", run.compression or "-", _grid(run.summary), _sync(run))
+    return (run.model or "-", run.compression or "-", _grid(run.summary, _layout(run)),
+            _sync(run))
 
 
 def _series_labels(settings: list[tuple[str, str, str, str]]) -> dict[tuple[str, ...], str]:
@@ -808,7 +852,7 @@ def cell_throughput(run: RunData) -> dict[str, list[tuple[int, float]]]:
 
 def _html_cells(runs: list[RunData]) -> str:
     charts = "".join(svg_cells(f"{r.label}: {CELLS_TITLE}", cell_throughput(r),
-                               marks(r.summary), PALETTE, SVG_BOX) for r in runs)
+                               marks(r.summary, r.placement), PALETTE, SVG_BOX) for r in runs)
     return ("<h2 id='cells'>Throughput per cell</h2><p>Each cell's tokens per second, step "
             "by step, over its own step time; dashed lines mark the steps from which a "
             "set-speed (link, emulated slowdown) or a membership change (left, joined, "
@@ -865,8 +909,9 @@ def render_png(runs: list[RunData]) -> bytes:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     _png_figure(axes[len(CHARTS)], axes[len(CHARTS) + 1], runs, axes[len(CHARTS) + 2])
-    png_cells(axes[len(CHARTS) + 3], [(r.label, cell_throughput(r), marks(r.summary))
-                                      for r in runs], PALETTE)
+    png_cells(axes[len(CHARTS) + 3],
+              [(r.label, cell_throughput(r), marks(r.summary, r.placement)) for r in runs],
+              PALETTE)
     for ax in axes[len(CHARTS) + 4:-1]:
         ax.axis("off")
     # The last panel holds the legend: every run, in its colour and its sync mode's dash.

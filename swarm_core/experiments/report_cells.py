@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import attrs
 
 from swarm_core.contract import JobSubmit
+from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import MetricName
+from swarm_core.contract.placement import Placement, PlacementError
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.experiments.summary import MetricsSummary
 
 CELLS_TITLE = "tokens/s per cell by step"
@@ -109,18 +112,49 @@ class Mark:
     text: str
 
 
-def marks(summary: MetricsSummary) -> list[Mark]:
+def move_mark(move: PeerMove) -> str:
+    """A peer's move between stages (a layout's rebalancing), its old cell to its new:
+    "0.1->1.2"."""
+    new = "?" if move.new_id is None else str(move.new_id)
+    return f"{move.source}.{move.cell}->{move.target}.{new}"
+
+
+def movers(placement: Placement | None, membership: Sequence[MembershipChange]
+           ) -> dict[int, int]:
+    """Of each move in ``membership`` (by its index there), the fellow that moved: its new
+    cell's in the placement just after the move (``placement``, the job's last, with the
+    later moves undone: a move undone is the move back). A move the placement does not fit
+    (a record cut short) names none, nor do those before it."""
+    out: dict[int, int] = {}
+    p = placement
+    for i in reversed(range(len(membership))):
+        m = membership[i].moved
+        if m is None or p is None or m.new_id is None:
+            continue
+        try:
+            out[i] = p.cell(m.target, m.new_id).fellow_id
+            p = p.moved(m.target, m.new_id, m.source, m.cell)
+        except PlacementError:
+            p = None
+    return out
+
+
+def marks(summary: MetricsSummary, placement: Placement | None = None) -> list[Mark]:
     """The run's changes by the step they took effect: set-speeds (a link, a slowdown) and
-    membership changes (left, joined: a rebalancing move is one)."""
+    membership changes (left, joined; a peer moved between stages, "f2 0.1->1.2": the
+    fellow where ``placement``, the run's last, names it)."""
     out = []
+    fellows = movers(placement, summary.membership or [])
     for c in summary.link_changes or []:
         what = [] if c.link is None else ["link"]
         if c.slowdown is not None:
             what.append(f"slowdown x{c.slowdown:g}")
         to = "" if c.to_fellow is None else f"->f{c.to_fellow}"
         out.append(Mark(c.at_step, f"f{c.fellow_id}{to} {' '.join(what) or 'set-speed'}"))
-    for m in summary.membership or []:
-        moved = [f"r{','.join(map(str, m.left))} left"] if m.left else []
+    for i, m in enumerate(summary.membership or []):
+        who = f"f{fellows[i]} " if i in fellows else ""
+        moved = [who + move_mark(m.moved)] if m.moved is not None else []
+        moved += [f"r{','.join(map(str, m.left))} left"] if m.left else []
         moved += [f"r{','.join(map(str, m.joined))} joined"] if m.joined else []
         reason = f" ({m.reason})" if m.reason else ""
         out.append(Mark(m.step, "; ".join(moved or ["membership"]) + reason))

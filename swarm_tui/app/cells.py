@@ -269,7 +269,7 @@ def fellow_job(model: ClusterModel, st: FellowState) -> tuple[str, Any]:
         return "-", None
     view = model.jobs.get(st.job_id)
     p = view.info.placement if view is not None else None
-    if p is None or p.replicas == 1:
+    if p is None or view is None or not view.grid:
         return st.job_id + ("" if st.stage is None else f"/{st.stage}"), \
             (st.job_id, st.stage or 0, 0)
     mine = sorted((c.stage, c.replica) for c in p.stages if c.fellow_id == st.fellow_id)
@@ -281,7 +281,7 @@ def fellow_job(model: ClusterModel, st: FellowState) -> tuple[str, Any]:
 
 def grid_running(model: ClusterModel) -> bool:
     """Whether a job with replicas runs (the fellows table then names cells)."""
-    return any(v.info.state == "RUNNING" and v.replicas > 1 for v in model.jobs.values())
+    return any(v.info.state == "RUNNING" and v.grid for v in model.jobs.values())
 
 
 def fellow_haystack(st: FellowState) -> str:
@@ -388,7 +388,7 @@ ROUTED_WATCH_COLUMNS = tuple(itertools.chain.from_iterable(
 
 
 def watch_columns(view: JobView | None) -> tuple[Column, ...]:
-    if view is None or view.replicas == 1:
+    if view is None or not view.grid:
         return WATCH_COLUMNS
     return ROUTED_WATCH_COLUMNS if view.info.topology.wiring == "swarm" \
         else GRID_WATCH_COLUMNS
@@ -406,12 +406,12 @@ def watch_cells(model: ClusterModel, view: JobView, index: int) -> dict[str, Cel
     fp = view.per_stage.get(index)
     fellows = view.info.fellows
     stage, replica = view.cell_of(index)
-    grid = view.replicas > 1
+    grid = view.grid
     fid = fellows[index] if 0 <= index < len(fellows) else (fp.fellow_id if fp else None)
     st = model.fellows.get(fid) if fid is not None else None
     in_job = st is not None and st.job_id == view.job_id
     # The leader's figures of the cell: what a console opened mid-run has before any event.
-    label = str(stage) if not grid else f"{stage}.{replica}"
+    label = view.label(stage, replica)
     known = view.info.metrics.stage(label)
     # A cell another fellow took over (a spare joined as a replica that left): what the
     # fellow before it reported is not the new one's; blank until the new one reports.

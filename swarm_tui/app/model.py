@@ -34,9 +34,12 @@ from swarm_core.contract.events import (
     Unknown,
     read_event,
 )
+from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import step_loss
+from swarm_core.contract.placement import Placement, PlacementError
 from swarm_core.protocol import ByteCounters, FellowInfo, FellowStatus, LinkLimits, PeerLinkState
 from swarm_tui.fmt import describe_speed
+from swarm_tui.grid import is_grid
 
 HISTORY = 240  # samples kept per series (a heartbeat a second: four minutes)
 EVENTS_KEPT = 60  # recent events kept per fellow
@@ -273,7 +276,36 @@ class JobView:
             self.history_loaded = True
         else:
             ji.loss_history, ji.eval_history = old, old_evals
+        self._rekey(ji.placement)
         self.info, self.partial = ji, False
+
+    def take_move(self, change: MembershipChange) -> None:
+        """A peer moved between stages (``change.moved``): the placement as the leader made
+        it (every party computes the same move), until the next record says so itself."""
+        m, p = change.moved, self.info.placement
+        if m is None or p is None or m.new_id is None:
+            return
+        try:
+            moved = p.moved(m.source, m.cell, m.target, m.new_id)
+        except PlacementError:
+            return  # (already made: the record came first)
+        self._rekey(moved)
+        self.info.placement = moved
+        self.info.fellows = moved.fellows
+
+    def _rekey(self, new: Placement | None) -> None:
+        """``per_stage`` re-keyed to ``new``'s indices, cell by (stage, id): a move shifts
+        the cells after the mover's (a grid keeps its indices); a cell gone is dropped."""
+        old = self.info.placement
+        if old is None or new is None or (old.layout is None and new.layout is None) \
+                or not self.per_stage:
+            return
+        cells = [(c.stage, c.replica) for c in old.stages]
+        rekeyed = {}
+        for index, fp in self.per_stage.items():
+            if 0 <= index < len(cells) and new.has(*cells[index]):
+                rekeyed[new.index(*cells[index])] = fp
+        self.per_stage = rekeyed
 
     @property
     def job_id(self) -> str:
@@ -298,12 +330,38 @@ class JobView:
         p = self.info.placement
         return p.replicas if p is not None else self.info.topology.replicas
 
+    @property
+    def grid(self) -> bool:
+        """Whether the job's cells are named by stage and replica (its cell id under a
+        layout): it has replicas, or stages of their own cells (a layout, peers that
+        moved)."""
+        return is_grid(self.info)
+
     def cell_of(self, index: int) -> tuple[int, int]:
         """(stage, replica) of the cell at this index of the placement (of one replica, the
-        index is the stage)."""
+        index is the stage; under a layout, the placement's cell there: (stage, id))."""
+        p = self.info.placement
+        if p is not None and 0 <= index < len(p.stages):
+            return p.stages[index].stage, p.stages[index].replica
         if self.replicas == 1:
             return index, 0
         return index % self.num_stages, index // self.num_stages
+
+    def index_of(self, stage: int, replica: int) -> int | None:
+        """The index of the cell (stage, replica) in the placement; None for a cell the
+        placement lacks (a moved peer's old cell, under a layout)."""
+        p = self.info.placement
+        if p is not None and p.layout is not None:
+            return p.index(stage, replica) if p.has(stage, replica) else None
+        return replica * self.num_stages + stage
+
+    def label(self, stage: int, replica: int) -> str:
+        """How the job's reports and records name the cell: "k" for a chain, "k.r" else
+        (the placement's word where it has the cell)."""
+        p = self.info.placement
+        if p is not None and p.has(stage, replica):
+            return p.label(stage, replica)
+        return f"{stage}.{replica}" if self.grid else str(stage)
 
     def left_at(self, replica: int) -> int | None:
         """The step from which the replica has been out of the job (its newest departure,
@@ -318,9 +376,12 @@ class JobView:
 
     def apply_metric(self, report: MetricReport) -> None:
         fid, step, loss, stage = report.fellow_id, report.step, report.loss, report.stage
-        if stage is not None and report.replica:
-            stage = report.replica * self.num_stages + stage  # (the cell's index)
-        if stage is None and fid is not None and fid in self.info.fellows:
+        known = True  # (a cell of the placement: not a moved peer's old cell)
+        if stage is not None and (report.replica or self.grid):
+            # (the cell's index; under a layout, from the placement, never arithmetic)
+            stage = self.index_of(stage, report.replica or 0)
+            known = stage is not None
+        if stage is None and known and fid is not None and fid in self.info.fellows:
             stage = self.info.fellows.index(fid)  # a leader that does not name the stage
         if fid is not None and stage is not None:
             fp = self.per_stage.setdefault(stage, FellowProgress())
@@ -348,7 +409,7 @@ class JobView:
             if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
                 evals.append([step, figures.eval_loss])
         self.info.last_step = max(self.info.last_step, step)
-        if self.replicas > 1:
+        if self.grid:  # (the last stage's cells, by id: a layout's too)
             self._replica_loss(report)
         elif loss is not None:
             self.info.last_loss = loss
@@ -586,6 +647,9 @@ class ClusterModel:
             return Change()
         if isinstance(ev, JobMembership) and ev.change not in view.info.membership:
             view.info.membership.append(ev.change)  # (the snapshot's record says the same)
+            if ev.change.moved is not None:  # (a move: nobody left; the cells changed)
+                view.take_move(ev.change)
+                return Change(jobs={ev.job_id}, fellows=set(view.info.fellows))
             view.info.members = list(ev.change.members)
         return Change(jobs={ev.job_id})
 

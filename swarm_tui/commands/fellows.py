@@ -211,11 +211,16 @@ async def _cell_fellows(c: SwarmClient, stage: int | None,
     p = job.placement if job is not None else None
     if job is None or p is None:
         raise CommandError("--stage/--replica name cells of the running job; none is running")
+    # (under a layout, --replica names a cell id: up to the widest stage's, p.width)
     for flag, value, count in (("--stage", stage, p.num_stages), ("--replica", replica,
-                                                                  p.replicas)):
+                                                                  p.width)):
         if value is not None and value >= count:
             raise CommandError(f"{flag} {value}: the running job {job.job_id} has "
                                f"{count} {flag[2:]}(s), 0-{count - 1}", ExitCode.USAGE)
+    if stage is not None and replica is not None and not p.has(stage, replica):
+        raise CommandError(f"--stage {stage} --replica {replica}: the running job "
+                           f"{job.job_id} has no cell {stage}.{replica} (stage {stage}'s "
+                           f"cells: {', '.join(map(str, p.ids(stage)))})", ExitCode.USAGE)
     if replica is not None and job.members is not None and replica not in job.members:
         raise CommandError(f"--replica {replica}: replica {replica} of {job.job_id} has left "
                            f"(training: {', '.join(map(str, job.members))})", ExitCode.USAGE)

@@ -68,7 +68,7 @@ from swarm_tui.fmt import (
     fmt_codec_error,
     fmt_loss,
 )
-from swarm_tui.grid import grid_table, grid_title, is_grid
+from swarm_tui.grid import grid_table, grid_title, is_grid, move_fellows, move_text
 
 TERMINAL = {s.value for s in JobState if s.terminal}
 
@@ -177,12 +177,20 @@ def link_change_rows(changes: list[LinkChange], total: int = 0,
 
 
 def membership_rows(job: JobInfo) -> list[list[str]]:
-    """``swarm job``'s rows for the replicas that left a job or joined it, and when: a loss
-    curve is read against them."""
-    return [[f"replicas @{ch.step}", _membership_change(ch)] for ch in job.membership]
+    """``swarm job``'s rows for the replicas that left a job or joined it, and the peers that
+    moved between its stages, and when: a loss curve is read against them."""
+    fellows = move_fellows(job)
+    return [[f"{'moved' if ch.moved is not None else 'replicas'} @{ch.step}",
+             _membership_change(ch, fellows.get(i))] for i, ch in enumerate(job.membership)]
 
 
-def _membership_change(ch: MembershipChange) -> str:
+def _membership_change(ch: MembershipChange, fellow: int | None = None) -> str:
+    """One change of a job's membership: who left or joined and who trains on; of a move
+    (a swarm layout's rebalancing), the peer's old cell and new one, "f3 moved 0.1 -> 1.2"
+    (``fellow``: the one that moved, where known)."""
+    if ch.moved is not None:
+        return move_text(ch.moved, fellow) + (
+            f" ({printable(ch.reason)})" if ch.reason else "")
     what = "; ".join(part for part in (
         f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
         f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
@@ -194,7 +202,7 @@ def _membership_change(ch: MembershipChange) -> str:
 
 
 def emit_grid(job: JobInfo) -> None:
-    """The stages x replicas table of a job with replicas."""
+    """The stages x replicas table of a job with replicas (of a layout's: its cells)."""
     emit_table(grid_title(job), *grid_table(job))
 
 
@@ -418,7 +426,8 @@ def _describe(event: Event | Mapping[str, Any]) -> str | None:
             return f"stage {data.receipt.stage} shard at step {data.receipt.step} reached " \
                 "the leader"
         case JobMembership():
-            return f"{data.job_id} replicas @{data.change.step}: " \
+            kind = "replicas" if data.change.moved is None else "moved"
+            return f"{data.job_id} {kind} @{data.change.step}: " \
                 + _membership_change(data.change)
         case JobUpdate() if data.type != "job.updated":
             reason = f": {data.reason}" if data.reason else ""

@@ -130,6 +130,86 @@ async def test_a_swarm_wired_grid_shows_each_cells_share_of_the_route(api, auth,
     assert rows == {"s0/r0": "50%", "s0/r1": "50%", "s1/r0": "75%", "s1/r1": "25%"}
 
 
+async def test_a_layout_jobs_grid_lists_its_cells_by_stage_and_id(api, auth, capsys):
+    """Placement-cells step 7: a swarm layout's stages of their own cells, [[0], [0, 1, 2]]
+    for 2 shares: a row per cell by (stage, id), each with its share of the R x M
+    micro-batches, and the title counts each stage's cells."""
+    regs = {r["fellow_id"]: r for r in [await _register(api, auth, i) for i in range(4)]}
+    resp = await api.post(f"{A}/jobs", headers=auth, json={
+        "name": "grid", "kind": "train", "model": MODEL,
+        "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                     "layout": [[0], [0, 1, 2]]},
+        "training": {"steps": 5, "batch_size": 8, "micro_batches": 2}})
+    assert resp.status == 201, await resp.text()
+    job = await resp.json()
+    assert job["state"] == "RUNNING"
+    dealt = {(0, 0): 4, (1, 0): 2, (1, 1): 1, (1, 2): 1}
+    for cell in job["placement"]["stages"]:
+        await _report(api, job, regs, cell, step=2,
+                      extra={"micro_batches": dealt[(cell["stage"], cell["replica"])]})
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 2 stages, cells 1+3, swarm wiring" in out
+    rows = {_cols(line)[0]: _cols(line) for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    assert list(rows) == ["s0/r0", "s1/r0", "s1/r1", "s1/r2"]
+    assert [row[-1] for row in rows.values()] == ["100%", "50%", "25%", "25%"]
+    assert [row[1] for row in rows.values()] == [
+        f"{c['fellow_id']} (f{c['fellow_id']})" for c in sorted(
+            job["placement"]["stages"], key=lambda c: (c["stage"], c["replica"]))]
+    assert [row[3] for row in rows.values()] == ["2"] * 4
+
+
+async def test_swarm_job_shows_a_peers_move_in_its_membership_and_grid(api, auth, capsys):
+    """Placement-cells step 7: once the leader has learnt a move from the cells' reports,
+    ``swarm job`` shows the moved placement's cells, counts the move in the grid's title,
+    and prints it with the fellow that moved; ``--format json`` is the record."""
+    regs = {r["fellow_id"]: r for r in [await _register(api, auth, i) for i in range(4)]}
+    move = {"at": 3, "source": 0, "cell": 1, "target": 1, "new_id": 2}
+    resp = await api.post(f"{A}/jobs", headers=auth, json={
+        "name": "grid", "kind": "train", "model": MODEL,
+        "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                     "moves": [{k: v for k, v in move.items() if k != "new_id"}]},
+        "training": {"steps": 8, "batch_size": 8, "micro_batches": 2}})
+    assert resp.status == 201, await resp.text()
+    job = await resp.json()
+    cells = {(c["stage"], c["replica"]): c["fellow_id"] for c in job["placement"]["stages"]}
+    mover = cells[(0, 1)]
+
+    async def step(k: int, r: int, fid: int, n: int, epoch: int) -> None:
+        reg = regs[fid]
+        body: dict[str, Any] = {
+            "fellow_id": fid, "state": "RUNNING", "step": n, "stage": k, "replica": r,
+            "epoch": epoch, "metrics": {"wire_tx_bytes": 10, "micro_batches": 1}}
+        if epoch:
+            body["moved"] = move
+        if k == 1:
+            body["loss"] = 2.0
+        resp = await api.post(f"{A}/jobs/{job['job_id']}/status", headers=reg["headers"],
+                              json=body)
+        assert resp.status == 200, await resp.text()
+
+    for n in (1, 2, 3):
+        for (k, r), fid in cells.items():
+            await step(k, r, fid, n, 0)
+    after = {(0, 0): cells[(0, 0)], (1, 0): cells[(1, 0)], (1, 1): cells[(1, 1)],
+             (1, 2): mover}
+    for (k, r), fid in after.items():
+        await step(k, r, fid, 4, 1)
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
+    out = capsys.readouterr().out
+    assert "grid: 2 stages, cells 1+3 (1 move), swarm wiring" in out
+    moved = next(_cols(line) for line in out.splitlines() if line.startswith("moved @"))
+    assert moved[:2] == ["moved @4", f"f{mover} moved 0.1 -> 1.2 (rebalance)"]
+    rows = {_cols(line)[0]: _cols(line) for line in out.splitlines()
+            if re.match(r"s\d+/r\d+ ", line)}
+    assert list(rows) == ["s0/r0", "s1/r0", "s1/r1", "s1/r2"]
+    assert rows["s1/r2"][1] == f"{mover} (f{mover})" and rows["s1/r2"][3] == "4"
+    assert await asyncio.to_thread(_cli, api, "job", job["job_id"], "--format", "json") == 0
+    [change] = json.loads(capsys.readouterr().out)["membership"]
+    assert change["moved"] == move and change["step"] == 4
+
+
 def _cell_extras(k: int, r: int) -> dict[str, Any]:
     """Figures of a cell that only some cells report: s0/r1's activation peak, s1's codec."""
     extra: dict[str, Any] = {}

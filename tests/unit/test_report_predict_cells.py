@@ -213,3 +213,32 @@ def test_the_png_panel_has_a_line_per_cell_and_a_vertical_per_change(run_dir):
         assert verticals == [4, 6]
     finally:
         plt.close(fig)
+
+
+def test_a_moves_mark_names_its_fellow_and_the_table_the_layout_and_the_move(tmp_path):
+    """Placement-cells step 7: a peer's move is a mark "f2 0.1->1.2 (rebalance)" (its fellow
+    from the run's last placement, topology_snapshot.json's), and the summary table's
+    topology reads the layout the job gave, then the move and its step."""
+    from swarm_core.contract.placement import FellowSlots, plan
+    from swarm_core.experiments.report import summary_rows
+
+    d = _run_dir(tmp_path / "runs")
+    summary = json.loads((d / "metrics_summary.json").read_text())
+    move = {"at": 5, "source": 0, "cell": 1, "target": 1, "new_id": 2}
+    summary |= {"wiring": "swarm", "membership": [
+        {"step": 6, "epoch": 1, "members": [0, 1, 2], "reason": "rebalance", "moved": move}]}
+    (d / "metrics_summary.json").write_text(json.dumps(summary))
+    start = plan([FellowSlots(i, f"f{i}", ["cpu"]) for i in range(5)], 2, 4, replicas=2,
+                 layout=[[0, 1, 2], [0, 1]])
+    (d / "topology_snapshot.json").write_text(json.dumps(
+        {"actual": unstructure(start.moved(0, 1, 1, 2))}))
+    (d / "config_resolved.json").write_text(json.dumps(
+        {"run_id": d.name, "job": {"topology": {"layout": [[0, 1, 2], [0, 1]]}}}))
+    run = load_run(d)
+    assert [(m.step, m.text) for m in marks(run.summary, run.placement)] == [
+        (4, "f3 slowdown x4"), (6, "f2 0.1->1.2 (rebalance)")]
+    assert [(m.step, m.text) for m in marks(run.summary)][1] == (6, "0.1->1.2 (rebalance)")
+    assert summary_rows([run])[0][2] == "2 stages, cells 3+2 (0.1->1.2 @6)"
+    # Without the snapshot the mark names no fellow; the run is read all the same.
+    (d / "topology_snapshot.json").write_text("{")
+    assert load_run(d).placement is None

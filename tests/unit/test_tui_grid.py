@@ -364,3 +364,46 @@ async def test_a_swarm_wired_watch_shows_each_cells_share_of_the_route() -> None
         metric["data"]["metrics"]["micro_batches"] = 3
         app.apply_event(metric)
         await wait_for(pilot, lambda: _row(screen_text(app), "9 ")[at] == "38%", "the report")
+
+
+class MovedGridClient(GridFakeClient):
+    """The grid job, swarm-wired, after fellow 8's cell 0.1 moved to stage 1 as its cell 2
+    from step 6 (placement-cells step 7): placed [[0], [0, 1, 2]]."""
+
+    def __init__(self) -> None:
+        import attrs
+
+        from swarm_core.contract.membership import MembershipChange
+        from swarm_core.contract.rebalance import PeerMove
+
+        super().__init__()
+        job = self._jobs[-1]
+        assert job.job_id == GRID_JOB and job.placement is not None
+        p = job.placement.moved(0, 1, 1, 2)
+        change = MembershipChange(step=6, epoch=1, members=[0, 1, 2], reason="rebalance",
+                                  moved=PeerMove(at=5, source=0, cell=1, target=1, new_id=2))
+        self._jobs[-1] = attrs.evolve(
+            job, placement=p, fellows=p.fellows, membership=[change],
+            topology=attrs.evolve(job.topology, wiring="swarm"))
+
+
+async def test_after_a_move_the_watch_and_the_fellows_table_show_the_cells_now() -> None:
+    client = MovedGridClient()
+    app = _app(client)
+    async with app.run_test(size=SIZE) as pilot:
+        await _loaded(pilot, app, client)
+        await pilot.pause()
+        text = screen_text(app)
+        for fid, cell in ((6, "s0/r0"), (7, "s1/r0"), (8, "s1/r2"), (9, "s1/r1")):
+            assert _row(text, f"{fid} ")[3:5] == [GRID_JOB, cell], text
+        app.watch_job(GRID_JOB)
+        table = await _watch_table(pilot, app)
+        await wait_for(pilot, lambda: table.row_count == 4, "a row per cell")
+        await pilot.pause()
+        text = screen_text(app)
+        # By stage then id; the mover's row is its new cell's, 1.2 (the old 0.1 is gone).
+        assert sorted(table.shown_keys) == ["0", "1", "2", "3"]
+        assert _row(text, "8 ")[:4] == ["8", "dp-2", "1", "2"]
+        assert _row(text, "9 ")[:4] == ["9", "dp-3", "1", "1"]
+        assert "@6: f8 moved 0.1 -> 1.2 (rebalance)" in text
+        assert all(len(line.rstrip()) <= 80 for line in text.splitlines())

@@ -333,7 +333,7 @@ class FellowDetailScreen(SwarmScreen):
         model = self.swarm.model
         view = model.jobs.get(st.job_id) if st.job_id is not None else None
         # (of a job with replicas: its cell, as the table names it)
-        where = fellow_job(model, st)[0] if view is not None and view.replicas > 1 else (
+        where = fellow_job(model, st)[0] if view is not None and view.grid else (
             f"{st.job_id}" + ("" if st.stage is None else f" stage {st.stage}"))
         job = "no job" if st.job_id is None else (
             where + f"  step {st.step}  loss {fmt_loss(st.loss)}  "

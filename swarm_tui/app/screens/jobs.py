@@ -32,6 +32,7 @@ from swarm_tui.app.widgets.live_table import LiveTable
 from swarm_tui.app.widgets.plot import MetricPlot, PlotSpec
 from swarm_tui.app.widgets.status import StatusBar
 from swarm_tui.fmt import describe_link_changes, fmt_age, fmt_loss
+from swarm_tui.grid import move_fellows, move_text
 
 
 class JobsScreen(SwarmScreen):
@@ -255,7 +256,8 @@ class JobWatchScreen(SwarmScreen):
 
     def _stage_keys(self, view: JobView) -> list[str]:
         # One row per cell, by its index in the placement (a fellow with several slots holds
-        # several; with replicas, replica r of stage k is r x stages + k).
+        # several; with replicas, replica r of stage k is r x stages + k; under a layout, the
+        # placement's cells id by id: JobView.cell_of).
         cells = range(len(view.info.fellows)) if view.info.fellows else sorted(view.per_stage)
         return [str(s) for s in cells]
 
@@ -291,8 +293,12 @@ class JobWatchScreen(SwarmScreen):
         if info.link_changes:
             text.append("\n" + describe_link_changes(info.link_changes,
                                                      total=info.link_changes_total), style="yellow")
-        for ch in info.membership[-3:]:  # (the newest: a loss curve is read against them)
+        movers = move_fellows(info)
+        for i in range(max(0, len(info.membership) - 3), len(info.membership)):
+            ch = info.membership[i]  # (the newest: a loss curve is read against them)
             moved = []
+            if ch.moved is not None:  # (a peer moved between stages: a layout's rebalancing)
+                moved.append(move_text(ch.moved, movers.get(i)))
             if ch.left:
                 moved.append(f"replica(s) {','.join(map(str, ch.left))} left")
             if ch.joined:
@@ -427,8 +433,8 @@ def curve_caption(view: JobView, from_step: int = 0, log_y: bool = False) -> str
 
 def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> PlotSpec:
     """The job's loss by step (from ``from_step``), its eval losses marked, a vertical mark
-    at each step from which a set-speed changed one of its links, and (▼, ▲) where replicas
-    left and joined."""
+    at each step from which a set-speed changed one of its links or a peer moved between
+    stages, and (▼, ▲) where replicas left and joined."""
     pts = [p for p in _points(view.info.loss_history) if p[0] >= from_step]
     if log_y:
         pts = [p for p in pts if p[1] > 0]
@@ -441,7 +447,9 @@ def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> Plot
                     points=tuple(p for p in _points(view.info.eval_history)
                                  if shown(p[0]) and (p[1] > 0 or not log_y)),
                     marks=tuple(sorted({float(c.at_step) for c in view.info.link_changes
-                                        if shown(c.at_step)})),
+                                        if shown(c.at_step)}
+                                       | {float(c.step) for c in view.info.membership
+                                          if c.moved is not None and shown(c.step)})),
                     left=tuple(float(c.step) for c in view.info.membership
                                if c.left and shown(c.step)),
                     joined=tuple(float(c.step) for c in view.info.membership
