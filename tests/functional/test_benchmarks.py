@@ -23,6 +23,7 @@ BENCHES = {
     "bench_pipeline.py": "tokens/s",
     "bench_predict_scenarios.py": "step/pred",
     "bench_profiles.py": "vs small_none",
+    "bench_rebalance_fellows.py": "rebalancing across 6 fellow processes",
     "bench_reports.py": "batched / one by one",
     "bench_ring.py": "cpu / gloo",
     "bench_stage.py": "paired ratio to plain",
