@@ -72,6 +72,22 @@ def sync_field(cast: type[int] | type[float], field: str) -> Callable[[str], flo
     return number(float, -math.inf, math.inf, field)
 
 
+rebalance_every = number(int, 1, 1_000_000, "steps between rebalancing looks")
+
+
+def cell_layout(text: str) -> list[list[int]]:
+    """``--layout``: per stage, its cells' ids, stages split by ";" and ids by ","
+    ("0;0,1,2": stage 0 cell 0, stage 1 cells 0, 1 and 2). The rules a layout meets are the
+    job's (``Topology.layout``), checked where the job is."""
+    try:
+        out = [[whole_number(i) for i in stage.split(",")] for stage in text.split(";")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected stages of cell ids like '0;0,1,2' (';' between stages, ',' between "
+            f"ids), got {clip(text)!r}") from None
+    return out
+
+
 def utf8_text(value: str) -> str:
     """argv that is not UTF-8 arrives as surrogate escapes, which no tokenizer can encode."""
     try:

@@ -43,10 +43,12 @@ from swarm_core.protocol import JobState
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 from swarm_core.validators import printable
 from swarm_tui.commands.argtypes import (
+    cell_layout,
     fellow_count,
     job_id,
     number,
     positive_int,
+    rebalance_every,
     step_count,
     sync_field,
 )
@@ -273,9 +275,17 @@ def _topology(args: argparse.Namespace, cluster: Any) -> Topology:
     """The grid a submit asks for: the training profile's cluster, then the flags."""
     from swarm_core.config.profiles import job_topology
 
+    topo = job_topology(cluster, args.fellows, args.stages, args.replicas, args.wiring,
+                        args.routing)
+    if args.layout is not None:  # (its cells are the fellows, its length the stages)
+        for name, given in (("fellows", args.fellows), ("stages", args.stages)):
+            if given is None:
+                topo.pop(name, None)
+        topo["layout"] = args.layout
+    if args.rebalance_every is not None:
+        topo["rebalance_every"] = args.rebalance_every
     try:
-        return structure(job_topology(cluster, args.fellows, args.stages, args.replicas,
-                                      args.wiring, args.routing), Topology, "$.topology")
+        return structure(topo, Topology, "$.topology")
     except SchemaError as exc:
         raise CommandError(str(exc), ExitCode.USAGE) from None
 
@@ -336,6 +346,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--replicas", args.replicas),
                                           ("--wiring", args.wiring),
                                           ("--routing", args.routing),
+                                          ("--layout", args.layout),
+                                          ("--rebalance-every", args.rebalance_every),
                                           ("--steps", args.steps),
                                           ("--optimizer", args.optimizer),
                                           ("--transport", args.transport),
@@ -377,10 +389,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
     elif args.stages or args.replicas or args.optimizer or args.wiring or args.routing \
-            or args.transport or _given_sync_flags(args):
-        raise CommandError("--stages, --replicas, --wiring, --routing, --optimizer, --transport "
-                           "and the sync flags are for train jobs (--model, --training)",
-                           ExitCode.USAGE)
+            or args.layout or args.rebalance_every or args.transport or _given_sync_flags(args):
+        raise CommandError("--stages, --replicas, --wiring, --routing, --layout, "
+                           "--rebalance-every, --optimizer, --transport and the sync flags are "
+                           "for train jobs (--model, --training)", ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -582,6 +594,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="swarm wiring: deal micro-batches by topology.route_weights (given, "
                         "default: a run repeats bit for bit) or by each replica's measured "
                         "throughput (measured, SWARM's estimate, agreed every step)")
+    p.add_argument("--layout", type=cell_layout, default=None, metavar="IDS",
+                   help="swarm wiring, sync dp: stages of unequal cells, per stage its cells' "
+                        "ids (topology.layout), e.g. '0;0,1,2' (stage 0 one cell, stage 1 "
+                        "three); the fellows are the cells")
+    p.add_argument("--rebalance-every", type=rebalance_every, default=None, metavar="K",
+                   help="swarm wiring, measured routing, sync dp: every K steps move a peer "
+                        "to the stage that bounds the pipeline where that raises it by 20%% "
+                        "(SWARM's rebalancing; topology.rebalance_every)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="steps (smoke default 5; overrides the training profile's)")
     p.add_argument("--sync", choices=SYNC_MODES, default=None,

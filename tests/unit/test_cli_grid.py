@@ -435,3 +435,32 @@ async def test_submit_asks_for_measured_routes_by_flag(api, auth, tmp_path, caps
     assert await asyncio.to_thread(_cli, api, "job", job["job_id"]) == 0
     assert "grid: 2 stage(s) x 2 replicas, swarm wiring (measured routes)" in \
         capsys.readouterr().out
+
+
+async def test_submit_asks_for_a_layout_and_rebalancing_by_flag(api, auth, tmp_path, capsys):
+    """``swarm submit --layout 0;0,1,2 --wiring swarm --replicas 2``: the leader places the
+    layout's four cells; ``--rebalance-every`` without measured routes is one usage line
+    naming the field, and no job; a layout that is not one is refused by the flag."""
+    for i in range(4):
+        await _register(api, auth, i)
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"name": "m", **MODEL}))
+    base = ["submit", "--model", str(model), "--replicas", "2", "--wiring", "swarm"]
+    assert await asyncio.to_thread(_cli, api, *base, "--rebalance-every", "4") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$.topology.rebalance_every: rebalancing reads measured " \
+        "throughput: it needs routing measured" in err[0], err
+    with pytest.raises(SystemExit) as bad:
+        await asyncio.to_thread(_cli, api, *base, "--layout", "0;x")
+    assert bad.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "expected stages of cell ids like '0;0,1,2'" in err[-1], err
+    assert (await (await api.get(f"{A}/jobs", headers=auth)).json())["jobs"] == []
+    assert await asyncio.to_thread(_cli, api, *base, "--layout", "0;2,0,1", "--routing",
+                                   "measured", "--rebalance-every", "4",
+                                   "--format", "json") == 0
+    job = json.loads(capsys.readouterr().out)
+    topo = job["topology"]
+    assert (topo["layout"], topo["stages"], topo["fellows"], topo["rebalance_every"]) == \
+        ([[0], [0, 1, 2]], 2, 4, 4)
+    assert job["placement"]["layout"] == [[0], [0, 1, 2]]
