@@ -47,9 +47,7 @@ def is_grid(job: JobInfo) -> bool:
 def move_text(move: PeerMove, fellow: int | None = None) -> str:
     """A peer's move between stages, old cell to new, as every surface writes it:
     "f3 moved 0.1 -> 1.2" (the fellow where known)."""
-    new = "?" if move.new_id is None else str(move.new_id)
-    return ("" if fellow is None else f"f{fellow} ") + \
-        f"moved {move.source}.{move.cell} -> {move.target}.{new}"
+    return ("" if fellow is None else f"f{fellow} ") + f"moved {move.cells()}"
 
 
 def move_fellows(job: JobInfo) -> dict[int, int]:

@@ -17,7 +17,13 @@ from cattrs.errors import ClassValidationError
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import JobMetrics
-from swarm_core.contract.placement import Placement, PlacementError, normal_layout
+from swarm_core.contract.placement import (
+    MAX_CELL_ID,
+    MAX_STAGES,
+    Placement,
+    PlacementError,
+    normal_layout,
+)
 from swarm_core.contract.rebalance import PeerMove, moves_error
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import (
@@ -33,8 +39,6 @@ from swarm_core.schema import (
 from swarm_core.validators import MAX_JSON_DEPTH, bounded, meta, name_field, nests_within
 
 JobKind = Literal["smoke", "train"]
-MAX_STAGES = 1024  # (as Topology.stages is bounded)
-MAX_CELL_ID = 256  # a layout's ids: below this (as many as a job's replicas may be)
 
 
 def check_routing(wiring: str, routing: str) -> None:

@@ -16,7 +16,14 @@ import attrs
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.protocol import MAX_PEER_LINKS, PeerLinkState
-from swarm_core.schema import FieldError, sparse
+from swarm_core.schema import (
+    FieldError,
+    converter,
+    lenient_converter,
+    make_dict_unstructure_fn,
+    override,
+    sparse,
+)
 from swarm_core.validators import MAX_BYTES as MAX_BYTES
 from swarm_core.validators import (
     MAX_STEPS,
@@ -417,3 +424,10 @@ class JobStatusBatch:
 
     updates: list[JobStatusUpdate] = attrs.field(
         validator=[max_items(MAX_REPORTS_AT_ONCE), _running_reports])
+
+
+for _conv in (converter, lenient_converter):
+    # (a report of a job whose peers never move is the JSON it always was: a leader before
+    # moves refuses a field it does not know)
+    _conv.register_unstructure_hook(JobStatusUpdate, make_dict_unstructure_fn(
+        JobStatusUpdate, _conv, moved=override(omit_if_default=True)))

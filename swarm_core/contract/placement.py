@@ -20,6 +20,8 @@ class PlacementError(ValueError):
 # Per stage, the sorted ids of its cells (``pipeline/layout``): a swarm job's stages may hold
 # different numbers of cells. Defined here, torch-free, since the leader places by it too.
 Layout = tuple[tuple[int, ...], ...]
+MAX_STAGES = 1024  # (as Topology.stages is bounded)
+MAX_CELL_ID = 256  # a layout's ids (and a move's): below this, as a job's replicas are
 
 
 def layout_cells(layout: Layout) -> list[tuple[int, int]]:

@@ -29,7 +29,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 
-from swarm_core.validators import meta, non_negative
+from swarm_core.contract.placement import MAX_CELL_ID, MAX_STAGES, Placement
+from swarm_core.validators import MAX_STEPS, bounded, meta, step_number
 
 # A move must raise the bottleneck stage's throughput by 20 %: the capacity model leaves out
 # what a move costs (a state hand-off, a fresh estimate, a plan redealt) and what a pipeline's
@@ -100,16 +101,31 @@ class PeerMove:
     0-based step ``at``, cell ``cell`` of stage ``source`` becomes cell ``new_id`` of stage
     ``target`` (None: the smallest id that stage lacks), as a decided move would make it."""
 
-    at: int = attrs.field(validator=non_negative, metadata=meta(
-        "the 0-based step it is made before", minimum=0))
-    source: int = attrs.field(validator=non_negative, metadata=meta(
-        "the stage the peer leaves", minimum=0))
-    cell: int = attrs.field(validator=non_negative, metadata=meta(
-        "its cell id there (never 0: cell 0 leads its stage)", minimum=0))
-    target: int = attrs.field(validator=non_negative, metadata=meta(
-        "the stage it joins", minimum=0))
-    new_id: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(
-        "its cell id there; default: the smallest that stage lacks", minimum=0))
+    at: int = attrs.field(validator=step_number, metadata=meta(
+        "the 0-based step it is made before", minimum=0, maximum=MAX_STEPS))
+    source: int = attrs.field(validator=bounded(0, MAX_STAGES - 1), metadata=meta(
+        "the stage the peer leaves", minimum=0, maximum=MAX_STAGES - 1))
+    cell: int = attrs.field(validator=bounded(0, MAX_CELL_ID - 1), metadata=meta(
+        "its cell id there (never 0: cell 0 leads its stage)", minimum=0,
+        maximum=MAX_CELL_ID - 1))
+    target: int = attrs.field(validator=bounded(0, MAX_STAGES - 1), metadata=meta(
+        "the stage it joins", minimum=0, maximum=MAX_STAGES - 1))
+    new_id: int | None = attrs.field(default=None, validator=bounded(0, MAX_CELL_ID - 1),
+                                     metadata=meta("its cell id there; default: the smallest "
+                                                   "that stage lacks", minimum=0,
+                                                   maximum=MAX_CELL_ID - 1))
+
+
+    def cells(self, sep: str = " -> ") -> str:
+        """Its old cell to its new, as every surface writes it: "0.1 -> 1.2"."""
+        new = "?" if self.new_id is None else str(self.new_id)
+        return f"{self.source}.{self.cell}{sep}{self.target}.{new}"
+
+    def undo(self, placement: Placement) -> Placement:
+        """The placement before this move, from the one after it: a move undone is the move
+        back (``Placement.moved`` keeps the peer's fellow, slot and listener either way)."""
+        assert self.new_id is not None, "a move made has its new id"
+        return placement.moved(self.target, self.new_id, self.source, self.cell)
 
 
 def free_id(ids: Collection[int]) -> int:
@@ -135,6 +151,8 @@ def moves_error(moves: Sequence[PeerMove], layout: Sequence[Sequence[int]],
         if m.cell == 0 or m.cell not in now[m.source]:
             return f"{where}: stage {m.source} has no cell {m.cell} to move (cell 0 stays)"
         new_id = free_id(now[m.target]) if m.new_id is None else m.new_id
+        if new_id >= MAX_CELL_ID:
+            return f"{where}: stage {m.target} has no id left below {MAX_CELL_ID}"
         if new_id in now[m.target]:
             return f"{where}: stage {m.target} already has a cell {new_id}"
         now[m.source].discard(m.cell)

@@ -115,8 +115,7 @@ class Mark:
 def move_mark(move: PeerMove) -> str:
     """A peer's move between stages (a layout's rebalancing), its old cell to its new:
     "0.1->1.2"."""
-    new = "?" if move.new_id is None else str(move.new_id)
-    return f"{move.source}.{move.cell}->{move.target}.{new}"
+    return move.cells("->")
 
 
 def movers(placement: Placement | None, membership: Sequence[MembershipChange]
@@ -133,7 +132,7 @@ def movers(placement: Placement | None, membership: Sequence[MembershipChange]
             continue
         try:
             out[i] = p.cell(m.target, m.new_id).fellow_id
-            p = p.moved(m.target, m.new_id, m.source, m.cell)
+            p = m.undo(p)
         except PlacementError:
             p = None
     return out

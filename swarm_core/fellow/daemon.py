@@ -575,8 +575,7 @@ class FellowDaemon:
         def moved(new: StageStart) -> None:
             # (a rebalancing move made this cell another: the task runs on under its key)
             entry = self.stages.pop((job_id, progress.stage or 0, progress.replica), None)
-            progress.stage, progress.replica = new.stage, new.replica
-            progress.told.clear()
+            progress.told.clear()  # (the job's TrainJob names the progress's new cell)
             if entry is not None:
                 self.stages[(job_id, new.stage, new.replica)] = entry
 

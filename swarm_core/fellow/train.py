@@ -324,8 +324,9 @@ class TrainJob:
             replica=self.start.replica, state="RUNNING", step=move.at, epoch=move.epoch,
             moved=PeerMove(move.at, *move.peer)))
         if self.ctx.moved is not None:
-            self.ctx.moved(self.start)
-        self.ctx.progress.stage = self.start.stage
+            self.ctx.moved(self.start)  # (the daemon files the task under the new cell)
+        progress = self.ctx.progress
+        progress.stage, progress.replica = self.start.stage, self.start.replica
         self.spec = StageSpec.from_start(self.start, threads=self.ctx.threads)
         self.reporter = StepReporter(self.start, self.ctx, self.loop)
         self.checkpointer = ShardCheckpointer(self.start, self.spec, self.ctx,

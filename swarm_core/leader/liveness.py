@@ -187,15 +187,16 @@ class Liveness:
         assert job.placement is not None and job.recovering is not None
         first = job.recovering.reason
         step = self.latest_checkpoint(job)
-        # (a job whose peers moved: the cells it had at that step; later moves made again)
-        at_step, membership = moves.rewound(job, step)
-        placement, replaced, lost = self._replacement(job, at_step)
         try:
+            # (a job whose peers moved: the cells it had at that step; later moves made
+            # again)
+            at_step, membership = moves.rewound(job, step)
+            placement, replaced, lost = self._replacement(job, at_step)
             if isinstance(placement, str):
                 raise ValueError(placement)
             starts = self.queue.starts(job, placement, attempt=job.attempt + 1,
                                        resume_step=step)
-        except ValueError as exc:
+        except ValueError as exc:  # (PlacementError is one)
             job.recovering = None
             self.queue.finish(job, JobState.FAILED, f"{exc} (first report: {first})")
             return

@@ -222,7 +222,12 @@ class Membership:
     @staticmethod
     def superseded(job: JobRecord, upd: JobStatusUpdate) -> bool:
         """A swarm-wired cell's report of a step it trained under a membership that a later
-        change took that step back from (the survivors trained it again): late, not kept."""
+        change took that step back from (the survivors trained it again): late, not kept.
+        Never of a job whose peers move: its epochs count moves, which retrain no step (and
+        start again from 0 at each attempt)."""
+        topo = job.spec.topology
+        if topo.moves or topo.rebalance_every is not None:
+            return False
         return upd.state == "RUNNING" and upd.epoch is not None and any(
             c.epoch > upd.epoch and upd.step >= c.step for c in job.membership)
 

@@ -21,7 +21,7 @@ import time
 from swarm_core.contract.membership import MembershipChange
 from swarm_core.contract.metrics import JobStatusUpdate
 from swarm_core.contract.placement import Placement, PlacementError
-from swarm_core.contract.rebalance import PeerMove
+from swarm_core.contract.rebalance import PeerMove, free_id
 from swarm_core.leader.records import JobRecord
 
 
@@ -51,9 +51,8 @@ def placement_at(job: JobRecord, epoch: int | None) -> Placement:
 
 
 def _undone(p: Placement, later: list[PeerMove]) -> Placement:
-    for m in reversed(later):  # (a move undone is the move back)
-        assert m.new_id is not None
-        p = p.moved(m.target, m.new_id, m.source, m.cell)
+    for m in reversed(later):
+        p = m.undo(p)
     return p
 
 
@@ -69,25 +68,72 @@ def rewound(job: JobRecord, step: int) -> tuple[Placement, list[MembershipChange
     return placement, [c for c in job.membership if c not in later]
 
 
+def in_flight(job: JobRecord, fellow_id: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(the cell it left, the cell it became) where the job's latest move was this fellow's:
+    until its heartbeat names the new cell, it may still name the old one (a heartbeat sent
+    as it moved, or the leader told by a stayer first). None otherwise."""
+    if not moving(job) or job.placement is None:
+        return None
+    mine = moves_of(job)[job.moves_base:]
+    if not mine:
+        return None
+    m = mine[-1]
+    assert m.new_id is not None
+    if not job.placement.holds(fellow_id, m.target, m.new_id):
+        return None
+    return (m.source, m.cell), (m.target, m.new_id)
+
+
 def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | None:
     """The move ``upd`` tells the leader of, and the placement it makes; None where it tells
-    none (no move, or one known). Raises MoveRefused for one that cannot be the job's next."""
-    if not moving(job):
+    none (no move, or one known). Raises MoveRefused for one that cannot be the job's next:
+    two ahead, or told without its move; one that names another move for a known epoch;
+    not after the attempt's last move and its resume step; not the next of the job's given
+    moves, or not at a look of its rebalancing; one that does not fit the placement."""
+    if not moving(job) or upd.epoch is None or job.placement is None:
         return None
-    made = len(moves_of(job)) - job.moves_base  # (this attempt's)
-    if upd.epoch is None or upd.epoch <= made or job.placement is None:
-        return None
+    made = moves_of(job)
+    mine = made[job.moves_base:]  # (this attempt's)
     m = upd.moved
-    if upd.epoch > made + 1 or m is None or m.new_id is None:
+    if upd.epoch <= len(mine):
+        if m is not None and upd.epoch > 0 and m != mine[upd.epoch - 1]:
+            raise MoveRefused(f"move {upd.epoch} of a report of step {upd.step} is not the "
+                              f"one the job made ({_text(mine[upd.epoch - 1])})")
+        return None
+    if upd.epoch > len(mine) + 1 or m is None or m.new_id is None:
         raise MoveRefused(f"a report of step {upd.step} under move {upd.epoch} of a job "
-                          f"that has made {made}, without the move it needs")
-    if not 0 < m.at <= upd.step:  # (the moved peer tells it as it leaves: at step ``at``)
-        raise MoveRefused(f"move {upd.epoch}: before step {m.at}, reported at step "
-                          f"{upd.step}")
+                          f"that has made {len(mine)}, without the move it needs")
+    after = max([job.resume_step - 1, *(c.at for c in made)]) if made else \
+        job.resume_step - 1
+    if not after < m.at <= upd.step:  # (the moved peer tells it as it leaves: at step ``at``)
+        raise MoveRefused(f"move {upd.epoch} ({_text(m)}) must come after step {after} and "
+                          f"at step {upd.step} or before")
+    _check_rule(job, m, made)
     try:
         return m, job.placement.moved(m.source, m.cell, m.target, m.new_id)
     except PlacementError as exc:
         raise MoveRefused(str(exc)) from None
+
+
+def _check_rule(job: JobRecord, m: PeerMove, made: list[PeerMove]) -> None:
+    """The move is what the job's rule makes: its next given move, or one at a look."""
+    assert job.placement is not None
+    topo = job.spec.topology
+    if topo.moves:
+        given = next((g for g in topo.moves if not made or g.at > made[-1].at), None)
+        if given is None or (given.at, given.source, given.cell, given.target) != \
+                (m.at, m.source, m.cell, m.target) or m.new_id != (
+                    free_id(job.placement.ids(m.target)) if given.new_id is None
+                    else given.new_id):
+            raise MoveRefused(f"{_text(m)} is not the job's next given move"
+                              + ("" if given is None else f" ({_text(given)})"))
+    elif topo.rebalance_every is not None and m.at % topo.rebalance_every:
+        raise MoveRefused(f"{_text(m)}: rebalancing looks every {topo.rebalance_every} "
+                          "steps")
+
+
+def _text(m: PeerMove) -> str:
+    return f"{m.cells()} before step {m.at}"
 
 
 def made(job: JobRecord, move: PeerMove, placement: Placement) -> MembershipChange:

@@ -318,10 +318,13 @@ class JobQueue:
         faster than one report a step reaches the leader), taken in order as one change,
         stored in one transaction: all of them, or (refused, or the store refusing) none."""
         job = self.get(job_id)
-        taken = [t for upd in updates if (t := self._checked(job, upd)) is not None]
+        # (each checked once those before it are taken: a batch may span a peer's moves;
+        # one refused puts back what those before it changed)
         with self.kept(job, whole=True), self.store.batch():
-            for t in taken:
-                self._take(job, fellow, *t, save=False)
+            for upd in updates:
+                t = self._checked(job, upd)
+                if t is not None:
+                    self._take(job, fellow, *t, save=False)
             self.save(job, quiet=True)
         return job
 
@@ -340,12 +343,14 @@ class JobQueue:
             upd = attrs.evolve(upd, stage=first.stage, replica=first.replica)
         stage, replica = upd.stage, upd.replica
         assert stage is not None
+        stale = upd.attempt != job.attempt or job.recovering is not None
         try:  # (a job whose peers move: the placement the report's cell ran under)
-            told = moves.news(job, upd)
+            told = None if stale else moves.news(job, upd)
         except MoveRefused as exc:
             raise ApiError(409, f"job {job_id}: {exc}", code="bad_move",
                            field="$.moved") from None
-        placed = told[1] if told is not None else moves.placement_at(job, upd.epoch)
+        placed = job.placement if stale else \
+            told[1] if told is not None else moves.placement_at(job, upd.epoch)
         if not placed.holds(upd.fellow_id, stage, replica):
             what = f"stage {stage}" + (f" replica {replica}" if replica else "")
             raise ApiError(409, f"fellow {upd.fellow_id} does not hold {what} of {job_id}",
@@ -353,7 +358,7 @@ class JobQueue:
         if job.state is not JobState.RUNNING:
             raise ApiError(409, f"job {job_id} is {job.state.value}, not RUNNING",
                            code="job_not_running")
-        if upd.attempt != job.attempt or job.recovering is not None:
+        if stale:
             return None  # from before a restart, or while recovering: nothing to learn
         if self.membership.left(job, replica):
             raise ApiError(409, f"replica {replica} has left {job_id}: its stage {stage}'s "

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from swarm_core.contract import CellRef, Heartbeat
+from swarm_core.leader import moves
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
@@ -82,6 +83,9 @@ class Reconciler:
             return
         ran = {(c.stage, c.replica) for c in running
                if c.job_id == job.job_id and c.attempt == job.attempt}
+        moving = moves.in_flight(job, rec.fellow_id)
+        if moving is not None and moving[0] in ran:
+            ran.add(moving[1])  # (it runs the cell it became, as its old one for now)
         for cell, st in enumerate(placement.stages):
             if st.fellow_id != rec.fellow_id or cell in job.done_stages \
                     or (st.stage, st.replica) in ran or self.queue.membership.out(job,
@@ -107,5 +111,8 @@ def _why_not(job: JobRecord | None, rec: FellowRecord, cell: CellRef) -> str | N
     if cell.attempt != job.attempt:
         return f"of attempt {cell.attempt}, which attempt {job.attempt} replaced"
     if job.placement is None or not job.placement.holds(rec.fellow_id, cell.stage, cell.replica):
+        moving = moves.in_flight(job, rec.fellow_id)
+        if moving is not None and moving[0] == (cell.stage, cell.replica):
+            return None  # (its peer moved: the same task runs the new cell, named next beat)
         return "that the job's placement gives to another fellow"
     return None

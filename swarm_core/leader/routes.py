@@ -543,7 +543,9 @@ def _manifest_replica(job: Any, manifest: PushedManifest | None) -> int:
     in)."""
     if manifest is None:
         return 0
-    replicas = job.spec.topology.width  # (the replicas; a layout's largest id + 1)
+    # (the replicas; a layout's largest id + 1, of the placement now: a move may add an id)
+    replicas = max(job.spec.topology.width,
+                   job.placement.width if job.placement is not None else 0)
     if not manifest.replica < replicas:
         raise ApiError(400, f"manifest replica must be an integer from 0 to {replicas - 1}",
                        field="manifest.replica")

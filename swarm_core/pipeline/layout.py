@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 
 def check_layout(layout: Sequence[Sequence[int]], stages: int, shares: int,
-                  sync_mode: str = "dp", wiring: str = "swarm") -> Layout | None:
+                 sync_mode: str = "dp", wiring: str = "swarm") -> Layout | None:
     """A layout as the job runs it: None where it is the uniform one (every stage the
     shares' ids: today's job, frame for frame). Raises ValueError naming what is wrong: its
     shape by ``contract.placement.normal_layout`` (the leader checks a job's by it too)."""

@@ -1,15 +1,17 @@
-"""A peer moved between stages at a step boundary (issue 34 point 3: SWARM's rebalancing),
-in one process: a move given in advance (``LayoutMove``), or decided in band as the run goes
-(``Rebalance``: every cell runs one rule on the same measured table). Fellows and the leader
-do not run it yet.
+"""A peer moved between stages at a step boundary (issue 34 point 3: SWARM's rebalancing):
+given in advance (a job's ``topology.moves``: ``GivenMoves``), or decided in band as the run
+goes (``Rebalance``: every cell runs one rule on the same measured table). Across fellows the
+moved fellow runs on as its new cell, from the START every cell computes
+(``StageStart.after_move``), and the leader learns the move from the cells' reports
+(``leader/moves.py``); in one process ``run_local_pipeline`` also takes a ``relayout`` (any
+change of layout, each newcomer a thread of its own).
 
 A move is a change of the job's layout (``pipeline/layout``) from a 0-based step ``at`` on:
 the cells of ``before`` that ``after`` lacks stop after step ``at - 1`` (a peer leaving its
 stage), the cells ``after`` adds start at step ``at`` (the same peer, at its new stage and
 id), and every cell in both re-links there. In one process a moving peer is two cells of the
-grid (the one it leaves, the one it takes: a thread of its own each for a given move, the
-same thread for a decided one); across fellows it would be one fellow whose STARTs follow
-each other.
+grid for a ``relayout`` (a thread of its own each), and one thread for a peer's move, as
+across fellows one fellow's STARTs follow each other.
 
 At the boundary every cell that stays closes its links and opens new ones under the new
 layout and a new membership's handshake tag (``open_links(members=, epoch=)``, as a lost
@@ -156,6 +158,7 @@ class Rebalance:
 
     every: int
     min_gain: float = MIN_GAIN
+    at_start = False  # (a cell's first step has nothing measured to look at)
 
     def decide(self, runner: StageRunner, step: int) -> LayoutMove | None:
         """The move to make before step ``step``, if any."""
@@ -182,10 +185,18 @@ class GivenMoves:
     the same boundary, from the same placement."""
 
     moves: tuple[PeerMove, ...]
+    # (also before a cell's first step: a job resumed from the checkpoint of a move's step,
+    # on a placement the leader had not learned the move in, makes it then)
+    at_start = True
 
     def decide(self, runner: StageRunner, step: int) -> LayoutMove | None:
+        p = runner.spec.placement
+        assert p is not None
         for m in self.moves:
-            if m.at == step:
+            # (one the placement has made already is not made again: a cell that arrived
+            # by it, or resumed on a placement that has it)
+            if m.at == step and p.has(m.source, m.cell) \
+                    and (m.new_id is None or not p.has(m.target, m.new_id)):
                 return peer_move(runner, step, m.source, m.cell, m.target, m.new_id)
         return None
 

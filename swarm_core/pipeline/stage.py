@@ -1121,7 +1121,7 @@ def _train(runner: StageRunner, on_step: Callable[[StepReport], None],
         _checkpoint(runner, on_checkpoint, start_step)
     step = start_step
     while step < t.steps:
-        if rebalance is not None and step > start_step:
+        if rebalance is not None and (step > start_step or rebalance.at_start):
             move = rebalance.decide(runner, step) or move
         if move is not None and step == move.at and move.was(runner.spec):
             if not move.stays(runner.spec):

@@ -38,11 +38,13 @@ def _job(**topology: Any) -> dict[str, Any]:
             "topology": {"stages": 2, "replicas": 2, "wiring": "swarm", **topology}}
 
 
-async def _moving_job(api: TestClient, port: int) -> tuple[str, dict[tuple[int, int], Any]]:
+async def _moving_job(api: TestClient, port: int, **training: Any
+                      ) -> tuple[str, dict[tuple[int, int], Any]]:
     """S=2 x R=2 whose stage-0 cell 1 moves to stage 1 as its cell 2 before step 3."""
     fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
                for i in range(4)]
     body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}])
+    body["training"].update(training)
     jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
     job = await get_job(api, jid)
     assert job["state"] == "RUNNING", job["reason"]
@@ -107,9 +109,10 @@ async def test_a_move_that_does_not_fit_is_refused_in_one_line_and_changes_nothi
     await _before(api, jid, cells)
     stayer = cells[(1, 0)]
     for moved, why in [
-        ({**MOVE, "cell": 0}, "stage 0 has no cell 0"),
-        ({**MOVE, "new_id": 1}, "already has a cell 1"),
-        ({**MOVE, "at": 5}, "before step 5, reported at step 4"),
+        ({**MOVE, "cell": 0}, "0.0 -> 1.2 before step 3 is not the job's next given move "
+                              "(0.1 -> 1.? before step 3)"),
+        ({**MOVE, "new_id": 1}, "is not the job's next given move"),
+        ({**MOVE, "at": 5}, "must come after step -1 and at step 4 or before"),
         (None, "without the move it needs"),
     ]:
         err = await expect_error(await _step(api, jid, stayer, 1, 0, 4, 1, moved), 409,
@@ -120,6 +123,36 @@ async def test_a_move_that_does_not_fit_is_refused_in_one_line_and_changes_nothi
     job = await get_job(api, jid)
     assert "layout" not in job["placement"]  # (the grid it was)
     assert job["membership"] == []
+    # Made, the move is the one every later report must name.
+    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
+    err = await expect_error(await _step(api, jid, cells[(1, 1)], 1, 1, 4, 1,
+                                         {**MOVE, "new_id": 3}), 409, "bad_move")
+    assert "is not the one the job made (0.1 -> 1.2 before step 3)" in err["message"]
+    # Out of bounds at the door: a 400 naming the field, no search through a huge layout.
+    err = await expect_error(await _step(api, jid, stayer, 1, 0, 5, 1,
+                                         {**MOVE, "new_id": 3_000_000}), 400)
+    assert "new_id" in err.get("field", "") + err["message"], err
+
+
+async def test_a_rebalanced_jobs_move_must_fit_and_come_at_a_look(api):
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8300 + i}")
+               for i in range(4)]
+    body = _job(routing="measured", rebalance_every=3)
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_id = {f["fellow_id"]: f for f in fellows}
+    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+             for c in job["placement"]["stages"]}
+    await _before(api, jid, cells)
+    stayer = cells[(1, 0)]
+    for moved, why in [({**MOVE, "cell": 0}, "stage 0 has no cell 0"),
+                       ({**MOVE, "new_id": 1}, "stage 1 already has a cell 1"),
+                       ({**MOVE, "at": 2}, "rebalancing looks every 3 steps")]:
+        err = await expect_error(await _step(api, jid, stayer, 1, 0, 4, 1, moved), 409,
+                                 "bad_move")
+        assert why in err["message"] and "\n" not in err["message"], err
+    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
+    assert (await get_job(api, jid))["placement"]["layout"] == AFTER
 
 
 def test_given_moves_and_rebalancing_are_checked_in_one_line():
@@ -199,13 +232,16 @@ async def test_the_moved_peer_tells_the_move_as_it_leaves_before_its_heartbeat_n
     jid, cells = await _moving_job(api, 8250)
     await _before(api, jid, cells)
     mover = cells[(0, 1)]
+    progress = f"{A}/jobs/{jid}/progress"
+    before = (await expect_ok(await api.get(progress, headers=AUTH)))["records"]
     told = await report(api, jid, mover, "RUNNING", step=3, stage=1, replica=2, epoch=1,
                         moved=MOVE)
     assert told.status == 200, await told.text()
     job = await get_job(api, jid)
     assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
-    rows = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))["records"]
-    assert len(next(r for r in rows if r["step"] == 3)["stages_reported"]) == 4
+    after = (await expect_ok(await api.get(progress, headers=AUTH)))["records"]
+    # (the move is noted from its first step, 4, which has no record yet: 1-3 unchanged)
+    assert [r for r in after if r["step"] <= 3] == before
     def running(cell: tuple[int, int]) -> dict[str, Any]:
         return {"status": "busy", "current_job": jid,
                 "running": [{"job_id": jid, "stage": cell[0], "replica": cell[1],
@@ -216,3 +252,93 @@ async def test_the_moved_peer_tells_the_move_as_it_leaves_before_its_heartbeat_n
     [stop] = [s for s in await poll(api, mover) if s["kind"] == "STOP"]
     await heartbeat(api, mover, **running((1, 2)))
     assert not [s for s in await poll(api, mover, after=stop["seq"]) if s["kind"] == "STOP"]
+
+
+async def test_a_recovery_that_keeps_a_move_records_the_new_attempts_steps(api, monkeypatch):
+    """A checkpoint after the move: the job resumes on the moved placement, its new attempt
+    counts its moves from 0 (its reports' epoch 0 are the moved layout's) and every step it
+    reports is recorded (a kept move never marks a report as superseded)."""
+    from swarm_core.leader.liveness import Liveness
+
+    jid, cells = await _moving_job(api, 8350, resume_policy="replace")
+    await _before(api, jid, cells)
+    mover = cells[(0, 1)]
+    new = {(0, 0): cells[(0, 0)], (1, 0): cells[(1, 0)], (1, 1): cells[(1, 1)], (1, 2): mover}
+    for (k, r), reg in new.items():
+        assert (await _step(api, jid, reg, k, r, 4, 1, MOVE, loss=1.0 if k else None)
+                ).status == 200
+    monkeypatch.setattr(Liveness, "latest_checkpoint", lambda self, job: 4)
+    assert (await report(api, jid, cells[(1, 1)], "FAILED", step=4, stage=1, replica=1,
+                         epoch=1, message="boom")).status == 200
+    for reg in cells.values():
+        await heartbeat(api, reg, status="ready")
+
+    async def resumed() -> dict[str, Any] | None:
+        job = await get_job(api, jid)
+        return job if job["attempt"] == 1 else None
+
+    job = await wait_for(resumed, timeout=5.0)
+    assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
+    for (k, r), reg in new.items():
+        resp = await report(api, jid, reg, "RUNNING", step=5, stage=k, replica=r, epoch=0,
+                            attempt=1, loss=2.0 if k else None,
+                            metrics={"wire_tx_bytes": 10, "micro_batches": 1})
+        assert resp.status == 200, await resp.text()
+    rows = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))["records"]
+    rec = next(r for r in rows if r["step"] == 5)
+    assert len(rec["stages_reported"]) == 4 and rec["loss"] == 2.0
+    assert (await get_job(api, jid))["last_loss"] == 2.0
+
+
+async def test_a_batch_of_reports_across_two_moves_is_taken_in_order(api):
+    """Moves at adjacent steps (stage 0's cell 1 to stage 1, then back): one fellow's batch
+    of the steps either side of both is taken report by report, each move made before the
+    next report is checked; a refused report in a batch puts back what those before it
+    made."""
+    back = {"at": 4, "source": 1, "cell": 2, "target": 0, "new_id": 1}
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8400 + i}")
+               for i in range(4)]
+    body = _job(moves=[MOVE, back])
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_id = {f["fellow_id"]: f for f in fellows}
+    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+             for c in job["placement"]["stages"]}
+    await _before(api, jid, cells)
+    stayer = cells[(1, 0)]
+
+    def update(step: int, epoch: int, moved: dict[str, int]) -> dict[str, Any]:
+        return {"fellow_id": stayer["fellow_id"], "state": "RUNNING", "step": step,
+                "stage": 1, "replica": 0, "epoch": epoch, "moved": moved,
+                "metrics": {"wire_tx_bytes": 10, "micro_batches": 1}}
+
+    url = f"{A}/jobs/{jid}/statuses"
+    bad = {"updates": [update(4, 1, MOVE), update(5, 2, {**back, "new_id": 2})]}
+    await expect_error(await api.post(url, json=bad, headers=stayer["headers"]), 409,
+                       "bad_move")
+    job = await get_job(api, jid)
+    assert job["membership"] == [] and "layout" not in job["placement"]  # (all put back)
+    good = {"updates": [update(4, 1, MOVE), update(5, 2, back)]}
+    await expect_ok(await api.post(url, json=good, headers=stayer["headers"]))
+    job = await get_job(api, jid)
+    assert [c["moved"] for c in job["membership"]] == [MOVE, back]
+    assert "layout" not in job["placement"]  # (back to the grid)
+
+
+async def test_a_heartbeat_naming_the_old_cell_after_a_stayer_told_the_move_stops_nothing(api):
+    """The leader learned the move from a stayer; the moved peer's fellow still names its old
+    cell (its heartbeat left before it moved): neither stopped (the STOP would end the new
+    cell too: the same task) nor sent a START for its new cell."""
+    jid, cells = await _moving_job(api, 8450)
+    await _before(api, jid, cells)
+    assert (await _step(api, jid, cells[(1, 0)], 1, 0, 4, 1, MOVE)).status == 200
+    mover = cells[(0, 1)]
+    seen = await poll(api, mover)
+    last = max(s["seq"] for s in seen)
+    await heartbeat(api, mover, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": 0, "replica": 1, "attempt": 0}])
+    assert [s["kind"] for s in await poll(api, mover, after=last)] == []
+    # (a cell it never ran and no move explains is still stopped)
+    await heartbeat(api, mover, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": 1, "replica": 1, "attempt": 0}])
+    assert "STOP" in [s["kind"] for s in await poll(api, mover, after=last)]
