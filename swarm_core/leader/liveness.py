@@ -216,6 +216,9 @@ class Liveness:
         job.last_step = step
         job.reason = ""
         self.queue.store.delete_progress_after(job.job_id, step)
+        for change in membership:  # (a kept move's mark on its first step, just deleted)
+            if change.moved is not None and change.step > step:
+                self.queue.progress.membership(job, change)
         self.queue.files.placement(job)
         self.watch(job)
         self.queue.send(job, starts)

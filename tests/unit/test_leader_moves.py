@@ -255,7 +255,7 @@ async def test_the_moved_peer_tells_the_move_as_it_leaves_before_its_heartbeat_n
 
 
 async def test_a_recovery_that_keeps_a_move_records_the_new_attempts_steps(api, monkeypatch):
-    """A checkpoint after the move: the job resumes on the moved placement, its new attempt
+    """A checkpoint at the move's step: the job resumes on the moved placement, its new attempt
     counts its moves from 0 (its reports' epoch 0 are the moved layout's) and every step it
     reports is recorded (a kept move never marks a report as superseded)."""
     from swarm_core.leader.liveness import Liveness
@@ -267,7 +267,7 @@ async def test_a_recovery_that_keeps_a_move_records_the_new_attempts_steps(api, 
     for (k, r), reg in new.items():
         assert (await _step(api, jid, reg, k, r, 4, 1, MOVE, loss=1.0 if k else None)
                 ).status == 200
-    monkeypatch.setattr(Liveness, "latest_checkpoint", lambda self, job: 4)
+    monkeypatch.setattr(Liveness, "latest_checkpoint", lambda self, job: 3)
     assert (await report(api, jid, cells[(1, 1)], "FAILED", step=4, stage=1, replica=1,
                          epoch=1, message="boom")).status == 200
     for reg in cells.values():
@@ -280,13 +280,16 @@ async def test_a_recovery_that_keeps_a_move_records_the_new_attempts_steps(api, 
     job = await wait_for(resumed, timeout=5.0)
     assert job["placement"]["layout"] == AFTER and len(job["membership"]) == 1
     for (k, r), reg in new.items():
-        resp = await report(api, jid, reg, "RUNNING", step=5, stage=k, replica=r, epoch=0,
+        resp = await report(api, jid, reg, "RUNNING", step=4, stage=k, replica=r, epoch=0,
                             attempt=1, loss=2.0 if k else None,
                             metrics={"wire_tx_bytes": 10, "micro_batches": 1})
         assert resp.status == 200, await resp.text()
     rows = (await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH)))["records"]
-    rec = next(r for r in rows if r["step"] == 5)
+    rec = next(r for r in rows if r["step"] == 4)
     assert len(rec["stages_reported"]) == 4 and rec["loss"] == 2.0
+    # (the kept move, made at the checkpoint's step, keeps its mark on its first step,
+    # whose record the resume cut and the new attempt trained again)
+    assert rec["membership"][0]["moved"] == MOVE
     assert (await get_job(api, jid))["last_loss"] == 2.0
 
 
