@@ -208,3 +208,53 @@ def test_cut_off_fellow_is_replaced_like_a_dead_one(cli_env, tmp_path, swarm_hom
     assert len(job["restarts"]) == 1
     assert f"({name}) is stale" in job["restarts"][0]["reason"]
     assert [s for s, _ in job["loss_history"]] == list(range(1, 201))
+
+
+def test_a_moved_peer_killed_is_replaced_on_the_layout_the_move_made(cli_env, tmp_path,
+                                                                     swarm_home):
+    """Issue 34 point 3: a swarm job whose stage-0 cell 1 moved to stage 1 (as its cell 2)
+    before step 6 loses that peer's fellow after a checkpoint past the move. It resumes on
+    the moved layout (the spare takes the new cell, its state from stage 1's shard), makes
+    no move again, and every step after the resume is one process's to 1e-5."""
+    up = run_cli("restart-cluster", "--fellows", "5", "--stale-after", "2", env=cli_env,
+                 timeout=120)
+    assert up.returncode == 0, up.stderr
+    move = {"at": 6, "source": 0, "cell": 1, "target": 1}
+    body = {"name": "moved-resume", "kind": "train", "model": MODEL,
+            "training": {"steps": 60, "batch_size": 8, "micro_batches": 2,
+                         "eval_batches": 1, "shard_push_interval_steps": 4,
+                         "resume_policy": "replace", "frame_timeout_s": 10},
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm", "moves": [move]}}
+    path = tmp_path / "moved.json"
+    path.write_text(json.dumps(body))
+    try:
+        _slow_steps(cli_env)
+        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        placed = wait_until(lambda: (j := job_view(job_id, cli_env))["last_step"] >= 13 and j,
+                            90, "the job past step 13 (three shard pushes, the move)")
+        assert placed["placement"]["layout"] == [[0], [0, 1, 2]], placed["placement"]
+        moved = next(c for c in placed["placement"]["stages"]
+                     if (c["stage"], c["replica"]) == (1, 2))
+        pid = next(f["pid"] for f in _record(swarm_home)["fellows"]
+                   if f["name"] == moved["name"])
+        os.kill(pid, signal.SIGKILL)
+        _fast_steps(cli_env, moved["fellow_id"])
+        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in
+                         ("COMPLETED", "FAILED") and j, 180, "the job's end after the kill")
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    [restart] = job["restarts"]
+    assert restart["resume_step"] >= 12 and restart["resume_step"] % 4 == 0
+    assert restart["replaced"]["1.2"]["from"] == moved["fellow_id"]
+    assert job["placement"]["layout"] == [[0], [0, 1, 2]]
+    [change] = job["membership"]  # (the move, kept; not made again)
+    assert change["moved"] == {**move, "new_id": 2}
+    losses = [loss for _, loss in job["loss_history"]]
+    assert [s for s, _ in job["loss_history"]] == list(range(1, 61))
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
+                             split_layers(mc.n_layers, [1, 1]))
+    diff = max(abs(a - b) for a, b in zip(ref, losses, strict=True))
+    assert diff <= 1e-5, f"a moved job resumed at step {restart['resume_step']}: {diff}"

@@ -204,10 +204,12 @@ def test_a_report_of_a_step_trained_again_is_superseded():
     """The leader keeps the redone step's reports: a late one of the membership before the
     change, for the change's step or later, is not recorded over them."""
     from swarm_core.contract import JobStatusUpdate, MembershipChange
+    from swarm_core.contract.job import JobSubmit, Topology
     from swarm_core.leader.membership import Membership
 
     class _Job:
         membership = [MembershipChange(step=5, epoch=1, members=[0, 2], left=[1])]
+        spec = JobSubmit(topology=Topology(stages=2, replicas=3, wiring="swarm"))
 
     def upd(step: int, epoch: int | None) -> JobStatusUpdate:
         return JobStatusUpdate(fellow_id=1, state="RUNNING", step=step, epoch=epoch)
@@ -217,3 +219,7 @@ def test_a_report_of_a_step_trained_again_is_superseded():
     assert not Membership.superseded(job, upd(4, 0))  # (step 4 was trained by all)
     assert not Membership.superseded(job, upd(5, 1))  # (the redone step 5)
     assert not Membership.superseded(job, upd(5, None))  # (a chain's report: no epoch)
+    # A job whose peers move: its epochs count moves, which retrain no step.
+    job.spec = JobSubmit(topology=Topology(stages=2, replicas=3, wiring="swarm",
+                                           routing="measured", rebalance_every=2))
+    assert not Membership.superseded(job, upd(5, 0))
