@@ -1,8 +1,8 @@
 """SWARM wiring across fellow processes (issue 34 points 1 and 3): a 2 x 2 job whose
 micro-batches are routed 3 : 1 to stage 1's replicas over real TCP between four fellows
 computes the losses of one process at the same global batch; and so do the same job routed by
-measured throughput, a job whose stages hold unequal cells, and one whose peer moves between
-stages halfway."""
+measured throughput, a job whose stages hold unequal cells, one whose peer moves between
+stages halfway, and one whose peers SWARM's rebalancing moves (decided by the cells)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,21 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
         moved_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
         moved = wait_until(lambda: (j := job_view(moved_id, cli_env))["state"] in (
             "COMPLETED", "FAILED") and j, 240, "the moved job's end")
+        # SWARM's rebalancing, decided by the cells from what they measured: stage 1's one
+        # cell slowed 3x against stage 0's three, so the rule moves stage-0 peers there.
+        # (Dispatch gives the layout's second cell, 1.0, the second ready fellow.)
+        ids = sorted(f["fellow_id"] for f in cli_json("fellows", env=cli_env)["fellows"])
+        slowed = run_cli("set-speed", "--fellow-id", str(ids[1]), "--slowdown", "3",
+                         env=cli_env)
+        assert slowed.returncode == 0, slowed.stderr
+        path.write_text(json.dumps({
+            "name": "rebalanced", "kind": "train", "model": MODEL,
+            "training": {**TRAINING, "micro_batches": 4},
+            "topology": {"wiring": "swarm", "routing": "measured", "rebalance_every": 3,
+                         "layout": [[0, 1, 2], [0]]}}))
+        rebalanced_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
+        rebalanced = wait_until(lambda: (j := job_view(rebalanced_id, cli_env))["state"] in (
+            "COMPLETED", "FAILED") and j, 240, "the rebalanced job's end")
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -95,3 +110,17 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
     assert moved["placement"]["layout"] == [[0], [0, 1, 2]]
     got = [loss for _step, loss in moved["loss_history"]]
     assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    assert rebalanced["state"] == "COMPLETED", rebalanced["reason"]
+    p = rebalanced["placement"]
+    assert next(c for c in p["stages"] if (c["stage"], c["replica"]) == (1, 0))[
+        "fellow_id"] == ids[1]  # (the premise: the slowed fellow ran stage 1's cell 0)
+    made = [c["moved"] for c in rebalanced["membership"]]
+    assert made and all((m["source"], m["target"]) == (0, 1) and m["at"] % 3 == 0
+                        for m in made), made
+    assert all(c["reason"] == "rebalance" for c in rebalanced["membership"])
+    assert len(p["layout"][1]) == 1 + len(made)
+    tm = structure({**TRAINING, "micro_batches": 4}, TrainingConfig)
+    ref4, _ = train_reference(mc, tm, load_token_data(tm, mc.seq_len),
+                              split_layers(mc.n_layers, [1, 1]))
+    got = [loss for _step, loss in rebalanced["loss_history"]]
+    assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref4, got, strict=True)) <= 1e-5
