@@ -6,6 +6,7 @@ entry from the START it receives. ``placement_plan.json`` is a :class:`Placement
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 
 import attrs
@@ -28,8 +29,17 @@ def layout_cells(layout: Layout) -> list[tuple[int, int]]:
     """(stage, id) of every cell of ``layout`` in placement order: id by id, each id's stages
     in order, absent cells skipped. For the uniform layout that is the grid's order (replica r
     of stage k at r x stages + k), so a uniform job's indices never move."""
+    return list(_cell_index(layout))
+
+
+@functools.lru_cache(maxsize=64)
+def _cell_index(layout: Layout) -> dict[tuple[int, int], int]:
+    """Each cell's place in ``layout_cells`` order (a report's lookup, every report: cached
+    per layout, which a job changes only at a move)."""
     width = 1 + max(max(ids) for ids in layout)
-    return [(k, i) for i in range(width) for k, ids in enumerate(layout) if i in ids]
+    sets = [set(ids) for ids in layout]
+    cells = [(k, i) for i in range(width) for k, ids in enumerate(sets) if i in ids]
+    return {c: n for n, c in enumerate(cells)}
 
 
 def normal_layout(layout: Sequence[Sequence[int]] | None, num_stages: int,
@@ -185,8 +195,8 @@ class Placement:
         if self.layout is None:
             return replica * self.num_stages + stage
         try:
-            return layout_cells(self.layout).index((stage, replica))
-        except ValueError:
+            return _cell_index(self.layout)[(stage, replica)]
+        except KeyError:
             raise PlacementError(f"no cell {stage}.{replica} in layout "
                                  f"{[list(ids) for ids in self.layout]}") from None
 
