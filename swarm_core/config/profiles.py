@@ -140,9 +140,19 @@ class ClusterProfile:
     wiring: Literal["chain", "swarm"] = "chain"
     # A swarm's routes: by the topology's weights (``given``) or by measured throughput.
     routing: Literal["given", "measured"] = "given"
+    # SWARM's rebalancing (a topology's ``rebalance_every``): every that many steps the cells
+    # move a peer to the stage that bounds the pipeline; measured routes only.
+    rebalance_every: int | None = None
 
     def __attrs_post_init__(self) -> None:
         check_routing(self.wiring, self.routing)
+        if self.rebalance_every is not None:
+            if not 1 <= self.rebalance_every <= 1_000_000:
+                raise FieldError(f"must be 1-1000000, got {self.rebalance_every}",
+                                 "rebalance_every")
+            if self.wiring != "swarm" or self.routing != "measured":
+                raise FieldError("rebalancing reads measured throughput: it needs wiring "
+                                 "swarm and routing measured", "rebalance_every")
         for name in ("fellows", "stages"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= MAX_FELLOWS:
@@ -178,7 +188,7 @@ class ClusterProfile:
     def topology(self) -> dict[str, Any]:
         """A ``Topology``'s fields for a job of this profile: its fellows and replicas, its
         stages where it names them, its wiring where it is not the chain (and a swarm's
-        routing where it is measured)."""
+        routing where it is measured, its rebalancing where it has one)."""
         topo: dict[str, Any] = {"fellows": self.num_fellows, "replicas": self.replicas}
         if self.stages is not None:
             topo["stages"] = self.stages
@@ -186,6 +196,8 @@ class ClusterProfile:
             topo["wiring"] = self.wiring
         if self.routing != "given":
             topo["routing"] = self.routing
+        if self.rebalance_every is not None:
+            topo["rebalance_every"] = self.rebalance_every
         return topo
 
 

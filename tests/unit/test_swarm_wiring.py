@@ -212,6 +212,26 @@ def test_a_training_profile_s_cluster_asks_for_measured_routes():
         ClusterProfile(replicas=2, stages=2, routing="measured")
 
 
+def test_a_training_profile_s_cluster_asks_for_rebalancing():
+    """``cluster_profile.rebalance_every``: SWARM's rebalancing reaches the job's topology
+    (a sweep's runs rebalance); without measured routes it is refused in one line."""
+    from swarm_core.config.profiles import ClusterProfile, job_topology
+    from swarm_core.contract.job import Topology
+    from swarm_core.schema import FieldError
+
+    cluster = ClusterProfile(replicas=3, stages=2, wiring="swarm", routing="measured",
+                             rebalance_every=8)
+    topo = structure(job_topology(cluster), Topology)
+    assert (topo.rebalance_every, topo.routing, topo.cells) == (8, "measured", 6)
+    assert "rebalance_every" not in job_topology(ClusterProfile(replicas=2, stages=2))
+    with pytest.raises(FieldError, match="it needs wiring swarm and routing measured") as err:
+        ClusterProfile(replicas=2, stages=2, wiring="swarm", rebalance_every=4)
+    assert err.value.field == "rebalance_every" and "\n" not in str(err.value)
+    with pytest.raises(FieldError, match="must be 1-1000000, got 0"):
+        ClusterProfile(replicas=2, stages=2, wiring="swarm", routing="measured",
+                       rebalance_every=0)
+
+
 def test_swarm_wiring_is_refused_where_it_cannot_apply():
     body = {"kind": "train", "model": {**MODEL}, "topology": {"stages": 2, "replicas": 2,
                                                              "wiring": "swarm"}}
