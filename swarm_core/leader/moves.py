@@ -24,6 +24,10 @@ from swarm_core.contract.placement import Placement, PlacementError
 from swarm_core.contract.rebalance import PeerMove, free_id
 from swarm_core.leader.records import JobRecord
 
+# What a report tells the leader of a move it had not made: the move and the placement after
+# it (None: nothing new).
+Told = tuple[PeerMove, Placement] | None
+
 
 class MoveRefused(ValueError):
     """A report's move that does not fit the job (one line: what is wrong)."""
@@ -84,7 +88,7 @@ def in_flight(job: JobRecord, fellow_id: int) -> tuple[tuple[int, int], tuple[in
     return (m.source, m.cell), (m.target, m.new_id)
 
 
-def news(job: JobRecord, upd: JobStatusUpdate) -> tuple[PeerMove, Placement] | None:
+def news(job: JobRecord, upd: JobStatusUpdate) -> Told:
     """The move ``upd`` tells the leader of, and the placement it makes; None where it tells
     none (no move, or one known). Raises MoveRefused for one that cannot be the job's next:
     two ahead, or told without its move; one that names another move for a known epoch;

@@ -50,7 +50,7 @@ from swarm_core.leader.errors import ApiError
 from swarm_core.leader.events import EventHub
 from swarm_core.leader.liveness import Liveness
 from swarm_core.leader.membership import Membership
-from swarm_core.leader.moves import MoveRefused
+from swarm_core.leader.moves import MoveRefused, Told
 from swarm_core.leader.progress import ProgressBook, RunFiles
 from swarm_core.leader.reconcile import Reconciler
 from swarm_core.leader.records import JobRecord
@@ -329,10 +329,11 @@ class JobQueue:
         return job
 
     def _checked(self, job: JobRecord, upd: JobStatusUpdate
-                 ) -> tuple[int, int, JobStatusUpdate] | None:
-        """A report's cell (stage, replica) and the report, once it is known to be this
-        fellow's and the job's; None for one to drop unread (an earlier attempt's). Raises
-        ApiError (409) for one the job refuses."""
+                 ) -> tuple[int, int, JobStatusUpdate, Told] | None:
+        """A report's cell (stage, replica), the report and the move it tells the job of (a
+        job whose peers move: ``leader/moves.py``), once it is known to be this fellow's and
+        the job's; None for one to drop unread (an earlier attempt's). Raises ApiError (409)
+        for one the job refuses. Taken before the next report is checked."""
         job_id = job.job_id
         if upd.fellow_id not in job.fellows:
             raise ApiError(409, f"fellow {upd.fellow_id} is not part of job {job_id}",
@@ -364,15 +365,14 @@ class JobQueue:
             raise ApiError(409, f"replica {replica} has left {job_id}: its stage {stage}'s "
                                 "report comes too late", code="replica_left",
                            field="$.replica")
-        return stage, replica, upd
+        return stage, replica, upd, told
 
     def _take(self, job: JobRecord, fellow: FellowRecord, stage: int, replica: int,
-              upd: JobStatusUpdate, save: bool = True) -> None:
+              upd: JobStatusUpdate, told: Told = None, save: bool = True) -> None:
         """A cell's report, checked: its step, figures and (a final one) its end.
         ``save``: a RUNNING one's job row written now (else by the caller, once a batch)."""
         assert job.placement is not None
         job.active_at = time.monotonic()
-        told = moves.news(job, upd)  # (checked: the first report of a batch that tells it)
         if told is not None:
             self._moved(job, *told)
         joining = self.membership.joining.get(job.job_id)

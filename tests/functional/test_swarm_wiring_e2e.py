@@ -7,6 +7,8 @@ stages halfway, and one whose peers SWARM's rebalancing moves (decided by the ce
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,45 +28,37 @@ TRAINING = {"name": "routed", "dataset": "shakespeare", "steps": 10, "batch_size
             "micro_batches": 2, "eval_batches": 1, "seed": 4}
 
 
+def _run(name: str, topology: dict[str, Any], env: dict[str, str], path: Path,
+         training: dict[str, Any] = TRAINING) -> dict[str, Any]:
+    """Submit a train job of ``topology`` and wait for its end: its view then."""
+    path.write_text(json.dumps({"name": name, "kind": "train", "model": MODEL,
+                                "training": training, "topology": topology}))
+    job_id = cli_json("submit", "--payload", str(path), env=env)["job_id"]
+    return wait_until(lambda: (j := job_view(job_id, env))["state"] in (
+        "COMPLETED", "FAILED") and j, 240, f"the {name} job's end")
+
+
 def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path):
     up = run_cli("restart-cluster", "--fellows", "4", env=cli_env, timeout=120)
     assert up.returncode == 0, up.stderr
     try:
         path = tmp_path / "job.json"
-        path.write_text(json.dumps({
-            "name": "routed", "kind": "train", "model": MODEL, "training": TRAINING,
-            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
-                         "route_weights": [[1, 1], [3, 1]]}}))
-        job_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        job = wait_until(lambda: (j := job_view(job_id, cli_env))["state"] in (
-            "COMPLETED", "FAILED") and j, 240, "the job's end")
+        job = _run("routed", {"stages": 2, "replicas": 2, "wiring": "swarm",
+                              "route_weights": [[1, 1], [3, 1]]}, cli_env, path)
         # The same job with SWARM's measured routes: the fellows agree on each step's plan
         # from what they measured (a disagreement would stall the job), from the START the
         # leader sent them.
-        path.write_text(json.dumps({
-            "name": "measured", "kind": "train", "model": MODEL, "training": TRAINING,
-            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
-                         "routing": "measured"}}))
-        measured_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        measured = wait_until(lambda: (j := job_view(measured_id, cli_env))["state"] in (
-            "COMPLETED", "FAILED") and j, 240, "the measured job's end")
+        measured = _run("measured", {"stages": 2, "replicas": 2, "wiring": "swarm",
+                                     "routing": "measured"}, cli_env, path)
         # Stages of unequal cells (issue 34 point 3, from the START's placement): stage 0
         # one cell, stage 1 three, over the same two shares of the batch.
-        path.write_text(json.dumps({
-            "name": "layout", "kind": "train", "model": MODEL, "training": TRAINING,
-            "topology": {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]]}}))
-        layout_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        laid = wait_until(lambda: (j := job_view(layout_id, cli_env))["state"] in (
-            "COMPLETED", "FAILED") and j, 240, "the layout job's end")
+        laid = _run("layout", {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]]},
+                    cli_env, path)
         # A peer moved between stages at step 5: every fellow makes the move in band, the
         # moved one goes on as its new cell, the leader learns it from their reports.
-        path.write_text(json.dumps({
-            "name": "moved", "kind": "train", "model": MODEL, "training": TRAINING,
-            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
-                         "moves": [{"at": 5, "source": 0, "cell": 1, "target": 1}]}}))
-        moved_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        moved = wait_until(lambda: (j := job_view(moved_id, cli_env))["state"] in (
-            "COMPLETED", "FAILED") and j, 240, "the moved job's end")
+        moved = _run("moved", {"stages": 2, "replicas": 2, "wiring": "swarm",
+                               "moves": [{"at": 5, "source": 0, "cell": 1, "target": 1}]},
+                     cli_env, path)
         # SWARM's rebalancing, decided by the cells from what they measured: stage 1's one
         # cell slowed 3x against stage 0's three, so the rule moves stage-0 peers there.
         # (Dispatch gives the layout's second cell, 1.0, the second ready fellow.)
@@ -72,14 +66,9 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
         slowed = run_cli("set-speed", "--fellow-id", str(ids[1]), "--slowdown", "3",
                          env=cli_env)
         assert slowed.returncode == 0, slowed.stderr
-        path.write_text(json.dumps({
-            "name": "rebalanced", "kind": "train", "model": MODEL,
-            "training": {**TRAINING, "micro_batches": 4},
-            "topology": {"wiring": "swarm", "routing": "measured", "rebalance_every": 3,
-                         "layout": [[0, 1, 2], [0]]}}))
-        rebalanced_id = cli_json("submit", "--payload", str(path), env=cli_env)["job_id"]
-        rebalanced = wait_until(lambda: (j := job_view(rebalanced_id, cli_env))["state"] in (
-            "COMPLETED", "FAILED") and j, 240, "the rebalanced job's end")
+        rebalanced = _run("rebalanced", {"wiring": "swarm", "routing": "measured",
+                                         "rebalance_every": 3, "layout": [[0, 1, 2], [0]]},
+                          cli_env, path, {**TRAINING, "micro_batches": 4})
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]

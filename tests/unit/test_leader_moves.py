@@ -38,19 +38,26 @@ def _job(**topology: Any) -> dict[str, Any]:
             "topology": {"stages": 2, "replicas": 2, "wiring": "swarm", **topology}}
 
 
-async def _moving_job(api: TestClient, port: int, **training: Any
-                      ) -> tuple[str, dict[tuple[int, int], Any]]:
-    """S=2 x R=2 whose stage-0 cell 1 moves to stage 1 as its cell 2 before step 3."""
+async def _placed(api: TestClient, port: int, body: dict[str, Any]
+                  ) -> tuple[str, dict[str, Any], dict[tuple[int, int], Any]]:
+    """Four fellows, the job ``body`` placed on them: its id, its view, its cells' fellows."""
     fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
                for i in range(4)]
-    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}])
-    body["training"].update(training)
     jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
     job = await get_job(api, jid)
     assert job["state"] == "RUNNING", job["reason"]
     by_id = {f["fellow_id"]: f for f in fellows}
-    return jid, {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
-                 for c in job["placement"]["stages"]}
+    return jid, job, {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+                      for c in job["placement"]["stages"]}
+
+
+async def _moving_job(api: TestClient, port: int, **training: Any
+                      ) -> tuple[str, dict[tuple[int, int], Any]]:
+    """S=2 x R=2 whose stage-0 cell 1 moves to stage 1 as its cell 2 before step 3."""
+    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}])
+    body["training"].update(training)
+    jid, _job_view, cells = await _placed(api, port, body)
+    return jid, cells
 
 
 async def _step(api: TestClient, jid: str, reg: Any, stage: int, cell: int, n: int,
@@ -135,14 +142,8 @@ async def test_a_move_that_does_not_fit_is_refused_in_one_line_and_changes_nothi
 
 
 async def test_a_rebalanced_jobs_move_must_fit_and_come_at_a_look(api):
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8300 + i}")
-               for i in range(4)]
-    body = _job(routing="measured", rebalance_every=3)
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_id = {f["fellow_id"]: f for f in fellows}
-    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
-             for c in job["placement"]["stages"]}
+    jid, _job_view, cells = await _placed(api, 8300,
+                                          _job(routing="measured", rebalance_every=3))
     await _before(api, jid, cells)
     stayer = cells[(1, 0)]
     for moved, why in [({**MOVE, "cell": 0}, "stage 0 has no cell 0"),
@@ -185,15 +186,9 @@ async def test_a_moved_job_resumes_on_the_cells_it_had_at_its_checkpoint(api):
     from swarm_core.leader import moves
     from swarm_core.leader.keys import STATE_KEY
 
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8200 + i}")
-               for i in range(4)]
     body = _job(moves=[MOVE])
     body["training"]["resume_policy"] = "replace"
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_id = {f["fellow_id"]: f for f in fellows}
-    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
-             for c in job["placement"]["stages"]}
+    jid, job, cells = await _placed(api, 8200, body)
     await _before(api, jid, cells)
     resp = await _step(api, jid, cells[(1, 0)], 1, 0, 4, 1, MOVE, loss=1.0)
     assert resp.status == 200, await resp.text()
@@ -206,7 +201,7 @@ async def test_a_moved_job_resumes_on_the_cells_it_had_at_its_checkpoint(api):
     resp = await report(api, jid, cells[(1, 1)], "FAILED", step=4, stage=1, replica=1,
                         epoch=1, message="boom")
     assert resp.status == 200, await resp.text()
-    for reg in fellows:
+    for reg in cells.values():
         await heartbeat(api, reg, status="ready")
 
     async def resumed() -> dict[str, Any] | None:
@@ -299,14 +294,7 @@ async def test_a_batch_of_reports_across_two_moves_is_taken_in_order(api):
     next report is checked; a refused report in a batch puts back what those before it
     made."""
     back = {"at": 4, "source": 1, "cell": 2, "target": 0, "new_id": 1}
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{8400 + i}")
-               for i in range(4)]
-    body = _job(moves=[MOVE, back])
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_id = {f["fellow_id"]: f for f in fellows}
-    cells = {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
-             for c in job["placement"]["stages"]}
+    jid, _job_view, cells = await _placed(api, 8400, _job(moves=[MOVE, back]))
     await _before(api, jid, cells)
     stayer = cells[(1, 0)]
 
