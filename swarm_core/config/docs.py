@@ -33,8 +33,8 @@ exp/runs/<run_id>/               what runs write (ignored by git)
 ```
 
 Paths inside a config resolve relative to the file that names them. The sweep expands to the grid
-models x compressions x network profiles x (stages x replicas x sync x inner_steps) x seeds x
-repeats, in that nesting order; each run is one train job on the leader, and `swarm sweep
+models x compressions x network profiles x (stages x replicas x sync x inner_steps x wiring) x
+seeds x repeats, in that nesting order; each run is one train job on the leader, and `swarm sweep
 --config …` queues
 them all at once (one at a time when a network profile has a `tc_profile`, since kernel shaping
 must wrap each run).
@@ -56,7 +56,18 @@ Each of them left out keeps the training profile's value (`cluster_profile.repli
 the profile or `overrides.sync`. A sweep with any of these axes, or of several replicas, names
 its runs by the grid too: `<model>-<spec>-<network>-<S>x<R>-<mode>-s<seed>-r<repeat>`, the mode
 `none`, `dp`, or a periodic mode with its H, `<mode>_h<H>` (`diloco_h10`, `sparseloco_h10`; a
-sweep of chains keeps the names it had).
+sweep of chains keeps the names it had), then `-swarm` for a routed run.
+
+Every run wires as the training profile's `cluster_profile` says: its `wiring`, a swarm's
+`routing`, `route_weights`, `layout` (stages of unequal cells: the runs' stages and fellows are
+the layout's), `moves` and `rebalance_every`, as a job's `topology` takes them. A `wiring` axis,
+`["chain", "swarm"]`, puts both side by side: it repeats the runs it can route, those of several
+replicas kept by `dp` (a periodic mode's replicas train apart between syncs), and the others
+run once, chained; a chain run drops the profile's swarm fields (its baseline), a swarm run
+keeps them (over a chain profile it routes equally). A layout or route weights are drawn for
+one grid, so a `stages` or `replicas` axis beside them is an error, as is a chain beside a
+layout; what a job would refuse (a move that does not fit, swarm wiring over diloco) is an
+error at load that names the training profile's field and the run.
 
 Compression specs (the table below is generated from `swarm_core/config/methods.py`, where
 each is registered): K is a positive integer up to `d_model` (below it for `subspace_kK`);

@@ -23,6 +23,7 @@ from swarm_core.schema import FieldError
 # "none": a single replica, nothing to keep in step (a job of one replica has no sync); the
 # others are SyncConfig.mode's (a mode registered there is an axis value here too).
 SyncAxis = Literal["none", SyncMode]
+Wiring = Literal["chain", "swarm"]
 MAX_REPLICAS = 256  # Topology.replicas' bound
 MAX_INNER_STEPS = 1_000_000  # SyncConfig.inner_steps' bound
 MAX_FELLOWS = 1024  # ClusterProfile's fellows (and stages x replicas) bound
@@ -36,6 +37,8 @@ class GridCell:
     replicas: int
     sync: SyncAxis
     inner_steps: int | None = None  # a periodic mode's only: the inner steps between syncs
+    # How micro-batches travel between neighbouring stages' replicas (a topology's wiring).
+    wiring: Wiring = "chain"
 
     @property
     def fellows(self) -> int:
@@ -44,9 +47,10 @@ class GridCell:
     @property
     def label(self) -> str:
         """What run names carry: ``2x1-none``, ``2x2-dp``, ``1x2-diloco_h10``,
-        ``1x2-sparseloco_h10`` (a periodic mode with its H)."""
+        ``1x2-sparseloco_h10`` (a periodic mode with its H), ``2x2-dp-swarm`` (routed)."""
         mode = f"{self.sync}_h{self.inner_steps}" if periodic(self.sync) else self.sync
-        return f"{self.stages}x{self.replicas}-{mode}"
+        routed = "-swarm" if self.wiring == "swarm" else ""
+        return f"{self.stages}x{self.replicas}-{mode}{routed}"
 
 
 def periodic(mode: str) -> bool:

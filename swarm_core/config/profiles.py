@@ -28,6 +28,7 @@ from swarm_core.config.grid import (
     MAX_REPLICAS,
     GridCell,
     SyncAxis,
+    Wiring,
     check_axes,
     grid_cells,
     sync_mode,
@@ -43,7 +44,8 @@ from swarm_core.config.traces import (
     resolve_trace,
 )
 from swarm_core.contract import JobSubmit
-from swarm_core.contract.job import check_routing
+from swarm_core.contract.job import Topology, check_routing
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 from swarm_core.validators import rate_or_none
@@ -143,6 +145,12 @@ class ClusterProfile:
     # SWARM's rebalancing (a topology's ``rebalance_every``): every that many steps the cells
     # move a peer to the stage that bounds the pipeline; measured routes only.
     rebalance_every: int | None = None
+    # The rest of a swarm topology, as a job's (swarm_core.contract.job.Topology says each):
+    # a given route's weights, stages of unequal cells by id (then the stages and fellows are
+    # the layout's), peers moved at given steps.
+    route_weights: list[list[float]] | None = None
+    layout: list[list[int]] | None = None
+    moves: list[PeerMove] | None = None
 
     def __attrs_post_init__(self) -> None:
         check_routing(self.wiring, self.routing)
@@ -153,6 +161,9 @@ class ClusterProfile:
             if self.wiring != "swarm" or self.routing != "measured":
                 raise FieldError("rebalancing reads measured throughput: it needs wiring "
                                  "swarm and routing measured", "rebalance_every")
+        if self.layout is not None:
+            self._check_wiring()  # (the layout decides the grid: checked as a job's first)
+            return
         for name in ("fellows", "stages"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= MAX_FELLOWS:
@@ -174,31 +185,55 @@ class ClusterProfile:
         if cells > MAX_FELLOWS:
             raise FieldError(f"stages {self.stages} x replicas {self.replicas} is {cells} "
                              f"fellows, more than {MAX_FELLOWS}", "replicas")
+        self._check_wiring()
+
+    def _check_wiring(self) -> None:
+        """The swarm fields as the leader checks a job's topology (their shapes against the
+        grid, the combinations it refuses), a FieldError at the field it names."""
+        if self.route_weights is None and self.layout is None and self.moves is None:
+            return
+        try:
+            structure(self.topology(), Topology, "$")
+        except SchemaError as exc:
+            raise FieldError(exc.message, (exc.field or "$").removeprefix("$.")) from None
 
     @property
     def num_fellows(self) -> int:
+        if self.layout is not None:
+            return sum(len(ids) for ids in self.layout)
         if self.stages is not None:
             return self.stages * self.replicas
         return 2 if self.fellows is None else self.fellows
 
     @property
     def num_stages(self) -> int:
+        if self.layout is not None:
+            return len(self.layout)
         return self.num_fellows // self.replicas
 
-    def topology(self) -> dict[str, Any]:
-        """A ``Topology``'s fields for a job of this profile: its fellows and replicas, its
-        stages where it names them, its wiring where it is not the chain (and a swarm's
-        routing where it is measured, its rebalancing where it has one)."""
-        topo: dict[str, Any] = {"fellows": self.num_fellows, "replicas": self.replicas}
-        if self.stages is not None:
-            topo["stages"] = self.stages
+    def wiring_fields(self) -> dict[str, Any]:
+        """A ``Topology``'s fields past its grid that this profile sets: its wiring where it
+        is not the chain, a swarm's routing where it is measured, its route weights, layout,
+        moves and rebalancing where it has them ({} for a chain)."""
+        topo: dict[str, Any] = {}
         if self.wiring != "chain":
             topo["wiring"] = self.wiring
         if self.routing != "given":
             topo["routing"] = self.routing
-        if self.rebalance_every is not None:
-            topo["rebalance_every"] = self.rebalance_every
+        for name in ("route_weights", "layout", "moves", "rebalance_every"):
+            value = getattr(self, name)
+            if value is not None:
+                topo[name] = unstructure(value)
         return topo
+
+    def topology(self) -> dict[str, Any]:
+        """A ``Topology``'s fields for a job of this profile: its fellows and replicas, its
+        stages where it names them (a layout's cells and stages where it gives one), then its
+        :meth:`wiring_fields`."""
+        topo: dict[str, Any] = {"fellows": self.num_fellows, "replicas": self.replicas}
+        if self.stages is not None:
+            topo["stages"] = self.stages
+        return {**topo, **self.wiring_fields()}
 
 
 @attrs.define
@@ -230,8 +265,8 @@ class TrainingProfile:
 
 @attrs.define
 class SweepSpec:
-    """The grid: models x compressions x networks x (stages x replicas x sync x inner_steps) x
-    seeds x repeats."""
+    """The grid: models x compressions x networks x (stages x replicas x sync x inner_steps x
+    wiring) x seeds x repeats."""
 
     dataset: Literal["shakespeare", "textfiles", "wikitext103"] | None = None
     tokenizer: Literal["byte", "bpe"] | None = None
@@ -249,6 +284,9 @@ class SweepSpec:
     # Pipeline depths: the stage count of each run (the model's layers cut that many ways;
     # the training profile's cluster_profile otherwise).
     stages: list[int] | None = None
+    # Wirings side by side: ``chain`` runs drop the profile's swarm fields (its chain
+    # baseline), ``swarm`` runs take them (a chain profile's swarm runs route equally).
+    wiring: list[Wiring] | None = None
     overrides: dict[str, Any] = attrs.field(factory=dict)
     # A churn script (swarm_core.config.traces) every run replays: a library name or a path.
     churn: str | None = None
@@ -258,7 +296,7 @@ class SweepSpec:
         """Whether it sweeps the job's shape or synchronisation (its runs' names then say
         them)."""
         return any(v is not None for v in (self.replicas, self.sync, self.inner_steps,
-                                           self.stages))
+                                           self.stages, self.wiring))
 
     def __attrs_post_init__(self) -> None:
         check_axes(self.replicas, self.sync, self.inner_steps)
@@ -267,6 +305,9 @@ class SweepSpec:
                 raise FieldError(f"must list unique stage counts, got {self.stages}", "stages")
             if not all(1 <= k <= MAX_FELLOWS for k in self.stages):
                 raise FieldError(f"each must be 1-{MAX_FELLOWS}, got {self.stages}", "stages")
+        if self.wiring is not None and (not self.wiring
+                                        or len(set(self.wiring)) != len(self.wiring)):
+            raise FieldError(f"must list unique wirings, got {self.wiring}", "wiring")
         if not 1 <= self.repeats <= 100:
             raise FieldError(f"must be 1-100, got {self.repeats}", "repeats")
         if not self.seeds:
@@ -334,10 +375,34 @@ class RunSpec:
     slots_per_fellow: int = 1  # one stage per slot
     replicas: int = 1  # of every stage
     churn: dict[str, Any] | None = None  # (a ChurnScript, its files made absolute)
+    # The topology's fields past its grid (ClusterProfile.wiring_fields: wiring, routing,
+    # route weights, a layout, moves, rebalancing); {} for a chain.
+    wiring: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def stages(self) -> int:
+        layout = self.wiring.get("layout")
+        if layout is not None:
+            return len(layout)
         return max(1, self.fellows * self.slots_per_fellow // self.replicas)
+
+    @property
+    def wiring_label(self) -> str:
+        """Its wiring as a table shows it: ``chain``, ``swarm``, ``swarm measured``, with a
+        layout's cells (``cells 1+3``), given moves and a rebalancing cadence after it."""
+        w = self.wiring
+        words = [w.get("wiring", "chain")]
+        if w.get("routing", "given") != "given":
+            words.append(w["routing"])
+        if w.get("route_weights"):
+            words.append("weighted")
+        if w.get("layout"):
+            words.append("cells " + "+".join(str(len(ids)) for ids in w["layout"]))
+        if w.get("moves"):
+            words.append(f"{len(w['moves'])} move(s)")
+        if w.get("rebalance_every"):
+            words.append(f"rebalance /{w['rebalance_every']}")
+        return " ".join(words)
 
     @property
     def sync_mode(self) -> SyncAxis:
@@ -348,7 +413,7 @@ class RunSpec:
         return {"name": run_id, "kind": "train", "model": self.model,
                 "training": self.training,
                 "topology": {"fellows": self.fellows, "slots_per_fellow": self.slots_per_fellow,
-                             "replicas": self.replicas}}
+                             "replicas": self.replicas, **self.wiring}}
 
     def job(self, run_id: str) -> JobSubmit:
         """The run as the leader gets it: a JobSubmit, checked as the leader checks it."""
@@ -596,7 +661,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
-    cells = _grid(profile, sweep, path)
+    cells = _grid(profile, sweep, path, tpath)
     per_model = len(sweep.compressions or [None]) * len(networks) * len(cells) \
         * len(sweep.seeds) * sweep.repeats
     if per_model * len(models) > MAX_RUNS:
@@ -636,29 +701,84 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                         f"named {name!r}: give them different names",
                         f"$.model_configs[{mi}]")
                 made_by[name] = mi
+                wiring = _run_wiring(profile.cluster_profile, cell)
                 runs.append(RunSpec(
                     index=len(runs), run_name=name, model=model_dict,
-                    training=training, fellows=cell.fellows,
+                    training=training, fellows=profile.cluster_profile.num_fellows
+                    if "layout" in wiring else cell.fellows,
                     replicas=cell.replicas,
                     network=unstructure(network),
                     tc_profile=None if network.tc_profile is None
                     else unstructure(network.tc_profile),
-                    seed=seed, repeat=rep, model_source=str(mpath), compression=comp))
+                    seed=seed, repeat=rep, model_source=str(mpath), compression=comp,
+                    wiring=wiring))
+                if wiring:  # (a chain's topology is its grid, checked above)
+                    _check_job(runs[-1], path, tpath)
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     resolve_replays(runs, cfg, path, tpath)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
 
 
-def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path) -> list[GridCell]:
+def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
+          tpath: Path) -> list[GridCell]:
     """The sweep's grid axes expanded against the training profile's cluster and sync."""
     cluster, sync = profile.cluster_profile, profile.training.sync
+    # A layout or a given route's weights are drawn for one grid: an axis that changes it
+    # (or a chain beside a layout, which has no chain) is refused, not run on a guess.
+    fixed = "layout" if cluster.layout is not None else \
+        "route_weights" if cluster.route_weights is not None else None
+    if fixed is not None:
+        for axis in ("stages", "replicas"):
+            if getattr(sweep, axis) is not None:
+                raise ConfigError(path, f"the training profile's cluster_profile.{fixed} "
+                                  f"({tpath.name}) is drawn for its own grid: sweep.{axis} "
+                                  "would change it", f"$.sweep.{axis}")
+    if cluster.layout is not None and "chain" in (sweep.wiring or []):
+        raise ConfigError(path, f"the training profile's cluster_profile.layout "
+                          f"({tpath.name}) has no chain wiring: leave chain out",
+                          "$.sweep.wiring")
     try:
-        return [cell for stages in sweep.stages or [cluster.num_stages]
-                for cell in grid_cells(stages, cluster.replicas, sync.mode, sync.inner_steps,
-                                       sweep.replicas, sweep.sync, sweep.inner_steps)]
+        cells = [cell for stages in sweep.stages or [cluster.num_stages]
+                 for cell in grid_cells(stages, cluster.replicas, sync.mode, sync.inner_steps,
+                                        sweep.replicas, sweep.sync, sweep.inner_steps)]
     except FieldError as exc:
         raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
+    if sweep.wiring is None:
+        return [attrs.evolve(cell, wiring=cluster.wiring) for cell in cells]
+    # As inner_steps repeats periodic runs only, the wiring axis repeats the runs it can
+    # route: several replicas kept by dp (a periodic mode's replicas train apart between
+    # syncs, which routed micro-batches would mix); the others run once, chained.
+    chained: list[Wiring] = ["chain"]
+    out = [attrs.evolve(cell, wiring=w) for cell in cells
+           for w in (sweep.wiring if cell.replicas > 1 and cell.sync == "dp" else chained)]
+    if "swarm" in sweep.wiring and all(c.wiring == "chain" for c in out):
+        raise ConfigError(path, "swarm wiring routes between the replicas of runs kept by dp, "
+                          "and this sweep has none", "$.sweep.wiring")
+    return out
+
+
+def _run_wiring(cluster: ClusterProfile, cell: GridCell) -> dict[str, Any]:
+    """A run's topology past its grid: the profile's where the run wires as it does, nothing
+    for a chain (the swarm fields are a swarm's), equal routes for a chain profile's swarm."""
+    if cell.wiring == cluster.wiring:
+        return cluster.wiring_fields()
+    return {} if cell.wiring == "chain" else {"wiring": "swarm"}
+
+
+def _check_job(run: RunSpec, path: Path, tpath: Path) -> None:
+    """The run as the leader would check it; what it refuses in the topology is the training
+    profile's cluster_profile (the sweep's axes were checked apart), the rest the sweep's."""
+    try:
+        run.job(run.run_name)
+    except SchemaError as exc:
+        field = exc.field or "$"
+        if field.startswith("$.topology"):
+            raise ConfigError(tpath, f"{exc.message} (run {run.run_name})",
+                              "$.cluster_profile" + field.removeprefix("$.topology")) \
+                from None
+        raise ConfigError(path, f"{field}: {exc.message} (run {run.run_name})",
+                          "$.sweep") from None
 
 
 def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell,

@@ -459,7 +459,7 @@ class Experiment:
     def _topology(self, st: RunState, placement: Placement | None) -> dict[str, Any]:
         return {
             "requested": {"fellows": st.spec.fellows, "stages": st.spec.stages,
-                          "replicas": st.spec.replicas},
+                          "replicas": st.spec.replicas, **st.spec.wiring},
             "active_fellows_at_start": [
                 {"fellow_id": f.fellow_id, "name": f.name, "host": f.host,
                  "devices": f.devices, "status": f.status} for f in self.fellows_at_start],

@@ -1,9 +1,11 @@
 """Benchmark suites: the same model and training over different cluster shapes.
 
 A suite lists scenarios; each names its model, training and infra profile and its artifact
-directory, and may name its grid shape (``grid: {stages, replicas}``; by default every cell of
-the infra is a pipeline stage, one replica) and how its replicas keep in step (``sync``: any of
-``training.sync``'s fields, over the training profile's). An infra profile describes nodes
+directory, and may name its grid shape (``grid: {stages, replicas}``, and how micro-batches
+travel between replicas: ``wiring``, ``routing``, ``route_weights``, ``rebalance_every`` as a
+job's topology takes them; by default every cell of the infra is a pipeline stage, one
+replica) and how its replicas keep in step (``sync``: any of ``training.sync``'s fields, over
+the training profile's). An infra profile describes nodes
 (groups of fellows), device slots per fellow and the link between nodes. On one machine a node
 is a group of fellows; the link between nodes is applied by the fellows' own link shapers.
 Every scenario records what was emulated and what was not (``infra_resolved.json``).
@@ -15,13 +17,14 @@ import hashlib
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.grid import MAX_REPLICAS
+from swarm_core.config.grid import MAX_REPLICAS, Wiring
 from swarm_core.config.profiles import (
+    ClusterProfile,
     ConfigError,
     ExperimentConfig,
     ResolvedExperiment,
@@ -40,11 +43,12 @@ from swarm_core.config.traces import (
     load_churn,
     resolve_trace,
 )
+from swarm_core.contract import JobSubmit
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.experiments.summary import MetricsSummary
 from swarm_core.paths import atomic_write
 from swarm_core.protocol import FellowInfo, LinkLimits
-from swarm_core.schema import FieldError, unstructure
+from swarm_core.schema import FieldError, SchemaError, structure, unstructure
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -98,12 +102,26 @@ class GridShape:
 
     stages: int
     replicas: int = 1
+    # How micro-batches travel between the replicas (a job topology's fields of the same
+    # names): chain, or swarm with its routing, weights and rebalancing.
+    wiring: Wiring = "chain"
+    routing: Literal["given", "measured"] = "given"
+    route_weights: list[list[float]] | None = None
+    rebalance_every: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 1 <= self.stages <= 1024:
             raise FieldError(f"must be 1-1024, got {self.stages}", "stages")
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise FieldError(f"must be 1-{MAX_REPLICAS}, got {self.replicas}", "replicas")
+        self.wiring_fields()  # (checked as a job's topology is, against its grid)
+
+    def wiring_fields(self) -> dict[str, Any]:
+        """The job topology's fields past its grid (``{}`` for a chain); FieldError at the
+        field a job's topology would refuse."""
+        return ClusterProfile(stages=self.stages, replicas=self.replicas, wiring=self.wiring,
+                              routing=self.routing, route_weights=self.route_weights,
+                              rebalance_every=self.rebalance_every).wiring_fields()
 
 
 @attrs.define
@@ -233,6 +251,8 @@ def load_suite(path: Path | str) -> ResolvedSuite:
             raise ConfigError(path, "sync keeps the replicas of a stage in step, and this "
                               "scenario runs 1 replica of each (set grid.replicas, or leave "
                               "sync out)", f"{where}.sync")
+        if sc.grid is not None and sc.grid.wiring_fields():
+            _check_wiring(sc.grid, model, training, path, where)
         if replicas > 1:
             emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "
                             f"kept in step by {training.sync.mode} (sync compression "
@@ -243,6 +263,20 @@ def load_suite(path: Path | str) -> ResolvedSuite:
                                           {"model": str(mpath), "training": str(tpath),
                                            "infra": str(ipath)}, replicas, churn, trace))
     return ResolvedSuite(str(path), spec, scenarios)
+
+
+def _check_wiring(grid: GridShape, model: ModelConfig, training: TrainingConfig, path: Path,
+                  where: str) -> None:
+    """A routed grid as the leader checks its job (swarm wiring over a periodic sync, a
+    route over a grid it does not fit): a one-line error at the scenario's grid."""
+    body = {"name": "check", "kind": "train", "model": unstructure(model),
+            "training": unstructure(training),
+            "topology": {"stages": grid.stages, "replicas": grid.replicas,
+                         **grid.wiring_fields()}}
+    try:
+        structure(body, JobSubmit)
+    except SchemaError as exc:
+        raise ConfigError(path, exc.message, f"{where}.grid") from None
 
 
 def _replays(sc: ScenarioSpec, path: Path, where: str
@@ -308,7 +342,8 @@ def as_experiment(suite: ResolvedSuite, out_dir: Path) -> ResolvedExperiment:
                          **({"trace": sc.trace} if sc.trace else {})},
                 tc_profile=None, seed=sc.training.seed, repeat=rep,
                 model_source=sc.sources["model"], compression=sc.model.compression,
-                replicas=sc.replicas, churn=sc.churn))
+                replicas=sc.replicas, churn=sc.churn,
+                wiring={} if sc.spec.grid is None else sc.spec.grid.wiring_fields()))
     cfg = ExperimentConfig(name=suite.spec.name, training_config="(per scenario)",
                            model_configs=["(per scenario)"], description=suite.spec.description)
     profile = TrainingProfile(TrainingConfig(), *_dummy_profiles())

@@ -90,9 +90,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
                    "runs": [unstructure(r) for r in exp.runs]})
         return 0
     emit_table(f"{exp.config.name}: {len(exp.runs)} run(s), valid",
-               ["#", "run", "fellows", "grid", "sync", "steps", "compression", "network"],
-               [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", _sync(r),
-                 r.training["steps"], r.compression, r.network["name"]] for r in exp.runs])
+               ["#", "run", "fellows", "grid", "wiring", "sync", "steps", "compression",
+                "network"],
+               [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", r.wiring_label,
+                 _sync(r), r.training["steps"], r.compression, r.network["name"]]
+                for r in exp.runs])
     return 0
 
 

@@ -55,6 +55,32 @@ def test_a_scenario_grid_reaches_the_job_and_the_plan(tmp_path):
     assert (row["stages"], row["replicas"], row["sync_mode"]) == (2, 2, "diloco")
 
 
+def test_a_routed_grid_reaches_the_job(tmp_path):
+    suite = load_suite(_suite(tmp_path, {"stages": 2, "replicas": 2, "wiring": "swarm",
+                                         "routing": "measured", "rebalance_every": 2},
+                              sync={"mode": "dp"}))
+    run = as_experiment(suite, tmp_path / "out").runs[1]
+    topo = run.job("x").topology
+    assert (topo.wiring, topo.routing, topo.rebalance_every) == ("swarm", "measured", 2)
+    assert run.wiring_label == "swarm measured rebalance /2"
+    assert as_experiment(suite, tmp_path / "out").runs[0].wiring == {}  # (no grid: a chain)
+
+
+@pytest.mark.parametrize("grid, message", [
+    # The profile's sync is diloco: routed micro-batches would mix its replicas.
+    ({"stages": 2, "replicas": 2, "wiring": "swarm"}, "(sync mode dp), not diloco"),
+    ({"stages": 2, "replicas": 2, "routing": "measured"}, "measured routing is for wiring swarm"),
+    ({"stages": 2, "replicas": 2, "wiring": "swarm", "route_weights": [[1, 1]]},
+     "must be 2 lists (stages) of 2 weights"),
+])
+def test_a_routed_grid_that_cannot_run_is_one_line_at_the_scenario(tmp_path, grid, message):
+    path = _suite(tmp_path, grid)
+    with pytest.raises(ConfigError) as info:
+        load_suite(path)
+    assert (info.value.field or "").startswith("$.scenarios[1].grid")
+    assert message in info.value.message and "\n" not in str(info.value)
+
+
 def test_without_a_grid_every_cell_is_a_stage(tmp_path):
     sc = load_suite(_suite(tmp_path, None, training={
         "steps": 4, "batch_size": 8, "micro_batches": 2})).scenarios[1]
