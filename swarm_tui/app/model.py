@@ -247,6 +247,10 @@ class FellowProgress:
     micro_batches: float | None = None
 
 
+# Reports held for cells a job's placement lacks yet: a new cell's first steps, a few a cell.
+UNPLACED_KEPT = 16
+
+
 @attrs.define(eq=False)
 class JobView:
     info: JobInfo
@@ -263,6 +267,10 @@ class JobView:
     # under swarm wiring the micro-batches each ran, which weigh it.
     replica_losses: dict[int, dict[int, float]] = attrs.field(factory=dict)
     replica_micro_batches: dict[int, dict[int, float]] = attrs.field(factory=dict)
+    # Reports of cells the placement lacks, newest last: a moved peer's new cell can report
+    # before the move's event comes (its cell reports, the leader's event follows), and those
+    # land once the move is made; a late report of a mover's old cell ages out.
+    unplaced: list[MetricReport] = attrs.field(factory=list)
 
     def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
         """A newer record of the job. The list route has no loss history: the curve seen so
@@ -278,6 +286,8 @@ class JobView:
             ji.loss_history, ji.eval_history = old, old_evals
         self._rekey(ji.placement)
         self.info, self.partial = ji, False
+        if self.unplaced:
+            self._land_unplaced()
 
     def take_move(self, change: MembershipChange) -> None:
         """A peer moved between stages (``change.moved``): the placement as the leader made
@@ -292,6 +302,14 @@ class JobView:
         self._rekey(moved)
         self.info.placement = moved
         self.info.fellows = moved.fellows
+        self._land_unplaced()
+
+    def _land_unplaced(self) -> None:
+        """The reports held for cells the placement lacked, applied where it has them now
+        (a move made them); the rest wait on."""
+        waiting, self.unplaced = self.unplaced, []
+        for report in waiting:
+            self.apply_metric(report)
 
     def _rekey(self, new: Placement | None) -> None:
         """``per_stage`` re-keyed to ``new``'s indices, cell by (stage, id): a move shifts
@@ -349,9 +367,10 @@ class JobView:
 
     def index_of(self, stage: int, replica: int) -> int | None:
         """The index of the cell (stage, replica) in the placement; None for a cell the
-        placement lacks (a moved peer's old cell, under a layout)."""
+        placement lacks (a moved peer's old cell, or its new one before the move is
+        known)."""
         p = self.info.placement
-        if p is not None and p.layout is not None:
+        if p is not None:  # (a grid's cells are its replicas, a layout's its ids)
             return p.index(stage, replica) if p.has(stage, replica) else None
         return replica * self.num_stages + stage
 
@@ -381,6 +400,8 @@ class JobView:
             # (the cell's index; under a layout, from the placement, never arithmetic)
             stage = self.index_of(stage, report.replica or 0)
             known = stage is not None
+            if not known:
+                self.unplaced = [*self.unplaced, report][-UNPLACED_KEPT:]
         if stage is None and known and fid is not None and fid in self.info.fellows:
             stage = self.info.fellows.index(fid)  # a leader that does not name the stage
         if fid is not None and stage is not None:

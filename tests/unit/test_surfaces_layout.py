@@ -232,3 +232,30 @@ def test_the_loss_curve_marks_the_step_a_peer_moved_from():
     view = JobView(_moved(loss_history=[[4.0, 3.0], [7.0, 2.5]]))
     assert loss_plot(view).marks == (6.0,)
     assert loss_plot(view, from_step=7).marks == ()
+
+
+@pytest.mark.parametrize("by", ["event", "record"])
+def test_a_new_cells_report_before_its_move_lands_once_the_move_is_known(by):
+    """The moved peer's new cell reports its step before the leader's move event (or the
+    record that has the move) reaches the console: the report is held, then lands on the
+    new cell's row; a late report of the old cell is held and never lands."""
+    model = ClusterModel()
+    model.apply_job(_job(_placement()))
+    view = model.jobs["job-000001"]
+    view.apply_metric(MetricReport(job_id="job-000001", fellow_id=2, stage=1, replica=2,
+                                   step=6, loss=2.5, tokens_per_s=120.0, state="RUNNING"))
+    assert 3 not in view.per_stage and len(view.unplaced) == 1
+    if by == "event":
+        model.apply_event({"type": JobMembership.type, "data": {
+            "job_id": "job-000001", **_change_json()}})
+    else:
+        model.apply_job(_moved())
+    assert view.per_stage[3].fellow_id == 2
+    assert (view.per_stage[3].step, view.per_stage[3].tokens_per_s) == (6, 120.0)
+    assert view.unplaced == []
+    # (the mover's old cell, 0.1, is gone: its late report waits, bounded, and lands nowhere)
+    for step in range(40):
+        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=2, stage=0, replica=1,
+                                       step=step, state="RUNNING"))
+    assert sorted(view.per_stage) == [3]
+    assert len(view.unplaced) == 16
