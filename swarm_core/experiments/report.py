@@ -401,8 +401,9 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
 
 
 def _grid(summary: MetricsSummary | Mapping[str, Any], layout: Any = None) -> str:
-    """``stages x replicas`` ("2x2"); a swarm layout's (``layout``: per stage, its cells'
-    ids, as the job gave it) "2 stages, cells 1+3"; then who left or joined, and the peers
+    """``stages x replicas`` ("2x2"; routed, "2x2 swarm" or "2x2 swarm measured"); a swarm
+    layout's (``layout``: per stage, its cells' ids, as the job gave it) "2 stages, cells
+    1+3"; then who left or joined, and the peers
     that moved between stages ("0.1->1.2 @6"); "-" for a run from before the summary
     said."""
     s = as_summary(summary)
@@ -413,6 +414,8 @@ def _grid(summary: MetricsSummary | Mapping[str, Any], layout: Any = None) -> st
     moved += [f"r{','.join(map(str, c.joined))} joined @{c.step}" for c in changes if c.joined]
     moved += [f"{move_mark(c.moved)} @{c.step}" for c in changes if c.moved is not None]
     shape = f"{s.stages}x{s.replicas}"
+    if s.wiring == "swarm":  # (a sweep's wiring axis: chain and swarm runs of one grid apart)
+        shape += " swarm" + (" measured" if s.routing == "measured" else "")
     if isinstance(layout, list) and layout and all(isinstance(ids, list) for ids in layout):
         shape = f"{len(layout)} stages, cells {'+'.join(str(len(ids)) for ids in layout)}"
     return shape + (f" ({'; '.join(moved)})" if moved else "")

@@ -138,6 +138,24 @@ def test_settings_that_differ_beyond_the_spec_are_named_by_it(tmp_path):
         "none small", "fixed_int8 small", "none large", "fixed_int8 large"]
 
 
+def test_chain_and_swarm_runs_of_one_grid_are_settings_of_their_own(tmp_path):
+    """A sweep's wiring axis: chain and swarm runs of one spec and grid are not pooled, and
+    the series (and the table's grid column) say which is which."""
+    dirs = []
+    for seed, wiring in enumerate(("chain", "swarm", "swarm")):
+        d = _run_dir(tmp_path, "none", seed, "unshaped")
+        summary = json.loads((d / "metrics_summary.json").read_text())
+        summary |= {"replicas": 2, "sync_mode": "dp", "wiring": wiring,
+                    "routing": "measured" if seed == 2 else "given"}
+        (d / "metrics_summary.json").write_text(json.dumps(summary))
+        dirs.append(d)
+    runs, _ = load_runs(dirs)
+    assert [(p.series, p.runs) for p in loss_by_bytes_points(runs)] == [
+        ("none 2x2", 1), ("none 2x2 swarm", 1), ("none 2x2 swarm measured", 1)]
+    html = render_html(runs)
+    assert "<td>2x2 swarm measured</td>" in html and "<td>2x2</td>" in html
+
+
 def test_an_older_summary_takes_its_place_from_the_resolved_config(tmp_path):
     placed = _run_dir(tmp_path, "fixed_int8", 0, "80mbit", old=True)
     _resolved(placed, "fixed_int8", "80mbit")
