@@ -121,10 +121,12 @@ class JobShard:
 @attrs.frozen
 class MetricReport:
     """A stage's report on its job, as the leader took it. ``replica`` only for a job of
-    several replicas (absent on the wire otherwise)."""
+    several replicas, ``epoch`` only where the report names the membership it trained under
+    (a swarm-wired job's: a step trained again after a change carries a later one, and
+    replaces the step's earlier reports); absent on the wire otherwise."""
 
     type: ClassVar[str] = "metric"
-    _omit_none: ClassVar[tuple[str, ...]] = ("replica",)
+    _omit_none: ClassVar[tuple[str, ...]] = ("replica", "epoch")
     job_id: str | None = None
     fellow_id: int | None = None
     stage: int | None = None
@@ -134,6 +136,7 @@ class MetricReport:
     state: str = ""  # RUNNING, COMPLETED or FAILED
     metrics: StageMetrics = attrs.field(factory=StageMetrics)
     replica: int | None = None
+    epoch: int | None = None
 
 
 @attrs.frozen

@@ -390,7 +390,7 @@ class JobQueue:
             job_id=job.job_id, fellow_id=fellow.fellow_id, stage=stage, step=upd.step,
             loss=upd.loss, tokens_per_s=upd.tokens_per_s, state=upd.state, metrics=upd.metrics,
             replica=replica if job.placement.replicas > 1 or job.placement.layout is not None
-            else None))
+            else None, epoch=upd.epoch))
         if upd.state == "FAILED":
             self._failed(job, stage, replica, fellow, upd)
         elif upd.state == "COMPLETED":

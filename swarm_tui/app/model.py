@@ -267,6 +267,8 @@ class JobView:
     # under swarm wiring the micro-batches each ran, which weigh it.
     replica_losses: dict[int, dict[int, float]] = attrs.field(factory=dict)
     replica_micro_batches: dict[int, dict[int, float]] = attrs.field(factory=dict)
+    # Swarm wiring: the membership epoch each held step's losses were trained under.
+    replica_epochs: dict[int, int] = attrs.field(factory=dict)
     # Reports of cells the placement lacks, newest last: a moved peer's new cell can report
     # before the move's event comes (its cell reports, the leader's event follows), and those
     # land once the move is made; a late report of a mover's old cell ages out.
@@ -447,6 +449,16 @@ class JobView:
                 or report.metrics.wire_tx_bytes is None:
             return
         step = report.step
+        held = self.replica_epochs.get(step)
+        if report.epoch is not None and held is not None and report.epoch != held:
+            if report.epoch < held:
+                return  # (a late report of an attempt the step was trained again after)
+            # (the step trained again after a membership change: its reports replace those
+            # of the attempt given up)
+            self.replica_losses.pop(step, None)
+            self.replica_micro_batches.pop(step, None)
+        if report.epoch is not None:
+            self.replica_epochs[step] = report.epoch
         losses = self.replica_losses.setdefault(step, {})
         if (report.replica or 0) in losses:
             return  # (a cell's repeat of a step: the leader keeps its first report)
@@ -457,6 +469,7 @@ class JobView:
         for old in sorted(self.replica_losses)[:-REPLICA_STEPS_KEPT]:
             del self.replica_losses[old]
             self.replica_micro_batches.pop(old, None)
+            self.replica_epochs.pop(old, None)
         mean = step_loss(losses, self.replica_micro_batches.get(step))
         self.info.last_loss = mean
         hist = self.info.loss_history

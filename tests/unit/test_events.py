@@ -94,6 +94,11 @@ CASES: list[tuple[str, EventData, dict[str, Any]]] = [
                   tokens_per_s=10.0, state="COMPLETED", replica=1),
      {"job_id": "job-000002", "fellow_id": 1, "stage": 0, "step": 3, "loss": None,
       "tokens_per_s": 10.0, "state": "COMPLETED", "metrics": {}, "replica": 1}),
+    ("metric",  # of a swarm-wired job: the membership its step was trained under, last
+     MetricReport(job_id="job-000002", fellow_id=1, stage=1, step=3, loss=2.0,
+                  tokens_per_s=None, state="RUNNING", replica=0, epoch=1),
+     {"job_id": "job-000002", "fellow_id": 1, "stage": 1, "step": 3, "loss": 2.0,
+      "tokens_per_s": None, "state": "RUNNING", "metrics": {}, "replica": 0, "epoch": 1}),
 ]
 
 

@@ -259,3 +259,26 @@ def test_a_new_cells_report_before_its_move_lands_once_the_move_is_known(by):
                                        step=step, state="RUNNING"))
     assert sorted(view.per_stage) == [3]
     assert len(view.unplaced) == 16
+
+
+def test_a_step_trained_again_after_a_change_replaces_its_curve_point():
+    """Swarm wiring's redo: a cell lost mid-step, the survivors train the step again under the
+    next membership; the console's curve takes the redone step's loss (the survivors'), and a
+    late report of the attempt given up is not drawn over it."""
+    view = JobView(_job(_placement()))
+    view.info.loss_history = []
+
+    def report(replica: int, step: int, loss: float, epoch: int) -> MetricReport:
+        return MetricReport(job_id="job-000001", fellow_id=replica, stage=1, replica=replica,
+                            step=step, loss=loss, state="RUNNING", epoch=epoch,
+                            metrics=StageMetrics(wire_tx_bytes=10, micro_batches=2))
+
+    view.apply_metric(report(0, 5, 3.0, 0))
+    view.apply_metric(report(1, 5, 2.0, 0))
+    assert view.info.loss_history == [[5, 2.5]]
+    view.apply_metric(report(0, 5, 2.8, 1))  # (replica 1 left; step 5 trained again)
+    assert view.info.loss_history == [[5, 2.8]] and view.info.last_loss == 2.8
+    view.apply_metric(report(1, 5, 2.1, 0))  # (late: the given-up attempt's)
+    assert view.info.loss_history == [[5, 2.8]]
+    view.apply_metric(report(0, 6, 2.6, 1))
+    assert view.info.loss_history == [[5, 2.8], [6, 2.6]]
