@@ -564,8 +564,10 @@ class Membership:
         job.epoch, job.members, job.regroup = rnd.epoch, rnd.members, None
         job.membership.append(change)
         if any(rep.routed for rep in rnd.reports.values()):
-            # (swarm wiring trains the change's step again: its record starts over)
+            # (swarm wiring trains the change's step again: its record starts over, and a
+            # checkpoint some cells took after it holds a state they have undone)
             self.queue.progress.restart(job, change.step)
+            self.queue.files.undone_checkpoints(job, change.step)
         self.queue.progress.membership(job, change)
         self.queue.save(job)
         self.queue.hub.publish(JobMembership(job.job_id, change))

@@ -18,6 +18,7 @@ from swarm_core.contract.metrics import JOB_LEVEL, REPLICA_COMBINE, MetricName
 from swarm_core.leader.moves import placement_at
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store, StoreWriteError
+from swarm_core.leader.uploads import drop_checkpoints_from
 from swarm_core.paths import atomic_write
 from swarm_core.schema import structure, unstructure
 
@@ -209,6 +210,12 @@ class RunFiles:
 
     def placement(self, job: JobRecord) -> None:
         self.write(job, "placement_plan.json", job.placement)
+
+    def undone_checkpoints(self, job: JobRecord, step: int) -> None:
+        """The job's checkpoints at 1-based ``step`` and after are gone: the step is trained
+        again, so they hold a state the cells undid (a resume takes the newest before it)."""
+        if self.runs_dir is not None:
+            drop_checkpoints_from(self.runs_dir, job.job_id, step)
 
     def run_manifest(self, job: JobRecord) -> dict[str, Any]:
         pushes = in_stage_order(job.latest_shard_pushes)

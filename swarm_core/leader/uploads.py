@@ -79,6 +79,19 @@ def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[i
     return sorted(steps, reverse=True)
 
 
+def drop_checkpoints_from(runs_dir: Path, job_id: str, step: int) -> list[int]:
+    """Remove the job's checkpoints at ``step`` (1-based, steps done) and after: states a
+    step that is trained again has undone (swarm wiring's redo), which a resume must never
+    take up. Returns the steps removed."""
+    dropped = []
+    for d in (runs_dir / job_id / "checkpoints").glob("step-*"):
+        at = _step_of(d)
+        if at is not None and at >= step:
+            shutil.rmtree(d, ignore_errors=True)
+            dropped.append(at)
+    return sorted(dropped)
+
+
 def _stage_complete(d: Path) -> bool:
     try:
         # (written by this leader, checked as it came in)

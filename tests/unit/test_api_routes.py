@@ -1620,6 +1620,46 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     assert (await get_fellow(api, by_replica[2]["fellow_id"]))["current_job"] is None
 
 
+async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
+    """Swarm wiring: the survivors train 0-based step 5 again. A checkpoint taken after it
+    (step-6: six steps done) holds a state they undid, so it is gone and a resume takes the
+    newest before it; the older one stays."""
+    from swarm_core.leader.uploads import complete_checkpoints
+
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7450 + i}")
+               for i in range(3)]
+    body = {"name": "r", "kind": "train",
+            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
+            "topology": {"stages": 1, "replicas": 3, "wiring": "swarm"}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                  for c in job["placement"]["stages"]}
+    runs = leader_config.state_dir / "runs"
+    for step in (4, 6):  # (a stage's checkpoint is complete with its manifest)
+        d = runs / jid / "checkpoints" / f"step-{step}" / "stage-0"
+        d.mkdir(parents=True)
+        (d / "shard_manifest.json").write_text(orjson.dumps(_manifest(jid, step)).decode())
+    assert complete_checkpoints(runs, jid, 1) == [6, 4]
+    await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
+                 message="LinkClosed: link to stage 0 replica 1 closed")
+    await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
+    answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
+                                            op_step=5, routed=True))
+    assert answer["order"]["redo_step"] == 5
+    assert complete_checkpoints(runs, jid, 1) == [4]
+    [change] = (await get_job(api, jid))["membership"]
+    assert change["step"] == 6
+
+
+def _manifest(job_id: str, step: int) -> dict[str, Any]:
+    """A stage shard's manifest as a push leaves it (the fields a checkpoint is read by)."""
+    return {"job_id": job_id, "stage": 0, "num_stages": 1, "fellow_id": 0, "step": step,
+            "config_fingerprint": "f", "layers": {"start": 0, "stop": 1}, "model": {},
+            "vocab_size": 256, "seed": 0, "weights_sha256": "ab" * 32}
+
+
 async def test_a_replica_that_left_counts_in_none_of_the_jobs_figures(api):
     """A job of three replicas whose replica 2 left: its last figures stay in its cell's
     metrics, but the job's tokens/s sums the members' only, and its final loss is the last
