@@ -60,8 +60,8 @@ class RegroupReport:
     finished: bool = attrs.field(default=False, metadata=meta(
         "whether the cell had its result of the broken synchronisation, unconfirmed"))
     closed_by: int | None = attrs.field(default=None, validator=non_negative, metadata=meta(
-        "the replica before it on the ring, when that one closed the link (it likely died)",
-        minimum=0))
+        "a replica whose link to this cell closed without a FAREWELL (it likely died): a "
+        "ring neighbour's, or under swarm wiring a pipeline neighbour's", minimum=0))
     routed: bool = attrs.field(default=False, metadata=meta(
         "a swarm-wired cell whose step broke: op_step is the step it had not applied (it "
         "applied every step before it)"))

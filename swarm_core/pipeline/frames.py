@@ -31,7 +31,7 @@ import attrs
 import xxhash
 
 MAGIC = b"SWRM"
-VERSION = 7
+VERSION = 8
 _HEADER = struct.Struct("<4sBBBBBBHQQI4IQI")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size + _CRC.size
@@ -68,7 +68,10 @@ FLAG_EVAL = 1  # forward-only evaluation pass; no gradient will come back
 # membership change (a replica joining) when the step began. Every stage group of the job
 # learns of it at the same step through its chains, so all take the joiner in together.
 FLAG_HEARD = 2
-FLAGS = FLAG_EVAL | FLAG_HEARD
+# On a PULSE: the sender is about to close this link of its own will (its cell regroups), so
+# the close that follows is no sign that its process died (see transport.PeerLink.farewell).
+FLAG_FAREWELL = 4
+FLAGS = FLAG_EVAL | FLAG_HEARD | FLAG_FAREWELL
 DTYPE = 1  # the header's dtype field: the codec says how the payload is coded
 
 
@@ -128,6 +131,8 @@ class FrameHeader:
             raise FrameError(f"unknown frame flags {flags:#x}")
         if flags & FLAG_HEARD and kind_e not in (Kind.ACT, Kind.GRAD):
             raise FrameError(f"{kind_e.name} frame with the flag HEARD")
+        if flags & FLAG_FAREWELL and kind_e is not Kind.PULSE:
+            raise FrameError(f"{kind_e.name} frame with the flag FAREWELL")
         if codec_arg and kind_e not in (Kind.ACT, Kind.GRAD, Kind.SYNC):
             raise FrameError(f"{kind_e.name} frame with a codec argument ({codec_arg})")
         if any((d0, d1, d2, d3)[ndim:]):
@@ -153,9 +158,10 @@ def make_header(kind: Kind, job: int, step: int, micro_batch: int, shape: tuple[
                        sum(len(b) for b in bufs), check, flags, codec_arg)
 
 
-def pulse_header(job: int) -> FrameHeader:
-    """The PULSE frame for ``job``: a header and no payload."""
-    return make_header(Kind.PULSE, job, 0, 0, (), 0, b"")
+def pulse_header(job: int, flags: int = 0) -> FrameHeader:
+    """The PULSE frame for ``job``: a header and no payload (``FLAG_FAREWELL``: the one a
+    link's last, before a close of the sender's own will)."""
+    return make_header(Kind.PULSE, job, 0, 0, (), 0, b"", flags=flags)
 
 
 def check_payload(header: FrameHeader, payload: bytes | bytearray | memoryview) -> None:

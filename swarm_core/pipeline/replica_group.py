@@ -29,7 +29,14 @@ from swarm_core.pipeline.peers import peer_shaper
 from swarm_core.pipeline.ring import STATE_ROUND, RingBroken
 from swarm_core.pipeline.selective import sync_codec
 from swarm_core.pipeline.syncs import GroupSync, Synced, make_sync
-from swarm_core.pipeline.transport import LinkClosed, Liveness, PeerLink, PeerTimeout, connect
+from swarm_core.pipeline.transport import (
+    LinkClosed,
+    Liveness,
+    PeerLink,
+    PeerTimeout,
+    connect,
+    farewell,
+)
 from swarm_core.pipeline.wire_math import NORM_PAYLOAD
 
 if TYPE_CHECKING:
@@ -246,11 +253,8 @@ class ReplicaGroup:
         Returns whether to commit the broken operation's result (else: do it again)."""
         assert self.coordinator is not None and self.sync is not None
         spec = self.spec
-        prev = self.ring_prev
-        n = len(self.members)
-        closed_by = self.members[(self.members.index(spec.replica) - 1) % n] \
-            if prev is not None and prev.peer_closed and n > 1 else None
-        self.close()
+        closed_by = self.ring_dead()
+        self.let_go()
         order = self.coordinator(RegroupReport(
             fellow_id=0, stage=spec.stage, replica=spec.replica, epoch=self.epoch,
             op_step=exc.step, synced_step=self.synced_step, finished=exc.finished,
@@ -408,11 +412,32 @@ class ReplicaGroup:
         self.synced_step = step
         return step + 1
 
+    def ring_links(self) -> list[PeerLink]:
+        return [x for x in (self.ring_next, self.ring_prev) if x is not None]
+
+    def ring_dead(self) -> int | None:
+        """The ring neighbour (its replica) whose link closed without a FAREWELL: its
+        process likely ended (the one before this cell first, as the ring's data comes from
+        it); None where neither did."""
+        n = len(self.members)
+        if n < 2:
+            return None
+        at = self.members.index(self.spec.replica)
+        for link, off in ((self.ring_prev, -1), (self.ring_next, 1)):
+            if link is not None and link.died:
+                return self.members[(at + off) % n]
+        return None
+
+    def let_go(self) -> None:
+        """Close the ring's links to regroup, saying FAREWELL first: its neighbours must not
+        take this cell for the one that died."""
+        farewell(self.ring_links())
+        self.close()
+
     def close(self) -> None:
         """Close the ring's links (the algorithm stays, to be rewired)."""
-        for link in (self.ring_next, self.ring_prev):
-            if link is not None:
-                link.close()
+        for link in self.ring_links():
+            link.close()
 
     def shut(self) -> None:
         """The run is over: the algorithm's threads too."""

@@ -29,7 +29,13 @@ import torch
 from swarm_core.contract.membership import RegroupOrder, RegroupReport
 from swarm_core.pipeline.replica_group import Coordinator, StageDropped
 from swarm_core.pipeline.route_meter import RouteMeter
-from swarm_core.pipeline.transport import LinkAborted, LinkClosed, PeerLink, PeerTimeout
+from swarm_core.pipeline.transport import (
+    LinkAborted,
+    LinkClosed,
+    PeerLink,
+    PeerTimeout,
+    farewell,
+)
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.stage import StageRunner
@@ -136,8 +142,6 @@ class Rerouter:
     def _ask(self, cause: BaseException) -> RegroupOrder:
         r = self.runner
         spec, group = r.spec, r.group
-        report = RegroupReport(fellow_id=0, stage=spec.stage, replica=spec.replica,
-                               epoch=group.epoch, op_step=self.applied + 1, routed=True)
         log.info("stage %d replica %d: step %d broke (%s); asking for the members left",
                  spec.stage, spec.replica, self.applied + 1, cause)
         # What it queued goes out first (a neighbour may need it to finish its own step,
@@ -145,6 +149,13 @@ class Rerouter:
         for link in r.pipe_links():
             with contextlib.suppress(OSError, LinkAborted):
                 link.flush(spec.training.frame_timeout_s)
+        # The cell whose link closed without a FAREWELL likely died: named, the leader need
+        # not wait out its heartbeat; every survivor says FAREWELL before it lets go.
+        dead = r.links.dead_peer(spec.replica)
+        report = RegroupReport(fellow_id=0, stage=spec.stage, replica=spec.replica,
+                               epoch=group.epoch, op_step=self.applied + 1, routed=True,
+                               closed_by=dead if dead is not None else group.ring_dead())
+        farewell([*r.links.all(), *group.ring_links()])
         r.links.close()  # (the pipe's and the ring's: a new membership gets new ones)
         group.close()
         self._fault = None

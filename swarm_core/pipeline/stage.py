@@ -401,6 +401,18 @@ class StageLinks:
         for link in self.all():
             link.close()
 
+    def dead_peer(self, replica: int) -> int | None:
+        """The replica of a pipeline neighbour whose link closed without a FAREWELL (its
+        process likely ended): ``replica``'s own chain's, or the other replica's a swarm
+        link reaches; None where none did."""
+        for link in (self.up, self.down):
+            if link is not None and link.died:
+                return replica
+        for other, link in (*self.ups.items(), *self.downs.items()):
+            if link.died:
+                return other
+        return None
+
 
 def open_links(spec: StageSpec, shaper: LinkShaper, listener: DataListener | None,
                stop: threading.Event, timeout: float, liveness: Liveness,

@@ -32,6 +32,7 @@ from swarm_core.pipeline import codecs, handshake
 from swarm_core.pipeline.frames import (
     DATA_KINDS,
     DEFAULT_MAX_PAYLOAD,
+    FLAG_FAREWELL,
     HEADER_SIZE,
     FrameError,
     FrameHeader,
@@ -83,10 +84,14 @@ class Liveness:
 
 
 _CLOSED = object()
+_FAREWELL = object()
 _F64 = struct.Struct("<d")
 
 
 CLOSE_JOIN_S = 2.0  # how long close() waits for each of a link's threads to end
+# How long farewell() waits for the FAREWELL pulses to leave (a link that cannot write 64
+# bytes in that long is closed without one: its peer then takes the close for a death).
+FAREWELL_WAIT_S = 1.0
 # How long a flush waits for the sender to finish its frames once the link failed (see
 # PeerLink._settle_failure).
 SETTLE_S = 1.0
@@ -121,6 +126,8 @@ class PeerLink:
         self.landed = 0  # frames read into a landing
         self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
         self.peer_closed = False  # the far end closed it (its process ended, or it let go)
+        # It said FAREWELL first: it let go (its cell regroups), its process did not end.
+        self.peer_left = False
         self.pulse_bytes = 0  # and its pulses' (not data: kept out of the per-step wire bytes)
         # Seconds the owner spent blocked in recv and flush: time it could have computed had
         # the network and the neighbour been instant (the stage reports it per step).
@@ -136,6 +143,7 @@ class PeerLink:
         self.liveness = liveness
         self._pulse_header = pulse_header(job)
         self._pulse = self._pulse_header.pack()
+        self._farewell_header = pulse_header(job, FLAG_FAREWELL)
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
@@ -231,6 +239,9 @@ class PeerLink:
                         return
                     if self.abort.is_set():
                         continue  # stopping: what is queued is dropped, not sent
+                    if item is _FAREWELL:
+                        self._write(memoryview(self._farewell_header.pack()), pulse=True)
+                        continue
                     due, head, bufs, _keepalive = item
                     if self._sleep_until(due):
                         continue
@@ -355,7 +366,9 @@ class PeerLink:
                     raise FrameError(f"frame for another job from {self.peer} (tag "
                                      f"{header.job:#x}, expected {self.job:#x})")
                 if header.kind is Kind.PULSE:
-                    if header != self._pulse_header:
+                    if header == self._farewell_header:
+                        self.peer_left = True  # (the close that follows is no death)
+                    elif header != self._pulse_header:
                         raise FrameError(f"PULSE frame from {self.peer} is not the empty "
                                          f"frame a pulse is")
                     continue  # its bytes were the progress
@@ -489,6 +502,34 @@ class PeerLink:
                     values: Sequence[float]) -> None:
         self.send_raw(kind, step, micro_batch, struct.pack(f"<{len(values)}d", *values))
 
+    @property
+    def died(self) -> bool:
+        """Whether the far end closed the link without a FAREWELL: its process likely ended
+        (a peer that lets go to regroup says so first)."""
+        return self.peer_closed and not self.peer_left
+
+    def farewell(self) -> None:
+        """Make a FAREWELL pulse the link's next and last frame before a close of this side's
+        own will (see :func:`farewell`): what is queued and not yet being written is
+        dropped, as the close would drop it, so the pulse leaves at once."""
+        if self._halted() or self._error is not None or self.peer_closed:
+            return
+        while True:
+            try:
+                self._out.get_nowait()
+            except queue.Empty:
+                break
+            self._out.task_done()
+        self._out.put(_FAREWELL)
+
+    def written_by(self, deadline: float) -> bool:
+        """Wait, until ``deadline`` at most, for what is queued to be written; whether it
+        was (never raises: for a link about to close)."""
+        while self._out.unfinished_tasks and time.monotonic() < deadline \
+                and self._error is None and not self._halted():
+            time.sleep(0.002)
+        return not self._out.unfinished_tasks
+
     def close(self) -> None:
         self._stop.set()
         self._out.put(_CLOSED)
@@ -501,6 +542,18 @@ class PeerLink:
         for t in (self._sender, self._receiver):
             if t is not threading.current_thread():
                 t.join(CLOSE_JOIN_S)
+
+
+def farewell(links: Collection[PeerLink]) -> None:
+    """Tell each peer that the close to come is this side letting go, not dying (a cell
+    about to regroup): a FAREWELL pulse queued on every link, then a wait of at most
+    ``FAREWELL_WAIT_S`` for them all to leave. A peer that reads it does not name this cell
+    as the one that died (``PeerLink.died``)."""
+    for link in links:
+        link.farewell()
+    deadline = time.monotonic() + FAREWELL_WAIT_S
+    for link in links:
+        link.written_by(deadline)
 
 
 # --- connection setup -----------------------------------------------------------------------

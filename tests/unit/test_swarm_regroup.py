@@ -92,13 +92,27 @@ def _training(**over) -> TrainingConfig:
                       "lr": 3e-3, "frame_timeout_s": 20, "seed": 5, **over}, TrainingConfig)
 
 
+class _Recording(LocalCoordinator):
+    """The in-process coordinator, keeping every report it was given."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reports: list[RegroupReport] = []
+
+    def __call__(self, report: RegroupReport):
+        self.reports.append(report)
+        return super().__call__(report)
+
+
 def _run_and_check(data, tc: TrainingConfig, run: _Run, lost: int, dead: int,
                    **kwargs) -> int:
-    """Run S=2 x R=3 swarm-wired dp with ``dead`` dying; check who ended how, the change and
-    the losses against the one-process reference. Returns the redone step (0-based)."""
+    """Run S=2 x R=3 swarm-wired dp with ``dead`` dying; check who ended how, the change, who
+    the reports named as having closed a link without a FAREWELL (the dead cell's replica,
+    never a survivor that let go to regroup) and the losses against the one-process
+    reference. Returns the redone step (0-based)."""
     mc = ModelConfig(**MODEL)
     stop = threading.Event()
-    coord = LocalCoordinator(STAGES, REPLICAS, stop)
+    coord = _Recording(STAGES, REPLICAS, stop)
     res = run_local_pipeline(mc, tc, data, STAGES, replicas=REPLICAS, timeout=120, stop=stop,
                              coordinator=coord, on_step=run, wiring="swarm",
                              route_weights=[[1, 1, 1], [3, 1, 2]], **kwargs)
@@ -113,6 +127,7 @@ def _run_and_check(data, tc: TrainingConfig, run: _Run, lost: int, dead: int,
             assert isinstance(res[r * STAGES + s], StageResult), res[r * STAGES + s]
     [change] = coord.changes
     assert (change.members, change.left) == (survivors, [lost])
+    assert {r.closed_by for r in coord.reports} - {None} == {lost}
     redo = change.step - 1
     ref, _ = train_reference(mc, tc, SurvivorWindows(data, REPLICAS, {lost}, redo),
                              split_layers(mc.n_layers, [1] * STAGES))

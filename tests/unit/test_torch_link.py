@@ -19,7 +19,7 @@ from swarm_core.pipeline.frames import HEADER_SIZE, Kind, job_tag
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener
 from swarm_core.pipeline.torch_link import INLINE, TorchLink, _payload
-from swarm_core.pipeline.transport import LinkClosed, PeerLink, connect
+from swarm_core.pipeline.transport import LinkClosed, PeerLink, connect, farewell
 
 KEY = "the-jobs-session-key-0123456789"
 TAG = job_tag("job-000007")
@@ -153,6 +153,25 @@ def test_closing_one_end_ends_the_peers_wait_as_a_closed_link():
             time.monotonic() < deadline:
         time.sleep(0.05)
     assert not up._receiver.is_alive() and not down._receiver.is_alive()
+
+
+@pytest.mark.parametrize("transport", ["shaped", "torch"])
+@pytest.mark.parametrize("said", [True, False], ids=["farewell", "no-farewell"])
+def test_a_close_after_a_farewell_is_no_death(transport, said):
+    """A cell that lets go to regroup says FAREWELL before it closes: its peer sees the
+    close, and that it was no death (``died`` false); a close without one (a process that
+    ended) is a death. Either way the peer's wait ends as a closed link's."""
+    ln = DataListener()
+    down, up = _pair(ln, transport)
+    if said:
+        farewell([down])
+    down.close()
+    with pytest.raises(LinkClosed):
+        up.recv(Kind.ACT, 0, 0, timeout=30)
+    assert up.peer_closed and (up.peer_left, up.died) == (said, not said)
+    assert up.sent == 0 and down.sent == 0  # (a pulse, not data: no wire bytes counted)
+    up.close()
+    ln.close()
 
 
 def test_an_idle_link_pulses_over_gloo_and_a_wait_sees_it_as_progress():

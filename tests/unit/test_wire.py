@@ -274,7 +274,9 @@ def test_unused_header_fields_must_be_as_written():
     h = make_header(Kind.ACT, 1, 0, 0, (2, 3), 1, b"\0" * 24)
     norm = make_header(Kind.NORM, 1, 0, 0, (8,), 0, b"\0" * 8)
     for bad, message in [(attrs.evolve(h, dtype=2), "unknown frame dtype 2"),
-                         (attrs.evolve(h, flags=4), "unknown frame flags 0x4"),
+                         (attrs.evolve(h, flags=8), "unknown frame flags 0x8"),
+                         (attrs.evolve(h, flags=frames.FLAG_FAREWELL),
+                          "ACT frame with the flag FAREWELL"),
                          (attrs.evolve(norm, codec_arg=64),
                           r"NORM frame with a codec argument \(64\)"),
                          (attrs.evolve(norm, flags=frames.FLAG_HEARD),
@@ -293,6 +295,8 @@ def test_unused_header_fields_must_be_as_written():
     assert FrameHeader.unpack(h.pack()) == h
     heard = attrs.evolve(h, flags=frames.FLAG_HEARD)  # (a training step's ACT or GRAD may)
     assert FrameHeader.unpack(heard.pack()) == heard
+    bye = frames.pulse_header(1, frames.FLAG_FAREWELL)  # (a PULSE may say FAREWELL)
+    assert FrameHeader.unpack(bye.pack()) == bye != frames.pulse_header(1)
 
 
 @pytest.mark.parametrize("codec, codec_arg, shape, message", [

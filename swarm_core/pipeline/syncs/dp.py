@@ -18,7 +18,7 @@ from swarm_core.pipeline.codecs import WireCodec
 from swarm_core.pipeline.collective import ring_maker
 from swarm_core.pipeline.ring import LINK_FAULTS, Ring, RingBroken, confirm_bytes
 from swarm_core.pipeline.syncs.base import GroupSync, Synced
-from swarm_core.pipeline.transport import PeerLink
+from swarm_core.pipeline.transport import PeerLink, farewell
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: the last layers' gradients go out early
 
@@ -185,9 +185,10 @@ class GradientAverage(GroupSync):
 
     def _close_ring(self) -> None:
         ring = self.rings[0]
-        for link in (ring.send, ring.recv):
-            if link is not None:
-                link.close()
+        links = [x for x in (ring.send, ring.recv) if x is not None]
+        farewell(links)  # (this member lets go to regroup: its neighbours must not blame it)
+        for link in links:
+            link.close()
 
     def close(self) -> None:
         for h in self._hooks:
