@@ -11,8 +11,8 @@ source asks for, previews its plan and launches it; it knows nothing else about 
 * :class:`ProfileSource`: one train job from a model profile (``exp/configs/model/*.json``), a
   training profile (``exp/configs/training/*.json``, read as ``swarm submit --training`` reads
   it: its cluster, network and artifacts sections too), the grid (fellows and replicas) and
-  the replicas' sync over the profile's (as ``swarm submit``'s sync flags set it), and the
-  transport (as ``swarm submit --transport``).
+  the replicas' sync over the profile's (as ``swarm submit``'s sync flags set it), the
+  wiring (``swarm submit --wiring``) and the transport (``swarm submit --transport``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from swarm_core.contract import JobSubmit, Topology
 from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_tui.typed import clip, decimal_number, whole_number
 
-# The schema's own Literal (shaped, torch), so a transport added there is offered here too.
+# The schema's own Literals (shaped, torch; chain, swarm), so a value added there is offered
+# here too.
 TRANSPORTS: tuple[str, ...] = typing.get_args(typing.get_type_hints(TrainingConfig)["transport"])
+WIRINGS: tuple[str, ...] = typing.get_args(typing.get_type_hints(Topology)["wiring"])
 # What a torch job's preview and confirmation say of it: nothing the console does reaches its
 # links (the leader refuses a link set-speed on its fellows).
 TORCH_NOTE = "transport: torch (gloo; unshaped: link limits and set-speed do not reach it)"
@@ -72,6 +74,8 @@ class LaunchChoice:
     # The data plane (shaped, torch); None: the profile's. A torch job over a profile whose
     # network shapes its links is refused, as the leader refuses it.
     transport: str | None = None
+    # How micro-batches travel between the replicas (chain, swarm); None: the profile's.
+    wiring: str | None = None
 
 
 @attrs.define
@@ -173,7 +177,7 @@ class ProfileSource:
 
     key = "profiles"
     label = "model + training profile"
-    fields: tuple[str, ...] = ("model", "training", "stages", "replicas", "sync",
+    fields: tuple[str, ...] = ("model", "training", "stages", "replicas", "wiring", "sync",
                                "inner_steps", "overlap_steps", "density", "transport", "steps",
                                "name")
 
@@ -185,6 +189,8 @@ class ProfileSource:
             return list(SYNC_MODES)
         if field == "transport":
             return list(TRANSPORTS)
+        if field == "wiring":
+            return list(WIRINGS)
         sub = {"model": "model", "training": "training"}.get(field)
         return _json_files(self.configs_dir, sub) if sub else []
 
@@ -221,8 +227,8 @@ class ProfileSource:
                 _int(text, key, f"$.topology.{key}") if text.strip() else None
                 for key, text in (("fellows", choice.fellows), ("stages", choice.stages),
                                   ("replicas", choice.replicas)))
-            topology = job_topology(cluster, fellows, stages, replicas)
-            if "fellows" not in topology and "stages" not in topology:
+            topology = job_topology(cluster, fellows, stages, replicas, choice.wiring)
+            if not {"fellows", "stages", "layout"} & set(topology):
                 topology["stages"] = 2  # (no cluster in the profile, nothing typed)
             if choice.steps.strip():
                 training["steps"] = _int(choice.steps, "steps", "$.training.steps")
@@ -278,8 +284,14 @@ def grid_text(topo: Topology) -> str:
 
     text = f"{n(topo.num_stages, 'stage')} x {n(topo.replicas, 'replica')} = " \
         f"{n(topo.num_fellows, 'fellow')}"
+    if topo.layout is not None:  # (stages of their own cells: the cells are the fellows)
+        text = f"{n(topo.num_stages, 'stage')} of cells " \
+            f"{'+'.join(str(len(ids)) for ids in topo.layout)} = {n(topo.num_fellows, 'fellow')}"
     if topo.slots_per_fellow > 1:
         text += f" of {topo.slots_per_fellow} slots"
+    if topo.wiring != "chain":
+        text += f", {topo.wiring}-wired" + (" (measured routes)" if topo.routing == "measured"
+                                             else "")
     return text
 
 

@@ -351,6 +351,35 @@ def test_profile_source_sets_sparseloco_and_its_density(tmp_path: Path) -> None:
             and says in (bad.error or ""), (typed, bad.error)
 
 
+def test_profile_source_sets_the_wiring_and_reads_a_layout_profile(tmp_path: Path) -> None:
+    """The wiring as `swarm submit --wiring` sets it (blank: the profile's); the preview's
+    grid says a swarm and a layout's cells; a layout profile is not given the form's default
+    of 2 stages; chain over a layout is the topology's one line."""
+    configs = snapshot_configs(tmp_path)
+    src = ProfileSource(configs)
+    assert "wiring" in src.fields and src.options("wiring") == ["chain", "swarm"]
+    model, profile = "model/small_none.json", "training/tiny_sweep.json"
+    plan = src.plan(LaunchChoice(model, profile, stages="2", replicas="2", wiring="swarm"))
+    assert plan.ok, plan.error
+    assert plan.runs[0].topology.wiring == "swarm"
+    assert plan.notes[0] == "grid: 2 stages x 2 replicas = 4 fellows, swarm-wired"
+    assert src.plan(LaunchChoice(model, profile, stages="2", replicas="2")).runs[0] \
+        .topology.wiring == "chain"
+    body = json.loads((configs / profile).read_text())
+    body["cluster_profile"] = {"replicas": 2, "wiring": "swarm", "routing": "measured",
+                               "layout": [[0], [0, 1, 2]]}
+    (configs / "training" / "laid_out.json").write_text(json.dumps(body))
+    plan = src.plan(LaunchChoice(model, "training/laid_out.json"))
+    assert plan.ok, plan.error
+    topo = plan.runs[0].topology
+    assert (topo.layout, topo.stages, topo.fellows) == ([[0], [0, 1, 2]], 2, 4)
+    assert plan.notes[0] == "grid: 2 stages of cells 1+3 = 4 fellows, swarm-wired " \
+        "(measured routes)"
+    bad = src.plan(LaunchChoice(model, "training/laid_out.json", wiring="chain"))
+    assert not bad.ok and bad.field == "$.topology.layout" \
+        and "need wiring swarm" in (bad.error or "")
+
+
 def test_profile_source_sets_the_transport_and_refuses_torch_over_shaped_links(
         tmp_path: Path) -> None:
     """`training.transport` as `swarm submit --transport` sets it: none given is the

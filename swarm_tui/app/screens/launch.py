@@ -113,7 +113,7 @@ class LaunchScreen(SwarmScreen):
                             inner_steps=self.query_one("#inner_steps", Input).value,
                             overlap_steps=self.query_one("#overlap_steps", Input).value,
                             density=self.query_one("#density", Input).value,
-                            transport=sel("transport"),
+                            transport=sel("transport"), wiring=sel("wiring"),
                             steps=self.query_one("#steps", Input).value,
                             name=self.query_one("#name", Input).value)
 
@@ -205,9 +205,10 @@ class LaunchScreen(SwarmScreen):
 # that start blank, with what blank means; free-text fields with their initial value and
 # placeholder.
 PICK_FIELDS = {"config": "smoke", "model": "small", "training": "", "sync": "",
-               "transport": ""}
+               "transport": "", "wiring": ""}
 # (blank writes no field: the training profile's stands; a pick overrides it)
-BLANK_PICKS = {"sync": "the profile's", "transport": "the profile's"}
+BLANK_PICKS = {"sync": "the profile's", "transport": "the profile's",
+               "wiring": "the profile's"}
 TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
                "replicas": ("", "the profile's, else 1"),
                "inner_steps": ("", "diloco's H: the profile's"),
@@ -216,8 +217,8 @@ TEXT_FIELDS = {"stages": ("", "the profile's, else 2"),
                "steps": ("", "as the profile says"), "name": ("", "the model's name")}
 # Labels that fit the form's label column (the field names the JSON uses are longer).
 LABELS = {"inner_steps": "inner H", "overlap_steps": "overlap"}
-FIELD_ORDER = ("config", "model", "training", "stages", "replicas", "sync", "inner_steps",
-               "overlap_steps", "density", "transport", "steps", "name")
+FIELD_ORDER = ("config", "model", "training", "stages", "replicas", "wiring", "sync",
+               "inner_steps", "overlap_steps", "density", "transport", "steps", "name")
 
 
 class MiddleCut:
