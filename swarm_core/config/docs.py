@@ -61,13 +61,15 @@ sweep of chains keeps the names it had), then `-swarm` for a routed run.
 Every run wires as the training profile's `cluster_profile` says: its `wiring`, a swarm's
 `routing`, `route_weights`, `layout` (stages of unequal cells: the runs' stages and fellows are
 the layout's), `moves` and `rebalance_every`, as a job's `topology` takes them. A `wiring` axis,
-`["chain", "swarm"]`, puts both side by side: it repeats the runs it can route, those of several
-replicas kept by `dp` (a periodic mode's replicas train apart between syncs), and the others
-run once, chained; a chain run drops the profile's swarm fields (its baseline), a swarm run
-keeps them (over a chain profile it routes equally). A layout or route weights are drawn for
-one grid, so a `stages` or `replicas` axis beside them is an error, as is a chain beside a
-layout; what a job would refuse (a move that does not fit, swarm wiring over diloco) is an
-error at load that names the training profile's field and the run.
+`["chain", "swarm"]`, puts both side by side. The wiring (the axis's, or the profile's) applies
+to the runs it can route, those of several replicas kept by `dp` (a periodic mode's replicas
+train apart between syncs, and one replica has nothing to route): the axis repeats them, and
+the others run once, chained; a chain run drops the profile's swarm fields (its baseline), a
+swarm run keeps them (over a chain profile it routes equally). A layout's runs are all the
+layout's. A layout, route weights or moves are drawn for one grid, so a `stages` or `replicas`
+axis beside them is an error, as is a chain beside a layout; what a job would refuse (a move
+that does not fit, a layout over diloco) is an error at load that names the training
+profile's field and the run.
 
 Compression specs (the table below is generated from `swarm_core/config/methods.py`, where
 each is registered): K is a positive integer up to `d_model` (below it for `subspace_kK`);

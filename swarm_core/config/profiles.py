@@ -162,6 +162,10 @@ class ClusterProfile:
                 raise FieldError("rebalancing reads measured throughput: it needs wiring "
                                  "swarm and routing measured", "rebalance_every")
         if self.layout is not None:
+            cells = sum(len(ids) for ids in self.layout)
+            if self.fellows is not None and self.fellows != cells:
+                raise FieldError(f"fellows {self.fellows} contradicts the layout's {cells} "
+                                 "cells: give one or the other", "fellows")
             self._check_wiring()  # (the layout decides the grid: checked as a job's first)
             return
         for name in ("fellows", "stages"):
@@ -726,8 +730,8 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
     cluster, sync = profile.cluster_profile, profile.training.sync
     # A layout or a given route's weights are drawn for one grid: an axis that changes it
     # (or a chain beside a layout, which has no chain) is refused, not run on a guess.
-    fixed = "layout" if cluster.layout is not None else \
-        "route_weights" if cluster.route_weights is not None else None
+    fixed = next((name for name in ("layout", "route_weights", "moves")
+                  if getattr(cluster, name) is not None), None)
     if fixed is not None:
         for axis in ("stages", "replicas"):
             if getattr(sweep, axis) is not None:
@@ -744,14 +748,18 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
                                         sweep.replicas, sweep.sync, sweep.inner_steps)]
     except FieldError as exc:
         raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
-    if sweep.wiring is None:
-        return [attrs.evolve(cell, wiring=cluster.wiring) for cell in cells]
-    # As inner_steps repeats periodic runs only, the wiring axis repeats the runs it can
-    # route: several replicas kept by dp (a periodic mode's replicas train apart between
-    # syncs, which routed micro-batches would mix); the others run once, chained.
+    # As inner_steps repeats periodic runs only, the wiring (the axis's, or the profile's)
+    # applies to the runs it can route: several replicas kept by dp (a periodic mode's
+    # replicas train apart between syncs, which routed micro-batches would mix); the others
+    # run once, chained. A layout's runs are all its own (its grid is fixed above, and a
+    # mode it cannot take is the job's error).
+    wirings: list[Wiring] = sweep.wiring or [cluster.wiring]
     chained: list[Wiring] = ["chain"]
     out = [attrs.evolve(cell, wiring=w) for cell in cells
-           for w in (sweep.wiring if cell.replicas > 1 and cell.sync == "dp" else chained)]
+           for w in (wirings if cluster.layout is not None
+                     or (cell.replicas > 1 and cell.sync == "dp") else chained)]
+    if sweep.wiring is None:
+        return out
     if "swarm" in sweep.wiring and all(c.wiring == "chain" for c in out):
         raise ConfigError(path, "swarm wiring routes between the replicas of runs kept by dp, "
                           "and this sweep has none", "$.sweep.wiring")

@@ -122,8 +122,9 @@ class JobShard:
 class MetricReport:
     """A stage's report on its job, as the leader took it. ``replica`` only for a job of
     several replicas, ``epoch`` only where the report names the membership it trained under
-    (a swarm-wired job's: a step trained again after a change carries a later one, and
-    replaces the step's earlier reports); absent on the wire otherwise."""
+    (a swarm-wired job's step reports: a step trained again after a change carries a later
+    one, and replaces the step's earlier reports; a COMPLETED report of a job of replicas:
+    the membership it finished under); absent on the wire otherwise."""
 
     type: ClassVar[str] = "metric"
     _omit_none: ClassVar[tuple[str, ...]] = ("replica", "epoch")

@@ -592,7 +592,7 @@ class Membership:
                 if r in closed:
                     fid = job.placement.cell(s, r).fellow_id
                     rnd.lost.setdefault(r, f"fellow {fid} (stage {s} replica {r}) closed its "
-                                           f"ring link and did not report")
+                                           f"link without a farewell and did not report")
             silent = [(s, r) for s, r in silent if r not in rnd.lost]
         if final:
             # A member still at work is not lost for being silent: DiLoCo's replicas may
@@ -691,3 +691,13 @@ class Membership:
             "the replicas' reports do not fit together"
         self.forget(job)
         self.queue.liveness.lost(job, f"no replica left to train on: {reason}")
+
+
+def undone_from(job: JobRecord, since: float) -> int | None:
+    """The earliest step (1-based) a swarm-wired job's survivors were told to train again at
+    or after ``since`` (wall time): a checkpoint at it or past it that was on its way before
+    then holds a state they undid. None where no such change came since."""
+    if job.spec.topology.wiring != "swarm":
+        return None
+    steps = [c.step for c in job.membership if c.left and c.at is not None and c.at >= since]
+    return min(steps) if steps else None

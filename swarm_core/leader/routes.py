@@ -483,6 +483,7 @@ async def regroup(request: web.Request) -> web.Response:
 async def push_shard(request: web.Request) -> web.Response:
     """A stage's shard from the member that leads its group, or (DiLoCo) another member's own
     optimiser state at that checkpoint, kept beside it and never published."""
+    from swarm_core.leader.membership import undone_from
     from swarm_core.leader.uploads import (
         PushTarget,
         checkpoint_dir,
@@ -495,6 +496,7 @@ async def push_shard(request: web.Request) -> web.Response:
     job = st.jobs.get(request.match_info["job_id"])
     stage = _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
+    began = time.time()
 
     def still_wanted(manifest: PushedManifest | None = None) -> None:
         # Checked again once the upload is in: an ended job's record and export stay as they
@@ -515,6 +517,13 @@ async def push_shard(request: web.Request) -> web.Response:
             raise ApiError(409, f"replica {replica} has left {job.job_id}: its shard of stage "
                                 f"{stage} comes too late", code="replica_left",
                            field="manifest.replica")
+        # Swarm wiring's redo: a state at or past the step the survivors train again, on its
+        # way before they were told to, is one they undid.
+        undone = undone_from(job, began)
+        if manifest is not None and undone is not None and manifest.step >= undone:
+            raise ApiError(409, f"checkpoint step {manifest.step} of {job.job_id} holds a "
+                                f"state undone when step {undone} was trained again",
+                           code="checkpoint_undone", field="manifest.step")
 
     def dest_for(m: PushedManifest) -> Path:
         if isinstance(m, ReplicaStateManifest):
@@ -531,8 +540,14 @@ async def push_shard(request: web.Request) -> web.Response:
     # One publish at a time (it prunes the checkpoints another would link from), in a worker
     # thread: its fsyncs and copies would stall the event loop.
     async with st.publishing:
-        await asyncio.to_thread(publish, runs, job.job_id, manifest.step, stage,
-                                rec.fellow_id, job.num_stages)
+        still_wanted(manifest)  # (a redo decided while it arrived dropped its checkpoint)
+        try:
+            await asyncio.to_thread(publish, runs, job.job_id, manifest.step, stage,
+                                    rec.fellow_id, job.num_stages)
+        except FileNotFoundError:  # (... or while it was published)
+            raise ApiError(409, f"checkpoint step {manifest.step} of {job.job_id} was "
+                                "dropped while it was published: the step was trained again",
+                           code="checkpoint_undone", field="manifest.step") from None
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 

@@ -431,7 +431,7 @@ class ReplicaGroup:
     def let_go(self) -> None:
         """Close the ring's links to regroup, saying FAREWELL first: its neighbours must not
         take this cell for the one that died."""
-        farewell(self.ring_links())
+        farewell(self.ring_links(), self.spec.training.frame_timeout_s)
         self.close()
 
     def close(self) -> None:

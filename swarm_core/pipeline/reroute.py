@@ -155,7 +155,7 @@ class Rerouter:
         report = RegroupReport(fellow_id=0, stage=spec.stage, replica=spec.replica,
                                epoch=group.epoch, op_step=self.applied + 1, routed=True,
                                closed_by=dead if dead is not None else group.ring_dead())
-        farewell([*r.links.all(), *group.ring_links()])
+        farewell([*r.links.all(), *group.ring_links()], spec.training.frame_timeout_s)
         r.links.close()  # (the pipe's and the ring's: a new membership gets new ones)
         group.close()
         self._fault = None

@@ -89,9 +89,12 @@ _F64 = struct.Struct("<d")
 
 
 CLOSE_JOIN_S = 2.0  # how long close() waits for each of a link's threads to end
-# How long farewell() waits for the FAREWELL pulses to leave (a link that cannot write 64
-# bytes in that long is closed without one: its peer then takes the close for a death).
-FAREWELL_WAIT_S = 1.0
+# How long farewell() waits for a FAREWELL pulse to leave: behind a frame already being
+# written (dropping it mid-frame would corrupt the stream), so while that frame's bytes keep
+# moving, up to FAREWELL_LIMIT_S; a link on which nothing moved for FAREWELL_QUIET_S is closed
+# without one (its peer then takes the close for a death).
+FAREWELL_QUIET_S = 1.0
+FAREWELL_LIMIT_S = 30.0
 # How long a flush waits for the sender to finish its frames once the link failed (see
 # PeerLink._settle_failure).
 SETTLE_S = 1.0
@@ -144,6 +147,7 @@ class PeerLink:
         self._pulse_header = pulse_header(job)
         self._pulse = self._pulse_header.pack()
         self._farewell_header = pulse_header(job, FLAG_FAREWELL)
+        self._farewell_sent = threading.Event()
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
@@ -241,6 +245,7 @@ class PeerLink:
                         continue  # stopping: what is queued is dropped, not sent
                     if item is _FAREWELL:
                         self._write(memoryview(self._farewell_header.pack()), pulse=True)
+                        self._farewell_sent.set()
                         continue
                     due, head, bufs, _keepalive = item
                     if self._sleep_until(due):
@@ -509,11 +514,15 @@ class PeerLink:
         return self.peer_closed and not self.peer_left
 
     def farewell(self) -> None:
-        """Make a FAREWELL pulse the link's next and last frame before a close of this side's
-        own will (see :func:`farewell`): what is queued and not yet being written is
-        dropped, as the close would drop it, so the pulse leaves at once."""
-        if self._halted() or self._error is not None or self.peer_closed:
+        """Make a FAREWELL pulse the link's next frame, ahead of a close of this side's own
+        will (see :func:`farewell`): frames queued and not yet being written are dropped
+        (they belong to the operation that broke; a shaped link's close drops them too, and
+        a torch link's would send them first), the one being written goes out whole. A link
+        this side can still write to says it, whatever failed its receiving side (a wait
+        that timed out is no reason to be taken for dead)."""
+        if self._halted() or self._send_failed or self.peer_closed:
             return
+        self._farewell_sent.clear()
         while True:
             try:
                 self._out.get_nowait()
@@ -522,13 +531,17 @@ class PeerLink:
             self._out.task_done()
         self._out.put(_FAREWELL)
 
-    def written_by(self, deadline: float) -> bool:
-        """Wait, until ``deadline`` at most, for what is queued to be written; whether it
-        was (never raises: for a link about to close)."""
-        while self._out.unfinished_tasks and time.monotonic() < deadline \
-                and self._error is None and not self._halted():
-            time.sleep(0.002)
-        return not self._out.unfinished_tasks
+    def farewell_written(self, deadline: float, quiet_s: float = FAREWELL_QUIET_S) -> bool:
+        """Wait for the FAREWELL to be written: while bytes keep leaving (a frame ahead of
+        it), until ``deadline``, or until nothing has left for ``quiet_s``. Whether it was
+        (never raises: the link is about to close)."""
+        while not self._farewell_sent.is_set() and not self._send_failed \
+                and not self._halted():
+            now = time.monotonic()
+            if now >= deadline or now - self._last_write > quiet_s:
+                break
+            self._farewell_sent.wait(0.005)
+        return self._farewell_sent.is_set()
 
     def close(self) -> None:
         self._stop.set()
@@ -544,16 +557,16 @@ class PeerLink:
                 t.join(CLOSE_JOIN_S)
 
 
-def farewell(links: Collection[PeerLink]) -> None:
+def farewell(links: Collection[PeerLink], limit_s: float = FAREWELL_LIMIT_S) -> None:
     """Tell each peer that the close to come is this side letting go, not dying (a cell
-    about to regroup): a FAREWELL pulse queued on every link, then a wait of at most
-    ``FAREWELL_WAIT_S`` for them all to leave. A peer that reads it does not name this cell
-    as the one that died (``PeerLink.died``)."""
+    about to regroup): a FAREWELL pulse queued on every link, then a wait for them all to
+    leave (``PeerLink.farewell_written``, ``limit_s`` at most). A peer that reads it does not
+    name this cell as the one that died (``PeerLink.died``)."""
     for link in links:
         link.farewell()
-    deadline = time.monotonic() + FAREWELL_WAIT_S
+    deadline = time.monotonic() + limit_s
     for link in links:
-        link.written_by(deadline)
+        link.farewell_written(deadline)
 
 
 # --- connection setup -----------------------------------------------------------------------

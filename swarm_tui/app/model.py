@@ -271,7 +271,7 @@ class JobView:
     replica_epochs: dict[int, int] = attrs.field(factory=dict)
     # Reports of cells the placement lacks, newest last: a moved peer's new cell can report
     # before the move's event comes (its cell reports, the leader's event follows), and those
-    # land once the move is made; a late report of a mover's old cell ages out.
+    # land once the move is made; a late report of a mover's old cell is let go then.
     unplaced: list[MetricReport] = attrs.field(factory=list)
 
     def take_info(self, ji: JobInfo, *, with_history: bool) -> None:
@@ -286,9 +286,10 @@ class JobView:
             self.history_loaded = True
         else:
             ji.loss_history, ji.eval_history = old, old_evals
+        moved = ji.placement != self.info.placement
         self._rekey(ji.placement)
         self.info, self.partial = ji, False
-        if self.unplaced:
+        if moved and self.unplaced:
             self._land_unplaced()
 
     def take_move(self, change: MembershipChange) -> None:
@@ -307,11 +308,14 @@ class JobView:
         self._land_unplaced()
 
     def _land_unplaced(self) -> None:
-        """The reports held for cells the placement lacked, applied where it has them now
-        (a move made them); the rest wait on."""
+        """The placement changed: the reports held for cells it lacked land on the rows of
+        those it has now (a move made them), their cell's figures only (the job's loss and
+        steps took them as they came); the rest (a mover's old cell) are let go."""
         waiting, self.unplaced = self.unplaced, []
         for report in waiting:
-            self.apply_metric(report)
+            index = self.index_of(report.stage or 0, report.replica or 0)
+            if index is not None and report.fellow_id is not None:
+                self._cell_figures(index, report.fellow_id, report)
 
     def _rekey(self, new: Placement | None) -> None:
         """``per_stage`` re-keyed to ``new``'s indices, cell by (stage, id): a move shifts
@@ -407,30 +411,7 @@ class JobView:
         if stage is None and known and fid is not None and fid in self.info.fellows:
             stage = self.info.fellows.index(fid)  # a leader that does not name the stage
         if fid is not None and stage is not None:
-            fp = self.per_stage.setdefault(stage, FellowProgress())
-            fp.fellow_id = fid
-            fp.step, fp.state = step, report.state
-            if loss is not None:
-                fp.loss = loss
-            if report.tokens_per_s is not None:
-                fp.tokens_per_s = report.tokens_per_s
-            figures = report.metrics
-            peak = figures.activation_peak_bytes
-            # (a COMPLETED report carries the whole run's peak under the same name)
-            if peak is not None and fp.state == "RUNNING":
-                fp.activation_bytes = peak
-            wait_fraction = step_wait_share(figures.wait_seconds, figures.step_seconds)
-            if wait_fraction is not None:
-                fp.wait_fraction = wait_fraction
-            if figures.sync_bytes is not None:
-                fp.sync_bytes = figures.sync_bytes
-            if figures.sync_share is not None:
-                fp.sync_fraction = figures.sync_share
-            if figures.micro_batches is not None:
-                fp.micro_batches = figures.micro_batches
-            evals = self.info.eval_history
-            if figures.eval_loss is not None and (not evals or evals[-1][0] < step):
-                evals.append([step, figures.eval_loss])
+            self._cell_figures(stage, fid, report)
         self.info.last_step = max(self.info.last_step, step)
         if self.grid:  # (the last stage's cells, by id: a layout's too)
             self._replica_loss(report)
@@ -439,6 +420,33 @@ class JobView:
             hist = self.info.loss_history
             if not hist or hist[-1][0] < step:
                 hist.append([step, loss])
+
+    def _cell_figures(self, index: int, fid: int, report: MetricReport) -> None:
+        """The figures of the cell at ``index`` (its row), from its report."""
+        fp = self.per_stage.setdefault(index, FellowProgress())
+        fp.fellow_id = fid
+        fp.step, fp.state = report.step, report.state
+        if report.loss is not None:
+            fp.loss = report.loss
+        if report.tokens_per_s is not None:
+            fp.tokens_per_s = report.tokens_per_s
+        figures = report.metrics
+        peak = figures.activation_peak_bytes
+        # (a COMPLETED report carries the whole run's peak under the same name)
+        if peak is not None and fp.state == "RUNNING":
+            fp.activation_bytes = peak
+        wait_fraction = step_wait_share(figures.wait_seconds, figures.step_seconds)
+        if wait_fraction is not None:
+            fp.wait_fraction = wait_fraction
+        if figures.sync_bytes is not None:
+            fp.sync_bytes = figures.sync_bytes
+        if figures.sync_share is not None:
+            fp.sync_fraction = figures.sync_share
+        if figures.micro_batches is not None:
+            fp.micro_batches = figures.micro_batches
+        evals = self.info.eval_history
+        if figures.eval_loss is not None and (not evals or evals[-1][0] < report.step):
+            evals.append([report.step, figures.eval_loss])
 
     def _replica_loss(self, report: MetricReport) -> None:
         """Of several replicas, the job's loss of a step is the mean of its replicas' (their

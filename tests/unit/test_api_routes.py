@@ -1623,7 +1623,10 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
 async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     """Swarm wiring: the survivors train 0-based step 5 again. A checkpoint taken after it
     (step-6: six steps done) holds a state they undid, so it is gone and a resume takes the
-    newest before it; the older one stays."""
+    newest before it (step-5, five steps done, stays); a push of one that was on its way as
+    the change came is refused (409 checkpoint_undone), and nothing of it is kept."""
+    import aiohttp
+
     from swarm_core.leader.uploads import complete_checkpoints
 
     fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7450 + i}")
@@ -1637,20 +1640,49 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
                   for c in job["placement"]["stages"]}
     runs = leader_config.state_dir / "runs"
-    for step in (4, 6):  # (a stage's checkpoint is complete with its manifest)
+    for step in (4, 5, 6):  # (a stage's checkpoint is complete with its manifest)
         d = runs / jid / "checkpoints" / f"step-{step}" / "stage-0"
         d.mkdir(parents=True)
         (d / "shard_manifest.json").write_text(orjson.dumps(_manifest(jid, step)).decode())
-    assert complete_checkpoints(runs, jid, 1) == [6, 4]
+    assert complete_checkpoints(runs, jid, 1) == [6, 5, 4]
+    # Replica 0's push of step 6 begins (its body held back) before the change.
+    lead = by_replica[0]
+    with aiohttp.MultipartWriter("form-data") as mp:
+        part = mp.append(orjson.dumps({**_manifest(jid, 6), "fellow_id": lead["fellow_id"]}),
+                         {"Content-Type": "application/json"})
+        part.set_content_disposition("form-data", name="manifest")
+    body = bytearray()
+
+    class _Sink:
+        async def write(self, chunk: bytes) -> None:
+            body.extend(chunk)
+
+    await mp.write(_Sink())
+    go = asyncio.Event()
+
+    async def held_back():
+        yield bytes(body[:10])
+        await go.wait()
+        yield bytes(body[10:])
+
+    push = asyncio.ensure_future(api.post(
+        f"{A}/jobs/{jid}/shards/0", data=held_back(), headers={
+            **lead["headers"], "Content-Type": f"multipart/form-data; boundary={mp.boundary}"}))
+    await asyncio.sleep(0.2)
     await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
                  message="LinkClosed: link to stage 0 replica 1 closed")
     await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
     answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
                                             op_step=5, routed=True))
     assert answer["order"]["redo_step"] == 5
-    assert complete_checkpoints(runs, jid, 1) == [4]
+    assert complete_checkpoints(runs, jid, 1) == [5, 4]
     [change] = (await get_job(api, jid))["membership"]
     assert change["step"] == 6
+    go.set()
+    refused = await push
+    assert refused.status == 409, await refused.text()
+    assert (await refused.json())["error"]["code"] == "checkpoint_undone"
+    assert complete_checkpoints(runs, jid, 1) == [5, 4]
 
 
 def _manifest(job_id: str, step: int) -> dict[str, Any]:
@@ -1839,7 +1871,7 @@ async def test_a_member_that_closed_its_ring_link_is_lost_after_a_heartbeat(api,
     assert time.monotonic() - t0 < leader_config.stale_after_s  # (not the timeout's wait)
     [change] = (await get_job(api, jid))["membership"]
     assert change["left"] == [1]
-    assert f"fellow {by_replica[1]['fellow_id']} (stage 0 replica 1) closed its ring link" \
+    assert f"fellow {by_replica[1]['fellow_id']} (stage 0 replica 1) closed its link" \
         in change["reason"]
 
 

@@ -243,22 +243,37 @@ def test_a_new_cells_report_before_its_move_lands_once_the_move_is_known(by):
     model.apply_job(_job(_placement()))
     view = model.jobs["job-000001"]
     view.apply_metric(MetricReport(job_id="job-000001", fellow_id=2, stage=1, replica=2,
-                                   step=6, loss=2.5, tokens_per_s=120.0, state="RUNNING"))
+                                   step=6, loss=2.5, tokens_per_s=120.0, state="RUNNING",
+                                   metrics=StageMetrics(wire_tx_bytes=10)))
     assert 3 not in view.per_stage and len(view.unplaced) == 1
+    for step in range(7, 17):  # (cell 1.0 trains on: step 6 leaves the console's window)
+        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=1, stage=1, replica=0,
+                                       step=step, loss=2.0, state="RUNNING",
+                                       metrics=StageMetrics(wire_tx_bytes=10)))
     if by == "event":
         model.apply_event({"type": JobMembership.type, "data": {
             "job_id": "job-000001", **_change_json()}})
+        want_loss = 2.0  # (the newest step's, as before the move)
     else:
         model.apply_job(_moved())
+        want_loss = 3.0  # (the record's)
+    # The held report lands on its cell's row, and only there: the job's loss is not taken
+    # back to its step's.
+    assert view.info.last_loss == want_loss
     assert view.per_stage[3].fellow_id == 2
     assert (view.per_stage[3].step, view.per_stage[3].tokens_per_s) == (6, 120.0)
     assert view.unplaced == []
-    # (the mover's old cell, 0.1, is gone: its late report waits, bounded, and lands nowhere)
+    # (the mover's old cell, 0.1, is gone: its late reports wait, bounded, land nowhere when
+    # the placement changes again, and are let go then)
     for step in range(40):
         view.apply_metric(MetricReport(job_id="job-000001", fellow_id=2, stage=0, replica=1,
                                        step=step, state="RUNNING"))
-    assert sorted(view.per_stage) == [3]
+    assert 2 not in {fp.fellow_id for i, fp in view.per_stage.items() if i != 3}
     assert len(view.unplaced) == 16
+    back = attrs.evolve(CHANGE, step=20, epoch=2, moved=PeerMove(
+        at=19, source=1, cell=2, target=0, new_id=1))
+    view.take_move(back)
+    assert view.unplaced == [] and view.info.placement == _placement()
 
 
 def test_a_step_trained_again_after_a_change_replaces_its_curve_point():

@@ -84,6 +84,18 @@ def test_a_wiring_axis_puts_chain_and_swarm_side_by_side(exp):
     assert [x.wiring for x in r.runs] == [{"wiring": "swarm"}, {}]
 
 
+def test_a_swarm_profile_routes_the_runs_it_can_and_chains_the_others(exp):
+    """As the wiring axis does: one replica has nothing to route, a periodic mode's replicas
+    train apart; those runs are chained, the dp run of several replicas routed."""
+    r = load_experiment(exp({"replicas": [1, 2], "sync": ["none", "dp", "diloco"],
+                             "inner_steps": [2]},
+                            {"stages": 2, "wiring": "swarm", "routing": "measured"}))
+    assert [(x.run_name.split("unconstrained-")[1], x.job("x").topology.routing)
+            for x in r.runs] == [("2x1-none-s0-r0", "given"),
+                                 ("2x2-dp-swarm-s0-r0", "measured"),
+                                 ("2x2-diloco_h2-s0-r0", "given")]
+
+
 def test_a_wiring_axis_routes_dp_runs_only(exp):
     # One replica has nothing to route, a periodic mode's replicas train apart: each runs
     # once, chained.
@@ -109,9 +121,12 @@ def test_a_wiring_axis_routes_dp_runs_only(exp):
      "this sweep has none"),
     ({"wiring": ["swarm", "swarm"]}, {"stages": 2, "replicas": 2}, None, "e.json",
      "$.sweep.wiring", "unique wirings"),
-    # What the job would refuse: the profile's swarm over diloco, a move that does not fit.
-    ({}, {"stages": 2, "replicas": 2, "wiring": "swarm"}, {"mode": "diloco"}, "t.json",
-     "$.cluster_profile", "(sync mode dp), not diloco (run m-none-unconstrained-2x2-diloco"),
+    ({"stages": [2, 3]}, {"stages": 2, "replicas": 2, "wiring": "swarm",
+                          "moves": [{"at": 2, "source": 0, "cell": 1, "target": 1}]},
+     None, "e.json", "$.sweep.stages", "cluster_profile.moves (t.json) is drawn for its own"),
+    # What the job would refuse: a layout over diloco, a move that does not fit.
+    ({}, {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]]}, {"mode": "diloco"},
+     "t.json", "$.cluster_profile", "(sync mode dp), not diloco (run m-none-unconstrained-"),
     ({}, {"stages": 2, "replicas": 2, "wiring": "swarm",
           "moves": [{"at": 9, "source": 0, "cell": 1, "target": 1}]}, None, "t.json",
      "$.cluster_profile.moves", "(run m-none-unconstrained-2x2-dp-swarm-s0-r0)"),
@@ -136,6 +151,8 @@ def test_bad_wiring_says_which_file_and_field(exp, sweep, cluster, sync, where, 
     ({"wiring": "swarm", "stages": 2, "replicas": 2, "routing": "measured",
       "rebalance_every": 2, "moves": [{"at": 2, "source": 0, "cell": 1, "target": 1}]},
      "$.cluster_profile.moves", "not both"),
+    ({"wiring": "swarm", "fellows": 7, "replicas": 2, "layout": [[0], [0, 1, 2]]},
+     "$.cluster_profile.fellows", "fellows 7 contradicts the layout's 4 cells"),
 ])
 def test_a_bad_swarm_profile_is_one_line_at_its_field(tmp_path, cluster, field, message):
     path = _write(tmp_path, "t.json", {"steps": 6, "cluster_profile": cluster})

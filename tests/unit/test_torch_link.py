@@ -174,6 +174,33 @@ def test_a_close_after_a_farewell_is_no_death(transport, said):
     ln.close()
 
 
+def test_a_farewell_waits_for_the_frame_in_flight_and_drops_the_queued_ones():
+    """On a link slowed to 8 Mbit/s, a 2 MiB frame (about two seconds on the wire) is being
+    written and two more wait behind it: the FAREWELL goes out after the first (never cut
+    mid-frame) and before the rest (dropped), so the peer reads one whole frame and then a
+    close that was no death."""
+    from swarm_core.protocol import LinkLimits
+
+    ln = DataListener()
+    down, up = _pair(ln, "shaped")
+    down.shaper.apply(LinkLimits(tx_mbps=8.0))
+    x = torch.zeros(1 << 19)  # (2 MiB of fp32)
+    for mb in range(3):
+        down.send_tensor(Kind.ACT, 0, mb, x)
+    time.sleep(0.2)  # (the first frame is on its way)
+    t0 = time.monotonic()
+    farewell([down])
+    assert time.monotonic() - t0 > 1.2  # (it waited for the frame ahead of it)
+    down.close()
+    _, got = up.recv(Kind.ACT, 0, 0, timeout=30)
+    assert bytes(got) == bytes(as_bytes(x))
+    with pytest.raises(LinkClosed):
+        up.recv(Kind.ACT, 0, 1, timeout=30)
+    assert up.peer_left and not up.died
+    up.close()
+    ln.close()
+
+
 def test_an_idle_link_pulses_over_gloo_and_a_wait_sees_it_as_progress():
     ln = DataListener()
     down, up = _pair(ln, "torch", pulse_s=0.05)
