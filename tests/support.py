@@ -4,6 +4,7 @@ and a set of shards written as fellows write them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -12,6 +13,15 @@ from typing import Any
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 REPO = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp: Path, name: str, data: Any) -> Path:
+    """A config file at ``tmp / name`` (folders made): ``data`` as JSON, or a string as is
+    (a file that is not JSON)."""
+    p = tmp / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(data if isinstance(data, str) else json.dumps(data))
+    return p
 
 
 async def wait_async(cond: Callable[[], Awaitable[Any]], what: str,

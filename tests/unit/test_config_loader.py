@@ -10,7 +10,7 @@ import pytest
 
 from swarm_core.config.profiles import ConfigError, load_experiment
 from swarm_tui.cli import run
-from tests.support import REPO
+from tests.support import REPO, write_config
 
 CONFIGS = REPO / "exp" / "configs"
 
@@ -31,31 +31,24 @@ def test_shipped_configs_load():
     assert fast.training["link"] is None
 
 
-def _write(tmp: Path, name: str, data: Any) -> Path:
-    p = tmp / name
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(data if isinstance(data, str) else json.dumps(data))
-    return p
-
-
 @pytest.fixture
 def layout(tmp_path):
-    _write(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                       "seq_len": 16})
-    _write(tmp_path, "training/t.json", {"steps": 3, "batch_size": 4, "micro_batches": 2,
+    write_config(tmp_path, "training/t.json", {"steps": 3, "batch_size": 4, "micro_batches": 2,
                                          "cluster_profile": {"fellows": 2}})
 
     def exp(**over: Any) -> Path:
         body = {"name": "e", "training_config": "training/t.json",
                 "model_configs": ["model/m.json"], **over}
-        return _write(tmp_path, "e.json", body)
+        return write_config(tmp_path, "e.json", body)
 
     return tmp_path, exp
 
 
 def test_grid_expansion_order_and_overrides(layout):
     tmp, exp = layout
-    _write(tmp, "model/m2.json", {"name": "m2", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp, "model/m2.json", {"name": "m2", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                   "seq_len": 16, "compression": "fixed_int8"})
     r = load_experiment(exp(model_configs=["model/m.json", "model/m2.json"], sweep={
         "seeds": [1, 2], "repeats": 2, "steps": 5, "overrides": {"lr": 0.01},
@@ -75,7 +68,7 @@ def test_grid_expansion_order_and_overrides(layout):
     r = load_experiment(exp(sweep={"compressions": ["none", "learned_dim8_int8"]}))
     assert [x.model["compression"] for x in r.runs] == ["none", "learned_dim8_int8"]
     # Two profiles of one name make runs of different names when their specs differ.
-    _write(tmp, "model/m3.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp, "model/m3.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                   "seq_len": 16, "compression": "fixed_int8"})
     r = load_experiment(exp(model_configs=["model/m.json", "model/m3.json"]))
     assert [x.run_name for x in r.runs] == ["m-none-unconstrained-s0-r0",
@@ -86,7 +79,7 @@ def test_swept_specs_take_their_own_width_and_block(layout):
     """A profile's bottleneck_dim is the width of its learned_bottleneck: a swept spec that
     names its own width (or has none) runs without it, and int8 blocks sweep like any spec."""
     tmp, exp = layout
-    _write(tmp, "model/lb.json", {"name": "lb", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp, "model/lb.json", {"name": "lb", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                   "seq_len": 16, "compression": "learned_bottleneck",
                                   "bottleneck_dim": 16})
     specs = ["learned_bottleneck", "learned_dim8_int8_b4", "fixed_int8", "fixed_int8_b8"]
@@ -146,11 +139,11 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     tmp, exp = layout
     target = "e.json"
     if case == "unknown_top_key":
-        path = _write(tmp, "e.json", {"name": "e", "trainig_config": "training/t.json",
+        path = write_config(tmp, "e.json", {"name": "e", "trainig_config": "training/t.json",
                                       "training_config": "training/t.json",
                                       "model_configs": ["model/m.json"]})
     elif case == "missing_training":
-        path = _write(tmp, "e.json", {"name": "e", "model_configs": ["model/m.json"]})
+        path = write_config(tmp, "e.json", {"name": "e", "model_configs": ["model/m.json"]})
     elif case == "training_file_missing":
         path = exp(training_config="training/nope.json")
     elif case == "model_file_missing":
@@ -158,7 +151,7 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     elif case == "empty_models":
         path = exp(model_configs=[])
     elif case == "typo_in_training":
-        _write(tmp, "training/t.json", {"setps": 3})
+        write_config(tmp, "training/t.json", {"setps": 3})
         path, target = exp(), "training/t.json"
     elif case == "bad_compression":
         path = exp(sweep={"compressions": ["int4"]})
@@ -171,32 +164,32 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     elif case == "tc_without_target":
         path = exp(sweep={"network_profiles": [{"name": "x", "tc_profile": {"rate_mbit": 5}}]})
     elif case == "bad_cluster":
-        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 0}})
+        write_config(tmp, "training/t.json", {"cluster_profile": {"fellows": 0}})
         path, target = exp(), "training/t.json"
     elif case == "not_json":
-        path = _write(tmp, "e.json", "{not json")
+        path = write_config(tmp, "e.json", "{not json")
     elif case == "bad_override":
         path = exp(sweep={"overrides": {"lr": -1}})
     elif case == "heads":
-        _write(tmp, "model/m.json", {"d_model": 32, "n_heads": 3})
+        write_config(tmp, "model/m.json", {"d_model": 32, "n_heads": 3})
         path, target = exp(), "model/m.json"
     elif case == "bad_name":
         path = exp(name="../escape")
     elif case == "weights_vs_fellows":
-        _write(tmp, "training/t.json", {"stage_weights": [1, 1, 1],
+        write_config(tmp, "training/t.json", {"stage_weights": [1, 1, 1],
                                         "cluster_profile": {"fellows": 2}})
         path, target = exp(), "training/t.json"
     elif case == "fellows_vs_layers":
-        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 5}})
+        write_config(tmp, "training/t.json", {"cluster_profile": {"fellows": 5}})
         path, target = exp(), "training/t.json"
     elif case == "small_vocab":
-        _write(tmp, "model/m.json", {"d_model": 32, "n_layers": 2, "n_heads": 2,
+        write_config(tmp, "model/m.json", {"d_model": 32, "n_layers": 2, "n_heads": 2,
                                      "vocab_size": 100})
         path, target = exp(), "model/m.json"
     elif case == "weights_override":
         path = exp(sweep={"overrides": {"stage_weights": [1]}})
     elif case == "dim_vs_spec":
-        _write(tmp, "model/m.json", {"d_model": 64, "n_layers": 2, "n_heads": 2,
+        write_config(tmp, "model/m.json", {"d_model": 64, "n_layers": 2, "n_heads": 2,
                                      "compression": "learned_dim32", "bottleneck_dim": 16})
         path, target = exp(), "model/m.json"
     elif case == "same_seed_twice":
@@ -208,7 +201,7 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
     elif case == "same_model_twice":
         path = exp(model_configs=["model/m.json", "model/m.json"])
     elif case == "min_lr_above_lr":
-        _write(tmp, "training/t.json", {"lr": 1e-4, "cluster_profile": {"fellows": 2}})
+        write_config(tmp, "training/t.json", {"lr": 1e-4, "cluster_profile": {"fellows": 2}})
         path, target = exp(), "training/t.json"
     elif case == "training_is_a_dir":
         (tmp / "training" / "d.json").mkdir()
@@ -217,7 +210,7 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
         (tmp / "training" / "loop.json").symlink_to(tmp / "training" / "loop.json")
         path = exp(training_config="training/loop.json")
     elif case == "nul_in_runs_dir":
-        _write(tmp, "training/t.json", {"cluster_profile": {"fellows": 2},
+        write_config(tmp, "training/t.json", {"cluster_profile": {"fellows": 2},
                                         "artifacts": {"runs_dir": "ru\u0000ns"}})
         path, target = exp(), "training/t.json"
     elif case == "min_lr_override":
@@ -236,7 +229,7 @@ def test_bad_configs_say_exactly_why(layout, case, message, field):
 
 def test_dataset_paths_are_relative_to_the_file_that_names_them(layout, tmp_path):
     tmp, exp = layout
-    _write(tmp, "training/t.json", {"dataset": "textfiles", "dataset_paths": [
+    write_config(tmp, "training/t.json", {"dataset": "textfiles", "dataset_paths": [
         "../corpus/*.txt", "/abs/b.txt", "~/c.txt"], "cluster_profile": {"fellows": 2}})
     (run,) = load_experiment(exp()).runs
     assert run.training["dataset_paths"] == [str(tmp / "corpus" / "*.txt"), "/abs/b.txt",
@@ -265,7 +258,7 @@ def test_validate_warns_of_dataset_paths_that_match_nothing_here(layout, capsys)
     tmp, exp = layout
     (tmp / "corpus").mkdir()
     (tmp / "corpus" / "a.txt").write_text("some text")
-    _write(tmp, "training/t.json", {"dataset": "textfiles", "cluster_profile": {"fellows": 2},
+    write_config(tmp, "training/t.json", {"dataset": "textfiles", "cluster_profile": {"fellows": 2},
                                     "dataset_paths": ["../corpus/*.txt", "../nope/*.txt"]})
     assert run(["validate", str(exp(sweep={"seeds": [0, 1]}))]) == 0
     err = capsys.readouterr().err.strip().splitlines()
@@ -298,7 +291,7 @@ def test_config_docs_are_current():
 
 def _cluster(layout: Any, cluster: dict[str, Any]) -> Any:
     tmp, exp = layout
-    _write(tmp, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
+    write_config(tmp, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
                                     "cluster_profile": cluster})
     return load_experiment(exp(sweep={"replicas": [1, 2]}))
 
@@ -331,7 +324,7 @@ def test_a_job_from_a_profile_of_stages_keeps_them(tmp_path):
     from swarm_core.schema import structure
 
     def topology(cluster: dict[str, Any], **flags: Any) -> tuple[int, int, int]:
-        path = _write(tmp_path, "t.json", {"steps": 3, "cluster_profile": cluster})
+        path = write_config(tmp_path, "t.json", {"steps": 3, "cluster_profile": cluster})
         assert load_job_training(path)[1] == load_job_cluster(path).num_fellows
         topo = structure(job_topology(load_job_cluster(path), **flags), Topology)
         return topo.num_stages, topo.replicas, topo.num_fellows
@@ -361,7 +354,7 @@ def test_a_job_from_a_profile_of_stages_keeps_them(tmp_path):
 ])
 def test_a_bad_cluster_grid_is_one_line_naming_its_fields(layout, cluster, message, field):
     tmp, exp = layout
-    _write(tmp, "training/t.json", {"cluster_profile": cluster})
+    write_config(tmp, "training/t.json", {"cluster_profile": cluster})
     with pytest.raises(ConfigError) as exc:
         load_experiment(exp())
     err = exc.value

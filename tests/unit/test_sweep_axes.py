@@ -3,7 +3,6 @@ runs named by them, reach the job's topology and training.sync, and bad values s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,26 +11,20 @@ import pytest
 from swarm_core.config.grid import grid_cells
 from swarm_core.config.profiles import ConfigError, load_experiment
 from swarm_core.schema import FieldError, unstructure
-
-
-def _write(tmp: Path, name: str, data: Any) -> Path:
-    p = tmp / name
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data))
-    return p
+from tests.support import write_config
 
 
 @pytest.fixture
 def exp(tmp_path):
-    _write(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                       "seq_len": 16})
-    _write(tmp_path, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
+    write_config(tmp_path, "training/t.json", {"steps": 3, "batch_size": 8, "micro_batches": 2,
                                          "cluster_profile": {"fellows": 2}})
 
     def make(sweep: dict[str, Any], training: dict[str, Any] | None = None) -> Path:
         if training is not None:
-            _write(tmp_path, "training/t.json", training)
-        return _write(tmp_path, "e.json", {"name": "e", "training_config": "training/t.json",
+            write_config(tmp_path, "training/t.json", training)
+        return write_config(tmp_path, "e.json", {"name": "e", "training_config": "training/t.json",
                                            "model_configs": ["model/m.json"], "sweep": sweep})
 
     return make

@@ -5,7 +5,6 @@ load, naming the file and field."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +12,20 @@ import pytest
 
 from swarm_core.config.profiles import ConfigError, load_experiment, load_training_profile
 from swarm_core.schema import unstructure
-
-
-def _write(tmp: Path, name: str, data: Any) -> Path:
-    p = tmp / name
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data))
-    return p
+from tests.support import write_config
 
 
 @pytest.fixture
 def exp(tmp_path):
-    _write(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
+    write_config(tmp_path, "model/m.json", {"name": "m", "d_model": 32, "n_layers": 2, "n_heads": 2,
                                       "seq_len": 16})
 
     def make(sweep: dict[str, Any], cluster: dict[str, Any],
              sync: dict[str, Any] | None = None) -> Path:
-        _write(tmp_path, "training/t.json", {
+        write_config(tmp_path, "training/t.json", {
             "steps": 6, "batch_size": 36, "micro_batches": 6,
             **({"sync": sync} if sync else {}), "cluster_profile": cluster})
-        return _write(tmp_path, "e.json", {"name": "e", "training_config": "training/t.json",
+        return write_config(tmp_path, "e.json", {"name": "e", "training_config": "training/t.json",
                                            "model_configs": ["model/m.json"], "sweep": sweep})
 
     return make
@@ -155,7 +148,7 @@ def test_bad_wiring_says_which_file_and_field(exp, sweep, cluster, sync, where, 
      "$.cluster_profile.fellows", "fellows 7 contradicts the layout's 4 cells"),
 ])
 def test_a_bad_swarm_profile_is_one_line_at_its_field(tmp_path, cluster, field, message):
-    path = _write(tmp_path, "t.json", {"steps": 6, "cluster_profile": cluster})
+    path = write_config(tmp_path, "t.json", {"steps": 6, "cluster_profile": cluster})
     with pytest.raises(ConfigError) as err:
         load_training_profile(path)
     assert (err.value.field, "\n" in str(err.value)) == (field, False)
