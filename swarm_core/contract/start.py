@@ -136,12 +136,17 @@ class StageStart:
         return self.placement.ring(self.stage, self.replica, step)
 
     def after_move(self, source: int, cell: int, target: int, new_id: int,
-                   at: int) -> StageStart:
+                   at: int, placement: Placement | None = None) -> StageStart:
         """What this cell runs from step ``at`` on, once every cell has decided the same move
         in band (``Placement.moved``): the moving peer's fellow gets its new cell's START
         without a word from the leader (its state comes round the new ring from the target's
-        cell 0, as a joiner's does); any other cell, itself under the moved placement."""
-        placement = self.placement.moved(source, cell, target, new_id)
+        cell 0, as a joiner's does); any other cell, itself under the moved placement.
+        ``placement``: the placement after the move as the cell that made it had it
+        (``LayoutMove.placement``); a fellow passes it, since its START predates the moves
+        its cell stayed through (re-addressed in place: ``StageSpec.placed``). Default: this
+        START's placement, moved."""
+        if placement is None:
+            placement = self.placement.moved(source, cell, target, new_id)
         if (self.stage, self.replica) != (source, cell):
             return attrs.evolve(self, placement=placement)
         return attrs.evolve(self, stage=target, replica=new_id, placement=placement,

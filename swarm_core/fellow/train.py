@@ -314,7 +314,7 @@ class TrainJob:
         if self.ctx.shaper is not None and self.training.network is not None:
             self.ctx.shaper.forget(self.start.job_id,
                                    cell_label(self.start.stage, self.start.replica))
-        self.start = self.start.after_move(*move.peer, at=move.at)
+        self.start = self.start.after_move(*move.peer, at=move.at, placement=move.placement)
         self.initial = self.own_state = None  # (a resumed cell's checkpoint: its old stage's)
         log.info("%s: this peer moves from stage %d cell %d to stage %d cell %d before step "
                  "%d", self.start.job_id, move.peer[0], move.peer[1], self.start.stage,

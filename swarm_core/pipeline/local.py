@@ -287,7 +287,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
                 if on_move is not None:
                     on_move(done.moved)
                 assert done.moved.peer is not None
-                start = start.after_move(*done.moved.peer, at=done.moved.at)
+                start = start.after_move(*done.moved.peer, at=done.moved.at,
+                                         placement=done.moved.placement)
                 s = start.replica * num_stages + start.stage
                 spec = StageSpec.from_start(start)
                 kwargs["move"] = done.moved

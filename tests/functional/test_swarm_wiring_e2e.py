@@ -55,9 +55,12 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
         laid = _run("layout", {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]]},
                     cli_env, path)
         # A peer moved between stages at step 5: every fellow makes the move in band, the
-        # moved one goes on as its new cell, the leader learns it from their reports.
+        # moved one goes on as its new cell, the leader learns it from their reports. At
+        # step 7 a peer that stayed through it moves (from the placement the first made,
+        # not its START's).
         moved = _run("moved", {"stages": 2, "replicas": 2, "wiring": "swarm",
-                               "moves": [{"at": 5, "source": 0, "cell": 1, "target": 1}]},
+                               "moves": [{"at": 5, "source": 0, "cell": 1, "target": 1},
+                                         {"at": 7, "source": 1, "cell": 1, "target": 0}]},
                      cli_env, path)
         # SWARM's rebalancing, decided by the cells from what they measured: stage 1's one
         # cell slowed 3x against stage 0's three, so the rule moves stage-0 peers there.
@@ -94,9 +97,10 @@ def test_a_swarm_wired_job_of_four_fellows_matches_one_process(cli_env, tmp_path
     assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     assert set(laid["metrics"]["stages"]) == {"0.0", "1.0", "1.1", "1.2"}
     assert moved["state"] == "COMPLETED", moved["reason"]
-    [change] = moved["membership"]
-    assert change["moved"] == {"at": 5, "source": 0, "cell": 1, "target": 1, "new_id": 2}
-    assert moved["placement"]["layout"] == [[0], [0, 1, 2]]
+    assert [c["moved"] for c in moved["membership"]] == [
+        {"at": 5, "source": 0, "cell": 1, "target": 1, "new_id": 2},
+        {"at": 7, "source": 1, "cell": 1, "target": 0, "new_id": 1}]
+    assert moved["placement"]["layout"] == [[0, 1], [0, 2]]
     got = [loss for _step, loss in moved["loss_history"]]
     assert len(got) == 10 and max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
     assert rebalanced["state"] == "COMPLETED", rebalanced["reason"]

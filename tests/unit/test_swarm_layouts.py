@@ -292,3 +292,40 @@ def test_a_given_peer_move_is_made_as_a_decided_one_and_stays_exact(data):
     made = PeerMove(at=at, source=0, cell=1, target=1, new_id=2)
     assert all(named[s] == {(0, None)} for s in range(1, at + 1))
     assert all(named[s] == {(1, made)} for s in range(at + 1, steps + 1))
+
+
+def test_a_peer_that_stayed_through_a_move_moves_from_the_placement_it_made(data):
+    """Two moves, the second by a peer that stayed through the first: its START is the one
+    it began with, which predates the first move, so its new cell must come from the
+    placement the move made (a fellow's run of this waited a minute for a cell that had
+    left, then failed). S=2 x R=2: 0.1 -> 1.2 before step 3, then 1.1 -> 0.1 before step 6;
+    every step's loss is one process's to 1e-5."""
+    from swarm_core.contract.rebalance import PeerMove
+
+    mc = ModelConfig(**MODEL)
+    steps, stages = 8, 2
+    tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 5,
+                    "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
+    ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
+    reports: dict[int, dict[int, tuple[float, int]]] = {}
+
+    def on_step(cell: int, rep) -> None:
+        if cell % stages == stages - 1:
+            reports.setdefault(rep.step - 1, {})[cell] = (rep.loss, rep.micro_batches)
+
+    moves: list = []
+    res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=60, wiring="swarm",
+                             moves=[PeerMove(at=3, source=0, cell=1, target=1),
+                                    PeerMove(at=6, source=1, cell=1, target=0)],
+                             on_move=moves.append, on_step=on_step)
+    failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
+    assert not failed, failed
+    assert [(m.at, m.after, m.peer) for m in moves] == [
+        (3, ((0,), (0, 1, 2)), (0, 1, 1, 2)), (6, ((0, 1), (0, 2)), (1, 1, 0, 1))]
+    # (the last stage's cells of each step: 1.0 and 1.1, then 1.0-1.2, then 1.0 and 1.2)
+    assert [sorted(reports[s]) for s in range(steps)] == [[1, 3]] * 3 + [[1, 3, 5]] * 3 \
+        + [[1, 5]] * 2
+    got = [step_loss({c: v[0] for c, v in by_cell.items()},
+                     {c: v[1] for c, v in by_cell.items()})
+           for _step, by_cell in sorted(reports.items())]
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
