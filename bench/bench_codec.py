@@ -284,8 +284,7 @@ def low_bit_rows(x: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     sr = StochasticSide(codecs.WireCodec(codecs.Codec.HADAMARD_INT4, t))
 
     def sr_encode(v: torch.Tensor) -> list[memoryview]:
-        sr.sent.clear()  # (the same frame's draws each call: the frame path checks its bytes)
-        return sr.encode(v, 0)
+        return sr.encode(v, 0)  # (one frame's draws each call: the frame path checks its bytes)
 
     rows.append(frame_row(f"hadamard_int4 tile {t} (GRAD, SR)", x, codecs.Codec.HADAMARD_INT4,
                           sr_encode, lambda p, s: sr.decode(p, s), None, repeats, True))

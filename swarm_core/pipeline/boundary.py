@@ -32,8 +32,10 @@ class BoundaryCodec(Protocol):
         """What its frames' headers say (codec byte and block), and the format's bytes."""
         ...
 
-    def encode(self, x: torch.Tensor, slot: int = 0) -> list[memoryview]:
-        """``x`` as the buffers of a frame for micro-batch ``slot``."""
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
+        """``x`` as the buffers of a frame for micro-batch ``slot`` of (0-based) ``step``: a
+        codec that draws random numbers keys them by both, so a step trained again (a
+        routed redo, a resumed run) draws what it drew the first time."""
         ...
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],
@@ -111,11 +113,11 @@ class BoundarySimulator:
         self.sides = {kind: (boundary.codec(kind, True), boundary.codec(kind, False))
                       for kind in (Kind.ACT, Kind.GRAD)}
 
-    def roundtrip(self, kind: Kind, x: torch.Tensor, slot: int) -> torch.Tensor:
+    def roundtrip(self, kind: Kind, x: torch.Tensor, slot: int, step: int = 0) -> torch.Tensor:
         send, recv = self.sides[kind]
         if send is recv and isinstance(send, WireCodec):  # (stateless: no bytes needed)
             return send.roundtrip(x)
-        payload = bytearray().join(send.encode(x.detach(), slot))
+        payload = bytearray().join(send.encode(x.detach(), slot, step))
         return recv.decode(payload, tuple(x.shape), x.device, slot)
 
 

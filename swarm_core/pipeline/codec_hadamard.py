@@ -27,11 +27,12 @@ with u uniform in [0, 1): unbiased, so the backward's error averages out over st
 than biasing it. The draws are reproducible: u for element i of a frame is a hash of i and the
 frame's 32-bit key (murmur3's finaliser over ``i * 0x9E3779B1 + key``, its low 24 bits over
 2^24: integer tensor ops, the same numbers on any device and several times faster on a CPU than
-torch's Mersenne Twister); the key is BLAKE2b of :data:`SR_SEED`, the micro-batch slot and how
-many GRAD frames that side has coded for that slot before (see :func:`frame_key`). The
-pipeline's sender and the single-process simulator (``BoundarySimulator``) code the same
-frames of each slot in the same order, so they draw the same numbers. A stage that restarts (a
-resumed run) counts from 0 again.
+torch's Mersenne Twister); the key is BLAKE2b of :data:`SR_SEED`, the micro-batch slot and the
+step (see :func:`frame_key`), as dropout's masks are keyed (``model.dropout_rng``). The
+pipeline's sender and the single-process simulator (``BoundarySimulator``) code each slot of
+each step once, so they draw the same numbers, whatever order a schedule or a route codes the
+frames in; a step trained again (a swarm-wired redo) and a resumed run draw what an unbroken
+run draws.
 
 Speed (``bench/bench_codec.py``): the rotation is a B x B matmul into a preallocated block
 (faster on a CPU than log2(B) butterfly passes in torch: see ``docs/decisions.md``), and each
@@ -251,35 +252,30 @@ def uniform_(out: torch.Tensor, key: int, first: int,
     return out.view(-1).copy_(h.bitwise_and_(0xFFFFFF)).mul_(2.0 ** -24).view(out.shape)
 
 
-def frame_key(slot: int, count: int) -> int:
-    """The hash key (a signed 32-bit integer) of the ``count``-th GRAD frame a side codes for
-    ``slot``."""
-    digest = hashlib.blake2b(f"{SR_SEED}/{slot}/{count}".encode(), digest_size=4).digest()
+def frame_key(slot: int, step: int) -> int:
+    """The hash key (a signed 32-bit integer) of the GRAD frame of micro-batch ``slot`` of
+    (0-based) step ``step``."""
+    digest = hashlib.blake2b(f"{SR_SEED}/{slot}/{step}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
 class StochasticSide:
     """The GRAD sender's codec: the wire's format, rounded stochastically, each frame's draws
-    keyed by :func:`frame_key` (a per-slot count of the frames it has coded)."""
+    keyed by :func:`frame_key` (its micro-batch and step: nothing kept between frames, so a
+    step trained again draws the same numbers)."""
 
     def __init__(self, wire: WireCodec) -> None:
         self.wire = wire
         self.impl: type[_LowBit] = HadamardInt4 if wire.codec.element.bits == 4 else HadamardInt2
-        self.sent: dict[int, int] = {}
 
-    def key(self, slot: int) -> int:
-        count = self.sent.get(slot, 0)
-        self.sent[slot] = count + 1
-        return frame_key(slot, count)
-
-    def encode(self, x: torch.Tensor, slot: int = 0) -> list[memoryview]:
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
         x = x.detach().to(torch.float32)
         tile = self.wire.block
         if not x.dim() or x.shape[-1] % tile:
             raise CodecError(f"{self.wire.codec.name} tile {tile} does not divide the width "
                              f"{x.shape[-1] if x.dim() else 0}")
         rows = x.reshape(-1, tile)
-        packed, steps = self.impl.quantize_rows(rows, self.key(slot))
+        packed, steps = self.impl.quantize_rows(rows, frame_key(slot, step))
         return [as_bytes(steps.cpu()), as_bytes(packed.cpu())]
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

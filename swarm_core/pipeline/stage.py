@@ -881,7 +881,7 @@ class StageRunner:
               codec: BoundaryCodec, flags: int) -> list[memoryview]:
         """``x`` coded once and queued on ``link``; the frame's buffers, from which the codec
         error is measured (``decoded_error``)."""
-        bufs = codec.encode(x, i)
+        bufs = codec.encode(x, i, step)
         link.send_coded(kind, step, i, tuple(x.shape), codec.wire, bufs, x, flags)
         return bufs
 

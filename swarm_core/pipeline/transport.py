@@ -162,10 +162,10 @@ class PeerLink:
     def send_tensor(self, kind: Kind, step: int, micro_batch: int, x: torch.Tensor,
                     codec: BoundaryCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
         """Queue a tensor; returns the bytes it will put on the wire (header included). The
-        codec's scale block goes in the header, for the receiver's decode; a stateful codec
-        codes by the micro-batch's slot."""
+        codec's scale block goes in the header, for the receiver's decode; a codec that
+        draws keys its draws by the micro-batch's slot and the step."""
         return self.send_coded(kind, step, micro_batch, tuple(x.shape), codec.wire,
-                               codec.encode(x, micro_batch), x, flags)
+                               codec.encode(x, micro_batch, step), x, flags)
 
     def send_coded(self, kind: Kind, step: int, micro_batch: int, shape: tuple[int, ...],
                    codec: codecs.WireCodec, bufs: list[memoryview], keep: object,

@@ -19,18 +19,18 @@ from swarm_core.pipeline.model import StageModule, dropout_rng
 
 class _WireRoundTrip(torch.autograd.Function):
     """What a boundary does to a tensor in one process: its codec forward (activations) and
-    backward (their gradient), by the micro-batch's slot."""
+    backward (their gradient), by the micro-batch's slot and the step."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor,  # type: ignore[override]
-                wire: BoundarySimulator, slot: int) -> torch.Tensor:
-        ctx.wire, ctx.slot = wire, slot
-        return wire.roundtrip(Kind.ACT, x, slot)
+                wire: BoundarySimulator, slot: int, step: int) -> torch.Tensor:
+        ctx.wire, ctx.slot, ctx.step = wire, slot, step
+        return wire.roundtrip(Kind.ACT, x, slot, step)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor  # type: ignore[override]
-                 ) -> tuple[torch.Tensor, None, None]:
-        return ctx.wire.roundtrip(Kind.GRAD, grad, ctx.slot), None, None
+                 ) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.wire.roundtrip(Kind.GRAD, grad, ctx.slot, ctx.step), None, None, None
 
 
 class ExperimentModel(nn.Module):
@@ -46,7 +46,7 @@ class ExperimentModel(nn.Module):
             StageModule(cfg, vocab, seed, a, b, s, len(ranges)) for s, (a, b) in enumerate(ranges)
         )
         self.boundary = make_boundary(cfg)
-        # One per boundary, for the run: a stateful codec's state lives as long as its link's.
+        # One per boundary, for the run (each side as the pipeline's stages hold it).
         self.wires = [self.boundary.simulator() for _ in range(len(ranges) - 1)]
 
     def forward(self, idx: torch.Tensor, step: int | None = None,
@@ -58,7 +58,7 @@ class ExperimentModel(nn.Module):
             with dropout_rng(stage, step, micro_batch):
                 x = stage(x, idx)  # (the ids: for a stage's frame, see StageModule.frame)
             if i < len(self.stages) - 1 and not self.boundary.exact:
-                x = _WireRoundTrip.apply(x, self.wires[i], micro_batch or 0)
+                x = _WireRoundTrip.apply(x, self.wires[i], micro_batch or 0, step or 0)
         return x
 
     def flat_state_dict(self) -> dict[str, torch.Tensor]:

@@ -170,12 +170,17 @@ def test_the_backward_rounds_stochastically_and_reproducibly():
     assert boundary.codec(Kind.ACT, True) is boundary.codec(Kind.ACT, False)  # (stateless)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
     nearest = bytes(bytearray().join(codecs.encode(x, Codec.HADAMARD_INT4, 16)))
-    first = [bytes(bytearray().join(a.encode(x, 0))) for _ in range(2)]
-    # Another side draws the same numbers for the same slot and frame count...
-    assert [bytes(bytearray().join(b.encode(x, 0))) for _ in range(2)] == first
-    # ... and other numbers for the next frame, another slot, or nearest rounding.
+
+    def coded(side, slot: int, step: int) -> bytes:
+        return bytes(bytearray().join(side.encode(x, slot, step)))
+
+    first = [coded(a, 0, step) for step in range(2)]
+    # The same slot of the same step draws the same numbers, on any side, however often it
+    # is coded (a swarm-wired redo, a resumed run: nothing is counted between frames)...
+    assert [coded(b, 0, step) for step in range(2)] == first == [coded(a, 0, s) for s in (0, 1)]
+    # ... and other numbers for the next step, another slot, or nearest rounding.
     assert first[0] != first[1] and nearest not in first
-    assert bytes(bytearray().join(b.encode(x, 1))) != first[0]
+    assert coded(b, 1, 0) != first[0]
 
 
 def test_the_draws_are_murmur3s_finaliser_of_the_element_index():
@@ -203,8 +208,8 @@ def test_stochastic_rounding_is_unbiased(spec):
     send, recv = boundary.codec(Kind.GRAD, True), boundary.codec(Kind.GRAD, False)
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(4))
     frames = 400
-    mean = sum(recv.decode(bytearray().join(send.encode(x, 0)), tuple(x.shape))
-               for _ in range(frames)) / frames
+    mean = sum(recv.decode(bytearray().join(send.encode(x, 0, step)), tuple(x.shape))
+               for step in range(frames)) / frames
     nearest = boundary.codec(Kind.ACT, True).roundtrip(x)
     single = float((nearest - x).norm() / x.norm())
     assert float((mean - x).norm() / x.norm()) < 0.25 * single
@@ -292,8 +297,8 @@ def test_a_pipeline_matches_one_process_and_sends_the_planned_bytes(data, spec, 
 
 
 def test_three_stages_under_1f1b_match_one_process(data):
-    """Two boundaries, the backward's frames of each slot coded in 1F1B's order: each side's
-    per-slot count still meets the reference's, so the draws and the losses agree."""
+    """Two boundaries, the backward's frames coded in 1F1B's order: each frame's draws are
+    keyed by its slot and step, as the reference's, so the draws and the losses agree."""
     mc = ModelConfig(**MODEL, compression="hadamard_int2_b8")
     tc = TrainingConfig(steps=3, batch_size=8, micro_batches=4, schedule="1f1b",
                         eval_batches=0)

@@ -247,21 +247,27 @@ def _checkpoint_bytes(n: int) -> tuple[dict[int, dict[str, Any]], dict[int, dict
     return {s: {"on_checkpoint": hook(s)} for s in range(n)}, saved
 
 
-@pytest.mark.parametrize("schedule, dropout", [("1f1b", 0.0), ("gpipe", 0.0), ("1f1b", 0.2)])
-def test_a_resumed_run_continues_exactly(data, schedule, dropout):
+@pytest.mark.parametrize("schedule, dropout, compression", [
+    ("1f1b", 0.0, "none"), ("gpipe", 0.0, "none"), ("1f1b", 0.2, "none"),
+    # (the backward's stochastic rounding: its draws keyed by step and micro-batch)
+    ("1f1b", 0.0, "hadamard_int4_b16")])
+def test_a_resumed_run_continues_exactly(data, schedule, dropout, compression):
     """Stages restarted from the step-3 checkpoints (weights and optimiser state, through their
-    npz bytes) train steps 4-6 exactly as the uninterrupted run did, dropout masks included;
-    from the weights alone (fresh AdamW moments) they do not."""
+    npz bytes) train steps 4-6 exactly as the uninterrupted run did, dropout masks and
+    stochastically rounded gradients included; from the weights alone (fresh AdamW moments)
+    they do not. The uninterrupted run is one process's to 1e-5."""
     import torch
 
     from swarm_core.artifacts.shards import npz_arrays
 
-    mc = ModelConfig(**MODEL, dropout=dropout)
+    mc = ModelConfig(**MODEL, dropout=dropout, compression=compression)
     tc = TrainingConfig(steps=6, batch_size=8, micro_batches=4, schedule=schedule,
                         eval_batches=0, shard_push_interval_steps=3, lr=3e-3)
     hooks, saved = _checkpoint_bytes(3)
     whole = run_pipeline(mc, tc, data, 3, stage_kwargs=hooks)[2].losses
     assert sorted(saved[0]) == [3, 6]
+    ref, _ = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1, 1]))
+    assert max(abs(a - b) for a, b in zip(ref, whole, strict=True)) <= 1e-5
 
     resumed = {}
     for with_optimizer in (True, False):
