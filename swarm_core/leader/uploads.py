@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable
@@ -79,17 +80,37 @@ def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[i
     return sorted(steps, reverse=True)
 
 
+UNDONE_PREFIX = ".undone-"  # a dropped checkpoint on its way out (no ``step-*`` name)
+
+
 def drop_checkpoints_from(runs_dir: Path, job_id: str, step: int) -> list[int]:
     """Remove the job's checkpoints at ``step`` (1-based, steps done) and after: states a
     step that is trained again has undone (swarm wiring's redo), which a resume must never
-    take up. Returns the steps removed."""
-    dropped = []
-    for d in (runs_dir / job_id / "checkpoints").glob("step-*"):
+    take up. Each is renamed out of the checkpoints' names at once (nothing reads it from
+    then on) and its files are removed in a thread, with any an earlier leader left: the
+    leader's loop, which calls this, does not wait on a disk. Returns the steps removed."""
+    root = runs_dir / job_id / "checkpoints"
+    dropped, gone = [], list(root.glob(f"{UNDONE_PREFIX}*"))
+    for d in root.glob("step-*"):
         at = _step_of(d)
-        if at is not None and at >= step:
-            shutil.rmtree(d, ignore_errors=True)
-            dropped.append(at)
+        if at is None or at < step:
+            continue
+        out = root / f"{UNDONE_PREFIX}{d.name}-{os.urandom(4).hex()}"
+        try:
+            d.rename(out)
+        except FileNotFoundError:
+            continue  # (pruned meanwhile)
+        dropped.append(at)
+        gone.append(out)
+    if gone:
+        threading.Thread(target=_remove_trees, args=(gone,), daemon=True,
+                         name="drop-checkpoints").start()
     return sorted(dropped)
+
+
+def _remove_trees(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _stage_complete(d: Path) -> bool:

@@ -1683,6 +1683,13 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     assert refused.status == 409, await refused.text()
     assert (await refused.json())["error"]["code"] == "checkpoint_undone"
     assert complete_checkpoints(runs, jid, 1) == [5, 4]
+    # (renamed out of view as the change came, its files removed off the leader's loop)
+    root = runs / jid / "checkpoints"
+    for _ in range(100):
+        if sorted(p.name for p in root.iterdir()) == ["step-4", "step-5"]:
+            break
+        await asyncio.sleep(0.05)
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-5"]
 
 
 def _manifest(job_id: str, step: int) -> dict[str, Any]:
