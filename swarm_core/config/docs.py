@@ -207,7 +207,11 @@ SECTIONS: list[tuple[str, type, str]] = [
      "checked as `sync` is, a bad value an error at `$.scenarios[i].sync.<field>`, and a "
      "scenario of one replica with a `sync` is an error (it has nothing to keep in step). The "
      "plan's and the summary's `sync_mode` is the mode the scenario's job runs."),
-    ("GridShape (`grid`)", suites.GridShape, ""),
+    ("GridShape (`grid`)", suites.GridShape,
+     "`stages` x `replicas` cells, or a swarm-wired `layout`'s (its cells by stage, "
+     "`stages` its length; `replicas` the job's data shares), with `wiring`, `routing`, "
+     "`route_weights`, `moves` and `rebalance_every` as a job's topology takes them: a "
+     "grid a job would refuse is an error at `$.scenarios[i].grid`."),
     ("ScenarioArtifacts (`artifacts`)", suites.ScenarioArtifacts,
      "`dir` ends the names of the scenario's run folders under the suite's output folder "
      "(`-r<repeat>` after it when the suite repeats); unique within the suite."),

@@ -2,10 +2,10 @@
 
 A suite lists scenarios; each names its model, training and infra profile and its artifact
 directory, and may name its grid shape (``grid: {stages, replicas}``, and how micro-batches
-travel between replicas: ``wiring``, ``routing``, ``route_weights``, ``rebalance_every`` as a
-job's topology takes them; by default every cell of the infra is a pipeline stage, one
-replica) and how its replicas keep in step (``sync``: any of ``training.sync``'s fields, over
-the training profile's). An infra profile describes nodes
+travel between replicas: ``wiring``, ``routing``, ``route_weights``, ``layout``, ``moves``,
+``rebalance_every`` as a job's topology takes them; by default every cell of the infra is a
+pipeline stage, one replica) and how its replicas keep in step (``sync``: any of
+``training.sync``'s fields, over the training profile's). An infra profile describes nodes
 (groups of fellows), device slots per fellow and the link between nodes. On one machine a node
 is a group of fellows; the link between nodes is applied by the fellows' own link shapers.
 Every scenario records what was emulated and what was not (``infra_resolved.json``).
@@ -44,6 +44,7 @@ from swarm_core.config.traces import (
     resolve_trace,
 )
 from swarm_core.contract import JobSubmit
+from swarm_core.contract.rebalance import PeerMove
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.experiments.summary import MetricsSummary
 from swarm_core.paths import atomic_write
@@ -98,29 +99,60 @@ class ScenarioArtifacts:
 @attrs.define
 class GridShape:
     """A scenario's job as a grid: ``stages`` pipeline stages x ``replicas`` of each; its cells
-    are the infra's device slots (fellows x slots_per_fellow), so the two must agree."""
+    are the infra's device slots (fellows x slots_per_fellow), so the two must agree. A
+    swarm-wired scenario may give a ``layout`` instead (per stage, its cells' ids; stages of
+    unequal cells, ``replicas`` the job's data shares), and ``moves``: a job topology's."""
 
-    stages: int
+    stages: int | None = None  # default: the layout's
     replicas: int = 1
     # How micro-batches travel between the replicas (a job topology's fields of the same
-    # names): chain, or swarm with its routing, weights and rebalancing.
+    # names): chain, or swarm with its routing, weights, layout, moves and rebalancing.
     wiring: Wiring = "chain"
     routing: Literal["given", "measured"] = "given"
     route_weights: list[list[float]] | None = None
+    layout: list[list[int]] | None = None
+    moves: list[PeerMove] | None = None
     rebalance_every: int | None = None
 
     def __attrs_post_init__(self) -> None:
+        if self.stages is None:
+            if self.layout is None:
+                raise FieldError("give stages (or a swarm layout's cells by stage)", "stages")
+            self.stages = len(self.layout)
         if not 1 <= self.stages <= 1024:
             raise FieldError(f"must be 1-1024, got {self.stages}", "stages")
         if not 1 <= self.replicas <= MAX_REPLICAS:
             raise FieldError(f"must be 1-{MAX_REPLICAS}, got {self.replicas}", "replicas")
+        if self.layout is not None and len(self.layout) != self.stages:
+            raise FieldError(f"a layout of {len(self.layout)} stages in a grid of "
+                             f"{self.stages}", "layout")
         self.wiring_fields()  # (checked as a job's topology is, against its grid)
+
+    @property
+    def num_stages(self) -> int:
+        assert self.stages is not None
+        return self.stages
+
+    @property
+    def cells(self) -> int:
+        """The device slots it fills: its layout's cells, else stages x replicas."""
+        if self.layout is not None:
+            return sum(len(ids) for ids in self.layout)
+        return self.num_stages * self.replicas
+
+    @property
+    def label(self) -> str:
+        """``2x2``, or a layout's cells by stage: ``cells 1+3``."""
+        if self.layout is not None:
+            return "cells " + "+".join(str(len(ids)) for ids in self.layout)
+        return f"{self.stages}x{self.replicas}"
 
     def wiring_fields(self) -> dict[str, Any]:
         """The job topology's fields past its grid (``{}`` for a chain); FieldError at the
         field a job's topology would refuse."""
         return ClusterProfile(stages=self.stages, replicas=self.replicas, wiring=self.wiring,
                               routing=self.routing, route_weights=self.route_weights,
+                              layout=self.layout, moves=self.moves,
                               rebalance_every=self.rebalance_every).wiring_fields()
 
 
@@ -253,7 +285,11 @@ def load_suite(path: Path | str) -> ResolvedSuite:
                               "sync out)", f"{where}.sync")
         if sc.grid is not None and sc.grid.wiring_fields():
             _check_wiring(sc.grid, model, training, path, where)
-        if replicas > 1:
+        if sc.grid is not None and sc.grid.layout is not None:
+            emulated.append(f"grid {sc.grid.label}: stages of unequal cells over {replicas} "
+                            f"data shares, swarm-wired, each stage's cells kept in step by "
+                            f"{training.sync.mode} over the same shaped links")
+        elif replicas > 1:
             emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "
                             f"kept in step by {training.sync.mode} (sync compression "
                             f"{training.sync.compression}) over the same shaped links")
@@ -314,9 +350,9 @@ def _grid(sc: ScenarioSpec, infra: InfraProfile, model: ModelConfig, training: T
             raise ConfigError(path, f"{cells} stages for a {model.n_layers}-layer model",
                               f"{where}.infra")
         return cells, 1
-    stages, replicas = sc.grid.stages, sc.grid.replicas
-    if stages * replicas != cells:
-        raise ConfigError(path, f"grid {stages}x{replicas} is {stages * replicas} cells; infra "
+    stages, replicas = sc.grid.num_stages, sc.grid.replicas
+    if sc.grid.cells != cells:
+        raise ConfigError(path, f"grid {sc.grid.label} is {sc.grid.cells} cells; infra "
                           f"{infra.name!r} has {cells} (fellows x slots_per_fellow)",
                           f"{where}.grid")
     shape = job_shape_error(model, training, stages, replicas)
@@ -378,6 +414,7 @@ def plan(suite: ResolvedSuite, fellows: list[FellowInfo] | None) -> dict[str, An
         out["scenarios"].append({
             "name": sc.spec.name, "artifacts_dir": sc.spec.artifacts.dir,
             "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
+            "layout": None if sc.spec.grid is None else sc.spec.grid.layout,
             "fellows_needed": sc.fellows,
             "slots_per_fellow": sc.slots_per_fellow,
             "model": unstructure(sc.model), "training": unstructure(sc.training),

@@ -66,6 +66,39 @@ def test_a_routed_grid_reaches_the_job(tmp_path):
     assert as_experiment(suite, tmp_path / "out").runs[0].wiring == {}  # (no grid: a chain)
 
 
+def test_a_layout_grid_and_its_moves_reach_the_job_and_the_plan(tmp_path):
+    """Stages of unequal cells over the infra's four: stage 0 one cell, stage 1 three, two
+    data shares, a peer moved back at step 2; the job's topology is the layout's."""
+    grid = {"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1, 2]],
+            "moves": [{"at": 2, "source": 1, "cell": 2, "target": 0}]}
+    suite = load_suite(_suite(tmp_path, grid, sync={"mode": "dp"}))
+    sc = suite.scenarios[1]
+    assert (sc.stages, sc.replicas, sc.fellows) == (2, 2, 4)
+    assert any("grid cells 1+3" in e and "unequal cells" in e for e in sc.emulated)
+    run = as_experiment(suite, tmp_path / "out").runs[1]
+    topo = run.job("x").topology
+    assert (topo.num_stages, topo.layout, topo.fellows) == (2, [[0], [0, 1, 2]], 4)
+    assert [(m.at, m.source, m.cell, m.target) for m in topo.moves or ()] == [(2, 1, 2, 0)]
+    assert run.stages == 2 and run.wiring_label == "swarm cells 1+3 1 move(s)"
+    assert plan(suite, None)["scenarios"][1]["layout"] == [[0], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("grid, message", [
+    ({"replicas": 2, "wiring": "swarm", "layout": [[0], [0, 1]]},
+     "grid cells 1+2 is 3 cells; infra 'four' has 4"),
+    ({"stages": 3, "replicas": 2, "wiring": "swarm", "layout": [[0, 1], [0, 1]]},
+     "a layout of 2 stages in a grid of 3"),
+    ({"replicas": 2, "layout": [[0], [0, 1, 2]]}, "stages of unequal cells need wiring swarm"),
+    ({"replicas": 2}, "give stages (or a swarm layout's cells by stage)"),
+])
+def test_a_layout_grid_that_cannot_run_is_one_line_at_the_scenario(tmp_path, grid, message):
+    path = _suite(tmp_path, grid, sync={"mode": "dp"})
+    with pytest.raises(ConfigError) as info:
+        load_suite(path)
+    assert (info.value.field or "").startswith("$.scenarios[1].grid")
+    assert message in info.value.message and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("grid, message", [
     # The profile's sync is diloco: routed micro-batches would mix its replicas.
     ({"stages": 2, "replicas": 2, "wiring": "swarm"}, "(sync mode dp), not diloco"),
