@@ -549,7 +549,9 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
     measured = sum(wire) / len(wire) if wire else None
     # (every stage of every replica's chain: a fellow of several slots holds several stages)
     stages, replicas = st.spec.stages, st.spec.replicas
-    uncompressed = step_wire_bytes(plain, training, stages, replicas)
+    # (a swarm layout's NORM frames and measured routes' table, in both: see wire_math)
+    layout, routes = st.spec.wiring.get("layout"), st.spec.wiring.get("routing") == "measured"
+    uncompressed = step_wire_bytes(plain, training, stages, replicas, layout, routes)
     act, grad = step_boundary_bytes(model, training, stages, replicas)
     plain_boundary = sum(step_boundary_bytes(uncompressed_model(model), training, stages,
                                              replicas))
@@ -562,7 +564,8 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         eval_loss=m.eval_loss, perplexity=m.perplexity,
         wall_time_s=wall, tokens_per_s=m.tokens_per_s,
         wire_bytes_per_step=measured,
-        expected_wire_bytes_per_step=step_wire_bytes(model, training, stages, replicas),
+        expected_wire_bytes_per_step=step_wire_bytes(model, training, stages, replicas,
+                                                     layout, routes),
         uncompressed_wire_bytes_per_step=uncompressed,
         compression_ratio=(uncompressed / measured) if measured else None,
         act_bytes_per_step=act, grad_bytes_per_step=grad,

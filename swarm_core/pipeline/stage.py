@@ -1201,7 +1201,8 @@ def _summary(runner: StageRunner, reports: list[StepReport], wall: float,
         wire_tx_bytes_per_step=(sum(r.wire_tx_bytes for r in reports) / len(reports)
                                 if reports else 0.0),
         expected_wire_tx_bytes_per_step=expected_wire_bytes(
-            spec.model, t, spec.stage, spec.num_stages, spec.replicas, spec.replica),
+            spec.model, t, spec.stage, spec.num_stages, spec.replicas, spec.replica,
+            spec.layout, spec.measures_routes),
         activation_peak_bytes=max((r.activation_peak_bytes for r in reports), default=0),
         wait_fraction=_ratio(sum(r.wait_seconds for r in steady),
                              sum(r.seconds for r in steady)),

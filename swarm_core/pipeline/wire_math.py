@@ -7,6 +7,7 @@ The stage runner, the leader-side planner and the experiment runner (compression
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Self
 
 import attrs
@@ -103,24 +104,58 @@ def link_format(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Ce
 
 
 def link_bytes(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cell,
-               num_stages: int, replicas: int = 1) -> int:
+               num_stages: int, replicas: int = 1, norm: bool = True) -> int:
     """Bytes cell ``src`` sends its pipeline neighbour ``dst`` in one training step, headers
     included: its micro-batches' ACT (forward) or GRAD (backward) frames in the link's own
-    format (``link_format``), and with clipping the norm exchange's frame."""
+    format (``link_format``), and (``norm``) with clipping the norm exchange's frame."""
     mb = training.batch_size // replicas // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
     wire = link_format(model, training, src, dst, num_stages)
     sent = training.micro_batches * (HEADER_SIZE + wire.payload_size(shape))
-    return sent + (HEADER_SIZE + NORM_PAYLOAD if training.grad_clip > 0 else 0)
+    return sent + (HEADER_SIZE + NORM_PAYLOAD if norm and training.grad_clip > 0 else 0)
+
+
+def _whole(layout: Sequence[Sequence[int]] | None, cell: int) -> bool:
+    """Whether id ``cell`` has a cell at every stage (``pipeline.layout.complete``)."""
+    return layout is None or all(cell in ids for ids in layout)
+
+
+def norm_bytes(training: TrainingConfig, stage: int, num_stages: int, replica: int = 0,
+               layout: Sequence[Sequence[int]] | None = None, width: int = 1,
+               measured: bool = False) -> int:
+    """Bytes of the NORM frames cell (``stage``, ``replica``) sends in one step. The exchange
+    runs with clipping, and always under measured routes, whose table rides it: each frame
+    then holds the chain's sum and each stage's row of ``width`` figures
+    (``route_meter.chain_table``; ``width`` the job's cell ids). A whole chain's cell sends
+    one frame up and one down its chain; under a ``layout`` an id-0 cell also tells the
+    incomplete cells beside it and an incomplete cell sends none (``layout.norm_relay``)."""
+    if not (measured or training.grad_clip > 0):
+        return 0
+    if not _whole(layout, replica):
+        return 0
+    frames = (stage > 0) + (stage < num_stages - 1)
+    if layout is not None and replica == 0:
+        if stage + 1 < num_stages:
+            frames += sum(not _whole(layout, r) for r in layout[stage + 1])
+        if stage == 1:
+            frames += sum(not _whole(layout, r) for r in layout[0])
+    values = 1 + (num_stages * width if measured else 0)
+    return frames * (HEADER_SIZE + NORM_PAYLOAD * values)
 
 
 def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int,
-                        num_stages: int, replicas: int = 1, replica: int = 0) -> int:
+                        num_stages: int, replicas: int = 1, replica: int = 0,
+                        layout: Sequence[Sequence[int]] | None = None,
+                        measured: bool = False) -> int:
     """Bytes replica ``replica`` of this stage sends its pipeline neighbours in one training
-    step (a stage group's synchronisation is counted apart)."""
+    step (a stage group's synchronisation is counted apart): its micro-batches' frames
+    (a routed cell's, had the route dealt it its share: M of them) and its NORM frames
+    (``norm_bytes``; ``layout`` and ``measured``: a swarm-wired job's)."""
+    width = max((max(ids) + 1 for ids in layout), default=1) if layout else replicas
     return sum(link_bytes(model, training, (stage, replica), (peer, replica), num_stages,
-                          replicas)
-               for peer in (stage + 1, stage - 1) if 0 <= peer < num_stages)
+                          replicas, norm=False)
+               for peer in (stage + 1, stage - 1) if 0 <= peer < num_stages) \
+        + norm_bytes(training, stage, num_stages, replica, layout, width, measured)
 
 
 def step_boundary_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
@@ -148,7 +183,17 @@ def uncompressed_model(model: ModelConfig) -> ModelConfig:
 
 
 def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
-                    replicas: int = 1) -> int:
-    """Bytes all stages (every replica's chain) put on the pipeline's links in one step."""
-    return sum(expected_wire_bytes(model, training, s, num_stages, replicas, r)
-               for r in range(replicas) for s in range(num_stages))
+                    replicas: int = 1, layout: Sequence[Sequence[int]] | None = None,
+                    measured: bool = False) -> int:
+    """Bytes all stages (every replica's chain) put on the pipeline's links in one step. A
+    swarm ``layout``'s stages deal the same R x M micro-batches over their cells, so its
+    frames are the grid's; its NORM frames are its own cells' (``norm_bytes``)."""
+    frames = sum(link_bytes(model, training, (s, r), (peer, r), num_stages, replicas,
+                            norm=False)
+                 for r in range(replicas) for s in range(num_stages)
+                 for peer in (s + 1, s - 1) if 0 <= peer < num_stages)
+    width = max((max(ids) + 1 for ids in layout), default=1) if layout else replicas
+    cells = [(s, r) for s, ids in enumerate(layout) for r in ids] if layout else \
+        [(s, r) for r in range(replicas) for s in range(num_stages)]
+    return frames + sum(norm_bytes(training, s, num_stages, r, layout, width, measured)
+                        for s, r in cells)

@@ -329,3 +329,32 @@ def test_a_peer_that_stayed_through_a_move_moves_from_the_placement_it_made(data
                      {c: v[1] for c, v in by_cell.items()})
            for _step, by_cell in sorted(reports.items())]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+
+
+@pytest.mark.parametrize("layout, routing, clip", [
+    (None, "measured", 0.0),  # (measured routes' table rides the exchange, clipping or not)
+    ([[0], [0, 1, 2]], "given", 1.0),  # (id 0's stage-0 cell relays to 1.1 and 1.2)
+    ([[0, 1, 2], [0]], "measured", 1.0),
+])
+def test_a_routed_steps_frames_are_the_bytes_wire_math_expects(data, layout, routing, clip):
+    """Each step the cells together send R x M micro-batches' ACT and GRAD frames (however
+    the route dealt them) and their NORM frames: with measured routes each carries the
+    chain's sum and the whole table; under a layout id 0's cells relay the result to the
+    cells without a whole chain. Their sum is ``step_wire_bytes``'s, step by step."""
+    from swarm_core.pipeline.wire_math import step_wire_bytes
+
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 3, "batch_size": 16, "micro_batches": 4, "seed": 2,
+                    "eval_batches": 0, "grad_clip": clip}, TrainingConfig)
+    sent: dict[int, int] = {}
+
+    def on_step(_cell: int, rep) -> None:
+        sent[rep.step] = sent.get(rep.step, 0) + rep.wire_tx_bytes
+
+    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=120, wiring="swarm",
+                             routing=routing, layout=layout, on_step=on_step)
+    assert all(isinstance(v, StageResult) for v in res.values()), res
+    expected = step_wire_bytes(mc, tc, 2, 2, layout, routing == "measured")
+    plain = step_wire_bytes(mc, tc, 2, 2)  # (what a uniform, given route's job sends)
+    assert expected != plain or clip > 0
+    assert sent == {step: expected for step in (1, 2, 3)}
