@@ -72,20 +72,24 @@ def rewound(job: JobRecord, step: int) -> tuple[Placement, list[MembershipChange
     return placement, [c for c in job.membership if c not in later]
 
 
-def in_flight(job: JobRecord, fellow_id: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
-    """(the cell it left, the cell it became) where the job's latest move was this fellow's:
-    until its heartbeat names the new cell, it may still name the old one (a heartbeat sent
-    as it moved, or the leader told by a stayer first). None otherwise."""
+def in_flight(job: JobRecord, fellow_id: int
+              ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]] | None:
+    """(the cells this fellow held under an earlier placement of this attempt and holds no
+    longer, the cells it holds now) where its peer moved: until its heartbeat names the new
+    cell it may still name an old one (a heartbeat sent as it moved, or the leader told by a
+    stayer first), even once another peer has moved since. None otherwise."""
     if not moving(job) or job.placement is None:
         return None
     mine = moves_of(job)[job.moves_base:]
     if not mine:
         return None
-    m = mine[-1]
-    assert m.new_id is not None
-    if not job.placement.holds(fellow_id, m.target, m.new_id):
-        return None
-    return (m.source, m.cell), (m.target, m.new_id)
+
+    def cells(p: Placement) -> set[tuple[int, int]]:
+        return {(c.stage, c.replica) for c in p.stages if c.fellow_id == fellow_id}
+
+    now = cells(job.placement)
+    before = set().union(*(cells(placement_at(job, e)) for e in range(len(mine)))) - now
+    return (before, now) if before and now else None
 
 
 def news(job: JobRecord, upd: JobStatusUpdate) -> Told:

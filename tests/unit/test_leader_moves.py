@@ -333,3 +333,27 @@ async def test_a_heartbeat_naming_the_old_cell_after_a_stayer_told_the_move_stop
     await heartbeat(api, mover, status="busy", current_job=jid,
                     running=[{"job_id": jid, "stage": 1, "replica": 1, "attempt": 0}])
     assert "STOP" in [s["kind"] for s in await poll(api, mover, after=last)]
+
+
+async def test_a_heartbeat_naming_the_old_cell_after_a_later_move_by_another_peer_stops_nothing(
+        api):
+    """Two moves, the leader told both by a stayer before the first mover's fellow named its
+    new cell: its heartbeat still names the cell it left, which the second move gave another
+    fellow. Its task runs its new cell: nothing is stopped, nothing started again."""
+    back = {"at": 5, "source": 1, "cell": 1, "target": 0}
+    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}, back])
+    jid, _view, cells = await _placed(api, 8470, body)
+    await _before(api, jid, cells)
+    stayer, mover = cells[(1, 0)], cells[(0, 1)]
+    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 5, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 6, 2, {**back, "new_id": 1})).status == 200
+    job = await get_job(api, jid)
+    assert job["placement"]["layout"] == [[0, 1], [0, 2]]
+    assert next(c["fellow_id"] for c in job["placement"]["stages"]
+                if (c["stage"], c["replica"]) == (0, 1)) == cells[(1, 1)]["fellow_id"]
+    seen = await poll(api, mover)
+    last = max(s["seq"] for s in seen)
+    await heartbeat(api, mover, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": 0, "replica": 1, "attempt": 0}])
+    assert [s["kind"] for s in await poll(api, mover, after=last)] == []
