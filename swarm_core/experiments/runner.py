@@ -51,8 +51,8 @@ from swarm_core.experiments.report import link_mbps
 from swarm_core.experiments.summary import MetricsSummary, Threshold, summary_json
 from swarm_core.paths import atomic_write
 from swarm_core.pipeline.wire_math import (
+    run_wire_bytes,
     step_boundary_bytes,
-    step_wire_bytes,
     uncompressed_model,
 )
 from swarm_core.protocol import FellowInfo, JobState
@@ -550,8 +550,12 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
     # (every stage of every replica's chain: a fellow of several slots holds several stages)
     stages, replicas = st.spec.stages, st.spec.replicas
     # (a swarm layout's NORM frames and measured routes' table, in both: see wire_math)
-    layout, routes = st.spec.wiring.get("layout"), st.spec.wiring.get("routing") == "measured"
-    uncompressed = step_wire_bytes(plain, training, stages, replicas, layout, routes)
+    layout = st.spec.wiring.get("layout")
+    routes = st.spec.wiring.get("routing") == "measured" and st.spec.wiring.get(
+        "wiring") == "swarm" and (replicas > 1 or layout is not None)  # (StageSpec.routed)
+    moved = [(c.moved.at, c.moved.source, c.moved.cell, c.moved.target, c.moved.new_id)
+             for c in job.membership if c.moved is not None and c.moved.new_id is not None]
+    uncompressed = run_wire_bytes(plain, training, stages, replicas, layout, routes, moved)
     act, grad = step_boundary_bytes(model, training, stages, replicas)
     plain_boundary = sum(step_boundary_bytes(uncompressed_model(model), training, stages,
                                              replicas))
@@ -564,8 +568,8 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         eval_loss=m.eval_loss, perplexity=m.perplexity,
         wall_time_s=wall, tokens_per_s=m.tokens_per_s,
         wire_bytes_per_step=measured,
-        expected_wire_bytes_per_step=step_wire_bytes(model, training, stages, replicas,
-                                                     layout, routes),
+        expected_wire_bytes_per_step=run_wire_bytes(model, training, stages, replicas, layout,
+                                                    routes, moved),
         uncompressed_wire_bytes_per_step=uncompressed,
         compression_ratio=(uncompressed / measured) if measured else None,
         act_bytes_per_step=act, grad_bytes_per_step=grad,

@@ -286,8 +286,8 @@ def load_suite(path: Path | str) -> ResolvedSuite:
         if sc.grid is not None and sc.grid.wiring_fields():
             _check_wiring(sc.grid, model, training, path, where)
         if sc.grid is not None and sc.grid.layout is not None:
-            emulated.append(f"grid {sc.grid.label}: stages of unequal cells over {replicas} "
-                            f"data shares, swarm-wired, each stage's cells kept in step by "
+            emulated.append(f"grid {sc.grid.label}: a swarm layout's cells over {replicas} "
+                            f"data shares, each stage's cells kept in step by "
                             f"{training.sync.mode} over the same shaped links")
         elif replicas > 1:
             emulated.append(f"grid {stages}x{replicas}: {replicas} replicas of every stage, "

@@ -72,24 +72,32 @@ def rewound(job: JobRecord, step: int) -> tuple[Placement, list[MembershipChange
     return placement, [c for c in job.membership if c not in later]
 
 
-def in_flight(job: JobRecord, fellow_id: int
-              ) -> tuple[set[tuple[int, int]], set[tuple[int, int]]] | None:
-    """(the cells this fellow held under an earlier placement of this attempt and holds no
-    longer, the cells it holds now) where its peer moved: until its heartbeat names the new
-    cell it may still name an old one (a heartbeat sent as it moved, or the leader told by a
-    stayer first), even once another peer has moved since. None otherwise."""
+def in_flight(job: JobRecord, fellow_id: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """Each cell this fellow left by a move of this attempt, to the cell it holds now in its
+    place (a fellow that moved twice: both old cells to the last): until its heartbeat names
+    the new cell it may still name an old one (a heartbeat sent as it moved, or the leader
+    told by a stayer first), even once other peers have moved since. Empty for a fellow
+    that never moved. One walk back over the moves (each move's mover is the fellow at its
+    new cell in the placement after it)."""
     if not moving(job) or job.placement is None:
-        return None
+        return {}
     mine = moves_of(job)[job.moves_base:]
-    if not mine:
-        return None
-
-    def cells(p: Placement) -> set[tuple[int, int]]:
-        return {(c.stage, c.replica) for c in p.stages if c.fellow_id == fellow_id}
-
-    now = cells(job.placement)
-    before = set().union(*(cells(placement_at(job, e)) for e in range(len(mine)))) - now
-    return (before, now) if before and now else None
+    p, movers = job.placement, []
+    for m in reversed(mine):
+        assert m.new_id is not None
+        movers.append(p.cell(m.target, m.new_id).fellow_id if p.has(m.target, m.new_id)
+                      else None)
+        p = m.undo(p)
+    became: dict[tuple[int, int], tuple[int, int]] = {}
+    for m, mover in zip(mine, reversed(movers), strict=True):
+        if mover != fellow_id:
+            continue
+        assert m.new_id is not None
+        old, new = (m.source, m.cell), (m.target, m.new_id)
+        became = {k: new if v == old else v for k, v in became.items()}
+        became[old] = new
+    held = {(c.stage, c.replica) for c in job.placement.stages if c.fellow_id == fellow_id}
+    return {old: new for old, new in became.items() if new in held and old not in held}
 
 
 def news(job: JobRecord, upd: JobStatusUpdate) -> Told:

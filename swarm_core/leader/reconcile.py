@@ -83,9 +83,8 @@ class Reconciler:
             return
         ran = {(c.stage, c.replica) for c in running
                if c.job_id == job.job_id and c.attempt == job.attempt}
-        moving = moves.in_flight(job, rec.fellow_id)
-        if moving is not None and ran & moving[0]:
-            ran |= moving[1]  # (it runs the cell it became, as its old one for now)
+        # (it runs the cell it became, named as its old one for now)
+        ran |= {new for old, new in moves.in_flight(job, rec.fellow_id).items() if old in ran}
         for cell, st in enumerate(placement.stages):
             if st.fellow_id != rec.fellow_id or cell in job.done_stages \
                     or (st.stage, st.replica) in ran or self.queue.membership.out(job,
@@ -111,8 +110,7 @@ def _why_not(job: JobRecord | None, rec: FellowRecord, cell: CellRef) -> str | N
     if cell.attempt != job.attempt:
         return f"of attempt {cell.attempt}, which attempt {job.attempt} replaced"
     if job.placement is None or not job.placement.holds(rec.fellow_id, cell.stage, cell.replica):
-        moving = moves.in_flight(job, rec.fellow_id)
-        if moving is not None and (cell.stage, cell.replica) in moving[0]:
+        if (cell.stage, cell.replica) in moves.in_flight(job, rec.fellow_id):
             return None  # (its peer moved: the same task runs the new cell, named next beat)
         return "that the job's placement gives to another fellow"
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -80,6 +81,8 @@ def complete_checkpoints(runs_dir: Path, job_id: str, num_stages: int) -> list[i
     return sorted(steps, reverse=True)
 
 
+log = logging.getLogger("swarm.leader")
+
 UNDONE_PREFIX = ".undone-"  # a dropped checkpoint on its way out (no ``step-*`` name)
 
 
@@ -100,6 +103,9 @@ def drop_checkpoints_from(runs_dir: Path, job_id: str, step: int) -> list[int]:
             d.rename(out)
         except FileNotFoundError:
             continue  # (pruned meanwhile)
+        except OSError as exc:  # (a rename refused: removed where it is, in the thread)
+            log.warning("checkpoint %s of %s: %s; removing it in place", d.name, job_id, exc)
+            out = d
         dropped.append(at)
         gone.append(out)
     if gone:
@@ -141,6 +147,8 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
                 os.link(src / name, tmp)
             except OSError:
                 shutil.copyfile(src / name, tmp)
+    if MANIFEST not in files:  # (the checkpoint was dropped as undone while it was linked)
+        raise FileNotFoundError(src / MANIFEST)
     manifest = files.pop(MANIFEST)
     _swap_in(dest, files)
     os.replace(manifest, dest / MANIFEST)
@@ -153,6 +161,8 @@ def publish(runs_dir: Path, job_id: str, step: int, stage: int, fellow_id: int,
             older = _step_of(d)
             if older is not None and older < cutoff:
                 shutil.rmtree(d, ignore_errors=True)
+    # (an undone checkpoint a leader that stopped mid-removal left behind: this is a thread)
+    _remove_trees(list(root.glob(f"{UNDONE_PREFIX}*")))
 
 
 def _swap_in(dest: Path, files: dict[str, Path]) -> None:

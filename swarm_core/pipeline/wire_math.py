@@ -177,6 +177,31 @@ def step_boundary_bytes(model: ModelConfig, training: TrainingConfig, num_stages
     return act * training.micro_batches, grad * training.micro_batches
 
 
+def run_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: int,
+                   replicas: int = 1, layout: Sequence[Sequence[int]] | None = None,
+                   measured: bool = False,
+                   moves: Sequence[tuple[int, int, int, int, int]] = ()) -> float:
+    """``step_wire_bytes`` over a run whose peers moved: the mean over its steps of each
+    step's, under the layout in force (``moves``: (at, source, cell, target, new_id), the
+    0-based step each is made before, in order; a move adds relays and widens the measured
+    table). Without moves, ``step_wire_bytes``."""
+    if not moves:
+        return step_wire_bytes(model, training, num_stages, replicas, layout, measured)
+    now = [set(ids) for ids in layout] if layout else \
+        [set(range(replicas)) for _ in range(num_stages)]
+    total, since = 0.0, 0
+    for at, source, cell, target, new_id in [*moves, (training.steps, -1, -1, -1, -1)]:
+        at = min(at, training.steps)
+        shape = [sorted(ids) for ids in now]
+        total += (at - since) * step_wire_bytes(model, training, num_stages, replicas, shape,
+                                                measured)
+        since = at
+        if source >= 0:
+            now[source].discard(cell)
+            now[target].add(new_id)
+    return total / max(1, training.steps)
+
+
 def uncompressed_model(model: ModelConfig) -> ModelConfig:
     """The same model with spec ``none`` on an fp32 wire: what a ratio "to none" divides."""
     return attrs.evolve(model, compression="none", bottleneck_dim=None, wire_dtype="fp32")

@@ -357,3 +357,26 @@ async def test_a_heartbeat_naming_the_old_cell_after_a_later_move_by_another_pee
     await heartbeat(api, mover, status="busy", current_job=jid,
                     running=[{"job_id": jid, "stage": 0, "replica": 1, "attempt": 0}])
     assert [s["kind"] for s in await poll(api, mover, after=last)] == []
+
+
+async def test_a_peer_that_moved_twice_may_be_named_by_either_old_cell(api):
+    """The same peer moves there and back (0.1 -> 1.2, then 1.2 -> 0.1), the leader told by a
+    stayer: a late heartbeat naming the cell it held between is forgiven; one naming a cell
+    it never held is not."""
+    back = {"at": 5, "source": 1, "cell": 2, "target": 0}
+    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}, back])
+    jid, _view, cells = await _placed(api, 8490, body)
+    await _before(api, jid, cells)
+    stayer, mover = cells[(1, 0)], cells[(0, 1)]
+    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 5, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 6, 2, {**back, "new_id": 1})).status == 200
+    job = await get_job(api, jid)
+    assert "layout" not in job["placement"]  # (back to the grid, the peer at 0.1 again)
+    last = max(s["seq"] for s in await poll(api, mover))
+    await heartbeat(api, mover, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": 1, "replica": 2, "attempt": 0}])
+    assert [s["kind"] for s in await poll(api, mover, after=last)] == []
+    await heartbeat(api, mover, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": 1, "replica": 1, "attempt": 0}])
+    assert "STOP" in [s["kind"] for s in await poll(api, mover, after=last)]

@@ -74,7 +74,8 @@ def test_a_layout_grid_and_its_moves_reach_the_job_and_the_plan(tmp_path):
     suite = load_suite(_suite(tmp_path, grid, sync={"mode": "dp"}))
     sc = suite.scenarios[1]
     assert (sc.stages, sc.replicas, sc.fellows) == (2, 2, 4)
-    assert any("grid cells 1+3" in e and "unequal cells" in e for e in sc.emulated)
+    assert any("grid cells 1+3: a swarm layout's cells over 2 data shares" in e
+               for e in sc.emulated)
     run = as_experiment(suite, tmp_path / "out").runs[1]
     topo = run.job("x").topology
     assert (topo.num_stages, topo.layout, topo.fellows) == (2, [[0], [0, 1, 2]], 4)

@@ -331,19 +331,28 @@ def test_a_peer_that_stayed_through_a_move_moves_from_the_placement_it_made(data
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
 
 
-@pytest.mark.parametrize("layout, routing, clip", [
-    (None, "measured", 0.0),  # (measured routes' table rides the exchange, clipping or not)
-    ([[0], [0, 1, 2]], "given", 1.0),  # (id 0's stage-0 cell relays to 1.1 and 1.2)
-    ([[0, 1, 2], [0]], "measured", 1.0),
+@pytest.mark.parametrize("layout, routing, clip, differs", [
+    # (measured routes' table rides the exchange, clipping or not)
+    (None, "measured", 0.0, True),
+    # (id 0's stage-0 cell relays to 1.1 and 1.2, which send none: as many frames as 2x2's)
+    ([[0], [0, 1, 2]], "given", 1.0, False),
+    ([[0, 1, 2], [0]], "measured", 1.0, True),
+    # (three stages: ids 1 and 2 have no whole chain; 1.0 relays to 0.1, 2.1 and 2.2, and
+    # those send none: 7 NORM frames where a 3x2 grid's cells send 8)
+    ([[0, 1], [0], [0, 1, 2]], "given", 1.0, True),
+    ([[0, 1], [0], [0, 1, 2]], "measured", 1.0, True),
 ])
-def test_a_routed_steps_frames_are_the_bytes_wire_math_expects(data, layout, routing, clip):
+def test_a_routed_steps_frames_are_the_bytes_wire_math_expects(data, layout, routing, clip,
+                                                              differs):
     """Each step the cells together send R x M micro-batches' ACT and GRAD frames (however
     the route dealt them) and their NORM frames: with measured routes each carries the
     chain's sum and the whole table; under a layout id 0's cells relay the result to the
-    cells without a whole chain. Their sum is ``step_wire_bytes``'s, step by step."""
+    cells without a whole chain, which send none. Their sum is ``step_wire_bytes``'s, step
+    by step (where the NORM frames differ from a grid's, so does the count)."""
     from swarm_core.pipeline.wire_math import step_wire_bytes
 
     mc = ModelConfig(**MODEL)
+    stages = 2 if layout is None else len(layout)
     tc = structure({"steps": 3, "batch_size": 16, "micro_batches": 4, "seed": 2,
                     "eval_batches": 0, "grad_clip": clip}, TrainingConfig)
     sent: dict[int, int] = {}
@@ -351,10 +360,34 @@ def test_a_routed_steps_frames_are_the_bytes_wire_math_expects(data, layout, rou
     def on_step(_cell: int, rep) -> None:
         sent[rep.step] = sent.get(rep.step, 0) + rep.wire_tx_bytes
 
-    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=120, wiring="swarm",
+    res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120, wiring="swarm",
                              routing=routing, layout=layout, on_step=on_step)
     assert all(isinstance(v, StageResult) for v in res.values()), res
-    expected = step_wire_bytes(mc, tc, 2, 2, layout, routing == "measured")
-    plain = step_wire_bytes(mc, tc, 2, 2)  # (what a uniform, given route's job sends)
-    assert expected != plain or clip > 0
+    expected = step_wire_bytes(mc, tc, stages, 2, layout, routing == "measured")
+    assert (expected != step_wire_bytes(mc, tc, stages, 2)) == differs  # (a grid's count)
     assert sent == {step: expected for step in (1, 2, 3)}
+
+
+def test_a_moved_runs_frames_are_the_mean_of_each_layouts(data):
+    """A peer moved before step 2 of 4 under measured routes: the steps before send the
+    grid's frames, the steps after the new layout's (its relays, its wider table);
+    ``run_wire_bytes`` is their mean over the run."""
+    from swarm_core.contract.rebalance import PeerMove
+    from swarm_core.pipeline.wire_math import run_wire_bytes, step_wire_bytes
+
+    mc = ModelConfig(**MODEL)
+    tc = structure({"steps": 4, "batch_size": 16, "micro_batches": 4, "seed": 2,
+                    "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
+    sent: dict[int, int] = {}
+
+    def on_step(_cell: int, rep) -> None:
+        sent[rep.step] = sent.get(rep.step, 0) + rep.wire_tx_bytes
+
+    res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=120, wiring="swarm",
+                             routing="measured", on_step=on_step,
+                             moves=[PeerMove(at=2, source=0, cell=1, target=1)])
+    assert not [v for v in res.values() if not isinstance(v, StageResult)], res
+    before = step_wire_bytes(mc, tc, 2, 2, None, True)
+    after = step_wire_bytes(mc, tc, 2, 2, [[0], [0, 1, 2]], True)
+    assert before != after and sent == {1: before, 2: before, 3: after, 4: after}
+    assert run_wire_bytes(mc, tc, 2, 2, None, True, [(2, 0, 1, 1, 2)]) == (before + after) / 2
