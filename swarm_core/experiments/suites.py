@@ -452,6 +452,7 @@ def summarize(suite: ResolvedSuite, out_dir: Path, run_dirs: dict[str, Path]) ->
         rows.append({
             "scenario": sc.spec.name, "status": status,
             "stages": sc.stages, "replicas": sc.replicas, "sync_mode": sc.sync_mode,
+            "layout": None if sc.spec.grid is None else sc.spec.grid.layout,
             "tokens_per_s": summary.tokens_per_s,
             "step_time_s": median, "final_loss": summary.final_loss,
             "eval_loss": summary.eval_loss,

@@ -122,7 +122,10 @@ def cmd_suite(args: argparse.Namespace) -> int:
 
 
 def _grid(row: dict) -> str:
-    """A scenario's ``stages x replicas``, as its plan or summary row has them."""
+    """A scenario's ``stages x replicas`` (a swarm layout's cells by stage: ``cells 1+3``),
+    as its plan or summary row has them."""
+    if row.get("layout"):
+        return "cells " + "+".join(str(len(ids)) for ids in row["layout"])
     return f"{row['stages']}x{row['replicas']}"
 
 

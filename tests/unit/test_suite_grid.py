@@ -81,7 +81,11 @@ def test_a_layout_grid_and_its_moves_reach_the_job_and_the_plan(tmp_path):
     assert (topo.num_stages, topo.layout, topo.fellows) == (2, [[0], [0, 1, 2]], 4)
     assert [(m.at, m.source, m.cell, m.target) for m in topo.moves or ()] == [(2, 1, 2, 0)]
     assert run.stages == 2 and run.wiring_label == "swarm cells 1+3 1 move(s)"
-    assert plan(suite, None)["scenarios"][1]["layout"] == [[0], [0, 1, 2]]
+    row = plan(suite, None)["scenarios"][1]
+    assert row["layout"] == [[0], [0, 1, 2]]
+    from swarm_tui.commands.suites import _grid
+
+    assert (_grid(row), _grid(plan(suite, None)["scenarios"][0])) == ("cells 1+3", "1x1")
 
 
 @pytest.mark.parametrize("grid, message", [
