@@ -267,6 +267,29 @@ async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source)
     assert all(torch.equal(union[n], want[n]) for n in want)
 
 
+def test_a_learned_boundary_needs_the_split_and_a_subspace_the_seed():
+    from swarm_core.contract import JobSubmit
+    from swarm_core.leader.queue import _warm_split_mismatch
+
+    def job(compression: str, stages: int, seed: int = 0, **training: Any) -> JobSubmit:
+        return structure({"kind": "train", "model": {**MODEL, "n_layers": 4,
+                                                     "compression": compression},
+                          "training": {"seed": seed, **training},
+                          "topology": {"stages": stages}}, JobSubmit)
+
+    learned = job("learned_dim8", 2)
+    assert _warm_split_mismatch(learned, job("learned_dim8", 2, seed=3), "job-000001") is None
+    why = _warm_split_mismatch(learned, job("learned_dim8", 4), "job-000001")
+    assert why is not None and "learned_dim8 learns its boundaries where job-000001's" in why
+    why = _warm_split_mismatch(learned, job("learned_dim8", 2, stage_weights=[1, 3]), "job-1")
+    assert why is not None and "[(0, 1), (1, 4)], this job's [(0, 2), (2, 4)]" in why
+    assert _warm_split_mismatch(job("none", 2), job("none", 4), "job-000001") is None
+    sub = job("subspace_k8", 2, seed=1)
+    assert _warm_split_mismatch(sub, job("subspace_k8", 1, seed=1), "job-000001") is None
+    why = _warm_split_mismatch(sub, job("subspace_k8", 1, seed=2), "job-000001")
+    assert why is not None and "seed 2, this job's 1" in why
+
+
 async def test_a_step_named_is_kept(source):
     client, _fellows, src, _ = source
     body = _train_job(warm_start={"job_id": src, "step": 2})
