@@ -518,8 +518,8 @@ class TrainJob:
                 raise JobRefused(f"{self._resumed_from()}: {exc}") from None
             raise
 
-
     def _resumed_from(self) -> str:
+        """What a checkpoint that does not fit this stage failed to do, for its refusal."""
         warm = self.training.warm_start
         if self.warm is not None and warm is not None:
             return f"cannot warm-start from {warm.job_id} step {warm.step}"

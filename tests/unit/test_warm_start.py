@@ -457,3 +457,14 @@ def test_a_warm_started_pipeline_computes_what_one_process_computes(data, source
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
     cold = run_local_pipeline(mc, tc, data, stages)[stages - 1].losses
     assert got[0] < cold[0] - 0.1, "the weights were the source's, not the seeded init"
+
+
+def test_a_stage_the_weights_lack_fails_in_one_line_before_it_trains(data):
+    mc = ModelConfig(**MODEL)
+    union = _whole([(0, 2)]).flat_state_dict()
+    del union["head.ln_f.weight"]
+    tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=1)
+    res = run_local_pipeline(mc, tc, data, 2, stage_kwargs={
+        k: {"initial_state": union, "own_keys": True} for k in range(2)})
+    assert isinstance(res[1], ResumeError)
+    assert str(res[1]) == "the weights hold no 'head.ln_f.weight'"
