@@ -437,9 +437,16 @@ def _reference_from(state: dict[str, torch.Tensor], tc: TrainingConfig, data) ->
     return losses
 
 
-@pytest.mark.parametrize("source_stages, stages", [(1, 2), (2, 1)])
+def _step_losses(res: dict[int, Any], stages: int, replicas: int) -> list[float]:
+    """The step's loss: the mean of each replica's last stage's (each over an equal share)."""
+    per_replica = [res[r * stages + stages - 1].losses for r in range(replicas)]
+    return [sum(step) / replicas for step in zip(*per_replica, strict=True)]
+
+
+@pytest.mark.parametrize("source_stages, stages, replicas", [(1, 2, 1), (2, 1, 1),
+                                                               (1, 2, 2)])
 def test_a_warm_started_pipeline_computes_what_one_process_computes(data, source_stages,
-                                                                    stages):
+                                                                    stages, replicas):
     mc = ModelConfig(**MODEL)
     trained = TrainingConfig(steps=6, batch_size=8, micro_batches=2, seed=5)
     _, source = train_reference(mc, trained, data,
@@ -449,13 +456,14 @@ def test_a_warm_started_pipeline_computes_what_one_process_computes(data, source
     union = asyncio.run(warm_weights(fetch, "job-000003", 6))
     # (a new job: another seed, its own data order; only the weights come from the source)
     tc = TrainingConfig(steps=4, batch_size=8, micro_batches=2, seed=0, eval_batches=1)
-    res = run_local_pipeline(mc, tc, data, stages, stage_kwargs={
-        k: {"initial_state": union, "own_keys": True} for k in range(stages)})
-    got = res[stages - 1].losses
+    res = run_local_pipeline(mc, tc, data, stages, replicas=replicas, stage_kwargs={
+        k: {"initial_state": union, "own_keys": True} for k in range(stages * replicas)})
+    got = _step_losses(res, stages, replicas)
     ref = _reference_from(union, tc, data)
     assert len(got) == 4
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
-    cold = run_local_pipeline(mc, tc, data, stages)[stages - 1].losses
+    cold = _step_losses(run_local_pipeline(mc, tc, data, stages, replicas=replicas), stages,
+                        replicas)
     assert got[0] < cold[0] - 0.1, "the weights were the source's, not the seeded init"
 
 
