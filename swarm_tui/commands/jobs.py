@@ -117,6 +117,10 @@ def cmd_job(args: argparse.Namespace) -> int:
                 ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
+        warm = job.train.warm_start if job.train is not None else None
+        if warm is not None:
+            rows.append(["warm start", f"{warm.job_id} step {warm.step} (its weights; fresh "
+                                       "optimiser and schedule)"])
         if job.train is not None and job.train.transport != "shaped":
             rows.append(["transport", f"{job.train.transport} (gloo; unshaped: link limits "
                                       "and set-speed do not reach it)"])

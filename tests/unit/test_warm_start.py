@@ -215,7 +215,8 @@ async def test_a_running_or_smoke_source_is_refused(aiohttp_client, tmp_path):
         assert needle in err["message"], err
 
 
-async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source):
+async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source, monkeypatch,
+                                                                         capsys):
     client, fellows, src, pushed = source
     body = _train_job(warm_start={"job_id": src})
     job = await expect_ok(await client.post(f"{A}/jobs", json=body, headers=AUTH), 201)
@@ -258,6 +259,16 @@ async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source)
             return manifest, weights
 
         union = await warm_weights(fetch, src, 4)
+        # (and swarm job says where the job's weights came from)
+        from swarm_tui.commands import jobs
+
+        bodies: list[Any] = []
+        monkeypatch.setattr(jobs, "run_with_client", lambda _a, body: bodies.append(body))
+        jobs.cmd_job(argparse.Namespace(job_id=job["job_id"], format="table"))
+        capsys.readouterr()
+        await bodies[0](sc)
+        assert f"{src} step 4 (its weights; fresh optimiser and schedule)" in \
+            capsys.readouterr().out
     finally:
         await sc.close()
     want = {}
