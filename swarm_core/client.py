@@ -279,15 +279,17 @@ class SwarmClient:
         self.bytes_received += len(raw) + 150
         return _reply(resp.status, raw)
 
-    async def checkpoint(self, job_id: str, step: int, stage: int,
-                         session: str) -> tuple[dict[str, Any], bytes, bytes | None]:
+    async def checkpoint(self, job_id: str, step: int, stage: int, session: str,
+                         weights_only: bool = False
+                         ) -> tuple[dict[str, Any], bytes, bytes | None]:
         """(manifest, weights.npz bytes, optimizer.npz bytes or None) of a stage checkpoint, to
-        resume from; the optimiser state is fetched when the manifest names it."""
+        resume from; the optimiser state is fetched when the manifest names it, unless
+        ``weights_only`` (a warm start's: another job's weights, never its moments)."""
         base = f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/checkpoints/{step}/{stage}"
         out: list[bytes] = []
         manifest: dict[str, Any] = {}
         for part in ("manifest", "weights", "optimizer"):
-            if part == "optimizer" and not names_optimizer(manifest):
+            if part == "optimizer" and (weights_only or not names_optimizer(manifest)):
                 break
             status, raw = await self._download(f"{base}/{part}", {SESSION_HEADER: session})
             if part == "optimizer" and status == 404:

@@ -120,6 +120,19 @@ SECTIONS: list[tuple[str, type, str]] = [
      "and its perplexity. `validation_fraction` is the tail of the text held out; "
      "`wikitext103` uses the corpus's own validation split instead (read offline from the "
      "Hugging Face cache), so its perplexities compare with published ones."),
+    ("WarmStart (`warm_start`)", schemas.WarmStart,
+     "`{\"job_id\": \"job-000012\", \"step\": 2000}`: the job's weights are that job's "
+     "checkpoint's (`swarm submit --warm-start job-000012:2000`). `step` left out is the "
+     "job's newest complete checkpoint, resolved when the job is submitted, so every cell and "
+     "every restart loads the same one. The source job must be on the same leader and have "
+     "ended, and its model must equal this one's in every field but `name` (a vocabulary left "
+     "to the tokenizer: the same tokenizer; a learned boundary: the same layer split; a "
+     "subspace boundary: the same seed); otherwise the submit is refused at "
+     "`$.training.warm_start`. Only the weights are taken: the optimiser, a periodic sync's "
+     "outer state and the lr schedule (warmup included) start fresh at step 0. The stage "
+     "split may differ from the source's: each cell takes its own stage's parameters from "
+     "the union of the source's stage shards. A run resumed from its own checkpoint resumes "
+     "from that."),
     ("CompressWhen (`compress_when`)", selective.CompressWhen,
      "Selective compression, as the heterogeneous pre-training paper (arXiv 2601.02360) "
      "compresses only its bandwidth-limited replicas. Null (the default): the compression "

@@ -22,6 +22,7 @@ from swarm_core.config.network import LinkMatrix
 from swarm_core.config.selective import CompressWhen, selective_error
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, checking
+from swarm_core.validators import MAX_STEPS, bounded, meta
 
 WireDtype = Literal["fp32", "fp16", "bf16"]
 Schedule = Literal["gpipe", "1f1b", "eager"]
@@ -400,6 +401,32 @@ class ModelConfig:
         return parse_compression(self.compression, self.bottleneck_dim, self.d_model)
 
 
+# A job id as the leader issues them (``job-000012``; the sequence outgrows six digits).
+JOB_ID = re.compile(r"job-[0-9]{6,19}")
+
+
+def _job_id(_i: Any, a: attrs.Attribute, v: str) -> None:
+    if not JOB_ID.fullmatch(v):
+        raise FieldError(f"must be a job id such as job-000012, got {v[:40]!r}", a.name)
+
+
+_job_id.json_schema = {"pattern": f"^{JOB_ID.pattern}$"}  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class WarmStart:
+    """Start a job from another job's checkpoint weights instead of the seeded init: only the
+    weights are taken (the optimiser state, the outer state and the lr schedule start fresh,
+    at step 0), and the stage split may differ from the source's. The model must equal the
+    source's in every field but ``name``."""
+
+    job_id: str = attrs.field(validator=_job_id, metadata=meta(
+        "the job whose checkpoint the weights come from, on this leader"))
+    step: int | None = attrs.field(default=None, validator=bounded(1, MAX_STEPS), metadata=meta(
+        "its checkpoint's step; null: its newest complete checkpoint, which the leader "
+        "resolves at submit (the job's spec then names it)", minimum=1, maximum=MAX_STEPS))
+
+
 # torch threads per stage: more than any machine here gives one process.
 MAX_THREADS = 256
 
@@ -462,6 +489,9 @@ class TrainingConfig:
     # torch.distributed gloo groups, one per link (unshaped: the buckets cannot see gloo's
     # sockets), and the stage groups' fp32 data-parallel mean as gloo's all_reduce.
     transport: Literal["shaped", "torch"] = "shaped"
+    # The weights of another job's checkpoint in place of the seeded init (issue 38: the sync
+    # figure's runs from one warm start); a resumed run takes its own checkpoint instead.
+    warm_start: WarmStart | None = None
 
     def checkpoint_after(self, step: int, outer_steps: bool = False) -> bool:
         """Whether a checkpoint is taken after 1-based step ``step``, short of the last:
@@ -557,3 +587,28 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
         return (f"vocab_size {model.vocab_size} is smaller than the byte tokenizer's 256 "
                 "tokens", "model.vocab_size")
     return None
+
+
+def warm_start_mismatch(model: ModelConfig, training: TrainingConfig,
+                        source_model: ModelConfig, source_training: TrainingConfig) -> str | None:
+    """Why a job of ``model`` cannot start from the weights of a job of ``source_model``, or
+    None where it can. The rule is the whole ModelConfig but its name: stricter than the
+    parameters' shapes (dropout or wire_dtype shape none), but one a reader can check at a
+    glance, and a weight trained under another boundary codec or dtype is another model's.
+    A vocabulary left to the tokenizer must come from the same tokenizer, so the embedding
+    and the head have the same rows."""
+    mine = attrs.asdict(model, recurse=False)
+    theirs = attrs.asdict(source_model, recurse=False)
+    differ = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in mine
+              if k != "name" and mine[k] != theirs[k]]
+    if not differ and model.vocab_size is None:
+        vocab = (training.tokenizer, training.bpe_vocab_size
+                 if training.tokenizer == "bpe" else None)
+        source_vocab = (source_training.tokenizer, source_training.bpe_vocab_size
+                        if source_training.tokenizer == "bpe" else None)
+        if vocab != source_vocab:
+            differ.append(f"the tokenizer's vocabulary ({source_training.tokenizer} vs "
+                          f"{training.tokenizer}, model.vocab_size unset)")
+    if not differ:
+        return None
+    return "model differs in " + ", ".join(differ)

@@ -555,6 +555,11 @@ class FellowDaemon:
                                 stage: int) -> tuple[dict, bytes, bytes | None]:
         return await self.client.checkpoint(job, step, stage, self.session)
 
+    async def _fetch_weights(self, job: str, step: int, stage: int) -> tuple[dict, bytes]:
+        manifest, weights, _ = await self.client.checkpoint(job, step, stage, self.session,
+                                                            weights_only=True)
+        return manifest, weights
+
     async def _fetch_replica_state(self, job: str, step: int, stage: int,
                                    replica: int) -> tuple[dict, bytes] | None:
         return await self.client.replica_state(job, step, stage, replica, self.session)
@@ -585,6 +590,7 @@ class FellowDaemon:
                           listener=self.listeners[slot] if slot < len(self.listeners) else None,
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
+                          fetch_weights=self._fetch_weights,
                           fetch_replica_state=self._fetch_replica_state,
                           links=self.links, data_roots=self.opts.data_roots, pace=self.pace,
                           regroup=self._regroup)

@@ -90,6 +90,9 @@ class JobContext:
     push_shard: PushShard | None = None
     # (job_id, step, stage) -> (manifest, weights.npz, optimizer.npz or None) from the leader
     fetch_checkpoint: Callable[[str, int, int], Awaitable[Checkpoint]] | None = None
+    # (job_id, step, stage) -> (manifest, weights.npz) of a checkpoint, without its optimiser
+    # state: another job's, that this one warm-starts from (training.warm_start)
+    fetch_weights: Callable[[str, int, int], Awaitable[tuple[dict[str, Any], bytes]]] | None = None
     # (job_id, step, stage, replica) -> (manifest, optimizer.npz) of a replica's own state
     # (DiLoCo), or None where the leader holds none
     fetch_replica_state: Callable[[str, int, int, int],

@@ -24,6 +24,7 @@ import attrs
 from swarm_core.artifacts import shards
 from swarm_core.artifacts.layout import names_optimizer
 from swarm_core.artifacts.shards import ShardError
+from swarm_core.client import ApiError
 from swarm_core.contract import (
     JobStatusUpdate,
     RegroupOrder,
@@ -37,6 +38,7 @@ from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import DataError, TokenData
 from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
+from swarm_core.fellow.warm import warm_weights
 from swarm_core.pipeline.devices import DeviceError, resolve_device
 from swarm_core.pipeline.move import LayoutMove
 from swarm_core.pipeline.peers import cell_label
@@ -271,6 +273,7 @@ class TrainJob:
             start, self.spec, ctx, export_root(self.training.export_dir, start.job_id) / "shards",
             self.loop, self.stop)
         self.initial: Checkpoint | None = None
+        self.warm: dict[str, Any] | None = None  # a warm start's weights (see _prepare)
         self.own_state: tuple[dict[str, Any], bytes] | None = None  # (see _prepare)
         self.arriving: LayoutMove | None = None  # (see _moved)
 
@@ -315,7 +318,8 @@ class TrainJob:
             self.ctx.shaper.forget(self.start.job_id,
                                    cell_label(self.start.stage, self.start.replica))
         self.start = self.start.after_move(*move.peer, at=move.at, placement=move.placement)
-        self.initial = self.own_state = None  # (a resumed cell's checkpoint: its old stage's)
+        # (a resumed cell's checkpoint, a warm start's weights: its old stage's)
+        self.initial = self.own_state = self.warm = None
         log.info("%s: this peer moves from stage %d cell %d to stage %d cell %d before step "
                  "%d", self.start.job_id, move.peer[0], move.peer[1], self.start.stage,
                  self.start.replica, move.at)
@@ -354,6 +358,25 @@ class TrainJob:
                 # DiLoCo: this replica's AdamW moments are its own, pushed beside the shard.
                 self.own_state = await self.ctx.fetch_replica_state(
                     start.job_id, start.resume_step, start.stage, start.replica)
+        elif self.training.warm_start is not None and start.join is None:
+            # (a joiner takes its group's state, whatever the job started from)
+            self.warm = await self._warm_weights()
+
+    async def _warm_weights(self) -> dict[str, Any]:
+        """The source checkpoint's weights, every stage of it (see fellow/warm.py)."""
+        warm = self.training.warm_start
+        assert warm is not None
+        if warm.step is None:  # (the leader resolves it at submit)
+            raise JobRefused(f"cannot warm-start from {warm.job_id}: the leader named no step")
+        fetch = self.ctx.fetch_weights
+        if fetch is None:
+            raise JobRefused(f"cannot warm-start from {warm.job_id}: no way to fetch its "
+                             "checkpoint")
+        try:
+            return await warm_weights(fetch, warm.job_id, warm.step)
+        except (ShardError, ApiError) as exc:  # (ApiError: the leader's no, e.g. pruned)
+            raise JobRefused(f"cannot warm-start from {warm.job_id} step {warm.step}: "
+                             f"{exc}") from None
 
     async def _train(self) -> Any:
         """The stage thread beside the reporter, writer and pusher; the final shard reaches the
@@ -419,6 +442,8 @@ class TrainJob:
     def _restored(self) -> tuple[Any, Any]:
         """Weights and optimiser state of the checkpoint to resume from; (None, None) for a
         fresh run."""
+        if self.warm is not None:
+            return self.warm, None  # (weights only: the moments start fresh)
         if self.initial is None:
             return None, None
         manifest, weights, optimizer = self.initial
@@ -479,7 +504,7 @@ class TrainJob:
                              connect_timeout=self.training.frame_timeout_s,
                              on_checkpoint=self.checkpointer.on_checkpoint,
                              start_step=self.start.resume_step, initial_state=state,
-                             initial_optimizer=opt_state,
+                             initial_optimizer=opt_state, own_keys=self.warm is not None,
                              coordinator=self._coordinate if self.spec.replicas > 1 else None,
                              inbox=self.ctx.progress.told, pace=self.ctx.pace,
                              move=self.arriving)
@@ -490,9 +515,15 @@ class TrainJob:
             traceback.clear_frames(exc.__traceback__)
             state = opt_state = None  # this frame is still running: clear_frames skips it
             if isinstance(exc, ResumeError):
-                raise JobRefused(f"cannot resume from step {self.start.resume_step}: "
-                                 f"{exc}") from None
+                raise JobRefused(f"{self._resumed_from()}: {exc}") from None
             raise
+
+    def _resumed_from(self) -> str:
+        """What a checkpoint that does not fit this stage failed to do, for its refusal."""
+        warm = self.training.warm_start
+        if self.warm is not None and warm is not None:
+            return f"cannot warm-start from {warm.job_id} step {warm.step}"
+        return f"cannot resume from step {self.start.resume_step}"
 
 
 def export_root(export_dir: str | None, job_id: str) -> Path:

@@ -21,7 +21,7 @@ import attrs
 
 from swarm_core.artifacts.layout import RUN_MANIFEST
 from swarm_core.artifacts.manifests import PushedManifest, ShardManifest
-from swarm_core.config.schemas import job_shape_error
+from swarm_core.config.schemas import WarmStart, job_shape_error, warm_start_mismatch
 from swarm_core.contract import (
     FellowSlots,
     JobInfo,
@@ -44,6 +44,7 @@ from swarm_core.contract.events import (
     JobUpdateType,
     MetricReport,
 )
+from swarm_core.contract.placement import split_layers
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.leader import moves
 from swarm_core.leader.errors import ApiError
@@ -57,6 +58,7 @@ from swarm_core.leader.records import JobRecord
 from swarm_core.leader.registry import FellowRecord, FellowRegistry
 from swarm_core.leader.store import Store, StoreWriteError
 from swarm_core.leader.undo import kept
+from swarm_core.leader.uploads import complete_checkpoints
 from swarm_core.protocol import JobState, LinkLimits
 from swarm_core.schema import SchemaError, unstructure
 from swarm_core.validators import printable
@@ -98,6 +100,29 @@ def _past(pool: Any, order: str, cursor: JobRecord) -> Any:
     return (j for j in pool if j.seq > cursor.seq)
 
 
+def _warm_split_mismatch(spec: JobSubmit, source: JobSubmit, source_id: str) -> str | None:
+    """What besides the model ties a warm start to its source (the caller has checked the
+    models are equal): a learned boundary's halves are trained where the source's split put
+    them (by boundary index, so another split would load them at another depth), and a
+    subspace boundary's frame is rebuilt from the seed, never stored (its weights live in
+    the source's subspace). None where nothing does."""
+    model, train, theirs = spec.model, spec.train, source.train
+    assert model is not None and train is not None and theirs is not None
+    comp = model.compression_spec
+    if comp.learned:
+        def split(job: JobSubmit, weights: list[float] | None) -> list[tuple[int, int]]:
+            return split_layers(model.n_layers, weights or [1.0] * job.topology.num_stages)
+
+        mine, source_split = split(spec, train.stage_weights), split(source, theirs.stage_weights)
+        if mine != source_split:
+            return (f"{model.compression} learns its boundaries where {source_id}'s split "
+                    f"put them: its layers by stage {source_split}, this job's {mine}")
+    if comp.subspace is not None and train.seed != theirs.seed:
+        return (f"{model.compression} rebuilds its frame from the seed: {source_id}'s seed "
+                f"{theirs.seed}, this job's {train.seed}")
+    return None
+
+
 @attrs.define
 class QueueOrder:
     running: JobRecord | None
@@ -112,6 +137,7 @@ class JobQueue:
         self.hub = hub
         self.progress = ProgressBook(store)
         self.files = RunFiles(runs_dir)
+        self.runs_dir = runs_dir
         self.liveness = Liveness(self, registry, runs_dir)
         self.membership = Membership(self)
         self.reconciler = Reconciler(self, registry)
@@ -285,6 +311,9 @@ class JobQueue:
                                     spec.topology.replicas)
             if shape is not None:
                 raise SchemaError(shape[0], f"$.{shape[1]}")
+            if train.warm_start is not None:
+                # (resolved here, so every cell and every restart loads the same checkpoint)
+                spec.training = attrs.evolve(train, warm_start=self._warm_start(spec))
         seq = self.store.next_job_seq()
         job = JobRecord(job_id=f"job-{seq:06d}", seq=seq, spec=spec, state=JobState.PENDING,
                         created_at=time.time())
@@ -294,6 +323,42 @@ class JobQueue:
         self._order = None
         self.event(job, "job.submitted")
         return job
+
+    def _warm_start(self, spec: JobSubmit) -> WarmStart:
+        """The submitted job's warm start with its step resolved: the source job is on this
+        leader, has finished (a running job prunes its checkpoints as it trains), has a
+        complete checkpoint at that step (left out: its newest) and the same model. Anything
+        else is a 400 at ``$.training.warm_start``."""
+        train, field = spec.train, "$.training.warm_start"
+        assert train is not None and train.warm_start is not None and spec.model is not None
+        want = train.warm_start
+        source = self.find(want.job_id)
+        if source is None:
+            raise SchemaError(f"no job {want.job_id!r} on this leader to warm-start from",
+                              field)
+        if source.spec.train is None or source.spec.model is None:
+            raise SchemaError(f"{want.job_id} is a {source.spec.kind} job: no weights to "
+                              "warm-start from", field)
+        if not source.state.terminal:
+            raise SchemaError(f"{want.job_id} is {source.state.value}: warm-start from it once "
+                              "it has ended (its checkpoints are pruned while it trains)", field)
+        why = warm_start_mismatch(spec.model, train, source.spec.model, source.spec.train)
+        if why is not None:
+            raise SchemaError(f"{want.job_id}'s {why}; a warm start needs the same model in "
+                              "every field but name", field)
+        why = _warm_split_mismatch(spec, source.spec, want.job_id)
+        if why is not None:
+            raise SchemaError(why, field)
+        steps = [] if self.runs_dir is None else complete_checkpoints(
+            self.runs_dir, source.job_id, source.num_stages)
+        if want.step is None and not steps:
+            raise SchemaError(f"{want.job_id} has no complete checkpoint to warm-start from",
+                              field)
+        if want.step is not None and want.step not in steps:
+            held = ", ".join(map(str, sorted(steps))) or "none"
+            raise SchemaError(f"{want.job_id} has no complete checkpoint at step {want.step} "
+                              f"(it has: {held})", field)
+        return WarmStart(source.job_id, want.step if want.step is not None else steps[0])
 
     def cancel(self, job_id: str) -> JobRecord:
         job = self.get(job_id)

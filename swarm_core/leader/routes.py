@@ -581,8 +581,8 @@ async def get_checkpoint(request: web.Request) -> web.StreamResponse:
     from swarm_core.artifacts.layout import MANIFEST, OPTIMIZER, WEIGHTS
     from swarm_core.leader.uploads import checkpoint_dir
 
-    step, stage, job = _checkpoint_request(request)
     part = request.match_info["part"]
+    step, stage, job = _checkpoint_request(request, warm=part in ("manifest", "weights"))
     name = {"weights": WEIGHTS, "manifest": MANIFEST, "optimizer": OPTIMIZER}.get(part)
     if name is None:
         raise ApiError(404, f"no checkpoint part {part!r} (manifest, weights or optimizer)")
@@ -614,17 +614,31 @@ async def get_replica_state(request: web.Request) -> web.StreamResponse:
                                            if part != "manifest" else "application/json"})
 
 
-def _checkpoint_request(request: web.Request) -> tuple[int, int, Any]:
+def _checkpoint_request(request: web.Request, warm: bool = False) -> tuple[int, int, Any]:
     """(step, stage, job) of a checkpoint fetch, from a fellow that runs some replica
-    of that stage (every replica resumes from the stage's checkpoint)."""
+    of that stage (every replica resumes from the stage's checkpoint). With ``warm`` (the
+    weights and their manifest), also from a fellow of the running job that warm-starts from
+    this job at this step: it takes every stage of it, whatever its own split."""
     st = _state(request)
     job = st.jobs.get(request.match_info["job_id"])
     step, stage = _int_param(request, "step"), _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if not st.jobs.holds_stage(job, rec.fellow_id, stage):
+    if not st.jobs.holds_stage(job, rec.fellow_id, stage) \
+            and not (warm and _warm_starts_from(st, rec, job.job_id, step)):
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
                             f"{job.job_id}", code="wrong_fellow")
     return step, stage, job
+
+
+def _warm_starts_from(st: LeaderState, rec: FellowRecord, job_id: str, step: int) -> bool:
+    """Whether ``rec`` runs a cell of a running job whose spec warm-starts from ``job_id``'s
+    checkpoint at ``step`` (the one the leader resolved at submit, and no other)."""
+    mine = st.jobs.find(rec.assigned_job)
+    if mine is None or mine.state is not JobState.RUNNING or mine.placement is None \
+            or rec.fellow_id not in mine.placement.fellows:
+        return False
+    warm = mine.spec.train.warm_start if mine.spec.train is not None else None
+    return warm is not None and (warm.job_id, warm.step) == (job_id, step)
 
 
 async def get_export(request: web.Request) -> web.Response:
@@ -799,7 +813,8 @@ ROUTES: tuple[Route, ...] = (
           "A fellow pushes its stage's latest weights (multipart: manifest, weights, optimizer)",
           fellow_session=True, upload=True, errors=(400, 401, 403, 404, 409, 413, 415, 503)),
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/{{part}}", get_checkpoint,
-          "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer)",
+          "A fellow fetches a stage checkpoint to resume from (manifest, weights, optimizer), "
+          "or a fellow of a job that warm-starts from it its weights (manifest, weights)",
           fellow_session=True, errors=(400, 401, 403, 404, 409)),
     Route("GET", f"{A}/jobs/{{job_id}}/checkpoints/{{step}}/{{stage}}/replicas/{{replica}}/"
           "{part}", get_replica_state,

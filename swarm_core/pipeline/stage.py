@@ -1031,6 +1031,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
               start_step: int = 0,
               initial_state: dict[str, torch.Tensor] | None = None,
               initial_optimizer: dict[str, np.ndarray] | None = None,
+              own_keys: bool = False,
               coordinator: Coordinator | None = None,
               inbox: list[tuple[RegroupOrder, Any]] | None = None,
               pace: Pace | None = None, move: LayoutMove | None = None,
@@ -1043,7 +1044,9 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
     ``initial_state`` and ``initial_optimizer`` (from a checkpoint at ``start_step``) resume a
     run: with both, the steps after it are bit for bit those of the uninterrupted run (dropout
     masks depend on the seed, stage, step and micro-batch alone). A checkpoint that does not fit
-    this stage raises :class:`ResumeError`.
+    this stage raises :class:`ResumeError`. ``own_keys``: ``initial_state`` may hold more
+    than this stage (a warm start's union of another split's shards): the stage takes its own
+    parameters from it, every one of them, and leaves the rest.
 
     ``data`` may be a loader, called in this thread once the links are being opened (a BPE
     tokenizer trained on a cold cache can take longer than the neighbours' dial timeout; the
@@ -1079,7 +1082,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
                 and spec.layout is None and not spec.moves and spec.rebalance_every is None:
             runner.rerouter = Rerouter(runner, coordinator, start_step)
         group.listener, group.inbox = listener, inbox
-        _restore(runner, initial_state, initial_optimizer)
+        _restore(runner, initial_state, initial_optimizer, own_keys)
     except BaseException:
         stop.set()
         opener.discard()
@@ -1098,9 +1101,11 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
 
 
 def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
-             optimizer: dict[str, np.ndarray] | None) -> None:
+             optimizer: dict[str, np.ndarray] | None, own_keys: bool = False) -> None:
     try:
         if state is not None:
+            if own_keys:
+                state = own_part(runner.module, state)
             runner.module.load_state_dict(state, strict=True)
         if optimizer is not None:
             inner, outer = split_outer(optimizer)
@@ -1115,6 +1120,27 @@ def _restore(runner: StageRunner, state: dict[str, torch.Tensor] | None,
     except (RuntimeError, OptimizerStateError) as exc:
         # load_state_dict lists every missing and unexpected key: the first line says enough.
         raise ResumeError(str(exc).strip().splitlines()[0]) from None
+
+
+def own_part(module: torch.nn.Module, state: dict[str, torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+    """The entries of ``state`` that ``module`` holds, every one of them (ResumeError naming
+    the first it lacks). Entries one tensor of the module holds under two names (tied
+    weights) must agree: loading both would keep whichever came last."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ResumeError(f"the weights hold no {missing[0]!r}{more}")
+    by_storage: dict[tuple[int, int], str] = {}
+    for k, t in own.items():
+        if not t.numel():
+            continue  # (no storage to share)
+        first = by_storage.setdefault((t.data_ptr(), t.numel()), k)
+        if first != k and not torch.equal(state[first], state[k]):
+            raise ResumeError(f"{first!r} and {k!r} are one tied tensor here, but the "
+                              "weights hold two different ones")
+    return {k: state[k] for k in own}
 
 
 def _train(runner: StageRunner, on_step: Callable[[StepReport], None],

@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from swarm_core.config.schemas import MAX_THREADS
 from swarm_core.protocol import SLOWDOWN_MAX
@@ -106,6 +107,22 @@ def job_id(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a job id such as job-000001, got "
                                          f"{clip(text)!r}")
     return text
+
+
+def warm_start(text: str) -> dict[str, Any]:
+    """``--warm-start JOB[:STEP]``: ``training.warm_start`` (no step: the job's newest
+    complete checkpoint, which the leader resolves)."""
+    from swarm_core.config.schemas import JOB_ID
+    from swarm_core.validators import MAX_STEPS
+
+    job, sep, step = text.partition(":")
+    if not JOB_ID.fullmatch(job.strip()):
+        raise argparse.ArgumentTypeError(f"expected JOB[:STEP] such as job-000012:2000, got "
+                                         f"{clip(text)!r}")
+    out: dict[str, Any] = {"job_id": job.strip()}
+    if sep:
+        out["step"] = int(number(int, 1, MAX_STEPS, "warm-start step")(step))
+    return out
 
 
 def device_slots(text: str) -> str:

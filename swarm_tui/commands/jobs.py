@@ -51,6 +51,7 @@ from swarm_tui.commands.argtypes import (
     rebalance_every,
     step_count,
     sync_field,
+    warm_start,
 )
 from swarm_tui.commands.base import (
     CommandError,
@@ -116,6 +117,10 @@ def cmd_job(args: argparse.Namespace) -> int:
                 ["state", job.state], ["step", job.last_step], ["loss", fmt_loss(job.last_loss)],
                 ["fellows", ",".join(map(str, job.fellows)) or "-"],
                 ["note", job.waiting_for or job.reason or "-"]]
+        warm = job.train.warm_start if job.train is not None else None
+        if warm is not None:
+            rows.append(["warm start", f"{warm.job_id} step {warm.step} (its weights; fresh "
+                                       "optimiser and schedule)"])
         if job.train is not None and job.train.transport != "shaped":
             rows.append(["transport", f"{job.train.transport} (gloo; unshaped: link limits "
                                       "and set-speed do not reach it)"])
@@ -351,6 +356,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                           ("--steps", args.steps),
                                           ("--optimizer", args.optimizer),
                                           ("--transport", args.transport),
+                                          ("--warm-start", args.warm_start),
                                           *((SYNC_FLAGS[f], v)
                                             for f, v in _given_sync_flags(args).items()))
                  if value is not None]
@@ -385,14 +391,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
             training["optimizer"] = args.optimizer
         if args.transport is not None:
             training["transport"] = args.transport
+        if args.warm_start is not None:
+            training["warm_start"] = args.warm_start
         sync = _sync_config(args, training)
         req = train_job(model, training, _topology(args, cluster), args.name or model.name,
                         sync)
     elif args.stages or args.replicas or args.optimizer or args.wiring or args.routing \
-            or args.layout or args.rebalance_every or args.transport or _given_sync_flags(args):
+            or args.layout or args.rebalance_every or args.transport or args.warm_start \
+            or _given_sync_flags(args):
         raise CommandError("--stages, --replicas, --wiring, --routing, --layout, "
-                           "--rebalance-every, --optimizer, --transport and the sync flags are "
-                           "for train jobs (--model, --training)", ExitCode.USAGE)
+                           "--rebalance-every, --optimizer, --transport, --warm-start and the "
+                           "sync flags are for train jobs (--model, --training)", ExitCode.USAGE)
     else:
         req = smoke_job(args.fellows or 1, args.steps or 5, args.name or "smoke")
 
@@ -648,6 +657,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--momentum-decay", type=sync_field(float, "momentum_decay"), default=None,
                    help="demo: what each replica's momentum keeps of itself each step "
                         "(training.sync.momentum_decay)")
+    p.add_argument("--warm-start", type=warm_start, default=None, metavar="JOB[:STEP]",
+                   help="start from the weights of JOB's checkpoint at STEP (default: its "
+                        "newest) instead of the seeded init; fresh optimiser and lr schedule "
+                        "(training.warm_start)")
     p.add_argument("--watch", action="store_true", help="stream the job until it ends")
     add_format(p)
     p.set_defaults(func=cmd_submit)

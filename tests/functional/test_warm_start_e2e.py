@@ -1,0 +1,63 @@
+"""A warm start across real processes: a one-stage job trains, then ``swarm submit
+--warm-start`` starts a two-stage job from its last checkpoint; the second job's losses are
+those of one process that loads the same weights and trains from step 0 with a fresh AdamW."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm_core.artifacts.shards import load_shard
+from swarm_core.config.schemas import TrainingConfig
+from swarm_core.data import load_token_data
+from swarm_core.schema import structure
+from tests.clusters import cli_json, job_view, run_cli, wait_until
+from tests.unit.test_warm_start import MODEL, _reference_from
+
+pytestmark = pytest.mark.slow
+
+TRAINING = {"batch_size": 4, "micro_batches": 2, "eval_batches": 1, "frame_timeout_s": 20}
+
+
+def _finished(job_id: str, env: dict[str, str]) -> dict:
+    return wait_until(lambda: (j := job_view(job_id, env))["state"] in
+                      ("COMPLETED", "FAILED", "CANCELLED") and j, 240, f"{job_id} to end")
+
+
+def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, tmp_path,
+                                                                       swarm_home):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"name": "tiny", **MODEL}))
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"name": "source", "kind": "train",
+                                  "model": {"name": "tiny", **MODEL},
+                                  "training": {**TRAINING, "steps": 6, "seed": 4},
+                                  "topology": {"fellows": 1}}))
+    profile = tmp_path / "training.json"
+    profile.write_text(json.dumps({**TRAINING, "steps": 4}))
+    up = run_cli("restart-cluster", "--fellows", "2", env=cli_env, timeout=120)
+    assert up.returncode == 0, up.stderr
+    try:
+        # (read now: stop-cluster removes it)
+        record = json.loads((swarm_home / "local-cluster" / "cluster.json").read_text())
+        src = cli_json("submit", "--payload", str(source), env=cli_env)["job_id"]
+        done = _finished(src, cli_env)
+        assert done["state"] == "COMPLETED", done["reason"]
+        warm = cli_json("submit", "--model", str(model), "--training", str(profile),
+                        "--stages", "2", "--fellows", "2", "--warm-start", src, env=cli_env)
+        assert warm["training"]["warm_start"] == {"job_id": src, "step": 6}
+        job = _finished(warm["job_id"], cli_env)
+    finally:
+        run_cli("stop-cluster", env=cli_env)
+    assert job["state"] == "COMPLETED", job["reason"]
+    shard = Path(record["state_dir"]) / "runs" / src / "checkpoints" / "step-6" / "stage-0"
+    _, arrays = load_shard(shard)
+    state = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    tc = structure(job["training"], TrainingConfig)
+    ref = _reference_from(state, tc, load_token_data(tc, MODEL["seq_len"]))
+    losses = [loss for _, loss in job["loss_history"]]
+    assert len(losses) == 4
+    assert max(abs(a - b) for a, b in zip(ref, losses, strict=True)) <= 1e-5, (ref, losses)
