@@ -497,14 +497,16 @@ class TrainJob:
                                    f"{4 * self.training.frame_timeout_s:g}s")
 
     def _work(self) -> Any:  # the stage thread
+        warm = self.warm is not None
         state, opt_state = self._restored()
+        self.warm = None  # (the whole source model: held only until the stage loads its part)
         try:
             return run_stage(self.spec, self._load, self.ctx.shaper, self.ctx.listener,
                              self.stop, self.reporter.on_step, self.reporter.on_eval,
                              connect_timeout=self.training.frame_timeout_s,
                              on_checkpoint=self.checkpointer.on_checkpoint,
                              start_step=self.start.resume_step, initial_state=state,
-                             initial_optimizer=opt_state, own_keys=self.warm is not None,
+                             initial_optimizer=opt_state, own_keys=warm,
                              coordinator=self._coordinate if self.spec.replicas > 1 else None,
                              inbox=self.ctx.progress.told, pace=self.ctx.pace,
                              move=self.arriving)
@@ -515,14 +517,14 @@ class TrainJob:
             traceback.clear_frames(exc.__traceback__)
             state = opt_state = None  # this frame is still running: clear_frames skips it
             if isinstance(exc, ResumeError):
-                raise JobRefused(f"{self._resumed_from()}: {exc}") from None
+                raise JobRefused(f"{self._resumed_from(warm)}: {exc}") from None
             raise
 
-    def _resumed_from(self) -> str:
+    def _resumed_from(self, warm: bool) -> str:
         """What a checkpoint that does not fit this stage failed to do, for its refusal."""
-        warm = self.training.warm_start
-        if self.warm is not None and warm is not None:
-            return f"cannot warm-start from {warm.job_id} step {warm.step}"
+        source = self.training.warm_start
+        if warm and source is not None:
+            return f"cannot warm-start from {source.job_id} step {source.step}"
         return f"cannot resume from step {self.start.resume_step}"
 
 
