@@ -99,7 +99,14 @@ SECTIONS: list[tuple[str, type, str]] = [
      "Fields left out keep the training profile's values. `replicas` (each 1-256), `sync` "
      f"({', '.join(f'`{m}`' for m in typing.get_args(SyncAxis))}) and `inner_steps` (each "
      "1-1000000) list unique values; the combinations they allow are in the introduction "
-     "above."),
+     "above. `warm_up` trains a warm-up job before the grid and starts every run from its "
+     "weights; `overrides: {\"warm_start\": {\"job_id\": ...}}` starts them from a "
+     "finished job's instead (not both)."),
+    ("WarmUp (`sweep.warm_up`)", profiles.WarmUp,
+     "The warm-up job is the sweep's first run's, `steps` long, unshaped, and data parallel "
+     "where it has replicas; a run's `config_resolved.json` names it "
+     "(`job.training.warm_start`), and `swarm sweep` prints its progress as `[warm-up]`. A "
+     "warm-up that does not complete queues no run."),
     ("ModelConfig (`model/*.json`)", schemas.ModelConfig,
      "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
      "gradients and optimiser state stay float32 (and are exported as such). What crosses a "

@@ -48,7 +48,7 @@ from swarm_core.contract.job import Topology, check_routing
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.protocol import LinkLimits
 from swarm_core.schema import FieldError, SchemaError, structure, unstructure
-from swarm_core.validators import rate_or_none
+from swarm_core.validators import MAX_STEPS, bounded, meta, rate_or_none
 
 
 class ConfigError(ValueError):
@@ -267,6 +267,18 @@ class TrainingProfile:
     artifacts: ArtifactsProfile
 
 
+@attrs.frozen
+class WarmUp:
+    """A sweep's warm start, trained first: its first run's job, ``steps`` long (data parallel
+    where it has replicas, so no method of the grid is favoured), then every run starts from
+    that job's last checkpoint's weights (``training.warm_start``: weights only, a fresh
+    optimiser and schedule), so the grid's methods train on from one point."""
+
+    steps: int = attrs.field(validator=bounded(1, MAX_STEPS), metadata=meta(
+        "the warm-up job's steps (its last checkpoint is every run's start)", minimum=1,
+        maximum=MAX_STEPS))
+
+
 @attrs.define
 class SweepSpec:
     """The grid: models x compressions x networks x (stages x replicas x sync x inner_steps x
@@ -294,6 +306,8 @@ class SweepSpec:
     overrides: dict[str, Any] = attrs.field(factory=dict)
     # A churn script (swarm_core.config.traces) every run replays: a library name or a path.
     churn: str | None = None
+    # A warm-up job trained before the grid, every run starting from its weights.
+    warm_up: WarmUp | None = None
 
     @property
     def shapes_the_grid(self) -> bool:
@@ -339,6 +353,9 @@ class SweepSpec:
                                      "seed"}
         if bad:
             raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", "overrides")
+        if self.warm_up is not None and self.overrides.get("warm_start") is not None:
+            raise FieldError("give warm_up (a warm-up job the sweep trains first) or "
+                             "overrides.warm_start (a finished job's), not both", "warm_up")
         sync = self.overrides.get("sync")
         swept = {"mode": self.sync, "inner_steps": self.inner_steps}
         clash = sorted(k for k, axis in swept.items()

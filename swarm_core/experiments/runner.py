@@ -56,7 +56,7 @@ from swarm_core.pipeline.wire_math import (
     uncompressed_model,
 )
 from swarm_core.protocol import FellowInfo, JobState
-from swarm_core.schema import structure, unstructure
+from swarm_core.schema import SchemaError, structure, unstructure
 from swarm_core.tracking import Tracking, TrackingError, TrackingUnavailable
 from swarm_core.tracking.run_log import TB_DIR, RunLog, open_sinks, settled
 
@@ -176,6 +176,9 @@ class Experiment:
         and ExperimentError says which run and why."""
         self.fellows_at_start = await preflight(self.client, self.exp)
         self._check_churn()
+        warm_up = self.exp.config.sweep.warm_up
+        if warm_up is not None:
+            await self._warm_up(warm_up.steps)
         try:
             if self._stamp is not None:
                 self._claim_run_dirs(self._stamp)
@@ -327,6 +330,40 @@ class Experiment:
                                 self.processes)
             except ReplayError as exc:
                 raise ExperimentError(str(exc)) from None
+
+    async def _warm_up(self, steps: int) -> None:
+        """``sweep.warm_up``: the first run's job, ``steps`` long, trained before the grid
+        (unshaped and data parallel: it only makes the weights every run starts from, and no
+        method of the grid is favoured); each run then warm-starts from its last checkpoint,
+        which its ``config_resolved.json`` names (``training.warm_start``)."""
+        first = self.exp.runs[0]
+        training = {**first.training, "steps": steps, "warm_start": None, "link": None,
+                    "network": None}
+        if first.replicas > 1:
+            training["sync"] = {**(training.get("sync") or {}), "mode": "dp"}
+        name = f"{self.exp.config.name}-warm-up"
+        try:
+            job = await self.client.submit(attrs.evolve(first, training=training).job(name))
+        except (ClientError, SchemaError) as exc:
+            raise ExperimentError(f"the warm-up job ({steps} steps of run 1): {exc}") from None
+        self.on_line(f"[warm-up] {name} {job.job_id} {job.state}: {steps} steps, then every "
+                     "run from its weights")
+        said = (job.state, -1)
+        while job.state not in TERMINAL:
+            await _sleep(self.poll_s)
+            with contextlib.suppress(LeaderUnreachable):
+                job = await self.client.job(job.job_id)
+            if (job.state, job.last_step // 25) != said:
+                said = (job.state, job.last_step // 25)
+                loss = "-" if job.last_loss is None else f"{job.last_loss:.4f}"
+                self.on_line(f"[warm-up] {job.job_id} {job.state} step {job.last_step} "
+                             f"loss {loss}")
+        if job.state != "COMPLETED":
+            raise ExperimentError(f"the warm-up job {job.job_id} ended {job.state}: "
+                                  f"{job.reason}; no run was queued")
+        for st in self.states:
+            st.spec = attrs.evolve(st.spec, training={
+                **st.spec.training, "warm_start": {"job_id": job.job_id, "step": steps}})
 
     async def _submit(self, st: RunState) -> None:
         job = await self.client.submit(st.spec.job(st.run_id))

@@ -89,7 +89,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
                    "training_profile": exp.training_path, "runs_dir": str(exp.runs_dir),
                    "runs": [unstructure(r) for r in exp.runs]})
         return 0
-    emit_table(f"{exp.config.name}: {len(exp.runs)} run(s), valid",
+    warm = exp.config.sweep.warm_up
+    title = f"{exp.config.name}: {len(exp.runs)} run(s), valid" + (
+        f"; a warm-up of {warm.steps} steps first (run 0's job, dp), every run from its "
+        "weights" if warm is not None else "")
+    emit_table(title,
                ["#", "run", "fellows", "grid", "wiring", "sync", "steps", "compression",
                 "network"],
                [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", r.wiring_label,

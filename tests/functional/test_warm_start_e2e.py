@@ -50,6 +50,9 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
                         "--stages", "2", "--fellows", "2", "--warm-start", src, env=cli_env)
         assert warm["training"]["warm_start"] == {"job_id": src, "step": 6}
         job = _finished(warm["job_id"], cli_env)
+        # A sweep's warm-up (sweep.warm_up): trained first, every run from its weights.
+        swept = run_cli("sweep", "--config", str(_sweep(tmp_path)), "--runs-dir",
+                        str(tmp_path / "runs"), env=cli_env, timeout=240)
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -61,3 +64,33 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
     losses = [loss for _, loss in job["loss_history"]]
     assert len(losses) == 4
     assert max(abs(a - b) for a, b in zip(ref, losses, strict=True)) <= 1e-5, (ref, losses)
+    # The sweep: its warm-up job of 3 steps, then two seeds' runs of 4 from its weights.
+    assert swept.returncode == 0, swept.stdout + swept.stderr
+    assert "[warm-up] warmed-warm-up job-" in swept.stdout
+    runs = sorted((tmp_path / "runs").iterdir())
+    resolved = [json.loads((r / "config_resolved.json").read_text())["job"] for r in runs]
+    starts = [job["training"]["warm_start"] for job in resolved]
+    assert len(runs) == 2 and starts[0] == starts[1] and starts[0]["step"] == 3
+    shard = Path(record["state_dir"]) / "runs" / starts[0]["job_id"] / "checkpoints" / \
+        "step-3" / "stage-0"
+    _, arrays = load_shard(shard)
+    state = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    for run, body in zip(runs, resolved, strict=True):
+        summary = json.loads((run / "metrics_summary.json").read_text())
+        assert summary["status"] == "COMPLETED"
+        tc = structure(body["training"], TrainingConfig)
+        got = [json.loads(line)["loss"] for line in
+               (run / "train_progress.ndjson").read_text().splitlines()]
+        ref = _reference_from(state, tc, load_token_data(tc, MODEL["seq_len"]))
+        assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+
+
+def _sweep(tmp_path: Path) -> Path:
+    (tmp_path / "training").mkdir(exist_ok=True)
+    (tmp_path / "training" / "sweep.json").write_text(json.dumps(
+        {**TRAINING, "steps": 4, "cluster_profile": {"fellows": 1}}))
+    cfg = tmp_path / "sweep.json"
+    cfg.write_text(json.dumps({"name": "warmed", "training_config": "training/sweep.json",
+                               "model_configs": ["model.json"],
+                               "sweep": {"seeds": [0, 1], "warm_up": {"steps": 3}}}))
+    return cfg

@@ -487,3 +487,19 @@ def test_a_stage_the_weights_lack_fails_in_one_line_before_it_trains(data):
         k: {"initial_state": union, "own_keys": True} for k in range(2)})
     assert isinstance(res[1], ResumeError)
     assert str(res[1]) == "the weights hold no 'head.ln_f.weight'"
+
+
+@pytest.mark.parametrize("sweep, message, field", [
+    ({"warm_up": {"steps": 0}}, "must be", "warm_up.steps"),
+    ({"warm_up": {"steps": 5}, "overrides": {"warm_start": {"job_id": "job-000001"}}},
+     "give warm_up (a warm-up job the sweep trains first) or overrides.warm_start", "warm_up"),
+])
+def test_a_sweeps_warm_up_is_checked_in_one_line(sweep, message, field):
+    from swarm_core.config.profiles import SweepSpec
+    from swarm_core.schema import SchemaError, structure
+
+    with pytest.raises(SchemaError) as err:
+        structure(sweep, SweepSpec)
+    assert message in str(err.value) and field in (err.value.field or "")
+    assert "\n" not in str(err.value)
+    assert structure({"warm_up": {"steps": 5}}, SweepSpec).warm_up.steps == 5
