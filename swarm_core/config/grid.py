@@ -29,6 +29,11 @@ MAX_INNER_STEPS = 1_000_000  # SyncConfig.inner_steps' bound
 MAX_FELLOWS = 1024  # ClusterProfile's fellows (and stages x replicas) bound
 
 
+def layout_label(layout: Sequence[Sequence[int]]) -> str:
+    """A swarm layout as every table names it: its cells by stage, ``cells 1+3``."""
+    return "cells " + "+".join(str(len(ids)) for ids in layout)
+
+
 @attrs.frozen
 class GridCell:
     """One point of the grid axes: the job's shape and how its replicas synchronise."""

@@ -31,6 +31,7 @@ from swarm_core.config.grid import (
     Wiring,
     check_axes,
     grid_cells,
+    layout_label,
     sync_mode,
 )
 from swarm_core.config.network import LinkMatrix
@@ -418,7 +419,7 @@ class RunSpec:
         if w.get("route_weights"):
             words.append("weighted")
         if w.get("layout"):
-            words.append("cells " + "+".join(str(len(ids)) for ids in w["layout"]))
+            words.append(layout_label(w["layout"]))
         if w.get("moves"):
             words.append(f"{len(w['moves'])} move(s)")
         if w.get("rebalance_every"):

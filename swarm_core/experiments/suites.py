@@ -22,7 +22,7 @@ from typing import Any, Literal
 import attrs
 
 from swarm_core import jsonio
-from swarm_core.config.grid import MAX_REPLICAS, Wiring
+from swarm_core.config.grid import MAX_REPLICAS, Wiring, layout_label
 from swarm_core.config.profiles import (
     ClusterProfile,
     ConfigError,
@@ -144,7 +144,7 @@ class GridShape:
     def label(self) -> str:
         """``2x2``, or a layout's cells by stage: ``cells 1+3``."""
         if self.layout is not None:
-            return "cells " + "+".join(str(len(ids)) for ids in self.layout)
+            return layout_label(self.layout)
         return f"{self.stages}x{self.replicas}"
 
     def wiring_fields(self) -> dict[str, Any]:

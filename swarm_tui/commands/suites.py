@@ -8,6 +8,7 @@ from pathlib import Path
 
 from swarm_core import jsonio
 from swarm_core.client import ClientError, SwarmClient
+from swarm_core.config.grid import layout_label
 from swarm_core.config.profiles import ConfigError
 from swarm_core.experiments.runner import Experiment, ExperimentError, git_commit
 from swarm_core.experiments.suites import as_experiment, load_suite, plan, summarize, write_json
@@ -125,7 +126,7 @@ def _grid(row: dict) -> str:
     """A scenario's ``stages x replicas`` (a swarm layout's cells by stage: ``cells 1+3``),
     as its plan or summary row has them."""
     if row.get("layout"):
-        return "cells " + "+".join(str(len(ids)) for ids in row["layout"])
+        return layout_label(row["layout"])
     return f"{row['stages']}x{row['replicas']}"
 
 
