@@ -105,8 +105,12 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("WarmUp (`sweep.warm_up`)", profiles.WarmUp,
      "The warm-up job is the sweep's first run's, `steps` long, unshaped, and data parallel "
      "where it has replicas; a run's `config_resolved.json` names it "
-     "(`job.training.warm_start`), and `swarm sweep` prints its progress as `[warm-up]`. A "
-     "warm-up that does not complete queues no run."),
+     "(`job.training.warm_start`), its final view is written beside them "
+     "(`<sweep>-warm-up-<job>.json`), and `swarm sweep` prints its progress as `[warm-up]` "
+     "(`--detach` returns once the runs are queued: after the warm-up). Every run must be "
+     "able to start from it (the same model; a learned boundary's split, a subspace's seed), "
+     "checked when the config loads. A warm-up that does not complete queues no run; an "
+     "interrupted sweep offers to cancel it with the runs."),
     ("ModelConfig (`model/*.json`)", schemas.ModelConfig,
      "`dtype: bfloat16` is mixed precision: each stage computes under autocast, while weights, "
      "gradients and optimiser state stay float32 (and are exported as such). What crosses a "

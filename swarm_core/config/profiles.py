@@ -35,7 +35,13 @@ from swarm_core.config.grid import (
     sync_mode,
 )
 from swarm_core.config.network import LinkMatrix
-from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig, job_shape_error
+from swarm_core.config.schemas import (
+    ModelConfig,
+    SyncConfig,
+    TrainingConfig,
+    job_shape_error,
+    warm_start_mismatch,
+)
 from swarm_core.config.traces import (
     LIBRARY,
     LinkTraceSpec,
@@ -738,8 +744,42 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                     _check_job(runs[-1], path, tpath)
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     resolve_replays(runs, cfg, path, tpath)
+    if cfg.sweep.warm_up is not None:
+        _check_warm_up(runs, cfg.sweep.warm_up.steps, path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
+
+
+def warm_up_run(first: RunSpec, steps: int) -> RunSpec:
+    """A sweep's warm-up job (``sweep.warm_up``): its first run's, ``steps`` long, and only
+    what makes the weights: unshaped, no link-selective compression, data parallel in fp32
+    where it has replicas, no moves or rebalancing, no replays."""
+    training = {**first.training, "steps": steps, "warm_start": None, "link": None,
+                "network": None, "compress_when": None, "sync": {"mode": "dp"}}
+    wiring = {k: v for k, v in first.wiring.items() if k not in ("moves", "rebalance_every")}
+    return attrs.evolve(first, training=training, wiring=wiring, churn=None, tc_profile=None)
+
+
+def _check_warm_up(runs: list[RunSpec], steps: int, path: Path) -> None:
+    """Every run can start from the warm-up's weights, as the leader would check it at
+    submit (the same model, and the split or seed a boundary ties them to): refused now, not
+    after the warm-up has trained."""
+    from swarm_core.contract.job import warm_split_mismatch
+
+    try:
+        warm = warm_up_run(runs[0], steps).job("warm-up")
+    except SchemaError as exc:
+        raise ConfigError(path, f"the warm-up (run 0's job, {steps} steps): {exc.message}",
+                          "$.sweep.warm_up") from None
+    assert warm.model is not None and warm.train is not None
+    for run in runs:
+        job = run.job(run.run_name)
+        assert job.model is not None and job.train is not None
+        why = warm_start_mismatch(job.model, job.train, warm.model, warm.train) \
+            or warm_split_mismatch(job, warm, "the warm-up")
+        if why is not None:
+            raise ConfigError(path, f"run {run.index} {run.run_name} cannot start from the "
+                              f"warm-up (run 0's job): {why}", "$.sweep.warm_up")
 
 
 def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,

@@ -595,20 +595,21 @@ def warm_start_mismatch(model: ModelConfig, training: TrainingConfig,
     None where it can. The rule is the whole ModelConfig but its name: stricter than the
     parameters' shapes (dropout or wire_dtype shape none), but one a reader can check at a
     glance, and a weight trained under another boundary codec or dtype is another model's.
-    A vocabulary left to the tokenizer must come from the same tokenizer, so the embedding
-    and the head have the same rows."""
+    The tokenizer must be the source's too, so a token id means the same token: the same
+    kind, and a BPE one trained alike (its vocabulary size, on the same dataset's text)."""
     mine = attrs.asdict(model, recurse=False)
     theirs = attrs.asdict(source_model, recurse=False)
     differ = [f"{k} {theirs[k]!r} vs {mine[k]!r}" for k in mine
               if k != "name" and mine[k] != theirs[k]]
-    if not differ and model.vocab_size is None:
-        vocab = (training.tokenizer, training.bpe_vocab_size
-                 if training.tokenizer == "bpe" else None)
-        source_vocab = (source_training.tokenizer, source_training.bpe_vocab_size
-                        if source_training.tokenizer == "bpe" else None)
-        if vocab != source_vocab:
-            differ.append(f"the tokenizer's vocabulary ({source_training.tokenizer} vs "
-                          f"{training.tokenizer}, model.vocab_size unset)")
+    if not differ and _tokens(training) != _tokens(source_training):
+        differ.append(f"the tokenizer ({_tokens(source_training)} vs {_tokens(training)})")
     if not differ:
         return None
     return "model differs in " + ", ".join(differ)
+
+
+def _tokens(t: TrainingConfig) -> tuple[Any, ...]:
+    """What a token id means: the tokenizer, and a BPE one's size and the text it learnt."""
+    if t.tokenizer != "bpe":
+        return (t.tokenizer,)
+    return (t.tokenizer, t.bpe_vocab_size, t.dataset, tuple(t.dataset_paths))

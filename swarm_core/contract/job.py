@@ -23,6 +23,7 @@ from swarm_core.contract.placement import (
     Placement,
     PlacementError,
     normal_layout,
+    split_layers,
 )
 from swarm_core.contract.rebalance import PeerMove, moves_error
 from swarm_core.protocol import LinkLimits
@@ -486,3 +487,32 @@ for _conv in (converter, lenient_converter):
     _conv.register_unstructure_hook(Topology, make_dict_unstructure_fn(
         Topology, _conv, layout=override(omit_if_default=True),
         moves=override(omit_if_default=True), rebalance_every=override(omit_if_default=True)))
+
+
+def warm_split_mismatch(spec: JobSubmit, source: JobSubmit, source_id: str) -> str | None:
+    """What besides the model ties a warm start to its source (the caller has checked the
+    models are equal), or None: a learned boundary's halves are trained where the source's
+    split put them (by boundary index, so another split would load them at another depth);
+    a subspace boundary's frame is rebuilt from the seed, never stored (its weights live in
+    the source's subspace); and tied weights split over stages train apart, so they cannot
+    warm a job of one stage, which ties them. The leader checks a submitted job by it, and a
+    sweep's loader each run against its warm-up."""
+    model, train, theirs = spec.model, spec.train, source.train
+    assert model is not None and train is not None and theirs is not None
+    comp = model.compression_spec
+    stages, source_stages = spec.topology.num_stages, source.topology.num_stages
+    if comp.learned:
+        def split(job: JobSubmit, weights: list[float] | None) -> list[tuple[int, int]]:
+            return split_layers(model.n_layers, weights or [1.0] * job.topology.num_stages)
+
+        mine, source_split = split(spec, train.stage_weights), split(source, theirs.stage_weights)
+        if mine != source_split:
+            return (f"{model.compression} learns its boundaries where {source_id}'s split "
+                    f"put them: its layers by stage {source_split}, this job's {mine}")
+    if comp.subspace is not None and train.seed != theirs.seed:
+        return (f"{model.compression} rebuilds its frame from the seed: {source_id}'s seed "
+                f"{theirs.seed}, this job's {train.seed}")
+    if model.tie_weights and stages == 1 and source_stages > 1:
+        return (f"tie_weights: {source_id}'s {source_stages} stages trained the embedding and "
+                "the head apart; a job of one stage ties them")
+    return None

@@ -27,7 +27,7 @@ import swarm_core
 from swarm_core import jsonio
 from swarm_core.artifacts.fetch import FetchError, fetch_export
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.config.profiles import ResolvedExperiment, RunSpec
+from swarm_core.config.profiles import ResolvedExperiment, RunSpec, warm_up_run
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.config.traces import ChurnScript
 from swarm_core.contract import (
@@ -163,6 +163,7 @@ class Experiment:
         # Kills and joins of a churn replay: the local cluster's processes unless given.
         self.processes = processes
         self._replays: dict[str, asyncio.Task[None]] = {}  # run id -> its trace/churn replay
+        self.warm_up_job: str | None = None  # (sweep.warm_up's, while it trains)
 
     @property
     def sequential(self) -> bool:
@@ -243,8 +244,17 @@ class Experiment:
                 with contextlib.suppress(TrackingError):
                     log.close(st.state)
 
+    def open_jobs(self) -> list[str]:
+        """The jobs this sweep queued that have not ended: its warm-up's, its runs'."""
+        runs = [st.job_id for st in self.states if st.job_id and st.state not in TERMINAL]
+        return ([self.warm_up_job] if self.warm_up_job else []) + runs
+
     async def cancel_open(self) -> list[str]:
         cancelled = []
+        if self.warm_up_job is not None:
+            with contextlib.suppress(Exception):  # (finished in the meantime)
+                await self.client.cancel(self.warm_up_job)
+                cancelled.append(self.warm_up_job)
         for st in self.states:
             if st.job_id and st.state not in TERMINAL:
                 try:
@@ -336,16 +346,12 @@ class Experiment:
         (unshaped and data parallel: it only makes the weights every run starts from, and no
         method of the grid is favoured); each run then warm-starts from its last checkpoint,
         which its ``config_resolved.json`` names (``training.warm_start``)."""
-        first = self.exp.runs[0]
-        training = {**first.training, "steps": steps, "warm_start": None, "link": None,
-                    "network": None}
-        if first.replicas > 1:
-            training["sync"] = {**(training.get("sync") or {}), "mode": "dp"}
         name = f"{self.exp.config.name}-warm-up"
         try:
-            job = await self.client.submit(attrs.evolve(first, training=training).job(name))
+            job = await self.client.submit(warm_up_run(self.exp.runs[0], steps).job(name))
         except (ClientError, SchemaError) as exc:
             raise ExperimentError(f"the warm-up job ({steps} steps of run 1): {exc}") from None
+        self.warm_up_job = job.job_id
         self.on_line(f"[warm-up] {name} {job.job_id} {job.state}: {steps} steps, then every "
                      "run from its weights")
         said = (job.state, -1)
@@ -358,6 +364,13 @@ class Experiment:
                 loss = "-" if job.last_loss is None else f"{job.last_loss:.4f}"
                 self.on_line(f"[warm-up] {job.job_id} {job.state} step {job.last_step} "
                              f"loss {loss}")
+        self.warm_up_job = None  # (over: nothing of it to cancel)
+        try:  # (its final view beside the runs: what they started from)
+            self.runs_dir.mkdir(parents=True, exist_ok=True)
+            _write(self.runs_dir / f"{name}-{job.job_id}.json", unstructure(job))
+        except OSError as exc:
+            raise ExperimentError(f"cannot write the warm-up's record under {self.runs_dir}: "
+                                  f"{exc.strerror or exc}") from None
         if job.state != "COMPLETED":
             raise ExperimentError(f"the warm-up job {job.job_id} ended {job.state}: "
                                   f"{job.reason}; no run was queued")

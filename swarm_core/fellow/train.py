@@ -498,15 +498,17 @@ class TrainJob:
 
     def _work(self) -> Any:  # the stage thread
         warm = self.warm is not None
-        state, opt_state = self._restored()
-        self.warm = None  # (the whole source model: held only until the stage loads its part)
+        # (popped into the call: once the stage has loaded them, no frame holds a checkpoint,
+        # nor a warm start's whole source model, for the run)
+        held = list(self._restored())
+        self.warm = None
         try:
             return run_stage(self.spec, self._load, self.ctx.shaper, self.ctx.listener,
                              self.stop, self.reporter.on_step, self.reporter.on_eval,
                              connect_timeout=self.training.frame_timeout_s,
                              on_checkpoint=self.checkpointer.on_checkpoint,
-                             start_step=self.start.resume_step, initial_state=state,
-                             initial_optimizer=opt_state, own_keys=warm,
+                             start_step=self.start.resume_step, initial_state=held.pop(0),
+                             initial_optimizer=held.pop(0), own_keys=warm,
                              coordinator=self._coordinate if self.spec.replicas > 1 else None,
                              inbox=self.ctx.progress.told, pace=self.ctx.pace,
                              move=self.arriving)
@@ -515,7 +517,7 @@ class TrainJob:
             # and activations; the awaiting frame holds the exception: a cycle that only a
             # full garbage collection frees, long after the next job wanted the memory.
             traceback.clear_frames(exc.__traceback__)
-            state = opt_state = None  # this frame is still running: clear_frames skips it
+            held.clear()  # this frame is still running: clear_frames skips it
             if isinstance(exc, ResumeError):
                 raise JobRefused(f"{self._resumed_from(warm)}: {exc}") from None
             raise

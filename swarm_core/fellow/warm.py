@@ -50,7 +50,7 @@ def _check_manifest(manifest: dict[str, Any], job_id: str, step: int, stage: int
 
 
 def _add(union: dict[str, torch.Tensor], part: dict[str, torch.Tensor], stage: int) -> None:
-    # (a name two stages share is a fixed part every stage holds alike, a subspace frame)
+    # (no two stages' shards should name one tensor; if they do, they must agree)
     for name, t in part.items():
         held = union.setdefault(name, t)
         if held is not t and not torch.equal(held, t):

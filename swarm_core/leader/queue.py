@@ -44,7 +44,7 @@ from swarm_core.contract.events import (
     JobUpdateType,
     MetricReport,
 )
-from swarm_core.contract.placement import split_layers
+from swarm_core.contract.job import warm_split_mismatch
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.leader import moves
 from swarm_core.leader.errors import ApiError
@@ -98,29 +98,6 @@ def _past(pool: Any, order: str, cursor: JobRecord) -> Any:
     if order == "newest":
         return (j for j in pool if j.seq < cursor.seq)
     return (j for j in pool if j.seq > cursor.seq)
-
-
-def _warm_split_mismatch(spec: JobSubmit, source: JobSubmit, source_id: str) -> str | None:
-    """What besides the model ties a warm start to its source (the caller has checked the
-    models are equal): a learned boundary's halves are trained where the source's split put
-    them (by boundary index, so another split would load them at another depth), and a
-    subspace boundary's frame is rebuilt from the seed, never stored (its weights live in
-    the source's subspace). None where nothing does."""
-    model, train, theirs = spec.model, spec.train, source.train
-    assert model is not None and train is not None and theirs is not None
-    comp = model.compression_spec
-    if comp.learned:
-        def split(job: JobSubmit, weights: list[float] | None) -> list[tuple[int, int]]:
-            return split_layers(model.n_layers, weights or [1.0] * job.topology.num_stages)
-
-        mine, source_split = split(spec, train.stage_weights), split(source, theirs.stage_weights)
-        if mine != source_split:
-            return (f"{model.compression} learns its boundaries where {source_id}'s split "
-                    f"put them: its layers by stage {source_split}, this job's {mine}")
-    if comp.subspace is not None and train.seed != theirs.seed:
-        return (f"{model.compression} rebuilds its frame from the seed: {source_id}'s seed "
-                f"{theirs.seed}, this job's {train.seed}")
-    return None
 
 
 @attrs.define
@@ -346,7 +323,7 @@ class JobQueue:
         if why is not None:
             raise SchemaError(f"{want.job_id}'s {why}; a warm start needs the same model in "
                               "every field but name", field)
-        why = _warm_split_mismatch(spec, source.spec, want.job_id)
+        why = warm_split_mismatch(spec, source.spec, want.job_id)
         if why is not None:
             raise SchemaError(why, field)
         steps = [] if self.runs_dir is None else complete_checkpoints(

@@ -1083,6 +1083,7 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
             runner.rerouter = Rerouter(runner, coordinator, start_step)
         group.listener, group.inbox = listener, inbox
         _restore(runner, initial_state, initial_optimizer, own_keys)
+        initial_state = initial_optimizer = None  # (loaded: not held for the run)
     except BaseException:
         stop.set()
         opener.discard()

@@ -28,7 +28,7 @@ from swarm_core.experiments.report import (
     summary_rows,
     write_report,
 )
-from swarm_core.experiments.runner import TERMINAL, Experiment, ExperimentError
+from swarm_core.experiments.runner import Experiment, ExperimentError
 from swarm_core.experiments.summary import MetricsSummary, summary_json
 from swarm_core.schema import structure, unstructure
 from swarm_core.tracking import (
@@ -147,8 +147,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return run_async(main())
     except KeyboardInterrupt:
         runner = holder.get("runner")
-        open_jobs = [st.job_id for st in runner.states
-                     if st.job_id and st.state not in TERMINAL] if runner else []
+        open_jobs = runner.open_jobs() if runner else []
         if open_jobs and runner is not None and sys.stdin.isatty():
             answer = input(f"\ncancel the {len(open_jobs)} run(s) this sweep queued? [y/N] ")
             if answer.strip().lower() in ("y", "yes"):

@@ -67,10 +67,12 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
     # The sweep: its warm-up job of 3 steps, then two seeds' runs of 4 from its weights.
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert "[warm-up] warmed-warm-up job-" in swept.stdout
-    runs = sorted((tmp_path / "runs").iterdir())
+    runs = sorted(d for d in (tmp_path / "runs").iterdir() if d.is_dir())
+    [warm_up] = [json.loads(f.read_text()) for f in (tmp_path / "runs").glob("warmed-warm-up-*")]
+    assert warm_up["state"] == "COMPLETED" and warm_up["training"]["steps"] == 3
     resolved = [json.loads((r / "config_resolved.json").read_text())["job"] for r in runs]
     starts = [job["training"]["warm_start"] for job in resolved]
-    assert len(runs) == 2 and starts[0] == starts[1] and starts[0]["step"] == 3
+    assert len(runs) == 2 and starts[0] == starts[1] == {"job_id": warm_up["job_id"], "step": 3}
     shard = Path(record["state_dir"]) / "runs" / starts[0]["job_id"] / "checkpoints" / \
         "step-3" / "stage-0"
     _, arrays = load_shard(shard)

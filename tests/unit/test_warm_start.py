@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,7 @@ async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source,
 
 def test_a_learned_boundary_needs_the_split_and_a_subspace_the_seed():
     from swarm_core.contract import JobSubmit
-    from swarm_core.leader.queue import _warm_split_mismatch
+    from swarm_core.contract.job import warm_split_mismatch as _warm_split_mismatch
 
     def job(compression: str, stages: int, seed: int = 0, **training: Any) -> JobSubmit:
         return structure({"kind": "train", "model": {**MODEL, "n_layers": 4,
@@ -503,3 +504,56 @@ def test_a_sweeps_warm_up_is_checked_in_one_line(sweep, message, field):
     assert message in str(err.value) and field in (err.value.field or "")
     assert "\n" not in str(err.value)
     assert structure({"warm_up": {"steps": 5}}, SweepSpec).warm_up.steps == 5
+
+
+def test_tied_weights_split_apart_and_another_tokenizer_are_refused():
+    from swarm_core.config.schemas import ModelConfig, TrainingConfig, warm_start_mismatch
+    from swarm_core.contract import JobSubmit
+    from swarm_core.contract.job import warm_split_mismatch
+
+    def job(stages: int) -> JobSubmit:
+        return structure({"kind": "train", "model": {**MODEL, "tie_weights": True},
+                          "training": {}, "topology": {"stages": stages}}, JobSubmit)
+
+    why = warm_split_mismatch(job(1), job(2), "job-000001")
+    assert why is not None and "trained the embedding and the head apart" in why
+    assert warm_split_mismatch(job(2), job(1), "job-000001") is None
+    model = ModelConfig(**MODEL)
+    bpe = structure({"tokenizer": "bpe", "dataset": "shakespeare"}, TrainingConfig)
+    other = structure({"tokenizer": "bpe", "dataset": "textfiles",
+                       "dataset_paths": ["a.txt"]}, TrainingConfig)
+    why = warm_start_mismatch(model, other, model, bpe)
+    assert why is not None and "the tokenizer" in why and "textfiles" in why
+    assert warm_start_mismatch(model, bpe, model, bpe) is None
+    assert "the tokenizer" in (warm_start_mismatch(model, TrainingConfig(), model, bpe) or "")
+
+
+def test_a_sweeps_warm_up_is_run_zeros_job_made_plain_and_checked_against_every_run(tmp_path):
+    from swarm_core.config.profiles import ConfigError, load_experiment, warm_up_run
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "training").mkdir()
+    (tmp_path / "model" / "m.json").write_text(json.dumps({"name": "m", **MODEL}))
+    (tmp_path / "training" / "t.json").write_text(json.dumps(
+        {"steps": 4, "batch_size": 4, "micro_batches": 2,
+         "sync": {"mode": "diloco", "inner_steps": 2, "compression": "int8", "fragments": 2},
+         "cluster_profile": {"stages": 1, "replicas": 2},
+         "network_profile": {"name": "slow", "tx_mbps": 5, "rx_mbps": 5}}))
+
+    def config(sweep: dict[str, Any]) -> Path:
+        path = tmp_path / "exp.json"
+        path.write_text(json.dumps({"name": "w", "training_config": "training/t.json",
+                                    "model_configs": ["model/m.json"], "sweep": sweep}))
+        return path
+
+    exp = load_experiment(config({"seeds": [0, 1], "warm_up": {"steps": 3}}))
+    warm = warm_up_run(exp.runs[0], 3).job("warm-up")
+    assert warm.train is not None and warm.train.steps == 3 and warm.train.link is None
+    assert (warm.train.sync.mode, warm.train.sync.compression) == ("dp", "none")
+    assert exp.runs[0].training["sync"]["mode"] == "diloco"  # (the runs keep their own)
+    with pytest.raises(ConfigError) as err:
+        load_experiment(config({"compressions": ["none", "fixed_int8"],
+                                "warm_up": {"steps": 3}}))
+    assert err.value.field == "$.sweep.warm_up" and "\n" not in str(err.value)
+    assert "run 1" in err.value.message and "compression 'none' vs 'fixed_int8'" \
+        in err.value.message
