@@ -335,48 +335,51 @@ async def test_a_heartbeat_naming_the_old_cell_after_a_stayer_told_the_move_stop
     assert "STOP" in [s["kind"] for s in await poll(api, mover, after=last)]
 
 
+async def _moved_twice(api: TestClient, port: int, back: dict[str, int]
+                       ) -> tuple[str, dict[tuple[int, int], Any], dict[str, Any], int]:
+    """S=2 x R=2 whose peers make MOVE before step 3 and ``back`` before step 5, both told
+    to the leader by a stayer's reports: the job, its cells' first fellows, its view then and
+    the mover's last signal's seq (the first move's peer, at cell 0.1 at the start)."""
+    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}, back])
+    jid, _view, cells = await _placed(api, port, body)
+    await _before(api, jid, cells)
+    stayer = cells[(1, 0)]
+    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 5, 1, MOVE)).status == 200
+    assert (await _step(api, jid, stayer, 1, 0, 6, 2, {**back, "new_id": 1})).status == 200
+    last = max(s["seq"] for s in await poll(api, cells[(0, 1)]))
+    return jid, cells, await get_job(api, jid), last
+
+
+async def _named(api: TestClient, jid: str, reg: Any, cell: tuple[int, int],
+                 after: int) -> list[str]:
+    """The signals a fellow gets once its heartbeat names ``cell`` of the job."""
+    await heartbeat(api, reg, status="busy", current_job=jid,
+                    running=[{"job_id": jid, "stage": cell[0], "replica": cell[1],
+                              "attempt": 0}])
+    return [s["kind"] for s in await poll(api, reg, after=after)]
+
+
 async def test_a_heartbeat_naming_the_old_cell_after_a_later_move_by_another_peer_stops_nothing(
         api):
     """Two moves, the leader told both by a stayer before the first mover's fellow named its
     new cell: its heartbeat still names the cell it left, which the second move gave another
     fellow. Its task runs its new cell: nothing is stopped, nothing started again."""
-    back = {"at": 5, "source": 1, "cell": 1, "target": 0}
-    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}, back])
-    jid, _view, cells = await _placed(api, 8470, body)
-    await _before(api, jid, cells)
-    stayer, mover = cells[(1, 0)], cells[(0, 1)]
-    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
-    assert (await _step(api, jid, stayer, 1, 0, 5, 1, MOVE)).status == 200
-    assert (await _step(api, jid, stayer, 1, 0, 6, 2, {**back, "new_id": 1})).status == 200
-    job = await get_job(api, jid)
+    jid, cells, job, last = await _moved_twice(api, 8470,
+                                               {"at": 5, "source": 1, "cell": 1, "target": 0})
     assert job["placement"]["layout"] == [[0, 1], [0, 2]]
     assert next(c["fellow_id"] for c in job["placement"]["stages"]
                 if (c["stage"], c["replica"]) == (0, 1)) == cells[(1, 1)]["fellow_id"]
-    seen = await poll(api, mover)
-    last = max(s["seq"] for s in seen)
-    await heartbeat(api, mover, status="busy", current_job=jid,
-                    running=[{"job_id": jid, "stage": 0, "replica": 1, "attempt": 0}])
-    assert [s["kind"] for s in await poll(api, mover, after=last)] == []
+    assert await _named(api, jid, cells[(0, 1)], (0, 1), last) == []
 
 
 async def test_a_peer_that_moved_twice_may_be_named_by_either_old_cell(api):
     """The same peer moves there and back (0.1 -> 1.2, then 1.2 -> 0.1), the leader told by a
     stayer: a late heartbeat naming the cell it held between is forgiven; one naming a cell
     it never held is not."""
-    back = {"at": 5, "source": 1, "cell": 2, "target": 0}
-    body = _job(moves=[{k: v for k, v in MOVE.items() if k != "new_id"}, back])
-    jid, _view, cells = await _placed(api, 8490, body)
-    await _before(api, jid, cells)
-    stayer, mover = cells[(1, 0)], cells[(0, 1)]
-    assert (await _step(api, jid, stayer, 1, 0, 4, 1, MOVE)).status == 200
-    assert (await _step(api, jid, stayer, 1, 0, 5, 1, MOVE)).status == 200
-    assert (await _step(api, jid, stayer, 1, 0, 6, 2, {**back, "new_id": 1})).status == 200
-    job = await get_job(api, jid)
+    jid, cells, job, last = await _moved_twice(api, 8490,
+                                               {"at": 5, "source": 1, "cell": 2, "target": 0})
     assert "layout" not in job["placement"]  # (back to the grid, the peer at 0.1 again)
-    last = max(s["seq"] for s in await poll(api, mover))
-    await heartbeat(api, mover, status="busy", current_job=jid,
-                    running=[{"job_id": jid, "stage": 1, "replica": 2, "attempt": 0}])
-    assert [s["kind"] for s in await poll(api, mover, after=last)] == []
-    await heartbeat(api, mover, status="busy", current_job=jid,
-                    running=[{"job_id": jid, "stage": 1, "replica": 1, "attempt": 0}])
-    assert "STOP" in [s["kind"] for s in await poll(api, mover, after=last)]
+    mover = cells[(0, 1)]
+    assert await _named(api, jid, mover, (1, 2), last) == []
+    assert "STOP" in await _named(api, jid, mover, (1, 1), last)
