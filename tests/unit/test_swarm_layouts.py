@@ -159,6 +159,34 @@ def test_a_bad_layout_is_refused_in_one_line():
                            layout=[[0], [0, 1, 2]])
 
 
+class _LastStage:
+    """Each step's reports of the last stage's cells (whichever cells ran it: moves change
+    them), and the step's loss from them (``step_loss``, weighted by micro-batches)."""
+
+    def __init__(self, stages: int) -> None:
+        self.stages = stages
+        self.reports: dict[int, dict[int, tuple[float, int]]] = {}
+
+    def on_step(self, cell: int, rep) -> None:
+        if cell % self.stages == self.stages - 1:
+            self.reports.setdefault(rep.step - 1, {})[cell] = (rep.loss, rep.micro_batches)
+
+    def losses(self) -> list[float]:
+        return [step_loss({c: v[0] for c, v in by_cell.items()},
+                          {c: v[1] for c, v in by_cell.items()})
+                for _step, by_cell in sorted(self.reports.items())]
+
+
+class _SentByStep:
+    """Every cell's pipeline bytes of each step, summed (reports' ``wire_tx_bytes``)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+
+    def on_step(self, _cell: int, rep) -> None:
+        self.sent[rep.step] = self.sent.get(rep.step, 0) + rep.wire_tx_bytes
+
+
 def _moved_losses(res: dict[int, StageResult | BaseException], before: list[list[int]],
                   after: list[list[int]], at: int, steps: int) -> list[float]:
     """Each step's loss over the last stage's cells of the layout it ran under (a cell the
@@ -236,15 +264,11 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
                 for k, ids in enumerate(layout)]
 
     monkeypatch.setattr(ThroughputEstimate, "measured", emulated)
-    reports: dict[int, dict[int, tuple[float, int]]] = {}
-
-    def on_step(cell: int, rep) -> None:
-        if cell % stages == stages - 1:
-            reports.setdefault(rep.step - 1, {})[cell] = (rep.loss, rep.micro_batches)
+    last = _LastStage(stages)
 
     moves: list = []
     res = run_local_pipeline(mc, tc, data, stages, replicas=3, timeout=240, wiring="swarm",
-                             routing="measured", rebalance=3, on_step=on_step,
+                             routing="measured", rebalance=3, on_step=last.on_step,
                              on_move=moves.append,
                              stage_kwargs={r * stages + 1: {"pace": Pace(10.0)} for r in slow})
     failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
@@ -254,9 +278,7 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
     came = res[3 * stages + 1]
     assert isinstance(came, StageResult) and came.metrics.steps == steps - 3
     assert isinstance(res[2 * stages], StageResult) and res[2 * stages].metrics.steps == 3
-    got = [step_loss({c: v[0] for c, v in by_cell.items()},
-                     {c: v[1] for c, v in by_cell.items()})
-           for _step, by_cell in sorted(reports.items())]
+    got = last.losses()
     assert len(got) == steps
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
 
@@ -307,27 +329,21 @@ def test_a_peer_that_stayed_through_a_move_moves_from_the_placement_it_made(data
     tc = structure({"steps": steps, "batch_size": 16, "micro_batches": 4, "seed": 5,
                     "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
     ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
-    reports: dict[int, dict[int, tuple[float, int]]] = {}
-
-    def on_step(cell: int, rep) -> None:
-        if cell % stages == stages - 1:
-            reports.setdefault(rep.step - 1, {})[cell] = (rep.loss, rep.micro_batches)
+    last = _LastStage(stages)
 
     moves: list = []
     res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=60, wiring="swarm",
                              moves=[PeerMove(at=3, source=0, cell=1, target=1),
                                     PeerMove(at=6, source=1, cell=1, target=0)],
-                             on_move=moves.append, on_step=on_step)
+                             on_move=moves.append, on_step=last.on_step)
     failed = {k: v for k, v in res.items() if not isinstance(v, StageResult)}
     assert not failed, failed
     assert [(m.at, m.after, m.peer) for m in moves] == [
         (3, ((0,), (0, 1, 2)), (0, 1, 1, 2)), (6, ((0, 1), (0, 2)), (1, 1, 0, 1))]
     # (the last stage's cells of each step: 1.0 and 1.1, then 1.0-1.2, then 1.0 and 1.2)
-    assert [sorted(reports[s]) for s in range(steps)] == [[1, 3]] * 3 + [[1, 3, 5]] * 3 \
+    assert [sorted(last.reports[s]) for s in range(steps)] == [[1, 3]] * 3 + [[1, 3, 5]] * 3 \
         + [[1, 5]] * 2
-    got = [step_loss({c: v[0] for c, v in by_cell.items()},
-                     {c: v[1] for c, v in by_cell.items()})
-           for _step, by_cell in sorted(reports.items())]
+    got = last.losses()
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
 
 
@@ -355,17 +371,14 @@ def test_a_routed_steps_frames_are_the_bytes_wire_math_expects(data, layout, rou
     stages = 2 if layout is None else len(layout)
     tc = structure({"steps": 3, "batch_size": 16, "micro_batches": 4, "seed": 2,
                     "eval_batches": 0, "grad_clip": clip}, TrainingConfig)
-    sent: dict[int, int] = {}
-
-    def on_step(_cell: int, rep) -> None:
-        sent[rep.step] = sent.get(rep.step, 0) + rep.wire_tx_bytes
+    frames = _SentByStep()
 
     res = run_local_pipeline(mc, tc, data, stages, replicas=2, timeout=120, wiring="swarm",
-                             routing=routing, layout=layout, on_step=on_step)
+                             routing=routing, layout=layout, on_step=frames.on_step)
     assert all(isinstance(v, StageResult) for v in res.values()), res
     expected = step_wire_bytes(mc, tc, stages, 2, layout, routing == "measured")
     assert (expected != step_wire_bytes(mc, tc, stages, 2)) == differs  # (a grid's count)
-    assert sent == {step: expected for step in (1, 2, 3)}
+    assert frames.sent == {step: expected for step in (1, 2, 3)}
 
 
 def test_a_moved_runs_frames_are_the_mean_of_each_layouts(data):
@@ -378,16 +391,13 @@ def test_a_moved_runs_frames_are_the_mean_of_each_layouts(data):
     mc = ModelConfig(**MODEL)
     tc = structure({"steps": 4, "batch_size": 16, "micro_batches": 4, "seed": 2,
                     "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
-    sent: dict[int, int] = {}
-
-    def on_step(_cell: int, rep) -> None:
-        sent[rep.step] = sent.get(rep.step, 0) + rep.wire_tx_bytes
+    frames = _SentByStep()
 
     res = run_local_pipeline(mc, tc, data, 2, replicas=2, timeout=120, wiring="swarm",
-                             routing="measured", on_step=on_step,
+                             routing="measured", on_step=frames.on_step,
                              moves=[PeerMove(at=2, source=0, cell=1, target=1)])
     assert not [v for v in res.values() if not isinstance(v, StageResult)], res
     before = step_wire_bytes(mc, tc, 2, 2, None, True)
     after = step_wire_bytes(mc, tc, 2, 2, [[0], [0, 1, 2]], True)
-    assert before != after and sent == {1: before, 2: before, 3: after, 4: after}
+    assert before != after and frames.sent == {1: before, 2: before, 3: after, 4: after}
     assert run_wire_bytes(mc, tc, 2, 2, None, True, [(2, 0, 1, 1, 2)]) == (before + after) / 2
