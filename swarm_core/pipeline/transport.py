@@ -148,6 +148,7 @@ class PeerLink:
         self._pulse = self._pulse_header.pack()
         self._farewell_header = pulse_header(job, FLAG_FAREWELL)
         self._farewell_sent = threading.Event()
+        self._farewell_queued = 0.0  # when farewell() queued the pulse (see farewell_written)
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         self._error: BaseException | None = None
@@ -523,6 +524,9 @@ class PeerLink:
         if self._halted() or self._send_failed or self.peer_closed:
             return
         self._farewell_sent.clear()
+        # (the quiet a farewell_written allows counts from here: a link left idle before it
+        # would otherwise be closed at once, racing the sender thread that writes it)
+        self._farewell_queued = time.monotonic()
         while True:
             try:
                 self._out.get_nowait()
@@ -538,7 +542,7 @@ class PeerLink:
         while not self._farewell_sent.is_set() and not self._send_failed \
                 and not self._halted():
             now = time.monotonic()
-            if now >= deadline or now - self._last_write > quiet_s:
+            if now >= deadline or now - max(self._last_write, self._farewell_queued) > quiet_s:
                 break
             self._farewell_sent.wait(0.005)
         return self._farewell_sent.is_set()

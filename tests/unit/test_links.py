@@ -456,6 +456,34 @@ def test_close_returns_once_the_links_threads_have_ended():
     assert time.monotonic() - t0 < 1 and not left._sender.is_alive()
 
 
+def test_a_farewell_on_a_link_left_idle_is_written_though_its_sender_is_slow(monkeypatch):
+    """A link idle for longer than the farewell's quiet limit (a neighbour's wait for the
+    cell that died) still waits for its FAREWELL, counted from when it was queued: a sender
+    thread slow to run under load once let the close go first, and a survivor that let go
+    was named as the one that died (a regroup CI failure)."""
+    from swarm_core.pipeline.transport import FAREWELL_QUIET_S, farewell
+
+    left, right, shaper, _ = _pair(None)
+    try:
+        time.sleep(FAREWELL_QUIET_S + 0.1)  # idle past the quiet limit
+        slow = shaper.tx.consume
+
+        def late(n, halted=None):  # type: ignore[no-untyped-def]
+            time.sleep(0.3)  # the sender thread gets the CPU late
+            return slow(n, halted) if halted is not None else slow(n)
+
+        monkeypatch.setattr(shaper.tx, "consume", late)
+        farewell([left], limit_s=5.0)
+        left.close()
+        deadline = time.monotonic() + 5
+        while not right.peer_closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert right.peer_closed and right.peer_left and not right.died
+    finally:
+        left.close()
+        right.close()
+
+
 def test_a_stopping_receiver_leaves_no_debt_in_the_fellows_bucket():
     """The rx bucket is the fellow's: bytes a stopping link still reads are not charged, or
     the next job would start seconds in debt."""
