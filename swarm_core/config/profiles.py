@@ -760,6 +760,19 @@ def warm_up_run(first: RunSpec, steps: int) -> RunSpec:
     return attrs.evolve(first, training=training, wiring=wiring, churn=None, tc_profile=None)
 
 
+def warm_started(exp: ResolvedExperiment, warm_start: dict[str, Any]) -> ResolvedExperiment:
+    """``exp`` with every run starting from a finished job's checkpoint (``swarm sweep
+    --warm-start``): the warm-up one sweep trained, shared by another so that several
+    configs' rows start from one point. It stands in for the config's ``sweep.warm_up``
+    (nothing is trained first); the leader checks each run against that job at submit."""
+    runs = [attrs.evolve(r, training={**r.training, "warm_start": dict(warm_start)})
+            for r in exp.runs]
+    config = attrs.evolve(exp.config, sweep=attrs.evolve(exp.config.sweep, warm_up=None,
+                                                          overrides={
+        **exp.config.sweep.overrides, "warm_start": dict(warm_start)}))
+    return attrs.evolve(exp, config=config, runs=runs)
+
+
 def _check_warm_up(runs: list[RunSpec], steps: int, path: Path) -> None:
     """Every run can start from the warm-up's weights, as the leader would check it at
     submit (the same model, and the split or seed a boundary ties them to): refused now, not

@@ -15,6 +15,7 @@ from swarm_core.config.profiles import (
     RunSpec,
     dataset_files,
     load_experiment,
+    warm_started,
 )
 from swarm_core.config.schemas import SyncConfig
 from swarm_core.experiments.report import (
@@ -39,6 +40,7 @@ from swarm_core.tracking import (
     tensorboard_installed,
 )
 from swarm_core.tracking.run_log import convert_run
+from swarm_tui.commands.argtypes import warm_start
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -112,6 +114,9 @@ def _sync(run: RunSpec) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     exp = load(args.config, ExitCode.USAGE)
+    trained = exp.config.sweep.warm_up
+    if args.warm_start is not None:
+        exp = warm_started(exp, args.warm_start)
     replayed = next((r for r in exp.runs if r.churn or r.network.get("trace")), None)
     if args.detach and replayed is not None:
         # (the sweep's own process plays them against each running job)
@@ -128,6 +133,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                 on_line=print_line if args.format == "table" else warn,
                                 poll_s=args.poll, tracking=tracking)
             holder["runner"] = runner
+            if args.warm_start is not None:
+                step = args.warm_start.get("step", "its newest checkpoint")
+                runner.on_line(f"every run from {args.warm_start['job_id']} step {step} "
+                               "(--warm-start)" + ("" if trained is None else
+                                                   f"; the config's warm-up of {trained.steps} "
+                                                   "steps is not trained"))
             try:
                 await runner.start()
             except ExperimentError as exc:
@@ -220,6 +231,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where run directories go (default: the profile's artifacts.runs_dir)")
     p.add_argument("--skip-netem", action="store_true",
                    help="do not apply network_profile.tc_profile with tc")
+    p.add_argument("--warm-start", type=warm_start, default=None, metavar="JOB[:STEP]",
+                   help="start every run from the weights of JOB's checkpoint at STEP "
+                        "(default: its newest), in place of the config's sweep.warm_up: one "
+                        "warm-up shared by several configs")
     p.add_argument("--poll", type=float, default=1.0, help=argparse.SUPPRESS)
     add_tracking_flags(p)
     add_format(p)

@@ -53,6 +53,14 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
         # A sweep's warm-up (sweep.warm_up): trained first, every run from its weights.
         swept = run_cli("sweep", "--config", str(_sweep(tmp_path)), "--runs-dir",
                         str(tmp_path / "runs"), env=cli_env, timeout=240)
+        # The same config again, from that warm-up (--warm-start): nothing trained first.
+        shared = None
+        if swept.returncode == 0:
+            [first] = (tmp_path / "runs").glob("warmed-warm-up-*")
+            shared = run_cli("sweep", "--config", str(_sweep(tmp_path)), "--runs-dir",
+                             str(tmp_path / "shared"), "--warm-start",
+                             f"{json.loads(first.read_text())['job_id']}:3", env=cli_env,
+                             timeout=240)
     finally:
         run_cli("stop-cluster", env=cli_env)
     assert job["state"] == "COMPLETED", job["reason"]
@@ -85,6 +93,18 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
                (run / "train_progress.ndjson").read_text().splitlines()]
         ref = _reference_from(state, tc, load_token_data(tc, MODEL["seq_len"]))
         assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    # The second sweep shared the first's warm-up: each run the first's, loss for loss.
+    assert shared is not None and shared.returncode == 0, shared and shared.stdout + shared.stderr
+    assert "[warm-up]" not in shared.stdout
+    assert "the config's warm-up of 3 steps is not trained" in shared.stdout
+    again = sorted(d for d in (tmp_path / "shared").iterdir() if d.is_dir())
+    assert [json.loads((r / "config_resolved.json").read_text())["job"]["training"]
+            ["warm_start"] for r in again] == starts
+    for run, first_run in zip(again, runs, strict=True):
+        assert [json.loads(line)["loss"] for line in
+                (run / "train_progress.ndjson").read_text().splitlines()] == \
+            [json.loads(line)["loss"] for line in
+             (first_run / "train_progress.ndjson").read_text().splitlines()]
 
 
 def _sweep(tmp_path: Path) -> Path:

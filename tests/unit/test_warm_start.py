@@ -529,7 +529,12 @@ def test_tied_weights_split_apart_and_another_tokenizer_are_refused():
 
 
 def test_a_sweeps_warm_up_is_run_zeros_job_made_plain_and_checked_against_every_run(tmp_path):
-    from swarm_core.config.profiles import ConfigError, load_experiment, warm_up_run
+    from swarm_core.config.profiles import (
+        ConfigError,
+        load_experiment,
+        warm_started,
+        warm_up_run,
+    )
 
     (tmp_path / "model").mkdir()
     (tmp_path / "training").mkdir()
@@ -551,6 +556,13 @@ def test_a_sweeps_warm_up_is_run_zeros_job_made_plain_and_checked_against_every_
     assert warm.train is not None and warm.train.steps == 3 and warm.train.link is None
     assert (warm.train.sync.mode, warm.train.sync.compression) == ("dp", "none")
     assert exp.runs[0].training["sync"]["mode"] == "diloco"  # (the runs keep their own)
+    # `swarm sweep --warm-start`: another sweep's warm-up in place of this one's.
+    shared = warm_started(exp, {"job_id": "job-000007", "step": 3})
+    assert shared.config.sweep.warm_up is None
+    assert shared.config.sweep.overrides["warm_start"] == {"job_id": "job-000007", "step": 3}
+    assert [r.job(r.run_name).train.warm_start for r in shared.runs] == \
+        [WarmStart("job-000007", 3)] * 2
+    assert exp.config.sweep.warm_up is not None and exp.runs[0].training.get("warm_start") is None
     with pytest.raises(ConfigError) as err:
         load_experiment(config({"compressions": ["none", "fixed_int8"],
                                 "warm_up": {"steps": 3}}))
