@@ -623,10 +623,13 @@ def _checkpoint_request(request: web.Request, warm: bool = False) -> tuple[int, 
     job = st.jobs.get(request.match_info["job_id"])
     step, stage = _int_param(request, "step"), _int_param(request, "stage")
     rec = st.registry.by_session(request.headers.get(SESSION_HEADER))
-    if not st.jobs.holds_stage(job, rec.fellow_id, stage) \
-            and not (warm and _warm_starts_from(st, rec, job.job_id, step)):
+    # (a resume is an attempt of a running job: an ended job's placement still names the
+    # fellows that held it, which may no longer fetch what it left)
+    holds = job.state is JobState.RUNNING and st.jobs.holds_stage(job, rec.fellow_id, stage)
+    if not holds and not (warm and _warm_starts_from(st, rec, job.job_id, step)):
+        ended = "" if not job.state.terminal else f" ({job.job_id} is {job.state.value})"
         raise ApiError(403, f"fellow {rec.fellow_id} does not hold stage {stage} of "
-                            f"{job.job_id}", code="wrong_fellow")
+                            f"{job.job_id}{ended}", code="wrong_fellow")
     return step, stage, job
 
 

@@ -18,6 +18,7 @@ BENCHES = {
     "bench_codec.py": "int8",
     "chaos.py": "wedged jobs",
     # (bench_dp.py runs below, once, with its rounds: a quick run of it alone adds nothing)
+    "bench_link_bound.py": "step/overlap",
     "bench_links.py": "step/bound",
     "bench_leader.py": "p99 ms",
     "bench_pipeline.py": "tokens/s",

@@ -236,9 +236,16 @@ async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source,
             m = await expect_ok(await client.get(f"{base}/4/{k}/manifest",
                                                  headers=f["headers"]))
             assert (m["step"], m["stage"]) == (4, k)
-    # (a fellow that held stage 0 of the source may fetch it as a resume would: not these)
+    # (a fellow that held stage 0 of the source fetched it as a resume would while the
+    # source ran: not once it ended, but for the weights a warm start takes)
     held0 = {s["fellow_id"] for s in (await get_job(client, src))["placement"]["stages"]
              if s["stage"] == 0}
+    for f in fellows:
+        if f["fellow_id"] in held0:
+            err = await expect_error(await client.get(f"{base}/4/0/optimizer",
+                                                      headers=f["headers"]), 403,
+                                     code="wrong_fellow")
+            assert f"({src} is CANCELLED)" in err["message"], err
     stranger = next(f for f in outside if f["fellow_id"] not in held0)
     warm = next(f for f in inside if f["fellow_id"] not in held0)
     refused = [(f"{base}/4/0/weights", stranger),  # no cell of the warm job
