@@ -568,6 +568,10 @@ class Membership:
             # checkpoint some cells took after it holds a state they have undone)
             self.queue.progress.restart(job, change.step)
             self.queue.files.undone_checkpoints(job, change.step)
+            # (the export too: a stage's newest shard from then is of weights undone, and
+            # the stage has none in the export until its next push)
+            for k in [k for k, p in job.latest_shard_pushes.items() if p.step >= change.step]:
+                del job.latest_shard_pushes[k]
         self.queue.progress.membership(job, change)
         self.queue.save(job)
         self.queue.hub.publish(JobMembership(job.job_id, change))

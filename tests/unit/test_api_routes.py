@@ -1623,11 +1623,15 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
 async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     """Swarm wiring: the survivors train 0-based step 5 again. A checkpoint taken after it
     (step-6: six steps done) holds a state they undid, so it is gone and a resume takes the
-    newest before it (step-5, five steps done, stays); a push of one that was on its way as
-    the change came is refused (409 checkpoint_undone), and nothing of it is kept."""
+    newest before it (step-5, five steps done, stays), and the export no longer names it; a
+    push of one that was on its way as the change came is refused (409 checkpoint_undone),
+    and nothing of it is kept."""
     import aiohttp
 
+    from swarm_core.artifacts.shards import build_manifest, npz_bytes, state_arrays
+    from swarm_core.config.schemas import ModelConfig
     from swarm_core.leader.uploads import complete_checkpoints
+    from swarm_core.pipeline.model import StageModule
 
     fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7450 + i}")
                for i in range(3)]
@@ -1640,13 +1644,29 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
                   for c in job["placement"]["stages"]}
     runs = leader_config.state_dir / "runs"
-    for step in (4, 5, 6):  # (a stage's checkpoint is complete with its manifest)
+    lead = by_replica[0]
+    # Replica 2's shard of step 6 (six steps done), pushed whole: the job's export.
+    module = StageModule(ModelConfig(**body["model"]), 256, 0, 0, 1, 0, 1)
+    arrays = state_arrays(module)
+    weights = npz_bytes(arrays)
+    manifest = build_manifest(job_id=jid, stage=0, num_stages=1,
+                              fellow_id=by_replica[2]["fellow_id"], fellow_name="f2",
+                              layers=(0, 1), step=6, model=body["model"], seed=0,
+                              vocab_size=256, tokenizer={"name": "byte"}, arrays=arrays,
+                              weights=weights, replica=2)
+    with aiohttp.MultipartWriter("form-data") as whole:
+        for name, raw in (("manifest", orjson.dumps(manifest)), ("weights", weights)):
+            whole.append(raw).set_content_disposition("form-data", name=name)
+    await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=whole,
+                                   headers=by_replica[2]["headers"]), 201)
+    export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
+    assert [(s["stage"], s["step"]) for s in export["shards"]] == [(0, 6)]
+    for step in (4, 5):  # (a stage's checkpoint is complete with its manifest)
         d = runs / jid / "checkpoints" / f"step-{step}" / "stage-0"
         d.mkdir(parents=True)
         (d / "shard_manifest.json").write_text(orjson.dumps(_manifest(jid, step)).decode())
     assert complete_checkpoints(runs, jid, 1) == [6, 5, 4]
     # Replica 0's push of step 6 begins (its body held back) before the change.
-    lead = by_replica[0]
     with aiohttp.MultipartWriter("form-data") as mp:
         part = mp.append(orjson.dumps({**_manifest(jid, 6), "fellow_id": lead["fellow_id"]}),
                          {"Content-Type": "application/json"})
@@ -1683,6 +1703,9 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     assert refused.status == 409, await refused.text()
     assert (await refused.json())["error"]["code"] == "checkpoint_undone"
     assert complete_checkpoints(runs, jid, 1) == [5, 4]
+    # (nor does the export point at the undone weights: the stage has none until its next push)
+    export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
+    assert export["shards"] == [] and export["step"] is None
     # (renamed out of view as the change came, its files removed off the leader's loop)
     root = runs / jid / "checkpoints"
     for _ in range(100):
