@@ -32,10 +32,14 @@ class BoundaryCodec(Protocol):
         """What its frames' headers say (codec byte and block), and the format's bytes."""
         ...
 
-    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0,
+               draw: int | None = None) -> list[memoryview]:
         """``x`` as the buffers of a frame for micro-batch ``slot`` of (0-based) ``step``: a
-        codec that draws random numbers keys them by both, so a step trained again (a
-        routed redo, a resumed run) draws what it drew the first time."""
+        codec that draws random numbers keys them by ``draw`` (the micro-batch's place in
+        the step's whole batch, which chain-wired replicas do not share: replica r's slot i
+        of M is r x M + i; None: ``slot``) and ``step``, so a step trained again (a routed
+        redo, a resumed run) draws what it drew the first time, and replicas draw apart as
+        one process over the whole batch does."""
         ...
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

@@ -254,7 +254,8 @@ def uniform_(out: torch.Tensor, key: int, first: int,
 
 def frame_key(slot: int, step: int) -> int:
     """The hash key (a signed 32-bit integer) of the GRAD frame of micro-batch ``slot`` of
-    (0-based) step ``step``."""
+    (0-based) step ``step`` (its place in the step's whole batch: see
+    ``BoundaryCodec.encode``'s ``draw``)."""
     digest = hashlib.blake2b(f"{SR_SEED}/{slot}/{step}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little", signed=True)
 
@@ -268,14 +269,16 @@ class StochasticSide:
         self.wire = wire
         self.impl: type[_LowBit] = HadamardInt4 if wire.codec.element.bits == 4 else HadamardInt2
 
-    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0,
+               draw: int | None = None) -> list[memoryview]:
         x = x.detach().to(torch.float32)
         tile = self.wire.block
         if not x.dim() or x.shape[-1] % tile:
             raise CodecError(f"{self.wire.codec.name} tile {tile} does not divide the width "
                              f"{x.shape[-1] if x.dim() else 0}")
         rows = x.reshape(-1, tile)
-        packed, steps = self.impl.quantize_rows(rows, frame_key(slot, step))
+        packed, steps = self.impl.quantize_rows(rows, frame_key(slot if draw is None else draw,
+                                                                step))
         return [as_bytes(steps.cpu()), as_bytes(packed.cpu())]
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

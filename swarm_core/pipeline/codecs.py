@@ -222,7 +222,8 @@ class WireCodec(WireFormat):
     def wire(self) -> WireCodec:
         return self
 
-    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0,
+               draw: int | None = None) -> list[memoryview]:
         return encode(x, self.codec, self.block)
 
     def decode(self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...],

@@ -612,6 +612,11 @@ class _Step:
     chain_heard: bool = False
     # Swarm wiring: the step's route, as this cell runs it (None: a chain).
     route: RoutedStep | None = None
+    # Where this cell's micro-batch i sits in the step's whole batch, less i: a chain-wired
+    # replica r's are r x M on (a routed step's indices are the whole batch's already). Keys
+    # dropout's masks and stochastic rounding's draws, so replicas draw apart, as one
+    # process over the whole batch does.
+    draw_base: int = 0
 
 
 class StageRunner:
@@ -797,7 +802,8 @@ class StageRunner:
         if self.wgrad is not None:
             self.wgrad.clear()
             self.wgrad.meter = self.meter if metered else None
-        return _Step(step, xs, ys, metered, heard=bool(self.group.told()), route=route)
+        return _Step(step, xs, ys, metered, heard=bool(self.group.told()), route=route,
+                     draw_base=0 if route is not None else spec.replica * m)
 
     def _link(self, st: _Step, g: int, up: bool) -> PeerLink | None:
         """The link micro-batch ``g`` comes in on (``up``) or leaves by: its chain's, or
@@ -826,7 +832,7 @@ class StageRunner:
         if wq is not None:
             wq.splitting = i in self.hurried  # (the rest train as plain Linears)
         saving = self.meter.saving if st.metered else contextlib.nullcontext
-        with dropout_rng(self.module, st.step, i), saving():
+        with dropout_rng(self.module, st.step, st.draw_base + i), saving():
             out = self.module(inp, st.xs[i] if st.xs else None)
             if self.last:  # the loss's saved log-probabilities count too
                 loss = lm_loss(out, st.ys[i]) / t.micro_batches
@@ -837,7 +843,7 @@ class StageRunner:
         down = self._link(st, i, up=False)
         assert down is not None
         codec = self.codecs.pick(Kind.ACT, True, down, self.links)
-        bufs = self._send(down, Kind.ACT, st.step, i, out, codec, FLAG_HEARD if st.heard else 0)
+        bufs = self._send(down, Kind.ACT, st, i, out, codec, FLAG_HEARD if st.heard else 0)
         if i == (0 if st.route is None else st.route.first):  # (once a step: one more decode)
             st.errors.act = decoded_error(out, bufs, codec.wire)
         st.outputs[i] = out
@@ -869,7 +875,7 @@ class StageRunner:
             inp = st.inputs.pop(i)
             assert inp.grad is not None
             codec = self.codecs.pick(Kind.GRAD, True, up, self.links)
-            bufs = self._send(up, Kind.GRAD, st.step, i, inp.grad, codec,
+            bufs = self._send(up, Kind.GRAD, st, i, inp.grad, codec,
                               FLAG_HEARD if self._chain_heard(st) else 0)
             if i == (0 if st.route is None else st.route.first):  # (as a rounding sender sent)
                 st.errors.grad = decoded_error(inp.grad, bufs, codec.wire)
@@ -877,12 +883,12 @@ class StageRunner:
             wq.run_batch()
 
     @staticmethod
-    def _send(link: PeerLink, kind: Kind, step: int, i: int, x: torch.Tensor,
+    def _send(link: PeerLink, kind: Kind, st: _Step, i: int, x: torch.Tensor,
               codec: BoundaryCodec, flags: int) -> list[memoryview]:
         """``x`` coded once and queued on ``link``; the frame's buffers, from which the codec
         error is measured (``decoded_error``)."""
-        bufs = codec.encode(x, i, step)
-        link.send_coded(kind, step, i, tuple(x.shape), codec.wire, bufs, x, flags)
+        bufs = codec.encode(x, i, st.step, st.draw_base + i)
+        link.send_coded(kind, st.step, i, tuple(x.shape), codec.wire, bufs, x, flags)
         return bufs
 
     def _chain_heard(self, st: _Step) -> bool:

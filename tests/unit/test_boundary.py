@@ -43,7 +43,8 @@ class XorCodec:
         self.prev[slot] = bits.clone() if sent else out.clone()
         return out
 
-    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0) -> list[memoryview]:
+    def encode(self, x: torch.Tensor, slot: int = 0, step: int = 0,
+               draw: int | None = None) -> list[memoryview]:
         bits = x.detach().float().contiguous().view(torch.int32)
         return [codecs.as_bytes(self._turn(bits, slot, sent=True))]
 

@@ -75,6 +75,23 @@ def test_replicas_train_what_one_process_trains_at_the_same_global_batch(data, s
     assert res[stages - 1].metrics.eval_loss == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.parametrize("model", [{"compression": "hadamard_int4_b16"}, {"dropout": 0.2}])
+def test_chain_replicas_draw_as_one_process_over_the_whole_batch(data, model):
+    """What draws random numbers per micro-batch (a stochastic rounding of the backward's
+    boundary, dropout's masks) keys them by the micro-batch's place in the step's whole
+    batch: replica r's i-th of M is r x M + i, so replicas draw apart, and 2 x 2 computes
+    the losses of one process that runs the whole batch as R x M micro-batches (keyed by
+    the replica's own i, both replicas drew alike and matched no such process)."""
+    mc = ModelConfig(**MODEL, **model)
+    tc = structure({"steps": 6, "batch_size": 8, "micro_batches": 2, "eval_batches": 0,
+                    "lr": 3e-3}, TrainingConfig)
+    whole = attrs.evolve(tc, micro_batches=4)  # (the same rows, in R x M pieces)
+    ref, _ = train_reference(mc, whole, data, split_layers(mc.n_layers, [1, 1]))
+    res = _run(mc, tc, data, 2, 2)
+    got = _step_losses(res, 2, 2)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+
+
 def _stage_params(mc: ModelConfig, stage: int, stages: int, vocab: int) -> int:
     a, b = split_layers(mc.n_layers, [1] * stages)[stage]
     return sum(p.numel() for p in StageModule(mc, vocab, 0, a, b, stage, stages).parameters())
