@@ -32,6 +32,7 @@ from swarm_core.contract import (
 from swarm_core.contract.events import Event, Unknown, read_event
 from swarm_core.protocol import (
     API_PREFIX,
+    SESSION_HEADER,
     FellowInfo,
     FellowList,
     LeaderInfo,
@@ -47,7 +48,6 @@ from swarm_core.schema import SchemaError, structure, unstructure
 
 T = TypeVar("T")
 DOWNLOAD_CHUNK = 1 << 20  # bytes of a streamed download read at a time
-SESSION_HEADER = "X-Swarm-Fellow-Session"
 
 
 class ClientError(Exception):

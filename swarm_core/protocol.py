@@ -59,6 +59,10 @@ class FellowStatus(enum.StrEnum):
 ReportedStatus = Literal["ready", "busy", "released", "leaving"]
 
 
+# The header a fellow names its session in, on every call it makes as a fellow.
+SESSION_HEADER = "X-Swarm-Fellow-Session"
+
+
 class JobState(enum.Enum):
     PENDING = "PENDING"
     RUNNING = "RUNNING"

@@ -43,6 +43,7 @@ from swarm_core.leader.registry import FellowRecord
 from swarm_core.leader.state import LeaderState
 from swarm_core.protocol import (
     API_PREFIX,
+    SESSION_HEADER,
     FellowInfo,
     FellowList,
     JobState,
@@ -58,7 +59,6 @@ from swarm_core.protocol import (
 )
 from swarm_core.schema import structure, unstructure
 
-SESSION_HEADER = "X-Swarm-Fellow-Session"
 MAX_POLL_S = 30.0
 
 

@@ -39,6 +39,7 @@ from swarm_core.pipeline.optim import clip_scale, lr_at, make_optimizer, scale_g
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import ResumeError, own_part
 from swarm_core.pipeline.whole import ExperimentModel
+from swarm_core.protocol import SESSION_HEADER
 from swarm_core.schema import SchemaError, structure
 from swarm_tui.commands.argtypes import warm_start
 from tests.api_support import A, expect_error, expect_ok, get_job, register
@@ -286,6 +287,31 @@ async def test_the_newest_step_is_resolved_and_only_its_fellows_fetch_it(source,
     assert all(torch.equal(union[n], want[n]) for n in want)
 
 
+async def test_a_restarted_leader_keeps_the_resolved_step_and_who_may_fetch_it(
+        source, aiohttp_client, tmp_path):
+    """The step resolved at submit is part of the stored job: a leader restarted on the same
+    state still names it, and still serves it to the warm job's fellows alone."""
+    client, fellows, src, pushed = source
+    job = await expect_ok(await client.post(f"{A}/jobs", json=_train_job(
+        warm_start={"job_id": src}), headers=AUTH), 201)
+    mine = {s["fellow_id"] for s in job["placement"]["stages"]}
+    await client.close()
+    cfg = LeaderConfig(state_dir=tmp_path / "state", token=TOKEN, tick_s=0.05)
+    again = await aiohttp_client(create_app(cfg))
+    view = await get_job(again, job["job_id"])
+    assert view["training"]["warm_start"] == {"job_id": src, "step": 4}
+    base = f"{A}/jobs/{src}/checkpoints/4/1/weights"
+    for f in fellows:  # (each registers again, as the same process, under a new session)
+        back = await expect_ok(await again.post(f"{A}/fellows/register", json=f["body"],
+                                                headers=AUTH), 201)
+        assert back["fellow_id"] == f["fellow_id"]
+        got = await again.get(base, headers={**AUTH, SESSION_HEADER: back["session"]})
+        if f["fellow_id"] in mine:
+            assert got.status == 200 and await got.read() == pushed[(4, 1)][1]
+        else:
+            assert got.status == 403, await got.text()
+
+
 def test_a_learned_boundary_needs_the_split_and_a_subspace_the_seed():
     from swarm_core.contract import JobSubmit
     from swarm_core.contract.job import warm_split_mismatch as _warm_split_mismatch
@@ -491,10 +517,13 @@ def test_a_stage_the_weights_lack_fails_in_one_line_before_it_trains(data):
     union = _whole([(0, 2)]).flat_state_dict()
     del union["head.ln_f.weight"]
     tc = TrainingConfig(steps=2, batch_size=8, micro_batches=2, eval_batches=1)
+    stepped: list[tuple[int, int]] = []
     res = run_local_pipeline(mc, tc, data, 2, stage_kwargs={
-        k: {"initial_state": union, "own_keys": True} for k in range(2)})
+        k: {"initial_state": union, "own_keys": True} for k in range(2)},
+        on_step=lambda cell, rep: stepped.append((cell, rep.step)))
     assert isinstance(res[1], ResumeError)
     assert str(res[1]) == "the weights hold no 'head.ln_f.weight'"
+    assert stepped == []  # (no step of either stage: the weights are checked first)
 
 
 @pytest.mark.parametrize("sweep, message, field", [
