@@ -134,11 +134,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                 poll_s=args.poll, tracking=tracking)
             holder["runner"] = runner
             if args.warm_start is not None:
-                step = args.warm_start.get("step", "its newest checkpoint")
-                runner.on_line(f"every run from {args.warm_start['job_id']} step {step} "
-                               "(--warm-start)" + ("" if trained is None else
-                                                   f"; the config's warm-up of {trained.steps} "
-                                                   "steps is not trained"))
+                job, step = args.warm_start["job_id"], args.warm_start.get("step")
+                start = f"{job} step {step}" if step else f"{job}'s newest checkpoint"
+                runner.on_line(f"every run from {start} (--warm-start)" + (
+                    "" if trained is None else
+                    f"; the config's warm-up of {trained.steps} steps is not trained"))
             try:
                 await runner.start()
             except ExperimentError as exc:
