@@ -160,18 +160,22 @@ def _dp_reference(mc: ModelConfig, tc: TrainingConfig, data, gone: list[int],
     return losses
 
 
-@pytest.mark.parametrize("mode, overlap, fragments", [
-    ("diloco", 0, 1), ("dp", 0, 1), ("diloco", 1, 1), ("sparseloco", 0, 1), ("demo", 0, 1),
-    ("diloco", 0, 2)])
+@pytest.mark.parametrize("mode, overlap, fragments, optimizer", [
+    ("diloco", 0, 1, "adamw"), ("dp", 0, 1, "adamw"), ("diloco", 1, 1, "adamw"),
+    ("sparseloco", 0, 1, "adamw"), ("demo", 0, 1, "adamw"), ("diloco", 0, 2, "adamw"),
+    ("dp", 0, 1, "muon")])
 def test_a_replica_whose_fellow_dies_leaves_the_others_train_on_and_a_spare_joins(
-        cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int, fragments: int):
+        cli_env, tmp_path: Path, swarm_home: Path, mode: str, overlap: int, fragments: int,
+        optimizer: str):
     """(With the outer steps overlapped by a step, the break shows when the survivors take
     the outer step's result, and the spare joins then: a step after an outer step. In 2
     fragments, one fragment's outer step follows every step: the spare joins a copy of its
-    donor, whose other fragment has trained apart since its own turn.)"""
+    donor, whose other fragment has trained apart since its own turn. With Muon the spare
+    takes its donor's Muon momentum as it takes AdamW's moments.)"""
     body = {"name": "replica-dies", "kind": "train", "model": MODEL,
             "training": {"steps": 120, "batch_size": 6, "micro_batches": 1,
                          "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "optimizer": optimizer,
                          "sync": {"mode": mode, "inner_steps": H, "overlap_steps": overlap,
                                   "fragments": fragments}},
             "topology": {"stages": 1, "replicas": 3}}
