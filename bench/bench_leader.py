@@ -52,11 +52,10 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
-from swarm_core.protocol import API_PREFIX  # noqa: E402
+from swarm_core.protocol import API_PREFIX, SESSION_HEADER  # noqa: E402
 from swarm_tui.app.app import JOB_WINDOW  # noqa: E402
 
 HOST = "127.0.0.1"
-SESSION_HEADER = "X-Swarm-Fellow-Session"
 TARGET_N = 1000
 TARGET_P99_MS = 50.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")

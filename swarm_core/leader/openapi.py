@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 import swarm_core
+from swarm_core.protocol import SESSION_HEADER
 from swarm_core.schema import json_schema
 
 _ERROR_SCHEMA = {
@@ -106,7 +107,7 @@ def _parameters(r: Any) -> list[dict[str, Any]]:
         params.append({"name": name, "in": "query", "required": False,
                        "description": desc, "schema": schema})
     if r.fellow_session:
-        params.append({"name": "X-Swarm-Fellow-Session", "in": "header", "required": True,
+        params.append({"name": SESSION_HEADER, "in": "header", "required": True,
                        "description": "session returned by register",
                        "schema": {"type": "string"}})
     return params

@@ -630,6 +630,16 @@ class JobQueue:
             self.hub.publish(JobShard(job.job_id, receipt))
         return receipt
 
+    def shard_withdrawn(self, job: JobRecord, stage: int, fellow_id: int) -> None:
+        """The fellow's shard of ``stage`` was published over by a push the job refused (a
+        redo undid its step meanwhile): the export names no shard of it from that fellow."""
+        receipt = job.latest_shard_pushes.get(str(stage))
+        if receipt is None or receipt.fellow_id != fellow_id:
+            return
+        with self.kept(job):
+            del job.latest_shard_pushes[str(stage)]
+            self.save(job, quiet=True)
+
     def link_set(self, fellow: FellowRecord, link: LinkLimits | None,
                  slowdown: float | None = None, to_fellow: int | None = None) -> str | None:
         """Note a set-speed in the running job of ``fellow``, if it runs one: the fellow applies

@@ -517,10 +517,14 @@ async def push_shard(request: web.Request) -> web.Response:
             raise ApiError(409, f"replica {replica} has left {job.job_id}: its shard of stage "
                                 f"{stage} comes too late", code="replica_left",
                            field="manifest.replica")
+        if manifest is not None:
+            not_undone(manifest)
+
+    def not_undone(manifest: PushedManifest) -> None:
         # Swarm wiring's redo: a state at or past the step the survivors train again, on its
         # way before they were told to, is one they undid.
         undone = undone_from(job, began)
-        if manifest is not None and undone is not None and manifest.step >= undone:
+        if undone is not None and manifest.step >= undone:
             raise ApiError(409, f"checkpoint step {manifest.step} of {job.job_id} holds a "
                                 f"state undone when step {undone} was trained again",
                            code="checkpoint_undone", field="manifest.step")
@@ -548,6 +552,11 @@ async def push_shard(request: web.Request) -> web.Response:
             raise ApiError(409, f"checkpoint step {manifest.step} of {job.job_id} was "
                                 "dropped while it was published: the step was trained again",
                            code="checkpoint_undone", field="manifest.step") from None
+        try:  # (... or once it was: its files are the fellow's shard now, of undone weights)
+            not_undone(manifest)
+        except ApiError:
+            st.jobs.shard_withdrawn(job, stage, rec.fellow_id)
+            raise
     return ok(st.jobs.shard_pushed(job, stage, rec, manifest), status=201)
 
 

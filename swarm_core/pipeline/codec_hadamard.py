@@ -27,8 +27,9 @@ with u uniform in [0, 1): unbiased, so the backward's error averages out over st
 than biasing it. The draws are reproducible: u for element i of a frame is a hash of i and the
 frame's 32-bit key (murmur3's finaliser over ``i * 0x9E3779B1 + key``, its low 24 bits over
 2^24: integer tensor ops, the same numbers on any device and several times faster on a CPU than
-torch's Mersenne Twister); the key is BLAKE2b of :data:`SR_SEED`, the micro-batch slot and the
-step (see :func:`frame_key`), as dropout's masks are keyed (``model.dropout_rng``). The
+torch's Mersenne Twister); the key is BLAKE2b of :data:`SR_SEED`, the micro-batch's place in
+the step's whole batch (``BoundaryCodec.encode``'s ``draw``: chain-wired replicas draw apart)
+and the step (see :func:`frame_key`), as dropout's masks are keyed (``model.dropout_rng``). The
 pipeline's sender and the single-process simulator (``BoundarySimulator``) code each slot of
 each step once, so they draw the same numbers, whatever order a schedule or a route codes the
 frames in; a step trained again (a swarm-wired redo) and a resumed run draw what an unbroken

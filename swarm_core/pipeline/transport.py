@@ -164,7 +164,8 @@ class PeerLink:
                     codec: BoundaryCodec = codecs.FP32_WIRE, flags: int = 0) -> int:
         """Queue a tensor; returns the bytes it will put on the wire (header included). The
         codec's scale block goes in the header, for the receiver's decode; a codec that
-        draws keys its draws by the micro-batch's slot and the step."""
+        draws keys its draws by the micro-batch's slot and the step (a stage's frames say
+        their place in the whole batch: ``StageRunner._send``)."""
         return self.send_coded(kind, step, micro_batch, tuple(x.shape), codec.wire,
                                codec.encode(x, micro_batch, step), x, flags)
 
@@ -542,7 +543,9 @@ class PeerLink:
         while not self._farewell_sent.is_set() and not self._send_failed \
                 and not self._halted():
             now = time.monotonic()
-            if now >= deadline or now - max(self._last_write, self._farewell_queued) > quiet_s:
+            # (a frame ahead of it may be held for the link's added latency first)
+            quiet = quiet_s + self.shaper.latency_s
+            if now >= deadline or now - max(self._last_write, self._farewell_queued) > quiet:
                 break
             self._farewell_sent.wait(0.005)
         return self._farewell_sent.is_set()

@@ -114,7 +114,7 @@ def _sync(run: RunSpec) -> str:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     exp = load(args.config, ExitCode.USAGE)
-    trained = exp.config.sweep.warm_up
+    trained, given = exp.config.sweep.warm_up, exp.config.sweep.overrides.get("warm_start")
     if args.warm_start is not None:
         exp = warm_started(exp, args.warm_start)
     replayed = next((r for r in exp.runs if r.churn or r.network.get("trace")), None)
@@ -137,8 +137,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 job, step = args.warm_start["job_id"], args.warm_start.get("step")
                 start = f"{job} step {step}" if step else f"{job}'s newest checkpoint"
                 runner.on_line(f"every run from {start} (--warm-start)" + (
-                    "" if trained is None else
-                    f"; the config's warm-up of {trained.steps} steps is not trained"))
+                    f"; the config's warm-up of {trained.steps} steps is not trained"
+                    if trained is not None else
+                    f", not the config's overrides.warm_start ({given.get('job_id')})"
+                    if isinstance(given, dict) else ""))
             try:
                 await runner.start()
             except ExperimentError as exc:

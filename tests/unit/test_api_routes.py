@@ -1628,10 +1628,7 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     and nothing of it is kept."""
     import aiohttp
 
-    from swarm_core.artifacts.shards import build_manifest, npz_bytes, state_arrays
-    from swarm_core.config.schemas import ModelConfig
     from swarm_core.leader.uploads import complete_checkpoints
-    from swarm_core.pipeline.model import StageModule
 
     fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7450 + i}")
                for i in range(3)]
@@ -1646,19 +1643,9 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     runs = leader_config.state_dir / "runs"
     lead = by_replica[0]
     # Replica 2's shard of step 6 (six steps done), pushed whole: the job's export.
-    module = StageModule(ModelConfig(**body["model"]), 256, 0, 0, 1, 0, 1)
-    arrays = state_arrays(module)
-    weights = npz_bytes(arrays)
-    manifest = build_manifest(job_id=jid, stage=0, num_stages=1,
-                              fellow_id=by_replica[2]["fellow_id"], fellow_name="f2",
-                              layers=(0, 1), step=6, model=body["model"], seed=0,
-                              vocab_size=256, tokenizer={"name": "byte"}, arrays=arrays,
-                              weights=weights, replica=2)
-    with aiohttp.MultipartWriter("form-data") as whole:
-        for name, raw in (("manifest", orjson.dumps(manifest)), ("weights", weights)):
-            whole.append(raw).set_content_disposition("form-data", name=name)
-    await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=whole,
-                                   headers=by_replica[2]["headers"]), 201)
+    await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
+        jid, body["model"], by_replica[2]["fellow_id"], 2, 6), headers=by_replica[2]["headers"]),
+        201)
     export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
     assert [(s["stage"], s["step"]) for s in export["shards"]] == [(0, 6)]
     for step in (4, 5):  # (a stage's checkpoint is complete with its manifest)
@@ -1713,6 +1700,88 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
             break
         await asyncio.sleep(0.05)
     assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-5"]
+
+
+def _whole_shard(job_id: str, model: dict[str, Any], fellow_id: int, replica: int,
+                 step: int) -> Any:
+    """A one-stage job's shard at ``step`` as a fellow pushes it: manifest and weights."""
+    import aiohttp
+
+    from swarm_core.artifacts.shards import build_manifest, npz_bytes, state_arrays
+    from swarm_core.config.schemas import ModelConfig
+    from swarm_core.pipeline.model import StageModule
+
+    arrays = state_arrays(StageModule(ModelConfig(**model), 256, 0, 0, 1, 0, 1))
+    weights = npz_bytes(arrays)
+    manifest = build_manifest(job_id=job_id, stage=0, num_stages=1, fellow_id=fellow_id,
+                              fellow_name=f"f{fellow_id}", layers=(0, 1), step=step,
+                              model=model, seed=0, vocab_size=256,
+                              tokenizer={"name": "byte"}, arrays=arrays, weights=weights,
+                              replica=replica)
+    whole = aiohttp.MultipartWriter("form-data")
+    for name, part in (("manifest", orjson.dumps(manifest)), ("weights", weights)):
+        whole.append(part).set_content_disposition("form-data", name=name)
+    return whole
+
+
+async def test_a_push_published_as_a_redo_undoes_its_step_is_withdrawn(api, monkeypatch):
+    """A swarm-wired push whose publish is under way when the survivors are told to train
+    its step again: its files are the fellow's shard now, of weights they undid, so it is
+    refused (409 checkpoint_undone) and the export names no shard of that fellow's (its
+    step-4 receipt named the files the push replaced); a push of a step before the redo's
+    is taken after it."""
+    import threading
+
+    from swarm_core.leader import uploads
+
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7460 + i}")
+               for i in range(3)]
+    model = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8}
+    body = {"name": "r", "kind": "train", "model": model,
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
+            "topology": {"stages": 1, "replicas": 3, "wiring": "swarm"}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                  for c in job["placement"]["stages"]}
+    lead = by_replica[0]
+    await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
+        jid, model, lead["fellow_id"], 0, 4), headers=lead["headers"]), 201)
+    published, go = threading.Event(), threading.Event()
+    real = uploads.publish
+
+    def held(*args: Any) -> Any:
+        out = real(*args)
+        published.set()
+        go.wait(10)  # (the redo is decided while the publish's thread is still out)
+        return out
+
+    monkeypatch.setattr(uploads, "publish", held)
+    push = asyncio.ensure_future(api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
+        jid, model, lead["fellow_id"], 0, 6), headers=lead["headers"]))
+    for _ in range(200):
+        if published.is_set():
+            break
+        await asyncio.sleep(0.02)
+    assert published.is_set()
+    await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
+                 message="LinkClosed: link to stage 0 replica 1 closed")
+    await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
+    answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
+                                            op_step=5, routed=True))
+    assert answer["order"]["redo_step"] == 5
+    go.set()
+    refused = await push
+    assert refused.status == 409, await refused.text()
+    assert (await refused.json())["error"]["code"] == "checkpoint_undone"
+    export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
+    assert export["shards"] == [], export["shards"]
+    # (a shard of a step before the redo's is the export's again)
+    monkeypatch.setattr(uploads, "publish", real)
+    await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
+        jid, model, lead["fellow_id"], 0, 5), headers=lead["headers"]), 201)
+    export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
+    assert [(x["stage"], x["step"]) for x in export["shards"]] == [(0, 5)]
 
 
 def _manifest(job_id: str, step: int) -> dict[str, Any]:
