@@ -670,8 +670,10 @@ def _apply_profiles(training: dict[str, Any], artifacts: ArtifactsProfile | None
         training["network"] = None if network.matrix is None else unstructure(network.matrix)
 
 
-def load_experiment(path: Path | str) -> ResolvedExperiment:
-    """Load, resolve references and expand the sweep grid into concrete runs."""
+def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperiment:
+    """Load, resolve references and expand the sweep grid into concrete runs. ``warm_up``
+    False: the config's ``sweep.warm_up`` will not be trained (``swarm sweep
+    --warm-start`` stands in for it), so the runs are not checked against it."""
     path = Path(path)
     raw = _read_json(path)
     sweep_raw = raw.get("sweep") if isinstance(raw, dict) else None
@@ -744,7 +746,7 @@ def load_experiment(path: Path | str) -> ResolvedExperiment:
                     _check_job(runs[-1], path, tpath)
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     resolve_replays(runs, cfg, path, tpath)
-    if cfg.sweep.warm_up is not None:
+    if cfg.sweep.warm_up is not None and warm_up:
         _check_warm_up(runs, cfg.sweep.warm_up.steps, path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)

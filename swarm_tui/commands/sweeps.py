@@ -62,9 +62,9 @@ from swarm_tui.commands.tracking_flags import (
 )
 
 
-def load(path: str, code: ExitCode) -> ResolvedExperiment:
+def load(path: str, code: ExitCode, warm_up: bool = True) -> ResolvedExperiment:
     try:
-        return load_experiment(path)
+        return load_experiment(path, warm_up)
     except ConfigError as exc:
         raise CommandError(str(exc), code) from None
 
@@ -113,7 +113,7 @@ def _sync(run: RunSpec) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    exp = load(args.config, ExitCode.USAGE)
+    exp = load(args.config, ExitCode.USAGE, warm_up=args.warm_start is None)
     trained, given = exp.config.sweep.warm_up, exp.config.sweep.overrides.get("warm_start")
     if args.warm_start is not None:
         exp = warm_started(exp, args.warm_start)

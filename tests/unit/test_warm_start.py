@@ -605,3 +605,6 @@ def test_a_sweeps_warm_up_is_run_zeros_job_made_plain_and_checked_against_every_
     assert err.value.field == "$.sweep.warm_up" and "\n" not in str(err.value)
     assert "run 1" in err.value.message and "compression 'none' vs 'fixed_int8'" \
         in err.value.message
+    # (with the warm-up not to be trained, --warm-start's job is the leader's to check)
+    assert len(load_experiment(config({"compressions": ["none", "fixed_int8"],
+                                       "warm_up": {"steps": 3}}), warm_up=False).runs) == 2
