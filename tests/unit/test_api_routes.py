@@ -1620,6 +1620,34 @@ async def test_a_lost_replica_leaves_once_the_survivors_regroup(api):
     assert (await get_fellow(api, by_replica[2]["fellow_id"]))["current_job"] is None
 
 
+SWARM_MODEL = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8}
+
+
+async def _swarm_job_of_three(api, port: int) -> tuple[str, dict[int, dict[str, Any]]]:
+    """A swarm-wired job of one stage and three replicas on three fellows: its id, and each
+    replica's fellow."""
+    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{port + i}")
+               for i in range(3)]
+    body = {"name": "r", "kind": "train", "model": SWARM_MODEL,
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
+            "topology": {"stages": 1, "replicas": 3, "wiring": "swarm"}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    return jid, {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
+                 for c in job["placement"]["stages"]}
+
+
+async def _redo_step_6(api, jid: str, by_replica: dict[int, dict[str, Any]]) -> None:
+    """Replica 2 dies in 0-based step 5 and the survivors, replica 0 having applied it, are
+    told to train it again (the change at step 6: six steps done)."""
+    await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
+                 message="LinkClosed: link to stage 0 replica 1 closed")
+    await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
+    answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
+                                            op_step=5, routed=True))
+    assert answer["order"]["redo_step"] == 5
+
+
 async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
     """Swarm wiring: the survivors train 0-based step 5 again. A checkpoint taken after it
     (step-6: six steps done) holds a state they undid, so it is gone and a resume takes the
@@ -1630,21 +1658,12 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
 
     from swarm_core.leader.uploads import complete_checkpoints
 
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7450 + i}")
-               for i in range(3)]
-    body = {"name": "r", "kind": "train",
-            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8},
-            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
-            "topology": {"stages": 1, "replicas": 3, "wiring": "swarm"}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
-                  for c in job["placement"]["stages"]}
+    jid, by_replica = await _swarm_job_of_three(api, 7450)
     runs = leader_config.state_dir / "runs"
     lead = by_replica[0]
     # Replica 2's shard of step 6 (six steps done), pushed whole: the job's export.
     await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
-        jid, body["model"], by_replica[2]["fellow_id"], 2, 6), headers=by_replica[2]["headers"]),
+        jid, SWARM_MODEL, by_replica[2]["fellow_id"], 2, 6), headers=by_replica[2]["headers"]),
         201)
     export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
     assert [(s["stage"], s["step"]) for s in export["shards"]] == [(0, 6)]
@@ -1676,12 +1695,7 @@ async def test_a_routed_redo_drops_the_checkpoints_it_undid(api, leader_config):
         f"{A}/jobs/{jid}/shards/0", data=held_back(), headers={
             **lead["headers"], "Content-Type": f"multipart/form-data; boundary={mp.boundary}"}))
     await asyncio.sleep(0.2)
-    await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
-                 message="LinkClosed: link to stage 0 replica 1 closed")
-    await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
-    answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
-                                            op_step=5, routed=True))
-    assert answer["order"]["redo_step"] == 5
+    await _redo_step_6(api, jid, by_replica)
     assert complete_checkpoints(runs, jid, 1) == [5, 4]
     [change] = (await get_job(api, jid))["membership"]
     assert change["step"] == 6
@@ -1734,19 +1748,11 @@ async def test_a_push_published_as_a_redo_undoes_its_step_is_withdrawn(api, monk
 
     from swarm_core.leader import uploads
 
-    fellows = [await register(api, f"f{i}", data_addr=f"127.0.0.1:{7460 + i}")
-               for i in range(3)]
-    model = {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 8}
-    body = {"name": "r", "kind": "train", "model": model,
-            "training": {"steps": 50, "batch_size": 6, "micro_batches": 1},
-            "topology": {"stages": 1, "replicas": 3, "wiring": "swarm"}}
-    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
-    job = await get_job(api, jid)
-    by_replica = {c["replica"]: next(f for f in fellows if f["fellow_id"] == c["fellow_id"])
-                  for c in job["placement"]["stages"]}
+    jid, by_replica = await _swarm_job_of_three(api, 7460)
+
     lead = by_replica[0]
     await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
-        jid, model, lead["fellow_id"], 0, 4), headers=lead["headers"]), 201)
+        jid, SWARM_MODEL, lead["fellow_id"], 0, 4), headers=lead["headers"]), 201)
     published, go = threading.Event(), threading.Event()
     real = uploads.publish
 
@@ -1758,18 +1764,13 @@ async def test_a_push_published_as_a_redo_undoes_its_step_is_withdrawn(api, monk
 
     monkeypatch.setattr(uploads, "publish", held)
     push = asyncio.ensure_future(api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
-        jid, model, lead["fellow_id"], 0, 6), headers=lead["headers"]))
+        jid, SWARM_MODEL, lead["fellow_id"], 0, 6), headers=lead["headers"]))
     for _ in range(200):
         if published.is_set():
             break
         await asyncio.sleep(0.02)
     assert published.is_set()
-    await report(api, jid, by_replica[2], "FAILED", step=5, stage=0, replica=2,
-                 message="LinkClosed: link to stage 0 replica 1 closed")
-    await _regroup(api, jid, by_replica[0], 0, op_step=6, routed=True)
-    answer = await expect_ok(await _regroup(api, jid, by_replica[1], 1, wait=2.0,
-                                            op_step=5, routed=True))
-    assert answer["order"]["redo_step"] == 5
+    await _redo_step_6(api, jid, by_replica)
     go.set()
     refused = await push
     assert refused.status == 409, await refused.text()
@@ -1779,7 +1780,7 @@ async def test_a_push_published_as_a_redo_undoes_its_step_is_withdrawn(api, monk
     # (a shard of a step before the redo's is the export's again)
     monkeypatch.setattr(uploads, "publish", real)
     await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
-        jid, model, lead["fellow_id"], 0, 5), headers=lead["headers"]), 201)
+        jid, SWARM_MODEL, lead["fellow_id"], 0, 5), headers=lead["headers"]), 201)
     export = await expect_ok(await api.get(f"{A}/jobs/{jid}/export", headers=AUTH))
     assert [(x["stage"], x["step"]) for x in export["shards"]] == [(0, 5)]
 
