@@ -1749,7 +1749,6 @@ async def test_a_push_published_as_a_redo_undoes_its_step_is_withdrawn(api, monk
     from swarm_core.leader import uploads
 
     jid, by_replica = await _swarm_job_of_three(api, 7460)
-
     lead = by_replica[0]
     await expect_ok(await api.post(f"{A}/jobs/{jid}/shards/0", data=_whole_shard(
         jid, SWARM_MODEL, lead["fellow_id"], 0, 4), headers=lead["headers"]), 201)
