@@ -101,7 +101,18 @@ SECTIONS: list[tuple[str, type, str]] = [
      "1-1000000) list unique values; the combinations they allow are in the introduction "
      "above. `warm_up` trains a warm-up job before the grid and starts every run from its "
      "weights; `overrides: {\"warm_start\": {\"job_id\": ...}}` starts them from a "
-     "finished job's instead (not both)."),
+     "finished job's instead (not both). `grids` (`[\"1x4\", \"2x2\"]`) lists job shapes "
+     "side by side in place of `stages` and `replicas`, which cross. `variants` are named "
+     "rows the axes cannot cross, each run for every shape and seed (see below)."),
+    ("SweepVariant (`sweep.variants[]`)", profiles.SweepVariant,
+     "A variant's `overrides` are set over the sweep's (a `sync` object's fields merged, "
+     "other fields replaced); its `sync` and `inner_steps`, where it gives them, replace "
+     "the sweep's axes for its runs (the sweep's `inner_steps` repeat only a variant whose "
+     "modes are periodic). Its name (1-32 of letters, digits, `_`, `.`, `-`, unique) is in "
+     "its runs' names, `validate`'s table, each run's `metrics_summary.json` (`variant`) "
+     "and the report's series. Its overrides may not set the sweep's own fields, "
+     "`warm_start`, or `sync.mode`/`sync.inner_steps` (give its `sync`/`inner_steps`). A "
+     "warm-up trains run 0's job without its variant's overrides."),
     ("WarmUp (`sweep.warm_up`)", profiles.WarmUp,
      "The warm-up job is the sweep's first run's, `steps` long, unshaped, and data parallel "
      "where it has replicas; a run's `config_resolved.json` names it "

@@ -32,6 +32,7 @@ from swarm_core.config.grid import (
     check_axes,
     grid_cells,
     layout_label,
+    periodic,
     sync_mode,
 )
 from swarm_core.config.network import LinkMatrix
@@ -286,10 +287,61 @@ class WarmUp:
         maximum=MAX_STEPS))
 
 
+_GRID = re.compile(r"([1-9][0-9]{0,3})x([1-9][0-9]{0,2})")
+# Training fields a sweep sets as its own fields (or its seeds axis), never as overrides.
+_SWEEP_FIELDS = frozenset({"dataset", "tokenizer", "real_min_tokens", "steps", "seed"})
+
+
+def _check_overrides(overrides: dict[str, Any], field: str) -> None:
+    bad = set(overrides) & _SWEEP_FIELDS
+    if bad:
+        raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", field)
+
+
+def merged_overrides(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` set over ``base``, a ``sync`` object's fields merged (a variant's codec keeps
+    the sweep's other sync fields), every other field replaced."""
+    out = {**base, **over}
+    if isinstance(base.get("sync"), dict) and isinstance(over.get("sync"), dict):
+        out["sync"] = {**base["sync"], **over["sync"]}
+    return out
+
+
+@attrs.define
+class SweepVariant:
+    """A named row of a sweep: its own overrides (set over the sweep's) and, where it gives
+    them, its own ``sync`` modes and ``inner_steps`` in place of the sweep's axes: so one
+    config holds rows the axes cannot cross (DiLoCo in int8 beside data parallel in fp32,
+    Muon inner steps beside AdamW). Its name is in its runs' names and summaries."""
+
+    name: str = attrs.field(validator=lambda i, a, v: _variant_name(v, a.name))
+    overrides: dict[str, Any] = attrs.field(factory=dict)
+    sync: list[SyncAxis] | None = None
+    inner_steps: list[int] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        check_axes(None, self.sync, self.inner_steps)
+        _check_overrides(self.overrides, "overrides")
+        if self.overrides.get("warm_start") is not None:
+            raise FieldError("a warm start is the sweep's (sweep.warm_up or "
+                             "sweep.overrides.warm_start), not one variant's", "overrides")
+        sync = self.overrides.get("sync")
+        fixed = sorted(k for k in ("mode", "inner_steps") if isinstance(sync, dict) and k in sync)
+        if fixed:
+            raise FieldError(f"sync {fixed}: give the variant's own sync / inner_steps list",
+                             "overrides")
+
+
+def _variant_name(v: str, field: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", v):
+        raise FieldError("must be 1-32 of letters, digits, '_', '.', '-' (it names runs), "
+                         f"got {v!r}", field)
+
+
 @attrs.define
 class SweepSpec:
-    """The grid: models x compressions x networks x (stages x replicas x sync x inner_steps x
-    wiring) x seeds x repeats."""
+    """The grid: models x compressions x networks x (grids or stages x replicas, variants x
+    sync x inner_steps x wiring) x seeds x repeats."""
 
     dataset: Literal["shakespeare", "textfiles", "wikitext103"] | None = None
     tokenizer: Literal["byte", "bpe"] | None = None
@@ -315,16 +367,34 @@ class SweepSpec:
     churn: str | None = None
     # A warm-up job trained before the grid, every run starting from its weights.
     warm_up: WarmUp | None = None
+    # Job shapes side by side, "SxR" (stages x replicas: "1x4", "2x2"), in place of the
+    # stages and replicas axes, which cross each other.
+    grids: list[str] | None = None
+    # Named rows, each with its own overrides (and sync axes): see SweepVariant.
+    variants: list[SweepVariant] | None = None
 
     @property
     def shapes_the_grid(self) -> bool:
         """Whether it sweeps the job's shape or synchronisation (its runs' names then say
         them)."""
         return any(v is not None for v in (self.replicas, self.sync, self.inner_steps,
-                                           self.stages, self.wiring))
+                                           self.stages, self.wiring, self.grids))
+
+    @property
+    def grid_shapes(self) -> list[tuple[int, int]] | None:
+        """``grids`` as (stages, replicas) pairs; None where it is left out."""
+        if self.grids is None:
+            return None
+        return [(int(m[1]), int(m[2])) for m in map(_GRID.fullmatch, self.grids) if m]
 
     def __attrs_post_init__(self) -> None:
         check_axes(self.replicas, self.sync, self.inner_steps)
+        self._check_grids()
+        if self.variants is not None:
+            names = [v.name for v in self.variants]
+            if not names or len(set(names)) != len(names):
+                raise FieldError(f"must list variants of unique names, got {names}",
+                                 "variants")
         if self.stages is not None:
             if not self.stages or len(set(self.stages)) != len(self.stages):
                 raise FieldError(f"must list unique stage counts, got {self.stages}", "stages")
@@ -356,20 +426,37 @@ class SweepSpec:
                                  "network_profiles")
         if self.steps is not None and self.steps < 1:
             raise FieldError("must be >= 1", "steps")
-        bad = set(self.overrides) & {"dataset", "tokenizer", "real_min_tokens", "steps",
-                                     "seed"}
-        if bad:
-            raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", "overrides")
+        _check_overrides(self.overrides, "overrides")
         if self.warm_up is not None and self.overrides.get("warm_start") is not None:
             raise FieldError("give warm_up (a warm-up job the sweep trains first) or "
                              "overrides.warm_start (a finished job's), not both", "warm_up")
         sync = self.overrides.get("sync")
-        swept = {"mode": self.sync, "inner_steps": self.inner_steps}
-        clash = sorted(k for k, axis in swept.items()
-                       if axis is not None and isinstance(sync, dict) and k in sync)
+        rows = self.variants or []
+        swept = {"mode": self.sync is not None or any(v.sync is not None for v in rows),
+                 "inner_steps": self.inner_steps is not None
+                 or any(v.inner_steps is not None for v in rows)}
+        clash = sorted(k for k, is_swept in swept.items()
+                       if is_swept and isinstance(sync, dict) and k in sync)
         if clash:  # (which would win is a guess either way)
             raise FieldError(f"sync {clash} is swept: set it in the sweep's axes only",
                              "overrides")
+
+    def _check_grids(self) -> None:
+        if self.grids is None:
+            return
+        if self.stages is not None or self.replicas is not None:
+            raise FieldError("give grids, or the stages and replicas axes (which cross), "
+                             "not both", "grids")
+        bad = [g for g in self.grids if not _GRID.fullmatch(g)]
+        if not self.grids or bad:
+            raise FieldError("must list job shapes as STAGESxREPLICAS (\"1x4\", \"2x2\"), "
+                             f"got {bad or self.grids}", "grids")
+        if len(set(self.grid_shapes or [])) != len(self.grids):
+            raise FieldError(f"must list unique shapes, got {self.grids}", "grids")
+        for s, r in self.grid_shapes or []:
+            if r > MAX_REPLICAS or s * r > MAX_FELLOWS:
+                raise FieldError(f"{s}x{r}: at most {MAX_REPLICAS} replicas and "
+                                 f"{MAX_FELLOWS} fellows", "grids")
 
 
 @attrs.define
@@ -406,6 +493,7 @@ class RunSpec:
     # The topology's fields past its grid (ClusterProfile.wiring_fields: wiring, routing,
     # route weights, a layout, moves, rebalancing); {} for a chain.
     wiring: dict[str, Any] = attrs.field(factory=dict)
+    variant: str | None = None  # the sweep's variant it is a run of (SweepVariant.name)
 
     @property
     def stages(self) -> int:
@@ -457,6 +545,12 @@ class ResolvedExperiment:
     runs: list[RunSpec]
     runs_dir: Path
     sha256: str
+    # Run 0 without its variant's overrides: what a warm-up trains (None: run 0 itself)
+    warm_base: RunSpec | None = None
+
+    def warm_up(self, steps: int) -> RunSpec:
+        """The sweep's warm-up job (:func:`warm_up_run`) of ``steps`` steps."""
+        return warm_up_run(self.warm_base or self.runs[0], steps)
 
 
 # --- loading ------------------------------------------------------------------------------------
@@ -691,13 +785,14 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
         models.append((mpath, load_model_profile(mpath, (path, f"$.model_configs[{i}]"))))
     sweep = cfg.sweep
     networks = sweep.network_profiles or [profile.network_profile]
-    cells = _grid(profile, sweep, path, tpath)
+    cells = _variant_cells(profile, sweep, path, tpath)
     per_model = len(sweep.compressions or [None]) * len(networks) * len(cells) \
         * len(sweep.seeds) * sweep.repeats
     if per_model * len(models) > MAX_RUNS:
         raise ConfigError(path, f"the sweep has {per_model * len(models):,} runs, more than "
                           f"{MAX_RUNS:,}: split it into several experiments", "$.sweep")
     runs: list[RunSpec] = []
+    warm_base: RunSpec | None = None
     made_by: dict[str, int] = {}  # run name -> the model profile it came from
     for mi, (mpath, model) in enumerate(models):
         compressions = sweep.compressions or [model.compression]
@@ -714,16 +809,19 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
                 except SchemaError as exc:
                     raise ConfigError(path, f"{exc.message} (with model {mpath.name})",
                                       f"$.sweep.compressions[{ci}]") from None
-            for network, cell, seed, rep in itertools.product(
+            for network, (vi, cell), seed, rep in itertools.product(
                     networks, cells, sweep.seeds, range(sweep.repeats)):
-                training = _run_training(profile, sweep, seed, network, path, cell)
+                variant = None if vi is None or sweep.variants is None \
+                    else sweep.variants[vi]
+                training = _run_training(profile, sweep, seed, network, path, cell, vi)
                 _check_shape(model_dict, training, cell, sweep, path, tpath, mpath,
-                             profile.cluster_profile)
+                             profile.cluster_profile, vi)
                 # Named by the grid too when it is swept or not a chain; a sweep of
                 # chains keeps the names (and run folders) it always had.
                 shape = [cell.label] if sweep.shapes_the_grid or cell.replicas > 1 \
                     else []
-                name = _slug("-".join([model.name, comp, network.name, *shape,
+                row = [] if variant is None else [variant.name]
+                name = _slug("-".join([model.name, comp, network.name, *row, *shape,
                                        f"s{seed}", f"r{rep}"]))
                 if name in made_by:  # (a run directory each: names must differ)
                     raise ConfigError(
@@ -741,15 +839,19 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
                     tc_profile=None if network.tc_profile is None
                     else unstructure(network.tc_profile),
                     seed=seed, repeat=rep, model_source=str(mpath), compression=comp,
-                    wiring=wiring))
+                    wiring=wiring, variant=None if variant is None else variant.name))
                 if wiring:  # (a chain's topology is its grid, checked above)
                     _check_job(runs[-1], path, tpath)
+                if len(runs) == 1 and variant is not None:  # (no row of the grid favoured)
+                    warm_base = attrs.evolve(runs[0], variant=None, training=_run_training(
+                        profile, sweep, seed, network, path, cell, None))
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     resolve_replays(runs, cfg, path, tpath)
+    exp = ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir,
+                             hashlib.sha256(path.read_bytes()).hexdigest(), warm_base)
     if cfg.sweep.warm_up is not None and warm_up:
-        _check_warm_up(runs, cfg.sweep.warm_up.steps, path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir, digest)
+        _check_warm_up(exp, cfg.sweep.warm_up.steps, path)
+    return exp
 
 
 def warm_up_run(first: RunSpec, steps: int) -> RunSpec:
@@ -775,19 +877,19 @@ def warm_started(exp: ResolvedExperiment, warm_start: dict[str, Any]) -> Resolve
     return attrs.evolve(exp, config=config, runs=runs)
 
 
-def _check_warm_up(runs: list[RunSpec], steps: int, path: Path) -> None:
+def _check_warm_up(exp: ResolvedExperiment, steps: int, path: Path) -> None:
     """Every run can start from the warm-up's weights, as the leader would check it at
     submit (the same model, and the split or seed a boundary ties them to): refused now, not
     after the warm-up has trained."""
     from swarm_core.contract.job import warm_split_mismatch
 
     try:
-        warm = warm_up_run(runs[0], steps).job("warm-up")
+        warm = exp.warm_up(steps).job("warm-up")
     except SchemaError as exc:
         raise ConfigError(path, f"the warm-up (run 0's job, {steps} steps): {exc.message}",
                           "$.sweep.warm_up") from None
     assert warm.model is not None and warm.train is not None
-    for run in runs:
+    for run in exp.runs:
         job = run.job(run.run_name)
         assert job.model is not None and job.train is not None
         why = warm_start_mismatch(job.model, job.train, warm.model, warm.train) \
@@ -797,16 +899,41 @@ def _check_warm_up(runs: list[RunSpec], steps: int, path: Path) -> None:
                               f"warm-up (run 0's job): {why}", "$.sweep.warm_up")
 
 
+def _variant_cells(profile: TrainingProfile, sweep: SweepSpec, path: Path, tpath: Path
+                   ) -> list[tuple[int | None, GridCell]]:
+    """The grid's cells, each with the index of the variant it runs (None: no variants):
+    by shape, then variant, then the variant's (or the sweep's) sync and inner steps."""
+    out: list[tuple[int | None, GridCell]] = []
+    if sweep.variants is None:
+        out = [(None, cell) for cell in _grid(profile, sweep, path, tpath)]
+    shapes: list[tuple[int, int] | None] = [None]
+    if sweep.grid_shapes is not None:
+        shapes = [*sweep.grid_shapes]
+    for shape in shapes if sweep.variants else []:
+        for i, v in enumerate(sweep.variants or []):
+            modes = v.sync or sweep.sync or [profile.training.sync.mode]
+            # (the sweep's inner steps are its periodic rows': a dp row has none)
+            inner = v.inner_steps or (sweep.inner_steps if any(map(periodic, modes))
+                                      else None)
+            axes = attrs.evolve(sweep, sync=v.sync or sweep.sync, inner_steps=inner,
+                                grids=None if shape is None else [f"{shape[0]}x{shape[1]}"])
+            out += [(i, cell) for cell in _grid(profile, axes, path, tpath,
+                                                f"$.sweep.variants[{i}]")]
+    _check_swarm_axis(sweep, [cell for _, cell in out], path)
+    return out
+
+
 def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
-          tpath: Path) -> list[GridCell]:
-    """The sweep's grid axes expanded against the training profile's cluster and sync."""
+          tpath: Path, where: str = "$.sweep") -> list[GridCell]:
+    """The sweep's grid axes expanded against the training profile's cluster and sync
+    (``where``: the field an axis error names, the sweep's or a variant's)."""
     cluster, sync = profile.cluster_profile, profile.training.sync
     # A layout or a given route's weights are drawn for one grid: an axis that changes it
     # (or a chain beside a layout, which has no chain) is refused, not run on a guess.
     fixed = next((name for name in ("layout", "route_weights", "moves")
                   if getattr(cluster, name) is not None), None)
     if fixed is not None:
-        for axis in ("stages", "replicas"):
+        for axis in ("stages", "replicas", "grids"):
             if getattr(sweep, axis) is not None:
                 raise ConfigError(path, f"the training profile's cluster_profile.{fixed} "
                                   f"({tpath.name}) is drawn for its own grid: sweep.{axis} "
@@ -815,12 +942,20 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
         raise ConfigError(path, f"the training profile's cluster_profile.layout "
                           f"({tpath.name}) has no chain wiring: leave chain out",
                           "$.sweep.wiring")
+    shapes: list[tuple[int, int | None]] = [
+        (stages, None) for stages in sweep.stages or [cluster.num_stages]]
+    if sweep.grid_shapes is not None:
+        shapes = [*sweep.grid_shapes]
     try:
-        cells = [cell for stages in sweep.stages or [cluster.num_stages]
+        cells = [cell for stages, replicas in shapes
                  for cell in grid_cells(stages, cluster.replicas, sync.mode, sync.inner_steps,
-                                        sweep.replicas, sweep.sync, sweep.inner_steps)]
+                                        sweep.replicas if replicas is None else [replicas],
+                                        sweep.sync, sweep.inner_steps)]
     except FieldError as exc:
-        raise ConfigError(path, str(exc), f"$.sweep.{exc.field}") from None
+        field = "$.sweep.grids" if sweep.grids is not None and exc.field == "replicas" \
+            else f"{where}.{exc.field}" if exc.field in ("sync", "inner_steps") \
+            else f"$.sweep.{exc.field}"
+        raise ConfigError(path, str(exc), field) from None
     # As inner_steps repeats periodic runs only, the wiring (the axis's, or the profile's)
     # applies to the runs it can route: several replicas kept by dp (a periodic mode's
     # replicas train apart between syncs, which routed micro-batches would mix); the others
@@ -828,15 +963,16 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
     # mode it cannot take is the job's error).
     wirings: list[Wiring] = sweep.wiring or [cluster.wiring]
     chained: list[Wiring] = ["chain"]
-    out = [attrs.evolve(cell, wiring=w) for cell in cells
-           for w in (wirings if cluster.layout is not None
-                     or (cell.replicas > 1 and cell.sync == "dp") else chained)]
-    if sweep.wiring is None:
-        return out
-    if "swarm" in sweep.wiring and all(c.wiring == "chain" for c in out):
+    return [attrs.evolve(cell, wiring=w) for cell in cells
+            for w in (wirings if cluster.layout is not None
+                      or (cell.replicas > 1 and cell.sync == "dp") else chained)]
+
+
+def _check_swarm_axis(sweep: SweepSpec, cells: list[GridCell], path: Path) -> None:
+    if sweep.wiring is not None and "swarm" in sweep.wiring \
+            and all(c.wiring == "chain" for c in cells):
         raise ConfigError(path, "swarm wiring routes between the replicas of runs kept by dp, "
                           "and this sweep has none", "$.sweep.wiring")
-    return out
 
 
 def _run_wiring(cluster: ClusterProfile, cell: GridCell) -> dict[str, Any]:
@@ -864,7 +1000,7 @@ def _check_job(run: RunSpec, path: Path, tpath: Path) -> None:
 
 def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell,
                  sweep: SweepSpec, path: Path, tpath: Path, mpath: Path,
-                 cluster: ClusterProfile) -> None:
+                 cluster: ClusterProfile, variant: int | None = None) -> None:
     """What the leader would refuse, refused here first, naming the file and field at fault."""
     # (one cell per fellow, as RunSpec.job_body asks)
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
@@ -881,24 +1017,38 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
     if where == "topology" and sweep.stages is not None:  # (the stage count the sweep gave)
         raise ConfigError(path, message, f"$.sweep.stages[{sweep.stages.index(cell.stages)}]")
+    if where in ("topology", "training.batch_size") and sweep.grid_shapes is not None:
+        at = sweep.grid_shapes.index((cell.stages, cell.replicas))
+        raise ConfigError(path, message, f"$.sweep.grids[{at}]")
     if where == "topology":  # (the field the profile gave)
         named = "fellows" if cluster.stages is None else "stages"
         raise ConfigError(tpath, message, f"$.cluster_profile.{named}")
     field = where.removeprefix("training.")
+    if variant is not None and sweep.variants is not None \
+            and field in sweep.variants[variant].overrides:
+        raise ConfigError(path, message, f"$.sweep.variants[{variant}].overrides.{field}")
     if field in sweep.overrides:
         raise ConfigError(path, message, f"$.sweep(overrides).{field}")
     raise ConfigError(tpath, message, f"$.{field}")
 
 
 def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
-                  network: NetworkProfile, path: Path, cell: GridCell) -> dict[str, Any]:
+                  network: NetworkProfile, path: Path, cell: GridCell,
+                  variant: int | None = None) -> dict[str, Any]:
+    """A run's training fields: the profile's, the sweep's fields and overrides over them,
+    then its variant's overrides (``variant``: its index in ``sweep.variants``), its grid
+    cell's sync and its seed."""
     training = unstructure(profile.training)
     for key in ("dataset", "tokenizer", "real_min_tokens", "steps"):
         value = getattr(sweep, key)
         if value is not None:
             training[key] = value
     sync = training["sync"]
-    training.update(anchor_dataset_paths(sweep.overrides, path.parent))
+    overrides, where = sweep.overrides, "$.sweep(overrides)"
+    if variant is not None and sweep.variants is not None:
+        overrides = merged_overrides(overrides, sweep.variants[variant].overrides)
+        where = f"$.sweep.variants[{variant}](overrides)"
+    training.update(anchor_dataset_paths(overrides, path.parent))
     if isinstance(training["sync"], dict):  # (overrides of sync fields keep the others)
         training["sync"] = {**sync, **training["sync"]}
     if cell.sync != "none":  # (one replica keeps the profile's sync: it never runs)
@@ -910,8 +1060,7 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         structure(training, TrainingConfig)
     except SchemaError as exc:
         field = exc.field or "$"
-        raise ConfigError(path, exc.message, field.replace("$", "$.sweep(overrides)", 1)) \
-            from None
+        raise ConfigError(path, exc.message, field.replace("$", where, 1)) from None
     return training
 
 

@@ -426,12 +426,29 @@ def _layout(run: RunData) -> Any:
     return run.layout
 
 
-def _sync(run: RunData) -> str:
-    """The sync mode, with its codec where it codes ("dp int8") and DiLoCo's overlap where
-    it overlaps ("diloco overlap 5")."""
-    codec, overlap = run.summary.sync_compression, run.summary.overlap_steps
-    label = run.sync_mode if codec in (None, "none") else f"{run.sync_mode} {codec}"
-    return f"{label} overlap {overlap}" if overlap else label
+def _sync(run: RunData, period: bool = False) -> str:
+    """The sync mode and what a sweep varies of it: SparseLoCo's density ("sparseloco
+    d=0.02"), DeMo's top-k, the codec where it codes ("dp int8"), fragments, DiLoCo's overlap
+    ("diloco overlap 5"), an inner optimizer other than AdamW ("sparseloco d=1 2-bit muon");
+    with ``period``, a periodic mode's inner steps after the mode ("diloco H=10", which the
+    table gives a column of its own)."""
+    s = run.summary
+    words = [run.sync_mode]
+    if period and s.inner_steps:
+        words.append(f"H={s.inner_steps}")
+    if s.sync_density is not None:
+        words.append(f"d={s.sync_density:g}")
+    if s.sync_topk is not None:
+        words.append(f"top{s.sync_topk}")
+    if s.sync_compression not in (None, "none"):
+        words.append(str(s.sync_compression))
+    if s.sync_fragments is not None and s.sync_fragments > 1:
+        words.append(f"{s.sync_fragments} fragments")
+    if s.overlap_steps:
+        words.append(f"overlap {s.overlap_steps}")
+    if s.optimizer not in (None, "adamw"):
+        words.append(str(s.optimizer))
+    return " ".join(words)
 
 
 def _link_set(summary: MetricsSummary, shown: int = 3) -> str:
@@ -509,17 +526,19 @@ class FigurePoint:
     network: str | None = None  # the step-time chart's points: the profile they ran on
 
 
-def _setting(run: RunData) -> tuple[str, str, str, str]:
-    """What a figure series stands for: model, spec, grid, sync; not seed, repeat or network."""
+def _setting(run: RunData) -> tuple[str, str, str, str, str]:
+    """What a figure series stands for: model, spec, grid, sync (with its inner steps: H=10
+    and H=50 are two settings), the sweep's variant; not seed, repeat or network."""
     return (run.model or "-", run.compression or "-", _grid(run.summary, _layout(run)),
-            _sync(run))
+            _sync(run, period=True), run.summary.variant or "-")
 
 
-def _series_labels(settings: list[tuple[str, str, str, str]]) -> dict[tuple[str, ...], str]:
-    """Each setting named by its spec, then by whichever of model, grid and sync differ among
-    the settings: a plain compression sweep reads "fixed_int8", not "m fixed_int8 2x1 none"."""
-    varies = [len({s[i] for s in settings}) > 1 for i in range(4)]
-    order = (1, 0, 2, 3)
+def _series_labels(settings: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+    """Each setting named by its spec, then by whichever of variant, model, grid and sync
+    differ among the settings: a plain compression sweep reads "fixed_int8", not "m
+    fixed_int8 2x1 none"."""
+    varies = [len({s[i] for s in settings}) > 1 for i in range(5)]
+    order = (1, 4, 0, 2, 3)
     return {s: " ".join(s[i] for i in order if i == 1 or varies[i]) for s in settings}
 
 

@@ -27,7 +27,7 @@ import swarm_core
 from swarm_core import jsonio
 from swarm_core.artifacts.fetch import FetchError, fetch_export
 from swarm_core.client import ApiError, ClientError, LeaderUnreachable, SwarmClient
-from swarm_core.config.profiles import ResolvedExperiment, RunSpec, warm_up_run
+from swarm_core.config.profiles import ResolvedExperiment, RunSpec
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.config.traces import ChurnScript
 from swarm_core.contract import (
@@ -348,7 +348,7 @@ class Experiment:
         which its ``config_resolved.json`` names (``training.warm_start``)."""
         name = f"{self.exp.config.name}-warm-up"
         try:
-            job = await self.client.submit(warm_up_run(self.exp.runs[0], steps).job(name))
+            job = await self.client.submit(self.exp.warm_up(steps).job(name))
         except (ClientError, SchemaError) as exc:
             raise ExperimentError(f"the warm-up job ({steps} steps of run 1): {exc}") from None
         self.warm_up_job = job.job_id
@@ -638,7 +638,8 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         restarts=list(job.restarts), membership=list(job.membership), thresholds={},
         emulated_slowdown_by_cell=slowdown_by_cell(records), transport=training.transport,
         optimizer=training.optimizer, wiring=job.topology.wiring,
-        routing=job.topology.routing if job.topology.wiring == "swarm" else None)
+        routing=job.topology.routing if job.topology.wiring == "swarm" else None,
+        variant=st.spec.variant)
     summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss

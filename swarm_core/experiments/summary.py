@@ -133,6 +133,8 @@ class MetricsSummary:
     sync_density: float | None = None
     sync_topk: int | None = None
     sync_fragments: int | None = None
+    # The sweep's named row it ran (sweep.variants: its own overrides); null outside one.
+    variant: str | None = None
 
 
 FIELDS = attrs.fields(MetricsSummary)

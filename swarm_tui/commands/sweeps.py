@@ -95,11 +95,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     title = f"{exp.config.name}: {len(exp.runs)} run(s), valid" + (
         f"; a warm-up of {warm.steps} steps first (run 0's job, dp), every run from its "
         "weights" if warm is not None else "")
+    rows = exp.config.sweep.variants is not None  # (a column only where it names rows)
     emit_table(title,
-               ["#", "run", "fellows", "grid", "wiring", "sync", "steps", "compression",
-                "network"],
+               ["#", "run", "fellows", "grid", "wiring", *(["variant"] if rows else []),
+                "sync", "steps", "compression", "network"],
                [[r.index, r.run_name, r.fellows, f"{r.stages}x{r.replicas}", r.wiring_label,
-                 _sync(r), r.training["steps"], r.compression, r.network["name"]]
+                 *([r.variant] if rows else []), _sync(r), r.training["steps"],
+                 r.compression, r.network["name"]]
                 for r in exp.runs])
     return 0
 

@@ -72,12 +72,14 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
     losses = [loss for _, loss in job["loss_history"]]
     assert len(losses) == 4
     assert max(abs(a - b) for a, b in zip(ref, losses, strict=True)) <= 1e-5, (ref, losses)
-    # The sweep: its warm-up job of 3 steps, then two seeds' runs of 4 from its weights.
+    # The sweep: its warm-up job of 3 steps (run 0's without its variant's lr), then its
+    # two variants' runs of 4 from its weights, each named by its variant.
     assert swept.returncode == 0, swept.stdout + swept.stderr
     assert "[warm-up] warmed-warm-up job-" in swept.stdout
     runs = sorted(d for d in (tmp_path / "runs").iterdir() if d.is_dir())
     [warm_up] = [json.loads(f.read_text()) for f in (tmp_path / "runs").glob("warmed-warm-up-*")]
     assert warm_up["state"] == "COMPLETED" and warm_up["training"]["steps"] == 3
+    assert warm_up["training"]["lr"] == TrainingConfig().lr != 1e-3
     resolved = [json.loads((r / "config_resolved.json").read_text())["job"] for r in runs]
     starts = [job["training"]["warm_start"] for job in resolved]
     assert len(runs) == 2 and starts[0] == starts[1] == {"job_id": warm_up["job_id"], "step": 3}
@@ -88,6 +90,9 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
     for run, body in zip(runs, resolved, strict=True):
         summary = json.loads((run / "metrics_summary.json").read_text())
         assert summary["status"] == "COMPLETED"
+        assert f"-{summary['variant']}-s0-" in run.name
+        assert body["training"]["lr"] == {"slow": 1e-3, "plain": TrainingConfig().lr}[
+            summary["variant"]]
         tc = structure(body["training"], TrainingConfig)
         got = [json.loads(line)["loss"] for line in
                (run / "train_progress.ndjson").read_text().splitlines()]
@@ -114,5 +119,9 @@ def _sweep(tmp_path: Path) -> Path:
     cfg = tmp_path / "sweep.json"
     cfg.write_text(json.dumps({"name": "warmed", "training_config": "training/sweep.json",
                                "model_configs": ["model.json"],
-                               "sweep": {"seeds": [0, 1], "warm_up": {"steps": 3}}}))
+                               "sweep": {"seeds": [0], "warm_up": {"steps": 3},
+                                         # (two rows: the warm-up is neither's)
+                                         "variants": [
+                                             {"name": "slow", "overrides": {"lr": 1e-3}},
+                                             {"name": "plain"}]}}))
     return cfg

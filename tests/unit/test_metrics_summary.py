@@ -41,14 +41,14 @@ KEYS = ["run_id", "job_id", "status", "reason", "steps_expected", "steps_recorde
 # Added since, after them: the boundary's planned bytes each way and the ratio to none.
 ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio",
          "emulated_slowdown_by_cell", "transport", "optimizer", "wiring", "routing",
-         "sync_density", "sync_topk", "sync_fragments"]
+         "sync_density", "sync_topk", "sync_fragments", "variant"]
 
 
 def _run() -> tuple[Any, JobInfo, list[ProgressRecord]]:
     st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
         model=MODEL, training={"steps": 2, "max_final_loss": 5.0}, fellows=2,
         compression="none", network={"name": "slow", "tx_mbps": 80, "latency_ms": 20},
-        stages=2, replicas=1, sync_mode="none", seed=3, repeat=0, wiring={}))
+        stages=2, replicas=1, sync_mode="none", seed=3, repeat=0, wiring={}, variant=None))
     job = JobInfo(
         job_id="job-000001", name="r", kind="train", state="COMPLETED", created_at=0.0,
         started_at=10.0, finished_at=12.5, last_step=2, last_loss=2.9, fellows=[0, 1],

@@ -199,7 +199,7 @@ def test_thresholds_are_met_only_by_a_completed_run_that_set_them(state, limit, 
     training = {"steps": 2, **({"max_final_loss": limit} if limit else {})}
     st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
         model=MODEL, training=training, fellows=2, compression="none", network={},
-        stages=2, replicas=1, sync_mode="none", seed=0, repeat=0, wiring={}))
+        stages=2, replicas=1, sync_mode="none", seed=0, repeat=0, wiring={}, variant=None))
     job = _job_info(state)
     records = [ProgressRecord(step=1, loss=3.0, wire_bytes=10)]
     assert summarize(st, job, records)["thresholds_met"] is met
@@ -216,7 +216,7 @@ def test_a_run_whose_link_was_set_mid_run_says_so_in_its_summary_and_report(tmp_
 
     st = SimpleNamespace(run_id="r", spec=SimpleNamespace(
         model=MODEL, training={"steps": 2}, fellows=2, compression="none", network={},
-        stages=2, replicas=1, sync_mode="none", seed=0, repeat=0, wiring={}))
+        stages=2, replicas=1, sync_mode="none", seed=0, repeat=0, wiring={}, variant=None))
     changes = [{"at_step": s, "fellow_id": 1, "link": {"tx_mbps": 8.0, "rx_mbps": None,
                                                       "latency_ms": 0.0}, "at": 0.0}
                for s in (12, 30, 31, 40)]

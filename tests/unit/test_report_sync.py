@@ -201,3 +201,31 @@ def test_the_report_says_which_replicas_left_at_which_step():
                                "joined": [], "reason": "fellow 1 stopped heartbeating"}]}
     assert _grid(summary) == "1x3 (r1 left @8)"
     assert _grid({"stages": 2, "replicas": 1}) == "2x1"  # (a summary without the field)
+
+
+def test_the_figure_tells_inner_steps_optimizers_and_variants_apart(tmp_path):
+    """Runs of one mode at H=10 and H=50, and a sweep's variants (MuLoCo: Muon inner steps,
+    density 1), are separate series of the figure, each labelled by what sets it apart; the
+    table's sync column says the density and the inner optimizer."""
+    from swarm_core.experiments.report import loss_by_bytes_points, loss_by_wall_points
+
+    base = {"stages": 1, "replicas": 4, "sync_mode": "sparseloco", "compression": "none",
+            "model": "m", "sync_compression": "none", "sync_bytes_per_step": 10.0,
+            "wall_time_s": 12.0}
+    grids = [
+        ("a-h10", {**base, "inner_steps": 10, "sync_density": 0.02, "variant": "sparseloco"}),
+        ("a-h50", {**base, "inner_steps": 50, "sync_density": 0.02, "variant": "sparseloco"}),
+        ("b-h50", {**base, "inner_steps": 50, "sync_density": 1.0, "optimizer": "muon",
+                   "variant": "muloco-2bit"})]
+    dirs = [_run_dir(tmp_path / "runs", name, grid, None) for name, grid in grids]
+    loaded, _ = load_runs(dirs)
+    points = loss_by_bytes_points(loaded)
+    assert [p.series for p in points] == [
+        "none sparseloco sparseloco H=10 d=0.02", "none sparseloco sparseloco H=50 d=0.02",
+        "none muloco-2bit sparseloco H=50 d=1 muon"]
+    assert [p.runs for p in points] == [1, 1, 1]  # (H=10 and H=50 no longer pooled)
+    assert len(loss_by_wall_points(loaded)) == 3
+    assert [dict(zip(HEADERS, r, strict=True))["sync"] for r in summary_rows(loaded)] == [
+        "sparseloco d=0.02", "sparseloco d=0.02", "sparseloco d=1 muon"]
+    assert [load_run(d).summary.variant for d in dirs] == ["sparseloco", "sparseloco",
+                                                           "muloco-2bit"]

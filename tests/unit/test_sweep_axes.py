@@ -170,6 +170,32 @@ BAD = [
     ({"replicas": [2], "sync": ["diloco"], "inner_steps": [10, 2],
       "overrides": {"sync": {"overlap_steps": 3}}}, None,
      "must be below inner_steps (2)", "$.sweep(overrides).sync.overlap_steps"),
+    # Variants: named rows, each its own overrides; grids: shapes side by side.
+    ({"replicas": [2], "variants": [{"name": "a"}, {"name": "a"}]}, None,
+     "must list variants of unique names, got ['a', 'a']", "$.sweep.variants"),
+    ({"replicas": [2], "variants": [{"name": "a b"}]}, None,
+     "must be 1-32 of letters", "$.sweep.variants[0].name"),
+    ({"replicas": [2], "variants": [{"name": "a", "overrides": {"sync": {"mode": "dp"}}}]},
+     None, "give the variant's own sync / inner_steps list", "$.sweep.variants[0].overrides"),
+    ({"replicas": [2], "variants": [{"name": "a", "overrides": {"steps": 5}}]}, None,
+     "set ['steps'] as sweep fields, not overrides", "$.sweep.variants[0].overrides"),
+    ({"replicas": [2], "variants": [{"name": "a", "sync": ["ring"]}]}, None,
+     "expected one of 'none', 'dp', 'diloco'", "$.sweep.variants[0].sync[0]"),
+    ({"replicas": [2], "variants": [{"name": "a", "sync": ["dp"], "inner_steps": [5]}]}, None,
+     "inner_steps applies to periodic runs only", "$.sweep.variants[0].inner_steps"),
+    ({"replicas": [2], "variants": [{"name": "a", "sync": ["sparseloco"], "overrides": {
+        "sync": {"compression": "int8"}}}]}, None, "must be none under sparseloco",
+     "$.sweep.variants[0](overrides).sync.compression"),
+    ({"replicas": [2], "variants": [{"name": "a", "sync": ["diloco"]}],
+      "overrides": {"sync": {"mode": "dp"}}}, None, "sync ['mode'] is swept",
+     "$.sweep.overrides"),
+    ({"grids": ["1x2"], "stages": [1]}, None, "give grids, or the stages and replicas axes",
+     "$.sweep.grids"),
+    ({"grids": ["2by2"]}, None, "as STAGESxREPLICAS", "$.sweep.grids"),
+    ({"grids": ["1x2", "1x2"]}, None, "must list unique shapes", "$.sweep.grids"),
+    ({"grids": ["1x512"]}, None, "1x512: at most 256 replicas", "$.sweep.grids"),
+    ({"grids": ["1x3"]}, None, "batch_size 8 is not divisible by 3 replicas x 2",
+     "$.sweep.grids[0]"),
 ]
 
 
@@ -225,37 +251,106 @@ def test_preflight_names_the_run_whose_replicas_want_more_fellows(exp):
 
 
 def test_the_sync_frontier_experiments_ask_for_the_figures_rows():
-    """Issue "Replica sync at the field's frontier", the figure: dp, DiLoCo, SparseLoCo (H 10
-    and 50) and DeMo on 4 fellows as 1x4 and 2x2, three seeds; DiLoCo int8, MuLoCo (Muon
-    inside DiLoCo, 2-bit with error feedback) and Streaming DiLoCo (4 fragments, fp4) beside
-    them. Each file loads
-    as those runs."""
+    """Issue "Replica sync at the field's frontier", the figure in one config: dp (AdamW and
+    Muon), DiLoCo fp32 and int8, SparseLoCo, DeMo, DiLoCo in 4 fp4 fragments and MuLoCo
+    (Muon inside DiLoCo, 2-bit with error feedback), the periodic ones at H 10 and 50, at
+    1x4 and 2x2, three seeds, all from one warm-up; the same rows from scratch; and the
+    H=50 density study."""
     from tests.support import REPO
 
     def runs(name: str) -> list[tuple[Any, ...]]:
         r = load_experiment(REPO / "exp" / "configs" / f"{name}.json")
-        return [(x.stages, x.replicas, x.sync_mode, x.training["sync"]["inner_steps"]
+        return [(x.stages, x.replicas, x.variant, x.sync_mode,
+                 x.training["sync"]["inner_steps"]
                  if x.sync_mode in ("diloco", "sparseloco") else None, x.seed,
-                 x.training.get("optimizer", "adamw"), x.training["sync"]["compression"])
+                 x.training.get("optimizer", "adamw"), x.training["sync"]["compression"],
+                 x.training["sync"]["fragments"], x.training["sync"]["density"]
+                 if x.sync_mode == "sparseloco" else None)
                 for x in r.runs]
 
-    rows = [(m, h) for m, hs in (("dp", [None]), ("diloco", [10, 50]),
-                                 ("sparseloco", [10, 50]), ("demo", [None])) for h in hs]
-    for name, (s, r) in (("exp_sync_frontier_v1", (1, 4)), ("exp_sync_frontier_2x2_v1", (2, 2))):
-        got = runs(name)
-        assert sorted(got, key=str) == sorted(
-            [(s, r, m, h, seed, "adamw", "none") for seed in (0, 1, 2) for m, h in rows],
-            key=str)
-    for name, mode, optimizer, compression in (
-            ("exp_sync_frontier_int8_v1", "diloco", "adamw", "int8"),
-            ("exp_sync_frontier_muon_v1", "sparseloco", "muon", "none"),
-            ("exp_sync_frontier_fragments_v1", "diloco", "adamw", "fp4_b32")):
-        assert sorted(runs(name), key=str) == sorted(
-            [(1, 4, mode, h, seed, optimizer, compression) for seed in (0, 1, 2)
-             for h in (10, 50)], key=str)
-    muloco = {(x.training["sync"]["density"], x.training["sync"]["value_bits"],
-               x.training["sync"]["outer_momentum"]) for x in load_experiment(
-        REPO / "exp" / "configs" / "exp_sync_frontier_muon_v1.json").runs}
-    assert muloco == {(1.0, 2, 0.9)}  # (MuLoCo's 2 bits: every value, Nesterov outer)
-    assert {x.training["sync"]["fragments"] for x in load_experiment(
-        REPO / "exp" / "configs" / "exp_sync_frontier_fragments_v1.json").runs} == {4}
+    rows = [("dp", "dp", None, "adamw", "none", 1, None),
+            ("dp-muon", "dp", None, "muon", "none", 1, None),
+            *[(v, m, h, "adamw", c, f, d) for h in (10, 50) for v, m, c, f, d in (
+                ("diloco", "diloco", "none", 1, None),
+                ("diloco-int8", "diloco", "int8", 1, None),
+                ("sparseloco", "sparseloco", "none", 1, 0.02),
+                ("fragments-fp4", "diloco", "fp4_b32", 4, None))],
+            ("demo", "demo", None, "adamw", "none", 1, None),
+            *[("muloco-2bit", "sparseloco", h, "muon", "none", 1, 1.0) for h in (10, 50)]]
+    want = sorted([(s, r, v, m, h, seed, o, c, f, d) for s, r in ((1, 4), (2, 2))
+                   for seed in (0, 1, 2) for v, m, h, o, c, f, d in rows], key=str)
+    for name in ("exp_sync_frontier_v1", "exp_sync_frontier_scratch_v1"):
+        assert sorted(runs(name), key=str) == want
+    figure = load_experiment(REPO / "exp" / "configs" / "exp_sync_frontier_v1.json")
+    assert figure.config.sweep.warm_up is not None and figure.config.sweep.warm_up.steps == 500
+    # The warm-up is run 0's job without its variant: AdamW, data parallel, fp32.
+    warm = figure.warm_up(500)
+    assert (warm.stages, warm.replicas, warm.training["sync"]["mode"],
+            warm.training.get("optimizer", "adamw")) == (1, 4, "dp", "adamw")
+    muloco = {(x.training["sync"]["value_bits"], x.training["sync"]["outer_lr"],
+               x.training["sync"]["outer_momentum"]) for x in figure.runs
+              if x.variant == "muloco-2bit"}
+    assert muloco == {(2, 0.7, 0.9)}  # (MuLoCo's 2 bits: every value, Nesterov outer)
+    density = load_experiment(REPO / "exp" / "configs" / "exp_sync_frontier_density_v1.json")
+    # (no outer momentum: SparseLoCo's own outer step; 0.9: DiLoCo's Nesterov)
+    assert {(x.training["sync"]["density"], x.training["sync"]["outer_momentum"],
+             x.training["sync"]["inner_steps"]) for x in density.runs} == {
+        (0.02, None, 50), (0.02, 0.9, 50), (0.05, None, 50), (0.2, None, 50),
+        (1.0, None, 50), (1.0, 0.9, 50)}
+    assert len(density.runs) == 18
+
+
+def test_variants_are_named_rows_with_their_own_overrides_and_sync(exp, capsys):
+    """A variant's overrides go over the sweep's (a sync object's fields merged), its sync
+    and inner steps replace the sweep's axes; the sweep's inner steps repeat only its
+    periodic rows; its name is in its runs' names and on each run."""
+    from swarm_tui.cli import run
+
+    path = exp({"replicas": [2], "inner_steps": [2, 5], "seeds": [0],
+                "overrides": {"lr": 0.01, "sync": {"outer_lr": 0.5}},
+                "variants": [
+                    {"name": "dp", "sync": ["dp"]},
+                    {"name": "lo-int8", "sync": ["diloco"],
+                     "overrides": {"lr": 0.02, "sync": {"compression": "int8"}}},
+                    {"name": "lo-h3", "sync": ["diloco"], "inner_steps": [3],
+                     "overrides": {"optimizer": "muon"}}]})
+    r = load_experiment(path)
+    assert [(x.run_name, x.variant) for x in r.runs] == [
+        ("m-none-unconstrained-dp-2x2-dp-s0-r0", "dp"),
+        ("m-none-unconstrained-lo-int8-2x2-diloco_h2-s0-r0", "lo-int8"),
+        ("m-none-unconstrained-lo-int8-2x2-diloco_h5-s0-r0", "lo-int8"),
+        ("m-none-unconstrained-lo-h3-2x2-diloco_h3-s0-r0", "lo-h3")]
+    jobs = [x.job("x").training for x in r.runs]
+    assert [(t.lr, t.optimizer, t.sync.mode, t.sync.compression, t.sync.outer_lr)
+            for t in jobs] == [
+        (0.01, "adamw", "dp", "none", 0.5), (0.02, "adamw", "diloco", "int8", 0.5),
+        (0.02, "adamw", "diloco", "int8", 0.5), (0.01, "muon", "diloco", "none", 0.5)]
+    assert [t.sync.inner_steps for t in jobs[1:]] == [2, 5, 3]
+    assert run(["validate", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "variant" in table and "lo-int8" in table
+
+
+def test_grids_run_shapes_side_by_side_each_with_every_variant(exp):
+    r = load_experiment(exp({"grids": ["2x2", "1x4"], "sync": ["dp"], "variants": [
+        {"name": "a"}, {"name": "b", "overrides": {"lr": 0.02}}]},
+        {"steps": 3, "batch_size": 8, "micro_batches": 2, "cluster_profile": {"fellows": 2}}))
+    assert [(x.stages, x.replicas, x.fellows, x.variant) for x in r.runs] == [
+        (2, 2, 4, "a"), (2, 2, 4, "b"), (1, 4, 4, "a"), (1, 4, 4, "b")]
+    assert [x.job("x").topology.num_stages for x in r.runs] == [2, 2, 1, 1]
+    plain = load_experiment(exp({"grids": ["2x1", "1x2"]}))  # (no variants: the axis alone)
+    assert [x.run_name for x in plain.runs] == ["m-none-unconstrained-2x1-none-s0-r0",
+                                                 "m-none-unconstrained-1x2-dp-s0-r0"]
+
+
+def test_a_variants_warm_up_is_run_0_without_its_overrides(exp):
+    """The warm-up trains no row's method: run 0's job with its variant's overrides left
+    out (AdamW here, though run 0 is Muon's), data parallel, fp32."""
+    r = load_experiment(exp({"replicas": [2], "warm_up": {"steps": 4}, "variants": [
+        {"name": "muon", "sync": ["diloco"], "inner_steps": [2],
+         "overrides": {"optimizer": "muon", "sync": {"compression": "int8"}}},
+        {"name": "adamw", "sync": ["dp"]}]}))
+    assert r.runs[0].training["optimizer"] == "muon"
+    warm = r.warm_up(4)
+    assert (warm.training["optimizer"], warm.training["sync"], warm.training["steps"],
+            warm.variant) == ("adamw", {"mode": "dp"}, 4, None)
