@@ -108,13 +108,15 @@ SECTIONS: list[tuple[str, type, str]] = [
      "A variant's `overrides` are set over the sweep's (a `sync` object's fields merged, "
      "other fields replaced); its `sync` and `inner_steps`, where it gives them, replace "
      "the sweep's axes for its runs (the sweep's `inner_steps` repeat only a variant whose "
-     "modes are periodic). Its name (1-32 of letters, digits, `_`, `.`, `-`, unique) is in "
+     "modes are periodic; a sweep `sync` or `inner_steps` no variant takes is an error). "
+     "Runs are ordered by shape (`grids` or `stages`), then variant. Its name (1-32 of letters, digits, `_`, `.`, `-`, unique) is in "
      "its runs' names, `validate`'s table, each run's `metrics_summary.json` (`variant`) "
      "and the report's series. Its overrides may not set the sweep's own fields, "
      "`warm_start`, or `sync.mode`/`sync.inner_steps` (give its `sync`/`inner_steps`). A "
      "warm-up trains run 0's job without its variant's overrides."),
     ("WarmUp (`sweep.warm_up`)", profiles.WarmUp,
-     "The warm-up job is the sweep's first run's, `steps` long, unshaped, and data parallel "
+     "The warm-up job is the sweep's first run's (without its variant's overrides and the "
+     "sweep's sync overrides, under `variants`), `steps` long, unshaped, and data parallel "
      "where it has replicas; a run's `config_resolved.json` names it "
      "(`job.training.warm_start`), its final view is written beside them "
      "(`<sweep>-warm-up-<job>.json`), and `swarm sweep` prints its progress as `[warm-up]` "

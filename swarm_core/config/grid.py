@@ -98,7 +98,7 @@ def check_axes(replicas: list[int] | None, sync: Sequence[str] | None,
 
 def grid_cells(stages: int, profile_replicas: int, profile_mode: SyncMode, profile_inner: int,
                replicas: list[int] | None, sync: Sequence[SyncAxis] | None,
-               inner_steps: list[int] | None) -> list[GridCell]:
+               inner_steps: list[int] | None, check: bool = True) -> list[GridCell]:
     """The grid axes expanded, replicas x sync x inner_steps in that nesting order, with the
     training profile's values where an axis is left out.
 
@@ -107,7 +107,8 @@ def grid_cells(stages: int, profile_replicas: int, profile_mode: SyncMode, profi
     each periodic mode (diloco, sparseloco) only (dp syncs every step: it has no inner steps, so
     its runs are not repeated).
     A combination that would run nothing of what an axis lists is a FieldError naming it: a
-    typo, not a silently smaller grid."""
+    typo, not a silently smaller grid (``check`` False: the caller checks the axes over
+    several calls' replicas together, as a sweep's ``grids`` do)."""
     rs = replicas if replicas is not None else [profile_replicas]
     modes = list(sync) if sync is not None else None
     inners = inner_steps if inner_steps is not None else [profile_inner]
@@ -116,7 +117,7 @@ def grid_cells(stages: int, profile_replicas: int, profile_mode: SyncMode, profi
         raise FieldError(f"{stages} stages x {too_many[0]} replicas is more than "
                          f"{MAX_FELLOWS} fellows", "replicas")
     several = [r for r in rs if r > 1]
-    if modes is not None:
+    if modes is not None and check:
         if "none" in modes and 1 not in rs:
             raise FieldError(f"'none' is the mode of a single replica, and replicas {rs} has "
                              "no 1", "sync")
@@ -128,7 +129,7 @@ def grid_cells(stages: int, profile_replicas: int, profile_mode: SyncMode, profi
                              "step, and every run has 1 replica (set sweep.replicas or "
                              "cluster_profile.replicas)", "sync")
     run_modes: list[SyncAxis] = modes if modes is not None else [profile_mode]
-    if inner_steps is not None and not (several and any(map(periodic, run_modes))):
+    if check and inner_steps is not None and not (several and any(map(periodic, run_modes))):
         raise FieldError(f"inner_steps applies to periodic runs only ({_periodic_names()}), "
                          "and this sweep has none (dp syncs every step)", "inner_steps")
     cells: list[GridCell] = []

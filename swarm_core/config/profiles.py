@@ -296,6 +296,9 @@ def _check_overrides(overrides: dict[str, Any], field: str) -> None:
     bad = set(overrides) & _SWEEP_FIELDS
     if bad:
         raise FieldError(f"set {sorted(bad)} as sweep fields, not overrides", field)
+    if "sync" in overrides and not isinstance(overrides["sync"], dict):
+        raise FieldError(f"sync must be an object of sync fields, got {overrides['sync']!r}",
+                         field)
 
 
 def merged_overrides(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -823,7 +826,13 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
                 row = [] if variant is None else [variant.name]
                 name = _slug("-".join([model.name, comp, network.name, *row, *shape,
                                        f"s{seed}", f"r{rep}"]))
-                if name in made_by:  # (a run directory each: names must differ)
+                if name in made_by and made_by[name] == mi:  # (a run directory each)
+                    raise ConfigError(
+                        path, f"two runs are named {name!r} (a run's name joins its model, "
+                        "spec, network, variant, grid, seed and repeat, cut at 120 "
+                        "characters): give the networks or variants names that keep them "
+                        "apart", "$.sweep")
+                if name in made_by:
                     raise ConfigError(
                         path, f"model profiles {made_by[name]} and {mi} both make a run "
                         f"named {name!r}: give them different names",
@@ -842,9 +851,9 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
                     wiring=wiring, variant=None if variant is None else variant.name))
                 if wiring:  # (a chain's topology is its grid, checked above)
                     _check_job(runs[-1], path, tpath)
-                if len(runs) == 1 and variant is not None:  # (no row of the grid favoured)
-                    warm_base = attrs.evolve(runs[0], variant=None, training=_run_training(
-                        profile, sweep, seed, network, path, cell, None))
+                if len(runs) == 1 and variant is not None and sweep.warm_up is not None \
+                        and warm_up:
+                    warm_base = _warm_base(runs[0], profile, sweep, network, path, cell)
     runs_dir = resolve_ref(tpath.parent, profile.artifacts.runs_dir, tpath, "$.artifacts.runs_dir")
     resolve_replays(runs, cfg, path, tpath)
     exp = ResolvedExperiment(str(path), cfg, str(tpath), profile, runs, runs_dir,
@@ -877,6 +886,22 @@ def warm_started(exp: ResolvedExperiment, warm_start: dict[str, Any]) -> Resolve
     return attrs.evolve(exp, config=config, runs=runs)
 
 
+def _warm_base(first: RunSpec, profile: TrainingProfile, sweep: SweepSpec,
+               network: NetworkProfile, path: Path, cell: GridCell) -> RunSpec:
+    """Run 0 as a warm-up trains it under variants: no row of the grid favoured, so without
+    its variant's overrides, and data parallel (the sweep's sync overrides, a row's method,
+    left out with its mode: :func:`warm_up_run` syncs it by dp in fp32)."""
+    plain = attrs.evolve(sweep, overrides={k: v for k, v in sweep.overrides.items()
+                                           if k != "sync"})
+    dp = attrs.evolve(cell, sync="dp" if cell.replicas > 1 else "none", inner_steps=None)
+    try:
+        training = _run_training(profile, plain, first.seed, network, path, dp, None)
+    except ConfigError as exc:
+        raise ConfigError(path, f"the warm-up (run 0's job without its variant): "
+                          f"{exc.message}", "$.sweep.warm_up") from None
+    return attrs.evolve(first, variant=None, training=training)
+
+
 def _check_warm_up(exp: ResolvedExperiment, steps: int, path: Path) -> None:
     """Every run can start from the warm-up's weights, as the leader would check it at
     submit (the same model, and the split or seed a boundary ties them to): refused now, not
@@ -889,6 +914,11 @@ def _check_warm_up(exp: ResolvedExperiment, steps: int, path: Path) -> None:
         raise ConfigError(path, f"the warm-up (run 0's job, {steps} steps): {exc.message}",
                           "$.sweep.warm_up") from None
     assert warm.model is not None and warm.train is not None
+    shape = job_shape_error(warm.model, warm.train, warm.topology.num_stages,
+                            warm.topology.replicas)
+    if shape is not None:
+        raise ConfigError(path, f"the warm-up (run 0's job, {steps} steps): {shape[0]}",
+                          "$.sweep.warm_up")
     for run in exp.runs:
         job = run.job(run.run_name)
         assert job.model is not None and job.train is not None
@@ -902,32 +932,57 @@ def _check_warm_up(exp: ResolvedExperiment, steps: int, path: Path) -> None:
 def _variant_cells(profile: TrainingProfile, sweep: SweepSpec, path: Path, tpath: Path
                    ) -> list[tuple[int | None, GridCell]]:
     """The grid's cells, each with the index of the variant it runs (None: no variants):
-    by shape, then variant, then the variant's (or the sweep's) sync and inner steps."""
-    out: list[tuple[int | None, GridCell]] = []
+    by shape (``grids``, else ``stages``), then variant, then the variant's (or the
+    sweep's) replicas, sync and inner steps."""
     if sweep.variants is None:
-        out = [(None, cell) for cell in _grid(profile, sweep, path, tpath)]
-    shapes: list[tuple[int, int] | None] = [None]
-    if sweep.grid_shapes is not None:
-        shapes = [*sweep.grid_shapes]
-    for shape in shapes if sweep.variants else []:
-        for i, v in enumerate(sweep.variants or []):
-            modes = v.sync or sweep.sync or [profile.training.sync.mode]
+        cells = _grid(profile, sweep, path, tpath)
+        _check_swarm_axis(sweep, cells, path)
+        return [(None, cell) for cell in cells]
+    mode, _ = _profile_sync(profile, sweep)
+    shapes: list[SweepSpec] = [sweep]
+    if sweep.grids is not None:
+        shapes = [attrs.evolve(sweep, grids=[g]) for g in sweep.grids]
+    elif sweep.stages is not None:
+        shapes = [attrs.evolve(sweep, stages=[k]) for k in sweep.stages]
+    out: list[tuple[int | None, GridCell]] = []
+    for shape in shapes:
+        for i, v in enumerate(sweep.variants):
+            modes = v.sync or sweep.sync or [mode]
             # (the sweep's inner steps are its periodic rows': a dp row has none)
             inner = v.inner_steps or (sweep.inner_steps if any(map(periodic, modes))
                                       else None)
-            axes = attrs.evolve(sweep, sync=v.sync or sweep.sync, inner_steps=inner,
-                                grids=None if shape is None else [f"{shape[0]}x{shape[1]}"])
-            out += [(i, cell) for cell in _grid(profile, axes, path, tpath,
-                                                f"$.sweep.variants[{i}]")]
+            axes = attrs.evolve(shape, sync=v.sync or sweep.sync, inner_steps=inner)
+            at = f"$.sweep.variants[{i}]"
+            where = {"sync": at if v.sync is not None else "$.sweep",
+                     "inner_steps": at if v.inner_steps is not None else "$.sweep"}
+            out += [(i, cell) for cell in _grid(profile, axes, path, tpath, where)]
+    rows = sweep.variants
+    if sweep.sync is not None and all(v.sync is not None for v in rows):
+        raise ConfigError(path, "every variant gives its own sync: leave the sweep's out",
+                          "$.sweep.sync")
+    if sweep.inner_steps is not None and not any(
+            v.inner_steps is None and any(map(periodic, v.sync or sweep.sync or [mode]))
+            for v in rows):
+        raise ConfigError(path, "no variant takes the sweep's inner_steps (each gives its "
+                          "own or syncs every step): leave them out", "$.sweep.inner_steps")
     _check_swarm_axis(sweep, [cell for _, cell in out], path)
     return out
 
 
+def _profile_sync(profile: TrainingProfile, sweep: SweepSpec) -> tuple[Any, int]:
+    """The sync mode and inner steps a run takes where no axis sets them: the training
+    profile's, or the sweep's overrides of them."""
+    sync, over = profile.training.sync, sweep.overrides.get("sync")
+    over = over if isinstance(over, dict) else {}
+    return over.get("mode", sync.mode), over.get("inner_steps", sync.inner_steps)
+
+
 def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
-          tpath: Path, where: str = "$.sweep") -> list[GridCell]:
+          tpath: Path, where: dict[str, str] | None = None) -> list[GridCell]:
     """The sweep's grid axes expanded against the training profile's cluster and sync
-    (``where``: the field an axis error names, the sweep's or a variant's)."""
-    cluster, sync = profile.cluster_profile, profile.training.sync
+    (``where``: by axis, the field its error names, a variant's; the sweep's otherwise)."""
+    cluster = profile.cluster_profile
+    mode, inner = _profile_sync(profile, sweep)
     # A layout or a given route's weights are drawn for one grid: an axis that changes it
     # (or a chain beside a layout, which has no chain) is refused, not run on a guess.
     fixed = next((name for name in ("layout", "route_weights", "moves")
@@ -942,20 +997,24 @@ def _grid(profile: TrainingProfile, sweep: SweepSpec, path: Path,
         raise ConfigError(path, f"the training profile's cluster_profile.layout "
                           f"({tpath.name}) has no chain wiring: leave chain out",
                           "$.sweep.wiring")
-    shapes: list[tuple[int, int | None]] = [
-        (stages, None) for stages in sweep.stages or [cluster.num_stages]]
-    if sweep.grid_shapes is not None:
-        shapes = [*sweep.grid_shapes]
     try:
-        cells = [cell for stages, replicas in shapes
-                 for cell in grid_cells(stages, cluster.replicas, sync.mode, sync.inner_steps,
-                                        sweep.replicas if replicas is None else [replicas],
-                                        sweep.sync, sweep.inner_steps)]
+        if sweep.grid_shapes is not None:
+            # (every listed mode and H must run in some shape, not in each)
+            grid_cells(1, cluster.replicas, mode, inner, [r for _, r in sweep.grid_shapes],
+                       sweep.sync, sweep.inner_steps)
+            cells = [cell for stages, r in sweep.grid_shapes
+                     for cell in grid_cells(stages, cluster.replicas, mode, inner, [r],
+                                            sweep.sync, sweep.inner_steps, check=False)]
+        else:
+            cells = [cell for stages in sweep.stages or [cluster.num_stages]
+                     for cell in grid_cells(stages, cluster.replicas, mode, inner,
+                                            sweep.replicas, sweep.sync, sweep.inner_steps)]
     except FieldError as exc:
-        field = "$.sweep.grids" if sweep.grids is not None and exc.field == "replicas" \
-            else f"{where}.{exc.field}" if exc.field in ("sync", "inner_steps") \
-            else f"$.sweep.{exc.field}"
-        raise ConfigError(path, str(exc), field) from None
+        field = exc.field or "sync"
+        prefix = (where or {}).get(field, "$.sweep")
+        if sweep.grids is not None and field == "replicas":
+            field = "grids"
+        raise ConfigError(path, str(exc), f"{prefix}.{field}") from None
     # As inner_steps repeats periodic runs only, the wiring (the axis's, or the profile's)
     # applies to the runs it can route: several replicas kept by dp (a periodic mode's
     # replicas train apart between syncs, which routed micro-batches would mix); the others
@@ -1008,8 +1067,10 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
     if shape is None:
         return
     message, where = shape
+    own = sweep.variants[variant].overrides if variant is not None and sweep.variants \
+        else {}
     if where == "training.batch_size" and sweep.replicas is not None \
-            and "batch_size" not in sweep.overrides:
+            and "batch_size" not in {**sweep.overrides, **own}:
         # (the replica count that does not divide it is the sweep's)
         at = sweep.replicas.index(cell.replicas)
         raise ConfigError(path, message, f"$.sweep.replicas[{at}]")
@@ -1017,16 +1078,16 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
         raise ConfigError(mpath, message, "$." + where.removeprefix("model."))
     if where == "topology" and sweep.stages is not None:  # (the stage count the sweep gave)
         raise ConfigError(path, message, f"$.sweep.stages[{sweep.stages.index(cell.stages)}]")
-    if where in ("topology", "training.batch_size") and sweep.grid_shapes is not None:
+    if sweep.grid_shapes is not None and (where == "topology" or (
+            where == "training.batch_size" and "batch_size" not in {**sweep.overrides, **own})):
         at = sweep.grid_shapes.index((cell.stages, cell.replicas))
         raise ConfigError(path, message, f"$.sweep.grids[{at}]")
     if where == "topology":  # (the field the profile gave)
         named = "fellows" if cluster.stages is None else "stages"
         raise ConfigError(tpath, message, f"$.cluster_profile.{named}")
     field = where.removeprefix("training.")
-    if variant is not None and sweep.variants is not None \
-            and field in sweep.variants[variant].overrides:
-        raise ConfigError(path, message, f"$.sweep.variants[{variant}].overrides.{field}")
+    if field in own:
+        raise ConfigError(path, message, f"$.sweep.variants[{variant}](overrides).{field}")
     if field in sweep.overrides:
         raise ConfigError(path, message, f"$.sweep(overrides).{field}")
     raise ConfigError(tpath, message, f"$.{field}")
@@ -1044,10 +1105,9 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         if value is not None:
             training[key] = value
     sync = training["sync"]
-    overrides, where = sweep.overrides, "$.sweep(overrides)"
-    if variant is not None and sweep.variants is not None:
-        overrides = merged_overrides(overrides, sweep.variants[variant].overrides)
-        where = f"$.sweep.variants[{variant}](overrides)"
+    own = sweep.variants[variant].overrides if variant is not None and sweep.variants \
+        else {}
+    overrides = merged_overrides(sweep.overrides, own)
     training.update(anchor_dataset_paths(overrides, path.parent))
     if isinstance(training["sync"], dict):  # (overrides of sync fields keep the others)
         training["sync"] = {**sync, **training["sync"]}
@@ -1060,6 +1120,12 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         structure(training, TrainingConfig)
     except SchemaError as exc:
         field = exc.field or "$"
+        # (the variant's where it set the field, the sweep's otherwise)
+        keys = field.removeprefix("$.").split(".")
+        own_sync = own.get("sync") if isinstance(own.get("sync"), dict) else {}
+        set_here = keys[1] in own_sync if keys[0] == "sync" and len(keys) > 1 \
+            else keys[0] in own
+        where = f"$.sweep.variants[{variant}](overrides)" if set_here else "$.sweep(overrides)"
         raise ConfigError(path, exc.message, field.replace("$", where, 1)) from None
     return training
 

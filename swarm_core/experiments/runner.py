@@ -342,9 +342,10 @@ class Experiment:
                 raise ExperimentError(str(exc)) from None
 
     async def _warm_up(self, steps: int) -> None:
-        """``sweep.warm_up``: the first run's job, ``steps`` long, trained before the grid
-        (unshaped and data parallel: it only makes the weights every run starts from, and no
-        method of the grid is favoured); each run then warm-starts from its last checkpoint,
+        """``sweep.warm_up``: the first run's job (without its variant's overrides),
+        ``steps`` long, trained before the grid (unshaped and data parallel: it only makes
+        the weights every run starts from, and no method of the grid is favoured); each run
+        then warm-starts from its last checkpoint,
         which its ``config_resolved.json`` names (``training.warm_start``)."""
         name = f"{self.exp.config.name}-warm-up"
         try:
@@ -493,7 +494,7 @@ class Experiment:
             "run_id": st.run_id, "experiment": self.exp.config.name,
             "job": unstructure(st.spec.job(st.run_id)), "network_profile": st.spec.network,
             "tc_profile": st.spec.tc_profile, "seed": st.spec.seed, "repeat": st.spec.repeat,
-            "churn": st.spec.churn,
+            "churn": st.spec.churn, "variant": st.spec.variant,
             "sources": {"config": self.exp.config_path, "config_sha256": self.exp.sha256,
                         "training_profile": self.exp.training_path,
                         "model_profile": st.spec.model_source},

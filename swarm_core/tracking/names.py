@@ -94,7 +94,8 @@ def hparams(resolved: dict[str, Any]) -> dict[str, bool | int | float | str]:
         if isinstance(job.get("model"), dict) else None,
         "network": network.get("name") if isinstance(network, dict) else None,
         "seed": resolved.get("seed"), "repeat": resolved.get("repeat"),
-        "model": job.get("model"), "training": job.get("training"),
+        "variant": resolved.get("variant"), "model": job.get("model"),
+        "training": job.get("training"),
         "topology": job.get("topology"),
     }
     out: dict[str, bool | int | float | str] = {}

@@ -93,7 +93,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     warm = exp.config.sweep.warm_up
     title = f"{exp.config.name}: {len(exp.runs)} run(s), valid" + (
-        f"; a warm-up of {warm.steps} steps first (run 0's job, dp), every run from its "
+        f"; a warm-up of {warm.steps} steps first (run 0's job, dp"
+        f"{', without its variant' if exp.config.sweep.variants else ''}), every run from its "
         "weights" if warm is not None else "")
     rows = exp.config.sweep.variants is not None  # (a column only where it names rows)
     emit_table(title,

@@ -196,6 +196,36 @@ BAD = [
     ({"grids": ["1x512"]}, None, "1x512: at most 256 replicas", "$.sweep.grids"),
     ({"grids": ["1x3"]}, None, "batch_size 8 is not divisible by 3 replicas x 2",
      "$.sweep.grids[0]"),
+    ({"grids": ["1x4"], "variants": [{"name": "a", "overrides": {"batch_size": 20}}]}, None,
+     "batch_size 20 is not divisible by 4 replicas x 2",
+     "$.sweep.variants[0](overrides).batch_size"),
+    # A field is blamed on whichever set it: the sweep's lr, though the variant sets another.
+    ({"replicas": [2], "overrides": {"lr": -1},
+      "variants": [{"name": "a", "overrides": {"optimizer": "muon"}}]}, None,
+     "must be > 0", "$.sweep(overrides).lr"),
+    ({"replicas": [2], "variants": [{"name": "a", "overrides": {"sync": "int8"}}]}, None,
+     "sync must be an object of sync fields, got 'int8'", "$.sweep.variants[0].overrides"),
+    ({"replicas": [2], "overrides": {"sync": None}}, None,
+     "sync must be an object of sync fields, got None", "$.sweep.overrides"),
+    # A sweep list no variant takes is a typo, as an unused axis is without variants.
+    ({"replicas": [2], "inner_steps": [10, 50], "variants": [{"name": "a", "sync": ["dp"]}]},
+     None, "no variant takes the sweep's inner_steps", "$.sweep.inner_steps"),
+    ({"replicas": [2], "sync": ["dp"], "variants": [{"name": "a", "sync": ["diloco"]}]},
+     None, "every variant gives its own sync", "$.sweep.sync"),
+    # The sweep's axes a variant takes are blamed on the sweep.
+    ({"replicas": [1], "sync": ["dp"], "variants": [{"name": "a"}]}, None,
+     "dp keeps replicas in step", "$.sweep.sync"),
+    ({"replicas": [2], "sync": ["diloco"], "wiring": ["swarm"]}, None,
+     "swarm wiring routes between the replicas of runs kept by dp", "$.sweep.wiring"),
+    ({"network_profiles": [{"name": "lan"}, {"name": "lan-fast"}],
+      "variants": [{"name": "fast-x"}, {"name": "x"}]}, None,
+     "two runs are named 'm-none-lan-fast-x-s0-r0'", "$.sweep"),
+    # The warm-up is checked as the leader checks a job: its batch, not the variants'.
+    ({"replicas": [4], "warm_up": {"steps": 2},
+      "variants": [{"name": "a", "overrides": {"batch_size": 20}}]},
+     {"steps": 3, "batch_size": 10, "micro_batches": 5, "cluster_profile": {"fellows": 2}},
+     "the warm-up (run 0's job, 2 steps): batch_size 10 is not divisible by 4 replicas x 5",
+     "$.sweep.warm_up"),
 ]
 
 
@@ -329,6 +359,11 @@ def test_variants_are_named_rows_with_their_own_overrides_and_sync(exp, capsys):
     assert run(["validate", str(path)]) == 0
     table = capsys.readouterr().out
     assert "variant" in table and "lo-int8" in table
+    # (a tracker's hyperparameters name it, from the run's config_resolved.json)
+    from swarm_core.tracking.names import hparams
+
+    assert hparams({"variant": "lo-int8", "job": {}})["variant"] == "lo-int8"
+    assert "variant" not in hparams({"variant": None, "job": {}})
 
 
 def test_grids_run_shapes_side_by_side_each_with_every_variant(exp):
@@ -354,3 +389,39 @@ def test_a_variants_warm_up_is_run_0_without_its_overrides(exp):
     warm = r.warm_up(4)
     assert (warm.training["optimizer"], warm.training["sync"], warm.training["steps"],
             warm.variant) == ("adamw", {"mode": "dp"}, 4, None)
+
+
+def test_sweep_overrides_of_the_sync_mode_and_period_reach_the_grid(exp):
+    """``overrides.sync.mode`` where no axis lists modes, and ``overrides.sync.inner_steps``
+    where no axis lists periods, are the runs' (they were replaced by the profile's)."""
+    r = load_experiment(exp({"replicas": [2], "overrides": {"sync": {"mode": "diloco",
+                                                                      "inner_steps": 7}}}))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-2x2-diloco_h7-s0-r0"]
+    assert r.runs[0].job("x").training.sync.inner_steps == 7
+    r = load_experiment(exp({"replicas": [2], "overrides": {"sync": {"inner_steps": 10}},
+                             "variants": [{"name": "a", "sync": ["diloco"]}]}))
+    assert [x.run_name for x in r.runs] == ["m-none-unconstrained-a-2x2-diloco_h10-s0-r0"]
+
+
+def test_a_grids_axis_runs_each_listed_mode_in_some_shape(exp):
+    """One replica runs as ``none`` beside the dp shapes, as with the replicas axis."""
+    r = load_experiment(exp({"grids": ["1x1", "1x4"], "sync": ["dp"]},
+                            {"steps": 3, "batch_size": 8, "micro_batches": 2}))
+    assert [(x.stages, x.replicas, x.sync_mode) for x in r.runs] == [(1, 1, "none"),
+                                                                      (1, 4, "dp")]
+
+
+def test_a_warm_up_ignores_the_variants_modes_and_no_warm_up_builds_none(exp):
+    """Run 0's variant may need sync fields its own mode takes (SparseLoCo codes its values
+    itself): the warm-up, data parallel, takes none of them, whichever variant comes first."""
+    training = {"steps": 3, "batch_size": 8, "micro_batches": 2,
+                "cluster_profile": {"fellows": 2}, "sync": {"compression": "int8"}}
+    rows = [{"name": "sparse", "sync": ["sparseloco"],
+             "overrides": {"sync": {"compression": "none"}}}, {"name": "dp8", "sync": ["dp"]}]
+    for warm in (None, {"steps": 2}):
+        sweep = {"replicas": [2], "variants": rows, **({"warm_up": warm} if warm else {})}
+        r = load_experiment(exp(sweep, training))
+        assert [x.variant for x in r.runs] == ["sparse", "dp8"]
+        assert (r.warm_base is None) == (warm is None)
+    warm_job = r.warm_up(2).job("w")
+    assert (warm_job.training.sync.mode, warm_job.training.sync.compression) == ("dp", "none")
