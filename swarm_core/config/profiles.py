@@ -829,8 +829,8 @@ def load_experiment(path: Path | str, warm_up: bool = True) -> ResolvedExperimen
                 if name in made_by and made_by[name] == mi:  # (a run directory each)
                     raise ConfigError(
                         path, f"two runs are named {name!r} (a run's name joins its model, "
-                        "spec, network, variant, grid, seed and repeat, cut at 120 "
-                        "characters): give the networks or variants names that keep them "
+                        "spec, network, variant, grid, seed and repeat, a long one cut in "
+                        "its middle): give the networks or variants names that keep them "
                         "apart", "$.sweep")
                 if name in made_by:
                     raise ConfigError(
@@ -1130,8 +1130,11 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
     return training
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:120]
+def _slug(text: str, most: int = 120) -> str:
+    """``text`` as a folder name: at most ``most`` characters, a long one cut in its middle
+    (its end names the run's variant, grid, seed and repeat, which tell runs apart)."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+    return slug if len(slug) <= most else f"{slug[:most // 2]}_{slug[-(most - most // 2 - 1):]}"
 
 
 def resolve_replays(runs: list[RunSpec], cfg: ExperimentConfig, path: Path,

@@ -425,3 +425,15 @@ def test_a_warm_up_ignores_the_variants_modes_and_no_warm_up_builds_none(exp):
         assert (r.warm_base is None) == (warm is None)
     warm_job = r.warm_up(2).job("w")
     assert (warm_job.training.sync.mode, warm_job.training.sync.compression) == ("dp", "none")
+
+
+def test_a_long_run_name_is_cut_in_its_middle_keeping_what_tells_runs_apart():
+    """Past 120 characters a run's name loses its middle, not its variant, grid and seed."""
+    from swarm_core.config.profiles import _slug
+
+    names = [_slug(f"{'m' * 64}-none-{'n' * 64}-{v * 32}-2x2-dp-s{seed}-r0")
+             for v in "ab" for seed in (0, 1)]
+    assert len(set(names)) == 4 and all(len(n) == 120 for n in names)
+    assert [n[-45:] for n in names] == [f"{v * 32}-2x2-dp-s{s}-r0" for v in "ab" for s in (0, 1)]
+    assert all(n.startswith("m" * 60 + "_") for n in names)
+    assert _slug("short name/x") == "short_name_x"
