@@ -1122,7 +1122,7 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         field = exc.field or "$"
         # (the variant's where it set the field, the sweep's otherwise)
         keys = field.removeprefix("$.").split(".")
-        own_sync = own.get("sync") if isinstance(own.get("sync"), dict) else {}
+        own_sync: dict[str, Any] = own["sync"] if isinstance(own.get("sync"), dict) else {}
         set_here = keys[1] in own_sync if keys[0] == "sync" and len(keys) > 1 \
             else keys[0] in own
         where = f"$.sweep.variants[{variant}](overrides)" if set_here else "$.sweep(overrides)"
