@@ -939,30 +939,32 @@ def _variant_cells(profile: TrainingProfile, sweep: SweepSpec, path: Path, tpath
         _check_swarm_axis(sweep, cells, path)
         return [(None, cell) for cell in cells]
     mode, _ = _profile_sync(profile, sweep)
-    shapes: list[SweepSpec] = [sweep]
-    if sweep.grids is not None:
-        shapes = [attrs.evolve(sweep, grids=[g]) for g in sweep.grids]
-    elif sweep.stages is not None:
-        shapes = [attrs.evolve(sweep, stages=[k]) for k in sweep.stages]
-    out: list[tuple[int | None, GridCell]] = []
-    for shape in shapes:
-        for i, v in enumerate(sweep.variants):
-            modes = v.sync or sweep.sync or [mode]
-            # (the sweep's inner steps are its periodic rows': a dp row has none)
-            inner = v.inner_steps or (sweep.inner_steps if any(map(periodic, modes))
-                                      else None)
-            axes = attrs.evolve(shape, sync=v.sync or sweep.sync, inner_steps=inner)
-            at = f"$.sweep.variants[{i}]"
-            where = {"sync": at if v.sync is not None else "$.sweep",
-                     "inner_steps": at if v.inner_steps is not None else "$.sweep"}
-            out += [(i, cell) for cell in _grid(profile, axes, path, tpath, where)]
-    rows = sweep.variants
-    if sweep.sync is not None and all(v.sync is not None for v in rows):
+    rows: list[list[GridCell]] = []  # (each variant's cells, over every shape)
+    for i, v in enumerate(sweep.variants):
+        modes = v.sync or sweep.sync or [mode]
+        # (the sweep's inner steps are its periodic rows': a dp row has none)
+        inner = v.inner_steps or (sweep.inner_steps if any(map(periodic, modes)) else None)
+        axes = attrs.evolve(sweep, sync=v.sync or sweep.sync, inner_steps=inner)
+        at = f"$.sweep.variants[{i}]"
+        where = {"sync": at if v.sync is not None else "$.sweep",
+                 "inner_steps": at if v.inner_steps is not None else "$.sweep"}
+        rows.append(_grid(profile, axes, path, tpath, where))
+
+    def shape(cell: GridCell) -> Any:
+        return (cell.stages, cell.replicas) if sweep.grids is not None else cell.stages
+
+    shapes: list[Any] = [*(sweep.grid_shapes or sweep.stages or [])]
+    out: list[tuple[int | None, GridCell]] = [
+        (i, cell) for i, cells in enumerate(rows) for cell in cells] if not shapes else [
+        (i, cell) for k in shapes for i, cells in enumerate(rows) for cell in cells
+        if shape(cell) == k]
+    variants = sweep.variants
+    if sweep.sync is not None and all(v.sync is not None for v in variants):
         raise ConfigError(path, "every variant gives its own sync: leave the sweep's out",
                           "$.sweep.sync")
     if sweep.inner_steps is not None and not any(
             v.inner_steps is None and any(map(periodic, v.sync or sweep.sync or [mode]))
-            for v in rows):
+            for v in variants):
         raise ConfigError(path, "no variant takes the sweep's inner_steps (each gives its "
                           "own or syncs every step): leave them out", "$.sweep.inner_steps")
     _check_swarm_axis(sweep, [cell for _, cell in out], path)

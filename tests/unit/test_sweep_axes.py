@@ -409,6 +409,15 @@ def test_a_grids_axis_runs_each_listed_mode_in_some_shape(exp):
                             {"steps": 3, "batch_size": 8, "micro_batches": 2}))
     assert [(x.stages, x.replicas, x.sync_mode) for x in r.runs] == [(1, 1, "none"),
                                                                       (1, 4, "dp")]
+    # (and under variants, each variant's modes over every shape, shape by shape)
+    r = load_experiment(exp({"grids": ["1x1", "1x4"], "variants": [
+        {"name": "a", "sync": ["dp"]}, {"name": "b", "sync": ["diloco"]}]},
+        {"steps": 3, "batch_size": 8, "micro_batches": 2}))
+    assert [(x.stages, x.replicas, x.variant, x.sync_mode) for x in r.runs] == [
+        (1, 1, "a", "none"), (1, 1, "b", "none"), (1, 4, "a", "dp"), (1, 4, "b", "diloco")]
+    r = load_experiment(exp({"stages": [2, 1], "replicas": [2], "sync": ["dp"], "variants": [
+        {"name": "a"}, {"name": "b"}]}))
+    assert [(x.stages, x.variant) for x in r.runs] == [(2, "a"), (2, "b"), (1, "a"), (1, "b")]
 
 
 def test_a_warm_up_ignores_the_variants_modes_and_no_warm_up_builds_none(exp):
