@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.protocol import SESSION_HEADER
 from tests.support import AUTH
 
 A = "/api/v1"

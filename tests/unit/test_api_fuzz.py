@@ -34,9 +34,8 @@ from swarm_core.contract import start as contract_start
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.keys import STATE_KEY
 from swarm_core.leader.records import JobRecord
-from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.leader.state import LeaderState
-from swarm_core.protocol import RegisterRequest, ReleaseRequest, SetSpeedRequest
+from swarm_core.protocol import SESSION_HEADER, RegisterRequest, ReleaseRequest, SetSpeedRequest
 from swarm_core.schema import SchemaError, structure
 from tests.support import AUTH, TOKEN
 

@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestClient
 
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.leader.keys import STATE_KEY
-from swarm_core.leader.routes import ROUTES, SESSION_HEADER
+from swarm_core.leader.routes import ROUTES
+from swarm_core.protocol import SESSION_HEADER
 from tests.api_support import (
     JSON,
     A,

@@ -132,7 +132,7 @@ def test_forget_needs_a_target(capsys):
 async def test_swarm_forget_drops_gone_fellows_and_refuses_a_live_one(api, auth, capsys):
     """`swarm forget --fellow-id N` drops a fellow that left; a live one is refused in one
     line (exit 1); `--gone` forgets every fellow that is not live and keeps the others."""
-    from swarm_core.leader.routes import SESSION_HEADER
+    from swarm_core.protocol import SESSION_HEADER
     from tests.support import TOKEN
 
     regs = []
@@ -170,7 +170,7 @@ def test_slowdown_flags_parse_with_their_defaults():
 async def test_swarm_set_speed_slowdown_alone_keeps_the_link(api, auth, capsys):
     """`swarm set-speed --slowdown X` sends the slowdown alone (the fellow's link stays as it
     is); with a link flag beside it, both go."""
-    from swarm_core.leader.routes import SESSION_HEADER
+    from swarm_core.protocol import SESSION_HEADER
     from tests.support import TOKEN
 
     resp = await api.post("/api/v1/fellows/register", headers=auth,

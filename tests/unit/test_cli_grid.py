@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from swarm_core.contract import CodecErrors
-from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.protocol import SESSION_HEADER
 from swarm_tui.cli import run
 from swarm_tui.commands.jobs import _describe
 from swarm_tui.fmt import fmt_bytes, fmt_codec_error

@@ -14,7 +14,7 @@ import pytest
 
 from swarm_core.contract import StageStart
 from swarm_core.fellow.daemon import parse_start
-from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.protocol import SESSION_HEADER
 from swarm_core.schema import unstructure
 
 A = "/api/v1"

@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from swarm_core.contract.metrics import MAX_BYTES
-from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.protocol import SESSION_HEADER
 from swarm_core.schema import json_schema
 from swarm_core.validators import CONTROL, meta, printable
 from swarm_tui.commands.base import emit_table, print_line, warn

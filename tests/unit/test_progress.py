@@ -14,7 +14,7 @@ from swarm_core.contract import (
     Restart,
     Topology,
 )
-from swarm_core.leader.routes import SESSION_HEADER
+from swarm_core.protocol import SESSION_HEADER
 from swarm_core.schema import structure
 from tests.support import AUTH
 

@@ -25,7 +25,6 @@ from swarm_core.artifacts.shards import (
 )
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.leader import LeaderConfig, create_app
-from swarm_core.leader.routes import SESSION_HEADER
 from swarm_core.leader.uploads import OPTIMIZER_SLACK, OPTIMIZER_TIMES
 from swarm_core.pipeline.model import StageModule
 from swarm_core.pipeline.optim import (
@@ -35,6 +34,7 @@ from swarm_core.pipeline.optim import (
     optimizer_arrays,
 )
 from swarm_core.pipeline.whole import ExperimentModel
+from swarm_core.protocol import SESSION_HEADER
 from tests.support import AUTH, TOKEN
 
 A = "/api/v1"
