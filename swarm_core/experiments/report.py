@@ -429,7 +429,7 @@ def _layout(run: RunData) -> Any:
 def _sync(run: RunData, period: bool = False) -> str:
     """The sync mode and what a sweep varies of it: SparseLoCo's density ("sparseloco
     d=0.02"), DeMo's top-k, the codec where it codes ("dp int8"), fragments, DiLoCo's overlap
-    ("diloco overlap 5"), an inner optimizer other than AdamW ("sparseloco d=1 2-bit muon");
+    ("diloco overlap 5"), an inner optimizer other than AdamW ("sparseloco d=1 muon");
     with ``period``, a periodic mode's inner steps after the mode ("diloco H=10", which the
     table gives a column of its own)."""
     s = run.summary
