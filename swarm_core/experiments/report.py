@@ -526,19 +526,22 @@ class FigurePoint:
     network: str | None = None  # the step-time chart's points: the profile they ran on
 
 
-def _setting(run: RunData) -> tuple[str, str, str, str, str]:
+def _setting(run: RunData) -> tuple[str, str, str, str, str, str]:
     """What a figure series stands for: model, spec, grid, sync (with its inner steps: H=10
-    and H=50 are two settings), the sweep's variant; not seed, repeat or network."""
+    and H=50 are two settings), the sweep's variant, the weights it started from (a warm
+    start's and a scratch run's are two settings); not seed, repeat or network."""
+    warm = run.summary.warm_start
     return (run.model or "-", run.compression or "-", _grid(run.summary, _layout(run)),
-            _sync(run, period=True), run.summary.variant or "-")
+            _sync(run, period=True), run.summary.variant or "-",
+            "scratch" if warm is None else f"from {warm}")
 
 
 def _series_labels(settings: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
-    """Each setting named by its spec, then by whichever of variant, model, grid and sync
-    differ among the settings: a plain compression sweep reads "fixed_int8", not "m
+    """Each setting named by its spec, then by whichever of variant, start, model, grid and
+    sync differ among the settings: a plain compression sweep reads "fixed_int8", not "m
     fixed_int8 2x1 none"."""
-    varies = [len({s[i] for s in settings}) > 1 for i in range(5)]
-    order = (1, 4, 0, 2, 3)
+    varies = [len({s[i] for s in settings}) > 1 for i in range(6)]
+    order = (1, 4, 5, 0, 2, 3)
     return {s: " ".join(s[i] for i in order if i == 1 or varies[i]) for s in settings}
 
 

@@ -640,7 +640,9 @@ def build_summary(st: RunState, job: JobInfo, records: list[ProgressRecord]) -> 
         emulated_slowdown_by_cell=slowdown_by_cell(records), transport=training.transport,
         optimizer=training.optimizer, wiring=job.topology.wiring,
         routing=job.topology.routing if job.topology.wiring == "swarm" else None,
-        variant=st.spec.variant)
+        variant=st.spec.variant, warm_start=None if training.warm_start is None else
+        training.warm_start.job_id + (f"@{training.warm_start.step}"
+                                      if training.warm_start.step else ""))
     summarize_grid(summary, st.spec, training, records, m.sync_bytes_per_step)
     if training.max_final_loss is not None:
         met = final is not None and math.isfinite(final) and final <= training.max_final_loss

@@ -135,6 +135,9 @@ class MetricsSummary:
     sync_fragments: int | None = None
     # The sweep's named row it ran (sweep.variants: its own overrides); null outside one.
     variant: str | None = None
+    # The checkpoint whose weights it started from ("job-000029@500"; "@" and the step left
+    # out where the leader took the newest); null: from the seeded initialisation.
+    warm_start: str | None = None
 
 
 FIELDS = attrs.fields(MetricsSummary)

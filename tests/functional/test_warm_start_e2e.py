@@ -93,6 +93,7 @@ def test_a_two_stage_job_warm_starts_from_a_one_stage_jobs_checkpoint(cli_env, t
         assert f"-{summary['variant']}-s0-" in run.name
         assert json.loads((run / "config_resolved.json").read_text())["variant"] == \
             summary["variant"]
+        assert summary["warm_start"] == f"{warm_up['job_id']}@3"
         assert body["training"]["lr"] == {"slow": 1e-3, "plain": TrainingConfig().lr}[
             summary["variant"]]
         tc = structure(body["training"], TrainingConfig)

@@ -41,7 +41,7 @@ KEYS = ["run_id", "job_id", "status", "reason", "steps_expected", "steps_recorde
 # Added since, after them: the boundary's planned bytes each way and the ratio to none.
 ADDED = ["act_bytes_per_step", "grad_bytes_per_step", "boundary_ratio",
          "emulated_slowdown_by_cell", "transport", "optimizer", "wiring", "routing",
-         "sync_density", "sync_topk", "sync_fragments", "variant"]
+         "sync_density", "sync_topk", "sync_fragments", "variant", "warm_start"]
 
 
 def _run() -> tuple[Any, JobInfo, list[ProgressRecord]]:

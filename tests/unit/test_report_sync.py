@@ -229,3 +229,8 @@ def test_the_figure_tells_inner_steps_optimizers_and_variants_apart(tmp_path):
         "sparseloco d=0.02", "sparseloco d=0.02", "sparseloco d=1 muon"]
     assert [load_run(d).summary.variant for d in dirs] == ["sparseloco", "sparseloco",
                                                            "muloco-2bit"]
+    # The same row from a warm start and from scratch: two settings, told apart by the start.
+    warm = _run_dir(tmp_path / "runs", "a-h10-warm",
+                    {**grids[0][1], "warm_start": "job-000029@500"}, None)
+    points = loss_by_bytes_points(load_runs([dirs[0], warm])[0])
+    assert [p.series for p in points] == ["none scratch", "none from job-000029@500"]
