@@ -390,6 +390,10 @@ class SweepSpec:
             return None
         return [(int(m[1]), int(m[2])) for m in map(_GRID.fullmatch, self.grids) if m]
 
+    def variant_overrides(self, variant: int | None) -> dict[str, Any]:
+        """The overrides of variant ``variant`` (its index; None: none)."""
+        return {} if variant is None or not self.variants else self.variants[variant].overrides
+
     def __attrs_post_init__(self) -> None:
         check_axes(self.replicas, self.sync, self.inner_steps)
         self._check_grids()
@@ -938,35 +942,29 @@ def _variant_cells(profile: TrainingProfile, sweep: SweepSpec, path: Path, tpath
         cells = _grid(profile, sweep, path, tpath)
         _check_swarm_axis(sweep, cells, path)
         return [(None, cell) for cell in cells]
+    if sweep.sync is not None and all(v.sync is not None for v in sweep.variants):
+        raise ConfigError(path, "every variant gives its own sync: leave the sweep's out",
+                          "$.sweep.sync")
     mode, _ = _profile_sync(profile, sweep)
-    rows: list[list[GridCell]] = []  # (each variant's cells, over every shape)
+    out: list[tuple[int | None, GridCell]] = []
+    took_inner = False  # (whether a variant repeats its runs by the sweep's inner_steps)
     for i, v in enumerate(sweep.variants):
-        modes = v.sync or sweep.sync or [mode]
         # (the sweep's inner steps are its periodic rows': a dp row has none)
-        inner = v.inner_steps or (sweep.inner_steps if any(map(periodic, modes)) else None)
+        inner = v.inner_steps or (sweep.inner_steps if any(
+            map(periodic, v.sync or sweep.sync or [mode])) else None)
+        took_inner |= v.inner_steps is None and inner is not None
         axes = attrs.evolve(sweep, sync=v.sync or sweep.sync, inner_steps=inner)
         at = f"$.sweep.variants[{i}]"
         where = {"sync": at if v.sync is not None else "$.sweep",
                  "inner_steps": at if v.inner_steps is not None else "$.sweep"}
-        rows.append(_grid(profile, axes, path, tpath, where))
-
-    def shape(cell: GridCell) -> Any:
-        return (cell.stages, cell.replicas) if sweep.grids is not None else cell.stages
-
-    shapes: list[Any] = [*(sweep.grid_shapes or sweep.stages or [])]
-    out: list[tuple[int | None, GridCell]] = [
-        (i, cell) for i, cells in enumerate(rows) for cell in cells] if not shapes else [
-        (i, cell) for k in shapes for i, cells in enumerate(rows) for cell in cells
-        if shape(cell) == k]
-    variants = sweep.variants
-    if sweep.sync is not None and all(v.sync is not None for v in variants):
-        raise ConfigError(path, "every variant gives its own sync: leave the sweep's out",
-                          "$.sweep.sync")
-    if sweep.inner_steps is not None and not any(
-            v.inner_steps is None and any(map(periodic, v.sync or sweep.sync or [mode]))
-            for v in variants):
+        out += [(i, cell) for cell in _grid(profile, axes, path, tpath, where)]
+    if sweep.inner_steps is not None and not took_inner:
         raise ConfigError(path, "no variant takes the sweep's inner_steps (each gives its "
                           "own or syncs every step): leave them out", "$.sweep.inner_steps")
+    shapes: list[Any] = [*(sweep.grid_shapes or sweep.stages or [])]
+    if shapes:  # (a stable sort: by shape, each shape's runs in variant order)
+        out.sort(key=lambda run: shapes.index(
+            (run[1].stages, run[1].replicas) if sweep.grids is not None else run[1].stages))
     _check_swarm_axis(sweep, [cell for _, cell in out], path)
     return out
 
@@ -1069,8 +1067,7 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
     if shape is None:
         return
     message, where = shape
-    own = sweep.variants[variant].overrides if variant is not None and sweep.variants \
-        else {}
+    own = sweep.variant_overrides(variant)
     if where == "training.batch_size" and sweep.replicas is not None \
             and "batch_size" not in {**sweep.overrides, **own}:
         # (the replica count that does not divide it is the sweep's)
@@ -1107,8 +1104,7 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         if value is not None:
             training[key] = value
     sync = training["sync"]
-    own = sweep.variants[variant].overrides if variant is not None and sweep.variants \
-        else {}
+    own = sweep.variant_overrides(variant)
     overrides = merged_overrides(sweep.overrides, own)
     training.update(anchor_dataset_paths(overrides, path.parent))
     if isinstance(training["sync"], dict):  # (overrides of sync fields keep the others)
