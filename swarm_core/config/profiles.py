@@ -303,7 +303,7 @@ def _check_overrides(overrides: dict[str, Any], field: str) -> None:
 
 def merged_overrides(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """``over`` set over ``base``, a ``sync`` object's fields merged (a variant's codec keeps
-    the sweep's other sync fields), every other field replaced."""
+    the sweep's other sync fields, the sweep's the profile's), every other field replaced."""
     out = {**base, **over}
     if isinstance(base.get("sync"), dict) and isinstance(over.get("sync"), dict):
         out["sync"] = {**base["sync"], **over["sync"]}
@@ -1103,12 +1103,9 @@ def _run_training(profile: TrainingProfile, sweep: SweepSpec, seed: int,
         value = getattr(sweep, key)
         if value is not None:
             training[key] = value
-    sync = training["sync"]
     own = sweep.variant_overrides(variant)
     overrides = merged_overrides(sweep.overrides, own)
-    training.update(anchor_dataset_paths(overrides, path.parent))
-    if isinstance(training["sync"], dict):  # (overrides of sync fields keep the others)
-        training["sync"] = {**sync, **training["sync"]}
+    training = merged_overrides(training, anchor_dataset_paths(overrides, path.parent))
     if cell.sync != "none":  # (one replica keeps the profile's sync: it never runs)
         training["sync"] = {**training["sync"], "mode": cell.sync,
                             **({"inner_steps": cell.inner_steps} if cell.inner_steps else {})}

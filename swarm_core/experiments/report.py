@@ -15,6 +15,7 @@ import html
 import io
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -432,6 +433,11 @@ def _sync(run: RunData, period: bool = False) -> str:
     ("diloco overlap 5"), an inner optimizer other than AdamW ("sparseloco d=1 muon");
     with ``period``, a periodic mode's inner steps after the mode ("diloco H=10", which the
     table gives a column of its own)."""
+    return " ".join(_sync_items(run, period))
+
+
+def _sync_items(run: RunData, period: bool = False) -> tuple[str, ...]:
+    """:func:`_sync`'s items ("4 fragments" is one)."""
     s = run.summary
     words = [run.sync_mode]
     if period and s.inner_steps:
@@ -448,7 +454,7 @@ def _sync(run: RunData, period: bool = False) -> str:
         words.append(f"overlap {s.overlap_steps}")
     if s.optimizer not in (None, "adamw"):
         words.append(str(s.optimizer))
-    return " ".join(words)
+    return tuple(words)
 
 
 def _link_set(summary: MetricsSummary, shown: int = 3) -> str:
@@ -526,23 +532,41 @@ class FigurePoint:
     network: str | None = None  # the step-time chart's points: the profile they ran on
 
 
-def _setting(run: RunData) -> tuple[str, str, str, str, str, str]:
+# model, spec, grid, sync items (with the inner steps), variant, start
+Setting = tuple[str, str, str, tuple[str, ...], str, str]
+
+
+def _setting(run: RunData) -> Setting:
     """What a figure series stands for: model, spec, grid, sync (with its inner steps: H=10
     and H=50 are two settings), the sweep's variant, the weights it started from (a warm
     start's and a scratch run's are two settings); not seed, repeat or network."""
     warm = run.summary.warm_start
     return (run.model or "-", run.compression or "-", _grid(run.summary, _layout(run)),
-            _sync(run, period=True), run.summary.variant or "-",
+            _sync_items(run, period=True), run.summary.variant or "-",
             "scratch" if warm is None else f"from {warm}")
 
 
-def _series_labels(settings: list[tuple[str, ...]]) -> dict[tuple[str, ...], str]:
+def _series_labels(settings: list[Setting]) -> dict[Setting, str]:
     """Each setting named by its spec, then by whichever of variant, start, model, grid and
     sync differ among the settings: a plain compression sweep reads "fixed_int8", not "m
-    fixed_int8 2x1 none"."""
+    fixed_int8 2x1 none". Of the sync, what the variant's name says already is left out
+    ("dp-muon", not "dp-muon dp muon"), unless that makes two labels one."""
     varies = [len({s[i] for s in settings}) > 1 for i in range(6)]
-    order = (1, 4, 5, 0, 2, 3)
-    return {s: " ".join(s[i] for i in order if i == 1 or varies[i]) for s in settings}
+
+    def label(s: Setting, brief: bool) -> str:
+        said = set(re.split(r"[-_]", s[4])) if brief and varies[4] else set()
+        words = [s[1]]
+        if varies[4]:
+            words.append(s[4])
+        words += [part for i, part in ((5, s[5]), (0, s[0]), (2, s[2])) if varies[i]]
+        if varies[3]:
+            words += [w for w in s[3] if w not in said]
+        return " ".join(words)
+
+    labels = {s: label(s, brief=True) for s in settings}
+    if len(set(labels.values())) < len(labels):
+        labels = {s: label(s, brief=False) for s in settings}
+    return labels
 
 
 def _figure_runs(runs: list[RunData]) -> list[RunData]:
@@ -577,7 +601,7 @@ def loss_by_bytes_points(runs: list[RunData]) -> list[FigurePoint]:
     runs' mean wire bytes per step, y their final eval loss. Runs lacking either figure (or
     sending nothing: one stage, which has no boundary to compress), or whose spec is unknown,
     are left out."""
-    groups: dict[tuple[str, ...], tuple[list[float], list[float]]] = {}
+    groups: dict[Setting, tuple[list[float], list[float]]] = {}
     labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
     for r in _figure_runs(runs):
         x, y = _bytes_per_step(r), _final_eval(r)
@@ -593,7 +617,7 @@ def loss_by_wall_points(runs: list[RunData]) -> list[FigurePoint]:
     """The wall-time chart's points: one per setting and network profile (shaping changes the
     time, not the loss), x its runs' mean wall time, y their final eval loss. Runs lacking
     either are left out."""
-    groups: dict[tuple[tuple[str, ...], str], tuple[list[float], list[float]]] = {}
+    groups: dict[tuple[Setting, str], tuple[list[float], list[float]]] = {}
     labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
     for r in _figure_runs(runs):
         x, y = r.summary.wall_time_s, _final_eval(r)
@@ -633,7 +657,7 @@ def step_by_link_points(runs: list[RunData]) -> list[FigurePoint]:
     link rate (math.inf unshaped), y its runs' mean seconds per step; each setting's points
     in rate order, so they draw as its line. Runs whose rate or step times are unknown are
     left out."""
-    groups: dict[tuple[tuple[str, ...], str], tuple[list[float], list[float]]] = {}
+    groups: dict[tuple[Setting, str], tuple[list[float], list[float]]] = {}
     labels = _series_labels(list(dict.fromkeys(_setting(r) for r in _figure_runs(runs))))
     for r in _figure_runs(runs):
         rate, y = r.link_mbps, r.mean_step_seconds

@@ -220,8 +220,9 @@ def test_the_figure_tells_inner_steps_optimizers_and_variants_apart(tmp_path):
     dirs = [_run_dir(tmp_path / "runs", name, grid, None) for name, grid in grids]
     loaded, _ = load_runs(dirs)
     points = loss_by_bytes_points(loaded)
-    assert [p.series for p in points] == [
-        "none sparseloco sparseloco H=10 d=0.02", "none sparseloco sparseloco H=50 d=0.02",
+    assert [p.series for p in points] == [  # (the variant's name said once: not "sparseloco
+        # sparseloco"; MuLoCo's mode and knobs kept, its name does not say them)
+        "none sparseloco H=10 d=0.02", "none sparseloco H=50 d=0.02",
         "none muloco-2bit sparseloco H=50 d=1 muon"]
     assert [p.runs for p in points] == [1, 1, 1]  # (H=10 and H=50 no longer pooled)
     assert len(loss_by_wall_points(loaded)) == 3
@@ -234,3 +235,19 @@ def test_the_figure_tells_inner_steps_optimizers_and_variants_apart(tmp_path):
                     {**grids[0][1], "warm_start": "job-000029@500"}, None)
     points = loss_by_bytes_points(load_runs([dirs[0], warm])[0])
     assert [p.series for p in points] == ["none scratch", "none from job-000029@500"]
+
+
+def test_a_series_label_leaves_out_what_its_variant_says_unless_two_would_read_alike():
+    """A variant named after its sync ("dp-muon" with "dp muon") reads once; where dropping
+    those words would give two series one label (a variant running two modes whose name
+    says both), each keeps its whole sync."""
+    from swarm_core.experiments.report import _series_labels
+
+    muon = ("m", "none", "1x4", ("dp", "muon"), "dp-muon", "scratch")
+    diloco = ("m", "none", "1x4", ("diloco", "H=10", "int8"), "diloco-int8", "scratch")
+    assert list(_series_labels([muon, diloco]).values()) == [
+        "none dp-muon", "none diloco-int8 H=10"]
+    both = [("m", "none", "1x4", (mode,), "dp-diloco", "scratch") for mode in ("dp", "diloco")]
+    alone = ("m", "none", "1x4", ("dp",), "dp", "scratch")
+    assert list(_series_labels([*both, alone]).values()) == [
+        "none dp-diloco dp", "none dp-diloco diloco", "none dp dp"]
