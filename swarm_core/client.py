@@ -301,6 +301,19 @@ class SwarmClient:
                 manifest = _reply(status, raw)
         return manifest, out[1], out[2] if len(out) > 2 else None
 
+    async def checkpoint_manifest(self, job_id: str, step: int, stage: int,
+                                  session: str) -> dict[str, Any]:
+        """The manifest alone of a stage checkpoint (its ``params`` name what the shard
+        holds)."""
+        status, raw = await self._download(
+            f"{self.base_url}{API_PREFIX}/jobs/{_seg(job_id)}/checkpoints/{step}/{stage}"
+            "/manifest", {SESSION_HEADER: session})
+        manifest = _reply(status, raw)
+        if not isinstance(manifest, dict):
+            raise ApiError(200, "bad_response", "the leader's checkpoint manifest is not an "
+                           "object")
+        return manifest
+
     async def replica_state(self, job_id: str, step: int, stage: int, replica: int,
                             session: str) -> tuple[dict[str, Any], bytes] | None:
         """(manifest, optimizer.npz bytes) of one replica's own state at a stage checkpoint

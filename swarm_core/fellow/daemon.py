@@ -560,6 +560,9 @@ class FellowDaemon:
                                                             weights_only=True)
         return manifest, weights
 
+    async def _fetch_manifest(self, job: str, step: int, stage: int) -> dict:
+        return await self.client.checkpoint_manifest(job, step, stage, self.session)
+
     async def _fetch_replica_state(self, job: str, step: int, stage: int,
                                    replica: int) -> tuple[dict, bytes] | None:
         return await self.client.replica_state(job, step, stage, replica, self.session)
@@ -591,6 +594,7 @@ class FellowDaemon:
                           threads=self.opts.threads, fellow_name=self.opts.name,
                           push_shard=self._push_shard, fetch_checkpoint=self._fetch_checkpoint,
                           fetch_weights=self._fetch_weights,
+                          fetch_manifest=self._fetch_manifest,
                           fetch_replica_state=self._fetch_replica_state,
                           links=self.links, data_roots=self.opts.data_roots, pace=self.pace,
                           regroup=self._regroup)

@@ -93,6 +93,9 @@ class JobContext:
     # (job_id, step, stage) -> (manifest, weights.npz) of a checkpoint, without its optimiser
     # state: another job's, that this one warm-starts from (training.warm_start)
     fetch_weights: Callable[[str, int, int], Awaitable[tuple[dict[str, Any], bytes]]] | None = None
+    # (job_id, step, stage) -> the manifest alone of such a checkpoint (its ``params`` say
+    # which shards a cell needs); None: every shard is fetched
+    fetch_manifest: Callable[[str, int, int], Awaitable[dict[str, Any]]] | None = None
     # (job_id, step, stage, replica) -> (manifest, optimizer.npz) of a replica's own state
     # (DiLoCo), or None where the leader holds none
     fetch_replica_state: Callable[[str, int, int, int],

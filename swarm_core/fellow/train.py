@@ -40,6 +40,7 @@ from swarm_core.fellow.corpus import shared_token_data
 from swarm_core.fellow.jobs import Checkpoint, JobContext, JobRefused, LinkOverrides
 from swarm_core.fellow.warm import warm_weights
 from swarm_core.pipeline.devices import DeviceError, resolve_device
+from swarm_core.pipeline.model import stage_state_names
 from swarm_core.pipeline.move import LayoutMove
 from swarm_core.pipeline.peers import cell_label
 from swarm_core.pipeline.stage import (
@@ -363,7 +364,8 @@ class TrainJob:
             self.warm = await self._warm_weights()
 
     async def _warm_weights(self) -> dict[str, Any]:
-        """The source checkpoint's weights, every stage of it (see fellow/warm.py)."""
+        """The source checkpoint's weights, of the stages that hold this cell's (see
+        fellow/warm.py)."""
         warm = self.training.warm_start
         assert warm is not None
         if warm.step is None:  # (the leader resolves it at submit)
@@ -372,8 +374,12 @@ class TrainJob:
         if fetch is None:
             raise JobRefused(f"cannot warm-start from {warm.job_id}: no way to fetch its "
                              "checkpoint")
+        spec = self.spec
+        wanted = stage_state_names(spec.model, spec.layers[0], spec.layers[1], spec.stage,
+                                   spec.num_stages)
         try:
-            return await warm_weights(fetch, warm.job_id, warm.step)
+            return await warm_weights(fetch, warm.job_id, warm.step, wanted,
+                                      self.ctx.fetch_manifest)
         except (ShardError, ApiError) as exc:  # (ApiError: the leader's no, e.g. pruned)
             raise JobRefused(f"cannot warm-start from {warm.job_id} step {warm.step}: "
                              f"{exc}") from None

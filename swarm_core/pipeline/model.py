@@ -286,6 +286,15 @@ class StageModule(nn.Module):
                 self.frame.project_(t, axis)
 
 
+def stage_state_names(cfg: ModelConfig, start: int, stop: int, stage: int,
+                      num_stages: int) -> frozenset[str]:
+    """The state names of a stage's module (as :class:`StageModule` builds it): built on the
+    meta device, so no weights are made, only the names."""
+    with torch.device("meta"):
+        module = StageModule(cfg, cfg.vocab_size or 256, 0, start, stop, stage, num_stages)
+    return frozenset(module.state_dict())
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy, in float32 whatever dtype the logits were computed in."""
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

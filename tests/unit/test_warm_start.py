@@ -34,7 +34,7 @@ from swarm_core.fellow.train import TrainJob
 from swarm_core.fellow.warm import warm_weights
 from swarm_core.leader import LeaderConfig, create_app
 from swarm_core.pipeline.local import run_local_pipeline
-from swarm_core.pipeline.model import StageModule, lm_loss
+from swarm_core.pipeline.model import StageModule, lm_loss, stage_state_names
 from swarm_core.pipeline.optim import clip_scale, lr_at, make_optimizer, scale_grads, set_lr
 from swarm_core.pipeline.reference import train_reference
 from swarm_core.pipeline.stage import ResumeError, own_part
@@ -361,6 +361,45 @@ async def test_the_union_of_another_splits_shards_is_the_glued_model():
     whole.load_state_dict(own_part(whole, union), strict=True)  # (one stage takes it all)
 
 
+async def test_a_cell_fetches_only_the_shards_that_hold_its_names():
+    """Each shard's manifest lists its names: a cell reads every manifest and fetches the
+    weights of the source stages that hold what it takes, no others; a manifest that lists
+    no names has its shard fetched (a leader's shards from before the list)."""
+    cfg = {**MODEL, "n_layers": 4}
+    model = ExperimentModel(ModelConfig(**cfg), VOCAB, 3, [(0, 1), (1, 2), (2, 3), (3, 4)])
+    shards = _stage_shards(list(model.stages), "job-000007", 5, model=cfg)
+    flat = model.flat_state_dict()
+    listed: list[int] = []
+    fetched: list[int] = []
+    unlisted: set[int] = set()
+
+    async def fetch(job_id: str, step: int, stage: int):
+        fetched.append(stage)
+        return shards[stage]
+
+    async def manifest(job_id: str, step: int, stage: int):
+        listed.append(stage)
+        m = shards[stage][0]
+        return {k: v for k, v in m.items() if k != "params"} if stage in unlisted else m
+
+    for (a, b, stage, stages), want in [((2, 4, 1, 2), [2, 3]), ((0, 2, 0, 2), [0, 1]),
+                                        ((0, 4, 0, 1), [0, 1, 2, 3]), ((3, 4, 2, 3), [3])]:
+        listed.clear()
+        fetched.clear()
+        names = stage_state_names(ModelConfig(**cfg), a, b, stage, stages)
+        union = await warm_weights(fetch, "job-000007", 5, names, manifest)
+        assert (listed, fetched) == ([0, 1, 2, 3], want)
+        cell = StageModule(ModelConfig(**cfg), VOCAB, 0, a, b, stage, stages)
+        assert set(cell.state_dict()) == names
+        cell.load_state_dict(own_part(cell, union), strict=True)
+        assert all(torch.equal(t, flat[n]) for n, t in cell.state_dict().items())
+    unlisted.add(0)
+    fetched.clear()
+    await warm_weights(fetch, "job-000007", 5,
+                       stage_state_names(ModelConfig(**cfg), 2, 4, 1, 2), manifest)
+    assert fetched == [0, 2, 3]
+
+
 async def test_a_shard_that_is_not_the_one_asked_for_is_refused():
     shards = _stage_shards(list(_whole([(0, 1), (1, 2)]).stages), "job-000007", 5)
     wrong_step = {**shards[1][0], "step": 4}
@@ -442,6 +481,40 @@ async def test_a_fresh_cell_fetches_the_warm_start_and_a_resumed_or_joining_one_
         raise ApiError(404, "no_checkpoint", f"no checkpoint of stage {stage} at step {step}")
 
     ctx = attrs.evolve(ctx, fetch_weights=pruned)
+    with pytest.raises(JobRefused) as refused:
+        await TrainJob(_start(warm), ctx)._prepare()
+    assert str(refused.value) == ("cannot warm-start from job-000007 step 5: no checkpoint "
+                                  "of stage 0 at step 5")
+
+
+async def test_a_cell_of_another_split_fetches_its_own_stages_weights_alone():
+    """Through the fellow's fetches (as the daemon lends them): stage 1 of a two-stage job
+    warm-starting from a two-stage source reads both manifests and fetches one shard."""
+    model = _whole([(0, 1), (1, 2)])
+    shards = _stage_shards(list(model.stages), "job-000007", 5)
+    asked: list[tuple[str, int]] = []
+
+    async def fetch_weights(job_id: str, step: int, stage: int):
+        asked.append(("weights", stage))
+        return shards[stage]
+
+    async def fetch_manifest(job_id: str, step: int, stage: int):
+        asked.append(("manifest", stage))
+        return shards[stage][0]
+
+    ctx = JobContext(fellow_id=0, progress=Progress(), report=_report,
+                     fetch_weights=fetch_weights, fetch_manifest=fetch_manifest)
+    warm = {"warm_start": {"job_id": "job-000007", "step": 5}}
+    job = TrainJob(_start(warm, stage=1), ctx)
+    await job._prepare()
+    assert asked == [("manifest", 0), ("manifest", 1), ("weights", 1)]
+    state, _ = job._restored()
+    assert state is not None and set(state) == set(model.stages[1].state_dict())
+
+    async def pruned(job_id: str, step: int, stage: int):
+        raise ApiError(404, "no_checkpoint", f"no checkpoint of stage {stage} at step {step}")
+
+    ctx = attrs.evolve(ctx, fetch_manifest=pruned)
     with pytest.raises(JobRefused) as refused:
         await TrainJob(_start(warm), ctx)._prepare()
     assert str(refused.value) == ("cannot warm-start from job-000007 step 5: no checkpoint "
