@@ -36,10 +36,25 @@ def layout_cells(layout: Layout) -> list[tuple[int, int]]:
 def _cell_index(layout: Layout) -> dict[tuple[int, int], int]:
     """Each cell's place in ``layout_cells`` order (a report's lookup, every report: cached
     per layout, which a job changes only at a move)."""
-    width = 1 + max(max(ids) for ids in layout)
+    width = slot_count(layout, 0)
     sets = [set(ids) for ids in layout]
     cells = [(k, i) for i in range(width) for k, ids in enumerate(sets) if i in ids]
     return {c: n for n, c in enumerate(cells)}
+
+
+def stage_ids(layout: Sequence[Sequence[int]] | None, stage: int, shares: int) -> list[int]:
+    """The ids of a stage's cells, sorted (the grid's ``0..shares-1`` without a layout)."""
+    return list(range(shares)) if layout is None else list(layout[stage])
+
+
+def slot_count(layout: Sequence[Sequence[int]] | None, shares: int) -> int:
+    """How many ids the job names (a table of ids is this wide): the largest, plus one."""
+    return shares if not layout else 1 + max(max(ids) for ids in layout)
+
+
+def complete(layout: Sequence[Sequence[int]] | None, replica: int) -> bool:
+    """Whether id ``replica`` has a cell at every stage (a whole chain)."""
+    return layout is None or all(replica in ids for ids in layout)
 
 
 def normal_layout(layout: Sequence[Sequence[int]] | None, num_stages: int,

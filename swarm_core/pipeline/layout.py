@@ -34,6 +34,7 @@ import attrs
 from swarm_core.contract.job import route_weights_error
 from swarm_core.contract.placement import (  # (torch-free, for the leader too)
     Layout,
+    complete,
     normal_layout,
 )
 from swarm_core.pipeline.frames import Kind
@@ -65,20 +66,6 @@ def check_weights(weights: Sequence[Sequence[float]] | None, stages: int, width:
     if why is not None:
         raise ValueError(f"route_weights: {why}")
 
-
-def stage_ids(layout: Layout | None, stage: int, shares: int) -> list[int]:
-    """The ids of a stage's cells, sorted."""
-    return list(range(shares)) if layout is None else list(layout[stage])
-
-
-def slot_count(layout: Layout | None, shares: int) -> int:
-    """How many ids the job names (a table of ids is this wide): the largest, plus one."""
-    return shares if layout is None else 1 + max(max(ids) for ids in layout)
-
-
-def complete(layout: Layout | None, replica: int) -> bool:
-    """Whether id ``replica`` has a cell at every stage (a whole chain)."""
-    return layout is None or all(replica in ids for ids in layout)
 
 
 def ring_neighbours(spec: StageSpec, members: Sequence[int]) -> tuple[int, int]:

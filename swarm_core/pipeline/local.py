@@ -22,15 +22,13 @@ from swarm_core.contract.membership import (
     regroup_orders,
     routed_orders,
 )
-from swarm_core.contract.placement import layout_cells
+from swarm_core.contract.placement import layout_cells, slot_count, stage_ids
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import TokenData
 from swarm_core.pipeline.layout import (
     Layout,
     check_layout,
     check_weights,
-    slot_count,
-    stage_ids,
 )
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from swarm_core.contract.placement import Placement
+from swarm_core.contract.placement import Placement, slot_count, stage_ids
 from swarm_core.contract.rebalance import MIN_GAIN, PeerMove, choose_move, free_id
-from swarm_core.pipeline.layout import Layout, check_layout, slot_count, stage_ids
+from swarm_core.pipeline.layout import Layout, check_layout
 from swarm_core.pipeline.route_meter import RouteMeter
 
 if TYPE_CHECKING:

@@ -15,8 +15,9 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from swarm_core.contract.placement import slot_count
 from swarm_core.pipeline.frames import Kind
-from swarm_core.pipeline.layout import RELAY_FRAME, Layout, NormRelay, slot_count
+from swarm_core.pipeline.layout import RELAY_FRAME, Layout, NormRelay
 from swarm_core.pipeline.routing import ThroughputEstimate
 from swarm_core.pipeline.transport import PeerLink
 

@@ -22,7 +22,7 @@ import torch
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract import CodecErrors, StageMetrics, StageStart, perplexity
 from swarm_core.contract.membership import RegroupOrder
-from swarm_core.contract.placement import Placement, StagePlacement
+from swarm_core.contract.placement import Placement, StagePlacement, slot_count, stage_ids
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import TokenData
 from swarm_core.pipeline.boundary import BoundaryCodec, decoded_error, make_boundary
@@ -35,8 +35,6 @@ from swarm_core.pipeline.layout import (
     hears_norm,
     norm_relay,
     ring_neighbours,
-    slot_count,
-    stage_ids,
 )
 from swarm_core.pipeline.links import LinkShaper
 from swarm_core.pipeline.listener import DataListener, Expected

@@ -15,6 +15,7 @@ import attrs
 from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, ROTATED, Element
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.config.selective import Cell, boundary_compresses
+from swarm_core.contract.placement import complete, slot_count
 from swarm_core.pipeline.frames import HEADER_SIZE
 
 NORM_PAYLOAD = 8  # one float64 per NORM frame
@@ -115,11 +116,6 @@ def link_bytes(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cel
     return sent + (HEADER_SIZE + NORM_PAYLOAD if norm and training.grad_clip > 0 else 0)
 
 
-def _whole(layout: Sequence[Sequence[int]] | None, cell: int) -> bool:
-    """Whether id ``cell`` has a cell at every stage (``pipeline.layout.complete``)."""
-    return layout is None or all(cell in ids for ids in layout)
-
-
 def norm_bytes(training: TrainingConfig, stage: int, num_stages: int, replica: int = 0,
                layout: Sequence[Sequence[int]] | None = None, width: int = 1,
                measured: bool = False) -> int:
@@ -131,14 +127,14 @@ def norm_bytes(training: TrainingConfig, stage: int, num_stages: int, replica: i
     incomplete cells beside it and an incomplete cell sends none (``layout.norm_relay``)."""
     if not (measured or training.grad_clip > 0):
         return 0
-    if not _whole(layout, replica):
+    if not complete(layout, replica):
         return 0
     frames = (stage > 0) + (stage < num_stages - 1)
     if layout is not None and replica == 0:
         if stage + 1 < num_stages:
-            frames += sum(not _whole(layout, r) for r in layout[stage + 1])
+            frames += sum(not complete(layout, r) for r in layout[stage + 1])
         if stage == 1:
-            frames += sum(not _whole(layout, r) for r in layout[0])
+            frames += sum(not complete(layout, r) for r in layout[0])
     values = 1 + (num_stages * width if measured else 0)
     return frames * (HEADER_SIZE + NORM_PAYLOAD * values)
 
@@ -151,7 +147,7 @@ def expected_wire_bytes(model: ModelConfig, training: TrainingConfig, stage: int
     step (a stage group's synchronisation is counted apart): its micro-batches' frames
     (a routed cell's, had the route dealt it its share: M of them) and its NORM frames
     (``norm_bytes``; ``layout`` and ``measured``: a swarm-wired job's)."""
-    width = max((max(ids) + 1 for ids in layout), default=1) if layout else replicas
+    width = slot_count(layout, replicas)
     return sum(link_bytes(model, training, (stage, replica), (peer, replica), num_stages,
                           replicas, norm=False)
                for peer in (stage + 1, stage - 1) if 0 <= peer < num_stages) \
@@ -217,7 +213,7 @@ def step_wire_bytes(model: ModelConfig, training: TrainingConfig, num_stages: in
                             norm=False)
                  for r in range(replicas) for s in range(num_stages)
                  for peer in (s + 1, s - 1) if 0 <= peer < num_stages)
-    width = max((max(ids) + 1 for ids in layout), default=1) if layout else replicas
+    width = slot_count(layout, replicas)
     cells = [(s, r) for s, ids in enumerate(layout) for r in ids] if layout else \
         [(s, r) for r in range(replicas) for s in range(num_stages)]
     return frames + sum(norm_bytes(training, s, num_stages, r, layout, width, measured)

@@ -11,9 +11,9 @@ import torch
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.metrics import step_loss
-from swarm_core.contract.placement import split_layers
+from swarm_core.contract.placement import complete, split_layers
 from swarm_core.data import load_token_data
-from swarm_core.pipeline.layout import check_layout, check_weights, complete
+from swarm_core.pipeline.layout import check_layout, check_weights
 from swarm_core.pipeline.local import run_local_pipeline
 from swarm_core.pipeline.pace import Pace
 from swarm_core.pipeline.reference import train_reference
