@@ -71,6 +71,8 @@ def test_benchmark_runs_quick(script, needle, cli_env):
     ("bench_sync_modes.py", ["--loss-only", "--overlap", "0", "--inner-steps", "2",
                              "--outer-lr", "0.7,1", "--outer-momentum", "0.9,0"],
      "diloco H=2 d=0 outer 1/0: sync bytes/step"),
+    # The same jobs on a local leader's fellow processes.
+    ("bench_predict_scenarios.py", ["--fellows"], "step measured in fellow processes"),
 ])
 def test_benchmark_options_run(script, args, needle, cli_env):
     res = subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", *args],
