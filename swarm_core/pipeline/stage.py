@@ -924,9 +924,16 @@ class StageRunner:
             synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
         self.module.constrain_()  # (after every change of the weights: steps, outer steps)
         # (swarm wiring: a fault here is raised at the next step, after this one's report)
-        flush = _flush if self.rerouter is None else self.rerouter.flush
-        for link in self.pipe_links():
-            flush(link, t.frame_timeout_s)
+        if self.rerouter is not None:
+            for link in self.pipe_links():
+                self.rerouter.flush(link, t.frame_timeout_s)
+        else:
+            # A chain's links stay open into the next step, so frames still crossing (held
+            # for the added latency) need not be waited for; the last step's must be out
+            # before the links close, as must a swarm layout's before a move relinks.
+            in_flight = not self.spec.routed and step + 1 < t.steps
+            for link in self.pipe_links():
+                link.flush(t.frame_timeout_s, in_flight=in_flight)
         # Not after the last step: the joiner would have nothing to train (every member sees
         # the same step, so none takes it in; the leader calls the join off, issue 40).
         if group.admit_after and step + 1 < t.steps:
@@ -966,10 +973,6 @@ class StageRunner:
                                               step, timeout, self.links.relay)
         return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout,
                             self.links.relay)
-
-
-def _flush(link: PeerLink, timeout: float) -> None:
-    link.flush(timeout)
 
 
 @torch.no_grad()

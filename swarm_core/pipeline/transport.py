@@ -151,6 +151,8 @@ class PeerLink:
         self._farewell_queued = 0.0  # when farewell() queued the pulse (see farewell_written)
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
+        # The due time of the frame the sender holds back for the added latency (None: none).
+        self._held_due: float | None = None
         self._error: BaseException | None = None
         self._send_failed = False  # the sender's own write failed (not only the receiver)
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
@@ -185,13 +187,17 @@ class PeerLink:
         self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(),
                        [memoryview(payload)], None))
 
-    def flush(self, timeout: float) -> None:
+    def flush(self, timeout: float, in_flight: bool = False) -> None:
         """Wait until everything queued has been written (``timeout``: seconds without any
-        progress on the link)."""
+        progress on the link). With ``in_flight``, until every frame not yet written is only
+        held for the link's added latency: a real link's sender does not wait while its bytes
+        cross, so a step that ends on a frame (clipping's norm total) is not made a latency
+        longer by the emulation; those frames go out at their time, in order. Not before a
+        close: a closing link drops what it has not written."""
         start = time.monotonic()
         self._owner_waiting = True
         try:
-            while self._out.unfinished_tasks:
+            while self._out.unfinished_tasks and not (in_flight and self._only_in_flight()):
                 if self.liveness is not None:
                     self.liveness.touch()
                 if self._error is not None:
@@ -213,6 +219,20 @@ class PeerLink:
         finally:
             self._owner_waiting = False
             self.waited += time.monotonic() - start
+
+    def _only_in_flight(self) -> bool:
+        """Whether every frame not yet written is held for its added latency: the one the
+        sender holds, and any queued behind it, due later than now."""
+        now = time.monotonic()
+        held = self._held_due
+        if held is None or held <= now:
+            return False
+        with self._out.mutex:
+            queued = list(self._out.queue)
+            unfinished = self._out.unfinished_tasks
+        # (an item the sender took but has not yet marked held is in neither: keep waiting)
+        return unfinished == len(queued) + 1 and all(
+            isinstance(item, tuple) and item[0] > now for item in queued)
 
     def _settle_failure(self) -> None:
         """The link failed while frames were queued. A peer that got everything may close it
@@ -292,10 +312,14 @@ class PeerLink:
     def _sleep_until(self, due: float) -> bool:
         """The added latency: sleep until ``due``, or until the owner stops or closes the link
         (True: then the frame is dropped)."""
-        while (left := due - time.monotonic()) > 0:
-            if self.abort.wait(min(left, 0.05)) or self._stop.is_set():
-                return True
-        return False
+        self._held_due = due
+        try:
+            while (left := due - time.monotonic()) > 0:
+                if self.abort.wait(min(left, 0.05)) or self._stop.is_set():
+                    return True
+            return False
+        finally:
+            self._held_due = None
 
     def _until_pulse(self) -> float | None:
         if self.pulse_s is None:

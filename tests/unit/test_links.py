@@ -221,6 +221,44 @@ def test_latency_delays_without_cutting_throughput():
     assert 0.05 <= elapsed < 0.25
 
 
+def test_a_flush_in_flight_leaves_frames_crossing_a_latency_to_cross():
+    """A real link's sender does not wait while its bytes cross: ``flush(in_flight=True)``
+    returns while the frames it queued are only held for the added latency, and they still
+    arrive, in order, a latency after they were sent; a plain flush waits them out (what a
+    close needs). A frame held back by the rate, not the latency, is waited for either way."""
+    left, right, shaper, _ = _pair(None)
+    shaper.latency_s = 0.3
+    try:
+        t0 = time.monotonic()
+        for i in range(3):
+            left.send_tensor(Kind.ACT, 0, i, torch.full((4,), float(i)), FP32_WIRE)
+        left.flush(5.0, in_flight=True)
+        assert time.monotonic() - t0 < 0.2
+        for i in range(3):
+            _, got = right.recv_tensor(Kind.ACT, 0, i, timeout=5)
+            assert torch.equal(got, torch.full((4,), float(i)))
+        assert time.monotonic() - t0 >= 0.3
+        t0 = time.monotonic()
+        left.send_tensor(Kind.ACT, 1, 0, torch.ones(4), FP32_WIRE)
+        left.flush(5.0)
+        assert time.monotonic() - t0 >= 0.3
+        right.recv_tensor(Kind.ACT, 1, 0, timeout=5)
+    finally:
+        left.close()
+        right.close()
+    left, right, shaper, _ = _pair(16.0, tcp=True)
+    shaper.latency_s = 0.01
+    try:
+        t0 = time.monotonic()
+        left.send_tensor(Kind.ACT, 0, 0, torch.randn(256, 256), FP32_WIRE)  # 256 KiB: ~0.13 s
+        left.flush(5.0, in_flight=True)
+        assert time.monotonic() - t0 > 0.1  # (its bytes were still leaving at 16 Mbit/s)
+        right.recv_tensor(Kind.ACT, 0, 0, timeout=5)
+    finally:
+        left.close()
+        right.close()
+
+
 def test_a_wait_times_out_on_a_quiet_link_not_a_busy_one():
     """The frame timeout counts seconds with no byte moving: a GRAD that arrives behind 1.5 s
     of activations on a slow link is waited for with a 0.8 s timeout; on a quiet link the
