@@ -375,8 +375,10 @@ class TrainJob:
             raise JobRefused(f"cannot warm-start from {warm.job_id}: no way to fetch its "
                              "checkpoint")
         spec = self.spec
-        wanted = stage_state_names(spec.model, spec.layers[0], spec.layers[1], spec.stage,
-                                   spec.num_stages)
+        # (in a thread: building the module's names takes the part seeds' lock, which a
+        # stage training with dropout on this fellow holds for a forward)
+        wanted = await asyncio.to_thread(stage_state_names, spec.model, spec.layers[0],
+                                         spec.layers[1], spec.stage, spec.num_stages)
         try:
             return await warm_weights(fetch, warm.job_id, warm.step, wanted,
                                       self.ctx.fetch_manifest)

@@ -93,7 +93,9 @@ def relink(runner: StageRunner, move: LayoutMove) -> None:
 
     r, spec = runner, runner.spec
     group = r.group
-    r.links.close()  # (what it sent is flushed: the step's end flushed every pipe link)
+    for link in r.pipe_links():  # (nothing it sent may be dropped by the close)
+        link.flush(spec.training.frame_timeout_s)
+    r.links.close()
     group.close()
     assert move.placement is not None, "a move names where its cells listen"
     spec.placed(move.placement)

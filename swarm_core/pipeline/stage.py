@@ -708,8 +708,9 @@ class StageRunner:
                             *self.links.downs.values()) if x is not None]
 
     def sent(self) -> int:
-        """Bytes this stage's own links sent (a fellow may run several stages)."""
-        return sum(link.sent for link in self.pipe_links())
+        """Bytes this stage gave its own links to send (a fellow may run several stages):
+        counted as queued, so a step's frames still crossing as the next begins are its own."""
+        return sum(link.queued for link in self.pipe_links())
 
     def waited(self) -> float:
         """Seconds this stage has spent blocked on its links."""

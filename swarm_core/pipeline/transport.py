@@ -128,6 +128,9 @@ class PeerLink:
         self._landing: dict[tuple[Kind, int, int], memoryview] = {}
         self.landed = 0  # frames read into a landing
         self.sent = 0  # data bytes this link put on the wire (the shaper counts the whole fellow)
+        # Data bytes its owner gave it to send: a step's own bytes, whenever they leave (a
+        # frame still crossing after ``flush(in_flight=True)`` is written in the next step).
+        self.queued = 0
         self.peer_closed = False  # the far end closed it (its process ended, or it let go)
         # It said FAREWELL first: it let go (its cell regroups), its process did not end.
         self.peer_left = False
@@ -180,12 +183,14 @@ class PeerLink:
         header = make_header(kind, self.job, step, micro_batch, shape, int(codec.codec), bufs,
                              flags=flags, codec_arg=codec.block)
         self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, keep))
+        self.queued += HEADER_SIZE + header.payload_len
         return HEADER_SIZE + header.payload_len
 
     def send_raw(self, kind: Kind, step: int, micro_batch: int, payload: bytes) -> None:
         header = make_header(kind, self.job, step, micro_batch, (len(payload),), 0, payload)
         self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(),
                        [memoryview(payload)], None))
+        self.queued += HEADER_SIZE + header.payload_len
 
     def flush(self, timeout: float, in_flight: bool = False) -> None:
         """Wait until everything queued has been written (``timeout``: seconds without any

@@ -741,3 +741,28 @@ def test_mid_run_evaluations_are_the_models_validation_loss_at_their_step(data):
                                         mc.seq_len)
             want = sum(float(lm_loss(model(x), y)) for x, y in batches) / len(batches)
         assert abs(got - want) <= 1e-5, (step, got, want)
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_a_step_counts_its_own_bytes_and_losses_when_frames_cross_a_latency(data, grad_clip):
+    """Over links with an added latency a step's end no longer waits for its last frames to
+    cross (``flush(in_flight=True)``): clipping's norm total, or the last gradient without
+    clipping, leaves during the next step, or during the evaluation between them. Each step
+    still reports its own frames' bytes, as planned, and the losses are the unshaped run's."""
+    from swarm_core.pipeline.links import LinkShaper
+    from swarm_core.protocol import LinkLimits
+
+    mc = ModelConfig(**MODEL)
+    tc = TrainingConfig(steps=3, batch_size=4, micro_batches=2, eval_batches=1, eval_every=1,
+                        grad_clip=grad_clip)
+    shapers = [LinkShaper() for _ in range(2)]
+    for shaper in shapers:
+        shaper.apply(LinkLimits(latency_ms=40.0))
+    reports: dict[int, list[int]] = {0: [], 1: []}
+    res = run_local_pipeline(mc, tc, data, 2, shapers=shapers,
+                             on_step=lambda s, r: reports[s].append(r.wire_tx_bytes))
+    assert all(isinstance(res[s], StageResult) for s in range(2)), res
+    for s in range(2):
+        assert reports[s] == [expected_wire_bytes(mc, tc, s, 2)] * tc.steps
+    plain = run_local_pipeline(mc, tc, data, 2)
+    assert res[1].losses == plain[1].losses  # type: ignore[union-attr]
