@@ -22,7 +22,9 @@ from swarm_core.contract.placement import (
     MAX_STAGES,
     Placement,
     PlacementError,
+    cell_count,
     normal_layout,
+    slot_count,
     split_layers,
 )
 from swarm_core.contract.rebalance import PeerMove, moves_error
@@ -202,15 +204,13 @@ class Topology:
     @property
     def cells(self) -> int:
         """Stage replicas in all (a layout's: its stages' cells): one device slot each."""
-        if self.layout is not None:
-            return sum(len(ids) for ids in self.layout)
-        return self.num_stages * self.replicas
+        return cell_count(self.layout, self.num_stages, self.replicas)
 
     @property
     def width(self) -> int:
         """How many ids a row by id spans (route weights): the replicas, or a layout's
         largest id + 1."""
-        return self.replicas if self.layout is None else 1 + max(max(i) for i in self.layout)
+        return slot_count(self.layout, self.replicas)
 
     @property
     def num_fellows(self) -> int:

@@ -52,6 +52,11 @@ def slot_count(layout: Sequence[Sequence[int]] | None, shares: int) -> int:
     return shares if not layout else 1 + max(max(ids) for ids in layout)
 
 
+def cell_count(layout: Sequence[Sequence[int]] | None, stages: int, replicas: int) -> int:
+    """The cells (device slots) a job fills: its layout's, else stages x replicas."""
+    return stages * replicas if layout is None else sum(len(ids) for ids in layout)
+
+
 def complete(layout: Sequence[Sequence[int]] | None, replica: int) -> bool:
     """Whether id ``replica`` has a cell at every stage (a whole chain)."""
     return layout is None or all(replica in ids for ids in layout)

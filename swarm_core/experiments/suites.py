@@ -44,6 +44,7 @@ from swarm_core.config.traces import (
     resolve_trace,
 )
 from swarm_core.contract import JobSubmit
+from swarm_core.contract.placement import cell_count
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.experiments.report import ReportError, read_records, read_summary
 from swarm_core.experiments.summary import MetricsSummary
@@ -136,9 +137,7 @@ class GridShape:
     @property
     def cells(self) -> int:
         """The device slots it fills: its layout's cells, else stages x replicas."""
-        if self.layout is not None:
-            return sum(len(ids) for ids in self.layout)
-        return self.num_stages * self.replicas
+        return cell_count(self.layout, self.num_stages, self.replicas)
 
     @property
     def label(self) -> str:
