@@ -18,6 +18,7 @@ pulse we send is not progress on our side: only the peer's bytes, and our data, 
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import socket
 import struct
@@ -154,8 +155,9 @@ class PeerLink:
         self._farewell_queued = 0.0  # when farewell() queued the pulse (see farewell_written)
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
-        # The due time of the frame the sender holds back for the added latency (None: none).
-        self._held_due: float | None = None
+        # The frame the sender holds (held back for the added latency, or being written):
+        # when it was queued, its due time and its bytes; None while it holds none.
+        self._holding: tuple[float, float, int] | None = None
         self._error: BaseException | None = None
         self._send_failed = False  # the sender's own write failed (not only the receiver)
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
@@ -182,22 +184,25 @@ class PeerLink:
         holds the memory ``bufs`` view until they are written."""
         header = make_header(kind, self.job, step, micro_batch, shape, int(codec.codec), bufs,
                              flags=flags, codec_arg=codec.block)
-        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(), bufs, keep))
+        now = time.monotonic()
+        self._out.put((now + self.shaper.latency_s, header.pack(), bufs, keep, now))
         self.queued += HEADER_SIZE + header.payload_len
         return HEADER_SIZE + header.payload_len
 
     def send_raw(self, kind: Kind, step: int, micro_batch: int, payload: bytes) -> None:
         header = make_header(kind, self.job, step, micro_batch, (len(payload),), 0, payload)
-        self._out.put((time.monotonic() + self.shaper.latency_s, header.pack(),
-                       [memoryview(payload)], None))
+        now = time.monotonic()
+        self._out.put((now + self.shaper.latency_s, header.pack(), [memoryview(payload)], None,
+                       now))
         self.queued += HEADER_SIZE + header.payload_len
 
     def flush(self, timeout: float, in_flight: bool = False) -> None:
         """Wait until everything queued has been written (``timeout``: seconds without any
-        progress on the link). With ``in_flight``, until every frame not yet written is only
-        held for the link's added latency: a real link's sender does not wait while its bytes
-        cross, so a step that ends on a frame (clipping's norm total) is not made a latency
-        longer by the emulation; those frames go out at their time, in order. Not before a
+        progress on the link). With ``in_flight``, until every frame not yet written would
+        have left a real link by now, only crossing its latency (the emulation holds a frame
+        its latency at the sender, then writes it at the link's rate): a real sender does not
+        wait while its bytes cross, so a step that ends on a frame (clipping's norm total) is
+        not made a latency longer; those frames go out at their time, in order. Not before a
         close: a closing link drops what it has not written."""
         start = time.monotonic()
         self._owner_waiting = True
@@ -226,18 +231,28 @@ class PeerLink:
             self.waited += time.monotonic() - start
 
     def _only_in_flight(self) -> bool:
-        """Whether every frame not yet written is held for its added latency: the one the
-        sender holds, and any queued behind it, due later than now."""
+        """Whether every frame not yet written would have left a real link by now: on a real
+        link a frame leaves at the link's rate from when it was sent (or the frame before it
+        had left) and crosses its latency after; the emulation holds it the latency first.
+        Not where no latency was added (what is queued then is only waiting to be written)."""
         now = time.monotonic()
-        held = self._held_due
-        if held is None or held <= now:
-            return False
+        holding = self._holding
         with self._out.mutex:
             queued = list(self._out.queue)
             unfinished = self._out.unfinished_tasks
-        # (an item the sender took but has not yet marked held is in neither: keep waiting)
-        return unfinished == len(queued) + 1 and all(
-            isinstance(item, tuple) and item[0] > now for item in queued)
+        # (an item the sender took and has not yet marked held is in neither count: wait)
+        if unfinished != len(queued) + (holding is not None) \
+                or not all(isinstance(item, tuple) for item in queued):
+            return False
+        frames = ([holding] if holding is not None else []) + [
+            (item[4], item[0], len(item[1]) + sum(len(b) for b in item[2])) for item in queued]
+        mbps = self.shaper.tx.mbps
+        left = -math.inf  # when the frames so far would have left a real link
+        for queued_at, due, size in frames:
+            if due <= queued_at:
+                return False
+            left = max(queued_at, left) + (size * 8 / (mbps * 1e6) if mbps else 0.0)
+        return left <= now
 
     def _settle_failure(self) -> None:
         """The link failed while frames were queued. A peer that got everything may close it
@@ -274,7 +289,8 @@ class PeerLink:
                         self._write(memoryview(self._farewell_header.pack()), pulse=True)
                         self._farewell_sent.set()
                         continue
-                    due, head, bufs, _keepalive = item
+                    due, head, bufs, _keepalive, queued_at = item
+                    self._holding = (queued_at, due, len(head) + sum(len(b) for b in bufs))
                     if self._sleep_until(due):
                         continue
                     began = time.monotonic()
@@ -293,6 +309,7 @@ class PeerLink:
                     self._fail(LinkClosed(f"link to {self.peer} failed while sending: {exc!r}"))
                     return
                 finally:
+                    self._holding = None
                     self._out.task_done()
         except OSError as exc:  # (a pulse)
             self._send_failed = True
@@ -317,14 +334,10 @@ class PeerLink:
     def _sleep_until(self, due: float) -> bool:
         """The added latency: sleep until ``due``, or until the owner stops or closes the link
         (True: then the frame is dropped)."""
-        self._held_due = due
-        try:
-            while (left := due - time.monotonic()) > 0:
-                if self.abort.wait(min(left, 0.05)) or self._stop.is_set():
-                    return True
-            return False
-        finally:
-            self._held_due = None
+        while (left := due - time.monotonic()) > 0:
+            if self.abort.wait(min(left, 0.05)) or self._stop.is_set():
+                return True
+        return False
 
     def _until_pulse(self) -> float | None:
         if self.pulse_s is None:
