@@ -444,6 +444,20 @@ def _order() -> RegroupOrder:
     return RegroupOrder(epoch=1, members=[0, 1], donor=0)
 
 
+PRUNED = "cannot warm-start from job-000007 step 5: no checkpoint of stage 0 at step 5"
+
+
+async def _pruned(job_id: str, step: int, stage: int) -> Any:
+    raise ApiError(404, "no_checkpoint", f"no checkpoint of stage {stage} at step {step}")
+
+
+async def _refused(ctx: JobContext, training: dict[str, Any]) -> str:
+    """The one line a fresh stage 0 cell is refused with."""
+    with pytest.raises(JobRefused) as refused:
+        await TrainJob(_start(training), ctx)._prepare()
+    return str(refused.value)
+
+
 async def test_a_fresh_cell_fetches_the_warm_start_and_a_resumed_or_joining_one_does_not():
     model = _whole([(0, 2)])
     shards = {("job-000007", 5, 0): _stage_shards(list(model.stages), "job-000007", 5)[0]}
@@ -477,14 +491,7 @@ async def test_a_fresh_cell_fetches_the_warm_start_and_a_resumed_or_joining_one_
     await joiner._prepare()
     assert asked == [] and joiner._restored() == (None, None), "a joiner takes its group's"
 
-    async def pruned(job_id: str, step: int, stage: int):
-        raise ApiError(404, "no_checkpoint", f"no checkpoint of stage {stage} at step {step}")
-
-    ctx = attrs.evolve(ctx, fetch_weights=pruned)
-    with pytest.raises(JobRefused) as refused:
-        await TrainJob(_start(warm), ctx)._prepare()
-    assert str(refused.value) == ("cannot warm-start from job-000007 step 5: no checkpoint "
-                                  "of stage 0 at step 5")
+    assert await _refused(attrs.evolve(ctx, fetch_weights=_pruned), warm) == PRUNED
 
 
 async def test_a_cell_of_another_split_fetches_its_own_stages_weights_alone():
@@ -511,14 +518,7 @@ async def test_a_cell_of_another_split_fetches_its_own_stages_weights_alone():
     state, _ = job._restored()
     assert state is not None and set(state) == set(model.stages[1].state_dict())
 
-    async def pruned(job_id: str, step: int, stage: int):
-        raise ApiError(404, "no_checkpoint", f"no checkpoint of stage {stage} at step {step}")
-
-    ctx = attrs.evolve(ctx, fetch_manifest=pruned)
-    with pytest.raises(JobRefused) as refused:
-        await TrainJob(_start(warm), ctx)._prepare()
-    assert str(refused.value) == ("cannot warm-start from job-000007 step 5: no checkpoint "
-                                  "of stage 0 at step 5")
+    assert await _refused(attrs.evolve(ctx, fetch_manifest=_pruned), warm) == PRUNED
 
 
 # --- exactness: a warm-started pipeline against one process -------------------------------------
