@@ -221,6 +221,9 @@ class TorchLink(PeerLink):
     def _sleep_until(self, due: float) -> bool:
         return self._halted()  # (unshaped: no latency is added)
 
+    def _only_in_flight(self) -> bool:
+        return False  # (gloo's sends are not the shaper's: a flush waits for them all)
+
     # closing ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Let the sender finish what is queued (dropped if stopping), say BYE unless the peer

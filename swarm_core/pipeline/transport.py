@@ -156,8 +156,10 @@ class PeerLink:
         self._last_write = self.last_progress
         self._owner_waiting = False  # in recv or flush on this link: no pulses then
         # The frame the sender holds (held back for the added latency, or being written):
-        # when it was queued, its due time and its bytes; None while it holds none.
-        self._holding: tuple[float, float, int] | None = None
+        # when it was queued, its due time, its bytes, and when the frames before it would
+        # have left a real link (see _only_in_flight); None while it holds none.
+        self._holding: tuple[float, float, int, float] | None = None
+        self._real_left = -math.inf  # when the frames the sender took would have left
         self._error: BaseException | None = None
         self._send_failed = False  # the sender's own write failed (not only the receiver)
         self._sender = threading.Thread(target=self._send_loop, name=f"tx-{peer}", daemon=True)
@@ -232,27 +234,32 @@ class PeerLink:
 
     def _only_in_flight(self) -> bool:
         """Whether every frame not yet written would have left a real link by now: on a real
-        link a frame leaves at the link's rate from when it was sent (or the frame before it
-        had left) and crosses its latency after; the emulation holds it the latency first.
-        Not where no latency was added (what is queued then is only waiting to be written)."""
+        link a frame leaves at the link's rate from when it was sent (or when the frame
+        before it had left, written or not) and crosses its latency after; the emulation
+        holds it the latency first. Not where no latency was added (what is queued then is
+        only waiting to be written)."""
         now = time.monotonic()
-        holding = self._holding
-        with self._out.mutex:
+        with self._out.mutex:  # (the queue as it stands; the sender takes and ends under it)
+            holding = self._holding
+            left = holding[3] if holding is not None else self._real_left
             queued = list(self._out.queue)
             unfinished = self._out.unfinished_tasks
         # (an item the sender took and has not yet marked held is in neither count: wait)
         if unfinished != len(queued) + (holding is not None) \
                 or not all(isinstance(item, tuple) for item in queued):
             return False
-        frames = ([holding] if holding is not None else []) + [
+        frames = ([holding[:3]] if holding is not None else []) + [
             (item[4], item[0], len(item[1]) + sum(len(b) for b in item[2])) for item in queued]
-        mbps = self.shaper.tx.mbps
-        left = -math.inf  # when the frames so far would have left a real link
         for queued_at, due, size in frames:
             if due <= queued_at:
                 return False
-            left = max(queued_at, left) + (size * 8 / (mbps * 1e6) if mbps else 0.0)
+            left = max(queued_at, left) + self._seconds_at_rate(size)
         return left <= now
+
+    def _seconds_at_rate(self, size: int) -> float:
+        """Seconds ``size`` bytes take at the link's tx rate (0 unlimited)."""
+        mbps = self.shaper.tx.mbps
+        return size * 8 / (mbps * 1e6) if mbps else 0.0
 
     def _settle_failure(self) -> None:
         """The link failed while frames were queued. A peer that got everything may close it
@@ -290,7 +297,10 @@ class PeerLink:
                         self._farewell_sent.set()
                         continue
                     due, head, bufs, _keepalive, queued_at = item
-                    self._holding = (queued_at, due, len(head) + sum(len(b) for b in bufs))
+                    size = len(head) + sum(len(b) for b in bufs)
+                    before = self._real_left
+                    self._real_left = max(queued_at, before) + self._seconds_at_rate(size)
+                    self._holding = (queued_at, due, size, before)
                     if self._sleep_until(due):
                         continue
                     began = time.monotonic()

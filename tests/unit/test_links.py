@@ -225,7 +225,8 @@ def test_a_flush_in_flight_leaves_frames_crossing_a_latency_to_cross():
     """A real link's sender does not wait while its bytes cross: ``flush(in_flight=True)``
     returns while the frames it queued are only held for the added latency, and they still
     arrive, in order, a latency after they were sent; a plain flush waits them out (what a
-    close needs). A frame held back by the rate, not the latency, is waited for either way."""
+    close needs). Frames whose bytes would still be leaving a real link at its rate are
+    waited for either way."""
     left, right, shaper, _ = _pair(None)
     shaper.latency_s = 0.3
     try:
@@ -250,10 +251,14 @@ def test_a_flush_in_flight_leaves_frames_crossing_a_latency_to_cross():
     shaper.latency_s = 0.01
     try:
         t0 = time.monotonic()
-        left.send_tensor(Kind.ACT, 0, 0, torch.randn(256, 256), FP32_WIRE)  # 256 KiB: ~0.13 s
+        for i in range(4):  # 256 KiB each: ~0.13 s at 16 Mbit/s, one behind the other
+            left.send_tensor(Kind.ACT, 0, i, torch.randn(256, 256), FP32_WIRE)
         left.flush(5.0, in_flight=True)
-        assert time.monotonic() - t0 > 0.1  # (its bytes were still leaving at 16 Mbit/s)
-        right.recv_tensor(Kind.ACT, 0, 0, timeout=5)
+        # (a real link's sender has the last one leave at ~0.52 s: the frames written
+        # already count, not only those still held)
+        assert time.monotonic() - t0 > 0.45
+        for i in range(4):
+            right.recv_tensor(Kind.ACT, 0, i, timeout=5)
     finally:
         left.close()
         right.close()
