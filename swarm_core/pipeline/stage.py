@@ -924,17 +924,7 @@ class StageRunner:
             # step there does not overlap the steps after it.
             synced = plus(synced, group.after_step(step, heard, self.checkpoint_due(step + 1)))
         self.module.constrain_()  # (after every change of the weights: steps, outer steps)
-        # (swarm wiring: a fault here is raised at the next step, after this one's report)
-        if self.rerouter is not None:
-            for link in self.pipe_links():
-                self.rerouter.flush(link, t.frame_timeout_s)
-        else:
-            # A chain's links stay open into the next step, so frames still crossing (held
-            # for the added latency) need not be waited for; the last step's must be out
-            # before the links close, as must a swarm layout's before a move relinks.
-            in_flight = not self.spec.routed and step + 1 < t.steps
-            for link in self.pipe_links():
-                link.flush(t.frame_timeout_s, in_flight=in_flight)
+        _flush_step(self, step)
         # Not after the last step: the joiner would have nothing to train (every member sees
         # the same step, so none takes it in; the leader calls the join off, issue 40).
         if group.admit_after and step + 1 < t.steps:
@@ -974,6 +964,20 @@ class StageRunner:
                                               step, timeout, self.links.relay)
         return chain_sq_sum(grad_sq_sum(self.params), self.up, self.down, step, timeout,
                             self.links.relay)
+
+
+def _flush_step(r: StageRunner, step: int) -> None:
+    """The step's frames out (swarm wiring: a fault here is raised at the next step, after
+    this one's report). A chain's links stay open into the next step, so frames still
+    crossing an added latency need not be waited for; the last step's must be out before
+    the links close, as must a swarm layout's before a move relinks."""
+    t = r.spec.training
+    in_flight = not r.spec.routed and step + 1 < t.steps
+    for link in r.pipe_links():
+        if r.rerouter is not None:
+            r.rerouter.flush(link, t.frame_timeout_s)
+        else:
+            link.flush(t.frame_timeout_s, in_flight=in_flight)
 
 
 @torch.no_grad()
