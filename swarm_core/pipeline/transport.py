@@ -186,17 +186,19 @@ class PeerLink:
         holds the memory ``bufs`` view until they are written."""
         header = make_header(kind, self.job, step, micro_batch, shape, int(codec.codec), bufs,
                              flags=flags, codec_arg=codec.block)
-        now = time.monotonic()
-        self._out.put((now + self.shaper.latency_s, header.pack(), bufs, keep, now))
-        self.queued += HEADER_SIZE + header.payload_len
-        return HEADER_SIZE + header.payload_len
+        return self._queue(header, bufs, keep)
 
     def send_raw(self, kind: Kind, step: int, micro_batch: int, payload: bytes) -> None:
         header = make_header(kind, self.job, step, micro_batch, (len(payload),), 0, payload)
-        now = time.monotonic()
-        self._out.put((now + self.shaper.latency_s, header.pack(), [memoryview(payload)], None,
-                       now))
-        self.queued += HEADER_SIZE + header.payload_len
+        self._queue(header, [memoryview(payload)], None)
+
+    def _queue(self, header: FrameHeader, bufs: list[memoryview], keep: object) -> int:
+        """A frame for the sender: due its added latency from now (the queue's items are
+        (due, head, bufs, keep, queued at, bytes)); returns its bytes."""
+        now, size = time.monotonic(), HEADER_SIZE + header.payload_len
+        self._out.put((now + self.shaper.latency_s, header.pack(), bufs, keep, now, size))
+        self.queued += size
+        return size
 
     def flush(self, timeout: float, in_flight: bool = False) -> None:
         """Wait until everything queued has been written (``timeout``: seconds without any
@@ -249,7 +251,7 @@ class PeerLink:
                 or not all(isinstance(item, tuple) for item in queued):
             return False
         frames = ([holding[:3]] if holding is not None else []) + [
-            (item[4], item[0], len(item[1]) + sum(len(b) for b in item[2])) for item in queued]
+            (item[4], item[0], item[5]) for item in queued]
         for queued_at, due, size in frames:
             if due <= queued_at:
                 return False
@@ -296,18 +298,17 @@ class PeerLink:
                         self._write(memoryview(self._farewell_header.pack()), pulse=True)
                         self._farewell_sent.set()
                         continue
-                    due, head, bufs, _keepalive, queued_at = item
-                    size = len(head) + sum(len(b) for b in bufs)
+                    due, head, bufs, _keepalive, queued_at, size = item
                     before = self._real_left
                     self._real_left = max(queued_at, before) + self._seconds_at_rate(size)
                     self._holding = (queued_at, due, size, before)
                     if self._sleep_until(due):
                         continue
                     began = time.monotonic()
-                    size = self._write_frame(head, bufs)
+                    written = self._write_frame(head, bufs)
                     # (the rate a frame achieved: its bytes over its time on the wire, waits
                     # on the buckets included, the added latency not)
-                    self.shaper.count_frame(size, time.monotonic() - began)
+                    self.shaper.count_frame(written, time.monotonic() - began)
                 except OSError as exc:
                     # Failed before the frame counts as done: a flush never takes it for written.
                     self._send_failed = True
