@@ -120,9 +120,7 @@ async def one_fellows(c: Any, name: str, stages: int, steps: int) -> dict[str, f
     job = await c.submit(JobSubmit(name=f"predict-{name}-{stages}", kind="train", model=model,
                                    training=training,
                                    topology=Topology(stages=stages, replicas=1)))
-    while job.state in ("PENDING", "RUNNING"):
-        await asyncio.sleep(0.2)
-        job = await c.job(job.job_id)
+    job = await c.wait_job(job.job_id, 0.2)
     if job.state != "COMPLETED":
         raise RuntimeError(f"{name}: job {job.job_id} {job.state}: {job.reason}")
     records = sorted(await c.progress(job.job_id), key=lambda r: r.step)

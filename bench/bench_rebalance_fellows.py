@@ -65,16 +65,12 @@ async def run_job(c: Any, cfg: dict[str, Any], pad: float, every: int | None
                             "warmup_steps": 0, "frame_timeout_s": 60.0, "seed": 5},
                            TrainingConfig),
         topology=topo))
-    while job.placement is None and job.state in ("PENDING", "RUNNING"):
-        await asyncio.sleep(0.1)
-        job = await c.job(job.job_id)
+    job = await c.wait_job(job.job_id, 0.1, until=lambda j: j.placement is not None)
     assert job.placement is not None, job.reason
     for stage, rid in SLOWED:
         fid = job.placement.cell(stage, rid).fellow_id
         await c.set_speed(fid, SetSpeedRequest(slowdown=pad * SLOW), link=False)
-    while job.state in ("PENDING", "RUNNING"):
-        await asyncio.sleep(0.5)
-        job = await c.job(job.job_id)
+    job = await c.wait_job(job.job_id)
     if job.state != "COMPLETED":
         raise RuntimeError(f"job {job.job_id} {job.state}: {job.reason}")
     records = sorted(await c.progress(job.job_id), key=lambda r: r.step)

@@ -183,9 +183,7 @@ def pipeline_runs(model_cfg: dict, training: dict, specs: list[str]
                         model=structure({**model_cfg, "compression": spec}, ModelConfig),
                         training=structure(training, TrainingConfig),
                         topology=Topology(fellows=2)))
-                    while job.state in ("PENDING", "RUNNING"):
-                        await asyncio.sleep(1.0)
-                        job = await c.job(job.job_id)
+                    job = await c.wait_job(job.job_id, 1.0)
                 except (ClientError, ValueError) as exc:
                     out[spec] = f"{type(exc).__name__}: {exc}"
                     continue

@@ -7,7 +7,7 @@ import hashlib
 import os
 import re
 import urllib.parse
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from swarm_core.protocol import (
     SESSION_HEADER,
     FellowInfo,
     FellowList,
+    JobState,
     LeaderInfo,
     NodeList,
     RegisterRequest,
@@ -405,6 +406,16 @@ class SwarmClient:
 
     async def job(self, job_id: str) -> JobInfo:
         return await self._get(f"{API_PREFIX}/jobs/{_seg(job_id)}", JobInfo)
+
+    async def wait_job(self, job_id: str, poll_s: float = 0.5,
+                       until: Callable[[JobInfo], bool] | None = None) -> JobInfo:
+        """The job as the leader has it once it has ended, or once ``until`` holds of it,
+        read every ``poll_s`` seconds (scripts and benchmarks; the console follows events)."""
+        while True:
+            job = await self.job(job_id)
+            if JobState(job.state).terminal or (until is not None and until(job)):
+                return job
+            await asyncio.sleep(poll_s)
 
     async def progress(self, job_id: str, after: int = 0) -> list[ProgressRecord]:
         res = await self.request("GET", f"{API_PREFIX}/jobs/{_seg(job_id)}/progress",

@@ -35,29 +35,30 @@ async def warm_weights(fetch: FetchWeights, job_id: str, step: int,
     manifests list a wanted name no earlier stage's listed (a shard whose manifest lists no
     names is fetched). The stage count is stage 0's manifest's. A shard that is not the one
     asked for, or two shards that hold one name with different values, is a ShardError."""
-    if wanted is None or fetch_manifest is None:
-        manifest, raw = await fetch(job_id, step, 0)
-        num_stages = _stage_count(manifest, job_id, step)
-        union: dict[str, torch.Tensor] = {}
-        for stage in range(num_stages):
-            if stage:
-                manifest, raw = await fetch(job_id, step, stage)
-            _check_manifest(manifest, job_id, step, stage, num_stages)
-            _add(union, shards.weights_from_checkpoint(manifest, raw), stage)
-            del raw  # (one stage's archive held at a time)
-        return union
-    first = await fetch_manifest(job_id, step, 0)
-    num_stages = _stage_count(first, job_id, step)
-    union = {}
+    select = wanted is not None and fetch_manifest is not None
+
+    async def read(stage: int) -> tuple[dict[str, Any], bytes | None]:
+        # (selecting: the manifest alone, its shard fetched only where it holds a wanted name)
+        if select:
+            assert fetch_manifest is not None
+            return await fetch_manifest(job_id, step, stage), None
+        return await fetch(job_id, step, stage)
+
+    got = await read(0)
+    num_stages = _stage_count(got[0], job_id, step)
+    union: dict[str, torch.Tensor] = {}
     held: set[str] = set()
     for stage in range(num_stages):
-        listed = first if stage == 0 else await fetch_manifest(job_id, step, stage)
-        _check_manifest(listed, job_id, step, stage, num_stages)
-        names = listed.get("params")
-        if isinstance(names, dict) and not (set(names) & set(wanted)) - held:
-            continue
-        manifest, raw = await fetch(job_id, step, stage)
+        if stage:
+            got = await read(stage)
+        (manifest, raw), got = got, ({}, None)  # (one stage's archive held at a time)
         _check_manifest(manifest, job_id, step, stage, num_stages)
+        names = manifest.get("params")
+        if select and isinstance(names, dict) and not (set(names) & set(wanted or ())) - held:
+            continue
+        if raw is None:
+            manifest, raw = await fetch(job_id, step, stage)
+            _check_manifest(manifest, job_id, step, stage, num_stages)
         part = shards.weights_from_checkpoint(manifest, raw)
         del raw
         _add(union, part, stage)

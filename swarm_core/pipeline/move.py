@@ -19,8 +19,9 @@ cell's regroup does: no frame of the old links can reach the new ones), and its 
 its new members afresh (``ReplicaGroup.reform``). A stage that gains cells then hands the
 newcomers its state from its id-0 cell round the new ring (``ReplicaGroup.hand_state``, a
 joiner's hand-off): the weights and the optimiser's state after step ``at - 1``, which every
-member of a dp group holds alike. Nothing else carries over: dp keeps nothing across steps,
-and measured routes start their estimate afresh in every cell at the same step.
+member of a dp group holds alike. dp keeps nothing across steps; measured routes keep their
+estimate, the moved peer's speed going with it (``ThroughputEstimate.carried``), so the
+step after a move is dealt by what was measured, not equally.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from swarm_core.contract.placement import Placement, slot_count, stage_ids
 from swarm_core.contract.rebalance import MIN_GAIN, PeerMove, choose_move, free_id
 from swarm_core.pipeline.layout import Layout, check_layout
 from swarm_core.pipeline.route_meter import RouteMeter
+from swarm_core.pipeline.routing import ThroughputEstimate
 
 if TYPE_CHECKING:
     from swarm_core.pipeline.stage import StageRunner, StageSpec
@@ -58,6 +60,10 @@ class LayoutMove:
     epoch: int = MOVE_EPOCH  # the new links' membership (each move's its own)
     placement: Placement | None = attrs.field(default=None, eq=False, repr=False)
     peer: tuple[int, int, int, int] | None = None
+    # Measured routes' estimate under the new layout (``ThroughputEstimate.carried``), as
+    # every cell computed it when the move was decided; the moved peer's new cell takes it
+    # from here (None: every cell starts afresh, as after a ``relayout``).
+    routes: ThroughputEstimate | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def width(self) -> int:
@@ -126,8 +132,8 @@ def _regroup(r: StageRunner, move: LayoutMove) -> None:
         r.last_move = PeerMove(move.at, *move.peer)
     group.reform(r.params, r.device, group.state_bound() if move.gains(spec.stage) else 0)
     if r.meter_routes is not None:
-        # (every cell starts the estimate afresh at the same step, so all deal alike)
-        r.meter_routes = RouteMeter.of(spec)
+        # (every cell holds the same estimate from this step on, so all deal alike)
+        r.meter_routes = RouteMeter.of(spec, move.routes)
         if group.sync is not None:
             group.sync.own = 0.0
 
@@ -142,11 +148,14 @@ def peer_move(runner: StageRunner, step: int, source: int, cell: int, target: in
     new_id = free_id(spec.placement.ids(target)) if new_id is None else new_id
     placement = spec.placement.moved(source, cell, target, new_id)
     after = [placement.ids(k) for k in range(spec.num_stages)]
-    return LayoutMove(step, spec.layout,
-                      check_layout(after, spec.num_stages, spec.replicas,
-                                   spec.training.sync.mode, spec.wiring),
-                      spec.replicas, epoch=runner.group.epoch + 1, placement=placement,
-                      peer=(source, cell, target, new_id))
+    layout = check_layout(after, spec.num_stages, spec.replicas, spec.training.sync.mode,
+                          spec.wiring)
+    peer = (source, cell, target, new_id)
+    meter = runner.meter_routes
+    return LayoutMove(step, spec.layout, layout, spec.replicas, epoch=runner.group.epoch + 1,
+                      placement=placement, peer=peer,
+                      routes=None if meter is None
+                      else meter.estimate.carried(peer, layout, spec.replicas))
 
 
 @attrs.frozen

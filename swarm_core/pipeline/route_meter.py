@@ -11,6 +11,7 @@ plan is the same everywhere, with no frame saying where a micro-batch goes.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -65,9 +66,13 @@ class RouteMeter:
         self.row: list[float] = [math.nan] * self.replicas  # its group's, once confirmed
 
     @classmethod
-    def of(cls, spec: StageSpec) -> RouteMeter:
-        """A fresh meter for a cell (at its start, and where every cell starts afresh)."""
-        return cls(spec.stage, spec.num_stages, spec.replicas, spec.route_weights, spec.layout)
+    def of(cls, spec: StageSpec, estimate: ThroughputEstimate | None = None) -> RouteMeter:
+        """A meter for a cell: fresh (at its start, and where every cell starts afresh), or
+        holding ``estimate`` (a copy: one every cell computed alike, see ``move``)."""
+        meter = cls(spec.stage, spec.num_stages, spec.replicas, spec.route_weights, spec.layout)
+        if estimate is not None:
+            meter.estimate = copy.deepcopy(estimate)
+        return meter
 
     def weights(self, members: Sequence[int] | None = None) -> list[list[float]]:
         return self.estimate.weights(members)

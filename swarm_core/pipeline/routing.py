@@ -19,6 +19,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from swarm_core.contract.placement import slot_count, stage_ids
+
 Plan = list[list[int]]  # plan[stage][g]: the replica of that stage that runs micro-batch g
 
 
@@ -117,11 +119,40 @@ class ThroughputEstimate:
     def measured(self, layout: Sequence[Sequence[int]]) -> list[dict[int, float]] | None:
         """Per stage, each of its cells' measured micro-batches per second (by id); None
         until every cell of ``layout`` has a sample (a rebalancing decision waits for it)."""
+        return self._speeds(layout)
+
+    def _speeds(self, layout: Sequence[Sequence[int]]) -> list[dict[int, float]] | None:
         if any(self.updates[k][r] == 0 for k, ids in enumerate(layout) for r in ids):
             return None
         a = self.alpha
         return [{r: (1 - (1 - a) ** self.updates[k][r]) / self.ema[k][r] for r in ids}
                 for k, ids in enumerate(layout)]
+
+    def carried(self, peer: tuple[int, int, int, int],
+                after: Sequence[Sequence[int]] | None, shares: int) -> ThroughputEstimate:
+        """The estimate under the layout ``after`` that a peer's move (source, cell, target,
+        new id) makes: a peer's speed is the peer's, so every cell that stays keeps its
+        samples, and the moved peer's speed goes with it, scaled as the rebalancing rule
+        predicts it (``contract.rebalance.choose_move``: by the ratio of the two stages'
+        fastest cells) and counted as one sample, so its first own sample there weighs about
+        as much. Without it the stage it joins would be dealt equally until every cell had a
+        sample: a step at the pace of its slowest cell (``weights``). Where the move's
+        source stage was not measured yet, the peer comes with nothing."""
+        source, cell, target, new_id = peer
+        before = [range(len(row)) if self.layout is None else self.layout[k]
+                  for k, row in enumerate(self.ema)]
+        out = ThroughputEstimate(len(self.ema), slot_count(after, shares), None, self.alpha,
+                                 after)
+        for k in range(len(self.ema)):
+            for r in stage_ids(after, k, shares):
+                if (k, r) != (target, new_id):
+                    out.ema[k][r], out.updates[k][r] = self.ema[k][r], self.updates[k][r]
+        speeds = self._speeds(before)
+        if speeds is not None:
+            speed = speeds[source][cell] * max(speeds[target].values()) \
+                / max(speeds[source].values())
+            out.ema[target][new_id], out.updates[target][new_id] = self.alpha / speed, 1
+        return out
 
 
 def runs(plan: Plan, stage: int, replica: int) -> list[int]:

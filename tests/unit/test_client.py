@@ -149,3 +149,24 @@ async def test_an_event_stream_lost_midway_is_an_unreachable_leader(aiohttp_serv
 def test_a_leader_url_aiohttp_cannot_use_is_refused_at_once(url):
     with pytest.raises(ValueError, match="is not http"):
         SwarmClient(url, None)
+
+
+async def test_waiting_for_a_job_returns_it_once_it_ends_or_once_asked_for_holds(api):
+    """``wait_job`` (scripts and benchmarks): against a real leader, a job with no fellow to
+    run it stays PENDING, so waiting until it is PENDING returns at once, and a plain wait
+    returns the job as the leader has it once it is cancelled."""
+    from tests.api_support import submit
+    from tests.support import AUTH
+
+    job_id = (await submit(api))["job_id"]
+    url = str(api.make_url("")).rstrip("/")
+    async with SwarmClient(url, AUTH["Authorization"].split()[1]) as client:
+        seen = await asyncio.wait_for(
+            client.wait_job(job_id, 0.01, until=lambda j: j.state == "PENDING"), 5)
+        assert (seen.job_id, seen.state) == (job_id, "PENDING")
+        waiting = asyncio.create_task(client.wait_job(job_id, 0.01))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # (still pending: nothing ended it)
+        await client.cancel(job_id)
+        ended = await asyncio.wait_for(waiting, 5)
+    assert (ended.job_id, ended.state) == (job_id, "CANCELLED")

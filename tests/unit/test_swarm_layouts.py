@@ -252,10 +252,12 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
     stage 0 from 3 to 2): its thread, its fellow, goes on there, every cell re-links, the
     newcomer takes stage 1's state from cell 0. The next look finds no move worth 10 %
     (a slowed peer back to stage 0 would make it 2.1 : 2.1). The losses stay one process's to
-    1e-5."""
+    1e-5. The step after the move is dealt by the speeds measured before it, the moved
+    peer's going with it: the slowed cells run fewer of stage 1's micro-batches than the
+    others (dealt afresh, all four would run three)."""
     mc = ModelConfig(**MODEL)
     steps, stages, slow = 9, 2, {1, 2}
-    tc = structure({"steps": steps, "batch_size": 12, "micro_batches": 2, "seed": 3,
+    tc = structure({"steps": steps, "batch_size": 24, "micro_batches": 4, "seed": 3,
                     "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
     ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
 
@@ -281,6 +283,37 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
     got = last.losses()
     assert len(got) == steps
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5, (ref, got)
+    ran = {cell // stages: mbs for cell, (_loss, mbs) in last.reports[3].items()}
+    assert sorted(ran) == [0, 1, 2, 3] and sum(ran.values()) == 12, ran
+    assert max(ran[1], ran[2]) < min(ran[0], ran[3]), ran
+
+
+def test_a_moved_peer_takes_its_measured_speed_to_its_new_stage_and_the_stayers_keep_theirs():
+    """Measured routes across a move (``ThroughputEstimate.carried``): every cell that stays
+    keeps its samples; the moved peer's speed goes with it, scaled by the two stages' fastest
+    cells (the rebalancing rule's prediction) and counted as one sample, so the step after
+    the move is dealt by what was measured, not equally; its first sample there weighs about
+    as much as the carried one. A peer moved before anything was measured brings nothing."""
+    est = ThroughputEstimate(2, 3)
+    for _ in range(5):
+        est.update([[0.01, 0.01, 0.02], [0.005, 0.02, 0.02]])
+    before = est.weights()
+    after = ((0, 1), (0, 1, 2, 3))
+    moved = est.carried((0, 2, 1, 3), after, 3)
+    w = moved.weights()
+    assert w[0][:2] == pytest.approx(before[0][:2]) and w[1][:3] == pytest.approx(before[1][:3])
+    # (half stage 0's fastest, 50 a second, there: half stage 1's fastest, 200 a second)
+    assert w[1][3] == pytest.approx(100.0)
+    plan = route_plan(0, 8, 2, 3, 4, w, layout=after)
+    ran = [len(runs(plan, 1, r)) for r in range(4)]
+    assert sum(ran) == 12 and max(ran[1], ran[2]) < ran[3] < ran[0], ran
+    fresh = ThroughputEstimate(2, 4, layout=after)
+    assert fresh.weights()[1] == [1.0] * 4  # (what the step after a move was dealt by)
+    moved.update([[0.01, 0.01, float("nan"), float("nan")], [0.005, 0.02, 0.02, 0.02]])
+    # (the carried 0.01 s a micro-batch and its own 0.02: 0.19 / (0.1*0.02 + 0.9*0.001))
+    assert moved.weights()[1][3] == pytest.approx(0.19 / (0.1 * 0.02 + 0.9 * 0.001))
+    unmeasured = ThroughputEstimate(2, 3).carried((0, 2, 1, 3), after, 3)
+    assert unmeasured.updates[1] == [0, 0, 0, 0] and unmeasured.weights()[1] == [1.0] * 4
 
 
 def test_a_given_peer_move_is_made_as_a_decided_one_and_stays_exact(data):
