@@ -12,7 +12,8 @@ cells; the leader learns each move from their reports), one without, side by sid
 
 Step times are the leader's own: the time between consecutive steps' records (``ts``, when
 the last of a step's reports came in). Phases between moves leave out the move's step and
-the next (the re-link, the state hand-off, a fresh estimate's equal deal). Target (issue 34):
+the two after it (the re-link and the state hand-off; before measured routes kept their
+estimate across a move, an equal deal), printed on their own. Target (issue 34):
 throughput after rebalancing >= 1.3x before.
 
     .venv/bin/python bench/bench_rebalance_fellows.py           # 24 steps a job (~2 min)
@@ -115,6 +116,10 @@ def table(cfg: dict[str, Any], pad: float) -> None:
     names = ["none"] + [f"{m.source}.{m.cell} -> {m.target}.{m.new_id} @{m.at}" for m in moves]
     for (lo, hi, mean), name in zip(phases, names, strict=False):
         print(f"  {name:<36} {f'{lo + 1}-{hi}':>8} {mean:>8.3f} {phases[0][2] / mean:>9.2f}x")
+    for m in moves:  # (left out of the phases: the move's step and the two after it)
+        around = on[m.at - 1:m.at + 2]  # (steps at+1 .. at+3, 1-based)
+        print(f"  steps {m.at + 1}-{m.at + 3} around the move @{m.at}: "
+              + " ".join(f"{t:.3f}" for t in around) + " s")
     before, after = phases[0][2], phases[-1][2]
     gain = before / after
     print(f"target: throughput after rebalancing >= 1.3x before: {gain:.2f}x at its last "
@@ -127,10 +132,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny model, 8 steps")
     ap.add_argument("--pad", type=float, default=4.0,
                     help="every fellow's padding (default 4; the slowed ones 4 x this)")
+    ap.add_argument("--steps", type=int, help="steps a job (default 24; quick 8)")
+    ap.add_argument("--every", type=int, help="steps between looks (default 8; quick 3)")
     args = ap.parse_args()
+    cfg = dict(QUICK if args.quick else FULL)
+    cfg.update({k: v for k, v in (("steps", args.steps), ("every", args.every)) if v})
     with tempfile.TemporaryDirectory(prefix="swarm-rebalance-") as home:
         os.environ["SWARM_HOME"] = home  # its own local cluster, not the user's
-        table(QUICK if args.quick else FULL, 1.0 if args.quick else args.pad)
+        table(cfg, 1.0 if args.quick else args.pad)
     return 0
 
 

@@ -33,11 +33,14 @@ from swarm_core.contract.placement import MAX_CELL_ID, MAX_STAGES, Placement
 from swarm_core.validators import MAX_STEPS, bounded, meta, step_number
 
 # A move must raise the bottleneck stage's throughput by 20 %: the capacity model leaves out
-# what a move costs (a state hand-off, a fresh estimate, a plan redealt) and what a pipeline's
-# schedule adds (fill, drain, whole micro-batches dealt). Measured (bench_hetero, S=2 x R=3,
-# two stage-1 peers slowed 4x): the first move (1.5 -> 2.0 units, +33 %) took the step from
-# 0.525 to 0.409 s; with 10 % the rule then moved a slowed peer back to stage 0 (2.0 -> 2.25,
-# +12.5 % on paper), and the step went back to 0.516 s.
+# what a move costs (a state hand-off, a plan redealt) and what a pipeline's schedule adds
+# (fill, drain, whole micro-batches dealt). Measured (bench_hetero, S=2 x R=3, two stage-1
+# peers slowed 4x): the first move (1.5 -> 2.0 units, +33 %) took the step from 0.525 to
+# 0.409 s; with 10 % the rule then moved a slowed peer back to stage 0 (2.0 -> 2.25, +12.5 %
+# on paper), and the step went back to 0.516 s. Again across fellow processes once stage 0
+# dealt by weight (bench_rebalance_fellows, 32 steps): 0.463 -> 0.537 and 0.469 -> 0.478 s
+# (a quarter-speed peer is dealt whole micro-batches: three of 24 take it 12 units, no fewer
+# than a fast peer's eleven or twelve, so the bottleneck does not move).
 MIN_GAIN = 0.2
 
 
