@@ -95,12 +95,16 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     problem = job_shape_error(model, training, stages, replicas)
     if problem is not None:
         raise ValueError(f"{RESOLVED}: {problem[1]}: {problem[0]}")
+    if job.topology.layout is not None:
+        raise ValueError(f"{RESOLVED}: a swarm layout (stages of unequal cells) is not "
+                         "predicted")
     profile = resolved.get("network_profile")
     if not isinstance(profile, dict) or not profile:
         profile = {} if training.link is None else {"name": "training.link",
                                                    **unstructure(training.link)}
     return RunShape(name=job.name, model=model, training=training, stages=stages,
-                    replicas=replicas, network=network_for(profile, training.network, stages))
+                    replicas=replicas, network=network_for(profile, training.network, stages),
+                    wiring=job.topology.wiring)
 
 
 def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path | None = None,

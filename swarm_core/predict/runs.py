@@ -39,11 +39,21 @@ def load_runs(path: str | Path) -> list[RunShape]:
         raise PredictInputError(str(exc)) from None
     shapes = []
     for r in exp.runs:
+        _no_layout(r.run_name, r.wiring.get("layout"))
         training = structure(r.training, TrainingConfig)
         shapes.append(RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
                                training=training, stages=r.stages, replicas=r.replicas,
-                               network=network_for(r.network, training.network, r.stages)))
+                               network=network_for(r.network, training.network, r.stages),
+                               wiring=r.wiring.get("wiring", "chain")))
     return shapes
+
+
+def _no_layout(name: str, layout: object) -> None:
+    # (its stages' cells are not the grid's: each stage's share of the step differs, which the
+    # step's model of one chain per replica does not hold)
+    if layout is not None:
+        raise PredictInputError(f"{name}: a swarm layout (stages of unequal cells) is not "
+                                "predicted; give its grid (stages x replicas) instead")
 
 
 def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
@@ -59,13 +69,14 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
                               job.topology.replicas)
     if problem is not None:
         raise PredictInputError(f"{path}: {problem[1]}: {problem[0]}")
+    _no_layout(str(path), job.topology.layout)
     link = training.link
     network = network_for({} if link is None else {"name": "training.link",
                                                     **unstructure(link)},
                           training.network, job.topology.num_stages)
     return RunShape(name=job.name, model=job.model, training=training,
                     stages=job.topology.num_stages, replicas=job.topology.replicas,
-                    network=network)
+                    network=network, wiring=job.topology.wiring)
 
 
 def profile_run(model_path: str | None, training_path: str | None,

@@ -78,6 +78,15 @@ class RunShape:
     # Where every stage runs on one machine: its CPU cores (None: each stage a machine of its
     # own, as the calibration measured it).
     cores: int | None = None
+    # ``swarm``: micro-batches routed between the stages' replicas, each step in GPipe's
+    # order whatever the training's schedule (``pipeline/routing.RoutedStep.ops``); with
+    # equal weights each replica is dealt M of the step's R x M, as a chain's.
+    wiring: str = "chain"
+
+    @property
+    def schedule(self) -> str:
+        """The order the run's stages take their ops in."""
+        return "gpipe" if self.wiring == "swarm" else self.training.schedule
 
     @property
     def ops_at_once(self) -> int | None:
@@ -146,7 +155,8 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
         raise ValueError(f"{len(times)} stage timings for {shape.stages} stages")
     t = shape.training
     cores = shape.ops_at_once
-    compute = compute_critical_path(t.schedule, times, t.micro_batches, t.grad_clip > 0, cores)
+    schedule = shape.schedule
+    compute = compute_critical_path(schedule, times, t.micro_batches, t.grad_clip > 0, cores)
     loads = link_loads(step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes),
                        shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
@@ -155,7 +165,7 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     hop = _frame_hop(shape)
 
     def played(over: Hop) -> float:
-        return simulate_step(t.schedule, times, t.micro_batches, t.grad_clip > 0, over, cores)
+        return simulate_step(schedule, times, t.micro_batches, t.grad_clip > 0, over, cores)
 
     simulated = played(hop)
     step = max(simulated, overlap)
@@ -177,7 +187,7 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     bound_by = bound.name if bound is not None else "compute"
     if kind == "latency":
         bound_by = _latency_boundary(shape.stages, step, overlap, hop, played)
-    return Prediction(run=shape.name, network=shape.network.name, schedule=t.schedule,
+    return Prediction(run=shape.name, network=shape.network.name, schedule=schedule,
                       compute_seconds=compute, step_seconds=step,
                       step_seconds_overlap=overlap, step_seconds_no_overlap=compute + link_s,
                       latency_seconds=latency, bound_by=bound_by, bound_kind=kind,

@@ -311,6 +311,39 @@ def test_a_bad_config_is_one_line_and_a_usage_error(tmp_path, capsys, body, need
     assert len(err) == 1 and needle in err[0]
 
 
+def test_a_swarm_wired_job_is_predicted_in_gpipe_s_order(tmp_path, capsys, monkeypatch):
+    """A routed step runs GPipe's order whatever the training's schedule: a swarm-wired job
+    under ``eager`` is predicted as GPipe plays it (where eager's order is faster), and says
+    so; a chain under eager keeps eager's. A layout (stages of unequal cells) is one line."""
+    monkeypatch.setattr("swarm_tui.commands.predict.measure_stage",
+                        lambda w: StageTimes(0.001, 0.002, 0.0005))
+
+    def predicted(**topology) -> dict:
+        path = _job(tmp_path, schedule="eager")
+        body = json.loads(path.read_text())
+        body["topology"] = {"stages": 2, "replicas": 2, **topology}
+        path.write_text(json.dumps(body))
+        assert run(["predict", str(path), "--format", "json"]) == 0
+        (r,) = json.loads(capsys.readouterr().out)["runs"]
+        return r
+
+    chain, routed = predicted(), predicted(wiring="swarm")
+    assert (chain["schedule"], routed["schedule"]) == ("eager", "gpipe")
+    times = [StageTimes(0.001, 0.002, 0.0005)] * 2
+    assert routed["compute_seconds"] == pytest.approx(
+        compute_critical_path("gpipe", times, 4, clipped=True))
+    assert chain["compute_seconds"] < routed["compute_seconds"]
+    path = _job(tmp_path)
+    body = json.loads(path.read_text())
+    body["topology"] = {"stages": 2, "replicas": 2, "wiring": "swarm",
+                        "layout": [[0], [0, 1, 2]]}
+    path.write_text(json.dumps(body))
+    assert run(["predict", str(path)]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a swarm layout (stages of unequal cells) is not predicted" \
+        in err[0]
+
+
 # --- per-pair links (a link matrix) and the scenario library ------------------------------------
 
 
