@@ -110,12 +110,12 @@ def table(cfg: dict[str, Any], pad: float) -> None:
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         first = lo + 1 if i == 0 else lo + 2
         got = on[first:hi - 1]
-        if got:
-            phases.append((lo, hi, statistics.mean(got)))
+        if got:  # (on[first] is step first + 2's time, 1-based; the last is step hi's)
+            phases.append((first + 2, hi, statistics.mean(got)))
     print(f"  {'moves so far':<36} {'steps':>8} {'s/step':>8} {'vs before':>10}")
     names = ["none"] + [f"{m.source}.{m.cell} -> {m.target}.{m.new_id} @{m.at}" for m in moves]
     for (lo, hi, mean), name in zip(phases, names, strict=False):
-        print(f"  {name:<36} {f'{lo + 1}-{hi}':>8} {mean:>8.3f} {phases[0][2] / mean:>9.2f}x")
+        print(f"  {name:<36} {f'{lo}-{hi}':>8} {mean:>8.3f} {phases[0][2] / mean:>9.2f}x")
     for m in moves:  # (left out of the phases: the move's step and the two after it)
         around = on[m.at - 1:m.at + 2]  # (steps at+1 .. at+3, 1-based)
         print(f"  steps {m.at + 1}-{m.at + 3} around the move @{m.at}: "

@@ -49,6 +49,7 @@ from swarm_core.schema import SchemaError, structure, unstructure
 
 T = TypeVar("T")
 DOWNLOAD_CHUNK = 1 << 20  # bytes of a streamed download read at a time
+_ACTIVE = {s.value for s in JobState if not s.terminal}  # (a job not yet ended)
 
 
 class ClientError(Exception):
@@ -409,11 +410,14 @@ class SwarmClient:
 
     async def wait_job(self, job_id: str, poll_s: float = 0.5,
                        until: Callable[[JobInfo], bool] | None = None) -> JobInfo:
-        """The job as the leader has it once it has ended, or once ``until`` holds of it,
-        read every ``poll_s`` seconds (scripts and benchmarks; the console follows events)."""
+        """The job as the leader has it once it has ended (any state past PENDING and
+        RUNNING), or once ``until`` holds of it, read every ``poll_s`` seconds (scripts and
+        benchmarks; the console follows events)."""
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be above 0, got {poll_s}")
         while True:
             job = await self.job(job_id)
-            if JobState(job.state).terminal or (until is not None and until(job)):
+            if job.state not in _ACTIVE or (until is not None and until(job)):
                 return job
             await asyncio.sleep(poll_s)
 

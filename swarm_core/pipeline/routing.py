@@ -135,14 +135,20 @@ class ThroughputEstimate:
         samples, and the moved peer's speed goes with it, scaled as the rebalancing rule
         predicts it (``contract.rebalance.choose_move``: by the ratio of the two stages'
         fastest cells) and counted as one sample, so its first own sample there weighs about
-        as much. Without it the stage it joins would be dealt equally until every cell had a
-        sample: a step at the pace of its slowest cell (``weights``). Where the move's
-        source stage was not measured yet, the peer comes with nothing."""
+        as much (``measured`` counts it as one too). Without it the stage it joins would be
+        dealt equally until every cell had a sample: a step at the pace of its slowest cell
+        (``weights``). Where some cell of the job had no sample yet, the peer comes with
+        none. The given weights (measured routes' prior) go alike, unscaled."""
         source, cell, target, new_id = peer
         before = [range(len(row)) if self.layout is None else self.layout[k]
                   for k, row in enumerate(self.ema)]
-        out = ThroughputEstimate(len(self.ema), slot_count(after, shares), None, self.alpha,
-                                 after)
+        width = slot_count(after, shares)
+        given = [[1.0] * width for _ in self.ema]
+        for k in range(len(self.ema)):
+            for r in stage_ids(after, k, shares):
+                given[k][r] = self.given[source][cell] if (k, r) == (target, new_id) \
+                    else self.given[k][r]
+        out = ThroughputEstimate(len(self.ema), width, given, self.alpha, after)
         for k in range(len(self.ema)):
             for r in stage_ids(after, k, shares):
                 if (k, r) != (target, new_id):

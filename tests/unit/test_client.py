@@ -169,4 +169,6 @@ async def test_waiting_for_a_job_returns_it_once_it_ends_or_once_asked_for_holds
         assert not waiting.done()  # (still pending: nothing ended it)
         await client.cancel(job_id)
         ended = await asyncio.wait_for(waiting, 5)
+        with pytest.raises(ValueError, match="poll_s must be above 0"):
+            await client.wait_job(job_id, 0)
     assert (ended.job_id, ended.state) == (job_id, "CANCELLED")

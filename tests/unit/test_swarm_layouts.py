@@ -314,6 +314,9 @@ def test_a_moved_peer_takes_its_measured_speed_to_its_new_stage_and_the_stayers_
     assert moved.weights()[1][3] == pytest.approx(0.19 / (0.1 * 0.02 + 0.9 * 0.001))
     unmeasured = ThroughputEstimate(2, 3).carried((0, 2, 1, 3), after, 3)
     assert unmeasured.updates[1] == [0, 0, 0, 0] and unmeasured.weights()[1] == [1.0] * 4
+    # (measured routes' prior, the given weights, goes alike: the peer's own, unscaled)
+    prior = ThroughputEstimate(2, 3, given=[[1, 1, 2], [1, 0.5, 0.5]])
+    assert prior.carried((0, 2, 1, 3), after, 3).weights()[1] == [1.0, 0.5, 0.5, 2.0]
 
 
 def test_a_given_peer_move_is_made_as_a_decided_one_and_stays_exact(data):
