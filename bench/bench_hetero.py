@@ -195,8 +195,8 @@ def run_rebalance(cfg: dict[str, Any], base: float, every: int | None) -> dict[s
 
 def rebalance_table(cfg: dict[str, Any], base: float) -> None:
     """Throughput before the first move against after it (its step, the re-link and the
-    first step after, whose fresh estimate deals equally, left out), beside the same job
-    without rebalancing."""
+    first step after left out: before measured routes kept their estimate across a move,
+    that step dealt equally), beside the same job without rebalancing."""
     every = cfg["every"]
     off = run_rebalance(cfg, base, None)
     on = run_rebalance(cfg, base, every)
@@ -210,7 +210,7 @@ def rebalance_table(cfg: dict[str, Any], base: float) -> None:
         print("rebalancing: no move made (target >= 1.3x: NOT MET)")
         return
     # Phases between moves: each move's step and the next left out (the move's re-link and
-    # hand-off, then a step whose fresh estimate deals equally).
+    # hand-off, then the step that once dealt equally; kept out so runs stay comparable).
     bounds = [0, *(m.at for m in on["moves"]), cfg["steps"]]
     phases = []
     for i, (lo, hi) in enumerate(itertools.pairwise(bounds)):

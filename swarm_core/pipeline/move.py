@@ -125,7 +125,8 @@ def arrive(runner: StageRunner, move: LayoutMove) -> int:
 
 def _regroup(r: StageRunner, move: LayoutMove) -> None:
     """The group's members under the new layout, a fresh sync over their new ring (room in
-    its frames for a stage's state where one is handed round), a fresh route estimate."""
+    its frames for a stage's state where one is handed round), the route estimate the move
+    carried (``LayoutMove.routes``; fresh without one)."""
     spec, group = r.spec, r.group
     group.epoch, group.members = move.epoch, spec.ids(spec.stage)
     if move.peer is not None:
