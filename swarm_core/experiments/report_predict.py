@@ -20,6 +20,7 @@ from swarm_core.contract import JobSubmit
 from swarm_core.predict.calibrate import StageWork, default_cache
 from swarm_core.predict.critical_path import StageTimes
 from swarm_core.predict.network import network_for
+from swarm_core.predict.runs import refuse_layout
 from swarm_core.predict.service import predict_run
 from swarm_core.predict.step import Prediction, RunShape
 from swarm_core.schema import SchemaError, structure, unstructure
@@ -95,9 +96,7 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     problem = job_shape_error(model, training, stages, replicas)
     if problem is not None:
         raise ValueError(f"{RESOLVED}: {problem[1]}: {problem[0]}")
-    if job.topology.layout is not None:
-        raise ValueError(f"{RESOLVED}: a swarm layout (stages of unequal cells) is not "
-                         "predicted")
+    refuse_layout(RESOLVED, job.topology.layout)
     profile = resolved.get("network_profile")
     if not isinstance(profile, dict) or not profile:
         profile = {} if training.link is None else {"name": "training.link",

@@ -118,7 +118,8 @@ class ThroughputEstimate:
 
     def measured(self, layout: Sequence[Sequence[int]]) -> list[dict[int, float]] | None:
         """Per stage, each of its cells' measured micro-batches per second (by id); None
-        until every cell of ``layout`` has a sample (a rebalancing decision waits for it)."""
+        until every cell of ``layout`` has a sample (a rebalancing decision waits for it).
+        (What the rule reads; ``carried`` reads ``_speeds``, the estimate itself.)"""
         return self._speeds(layout)
 
     def _speeds(self, layout: Sequence[Sequence[int]]) -> list[dict[int, float]] | None:
@@ -142,16 +143,14 @@ class ThroughputEstimate:
         source, cell, target, new_id = peer
         before = [range(len(row)) if self.layout is None else self.layout[k]
                   for k, row in enumerate(self.ema)]
-        width = slot_count(after, shares)
-        given = [[1.0] * width for _ in self.ema]
+        out = ThroughputEstimate(len(self.ema), slot_count(after, shares), None, self.alpha,
+                                 after)
         for k in range(len(self.ema)):
             for r in stage_ids(after, k, shares):
-                given[k][r] = self.given[source][cell] if (k, r) == (target, new_id) \
-                    else self.given[k][r]
-        out = ThroughputEstimate(len(self.ema), width, given, self.alpha, after)
-        for k in range(len(self.ema)):
-            for r in stage_ids(after, k, shares):
-                if (k, r) != (target, new_id):
+                if (k, r) == (target, new_id):
+                    out.given[k][r] = self.given[source][cell]
+                else:
+                    out.given[k][r] = self.given[k][r]
                     out.ema[k][r], out.updates[k][r] = self.ema[k][r], self.updates[k][r]
         speeds = self._speeds(before)
         if speeds is not None:

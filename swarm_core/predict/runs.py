@@ -39,7 +39,7 @@ def load_runs(path: str | Path) -> list[RunShape]:
         raise PredictInputError(str(exc)) from None
     shapes = []
     for r in exp.runs:
-        _no_layout(r.run_name, r.wiring.get("layout"))
+        refuse_layout(r.run_name, r.wiring.get("layout"))
         training = structure(r.training, TrainingConfig)
         shapes.append(RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
                                training=training, stages=r.stages, replicas=r.replicas,
@@ -48,9 +48,10 @@ def load_runs(path: str | Path) -> list[RunShape]:
     return shapes
 
 
-def _no_layout(name: str, layout: object) -> None:
-    # (its stages' cells are not the grid's: each stage's share of the step differs, which the
-    # step's model of one chain per replica does not hold)
+def refuse_layout(name: str, layout: object) -> None:
+    """PredictInputError for a swarm layout: its stages' cells are not the grid's (each
+    stage's share of the step differs), which the step's model of one chain per replica does
+    not hold."""
     if layout is not None:
         raise PredictInputError(f"{name}: a swarm layout (stages of unequal cells) is not "
                                 "predicted; give its grid (stages x replicas) instead")
@@ -69,7 +70,7 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
                               job.topology.replicas)
     if problem is not None:
         raise PredictInputError(f"{path}: {problem[1]}: {problem[0]}")
-    _no_layout(str(path), job.topology.layout)
+    refuse_layout(str(path), job.topology.layout)
     link = training.link
     network = network_for({} if link is None else {"name": "training.link",
                                                     **unstructure(link)},
