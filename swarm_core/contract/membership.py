@@ -22,7 +22,9 @@ the rule is :func:`routed_orders`: the survivors are at most one step apart (a c
 step s only after every cell ran s's forward, which each began after applying s - 1), so all
 train on from the earliest step a survivor had not applied, a cell that had applied it
 undoing it first, over the members left: every micro-batch of the redone step is routed to
-a survivor and counted once.
+a survivor and counted once. Of a dp job, the rule is :func:`cell_orders` where it can be:
+a lost cell (not a stage's cell 0) leaves alone, its id's other cells train on, and the
+job's batch is kept (the layout without the cell deals every share's micro-batches).
 
 Torch-free: the leader decides with it.
 """
@@ -33,7 +35,7 @@ from collections.abc import Collection, Mapping
 
 import attrs
 
-from swarm_core.contract.placement import Placement
+from swarm_core.contract.placement import Layout, Placement, normal_layout, stage_ids
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.schema import converter, lenient_converter, make_dict_unstructure_fn, override
 from swarm_core.validators import MAX_STEPS, bounded, meta, non_negative, step_number
@@ -81,6 +83,9 @@ class RegroupOrder:
     # Swarm wiring: every member trains on from this step (0-based); a cell that had applied
     # it undoes it first (see routed_orders).
     redo_step: int | None = None
+    # Swarm wiring, a cell-wise departure (see cell_orders): the job's cell ids by stage from
+    # the order on (a cell it lacks is out); ``members`` are then the ids it names.
+    layout: list[list[int]] | None = None
 
 
 @attrs.define
@@ -123,6 +128,26 @@ class MembershipChange:
     # A peer moved between stages (a swarm layout's rebalancing): nobody left or joined;
     # ``members`` are the ids the job's stages have from ``step`` on.
     moved: PeerMove | None = None
+    # Swarm wiring: cells (stage, id) that left while their ids' other cells train on (a
+    # cell-wise departure: ``cell_orders``); ``members`` are the ids the job still has.
+    cells_left: list[list[int]] = attrs.field(factory=list)
+
+    @property
+    def departed(self) -> bool:
+        """Whether anyone left: a replica, or a cell of a swarm job."""
+        return bool(self.left or self.cells_left)
+
+    def left_text(self) -> str:
+        """Who left, for a person: "replica(s) 1,2 left", "cell(s) 1.1 left"; empty where
+        nobody did."""
+        parts = [f"replica(s) {','.join(map(str, self.left))} left"] if self.left else []
+        if self.cells_left:
+            parts.append(f"cell(s) {self.cells_text()} left")
+        return "; ".join(parts)
+
+    def cells_text(self) -> str:
+        """The cells that left, "1.1,0.2" (stage.id)."""
+        return ",".join(f"{k}.{r}" for k, r in self.cells_left)
 
 
 class RegroupConflict(ValueError):
@@ -172,6 +197,56 @@ def routed_orders(reports: Mapping[tuple[int, int], RegroupReport], stages: int,
     return members, orders
 
 
+def cellwise_layout(layout: Layout | None, stages: int, shares: int,
+                    lost: Collection[tuple[int, int]]) -> Layout | None:
+    """The layout a swarm job trains on once the cells ``lost`` (stage, id) left it alone
+    (their ids' other cells going on), or None where that rule cannot apply: a lost cell is
+    its stage's cell 0 (id 0's chain evaluates and checkpoints: the job falls back to
+    dropping whole replicas), or nobody is lost."""
+    if not lost or any(r == 0 for _k, r in lost):
+        return None
+    shape = [[i for i in stage_ids(layout, k, shares) if (k, i) not in lost]
+             for k in range(stages)]
+    return normal_layout(shape, stages, shares) or tuple(tuple(ids) for ids in shape)
+
+
+def cell_orders(reports: Mapping[tuple[int, int], RegroupReport], after: Layout, epoch: int
+                ) -> dict[tuple[int, int], RegroupOrder]:
+    """Swarm wiring's rule for a cell-wise departure (SWARM: a lost peer costs the swarm its
+    throughput, not its batch): every cell of ``after`` (the layout without the lost cells,
+    ``cellwise_layout``) trains on from the earliest step a survivor had not applied, as
+    :func:`routed_orders`, with the job's batch kept: each stage deals all its shares'
+    micro-batches to the cells it has left. ``reports``: every survivor's, by (stage, id);
+    a reporting cell ``after`` lacks is told to drop. Raises RegroupConflict where the
+    survivors are further apart than one step."""
+    cells = [(k, r) for k, ids in enumerate(after) for r in ids]
+    steps = [reports[c].op_step for c in cells]
+    redo = min(steps)
+    if max(steps) > redo + 1:
+        raise RegroupConflict(f"the survivors stand at steps {redo} to {max(steps)}: "
+                              "further apart than one step")
+    ids = sorted({r for row in after for r in row})
+    shape = [list(row) for row in after]
+    orders = {c: RegroupOrder(epoch, ids, redo_step=redo, layout=shape) for c in cells}
+    for c in reports:
+        if c not in orders:
+            orders[c] = RegroupOrder(epoch, ids, drop=True, layout=shape)
+    return orders
+
+
+def cell_departure(orders: Mapping[tuple[int, int], RegroupOrder], stages: int,
+                   lost: Collection[tuple[int, int]], epoch: int, reason: str = "",
+                   at: float | None = None) -> MembershipChange:
+    """The record of a cell-wise departure (``cell_orders``' orders): the cells that left,
+    and the step every survivor trained again (1-based), the same at every stage."""
+    kept = [o for o in orders.values() if not o.drop]
+    assert kept and kept[0].redo_step is not None, "a cell-wise departure keeps some cells"
+    step = kept[0].redo_step + 1
+    return MembershipChange(step=step, epoch=epoch, members=list(kept[0].members),
+                            cells_left=[[k, r] for k, r in sorted(lost)], reason=reason,
+                            at=at, stage_steps=[step] * stages)
+
+
 def group_orders(reports: Mapping[int, RegroupReport], stage: int, members: list[int],
                  epoch: int) -> dict[tuple[int, int], RegroupOrder]:
     """The orders of one stage group's members (``reports`` by replica, one from each): the
@@ -215,4 +290,8 @@ def departure(reports: Mapping[tuple[int, int], RegroupReport],
 for _conv in (converter, lenient_converter):
     # (a change of who trains is the JSON it always was: no null move beside it)
     _conv.register_unstructure_hook(MembershipChange, make_dict_unstructure_fn(
-        MembershipChange, _conv, moved=override(omit_if_default=True)))
+        MembershipChange, _conv, moved=override(omit_if_default=True),
+        cells_left=override(omit_if_default=True)))
+    # (an order's JSON is as it was, but for a cell-wise departure's)
+    _conv.register_unstructure_hook(RegroupOrder, make_dict_unstructure_fn(
+        RegroupOrder, _conv, layout=override(omit_if_default=True)))

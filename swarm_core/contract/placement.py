@@ -314,6 +314,21 @@ class Placement:
         return Placement(self.num_stages, self.n_layers, [by_place[c] for c in order],
                          self.replicas, after)
 
+    def without(self, cells: Collection[tuple[int, int]]) -> Placement:
+        """The placement after the cells (stage, id) ``cells`` left a swarm job (a cell-wise
+        departure, ``contract.membership.cell_orders``): every other cell where it was.
+        PlacementError (one line) where a stage would lose its cell 0, or a cell is not
+        there."""
+        for k, r in cells:
+            if not self.has(k, r):
+                raise PlacementError(f"no cell {k}.{r} to leave")
+        shape = [[i for i in self.ids(k) if (k, i) not in cells]
+                 for k in range(self.num_stages)]
+        after = normal_layout(shape, self.num_stages, self.replicas)  # (refuses losing id 0)
+        return Placement(self.num_stages, self.n_layers,
+                         [c for c in self.stages if (c.stage, c.replica) not in cells],
+                         self.replicas, after)
+
     def same_fellow(self, a: StagePlacement | None, b: StagePlacement | None) -> bool:
         """Two cells in one fellow (another device slot): their link never leaves the
         machine."""

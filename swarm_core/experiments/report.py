@@ -404,14 +404,15 @@ def summary_rows(runs: list[RunData]) -> list[list[str]]:
 def _grid(summary: MetricsSummary | Mapping[str, Any], layout: Any = None) -> str:
     """``stages x replicas`` ("2x2"; routed, "2x2 swarm" or "2x2 swarm measured"); a swarm
     layout's (``layout``: per stage, its cells' ids, as the job gave it) "2 stages, cells
-    1+3"; then who left or joined, and the peers
-    that moved between stages ("0.1->1.2 @6"); "-" for a run from before the summary
-    said."""
+    1+3"; then who left or joined (replicas "r1 left @5", a swarm job's cells "c1.1 left
+    @5"), and the peers that moved between stages ("0.1->1.2 @6"); "-" for a run from
+    before the summary said."""
     s = as_summary(summary)
     if s.stages is None or s.replicas is None:
         return "-"
     changes = s.membership or []
     moved = [f"r{','.join(map(str, c.left))} left @{c.step}" for c in changes if c.left]
+    moved += [f"c{c.cells_text()} left @{c.step}" for c in changes if c.cells_left]
     moved += [f"r{','.join(map(str, c.joined))} joined @{c.step}" for c in changes if c.joined]
     moved += [f"{move_mark(c.moved)} @{c.step}" for c in changes if c.moved is not None]
     shape = f"{s.stages}x{s.replicas}"

@@ -154,6 +154,7 @@ def marks(summary: MetricsSummary, placement: Placement | None = None) -> list[M
         who = f"f{fellows[i]} " if i in fellows else ""
         moved = [who + move_mark(m.moved)] if m.moved is not None else []
         moved += [f"r{','.join(map(str, m.left))} left"] if m.left else []
+        moved += [f"c{m.cells_text()} left"] if m.cells_left else []
         moved += [f"r{','.join(map(str, m.joined))} joined"] if m.joined else []
         reason = f" ({m.reason})" if m.reason else ""
         out.append(Mark(m.step, "; ".join(moved or ["membership"]) + reason))

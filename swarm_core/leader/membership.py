@@ -14,6 +14,10 @@ change is recorded (the job's ``membership``, the step's progress record, a
 job recovers as a job of one replica does (:meth:`Liveness.lost`). Where the survivors
 have all completed, the lost replicas leave without a regroup and the job completes, unless
 a stage's final shard, which only its group's first member writes, never reached the leader.
+
+A swarm-wired dp job's round is cell by cell (``Membership.cellwise``, ``_decide_cells``): a
+lost cell other than its stage's cell 0 leaves alone, the job's placement taken down to the
+layout without it and its batch kept; the round is decided, recorded and answered at once.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from swarm_core.contract.membership import (
     RegroupConflict,
     RegroupOrder,
     RegroupReport,
+    cell_departure,
+    cell_orders,
+    cellwise_layout,
     departure,
     group_orders,
     routed_orders,
@@ -66,6 +73,8 @@ class RegroupRound:
     since: float  # monotonic
     reports: dict[Cell, RegroupReport] = attrs.field(factory=dict)
     lost: dict[int, str] = attrs.field(factory=dict)  # replica -> why it is out
+    # (a cell-wise job's: each lost cell, for the rule that drops it alone; see cellwise)
+    lost_cells: dict[Cell, str] = attrs.field(factory=dict)
     decided: asyncio.Event = attrs.field(factory=asyncio.Event)  # (a new one each wave)
     # Once the replicas that go on are decided: they, the new epoch, and the stage groups
     # whose orders are given (a group whose cells were all held up behind their chains'
@@ -127,7 +136,22 @@ class Membership:
         cells), nor where peers move between stages (one may come): a lost cell is not
         regrouped, the job recovers (or fails) as a whole."""
         p, topo = job.placement, job.spec.topology
+        if Membership.cellwise(job):
+            return True
         return job.kind == "train" and p is not None and p.replicas > 1 and p.layout is None \
+            and not topo.moves and topo.rebalance_every is None
+
+    @staticmethod
+    def cellwise(job: JobRecord) -> bool:
+        """Whether a lost cell of the job leaves alone, the cells of its id at other stages
+        training on and the job's batch kept (SWARM's: a lost peer costs throughput, not
+        data): a swarm-wired dp train job of several cells whose peers do not move. A lost
+        cell 0 (its stage's evaluator and checkpointer) takes its replica with it, as
+        before, where the job's cells are still the grid (see ``_decide_cells``). (A swarm
+        job of several cells syncs every step: its submission is refused otherwise.)"""
+        p, topo = job.placement, job.spec.topology
+        return job.kind == "train" and p is not None and topo.wiring == "swarm" \
+            and (p.replicas > 1 or p.layout is not None) \
             and not topo.moves and topo.rebalance_every is None
 
     def members(self, job: JobRecord) -> list[int]:
@@ -151,9 +175,10 @@ class Membership:
             return False
         # A replica leaves with its cells counted done (_leave); spares joining as one are
         # in self.joining, stored with the job, so a restarted leader knows them too.
-        assert job.placement is not None
-        return all(job.placement.index(s, replica) in job.done_stages
-                   for s in range(job.num_stages))
+        p = job.placement
+        assert p is not None
+        return all(p.index(s, replica) in job.done_stages
+                   for s in range(job.num_stages) if p.has(s, replica))
 
     def as_now(self, job_id: str) -> Callable[[], None]:
         """A function that puts the job's regroup state back as it is now (a change the store
@@ -183,7 +208,8 @@ class Membership:
         """Take a survivor's report; its order once the round is decided (None: not yet)."""
         if job.state is not JobState.RUNNING or job.recovering is not None:
             raise ApiError(409, f"job {job.job_id} is not running", code="job_not_running")
-        if job.placement is not None and job.placement.layout is not None:
+        if job.placement is not None and job.placement.layout is not None \
+                and not self.cellwise(job):
             raise ApiError(409, f"job {job.job_id} runs a swarm layout (stages of unequal "
                                 "cells): a lost cell is not regrouped, the job recovers from "
                                 "its checkpoint or fails", code="layout_no_regroup")
@@ -235,7 +261,7 @@ class Membership:
     def _same_members_since(job: JobRecord, epoch: int) -> bool:
         """Whether every membership after ``epoch`` came of a regroup in which nobody left
         (a ring that timed out): only the groups that broke moved to it."""
-        return all(not c.left and not c.joined for c in job.membership if c.epoch > epoch)
+        return all(not c.departed and not c.joined for c in job.membership if c.epoch > epoch)
 
     def answer(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
         answers = self.answers.get(job.job_id)
@@ -266,6 +292,18 @@ class Membership:
         joining = self.joining.get(job.job_id)
         if joining is not None and joining.replica == replica:
             self._abort_join(job)  # (the joiner failed before the group took it in)
+            return True
+        assert job.placement is not None
+        if self.cellwise(job):
+            if not job.placement.has(stage, replica):
+                return True  # (it left already: a late word from it)
+            rnd = self._round(job)
+            rnd.lost_cells.setdefault((stage, replica), reason)
+            rnd.lost.setdefault(replica, reason)  # (for whole replicas, where cell 0 is lost)
+            if len(rnd.lost_cells) == len(job.placement.stages):
+                self.forget(job)
+                return False
+            self._decide(job, final=False)
             return True
         members = self.members(job)
         if replica not in members:
@@ -489,6 +527,8 @@ class Membership:
         """First the replicas that go on (once each member's chain has reported or is lost),
         then each stage group's orders (once every cell of its survivors has reported)."""
         rnd = self.rounds[job.job_id]
+        if rnd.members is None and self.cellwise(job) and self._decide_cells(job, rnd, final):
+            return
         if rnd.members is None and not self._decide_members(job, rnd, final):
             return
         assert rnd.members is not None
@@ -532,6 +572,114 @@ class Membership:
             self._record_departure(job, rnd)
         elif len(rnd.ordered) > ordered:
             self._store(job, rnd)  # (orders given: a restarted leader must give the same)
+
+    def _decide_cells(self, job: JobRecord, rnd: RegroupRound, final: bool) -> bool:
+        """A cell-wise job's round (see ``cellwise``): once every cell has reported or is
+        lost, the lost cells leave alone and every other trains on from the earliest step a
+        survivor had not applied (``contract.membership.cell_orders``), decided, recorded
+        and answered at once. True where the round is handled here (decided, waiting, or
+        failed); False where a lost cell 0 of a grid leaves the rule of whole replicas to
+        decide it (``_decide_members``)."""
+        p = job.placement
+        assert p is not None
+        lost = rnd.lost_cells
+        silent = [(c.stage, c.replica) for c in p.stages
+                  if (c.stage, c.replica) not in lost and (c.stage, c.replica) not in rnd.reports
+                  and not self._done(job, c.stage, c.replica)]
+        # (a silent cell of an id whose link closed without a farewell died, once a
+        # heartbeat has gone by for its own report; one silent past the timeout whose fellow
+        # does not say it runs it, too)
+        closed = {rep.closed_by for rep in rnd.reports.values() if rep.closed_by is not None}
+        waited = time.monotonic() - rnd.since >= self.queue.registry.heartbeat_interval_s
+        for s, r in silent:
+            fid = p.cell(s, r).fellow_id
+            if waited and r in closed:
+                lost.setdefault((s, r), f"fellow {fid} (stage {s} replica {r}) closed its "
+                                        "link without a farewell and did not report")
+            elif final and not self._at_work(job, s, r):
+                lost.setdefault((s, r), f"stage {s} replica {r} did not report within the "
+                                        "heartbeat timeout")
+            if (s, r) in lost:
+                rnd.lost.setdefault(r, lost[(s, r)])
+        if any(r == 0 for _s, r in lost):
+            # (known at once: the rule of whole replicas decides it, or none can)
+            if p.layout is None:
+                return False
+            self._fail_round(job)
+            return True
+        if any(c not in lost for c in silent):
+            return True
+        survivors = [(c.stage, c.replica) for c in p.stages if (c.stage, c.replica) not in lost]
+        done = [c for c in survivors if self._done(job, *c)]
+        if done:
+            if len(done) == len(survivors):
+                self._cells_finished_without(job, rnd)
+            else:  # (a survivor that finished the job cannot redo its last step)
+                self._fail_round(job)
+            return True
+        after = cellwise_layout(p.layout, p.num_stages, p.replicas, lost) \
+            or tuple(tuple(p.ids(k)) for k in range(p.num_stages))
+        try:
+            orders = cell_orders(rnd.reports, after, job.epoch + 1)
+        except RegroupConflict:
+            self._fail_round(job)
+            return True
+        self.answers[job.job_id] = Answers(job.epoch + 1, orders)
+        del self.rounds[job.job_id]
+        rnd.decided.set()
+        change = cell_departure(orders, p.num_stages, lost, job.epoch + 1,
+                                reason="; ".join(lost.values()), at=time.time())
+        self._cells_leave(job, change)
+        self.queue.progress.restart(job, change.step)  # (the redone step's record anew)
+        self.queue.files.undone_checkpoints(job, change.step)
+        for k in [k for k, push in job.latest_shard_pushes.items() if push.step >= change.step]:
+            del job.latest_shard_pushes[k]
+        self.queue.progress.membership(job, change)
+        self.queue.save(job)
+        self.queue.hub.publish(JobMembership(job.job_id, change))
+        return True
+
+    def _cells_leave(self, job: JobRecord, change: MembershipChange) -> None:
+        """The cells ``change`` names leave the job's placement (its plan rewritten); a
+        fellow left holding none of it is free (a live one told to stop what it may still
+        run). No survivor has completed: the job's done cells are none."""
+        p = job.placement
+        assert p is not None
+        lost = [(k, r) for k, r in change.cells_left]
+        fellows = dict.fromkeys(p.cell(k, r).fellow_id for k, r in lost)
+        job.placement = p.without(lost)
+        job.done_stages = []
+        job.epoch, job.members, job.regroup = change.epoch, change.members, None
+        job.membership.append(change)
+        self.queue.files.placement(job)
+        for fid in fellows:
+            rec = self.queue.registry.find(fid)
+            if rec is not None and rec.assigned_job == job.job_id \
+                    and fid not in job.placement.fellows:
+                rec.assigned_job = None
+                self.queue.registry.send(rec, "STOP", job.job_id,
+                                         {"reason": "its cell left the job",
+                                          "attempt": job.attempt})
+
+    def _cells_finished_without(self, job: JobRecord, rnd: RegroupRound) -> None:
+        """Every survivor finished: the lost cells (none a cell 0, which writes its stage's
+        export) leave the job, which completes on the next liveness check."""
+        assert job.placement is not None
+        steps = job.spec.training.steps if job.spec.training else job.last_step
+        lost = rnd.lost_cells
+        self.forget(job)
+        change = MembershipChange(step=steps + 1, epoch=job.epoch + 1,
+                                  members=list(self.members(job)),
+                                  cells_left=[[k, r] for k, r in sorted(lost)],
+                                  reason="; ".join(lost.values()), at=time.time(),
+                                  stage_steps=[steps + 1] * job.num_stages)
+        done = [(c.stage, c.replica) for i, c in enumerate(job.placement.stages)
+                if i in job.done_stages]
+        self._cells_leave(job, change)
+        job.done_stages = [job.placement.index(k, r) for k, r in done]
+        self.queue.progress.refresh(job)
+        self.queue.save(job)
+        self.queue.hub.publish(JobMembership(job.job_id, change))
 
     def _order_routed(self, job: JobRecord, rnd: RegroupRound) -> bool:
         """Swarm wiring: every survivor's cell redoes a step together, so all stage groups
@@ -703,5 +851,6 @@ def undone_from(job: JobRecord, since: float) -> int | None:
     then holds a state they undid. None where no such change came since."""
     if job.spec.topology.wiring != "swarm":
         return None
-    steps = [c.step for c in job.membership if c.left and c.at is not None and c.at >= since]
+    steps = [c.step for c in job.membership if c.departed and c.at is not None
+             and c.at >= since]
     return min(steps) if steps else None

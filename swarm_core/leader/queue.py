@@ -479,7 +479,8 @@ class JobQueue:
         None where the report blames no neighbour of its own chain."""
         blamed, p = upd.blames_stage, job.placement
         if blamed is None or p is None or not self.membership.replicated(job) \
-                or abs(blamed - stage) != 1 or blamed >= job.num_stages:
+                or abs(blamed - stage) != 1 or blamed >= job.num_stages \
+                or not p.has(blamed, replica):  # (a layout's route link: no chain there)
             return None
         other = p.cell(blamed, replica)
         if other.fellow_id == fellow.fellow_id:

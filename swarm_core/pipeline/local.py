@@ -18,11 +18,14 @@ from swarm_core.contract.membership import (
     RegroupConflict,
     RegroupOrder,
     RegroupReport,
+    cell_departure,
+    cell_orders,
+    cellwise_layout,
     departure,
     regroup_orders,
     routed_orders,
 )
-from swarm_core.contract.placement import layout_cells, slot_count, stage_ids
+from swarm_core.contract.placement import layout_cells, normal_layout, slot_count, stage_ids
 from swarm_core.contract.rebalance import PeerMove
 from swarm_core.data import TokenData
 from swarm_core.pipeline.layout import (
@@ -49,11 +52,19 @@ class LocalCoordinator:
     """What the leader does for a job of several replicas when a member is lost, for the
     cells of one process: it gathers the survivors' reports and, once every cell of the
     current members has reported or ended, answers each with the one rule of
-    ``contract/membership.py``. ``changes`` records who left at which step."""
+    ``contract/membership.py``. ``changes`` records who left at which step.
 
-    def __init__(self, stages: int, replicas: int, stop: threading.Event) -> None:
-        self.stages, self.stop = stages, stop
-        self.members = list(range(replicas))
+    ``cellwise``: a swarm-wired dp job's rule, as the leader's: a lost cell other than its
+    stage's cell 0 leaves alone, the job's batch kept (``cell_orders``); ``layout``: the
+    job's cells at the start (None: the grid)."""
+
+    def __init__(self, stages: int, replicas: int, stop: threading.Event,
+                 cellwise: bool = False, layout: Sequence[Sequence[int]] | None = None
+                 ) -> None:
+        self.stages, self.stop, self.shares, self.cellwise = stages, stop, replicas, cellwise
+        self.layout = normal_layout(layout, stages, replicas)
+        self.members = sorted({r for k in range(stages)
+                               for r in stage_ids(self.layout, k, replicas)})
         self.epoch = 0
         self.changes: list[MembershipChange] = []
         self._cond = threading.Condition()
@@ -92,10 +103,17 @@ class LocalCoordinator:
         return order
 
     def _decide(self) -> None:
-        cells = {(s, r) for s in range(self.stages) for r in self.members}
+        cells = {(s, r) for s in range(self.stages) for r in self.members
+                 if r in stage_ids(self.layout, s, self.shares)}
         routed = any(rep.routed for rep in self._reports.values())
         if not self._reports or cells - self._reports.keys() - self._ended \
                 - (self._finished if routed else set()):
+            return
+        lost = cells & self._ended
+        after = cellwise_layout(self.layout, self.stages, self.shares, lost) \
+            if self.cellwise and routed else None
+        if after is not None:
+            self._decide_cells(cells, lost, after)
             return
         broken = {r for _s, r in self._ended}
         rule = routed_orders if routed else regroup_orders
@@ -114,6 +132,25 @@ class LocalCoordinator:
         self.changes.append(departure(self._reports, orders, self.stages, self.members,
                                       members, self.epoch + 1, at=time.time()))
         self.epoch, self.members = self.epoch + 1, members
+        self._orders.update(orders)
+        self._reports.clear()
+
+    def _decide_cells(self, cells: set[tuple[int, int]], lost: set[tuple[int, int]],
+                      after: Layout) -> None:
+        try:
+            if self._finished & cells:
+                raise RegroupConflict("a cell finished the job while another had not "
+                                      "applied its last step")
+            orders = cell_orders(self._reports, after, self.epoch + 1)
+        except RegroupConflict as exc:
+            self._orders.update({c: exc for c in self._reports})
+            self._reports.clear()
+            return
+        change = cell_departure(orders, self.stages, lost, self.epoch + 1, at=time.time())
+        self.changes.append(change)
+        self.epoch, self.members = change.epoch, change.members
+        self.layout = normal_layout(after, self.stages, self.shares)
+        self._ended -= lost  # (gone from the job's cells: not counted again)
         self._orders.update(orders)
         self._reports.clear()
 
@@ -175,7 +212,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
 
     Each cell is a fellow of its own, and its START is built as the leader builds one.
     With ``coordinator`` (replicas), a cell that fails does not stop the others: its replica
-    leaves, and the other replicas go on (a dropped cell's result is its StageDropped).
+    leaves, or (``LocalCoordinator(cellwise=True)``, a swarm dp job's rule) the cell alone,
+    and the others go on (a dropped cell's result is its StageDropped).
     ``wiring``, ``route_weights`` and ``routing``: the job topology's (swarm wiring routes
     micro-batches to any replica of the next stage).
     ``layout`` (swarm wiring, dp): each stage's cell ids, where stages have unequal cells
@@ -216,9 +254,8 @@ def run_local_pipeline(model: ModelConfig, training: TrainingConfig,
     moving = rebalancer is not None or bool(moves)
     if shape is not None or move is not None or moving:
         check_weights(route_weights, num_stages, weights_width)
-        if coordinator is not None:
-            raise ValueError("layout: a lost cell's regroup is not built for unequal stages "
-                             "yet")
+        if coordinator is not None and (move is not None or moving):
+            raise ValueError("a lost cell's regroup is not built for peers that move")
     cells = num_stages * width
     devs = list(devices or ["cpu"] * cells)
     if len(devs) != cells:

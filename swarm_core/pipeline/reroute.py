@@ -5,8 +5,12 @@ Under chain wiring a lost cell takes its chain with it and the other chains neve
 (their rings regroup, ``replica_group``). Under swarm wiring every chain's micro-batches
 crossed the lost cell's stage, so no survivor holds a whole step of its stage's gradients:
 a cell whose pipeline link or ring breaks reports the step it had not yet applied
-(``RegroupReport.routed``) and waits for its order (``contract.membership.routed_orders``):
-every member trains on from the earliest such step, over the replicas left. The survivors
+(``RegroupReport.routed``) and waits for its order: every member trains on from the
+earliest such step. Of a dp job, a lost cell other than its stage's cell 0 leaves alone
+(``contract.membership.cell_orders``, SWARM's: the job's batch kept, each stage dealing all
+its shares' micro-batches to the cells it has left; the order names the layout without it,
+which every survivor takes its placement down to); else the lost cell's replica leaves every
+stage (``routed_orders``: the batch shrinks to the survivors' shares). The survivors
 are at most one step apart, so a cell that had applied that step undoes it: it keeps the
 weights and optimiser state from before its last optimiser step (a copy a step: the price of
 an exact redo, paid by swarm-wired jobs of several replicas only). Its links then start
@@ -21,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from swarm_core.contract.membership import RegroupOrder, RegroupReport
+from swarm_core.contract.placement import slot_count
 from swarm_core.pipeline.replica_group import Coordinator, StageDropped
 from swarm_core.pipeline.route_meter import RouteMeter
 from swarm_core.pipeline.transport import (
@@ -161,7 +167,8 @@ class Rerouter:
         self._fault = None
         order = self.coordinator(report)
         group.check_stop()
-        if order.drop or spec.replica not in order.members:
+        kept = order.members if order.layout is None else order.layout[spec.stage]
+        if order.drop or spec.replica not in kept:
             raise StageDropped(f"replica {spec.replica} left the job at step "
                                f"{self.applied + 1}")
         return order
@@ -198,11 +205,23 @@ class Rerouter:
 
         r = self.runner
         spec, group = r.spec, r.group
+        peers: Sequence[int] = order.members
+        if order.layout is not None:
+            # A cell-wise departure: the job's cells but the lost ones, each where it was.
+            if spec.placement is None:
+                raise RuntimeError(f"stage {spec.stage} replica {spec.replica} runs no "
+                                   "placement to take the lost cells out of")
+            kept = {(k, i) for k, ids in enumerate(order.layout) for i in ids}
+            spec.placed(spec.placement.without(
+                [(c.stage, c.replica) for c in spec.placement.stages
+                 if (c.stage, c.replica) not in kept]))
+            peers = range(slot_count(spec.layout, spec.replicas))
         # (first: a report after a failed relink speaks for the new membership)
-        group.epoch, group.members = order.epoch, list(order.members)
+        group.epoch = order.epoch
+        group.members = list(order.members) if order.layout is None else spec.ids(spec.stage)
         links = open_links(spec, r.shaper, group.listener, r.stop,
                            spec.training.frame_timeout_s, r.liveness,
-                           members=order.members, epoch=order.epoch)
+                           members=peers, epoch=order.epoch)
         r.links = attrs.evolve(links, ring_next=None, ring_prev=None)  # (the group's, below)
         r.up, r.down = links.up, links.down
         group.reform(r.params, r.device)

@@ -1088,10 +1088,10 @@ def run_stage(spec: StageSpec, data: TokenData | Callable[[], TokenData], shaper
         # breaks the whole step, which the survivors redo together (pipeline/reroute), not
         # only the ring of its group.
         group.coordinator = None if spec.routed else coordinator
-        # (not under a layout, nor where one may come: a lost cell's regroup is built for
-        # the grid only; such a job's lost cell ends it, for the leader to resume it)
-        if spec.routed and coordinator is not None and spec.replicas > 1 \
-                and spec.layout is None and not spec.moves and spec.rebalance_every is None:
+        # (not where peers move: a move's epochs are not a regroup's; such a job's lost
+        # cell ends it, for the leader to resume it)
+        if spec.routed and coordinator is not None and not spec.moves \
+                and spec.rebalance_every is None:
             runner.rerouter = Rerouter(runner, coordinator, start_step)
         group.listener, group.inbox = listener, inbox
         _restore(runner, initial_state, initial_optimizer, own_keys)

@@ -199,7 +199,7 @@ def _membership_change(ch: MembershipChange, fellow: int | None = None) -> str:
         return move_text(ch.moved, fellow) + (
             f" ({printable(ch.reason)})" if ch.reason else "")
     what = "; ".join(part for part in (
-        f"replica(s) {','.join(map(str, ch.left))} left" if ch.left else "",
+        ch.left_text(),
         f"replica(s) {','.join(map(str, ch.joined))} joined" if ch.joined else "") if part)
     if len(set(ch.stage_steps)) > 1:  # (a group that had finished the step kept it)
         what += " (by stage from step " + ", ".join(

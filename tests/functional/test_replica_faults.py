@@ -23,7 +23,6 @@ from swarm_core.pipeline.reference import train_reference
 from swarm_core.protocol import SetSpeedRequest
 from swarm_core.schema import structure
 from tests.clusters import cli_json, job_view, leader_call, run_cli, wait_until
-from tests.replica_support import SurvivorWindows
 from tests.unit.test_demo import _demo_reference
 from tests.unit.test_replicas import _diloco_reference
 from tests.unit.test_sparseloco import _sparseloco_reference
@@ -337,12 +336,12 @@ def test_a_chain_of_spares_joins_a_job_of_two_stages_at_one_step(
 
 def test_a_swarm_wired_job_whose_fellow_dies_mid_step_reroutes_to_the_survivors(
         cli_env, tmp_path: Path, swarm_home: Path):
-    """SWARM wiring, two stages, two replicas on four fellows; stage 1's replica 1 is killed
-    mid-run (its links slowed, so mid-step). Every survivor gives the broken step up and
-    trains it again with replica 0's chain alone (the micro-batches routed to the lost peer
-    now go to the one left, nothing counted twice), without a restart: the losses of one
-    process that trains on the full batch up to the change and on replica 0's share from it.
-    """
+    """SWARM wiring, two stages, two replicas on four fellows; stage 1's cell 1 is killed
+    mid-run (its links slowed, so mid-step). Only that cell leaves (SWARM's: a lost peer
+    costs throughput, not data): every survivor, stage 0's cell 1 among them, gives the
+    broken step up and trains it again under the layout without it, stage 1's cell 0 running
+    every micro-batch, nothing counted twice, without a restart. The batch never shrinks:
+    the losses are one process's on the full batch throughout."""
     body = {"name": "swarm-dies", "kind": "train", "model": MODEL,
             "training": {"steps": 40, "batch_size": 8, "micro_batches": 2,
                          "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
@@ -357,18 +356,22 @@ def test_a_swarm_wired_job_whose_fellow_dies_mid_step_reroutes_to_the_survivors(
     assert job["state"] == "COMPLETED", job["reason"]
     assert job["restarts"] == [] and job["attempt"] == 0
     [change] = job["membership"]
-    assert change["left"] == [1] and change["members"] == [0] == job["members"]
+    assert change["cells_left"] == [[1, 1]] and change["left"] == []
+    assert change["members"] == [0, 1] == job["members"]
     assert f"fellow {cell['fellow_id']}" in change["reason"]
     assert change["stage_steps"] == [change["step"]] * 2  # (every stage redid that step)
+    assert job["placement"]["layout"] == [[0, 1], [0]]
+    assert [(c["stage"], c["replica"]) for c in job["placement"]["stages"]] == \
+        [(0, 0), (1, 0), (0, 1)]
     assert [s for s, _ in job["loss_history"]] == list(range(1, 41))
     mc = structure(MODEL, ModelConfig)
     tc = structure(job["training"], TrainingConfig)
-    ref, _ = train_reference(mc, tc, SurvivorWindows(load_token_data(tc, mc.seq_len), 2, {1},
-                                                     change["step"] - 1),
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
                              split_layers(mc.n_layers, [1, 1]))
     # A step the killed cell had trained but whose report died with it holds the mean over
     # the survivor's micro-batches alone (weighted, not a share taken for the whole): at
-    # most the step or two before the change. Every other step is exact.
+    # most the step or two before the change. From the change on stage 1's cell 0 runs
+    # every micro-batch: its loss is the step's. Every other step is exact.
     trained_by = {r["step"]: sorted(r.get("replica_losses") or {}) for r in records}
     partial = [s for s in range(1, change["step"]) if trained_by[s] != ["0", "1"]]
     assert all(change["step"] - 3 <= s and trained_by[s] == ["0"] for s in partial), partial

@@ -184,26 +184,54 @@ async def test_a_layout_jobs_steps_and_figures_come_from_its_cells(api):
     assert job["reason"] == "all 2 stages, cells 1+2 finished at step 50"
 
 
-async def test_a_layout_job_is_not_regrouped_and_fails_whole(api):
-    """A lost cell of a layout job: no regroup (asked for one, a 409 in one line), the job
-    fails as a chain's does (resume_policy fail), the leader standing."""
+async def test_a_layout_jobs_lost_cell_leaves_alone(api):
+    """[[0, 1], [0, 1, 2]] on two shares: cell 1.2 fails (its id lives at stage 1 only).
+    The survivors report the step they had not applied; once all four have, each is told
+    to train step 3 again under the layout without it (here the grid: the job's cells are
+    the grid's again), the cell's fellow is freed, the placement and the membership record
+    say so, and a late report of the cell that left is refused."""
     jid, _job, fellows = await _layout_job(api, 7970, [[0, 1], [0, 1, 2]], 2)
-    body = {"fellow_id": fellows[0]["fellow_id"], "stage": 0, "replica": 0, "op_step": 3,
-            "synced_step": 2}
-    err = await expect_error(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
-                                            headers=fellows[0]["headers"]), 409,
-                             "layout_no_regroup")
-    assert "\n" not in err["message"] and "layout" in err["message"]
-    # Cell 1.2 (the fifth: id 2 lives at stage 1 only) fails, blaming stage 0, which lacks
-    # its id: the job fails, naming it.
+    cells = {(0, 0): fellows[0], (1, 0): fellows[1], (0, 1): fellows[2], (1, 1): fellows[3]}
     resp = await report(api, jid, fellows[4], "FAILED", step=3, stage=1, replica=2,
                         blames_stage=0, message="LinkClosed: link to stage 0 closed")
     assert resp.status == 200, await resp.text()
+    answers = []
+    for (stage, rid), reg in cells.items():
+        body = {"fellow_id": reg["fellow_id"], "stage": stage, "replica": rid,
+                "op_step": 3 if stage else 4, "routed": True}
+        answers.append(await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                                      headers=reg["headers"])))
+    assert [a["order"] for a in answers[:3]] == [None] * 3  # (until the last one asked)
+    order = answers[3]["order"]
+    assert (order["redo_step"], order["layout"], order["members"], order["epoch"]) == \
+        (3, [[0, 1], [0, 1]], [0, 1], 1)
     job = await get_job(api, jid)
-    assert job["state"] == "FAILED" and f"fellow {fellows[4]['fellow_id']}" in job["reason"]
-    # A late report of the ended job is refused as any's is.
-    resp = await report(api, jid, fellows[1], "RUNNING", step=4, stage=1, replica=0)
+    assert job["state"] == "RUNNING", job["reason"]
+    [change] = job["membership"]
+    assert (change["cells_left"], change["left"], change["step"]) == ([[1, 2]], [], 4)
+    assert f"fellow {fellows[4]['fellow_id']}" in change["reason"]
+    assert job["placement"].get("layout") is None and len(job["placement"]["stages"]) == 4
+    assert job["fellows"] == [f["fellow_id"] for f in fellows[:4]]
+    resp = await report(api, jid, fellows[4], "RUNNING", step=4, stage=1, replica=2)
     assert resp.status == 409
+
+
+async def test_a_layout_jobs_lost_cell_0_fails_it_whole(api):
+    """Cell 0 of a stage evaluates and checkpoints for it: lost under a layout (no grid to
+    drop whole replicas from), the job fails as a chain's does (resume_policy fail) at
+    once, the leader standing; a regroup asked for after is refused in one line."""
+    jid, _job, fellows = await _layout_job(api, 7980, [[0, 1], [0, 1, 2]], 2)
+    resp = await report(api, jid, fellows[1], "FAILED", step=3, stage=1, replica=0,
+                        message="boom")
+    assert resp.status == 200, await resp.text()
+    job = await get_job(api, jid)
+    assert job["state"] == "FAILED" and "no replica left" in job["reason"]
+    body = {"fellow_id": fellows[0]["fellow_id"], "stage": 0, "replica": 0, "op_step": 3,
+            "routed": True}
+    err = await expect_error(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                            headers=fellows[0]["headers"]), 409,
+                             "job_not_running")
+    assert "\n" not in err["message"]
 
 
 async def test_a_layout_manifest_may_name_any_id_of_the_layout(api):
@@ -223,11 +251,11 @@ async def test_a_layout_manifest_may_name_any_id_of_the_layout(api):
 
 
 async def test_a_layout_job_recovers_whole_on_its_layout(api):
-    """Under resume_policy replace, a lost cell of a layout job recovers the job as a chain's
-    does: every cell STARTed again (attempt 1) on the same layout."""
+    """Under resume_policy replace, a lost cell 0 of a layout job recovers the job as a
+    chain's does: every cell STARTed again (attempt 1) on the same layout."""
     jid, _job, fellows = await _layout_job(api, 8010, [[0], [0, 1]], 1,
                                            resume_policy="replace")
-    resp = await report(api, jid, fellows[2], "FAILED", step=3, stage=1, replica=1,
+    resp = await report(api, jid, fellows[1], "FAILED", step=3, stage=1, replica=0,
                         message="boom")
     assert resp.status == 200, await resp.text()
     assert (await get_job(api, jid))["reason"].startswith("recovering: ")

@@ -15,6 +15,9 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.membership import (
     RegroupConflict,
     RegroupReport,
+    cell_departure,
+    cell_orders,
+    cellwise_layout,
     departure,
     routed_orders,
 )
@@ -238,3 +241,107 @@ def test_a_report_of_a_step_trained_again_is_superseded():
     job.spec = JobSubmit(topology=Topology(stages=2, replicas=3, wiring="swarm",
                                            routing="measured", rebalance_every=2))
     assert not Membership.superseded(job, upd(5, 0))
+
+
+def _cellwise_run(data, dead: tuple[int, int], die_after: int, *more: tuple[int, int, int],
+                  **kwargs):
+    """S=2 x R=3 swarm-wired dp under the leader's cell-wise rule, cell ``dead`` (stage, id)
+    dying in its step ``die_after + 1`` (and each of ``more``, (stage, id, die_after), in
+    its): the results, the coordinator and the run."""
+    mc = ModelConfig(**MODEL)
+    stop = threading.Event()
+    coord = _Recording(STAGES, REPLICAS, stop, True)
+    run = _Run()
+    dying = {r * STAGES + k: {"pace": _DiesMidStep(run, r * STAGES + k, after)}
+             for k, r, after in ((*dead, die_after), *more)}
+    res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
+                             stop=stop, coordinator=coord, on_step=run, wiring="swarm",
+                             stage_kwargs=dying, **kwargs)
+    return mc, res, coord, run
+
+
+def _full_curve(run: _Run) -> list[float]:
+    """Each step's loss over every last-stage cell that trained it (by micro-batches)."""
+    last = [r * STAGES + STAGES - 1 for r in range(REPLICAS)]
+    return [step_loss({c: v for c, v in by_cell.items() if c in last},
+                      {c: run.ran[step][c] for c in by_cell if c in last})
+            for step, by_cell in sorted(run.losses.items())]
+
+
+@pytest.mark.parametrize("routing", ["given", "measured"])
+def test_a_lost_cell_leaves_alone_and_the_batch_is_kept(data, routing):
+    """SWARM's property: a lost peer costs the swarm its throughput, not its batch. Stage 1's
+    cell 2 dies mid-step: only it leaves (stage 0's cell 2 trains on), the survivors train
+    the step again under the layout without it, stage 1 dealing all three shares'
+    micro-batches to its two cells, and every step's loss is one process's on the full batch
+    (no survivor's windows: the batch never shrank), to 1e-5."""
+    weights = [[1, 1, 1], [3, 1, 2]] if routing == "given" else None
+    mc, res, coord, run = _cellwise_run(data, (1, 2), 3, routing=routing,
+                                        route_weights=weights)
+    dead = 2 * STAGES + 1
+    assert isinstance(res[dead], RuntimeError), res[dead]
+    for c in (0, 1, 2, 3, 4):  # (stage 0's cell 2, cell 4, is among them)
+        assert isinstance(res[c], StageResult), res[c]
+    [change] = coord.changes
+    assert (change.left, change.cells_left, change.members) == ([], [[1, 2]], [0, 1, 2])
+    assert change.step == 4 and change.left_text() == "cell(s) 1.2 left"
+    ref, _ = train_reference(mc, _training(), data, split_layers(mc.n_layers, [1] * STAGES))
+    got = _full_curve(run)
+    assert len(got) == STEPS
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+    # (after the change stage 1's two cells ran all 3 x 2 micro-batches of each step)
+    for step in range(change.step - 1, STEPS):
+        assert run.ran[step][1] + run.ran[step][3] == REPLICAS * 2
+        assert dead not in run.ran[step]
+
+
+def test_a_lost_cell_0_takes_its_replica_with_it(data):
+    """A stage's cell 0 evaluates and checkpoints for its group: lost, the cell-wise rule
+    does not apply and its replica leaves every stage, as before (the batch shrinks)."""
+    mc, res, coord, run = _cellwise_run(data, (1, 0), 3)
+    [change] = coord.changes
+    assert (change.left, change.cells_left, change.members) == ([0], [], [1, 2])
+    assert isinstance(res[0], StageDropped), res[0]
+    for c in (2, 3, 4, 5):
+        assert isinstance(res[c], StageResult), res[c]
+    redo = change.step - 1
+    ref, _ = train_reference(mc, _training(), SurvivorWindows(data, REPLICAS, {0}, redo),
+                             split_layers(mc.n_layers, [1] * STAGES))
+    got = run.curve(0, redo)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_cell_orders_keep_the_batch_and_name_the_layout():
+    reports = {(0, 0): _report(0, 0, 5), (1, 0): _report(1, 0, 4), (0, 1): _report(0, 1, 5),
+               (0, 2): _report(0, 2, 5), (1, 2): _report(1, 2, 4)}  # (cell 1.1 died)
+    after = cellwise_layout(None, 2, 3, {(1, 1)})
+    assert after == ((0, 1, 2), (0, 2))
+    orders = cell_orders(reports, after, 3)
+    assert {c: (o.redo_step, o.members, o.layout, o.drop) for c, o in orders.items()} == {
+        c: (4, [0, 1, 2], [[0, 1, 2], [0, 2]], False) for c in reports}
+    change = cell_departure(orders, 2, {(1, 1)}, 3)
+    assert (change.step, change.stage_steps, change.left, change.cells_left) == \
+        (5, [5, 5], [], [[1, 1]])
+    assert cellwise_layout(None, 2, 3, {(1, 0)}) is None  # (a cell 0: whole replicas)
+    assert cellwise_layout(None, 2, 3, set()) is None
+    # (a layout that comes back to the grid stays a layout here: the orders name it)
+    assert cellwise_layout([[0, 1], [0, 1, 2]], 2, 2, {(1, 2)}) == ((0, 1), (0, 1))
+    with pytest.raises(RegroupConflict, match="steps 4 to 6"):
+        cell_orders({**reports, (0, 0): _report(0, 0, 6)}, after, 3)
+
+
+def test_two_cells_lost_in_turn_the_second_under_the_first_ones_layout(data):
+    """Stage 0's cell 1 dies in step 3, then stage 1's cell 2 in step 6, under the layout the
+    first loss left (id 1 has no stage-0 cell: its stage-1 cell hears the chain's norm by
+    the layout's relay). Each leaves alone; the batch is kept throughout: one process's
+    losses on the full batch, to 1e-5."""
+    mc, res, coord, run = _cellwise_run(data, (0, 1), 2, (1, 2, 5))
+    first, second = coord.changes
+    assert (first.cells_left, first.step, second.cells_left, second.step) == \
+        ([[0, 1]], 3, [[1, 2]], 6)
+    assert second.members == [0, 1, 2]  # (id 2's stage-0 cell, id 1's stage-1 cell)
+    for c in (0, 1, 3, 4):
+        assert isinstance(res[c], StageResult), res[c]
+    ref, _ = train_reference(mc, _training(), data, split_layers(mc.n_layers, [1] * STAGES))
+    got = _full_curve(run)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5

@@ -299,8 +299,8 @@ class JobWatchScreen(SwarmScreen):
             moved = []
             if ch.moved is not None:  # (a peer moved between stages: a layout's rebalancing)
                 moved.append(move_text(ch.moved, movers.get(i)))
-            if ch.left:
-                moved.append(f"replica(s) {','.join(map(str, ch.left))} left")
+            if ch.departed:
+                moved.append(ch.left_text())
             if ch.joined:
                 moved.append(f"replica(s) {','.join(map(str, ch.joined))} joined")
             why = f" ({printable(ch.reason)})" if ch.reason else ""
@@ -451,6 +451,6 @@ def loss_plot(view: JobView, *, from_step: int = 0, log_y: bool = False) -> Plot
                                        | {float(c.step) for c in view.info.membership
                                           if c.moved is not None and shown(c.step)})),
                     left=tuple(float(c.step) for c in view.info.membership
-                               if c.left and shown(c.step)),
+                               if c.departed and shown(c.step)),
                     joined=tuple(float(c.step) for c in view.info.membership
                                  if c.joined and shown(c.step)))
