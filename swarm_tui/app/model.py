@@ -293,13 +293,19 @@ class JobView:
             self._land_unplaced()
 
     def take_move(self, change: MembershipChange) -> None:
-        """A peer moved between stages (``change.moved``): the placement as the leader made
-        it (every party computes the same move), until the next record says so itself."""
+        """A peer moved between stages (``change.moved``), or cells of a swarm job left alone
+        (``change.cells_left``): the placement as the leader made it (every party computes
+        the same), until the next record says so itself."""
         m, p = change.moved, self.info.placement
-        if m is None or p is None or m.new_id is None:
+        if p is None:
             return
         try:
-            moved = p.moved(m.source, m.cell, m.target, m.new_id)
+            if m is not None and m.new_id is not None:
+                moved = p.moved(m.source, m.cell, m.target, m.new_id)
+            elif change.cells_left:
+                moved = p.without([(k, r) for k, r in change.cells_left])
+            else:
+                return
         except PlacementError:
             return  # (already made: the record came first)
         self._rekey(moved)
@@ -692,6 +698,11 @@ class ClusterModel:
             if ev.change.moved is not None:  # (a move: nobody left; the cells changed)
                 view.take_move(ev.change)
                 return Change(jobs={ev.job_id}, fellows=set(view.info.fellows))
+            if ev.change.cells_left:  # (cells left alone: the placement lost them)
+                fellows = set(view.info.fellows)
+                view.take_move(ev.change)
+                view.info.members = list(ev.change.members)
+                return Change(jobs={ev.job_id}, fellows=fellows)
             view.info.members = list(ev.change.members)
         return Change(jobs={ev.job_id})
 

@@ -187,8 +187,15 @@ def membership_rows(job: JobInfo) -> list[list[str]]:
     """``swarm job``'s rows for the replicas that left a job or joined it, and the peers that
     moved between its stages, and when: a loss curve is read against them."""
     fellows = move_fellows(job)
-    return [[f"{'moved' if ch.moved is not None else 'replicas'} @{ch.step}",
+    return [[f"{_kind(ch)} @{ch.step}",
              _membership_change(ch, fellows.get(i))] for i, ch in enumerate(job.membership)]
+
+
+def _kind(ch: MembershipChange) -> str:
+    """What a membership row is of: a move, cells of a swarm job that left alone, replicas."""
+    if ch.moved is not None:
+        return "moved"
+    return "cells" if ch.cells_left and not ch.left and not ch.joined else "replicas"
 
 
 def _membership_change(ch: MembershipChange, fellow: int | None = None) -> str:
@@ -447,8 +454,7 @@ def _describe(event: Event | Mapping[str, Any]) -> str | None:
             return f"stage {data.receipt.stage} shard at step {data.receipt.step} reached " \
                 "the leader"
         case JobMembership():
-            kind = "replicas" if data.change.moved is None else "moved"
-            return f"{data.job_id} {kind} @{data.change.step}: " \
+            return f"{data.job_id} {_kind(data.change)} @{data.change.step}: " \
                 + _membership_change(data.change)
         case JobUpdate() if data.type != "job.updated":
             reason = f": {data.reason}" if data.reason else ""

@@ -164,3 +164,26 @@ def test_a_move_back_to_the_grid_is_the_grid():
 def test_moves_that_do_not_fit_are_refused_in_one_line(move, why):
     with pytest.raises(PlacementError, match=why):
         plan(fellows(4), 2, 12, replicas=2).moved(*move)
+
+
+def test_cells_that_leave_take_nothing_else_with_them():
+    # S=2 x R=3 uniform; stage 1's cell 2 leaves (a swarm job's cell-wise departure).
+    p = plan(fellows(6), 2, 12, replicas=3)
+    q = p.without([(1, 2)])
+    assert q.layout == ((0, 1, 2), (0, 1)) and q.replicas == 3
+    assert [(c.stage, c.replica, c.fellow_id) for c in q.stages] == \
+        [(0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3), (0, 2, 4)]
+    assert q.cell(0, 2) == p.cell(0, 2)  # (every other cell where it was)
+    assert structure(json.loads(json.dumps(unstructure(q))), Placement) == q
+    # (a layout's extra cell leaving may bring the grid back)
+    r = plan(fellows(5), 2, 12, replicas=2, layout=[[0, 1], [0, 1, 2]]).without([(1, 2)])
+    assert r.layout is None and len(r.stages) == 4
+
+
+@pytest.mark.parametrize(("cells", "why"), [
+    ([(1, 0)], "^layout: stage 1 has no cell 0"),
+    ([(0, 5)], r"^no cell 0\.5 to leave$"),
+])
+def test_cells_that_cannot_leave_are_refused_in_one_line(cells, why):
+    with pytest.raises(PlacementError, match=why):
+        plan(fellows(4), 2, 12, replicas=2).without(cells)

@@ -297,3 +297,41 @@ def test_a_step_trained_again_after_a_change_replaces_its_curve_point():
     assert view.info.loss_history == [[5, 2.8]]
     view.apply_metric(report(0, 6, 2.6, 1))
     assert view.info.loss_history == [[5, 2.8], [6, 2.6]]
+
+
+# --- a cell that left alone (swarm wiring: the batch kept) --------------------------------
+CELL_LEFT = MembershipChange(step=5, epoch=1, members=[0, 1], cells_left=[[1, 1]],
+                             reason="fellow 3 lost", stage_steps=[5, 5])
+
+
+def test_a_cell_that_left_alone_in_every_surfaces_words():
+    job = _job(_placement().without([(1, 1)]), membership=[CELL_LEFT])
+    assert membership_rows(job) == [
+        ["cells @5", "cell(s) 1.1 left; training: 0,1 (fellow 3 lost)"]]
+    from swarm_core.schema import unstructure
+    assert _describe({"type": JobMembership.type, "data": {
+        "job_id": "job-000001", **unstructure(CELL_LEFT)}}) == \
+        "job-000001 cells @5: cell(s) 1.1 left; training: 0,1 (fellow 3 lost)"
+    summary = MetricsSummary(stages=2, replicas=2, membership=[CELL_LEFT])
+    assert [(m.step, m.text) for m in marks(summary)] == [(5, "c1.1 left (fellow 3 lost)")]
+    assert "c1.1 left @5" in _grid(summary)
+
+
+def test_the_console_takes_a_cell_that_left_out_of_its_grid():
+    model = ClusterModel()
+    model.apply_job(_job(_placement()))
+    view = model.jobs["job-000001"]
+    for fid, (stage, rid) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=fid, stage=stage,
+                                       replica=rid, step=4, state="RUNNING"))
+    from swarm_core.schema import unstructure
+    change = model.apply_event({"type": JobMembership.type, "data": {
+        "job_id": "job-000001", **unstructure(CELL_LEFT)}})
+    assert change.jobs == {"job-000001"} and 3 in change.fellows
+    assert view.info.placement == _placement().without([(1, 1)])
+    assert view.info.placement.layout == ((0, 1), (0,))
+    assert view.info.members == [0, 1] and view.info.fellows == [0, 1, 2]
+    # (cell 1.1's figures gone; 0.1, fellow 2, keeps its own at its new index)
+    assert sorted((i, fp.fellow_id) for i, fp in view.per_stage.items()) == [
+        (0, 0), (1, 1), (2, 2)]
+    assert [view.cell_of(i) for i in range(3)] == [(0, 0), (1, 0), (0, 1)]
