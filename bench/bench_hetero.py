@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a plain script from anywhere
 
@@ -54,6 +56,8 @@ from swarm_core.data import load_token_data  # noqa: E402
 from swarm_core.pipeline.local import LocalCoordinator, run_local_pipeline  # noqa: E402
 from swarm_core.pipeline.pace import Pace  # noqa: E402
 from swarm_core.pipeline.stage import StageResult, StepReport  # noqa: E402
+from swarm_core.predict.critical_path import StageTimes, simulate_step  # noqa: E402
+from swarm_core.predict.routed import RoutedRun, route_weights  # noqa: E402
 
 STAGES, REPLICAS, SLOW = 2, 2, 4.0
 SLOW_CELL = (1, 1)  # (stage, replica)
@@ -117,18 +121,45 @@ def capacity_step(base: dict[str, Any], micro: int) -> float:
     return REPLICAS * micro / min(caps)
 
 
+def predicted(cfg: dict[str, Any], base: dict[str, Any], wiring: str, slowed: bool,
+              weights: list[list[float]] | None = None, routing: str = "given") -> float:
+    """``swarm predict``'s model of the row (``predict/routed``, ``critical_path``): each
+    stage's compute per micro-batch from the unslowed chain row (as the capacity bound takes
+    it; a third forward, two thirds backward), the slow cell at SLOW times it, each cell on a
+    core of its own (the raw table's contention is in the measured times), transfers free."""
+    tc = TrainingConfig(batch_size=cfg["batch"], micro_batches=cfg["micro"], seed=5)
+    times = []
+    for k in range(STAGES):
+        t = statistics.mean(base["per_mb"][(k, r)] for r in range(REPLICAS))
+        times.append(StageTimes(t / 3, 2 * t / 3))
+    slow = {SLOW_CELL: SLOW} if slowed else {}
+    if wiring == "chain":
+        return max(simulate_step(tc.schedule, [attrs.evolve(st, forward=st.forward * x,
+                                                            backward=st.backward * x)
+                                               for k, st in enumerate(times)
+                                               for x in [slow.get((k, r), 1.0)]],
+                                 cfg["micro"]) for r in range(REPLICAS))
+    deal = route_weights(STAGES, REPLICAS, routing, weights, slow)
+    return RoutedRun.of(tc.seed, STAGES, REPLICAS, cfg["micro"], times, deal, slow).step()
+
+
 def table(cfg: dict[str, Any], base: float) -> None:
     oracle = [[1.0, 1.0], [1.0, 1.0 / SLOW]]
-    rows = [("chain, unslowed", run(cfg, "chain", False, base=base)),
-            ("swarm, unslowed", run(cfg, "swarm", False, base=base)),
-            ("swarm regroup-ready, unslowed", run(cfg, "swarm", False, base=base,
-                                                   regroup=True)),
-            ("chain, slowed 4x", run(cfg, "chain", True, base=base)),
-            ("swarm, slowed, equal weights", run(cfg, "swarm", True, base=base)),
-            ("swarm, slowed, oracle weights", run(cfg, "swarm", True, oracle, base=base)),
-            ("swarm, slowed, measured", run(cfg, "swarm", True, base=base,
-                                            routing="measured"))]
+    specs = [("chain, unslowed", dict(wiring="chain", slowed=False)),
+             ("swarm, unslowed", dict(wiring="swarm", slowed=False)),
+             ("swarm regroup-ready, unslowed", dict(wiring="swarm", slowed=False,
+                                                     regroup=True)),
+             ("chain, slowed 4x", dict(wiring="chain", slowed=True)),
+             ("swarm, slowed, equal weights", dict(wiring="swarm", slowed=True)),
+             ("swarm, slowed, oracle weights", dict(wiring="swarm", slowed=True,
+                                                    weights=oracle)),
+             ("swarm, slowed, measured", dict(wiring="swarm", slowed=True,
+                                              routing="measured"))]
+    rows = [(name, run(cfg, base=base, **spec)) for name, spec in specs]  # type: ignore[arg-type]
     base_row = rows[0][1]
+    for (_name, r), (_n, spec) in zip(rows, specs, strict=True):
+        spec = {k: v for k, v in spec.items() if k != "regroup"}
+        r["predicted"] = predicted(cfg, base_row, **spec)  # type: ignore[arg-type]
     bound = capacity_step(base_row, cfg["micro"])
     chain_slow = rows[3][1]["step_s"]
     print(f"\n== every cell padded to {base:g}x its compute (the slow one {base * SLOW:g}x) ==" if
@@ -138,14 +169,16 @@ def table(cfg: dict[str, Any], base: float) -> None:
     print("t_k (unslowed chain, compute per micro-batch): "
           + ", ".join(f"stage {k} {t:.1f} ms" for k, t in enumerate(t_ms)))
     print(f"capacity bound, slowed: {bound:.3f} s/step")
-    head = ("row", "s/step", "x chain slowed", "of capacity", "vs chain unslowed")
+    head = ("row", "s/step", "x chain slowed", "of capacity", "vs chain unslowed",
+            "predicted", "measured/pred")
     print("  ".join(f"{h:>18}" if i else f"{h:<32}" for i, h in enumerate(head)))
     for name, r in rows:
         slowed = not name.endswith("unslowed")
         cells = (name, f"{r['step_s']:.3f}",
                  f"{chain_slow / r['step_s']:.2f}x" if slowed else "",
                  f"{bound / r['step_s']:.0%}" if slowed else "",
-                 "" if slowed else f"{r['step_s'] / base_row['step_s'] - 1:+.1%}")
+                 "" if slowed else f"{r['step_s'] / base_row['step_s'] - 1:+.1%}",
+                 f"{r['predicted']:.3f}", f"{r['step_s'] / r['predicted']:.2f}")
         print("  ".join(f"{c:>18}" if i else f"{c:<32}" for i, c in enumerate(cells)))
     for name, row in (("oracle", rows[5][1]), ("measured", rows[6][1])):
         best = row["step_s"]

@@ -103,7 +103,8 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
                                                    **unstructure(training.link)}
     return RunShape(name=job.name, model=model, training=training, stages=stages,
                     replicas=replicas, network=network_for(profile, training.network, stages),
-                    wiring=job.topology.wiring)
+                    wiring=job.topology.wiring, route_weights=job.topology.route_weights,
+                    routing=job.topology.routing)
 
 
 def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path | None = None,

@@ -45,6 +45,7 @@ from swarm_core.contract.membership import (
     routed_orders,
 )
 from swarm_core.contract.metrics import JobStatusUpdate
+from swarm_core.contract.placement import Placement, layout_cells
 from swarm_core.leader.errors import ApiError
 from swarm_core.leader.records import CellOrder, DecidedRegroup, JobRecord, StoredJoin
 from swarm_core.protocol import JobState
@@ -150,9 +151,12 @@ class Membership:
         before, where the job's cells are still the grid (see ``_decide_cells``). (A swarm
         job of several cells syncs every step: its submission is refused otherwise.)"""
         p, topo = job.placement, job.spec.topology
+        # (once a replica left by that rule its cells stay, done, in the grid: the rule of
+        # whole replicas goes on deciding)
         return job.kind == "train" and p is not None and topo.wiring == "swarm" \
             and (p.replicas > 1 or p.layout is not None) \
-            and not topo.moves and topo.rebalance_every is None
+            and not topo.moves and topo.rebalance_every is None \
+            and (job.members is None or set(job.members) >= {c.replica for c in p.stages})
 
     def members(self, job: JobRecord) -> list[int]:
         """The replicas that train (once a round has decided who goes on, those); under a
@@ -185,7 +189,8 @@ class Membership:
         refused, see ``leader/undo.py``)."""
         rnd = self.rounds.get(job_id)
         rnd = None if rnd is None else attrs.evolve(
-            rnd, reports=dict(rnd.reports), lost=dict(rnd.lost), ordered=set(rnd.ordered),
+            rnd, reports=dict(rnd.reports), lost=dict(rnd.lost),
+            lost_cells=dict(rnd.lost_cells), ordered=set(rnd.ordered),
             members=None if rnd.members is None else list(rnd.members), before=list(rnd.before))
         answers = self.answers.get(job_id)
         answers = None if answers is None else Answers(answers.epoch, dict(answers.orders))
@@ -299,7 +304,8 @@ class Membership:
                 return True  # (it left already: a late word from it)
             rnd = self._round(job)
             rnd.lost_cells.setdefault((stage, replica), reason)
-            rnd.lost.setdefault(replica, reason)  # (for whole replicas, where cell 0 is lost)
+            if rnd.members is not None:  # (the round went to whole replicas: see _decide_cells)
+                rnd.lost.setdefault(replica, reason)
             if len(rnd.lost_cells) == len(job.placement.stages):
                 self.forget(job)
                 return False
@@ -586,24 +592,26 @@ class Membership:
         silent = [(c.stage, c.replica) for c in p.stages
                   if (c.stage, c.replica) not in lost and (c.stage, c.replica) not in rnd.reports
                   and not self._done(job, c.stage, c.replica)]
-        # (a silent cell of an id whose link closed without a farewell died, once a
-        # heartbeat has gone by for its own report; one silent past the timeout whose fellow
-        # does not say it runs it, too)
+        # A silent cell of an id whose link closed without a farewell died, once a heartbeat
+        # has gone by for its own report, unless its fellow has heartbeated since the round
+        # began and runs it (a report names an id, not a stage: the id's other cells live
+        # on, and may be slow to report); one silent past the timeout whose fellow does not
+        # say it runs it, too.
         closed = {rep.closed_by for rep in rnd.reports.values() if rep.closed_by is not None}
         waited = time.monotonic() - rnd.since >= self.queue.registry.heartbeat_interval_s
         for s, r in silent:
             fid = p.cell(s, r).fellow_id
-            if waited and r in closed:
+            if waited and r in closed and not self._held_up(job, rnd, s, r):
                 lost.setdefault((s, r), f"fellow {fid} (stage {s} replica {r}) closed its "
                                         "link without a farewell and did not report")
             elif final and not self._at_work(job, s, r):
                 lost.setdefault((s, r), f"stage {s} replica {r} did not report within the "
                                         "heartbeat timeout")
-            if (s, r) in lost:
-                rnd.lost.setdefault(r, lost[(s, r)])
         if any(r == 0 for _s, r in lost):
             # (known at once: the rule of whole replicas decides it, or none can)
             if p.layout is None:
+                for (_s, r), why in lost.items():
+                    rnd.lost.setdefault(r, why)
                 return False
             self._fail_round(job)
             return True
@@ -668,8 +676,9 @@ class Membership:
         steps = job.spec.training.steps if job.spec.training else job.last_step
         lost = rnd.lost_cells
         self.forget(job)
+        kept = job.placement.without(list(lost))
         change = MembershipChange(step=steps + 1, epoch=job.epoch + 1,
-                                  members=list(self.members(job)),
+                                  members=sorted({c.replica for c in kept.stages}),
                                   cells_left=[[k, r] for k, r in sorted(lost)],
                                   reason="; ".join(lost.values()), at=time.time(),
                                   stage_steps=[steps + 1] * job.num_stages)
@@ -854,3 +863,22 @@ def undone_from(job: JobRecord, since: float) -> int | None:
     steps = [c.step for c in job.membership if c.departed and c.at is not None
              and c.at >= since]
     return min(steps) if steps else None
+
+
+def cell_index_at(job: JobRecord, placement: Placement, epoch: int | None, stage: int,
+                  replica: int) -> int:
+    """The cell's index among the cells its report was trained under (membership
+    ``epoch``): a cell-wise departure after it took cells out of the placement, so the
+    indices after them shifted; a late report of a step from before is indexed as the
+    step's other reports were. Only this attempt's departures count (a resumed job starts
+    its epochs again on the placement they left)."""
+    since = job.restarts[-1].at if job.restarts else None
+    gone = [(k, r) for ch in job.membership if epoch is not None and ch.epoch > epoch
+            and ch.cells_left and (since is None or (ch.at is not None and ch.at > since))
+            for k, r in ch.cells_left]
+    if not gone:
+        return placement.index(stage, replica)
+    shape = [set(placement.ids(k)) for k in range(placement.num_stages)]
+    for k, r in gone:
+        shape[k].add(r)
+    return layout_cells(tuple(tuple(sorted(ids)) for ids in shape)).index((stage, replica))

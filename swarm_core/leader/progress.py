@@ -15,6 +15,7 @@ from swarm_core import jsonio
 from swarm_core.contract import JobStatusUpdate, MembershipChange, ProgressRecord, StageMetrics
 from swarm_core.contract.job import export_complete, in_stage_order
 from swarm_core.contract.metrics import JOB_LEVEL, REPLICA_COMBINE, MetricName
+from swarm_core.leader.membership import cell_index_at
 from swarm_core.leader.moves import placement_at
 from swarm_core.leader.records import JobRecord
 from swarm_core.leader.store import Store, StoreWriteError
@@ -122,7 +123,8 @@ class ProgressBook:
         if figures.eval_loss is not None:
             rec.add_eval(figures.eval_loss)
         if figures.wire_tx_bytes is not None:
-            if not rec.add_stage(stage, figures, p.index(stage, replica),
+            if not rec.add_stage(stage, figures,
+                                 cell_index_at(job, p, upd.epoch, stage, replica),
                                  p.label(stage, replica)):
                 return
             rec.ts = time.time()

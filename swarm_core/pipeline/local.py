@@ -110,8 +110,11 @@ class LocalCoordinator:
                 - (self._finished if routed else set()):
             return
         lost = cells & self._ended
+        # (once a replica left by the rule of whole replicas, that rule goes on deciding)
+        whole = set(self.members) >= {r for k in range(self.stages)
+                                      for r in stage_ids(self.layout, k, self.shares)}
         after = cellwise_layout(self.layout, self.stages, self.shares, lost) \
-            if self.cellwise and routed else None
+            if self.cellwise and routed and whole else None
         if after is not None:
             self._decide_cells(cells, lost, after)
             return

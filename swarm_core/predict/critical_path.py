@@ -67,7 +67,7 @@ def simulate_step(schedule: str, times: Sequence[StageTimes], micro_batches: int
     return max(f + t.optimizer for f, t in zip(free, times, strict=True))
 
 
-def _needs(kind: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
+def needed_op(kind: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
     """The neighbour's op that stage ``s``'s op ``kind`` of micro-batch ``i`` waits for."""
     if kind == "F":
         return ("F", s - 1, i) if s > 0 else None
@@ -101,7 +101,7 @@ def _on_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[StageT
             if pos[s] == len(plans[s]):
                 continue
             kind, i = plans[s][pos[s]]
-            need = _needs(kind, s, i, stages)
+            need = needed_op(kind, s, i, stages)
             if need is not None and need not in done:
                 continue
             ready = max(free[s], done[need] if need is not None else 0.0)
@@ -133,7 +133,7 @@ def _on_own_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[St
         for s in range(stages):
             while pos[s] < len(plans[s]):
                 kind, i = plans[s][pos[s]]
-                need = _needs(kind, s, i, stages)
+                need = needed_op(kind, s, i, stages)
                 if need is not None and need not in done:
                     break  # (the neighbour's op comes later in the sweep)
                 ready = done[need] if need is not None else 0.0

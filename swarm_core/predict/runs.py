@@ -44,7 +44,9 @@ def load_runs(path: str | Path) -> list[RunShape]:
         shapes.append(RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
                                training=training, stages=r.stages, replicas=r.replicas,
                                network=network_for(r.network, training.network, r.stages),
-                               wiring=r.wiring.get("wiring", "chain")))
+                               wiring=r.wiring.get("wiring", "chain"),
+                               route_weights=r.wiring.get("route_weights"),
+                               routing=r.wiring.get("routing", "given")))
     return shapes
 
 
@@ -77,7 +79,8 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
                           training.network, job.topology.num_stages)
     return RunShape(name=job.name, model=job.model, training=training,
                     stages=job.topology.num_stages, replicas=job.topology.replicas,
-                    network=network, wiring=job.topology.wiring)
+                    network=network, wiring=job.topology.wiring,
+                    route_weights=job.topology.route_weights, routing=job.topology.routing)
 
 
 def profile_run(model_path: str | None, training_path: str | None,

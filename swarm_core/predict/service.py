@@ -39,6 +39,7 @@ def prediction_json(run: PredictedRun) -> dict[str, Any]:
             "bound_by": p.bound_by, "bound_kind": p.bound_kind, "calibrated": run.calibrated,
             "stages": [{"stage": s.stage, "compute_seconds": s.compute_seconds,
                         "utilisation": s.utilisation} for s in p.stages],
+            "deals": [{str(r): n for r, n in deal.items()} for deal in p.deals],
             "links": [{"name": x.name, "bytes_per_step": x.nbytes,
                        "seconds_per_step": x.seconds, "bound": x.bound, "mbps": x.mbps,
                        "latency_ms": x.latency_s * 1000.0, "carries": list(x.carries),

@@ -53,13 +53,9 @@ import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.wire_math import link_bytes
-from swarm_core.predict.critical_path import (
-    Hop,
-    StageTimes,
-    compute_critical_path,
-    simulate_step,
-)
+from swarm_core.predict.critical_path import StageTimes, simulate_step
 from swarm_core.predict.network import Link, Network
+from swarm_core.predict.routed import RoutedRun, route_weights
 from swarm_core.predict.traffic import LinkLoad, link_loads, step_flows
 
 UTILISATIONS = (0.5, 0.9, 0.99)
@@ -79,9 +75,20 @@ class RunShape:
     # own, as the calibration measured it).
     cores: int | None = None
     # ``swarm``: micro-batches routed between the stages' replicas, each step in GPipe's
-    # order whatever the training's schedule (``pipeline/routing.RoutedStep.ops``); with
-    # equal weights each replica is dealt M of the step's R x M, as a chain's.
+    # order whatever the training's schedule (``pipeline/routing.RoutedStep.ops``), each
+    # stage dealing the step's R x M by ``route_weights`` (by replica; None: equal) or, with
+    # ``routing`` "measured", by its cells' speeds (``predict/routed``).
     wiring: str = "chain"
+    route_weights: tuple[tuple[float, ...], ...] | None = attrs.field(
+        default=None, converter=lambda w: None if w is None else tuple(map(tuple, w)))
+    routing: str = "given"
+    # Emulated slowdowns (``swarm set-speed --slowdown``), (stage, replica, factor) each: the
+    # cell's forwards and backwards take that many times the stage's measured time.
+    slowdowns: tuple[tuple[int, int, float], ...] = ()
+
+    @property
+    def slowed(self) -> dict[tuple[int, int], float]:
+        return {(s, r): x for s, r, x in self.slowdowns}
 
     @property
     def schedule(self) -> str:
@@ -127,6 +134,8 @@ class Prediction:
     bound_kind: str  # "compute", "link" or "latency"
     stages: list[StagePrediction]
     links: list[LinkPrediction]
+    # A routed run's deal: per stage, each cell's micro-batches a step (empty for a chain).
+    deals: list[dict[int, float]] = attrs.field(factory=list)
 
     @property
     def utilisation(self) -> float:
@@ -156,17 +165,27 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     t = shape.training
     cores = shape.ops_at_once
     schedule = shape.schedule
-    compute = compute_critical_path(schedule, times, t.micro_batches, t.grad_clip > 0, cores)
+    clipped = t.grad_clip > 0
+    hop = _frame_hop(shape)
+    routed = _routed(shape, times)
+    chains = _chain_times(shape, times)
+    played: Callable[[FrameHop | None], float]
+    if routed is not None:
+        played = routed.step
+        per_stage = routed.compute()
+    else:
+        def played(over: FrameHop | None) -> float:
+            return max(simulate_step(schedule, ts, t.micro_batches, clipped, over, cores)
+                       for ts in chains)
+
+        per_stage = [max(ts[s].per_step(t.micro_batches) for ts in chains)
+                     for s in range(shape.stages)]
+    compute = played(None)
     loads = link_loads(step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes),
                        shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
     overlap = max(compute, link_s)
-    hop = _frame_hop(shape)
-
-    def played(over: Hop) -> float:
-        return simulate_step(schedule, times, t.micro_batches, t.grad_clip > 0, over, cores)
-
     simulated = played(hop)
     step = max(simulated, overlap)
     # The predicted step again with every latency 0 (the links' bytes at their rates alone):
@@ -181,9 +200,8 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
         latency_s=x.link.latency_s, carries=x.carries,
         mbps_for={f"{u * 100:g}": mbps_for(u, compute, x.nbytes, x.link.latency_s)
                   for u in UTILISATIONS}) for x in loads]
-    stages = [StagePrediction(s, st.per_step(t.micro_batches),
-                              st.per_step(t.micro_batches) / step if step > 0 else 1.0)
-              for s, st in enumerate(times)]
+    stages = [StagePrediction(s, busy, busy / step if step > 0 else 1.0)
+              for s, busy in enumerate(per_stage)]
     bound_by = bound.name if bound is not None else "compute"
     if kind == "latency":
         bound_by = _latency_boundary(shape.stages, step, overlap, hop, played)
@@ -191,23 +209,50 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
                       compute_seconds=compute, step_seconds=step,
                       step_seconds_overlap=overlap, step_seconds_no_overlap=compute + link_s,
                       latency_seconds=latency, bound_by=bound_by, bound_kind=kind,
-                      stages=stages, links=links)
+                      stages=stages, links=links,
+                      deals=[] if routed is None else routed.dealt())
 
 
-def _without_latency(hop: Hop, boundary: int | None = None) -> Hop:
+def _routed(shape: RunShape, times: Sequence[StageTimes]) -> RoutedRun | None:
+    """A swarm-wired run of several replicas, played out cell by cell; None for a chain."""
+    if shape.wiring != "swarm" or shape.replicas < 2:
+        return None
+    t = shape.training
+    weights = route_weights(shape.stages, shape.replicas, shape.routing, shape.route_weights,
+                            shape.slowed)
+    return RoutedRun.of(t.seed, shape.stages, shape.replicas, t.micro_batches, times,
+                        weights, shape.slowed, t.grad_clip > 0, shape.ops_at_once)
+
+
+def _chain_times(shape: RunShape, times: Sequence[StageTimes]) -> list[list[StageTimes]]:
+    """Each chain's stage times, its cells' slowdowns in them (one chain where none is
+    slowed: the chains run alike); a dp step waits for the slowest chain."""
+    if not shape.slowdowns:
+        return [list(times)]
+    slowed = shape.slowed
+    return [[attrs.evolve(st, forward=st.forward * slowed.get((s, r), 1.0),
+                          backward=st.backward * slowed.get((s, r), 1.0))
+             for s, st in enumerate(times)] for r in range(shape.replicas)]
+
+
+# A frame's hop (``critical_path.Hop`` for a chain, ``routed.CellHop`` between cells).
+FrameHop = Callable[..., tuple[float, float]]
+
+
+def _without_latency(hop: FrameHop, boundary: int | None = None) -> FrameHop:
     """``hop`` with no latency: on every frame, or only on those across ``boundary`` (between
     stages b and b + 1, both ways)."""
 
-    def quick(stage: int, kind: str) -> tuple[float, float]:
-        busy, latency = hop(stage, kind)
+    def quick(stage: int, kind: str, *cells: int) -> tuple[float, float]:
+        busy, latency = hop(stage, kind, *cells)
         across = stage - (kind == "B")  # (a gradient from b + 1 crosses boundary b)
         return busy, (0.0 if boundary is None or across == boundary else latency)
 
     return quick
 
 
-def _latency_boundary(stages: int, step: float, floor: float, hop: Hop,
-                      played: Callable[[Hop], float]) -> str:
+def _latency_boundary(stages: int, step: float, floor: float, hop: FrameHop,
+                      played: Callable[[FrameHop | None], float]) -> str:
     """"latency", and the boundary whose latency alone adds the most to the predicted
     ``step`` (the schedule played again with that boundary's latency 0, both ways, over the
     perfect-overlap ``floor``), where one adds more than every other (a uniform chain's
@@ -220,14 +265,15 @@ def _latency_boundary(stages: int, step: float, floor: float, hop: Hop,
     return f"latency stage {tops[0]} ↔ stage {tops[0] + 1}" if len(tops) == 1 else "latency"
 
 
-def _frame_hop(shape: RunShape) -> Hop:
-    """One micro-batch's frame from stage s (replica 0's chain) to its neighbour: its seconds
-    on the slowest of the sender's tx, the receiver's rx and the pair's own cap, and the
-    pair's latency."""
+def _frame_hop(shape: RunShape) -> FrameHop:
+    """One micro-batch's frame from stage s's cell ``src`` (a chain's: replica 0's) to its
+    neighbour's cell ``dst``: its seconds on the slowest of the sender's tx, the receiver's rx
+    and the pair's own cap, and the pair's latency."""
     net, m = shape.network, shape.training.micro_batches
 
-    def hop(stage: int, kind: str) -> tuple[float, float]:
-        src, dst = (stage, 0), (stage + 1 if kind == "F" else stage - 1, 0)
+    def hop(stage: int, kind: str, src_id: int = 0, dst_id: int = 0) -> tuple[float, float]:
+        src = (stage, src_id)
+        dst = (stage + 1 if kind == "F" else stage - 1, dst_id)
         rates = [x.mbps for x in (net.tx(src), net.rx(dst), net.pair(src, dst))
                  if x.mbps is not None]
         frame = link_bytes(shape.model, shape.training, src, dst, shape.stages,

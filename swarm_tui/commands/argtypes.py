@@ -59,6 +59,17 @@ temperature = number(float, 0, 10, "temperature", lo_open=True)
 thread_count = number(int, 1, MAX_THREADS, "thread count")
 link_mbps = number(float, *RATE_MBPS, "rate in Mbit/s")  # the API's bound
 slowdown = number(float, 1, SLOWDOWN_MAX, "slowdown")  # emulated compute slowdown (pace.py)
+
+
+def cell_slowdown(text: str) -> tuple[int, int, float]:
+    """``STAGE.REPLICA=X`` (``swarm predict --slowdown``): a cell's emulated slowdown."""
+    cell, eq, factor = text.partition("=")
+    stage, dot, replica = cell.strip().partition(".")
+    if not eq or not dot or not stage.isdigit() or not replica.isdigit():
+        raise argparse.ArgumentTypeError(f"expected STAGE.REPLICA=X (e.g. 1.1=4), got "
+                                         f"{clip(text)!r}")
+    return int(stage), int(replica), slowdown(factor)
+
 # Sampled one at a time on the CPU: more than this is a typo, not a text.
 token_count = number(int, 1, 1_000_000, "token count")
 # What torch.Generator.manual_seed takes (a negative seed is another name for a large one).

@@ -17,7 +17,13 @@ from swarm_core.predict.runs import PredictInputError, load_runs, profile_run
 from swarm_core.predict.service import PredictedRun, predict_run, prediction_json
 from swarm_core.predict.step import RunShape
 from swarm_core.schema import unstructure
-from swarm_tui.commands.argtypes import core_count, fellow_count, latency_ms, link_mbps
+from swarm_tui.commands.argtypes import (
+    cell_slowdown,
+    core_count,
+    fellow_count,
+    latency_ms,
+    link_mbps,
+)
 from swarm_tui.commands.base import (
     CommandError,
     ExitCode,
@@ -50,7 +56,18 @@ def _shapes(args: argparse.Namespace) -> list[RunShape]:
         shapes = [attrs.evolve(s, network=_override(s, args)) for s in shapes]
     if args.cores is not None:
         shapes = [attrs.evolve(s, cores=args.cores) for s in shapes]
+    if args.slowdown:
+        shapes = [_slowed(s, args.slowdown) for s in shapes]
     return shapes
+
+
+def _slowed(shape: RunShape, slowdowns: list[tuple[int, int, float]]) -> RunShape:
+    """``shape`` with its cells slowed as ``--slowdown`` says (a cell it lacks: one line)."""
+    for stage, replica, _x in slowdowns:
+        if stage >= shape.stages or replica >= shape.replicas:
+            raise CommandError(f"--slowdown: no cell {stage}.{replica} in {shape.name} "
+                               f"({shape.stages} x {shape.replicas})", ExitCode.USAGE)
+    return attrs.evolve(shape, slowdowns=tuple(slowdowns))
 
 
 def _over_scenario(shape: RunShape, which: str) -> RunShape:
@@ -121,8 +138,11 @@ def _table(run: PredictedRun) -> None:
                f"compute {p.compute_seconds:.4f} s ({p.utilisation:.0%}), latency adds "
                f"{p.latency_seconds:.4f} s; perfect overlap {p.step_seconds_overlap:.4f} s "
                f"(a lower bound), no overlap {p.step_seconds_no_overlap:.4f} s")
-    emit_table(None, ["stage", "compute s", "utilisation"],
-               [[s.stage, f"{s.compute_seconds:.4f}", f"{s.utilisation:.0%}"] for s in p.stages])
+    deals: list[dict[int, float] | None] = [*p.deals] or [None] * len(p.stages)
+    emit_table(None, ["stage", "compute s", "utilisation", "micro-batches by cell"],
+               [[s.stage, f"{s.compute_seconds:.4f}", f"{s.utilisation:.0%}",
+                 "-" if deal is None else " ".join(f"{r}:{n:g}" for r, n in deal.items())]
+                for s, deal in zip(p.stages, deals, strict=True)])
     if not p.links:
         return
     rows: list[list[Any]] = [
@@ -157,6 +177,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="every stage on one machine of N cores (a local cluster): an op also "
                         "waits for a core where the stages' threads outnumber them (default: "
                         "a machine per stage)")
+    p.add_argument("--slowdown", type=cell_slowdown, action="append", default=[],
+                   metavar="STAGE.REPLICA=X",
+                   help="a cell computes X times slower (an emulated slowdown, as swarm "
+                        "set-speed --slowdown sets it); repeatable. A chain's dp step waits "
+                        "for the slowed chain; swarm wiring deals by the route weights (or, "
+                        "measured, by the cells' speeds)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's compute again instead of using the cache")
     add_format(p)

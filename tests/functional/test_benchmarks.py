@@ -147,6 +147,9 @@ def test_hetero_benchmark_sets_chain_against_swarm_wiring(cli_env):
                 "swarm, slowed, measured"):
         assert re.search(rf"^{re.escape(row)} +\d+\.\d{{3}}", out, re.MULTILINE), out
     assert "capacity bound, slowed:" in out
+    # (each row beside the predictor's figure for it, and the ratio)
+    assert re.search(r"^swarm, slowed, measured( +\S+)+ +\d+\.\d{3} +\d+\.\d{2}$", out,
+                     re.MULTILINE), out
     assert "targets, oracle: swarm >= 90% of capacity" in out
     assert "targets, measured: swarm >= 90% of capacity" in out
     assert "target: unslowed cost, regroup-ready <= 3%" in out

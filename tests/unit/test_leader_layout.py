@@ -286,3 +286,110 @@ async def test_a_cell_beyond_the_shares_is_started_again_when_its_fellow_lacks_i
     [again] = [s for s in await poll(api, reg, after=first["seq"]) if s["kind"] == "START"]
     assert (again["payload"]["stage"], again["payload"]["replica"]) == (1, 1)
     assert again["payload"]["key"] == first["payload"]["key"]
+
+
+# --- a swarm grid's lost cells, one by one (the cell-wise rule beside whole replicas) -----------
+
+
+async def _swarm_grid(api: TestClient, port: int) -> tuple[str, dict[tuple[int, int], Any]]:
+    """A 2 x 3 swarm-wired job, one fellow a cell."""
+    fellows = [await register(api, f"g{i}", data_addr=f"127.0.0.1:{port + i}")
+               for i in range(6)]
+    body = {"name": "grid", "kind": "train", "model": MODEL,
+            "training": {"steps": 50, "batch_size": 6, "micro_batches": 2},
+            "topology": {"stages": 2, "replicas": 3, "wiring": "swarm"}}
+    jid = (await expect_ok(await api.post(f"{A}/jobs", json=body, headers=AUTH), 201))["job_id"]
+    job = await get_job(api, jid)
+    by_id = {f["fellow_id"]: f for f in fellows}
+    return jid, {(c["stage"], c["replica"]): by_id[c["fellow_id"]]
+                 for c in job["placement"]["stages"]}
+
+
+async def _ask(api: TestClient, jid: str, cell: dict[tuple[int, int], Any], stage: int,
+               replica: int, op_step: int, epoch: int = 0, **extra: Any) -> dict[str, Any]:
+    body = {"fellow_id": cell[(stage, replica)]["fellow_id"], "stage": stage,
+            "replica": replica, "op_step": op_step, "routed": True, "epoch": epoch, **extra}
+    return (await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=body,
+                                           headers=cell[(stage, replica)]["headers"])))["order"]
+
+
+async def test_after_a_lost_cell_0_took_its_replica_the_next_loss_drops_a_replica_too(api):
+    """Cell 1.0 is lost: its replica leaves every stage (a stage's cell 0 evaluates and
+    checkpoints). Then cell 1.2 is lost: the grid keeps replica 0's cells, done, so the rule
+    of whole replicas decides again (replica 2 leaves) rather than failing the job."""
+    jid, cell = await _swarm_grid(api, 8100)
+    resp = await report(api, jid, cell[(1, 0)], "FAILED", step=3, stage=1, replica=0,
+                        message="boom")
+    assert resp.status == 200, await resp.text()
+    orders = [await _ask(api, jid, cell, k, r, 3) for r in (1, 2) for k in (0, 1)]
+    assert orders[-1] is not None and orders[-1]["members"] == [1, 2]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING" and job["members"] == [1, 2]
+    resp = await report(api, jid, cell[(1, 2)], "FAILED", step=5, stage=1, replica=2,
+                        message="boom again")
+    assert resp.status == 200, await resp.text()
+    orders = [await _ask(api, jid, cell, k, 1, 5, epoch=1) for k in (0, 1)]
+    assert orders[-1] is not None and orders[-1]["members"] == [1]
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING", job["reason"]
+    assert [(c["left"], c.get("cells_left", [])) for c in job["membership"]] == \
+        [([0], []), ([2], [])]
+
+
+async def test_a_silent_cell_of_the_lost_ones_id_whose_fellow_beats_is_waited_for(api):
+    """Cell 1.2 fails; four survivors report its id as having closed their links. Cell 0.2,
+    alive, is slow to report: a heartbeat later its fellow has beaten and runs it, so it is
+    waited for, not taken for the dead one (a report names an id, not a stage); once it
+    reports, only cell 1.2 leaves."""
+    jid, cell = await _swarm_grid(api, 8120)
+    state = api.app[STATE_KEY]
+    resp = await report(api, jid, cell[(1, 2)], "FAILED", step=3, stage=1, replica=2,
+                        message="boom")
+    assert resp.status == 200, await resp.text()
+    job = await get_job(api, jid)
+    await heartbeat(api, cell[(0, 2)], status="busy", running=[
+        {"job_id": jid, "stage": 0, "replica": 2, "attempt": job["attempt"]}])
+    for k, r in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        assert await _ask(api, jid, cell, k, r, 3, closed_by=2) is None
+    record = state.jobs.get(jid)
+    state.jobs.membership.rounds[jid].since -= state.registry.heartbeat_interval_s + 0.1
+    state.jobs.membership.check(record)
+    assert (await get_job(api, jid))["membership"] == []  # (0.2 still awaited)
+    order = await _ask(api, jid, cell, 0, 2, 4)
+    assert order is not None and order["layout"] == [[0, 1, 2], [0, 1]]
+    [change] = (await get_job(api, jid))["membership"]
+    assert change["cells_left"] == [[1, 2]]
+    # (its fellow was freed and told to stop what it may still run)
+    signals = await poll(api, cell[(1, 2)])
+    assert any(s["kind"] == "STOP" and s["payload"].get("reason") == "its cell left the job"
+               for s in signals), signals
+
+
+async def test_a_late_report_from_before_a_cell_left_is_indexed_as_its_step_was(api):
+    """Step 3 is reported by four cells; cell 1.1 is lost and leaves (the cells after it in
+    the placement move up one); then cell 1.2's late report of step 3 comes, trained under
+    the placement it had: it joins step 3's record as the sixth cell (not as the fifth, which
+    0.2 reported), its loss in the step's."""
+    jid, cell = await _swarm_grid(api, 8140)
+    metrics = {"wire_tx_bytes": 10, "step_seconds": 0.1, "micro_batches": 2}
+
+    async def step3(k: int, r: int, **kw: Any) -> None:
+        resp = await report(api, jid, cell[(k, r)], "RUNNING", step=3, stage=k, replica=r,
+                            epoch=0, metrics=metrics, **kw)
+        assert resp.status == 200, await resp.text()
+
+    for k, r in ((0, 0), (0, 1), (0, 2)):
+        await step3(k, r)
+    await step3(1, 0, loss=2.0)
+    resp = await report(api, jid, cell[(1, 1)], "FAILED", step=3, stage=1, replica=1,
+                        message="boom")
+    assert resp.status == 200, await resp.text()
+    for k, r in ((0, 0), (1, 0), (0, 1), (0, 2), (1, 2)):
+        await _ask(api, jid, cell, k, r, 3)
+    assert (await get_job(api, jid))["membership"][0]["cells_left"] == [[1, 1]]
+    await step3(1, 2, loss=4.0)
+    rows = await expect_ok(await api.get(f"{A}/jobs/{jid}/progress", headers=AUTH))
+    rec = next(r for r in rows["records"] if r["step"] == 3)
+    assert sorted(rec["stages_reported"]) == [0, 1, 2, 4, 5]
+    assert rec["replica_losses"] == {"0": 2.0, "2": 4.0}
+    assert rec["loss"] == pytest.approx(3.0)

@@ -345,3 +345,14 @@ def test_two_cells_lost_in_turn_the_second_under_the_first_ones_layout(data):
     ref, _ = train_reference(mc, _training(), data, split_layers(mc.n_layers, [1] * STAGES))
     got = _full_curve(run)
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_after_a_lost_cell_0_the_rule_of_whole_replicas_goes_on(data):
+    """Stage 1's cell 0 dies (its replica leaves every stage), then stage 1's cell 2: the
+    grid has no id 0 left to keep, so replica 2 leaves too and replica 1 trains to the end
+    (before, the cell-wise rule was tried there and the cells waited out the timeout)."""
+    _mc, res, coord, _run = _cellwise_run(data, (1, 0), 2, (1, 2, 5))
+    first, second = coord.changes
+    assert (first.left, second.left, second.cells_left, second.members) == ([0], [2], [], [1])
+    for c in (2, 3):
+        assert isinstance(res[c], StageResult), res[c]
