@@ -56,7 +56,7 @@ from swarm_core.pipeline.wire_math import link_bytes
 from swarm_core.predict.critical_path import StageTimes, simulate_step
 from swarm_core.predict.network import Link, Network
 from swarm_core.predict.routed import RoutedRun, route_weights
-from swarm_core.predict.traffic import LinkLoad, link_loads, step_flows
+from swarm_core.predict.traffic import LinkLoad, link_loads, routed_flows, step_flows
 
 UTILISATIONS = (0.5, 0.9, 0.99)
 
@@ -181,8 +181,9 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
         per_stage = [max(ts[s].per_step(t.micro_batches) for ts in chains)
                      for s in range(shape.stages)]
     compute = played(None)
-    loads = link_loads(step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes),
-                       shape.network, shape.replicas)
+    flows = step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes) \
+        if routed is None else routed_flows(shape.model, t, routed.plans, sync_bytes)
+    loads = link_loads(flows, shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
     overlap = max(compute, link_s)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.pipeline.routing import Plan
 from swarm_core.pipeline.wire_math import expected_wire_bytes, link_bytes
 from swarm_core.predict.network import Cell, Link, Network
 
@@ -54,6 +55,32 @@ def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replic
             flows += [Flow((s, r), (s, (r + 1) % replicas), nbytes, "sync")
                       for r in range(replicas) if nbytes]
     return flows
+
+
+def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[Plan],
+                 sync_bytes: Sequence[float] = ()) -> list[Flow]:
+    """A swarm-wired step's transfers: each micro-batch's frames cross from the cell of one
+    stage that ran it to the cell of the next that runs it (``plans``: the steps' route
+    plans; each pair's bytes the mean over them), a chain link's bytes a step per M of them;
+    the rings as a chain's."""
+    stages, m = len(plans[0]), training.micro_batches
+    replicas = len(plans[0][0]) // m
+    pairs: dict[tuple[Cell, Cell], float] = {}
+    for plan in plans:
+        for b in range(stages - 1):
+            for g, src in enumerate(plan[b]):
+                dst = plan[b + 1][g]
+                if src >= 0 and dst >= 0:
+                    key = ((b, src), (b + 1, dst))
+                    pairs[key] = pairs.get(key, 0.0) + 1.0 / len(plans)
+    flows: list[Flow] = []
+    for (a, z), frames in sorted(pairs.items()):
+        flows += [Flow(a, z, frames * link_bytes(model, training, a, z, stages, replicas) / m,
+                       "act"),
+                  Flow(z, a, frames * link_bytes(model, training, z, a, stages, replicas) / m,
+                       "grad")]
+    return flows + [f for f in step_flows(model, training, stages, replicas, sync_bytes)
+                    if f.what == "sync"]
 
 
 @attrs.frozen

@@ -521,3 +521,22 @@ def test_a_slowdown_of_a_cell_the_job_lacks_is_one_line(tmp_path, capsys):
     assert run(["predict", str(_job(tmp_path)), "--slowdown", "3.0=2"]) == ExitCode.USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--slowdown: no cell 3.0" in err[0]
+
+
+def test_a_routed_steps_frames_cross_the_pairs_its_plan_deals():
+    """Each micro-batch's frames go from the cell that ran it to the cell that runs it next:
+    with micro-batches 0 and 1 from cell 0.0 to 1.0, 2 from 0.1 to 1.0 and 3 from 0.1 to 1.1,
+    the pairs carry 2, 1 and 1 frames' bytes each way (a chain link's a step per M), and all
+    of them together the two chains' bytes."""
+    from swarm_core.pipeline.wire_math import link_bytes
+    from swarm_core.predict.traffic import routed_flows, step_flows
+
+    t = _training(batch_size=4, micro_batches=2)
+    flows = routed_flows(TINY, t, [[[0, 0, 1, 1], [0, 0, 0, 1]]])
+    act = {(f.src, f.dst): f.nbytes for f in flows if f.what == "act"}
+    frame = link_bytes(TINY, t, (0, 0), (1, 0), 2, 2) / 2
+    assert act == {((0, 0), (1, 0)): 2 * frame, ((0, 1), (1, 0)): frame,
+                   ((0, 1), (1, 1)): frame}
+    assert {(f.dst, f.src) for f in flows if f.what == "grad"} == set(act)
+    chains = step_flows(TINY, t, 2, 2)
+    assert sum(f.nbytes for f in flows) == pytest.approx(sum(f.nbytes for f in chains))
