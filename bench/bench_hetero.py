@@ -134,11 +134,9 @@ def predicted(cfg: dict[str, Any], base: dict[str, Any], wiring: str, slowed: bo
         times.append(StageTimes(t / 3, 2 * t / 3))
     slow = {SLOW_CELL: SLOW} if slowed else {}
     if wiring == "chain":
-        return max(simulate_step(tc.schedule, [attrs.evolve(st, forward=st.forward * x,
-                                                            backward=st.backward * x)
-                                               for k, st in enumerate(times)
-                                               for x in [slow.get((k, r), 1.0)]],
-                                 cfg["micro"]) for r in range(REPLICAS))
+        return max(simulate_step(tc.schedule, [attrs.evolve(st, pace=slow.get((k, r), 1.0))
+                                               for k, st in enumerate(times)], cfg["micro"])
+                   for r in range(REPLICAS))
     deal = route_weights(STAGES, REPLICAS, routing, weights, slow)
     return RoutedRun.of(tc.seed, STAGES, REPLICAS, cfg["micro"], times, deal, slow).step()
 

@@ -26,10 +26,18 @@ class StageTimes:
     forward: float
     backward: float
     optimizer: float = 0.0
+    # An emulated slowdown (``pipeline/pace``): each forward and backward takes ``pace`` times
+    # its compute, the padding slept (it holds no core: where stages share one, the others
+    # compute meanwhile).
+    pace: float = 1.0
 
     def per_step(self, micro_batches: int) -> float:
-        """The stage's compute in one step: what its utilisation divides."""
-        return micro_batches * (self.forward + self.backward) + self.optimizer
+        """The stage's compute in one step, padding in: what its utilisation divides."""
+        return micro_batches * (self.forward + self.backward) * self.pace + self.optimizer
+
+    def op(self, kind: str) -> float:
+        """One forward ("F") or backward's compute (on a core)."""
+        return self.forward if kind == "F" else self.backward
 
 
 # Stage s sends a frame of kind F (activations) or B (gradients): the seconds it holds the
@@ -112,8 +120,9 @@ def _on_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[StageT
         ready, s = best
         kind, i = plans[s][pos[s]]
         start = max(ready, heapq.heappop(pool))
-        free[s] = start + (times[s].forward if kind == "F" else times[s].backward)
-        heapq.heappush(pool, free[s])
+        took = times[s].op(kind)
+        heapq.heappush(pool, start + took)  # (the pace's padding is slept, off the core)
+        free[s] = start + took * times[s].pace
         _sent(done, link_free, hop, kind, s, i, free[s], stages)
         pos[s] += 1
     return free
@@ -137,8 +146,7 @@ def _on_own_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[St
                 if need is not None and need not in done:
                     break  # (the neighbour's op comes later in the sweep)
                 ready = done[need] if need is not None else 0.0
-                took = times[s].forward if kind == "F" else times[s].backward
-                free[s] = max(free[s], ready) + took
+                free[s] = max(free[s], ready) + times[s].op(kind) * times[s].pace
                 _sent(done, link_free, hop, kind, s, i, free[s], stages)
                 pos[s] += 1
                 left -= 1

@@ -113,10 +113,9 @@ class RoutedRun:
             ready, c = best
             (s, r), (kind, g) = c, ops[c][pos[c]]
             start = max(ready, heapq.heappop(pool))
-            t = self.times[s]
-            free[c] = start + (t.forward if kind == "F" else t.backward) \
-                * self.slowdowns.get(c, 1.0)
-            heapq.heappush(pool, free[c])
+            took = self.times[s].op(kind)
+            heapq.heappush(pool, start + took)  # (a slowdown's padding is slept, off the core)
+            free[c] = start + took * self.slowdowns.get(c, 1.0)
             end, to = free[c], s + 1 if kind == "F" else s - 1
             if hop is not None and 0 <= to < stages:
                 busy, latency = hop(s, kind, r, plan[to][g])

@@ -231,9 +231,8 @@ def _chain_times(shape: RunShape, times: Sequence[StageTimes]) -> list[list[Stag
     if not shape.slowdowns:
         return [list(times)]
     slowed = shape.slowed
-    return [[attrs.evolve(st, forward=st.forward * slowed.get((s, r), 1.0),
-                          backward=st.backward * slowed.get((s, r), 1.0))
-             for s, st in enumerate(times)] for r in range(shape.replicas)]
+    return [[attrs.evolve(st, pace=slowed.get((s, r), 1.0)) for s, st in enumerate(times)]
+            for r in range(shape.replicas)]
 
 
 # A frame's hop (``critical_path.Hop`` for a chain, ``routed.CellHop`` between cells).

@@ -540,3 +540,15 @@ def test_a_routed_steps_frames_cross_the_pairs_its_plan_deals():
     assert {(f.dst, f.src) for f in flows if f.what == "grad"} == set(act)
     chains = step_flows(TINY, t, 2, 2)
     assert sum(f.nbytes for f in flows) == pytest.approx(sum(f.nbytes for f in chains))
+
+
+def test_a_slowdowns_padding_holds_no_core():
+    """Two cells a stage, one micro-batch each, one core for all, cell 1.1 slowed 3x: its
+    pad is slept, so cell 1.0's backward takes the core meanwhile. By hand: 1.1's forward
+    computes 3-4 and sleeps to 6, 1.0's backward runs 4-5, 0.0's 5-6, 1.1's backward computes
+    6-7 and sleeps to 9, 0.1's runs 9-10: 10 s (12 if the padding held the core)."""
+    plan = [[0, 1], [0, 1]]
+    times = (StageTimes(1.0, 1.0, 0.0),) * 2
+    run = RoutedRun([plan], times, 1, {(1, 1): 3.0}, clipped=False, cores=1)
+    assert run.step() == 10.0
+    assert StageTimes(1.0, 2.0, 0.5, pace=3.0).per_step(2) == 18.5
