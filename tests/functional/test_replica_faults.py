@@ -379,3 +379,38 @@ def test_a_swarm_wired_job_whose_fellow_dies_mid_step_reroutes_to_the_survivors(
     got = dict(job["loss_history"])
     diff = max(abs(ref[s - 1] - got[s]) for s in range(1, 41) if s not in partial)
     assert diff <= 1e-5
+
+
+def test_a_layout_jobs_extra_cell_dies_and_the_job_trains_on_as_the_grid(
+        cli_env, tmp_path: Path, swarm_home: Path):
+    """A swarm layout [[0, 1], [0, 1, 2]] on two shares, five fellows; stage 1's extra cell 2
+    is killed mid-run. It leaves alone (before, a layout job's lost cell failed it or sent it
+    back to its checkpoint): the survivors train the broken step again on the grid that is
+    left, without a restart, and the losses stay one process's on the full batch."""
+    body = {"name": "layout-dies", "kind": "train", "model": MODEL,
+            "training": {"steps": 30, "batch_size": 8, "micro_batches": 2,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "seed": 4},
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "layout": [[0, 1], [0, 1, 2]]}}
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 5, body, 6,
+                        lambda c: (c["stage"], c["replica"]) == (1, 2), latency_ms=20,
+                        timeout=120)
+    job = run.job
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert job["restarts"] == [] and job["attempt"] == 0
+    [change] = job["membership"]
+    assert change["cells_left"] == [[1, 2]] and change["left"] == []
+    assert job["placement"].get("layout") is None and len(job["placement"]["stages"]) == 4
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
+                             split_layers(mc.n_layers, [1, 1]))
+    got = dict(job["loss_history"])
+    assert sorted(got) == list(range(1, 31))
+    # (from the change on every step's loss is whole; before it, a step whose killed cell's
+    # report died with it may hold the others' micro-batches only)
+    diff = max(abs(ref[s - 1] - got[s]) for s in range(change["step"], 31))
+    assert diff <= 1e-5
+    early = max(abs(ref[s - 1] - got[s]) for s in range(1, change["step"] - 2))
+    assert early <= 1e-5
