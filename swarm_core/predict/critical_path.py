@@ -63,16 +63,36 @@ def simulate_step(schedule: str, times: Sequence[StageTimes], micro_batches: int
     ``cores``: where the stages share a machine that runs that many ops at once (fewer than
     the stages), an op also waits for a core: the ops are played out in the order they become
     ready, each on the core free first (a stage measured alone is no slower there, but three
-    stages on two cores cannot all run at once)."""
-    stages = len(times)
+    stages on two cores cannot all run at once). A stage's ``pace`` (an emulated slowdown)
+    pads each op after its frame is queued (``pipeline/stage``: the pad sleeps after the op
+    sent), holding no core."""
+    cell_hop = None if hop is None else (lambda s, kind, *_ids: hop(s, kind))
+    return simulate_chains(schedule, [times], micro_batches, clipped, cell_hop, cores)
+
+
+def simulate_chains(schedule: str, chains: Sequence[Sequence[StageTimes]],
+                    micro_batches: int, clipped: bool = True,
+                    hop: Callable[..., tuple[float, float]] | None = None,
+                    cores: int | None = None) -> float:
+    """Seconds of a dp step of several chains (each its stages' times; a slowed cell's chain
+    its own), which ends with the slowest chain: each played as ``simulate_step`` plays one,
+    all sharing ``cores`` where given (every cell's ops on one machine), chain r's frames over
+    its own links (``hop(stage, kind, r, r)``)."""
+    stages = len(chains[0])
     plans = [ops_for(schedule, s, stages, micro_batches) for s in range(stages)]
-    if cores is not None and cores < stages:
-        free = _on_cores(plans, times, hop, cores, schedule)
+    cells = [(r, s) for r in range(len(chains)) for s in range(stages)]
+
+    def sent(r: int) -> Callable[..., tuple[float, float]] | None:
+        return None if hop is None else (lambda s, kind: hop(s, kind, r, r))
+
+    if cores is not None and cores < len(cells):
+        free = _on_cores(plans, chains, hop, cores, schedule)
     else:
-        free = _on_own_cores(plans, times, hop, schedule)
+        free = {(r, s): end for r, ts in enumerate(chains)
+                for s, end in enumerate(_on_own_cores(plans, ts, sent(r), schedule))}
     if clipped and stages > 1:
-        return max(free) + max(t.optimizer for t in times)
-    return max(f + t.optimizer for f, t in zip(free, times, strict=True))
+        return max(free.values()) + max(t.optimizer for ts in chains for t in ts)
+    return max(free[(r, s)] + chains[r][s].optimizer for r, s in cells)
 
 
 def needed_op(kind: str, s: int, i: int, stages: int) -> tuple[str, int, int] | None:
@@ -84,8 +104,9 @@ def needed_op(kind: str, s: int, i: int, stages: int) -> tuple[str, int, int] | 
 
 def _sent(done: dict[tuple[str, int, int], float], link_free: list[float], hop: Hop | None,
           kind: str, s: int, i: int, end: float, stages: int) -> None:
-    """Op ``kind`` of ``i`` on ``s`` ended at ``end``: when its output is at the neighbour
-    (its frame queued on the stage's link, then the latency), or at once without ``hop``."""
+    """Op ``kind`` of ``i`` on ``s`` computed until ``end``: when its output is at the
+    neighbour (its frame queued on the stage's link, then the latency), or at once without
+    ``hop``."""
     done[(kind, s, i)] = end
     if hop is not None and (s < stages - 1 if kind == "F" else s > 0):
         busy, latency = hop(s, kind)
@@ -93,38 +114,48 @@ def _sent(done: dict[tuple[str, int, int], float], link_free: list[float], hop: 
         done[(kind, s, i)] = link_free[s] + latency
 
 
-def _on_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[StageTimes],
-              hop: Hop | None, cores: int, schedule: str) -> list[float]:
-    """Each stage's last op's end, the ops sharing ``cores``: the op ready first goes next,
-    on the core free first."""
-    stages = len(times)
-    link_free = [0.0] * stages
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * stages
-    pos = [0] * stages
+def _on_cores(plans: Sequence[Sequence[tuple[str, int]]],
+              chains: Sequence[Sequence[StageTimes]],
+              hop: Callable[..., tuple[float, float]] | None, cores: int,
+              schedule: str) -> dict[tuple[int, int], float]:
+    """Each cell's (chain, stage) last op's end, every chain's ops sharing ``cores``: the op
+    ready first goes next, on the core free first."""
+    stages = len(plans)
+    cells = [(r, s) for r in range(len(chains)) for s in range(stages)]
+    link_free = dict.fromkeys(cells, 0.0)
+    done: dict[tuple[str, int, int, int], float] = {}  # (kind, chain, stage, i) -> there
+    free = dict.fromkeys(cells, 0.0)
+    pos = dict.fromkeys(cells, 0)
     pool = [0.0] * cores
-    for _ in range(sum(map(len, plans))):
-        best: tuple[float, int] | None = None
-        for s in range(stages):
-            if pos[s] == len(plans[s]):
+    for _ in range(len(chains) * sum(map(len, plans))):
+        best: tuple[float, tuple[int, int]] | None = None
+        for r, s in cells:
+            if pos[(r, s)] == len(plans[s]):
                 continue
-            kind, i = plans[s][pos[s]]
+            kind, i = plans[s][pos[(r, s)]]
             need = needed_op(kind, s, i, stages)
-            if need is not None and need not in done:
+            key = None if need is None else (need[0], r, need[1], need[2])
+            if key is not None and key not in done:
                 continue
-            ready = max(free[s], done[need] if need is not None else 0.0)
+            ready = max(free[(r, s)], done[key] if key is not None else 0.0)
             if best is None or ready < best[0]:
-                best = (ready, s)
+                best = (ready, (r, s))
         if best is None:
             raise ValueError(f"schedule {schedule!r} deadlocks with {stages} stages")
-        ready, s = best
-        kind, i = plans[s][pos[s]]
+        ready, (r, s) = best
+        kind, i = plans[s][pos[(r, s)]]
+        t = chains[r][s]
         start = max(ready, heapq.heappop(pool))
-        took = times[s].op(kind)
-        heapq.heappush(pool, start + took)  # (the pace's padding is slept, off the core)
-        free[s] = start + took * times[s].pace
-        _sent(done, link_free, hop, kind, s, i, free[s], stages)
-        pos[s] += 1
+        computed = start + t.op(kind)
+        heapq.heappush(pool, computed)  # (the pace's padding is slept, off the core)
+        free[(r, s)] = start + t.op(kind) * t.pace
+        end = computed
+        if hop is not None and (s < stages - 1 if kind == "F" else s > 0):
+            busy, latency = hop(s, kind, r, r)
+            link_free[(r, s)] = max(computed, link_free[(r, s)]) + busy
+            end = link_free[(r, s)] + latency
+        done[(kind, r, s, i)] = end
+        pos[(r, s)] += 1
     return free
 
 
@@ -146,8 +177,9 @@ def _on_own_cores(plans: Sequence[Sequence[tuple[str, int]]], times: Sequence[St
                 if need is not None and need not in done:
                     break  # (the neighbour's op comes later in the sweep)
                 ready = done[need] if need is not None else 0.0
-                free[s] = max(free[s], ready) + times[s].op(kind) * times[s].pace
-                _sent(done, link_free, hop, kind, s, i, free[s], stages)
+                start = max(free[s], ready)
+                free[s] = start + times[s].op(kind) * times[s].pace
+                _sent(done, link_free, hop, kind, s, i, start + times[s].op(kind), stages)
                 pos[s] += 1
                 left -= 1
                 progressed = True

@@ -5,7 +5,8 @@ GPipe's order (``routing.RoutedStep.ops``: the forwards, then their backwards in
 
 An F of micro-batch g on stage s needs stage s-1's F of g, on whichever cell ran it; a B of g
 needs stage s+1's B of g. A cell runs one op at a time, an emulated slowdown multiplying its
-forwards and backwards (``pipeline/pace`` pads those, not the optimiser step). With a ``hop``
+forwards and backwards (``pipeline/pace`` pads those, not the optimiser step, after the
+op's frame is queued: the padding delays the cell, not its frame). With a ``hop``
 each frame waits for the frames its sender cell sent before (one queue per sender, as its
 sends are queued) and arrives a latency after it leaves. Where the cells share a machine of
 fewer cores than cells, an op also waits for a core (the ready op goes first, on the core
@@ -79,12 +80,13 @@ class RoutedRun:
 
     def compute(self) -> list[float]:
         """Per stage, its busiest cell's compute a step (its dealt micro-batches at its pace,
-        and its optimiser step)."""
+        and its optimiser step), the mean over the plans."""
         out = []
-        for s, by_cell in enumerate(self.dealt()):
-            t = self.times[s]
-            out.append(max(n * (t.forward + t.backward) * self.slowdowns.get((s, r), 1.0)
-                           for r, n in by_cell.items()) + t.optimizer)
+        for s, t in enumerate(self.times):
+            per_plan = [max(len(runs(plan, s, r)) * (t.forward + t.backward)
+                            * self.slowdowns.get((s, r), 1.0)
+                            for r in set(plan[s]) - {-1}) for plan in self.plans]
+            out.append(statistics.fmean(per_plan) + t.optimizer)
         return out
 
     def _played(self, plan: Plan, hop: CellHop | None) -> float:
@@ -113,10 +115,11 @@ class RoutedRun:
             ready, c = best
             (s, r), (kind, g) = c, ops[c][pos[c]]
             start = max(ready, heapq.heappop(pool))
-            took = self.times[s].op(kind)
-            heapq.heappush(pool, start + took)  # (a slowdown's padding is slept, off the core)
-            free[c] = start + took * self.slowdowns.get(c, 1.0)
-            end, to = free[c], s + 1 if kind == "F" else s - 1
+            computed = start + self.times[s].op(kind)
+            heapq.heappush(pool, computed)  # (a slowdown's padding is slept, off the core)
+            free[c] = start + self.times[s].op(kind) * self.slowdowns.get(c, 1.0)
+            # (its frame is queued as the op is computed: the padding sleeps after it)
+            end, to = computed, s + 1 if kind == "F" else s - 1
             if hop is not None and 0 <= to < stages:
                 busy, latency = hop(s, kind, r, plan[to][g])
                 link_free[c] = max(end, link_free[c]) + busy

@@ -53,7 +53,7 @@ import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.wire_math import link_bytes
-from swarm_core.predict.critical_path import StageTimes, simulate_step
+from swarm_core.predict.critical_path import StageTimes, simulate_chains
 from swarm_core.predict.network import Link, Network
 from swarm_core.predict.routed import RoutedRun, route_weights
 from swarm_core.predict.traffic import LinkLoad, link_loads, routed_flows, step_flows
@@ -175,14 +175,14 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
         per_stage = routed.compute()
     else:
         def played(over: FrameHop | None) -> float:
-            return max(simulate_step(schedule, ts, t.micro_batches, clipped, over, cores)
-                       for ts in chains)
+            return simulate_chains(schedule, chains, t.micro_batches, clipped, over, cores)
 
         per_stage = [max(ts[s].per_step(t.micro_batches) for ts in chains)
                      for s in range(shape.stages)]
     compute = played(None)
     flows = step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes) \
-        if routed is None else routed_flows(shape.model, t, routed.plans, sync_bytes)
+        if routed is None else routed_flows(shape.model, t, routed.plans, sync_bytes,
+                                            shape.routing == "measured")
     loads = link_loads(flows, shape.network, shape.replicas)
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
@@ -221,14 +221,18 @@ def _routed(shape: RunShape, times: Sequence[StageTimes]) -> RoutedRun | None:
     t = shape.training
     weights = route_weights(shape.stages, shape.replicas, shape.routing, shape.route_weights,
                             shape.slowed)
+    # (measured routes run the chain's norm exchange every step, clipping or not: every
+    # cell waits for it before its optimiser step)
+    synced = t.grad_clip > 0 or shape.routing == "measured"
     return RoutedRun.of(t.seed, shape.stages, shape.replicas, t.micro_batches, times,
-                        weights, shape.slowed, t.grad_clip > 0, shape.ops_at_once)
+                        weights, shape.slowed, synced, shape.ops_at_once)
 
 
 def _chain_times(shape: RunShape, times: Sequence[StageTimes]) -> list[list[StageTimes]]:
-    """Each chain's stage times, its cells' slowdowns in them (one chain where none is
-    slowed: the chains run alike); a dp step waits for the slowest chain."""
-    if not shape.slowdowns:
+    """Each chain's stage times, its cells' slowdowns in them; a dp step waits for the
+    slowest chain. One chain where none is slowed and each cell has a machine of its own
+    (the chains run alike); every chain where they share cores (they compete for them)."""
+    if not shape.slowdowns and (shape.ops_at_once is None or shape.replicas == 1):
         return [list(times)]
     slowed = shape.slowed
     return [[attrs.evolve(st, pace=slowed.get((s, r), 1.0)) for s, st in enumerate(times)]

@@ -16,7 +16,7 @@ import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.routing import Plan
-from swarm_core.pipeline.wire_math import expected_wire_bytes, link_bytes
+from swarm_core.pipeline.wire_math import expected_wire_bytes, link_bytes, norm_bytes
 from swarm_core.predict.network import Cell, Link, Network
 
 
@@ -58,10 +58,12 @@ def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replic
 
 
 def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[Plan],
-                 sync_bytes: Sequence[float] = ()) -> list[Flow]:
+                 sync_bytes: Sequence[float] = (), measured: bool = False) -> list[Flow]:
     """A swarm-wired step's transfers: each micro-batch's frames cross from the cell of one
     stage that ran it to the cell of the next that runs it (``plans``: the steps' route
-    plans; each pair's bytes the mean over them), a chain link's bytes a step per M of them;
+    plans; each pair's bytes the mean over them, a frame a chain link's frames' bytes over
+    M); the norm exchange's frame goes along each chain link (r to r) alone, with clipping
+    and always under ``measured`` routes (their table rides it: ``wire_math.norm_bytes``);
     the rings as a chain's."""
     stages, m = len(plans[0]), training.micro_batches
     replicas = len(plans[0][0]) // m
@@ -73,12 +75,14 @@ def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[P
                 if src >= 0 and dst >= 0:
                     key = ((b, src), (b + 1, dst))
                     pairs[key] = pairs.get(key, 0.0) + 1.0 / len(plans)
+    norm = norm_bytes(training, 0, 2, width=replicas, measured=measured)  # (one frame)
     flows: list[Flow] = []
     for (a, z), frames in sorted(pairs.items()):
-        flows += [Flow(a, z, frames * link_bytes(model, training, a, z, stages, replicas) / m,
-                       "act"),
-                  Flow(z, a, frames * link_bytes(model, training, z, a, stages, replicas) / m,
-                       "grad")]
+        chain = norm if a[1] == z[1] else 0
+        flows += [Flow(a, z, frames * link_bytes(model, training, a, z, stages, replicas,
+                                                 norm=False) / m + chain, "act"),
+                  Flow(z, a, frames * link_bytes(model, training, z, a, stages, replicas,
+                                                 norm=False) / m + chain, "grad")]
     return flows + [f for f in step_flows(model, training, stages, replicas, sync_bytes)
                     if f.what == "sync"]
 

@@ -180,9 +180,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slowdown", type=cell_slowdown, action="append", default=[],
                    metavar="STAGE.REPLICA=X",
                    help="a cell computes X times slower (an emulated slowdown, as swarm "
-                        "set-speed --slowdown sets it); repeatable. A chain's dp step waits "
-                        "for the slowed chain; swarm wiring deals by the route weights (or, "
-                        "measured, by the cells' speeds)")
+                        "set-speed --slowdown sets it for every cell of a fellow); "
+                        "repeatable. A chain's dp step waits for the slowed chain; swarm "
+                        "wiring deals by the route weights (or, measured, by the cells' "
+                        "speeds)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine's compute again instead of using the cache")
     add_format(p)

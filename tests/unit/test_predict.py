@@ -463,16 +463,17 @@ def test_a_routed_step_is_played_cell_by_cell():
     """S=2, R=2, M=2, f=1, b=2: stage 1's cell 0 runs micro-batches 0, 2, 1 (in the order
     they are made), its cell 1 micro-batch 3. By hand: stage 1 cell 0's forwards end at 2, 3,
     4, its backwards (1, 2, 0) at 6, 8, 10; stage 0 cell 0's backwards of 1 and 0 at 8 and 12:
-    a step of 12. Cell 1.1 slowed 4x: its forward of 3 ends at 6, its backward at 14, and
-    stage 0 cell 1's backwards of 3 and 2 end at 16 and 18. One core for all: 24, every op in
-    turn."""
+    a step of 12. Cell 1.1 slowed 4x: its forward of 3 computes 2-3 and pads to 6, its
+    backward computes 6-8 (its frame queued then) and pads to 14; stage 0 cell 1's backwards
+    of 3 and 2 end at 10 and 12: a step of 14, the slowed cell's padding last. One core for
+    all: 24, every op in turn."""
     plan = [[0, 0, 1, 1], [0, 0, 0, 1]]
     times = (StageTimes(1.0, 2.0, 0.0),) * 2
     run = RoutedRun([plan], times, 2, clipped=False)
     assert run.step() == 12.0
     assert run.dealt() == [{0: 2.0, 1: 2.0}, {0: 3.0, 1: 1.0}]
     assert run.compute() == [6.0, 9.0]
-    assert RoutedRun([plan], times, 2, {(1, 1): 4.0}, clipped=False).step() == 18.0
+    assert RoutedRun([plan], times, 2, {(1, 1): 4.0}, clipped=False).step() == 14.0
     assert RoutedRun([plan], times, 2, clipped=False, cores=1).step() == 24.0
     # (a hop of 0.5 s a frame, no latency: stage 1 cell 1's forward of 3 waits for it)
     assert RoutedRun([plan], times, 2, clipped=False).step(lambda s, k, a, b: (0.5, 0.0)) \
@@ -526,17 +527,20 @@ def test_a_slowdown_of_a_cell_the_job_lacks_is_one_line(tmp_path, capsys):
 def test_a_routed_steps_frames_cross_the_pairs_its_plan_deals():
     """Each micro-batch's frames go from the cell that ran it to the cell that runs it next:
     with micro-batches 0 and 1 from cell 0.0 to 1.0, 2 from 0.1 to 1.0 and 3 from 0.1 to 1.1,
-    the pairs carry 2, 1 and 1 frames' bytes each way (a chain link's a step per M), and all
-    of them together the two chains' bytes."""
+    the pairs carry 2, 1 and 1 frames' bytes each way (a chain link's frames over M), the
+    norm exchange's frame rides the chain pairs (0.0-1.0, 0.1-1.1) alone, and all of them
+    together carry the two chains' bytes."""
     from swarm_core.pipeline.wire_math import link_bytes
     from swarm_core.predict.traffic import routed_flows, step_flows
 
     t = _training(batch_size=4, micro_batches=2)
     flows = routed_flows(TINY, t, [[[0, 0, 1, 1], [0, 0, 0, 1]]])
     act = {(f.src, f.dst): f.nbytes for f in flows if f.what == "act"}
-    frame = link_bytes(TINY, t, (0, 0), (1, 0), 2, 2) / 2
-    assert act == {((0, 0), (1, 0)): 2 * frame, ((0, 1), (1, 0)): frame,
-                   ((0, 1), (1, 1)): frame}
+    frame = link_bytes(TINY, t, (0, 0), (1, 0), 2, 2, norm=False) / 2
+    norm = link_bytes(TINY, t, (0, 0), (1, 0), 2, 2) - 2 * frame
+    assert norm > 0  # (clipping is on)
+    assert act == {((0, 0), (1, 0)): 2 * frame + norm, ((0, 1), (1, 0)): frame,
+                   ((0, 1), (1, 1)): frame + norm}
     assert {(f.dst, f.src) for f in flows if f.what == "grad"} == set(act)
     chains = step_flows(TINY, t, 2, 2)
     assert sum(f.nbytes for f in flows) == pytest.approx(sum(f.nbytes for f in chains))
@@ -546,9 +550,28 @@ def test_a_slowdowns_padding_holds_no_core():
     """Two cells a stage, one micro-batch each, one core for all, cell 1.1 slowed 3x: its
     pad is slept, so cell 1.0's backward takes the core meanwhile. By hand: 1.1's forward
     computes 3-4 and sleeps to 6, 1.0's backward runs 4-5, 0.0's 5-6, 1.1's backward computes
-    6-7 and sleeps to 9, 0.1's runs 9-10: 10 s (12 if the padding held the core)."""
+    6-7 (its frame queued at 7) and sleeps to 9, 0.1's runs 7-8: 9 s, 1.1's padding last (12
+    if the padding held the core and the frame waited for it)."""
     plan = [[0, 1], [0, 1]]
     times = (StageTimes(1.0, 1.0, 0.0),) * 2
     run = RoutedRun([plan], times, 1, {(1, 1): 3.0}, clipped=False, cores=1)
-    assert run.step() == 10.0
+    assert run.step() == 9.0
     assert StageTimes(1.0, 2.0, 0.5, pace=3.0).per_step(2) == 18.5
+
+
+def test_chains_that_share_cores_compete_for_them():
+    """A dp step of two chains (2 stages, M = 4, f = 1, b = 2) on one machine of 2 cores:
+    the four cells' 48 s of work take at least 24 s; one chain played alone (15 s) would
+    leave the other chain's work out. On cores of their own the chains run alike."""
+    from swarm_core.predict.critical_path import simulate_chains
+
+    times = [StageTimes(1.0, 2.0)] * 2
+    shared = simulate_chains("gpipe", [times, times], 4, False, cores=2)
+    assert shared >= 24.0
+    assert simulate_step("gpipe", times, 4, False, cores=2) == 15.0
+    assert simulate_chains("gpipe", [times, times], 4, False) == 15.0
+    assert predict(_shape(replicas=2, micro_batches=4, grad_clip=0.0, mbps=None),
+                   times).compute_seconds == 15.0
+    cored = attrs.evolve(_shape(replicas=2, micro_batches=4, grad_clip=0.0, mbps=None),
+                         cores=2)
+    assert predict(cored, times).compute_seconds == shared
