@@ -638,14 +638,24 @@ class Membership:
         change = cell_departure(orders, p.num_stages, lost, job.epoch + 1,
                                 reason="; ".join(lost.values()), at=time.time())
         self._cells_leave(job, change)
-        self.queue.progress.restart(job, change.step)  # (the redone step's record anew)
-        self.queue.files.undone_checkpoints(job, change.step)
-        for k in [k for k, push in job.latest_shard_pushes.items() if push.step >= change.step]:
+        self._trained_again(job, change.step)
+        self._announce(job, change)
+        return True
+
+    def _trained_again(self, job: JobRecord, step: int) -> None:
+        """Swarm wiring trains ``step`` again: its record starts over, a checkpoint some
+        cells took at it or after holds a state they have undone, and so does a stage's newest
+        shard from then (the stage has none in the export until its next push)."""
+        self.queue.progress.restart(job, step)
+        self.queue.files.undone_checkpoints(job, step)
+        for k in [k for k, push in job.latest_shard_pushes.items() if push.step >= step]:
             del job.latest_shard_pushes[k]
+
+    def _announce(self, job: JobRecord, change: MembershipChange) -> None:
+        """A recorded change into the step's progress record, the store and the events."""
         self.queue.progress.membership(job, change)
         self.queue.save(job)
         self.queue.hub.publish(JobMembership(job.job_id, change))
-        return True
 
     def _cells_leave(self, job: JobRecord, change: MembershipChange) -> None:
         """The cells ``change`` names leave the job's placement (its plan rewritten); a
@@ -721,17 +731,8 @@ class Membership:
         job.epoch, job.members, job.regroup = rnd.epoch, rnd.members, None
         job.membership.append(change)
         if any(rep.routed for rep in rnd.reports.values()):
-            # (swarm wiring trains the change's step again: its record starts over, and a
-            # checkpoint some cells took after it holds a state they have undone)
-            self.queue.progress.restart(job, change.step)
-            self.queue.files.undone_checkpoints(job, change.step)
-            # (the export too: a stage's newest shard from then is of weights undone, and
-            # the stage has none in the export until its next push)
-            for k in [k for k, p in job.latest_shard_pushes.items() if p.step >= change.step]:
-                del job.latest_shard_pushes[k]
-        self.queue.progress.membership(job, change)
-        self.queue.save(job)
-        self.queue.hub.publish(JobMembership(job.job_id, change))
+            self._trained_again(job, change.step)
+        self._announce(job, change)
 
     def _decide_members(self, job: JobRecord, rnd: RegroupRound, final: bool) -> bool:
         """Who goes on: every member not lost. A silent cell whose chain has reported is

@@ -129,6 +129,17 @@ def _change_json() -> dict[str, Any]:
 
 # --- the console -------------------------------------------------------------------------
 
+def _grid_heard() -> tuple[ClusterModel, JobView]:
+    """The console holding the 2 x 2 grid, a step's report heard from each of its cells."""
+    model = ClusterModel()
+    model.apply_job(_job(_placement()))
+    view = model.jobs["job-000001"]
+    for fid, (stage, rid) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
+        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=fid, stage=stage,
+                                       replica=rid, step=4, state="RUNNING"))
+    return model, view
+
+
 def test_the_consoles_cells_come_from_the_placement_not_arithmetic():
     view = JobView(_moved())
     assert view.grid
@@ -146,12 +157,7 @@ def test_the_consoles_cells_come_from_the_placement_not_arithmetic():
 
 
 def test_the_console_makes_a_move_it_hears_of_and_keeps_each_cells_figures():
-    model = ClusterModel()
-    model.apply_job(_job(_placement()))
-    view = model.jobs["job-000001"]
-    for fid, (stage, rid) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=fid, stage=stage,
-                                       replica=rid, step=4, state="RUNNING"))
+    model, view = _grid_heard()
     assert sorted((i, fp.fellow_id) for i, fp in view.per_stage.items()) == [
         (0, 0), (1, 1), (2, 2), (3, 3)]
     change = model.apply_event({"type": JobMembership.type, "data": {
@@ -318,12 +324,7 @@ def test_a_cell_that_left_alone_in_every_surfaces_words():
 
 
 def test_the_console_takes_a_cell_that_left_out_of_its_grid():
-    model = ClusterModel()
-    model.apply_job(_job(_placement()))
-    view = model.jobs["job-000001"]
-    for fid, (stage, rid) in enumerate(((0, 0), (1, 0), (0, 1), (1, 1))):
-        view.apply_metric(MetricReport(job_id="job-000001", fellow_id=fid, stage=stage,
-                                       replica=rid, step=4, state="RUNNING"))
+    model, view = _grid_heard()
     from swarm_core.schema import unstructure
     change = model.apply_event({"type": JobMembership.type, "data": {
         "job_id": "job-000001", **unstructure(CELL_LEFT)}})
