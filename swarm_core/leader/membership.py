@@ -133,9 +133,9 @@ class Membership:
     @staticmethod
     def replicated(job: JobRecord) -> bool:
         """Whether a replica of the job may leave it (or join) while the others train on: a
-        train job of a grid of several replicas. Not under a swarm layout (stages of unequal
-        cells), nor where peers move between stages (one may come): a lost cell is not
-        regrouped, the job recovers (or fails) as a whole."""
+        train job of a grid of several replicas, or a swarm job whose cells leave one by one
+        (``cellwise``: a layout's too). Not where peers move between stages (one may come): a
+        lost cell is not regrouped, the job recovers (or fails) as a whole."""
         p, topo = job.placement, job.spec.topology
         if Membership.cellwise(job):
             return True
