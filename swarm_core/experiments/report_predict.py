@@ -20,7 +20,6 @@ from swarm_core.contract import JobSubmit
 from swarm_core.predict.calibrate import StageWork, default_cache
 from swarm_core.predict.critical_path import StageTimes
 from swarm_core.predict.network import network_for
-from swarm_core.predict.runs import refuse_layout
 from swarm_core.predict.service import predict_run
 from swarm_core.predict.step import Prediction, RunShape
 from swarm_core.schema import SchemaError, structure, unstructure
@@ -96,7 +95,6 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     problem = job_shape_error(model, training, stages, replicas)
     if problem is not None:
         raise ValueError(f"{RESOLVED}: {problem[1]}: {problem[0]}")
-    refuse_layout(RESOLVED, job.topology.layout)
     profile = resolved.get("network_profile")
     if not isinstance(profile, dict) or not profile:
         profile = {} if training.link is None else {"name": "training.link",
@@ -104,7 +102,7 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     return RunShape(name=job.name, model=model, training=training, stages=stages,
                     replicas=replicas, network=network_for(profile, training.network, stages),
                     wiring=job.topology.wiring, route_weights=job.topology.route_weights,
-                    routing=job.topology.routing)
+                    routing=job.topology.routing, layout=job.topology.layout)
 
 
 def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path | None = None,

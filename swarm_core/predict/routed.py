@@ -34,14 +34,15 @@ Cell = tuple[int, int]  # (stage, id)
 CellHop = Callable[[int, str, int, int], tuple[float, float]]
 
 
-def route_weights(stages: int, replicas: int, routing: str,
+def route_weights(stages: int, width: int, routing: str,
                   given: Sequence[Sequence[float]] | None,
                   slowdowns: Mapping[Cell, float]) -> list[list[float]] | None:
-    """The weights each stage deals by: measured routes converge to each cell's speed (one
-    over its seconds a micro-batch: 1 / its slowdown, the stage's own time being common to its
-    cells); given ones are the job's (None: equal)."""
+    """The weights each stage deals by, by cell id (``width`` of them: the replicas, or a
+    layout's ids): measured routes converge to each cell's speed (one over its seconds a
+    micro-batch: 1 / its slowdown, the stage's own time being common to its cells); given
+    ones are the job's (None: equal)."""
     if routing == "measured":
-        return [[1.0 / slowdowns.get((s, r), 1.0) for r in range(replicas)]
+        return [[1.0 / slowdowns.get((s, r), 1.0) for r in range(width)]
                 for s in range(stages)]
     return None if given is None else [list(map(float, row)) for row in given]
 
@@ -61,8 +62,9 @@ class RoutedRun:
     def of(cls, seed: int, stages: int, replicas: int, micro_batches: int,
            times: Sequence[StageTimes], weights: Sequence[Sequence[float]] | None,
            slowdowns: Mapping[Cell, float], clipped: bool = True,
-           cores: int | None = None) -> RoutedRun:
-        plans = [route_plan(seed, step, stages, replicas, micro_batches, weights)
+           cores: int | None = None, layout: Sequence[Sequence[int]] | None = None
+           ) -> RoutedRun:
+        plans = [route_plan(seed, step, stages, replicas, micro_batches, weights, None, layout)
                  for step in range(PLANS)]
         return cls(plans, tuple(times), micro_batches, dict(slowdowns), clipped, cores)
 

@@ -39,24 +39,15 @@ def load_runs(path: str | Path) -> list[RunShape]:
         raise PredictInputError(str(exc)) from None
     shapes = []
     for r in exp.runs:
-        refuse_layout(r.run_name, r.wiring.get("layout"))
         training = structure(r.training, TrainingConfig)
         shapes.append(RunShape(name=r.run_name, model=structure(r.model, ModelConfig),
                                training=training, stages=r.stages, replicas=r.replicas,
                                network=network_for(r.network, training.network, r.stages),
                                wiring=r.wiring.get("wiring", "chain"),
                                route_weights=r.wiring.get("route_weights"),
-                               routing=r.wiring.get("routing", "given")))
+                               routing=r.wiring.get("routing", "given"),
+                               layout=r.wiring.get("layout")))
     return shapes
-
-
-def refuse_layout(name: str, layout: object) -> None:
-    """PredictInputError for a swarm layout: its stages' cells are not the grid's (each
-    stage's share of the step differs), which the step's model of one chain per replica does
-    not hold."""
-    if layout is not None:
-        raise PredictInputError(f"{name}: a swarm layout (stages of unequal cells) is not "
-                                "predicted; give its grid (stages x replicas) instead")
 
 
 def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
@@ -72,7 +63,6 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
                               job.topology.replicas)
     if problem is not None:
         raise PredictInputError(f"{path}: {problem[1]}: {problem[0]}")
-    refuse_layout(str(path), job.topology.layout)
     link = training.link
     network = network_for({} if link is None else {"name": "training.link",
                                                     **unstructure(link)},
@@ -80,7 +70,8 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
     return RunShape(name=job.name, model=job.model, training=training,
                     stages=job.topology.num_stages, replicas=job.topology.replicas,
                     network=network, wiring=job.topology.wiring,
-                    route_weights=job.topology.route_weights, routing=job.topology.routing)
+                    route_weights=job.topology.route_weights, routing=job.topology.routing,
+                    layout=job.topology.layout)
 
 
 def profile_run(model_path: str | None, training_path: str | None,

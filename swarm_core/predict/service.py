@@ -22,7 +22,8 @@ def predict_run(shape: RunShape, cache: Path | None = None, force: bool = False,
                 measure: Measure | None = None) -> PredictedRun:
     works = stage_works(shape.model, shape.training, shape.stages, shape.replicas)
     cal = calibrate(works, cache, force, measure)
-    sync = sync_bytes_per_step(works, shape.replicas)
+    sync = sync_bytes_per_step(works, shape.replicas,
+                               [len(shape.ids(s)) for s in range(shape.stages)])
     return PredictedRun(predict(shape, cal.times, sync), not all(cal.cached))
 
 

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.contract.placement import slot_count, stage_ids
 from swarm_core.pipeline.wire_math import link_bytes
 from swarm_core.predict.critical_path import StageTimes, simulate_chains
 from swarm_core.predict.network import Link, Network
@@ -85,6 +86,14 @@ class RunShape:
     # Emulated slowdowns (``swarm set-speed --slowdown``), (stage, replica, factor) each: the
     # cell's forwards and backwards take that many times the stage's measured time.
     slowdowns: tuple[tuple[int, int, float], ...] = ()
+    # A swarm layout (``pipeline/layout``): each stage's cell ids, ``replicas`` its shares;
+    # None: the grid. Every stage deals its shares' micro-batches to its own cells.
+    layout: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, converter=lambda w: None if w is None else tuple(map(tuple, w)))
+
+    def ids(self, stage: int) -> list[int]:
+        """The ids of a stage's cells (the grid's replicas without a layout)."""
+        return stage_ids(self.layout, stage, self.replicas)
 
     @property
     def slowed(self) -> dict[tuple[int, int], float]:
@@ -182,8 +191,9 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     compute = played(None)
     flows = step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes) \
         if routed is None else routed_flows(shape.model, t, routed.plans, sync_bytes,
-                                            shape.routing == "measured")
-    loads = link_loads(flows, shape.network, shape.replicas)
+                                            shape.routing == "measured",
+                                            [shape.ids(s) for s in range(shape.stages)])
+    loads = link_loads(flows, shape.network, slot_count(shape.layout, shape.replicas))
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
     overlap = max(compute, link_s)
@@ -215,17 +225,18 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
 
 
 def _routed(shape: RunShape, times: Sequence[StageTimes]) -> RoutedRun | None:
-    """A swarm-wired run of several replicas, played out cell by cell; None for a chain."""
-    if shape.wiring != "swarm" or shape.replicas < 2:
+    """A swarm-wired run of several cells a stage (or a layout), played out cell by cell;
+    None for a chain."""
+    if shape.wiring != "swarm" or (shape.replicas < 2 and shape.layout is None):
         return None
     t = shape.training
-    weights = route_weights(shape.stages, shape.replicas, shape.routing, shape.route_weights,
-                            shape.slowed)
+    weights = route_weights(shape.stages, slot_count(shape.layout, shape.replicas),
+                            shape.routing, shape.route_weights, shape.slowed)
     # (measured routes run the chain's norm exchange every step, clipping or not: every
     # cell waits for it before its optimiser step)
     synced = t.grad_clip > 0 or shape.routing == "measured"
     return RoutedRun.of(t.seed, shape.stages, shape.replicas, t.micro_batches, times,
-                        weights, shape.slowed, synced, shape.ops_at_once)
+                        weights, shape.slowed, synced, shape.ops_at_once, shape.layout)
 
 
 def _chain_times(shape: RunShape, times: Sequence[StageTimes]) -> list[list[StageTimes]]:

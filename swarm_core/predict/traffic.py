@@ -58,15 +58,18 @@ def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replic
 
 
 def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[Plan],
-                 sync_bytes: Sequence[float] = (), measured: bool = False) -> list[Flow]:
+                 sync_bytes: Sequence[float] = (), measured: bool = False,
+                 groups: Sequence[Sequence[int]] | None = None) -> list[Flow]:
     """A swarm-wired step's transfers: each micro-batch's frames cross from the cell of one
     stage that ran it to the cell of the next that runs it (``plans``: the steps' route
     plans; each pair's bytes the mean over them, a frame a chain link's frames' bytes over
     M); the norm exchange's frame goes along each chain link (r to r) alone, with clipping
     and always under ``measured`` routes (their table rides it: ``wire_math.norm_bytes``);
-    the rings as a chain's."""
+    the rings as a chain's, each stage's round its ``groups`` ids (a layout's; the grid's
+    replicas without)."""
     stages, m = len(plans[0]), training.micro_batches
     replicas = len(plans[0][0]) // m
+    groups = groups or [list(range(replicas))] * stages
     pairs: dict[tuple[Cell, Cell], float] = {}
     for plan in plans:
         for b in range(stages - 1):
@@ -83,8 +86,12 @@ def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[P
                                                  norm=False) / m + chain, "act"),
                   Flow(z, a, frames * link_bytes(model, training, z, a, stages, replicas,
                                                  norm=False) / m + chain, "grad")]
-    return flows + [f for f in step_flows(model, training, stages, replicas, sync_bytes)
-                    if f.what == "sync"]
+    for s, nbytes in enumerate(sync_bytes):
+        ids = list(groups[s])
+        if nbytes and len(ids) > 1:
+            flows += [Flow((s, r), (s, ids[(j + 1) % len(ids)]), nbytes, "sync")
+                      for j, r in enumerate(ids)]
+    return flows
 
 
 @attrs.frozen

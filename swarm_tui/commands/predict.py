@@ -64,9 +64,12 @@ def _shapes(args: argparse.Namespace) -> list[RunShape]:
 def _slowed(shape: RunShape, slowdowns: list[tuple[int, int, float]]) -> RunShape:
     """``shape`` with its cells slowed as ``--slowdown`` says (a cell it lacks: one line)."""
     for stage, replica, _x in slowdowns:
-        if stage >= shape.stages or replica >= shape.replicas:
+        if stage >= shape.stages or replica not in shape.ids(stage):
             raise CommandError(f"--slowdown: no cell {stage}.{replica} in {shape.name} "
-                               f"({shape.stages} x {shape.replicas})", ExitCode.USAGE)
+                               f"({shape.stages} x {shape.replicas}"
+                               + ("" if shape.layout is None else
+                                  f", layout {[list(ids) for ids in shape.layout]}")
+                               + ")", ExitCode.USAGE)
     return attrs.evolve(shape, slowdowns=tuple(slowdowns))
 
 

@@ -315,7 +315,8 @@ def test_a_bad_config_is_one_line_and_a_usage_error(tmp_path, capsys, body, need
 def test_a_swarm_wired_job_is_predicted_in_gpipe_s_order(tmp_path, capsys, monkeypatch):
     """A routed step runs GPipe's order whatever the training's schedule: a swarm-wired job
     under ``eager`` is predicted as GPipe plays it (where eager's order is faster), and says
-    so; a chain under eager keeps eager's. A layout (stages of unequal cells) is one line."""
+    so; a chain under eager keeps eager's. A layout (stages of unequal cells) is played cell
+    by cell: each stage deals the shares' micro-batches to its own cells, stage 0 too."""
     monkeypatch.setattr("swarm_tui.commands.predict.measure_stage",
                         lambda w: StageTimes(0.001, 0.002, 0.0005))
 
@@ -336,15 +337,20 @@ def test_a_swarm_wired_job_is_predicted_in_gpipe_s_order(tmp_path, capsys, monke
     assert routed["compute_seconds"] >= compute_critical_path("gpipe", times, 4, clipped=True)
     assert chain["compute_seconds"] < routed["compute_seconds"]
     assert routed["deals"] == [{"0": 4.0, "1": 4.0}] * 2 and chain["deals"] == []
-    path = _job(tmp_path)
+    laid = predicted(wiring="swarm", layout=[[0], [0, 1, 2]])
+    assert laid["deals"][0] == {"0": 8.0}
+    assert sorted(laid["deals"][1]) == ["0", "1", "2"] and sum(laid["deals"][1].values()) == 8
+    # (stage 0's one cell runs all eight micro-batches: the step is longer than the grid's)
+    assert laid["compute_seconds"] > routed["compute_seconds"]
+    assert {x["name"] for x in laid["links"]} >= {"stage 1 replica 2 tx", "stage 0 replica 0 tx"}
+    path = _job(tmp_path, schedule="eager")
     body = json.loads(path.read_text())
     body["topology"] = {"stages": 2, "replicas": 2, "wiring": "swarm",
                         "layout": [[0], [0, 1, 2]]}
     path.write_text(json.dumps(body))
-    assert run(["predict", str(path)]) == ExitCode.USAGE
+    assert run(["predict", str(path), "--slowdown", "0.1=2"]) == ExitCode.USAGE
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a swarm layout (stages of unequal cells) is not predicted" \
-        in err[0]
+    assert len(err) == 1 and "--slowdown: no cell 0.1" in err[0] and "layout" in err[0]
 
 
 # --- per-pair links (a link matrix) and the scenario library ------------------------------------
