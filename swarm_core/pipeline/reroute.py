@@ -73,6 +73,7 @@ class Rerouter:
         self._extra: dict[tuple[int, str], Any] = {}
         self.redone: list[int] = []  # the steps this cell trained again after a regroup
         self._fault: BaseException | None = None
+        self._meters: dict[int, RouteMeter] = {}  # measured routes' meter at a step's start
 
     def _state(self) -> tuple[list[torch.Tensor], list[tuple[int, str]],
                               dict[tuple[int, str], Any]]:
@@ -116,8 +117,14 @@ class Rerouter:
         except LINK_FAULTS as exc:
             self._fault = self._fault or exc
 
-    def check(self) -> None:
-        """At a step's start: the fault the last step's flush kept, if any."""
+    def check(self, step: int) -> None:
+        """At step ``step``'s start: measured routes' meter as it stands kept (a cell-wise
+        regroup that trains this step or the one before again starts every survivor's from
+        there), then the fault the last step's flush kept raised, if any."""
+        meter = self.runner.meter_routes
+        if meter is not None:
+            self._meters = {s: m for s, m in self._meters.items() if s == step - 1}
+            self._meters[step] = copy.deepcopy(meter)
         fault, self._fault = self._fault, None
         if fault is not None:
             raise fault
@@ -226,8 +233,13 @@ class Rerouter:
         r.up, r.down = links.up, links.down
         group.reform(r.params, r.device)
         if r.meter_routes is not None:
-            # Every member starts the estimate afresh at the same step, so all deal alike
-            # (a cell that undid a step had fed its table to the estimate).
-            r.meter_routes = RouteMeter.of(spec)
+            # Every member must deal alike from the step it trains again. A cell that undid a
+            # step had fed its table to the estimate, so the meter is the one every survivor
+            # held at that step's start, the cells that left taken out (a cell-wise
+            # departure); after a replica's departure every member starts afresh.
+            held = self._meters.get(order.redo_step) \
+                if order.layout is not None and order.redo_step is not None else None
+            r.meter_routes = RouteMeter.of(spec) if held is None else held.under(spec)
+            self._meters = {}
             if group.sync is not None:
                 group.sync.own = 0.0

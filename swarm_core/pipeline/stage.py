@@ -729,7 +729,7 @@ class StageRunner:
         group's gradient average, clipping, one optimiser step."""
         t = self.spec.training
         if self.rerouter is not None:
-            self.rerouter.check()
+            self.rerouter.check(step)
         tx0, wait0 = self.sent(), self.waited()
         t0 = time.perf_counter()
         lr = lr_at(step, t)

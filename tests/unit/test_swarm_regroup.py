@@ -356,3 +356,30 @@ def test_after_a_lost_cell_0_the_rule_of_whole_replicas_goes_on(data):
     assert (first.left, second.left, second.cells_left, second.members) == ([0], [2], [], [1])
     for c in (2, 3):
         assert isinstance(res[c], StageResult), res[c]
+
+
+def test_measured_routes_keep_what_they_learnt_through_a_cell_that_left(data):
+    """Measured routes, stage 1's cell 1 four times slow; its cell 2 dies in step 4. The
+    survivors train step 4 again under the layout without it, dealing by the estimate every
+    one of them held at that step's start (the cell that left taken out): the slow cell is
+    dealt fewer of the step's six micro-batches than its fast neighbour at once, rather than
+    half of them while the estimate learns again; and the losses stay the full batch's."""
+    mc = ModelConfig(**MODEL)
+    stop = threading.Event()
+    coord = _Recording(STAGES, REPLICAS, stop, True)
+    run = _Run()
+    dead, slow = 2 * STAGES + 1, 1 * STAGES + 1
+    res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
+                             stop=stop, coordinator=coord, on_step=run, wiring="swarm",
+                             routing="measured",
+                             stage_kwargs={dead: {"pace": _DiesMidStep(run, dead, 3)},
+                                           slow: {"pace": Pace(4.0)}})
+    assert isinstance(res[dead], RuntimeError), res[dead]
+    [change] = coord.changes
+    redo = change.step - 1
+    assert change.cells_left == [[1, 2]] and redo == 3
+    assert run.ran[redo][slow] < run.ran[redo][1]  # (cell 1.0: 0 x STAGES + 1)
+    assert run.ran[redo][slow] + run.ran[redo][1] == REPLICAS * 2
+    ref, _ = train_reference(mc, _training(), data, split_layers(mc.n_layers, [1] * STAGES))
+    got = _full_curve(run)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
