@@ -414,3 +414,31 @@ def test_a_layout_jobs_extra_cell_dies_and_the_job_trains_on_as_the_grid(
     assert diff <= 1e-5
     early = max(abs(ref[s - 1] - got[s]) for s in range(1, change["step"] - 2))
     assert early <= 1e-5
+
+
+def test_measured_routes_through_a_cell_that_left_across_fellows(cli_env, tmp_path: Path,
+                                                                 swarm_home: Path):
+    """Measured routes on four fellows, stage 1's cell 1 killed mid-run: every survivor
+    deals the redone step by the estimate it held at that step's start (the cell taken
+    out), in four processes alike (a plan dealt apart would stall the step), and the job
+    completes with the full batch's losses."""
+    body = {"name": "measured-dies", "kind": "train", "model": MODEL,
+            "training": {"steps": 30, "batch_size": 8, "micro_batches": 2,
+                         "eval_batches": 1, "frame_timeout_s": 10, "warmup_steps": 2,
+                         "seed": 4},
+            "topology": {"stages": 2, "replicas": 2, "wiring": "swarm",
+                         "routing": "measured"}}
+    run = _kill_mid_run(cli_env, tmp_path, swarm_home, 4, body, 6,
+                        lambda c: (c["stage"], c["replica"]) == (1, 1), latency_ms=20,
+                        timeout=120)
+    job = run.job
+    assert job["state"] == "COMPLETED", job["reason"]
+    assert job["restarts"] == []
+    [change] = job["membership"]
+    assert change["cells_left"] == [[1, 1]]
+    mc = structure(MODEL, ModelConfig)
+    tc = structure(job["training"], TrainingConfig)
+    ref, _ = train_reference(mc, tc, load_token_data(tc, mc.seq_len),
+                             split_layers(mc.n_layers, [1, 1]))
+    got = dict(job["loss_history"])
+    assert max(abs(ref[s - 1] - got[s]) for s in range(change["step"], 31)) <= 1e-5
