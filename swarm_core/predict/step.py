@@ -26,7 +26,11 @@ The model (written down in ``docs/decisions.md``, "A predictor of the step"):
   predicted again with every latency 0 taken from it.
 * Stages that share one machine (``RunShape.cores``, as a local cluster runs them) and
   outnumber its cores: each op also waits for a core, in C and the played-out step alike
-  (``critical_path.simulate_step``); the calibration measures each stage alone.
+  (``critical_path.simulate_chains``: every chain where there are several); the calibration
+  measures each stage alone.
+* A swarm-wired run (or a layout) is played out cell by cell (``predict/routed``): each
+  stage's deal by ``route_plan``, each cell's ops in its own order, its frames over the pairs
+  the plan routes them; emulated slowdowns (``RunShape.slowdowns``) pace a cell's ops.
 
 Utilisation is compute over the predicted step: a stage's own compute (M (f + b) + its
 optimiser), and the run's C / step. The bandwidth a link needs for a utilisation u is an
