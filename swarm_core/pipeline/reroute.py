@@ -235,10 +235,10 @@ class Rerouter:
         if r.meter_routes is not None:
             # Every member must deal alike from the step it trains again. A cell that undid a
             # step had fed its table to the estimate, so the meter is the one every survivor
-            # held at that step's start, the cells that left taken out (a cell-wise
-            # departure); after a replica's departure every member starts afresh.
-            held = self._meters.get(order.redo_step) \
-                if order.layout is not None and order.redo_step is not None else None
+            # held at that step's start (each had fed it the same tables), the cells that
+            # left taken out (a cell-wise departure; after a replica's, its entries stay
+            # and no plan deals to it: ``weights(members)``).
+            held = None if order.redo_step is None else self._meters.get(order.redo_step)
             r.meter_routes = RouteMeter.of(spec) if held is None else held.under(spec)
             self._meters = {}
             if group.sync is not None:

@@ -147,7 +147,8 @@ def _run_and_check(data, tc: TrainingConfig, run: _Run, lost: int, dead: int,
 def test_a_cell_lost_between_steps_its_micro_batches_go_to_the_survivors(data, routing):
     """Stage 0's replica 1 dies after step 4: its replica leaves, the others train step 5 on
     (routed over two replicas each stage) to the end without stopping. Measured routes start
-    their estimate afresh on every survivor alike (a plan dealt apart would stall the job)."""
+    their estimate where every survivor held it at the redone step's start (a plan dealt apart
+    would stall the job)."""
     run = _Run(dies_after=(1 * STAGES + 0, 4))
     redo = _run_and_check(data, _training(), run, lost=1, dead=1 * STAGES + 0,
                           routing=routing)
@@ -382,4 +383,30 @@ def test_measured_routes_keep_what_they_learnt_through_a_cell_that_left(data):
     assert run.ran[redo][slow] + run.ran[redo][1] == REPLICAS * 2
     ref, _ = train_reference(mc, _training(), data, split_layers(mc.n_layers, [1] * STAGES))
     got = _full_curve(run)
+    assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
+
+
+def test_measured_routes_keep_what_they_learnt_through_a_replica_that_left(data):
+    """As above where the rule of whole replicas decides: stage 1's cell 0 dies in step 4
+    (its replica leaves), its cell 1 four times slow: the redone step, over replicas 1 and
+    2's four micro-batches, deals the slow cell fewer than cell 2 at once."""
+    mc = ModelConfig(**MODEL)
+    stop = threading.Event()
+    coord = _Recording(STAGES, REPLICAS, stop, True)
+    run = _Run()
+    dead, slow, fast = 0 * STAGES + 1, 1 * STAGES + 1, 2 * STAGES + 1
+    res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
+                             stop=stop, coordinator=coord, on_step=run, wiring="swarm",
+                             routing="measured",
+                             stage_kwargs={dead: {"pace": _DiesMidStep(run, dead, 3)},
+                                           slow: {"pace": Pace(4.0)}})
+    assert isinstance(res[dead], RuntimeError), res[dead]
+    [change] = coord.changes
+    redo = change.step - 1
+    assert change.left == [0] and redo == 3
+    assert run.ran[redo][slow] < run.ran[redo][fast]
+    assert run.ran[redo][slow] + run.ran[redo][fast] == 2 * 2
+    ref, _ = train_reference(mc, _training(), SurvivorWindows(data, REPLICAS, {0}, redo),
+                             split_layers(mc.n_layers, [1] * STAGES))
+    got = run.curve(0, redo)
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 1e-5
