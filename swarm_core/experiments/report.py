@@ -914,7 +914,9 @@ def render_html(runs: list[RunData], calibration: Path | None = None,
     """The report page. Its predictor section reads stage times from ``calibration`` (the
     machine's cache by default); ``calibrate`` measures the stages it lacks."""
     predicted = [report_predict.predict_dir(r.run_dir, r.label, r.mean_step_seconds,
-                                            calibration, calibrate) for r in runs]
+                                            calibration, calibrate,
+                                            r.summary.emulated_slowdown_by_cell)
+                 for r in runs]
     legend = "".join(_legend_entry(i, r) for i, r in enumerate(runs))
     table = "<tr>" + "".join(f"<th>{h}</th>" for h in HEADERS) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"

@@ -9,6 +9,7 @@ on; ``calibrate=True`` (``swarm report --calibrate``) opts in.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,14 +106,32 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
                     routing=job.topology.routing, layout=job.topology.layout)
 
 
+def slowed_cells(by_cell: Mapping[str, float] | None, shape: RunShape
+                 ) -> tuple[tuple[int, int, float], ...]:
+    """A run's emulated slowdowns (``MetricsSummary.emulated_slowdown_by_cell``: the largest
+    each cell ran at, by its label "k" or "k.r") as the predictor takes them; cells the
+    shape lacks, or labels that are not a cell's, left out."""
+    out = []
+    for label, x in (by_cell or {}).items():
+        k, _, r = label.partition(".")
+        if k.isdigit() and (r.isdigit() or not r) and x > 1.0 \
+                and int(k) < shape.stages and int(r or 0) in shape.ids(int(k)):
+            out.append((int(k), int(r or 0), float(x)))
+    return tuple(sorted(out))
+
+
 def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path | None = None,
-                calibrate: bool = False) -> RunPrediction:
-    """One run's row. Never raises for what the folder or the cache holds: a run the
-    predictor cannot read says why in one line."""
+                calibrate: bool = False, slowdowns: Mapping[str, float] | None = None
+                ) -> RunPrediction:
+    """One run's row (``slowdowns``: the run's emulated slowdowns by cell label, which the
+    prediction plays as the run had them; the largest each cell ran at). Never raises for
+    what the folder or the cache holds: a run the predictor cannot read says why in one
+    line."""
     try:
         shape = run_shape(read_resolved(run_dir))
     except ValueError as exc:
         return RunPrediction(label, measured, why_not=f"cannot predict: {exc}")
+    shape = attrs.evolve(shape, slowdowns=slowed_cells(slowdowns, shape))
     cache = cache or default_cache()
     if not calibrate and not cache.exists():
         # (saves importing torch, whose version keys the cache, only to find it empty)

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from swarm_core.config.defaults import DEFAULT_MODEL, DEFAULT_TRAINING
@@ -242,3 +243,21 @@ def test_a_moves_mark_names_its_fellow_and_the_table_the_layout_and_the_move(tmp
     # Without the snapshot the mark names no fellow; the run is read all the same.
     (d / "topology_snapshot.json").write_text("{")
     assert load_run(d).placement is None
+
+
+def test_the_prediction_plays_the_runs_emulated_slowdowns(run_dir, cache):
+    """The run's cell 1.1 ran slowed 4x (``emulated_slowdown_by_cell``): the report's row
+    predicts the run as it was, as ``swarm predict --slowdown 1.1=4`` does; labels that are
+    not the run's cells are left out."""
+    run = load_run(run_dir)
+    plain = predict_dir(run_dir, run.label, run.mean_step_seconds, cache)
+    slowed = predict_dir(run_dir, run.label, run.mean_step_seconds, cache,
+                         slowdowns={"1.1": 4.0, "1.0": 1.0, "7.0": 3.0, "x": 2.0})
+    assert plain.prediction is not None and slowed.prediction is not None
+    shape = report_predict.run_shape(report_predict.read_resolved(run_dir))
+    want = predict_run(attrs.evolve(shape, slowdowns=((1, 1, 4.0),)), cache,
+                       measure=lambda w: pytest.fail("measured"))
+    assert slowed.prediction.step_seconds == want.prediction.step_seconds
+    assert slowed.prediction.compute_seconds > plain.prediction.compute_seconds
+    assert report_predict.slowed_cells({"1.1": 4.0, "1.0": 1.0, "7.0": 3.0, "x": 2.0},
+                                       shape) == ((1, 1, 4.0),)
