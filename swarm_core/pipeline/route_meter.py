@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from swarm_core.contract.placement import slot_count, stage_ids
+from swarm_core.contract.placement import slot_count
 from swarm_core.pipeline.frames import Kind
 from swarm_core.pipeline.layout import RELAY_FRAME, Layout, NormRelay
 from swarm_core.pipeline.routing import ThroughputEstimate
@@ -78,12 +78,7 @@ class RouteMeter:
         """This meter for ``spec``'s layout, which some cells left (a cell-wise departure):
         each cell that stays keeps its samples and its group's figure; the prior is the
         job's."""
-        out = RouteMeter.of(spec)
-        old, new = self.estimate, out.estimate
-        for k in range(len(new.ema)):
-            for r in stage_ids(spec.layout, k, spec.replicas):
-                if r < len(old.ema[k]):
-                    new.ema[k][r], new.updates[k][r] = old.ema[k][r], old.updates[k][r]
+        out = RouteMeter.of(spec, self.estimate.kept(spec.layout, spec.replicas))
         for r in spec.ids(spec.stage):
             if r < len(self.row):
                 out.row[r] = self.row[r]

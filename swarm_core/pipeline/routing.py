@@ -129,6 +129,20 @@ class ThroughputEstimate:
         return [{r: (1 - (1 - a) ** self.updates[k][r]) / self.ema[k][r] for r in ids}
                 for k, ids in enumerate(layout)]
 
+    def kept(self, after: Sequence[Sequence[int]] | None, shares: int,
+             arrived: tuple[int, int] | None = None) -> ThroughputEstimate:
+        """The estimate under the layout ``after``: every cell of it keeps its samples and its
+        prior (``arrived``, a cell new there, has neither: see ``carried``); cells it lacks
+        are gone (a cell-wise departure)."""
+        out = ThroughputEstimate(len(self.ema), slot_count(after, shares), None, self.alpha,
+                                 after)
+        for k in range(len(self.ema)):
+            for r in stage_ids(after, k, shares):
+                if (k, r) != arrived and r < len(self.ema[k]):
+                    out.given[k][r] = self.given[k][r]
+                    out.ema[k][r], out.updates[k][r] = self.ema[k][r], self.updates[k][r]
+        return out
+
     def carried(self, peer: tuple[int, int, int, int],
                 after: Sequence[Sequence[int]] | None, shares: int) -> ThroughputEstimate:
         """The estimate under the layout ``after`` that a peer's move (source, cell, target,
@@ -143,15 +157,8 @@ class ThroughputEstimate:
         source, cell, target, new_id = peer
         before = [range(len(row)) if self.layout is None else self.layout[k]
                   for k, row in enumerate(self.ema)]
-        out = ThroughputEstimate(len(self.ema), slot_count(after, shares), None, self.alpha,
-                                 after)
-        for k in range(len(self.ema)):
-            for r in stage_ids(after, k, shares):
-                if (k, r) == (target, new_id):
-                    out.given[k][r] = self.given[source][cell]
-                else:
-                    out.given[k][r] = self.given[k][r]
-                    out.ema[k][r], out.updates[k][r] = self.ema[k][r], self.updates[k][r]
+        out = self.kept(after, shares, arrived=(target, new_id))
+        out.given[target][new_id] = self.given[source][cell]
         speeds = self._speeds(before)
         if speeds is not None:
             speed = speeds[source][cell] * max(speeds[target].values()) \

@@ -245,16 +245,18 @@ def test_a_report_of_a_step_trained_again_is_superseded():
 
 
 def _cellwise_run(data, dead: tuple[int, int], die_after: int, *more: tuple[int, int, int],
-                  **kwargs):
+                  slow: tuple[int, int] | None = None, **kwargs):
     """S=2 x R=3 swarm-wired dp under the leader's cell-wise rule, cell ``dead`` (stage, id)
     dying in its step ``die_after + 1`` (and each of ``more``, (stage, id, die_after), in
-    its): the results, the coordinator and the run."""
+    its; ``slow``, a cell padded 4x): the results, the coordinator and the run."""
     mc = ModelConfig(**MODEL)
     stop = threading.Event()
     coord = _Recording(STAGES, REPLICAS, stop, True)
     run = _Run()
     dying = {r * STAGES + k: {"pace": _DiesMidStep(run, r * STAGES + k, after)}
              for k, r, after in ((*dead, die_after), *more)}
+    if slow is not None:  # (a cell four times slow: what measured routes learn)
+        dying[slow[1] * STAGES + slow[0]] = {"pace": Pace(4.0)}
     res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
                              stop=stop, coordinator=coord, on_step=run, wiring="swarm",
                              stage_kwargs=dying, **kwargs)
@@ -365,16 +367,8 @@ def test_measured_routes_keep_what_they_learnt_through_a_cell_that_left(data):
     one of them held at that step's start (the cell that left taken out): the slow cell is
     dealt fewer of the step's six micro-batches than its fast neighbour at once, rather than
     half of them while the estimate learns again; and the losses stay the full batch's."""
-    mc = ModelConfig(**MODEL)
-    stop = threading.Event()
-    coord = _Recording(STAGES, REPLICAS, stop, True)
-    run = _Run()
+    mc, res, coord, run = _cellwise_run(data, (1, 2), 3, slow=(1, 1), routing="measured")
     dead, slow = 2 * STAGES + 1, 1 * STAGES + 1
-    res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
-                             stop=stop, coordinator=coord, on_step=run, wiring="swarm",
-                             routing="measured",
-                             stage_kwargs={dead: {"pace": _DiesMidStep(run, dead, 3)},
-                                           slow: {"pace": Pace(4.0)}})
     assert isinstance(res[dead], RuntimeError), res[dead]
     [change] = coord.changes
     redo = change.step - 1
@@ -390,16 +384,8 @@ def test_measured_routes_keep_what_they_learnt_through_a_replica_that_left(data)
     """As above where the rule of whole replicas decides: stage 1's cell 0 dies in step 4
     (its replica leaves), its cell 1 four times slow: the redone step, over replicas 1 and
     2's four micro-batches, deals the slow cell fewer than cell 2 at once."""
-    mc = ModelConfig(**MODEL)
-    stop = threading.Event()
-    coord = _Recording(STAGES, REPLICAS, stop, True)
-    run = _Run()
+    mc, res, coord, run = _cellwise_run(data, (1, 0), 3, slow=(1, 1), routing="measured")
     dead, slow, fast = 0 * STAGES + 1, 1 * STAGES + 1, 2 * STAGES + 1
-    res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
-                             stop=stop, coordinator=coord, on_step=run, wiring="swarm",
-                             routing="measured",
-                             stage_kwargs={dead: {"pace": _DiesMidStep(run, dead, 3)},
-                                           slow: {"pace": Pace(4.0)}})
     assert isinstance(res[dead], RuntimeError), res[dead]
     [change] = coord.changes
     redo = change.step - 1
