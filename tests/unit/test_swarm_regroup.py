@@ -248,15 +248,16 @@ def _cellwise_run(data, dead: tuple[int, int], die_after: int, *more: tuple[int,
                   slow: tuple[int, int] | None = None, **kwargs):
     """S=2 x R=3 swarm-wired dp under the leader's cell-wise rule, cell ``dead`` (stage, id)
     dying in its step ``die_after + 1`` (and each of ``more``, (stage, id, die_after), in
-    its; ``slow``, a cell padded 4x): the results, the coordinator and the run."""
+    its; ``slow``, a cell padded 8x): the results, the coordinator and the run."""
     mc = ModelConfig(**MODEL)
     stop = threading.Event()
     coord = _Recording(STAGES, REPLICAS, stop, True)
     run = _Run()
     dying = {r * STAGES + k: {"pace": _DiesMidStep(run, r * STAGES + k, after)}
              for k, r, after in ((*dead, die_after), *more)}
-    if slow is not None:  # (a cell four times slow: what measured routes learn)
-        dying[slow[1] * STAGES + slow[0]] = {"pace": Pace(4.0)}
+    if slow is not None:  # (a cell eight times slow: what measured routes learn;
+        # 8x, not 4x: a busy machine's noise in the tiny model's compute once evened 4x out)
+        dying[slow[1] * STAGES + slow[0]] = {"pace": Pace(8.0)}
     res = run_local_pipeline(mc, _training(), data, STAGES, replicas=REPLICAS, timeout=120,
                              stop=stop, coordinator=coord, on_step=run, wiring="swarm",
                              stage_kwargs=dying, **kwargs)
@@ -362,7 +363,7 @@ def test_after_a_lost_cell_0_the_rule_of_whole_replicas_goes_on(data):
 
 
 def test_measured_routes_keep_what_they_learnt_through_a_cell_that_left(data):
-    """Measured routes, stage 1's cell 1 four times slow; its cell 2 dies in step 4. The
+    """Measured routes, stage 1's cell 1 eight times slow; its cell 2 dies in step 4. The
     survivors train step 4 again under the layout without it, dealing by the estimate every
     one of them held at that step's start (the cell that left taken out): the slow cell is
     dealt fewer of the step's six micro-batches than its fast neighbour at once, rather than
@@ -382,7 +383,7 @@ def test_measured_routes_keep_what_they_learnt_through_a_cell_that_left(data):
 
 def test_measured_routes_keep_what_they_learnt_through_a_replica_that_left(data):
     """As above where the rule of whole replicas decides: stage 1's cell 0 dies in step 4
-    (its replica leaves), its cell 1 four times slow: the redone step, over replicas 1 and
+    (its replica leaves), its cell 1 eight times slow: the redone step, over replicas 1 and
     2's four micro-batches, deals the slow cell fewer than cell 2 at once."""
     mc, res, coord, run = _cellwise_run(data, (1, 0), 3, slow=(1, 1), routing="measured")
     dead, slow, fast = 0 * STAGES + 1, 1 * STAGES + 1, 2 * STAGES + 1
