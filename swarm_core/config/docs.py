@@ -215,7 +215,9 @@ SECTIONS: list[tuple[str, type, str]] = [
     ("LinkMatrix (`network_profile.matrix`, `training.network`)", network.LinkMatrix,
      "Per-pair links. Each cell (stage, replica) sits at a site: `cell_sites[replica][stage]`, "
      "else `stage_sites[stage]`, else `replica_sites[replica]`, else the sites in order, round "
-     "robin over replica 0's stages, then replica 1's. A link from one cell to another passes "
+     "robin over replica 0's stages, then replica 1's (a swarm layout's cells by id: the "
+     "replica and cell rules name a site for every id the layout has; a peer a rebalancing "
+     "move takes to another stage keeps its site). A link from one cell to another passes "
      "its site pair's `links[src][dst]` (given one way only: symmetric; not given: `default`, "
      "an error without one; a site to itself without an entry: unshaped), then the sender's "
      "site `up_mbps` and the receiver's `down_mbps`, then the fellow's own limits: the "

@@ -12,6 +12,7 @@ differ, and home peers whose down and up links differ (Covenant's ~500 / ~110 Mb
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import attrs
 
@@ -20,6 +21,12 @@ from swarm_core.validators import bounded, meta, rate_or_none
 
 MAX_SITES = 64
 SITE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+
+class Placed(Protocol):
+    """A job's placement as far as sites go (``contract.placement.Placement``)."""
+
+    def site(self, stage: int, replica: int) -> str | None: ...
 
 
 @attrs.define(frozen=True)
@@ -120,8 +127,15 @@ class LinkMatrix:
             given = self.links.get(dst, {}).get(src) or self.default
         return given
 
-    def site_of(self, stage: int, replica: int, num_stages: int) -> str:
-        """The site cell (stage, replica) sits at, by the rules in the class's doc."""
+    def site_of(self, stage: int, replica: int, num_stages: int,
+                placed: Placed | None = None) -> str:
+        """The site cell (stage, replica) sits at, by the rules in the class's doc; where
+        ``placed`` (the job's placement) names the cell's site, that one: a peer a
+        rebalancing move took to another stage keeps its fellow, so its site, whatever id
+        it has there."""
+        site = None if placed is None else placed.site(stage, replica)
+        if site is not None:
+            return site
         if self.cell_sites is not None:
             return self.cell_sites[replica][stage]
         if self.stage_sites is not None:
@@ -131,14 +145,17 @@ class LinkMatrix:
         names = list(self.sites)
         return names[(replica * num_stages + stage) % len(names)]
 
-    def shape_error(self, stages: int, replicas: int) -> str | None:
-        """Why this matrix cannot place a job of ``stages`` x ``replicas`` cells, or None."""
+    def shape_error(self, stages: int, replicas: int, width: int | None = None) -> str | None:
+        """Why this matrix cannot place a job of ``stages`` x ``replicas`` cells, or None.
+        ``width``: the cell ids a layout names (``slot_count``; more than the replicas where
+        a stage has extra cells): a row of sites for each id, as for each replica."""
+        ids = replicas if width is None else width
+        what = "replicas" if ids == replicas else "cell ids (the layout's)"
         if self.stage_sites is not None and len(self.stage_sites) != stages:
             return f"stage_sites names {len(self.stage_sites)} sites for {stages} stages"
-        if self.replica_sites is not None and len(self.replica_sites) != replicas:
-            return (f"replica_sites names {len(self.replica_sites)} sites for {replicas} "
-                    "replicas")
-        if self.cell_sites is not None and (len(self.cell_sites) != replicas or any(
+        if self.replica_sites is not None and len(self.replica_sites) != ids:
+            return f"replica_sites names {len(self.replica_sites)} sites for {ids} {what}"
+        if self.cell_sites is not None and (len(self.cell_sites) != ids or any(
                 len(row) != stages for row in self.cell_sites)):
-            return f"cell_sites must be {replicas} rows (replicas) of {stages} sites (stages)"
+            return f"cell_sites must be {ids} rows ({what}) of {stages} sites (stages)"
         return None

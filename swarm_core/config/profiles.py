@@ -919,7 +919,7 @@ def _check_warm_up(exp: ResolvedExperiment, steps: int, path: Path) -> None:
                           "$.sweep.warm_up") from None
     assert warm.model is not None and warm.train is not None
     shape = job_shape_error(warm.model, warm.train, warm.topology.num_stages,
-                            warm.topology.replicas)
+                            warm.topology.replicas, warm.topology.layout)
     if shape is not None:
         raise ConfigError(path, f"the warm-up (run 0's job, {steps} steps): {shape[0]}",
                           "$.sweep.warm_up")
@@ -1063,7 +1063,8 @@ def _check_shape(model: dict[str, Any], training: dict[str, Any], cell: GridCell
     """What the leader would refuse, refused here first, naming the file and field at fault."""
     # (one cell per fellow, as RunSpec.job_body asks)
     shape = job_shape_error(structure(model, ModelConfig), structure(training, TrainingConfig),
-                            cell.stages, cell.replicas)
+                            cell.stages, cell.replicas,
+                            cluster.layout if cell.wiring == cluster.wiring else None)
     if shape is None:
         return
     message, where = shape

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any, Literal, get_args
 
@@ -549,12 +550,14 @@ class TrainingConfig:
 
 
 def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
-                    replicas: int = 1) -> tuple[str, str] | None:
+                    replicas: int = 1, layout: Sequence[Sequence[int]] | None = None
+                    ) -> tuple[str, str] | None:
     """Why this model, training config and stage count cannot run together, with the field at
     fault (``training.stage_weights``, ``training.min_lr``, ``topology``,
     ``model.bottleneck_dim`` or ``model.vocab_size``); None if they can. (Checked where configs
     come in, not in the schemas: stored configs from before a rule still load.)
-    The leader refuses such a job and ``swarm validate`` such a config, by this one rule."""
+    The leader refuses such a job and ``swarm validate`` such a config, by this one rule.
+    ``layout``: a swarm job's cell ids per stage (``topology.layout``), where it has one."""
     if replicas > 1 and training.batch_size % (replicas * training.micro_batches):
         # (each replica takes its own share of the step's windows, in micro_batches)
         return (f"batch_size {training.batch_size} is not divisible by {replicas} replicas x "
@@ -563,7 +566,9 @@ def job_shape_error(model: ModelConfig, training: TrainingConfig, stages: int,
         return (f"{len(training.stage_weights)} weights for {stages} stages",
                 "training.stage_weights")
     if training.network is not None:
-        placed = training.network.shape_error(stages, replicas)
+        # (a layout's extra cells need their sites too: every id up to its largest)
+        width = replicas if not layout else max(replicas, 1 + max(map(max, layout)))
+        placed = training.network.shape_error(stages, replicas, width)
         if placed is not None:
             return placed, "training.network"
     selective = selective_error(model, training, stages, replicas)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from swarm_core.config.network import LinkMatrix
+from swarm_core.config.network import LinkMatrix, Placed
 from swarm_core.schema import FieldError, checking
 from swarm_core.validators import meta, rate_or_none
 
@@ -71,21 +71,24 @@ class CompressWhen:
         if checking() and (self.below_mbps is None) == (self.replicas is None):
             raise FieldError("give one of below_mbps and replicas", "below_mbps")
 
-    def covers(self, net: LinkMatrix | None, src: Cell, dst: Cell, num_stages: int) -> bool:
-        """Whether the link from cell ``src`` to cell ``dst`` is in the class."""
+    def covers(self, net: LinkMatrix | None, src: Cell, dst: Cell, num_stages: int,
+               placed: Placed | None = None) -> bool:
+        """Whether the link from cell ``src`` to cell ``dst`` is in the class (``placed``:
+        the job's placement, where it names the cells' sites)."""
         if self.replicas is not None:
             return src[1] in self.replicas or dst[1] in self.replicas
         if net is None or self.below_mbps is None:  # (refused at submit: job_shape_error)
             return True
-        rate = link_mbps(net, src, dst, num_stages)
+        rate = link_mbps(net, src, dst, num_stages, placed)
         return rate is not None and rate < self.below_mbps
 
 
-def link_mbps(net: LinkMatrix, src: Cell, dst: Cell, num_stages: int) -> float | None:
+def link_mbps(net: LinkMatrix, src: Cell, dst: Cell, num_stages: int,
+              placed: Placed | None = None) -> float | None:
     """The most the link from cell ``src`` to cell ``dst`` carries alone, as the job's matrix
     sets it: the least of its site pair's ``mbps``, the sending site's ``up_mbps`` and the
     receiving site's ``down_mbps`` (None: unlimited)."""
-    a, b = (net.site_of(c[0], c[1], num_stages) for c in (src, dst))
+    a, b = (net.site_of(c[0], c[1], num_stages, placed) for c in (src, dst))
     pair = net.pair(a, b)
     rates = [r for r in (None if pair is None else pair.mbps, net.sites[a].up_mbps,
                          net.sites[b].down_mbps) if r is not None]
@@ -93,14 +96,14 @@ def link_mbps(net: LinkMatrix, src: Cell, dst: Cell, num_stages: int) -> float |
 
 
 def boundary_compresses(training: TrainingConfig, src: Cell, dst: Cell,
-                        num_stages: int) -> bool:
+                        num_stages: int, placed: Placed | None = None) -> bool:
     """Whether what cell ``src`` sends cell ``dst`` across a stage boundary (activations
     forward, their gradients backward) is coded by the model's compression spec: everywhere
     without a rule, else where the rule covers the link."""
     rule = training.compress_when
     if rule is None or "boundary" not in rule.applies_to:
         return True
-    return rule.covers(training.network, src, dst, num_stages)
+    return rule.covers(training.network, src, dst, num_stages, placed)
 
 
 def group_compresses(training: TrainingConfig, stage: int, replicas: int,

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from swarm_core.schema import checking, sparse
+
+if TYPE_CHECKING:
+    from swarm_core.config.network import LinkMatrix
 
 
 class PlacementError(ValueError):
@@ -130,6 +134,7 @@ class LayerRange:
         return (self.start, self.stop)
 
 
+@sparse  # (``site`` None is left out: a job without a link matrix's JSON is as it was)
 @attrs.define
 class StagePlacement:
     """One cell of a placed job, (stage, replica): the fellow and device slot that run it, its
@@ -141,8 +146,11 @@ class StagePlacement:
     slot: int
     device: str
     layers: LayerRange
-    data_addr: str | None
+    data_addr: str | None = None  # (None: left out of its JSON, as ``site``)
     replica: int = 0
+    # Its site under the job's link matrix (``config.network``; None without one), named
+    # where the job was placed: a rebalancing move keeps it (the peer keeps its fellow).
+    site: str | None = None
 
     @property
     def label(self) -> str:
@@ -222,6 +230,11 @@ class Placement:
 
     def cell(self, stage: int, replica: int = 0) -> StagePlacement:
         return self.stages[self.index(stage, replica)]
+
+    def site(self, stage: int, replica: int) -> str | None:
+        """The site the placement names for cell (stage, id), if any (``LinkMatrix.site_of``
+        reads it first)."""
+        return self.cell(stage, replica).site if self.has(stage, replica) else None
 
     def label(self, stage: int, replica: int = 0) -> str:
         """"k" for a grid of one replica, "k.r" else: a layout always names the id, since
@@ -358,13 +371,15 @@ class FellowSlots:
 
 def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
          weights: Sequence[float] | None = None, slots_per_fellow: int | None = None,
-         replicas: int = 1, layout: Sequence[Sequence[int]] | None = None) -> Placement:
+         replicas: int = 1, layout: Sequence[Sequence[int]] | None = None,
+         network: LinkMatrix | None = None) -> Placement:
     """Cell (stage k, replica r) goes to the (r x num_stages + k)-th free slot, filling each
     fellow's slots before the next fellow's, so a replica's neighbouring stages share a machine
     where they can (the pipeline's links, every micro-batch, stay local; a stage group's
     synchronisation, once a step or fewer, crosses). With ``layout`` (per stage, its cells'
     ids; ``replicas`` the job's shares), the i-th cell in ``layout_cells`` order takes the i-th
-    slot: an id's chain still shares a machine where it can."""
+    slot: an id's chain still shares a machine where it can. ``network``: the job's link
+    matrix, whose site each cell then keeps (``StagePlacement.site``)."""
     if num_stages < 1:
         raise PlacementError("need at least one stage")
     weights = list(weights) if weights is not None else [1.0] * num_stages
@@ -378,7 +393,8 @@ def plan(fellows: Sequence[FellowSlots], num_stages: int, n_layers: int,
                              f"device slots, the fellows offer {len(slots)}")
     ranges = split_layers(n_layers, weights)
     stages = [StagePlacement(k, f.fellow_id, f.name, slot, device, LayerRange(*ranges[k]),
-                             f.addr(slot), r)
+                             f.addr(slot), r,
+                             None if network is None else network.site_of(k, r, num_stages))
               for (k, r), (f, slot, device) in zip(cells, slots, strict=False)]
     return Placement(num_stages, n_layers, stages, replicas, shape)
 

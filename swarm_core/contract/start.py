@@ -197,5 +197,5 @@ def chain_starts(model: ModelConfig, training: TrainingConfig, addrs: Sequence[s
     spec = JobSubmit(name=job_id, kind="train", model=model, training=training,
                      topology=topology)
     placement = plan(fellows, stages, model.n_layers, weights, replicas=replicas,
-                     layout=topology.layout)
+                     layout=topology.layout, network=training.network)
     return stage_starts(job_id, spec, placement, key)

@@ -93,7 +93,7 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     training, model = job.train, job.model
     assert training is not None and model is not None  # (resolved_job refused the others)
     stages, replicas = job.topology.num_stages, job.topology.replicas
-    problem = job_shape_error(model, training, stages, replicas)
+    problem = job_shape_error(model, training, stages, replicas, job.topology.layout)
     if problem is not None:
         raise ValueError(f"{RESOLVED}: {problem[1]}: {problem[0]}")
     profile = resolved.get("network_profile")

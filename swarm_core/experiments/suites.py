@@ -354,7 +354,7 @@ def _grid(sc: ScenarioSpec, infra: InfraProfile, model: ModelConfig, training: T
         raise ConfigError(path, f"grid {sc.grid.label} is {sc.grid.cells} cells; infra "
                           f"{infra.name!r} has {cells} (fellows x slots_per_fellow)",
                           f"{where}.grid")
-    shape = job_shape_error(model, training, stages, replicas)
+    shape = job_shape_error(model, training, stages, replicas, sc.grid.layout)
     if shape is not None:  # (a one-line error at the grid: the shape it names is at fault)
         raise ConfigError(path, shape[0], f"{where}.grid")
     return stages, replicas

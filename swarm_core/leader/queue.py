@@ -285,7 +285,7 @@ class JobQueue:
         if train is not None:
             assert spec.model is not None
             shape = job_shape_error(spec.model, train, spec.topology.num_stages,
-                                    spec.topology.replicas)
+                                    spec.topology.replicas, spec.topology.layout)
             if shape is not None:
                 raise SchemaError(shape[0], f"$.{shape[1]}")
             if train.warm_start is not None:
@@ -552,7 +552,7 @@ class JobQueue:
                              stages, job.spec.model.n_layers if job.spec.model else stages,
                              train.stage_weights if train else None,
                              slots_per_fellow=topo.slots_per_fellow, replicas=topo.replicas,
-                             layout=topo.layout)
+                             layout=topo.layout, network=train.network if train else None)
         except PlacementError as exc:
             self.finish(job, JobState.FAILED, f"placement failed: {exc}")
             return

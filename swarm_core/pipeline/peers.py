@@ -29,8 +29,8 @@ def peer_shaper(spec: StageSpec, shaper: LinkShaper, stage: int, replica: int,
     if net is None:
         return LinkShaper() if local else shaper
     n = spec.num_stages
-    own_site = net.site_of(spec.stage, spec.replica, n)
-    peer_site = net.site_of(stage, replica, n)
+    own_site = net.site_of(spec.stage, spec.replica, n, spec.placement)
+    peer_site = net.site_of(stage, replica, n, spec.placement)
     if local and own_site == peer_site:
         return LinkShaper()
     index = replica * n + stage

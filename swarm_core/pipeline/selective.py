@@ -75,17 +75,16 @@ class LinkCodecs:
         s = self.spec
         own, peer = (s.stage, s.replica), (s.stage + (1 if downstream else -1), replica)
         src, dst = (own, peer) if sending else (peer, own)
-        return boundary_compresses(s.training, src, dst, s.num_stages)
+        return boundary_compresses(s.training, src, dst, s.num_stages, s.placement)
 
     def sent(self) -> dict[str, str]:
         """What this cell sends each peer cell it may send to, by the peer's label (``1.0``):
         its boundaries' frames, and its group's sync to the next member of its ring."""
         s = self.spec
         out: dict[str, str] = {}
-        peers = range(s.replicas) if s.routed else (s.replica,)
         for downstream, stage in ((True, s.stage + 1), (False, s.stage - 1)):
             if 0 <= stage < s.num_stages:
-                for r in peers:
+                for r in s.ids(stage) if s.routed else (s.replica,):
                     fmt = self.coded[(Kind.ACT if downstream else Kind.GRAD, True)].wire \
                         if self.compresses(downstream, True, r) else self.plain
                     out[cell_label(stage, r)] = wire_name(fmt)

@@ -60,7 +60,7 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
         raise PredictInputError(f"{path}: kind: a train job has a model to predict, got "
                                 f"{job.kind!r}")
     problem = job_shape_error(job.model, training, job.topology.num_stages,
-                              job.topology.replicas)
+                              job.topology.replicas, job.topology.layout)
     if problem is not None:
         raise PredictInputError(f"{path}: {problem[1]}: {problem[0]}")
     link = training.link

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from swarm_core.config.profiles import ConfigError, load_network_scenario
+from swarm_core.contract.placement import slot_count
 from swarm_core.predict.calibrate import StageWork, default_cache, measure_stage
 from swarm_core.predict.critical_path import StageTimes
 from swarm_core.predict.network import MatrixNetwork, UniformNetwork, network_for
@@ -66,11 +67,14 @@ def _slowed(shape: RunShape, slowdowns: list[tuple[int, int, float]]) -> RunShap
     for stage, replica, _x in slowdowns:
         if stage >= shape.stages or replica not in shape.ids(stage):
             raise CommandError(f"--slowdown: no cell {stage}.{replica} in {shape.name} "
-                               f"({shape.stages} x {shape.replicas}"
-                               + ("" if shape.layout is None else
-                                  f", layout {[list(ids) for ids in shape.layout]}")
-                               + ")", ExitCode.USAGE)
+                               f"({_grid_text(shape)})", ExitCode.USAGE)
     return attrs.evolve(shape, slowdowns=tuple(slowdowns))
+
+
+def _grid_text(shape: RunShape) -> str:
+    """"2 x 2", or "2 x 2, layout [[0, 1], [0, 1, 2]]": how an error names a run's cells."""
+    return f"{shape.stages} x {shape.replicas}" + (
+        "" if shape.layout is None else f", layout {[list(ids) for ids in shape.layout]}")
 
 
 def _over_scenario(shape: RunShape, which: str) -> RunShape:
@@ -80,10 +84,11 @@ def _over_scenario(shape: RunShape, which: str) -> RunShape:
     except ConfigError as exc:
         raise CommandError(f"--scenario: {exc}", ExitCode.USAGE) from None
     if profile.matrix is not None:
-        problem = profile.matrix.shape_error(shape.stages, shape.replicas)
+        width = max(shape.replicas, slot_count(shape.layout, shape.replicas))
+        problem = profile.matrix.shape_error(shape.stages, shape.replicas, width)
         if problem is not None:
             raise CommandError(f"--scenario {which}: {problem} ({shape.name} is "
-                               f"{shape.stages} x {shape.replicas})", ExitCode.USAGE)
+                               f"{_grid_text(shape)})", ExitCode.USAGE)
     uniform = {"name": profile.name, **({} if profile.link is None
                                         else unstructure(profile.link))}
     return attrs.evolve(shape, network=network_for(uniform, profile.matrix, shape.stages),

@@ -12,6 +12,7 @@ import torch
 
 from swarm_core.config.network import LinkMatrix
 from swarm_core.config.schemas import ModelConfig, TrainingConfig, job_shape_error
+from swarm_core.contract.placement import FellowSlots, plan
 from swarm_core.data import load_token_data
 from swarm_core.pipeline.codecs import FP32_WIRE
 from swarm_core.pipeline.frames import Kind
@@ -75,6 +76,44 @@ def test_a_matrix_that_does_not_fit_the_job_is_refused_at_its_shape():
                                             "training.network")
     t = TrainingConfig(batch_size=4, micro_batches=2, network=matrix(cell_sites=[["a", "b"]]))
     assert job_shape_error(model, t, 2, 2)[0].startswith("cell_sites must be 2 rows")
+
+
+def test_a_layouts_extra_cells_need_their_sites():
+    """A swarm layout [[0, 1], [0, 1, 2]] names id 2 beyond the job's two shares: a rule by
+    replica (or by cell) must give it a site too, or its links would have none; a rule by
+    stage places it like any other cell."""
+    model = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16)
+    layout = [[0, 1], [0, 1, 2]]
+    t = TrainingConfig(batch_size=4, micro_batches=2, network=matrix(replica_sites=["a", "b"]))
+    assert job_shape_error(model, t, 2, 2) is None
+    assert job_shape_error(model, t, 2, 2, layout) == (
+        "replica_sites names 2 sites for 3 cell ids (the layout's)", "training.network")
+    t = TrainingConfig(batch_size=4, micro_batches=2,
+                       network=matrix(replica_sites=["a", "b", "c"]))
+    assert job_shape_error(model, t, 2, 2, layout) is None
+    t = TrainingConfig(batch_size=4, micro_batches=2,
+                       network=matrix(cell_sites=[["a", "b"], ["c", "c"]]))
+    assert job_shape_error(model, t, 2, 2, layout)[0] == \
+        "cell_sites must be 3 rows (cell ids (the layout's)) of 2 sites (stages)"
+    t = TrainingConfig(batch_size=4, micro_batches=2, network=matrix(stage_sites=["a", "b"]))
+    assert job_shape_error(model, t, 2, 2, layout) is None
+
+
+def test_a_placed_cell_keeps_its_site_through_a_rebalancing_move():
+    """The planner names each cell's site under the matrix; a peer a move takes to another
+    stage keeps its fellow, so its site (its old cell's), whatever its new id; the matrix
+    reads the placement's site first and its rules where the placement names none."""
+    m = matrix(replica_sites=["a", "b", "c"])
+    fellows = [FellowSlots(i, f"f{i}", ["cpu"], f"127.0.0.1:{9000 + i}") for i in range(6)]
+    placed = plan(fellows, 2, 4, replicas=3, network=m)
+    assert [(c.stage, c.replica, c.site) for c in placed.stages] == [
+        (0, 0, "a"), (1, 0, "a"), (0, 1, "b"), (1, 1, "b"), (0, 2, "c"), (1, 2, "c")]
+    moved = placed.moved(0, 2, 1, 3)  # (stage 0's cell 2 becomes stage 1's cell 3)
+    assert moved.site(1, 3) == "c" and m.site_of(1, 3, 2, moved) == "c"
+    with pytest.raises(IndexError):  # (by the rules alone id 3 has no site)
+        m.site_of(1, 3, 2)
+    assert m.site_of(1, 1, 2, moved) == "b" and moved.site(0, 2) is None
+    assert plan(fellows, 2, 4, replicas=3).site(0, 1) is None  # (no matrix: no sites)
 
 
 def _tcp() -> tuple[socket.socket, socket.socket]:

@@ -422,6 +422,18 @@ def test_a_scenario_that_is_not_there_or_does_not_fit_is_one_line(tmp_path, caps
     assert run(["predict", str(_job(tmp_path)), "--scenario", str(pinned)]) == ExitCode.USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stage_sites names 3 sites for 2 stages" in err[0]
+    # (a layout's extra cell, id 2, needs a site as much as the shares' cells do)
+    layout = tmp_path / "layout.json"
+    layout.write_text(json.dumps({**json.loads(_job(tmp_path).read_text()), "topology": {
+        "stages": 2, "replicas": 2, "wiring": "swarm", "layout": [[0, 1], [0, 1, 2]]}}))
+    by_replica = tmp_path / "by-replica.json"
+    by_replica.write_text(json.dumps({"name": "by-replica", "matrix": {
+        "sites": {"a": {}, "b": {}}, "links": {"a": {"b": {"mbps": 5}}},
+        "replica_sites": ["a", "b"]}}))
+    assert run(["predict", str(layout), "--scenario", str(by_replica)]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "replica_sites names 2 sites for 3 cell ids (the layout's) " \
+        "(tiny is 2 x 2, layout [[0, 1], [0, 1, 2]])" in err[0], err
 
 
 def test_the_predictor_prices_each_link_in_the_format_compress_when_gives_it():

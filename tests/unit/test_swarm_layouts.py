@@ -252,13 +252,17 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
     stage 0 from 3 to 2): its thread, its fellow, goes on there, every cell re-links, the
     newcomer takes stage 1's state from cell 0. The next look finds no move worth 10 %
     (a slowed peer back to stage 0 would make it 2.1 : 2.1). The losses stay one process's to
-    1e-5. The step after the move is dealt by the speeds measured before it, the moved
-    peer's going with it: the slowed cells run fewer of stage 1's micro-batches than the
-    others (dealt afresh, all four would run three)."""
+    1e-5. Under a link matrix placing each replica's chain at a site of its own: the moved
+    peer keeps its site (its fellow's), whatever its new id (before, id 3 had none and its
+    links failed to open). The step after the move is dealt by the speeds measured before
+    it, the moved peer's going with it: the slowed cells run fewer of stage 1's
+    micro-batches than the others (dealt afresh, all four would run three)."""
     mc = ModelConfig(**MODEL)
     steps, stages, slow = 9, 2, {1, 2}
+    sites = {"sites": {s: {} for s in "abc"}, "default": {"mbps": 1000},
+             "replica_sites": ["a", "b", "c"]}
     tc = structure({"steps": steps, "batch_size": 24, "micro_batches": 4, "seed": 3,
-                    "eval_batches": 0, "grad_clip": 1.0}, TrainingConfig)
+                    "eval_batches": 0, "grad_clip": 1.0, "network": sites}, TrainingConfig)
     ref, _model = train_reference(mc, tc, data, split_layers(mc.n_layers, [1, 1]))
 
     def emulated(self, layout):
@@ -277,6 +281,7 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
     assert not failed, failed
     assert [(m.at, m.before, m.after, m.epoch) for m in moves] == [
         (3, None, ((0, 1), (0, 1, 2, 3)), 1)]
+    assert moves[0].placement.site(1, 3) == "c"  # (stage 0's cell 2's: replica 2's site)
     came = res[3 * stages + 1]
     assert isinstance(came, StageResult) and came.metrics.steps == steps - 3
     assert isinstance(res[2 * stages], StageResult) and res[2 * stages].metrics.steps == 3
