@@ -88,8 +88,10 @@ class LinkCodecs:
                     fmt = self.coded[(Kind.ACT if downstream else Kind.GRAD, True)].wire \
                         if self.compresses(downstream, True, r) else self.plain
                     out[cell_label(stage, r)] = wire_name(fmt)
-        if s.replicas > 1:
-            out[cell_label(s.stage, (s.replica + 1) % s.replicas)] = wire_name(sync_codec(s))
+        ring = s.ids(s.stage)  # (its group's ring, in id order: a layout's ids too)
+        if len(ring) > 1 and s.replica in ring:
+            nxt = ring[(ring.index(s.replica) + 1) % len(ring)]
+            out[cell_label(s.stage, nxt)] = wire_name(sync_codec(s))
         return out
 
 

@@ -218,3 +218,35 @@ def test_swarm_wiring_picks_each_routed_links_codec(data):
         res[1].losses, res[3].losses, res[1].micro_batches, res[3].micro_batches,
         strict=True)]
     assert max(abs(a - b) for a, b in zip(ref, got, strict=True)) <= 5e-2
+
+
+def test_a_layout_cell_names_what_it_sends_each_of_its_peers_by_their_sites():
+    """Under a layout [[0, 1], [0, 1, 2]] stage 0's cell 1 may send to any of stage 1's three
+    cells, the extra id 2 too, each link coded as its sites' rate says; stage 1's cells
+    sync around a ring of their own ids (cell 1 to 2, cell 2 to 0), in the group's one
+    format, which the shares' links decide (ids 0 and 1, 1000 Mbit/s apart: fp32) so that a
+    peer a move brings never changes it. Each cell sits where the placement put it: the
+    replica rule names id 2's site."""
+    from swarm_core.contract.placement import FellowSlots, plan
+    from swarm_core.pipeline.boundary import make_boundary
+    from swarm_core.pipeline.selective import LinkCodecs
+    from swarm_core.pipeline.stage import StageSpec
+
+    mc = ModelConfig(**MODEL, compression="fixed_int8")
+    net = {"sites": {"a": {}, "b": {}, "c": {}},
+           "links": {"a": {"b": {"mbps": 1000}, "c": {"mbps": 50}}, "b": {"c": {"mbps": 50}}},
+           "replica_sites": ["a", "b", "c"]}
+    tc = training({"below_mbps": 100}, net, batch_size=8, micro_batches=2,
+                  sync={"compression": "int8"})
+    layout = [[0, 1], [0, 1, 2]]
+    placed = plan([FellowSlots(i, f"f{i}", ["cpu"], f"127.0.0.1:{9000 + i}")
+                   for i in range(5)], 2, 2, replicas=2, layout=layout, network=tc.network)
+
+    def sent(stage: int, cell: int) -> dict[str, str]:
+        spec = StageSpec("j", "k", stage, 2, (stage, stage + 1), None, mc, tc, replica=cell,
+                         replicas=2, wiring="swarm", layout=layout, placement=placed)
+        return LinkCodecs(spec, make_boundary(mc)).sent()
+
+    assert sent(0, 1) == {"1.0": "fp32", "1.1": "fp32", "1.2": "int8", "0.0": "fp32"}
+    assert sent(1, 1) == {"0.0": "fp32", "0.1": "fp32", "1.2": "fp32"}
+    assert sent(1, 2) == {"0.0": "int8", "0.1": "int8", "1.0": "fp32"}
