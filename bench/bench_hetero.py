@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import threading
@@ -60,7 +61,7 @@ from swarm_core.data import load_token_data  # noqa: E402
 from swarm_core.pipeline.local import LocalCoordinator, run_local_pipeline  # noqa: E402
 from swarm_core.pipeline.pace import Pace  # noqa: E402
 from swarm_core.pipeline.stage import StageResult, StepReport  # noqa: E402
-from swarm_core.predict.critical_path import StageTimes, simulate_step  # noqa: E402
+from swarm_core.predict.critical_path import StageTimes, simulate_chains  # noqa: E402
 from swarm_core.predict.routed import RoutedRun, route_weights  # noqa: E402
 
 STAGES, REPLICAS, SLOW = 2, 2, 4.0
@@ -128,26 +129,48 @@ def capacity_step(base: dict[str, Any], micro: int) -> float:
 
 
 def predicted(cfg: dict[str, Any], base: dict[str, Any], wiring: str, slowed: bool,
-              weights: list[list[float]] | None = None, routing: str = "given") -> float:
+              weights: list[list[float]] | None = None, routing: str = "given",
+              scale: float = 1.0, cores: int | None = None) -> float:
     """``swarm predict``'s model of the row (``predict/routed``, ``critical_path``): each
     stage's compute per micro-batch from the unslowed chain row (as the capacity bound takes
-    it; a third forward, two thirds backward), the slow cell at SLOW times it, each cell on a
-    core of its own (the raw table's contention is in the measured times), transfers free."""
+    it; a third forward, two thirds backward), times ``scale``, the slow cell at SLOW times
+    it, transfers free. ``cores`` None: each cell on a core of its own (a table's contention
+    is then in the measured times); else every cell's ops share that many cores, a slowed
+    cell's padding slept off them (``swarm predict --cores``)."""
     tc = TrainingConfig(batch_size=cfg["batch"], micro_batches=cfg["micro"], seed=5)
     times = []
     for k in range(STAGES):
-        t = statistics.mean(base["per_mb"][(k, r)] for r in range(REPLICAS))
+        t = statistics.mean(base["per_mb"][(k, r)] for r in range(REPLICAS)) * scale
         times.append(StageTimes(t / 3, 2 * t / 3))
     slow = {SLOW_CELL: SLOW} if slowed else {}
     if wiring == "chain":
-        return max(simulate_step(tc.schedule, [attrs.evolve(st, pace=slow.get((k, r), 1.0))
-                                               for k, st in enumerate(times)], cfg["micro"])
-                   for r in range(REPLICAS))
+        chains = [[attrs.evolve(st, pace=slow.get((k, r), 1.0)) for k, st in enumerate(times)]
+                  for r in range(REPLICAS)]
+        return simulate_chains(tc.schedule, chains, cfg["micro"], cores=cores)
     deal = route_weights(STAGES, REPLICAS, routing, weights, slow)
-    return RoutedRun.of(tc.seed, STAGES, REPLICAS, cfg["micro"], times, deal, slow).step()
+    return RoutedRun.of(tc.seed, STAGES, REPLICAS, cfg["micro"], times, deal, slow,
+                        cores=cores).step()
 
 
-def table(cfg: dict[str, Any], base: float) -> None:
+Spec = tuple[str, dict[str, Any]]
+
+
+def calibration(rows: dict[str, dict[str, Any]], name: str, spec: dict[str, Any]
+                ) -> dict[str, Any]:
+    """The unslowed chain row a row is predicted from: the one whose backwards it runs (a
+    chain splits its backward, the default; swarm wiring's cells do not, and a split
+    backward's compute per micro-batch is not a fused one's: 15-30 % more at this model on a
+    2-core machine, the 2026-12-08 runs in decisions.md)."""
+    split = spec["wiring"] == "chain" and spec.get("split", True)
+    return rows["chain, unslowed" if split else FUSED]
+
+
+def model_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """A row's spec as ``predicted`` takes it (how it ran, not what it models, left out)."""
+    return {k: v for k, v in spec.items() if k not in ("regroup", "split")}
+
+
+def table(cfg: dict[str, Any], base: float) -> tuple[list[Spec], dict[str, dict[str, Any]]]:
     oracle = [[1.0, 1.0], [1.0, 1.0 / SLOW]]
     specs = [("chain, unslowed", dict(wiring="chain", slowed=False)),
              (FUSED, dict(wiring="chain", slowed=False, split=False)),
@@ -161,15 +184,10 @@ def table(cfg: dict[str, Any], base: float) -> None:
              ("swarm, slowed, measured", dict(wiring="swarm", slowed=True,
                                               routing="measured"))]
     rows = {name: run(cfg, base=base, **spec) for name, spec in specs}  # type: ignore[arg-type]
-    # Each row predicted from the unslowed chain row whose backwards it runs: a chain splits
-    # its backward (deferred weight passes, the default), swarm wiring's cells do not, and a
-    # split backward's compute per micro-batch is not a fused one's (on this 2-core machine
-    # 15-25 % more at this model, the 2026-12-08 runs in decisions.md).
     split_row, fused_row = rows["chain, unslowed"], rows[FUSED]
     for name, spec in specs:
-        spec = {k: v for k, v in spec.items() if k not in ("regroup", "split")}
-        calibrated = split_row if spec["wiring"] == "chain" and name != FUSED else fused_row
-        rows[name]["predicted"] = predicted(cfg, calibrated, **spec)  # type: ignore[arg-type]
+        rows[name]["predicted"] = predicted(cfg, calibration(rows, name, spec),
+                                            **model_args(spec))
     # (the bound is the swarm rows': their cells' compute, fused backwards)
     bound = capacity_step(fused_row, cfg["micro"])
     chain_slow = rows["chain, slowed 4x"]["step_s"]
@@ -204,6 +222,24 @@ def table(cfg: dict[str, Any], base: float) -> None:
         print(f"target: unslowed cost{name} <= 3%: {cost - 1:+.1%} "
               f"({'MET' if cost <= 1.03 else 'NOT MET'}; against the chain's fused backward "
               f"{row['step_s'] / fused_row['step_s'] - 1:+.1%})")
+    return specs, rows
+
+
+def cores_table(cfg: dict[str, Any], specs: list[Spec], raw: dict[str, dict[str, Any]],
+                padded: dict[str, dict[str, Any]], base: float) -> None:
+    """The raw table's rows as ``swarm predict --cores`` plays them: the four cells' ops on
+    this machine's cores, a slowed cell's padding slept off them (so the others compute
+    meanwhile), each stage's compute taken from the padded table (its time per micro-batch
+    over the padding: cells computing a third of their time barely contend)."""
+    cores = os.cpu_count() or 1
+    print(f"\n== the raw rows on {cores} cores, predicted from the padded table's compute "
+          f"(per micro-batch / {base:g}) ==")
+    print(f"{'row':<32}  {'s/step':>10}  {'predicted':>10}  {'measured/pred':>14}")
+    for name, spec in specs:
+        pred = predicted(cfg, calibration(padded, name, spec), scale=1.0 / base, cores=cores,
+                         **model_args(spec))
+        step = raw[name]["step_s"]
+        print(f"{name:<32}  {step:>10.3f}  {pred:>10.3f}  {step / pred:>14.2f}")
 
 
 # Rebalancing (issue 34 point 3): S=2 x R=3, two stage-1 peers slowed 4x: stage 1 does
@@ -292,8 +328,11 @@ def main() -> int:
     cfg = QUICK if args.quick else FULL
     print(f"S={STAGES} x R={REPLICAS}, dp, model {cfg['model']}, batch {cfg['batch']} in "
           f"{cfg['micro']} micro-batches a replica, stage 1 replica 1 slowed {SLOW:g}x")
-    for base in () if args.rebalance_only else (1.0,) if args.quick else (1.0, 3.0):
-        table(cfg, base)
+    tables = {base: table(cfg, base)
+              for base in (() if args.rebalance_only else (1.0,) if args.quick else (1.0, 3.0))}
+    if 1.0 in tables and 3.0 in tables:
+        specs, raw = tables[1.0]
+        cores_table(cfg, specs, raw, tables[3.0][1], 3.0)
     rebalance_table(RB_QUICK if args.quick else RB_FULL,
                     1.0 if args.quick else args.rebalance_pad)
     return 0
