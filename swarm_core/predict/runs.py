@@ -71,7 +71,7 @@ def _job_run(path: Path, raw: dict[str, Any]) -> RunShape:
                     stages=job.topology.num_stages, replicas=job.topology.replicas,
                     network=network, wiring=job.topology.wiring,
                     route_weights=job.topology.route_weights, routing=job.topology.routing,
-                    layout=job.topology.layout)
+                    layout=job.topology.layout, rebalance_every=job.topology.rebalance_every)
 
 
 def profile_run(model_path: str | None, training_path: str | None,

@@ -7,7 +7,9 @@ from typing import Any
 
 import attrs
 
-from swarm_core.predict.calibrate import Measure, calibrate, stage_works
+from swarm_core.predict.calibrate import Measure, StageWork, calibrate, stage_works
+from swarm_core.predict.critical_path import StageTimes
+from swarm_core.predict.rebalance import RebalanceStep, plan_moves, rebalances
 from swarm_core.predict.step import Prediction, RunShape, predict
 from swarm_core.predict.sync_plan import sync_bytes_per_step
 
@@ -16,15 +18,26 @@ from swarm_core.predict.sync_plan import sync_bytes_per_step
 class PredictedRun:
     prediction: Prediction
     calibrated: bool  # False: every stage's times came from the cache
+    # A rebalancing run's moves, look by look, each with the run's prediction after it (None:
+    # the run does not rebalance; empty: its rule finds no move).
+    rebalance: list[tuple[RebalanceStep, Prediction]] | None = None
 
 
 def predict_run(shape: RunShape, cache: Path | None = None, force: bool = False,
                 measure: Measure | None = None) -> PredictedRun:
     works = stage_works(shape.model, shape.training, shape.stages, shape.replicas)
     cal = calibrate(works, cache, force, measure)
+    moves = [(m, _predicted(m.shape, works, cal.times)) for m in plan_moves(shape, cal.times)]
+    return PredictedRun(_predicted(shape, works, cal.times), not all(cal.cached),
+                        moves if rebalances(shape) else None)
+
+
+def _predicted(shape: RunShape, works: list[StageWork], times: list[StageTimes]
+               ) -> Prediction:
+    """``shape``'s prediction, each stage's ring its own cells (a layout's sizes)."""
     sync = sync_bytes_per_step(works, shape.replicas,
                                [len(shape.ids(s)) for s in range(shape.stages)])
-    return PredictedRun(predict(shape, cal.times, sync), not all(cal.cached))
+    return predict(shape, times, sync)
 
 
 def prediction_json(run: PredictedRun) -> dict[str, Any]:
@@ -41,6 +54,12 @@ def prediction_json(run: PredictedRun) -> dict[str, Any]:
             "stages": [{"stage": s.stage, "compute_seconds": s.compute_seconds,
                         "utilisation": s.utilisation} for s in p.stages],
             "deals": [{str(r): n for r, n in deal.items()} for deal in p.deals],
+            "rebalance": None if run.rebalance is None else [
+                {"at": m.move.at, "move": m.move.cells(),
+                 "layout": [m.shape.ids(s) for s in range(m.shape.stages)],
+                 "step_seconds": after.step_seconds,
+                 "deals": [{str(r): n for r, n in deal.items()} for deal in after.deals]}
+                for m, after in run.rebalance],
             "links": [{"name": x.name, "bytes_per_step": x.nbytes,
                        "seconds_per_step": x.seconds, "bound": x.bound, "mbps": x.mbps,
                        "latency_ms": x.latency_s * 1000.0, "carries": list(x.carries),

@@ -94,6 +94,9 @@ class RunShape:
     # None: the grid. Every stage deals its shares' micro-batches to its own cells.
     layout: tuple[tuple[int, ...], ...] | None = attrs.field(
         default=None, converter=lambda w: None if w is None else tuple(map(tuple, w)))
+    # SWARM's rebalancing (``topology.rebalance_every``): a look every that many steps
+    # (``predict/rebalance`` plays the moves its rule makes).
+    rebalance_every: int | None = None
 
     def ids(self, stage: int) -> list[int]:
         """The ids of a stage's cells (the grid's replicas without a layout)."""

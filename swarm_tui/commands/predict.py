@@ -11,12 +11,14 @@ import attrs
 
 from swarm_core.config.profiles import ConfigError, load_network_scenario
 from swarm_core.contract.placement import slot_count
+from swarm_core.contract.rebalance import MIN_GAIN
 from swarm_core.predict.calibrate import StageWork, default_cache, measure_stage
 from swarm_core.predict.critical_path import StageTimes
 from swarm_core.predict.network import MatrixNetwork, UniformNetwork, network_for
+from swarm_core.predict.rebalance import RebalanceStep
 from swarm_core.predict.runs import PredictInputError, load_runs, profile_run
 from swarm_core.predict.service import PredictedRun, predict_run, prediction_json
-from swarm_core.predict.step import RunShape
+from swarm_core.predict.step import Prediction, RunShape
 from swarm_core.schema import unstructure
 from swarm_tui.commands.argtypes import (
     cell_slowdown,
@@ -151,6 +153,8 @@ def _table(run: PredictedRun) -> None:
                [[s.stage, f"{s.compute_seconds:.4f}", f"{s.utilisation:.0%}",
                  "-" if deal is None else " ".join(f"{r}:{n:g}" for r, n in deal.items())]
                 for s, deal in zip(p.stages, deals, strict=True)])
+    if run.rebalance is not None:
+        _rebalancing(run, run.rebalance)
     if not p.links:
         return
     rows: list[list[Any]] = [
@@ -159,6 +163,21 @@ def _table(run: PredictedRun) -> None:
          *(_mbps(x.mbps_for[u]) for u in ("50", "90", "99"))] for x in p.links]
     emit_table(None, ["link", "carries", "Mbit/s", "ms", "bytes/step", "s/step", "bound",
                       "Mbit/s 50%", "90%", "99%"], rows)
+
+
+def _rebalancing(run: PredictedRun, moves: list[tuple[RebalanceStep, Prediction]]) -> None:
+    """A rebalancing run's moves as its rule would make them, each layout's step beside the
+    step before any."""
+    if not moves:
+        print_line("rebalancing: its rule finds no move worth it at any look (none raises "
+                   f"the slowest stage's throughput by {MIN_GAIN:.0%})")
+        return
+    first = run.prediction.step_seconds
+    emit_table(None, ["rebalancing: before step", "move", "layout", "step s", "vs start"],
+               [[m.move.at, m.move.cells(),
+                 " ".join(",".join(map(str, m.shape.ids(s))) for s in range(m.shape.stages)),
+                 f"{after.step_seconds:.4f}", f"{first / after.step_seconds:.2f}x"]
+                for m, after in moves])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
