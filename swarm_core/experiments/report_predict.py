@@ -46,6 +46,9 @@ class RunPrediction:
     measured: float | None
     prediction: Prediction | None = None
     why_not: str | None = None
+    # A rebalancing run's moves as the predictor plays its rule (``predict/rebalance``): each
+    # move's text, the step it is made before and the step predicted after it.
+    moves: list[tuple[str, int, float]] = attrs.field(factory=list)
 
     @property
     def ratio(self) -> float | None:
@@ -103,7 +106,8 @@ def run_shape(resolved: dict[str, Any]) -> RunShape:
     return RunShape(name=job.name, model=model, training=training, stages=stages,
                     replicas=replicas, network=network_for(profile, training.network, stages),
                     wiring=job.topology.wiring, route_weights=job.topology.route_weights,
-                    routing=job.topology.routing, layout=job.topology.layout)
+                    routing=job.topology.routing, layout=job.topology.layout,
+                    rebalance_every=job.topology.rebalance_every)
 
 
 def slowed_cells(by_cell: Mapping[str, float] | None, shape: RunShape
@@ -146,7 +150,9 @@ def predict_dir(run_dir: Path, label: str, measured: float | None, cache: Path |
         # (a hand-edited cache entry, a shape the traffic model or torch refuses)
         return RunPrediction(label, measured, why_not=f"cannot predict: {type(exc).__name__}: "
                                                       f"{exc}")
-    return RunPrediction(label, measured, done.prediction)
+    return RunPrediction(label, measured, done.prediction,
+                         moves=[(m.move.cells(), m.move.at, after.step_seconds)
+                                for m, after in done.rebalance or ()])
 
 
 HEADERS = ["run", "predicted s/step", "perfect overlap s/step", "measured s/step",
@@ -180,6 +186,10 @@ def html_section(preds: list[RunPrediction]) -> str:
                               "</tr>" for row in body) + "</table>"
     missing = "".join(f"<li>{html.escape(r.label)}: {html.escape(r.why_not)}</li>"
                       for r in preds if r.prediction is None and r.why_not)
+    moved = "".join(f"<li>{html.escape(r.label)}: rebalancing, as its rule would move peers "
+                    "on these speeds: " + "; ".join(
+                        f"{html.escape(text)} before step {at} (then {step:.3f} s/step)"
+                        for text, at, step in r.moves) + "</li>" for r in preds if r.moves)
     return ("<h2 id='predictor'>Predictor</h2><p>What <code>swarm predict</code> gives for "
             "each run's resolved config (its model, schedule, grid and links) from the stage "
             "times cached on this machine: the predicted step (the schedule played out, "
@@ -187,4 +197,5 @@ def html_section(preds: list[RunPrediction]) -> str:
             "perfect overlap of compute and transfer would reach (a lower bound), what "
             "bounds it (compute, a link, or latency) and each stage's utilisation, beside "
             "the run's measured mean step (first step and evaluations left out).</p>"
-            + table + (f"<ul class='why'>{missing}</ul>" if missing else ""))
+            + table + (f"<ul class='moves'>{moved}</ul>" if moved else "")
+            + (f"<ul class='why'>{missing}</ul>" if missing else ""))

@@ -261,3 +261,26 @@ def test_the_prediction_plays_the_runs_emulated_slowdowns(run_dir, cache):
     assert slowed.prediction.compute_seconds > plain.prediction.compute_seconds
     assert report_predict.slowed_cells({"1.1": 4.0, "1.0": 1.0, "7.0": 3.0, "x": 2.0},
                                        shape) == ((1, 1, 4.0),)
+
+
+def test_a_rebalancing_runs_row_names_the_moves_its_rule_would_make(tmp_path):
+    """A 2 x 3 swarm run with measured routes and a look every 4 steps whose stage-1 cells
+    1 and 2 ran 4x slowed: the predictor plays its rule on those speeds and the section
+    names the move (stage 0's cell 2 to stage 1 as cell 3, before step 4) and the step
+    predicted after it, shorter than the row's."""
+    job = _job(batch_size=24, micro_batches=4)
+    job["topology"] = {"stages": 2, "replicas": 3, "wiring": "swarm", "routing": "measured",
+                       "rebalance_every": 4}
+    job = unstructure(structure(job, JobSubmit))
+    run_dir = _run_dir(tmp_path / "runs", job)
+    shape = report_predict.run_shape(report_predict.read_resolved(run_dir))
+    cache = tmp_path / "calibration.json"
+    calibrate(stage_works(shape.model, shape.training, 2, 3), cache,
+              measure=lambda w: TIMES[w.stage])
+    row = predict_dir(run_dir, "rb", 0.7, cache, slowdowns={"1.1": 4.0, "1.2": 4.0})
+    assert row.prediction is not None
+    [(text, at, after)] = row.moves
+    assert (text, at) == ("0.2 -> 1.3", 4) and after < row.prediction.step_seconds
+    section = report_predict.html_section([row])
+    assert f"rb: rebalancing, as its rule would move peers on these speeds: 0.2 -&gt; 1.3 " \
+           f"before step 4 (then {after:.3f} s/step)" in section
