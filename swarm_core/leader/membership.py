@@ -120,6 +120,23 @@ def _check_steps(job: JobRecord, rep: RegroupReport) -> None:
                                 f"got {value}", field=f"$.{name}")
 
 
+def _recorded_cellwise(job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
+    """A survivor's order in the cell-wise round the job's last change records, where it asks
+    for it under the membership before (a leader restarted between deciding the round and
+    the cell's fetch of its answer: the answers lived in the old leader's memory). The round
+    is decided, recorded and answered at once, so the record holds the whole order: its
+    epoch and ids, the step every survivor trains again and the layout the placement was
+    left with (``cell_orders``)."""
+    last = job.membership[-1] if job.membership else None
+    p = job.placement
+    if job.state is not JobState.RUNNING or job.recovering is not None or last is None \
+            or not last.cells_left or last.epoch != rep.epoch + 1 or p is None \
+            or not p.has(rep.stage, rep.replica):
+        return None  # (a job that ended or recovers forgot its answers: 409 to the cell)
+    return RegroupOrder(last.epoch, list(last.members), redo_step=last.step - 1,
+                        layout=[p.ids(k) for k in range(p.num_stages)])
+
+
 class Membership:
     def __init__(self, queue: JobQueue) -> None:
         self.queue = queue
@@ -270,7 +287,9 @@ class Membership:
 
     def answer(self, job: JobRecord, rep: RegroupReport) -> RegroupOrder | None:
         answers = self.answers.get(job.job_id)
-        if answers is None or answers.epoch != rep.epoch + 1:
+        if answers is None:
+            return _recorded_cellwise(job, rep)
+        if answers.epoch != rep.epoch + 1:
             return None
         return answers.orders.get((rep.stage, rep.replica))
 

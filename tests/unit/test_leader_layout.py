@@ -393,3 +393,40 @@ async def test_a_late_report_from_before_a_cell_left_is_indexed_as_its_step_was(
     assert sorted(rec["stages_reported"]) == [0, 1, 2, 4, 5]
     assert rec["replica_losses"] == {"0": 2.0, "2": 4.0}
     assert rec["loss"] == pytest.approx(3.0)
+
+
+async def test_a_cell_wise_order_outlives_a_leader_restart(aiohttp_client, leader_config):
+    """The leader decides a cell-wise round as the last survivor reports, and restarts
+    before the other three fetch their orders (they asked first and were told to wait):
+    asking again under the membership before, each is answered from the job's record, the
+    order the last one got (before, a 409 "membership 0 is over", and the survivor's
+    failure started another round)."""
+    from swarm_core.leader import create_app
+
+    api = await aiohttp_client(create_app(leader_config))
+    jid, _job, fellows = await _layout_job(api, 7990, [[0, 1], [0, 1, 2]], 2)
+    cells = {(0, 0): fellows[0], (1, 0): fellows[1], (0, 1): fellows[2], (1, 1): fellows[3]}
+    await expect_ok(await report(api, jid, fellows[4], "FAILED", step=3, stage=1, replica=2,
+                                 message="LinkClosed: link to stage 0 closed"))
+
+    def ask(stage: int, rid: int, reg: dict[str, Any]) -> dict[str, Any]:
+        return {"fellow_id": reg["fellow_id"], "stage": stage, "replica": rid,
+                "op_step": 3 if stage else 4, "routed": True}
+
+    got = [await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup", json=ask(*c, reg),
+                                          headers=reg["headers"]))
+           for c, reg in cells.items()]
+    assert [g["order"] for g in got[:3]] == [None] * 3
+    order = got[3]["order"]
+    assert order is not None and order["epoch"] == 1
+    await api.close()
+    api = await aiohttp_client(create_app(leader_config))
+    for (stage, rid), reg in list(cells.items())[:3]:
+        again = await register(api, **reg["body"])
+        assert again["fellow_id"] == reg["fellow_id"]
+        answer = await expect_ok(await api.post(f"{A}/jobs/{jid}/regroup",
+                                                json=ask(stage, rid, again),
+                                                headers=again["headers"]))
+        assert answer["order"] == order, (stage, rid)
+    job = await get_job(api, jid)
+    assert job["state"] == "RUNNING" and len(job["membership"]) == 1
