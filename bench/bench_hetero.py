@@ -62,7 +62,10 @@ from swarm_core.pipeline.local import LocalCoordinator, run_local_pipeline  # no
 from swarm_core.pipeline.pace import Pace  # noqa: E402
 from swarm_core.pipeline.stage import StageResult, StepReport  # noqa: E402
 from swarm_core.predict.critical_path import StageTimes, simulate_chains  # noqa: E402
+from swarm_core.predict.network import UniformNetwork  # noqa: E402
 from swarm_core.predict.routed import RoutedRun, route_weights  # noqa: E402
+from swarm_core.predict.service import predict_run  # noqa: E402
+from swarm_core.predict.step import RunShape  # noqa: E402
 
 STAGES, REPLICAS, SLOW = 2, 2, 4.0
 SLOW_CELL = (1, 1)  # (stage, replica)
@@ -277,6 +280,22 @@ def run_rebalance(cfg: dict[str, Any], base: float, every: int | None) -> dict[s
     return {"steps": [b - a for a, b in itertools.pairwise(stamps)], "moves": moves}
 
 
+def predicted_rebalancing(cfg: dict[str, Any]) -> list[tuple[str, int, float]]:
+    """What ``swarm predict`` expects of the rebalancing job: each move its rule makes and
+    the step before any over the step after it (``predict/rebalance``; the padding every
+    cell shares scales every step alike, so the cells are taken as machines, unpadded)."""
+    tc = TrainingConfig(steps=cfg["steps"], batch_size=cfg["batch"], micro_batches=cfg["micro"],
+                        eval_batches=0, warmup_steps=0, seed=5)
+    shape = RunShape("rebalance", ModelConfig(**cfg["model"]), tc, STAGES, RB_REPLICAS,
+                     UniformNetwork("unshaped"), wiring="swarm", routing="measured",
+                     slowdowns=tuple((1, r, SLOW) for r in RB_SLOW),
+                     rebalance_every=cfg["every"])
+    done = predict_run(shape)
+    first = done.prediction.step_seconds
+    return [(m.move.cells(), m.move.at, first / after.step_seconds)
+            for m, after in done.rebalance or ()]
+
+
 def rebalance_table(cfg: dict[str, Any], base: float) -> None:
     """Throughput before the first move against after it (its step, the re-link and the
     first step after left out: before measured routes kept their estimate across a move,
@@ -310,6 +329,10 @@ def rebalance_table(cfg: dict[str, Any], base: float) -> None:
     before, after = phases[0][2], phases[-1][2]
     best = min(mean for _lo, _hi, mean in phases[1:]) if len(phases) > 1 else before
     gain = before / after  # (judged on where rebalancing left the job: its last layout)
+    expected = predicted_rebalancing(cfg)
+    print("predicted (swarm predict's play of the rule on this machine's calibrated compute, "
+          "every cell on a machine of its own): " + ("no move" if not expected else "; ".join(
+              f"{text} before step {at}, {ratio:.2f}x" for text, at, ratio in expected)))
     print(f"target: throughput after rebalancing >= 1.3x before: {gain:.2f}x at its last "
           f"layout ({'MET' if gain >= 1.3 else 'NOT MET'}; {before / best:.2f}x at its best; "
           f"the rule's units: 1.5 -> 2.0 = 1.33x for one move); the last against no "
