@@ -182,7 +182,8 @@ def _rebalancing(run: PredictedRun, moves: list[tuple[RebalanceStep, Prediction]
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="predict each run's step time, stage utilisation and "
-                                       "bounding link from this machine's compute (no leader)")
+                                       "bounding link from this machine's compute (no leader), "
+                                       "and a rebalancing job's moves")
     p.add_argument("config", nargs="?", default=None,
                    help="an experiment config (every run of its sweep) or a job body JSON")
     p.add_argument("--model", default=None, help="model profile JSON (instead of CONFIG)")
