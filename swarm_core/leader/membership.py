@@ -129,9 +129,11 @@ def _recorded_cellwise(job: JobRecord, rep: RegroupReport) -> RegroupOrder | Non
     left with (``cell_orders``)."""
     last = job.membership[-1] if job.membership else None
     p = job.placement
+    # (``job.epoch``: the change is the job's latest membership, of this attempt: a job that
+    # recovered starts its epochs again below the changes it keeps on record)
     if job.state is not JobState.RUNNING or job.recovering is not None or last is None \
-            or not last.cells_left or last.epoch != rep.epoch + 1 or p is None \
-            or not p.has(rep.stage, rep.replica):
+            or not last.cells_left or last.epoch != job.epoch \
+            or last.epoch != rep.epoch + 1 or p is None or not p.has(rep.stage, rep.replica):
         return None  # (a job that ended or recovers forgot its answers: 409 to the cell)
     return RegroupOrder(last.epoch, list(last.members), redo_step=last.step - 1,
                         layout=[p.ids(k) for k in range(p.num_stages)])

@@ -94,13 +94,24 @@ class MatrixNetwork:
     matrix: LinkMatrix
     stages: int
     uniform: UniformNetwork = UniformNetwork()
+    # Cells whose site is not the matrix's rule's, (stage, id, site) each: a peer a
+    # rebalancing move took elsewhere keeps its own (``StagePlacement.site``).
+    placed: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def name(self) -> str:
         return self.uniform.name
 
     def _site(self, cell: Cell) -> str:
+        for stage, cid, site in self.placed:
+            if (stage, cid) == cell:
+                return site
         return self.matrix.site_of(cell[0], cell[1], self.stages)
+
+    def moved(self, src: Cell, dst: Cell) -> MatrixNetwork:
+        """The network after the peer of cell ``src`` became cell ``dst``: it keeps its site."""
+        kept = tuple(x for x in self.placed if (x[0], x[1]) not in (src, dst))
+        return attrs.evolve(self, placed=(*kept, (*dst, self._site(src))))
 
     def tx(self, cell: Cell) -> Link:
         up = self.matrix.sites[self._site(cell)].up_mbps

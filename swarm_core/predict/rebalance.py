@@ -21,6 +21,7 @@ import attrs
 from swarm_core.contract.placement import normal_layout
 from swarm_core.contract.rebalance import PeerMove, choose_move, free_id
 from swarm_core.predict.critical_path import StageTimes
+from swarm_core.predict.network import MatrixNetwork
 from swarm_core.predict.step import RunShape
 
 MAX_MOVES = 8  # looks played at most (a rule that found a move at each would stop here)
@@ -49,15 +50,18 @@ def speeds(shape: RunShape, times: Sequence[StageTimes]) -> list[dict[int, float
 
 def moved(shape: RunShape, move: PeerMove) -> RunShape:
     """``shape`` after ``move``: the peer's cell gone from its stage, a cell of its new id at
-    the target, its slowdown with it."""
+    the target, its slowdown and (under a link matrix) its site with it."""
     assert move.new_id is not None
     after = [[r for r in shape.ids(k) if (k, r) != (move.source, move.cell)]
              for k in range(shape.stages)]
     after[move.target].append(move.new_id)
     slowdowns = tuple((move.target, move.new_id, x) if (s, r) == (move.source, move.cell)
                       else (s, r, x) for s, r, x in shape.slowdowns)
+    net = shape.network
+    if isinstance(net, MatrixNetwork):  # (and its site: it keeps its fellow)
+        net = net.moved((move.source, move.cell), (move.target, move.new_id))
     return attrs.evolve(shape, layout=normal_layout(after, shape.stages, shape.replicas),
-                        slowdowns=slowdowns)
+                        slowdowns=slowdowns, network=net)
 
 
 def plan_moves(shape: RunShape, times: Sequence[StageTimes],

@@ -430,3 +430,34 @@ async def test_a_cell_wise_order_outlives_a_leader_restart(aiohttp_client, leade
         assert answer["order"] == order, (stage, rid)
     job = await get_job(api, jid)
     assert job["state"] == "RUNNING" and len(job["membership"]) == 1
+
+
+def test_a_recorded_cell_wise_order_is_only_the_current_memberships():
+    """The order rebuilt from the record answers an ask under the membership just before the
+    job's latest change, and only while that change is the job's current membership: after
+    a recovery (the job's epochs start again at 0, the old change kept on record) a fresh
+    round's ask under epoch 0 is not answered with the old attempt's order; nor is a cell
+    the placement no longer holds, nor a job that is not running."""
+    from types import SimpleNamespace
+
+    from swarm_core.contract.membership import MembershipChange, RegroupReport
+    from swarm_core.contract.placement import FellowSlots, plan
+    from swarm_core.leader.membership import _recorded_cellwise
+    from swarm_core.leader.records import JobState
+
+    placed = plan([FellowSlots(i, f"f{i}", ["cpu"], f"127.0.0.1:{9000 + i}") for i in range(5)],
+                  2, 2, replicas=2, layout=[[0, 1], [0, 1, 2]]).without([(1, 2)])
+    change = MembershipChange(step=41, epoch=1, members=[0, 1], cells_left=[[1, 2]])
+    job = SimpleNamespace(state=JobState.RUNNING, recovering=None, membership=[change],
+                          placement=placed, epoch=1)
+    ask = RegroupReport(fellow_id=0, stage=0, replica=1, epoch=0, op_step=40)
+    order = _recorded_cellwise(job, ask)  # type: ignore[arg-type]
+    assert order is not None and (order.epoch, order.members, order.redo_step, order.layout) \
+        == (1, [0, 1], 40, [[0, 1], [0, 1]])
+    job.epoch = 0  # (recovered: a new attempt's epochs)
+    assert _recorded_cellwise(job, ask) is None  # type: ignore[arg-type]
+    job.epoch = 1
+    gone = RegroupReport(fellow_id=4, stage=1, replica=2, epoch=0, op_step=40)
+    assert _recorded_cellwise(job, gone) is None  # type: ignore[arg-type]
+    job.state = JobState.FAILED
+    assert _recorded_cellwise(job, ask) is None  # type: ignore[arg-type]

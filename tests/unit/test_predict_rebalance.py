@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
@@ -89,3 +90,23 @@ def test_swarm_predict_says_what_rebalancing_would_do(tmp_path, capsys, monkeypa
     path.write_text(json.dumps(body))
     assert run(["predict", str(path), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"][0]["rebalance"] is None
+
+
+def test_under_a_link_matrix_a_moved_peer_keeps_its_site():
+    """Each replica's chain at a site of its own: the rule moves stage 0's cell 2 (site c) to
+    stage 1 as cell 3, an id the replica rule has no site for; the moved peer keeps c (as
+    its START's placement keeps it), so its links are c's and the layout is predicted."""
+    from swarm_core.config.network import LinkMatrix
+    from swarm_core.predict.network import MatrixNetwork
+
+    matrix = structure({"sites": {"a": {}, "b": {}, "c": {"up_mbps": 5.0}},
+                        "default": {"mbps": 1000}, "replica_sites": ["a", "b", "c"]},
+                       LinkMatrix)
+    shape = attrs.evolve(_shape([(1, 1, 4.0), (1, 2, 4.0)]),
+                         network=MatrixNetwork(matrix, 2))
+    [look] = plan_moves(shape, TIMES)
+    net = look.shape.network
+    assert isinstance(net, MatrixNetwork) and net.tx((1, 3)).mbps == 5.0  # (site c's cap)
+    assert net.tx((1, 0)).mbps is None
+    after = predict(look.shape, TIMES)
+    assert any(link.name.startswith("stage 1 replica 3") for link in after.links)
