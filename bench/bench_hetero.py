@@ -301,6 +301,10 @@ def rebalance_table(cfg: dict[str, Any], base: float) -> None:
     first step after left out: before measured routes kept their estimate across a move,
     that step dealt equally), beside the same job without rebalancing."""
     every = cfg["every"]
+    # (first, in the main thread: torch's calibration there after the runs' threads ended
+    # aborted the interpreter at exit in 1 of 3 runs, "terminate called without an active
+    # exception"; before them, 0 of 5)
+    expected = predicted_rebalancing(cfg)
     off = run_rebalance(cfg, base, None)
     on = run_rebalance(cfg, base, every)
     print(f"\n== rebalancing: S={STAGES} x R={RB_REPLICAS}, stage 1's ids {list(RB_SLOW)} "
@@ -329,7 +333,6 @@ def rebalance_table(cfg: dict[str, Any], base: float) -> None:
     before, after = phases[0][2], phases[-1][2]
     best = min(mean for _lo, _hi, mean in phases[1:]) if len(phases) > 1 else before
     gain = before / after  # (judged on where rebalancing left the job: its last layout)
-    expected = predicted_rebalancing(cfg)
     print("predicted (swarm predict's play of the rule on this machine's calibrated compute, "
           "every cell on a machine of its own): " + ("no move" if not expected else "; ".join(
               f"{text} before step {at}, {ratio:.2f}x" for text, at, ratio in expected)))

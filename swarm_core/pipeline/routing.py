@@ -7,9 +7,15 @@ later stage the step's R*M micro-batches are dealt to the stage's replicas by SW
 peer whose queue of expected work ends first, that queue then growing by the task's size over
 the peer's throughput, ties broken at random; the first of a step go one to each peer. Here
 the throughputs are the stage's ``weights`` and the deal is a plan every cell computes alike
-from the job's seed and the step (the micro-batches taken in a seeded shuffle, SWARM's
-stochastic wiring), so no frame says where a micro-batch goes next and no cell waits on a
-queue: each cell knows which micro-batches it runs, who sends each and whom it sends it to.
+from the job's seed and the step, so no frame says where a micro-batch goes next and no cell
+waits on a queue: each cell knows which micro-batches it runs, who sends each and whom it
+sends it to. As SWARM's balancer takes its tasks, the micro-batches are dealt in the order
+they reach the stage (the replicas' shares interleaved, the order every cell runs them in:
+``RoutedStep``), the seeded tie-breaks making the wiring stochastic: of equal peers, which
+takes which of each slot's micro-batches is drawn a step. (A first version dealt them in a
+seeded shuffle: a cell could be dealt two of one slot's micro-batches and none of another's,
+and idle in the forward phase; played out, 10-26 % longer steps where the stages' cells are
+equal, docs/decisions.md.)
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ from typing import Any
 from swarm_core.contract.placement import slot_count, stage_ids
 
 Plan = list[list[int]]  # plan[stage][g]: the replica of that stage that runs micro-batch g
+
+
+def arrival(g: int, micro_batches: int) -> tuple[int, int]:
+    """Where micro-batch ``g`` comes in a stage's step: its replica's shares side by side,
+    each one's first, then each one's second... (stage 0's replicas make them so)."""
+    return g % micro_batches, g // micro_batches
 
 
 def deal(weights: Sequence[float], order: Sequence[int], rng: random.Random) -> dict[int, int]:
@@ -64,8 +76,8 @@ def route_plan(seed: int, step: int, num_stages: int, replicas: int, micro_batch
             plan.append(shares)
             continue
         rng = random.Random(f"swarm-route/{seed}/{step}/{k}")
-        order = [g for g in range(n) if shares[g] >= 0]
-        rng.shuffle(order)
+        order = sorted((g for g in range(n) if shares[g] >= 0),
+                       key=lambda g: arrival(g, micro_batches))
         dealt = deal([1.0 if weights is None else weights[k][r] for r in ids], order, rng)
         plan.append([ids[dealt[g]] if g in dealt else -1 for g in range(n)])
     return plan
@@ -181,8 +193,7 @@ class RoutedStep:
         # In one order every cell shares: the replicas' shares interleaved (each replica's
         # first micro-batch, then each one's second...), the order stage 0's replicas make
         # them in side by side, so a routed cell starts on whichever comes first.
-        self.mine = sorted(runs(plan, stage, replica),
-                           key=lambda g: (g % micro_batches, g // micro_batches))
+        self.mine = sorted(runs(plan, stage, replica), key=lambda g: arrival(g, micro_batches))
 
     @property
     def first(self) -> int:

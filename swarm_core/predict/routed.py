@@ -12,8 +12,8 @@ sends are queued) and arrives a latency after it leaves. Where the cells share a
 fewer cores than cells, an op also waits for a core (the ready op goes first, on the core
 free first), as ``critical_path`` plays a chain.
 
-A step's deal depends on the step (its shuffle is seeded by it), so a prediction averages a
-few steps' plans (``PLANS``).
+A step's deal depends on the step (its tie-breaks are seeded by it), so a prediction averages
+a few steps' plans (``PLANS``).
 """
 
 from __future__ import annotations

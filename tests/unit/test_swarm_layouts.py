@@ -77,7 +77,8 @@ def test_a_layout_s_plan_deals_each_stage_to_its_own_cells():
     plan = route_plan(7, 3, 2, 2, 4, [[1, 1, 1], [3, 1, 2]], layout=[[0], [0, 1, 2]])
     assert plan[0] == [0] * 8
     assert sorted(runs(plan, 1, 0) + runs(plan, 1, 1) + runs(plan, 1, 2)) == list(range(8))
-    assert [len(runs(plan, 1, r)) for r in range(3)] == [4, 1, 3]  # (3 : 1 : 2, ties at random)
+    # (3 : 1 : 2 of eight: 4, then 1 and 3 or 2 and 2 as the balancer's random ties fall)
+    assert [len(runs(plan, 1, r)) for r in range(3)] in ([4, 1, 3], [4, 2, 2])
     more = route_plan(7, 3, 2, 2, 4, [[1, 2, 1], [1, 1]], layout=[[0, 1, 2], [0, 1]])
     assert all(runs(more, 0, r) for r in range(3)) and -1 not in more[0]  # (stage 0 dealt)
     uniform = [[1, 1], [3, 1]]
