@@ -14,6 +14,7 @@ Torch-free: the leader validates the field and counts bytes with it on a login n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -106,17 +107,20 @@ def boundary_compresses(training: TrainingConfig, src: Cell, dst: Cell,
     return rule.covers(training.network, src, dst, num_stages, placed)
 
 
-def group_compresses(training: TrainingConfig, stage: int, replicas: int,
-                     num_stages: int) -> bool:
-    """Whether stage ``stage``'s group codes its sync by ``sync.compression``. One answer for
-    the whole group (its members hold the same bytes only if every hop codes alike): yes if
-    the rule covers any link between two of its replicas, either way, so a ring a regroup
-    forms later (any two members may become neighbours) never changes it."""
+def group_compresses(training: TrainingConfig, stage: int, ids: Sequence[int],
+                     num_stages: int, placed: Placed | None = None) -> bool:
+    """Whether stage ``stage``'s group of cells ``ids`` codes its sync by
+    ``sync.compression``. One answer for the whole group (its members hold the same bytes only
+    if every hop codes alike): yes if the rule covers any link between two of its cells,
+    either way, so a ring a regroup forms later (any two members may become neighbours)
+    never changes it. A swarm group asks again each time its members change (a move, a lost
+    cell: every member re-forms its sync then, under the same placement), so a peer a move
+    brings is judged at its own site (``placed``)."""
     rule = training.compress_when
     if rule is None or "sync" not in rule.applies_to:
         return True
-    return any(rule.covers(training.network, (stage, a), (stage, b), num_stages)
-               for a in range(replicas) for b in range(replicas) if a != b)
+    return any(rule.covers(training.network, (stage, a), (stage, b), num_stages, placed)
+               for a in ids for b in ids if a != b)
 
 
 def selective_error(model: ModelConfig, training: TrainingConfig, stages: int,

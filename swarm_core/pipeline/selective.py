@@ -99,6 +99,6 @@ def sync_codec(spec: StageSpec) -> WireCodec:
     """How this cell's group codes its sync: ``sync.compression``, or fp32 where the rule
     covers no link of the group (one answer for the group: ``group_compresses``)."""
     t = spec.training
-    if group_compresses(t, spec.stage, spec.replicas, spec.num_stages):
+    if group_compresses(t, spec.stage, spec.ids(spec.stage), spec.num_stages, spec.placement):
         return WireCodec.of_sync(t.sync)
     return WireCodec()

@@ -52,10 +52,10 @@ def test_below_mbps_selects_each_direction_of_a_link_and_each_group_whole():
     assert not boundary_compresses(t, (0, 0), (1, 1), 2)
     assert boundary_compresses(t, (1, 1), (0, 0), 2)
     # A group codes alike on every hop: if any link between two of its members is covered.
-    assert group_compresses(t, 0, 3, 2)  # (a dc member and a home one: 110 one way)
-    assert not group_compresses(t, 0, 2, 2)  # (replicas 0 and 1 of stage 0: both in the dc)
-    assert group_compresses(t, 1, 2, 2)
-    assert not group_compresses(training({"below_mbps": 100}), 1, 3, 2)  # (110 is not below)
+    assert group_compresses(t, 0, range(3), 2)  # (a dc member and a home one: 110 one way)
+    assert not group_compresses(t, 0, range(2), 2)  # (replicas 0 and 1 of stage 0: both in the dc)
+    assert group_compresses(t, 1, range(2), 2)
+    assert not group_compresses(training({"below_mbps": 100}), 1, range(3), 2)  # (110 is not below)
 
 
 def test_named_replicas_select_their_links_and_the_scope_says_which_compression():
@@ -63,14 +63,14 @@ def test_named_replicas_select_their_links_and_the_scope_says_which_compression(
     assert boundary_compresses(t, (0, 2), (1, 2), 2) and boundary_compresses(t, (1, 0), (0, 2), 2)
     assert not boundary_compresses(t, (0, 0), (1, 0), 2)
     assert not boundary_compresses(t, (0, 0), (1, 1), 2)
-    assert group_compresses(t, 0, 3, 2) and not group_compresses(t, 0, 2, 2)
+    assert group_compresses(t, 0, range(3), 2) and not group_compresses(t, 0, range(2), 2)
     only_boundary = training({"replicas": [2], "applies_to": ["boundary"]}, network=None)
-    assert group_compresses(only_boundary, 0, 2, 2)  # (the sync is not selected: everywhere)
+    assert group_compresses(only_boundary, 0, range(2), 2)  # (the sync is not selected: everywhere)
     only_sync = training({"replicas": [2], "applies_to": ["sync"]}, network=None)
     assert boundary_compresses(only_sync, (0, 0), (1, 0), 2)
     # Without a rule, everywhere: today's behaviour.
     assert boundary_compresses(training(None), (0, 0), (1, 0), 2)
-    assert group_compresses(training(None), 0, 2, 2)
+    assert group_compresses(training(None), 0, range(2), 2)
 
 
 @pytest.mark.parametrize("rule, where, says", [
@@ -224,9 +224,9 @@ def test_a_layout_cell_names_what_it_sends_each_of_its_peers_by_their_sites():
     """Under a layout [[0, 1], [0, 1, 2]] stage 0's cell 1 may send to any of stage 1's three
     cells, the extra id 2 too, each link coded as its sites' rate says; stage 1's cells
     sync around a ring of their own ids (cell 1 to 2, cell 2 to 0), in the group's one
-    format, which the shares' links decide (ids 0 and 1, 1000 Mbit/s apart: fp32) so that a
-    peer a move brings never changes it. Each cell sits where the placement put it: the
-    replica rule names id 2's site."""
+    format, which its own cells' links decide: id 2 sits 50 Mbit/s from ids 0 and 1, so the
+    group codes int8 (stage 0's two cells, 1000 Mbit/s apart, fp32). Each cell sits where
+    the placement put it: the replica rule names id 2's site."""
     from swarm_core.contract.placement import FellowSlots, plan
     from swarm_core.pipeline.boundary import make_boundary
     from swarm_core.pipeline.selective import LinkCodecs
@@ -248,5 +248,23 @@ def test_a_layout_cell_names_what_it_sends_each_of_its_peers_by_their_sites():
         return LinkCodecs(spec, make_boundary(mc)).sent()
 
     assert sent(0, 1) == {"1.0": "fp32", "1.1": "fp32", "1.2": "int8", "0.0": "fp32"}
-    assert sent(1, 1) == {"0.0": "fp32", "0.1": "fp32", "1.2": "fp32"}
-    assert sent(1, 2) == {"0.0": "int8", "0.1": "int8", "1.0": "fp32"}
+    assert sent(1, 1) == {"0.0": "fp32", "0.1": "fp32", "1.2": "int8"}
+    assert sent(1, 2) == {"0.0": "int8", "0.1": "int8", "1.0": "int8"}
+
+
+def test_a_group_a_moved_peer_joins_codes_by_the_peers_own_site():
+    """Stage 1's three cells share a site; stage 0's cell 2 sits at a home 50 Mbit/s away.
+    Its group syncs fp32 (no slow link inside it) until rebalancing moves stage 0's cell 2
+    to stage 1 as cell 3: the group, re-formed, now spans the slow link and codes int8, the
+    moved peer judged at its own site (the placement's; the cell rule names none for id 3)."""
+    from swarm_core.contract.placement import FellowSlots, plan
+
+    net = {"sites": {"a": {}, "c": {}}, "links": {"a": {"c": {"mbps": 50}}},
+           "cell_sites": [["a", "a"], ["a", "a"], ["c", "a"]]}
+    t = training({"below_mbps": 100, "applies_to": ["sync"]}, net)
+    placed = plan([FellowSlots(i, f"f{i}", ["cpu"], f"127.0.0.1:{9000 + i}")
+                   for i in range(6)], 2, 2, replicas=3, network=t.network)
+    assert not group_compresses(t, 1, [0, 1, 2], 2, placed)
+    moved = placed.moved(0, 2, 1, 3)
+    assert group_compresses(t, 1, [0, 1, 2, 3], 2, moved)
+    assert not group_compresses(t, 0, [0, 1], 2, moved)
