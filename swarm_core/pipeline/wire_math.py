@@ -13,6 +13,7 @@ from typing import Self
 import attrs
 
 from swarm_core.config.methods import BY_WIRE_ID, ELEMENTS, ROTATED, Element
+from swarm_core.config.network import Placed
 from swarm_core.config.schemas import ModelConfig, SyncConfig, TrainingConfig
 from swarm_core.config.selective import Cell, boundary_compresses
 from swarm_core.contract.placement import complete, slot_count
@@ -96,22 +97,24 @@ def boundary_width(cfg: ModelConfig) -> int:
 
 
 def link_format(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cell,
-                num_stages: int) -> WireFormat:
+                num_stages: int, placed: Placed | None = None) -> WireFormat:
     """How cell ``src`` codes what it sends cell ``dst`` across a stage boundary: the model's
-    spec, or spec ``none``'s where ``training.compress_when`` leaves the link out."""
-    if boundary_compresses(training, src, dst, num_stages):
+    spec, or spec ``none``'s where ``training.compress_when`` leaves the link out (the
+    cells' sites by ``placed`` first, where it names them: a moved peer's)."""
+    if boundary_compresses(training, src, dst, num_stages, placed):
         return WireFormat.of(model)
     return WireFormat.of(attrs.evolve(model, compression="none", bottleneck_dim=None))
 
 
 def link_bytes(model: ModelConfig, training: TrainingConfig, src: Cell, dst: Cell,
-               num_stages: int, replicas: int = 1, norm: bool = True) -> int:
+               num_stages: int, replicas: int = 1, norm: bool = True,
+               placed: Placed | None = None) -> int:
     """Bytes cell ``src`` sends its pipeline neighbour ``dst`` in one training step, headers
     included: its micro-batches' ACT (forward) or GRAD (backward) frames in the link's own
     format (``link_format``), and (``norm``) with clipping the norm exchange's frame."""
     mb = training.batch_size // replicas // training.micro_batches
     shape = (mb, model.seq_len, boundary_width(model))
-    wire = link_format(model, training, src, dst, num_stages)
+    wire = link_format(model, training, src, dst, num_stages, placed)
     sent = training.micro_batches * (HEADER_SIZE + wire.payload_size(shape))
     return sent + (HEADER_SIZE + NORM_PAYLOAD if norm and training.grad_clip > 0 else 0)
 

@@ -103,10 +103,12 @@ class MatrixNetwork:
         return self.uniform.name
 
     def _site(self, cell: Cell) -> str:
-        for stage, cid, site in self.placed:
-            if (stage, cid) == cell:
-                return site
-        return self.matrix.site_of(cell[0], cell[1], self.stages)
+        return self.matrix.site_of(cell[0], cell[1], self.stages, self)
+
+    def site(self, stage: int, replica: int) -> str | None:
+        """A cell's site where it is not the matrix's rule's (``config.network.Placed``: what
+        the selective-compression rule reads first); None where the rule's."""
+        return next((site for s, r, site in self.placed if (s, r) == (stage, replica)), None)
 
     def moved(self, src: Cell, dst: Cell) -> MatrixNetwork:
         """The network after the peer of cell ``src`` became cell ``dst``: it keeps its site."""

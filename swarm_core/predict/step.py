@@ -59,7 +59,7 @@ from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.contract.placement import slot_count, stage_ids
 from swarm_core.pipeline.wire_math import link_bytes
 from swarm_core.predict.critical_path import StageTimes, simulate_chains
-from swarm_core.predict.network import Link, Network
+from swarm_core.predict.network import Link, MatrixNetwork, Network
 from swarm_core.predict.routed import RoutedRun, route_weights
 from swarm_core.predict.traffic import LinkLoad, link_loads, routed_flows, step_flows
 
@@ -101,6 +101,11 @@ class RunShape:
     def ids(self, stage: int) -> list[int]:
         """The ids of a stage's cells (the grid's replicas without a layout)."""
         return stage_ids(self.layout, stage, self.replicas)
+
+    @property
+    def placed(self) -> MatrixNetwork | None:
+        """The cells' sites where the matrix's rule does not give them (a moved peer's)."""
+        return self.network if isinstance(self.network, MatrixNetwork) else None
 
     @property
     def slowed(self) -> dict[tuple[int, int], float]:
@@ -199,7 +204,8 @@ def predict(shape: RunShape, times: Sequence[StageTimes],
     flows = step_flows(shape.model, t, shape.stages, shape.replicas, sync_bytes) \
         if routed is None else routed_flows(shape.model, t, routed.plans, sync_bytes,
                                             shape.routing == "measured",
-                                            [shape.ids(s) for s in range(shape.stages)])
+                                            [shape.ids(s) for s in range(shape.stages)],
+                                            shape.placed)
     loads = link_loads(flows, shape.network, slot_count(shape.layout, shape.replicas))
     busiest: LinkLoad | None = max(loads, key=lambda x: x.seconds, default=None)
     link_s = busiest.seconds if busiest is not None else 0.0
@@ -299,7 +305,7 @@ def _frame_hop(shape: RunShape) -> FrameHop:
         rates = [x.mbps for x in (net.tx(src), net.rx(dst), net.pair(src, dst))
                  if x.mbps is not None]
         frame = link_bytes(shape.model, shape.training, src, dst, shape.stages,
-                           shape.replicas) / m
+                           shape.replicas, placed=shape.placed) / m
         busy = 8 * frame / (min(rates) * 1e6) if rates else 0.0
         return busy, max(net.tx(src).latency_s, net.pair(src, dst).latency_s)
 

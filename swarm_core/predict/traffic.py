@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from swarm_core.config.network import Placed
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.pipeline.routing import Plan
 from swarm_core.pipeline.wire_math import expected_wire_bytes, link_bytes, norm_bytes
@@ -59,7 +60,8 @@ def step_flows(model: ModelConfig, training: TrainingConfig, stages: int, replic
 
 def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[Plan],
                  sync_bytes: Sequence[float] = (), measured: bool = False,
-                 groups: Sequence[Sequence[int]] | None = None) -> list[Flow]:
+                 groups: Sequence[Sequence[int]] | None = None,
+                 placed: Placed | None = None) -> list[Flow]:
     """A swarm-wired step's transfers: each micro-batch's frames cross from the cell of one
     stage that ran it to the cell of the next that runs it (``plans``: the steps' route
     plans; each pair's bytes the mean over them, a frame a chain link's frames' bytes over
@@ -83,9 +85,11 @@ def routed_flows(model: ModelConfig, training: TrainingConfig, plans: Sequence[P
     for (a, z), frames in sorted(pairs.items()):
         chain = norm if a[1] == z[1] else 0
         flows += [Flow(a, z, frames * link_bytes(model, training, a, z, stages, replicas,
-                                                 norm=False) / m + chain, "act"),
+                                                 norm=False, placed=placed) / m + chain,
+                       "act"),
                   Flow(z, a, frames * link_bytes(model, training, z, a, stages, replicas,
-                                                 norm=False) / m + chain, "grad")]
+                                                 norm=False, placed=placed) / m + chain,
+                       "grad")]
     for s, nbytes in enumerate(sync_bytes):
         ids = list(groups[s])
         if nbytes and len(ids) > 1:

@@ -9,6 +9,7 @@ import attrs
 import pytest
 
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
+from swarm_core.config.selective import CompressWhen
 from swarm_core.predict.critical_path import StageTimes
 from swarm_core.predict.network import UniformNetwork
 from swarm_core.predict.rebalance import plan_moves, speeds
@@ -110,3 +111,30 @@ def test_under_a_link_matrix_a_moved_peer_keeps_its_site():
     assert net.tx((1, 0)).mbps is None
     after = predict(look.shape, TIMES)
     assert any(link.name.startswith("stage 1 replica 3") for link in after.links)
+
+
+def test_a_moved_peer_is_priced_in_the_format_its_own_sites_link_gets():
+    """``compress_when: below_mbps 100`` over the same matrix: after the move, cell 1.3 sits
+    at site c (5 Mbit/s up), so what it sends stage 0 is coded int8 and what stage 1's
+    cell 0 (site a) sends goes fp32; the predictor prices each so (it read the moved peer's
+    site by its new id before, and failed)."""
+    from swarm_core.config.network import LinkMatrix
+    from swarm_core.pipeline.wire_math import link_bytes
+    from swarm_core.predict.network import MatrixNetwork
+
+    matrix = structure({"sites": {"a": {}, "b": {}, "c": {"up_mbps": 5.0}},
+                        "default": {"mbps": 1000}, "replica_sites": ["a", "b", "c"]},
+                       LinkMatrix)
+    model = attrs.evolve(TINY, compression="fixed_int8")
+    shape = attrs.evolve(_shape([(1, 1, 4.0), (1, 2, 4.0)]), model=model,
+                         network=MatrixNetwork(matrix, 2),
+                         training=attrs.evolve(_shape([]).training, network=matrix,
+                                               compress_when=structure(
+                                                   {"below_mbps": 100}, CompressWhen)))
+    [look] = plan_moves(shape, TIMES)
+    after = predict(look.shape, TIMES)
+    t, placed = look.shape.training, look.shape.placed
+    coded = link_bytes(model, t, (1, 3), (0, 0), 2, 3, placed=placed)
+    plain = link_bytes(model, t, (1, 0), (0, 0), 2, 3, placed=placed)
+    assert coded < plain / 3
+    assert any(x.name.startswith("stage 1 replica 3") for x in after.links)

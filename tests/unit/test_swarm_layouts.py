@@ -270,7 +270,16 @@ def test_rebalancing_moves_a_peer_to_the_stage_slowed_peers_hold_back_and_stays_
         return [{r: 0.1 if (k, r) in {(1, s) for s in slow} else 1.0 for r in ids}
                 for k, ids in enumerate(layout)]
 
+    # (the estimate's samples too: what the deal after the move reads, the moved peer's
+    # carried in; timed, a loaded machine's noise once dealt a slowed cell the most)
+    timed = ThroughputEstimate.update
+
+    def samples(self, seconds):
+        timed(self, [[(10.0 if (k, r) in {(1, s) for s in slow} else 1.0) if x > 0 else x
+                      for r, x in enumerate(row)] for k, row in enumerate(seconds)])
+
     monkeypatch.setattr(ThroughputEstimate, "measured", emulated)
+    monkeypatch.setattr(ThroughputEstimate, "update", samples)
     last = _LastStage(stages)
 
     moves: list = []
