@@ -36,7 +36,7 @@ def _predicted(shape: RunShape, works: list[StageWork], times: list[StageTimes]
                ) -> Prediction:
     """``shape``'s prediction, each stage's ring its own cells (a layout's sizes)."""
     sync = sync_bytes_per_step(works, shape.replicas,
-                               [len(shape.ids(s)) for s in range(shape.stages)])
+                               [shape.ids(s) for s in range(shape.stages)], shape.placed)
     return predict(shape, times, sync)
 
 

@@ -7,30 +7,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from swarm_core.config.network import Placed
+from swarm_core.config.selective import group_compresses
 from swarm_core.predict.calibrate import StageWork, build_stage
 
 
 def sync_bytes_per_step(works: Sequence[StageWork], replicas: int,
-                        sizes: Sequence[int] | None = None) -> list[float]:
+                        groups: Sequence[Sequence[int]] | None = None,
+                        placed: Placed | None = None) -> list[float]:
     """Per stage, the bytes one ring member sends per step (empty without replicas; 0 for a
-    stage of one cell). ``sizes``: each stage's ring size where they differ (a layout's)."""
-    sizes = list(sizes) if sizes is not None else [replicas] * len(works)
-    if max(sizes, default=1) < 2:
+    stage of one cell). ``groups``: each stage's cell ids where they differ from the grid's
+    (a layout's). Each ring in the format its cells code it in: ``sync.compression``, or
+    fp32 where ``compress_when`` covers none of its links (``group_compresses``, the cells'
+    sites by ``placed`` first)."""
+    groups = [list(ids) for ids in groups] if groups is not None \
+        else [list(range(replicas))] * len(works)
+    if max(map(len, groups), default=1) < 2:
         return []
     import torch
 
+    from swarm_core.pipeline.codecs import WireCodec
     from swarm_core.pipeline.syncs import make_sync
 
     out: list[float] = []
-    for work, n in zip(works, sizes, strict=True):
+    for work, ids in zip(works, groups, strict=True):
+        n = len(ids)
         if n < 2:
             out.append(0.0)
             continue
         module = build_stage(work)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         t = work.training
+        coded = group_compresses(t, work.stage, ids, work.stages, placed)
         sync = make_sync(t, [p for _, p in named], None, None, 0, n,
-                         torch.device("cpu"), [n for n, _ in named])
+                         torch.device("cpu"), [name for name, _ in named],
+                         None if coded else WireCodec())
         try:
             # One period of the cadence; a run's last step and checkpoints aside.
             cycle = t.sync.inner_steps if t.sync.periodic else 1

@@ -122,6 +122,22 @@ def test_a_ring_member_sends_its_syncs_planned_bytes_over_the_period():
     assert tx == {"stage 0 replica 0 tx": per_step[0], "stage 0 replica 1 tx": per_step[0]}
 
 
+def test_each_ring_is_priced_in_the_format_compress_when_gives_its_group():
+    """``compress_when: below_mbps 100`` for the sync: stage 0's two replicas share a data
+    centre (fp32 ring), stage 1's replica 1 sits at a home 50 Mbit/s away (int8 ring, as
+    ``sync_codec`` gives the group): each stage's ring bytes are its own format's, as the
+    cells' ``expected_sync_tx_bytes_per_step`` are."""
+    net = {"sites": {"dc": {}, "home": {}}, "links": {"dc": {"home": {"mbps": 50}}},
+           "cell_sites": [["dc", "dc"], ["dc", "home"]]}
+    rule = {"below_mbps": 100, "applies_to": ["sync"]}
+    coded = _training(network=net, compress_when=rule, sync={"compression": "int8"})
+    works = stage_works(TINY, coded, 2, 2)
+    fp32 = sync_bytes_per_step(stage_works(TINY, _training(), 2, 2), 2)
+    int8 = sync_bytes_per_step(stage_works(TINY, _training(sync={"compression": "int8"}),
+                                           2, 2), 2)
+    assert sync_bytes_per_step(works, 2) == [fp32[0], int8[1]] and int8[1] < fp32[1] / 3
+
+
 # --- bound, and the bandwidth for a utilisation -------------------------------------------------
 
 
