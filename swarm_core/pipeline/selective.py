@@ -8,10 +8,12 @@ refuses a frame whose header names another).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
+from swarm_core.config.network import Placed
 from swarm_core.config.schemas import ModelConfig, TrainingConfig
 from swarm_core.config.selective import boundary_compresses, group_compresses
 from swarm_core.pipeline.boundary import Boundary, BoundaryCodec
@@ -96,9 +98,16 @@ class LinkCodecs:
 
 
 def sync_codec(spec: StageSpec) -> WireCodec:
-    """How this cell's group codes its sync: ``sync.compression``, or fp32 where the rule
-    covers no link of the group (one answer for the group: ``group_compresses``)."""
-    t = spec.training
-    if group_compresses(t, spec.stage, spec.ids(spec.stage), spec.num_stages, spec.placement):
-        return WireCodec.of_sync(t.sync)
+    """How this cell's group codes its sync (``group_codec`` over its stage's cells)."""
+    return group_codec(spec.training, spec.stage, spec.ids(spec.stage), spec.num_stages,
+                       spec.placement)
+
+
+def group_codec(training: TrainingConfig, stage: int, ids: Sequence[int], num_stages: int,
+                placed: Placed | None = None) -> WireCodec:
+    """How stage ``stage``'s group of cells ``ids`` codes its sync: ``sync.compression``, or
+    fp32 where the rule covers no link of the group (one answer for the group:
+    ``group_compresses``)."""
+    if group_compresses(training, stage, ids, num_stages, placed):
+        return WireCodec.of_sync(training.sync)
     return WireCodec()

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from swarm_core.config.network import Placed
-from swarm_core.config.selective import group_compresses
 from swarm_core.predict.calibrate import StageWork, build_stage
 
 
@@ -26,7 +25,7 @@ def sync_bytes_per_step(works: Sequence[StageWork], replicas: int,
         return []
     import torch
 
-    from swarm_core.pipeline.codecs import WireCodec
+    from swarm_core.pipeline.selective import group_codec
     from swarm_core.pipeline.syncs import make_sync
 
     out: list[float] = []
@@ -38,10 +37,9 @@ def sync_bytes_per_step(works: Sequence[StageWork], replicas: int,
         module = build_stage(work)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         t = work.training
-        coded = group_compresses(t, work.stage, ids, work.stages, placed)
         sync = make_sync(t, [p for _, p in named], None, None, 0, n,
                          torch.device("cpu"), [name for name, _ in named],
-                         None if coded else WireCodec())
+                         group_codec(t, work.stage, ids, work.stages, placed))
         try:
             # One period of the cadence; a run's last step and checkpoints aside.
             cycle = t.sync.inner_steps if t.sync.periodic else 1
